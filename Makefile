@@ -1,0 +1,39 @@
+# Bamboo monorepo. The README's two commands: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export DS_ACCELERATOR := cpu
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup test lint demo proto bench clean help
+
+help:
+	@echo "make setup   create .venv and install torch, deepspeed, etcd and every package (idempotent)"
+	@echo "make test    setup, ruff, then pytest over every package and tests/"
+	@echo "make demo    setup, then run the project's main job"
+	@echo "make proto   regenerate the gRPC/protobuf stubs from proto/"
+	@echo "make bench   run the benchmarks (slow; they print ratios against baselines measured in the same run)"
+
+setup:
+	@bash scripts/setup.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
+	exit $$rc
+
+demo: setup
+	@bash scripts/demo.sh
+
+proto: setup
+	$(PY) scripts/gen_proto.py
+
+bench: setup
+	@bash scripts/bench.sh
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

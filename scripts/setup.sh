@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Idempotent set-up of the development environment:
+#   1. .venv (Python 3.11, the CPU torch wheel is built for it),
+#   2. torch==2.13.0 first (an unpinned torch would pull a multi-GB CUDA build),
+#   3. deepspeed==0.19.8 built for CPU, without build isolation (its setup.py imports torch),
+#   4. every package editable with its dev extras,
+#   5. the Debian etcd-server when no etcd binary is found.
+# A second run on a set-up machine only hashes a few files and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv
+PY=$VENV/bin/python
+STAMP=$VENV/.bamboo-setup
+PACKAGES=(schedule reconfig bench membership rc launch)
+
+want=$(cat scripts/setup.sh pyproject.toml packages/*/pyproject.toml | sha256sum | cut -c1-16)
+if [[ -x $PY && -f $STAMP && "$(cat "$STAMP")" == "$want" ]]; then
+  echo "setup: .venv is up to date"
+else
+  if [[ ! -x $PY ]]; then
+    base=$(command -v python3.11 || command -v python3)
+    echo "setup: creating $VENV with $base"
+    "$base" -m venv "$VENV"
+  fi
+  export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
+  echo "setup: pip, setuptools, wheel"
+  "$PY" -m pip install -q --upgrade pip setuptools wheel
+  echo "setup: torch==2.13.0 (CPU wheel)"
+  "$PY" -m pip install -q 'torch==2.13.0'
+  if ! "$PY" -c 'import importlib.metadata as m; assert m.version("deepspeed") == "0.19.8"' 2>/dev/null; then
+    echo "setup: deepspeed==0.19.8 (builds from the sdist, about 30 s)"
+    "$PY" -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
+  fi
+  echo "setup: the six bamboo packages, editable, with dev extras"
+  args=()
+  for p in "${PACKAGES[@]}"; do args+=(-e "packages/bamboo-$p[dev]"); done
+  "$PY" -m pip install -q --no-build-isolation --config-settings editable_mode=compat "${args[@]}"
+  echo "$want" > "$STAMP"
+fi
+
+if ! command -v etcd >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]]; then
+    echo "setup: installing Debian etcd-server"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null
+    apt-get install -y -q etcd-server >/dev/null
+  else
+    echo "setup: no etcd binary found. Install it with:" >&2
+    echo "    sudo apt-get update && sudo apt-get install -y etcd-server" >&2
+    exit 1
+  fi
+fi

@@ -29,9 +29,8 @@ def owner_src(proto: pathlib.Path) -> pathlib.Path:
 
 
 def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
-    from grpc_tools import protoc
-
     import grpc_tools
+    from grpc_tools import protoc
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     written: list[pathlib.Path] = []

@@ -1,0 +1,314 @@
+"""The launcher's JSON-lines event log: one typed, validated record per line.
+
+Every record is a JSON object on its own line with two common keys:
+
+- ``"kind"``: the record type (see the table below);
+- ``"t"``: seconds since the run started (float, >= 0, from a monotonic clock).
+
+and the kind's own keys:
+
+================  ==================================================================================
+kind              keys (type, unit)
+================  ==================================================================================
+``run_start``     ``job`` (str), ``unix_time`` (float, wall clock at t=0), ``target_nodes`` (int),
+                  ``stages`` (int), ``pipelines`` (int)
+``join``          ``node`` (str), ``zone`` (str): a node started being billed and joined (or queued)
+``preemption``    ``node`` (str), ``zone`` (str), ``notice_s`` (float, seconds of notice, 0 if none):
+                  the node was killed; billing stops
+``failover``      ``victim`` (str), ``shadow`` (str), ``stage`` (int), ``pause_s`` (float, seconds the
+                  survivors could not make progress)
+``reconfiguration`` ``reason`` (str), ``pipelines`` (int), ``stages`` (int), ``standby`` (int),
+                  ``bytes_moved`` (int), ``duration_s`` (float)
+``checkpoint``    ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float)
+``step``          ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
+                  ``nodes_active`` (int), ``duration_s`` (float)
+``run_end``       ``steps`` (int): the run finished; nodes still alive stop being billed here
+================  ==================================================================================
+
+Unknown keys are rejected, so a typo in a writer fails at once instead of silently vanishing
+from the report. :func:`read_events` names the file and line of any malformed record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar, TextIO
+
+import attrs
+
+__all__ = [
+    "EVENT_TYPES",
+    "Checkpoint",
+    "Event",
+    "EventLog",
+    "EventLogError",
+    "Failover",
+    "Join",
+    "Preemption",
+    "Reconfiguration",
+    "RunEnd",
+    "RunStart",
+    "Step",
+    "event_from_dict",
+    "event_to_dict",
+    "iter_kind",
+    "read_events",
+]
+
+
+class EventLogError(ValueError):
+    """A record that does not follow the event-log schema; the message names file and line."""
+
+
+def _non_negative_time(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+def _non_empty_str(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attribute.name} must be a non-empty string, got {value!r}")
+
+
+def _finite(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a finite number, got {value!r}")
+
+
+@attrs.frozen
+class RunStart:
+    """The run began: the job's name, the wall-clock time of t=0 and the requested layout."""
+
+    KIND: ClassVar[str] = "run_start"
+    t: float = attrs.field(validator=_non_negative_time)
+    job: str = attrs.field(validator=_non_empty_str)
+    unix_time: float = attrs.field(validator=_non_negative_time)
+    target_nodes: int = attrs.field(validator=_positive_int)
+    stages: int = attrs.field(validator=_positive_int)
+    pipelines: int = attrs.field(validator=_positive_int)
+
+
+@attrs.frozen
+class Join:
+    """A node started (billing starts) and joined the cluster, as a worker or on standby."""
+
+    KIND: ClassVar[str] = "join"
+    t: float = attrs.field(validator=_non_negative_time)
+    node: str = attrs.field(validator=_non_empty_str)
+    zone: str = attrs.field(validator=_non_empty_str)
+
+
+@attrs.frozen
+class Preemption:
+    """A node was killed by the (emulated or real) spot market; billing stops."""
+
+    KIND: ClassVar[str] = "preemption"
+    t: float = attrs.field(validator=_non_negative_time)
+    node: str = attrs.field(validator=_non_empty_str)
+    zone: str = attrs.field(validator=_non_empty_str)
+    notice_s: float = attrs.field(default=0.0, validator=_non_negative_time)
+
+
+@attrs.frozen
+class Failover:
+    """The shadow took over a victim's stage; ``pause_s`` is how long progress stopped."""
+
+    KIND: ClassVar[str] = "failover"
+    t: float = attrs.field(validator=_non_negative_time)
+    victim: str = attrs.field(validator=_non_empty_str)
+    shadow: str = attrs.field(validator=_non_empty_str)
+    stage: int = attrs.field(validator=_non_negative_int)
+    pause_s: float = attrs.field(validator=_non_negative_time)
+
+
+@attrs.frozen
+class Reconfiguration:
+    """The pipelines were re-formed: the new layout, the bytes of layers moved and how long it took."""
+
+    KIND: ClassVar[str] = "reconfiguration"
+    t: float = attrs.field(validator=_non_negative_time)
+    reason: str = attrs.field(validator=_non_empty_str)
+    pipelines: int = attrs.field(validator=_non_negative_int)
+    stages: int = attrs.field(validator=_positive_int)
+    standby: int = attrs.field(validator=_non_negative_int)
+    bytes_moved: int = attrs.field(validator=_non_negative_int)
+    duration_s: float = attrs.field(validator=_non_negative_time)
+
+
+@attrs.frozen
+class Checkpoint:
+    """A checkpoint of ``step`` was committed at ``path`` (``bytes`` on disk, ``duration_s`` to write)."""
+
+    KIND: ClassVar[str] = "checkpoint"
+    t: float = attrs.field(validator=_non_negative_time)
+    step: int = attrs.field(validator=_non_negative_int)
+    path: str = attrs.field(validator=_non_empty_str)
+    bytes: int = attrs.field(validator=_non_negative_int)
+    duration_s: float = attrs.field(validator=_non_negative_time)
+
+
+@attrs.frozen
+class Step:
+    """One optimizer step finished at ``t``: its global batch size and loss, and the nodes at work."""
+
+    KIND: ClassVar[str] = "step"
+    t: float = attrs.field(validator=_non_negative_time)
+    step: int = attrs.field(validator=_non_negative_int)
+    samples: int = attrs.field(validator=_positive_int)
+    loss: float = attrs.field(validator=_finite)
+    nodes_active: int = attrs.field(validator=_non_negative_int)
+    duration_s: float = attrs.field(validator=_non_negative_time)
+
+
+@attrs.frozen
+class RunEnd:
+    """The run finished after ``steps`` steps; nodes still alive stop being billed at ``t``."""
+
+    KIND: ClassVar[str] = "run_end"
+    t: float = attrs.field(validator=_non_negative_time)
+    steps: int = attrs.field(validator=_non_negative_int)
+
+
+Event = RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Step | RunEnd
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.KIND: cls for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Step, RunEnd)
+}
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    """The JSON object of one record: ``kind`` first, then ``t``, then the kind's own keys."""
+    return {"kind": type(event).KIND, **attrs.asdict(event)}
+
+
+def event_from_dict(record: dict[str, Any]) -> Event:
+    """Parse one JSON object into its typed record; raises ``ValueError`` saying what is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
+    kind = record.get("kind")
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(EVENT_TYPES)}")
+    names = {f.name for f in attrs.fields(cls)}
+    fields = {k: v for k, v in record.items() if k != "kind"}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise ValueError(f"{kind} record has unknown keys {unknown}; allowed: {sorted(names)}")
+    required = {f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING}
+    missing = sorted(required - set(fields))
+    if missing:
+        raise ValueError(f"{kind} record is missing keys {missing}")
+    return cls(**fields)
+
+
+def read_events(path: str | os.PathLike[str]) -> list[Event]:
+    """Read a whole event log. Blank lines are skipped; a bad line raises :class:`EventLogError`.
+
+    A final line without a newline that does not parse is the tail of a record that was being
+    written when the writer died: it is reported too, because a report over a torn log would
+    silently undercount.
+    """
+    events: list[Event] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise EventLogError(
+                    f"{path}:{number}: not valid JSON ({error.msg}): {line.strip()[:80]!r}"
+                ) from None
+            try:
+                events.append(event_from_dict(record))
+            except (ValueError, TypeError) as error:
+                raise EventLogError(f"{path}:{number}: {error}") from None
+    return events
+
+
+class EventLog:
+    """An append-only, thread-safe JSON-lines writer with a monotonic run clock.
+
+    ``clock`` returns seconds (monotonic); ``t`` of each record is ``clock() - start``. Each record
+    is written with one ``write`` call and flushed, so a reader sees whole lines; ``fsync=True``
+    also forces each line to disk (slower; use it when the host itself may die).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        fsync: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self._clock = clock
+        self._start = clock()
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._handle: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def now(self) -> float:
+        """Seconds since this log was opened, on its clock."""
+        return max(0.0, self._clock() - self._start)
+
+    def write(self, event: Event) -> None:
+        """Append one record (already built, with its own ``t``)."""
+        line = json.dumps(event_to_dict(event), separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._handle is None:
+                raise ValueError(f"event log {self.path} is closed")
+            self._handle.write(line)
+            self._handle.flush()
+            if self._fsync:
+                os.fsync(self._handle.fileno())
+
+    def emit(self, cls: type[Event], **fields: Any) -> Event:
+        """Build a record of ``cls`` stamped with :meth:`now` and append it; returns the record."""
+        event = cls(t=self.now(), **fields)
+        self.write(event)
+        return event
+
+    def write_all(self, events: Iterable[Event]) -> None:
+        """Append several records in order."""
+        for event in events:
+            self.write(event)
+
+    def close(self) -> None:
+        """Flush and close the file; later writes raise."""
+        with self._lock:
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def iter_kind(events: Iterable[Event], cls: type[Event]) -> Iterator[Event]:
+    """The records of one type, in log order."""
+    return (event for event in events if isinstance(event, cls))

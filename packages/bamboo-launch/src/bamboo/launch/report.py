@@ -1,0 +1,362 @@
+"""The final report of a run, computed from its event log: throughput, node-hours, cost and value.
+
+Definitions (all times are the log's ``t``, seconds since the run started):
+
+- **window**: from the run's start (``run_start``, else 0) to its end (``run_end``, else the last
+  record). Billing covers the window.
+- **throughput**: samples of all ``step`` records divided by the training time, from the run's
+  start to the end of the last step. Start-up, failover pauses and reconfigurations count, as they
+  do for a user waiting on the job.
+- **node-hours**: the sum over nodes of the time from their ``join`` to their ``preemption`` (or the
+  window's end for nodes still alive), in hours. ``avg_nodes`` is node-hours over the window.
+- **cost**: node-hours at the spot price (default $0.918/h per GPU node, the paper's EC2 p3 price).
+  The same work at on-demand prices (default $3.06/h) is priced one of two ways:
+
+  * by default, the same node-hours at the on-demand price (an on-demand cluster of the same size
+    running as long; an honest lower bound on the saving, since an on-demand cluster would not
+    lose time to preemptions);
+  * with ``on_demand_throughput`` (samples/s of a fault-free on-demand run, measured separately) and
+    ``on_demand_nodes``: the hours that cluster needs for the same samples, at the on-demand price.
+- **value**: throughput per dollar-per-hour, ``throughput / (avg_nodes * spot_price)``, the paper's
+  metric; ``on_demand_value`` is the same for the on-demand reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from bamboo.launch.events import (
+    Checkpoint,
+    Event,
+    Failover,
+    Join,
+    Preemption,
+    Reconfiguration,
+    RunEnd,
+    RunStart,
+    Step,
+)
+
+__all__ = [
+    "DEFAULT_ON_DEMAND_PRICE",
+    "DEFAULT_SPOT_PRICE",
+    "Prices",
+    "Report",
+    "ReportError",
+    "Timeline",
+    "compute_report",
+    "compute_timeline",
+    "format_report",
+    "plot_report",
+]
+
+DEFAULT_SPOT_PRICE = 0.918
+"""$/h per GPU node on spot (EC2 p3, from the paper)."""
+DEFAULT_ON_DEMAND_PRICE = 3.06
+"""$/h per GPU node on demand (EC2 p3, from the paper)."""
+
+
+class ReportError(ValueError):
+    """The event log cannot give a report (no steps, a node preempted twice, ...)."""
+
+
+def _positive_price(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a finite price > 0 ($/h), got {value!r}")
+
+
+def _optional_positive(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{attribute.name} must be > 0 or None, got {value!r}")
+
+
+@attrs.frozen
+class Prices:
+    """Prices per GPU node and hour, and the optional measured on-demand reference."""
+
+    spot: float = attrs.field(default=DEFAULT_SPOT_PRICE, validator=_positive_price)
+    on_demand: float = attrs.field(default=DEFAULT_ON_DEMAND_PRICE, validator=_positive_price)
+    on_demand_throughput: float | None = attrs.field(default=None, validator=_optional_positive)
+    on_demand_nodes: int | None = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.on_demand_throughput is None) != (self.on_demand_nodes is None):
+            raise ValueError(
+                "on_demand_throughput and on_demand_nodes go together, got "
+                f"{self.on_demand_throughput!r} and {self.on_demand_nodes!r}"
+            )
+        if self.on_demand_nodes is not None and self.on_demand_nodes < 1:
+            raise ValueError(f"on_demand_nodes must be >= 1, got {self.on_demand_nodes!r}")
+
+
+@attrs.frozen
+class Report:
+    """The numbers of one run. Keys of :meth:`to_dict` are the ``--json`` contract."""
+
+    job: str
+    steps: int
+    samples: int
+    final_loss: float
+    duration_s: float
+    training_s: float
+    throughput: float
+    node_hours: float
+    avg_nodes: float
+    joins: int
+    preemptions: int
+    failovers: int
+    median_pause_s: float | None
+    max_pause_s: float | None
+    reconfigurations: int
+    bytes_moved: int
+    reconfiguration_s: float
+    checkpoints: int
+    spot_price: float
+    on_demand_price: float
+    cost_spot: float
+    cost_on_demand: float
+    on_demand_basis: str
+    cost_per_hour: float
+    value: float
+    on_demand_value: float
+    saving: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as a flat JSON-ready dict."""
+        return attrs.asdict(self)
+
+
+def _window(events: Sequence[Event]) -> tuple[float, float, str]:
+    starts = [e for e in events if isinstance(e, RunStart)]
+    ends = [e for e in events if isinstance(e, RunEnd)]
+    if len(starts) > 1:
+        raise ReportError(f"the log has {len(starts)} run_start records; one run per log")
+    start = starts[0].t if starts else 0.0
+    end = ends[-1].t if ends else max(e.t for e in events)
+    job = starts[0].job if starts else "unknown"
+    return start, end, job
+
+
+def _node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple[float, float]]]:
+    """Each node's billed intervals ``[(join, leave)]``; raises on an impossible sequence."""
+    alive: dict[str, float] = {}
+    intervals: dict[str, list[tuple[float, float]]] = {}
+    for event in events:
+        if isinstance(event, Join):
+            if event.node in alive:
+                raise ReportError(
+                    f"node {event.node!r} joins at t={event.t:.3f} but is already alive since "
+                    f"t={alive[event.node]:.3f}"
+                )
+            alive[event.node] = event.t
+        elif isinstance(event, Preemption):
+            if event.node not in alive:
+                raise ReportError(f"node {event.node!r} is preempted at t={event.t:.3f} but never joined")
+            intervals.setdefault(event.node, []).append((alive.pop(event.node), event.t))
+    for node, joined in alive.items():
+        intervals.setdefault(node, []).append((joined, max(joined, end)))
+    return intervals
+
+
+def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Report:
+    """The run's report from its event log (any order; sorted by ``t`` here)."""
+    prices = prices or Prices()
+    if not events:
+        raise ReportError("the event log is empty")
+    ordered = sorted(events, key=lambda e: e.t)
+    start, end, job = _window(ordered)
+    intervals = _node_intervals(ordered, end)
+    steps = [e for e in ordered if isinstance(e, Step)]
+    if not steps:
+        raise ReportError("the event log has no step records, so there is no throughput to report")
+    samples = sum(s.samples for s in steps)
+    training_s = steps[-1].t - start
+    if training_s <= 0:
+        raise ReportError(f"the last step ends at t={steps[-1].t} which is not after the start t={start}")
+    throughput = samples / training_s
+    duration_s = end - start
+    node_seconds = sum(b - a for spans in intervals.values() for a, b in spans)
+    node_hours = node_seconds / 3600.0
+    avg_nodes = node_seconds / duration_s if duration_s > 0 else 0.0
+    pauses = [e.pause_s for e in ordered if isinstance(e, Failover)]
+    reconfigs = [e for e in ordered if isinstance(e, Reconfiguration)]
+    cost_spot = node_hours * prices.spot
+    cost_per_hour = avg_nodes * prices.spot
+    value = throughput / cost_per_hour if cost_per_hour > 0 else 0.0
+    if prices.on_demand_throughput is not None and prices.on_demand_nodes is not None:
+        od_hours = samples / prices.on_demand_throughput / 3600.0
+        cost_on_demand = od_hours * prices.on_demand_nodes * prices.on_demand
+        on_demand_value = prices.on_demand_throughput / (prices.on_demand_nodes * prices.on_demand)
+        basis = (
+            f"measured on-demand run: {prices.on_demand_throughput:g} samples/s on "
+            f"{prices.on_demand_nodes} nodes"
+        )
+    else:
+        cost_on_demand = node_hours * prices.on_demand
+        on_demand_value = throughput / (avg_nodes * prices.on_demand) if avg_nodes > 0 else 0.0
+        basis = "same node-hours at the on-demand price"
+    return Report(
+        job=job,
+        steps=len(steps),
+        samples=samples,
+        final_loss=steps[-1].loss,
+        duration_s=duration_s,
+        training_s=training_s,
+        throughput=throughput,
+        node_hours=node_hours,
+        avg_nodes=avg_nodes,
+        joins=sum(isinstance(e, Join) for e in ordered),
+        preemptions=sum(isinstance(e, Preemption) for e in ordered),
+        failovers=len(pauses),
+        median_pause_s=statistics.median(pauses) if pauses else None,
+        max_pause_s=max(pauses) if pauses else None,
+        reconfigurations=len(reconfigs),
+        bytes_moved=sum(r.bytes_moved for r in reconfigs),
+        reconfiguration_s=sum(r.duration_s for r in reconfigs),
+        checkpoints=sum(isinstance(e, Checkpoint) for e in ordered),
+        spot_price=prices.spot,
+        on_demand_price=prices.on_demand,
+        cost_spot=cost_spot,
+        cost_on_demand=cost_on_demand,
+        on_demand_basis=basis,
+        cost_per_hour=cost_per_hour,
+        value=value,
+        on_demand_value=on_demand_value,
+        saving=cost_on_demand / cost_spot if cost_spot > 0 else 0.0,
+    )
+
+
+def format_report(report: Report) -> str:
+    """A human-readable multi-line summary of :class:`Report`."""
+
+    def seconds(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.3f} s"
+
+    lines = [
+        f"job {report.job}: {report.steps} steps, {report.samples} samples, final loss {report.final_loss:.6g}",
+        f"  wall time        {report.duration_s:.1f} s (training {report.training_s:.1f} s)",
+        f"  throughput       {report.throughput:.3f} samples/s",
+        f"  nodes            {report.avg_nodes:.2f} on average, {report.node_hours:.4f} node-hours",
+        f"  joins            {report.joins}",
+        f"  preemptions      {report.preemptions}",
+        f"  failovers        {report.failovers} (median pause {seconds(report.median_pause_s)}, "
+        f"max {seconds(report.max_pause_s)})",
+        f"  reconfigurations {report.reconfigurations} ({report.bytes_moved} bytes moved, "
+        f"{report.reconfiguration_s:.3f} s)",
+        f"  checkpoints      {report.checkpoints}",
+        f"  cost (spot)      ${report.cost_spot:.4f} at ${report.spot_price:g}/h per node "
+        f"(${report.cost_per_hour:.3f}/h)",
+        f"  cost (on-demand) ${report.cost_on_demand:.4f} at ${report.on_demand_price:g}/h per node "
+        f"({report.on_demand_basis})",
+        f"  saving           {report.saving:.2f}x",
+        f"  value            {report.value:.4f} samples/s per $/h (on-demand {report.on_demand_value:.4f})",
+    ]
+    return "\n".join(lines)
+
+
+@attrs.frozen
+class Timeline:
+    """Per-bin series for the four-panel plot; ``times`` are bin starts in seconds."""
+
+    times: tuple[float, ...]
+    nodes: tuple[float, ...]
+    throughput: tuple[float, ...]
+    cost_per_hour: tuple[float, ...]
+    value: tuple[float, ...]
+    preemption_times: tuple[float, ...]
+
+
+def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = 60) -> Timeline:
+    """Bin the run into ``bins`` equal windows: average alive nodes, throughput, $/h and value."""
+    prices = prices or Prices()
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    ordered = sorted(events, key=lambda e: e.t)
+    if not ordered:
+        raise ReportError("the event log is empty")
+    start, end, _ = _window(ordered)
+    if end <= start:
+        raise ReportError(f"the run has no duration (start t={start}, end t={end})")
+    width = (end - start) / bins
+    edges = [start + i * width for i in range(bins + 1)]
+    intervals = [span for spans in _node_intervals(ordered, end).values() for span in spans]
+    nodes = []
+    for lo, hi in itertools.pairwise(edges):
+        overlap = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+        nodes.append(overlap / width)
+    samples = [0.0] * bins
+    for step in (e for e in ordered if isinstance(e, Step)):
+        index = min(bins - 1, max(0, int((step.t - start) / width)))
+        samples[index] += step.samples
+    throughput = [s / width for s in samples]
+    cost = [n * prices.spot for n in nodes]
+    value = [tp / c if c > 0 else 0.0 for tp, c in zip(throughput, cost, strict=True)]
+    return Timeline(
+        times=tuple(edges[:-1]),
+        nodes=tuple(nodes),
+        throughput=tuple(throughput),
+        cost_per_hour=tuple(cost),
+        value=tuple(value),
+        preemption_times=tuple(e.t for e in ordered if isinstance(e, Preemption)),
+    )
+
+
+def plot_report(
+    events: Sequence[Event],
+    out: str | Path,
+    prices: Prices | None = None,
+    bins: int = 60,
+) -> Path:
+    """Write the four-panel figure (nodes, throughput, cost, value over time) to ``out`` (PNG).
+
+    The style follows the paper's Figure 12, as bamboo-bench's simulator plots do: the cluster
+    over time with preemptions marked, then throughput, cost and value, the last with the
+    on-demand value as a dashed reference line.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prices = prices or Prices()
+    report = compute_report(events, prices)
+    timeline = compute_timeline(events, prices, bins)
+    minutes = [t / 60.0 for t in timeline.times]
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    panels = [
+        (axes[0], timeline.nodes, "nodes", "Cluster (nodes alive)"),
+        (axes[1], timeline.throughput, "samples/s", "Throughput"),
+        (axes[2], timeline.cost_per_hour, "$/h", "Cost (spot)"),
+        (axes[3], timeline.value, "samples/s per $/h", "Value"),
+    ]
+    for axis, series, unit, title in panels:
+        axis.step(minutes, series, where="post", color="tab:green", linewidth=1.4)
+        axis.set_ylabel(unit)
+        axis.set_title(title, fontsize=10, loc="left")
+        axis.grid(True, alpha=0.3)
+    for t in timeline.preemption_times:
+        axes[0].axvline(t / 60.0, color="tab:red", alpha=0.4, linewidth=0.8)
+    axes[3].axhline(
+        report.on_demand_value,
+        color="tab:gray",
+        linestyle="--",
+        label=f"on-demand ({report.on_demand_value:.3g})",
+    )
+    axes[3].legend(loc="upper right", fontsize=8)
+    axes[3].set_xlabel("time (minutes)")
+    fig.suptitle(
+        f"{report.job}: {report.throughput:.2f} samples/s, value {report.value:.3g} "
+        f"({report.preemptions} preemptions, {report.failovers} failovers)",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

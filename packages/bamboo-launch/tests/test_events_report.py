@@ -1,0 +1,183 @@
+"""Tests of the JSON-lines event log and the report computed from it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from bamboo.launch.events import (
+    Checkpoint,
+    EventLog,
+    EventLogError,
+    Failover,
+    Join,
+    Preemption,
+    Reconfiguration,
+    RunEnd,
+    RunStart,
+    Step,
+    event_from_dict,
+    event_to_dict,
+    read_events,
+)
+from bamboo.launch.report import Prices, ReportError, compute_report, compute_timeline, plot_report
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sample_run() -> list:
+    """Two nodes for an hour, one preempted at 30 min and replaced; 4 steps of 10 samples."""
+    return [
+        RunStart(t=0.0, job="demo", unix_time=1.7e9, target_nodes=2, stages=2, pipelines=1),
+        Join(t=0.0, node="n0", zone="a"),
+        Join(t=0.0, node="n1", zone="b"),
+        Step(t=900.0, step=0, samples=10, loss=2.0, nodes_active=2, duration_s=900.0),
+        Preemption(t=1800.0, node="n1", zone="b", notice_s=2.0),
+        Failover(t=1801.0, victim="n1", shadow="n0", stage=1, pause_s=1.0),
+        Failover(t=1802.0, victim="n9", shadow="n0", stage=0, pause_s=3.0),
+        Failover(t=1803.0, victim="n8", shadow="n0", stage=0, pause_s=2.0),
+        Step(t=1800.0, step=1, samples=10, loss=1.5, nodes_active=2, duration_s=900.0),
+        Join(t=2700.0, node="n2", zone="c"),
+        Reconfiguration(
+            t=2701.0, reason="join", pipelines=1, stages=2, standby=0, bytes_moved=4096, duration_s=0.5
+        ),
+        Checkpoint(t=2702.0, step=1, path="/tmp/ck/step-1", bytes=100, duration_s=0.1),
+        Step(t=2700.0, step=2, samples=10, loss=1.0, nodes_active=1, duration_s=900.0),
+        Step(t=3600.0, step=3, samples=10, loss=0.5, nodes_active=2, duration_s=900.0),
+        RunEnd(t=3600.0, steps=4),
+    ]
+
+
+def test_round_trip_through_file(tmp_path: Path) -> None:
+    clock = FakeClock()
+    path = tmp_path / "events.jsonl"
+    with EventLog(path, clock=clock) as log:
+        log.write_all(sample_run())
+        clock.now += 5.0
+        emitted = log.emit(Join, node="late", zone="a")
+    assert emitted.t == 5.0
+    events = read_events(path)
+    assert events == [*sample_run(), Join(t=5.0, node="late", zone="a")]
+    first = json.loads(path.read_text().splitlines()[0])
+    assert list(first)[:2] == ["kind", "t"] and first["kind"] == "run_start"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"kind":"join","t":1,"node":"n0"}', "missing keys ['zone']"),
+        ('{"kind":"join","t":1,"node":"n0","zone":"a","colour":"red"}', "unknown keys ['colour']"),
+        ('{"kind":"teleport","t":1}', "unknown kind 'teleport'"),
+        ('{"kind":"step","t":-1,"step":0,"samples":1,"loss":1,"nodes_active":1,"duration_s":1}', "t must be"),
+        (
+            '{"kind":"step","t":1,"step":0,"samples":0,"loss":1,"nodes_active":1,"duration_s":1}',
+            "samples must",
+        ),
+        ('{"kind":"failover","t":1,"victim":"a","shadow":"b","stage":0,"pause_s":NaN}', "pause_s must"),
+        ('{"kind":"join","t":1,"node":"n0","zo', "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_malformed_record_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"kind":"join","t":0,"node":"n0","zone":"a"}\n\n' + line + "\n")
+    with pytest.raises(EventLogError) as caught:
+        read_events(path)
+    assert f"{path}:3:" in str(caught.value)
+    assert message in str(caught.value)
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    st.lists(
+        st.builds(
+            Step,
+            t=st.floats(0, 1e6),
+            step=st.integers(0, 10**6),
+            samples=st.integers(1, 10**4),
+            loss=st.floats(-1e6, 1e6),
+            nodes_active=st.integers(0, 100),
+            duration_s=st.floats(0, 100),
+        ),
+        max_size=5,
+    )
+)
+def test_dict_round_trip(steps: list[Step]) -> None:
+    for step in steps:
+        assert event_from_dict(json.loads(json.dumps(event_to_dict(step)))) == step
+
+
+def test_report_numbers_by_hand() -> None:
+    report = compute_report(sample_run())
+    assert report.steps == 4 and report.samples == 40
+    assert report.throughput == pytest.approx(40 / 3600)
+    # n0: 1 h, n1: 0.5 h, n2: 0.25 h.
+    assert report.node_hours == pytest.approx(1.75)
+    assert report.avg_nodes == pytest.approx(1.75)
+    assert report.cost_spot == pytest.approx(1.75 * 0.918)
+    assert report.cost_on_demand == pytest.approx(1.75 * 3.06)
+    assert report.saving == pytest.approx(3.06 / 0.918)
+    assert report.value == pytest.approx((40 / 3600) / (1.75 * 0.918))
+    assert report.preemptions == 1 and report.joins == 3 and report.failovers == 3
+    assert report.median_pause_s == 2.0 and report.max_pause_s == 3.0
+    assert report.reconfigurations == 1 and report.bytes_moved == 4096
+    assert report.checkpoints == 1 and report.final_loss == 0.5
+
+
+def test_report_with_measured_on_demand_reference() -> None:
+    prices = Prices(spot=1.0, on_demand=4.0, on_demand_throughput=0.02, on_demand_nodes=2)
+    report = compute_report(sample_run(), prices)
+    assert report.cost_on_demand == pytest.approx(40 / 0.02 / 3600 * 2 * 4.0)
+    assert report.on_demand_value == pytest.approx(0.02 / 8.0)
+    assert "measured" in report.on_demand_basis
+
+
+def test_prices_validation_names_the_value() -> None:
+    with pytest.raises(ValueError, match="-1"):
+        Prices(spot=-1)
+    with pytest.raises(ValueError, match="go together"):
+        Prices(on_demand_throughput=3.0)
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ([], "empty"),
+        ([Join(t=0, node="n0", zone="a")], "no step records"),
+        (
+            [Join(t=0, node="n0", zone="a"), Join(t=1, node="n0", zone="a")],
+            "already alive",
+        ),
+        ([Preemption(t=1, node="ghost", zone="a")], "never joined"),
+    ],
+)
+def test_report_errors(events: list, message: str) -> None:
+    with pytest.raises(ReportError, match=message):
+        compute_report(events)
+
+
+def test_timeline_conserves_node_seconds_and_samples() -> None:
+    timeline = compute_timeline(sample_run(), bins=8)
+    width = 3600 / 8
+    assert sum(timeline.nodes) * width == pytest.approx(1.75 * 3600)
+    assert sum(timeline.throughput) * width == pytest.approx(40)
+    assert timeline.preemption_times == (1800.0,)
+    assert all(math.isfinite(v) for v in timeline.value)
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    out = plot_report(sample_run(), tmp_path / "report.png", bins=12)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 10_000

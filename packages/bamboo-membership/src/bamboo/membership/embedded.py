@@ -1,0 +1,202 @@
+"""Run a real single-member etcd v3 server on free loopback ports, for tests and for the launcher.
+
+`EmbeddedEtcd` starts `/usr/bin/etcd` (or the binary you name) with a data directory, waits until it
+answers `/health`, stops it by PID (SIGTERM, or SIGKILL to emulate a crash) and restarts it on the same
+data directory and the same ports, so that clients reconnect to the address they already know.
+
+Timeouts (all in seconds, all constructor arguments):
+- `start_timeout` (default 20): how long `start()` waits for `/health` before giving up;
+- `stop_timeout` (default 10): how long `stop()` waits after SIGTERM before sending SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["EmbeddedEtcd", "EtcdStartError", "free_port"]
+
+DEFAULT_ETCD_BINARY = "/usr/bin/etcd"
+
+
+class EtcdStartError(RuntimeError):
+    """The etcd server did not become healthy in time; the message quotes the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (bind to port 0 and release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedEtcd:
+    """A real etcd server owned by this process.
+
+    Use as a context manager, or call `start()` / `stop()`. `data_dir=None` makes a temporary
+    directory that `close()` removes; a given `data_dir` is kept.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        name: str = "bamboo-etcd",
+        binary: str = DEFAULT_ETCD_BINARY,
+        start_timeout: float = 20.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        resolved = shutil.which(binary) or binary
+        if not Path(resolved).exists():
+            raise FileNotFoundError(f"etcd binary not found: {binary!r} (install the Debian package etcd-server)")
+        self.binary = resolved
+        self.host = host
+        self.name = name
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self._owns_dir = data_dir is None
+        self._root = Path(tempfile.mkdtemp(prefix="bamboo-etcd-")) if data_dir is None else Path(data_dir)
+        self.data_dir = self._root / "data" if self._owns_dir else self._root
+        self.log_path = (self._root if self._owns_dir else self._root.parent) / f"{name}.log"
+        self.client_port = client_port if client_port is not None else free_port(host)
+        self.peer_port = peer_port if peer_port is not None else free_port(host)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- addresses -------------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """`host:port` of the client API, the form `EtcdOptions.endpoints` takes."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running server, or None when it is not running."""
+        return self._proc.pid if self.running else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        return [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", f"{self.name}={self.peer_url}",
+            "--initial-cluster-state", "new",
+            "--logger", "zap",
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def start(self) -> EmbeddedEtcd:
+        """Start the server (on the same data dir and ports as before, if it ran already) and wait for health."""
+        if self.running:
+            return self
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self._proc = subprocess.Popen(
+                self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EtcdStartError(
+                    f"etcd exited with code {self._proc.returncode} at start "
+                    f"(client {self.client_url}, data dir {self.data_dir}); log tail:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise EtcdStartError(
+            f"etcd at {self.client_url} not healthy after {self.start_timeout} s; log tail:\n{self.log_tail()}"
+        )
+
+    def healthy(self, timeout: float = 0.5) -> bool:
+        """True when the server answers `GET /health` with `{"health": "true"}`."""
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as resp:
+                return json.loads(resp.read().decode()).get("health") == "true"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def stop(self) -> None:
+        """Stop the server by PID: SIGTERM, then SIGKILL after `stop_timeout` seconds. Data is kept."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the server by PID (a crash); the data dir is kept for `restart()`."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self) -> EmbeddedEtcd:
+        """Stop and start again on the same data dir and ports."""
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove the temporary directory if this object made it."""
+        self.stop()
+        if self._owns_dir:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "(no log)"
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedEtcd(endpoint={self.endpoint!r}, pid={self.pid}, data_dir={str(self.data_dir)!r})"

@@ -1,0 +1,188 @@
+"""The membership store against a real etcd: register and expire, watch, epoch, failure reports,
+first-writer-wins decisions under 16 racing writers, layout compare-and-swap, malformed values."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from bamboo.membership.kv import EtcdKV, EtcdOptions, EventKind, WatchEvent
+from bamboo.membership.records import (
+    DetectionPath,
+    FailureReport,
+    MalformedValueError,
+    NodeRecord,
+    NodeState,
+    decode_message,
+)
+from bamboo.membership.store import JobKeys, MembershipStore
+
+
+def _node(node_id: str, **kw: object) -> NodeRecord:
+    return NodeRecord(id=node_id, zone="z1", address="127.0.0.1", agent_port=1234, incarnation=1, **kw)
+
+
+def test_register_lists_the_node_and_keeps_it_alive_past_the_ttl(store: MembershipStore) -> None:
+    reg = store.register(_node("a"), ttl=1)
+    try:
+        time.sleep(1.6)  # longer than the TTL: only the background keepalive keeps the record
+        assert store.list_nodes()["a"].incarnation == 1
+        assert not reg.lost.is_set()
+    finally:
+        reg.leave()
+    assert store.list_nodes() == {}
+
+
+def test_registration_expires_after_the_ttl_when_keepalive_stops(store: MembershipStore, wait_until) -> None:
+    reg = store.register(_node("b"), ttl=1)
+    reg.stop_keepalive()
+    start = time.monotonic()
+    wait_until(lambda: "b" not in store.list_nodes(), timeout=4, message="the lease to expire")
+    assert time.monotonic() - start < 3.5
+
+
+def test_update_rewrites_the_record_under_the_same_lease(store: MembershipStore) -> None:
+    reg = store.register(_node("c"), ttl=2)
+    try:
+        reg.update(state=NodeState.NODE_STATE_ACTIVE)
+        assert store.get_node("c").state == NodeState.NODE_STATE_ACTIVE
+        assert store.kv.get(store.keys.node("c")).lease == reg.lease_id
+    finally:
+        reg.leave()
+
+
+def test_register_rejects_bad_records(store: MembershipStore) -> None:
+    with pytest.raises(ValueError, match="'a/b'"):
+        store.register(NodeRecord(id="a/b"), ttl=1)
+    with pytest.raises(ValueError, match="70000"):
+        store.register(NodeRecord(id="x", address="h", agent_port=70000), ttl=1)
+    with pytest.raises(ValueError, match="TTL"):
+        store.register(NodeRecord(id="x"), ttl=0)
+
+
+def test_watch_sees_join_update_and_leave_in_order(store: MembershipStore, wait_until) -> None:
+    events: list[WatchEvent] = []
+    handle = store.watch_nodes(events.append)
+    try:
+        reg = store.register(_node("w"), ttl=2)
+        reg.update(state=NodeState.NODE_STATE_STANDBY)
+        reg.leave()
+        wait_until(lambda: any(e.kind is EventKind.DELETE for e in events), message="the delete event")
+    finally:
+        handle.cancel()
+    kinds = [e.kind for e in events]
+    assert kinds == [EventKind.PUT, EventKind.PUT, EventKind.PUT, EventKind.DELETE]
+    states = [decode_message(e.key, e.value, NodeRecord).state for e in events[:3]]
+    assert states == [NodeState.NODE_STATE_UNSPECIFIED, NodeState.NODE_STATE_STANDBY, NodeState.NODE_STATE_LEFT]
+    # The delete carries the last record, so a watcher can tell a leave from a lease expiry.
+    assert decode_message(events[3].key, events[3].prev_value, NodeRecord).state == NodeState.NODE_STATE_LEFT
+    revisions = [e.revision for e in events]
+    assert revisions == sorted(revisions)
+
+
+def test_epoch_advances_by_compare_and_swap(store: MembershipStore) -> None:
+    assert store.epoch() == (0, 0)
+    assert store.advance_epoch(0) == 1
+    assert store.advance_epoch(0) is None  # someone else already moved it
+    assert store.advance_epoch(1) == 2
+    assert store.epoch()[0] == 2
+
+
+def test_failure_reports_are_idempotent_per_node_per_epoch(store: MembershipStore) -> None:
+    first = FailureReport(node="n1", epoch=3, detected_by="d1", path=DetectionPath.DETECTION_PATH_LEASE_EXPIRY)
+    second = FailureReport(node="n1", epoch=3, detected_by="d2", path=DetectionPath.DETECTION_PATH_NEIGHBOUR_REPORT)
+    assert store.report_failure(first) == (True, first)
+    won, stored = store.report_failure(second)
+    assert not won and stored.detected_by == "d1"
+    assert store.report_failure(FailureReport(node="n1", epoch=4, detected_by="d2"))[0]
+    assert set(store.failures(3)) == {"n1"} and store.failures(4)["n1"].detected_by == "d2"
+
+
+def test_16_concurrent_writers_race_for_one_decision_with_exactly_one_winner(
+    options: EtcdOptions, job: str
+) -> None:
+    clients = [EtcdKV(options) for _ in range(16)]
+    stores = [MembershipStore(c, job) for c in clients]
+    barrier = threading.Barrier(16)
+    results: list[object] = [None] * 16
+
+    def race(i: int) -> None:
+        barrier.wait()
+        results[i] = stores[i].decide("reconfig-epoch-7", {"writer": i})
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for c in clients:
+        c.close()
+    winners = [r for r in results if r.won]
+    assert len(winners) == 1
+    winner = winners[0].value["writer"]
+    assert all(r.value == {"writer": winner} for r in results)
+    assert len({r.revision for r in results}) == 1
+
+
+def test_layout_compare_and_swap_on_its_revision(store: MembershipStore) -> None:
+    assert store.get_layout() is None
+    first = store.put_layout({"pipelines": 2}, expected_revision=0)
+    assert first is not None
+    assert store.put_layout({"pipelines": 9}, expected_revision=0) is None
+    second = store.put_layout({"pipelines": 3}, expected_revision=first.revision)
+    assert second is not None and second.revision > first.revision
+    assert store.put_layout({"pipelines": 4}, expected_revision=first.revision) is None  # stale
+    assert store.get_layout().value == {"pipelines": 3}
+
+
+@pytest.mark.parametrize(
+    ("raw", "detail"),
+    [
+        (b"\x80\x81 not utf8", "not JSON"),
+        (b"{truncated", "not JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b'{"id": "m", "agent_port": "eighty"}', "agent_port"),
+        (b'{"zone": "z"}', "required field 'id'"),
+    ],
+)
+def test_malformed_node_record_gives_a_clear_error_and_no_crash(
+    store: MembershipStore, raw: bytes, detail: str
+) -> None:
+    store.kv.put(store.keys.node("m"), raw)
+    reg = store.register(_node("ok"), ttl=2)
+    try:
+        with pytest.raises(MalformedValueError, match=detail) as info:
+            store.get_node("m")
+        assert store.keys.node("m") in str(info.value) and "NodeRecord" in str(info.value)
+        with pytest.raises(MalformedValueError):
+            store.list_nodes()
+        assert set(store.list_nodes(skip_malformed=True)) == {"ok"}
+    finally:
+        reg.leave()
+
+
+def test_malformed_epoch_and_layout_give_clear_errors(store: MembershipStore) -> None:
+    store.kv.put(store.keys.epoch, b'{"epoch": -1}')
+    with pytest.raises(MalformedValueError, match=r"epoch.*-1"):
+        store.epoch()
+    store.kv.put(store.keys.layout, b"not json")
+    with pytest.raises(MalformedValueError, match="layout"):
+        store.get_layout()
+
+
+def test_job_names_are_validated() -> None:
+    with pytest.raises(ValueError, match="'a/b'"):
+        JobKeys("a/b")
+    assert JobKeys("j").failure(7, "n") == "/bamboo/j/failures/000000000007/n"
+
+
+def test_etcd_options_validation_names_the_bad_value() -> None:
+    with pytest.raises(ValueError, match="'nohost'"):
+        EtcdOptions(endpoints=("nohost",))
+    with pytest.raises(ValueError, match="user and password"):
+        EtcdOptions(endpoints=("h:1",), user="u")
+    with pytest.raises(ValueError, match="ca_cert"):
+        EtcdOptions(endpoints=("h:1",), cert_cert="c", cert_key="k")
+    with pytest.raises(ValueError, match="-1"):
+        EtcdOptions(endpoints=("h:1",), timeout=-1)

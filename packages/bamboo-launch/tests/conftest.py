@@ -1,0 +1,69 @@
+"""Shared fixtures for bamboo-launch tests: a hand-driven clock and /proc helpers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+
+class FakeClock:
+    """A clock that only moves when slept on (or advanced by hand): deterministic market tests."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.time = start
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        return self.time
+
+    def sleep(self, seconds: float, stop: threading.Event) -> None:
+        self.sleeps.append(seconds)
+        self.time += max(0.0, seconds)
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of processes in group ``pgid`` that are not zombies (read from /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state, ppid, pgrp, ...
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    """Poll an OS-level effect (a process dying, a file appearing) until true or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def proc_helpers():
+    """The /proc helpers, for tests (test files cannot import each other)."""
+
+    class Helpers:
+        group_members = staticmethod(live_group_members)
+        wait = staticmethod(wait_for)
+
+    assert os.path.isdir("/proc"), "these tests need Linux /proc"
+    return Helpers

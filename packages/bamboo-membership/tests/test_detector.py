@@ -1,0 +1,205 @@
+"""FailureDetector logic with an injected clock and a scripted prober (real etcd holds the records).
+
+The probe path's timing (grace period, probe interval) is driven by a fake clock through `tick()`:
+no sleeping to test timing. Only the lease-expiry test waits, for etcd's real TTL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
+from bamboo.membership.records import NodeFailed, NodeRecord, NodeState
+from bamboo.membership.store import MembershipStore, Registration
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedProber:
+    """Answers probes from a script of outcomes; the last one repeats."""
+
+    def __init__(self, *outcomes: ProbeResult) -> None:
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[str, float]] = []
+
+    def __call__(self, record: NodeRecord, timeout: float) -> ProbeResult:
+        self.calls.append((record.id, timeout))
+        return self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
+
+
+ALIVE = ProbeResult(ProbeOutcome.ALIVE, incarnation=1)
+TIMEOUT = ProbeResult(ProbeOutcome.TIMEOUT, detail="deadline exceeded")
+REFUSED = ProbeResult(ProbeOutcome.REFUSED, detail="connection refused")
+CONFIG = DetectorConfig(grace_period=2.0, probe_timeout=0.25, probe_interval=0.5)
+
+
+@pytest.fixture
+def victim(store: MembershipStore) -> Iterator[Registration]:
+    reg = store.register(NodeRecord(id="victim", address="127.0.0.1", agent_port=9, incarnation=1), ttl=5)
+    yield reg
+    reg.leave()
+
+
+def _detector(store: MembershipStore, prober: ScriptedProber, clock: FakeClock) -> tuple[FailureDetector, list]:
+    detector = FailureDetector(store, "d1", prober, CONFIG, clock=clock, wall_clock=lambda: 1.7e9)
+    seen: list[NodeFailed] = []
+    detector.subscribe(seen.append)
+    detector.start(probe_loop=False)
+    return detector, seen
+
+
+def test_refused_probe_confirms_a_neighbour_report_at_once(store, victim, wait_until) -> None:
+    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    detector, seen = _detector(store, prober, clock)
+    try:
+        detector.report_peer_failure("victim", "recv from victim: connection closed by peer", reporter="n0")
+        detector.tick()
+        assert prober.calls == [("victim", 0.25)]
+        assert len(seen) == 1
+        event = seen[0]
+        assert (event.node, event.epoch, event.detected_by, event.path) == ("victim", 0, "d1", "neighbour_report")
+        assert "connection closed by peer" in event.reason and "n0" in event.reason
+        assert store.failures(0)["victim"].detected_by == "d1"
+        detector.report_peer_failure("victim", "again")  # already failed in this epoch: ignored
+        assert detector.suspects() == []
+    finally:
+        detector.stop()
+
+
+def test_slow_node_answering_within_the_grace_period_is_not_declared(store, victim) -> None:
+    clock, prober = FakeClock(), ScriptedProber(TIMEOUT, TIMEOUT, ALIVE)
+    detector, seen = _detector(store, prober, clock)
+    try:
+        detector.report_peer_failure("victim", "send timed out")
+        detector.tick()  # t=0: timeout
+        clock.now += 0.2
+        detector.tick()  # not due yet (interval 0.5)
+        assert len(prober.calls) == 1
+        clock.now += 0.3
+        detector.tick()  # t=0.5: timeout again
+        clock.now += 0.5
+        detector.tick()  # t=1.0: answers with the same incarnation
+        assert len(prober.calls) == 3 and detector.suspects() == []
+        clock.now += 10
+        detector.tick()
+        assert seen == [] and store.failures(0) == {}
+    finally:
+        detector.stop()
+
+
+def test_node_unresponsive_for_the_grace_period_is_declared_once(store, victim) -> None:
+    clock, prober = FakeClock(), ScriptedProber(TIMEOUT)
+    detector, seen = _detector(store, prober, clock)
+    try:
+        detector.report_peer_failure("victim", "recv timed out")
+        for _ in range(4):  # t = 0, 0.5, 1.0, 1.5: still inside the grace period
+            detector.tick()
+            clock.now += 0.5
+        assert seen == [] and detector.suspects() == ["victim"]
+        detector.tick()  # t = 2.0
+        assert [e.path for e in seen] == ["probe_timeout"]
+        assert "unresponsive for 2.00 s" in seen[0].reason
+        clock.now += 5
+        detector.tick()
+        detector.report_peer_failure("victim", "still broken")
+        detector.tick()
+        assert len(seen) == 1
+    finally:
+        detector.stop()
+
+
+def test_new_incarnation_answering_confirms_the_old_one_failed(store, victim) -> None:
+    clock, prober = FakeClock(), ScriptedProber(ProbeResult(ProbeOutcome.ALIVE, incarnation=2))
+    detector, seen = _detector(store, prober, clock)
+    try:
+        detector.report_peer_failure("victim", "recv failed")
+        detector.tick()
+        assert len(seen) == 1 and "incarnation 2, not 1" in seen[0].reason
+        assert seen[0].incarnation == 1
+    finally:
+        detector.stop()
+
+
+def test_lease_expiry_declares_and_every_detector_emits_exactly_once(store, wait_until) -> None:
+    reg = store.register(NodeRecord(id="gone", address="127.0.0.1", agent_port=9, incarnation=4), ttl=1)
+    clock = FakeClock()
+    detectors = [_detector(store, ScriptedProber(ALIVE), clock) for _ in range(3)]
+    try:
+        reg.stop_keepalive()  # as if the process died: the lease runs out after 1 s
+        wait_until(lambda: all(seen for _, seen in detectors), timeout=5, message="NodeFailed at every detector")
+        for detector, _ in detectors:
+            detector.report_peer_failure("gone", "late report")  # a late neighbour report adds nothing
+            detector.tick()
+        for _, seen in detectors:
+            assert len(seen) == 1
+            assert (seen[0].node, seen[0].path, seen[0].incarnation) == ("gone", "lease_expiry", 4)
+        assert len({seen[0] for _, seen in detectors}) == 1  # identical events, one writer
+    finally:
+        for detector, _ in detectors:
+            detector.stop()
+
+
+def test_leaving_on_purpose_is_not_a_failure(store, wait_until) -> None:
+    clock = FakeClock()
+    detector, seen = _detector(store, ScriptedProber(ALIVE), clock)
+    events: list = []
+    handle = store.watch_nodes(events.append)
+    try:
+        reg = store.register(NodeRecord(id="polite", incarnation=1), ttl=1)
+        reg.leave()
+        wait_until(lambda: len(events) == 3, message="put, LEFT, delete")
+        wait_until(lambda: "polite" not in detector.known_nodes(), message="the detector to see the delete")
+        assert seen == []
+    finally:
+        handle.cancel()
+        detector.stop()
+
+
+def test_failures_are_per_epoch(store, victim, wait_until) -> None:
+    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    detector, seen = _detector(store, prober, clock)
+    try:
+        detector.report_peer_failure("victim", "first")
+        detector.tick()
+        assert store.advance_epoch(0) == 1
+        wait_until(lambda: detector.epoch == 1, message="the new epoch to arrive through the watch")
+        detector.report_peer_failure("victim", "second")
+        detector.tick()
+        assert [(e.node, e.epoch) for e in seen] == [("victim", 0), ("victim", 1)]
+    finally:
+        detector.stop()
+
+
+def test_malformed_node_value_in_a_watch_is_logged_not_fatal(store, wait_until, caplog) -> None:
+    clock = FakeClock()
+    detector, seen = _detector(store, ScriptedProber(REFUSED), clock)
+    try:
+        store.kv.put(store.keys.node("bad"), b"\x00garbage")
+        reg = store.register(NodeRecord(id="good", address="127.0.0.1", agent_port=9, incarnation=1), ttl=5)
+        wait_until(lambda: "good" in detector.known_nodes(), message="the good node")
+        assert "bad" not in detector.known_nodes()
+        assert any("malformed NodeRecord" in r.getMessage() for r in caplog.records)
+        detector.report_peer_failure("good", "p2p failed")
+        detector.tick()
+        assert [e.node for e in seen] == ["good"]
+        reg.leave()
+    finally:
+        detector.stop()
+
+
+def test_detector_config_validation_names_the_bad_value() -> None:
+    with pytest.raises(ValueError, match="grace_period.*-1"):
+        DetectorConfig(grace_period=-1)
+    with pytest.raises(ValueError, match="probe_timeout 3"):
+        DetectorConfig(grace_period=2, probe_timeout=3)
+
+
+def test_node_state_default_is_unspecified() -> None:
+    assert NodeRecord(id="x").state == NodeState.NODE_STATE_UNSPECIFIED

@@ -1,3 +1,65 @@
-"""bamboo.reconfig: Reconfiguration planning for Bamboo: when to reconfigure, the new layout and the layer-transfer plan. Pure functions."""
+"""bamboo.reconfig: reconfiguration planning for Bamboo, as pure functions every node runs alike.
 
-__all__: list[str] = []
+- ``decide(view)``: reconfigure now (consecutive failure), at the next step boundary (a new pipeline can
+  form, one more failure would be fatal, or a shadow carries two stages while a replacement waits), or
+  carry on; each decision carries its reasons.
+- ``plan_layout(view)``: the new layout: depth P kept first, ``D' = min(D, usable // P)`` whole pipelines,
+  surplus nodes in standby, the minimum possible number of same-zone neighbours, a compute-balanced
+  layer split within node memory, and microbatch shares that keep the global batch.
+- ``plan_transfers(old, new, holders)``: each new owner fetches only the layers it lacks, from a surviving
+  holder, in rounds where no node sends or receives two transfers at once; or "restore from checkpoint".
+
+Every value class is frozen, validated, and round-trips through JSON (``to_dict``/``from_dict``,
+``to_json``/``from_json``). Outputs do not depend on input order.
+"""
+
+from bamboo.reconfig.decide import Decision, Reason, When, decide
+from bamboo.reconfig.layout_plan import microbatch_shares, pipeline_count, plan_layout
+from bamboo.reconfig.model import (
+    ClusterView,
+    LayerSpec,
+    Layout,
+    LayoutError,
+    Node,
+    NodeState,
+    StageSlot,
+    parse_nodes,
+)
+from bamboo.reconfig.partition import InfeasibleSplit, node_state_bytes, split_layers, stage_costs
+from bamboo.reconfig.placement import minimum_same_zone_pairs, same_zone_pairs
+from bamboo.reconfig.transfers import (
+    Transfer,
+    TransferPlan,
+    holdings_from_layout,
+    minimum_rounds,
+    plan_transfers,
+)
+
+__all__ = [
+    "ClusterView",
+    "Decision",
+    "InfeasibleSplit",
+    "LayerSpec",
+    "Layout",
+    "LayoutError",
+    "Node",
+    "NodeState",
+    "Reason",
+    "StageSlot",
+    "Transfer",
+    "TransferPlan",
+    "When",
+    "decide",
+    "holdings_from_layout",
+    "microbatch_shares",
+    "minimum_rounds",
+    "minimum_same_zone_pairs",
+    "node_state_bytes",
+    "parse_nodes",
+    "pipeline_count",
+    "plan_layout",
+    "plan_transfers",
+    "same_zone_pairs",
+    "split_layers",
+    "stage_costs",
+]

@@ -1,0 +1,399 @@
+"""The ``bamboo-launch`` command line.
+
+Subcommands (each one works end to end; the full ``run`` launcher comes with the runtime):
+
+- ``bamboo-launch k8s render``: write the Kubernetes manifests of a job on EKS or GKE spot pools
+  (validated against the Kubernetes schemas before they are written);
+- ``bamboo-launch k8s validate FILE...``: validate YAML manifests against the Kubernetes schemas;
+- ``bamboo-launch report EVENTS.jsonl``: the final report of a run from its event log
+  (``--json``, ``--plot OUT.png``);
+- ``bamboo-launch market``: the emulated spot market, replaying a preemption trace against one
+  process per node (see ``bamboo.launch.market``).
+
+Bad input prints one line, ``bamboo-launch: error: ...``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import attrs
+
+__all__ = ["build_parser", "main"]
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _fail(message: str) -> NoReturn:
+    raise CliError(message)
+
+
+def _zones(text: str) -> tuple[str, ...]:
+    zones = tuple(zone.strip() for zone in text.split(","))
+    if not text or any(not zone for zone in zones):
+        raise argparse.ArgumentTypeError(f"zones must be comma-separated names like a,b,c, got {text!r}")
+    return zones
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
+    from bamboo.launch.k8s import AGENT_ARGS_DOC, CLOUDS, ZONE_SPREADS, K8sConfig
+
+    defaults = K8sConfig()
+    k8s = subparsers.add_parser("k8s", help="Kubernetes manifests for EKS or GKE spot node pools")
+    k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True, metavar="{render,validate}")
+    render = k8s_commands.add_parser(
+        "render",
+        help="write the manifests of a job (agents, etcd, RBAC)",
+        usage="bamboo-launch k8s render [options] [-- SCRIPT ARGS...]",
+        description=(
+            "Write the Kubernetes objects of a Bamboo job: one agent per node spread across zones, an etcd "
+            "StatefulSet (or --etcd URL of an external one), the minimum RBAC and spot-pool scheduling. "
+            "The manifests are validated against the Kubernetes schemas before they are written. "
+            "Anything after -- is the training script the agents run (default: the built-in example)."
+        ),
+        epilog=AGENT_ARGS_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    render.add_argument(
+        "--job", default=defaults.job, help="job name: object names and etcd prefix (default: %(default)s)"
+    )
+    render.add_argument(
+        "--namespace", default=defaults.namespace, help="namespace of the objects (default: %(default)s)"
+    )
+    render.add_argument(
+        "--image",
+        default=defaults.image,
+        help="container image with bamboo-launch installed (default: %(default)s)",
+    )
+    render.add_argument(
+        "--nodes", type=int, default=defaults.nodes, help="agents to run, one per node (default: %(default)s)"
+    )
+    render.add_argument(
+        "--stages", type=int, default=defaults.stages, help="pipeline depth P (default: %(default)s)"
+    )
+    render.add_argument(
+        "--pipelines",
+        type=int,
+        default=defaults.pipelines,
+        help="data-parallel pipelines D (default: %(default)s)",
+    )
+    render.add_argument(
+        "--cloud",
+        choices=CLOUDS,
+        default=defaults.cloud,
+        help="spot pool to target: eks (capacityType=SPOT), gke (gke-spot=true), none (default: %(default)s)",
+    )
+    render.add_argument(
+        "--zones",
+        type=_zones,
+        default=(),
+        help="restrict agents to these zones, e.g. us-east-1a,us-east-1b (default: any)",
+    )
+    render.add_argument(
+        "--zone-spread",
+        choices=ZONE_SPREADS,
+        default=defaults.zone_spread,
+        help="best-effort: spread over zones but run anyway when a zone has no capacity; strict: never skew by more "
+        "than one (default: %(default)s)",
+    )
+    render.add_argument(
+        "--etcd",
+        dest="etcd_url",
+        default=None,
+        help="use this external etcd (http(s)://host:port[,...]) instead of deploying one",
+    )
+    render.add_argument(
+        "--etcd-replicas",
+        type=int,
+        default=defaults.etcd_replicas,
+        help="etcd members to deploy: 1, 3 or 5 (default: %(default)s)",
+    )
+    render.add_argument("--etcd-image", default=defaults.etcd_image, help="etcd image (default: %(default)s)")
+    render.add_argument(
+        "--etcd-storage",
+        default=defaults.etcd_storage,
+        help="etcd volume size per member (default: %(default)s)",
+    )
+    render.add_argument("--cpu", default=defaults.cpu, help="CPU request per agent (default: %(default)s)")
+    render.add_argument(
+        "--memory", default=defaults.memory, help="memory request and limit per agent (default: %(default)s)"
+    )
+    render.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=defaults.gpus_per_node,
+        help="nvidia.com/gpu per agent, 0 for CPU (default: %(default)s)",
+    )
+    render.add_argument(
+        "--grpc-port", type=int, default=defaults.grpc_port, help="agent gRPC port (default: %(default)s)"
+    )
+    render.add_argument(
+        "--grace-period",
+        dest="grace_period_s",
+        type=int,
+        default=defaults.grace_period_s,
+        help="seconds from SIGTERM (a preemption notice) to the kill; GKE spot gives about 30, EKS about 120 (default: %(default)s)",
+    )
+    render.add_argument(
+        "--checkpoint-dir",
+        default=defaults.checkpoint_dir,
+        help="checkpoint path inside the agent (default: %(default)s)",
+    )
+    render.add_argument(
+        "--checkpoint-claim",
+        default=None,
+        help="a ReadWriteMany PersistentVolumeClaim to mount at --checkpoint-dir (default: none)",
+    )
+    render.add_argument(
+        "--kubernetes-version",
+        default="1.30",
+        help="schema version to validate against (default: %(default)s)",
+    )
+    render.add_argument("--no-validate", action="store_true", help="skip the schema validation")
+    render.add_argument(
+        "-o",
+        "--out",
+        default="-",
+        help="output: a YAML file, a directory (one file per object) or - for stdout (default: -)",
+    )
+    render.set_defaults(handler=_k8s_render, script=[])
+
+    validate = k8s_commands.add_parser(
+        "validate",
+        help="validate YAML manifests against the Kubernetes schemas",
+        description="Validate every object in the given YAML files against the Kubernetes JSON schemas (strict).",
+    )
+    validate.add_argument("files", nargs="+", help="YAML files, several documents each allowed")
+    validate.add_argument(
+        "--kubernetes-version", default="1.30", help="schema version (default: %(default)s)"
+    )
+    validate.set_defaults(handler=_k8s_validate)
+
+
+_FLAG_OF_FIELD = {"etcd_url": "--etcd", "grace_period_s": "--grace-period"}
+
+
+def _flag_names(message: str) -> str:
+    """Say ``--etcd-replicas`` where the config's validation says ``etcd_replicas``."""
+    import re
+
+    from bamboo.launch.k8s import K8sConfig
+
+    for field in sorted((f.name for f in attrs.fields(K8sConfig)), key=len, reverse=True):
+        flag = _FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+        message = re.sub(rf"(?<![\w-])'?{field}'?(?![\w-])", flag, message)
+    return message
+
+
+def _k8s_render(args: argparse.Namespace) -> int:
+    import yaml
+    from bamboo.launch.k8s import K8sConfig, render_manifests, validate_manifests
+
+    try:
+        config = K8sConfig(
+            job=args.job,
+            namespace=args.namespace,
+            image=args.image,
+            nodes=args.nodes,
+            stages=args.stages,
+            pipelines=args.pipelines,
+            cloud=args.cloud,
+            zones=args.zones,
+            zone_spread=args.zone_spread,
+            etcd_url=args.etcd_url,
+            etcd_replicas=args.etcd_replicas,
+            etcd_image=args.etcd_image,
+            etcd_storage=args.etcd_storage,
+            cpu=args.cpu,
+            memory=args.memory,
+            gpus_per_node=args.gpus_per_node,
+            grpc_port=args.grpc_port,
+            grace_period_s=args.grace_period_s,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_claim=args.checkpoint_claim,
+            script=tuple(args.script),
+        )
+    except (ValueError, TypeError) as error:
+        _fail(_flag_names(str(error)))
+    manifests = render_manifests(config)
+    if not args.no_validate:
+        validate_manifests(manifests, args.kubernetes_version)
+    if args.out == "-":
+        sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False))
+        return 0
+    out = Path(args.out)
+    if out.is_dir() or args.out.endswith("/"):
+        out.mkdir(parents=True, exist_ok=True)
+        for index, manifest in enumerate(manifests):
+            name = f"{index:02d}-{manifest['kind'].lower()}-{manifest['metadata']['name']}.yaml"
+            (out / name).write_text(yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
+    else:
+        out.write_text(yaml.safe_dump_all(manifests, sort_keys=False), encoding="utf-8")
+    print(f"wrote {len(manifests)} objects to {out}", file=sys.stderr)
+    return 0
+
+
+def _k8s_validate(args: argparse.Namespace) -> int:
+    import yaml
+    from bamboo.launch.k8s import validate_manifests
+
+    total = 0
+    for name in args.files:
+        try:
+            text = Path(name).read_text(encoding="utf-8")
+        except OSError as error:
+            _fail(f"cannot read {name}: {error.strerror or error}")
+        try:
+            documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        except yaml.YAMLError as error:
+            _fail(f"{name}: not valid YAML: {str(error).splitlines()[0]}")
+        try:
+            validate_manifests(documents, args.kubernetes_version)
+        except ValueError as error:
+            _fail(f"{name}: {error}")
+        total += len(documents)
+    print(f"{total} objects in {len(args.files)} file(s) are valid Kubernetes {args.kubernetes_version}")
+    return 0
+
+
+def _add_report(subparsers: argparse._SubParsersAction) -> None:
+    from bamboo.launch.report import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
+
+    report = subparsers.add_parser(
+        "report",
+        help="the final report of a run from its JSON-lines event log",
+        description=(
+            "Compute throughput, node-hours, cost at spot prices against the same work at on-demand prices, "
+            "and value (throughput per $/h) from a run's event log. Without --on-demand-throughput the "
+            "on-demand cost is the same node-hours at the on-demand price."
+        ),
+    )
+    report.add_argument("events", help="the run's event log (JSON lines, see bamboo.launch.events)")
+    report.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    report.add_argument(
+        "--plot", metavar="OUT.png", help="also write the four-panel figure (nodes, throughput, cost, value)"
+    )
+    report.add_argument("--bins", type=int, default=60, help="time bins in the figure (default: %(default)s)")
+    report.add_argument(
+        "--spot-price",
+        type=_positive_float,
+        default=DEFAULT_SPOT_PRICE,
+        help="$/h per spot GPU node (default: %(default)s)",
+    )
+    report.add_argument(
+        "--on-demand-price",
+        type=_positive_float,
+        default=DEFAULT_ON_DEMAND_PRICE,
+        help="$/h per on-demand GPU node (default: %(default)s)",
+    )
+    report.add_argument(
+        "--on-demand-throughput",
+        type=_positive_float,
+        default=None,
+        help="samples/s of a measured fault-free on-demand run (with --on-demand-nodes) to price the same work",
+    )
+    report.add_argument("--on-demand-nodes", type=int, default=None, help="nodes of that on-demand run")
+    report.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from bamboo.launch.events import read_events
+    from bamboo.launch.report import Prices, compute_report, format_report, plot_report
+
+    if args.bins < 1:
+        _fail(f"--bins must be >= 1, got {args.bins}")
+    try:
+        prices = Prices(
+            spot=args.spot_price,
+            on_demand=args.on_demand_price,
+            on_demand_throughput=args.on_demand_throughput,
+            on_demand_nodes=args.on_demand_nodes,
+        )
+    except ValueError as error:
+        _fail(
+            str(error)
+            .replace("on_demand_throughput", "--on-demand-throughput")
+            .replace("on_demand_nodes", "--on-demand-nodes")
+        )
+    try:
+        events = read_events(args.events)
+    except OSError as error:
+        _fail(f"cannot read {args.events}: {error.strerror or error}")
+    report = compute_report(events, prices)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(format_report(report))
+    if args.plot:
+        out = plot_report(events, args.plot, prices, args.bins)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used to render ``--help`` in the README)."""
+    parser = argparse.ArgumentParser(
+        prog="bamboo-launch",
+        description="Bamboo's launcher: Kubernetes manifests, the emulated spot market and run reports.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{k8s,report}")
+    _add_k8s(subparsers)
+    _add_report(subparsers)
+    return parser
+
+
+def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        index = argv.index("--")
+        return argv[:index], argv[index + 1 :]
+    return argv, []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``bamboo-launch``; returns the exit status."""
+    parser = build_parser()
+    arguments, script = _split_script(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(arguments)
+    if script:
+        if not hasattr(args, "script"):
+            parser.error(f"'{args.command}' takes no script after --, got {' '.join(script)!r}")
+        args.script = list(args.script or []) + script
+    try:
+        return int(args.handler(args))
+    except CliError as error:
+        print(f"bamboo-launch: error: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # schema and format errors from the library carry their own context
+        print(f"bamboo-launch: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Tests of the Kubernetes manifests: schema-valid for every cloud, and the right scheduling."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from bamboo.launch.cli import main
+from bamboo.launch.k8s import K8sConfig, ManifestValidationError, render_manifests, validate_manifests
+
+CONFIGS = {
+    "eks-embedded-etcd": K8sConfig(cloud="eks", zones=("us-east-1a", "us-east-1b", "us-east-1c")),
+    "gke-single-etcd-cpu": K8sConfig(cloud="gke", etcd_replicas=1, gpus_per_node=0, zone_spread="strict"),
+    "none-external-etcd": K8sConfig(
+        cloud="none",
+        etcd_url="https://etcd-0:2379,https://etcd-1:2379",
+        checkpoint_claim="ckpt",
+        script=("train.py", "--lr", "0.1"),
+    ),
+}
+
+
+def by_kind(manifests: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for manifest in manifests:
+        kinds.setdefault(manifest["kind"], []).append(manifest)
+    return kinds
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_rendered_manifest_is_schema_valid(name: str) -> None:
+    manifests = render_manifests(CONFIGS[name])
+    validate_manifests(manifests, "1.30")
+    # Round-trip through YAML, as kubectl would read it.
+    validate_manifests(list(yaml.safe_load_all(yaml.safe_dump_all(manifests))), "1.33")
+
+
+def broken_unknown_field(manifests: list[dict[str, Any]]) -> str:
+    deployment = next(m for m in manifests if m["kind"] == "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    return "imagePullPolicyy"
+
+
+def broken_wrong_type(manifests: list[dict[str, Any]]) -> str:
+    deployment = next(m for m in manifests if m["kind"] == "Deployment")
+    deployment["spec"]["replicas"] = "eight"
+    return "spec.replicas"
+
+
+def broken_missing_required(manifests: list[dict[str, Any]]) -> str:
+    statefulset = next(m for m in manifests if m["kind"] == "StatefulSet")
+    del statefulset["spec"]["selector"]
+    return "selector"
+
+
+def broken_bad_enum(manifests: list[dict[str, Any]]) -> str:
+    service = next(m for m in manifests if m["kind"] == "Service")
+    service["spec"]["ports"][0]["port"] = "grpc"
+    return "port"
+
+
+@pytest.mark.parametrize(
+    "breaker", [broken_unknown_field, broken_wrong_type, broken_missing_required, broken_bad_enum]
+)
+def test_a_broken_manifest_fails_validation(breaker) -> None:
+    manifests = copy.deepcopy(render_manifests(K8sConfig()))
+    expected = breaker(manifests)
+    with pytest.raises(ManifestValidationError, match=expected):
+        validate_manifests(manifests)
+
+
+def test_unknown_kind_fails() -> None:
+    with pytest.raises(ManifestValidationError, match="Couldn't find schema"):
+        validate_manifests([{"apiVersion": "v1", "kind": "Teapot", "metadata": {"name": "t"}}])
+    with pytest.raises(ManifestValidationError, match="document 1 is not a Kubernetes object"):
+        validate_manifests([{"name": "x"}])
+
+
+def test_agents_spread_one_per_node_on_spot_pools() -> None:
+    config = CONFIGS["eks-embedded-etcd"]
+    kinds = by_kind(render_manifests(config))
+    deployment = kinds["Deployment"][0]
+    pod = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 8
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone" and spread["maxSkew"] == 1
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    expressions = {e["key"]: e["values"] for e in terms[0]["matchExpressions"]}
+    assert expressions == {
+        "eks.amazonaws.com/capacityType": ["SPOT"],
+        "topology.kubernetes.io/zone": ["us-east-1a", "us-east-1b", "us-east-1c"],
+    }
+    container = pod["containers"][0]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": "1"}
+    assert container["command"] == ["bamboo-launch"] and container["args"][0] == "agent"
+    args = container["args"]
+    assert args[args.index("--etcd") + 1] == "http://bamboo-etcd.default.svc:2379"
+    assert args[args.index("--stages") + 1] == "4" and args[args.index("--pipelines") + 1] == "2"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    # etcd: 3 members, preferring on-demand nodes and different zones.
+    statefulset = kinds["StatefulSet"][0]
+    assert statefulset["spec"]["replicas"] == 3
+    etcd_pod = statefulset["spec"]["template"]["spec"]
+    preferred = etcd_pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert preferred["preference"]["matchExpressions"][0]["values"] == ["ON_DEMAND"]
+    script = etcd_pod["containers"][0]["command"][2]
+    assert "bamboo-etcd-2=http://bamboo-etcd-2.bamboo-etcd-peer.default.svc:2380" in script
+
+
+def test_gke_spot_toleration_and_strict_spread() -> None:
+    pod = by_kind(render_manifests(CONFIGS["gke-single-etcd-cpu"]))["Deployment"][0]["spec"]["template"][
+        "spec"
+    ]
+    assert pod["tolerations"] == [
+        {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    ]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms[0]["matchExpressions"] == [
+        {"key": "cloud.google.com/gke-spot", "operator": "In", "values": ["true"]}
+    ]
+    assert pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["requests"]
+
+
+def test_minimum_rbac_is_get_nodes_only() -> None:
+    kinds = by_kind(render_manifests(K8sConfig(namespace="ml", job="gpt")))
+    (role,) = kinds["ClusterRole"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    (binding,) = kinds["ClusterRoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpt-agent", "namespace": "ml"}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] == "ml-gpt-agent-node-reader"
+    assert "Role" not in kinds and "RoleBinding" not in kinds
+    etcd_pod = kinds["StatefulSet"][0]["spec"]["template"]["spec"]
+    assert etcd_pod["automountServiceAccountToken"] is False
+
+
+def test_external_etcd_deploys_none() -> None:
+    config = CONFIGS["none-external-etcd"]
+    kinds = by_kind(render_manifests(config))
+    assert "StatefulSet" not in kinds and "PodDisruptionBudget" not in kinds
+    assert [s["metadata"]["name"] for s in kinds["Service"]] == ["bamboo-agent"]
+    pod = kinds["Deployment"][0]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--etcd") + 1] == "https://etcd-0:2379,https://etcd-1:2379"
+    assert args[-4:] == ["--", "train.py", "--lr", "0.1"]
+    assert "nodeAffinity" not in pod["affinity"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["volumes"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"job": "Bad_Name"}, "job must be a lowercase DNS label"),
+        ({"nodes": 4, "stages": 4, "pipelines": 2}, "nodes=4 cannot hold stages\\*pipelines=4\\*2=8"),
+        ({"etcd_replicas": 2}, "etcd_replicas must be 1, 3 or 5 .*got 2"),
+        ({"memory": "lots"}, "memory must be a Kubernetes quantity.*'lots'"),
+        ({"etcd_url": "etcd:2379"}, "etcd_url must be http\\(s\\)://host:port.*'etcd:2379'"),
+        ({"cloud": "azure"}, "'cloud' must be in"),
+    ],
+)
+def test_config_errors_name_the_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        K8sConfig(**kwargs)
+
+
+def test_cli_render_to_directory_then_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "manifests"
+    assert (
+        main(["k8s", "render", "--cloud", "gke", "--nodes", "12", "--zones", "a1,b1", "-o", f"{out}/"]) == 0
+    )
+    files = sorted(out.iterdir())
+    assert len(files) == 9 and files[0].name == "00-serviceaccount-bamboo-agent.yaml"
+    assert main(["k8s", "validate", *map(str, files)]) == 0
+    assert "9 objects in 9 file(s) are valid" in capsys.readouterr().out
+    deployment = yaml.safe_load(next(f for f in files if "deployment" in f.name).read_text())
+    assert deployment["spec"]["replicas"] == 12
+
+
+def test_cli_render_script_after_dashes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["k8s", "render", "--etcd", "http://e:2379", "--", "my_train.py", "--epochs", "3"]) == 0
+    documents = list(yaml.safe_load_all(capsys.readouterr().out))
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == [
+        "--",
+        "my_train.py",
+        "--epochs",
+        "3",
+    ]
+
+
+def test_cli_validate_fails_on_a_broken_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifests = render_manifests(K8sConfig())
+    broken_wrong_type(manifests)
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump_all(manifests))
+    assert main(["k8s", "validate", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"bamboo-launch: error: {path}: document ")
+    assert "Deployment/bamboo-agent" in error and "spec.replicas" in error and "'eight'" in error
+    assert len(error.strip().splitlines()) == 1
+
+
+def test_cli_bad_flag_value_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["k8s", "render", "--etcd-replicas", "4"]) == 2
+    error = capsys.readouterr().err
+    assert error == "bamboo-launch: error: --etcd-replicas must be 1, 3 or 5 (an odd quorum), got 4\n"
+    assert main(["k8s", "render", "--cloud", "none", "--etcd", "etcd:2379"]) == 2
+    assert "--etcd must be http(s)://host:port" in capsys.readouterr().err
+    assert main(["k8s", "render", "--nodes", "3"]) == 2
+    assert "--nodes=3 cannot hold --stages*--pipelines=4*2=8" in capsys.readouterr().err

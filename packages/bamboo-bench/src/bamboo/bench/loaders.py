@@ -1,0 +1,282 @@
+"""Loaders that turn each real spot-trace format into one `Trace`, and the generic CSV writer.
+
+Formats (see the `SOURCE.md` beside each trace folder):
+
+- **EC2 event CSV** (the Bamboo paper's ``p3-trace.csv``, ``g4dn-trace.csv``): no header,
+  ``delta_ms,add|remove,nodeN``. The file has no zone, so every node gets the `zone` argument.
+- **GCP count log** (``a100x1-east1b.txt``): no header, ``YYYY-MM-DD, HH:MM:SS, N`` with N the
+  number of running instances. Rows are sorted by time first (the V100 log goes backwards).
+- **SkyPilot count JSON** (``{"metadata": {"gap_seconds": g}, "data": [n0, n1, ...]}``): one file
+  per zone; the zone is the file name up to the first ``_``. Several files load into one
+  multi-zone trace.
+- **Generic CSV** (ours): a header line ``time_s,event,node,zone`` then one event per line, e.g.
+  ``12.5,remove,node7,us-east-1a``. Lines starting with ``#`` are comments; a comment
+  ``# duration_s=7200`` sets the observed window (default: the last event's time).
+
+Count logs become events like this: a rise of k adds k new nodes named ``<zone>-<i>``, a drop of
+k removes the k most recently added nodes of that zone (last in, first out).
+
+Every malformed input raises `TraceFormatError`, whose message names the file and the line.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from bamboo.bench.trace import EventKind, Trace, TraceEvent
+
+__all__ = [
+    "GENERIC_CSV_HEADER",
+    "TraceFormatError",
+    "load_ec2_events",
+    "load_gcp_counts",
+    "load_generic_csv",
+    "load_skypilot_counts",
+    "load_trace",
+    "write_generic_csv",
+]
+
+GENERIC_CSV_HEADER = "time_s,event,node,zone"
+_EC2_LINE = re.compile(r"^\s*\d+\s*,\s*(add|remove)\s*,")
+
+
+class TraceFormatError(ValueError):
+    """A trace file is malformed; the message says which file, which line, and what is wrong."""
+
+    def __init__(self, path: Path | str, line: int | None, problem: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.problem = problem
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {problem}")
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise TraceFormatError(path, None, f"cannot read: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise TraceFormatError(path, None, f"not UTF-8 text: {error.reason}") from error
+
+
+class _EventBuilder:
+    """Checks add/remove consistency while events are collected (a node is added once, removed once)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.events: list[TraceEvent] = []
+        self.alive: set[str] = set()
+        self.seen: set[str] = set()
+
+    def add(self, line: int, time_s: float, kind: EventKind, node: str, zone: str) -> None:
+        if kind is EventKind.ADD:
+            if node in self.seen:
+                raise TraceFormatError(self.path, line, f"node {node!r} is added twice")
+            self.seen.add(node)
+            self.alive.add(node)
+        else:
+            if node not in self.alive:
+                raise TraceFormatError(self.path, line, f"remove of {node!r}, which is not alive")
+            self.alive.discard(node)
+        self.events.append(TraceEvent(time_s, kind, node, zone))
+
+
+def load_ec2_events(path: Path | str, zone: str = "ec2") -> Trace:
+    """Load the paper's EC2 event CSV (``delta_ms,add|remove,nodeN``); every node is put in `zone`."""
+    path = Path(path)
+    builder = _EventBuilder(path)
+    previous = 0.0
+    for number, raw in enumerate(_read_lines(path), start=1):
+        text = raw.strip()
+        if not text:
+            continue
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 3:
+            raise TraceFormatError(path, number, f"expected 'ms,add|remove,node', got {raw!r}")
+        ms, event, node = parts
+        if not ms.isdigit():
+            raise TraceFormatError(path, number, f"time {ms!r} is not a whole number of milliseconds")
+        if event not in ("add", "remove"):
+            raise TraceFormatError(path, number, f"event {event!r} is neither 'add' nor 'remove'")
+        if not node:
+            raise TraceFormatError(path, number, "empty node name")
+        time_s = int(ms) / 1000.0
+        if time_s < previous:
+            raise TraceFormatError(path, number, f"time {ms} ms goes back before {previous * 1000:g} ms")
+        previous = time_s
+        builder.add(number, time_s, EventKind(event), node, zone)
+    if not builder.events:
+        raise TraceFormatError(path, None, "no events")
+    return Trace.from_events(path.stem, builder.events)
+
+
+def _count_events(
+    path: Path, samples: Iterable[tuple[int, float, int]], zone: str, builder: _EventBuilder
+) -> None:
+    """Turn (line, time_s, count) samples of one zone into add/remove events (LIFO removal)."""
+    stack: list[str] = []
+    created = 0
+    for line, time_s, count in samples:
+        if count < 0:
+            raise TraceFormatError(path, line, f"negative instance count {count}")
+        while len(stack) < count:
+            created += 1
+            node = f"{zone}-{created}"
+            stack.append(node)
+            builder.add(line, time_s, EventKind.ADD, node, zone)
+        while len(stack) > count:
+            builder.add(line, time_s, EventKind.REMOVE, stack.pop(), zone)
+
+
+def load_gcp_counts(path: Path | str, zone: str | None = None) -> Trace:
+    """Load a GCP count log (``YYYY-MM-DD, HH:MM:SS, N``); time 0 is the earliest row. Zone defaults to the file stem."""
+    path = Path(path)
+    zone = zone or path.stem
+    rows: list[tuple[datetime.datetime, int, int]] = []
+    for number, raw in enumerate(_read_lines(path), start=1):
+        if not raw.strip():
+            continue
+        parts = [p.strip() for p in raw.split(",")]
+        if len(parts) != 3:
+            raise TraceFormatError(path, number, f"expected 'YYYY-MM-DD, HH:MM:SS, N', got {raw!r}")
+        try:
+            when = datetime.datetime.strptime(f"{parts[0]} {parts[1]}", "%Y-%m-%d %H:%M:%S")
+        except ValueError:
+            raise TraceFormatError(path, number, f"bad date/time {parts[0]!r}, {parts[1]!r}") from None
+        if not parts[2].isdigit():
+            raise TraceFormatError(path, number, f"instance count {parts[2]!r} is not a whole number")
+        rows.append((when, number, int(parts[2])))
+    if not rows:
+        raise TraceFormatError(path, None, "no rows")
+    rows.sort(key=lambda r: (r[0], r[1]))
+    start = rows[0][0]
+    builder = _EventBuilder(path)
+    samples = [(number, (when - start).total_seconds(), count) for when, number, count in rows]
+    _count_events(path, samples, zone, builder)
+    return Trace.from_events(path.stem, builder.events, duration_s=samples[-1][1])
+
+
+def load_skypilot_counts(paths: Sequence[Path | str] | Path | str) -> Trace:
+    """Load one or more SkyPilot per-zone count JSON files into one trace (zone = file name up to ``_``)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise ValueError("load_skypilot_counts needs at least one file")
+    events: list[TraceEvent] = []
+    duration = 0.0
+    zones_seen: set[str] = set()
+    for item in paths:
+        path = Path(item)
+        zone = path.stem.split("_", 1)[0]
+        if zone in zones_seen:
+            raise TraceFormatError(path, None, f"zone {zone!r} is loaded twice")
+        zones_seen.add(zone)
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as error:
+            raise TraceFormatError(path, None, f"cannot read: {error.strerror or error}") from error
+        except json.JSONDecodeError as error:
+            raise TraceFormatError(path, error.lineno, f"not JSON: {error.msg}") from None
+        if not isinstance(document, dict) or "data" not in document:
+            raise TraceFormatError(path, None, "expected an object with 'metadata.gap_seconds' and 'data'")
+        gap = document.get("metadata", {}).get("gap_seconds")
+        if not isinstance(gap, (int, float)) or gap <= 0:
+            raise TraceFormatError(path, None, f"metadata.gap_seconds must be a positive number, got {gap!r}")
+        data = document["data"]
+        if not isinstance(data, list) or not data:
+            raise TraceFormatError(path, None, "'data' must be a non-empty list of counts")
+        for index, count in enumerate(data):
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise TraceFormatError(path, None, f"data[{index}] = {count!r} is not a whole number")
+        builder = _EventBuilder(path)
+        # The "line" of a JSON sample is its tick index (the file is a single line).
+        _count_events(path, ((i, i * float(gap), c) for i, c in enumerate(data)), zone, builder)
+        events.extend(builder.events)
+        duration = max(duration, len(data) * float(gap))
+    name = "+".join(Path(p).stem for p in paths)
+    return Trace.from_events(name, events, duration_s=duration)
+
+
+def load_generic_csv(path: Path | str) -> Trace:
+    """Load our generic CSV (header ``time_s,event,node,zone``; ``# duration_s=...`` optional)."""
+    path = Path(path)
+    builder = _EventBuilder(path)
+    duration: float | None = None
+    header_seen = False
+    previous = 0.0
+    for number, raw in enumerate(_read_lines(path), start=1):
+        text = raw.strip()
+        if not text:
+            continue
+        if text.startswith("#"):
+            match = re.fullmatch(r"#\s*duration_s\s*=\s*(\S+)", text)
+            if match:
+                try:
+                    duration = float(match.group(1))
+                except ValueError:
+                    raise TraceFormatError(path, number, f"duration_s {match.group(1)!r} is not a number") from None
+            continue
+        if not header_seen:
+            if text.replace(" ", "") != GENERIC_CSV_HEADER:
+                raise TraceFormatError(path, number, f"expected header {GENERIC_CSV_HEADER!r}, got {raw!r}")
+            header_seen = True
+            continue
+        parts = next(csv.reader([text]))
+        if len(parts) != 4:
+            raise TraceFormatError(path, number, f"expected 4 fields time_s,event,node,zone, got {len(parts)}: {raw!r}")
+        time_text, event, node, zone = (p.strip() for p in parts)
+        try:
+            time_s = float(time_text)
+        except ValueError:
+            raise TraceFormatError(path, number, f"time {time_text!r} is not a number") from None
+        if not time_s >= 0.0 or time_s == float("inf"):
+            raise TraceFormatError(path, number, f"time {time_text!r} must be finite and >= 0")
+        if time_s < previous:
+            raise TraceFormatError(path, number, f"time {time_s:g} goes back before {previous:g}")
+        previous = time_s
+        if event not in ("add", "remove"):
+            raise TraceFormatError(path, number, f"event {event!r} is neither 'add' nor 'remove'")
+        if not node or not zone:
+            raise TraceFormatError(path, number, "empty node or zone")
+        builder.add(number, time_s, EventKind(event), node, zone)
+    if not header_seen:
+        raise TraceFormatError(path, None, f"no header {GENERIC_CSV_HEADER!r}")
+    if duration is not None and duration < previous:
+        raise TraceFormatError(path, None, f"duration_s={duration:g} is before the last event at {previous:g}")
+    return Trace.from_events(path.stem, builder.events, duration_s=duration)
+
+
+def write_generic_csv(trace: Trace, path: Path | str) -> None:
+    """Write `trace` in the generic CSV format (loadable with `load_generic_csv`)."""
+    lines = [f"# bamboo-bench generic trace: {trace.name}", f"# duration_s={trace.duration_s!r}", GENERIC_CSV_HEADER]
+    lines.extend(f"{e.time_s!r},{e.kind.value},{e.node},{e.zone}" for e in trace.events())
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def load_trace(path: Path | str, zone: str | None = None) -> Trace:
+    """Load any supported format, chosen by extension and first line (``.json`` SkyPilot, ``.txt`` GCP, ``.csv`` EC2 or generic)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceFormatError(path, None, "no such file")
+    if path.suffix == ".json":
+        return load_skypilot_counts([path])
+    if path.suffix == ".txt":
+        return load_gcp_counts(path, zone)
+    for raw in _read_lines(path):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        if text.replace(" ", "").startswith("time_s,"):
+            return load_generic_csv(path)
+        if _EC2_LINE.match(text):
+            return load_ec2_events(path, zone or "ec2")
+        break
+    raise TraceFormatError(
+        path, None, f"unknown trace format (expected the EC2 event CSV or a generic CSV with header {GENERIC_CSV_HEADER!r})"
+    )

@@ -1,0 +1,234 @@
+"""Model profiles: the data the simulator needs about a model, read from JSON files (not code).
+
+A profile gives the step time per (stages, pipelines), the samples per step, the desired cluster
+(pipelines x stages), prices, the timing constants of failover and restarts, the job size and the
+on-demand reference. The shipped profiles live in ``bamboo/bench/profiles/*.json``; the launcher
+writes measured ones in the same format. The format is documented in the package README.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["ModelProfile", "ProfileError", "Timing", "builtin_profiles", "load_profile"]
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, not JSON, or holds a bad value; the message names the file and the key."""
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class Timing:
+    """Timing constants in seconds (the slowdown is a factor). Each one is a documented knob.
+
+    - `instance_creation_s`: from a spot instance's allocation until it can join (paper: 45 s).
+    - `global_rendezvous_s`: rendezvous timeout when the job (re)starts from nothing or after a
+      fatal failure (paper: 30 s).
+    - `local_rendezvous_s`: rendezvous timeout of a reconfiguration among live workers (paper: 20 s
+      for BERT and GPT-2).
+    - `reconfiguration_s`: extra cost of a reconfiguration on top of the rendezvous (layer moves).
+    - `failover_pause_s`: pause while the shadow detects the failure, confirms it and runs the
+      lost backward passes, before it carries on with the merged schedule.
+    - `fallback_slowdown`: step-time factor while any pipeline runs a merged failover schedule
+      (paper: 1.5), until the next reconfiguration.
+    - `restart_s`: cost of a checkpoint/restart restart: new processes, imports, framework set-up
+      and the checkpoint load, on top of `global_rendezvous_s`.
+    - `checkpoint_interval_s`: time between periodic checkpoints (used to roll back).
+    """
+
+    instance_creation_s: float = attrs.field(default=45.0, validator=_non_negative)
+    global_rendezvous_s: float = attrs.field(default=30.0, validator=_non_negative)
+    local_rendezvous_s: float = attrs.field(default=20.0, validator=_non_negative)
+    reconfiguration_s: float = attrs.field(default=0.0, validator=_non_negative)
+    failover_pause_s: float = attrs.field(default=0.0, validator=_non_negative)
+    fallback_slowdown: float = attrs.field(default=1.5, validator=_positive)
+    restart_s: float = attrs.field(default=0.0, validator=_non_negative)
+    checkpoint_interval_s: float = attrs.field(default=1800.0, validator=_positive)
+
+
+def _step_times(value: object) -> dict[tuple[int, int], float]:
+    if isinstance(value, dict):
+        return {(int(k[0]), int(k[1])): float(v) for k, v in value.items()}  # already converted
+    raise TypeError(f"step_time_ms must be a dict, got {type(value).__name__}")
+
+
+@attrs.frozen
+class ModelProfile:
+    """What the simulator knows about one model on one kind of machine.
+
+    `step_time_ms[(stages, pipelines)]` is the time of one training step (one global batch of
+    `samples_per_step` samples) on `pipelines` data-parallel pipelines of depth `stages`. The
+    desired spot cluster is `pipelines` x `stages` nodes. `step_time_scale` multiplies every step
+    time (a profile states why it is not 1.0). `job_samples` is the training job's size: a run
+    "until completion" ends when that many samples are trained.
+    """
+
+    name: str
+    stages: int = attrs.field(validator=_positive)
+    pipelines: int = attrs.field(validator=_positive)
+    samples_per_step: float = attrs.field(validator=_positive)
+    step_time_ms: dict[tuple[int, int], float] = attrs.field(converter=_step_times)
+    spot_price_per_node_hour: float = attrs.field(validator=_positive)
+    on_demand_price_per_node_hour: float = attrs.field(validator=_positive)
+    on_demand_nodes: int = attrs.field(validator=_positive)
+    on_demand_samples_per_second: float = attrs.field(validator=_positive)
+    job_samples: float = attrs.field(validator=_positive)
+    timing: Timing = attrs.field(factory=Timing)
+    step_time_scale: float = attrs.field(default=1.0, validator=_positive)
+    description: str = ""
+    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        for d in range(1, self.pipelines + 1):
+            if (self.stages, d) not in self.step_time_ms:
+                known = sorted(self.step_time_ms)
+                raise ValueError(
+                    f"profile {self.name!r}: no step time for stages={self.stages}, pipelines={d}; has {known}"
+                )
+        for key, ms in self.step_time_ms.items():
+            if not ms > 0:
+                raise ValueError(f"profile {self.name!r}: step time for {key} must be > 0, got {ms!r}")
+
+    @property
+    def desired_nodes(self) -> int:
+        """The desired spot cluster size, pipelines x stages."""
+        return self.pipelines * self.stages
+
+    def step_time_s(self, pipelines: int, stages: int | None = None) -> float:
+        """Seconds per step with `pipelines` pipelines of `stages` stages (default: the profile's depth)."""
+        key = (self.stages if stages is None else stages, pipelines)
+        try:
+            return self.step_time_ms[key] * self.step_time_scale / 1000.0
+        except KeyError:
+            raise KeyError(f"profile {self.name!r} has no step time for stages={key[0]}, pipelines={key[1]}") from None
+
+    def samples_per_second(self, pipelines: int) -> float:
+        """Fault-free throughput with `pipelines` pipelines."""
+        return self.samples_per_step / self.step_time_s(pipelines)
+
+    @property
+    def on_demand_cost_per_hour(self) -> float:
+        """Dollars per hour of the on-demand reference cluster."""
+        return self.on_demand_nodes * self.on_demand_price_per_node_hour
+
+    @property
+    def on_demand_value(self) -> float:
+        """On-demand throughput per $/h: the reference line of the value plot."""
+        return self.on_demand_samples_per_second / self.on_demand_cost_per_hour
+
+    # ----------------------------------------------------------------- JSON
+    @classmethod
+    def from_dict(cls, document: dict[str, Any], source: str = "<dict>") -> ModelProfile:
+        """Build a profile from the JSON document described in the README (errors name `source` and the key)."""
+        def need(mapping: dict[str, Any], key: str, where: str) -> Any:
+            if key not in mapping:
+                raise ProfileError(f"{source}: missing key {where}{key!r}")
+            return mapping[key]
+
+        try:
+            if document.get("format") != 1:
+                raise ProfileError(f"{source}: 'format' must be 1, got {document.get('format')!r}")
+            entries = need(document, "step_time_ms", "")
+            if not isinstance(entries, list) or not entries:
+                raise ProfileError(f"{source}: 'step_time_ms' must be a non-empty list of {{stages, pipelines, ms}}")
+            step_times: dict[tuple[int, int], float] = {}
+            for i, entry in enumerate(entries):
+                try:
+                    step_times[(int(entry["stages"]), int(entry["pipelines"]))] = float(entry["ms"])
+                except (KeyError, TypeError, ValueError):
+                    raise ProfileError(f"{source}: step_time_ms[{i}] = {entry!r} needs stages, pipelines, ms") from None
+            prices = need(document, "prices", "")
+            on_demand = need(document, "on_demand", "")
+            timing_doc = document.get("timing", {})
+            known_timing = {f.name for f in attrs.fields(Timing)}
+            unknown = set(timing_doc) - known_timing
+            if unknown:
+                raise ProfileError(f"{source}: unknown timing keys {sorted(unknown)}; known: {sorted(known_timing)}")
+            return cls(
+                name=str(need(document, "name", "")),
+                stages=int(need(document, "stages", "")),
+                pipelines=int(need(document, "pipelines", "")),
+                samples_per_step=float(need(document, "samples_per_step", "")),
+                step_time_ms=step_times,
+                step_time_scale=float(document.get("step_time_scale", 1.0)),
+                spot_price_per_node_hour=float(need(prices, "spot_per_node_hour", "prices.")),
+                on_demand_price_per_node_hour=float(need(prices, "on_demand_per_node_hour", "prices.")),
+                on_demand_nodes=int(need(on_demand, "nodes", "on_demand.")),
+                on_demand_samples_per_second=float(need(on_demand, "samples_per_second", "on_demand.")),
+                job_samples=float(need(document, "job_samples", "")),
+                timing=Timing(**{k: float(v) for k, v in timing_doc.items()}),
+                description=str(document.get("description", "")),
+                notes=tuple(str(n) for n in document.get("notes", [])),
+            )
+        except ProfileError:
+            raise
+        except (TypeError, ValueError) as error:
+            raise ProfileError(f"{source}: {error}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document for this profile (round-trips through `from_dict`)."""
+        return {
+            "format": 1,
+            "name": self.name,
+            "description": self.description,
+            "stages": self.stages,
+            "pipelines": self.pipelines,
+            "samples_per_step": self.samples_per_step,
+            "step_time_ms": [
+                {"stages": s, "pipelines": d, "ms": ms} for (s, d), ms in sorted(self.step_time_ms.items())
+            ],
+            "step_time_scale": self.step_time_scale,
+            "prices": {
+                "spot_per_node_hour": self.spot_price_per_node_hour,
+                "on_demand_per_node_hour": self.on_demand_price_per_node_hour,
+            },
+            "on_demand": {"nodes": self.on_demand_nodes, "samples_per_second": self.on_demand_samples_per_second},
+            "job_samples": self.job_samples,
+            "timing": attrs.asdict(self.timing),
+            "notes": list(self.notes),
+        }
+
+
+def builtin_profiles() -> list[str]:
+    """Names of the profiles shipped with the package."""
+    folder = resources.files("bamboo.bench") / "profiles"
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> ModelProfile:
+    """Load a shipped profile by name (``bert``, ``bert-table6``, ``gpt2``) or any profile JSON file by path."""
+    text: str
+    source = str(name_or_path)
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ProfileError(f"{source}: cannot read: {error.strerror or error}") from None
+    else:
+        resource = resources.files("bamboo.bench") / "profiles" / f"{name_or_path}.json"
+        if not resource.is_file():
+            raise ProfileError(f"unknown model profile {source!r}; shipped: {', '.join(builtin_profiles())}")
+        text = resource.read_text(encoding="utf-8")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ProfileError(f"{source}:{error.lineno}: not JSON: {error.msg}") from None
+    if not isinstance(document, dict):
+        raise ProfileError(f"{source}: a profile is a JSON object")
+    return ModelProfile.from_dict(document, source)

@@ -1,0 +1,731 @@
+"""The trace-driven discrete-event simulator: throughput, cost and value of a training job on spot.
+
+One run replays a stream of spot events (a `Trace`, or the endless synthetic stream) against one
+strategy, and integrates the training progress between events: while the job runs with a given
+configuration its throughput is constant, so no per-step events are needed. Strategies:
+
+- ``bamboo``: a preempted node's shadow (its predecessor in the pipeline) takes over after
+  `failover_pause_s`; while any stage is taken over, steps are `fallback_slowdown` times slower.
+  Losing a node whose neighbour slot is already taken over is a *fatal failure*: the pipeline is
+  lost, the job re-forms after a global rendezvous, and it rolls back to the last checkpoint only
+  if some stage has no copy left in any pipeline. At step boundaries it reconfigures (local
+  rendezvous plus `reconfiguration_s`) when waiting nodes can replace the taken-over ones, when
+  waiting nodes can form another pipeline, or when the share of nodes whose loss would be fatal
+  (two per taken-over slot) exceeds `reconfigure_exposed_share`. Placement is zone-aware:
+  neighbouring stages go to different zones wherever the zones allow it.
+- ``checkpoint``: every preemption of a working node restarts the job (global rendezvous plus
+  `restart_s`) from the last checkpoint; new nodes that allow another pipeline trigger a restart
+  after a fresh checkpoint (no rollback).
+- ``sample-dropping``: a pipeline that loses a node drops out (its samples are dropped, the others
+  go on) until a reconfiguration re-forms pipelines; when no pipeline is left it re-forms after a
+  global rendezvous, rolling back only if some stage lost every copy.
+- ``on-demand``: the profile's on-demand cluster, never preempted, at on-demand prices.
+
+Outputs per run (`RunResult`) and averaged over seeds (`average_results`).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import attrs
+import numpy as np
+from bamboo.bench.profile import ModelProfile
+from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator
+from bamboo.bench.trace import Trace
+
+__all__ = [
+    "AveragedResult",
+    "Policy",
+    "RunResult",
+    "Strategy",
+    "Timeline",
+    "average_results",
+    "simulate_run",
+    "simulate_synthetic",
+]
+
+
+class Strategy(enum.Enum):
+    """How a training job reacts to preemptions."""
+
+    BAMBOO = "bamboo"
+    CHECKPOINT = "checkpoint"
+    ON_DEMAND = "on-demand"
+    SAMPLE_DROPPING = "sample-dropping"
+
+    @classmethod
+    def parse(cls, text: str) -> Strategy:
+        """The strategy named `text` (``bamboo``, ``checkpoint``, ``on-demand``, ``sample-dropping``)."""
+        try:
+            return cls(text.strip())
+        except ValueError:
+            raise ValueError(f"unknown strategy {text!r}; choose from {', '.join(s.value for s in cls)}") from None
+
+
+@attrs.frozen
+class Policy:
+    """Placement and reconfiguration choices of the Bamboo strategy.
+
+    `reconfigure_exposed_share`: reconfigure at the next step boundary once more than this share
+    of the working nodes would cause a fatal failure if preempted (each taken-over slot exposes
+    its two neighbours). `zone_aware`: place neighbouring stages in different zones.
+    """
+
+    reconfigure_exposed_share: float = attrs.field(default=0.05)
+    zone_aware: bool = True
+
+    @reconfigure_exposed_share.validator
+    def _check_share(self, attribute: attrs.Attribute, value: float) -> None:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"reconfigure_exposed_share must be in [0, 1], got {value!r}")
+
+
+@attrs.frozen
+class Timeline:
+    """Step functions over a run: after `time_s[i]`, `nodes[i]` allocated nodes and throughput `rate[i]` samples/s."""
+
+    time_s: np.ndarray
+    nodes: np.ndarray
+    rate: np.ndarray
+
+
+@attrs.frozen
+class RunResult:
+    """The outcome of one simulated run.
+
+    `interval_h` is the mean time between consecutive preemptions (NaN with fewer than two);
+    `lifetime_h` the mean lifetime of the instances (survivors count until the end); `nodes` the
+    time-averaged allocated nodes; `throughput` trained samples per second of wall time (rolled
+    back work does not count); `cost_per_hour` the mean $/h; `value` = throughput / cost_per_hour;
+    `progress_share` the share of wall time spent on training steps that were kept.
+    """
+
+    strategy: Strategy
+    completed: bool
+    duration_h: float
+    samples: float
+    preemptions: int
+    interval_h: float
+    lifetime_h: float
+    fatal_failures: int
+    reconfigurations: int
+    nodes: float
+    throughput: float
+    cost_per_hour: float
+    value: float
+    progress_share: float
+    timeline: Timeline | None = attrs.field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (NaN becomes None)."""
+        out: dict[str, object] = {}
+        for field in attrs.fields(RunResult):
+            if field.name == "timeline":
+                continue
+            value = getattr(self, field.name)
+            if isinstance(value, Strategy):
+                value = value.value
+            elif isinstance(value, float):
+                value = None if math.isnan(value) else round(value, 6)
+            out[field.name] = value
+        return out
+
+
+@attrs.frozen
+class AveragedResult:
+    """Means over several runs of one strategy (NaN intervals are left out of the interval mean)."""
+
+    strategy: Strategy
+    runs: int
+    completed_runs: int
+    duration_h: float
+    preemptions: float
+    interval_h: float
+    lifetime_h: float
+    fatal_failures: float
+    nodes: float
+    throughput: float
+    cost_per_hour: float
+    value: float
+    progress_share: float
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (NaN becomes None)."""
+        out: dict[str, object] = {}
+        for field in attrs.fields(AveragedResult):
+            value = getattr(self, field.name)
+            if isinstance(value, Strategy):
+                value = value.value
+            elif isinstance(value, float):
+                value = None if math.isnan(value) else round(value, 6)
+            out[field.name] = value
+        return out
+
+
+def average_results(results: Sequence[RunResult]) -> AveragedResult:
+    """Average per-run results (all of one strategy)."""
+    if not results:
+        raise ValueError("average_results needs at least one result")
+    strategies = {r.strategy for r in results}
+    if len(strategies) != 1:
+        raise ValueError(f"average_results mixes strategies {sorted(s.value for s in strategies)}")
+
+    def mean(name: str) -> float:
+        values = np.array([getattr(r, name) for r in results], dtype=np.float64)
+        values = values[~np.isnan(values)]
+        return float(values.mean()) if len(values) else math.nan
+
+    return AveragedResult(
+        strategy=results[0].strategy,
+        runs=len(results),
+        completed_runs=sum(r.completed for r in results),
+        duration_h=mean("duration_h"),
+        preemptions=mean("preemptions"),
+        interval_h=mean("interval_h"),
+        lifetime_h=mean("lifetime_h"),
+        fatal_failures=mean("fatal_failures"),
+        nodes=mean("nodes"),
+        throughput=mean("throughput"),
+        cost_per_hour=mean("cost_per_hour"),
+        value=mean("value"),
+        progress_share=mean("progress_share"),
+    )
+
+
+# Node states and job phases (plain ints: this is the hot loop).
+_CREATING, _READY, _WORKING = 0, 1, 2
+_STOPPED, _RUNNING, _PAUSED = 0, 1, 2
+# Internal event kinds.
+_EV_READY, _EV_PAUSE_END, _EV_DECIDE = 0, 1, 2
+
+
+def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int) -> list[int]:
+    """Order `nodes` so that position i holds stage i % `stages`, with neighbouring stages in different zones.
+
+    Greedy: each position takes a node from the zone with the most nodes left, among the zones
+    other than the previous stage's (and, for the last stage, other than stage 0's, because the
+    last node shadows the first). If only the excluded zones are left, it takes from them.
+    """
+    by_zone: dict[int, list[int]] = {}
+    for node in nodes:
+        by_zone.setdefault(zone_of[node], []).append(node)
+    order: list[int] = []
+    previous = -1
+    first = -1
+    for position in range(len(nodes)):
+        stage = position % stages
+        if stage == 0:
+            previous = -1
+        banned = {previous}
+        if stage == stages - 1 and stages > 2:
+            banned.add(first)
+        best = -1
+        best_count = 0
+        fallback = -1
+        fallback_count = 0
+        for zone, members in by_zone.items():
+            count = len(members)
+            if not count:
+                continue
+            if zone in banned:
+                if count > fallback_count:
+                    fallback, fallback_count = zone, count
+            elif count > best_count:
+                best, best_count = zone, count
+        zone = best if best >= 0 else fallback
+        order.append(by_zone[zone].pop())
+        previous = zone
+        if stage == 0:
+            first = zone
+    return order
+
+
+class _Run:
+    """One run of one strategy; `run()` walks the merged external and internal events."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        strategy: Strategy,
+        policy: Policy,
+        target_samples: float,
+        until_s: float,
+        record: bool,
+    ) -> None:
+        self.profile = profile
+        self.strategy = strategy
+        self.policy = policy
+        self.timing = profile.timing
+        self.stages = profile.stages
+        self.max_pipelines = profile.pipelines
+        self.step_s = [0.0] + [profile.step_time_s(d) for d in range(1, profile.pipelines + 1)]
+        self.target = target_samples
+        self.until_s = until_s
+        self.record = record
+        # Clock and progress.
+        self.t = 0.0
+        self.samples = 0.0
+        self.run_clock = 0.0
+        self.wasted_run = 0.0
+        self.ckpt_samples = 0.0
+        self.ckpt_clock = 0.0
+        self.next_ckpt = self.timing.checkpoint_interval_s
+        self.node_seconds = 0.0
+        # Nodes.
+        self.zone_of: dict[int, int] = {}
+        self.start_of: dict[int, float] = {}
+        self.state: dict[int, int] = {}
+        self.slot_of: dict[int, tuple[int, int]] = {}
+        self.ready: set[int] = set()
+        self.dead: set[tuple[int, int]] = set()
+        self.broken: set[int] = set()
+        self.allocated = 0
+        # Job.
+        self.phase = _STOPPED
+        self.pipelines = 0
+        self.rate = 0.0
+        self.pause_forms = False
+        self.pause_length = 0.0
+        self.layout_intact = False
+        self.version = 0
+        self.decide_pending = False
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+        # Statistics.
+        self.removal_times: list[float] = []
+        self.lifetimes: list[float] = []
+        self.fatal = 0
+        self.reconfigurations = 0
+        self.times: list[float] = []
+        self.node_counts: list[int] = []
+        self.rates: list[float] = []
+
+    # ------------------------------------------------------------ helpers
+    def push(self, when: float, kind: int, payload: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (when, self.seq, kind, payload))
+
+    def current_rate(self) -> float:
+        if self.phase != _RUNNING or self.pipelines == 0:
+            return 0.0
+        step = self.step_s[self.pipelines]
+        if self.strategy is Strategy.BAMBOO:
+            if self.dead:
+                step *= self.timing.fallback_slowdown
+            return self.profile.samples_per_step / step
+        if self.strategy is Strategy.SAMPLE_DROPPING:
+            working = self.pipelines - len(self.broken)
+            return self.profile.samples_per_step * working / self.pipelines / step
+        return self.profile.samples_per_step / step
+
+    def advance(self, when: float) -> None:
+        dt = when - self.t
+        if dt <= 0.0:
+            return
+        self.node_seconds += self.allocated * dt
+        rate = self.rate
+        if rate > 0.0:
+            end_clock = self.run_clock + dt
+            while self.next_ckpt <= end_clock:
+                self.ckpt_samples = self.samples + rate * (self.next_ckpt - self.run_clock)
+                self.ckpt_clock = self.next_ckpt
+                self.next_ckpt += self.timing.checkpoint_interval_s
+            self.samples += rate * dt
+            self.run_clock = end_clock
+        self.t = when
+
+    def set_phase(self, phase: int) -> None:
+        self.phase = phase
+        self.rate = self.current_rate()
+
+    def note(self) -> None:
+        if self.record:
+            self.times.append(self.t)
+            self.node_counts.append(self.allocated)
+            self.rates.append(self.rate)
+
+    def rollback(self) -> None:
+        """Restore the last checkpoint: the work since then is lost."""
+        self.wasted_run += self.run_clock - self.ckpt_clock
+        self.samples = self.ckpt_samples
+        self.ckpt_clock = self.run_clock
+        self.next_ckpt = self.run_clock + self.timing.checkpoint_interval_s
+
+    def checkpoint_now(self) -> None:
+        self.ckpt_samples = self.samples
+        self.ckpt_clock = self.run_clock
+        self.next_ckpt = self.run_clock + self.timing.checkpoint_interval_s
+
+    def start_pause(self, length: float, forms: bool) -> None:
+        """Stop training for `length` seconds; if `forms`, re-form the pipelines at the end."""
+        self.version += 1
+        self.pause_forms = forms
+        self.pause_length = length
+        self.decide_pending = False
+        self.set_phase(_PAUSED)
+        self.push(self.t + length, _EV_PAUSE_END, self.version)
+
+    def schedule_decide(self) -> None:
+        if not self.decide_pending and self.phase == _RUNNING:
+            self.decide_pending = True
+            self.push(self.t + self.step_s[self.pipelines], _EV_DECIDE, self.version)
+
+    def every_stage_has_a_copy(self) -> bool:
+        """Whether every stage still exists somewhere (its own node or, for Bamboo, its shadow)."""
+        stages = self.stages
+        dead = self.dead
+        shadows = self.strategy is Strategy.BAMBOO
+        for k in range(stages):
+            for d in range(self.pipelines):
+                if (d, k) not in dead or (shadows and stages > 1 and (d, (k - 1) % stages) not in dead):
+                    break
+            else:
+                return False
+        return True
+
+    def global_restart_s(self) -> float:
+        if self.strategy is Strategy.CHECKPOINT:
+            return self.timing.global_rendezvous_s + self.timing.restart_s
+        return self.timing.global_rendezvous_s + self.timing.reconfiguration_s
+
+    def local_reconfigure_s(self) -> float:
+        return self.timing.local_rendezvous_s + self.timing.reconfiguration_s
+
+    # ------------------------------------------------------------ pipelines
+    def form(self) -> None:
+        """End of a rendezvous: build as many full pipelines as the live nodes allow."""
+        members = [n for n, s in self.state.items() if s != _CREATING]
+        pipelines = min(self.max_pipelines, len(members) // self.stages)
+        self.slot_of.clear()
+        self.dead.clear()
+        self.broken.clear()
+        self.reconfigurations += 1
+        if pipelines == 0:
+            self.layout_intact = False
+            for node in members:
+                self.state[node] = _READY
+            self.ready = set(members)
+            self.pipelines = 0
+            self.set_phase(_STOPPED)
+            return
+        if self.policy.zone_aware and self.strategy is not Strategy.CHECKPOINT:
+            order = zone_aware_order(members, self.zone_of, self.stages)
+        else:
+            order = sorted(members)
+        used = pipelines * self.stages
+        stages = self.stages
+        for i, node in enumerate(order[:used]):
+            self.state[node] = _WORKING
+            self.slot_of[node] = (i // stages, i % stages)
+        self.ready = set(order[used:])
+        for node in self.ready:
+            self.state[node] = _READY
+        self.pipelines = pipelines
+        self.layout_intact = True
+        self.set_phase(_RUNNING)
+        self.schedule_decide()
+
+    def should_reconfigure(self) -> bool:
+        waiting = len(self.ready)
+        working = len(self.slot_of)
+        if self.strategy is Strategy.BAMBOO:
+            dead = len(self.dead)
+            if dead and waiting >= dead:
+                return True
+            if dead and 2 * dead / max(working, 1) > self.policy.reconfigure_exposed_share:
+                return True
+            return self.pipelines < self.max_pipelines and (working + waiting) // self.stages > self.pipelines
+        if self.strategy is Strategy.SAMPLE_DROPPING:
+            possible = min(self.max_pipelines, (working + waiting) // self.stages)
+            return possible > self.pipelines - len(self.broken)
+        # Checkpoint/restart: only a whole new pipeline is worth a restart.
+        return self.pipelines < self.max_pipelines and (working + waiting) // self.stages > self.pipelines
+
+    # ------------------------------------------------------------ events
+    def on_add(self, node: int, zone: int) -> None:
+        self.zone_of[node] = zone
+        self.start_of[node] = self.t
+        self.state[node] = _CREATING
+        self.allocated += 1
+        self.push(self.t + self.timing.instance_creation_s, _EV_READY, node)
+
+    def on_ready(self, node: int) -> None:
+        if self.state.get(node) != _CREATING:
+            return
+        self.state[node] = _READY
+        self.ready.add(node)
+        if self.phase == _STOPPED:
+            if len(self.ready) >= self.stages:
+                self.start_pause(self.global_restart_s(), forms=True)
+        elif self.phase == _RUNNING:
+            if self.strategy is Strategy.CHECKPOINT:
+                if self.should_reconfigure():
+                    self.checkpoint_now()
+                    self.start_pause(self.global_restart_s(), forms=True)
+            else:
+                self.schedule_decide()
+
+    def on_remove(self, node: int) -> None:
+        state = self.state.pop(node, None)
+        if state is None:
+            raise ValueError(f"remove of node {node}, which is not alive")
+        self.allocated -= 1
+        self.removal_times.append(self.t)
+        self.lifetimes.append(self.t - self.start_of.pop(node))
+        del self.zone_of[node]
+        if state == _CREATING:
+            return
+        if state == _READY:
+            self.ready.discard(node)
+            if self.phase == _PAUSED and self.pause_forms:
+                self.start_pause(self.pause_length, forms=True)  # a member left: the rendezvous starts over
+            return
+        d, s = self.slot_of.pop(node)
+        if self.phase == _PAUSED and self.pause_forms:
+            # A member left during a rendezvous: it starts over. A reconfiguration rebuilds every
+            # stage from whichever copy is left, so the loss is fatal only if a stage lost every copy.
+            if self.layout_intact and self.strategy is not Strategy.CHECKPOINT:
+                self.dead.add((d, s))
+                if not self.every_stage_has_a_copy():
+                    self.fatal += 1
+                    self.rollback()
+                    self.layout_intact = False
+                    self.start_pause(self.global_restart_s(), forms=True)
+                    return
+            self.start_pause(self.pause_length, forms=True)
+            return
+        if self.strategy is Strategy.BAMBOO:
+            self.bamboo_failure(d, s)
+        elif self.strategy is Strategy.CHECKPOINT:
+            self.fatal += 1
+            self.rollback()
+            self.start_pause(self.global_restart_s(), forms=True)
+        else:
+            self.dropping_failure(d, s)
+
+    def bamboo_failure(self, d: int, s: int) -> None:
+        stages = self.stages
+        neighbours_dead = (d, (s - 1) % stages) in self.dead or (d, (s + 1) % stages) in self.dead
+        self.dead.add((d, s))
+        if stages == 1 or neighbours_dead:
+            self.fatal += 1
+            if not self.every_stage_has_a_copy():
+                self.rollback()
+            self.layout_intact = False
+            self.start_pause(self.global_restart_s(), forms=True)
+            return
+        pause = self.timing.failover_pause_s
+        if pause > 0.0:
+            if self.phase == _PAUSED:
+                self.start_pause(max(self.pause_length, pause), forms=False)
+            else:
+                self.start_pause(pause, forms=False)
+        else:
+            self.rate = self.current_rate()
+            self.schedule_decide()
+
+    def dropping_failure(self, d: int, s: int) -> None:
+        self.dead.add((d, s))
+        self.broken.add(d)
+        if len(self.broken) == self.pipelines:
+            self.fatal += 1
+            if not self.every_stage_has_a_copy():
+                self.rollback()
+            self.start_pause(self.global_restart_s(), forms=True)
+            return
+        self.rate = self.current_rate()
+        pause = self.timing.failover_pause_s
+        if pause > 0.0 and self.phase == _RUNNING:
+            self.start_pause(pause, forms=False)
+        else:
+            self.schedule_decide()
+
+    def on_pause_end(self, version: int) -> None:
+        if version != self.version or self.phase != _PAUSED:
+            return
+        if self.pause_forms:
+            self.form()
+        else:
+            self.set_phase(_RUNNING)
+            self.schedule_decide()
+
+    def on_decide(self, version: int) -> None:
+        if version != self.version or self.phase != _RUNNING:
+            return
+        self.decide_pending = False
+        if self.should_reconfigure():
+            if self.strategy is Strategy.CHECKPOINT:
+                self.checkpoint_now()
+                self.start_pause(self.global_restart_s(), forms=True)
+            else:
+                self.start_pause(self.local_reconfigure_s(), forms=True)
+
+    # ------------------------------------------------------------ main loop
+    def run(self, events: Iterator[tuple[float, bool, int, int]]) -> RunResult:
+        heap = self.heap
+        upcoming = next(events, None)
+        completed = False
+        inf = math.inf
+        self.note()
+        while True:
+            te = upcoming[0] if upcoming is not None else inf
+            ti = heap[0][0] if heap else inf
+            tn = min(te, ti, self.until_s)
+            if self.rate > 0.0:
+                finish = self.t + (self.target - self.samples) / self.rate
+                if finish <= tn:
+                    self.advance(finish)
+                    self.samples = self.target
+                    completed = True
+                    break
+            if tn == inf:
+                break
+            self.advance(tn)
+            if tn >= self.until_s and tn < te and tn < ti:
+                break
+            if ti < te or (ti == te and ti <= tn and heap and upcoming is None):
+                _, _, kind, payload = heapq.heappop(heap)
+                if kind == _EV_READY:
+                    self.on_ready(payload)
+                elif kind == _EV_PAUSE_END:
+                    self.on_pause_end(payload)
+                else:
+                    self.on_decide(payload)
+            else:
+                assert upcoming is not None
+                _, is_add, node, zone = upcoming
+                if is_add:
+                    self.on_add(node, zone)
+                else:
+                    self.on_remove(node)
+                upcoming = next(events, None)
+            self.note()
+        self.note()
+        return self.result(completed)
+
+    def result(self, completed: bool) -> RunResult:
+        end = self.t
+        lifetimes = self.lifetimes + [end - start for start in self.start_of.values()]
+        removals = self.removal_times
+        interval = (removals[-1] - removals[0]) / (len(removals) - 1) / 3600.0 if len(removals) > 1 else math.nan
+        nodes = self.node_seconds / end if end > 0 else float(self.allocated)
+        cost = nodes * self.profile.spot_price_per_node_hour
+        throughput = self.samples / end if end > 0 else 0.0
+        timeline = None
+        if self.record:
+            timeline = Timeline(np.array(self.times), np.array(self.node_counts), np.array(self.rates))
+        return RunResult(
+            strategy=self.strategy,
+            completed=completed,
+            duration_h=end / 3600.0,
+            samples=self.samples,
+            preemptions=len(removals),
+            interval_h=interval,
+            lifetime_h=float(np.mean(lifetimes)) / 3600.0 if lifetimes else math.nan,
+            fatal_failures=self.fatal,
+            reconfigurations=self.reconfigurations,
+            nodes=nodes,
+            throughput=throughput,
+            cost_per_hour=cost,
+            value=throughput / cost if cost > 0 else 0.0,
+            progress_share=(self.run_clock - self.wasted_run) / end if end > 0 else 0.0,
+            timeline=timeline,
+        )
+
+
+def _on_demand_result(profile: ModelProfile, target_samples: float, until_s: float, record: bool) -> RunResult:
+    throughput = profile.on_demand_samples_per_second
+    end = min(target_samples / throughput, until_s)
+    cost = profile.on_demand_cost_per_hour
+    timeline = None
+    if record:
+        nodes = profile.on_demand_nodes
+        timeline = Timeline(np.array([0.0, end]), np.array([nodes, nodes]), np.array([throughput, throughput]))
+    return RunResult(
+        strategy=Strategy.ON_DEMAND,
+        completed=end * throughput >= target_samples,
+        duration_h=end / 3600.0,
+        samples=end * throughput,
+        preemptions=0,
+        interval_h=math.nan,
+        lifetime_h=end / 3600.0,
+        fatal_failures=0,
+        reconfigurations=0,
+        nodes=float(profile.on_demand_nodes),
+        throughput=throughput,
+        cost_per_hour=cost,
+        value=throughput / cost,
+        progress_share=1.0,
+        timeline=timeline,
+    )
+
+
+def _trace_events(trace: Trace) -> Iterator[tuple[float, bool, int, int]]:
+    return iter(zip(trace.time_s.tolist(), trace.is_add.tolist(), trace.node.tolist(), trace.zone.tolist(), strict=True))
+
+
+def simulate_run(
+    source: Trace | Iterable[tuple[float, bool, int, int]],
+    profile: ModelProfile,
+    strategy: Strategy,
+    *,
+    policy: Policy | None = None,
+    target_samples: float | None = None,
+    until_s: float | None = None,
+    record: bool = False,
+) -> RunResult:
+    """Simulate one run of `strategy` on `source` until `target_samples` are trained or `until_s` passes.
+
+    `source` is a `Trace` or an iterable of (time_s, is_add, node id, zone index) in time order
+    (e.g. `SyntheticTraceGenerator.events()`). `target_samples` defaults to the profile's
+    `job_samples`; `until_s` defaults to no limit. With `record`, the result carries a `Timeline`.
+    """
+    target = profile.job_samples if target_samples is None else target_samples
+    limit = math.inf if until_s is None else until_s
+    if not target > 0:
+        raise ValueError(f"target_samples must be > 0, got {target!r}")
+    if not limit > 0:
+        raise ValueError(f"until_s must be > 0, got {limit!r}")
+    if strategy is Strategy.ON_DEMAND:
+        return _on_demand_result(profile, target, limit, record)
+    events = _trace_events(source) if isinstance(source, Trace) else iter(source)
+    return _Run(profile, strategy, policy or Policy(), target, limit, record).run(events)
+
+
+def simulate_synthetic(
+    spec: SyntheticSpec,
+    seed: int,
+    profile: ModelProfile,
+    strategy: Strategy,
+    *,
+    policy: Policy | None = None,
+    target_samples: float | None = None,
+    max_hours: float = 1000.0,
+    record: bool = False,
+) -> RunResult:
+    """One run "until completion" on the synthetic stream for `seed` (given up after `max_hours`)."""
+    events = SyntheticTraceGenerator(spec, seed).events()
+    return simulate_run(
+        events, profile, strategy, policy=policy, target_samples=target_samples, until_s=max_hours * 3600.0, record=record
+    )
+
+
+def run_many(
+    spec: SyntheticSpec,
+    seeds: Sequence[int],
+    profile: ModelProfile,
+    strategy: Strategy,
+    policy: Policy | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[RunResult]:
+    """Run `simulate_synthetic` for each seed in this process, calling `progress(1)` after each."""
+    results = []
+    for seed in seeds:
+        results.append(simulate_synthetic(spec, seed, profile, strategy, policy=policy))
+        if progress is not None:
+            progress(1)
+    return results

@@ -1,0 +1,156 @@
+"""Seedable synthetic spot traces, following the Bamboo paper's simulation model.
+
+Hour by hour:
+
+1. The hour's allocation probability `a` is drawn uniformly from [0, 1) (``random_allocation``;
+   otherwise the fixed `allocation_probability` is used).
+2. Every alive instance is preempted in this hour with probability `preemption_probability`.
+   Preemptions come in bulk within one zone: the victims of a zone are put in groups whose sizes
+   are geometric with mean `bulk_mean` (1.0: every victim on its own), and each group shares one
+   uniformly drawn time in the hour.
+3. Every missing instance (desired minus alive, plus this hour's victims) is requested once, and
+   arrives with probability `a` at a uniform time in the hour, in a uniformly chosen zone, unless
+   the cluster is already at the desired size then. A new instance may be preempted later in the
+   same hour with the same probability.
+
+At time 0 each of the desired instances is there with the first hour's allocation probability.
+The generator is infinite (`SyntheticTraceGenerator.events`); `generate_trace` cuts a `Trace` of a
+given length, which can be written to the generic CSV.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import attrs
+from bamboo.bench.trace import Trace
+
+__all__ = ["SyntheticSpec", "SyntheticTraceGenerator", "generate_trace"]
+
+
+def _probability(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
+
+
+def _at_least_one(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value >= 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
+
+
+@attrs.frozen
+class SyntheticSpec:
+    """The parameters of the synthetic model (see the module docstring)."""
+
+    preemption_probability: float = attrs.field(validator=_probability)
+    desired_nodes: int = attrs.field(default=48, validator=_at_least_one)
+    zones: int = attrs.field(default=3, validator=_at_least_one)
+    bulk_mean: float = attrs.field(default=1.0, validator=_at_least_one)
+    random_allocation: bool = True
+    allocation_probability: float = attrs.field(default=0.5, validator=_probability)
+
+    def zone_names(self) -> tuple[str, ...]:
+        """Zone names ``zone-a``, ``zone-b``, ... (one per zone)."""
+        return tuple(f"zone-{chr(ord('a') + i)}" if i < 26 else f"zone-{i}" for i in range(self.zones))
+
+
+class SyntheticTraceGenerator:
+    """An endless stream of (time_s, is_add, node, zone) events for one seed, produced an hour at a time."""
+
+    def __init__(self, spec: SyntheticSpec, seed: int) -> None:
+        self.spec = spec
+        self.seed = seed
+
+    def events(self) -> Iterator[tuple[float, bool, int, int]]:
+        """Events in time order: (seconds, True for add, node id, zone index). Never ends."""
+        spec = self.spec
+        rng = random.Random(self.seed)
+        rand = rng.random
+        p = spec.preemption_probability
+        zones = spec.zones
+        join = 1.0 - 1.0 / spec.bulk_mean
+        alive: dict[int, int] = {}
+        next_id = 0
+        allocation = rand() if spec.random_allocation else spec.allocation_probability
+        for _ in range(spec.desired_nodes):
+            if rand() < allocation:
+                zone = int(rand() * zones)
+                alive[next_id] = zone
+                yield (0.0, True, next_id, zone)
+                next_id += 1
+        hour = 0
+        while True:
+            start = hour * 3600.0
+            if hour:
+                allocation = rand() if spec.random_allocation else spec.allocation_probability
+            # Preemptions of the instances alive at the start of the hour, grouped in zone bulks.
+            removals: list[tuple[float, int]] = []
+            group_time: dict[int, float] = {}
+            for node, zone in alive.items():
+                if rand() < p:
+                    if zone in group_time and rand() < join:
+                        when = group_time[zone]
+                    else:
+                        when = start + rand() * 3600.0
+                        group_time[zone] = when
+                    removals.append((when, node))
+            requested = spec.desired_nodes - len(alive) + len(removals)
+            additions = sorted(start + rand() * 3600.0 for _ in range(requested) if rand() < allocation)
+            removals.sort()
+            count = len(alive)
+            out: list[tuple[float, bool, int, int]] = []
+            ri = ai = 0
+            while ri < len(removals) or ai < len(additions):
+                if ri < len(removals) and (ai == len(additions) or removals[ri][0] <= additions[ai]):
+                    when, node = removals[ri]
+                    ri += 1
+                    zone = alive.pop(node)
+                    count -= 1
+                    out.append((when, False, node, zone))
+                    continue
+                when = additions[ai]
+                ai += 1
+                if count >= spec.desired_nodes:
+                    continue
+                zone = int(rand() * zones)
+                node = next_id
+                next_id += 1
+                alive[node] = zone
+                count += 1
+                out.append((when, True, node, zone))
+                if rand() < p:
+                    leave = start + rand() * 3600.0
+                    if leave > when:
+                        # Insert keeping `removals` sorted from position ri on.
+                        j = len(removals)
+                        removals.append((leave, node))
+                        while j > ri and removals[j - 1][0] > leave:
+                            removals[j], removals[j - 1] = removals[j - 1], removals[j]
+                            j -= 1
+            yield from out
+            hour += 1
+
+
+def generate_trace(spec: SyntheticSpec, hours: float, seed: int) -> Trace:
+    """A `Trace` of the first `hours` hours of the synthetic stream for `seed`."""
+    if not hours > 0:
+        raise ValueError(f"hours must be > 0, got {hours!r}")
+    end = hours * 3600.0
+    rows: list[tuple[float, bool, int, int]] = []
+    for event in SyntheticTraceGenerator(spec, seed).events():
+        if event[0] >= end:
+            break
+        rows.append(event)
+    nodes = sorted({r[2] for r in rows})
+    index = {n: i for i, n in enumerate(nodes)}
+    return Trace(
+        name=f"synthetic-p{spec.preemption_probability:g}-seed{seed}",
+        time_s=[r[0] for r in rows],
+        is_add=[r[1] for r in rows],
+        node=[index[r[2]] for r in rows],
+        zone=[r[3] for r in rows],
+        node_names=[f"node{n}" for n in nodes],
+        zone_names=spec.zone_names(),
+        duration_s=end,
+    )

@@ -273,7 +273,10 @@ class Timeline:
 
 
 def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = 60) -> Timeline:
-    """Bin the run into ``bins`` equal windows: average alive nodes, throughput, $/h and value."""
+    """Bin the run into ``bins`` equal windows: average alive nodes, throughput, $/h and value.
+
+    A step's samples are spread evenly over ``[t - duration_s, t]`` (clipped to the window).
+    """
     prices = prices or Prices()
     if bins < 1:
         raise ValueError(f"bins must be >= 1, got {bins}")
@@ -292,8 +295,18 @@ def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins
         nodes.append(overlap / width)
     samples = [0.0] * bins
     for step in (e for e in ordered if isinstance(e, Step)):
-        index = min(bins - 1, max(0, int((step.t - start) / width)))
-        samples[index] += step.samples
+        # Spread a step's samples evenly over the time it ran, so bins do not alias with steps.
+        begin = max(start, step.t - step.duration_s)
+        if step.t <= begin:
+            samples[min(bins - 1, max(0, int((step.t - start) / width)))] += step.samples
+            continue
+        rate = step.samples / (step.t - begin)
+        first = min(bins - 1, max(0, int((begin - start) / width)))
+        last = min(bins - 1, max(0, int((step.t - start) / width)))
+        for index in range(first, last + 1):
+            overlap = min(step.t, edges[index + 1]) - max(begin, edges[index])
+            if overlap > 0:
+                samples[index] += rate * overlap
     throughput = [s / width for s in samples]
     cost = [n * prices.spot for n in nodes]
     value = [tp / c if c > 0 else 0.0 for tp, c in zip(throughput, cost, strict=True)]

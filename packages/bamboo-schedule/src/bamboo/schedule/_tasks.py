@@ -1,0 +1,223 @@
+"""From per-node work orders to deadlock-free instruction streams (the linearizer).
+
+A generator decides *what* each node computes and in which order (its *lanes*: one ordered list of
+work items per stage it runs, plus one for its redundant work). This module decides where the
+sends and receives go. It runs an event simulation with a simple cost model: a node starts the
+head of one of its lanes as soon as that work's inputs exist, and a message is sent at the moment
+its consumer starts. The send is appended to the producer's stream and the receive to the
+consumer's stream at that same point of one global order. Every stream is therefore a projection
+of one global sequence in which each send is immediately followed by its receive, so executing the
+streams with blocking, rendezvous send/recv cannot deadlock: the global sequence is a witness.
+
+Redundant lanes have the lowest priority: their work runs where the node would otherwise wait.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+from bamboo.schedule.ir import Instruction, Kind, RCMode, make
+
+Token = tuple[object, ...]
+"""A fact produced on a node: ("act", s, k), ("grad", s, k), ("fwd", s, k), ("stash", s, k), ("reduced", s)."""
+
+RANK_BACKWARD = 0
+RANK_FORWARD = 1
+RANK_REDUNDANT = 2
+
+
+class Need(NamedTuple):
+    """An input of a task: ``token`` made on node ``src``; a message pair when src is another node."""
+
+    token: Token
+    src: int
+    send: Instruction | None = None
+    recv: Instruction | None = None
+
+
+class Task(NamedTuple):
+    """Instructions that run back to back on one node once every need is met."""
+
+    instrs: tuple[Instruction, ...]
+    needs: tuple[Need, ...] = ()
+    makes: tuple[Token, ...] = ()
+    rank: int = RANK_FORWARD
+
+
+Work = tuple[object, ...]
+"""A work item: ("F", s, k), ("B", s, k), ("TAIL", s), ("FRC", r, k), ("SO", r, k), ("BRC", r, k), ("SYNC", r)."""
+
+CostFn = Callable[[Instruction], float]
+
+
+def unit_cost(instr: Instruction) -> float:
+    """The linearizer's default cost model: forward 1, backward 2, everything else free."""
+    if instr.kind in (Kind.FORWARD, Kind.FRC):
+        return 1.0
+    if instr.kind in (Kind.BACKWARD, Kind.BRC):
+        return 2.0
+    return 0.0
+
+
+def compute_order(policy: str, stages: int, microbatches: int, stage: int) -> list[Work]:
+    """The forward/backward order of one stage: GPipe (all F, then all B) or 1F1B (PipeDream-flush)."""
+    if policy == "gpipe":
+        return [("F", stage, k) for k in range(microbatches)] + [("B", stage, k) for k in range(microbatches)]
+    if policy != "1f1b":
+        raise ValueError(f"unknown policy {policy!r}; expected '1f1b' or 'gpipe'")
+    warmup = min(stages - 1 - stage, microbatches)
+    order: list[Work] = [("F", stage, k) for k in range(warmup)]
+    for i in range(microbatches - warmup):
+        order += [("F", stage, warmup + i), ("B", stage, i)]
+    order += [("B", stage, k) for k in range(microbatches - warmup, microbatches)]
+    return order
+
+
+def _message(token: Token, src: int, dst: int, kind: str, stage_src: int, stage_dst: int, k: int | None) -> Need:
+    if src == dst:
+        return Need(token, src)
+    send_kind, recv_kind = {
+        "act": (Kind.SEND_ACT, Kind.RECV_ACT),
+        "grad": (Kind.SEND_GRAD, Kind.RECV_GRAD),
+        "sync": (Kind.SYNC_SEND, Kind.SYNC_RECV),
+    }[kind]
+    return Need(token, src, make(send_kind, stage_src, k, dst), make(recv_kind, stage_dst, k, src))
+
+
+def build_task(work: Work, node: int, placement: Sequence[int], stages: int) -> Task:
+    """The task for one work item on ``node``, with the messages its inputs need under ``placement``."""
+    tag = work[0]
+    last = stages - 1
+    if tag == "F":
+        _, s, k = work
+        assert isinstance(s, int) and isinstance(k, int)
+        instrs = [make(Kind.LOAD, 0, k)] if s == 0 else []
+        instrs.append(make(Kind.FORWARD, s, k))
+        needs = () if s == 0 else (_message(("act", s - 1, k), placement[s - 1], node, "act", s - 1, s, k),)
+        return Task(tuple(instrs), needs, (("act", s, k), ("fwd", s, k)), RANK_FORWARD)
+    if tag == "B":
+        _, s, k = work
+        assert isinstance(s, int) and isinstance(k, int)
+        needs = [Need(("fwd", s, k), node)]
+        if s < last:
+            needs.append(_message(("grad", s + 1, k), placement[s + 1], node, "grad", s + 1, s, k))
+        return Task((make(Kind.BACKWARD, s, k),), tuple(needs), (("grad", s, k),), RANK_BACKWARD)
+    if tag == "TAIL":
+        _, s = work
+        assert isinstance(s, int)
+        instrs = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
+        return Task(instrs, (), (("reduced", s),), RANK_BACKWARD)
+    if tag in ("FRC", "SO"):
+        _, r, k = work
+        assert isinstance(r, int) and isinstance(k, int)
+        instrs = []
+        if tag == "FRC" and r == 0:
+            instrs.append(make(Kind.LOAD, 0, k))
+        if tag == "FRC":
+            instrs.append(make(Kind.FRC, r, k))
+        instrs.append(make(Kind.SWAP_OUT, r, k))
+        needs = () if r == 0 else (_message(("act", r - 1, k), placement[r - 1], node, "act", r - 1, r, k),)
+        return Task(tuple(instrs), needs, (("stash", r, k),), RANK_REDUNDANT)
+    if tag == "BRC":
+        _, r, k = work
+        assert isinstance(r, int) and isinstance(k, int)
+        needs = [Need(("stash", r, k), node)]
+        if r < last:
+            needs.append(_message(("grad", r + 1, k), placement[r + 1], node, "grad", r + 1, r, k))
+        instrs = (make(Kind.SWAP_IN, r, k), make(Kind.BRC, r, k))
+        return Task(instrs, tuple(needs), (), RANK_REDUNDANT)
+    if tag == "SYNC":
+        _, r = work
+        assert isinstance(r, int)
+        return Task((), (_message(("reduced", r), placement[r], node, "sync", r, r, None),), (), RANK_REDUNDANT)
+    raise ValueError(f"unknown work item {work!r}")
+
+
+def replica_lane(policy: str, stages: int, microbatches: int, replica: int, rc: RCMode) -> list[Work]:
+    """The redundant work a shadow does for ``replica`` in one iteration under ``rc``."""
+    if rc is RCMode.NONE:
+        return []
+    lane: list[Work] = []
+    if rc is RCMode.LFLB:
+        if replica != 0:  # the input of stage 0 is re-loaded on failure, so it needs no stash
+            lane = [("SO", replica, k) for k in range(microbatches)]
+    elif rc is RCMode.EFLB:
+        lane = [("FRC", replica, k) for k in range(microbatches)]
+    else:
+        mapping = {"F": "FRC", "B": "BRC"}
+        lane = [(mapping[str(w[0])], w[1], w[2]) for w in compute_order(policy, stages, microbatches, replica)]
+    return [*lane, ("SYNC", replica)]
+
+
+def linearize(
+    lanes: Mapping[int, Sequence[Sequence[Task]]],
+    cost: CostFn = unit_cost,
+) -> dict[int, tuple[Instruction, ...]]:
+    """Streams for ``lanes`` (node -> ordered task lists), with every send/recv pair placed.
+
+    Raises ValueError when the work cannot complete (a task needs a token nobody makes in time).
+    """
+    nodes = sorted(lanes)
+    streams: dict[int, list[Instruction]] = {n: [] for n in nodes}
+    free = dict.fromkeys(nodes, 0.0)
+    made: dict[tuple[int, Token], float] = {}
+    heads = {n: [0] * len(lanes[n]) for n in nodes}
+    waiting: dict[tuple[int, Token], list[tuple[int, int]]] = {}
+    heap: list[tuple[float, int, int, int, int]] = []
+    remaining = sum(len(lane) for n in nodes for lane in lanes[n])
+
+    def consider(n: int, li: int) -> None:
+        index = heads[n][li]
+        lane = lanes[n][li]
+        if index >= len(lane):
+            return
+        task = lane[index]
+        start = free[n]
+        for need in task.needs:
+            key = (need.src, need.token)
+            when = made.get(key)
+            if when is None:
+                waiting.setdefault(key, []).append((n, li))
+                return
+            start = max(start, when)
+        heapq.heappush(heap, (start, task.rank, li, n, index))
+
+    for n in nodes:
+        for li in range(len(lanes[n])):
+            consider(n, li)
+    while heap:
+        start, _rank, li, n, index = heapq.heappop(heap)
+        if heads[n][li] != index:
+            continue
+        task = lanes[n][li][index]
+        actual = max([free[n]] + [made[(need.src, need.token)] for need in task.needs])
+        if actual > start:
+            heapq.heappush(heap, (actual, task.rank, li, n, index))
+            continue
+        for need in task.needs:
+            if need.send is not None and need.recv is not None:
+                streams[need.src].append(need.send)
+                streams[n].append(need.recv)
+        streams[n].extend(task.instrs)
+        end = start + sum(cost(i) for i in task.instrs)
+        free[n] = end
+        heads[n][li] += 1
+        remaining -= 1
+        for token in task.makes:
+            key = (n, token)
+            if key not in made:
+                made[key] = end
+                for waiter in waiting.pop(key, []):
+                    consider(*waiter)
+        consider(n, li)
+    if remaining:
+        stuck = [
+            f"node {n} lane {li} at {lanes[n][li][heads[n][li]].instrs}"
+            for n in nodes
+            for li in range(len(lanes[n]))
+            if heads[n][li] < len(lanes[n][li])
+        ]
+        raise ValueError("work cannot be ordered, inputs never made: " + "; ".join(stuck[:4]))
+    return {n: tuple(s) for n, s in streams.items()}

@@ -1,0 +1,148 @@
+"""The issue's scenarios, end to end: decide, plan_layout, plan_transfers on concrete clusters."""
+
+from __future__ import annotations
+
+import pytest
+from bamboo.reconfig import ClusterView, Reason, When, decide, plan_layout, plan_transfers
+
+
+def zones_of(layout, view: ClusterView) -> list[list[str]]:
+    by_id = view.nodes_by_id
+    return [[by_id[node].zone for node in row] for row in layout.owners]
+
+
+@pytest.fixture
+def twelve(build):
+    """12 active nodes in 3 zones, P = 4, D = 3, and its first layout."""
+    nodes = build.zoned_nodes(12, "abc")
+    view = ClusterView(nodes=nodes, target_stages=4, target_pipelines=3, global_batch=12,
+                       layers=build.uniform_layers(16))
+    return view, plan_layout(view)
+
+
+def test_twelve_nodes_in_three_zones_have_no_same_zone_neighbours(twelve) -> None:
+    view, layout = twelve
+    assert (layout.num_pipelines, layout.stages) == (3, 4)
+    assert layout.same_zone_neighbours == 0
+    for zones in zones_of(layout, view):
+        assert all(zones[s] != zones[(s + 1) % 4] for s in range(4)), zones
+    assert layout.standby == ()
+    assert layout.microbatches == (4, 4, 4)
+    assert layout.stage_layers == ((0, 4), (4, 8), (8, 12), (12, 16))
+
+
+def test_a_whole_zone_lost_is_never_fatal_and_the_survivors_re_form(build, twelve) -> None:
+    view, layout = twelve
+    lost = {node.id: "preempted" for node in view.nodes if node.zone == "a"}
+    after = build.view_after(layout, build.with_states(view.nodes, lost))
+    decision = decide(after)
+    # no same-zone neighbours, so losing one zone never takes a stage and its shadow together
+    assert decision.when is When.NEXT_STEP_BOUNDARY
+    assert Reason.CONSECUTIVE_FAILURE not in decision.reasons
+    new = plan_layout(after)
+    assert (new.num_pipelines, new.stages) == (2, 4)
+    assert new.same_zone_neighbours == 0
+    assert new.microbatches == (6, 6)  # the global batch of 12 is kept
+    assert not {node for row in new.owners for node in row} & set(lost)
+    plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])
+    assert not plan.restore_from_checkpoint
+    assert all(t.source not in lost for t in plan.transfers)
+    assert 0 < plan.bytes_moved < plan.naive_bytes
+
+
+def test_losing_a_zone_in_a_single_zone_cluster_is_fatal(build) -> None:
+    nodes = build.zoned_nodes(4, "a")
+    layout = plan_layout(ClusterView(nodes=nodes, target_stages=4, target_pipelines=1, global_batch=4,
+                                     layers=build.uniform_layers(4)))
+    assert layout.same_zone_neighbours == 4
+    after = build.view_after(layout, build.with_states(nodes, {n.id: "preempted" for n in nodes}))
+    assert decide(after).reason is Reason.CONSECUTIVE_FAILURE
+    assert plan_layout(after).num_pipelines == 0
+
+
+def test_joiners_that_complete_a_pipeline(build) -> None:
+    nodes = build.zoned_nodes(10, "ab")  # 2 pipelines of 4, 2 in standby
+    first = ClusterView(nodes=nodes, target_stages=4, target_pipelines=3, global_batch=10,
+                        layers=build.uniform_layers(8))
+    layout = plan_layout(first)
+    assert layout.num_pipelines == 2 and len(layout.standby) == 2
+    assert layout.microbatches == (5, 5)
+    standby = {node: "standby" for node in layout.standby}
+    joiners = build.zoned_nodes(2, "ab", state="joining", prefix="j")
+    after = build.view_after(layout, [*build.with_states(nodes, standby), *joiners], target_pipelines=3)
+    decision = decide(after)
+    assert (decision.when, decision.reasons) == (When.NEXT_STEP_BOUNDARY, (Reason.NEW_PIPELINE,))
+    new = plan_layout(after)
+    assert new.num_pipelines == 3 and new.standby == ()
+    assert new.microbatches == (4, 3, 3)  # unequal shares, stated, and the global batch is kept
+    assert new.same_zone_neighbours == 0
+    # every old owner keeps a slot whose state it already holds: only the new pipeline's nodes fetch
+    old_slots = layout.slots()
+    new_slots = new.slots()
+    for node, slot in old_slots.items():
+        assert new_slots[node].stage == slot.stage
+    plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])
+    fresh = set(layout.standby) | {node.id for node in joiners}
+    assert {t.destination for t in plan.transfers} == fresh
+    assert plan.bytes_moved == sum(
+        new.layers[layer].state_bytes for node in fresh for layer in new.layers_held_at(new_slots[node].stage)
+    )
+    assert plan.bytes_moved == plan.naive_bytes // 3
+
+
+def test_fatal_loss_with_surviving_data_parallel_copies_rebuilds_from_peers(build, twelve) -> None:
+    view, layout = twelve
+    dead = {layout.owner(0, 1): "preempted", layout.owner(0, 2): "preempted"}
+    after = build.view_after(layout, build.with_states(view.nodes, dead))
+    assert decide(after).when is When.NOW
+    new = plan_layout(after)
+    assert new.num_pipelines == 2
+    plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])
+    assert not plan.restore_from_checkpoint
+    assert all(t.source not in dead for t in plan.transfers)
+    assert plan.bytes_moved < plan.naive_bytes
+
+
+def test_fatal_loss_without_surviving_copies_restores_from_checkpoint(build) -> None:
+    nodes = build.zoned_nodes(6, "abc")  # one pipeline of 4, 2 in standby
+    layout = plan_layout(ClusterView(nodes=nodes, target_stages=4, target_pipelines=1, global_batch=4,
+                                     layers=build.uniform_layers(8)))
+    # stage 2 lived on its owner and on its shadow, the owner of stage 1: both lost
+    dead = {layout.owner(0, 1): "preempted", layout.owner(0, 2): "preempted"}
+    states = {node: "standby" for node in layout.standby} | dead
+    after = build.view_after(layout, build.with_states(nodes, states))
+    assert decide(after).reason is Reason.CONSECUTIVE_FAILURE
+    new = plan_layout(after)
+    assert new.num_pipelines == 1
+    plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])
+    assert plan.restore_from_checkpoint
+    assert plan.stages_without_copy == (2,)
+    assert plan.layers_without_copy == (4, 5)
+    assert plan.transfers == ()
+
+
+def test_fewer_usable_nodes_than_stages_lowers_the_depth(build) -> None:
+    view = ClusterView(nodes=build.zoned_nodes(3, "ab"), target_stages=4, target_pipelines=2, global_batch=4,
+                       layers=build.uniform_layers(6))
+    layout = plan_layout(view)
+    assert (layout.num_pipelines, layout.stages) == (1, 3)
+    assert layout.stage_layers == ((0, 2), (2, 4), (4, 6))
+
+
+def test_a_transfer_plan_refuses_a_dead_node_in_the_new_layout(build, twelve) -> None:
+    view, layout = twelve
+    survivors = [node.id for node in view.nodes][1:]
+    with pytest.raises(ValueError, match=r"not survivors \(marked \*\)"):
+        plan_transfers(layout, layout, survivors)
+
+
+def test_transfer_rounds_spread_the_senders(build, twelve) -> None:
+    view, layout = twelve
+    joiners = build.zoned_nodes(4, "abc", state="joining", prefix="j")
+    after = build.view_after(layout, [*view.nodes, *joiners], target_pipelines=4, global_batch=12)
+    new = plan_layout(after)
+    plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])
+    assert new.num_pipelines == 4
+    assert len({t.destination for t in plan.transfers}) == 4
+    # four fresh nodes each fetch two stages; three copies of every stage exist, so one round can serve them
+    assert len(plan.rounds) <= 2

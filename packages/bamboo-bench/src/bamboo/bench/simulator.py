@@ -273,6 +273,7 @@ class _Run:
         self.wasted_run = 0.0
         self.ckpt_samples = 0.0
         self.ckpt_clock = 0.0
+        self.ckpt_wall = 0.0
         self.next_ckpt = self.timing.checkpoint_interval_s
         self.node_seconds = 0.0
         # Nodes.
@@ -332,6 +333,7 @@ class _Run:
             end_clock = self.run_clock + dt
             while self.next_ckpt <= end_clock:
                 self.ckpt_samples = self.samples + rate * (self.next_ckpt - self.run_clock)
+                self.ckpt_wall = self.t + (self.next_ckpt - self.run_clock)
                 self.ckpt_clock = self.next_ckpt
                 self.next_ckpt += self.timing.checkpoint_interval_s
             self.samples += rate * dt
@@ -349,15 +351,29 @@ class _Run:
             self.rates.append(self.rate)
 
     def rollback(self) -> None:
-        """Restore the last checkpoint: the work since then is lost."""
+        """Restore the last checkpoint: the work since then is lost (and shown as no progress in the timeline)."""
+        if self.record and self.run_clock > self.ckpt_clock:
+            times, rates = self.times, self.rates
+            i = len(times) - 1
+            while i > 0 and times[i] > self.ckpt_wall:
+                i -= 1
+            if times[i] < self.ckpt_wall:
+                i += 1
+                times.insert(i, self.ckpt_wall)
+                self.node_counts.insert(i, self.node_counts[i - 1])
+                rates.insert(i, 0.0)
+            for j in range(i, len(rates)):
+                rates[j] = 0.0
         self.wasted_run += self.run_clock - self.ckpt_clock
         self.samples = self.ckpt_samples
         self.ckpt_clock = self.run_clock
+        self.ckpt_wall = self.t
         self.next_ckpt = self.run_clock + self.timing.checkpoint_interval_s
 
     def checkpoint_now(self) -> None:
         self.ckpt_samples = self.samples
         self.ckpt_clock = self.run_clock
+        self.ckpt_wall = self.t
         self.next_ckpt = self.run_clock + self.timing.checkpoint_interval_s
 
     def start_pause(self, length: float, forms: bool) -> None:

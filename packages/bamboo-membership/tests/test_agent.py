@@ -33,10 +33,10 @@ CONFIG = DetectorConfig(grace_period=GRACE, probe_timeout=0.2, probe_interval=0.
 
 
 class AgentProcess:
-    """`python -m bamboo.membership.agent` as a child process."""
+    """`python -m bamboo.membership` as a child process."""
 
     def __init__(self, etcd: EmbeddedEtcd, job: str, node: str, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "bamboo.membership.agent", "--etcd", etcd.endpoint, "--job", job,
+        cmd = [sys.executable, "-m", "bamboo.membership", "--etcd", etcd.endpoint, "--job", job,
                "--node", node, "--ttl", str(TTL), "--grace", str(GRACE), "--no-detector", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
@@ -224,10 +224,10 @@ def test_preemption_hook_turns_into_a_notice(store: MembershipStore, wait_until)
 
 
 def test_agent_cli_rejects_bad_input_with_one_line_and_no_traceback() -> None:
-    out = subprocess.run([sys.executable, "-m", "bamboo.membership.agent", "--etcd", "nohost", "--job", "j",
+    out = subprocess.run([sys.executable, "-m", "bamboo.membership", "--etcd", "nohost", "--job", "j",
                           "--node", "n"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == "bamboo agent: error: EtcdOptions.endpoints: 'nohost' is not host:port"
-    out = subprocess.run([sys.executable, "-m", "bamboo.membership.agent", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "bamboo.membership", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--grace" in out.stdout and "--tls-cert" in out.stdout

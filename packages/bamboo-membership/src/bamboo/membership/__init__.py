@@ -10,7 +10,7 @@
 - `FailureDetector`: neighbour reports confirmed by gRPC probes (with a grace period for slow nodes)
   and lease expiry, emitted as `NodeFailed(node, epoch, detected_by, reason)` once per node per epoch.
 - `NodeAgent`: one per node, the gRPC `Agent` service (Probe, Notify, Subscribe), optional TLS,
-  SIGTERM and cloud-hook preemption notices. `python -m bamboo.membership.agent --help`.
+  SIGTERM and cloud-hook preemption notices. `python -m bamboo.membership --help`.
 - `EtcdStore`: a `torch.distributed.Store` over etcd (loaded lazily; needs the `torch` extra).
 
 Nothing here imports torch at import time.

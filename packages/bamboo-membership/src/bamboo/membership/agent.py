@@ -11,7 +11,7 @@ One `NodeAgent` runs on each node. It
   (`watch_preemption_hook`) into a `Notify`: a `PreemptionNotice` published to etcd, with the record's
   state set to PREEMPTING.
 
-Run one as a process with `python -m bamboo.membership.agent --help`.
+Run one as a process with `python -m bamboo.membership --help`.
 
 Timeouts (seconds): `ttl` (lease, default 2); `notice_window` (how far in the future a SIGTERM notice
 puts the deadline, default 30, the GCP spot notice); `hook_interval` (how often the preemption hook is
@@ -319,7 +319,7 @@ class NodeAgent:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bamboo.membership.agent",
+        prog="python -m bamboo.membership",
         description="Run one node's Bamboo agent: gRPC Agent service, lease-held node record in etcd, "
         "failure detector, preemption notices. Prints one JSON line {\"node\", \"address\", \"port\"} when ready.",
     )
@@ -385,7 +385,3 @@ def main(argv: list[str] | None = None) -> int:
     agent.stop(leave=True)
     kv.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,6 +42,20 @@ def live_group_members(pgid: int) -> list[int]:
     return members
 
 
+def killed_or_gone(pids: list[int]) -> list[int]:
+    """The pids among ``pids`` that no longer run (gone, or zombies waiting to be reaped)."""
+    gone = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            gone.append(pid)
+            continue
+        if stat[stat.rindex(")") + 2 :].split()[0] == "Z":
+            gone.append(pid)
+    return gone
+
+
 def wait_for(predicate, timeout_s: float = 10.0) -> bool:
     """Poll an OS-level effect (a process dying, a file appearing) until true or timeout."""
     deadline = time.monotonic() + timeout_s
@@ -64,6 +78,7 @@ def proc_helpers():
     class Helpers:
         group_members = staticmethod(live_group_members)
         wait = staticmethod(wait_for)
+        killed_or_gone = staticmethod(killed_or_gone)
 
     assert os.path.isdir("/proc"), "these tests need Linux /proc"
     return Helpers

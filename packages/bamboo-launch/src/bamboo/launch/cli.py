@@ -20,7 +20,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import attrs
 
@@ -357,14 +357,233 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_market(subparsers: argparse._SubParsersAction) -> None:
+    market = subparsers.add_parser(
+        "market",
+        help="replay a preemption trace against one process per node (the emulated spot market)",
+        usage="bamboo-launch market --preemptions FILE|synthetic:RATE [options] -- COMMAND [ARGS...]",
+        description=(
+            "The emulated spot market. Every trace add starts COMMAND as a new node (its own process group, "
+            "with BAMBOO_NODE_ID and BAMBOO_ZONE set); every trace remove SIGKILLs that node's whole process "
+            "group; with --notice, SIGTERM reaches the node's leader process that many seconds before. "
+            "Trace time is divided by --time-scale. When the trace ends, the nodes still running are killed."
+        ),
+    )
+    market.add_argument(
+        "--preemptions",
+        required=True,
+        metavar="FILE|synthetic:RATE",
+        help="a trace file in any bamboo-bench format (the paper's EC2 CSV, GCP log, SkyPilot JSON, generic CSV), "
+        "or synthetic:RATE for the paper's model with a per-hour preemption probability RATE (e.g. synthetic:0.1)",
+    )
+    market.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=60.0,
+        help="trace seconds per wall second (default: %(default)s)",
+    )
+    market.add_argument(
+        "--zones",
+        type=_zones,
+        default=None,
+        help="zone names: spread a zone-less trace (the EC2 CSV) round-robin over them, or name a synthetic "
+        "trace's zones (default: the trace's own; synthetic: 3 zones)",
+    )
+    market.add_argument(
+        "--nodes", type=int, default=8, help="synthetic only: the desired cluster size (default: %(default)s)"
+    )
+    market.add_argument(
+        "--hours",
+        type=_positive_float,
+        default=1.0,
+        help="synthetic only: trace length in hours (default: %(default)s)",
+    )
+    market.add_argument(
+        "--seed", type=int, default=0, help="synthetic only: random seed (default: %(default)s)"
+    )
+    market.add_argument(
+        "--start", type=_non_negative_float, default=None, help="replay the trace from this trace second"
+    )
+    market.add_argument(
+        "--end", type=_positive_float, default=None, help="replay the trace up to this trace second"
+    )
+    market.add_argument(
+        "--allocation-delay",
+        type=_non_negative_float,
+        default=0.0,
+        help="wall seconds from a trace add to the node's start, not compressed (default: %(default)s)",
+    )
+    market.add_argument(
+        "--notice",
+        type=_non_negative_float,
+        default=0.0,
+        help="wall seconds of preemption notice (SIGTERM) before each kill; 0 for none (default: %(default)s)",
+    )
+    market.add_argument(
+        "--events",
+        metavar="OUT.jsonl",
+        default=None,
+        help="append join and preemption records to this event log",
+    )
+    market.add_argument(
+        "--log-dir", default=None, help="write each node's output to DIR/<node>.log (default: discard)"
+    )
+    market.add_argument(
+        "--dry-run", action="store_true", help="print the plan (one action a line) and start nothing"
+    )
+    market.set_defaults(handler=_market, script=[])
+
+
+def _load_market_trace(args: argparse.Namespace) -> Any:
+    """The trace named by --preemptions, sliced by --start/--end (bamboo-bench's loaders and generator)."""
+    spec_text = args.preemptions
+    if spec_text.startswith("synthetic:"):
+        from bamboo.bench.synthetic import SyntheticSpec, generate_trace
+
+        rate_text = spec_text.split(":", 1)[1]
+        try:
+            rate = float(rate_text)
+        except ValueError:
+            _fail(f"--preemptions synthetic:RATE needs a number RATE in [0, 1], got {rate_text!r}")
+        if args.nodes < 1:
+            _fail(f"--nodes must be >= 1, got {args.nodes}")
+        zones = len(args.zones) if args.zones else 3
+        try:
+            spec = SyntheticSpec(preemption_probability=rate, desired_nodes=args.nodes, zones=zones)
+        except ValueError as error:
+            _fail(f"--preemptions {spec_text}: {error}")
+        trace = generate_trace(spec, args.hours, args.seed)
+    else:
+        from bamboo.bench.loaders import load_trace
+
+        trace = load_trace(spec_text)  # a malformed file raises TraceFormatError naming file and line
+    if args.start is not None or args.end is not None:
+        start = args.start or 0.0
+        end = args.end if args.end is not None else max(trace.duration_s, start) + 1.0
+        if not end > start:
+            _fail(f"--end {end:g} must be after --start {start:g}")
+        trace = trace.slice(start, end)
+    return trace
+
+
+def _market_zone_map(args: argparse.Namespace, trace: Any) -> dict[str, str] | None:
+    from bamboo.launch.market import assign_zones
+
+    if not args.zones:
+        return None
+    if args.preemptions.startswith("synthetic:"):
+        names = dict(zip(trace.zone_names, args.zones, strict=False))
+        return {event.node: names[event.zone] for event in trace.events()}
+    used = sorted({event.zone for event in trace.events()})
+    if len(used) > 1:
+        _fail(f"the trace already has zones {used}; --zones is for traces without zones")
+    return assign_zones(trace.events(), args.zones)
+
+
+def _market(args: argparse.Namespace) -> int:
+    from bamboo.launch.market import plan_market
+
+    trace = _load_market_trace(args)
+    plan = plan_market(
+        trace.events(),
+        time_scale=args.time_scale,
+        allocation_delay_s=args.allocation_delay,
+        notice_s=args.notice,
+        zone_of=_market_zone_map(args, trace),
+    )
+    if args.dry_run:
+        for action in plan:
+            print(action)
+        kills = sum(action.kind.value == "kill" for action in plan)
+        adds = len(plan) - kills - sum(action.kind.value == "notify" for action in plan)
+        end = plan[-1].at_s if plan else 0.0
+        print(f"# {trace.name}: {adds} nodes started, {kills} killed, over {end:.1f} s", file=sys.stderr)
+        return 0
+    if not args.script:
+        _fail("market needs the node's command after --, e.g. -- bamboo-launch agent ...")
+    return _replay(args, plan)
+
+
+def _replay(args: argparse.Namespace, plan: Sequence[Any]) -> int:
+    import signal
+    import threading
+
+    from bamboo.launch.events import EventLog, Join, Preemption
+    from bamboo.launch.market import ActionKind, ExecutedAction, ProcessCluster, SpotMarket
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    command = list(args.script)
+    log = EventLog(args.events) if args.events else None
+    noticed_at: dict[str, float] = {}
+    counts = {"started": 0, "killed": 0, "noticed": 0}
+
+    def record(executed: ExecutedAction) -> None:
+        action = executed.action
+        if action.kind is ActionKind.ADD:
+            counts["started"] += 1
+            if log is not None:
+                log.write(Join(t=log.now(), node=executed.live_node, zone=action.zone))
+        elif action.kind is ActionKind.NOTIFY:
+            counts["noticed"] += 1
+            noticed_at[executed.live_node] = executed.executed_at_s
+        else:
+            counts["killed"] += 1
+            notice = executed.executed_at_s - noticed_at.pop(executed.live_node, executed.executed_at_s)
+            if log is not None:
+                log.write(Preemption(t=log.now(), node=executed.live_node, zone=action.zone, notice_s=notice))
+
+    total = plan[-1].at_s if plan else 0.0
+    interrupted = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: interrupted.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        with ProcessCluster(lambda node, zone: command, log_dir=args.log_dir) as cluster:
+            market = SpotMarket(plan, cluster, on_action=record)
+            market.start()
+            try:
+                with Progress(
+                    TextColumn("[bold]spot market"),
+                    BarColumn(),
+                    TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
+                    TextColumn("{task.fields[status]}"),
+                    TimeElapsedColumn(),
+                    console=Console(stderr=True),
+                ) as progress:
+                    task = progress.add_task("replay", total=max(total, 0.001), status="")
+                    while not market.join(timeout=0.2) and not interrupted.is_set():
+                        status = f"alive {len(cluster.alive())}, started {counts['started']}, killed {counts['killed']}"
+                        progress.update(task, completed=min(market.elapsed(), total), status=status)
+                    progress.update(task, completed=min(market.elapsed(), total))
+            finally:
+                # Stop the market before the cluster closes, so no node starts after the clean-up.
+                market.stop(timeout=10)
+            failures = len(market.failures)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if log is not None:
+            log.close()
+    print(
+        f"replayed {len(plan)} actions: {counts['started']} nodes started, {counts['killed']} killed, "
+        f"{counts['noticed']} noticed, {failures} failed actions"
+    )
+    if interrupted.is_set():
+        print("bamboo-launch: interrupted; every node was killed", file=sys.stderr)
+        return 130
+    return 1 if failures else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to render ``--help`` in the README)."""
     parser = argparse.ArgumentParser(
         prog="bamboo-launch",
         description="Bamboo's launcher: Kubernetes manifests, the emulated spot market and run reports.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{k8s,report}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{k8s,market,report}")
     _add_k8s(subparsers)
+    _add_market(subparsers)
     _add_report(subparsers)
     return parser
 

@@ -398,26 +398,28 @@ class ProcessCluster:
         self.zones: dict[str, str] = {}
         self.notices: list[tuple[str, float]] = []
         self._logs: dict[str, IO[bytes]] = {}
+        self._closed = False
 
     def add(self, zone: str) -> str:
+        # Under the lock, so that close() cannot miss a node started concurrently.
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"cluster is closed; not starting a node in {zone}")
             node = f"{self._prefix}{next(self._counter)}"
-        env = {**self._env, "BAMBOO_NODE_ID": node, "BAMBOO_ZONE": zone}
-        output: IO[bytes] | int = subprocess.DEVNULL
-        if self._log_dir is not None:
-            self._log_dir.mkdir(parents=True, exist_ok=True)
-            output = open(self._log_dir / f"{node}.log", "wb")  # noqa: SIM115
-            self._logs[node] = output
-        process = subprocess.Popen(
-            list(self._command(node, zone)),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        with self._lock:
-            self.processes[node] = process
+            env = {**self._env, "BAMBOO_NODE_ID": node, "BAMBOO_ZONE": zone}
+            output: IO[bytes] | int = subprocess.DEVNULL
+            if self._log_dir is not None:
+                self._log_dir.mkdir(parents=True, exist_ok=True)
+                output = open(self._log_dir / f"{node}.log", "wb")  # noqa: SIM115
+                self._logs[node] = output
+            self.processes[node] = subprocess.Popen(
+                list(self._command(node, zone)),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             self.zones[node] = zone
         return node
 
@@ -441,7 +443,9 @@ class ProcessCluster:
         return [node for node, process in self.processes.items() if process.poll() is None]
 
     def close(self) -> None:
-        """Kill every node that is still running and close the log files."""
+        """Kill every node that is still running and close the log files; later adds raise."""
+        with self._lock:
+            self._closed = True
         for node, process in list(self.processes.items()):
             if process.poll() is None:
                 kill_process_group(process.pid)

@@ -146,3 +146,18 @@ def test_transfer_rounds_spread_the_senders(build, twelve) -> None:
     assert len({t.destination for t in plan.transfers}) == 4
     # four fresh nodes each fetch two stages; three copies of every stage exist, so one round can serve them
     assert len(plan.rounds) <= 2
+
+
+@pytest.mark.parametrize(("pipeline", "stage"), [(0, 0), (1, 2), (2, 3)])
+def test_a_same_zone_replacement_takes_the_lost_slot_and_nobody_else_moves(build, twelve, pipeline, stage) -> None:
+    view, layout = twelve
+    victim = view.nodes_by_id[layout.owner(pipeline, stage)]
+    joiner = build.zoned_nodes(1, victim.zone, state="joining", prefix="j")[0]
+    after = build.view_after(layout, [*build.with_states(view.nodes, {victim.id: "preempted"}), joiner])
+    assert decide(after).reason is Reason.SHADOW_CARRYING_TWO_STAGES
+    new = plan_layout(after)
+    assert new.same_zone_neighbours == 0
+    plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])
+    assert {t.destination for t in plan.transfers} == {joiner.id}
+    assert new.slots()[joiner.id].stage == stage
+    assert plan.bytes_moved == sum(new.layers[i].state_bytes for i in new.layers_held_at(stage))

@@ -159,7 +159,8 @@ def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
         dest="grace_period_s",
         type=int,
         default=defaults.grace_period_s,
-        help="seconds from SIGTERM (a preemption notice) to the kill; GKE spot gives about 30, EKS about 120 (default: %(default)s)",
+        help="seconds from SIGTERM (a preemption notice) to the kill; GKE spot gives non-system pods 15 s, "
+        "EKS a 2-minute notice through its node drain (default: %(default)s)",
     )
     render.add_argument(
         "--checkpoint-dir",

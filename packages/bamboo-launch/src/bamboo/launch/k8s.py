@@ -140,7 +140,7 @@ class K8sConfig:
     memory: str = attrs.field(default="16Gi", validator=_quantity)
     gpus_per_node: int = attrs.field(default=1, validator=_non_negative)
     grpc_port: int = attrs.field(default=50051, validator=_port)
-    grace_period_s: int = attrs.field(default=25, validator=_positive)
+    grace_period_s: int = attrs.field(default=15, validator=_positive)
     checkpoint_dir: str = attrs.field(default="/checkpoints", validator=attrs.validators.min_len(1))
     checkpoint_claim: str | None = attrs.field(default=None)
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple)

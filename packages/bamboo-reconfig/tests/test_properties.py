@@ -6,7 +6,15 @@ import json
 import random
 from collections import Counter
 
-from bamboo.reconfig import ClusterView, Layout, decide, plan_layout, plan_transfers, same_zone_pairs
+from bamboo.reconfig import (
+    ClusterView,
+    Layout,
+    decide,
+    minimum_rounds,
+    plan_layout,
+    plan_transfers,
+    same_zone_pairs,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -87,6 +95,7 @@ def test_transfers_read_only_survivors_and_never_move_more_than_naive(strategies
         assert not set(plan.layers_without_copy) & surviving_layers
         assert set(plan.stages_without_copy) == {new.stage_of_layer(layer) for layer in plan.layers_without_copy}
         return
+    assert len(plan.rounds) == minimum_rounds(plan.transfers)
     for round_ in plan.rounds:
         assert len({t.source for t in round_}) == len(round_)
         assert len({t.destination for t in round_}) == len(round_)

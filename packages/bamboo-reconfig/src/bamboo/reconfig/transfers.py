@@ -10,7 +10,8 @@ stage (replica sync keeps all those copies exact, DESIGN.md "Replica sync"). So:
 - each missing layer comes from a surviving holder, never from a dead node; among holders the planner
   prefers one already sending to that node (fewer, larger messages), then the least loaded, then the
   smallest id;
-- the transfers run in rounds; in a round a node sends at most one transfer and receives at most one;
+- the transfers run in rounds; in a round a node sends at most one transfer and receives at most one,
+  and the number of rounds is the minimum (the most transfers any one node sends or receives);
 - when some layer has no surviving copy anywhere, the plan is "restore from checkpoint" (no transfers,
   since checkpointed and live state must not be mixed) and names the new stages that force it.
 
@@ -202,22 +203,47 @@ def plan_transfers(
 
 
 def schedule_rounds(transfers: Iterable[Transfer]) -> list[list[Transfer]]:
-    """Greedy rounds, largest transfers first: in a round a node sends at most one and receives at most one."""
-    rounds: list[list[Transfer]] = []
-    busy_sending: list[set[str]] = []
-    busy_receiving: list[set[str]] = []
-    for transfer in sorted(transfers, key=lambda t: (-t.bytes, t.source, t.destination)):
-        for index in range(len(rounds) + 1):
-            if index == len(rounds):
-                rounds.append([])
-                busy_sending.append(set())
-                busy_receiving.append(set())
-            if transfer.source not in busy_sending[index] and transfer.destination not in busy_receiving[index]:
-                rounds[index].append(transfer)
-                busy_sending[index].add(transfer.source)
-                busy_receiving[index].add(transfer.destination)
-                break
-    return [sorted(round_, key=lambda t: (t.source, t.destination)) for round_ in rounds]
+    """The fewest rounds in which no node sends more than one transfer or receives more than one.
+
+    Senders and receivers form a bipartite multigraph, so by König's theorem its edges can be coloured
+    with as many colours as the largest degree (``minimum_rounds``): each colour is a round. Each edge
+    takes a colour free at both ends, after swapping two colours along an alternating path when needed.
+    Transfers are coloured largest first, so that the first rounds carry the big ones.
+    """
+    ordered = sorted(transfers, key=lambda t: (-t.bytes, t.source, t.destination))
+    colours = minimum_rounds(ordered)
+    ends = [(("send", t.source), ("receive", t.destination)) for t in ordered]
+    colour_of: list[int] = [-1] * len(ordered)
+    edge_at: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
+    for edge, (sender, receiver) in enumerate(ends):
+        free_at_sender = next(c for c in range(colours) if c not in edge_at[sender])
+        free_at_receiver = next(c for c in range(colours) if c not in edge_at[receiver])
+        a, b = free_at_sender, free_at_receiver
+        if a in edge_at[receiver]:
+            # Swap a and b along the path that leaves the receiver on colour a; in a bipartite graph it
+            # never reaches the sender, and afterwards a is free at both ends.
+            path: list[int] = []
+            vertex, colour = receiver, a
+            while colour in edge_at[vertex]:
+                step = edge_at[vertex][colour]
+                path.append(step)
+                first, second = ends[step]
+                vertex = second if vertex == first else first
+                colour = b if colour == a else a
+            for step in path:
+                for end in ends[step]:
+                    del edge_at[end][colour_of[step]]
+            for step in path:
+                colour_of[step] = b if colour_of[step] == a else a
+                for end in ends[step]:
+                    edge_at[end][colour_of[step]] = step
+        colour_of[edge] = a
+        edge_at[sender][a] = edge
+        edge_at[receiver][a] = edge
+    rounds: list[list[Transfer]] = [[] for _ in range(colours)]
+    for edge, transfer in enumerate(ordered):
+        rounds[colour_of[edge]].append(transfer)
+    return [sorted(round_, key=lambda t: (t.source, t.destination)) for round_ in rounds if round_]
 
 
 def minimum_rounds(transfers: Iterable[Transfer]) -> int:

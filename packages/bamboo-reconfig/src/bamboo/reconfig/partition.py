@@ -14,10 +14,16 @@ stage's bounds; the set of feasible first-stage ends rides along as a bitmask, s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 from bamboo.reconfig.model import LayerSpec
+
+#: The compute cost, or the state bytes, of the layers in the half-open range [start, end).
+RangeCost = Callable[[int, int], float]
+RangeBytes = Callable[[int, int], int]
+#: One dynamic-programme level: the last stage's (start, end) mapped to a bitmask of first-stage ends.
+Level = dict[tuple[int, int], int]
 
 
 class InfeasibleSplit(ValueError):
@@ -90,7 +96,7 @@ def split_layers(
     return bounds
 
 
-def _greedy_stage_count(count: int, cost, limit: float) -> int:
+def _greedy_stage_count(count: int, cost: RangeCost, limit: float) -> int:
     """How many stages the greedy fill needs so that no stage costs more than ``limit``."""
     used, start = 0, 0
     while start < count:
@@ -104,7 +110,7 @@ def _greedy_stage_count(count: int, cost, limit: float) -> int:
     return used
 
 
-def _greedy_exact_split(count: int, stages: int, cost, limit: float) -> tuple[tuple[int, int], ...]:
+def _greedy_exact_split(count: int, stages: int, cost: RangeCost, limit: float) -> tuple[tuple[int, int], ...]:
     """Exactly ``stages`` stages of cost at most ``limit``, filling from the last stage backwards.
 
     Filling from the back leaves any slack in the first stages (the last stage also runs the loss), and
@@ -124,16 +130,18 @@ def _greedy_exact_split(count: int, stages: int, cost, limit: float) -> tuple[tu
     return tuple(bounds)
 
 
-def _memory_feasible(count: int, stages: int, cost, size, limit: float, memory: int) -> tuple[tuple[int, int], ...] | None:
+def _memory_feasible(
+    count: int, stages: int, cost: RangeCost, size: RangeBytes, limit: float, memory: int
+) -> tuple[tuple[int, int], ...] | None:
     """A split with every stage cost <= ``limit`` and every node's state within ``memory``, or None."""
     # Level k maps the last stage's bounds (start, end) to a bitmask of feasible first-stage ends.
-    level: dict[tuple[int, int], int] = {}
+    level: Level = {}
     for end in range(1, count - stages + 2):
         if cost(0, end) <= limit:
             level[(0, end)] = 1 << end
     history = [level]
     for k in range(1, stages):
-        nxt: dict[tuple[int, int], int] = {}
+        nxt: Level = {}
         last_possible_end = count - (stages - 1 - k)
         for (start, end), mask in level.items():
             for new_end in range(end + 1, last_possible_end + 1):
@@ -161,7 +169,9 @@ def _memory_feasible(count: int, stages: int, cost, size, limit: float, memory: 
     return None
 
 
-def _trace_back(history, last: tuple[int, int], first_end: int, size, memory: int) -> tuple[tuple[int, int], ...] | None:
+def _trace_back(
+    history: list[Level], last: tuple[int, int], first_end: int, size: RangeBytes, memory: int
+) -> tuple[tuple[int, int], ...] | None:
     """Walk the levels backwards from ``last`` to a first stage ending at ``first_end``."""
     bit = 1 << first_end
     path = [last]

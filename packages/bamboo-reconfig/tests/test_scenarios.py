@@ -161,3 +161,22 @@ def test_a_same_zone_replacement_takes_the_lost_slot_and_nobody_else_moves(build
     assert {t.destination for t in plan.transfers} == {joiner.id}
     assert new.slots()[joiner.id].stage == stage
     assert plan.bytes_moved == sum(new.layers[i].state_bytes for i in new.layers_held_at(stage))
+
+
+def test_too_few_nodes_wait_in_standby_until_a_joiner_completes_the_first_pipeline(build) -> None:
+    alone = build.zoned_nodes(1, "a")
+    view = ClusterView(nodes=alone, target_stages=2, target_pipelines=2, global_batch=4,
+                       layers=build.uniform_layers(4))
+    layout = plan_layout(view)
+    assert (layout.num_pipelines, layout.standby, layout.microbatches) == (0, ("n000",), ())
+    waiting = build.with_states(alone, {"n000": "standby"})
+    assert decide(build.view_after(layout, waiting, target_pipelines=2, global_batch=4)).when is When.CARRY_ON
+    joiner = build.zoned_nodes(1, "b", state="joining", prefix="j")
+    after = build.view_after(layout, [*waiting, *joiner], target_pipelines=2, global_batch=4)
+    assert decide(after).reasons == (Reason.NEW_PIPELINE,)
+    new = plan_layout(after)
+    assert new.owners == (("j000", "n000"),) or new.owners == (("n000", "j000"),)
+    assert new.microbatches == (4,)
+    plan = plan_transfers(layout, new, ["n000", "j000"])
+    # nobody holds any state yet: the first layout starts from the checkpoint (or the initial weights)
+    assert plan.restore_from_checkpoint and plan.stages_without_copy == (0, 1)

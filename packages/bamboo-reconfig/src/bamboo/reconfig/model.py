@@ -365,7 +365,9 @@ class ClusterView:
     ``target_stages`` (P) and ``target_pipelines`` (D) are upper bounds. ``global_batch`` is in
     microbatches and stays the same across reconfigurations. ``node_memory_bytes``, when given, bounds the
     state one node holds (its stage plus its successor's replica). Nodes are kept sorted by id, so the
-    order in which they were given never changes a result.
+    order in which they were given never changes a result. An owner that was preempted stays in the view
+    (state ``preempted``) until a new layout replaces the one that places it: that is how ``decide`` sees
+    which stages are lost.
     """
 
     nodes: tuple[Node, ...] = attrs.field(converter=_to_sorted_nodes)

@@ -206,6 +206,7 @@ class EtcdKV:
     def __init__(self, options: EtcdOptions) -> None:
         self.options = options
         self._lock = threading.Lock()
+        self.reauthentications = 0
         self._client = self._connect()
         self._closed = False
 
@@ -229,7 +230,7 @@ class EtcdKV:
                                 opts=grpc_options)
             )
         try:
-            return pyetcd.MultiEndpointEtcd3Client(
+            client = pyetcd.MultiEndpointEtcd3Client(
                 endpoints=endpoints,
                 timeout=opts.timeout,
                 user=opts.user,
@@ -240,6 +241,11 @@ class EtcdKV:
             raise self._translate(exc, "authenticate") from exc
         except _UNAVAILABLE as exc:
             raise StoreUnavailableError(f"etcd at {', '.join(opts.endpoints)} is unavailable: {exc}") from exc
+        if creds is None:
+            # pyetcd sends the auth token both as call credentials and as metadata; gRPC refuses call
+            # credentials on a plaintext channel, so keep only the metadata there.
+            client.call_credentials = None
+        return client
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
         where = ", ".join(self.options.endpoints)
@@ -267,7 +273,10 @@ class EtcdKV:
                 )
                 if stale_token:
                     with self._lock:
-                        self._client = self._connect()
+                        old, self._client = self._client, self._connect()
+                        self.reauthentications += 1
+                    with contextlib.suppress(Exception):
+                        old.close()  # its watch stream ends; PrefixWatch re-watches on the new client
                     continue
                 raise self._translate(exc, what) from exc
             except etcd_exceptions.RevisionCompactedError:
@@ -291,10 +300,9 @@ class EtcdKV:
         return int(resp.header.revision)
 
     def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, KeyValue]:
-        client = self._client
         ok, responses = self._call(
             f"create {key}",
-            lambda: client.transaction(
+            lambda: self._client.transaction(
                 compare=[etcd_txn.Create(key) == 0],
                 success=[etcd_txn.Put(key, value, lease=lease or None), etcd_txn.Get(key)],
                 failure=[etcd_txn.Get(key)],
@@ -418,8 +426,8 @@ class PrefixWatch:
     def _on_response(self, response: Any) -> None:
         # Runs on pyetcd's shared watch thread: only queue, never call back into the client here.
         with self._cond:
-            if isinstance(response, BaseException):
-                self._broken = True
+            if response is None or isinstance(response, BaseException):
+                self._broken = True  # the stream ended (etcd went away, or the client closed)
             else:
                 self._pending.append(response)
             self._cond.notify_all()
@@ -456,9 +464,14 @@ class PrefixWatch:
                         log.exception("watch callback for %s failed on %s", self.prefix, event)
             if broken:
                 self._rewatch()
+                if self._kv._closed:
+                    return
 
     def _rewatch(self) -> None:
         while not self._cancelled:
+            if self._kv._closed:
+                log.debug("watch %s: the client was closed; the watch ends", self.prefix)
+                return
             try:
                 assert self._next_revision is not None
                 watch_id = self._kv._add_watch(self.prefix, self._on_response, self._next_revision)

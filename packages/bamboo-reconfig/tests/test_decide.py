@@ -91,3 +91,16 @@ def test_decision_round_trips_and_validates(build, healthy) -> None:
         type(decision)(When.NOW, [], "x")
     with pytest.raises(ValueError, match="'soon'"):
         type(decision)("soon", [Reason.NO_LAYOUT], "x")
+
+
+def test_waiting_nodes_that_restore_the_target_depth_reconfigure_at_the_boundary(build) -> None:
+    nodes = build.zoned_nodes(3, "ab")
+    layout = plan_layout(ClusterView(nodes=nodes, target_stages=4, target_pipelines=1, global_batch=4,
+                                     layers=build.uniform_layers(8)))
+    assert (layout.stages, layout.num_pipelines) == (3, 1)
+    joiner = build.zoned_nodes(1, "c", state="joining", prefix="j")
+    after = build.view_after(layout, [*nodes, *joiner], target_stages=4)
+    decision = decide(after)
+    assert decision.reasons == (Reason.NEW_PIPELINE,)
+    assert "1 pipeline(s) of 4 stages, back towards the target depth, instead of 1 of 3" in decision.detail
+    assert plan_layout(after).stages == 4

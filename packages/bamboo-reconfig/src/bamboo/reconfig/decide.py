@@ -11,7 +11,8 @@ The triggers (paper §5, DESIGN.md "Reconfiguration"), most urgent first:
 - ``shadow-carrying-two-stages`` (next step boundary): a shadow runs a failed node's stage besides its
   own, and a standby or joining node is waiting to take that stage over.
 - ``new-pipeline`` (next step boundary): the waiting (standby and joining) nodes, with the survivors,
-  can form more pipelines than run now, up to the target D.
+  can form more pipelines than run now, up to the target D; or, when the layout runs shallower than the
+  target P (too few nodes were left), they can form pipelines of a greater depth again.
 
 Otherwise ``carry-on``: either every pipeline is whole, or its failures are absorbed by shadows and no
 replacement is waiting. With no layout yet, the decision is to configure now (``no-layout``).
@@ -25,8 +26,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from bamboo.reconfig.layout_plan import pipeline_count
+from bamboo.reconfig.layout_plan import choose_depth, pipeline_count
 from bamboo.reconfig.model import ClusterView, NodeState
+from bamboo.reconfig.partition import InfeasibleSplit
 
 
 class When(enum.Enum):
@@ -151,7 +153,15 @@ def decide(view: ClusterView) -> Decision:
         details.append(f"{carried}; {waiting} replacement(s) waiting")
         concerned.update(degraded)
     possible = pipeline_count(usable, stages, view.target_pipelines, view.global_batch)
-    if waiting and possible > layout.num_pipelines:
+    deeper = _deeper_stages(view, usable) if waiting and stages < view.target_stages else None
+    if deeper is not None:
+        reasons.append(Reason.NEW_PIPELINE)
+        details.append(
+            f"{waiting} waiting node(s) with the survivors can run "
+            f"{pipeline_count(usable, deeper, view.target_pipelines, view.global_batch)} pipeline(s) of {deeper} "
+            f"stages, back towards the target depth, instead of {layout.num_pipelines} of {stages}"
+        )
+    elif waiting and possible > layout.num_pipelines:
         reasons.append(Reason.NEW_PIPELINE)
         details.append(
             f"{waiting} waiting node(s) with the survivors can run {possible} pipeline(s) of {stages} stages "
@@ -169,6 +179,16 @@ def decide(view: ClusterView) -> Decision:
         )
     return Decision(When.CARRY_ON, [Reason.ALL_PIPELINES_WHOLE],
                     f"all {layout.num_pipelines} pipeline(s) are whole; {waiting} node(s) waiting", ())
+
+
+def _deeper_stages(view: ClusterView, usable: int) -> int | None:
+    """The depth ``plan_layout`` would now choose, when it is deeper than the current layout's."""
+    assert view.layout is not None
+    try:
+        stages, _bounds = choose_depth(view, usable)
+    except InfeasibleSplit:
+        return None
+    return stages if stages > view.layout.stages and usable >= stages else None
 
 
 def _join(values: list[int]) -> str:

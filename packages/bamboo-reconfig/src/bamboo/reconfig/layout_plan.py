@@ -66,7 +66,7 @@ def held_layers(view: ClusterView) -> dict[str, frozenset[int]]:
     }
 
 
-def _choose_depth(view: ClusterView, usable: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+def choose_depth(view: ClusterView, usable: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """The deepest P <= target that the usable nodes can fill and whose split fits node memory.
 
     With fewer than 2 usable nodes no pipeline can form: the target depth is kept and everyone waits.
@@ -87,7 +87,7 @@ def _choose_depth(view: ClusterView, usable: int) -> tuple[int, tuple[tuple[int,
 def plan_layout(view: ClusterView) -> Layout:
     """The new layout for ``view``: same inputs (in any order) give the same layout."""
     usable = list(view.usable_nodes)
-    stages, bounds = _choose_depth(view, len(usable))
+    stages, bounds = choose_depth(view, len(usable))
     rings = pipeline_count(len(usable), stages, view.target_pipelines, view.global_batch)
     holdings = held_layers(view)
 

@@ -4,49 +4,52 @@ Bamboo's last resort: a checkpoint is restored only when every copy of some stag
 checkpoints must never slow training down, and a checkpoint that was half written when its node
 died must never be loaded.
 
-On disk, ``DIR/step-000000123/`` holds:
+A checkpoint of step 123 is the folder ``DIR/step-000000123/``, holding one **shard** per writer
+(in pipeline parallelism each stage saves its own layers; a single-process job has one shard,
+``state``):
 
-- ``state.pt``: the state dict, written with ``torch.save``;
-- ``manifest.json``: ``{"format": 1, "step": 123, "created_unix": ..., "files": {"state.pt":
-  {"bytes": N, "sha256": "..."}}}``, written last.
+- ``<shard>.pt``: the shard's state dict, written with ``torch.save``;
+- ``<shard>.manifest.json``: ``{"format": 1, "step": 123, "shard": "<shard>", "created_unix":
+  ..., "file": "<shard>.pt", "bytes": N, "sha256": "..."}``.
 
-A checkpoint is written into a hidden temporary folder ``DIR/.tmp-step-000000123-<random>/``;
-each file is fsynced, then the folder is renamed to its final name and ``DIR`` is fsynced. A
-rename is atomic, so a reader sees a whole checkpoint or none. Leftover temporary folders (a
-writer killed mid-write) are ignored by readers and removed by the next writer.
+Each file is written under a temporary name (``<shard>.pt.tmp-<random>``), flushed and fsynced,
+then renamed into place; the manifest is renamed last, so its presence is the commit point, and
+the folder is fsynced after. A reader therefore sees a shard whole or not at all. Temporary files
+left by a writer killed mid-write are ignored by readers and removed by that shard's next writer.
+Writers of different shards never touch each other's files, so the stages of a pipeline write
+into the same step folder concurrently.
 
-:func:`load_latest_good` checks the newest checkpoint's manifest and checksums, loads it with
-``torch.load(weights_only=True)``, and if anything is wrong logs a clear error naming the folder
-and the reason and falls back to the previous one.
+:func:`load_latest_good` walks the step folders from the newest, checks every requested shard
+(manifest present, size and SHA-256 match, ``torch.load(weights_only=True)`` succeeds), and on
+any failure logs a clear error naming the file and the reason and falls back to the previous
+step.
 
 :class:`AsyncCheckpointer` takes a snapshot of the state in the caller's thread (tensors are
-cloned to CPU, which is a memory copy) and does the slow part (serialise, checksum, fsync,
-rename, prune) in one background thread. If a save is requested while the previous one is
-still being written, the newer snapshot waits in a single slot; an older waiting snapshot is
-replaced (and counted in ``superseded``), so the queue never grows and the training loop never
-waits for the disk.
+cloned to CPU: a memory copy) and does the slow part (serialise, checksum, fsync, rename, prune)
+in one background thread. A save requested while the previous one is still being written waits
+in a single slot; an older waiting snapshot is replaced (counted in ``superseded``), so the queue
+never grows and the training loop never waits for the disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 __all__ = [
-    "MANIFEST_NAME",
-    "STATE_NAME",
+    "DEFAULT_SHARD",
     "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointInfo",
@@ -56,31 +59,33 @@ __all__ = [
     "load_checkpoint",
     "load_latest_good",
     "snapshot_state",
+    "verify_shard",
     "write_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
-STATE_NAME = "state.pt"
+DEFAULT_SHARD = "state"
 FORMAT_VERSION = 1
-_FINAL = re.compile(r"^step-(\d{9})$")
-_TEMP_PREFIX = ".tmp-step-"
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_TEMP_MARK = ".tmp-"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint folder that cannot be used; the message names it and says why."""
+    """A checkpoint shard that cannot be used; the message names the file and says why."""
 
 
 class NoGoodCheckpointError(CheckpointError):
-    """No usable checkpoint exists in the folder (the message lists what was rejected)."""
+    """No step has every requested shard in good order (the message lists what was rejected)."""
 
 
 @attrs.frozen
 class CheckpointInfo:
-    """A committed checkpoint: its step, folder, size on disk and how long writing it took."""
+    """A committed shard: its step, shard name, data file, size on disk and time to write."""
 
     step: int
+    shard: str
     path: Path
     bytes: int
     duration_s: float
@@ -88,11 +93,27 @@ class CheckpointInfo:
 
 @attrs.frozen
 class LoadedCheckpoint:
-    """A checkpoint that passed every check, and its state."""
+    """A step whose requested shards all passed every check, and their states."""
 
     step: int
     path: Path
-    state: dict[str, Any]
+    shards: dict[str, dict[str, Any]]
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The state of a single-shard checkpoint (raises if several shards were loaded)."""
+        if len(self.shards) != 1:
+            raise ValueError(
+                f"checkpoint {self.path} has shards {sorted(self.shards)}; pick one from .shards"
+            )
+        return next(iter(self.shards.values()))
+
+
+def _check_shard_name(shard: str) -> None:
+    if not isinstance(shard, str) or not _SHARD_NAME.match(shard) or _TEMP_MARK in shard:
+        raise ValueError(
+            f"shard name must be 1-64 characters of letters, digits, '_', '.', '-', got {shard!r}"
+        )
 
 
 def _fsync_path(path: Path) -> None:
@@ -112,7 +133,7 @@ def _sha256(path: Path) -> str:
 
 
 def snapshot_state(state: Any) -> Any:
-    """A deep copy of ``state`` that training may not mutate: tensors are detached CPU clones."""
+    """A deep copy of ``state`` that training cannot mutate: tensors become detached CPU clones."""
     import torch
 
     if isinstance(state, torch.Tensor):
@@ -124,168 +145,205 @@ def snapshot_state(state: Any) -> Any:
     return state
 
 
-def checkpoint_dir_name(step: int) -> str:
-    """The final folder name of ``step``'s checkpoint: ``step-000000123``."""
-    if step < 0 or step >= 10**9:
-        raise ValueError(f"step must be in [0, 1e9), got {step}")
+def step_dir_name(step: int) -> str:
+    """The folder name of ``step``'s checkpoint: ``step-000000123``."""
+    if not isinstance(step, int) or not 0 <= step < 10**9:
+        raise ValueError(f"step must be an integer in [0, 1e9), got {step!r}")
     return f"step-{step:09d}"
 
 
+def _write_then_rename(final: Path, write: Callable[[Any], None]) -> None:
+    temp = final.with_name(f"{final.name}{_TEMP_MARK}{uuid.uuid4().hex[:8]}")
+    try:
+        with open(temp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
 def write_checkpoint(
-    directory: str | os.PathLike[str], step: int, state: Mapping[str, Any]
+    directory: str | os.PathLike[str], step: int, state: Mapping[str, Any], shard: str = DEFAULT_SHARD
 ) -> CheckpointInfo:
-    """Write ``state`` as ``step``'s checkpoint, atomically (synchronous; the worker thread's job)."""
+    """Write ``state`` as ``shard`` of ``step``'s checkpoint, atomically (synchronous).
+
+    This is the background thread's job in :class:`AsyncCheckpointer`; call it directly only
+    where blocking is fine.
+    """
     import torch
 
+    _check_shard_name(shard)
     started = time.monotonic()
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_dir_name(step)
-    temp = root / f"{_TEMP_PREFIX}{step:09d}-{uuid.uuid4().hex[:8]}"
-    temp.mkdir()
-    try:
-        state_path = temp / STATE_NAME
-        with open(state_path, "wb") as handle:
-            torch.save(dict(state), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        size = state_path.stat().st_size
-        manifest = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "created_unix": time.time(),
-            "files": {STATE_NAME: {"bytes": size, "sha256": _sha256(state_path)}},
-        }
-        with open(temp / MANIFEST_NAME, "w", encoding="utf-8") as handle:
-            json.dump(manifest, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _fsync_path(temp)
-        if final.exists():
-            # A checkpoint of the same step already exists (a restarted run): replace it whole.
-            shutil.rmtree(final)
-        os.rename(temp, final)
-        _fsync_path(root)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    return CheckpointInfo(step=step, path=final, bytes=size, duration_s=time.monotonic() - started)
+    folder = root / step_dir_name(step)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{shard}.pt"
+    manifest_path = folder / f"{shard}.manifest.json"
+    # A shard of this step written before (a restarted run) is replaced: uncommit it first.
+    manifest_path.unlink(missing_ok=True)
+    _write_then_rename(data, lambda handle: torch.save(dict(state), handle))
+    size = data.stat().st_size
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "shard": shard,
+        "created_unix": time.time(),
+        "file": data.name,
+        "bytes": size,
+        "sha256": _sha256(data),
+    }
+    _write_then_rename(manifest_path, lambda handle: handle.write(json.dumps(manifest, indent=1).encode()))
+    _fsync_path(folder)
+    _fsync_path(root)
+    return CheckpointInfo(
+        step=step, shard=shard, path=data, bytes=size, duration_s=time.monotonic() - started
+    )
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Committed checkpoint folders as ``(step, path)``, newest first (temporary folders excluded)."""
+    """Step folders as ``(step, path)``, newest first (whether or not their shards are good)."""
     root = Path(directory)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
-        match = _FINAL.match(entry.name)
+        match = _STEP_DIR.match(entry.name)
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     return sorted(found, reverse=True)
 
 
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check ``path``'s manifest, sizes and checksums; return the manifest or raise CheckpointError."""
-    manifest_path = path / MANIFEST_NAME
+def verify_shard(folder: Path, shard: str = DEFAULT_SHARD) -> dict[str, Any]:
+    """Check one shard's manifest, size and checksum; return the manifest or raise CheckpointError."""
+    manifest_path = folder / f"{shard}.manifest.json"
+    data = folder / f"{shard}.pt"
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {path} has no {MANIFEST_NAME} (partial write?)")
+        state = (
+            "its data file exists but was never committed (partial write)"
+            if data.exists()
+            else "it is missing"
+        )
+        raise CheckpointError(f"checkpoint shard {data}: no manifest, {state}")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST_NAME} is unreadable: {error}") from None
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {error}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint {path}: {MANIFEST_NAME} is not format {FORMAT_VERSION}: {manifest!r:.120}"
+            f"checkpoint manifest {manifest_path} is not format {FORMAT_VERSION}: {manifest!r:.120}"
         )
-    files = manifest.get("files")
-    if not isinstance(files, dict) or STATE_NAME not in files:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST_NAME} lists no {STATE_NAME}")
-    for name, expected in files.items():
-        file_path = path / name
-        if not file_path.is_file():
-            raise CheckpointError(f"checkpoint {path}: {name} is missing")
-        size = file_path.stat().st_size
-        if size != expected.get("bytes"):
-            raise CheckpointError(
-                f"checkpoint {path}: {name} has {size} bytes, the manifest says {expected.get('bytes')} (truncated?)"
-            )
-        digest = _sha256(file_path)
-        if digest != expected.get("sha256"):
-            raise CheckpointError(
-                f"checkpoint {path}: {name} sha256 {digest[:16]}... does not match the manifest's "
-                f"{str(expected.get('sha256'))[:16]}... (corrupt)"
-            )
+    if manifest.get("shard") != shard or manifest.get("file") != data.name:
+        raise CheckpointError(
+            f"checkpoint manifest {manifest_path} describes shard {manifest.get('shard')!r} file "
+            f"{manifest.get('file')!r}, not {shard!r}"
+        )
+    if not data.is_file():
+        raise CheckpointError(f"checkpoint shard {data} is missing although its manifest exists")
+    size = data.stat().st_size
+    if size != manifest.get("bytes"):
+        raise CheckpointError(
+            f"checkpoint shard {data} has {size} bytes, its manifest says {manifest.get('bytes')} (truncated?)"
+        )
+    digest = _sha256(data)
+    if digest != manifest.get("sha256"):
+        raise CheckpointError(
+            f"checkpoint shard {data}: sha256 {digest[:16]}... does not match the manifest's "
+            f"{str(manifest.get('sha256'))[:16]}... (corrupt)"
+        )
     return manifest
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
-    """Verify and load one checkpoint folder; raises CheckpointError saying what is wrong."""
+def _load_shard(folder: Path, shard: str) -> dict[str, Any]:
     import torch
 
-    path = Path(path)
-    manifest = verify_checkpoint(path)
+    verify_shard(folder, shard)
+    data = folder / f"{shard}.pt"
     try:
-        state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+        state = torch.load(data, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise CheckpointError(f"checkpoint {path}: {STATE_NAME} does not load: {error}") from None
+        raise CheckpointError(f"checkpoint shard {data} does not load: {error}") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path}: {STATE_NAME} holds a {type(state).__name__}, not a dict")
-    return LoadedCheckpoint(step=int(manifest["step"]), path=path, state=state)
+        raise CheckpointError(f"checkpoint shard {data} holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def load_checkpoint(
+    folder: str | os.PathLike[str], shards: Sequence[str] = (DEFAULT_SHARD,)
+) -> LoadedCheckpoint:
+    """Verify and load ``shards`` of one step folder; raises CheckpointError saying what is wrong."""
+    folder = Path(folder)
+    match = _STEP_DIR.match(folder.name)
+    if not match:
+        raise CheckpointError(f"{folder} is not a checkpoint folder (step-NNNNNNNNN)")
+    if not shards:
+        raise ValueError("load at least one shard")
+    for shard in shards:
+        _check_shard_name(shard)
+    loaded = {shard: _load_shard(folder, shard) for shard in shards}
+    return LoadedCheckpoint(step=int(match.group(1)), path=folder, shards=loaded)
 
 
 def load_latest_good(
-    directory: str | os.PathLike[str], log: logging.Logger | None = None
+    directory: str | os.PathLike[str],
+    shards: Sequence[str] = (DEFAULT_SHARD,),
+    log: logging.Logger | None = None,
 ) -> LoadedCheckpoint:
-    """Load the newest checkpoint that passes every check; log each bad one and fall back.
+    """Load the newest step whose ``shards`` all pass every check; log each bad one and fall back.
 
-    Raises :class:`NoGoodCheckpointError` if none is usable (or the folder holds none).
+    Raises :class:`NoGoodCheckpointError` if no step qualifies (or there are none).
     """
     log = log or logger
-    rejected = []
-    for _, path in list_checkpoints(directory):
+    rejected: list[str] = []
+    for _, folder in list_checkpoints(directory):
         try:
-            loaded = load_checkpoint(path)
+            loaded = load_checkpoint(folder, shards)
         except CheckpointError as error:
             log.error("skipping bad checkpoint: %s; falling back to the previous one", error)
             rejected.append(str(error))
             continue
         if rejected:
-            log.warning("restored checkpoint %s after rejecting %d newer one(s)", path, len(rejected))
+            log.warning("restored checkpoint %s after rejecting %d newer one(s)", folder, len(rejected))
         return loaded
     detail = "; ".join(rejected) if rejected else "no checkpoints"
-    raise NoGoodCheckpointError(f"no usable checkpoint in {directory}: {detail}")
+    raise NoGoodCheckpointError(f"no usable checkpoint with shards {list(shards)} in {directory}: {detail}")
 
 
 class AsyncCheckpointer:
-    """Periodic checkpoints written by one background thread; ``save`` only takes a snapshot.
+    """Periodic checkpoints of one shard, written by one background thread; ``save`` only snapshots.
 
     Args:
-        directory: where checkpoint folders go (created if missing).
+        directory: where step folders go (created if missing).
+        shard: this writer's shard name (one per pipeline stage, say ``stage-2``).
         every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
-        keep: how many committed checkpoints to keep; older ones are deleted after each commit
-            (never the one just written).
-        on_commit: called in the writer thread with each committed checkpoint's
-            :class:`CheckpointInfo` (the launcher writes a ``checkpoint`` event there).
-        writer: the function that writes one checkpoint (``write_checkpoint``); tests inject a
-            slow one to prove that the training loop does not wait.
+        keep: how many of this shard's newest checkpoints to keep; older files of this shard are
+            deleted after each commit (and their folder, once empty).
+        on_commit: called in the writer thread with each committed shard's :class:`CheckpointInfo`
+            (the launcher writes a ``checkpoint`` event there).
+        writer: the function that writes one shard (``write_checkpoint``); tests inject a gated
+            one to prove that the training loop does not wait for it.
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
+        shard: str = DEFAULT_SHARD,
         every_steps: int = 10,
         keep: int = 3,
         on_commit: Callable[[CheckpointInfo], None] | None = None,
-        writer: Callable[[Path, int, Mapping[str, Any]], CheckpointInfo] = write_checkpoint,
+        writer: Callable[[Path, int, Mapping[str, Any], str], CheckpointInfo] = write_checkpoint,
     ) -> None:
-        if every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+        _check_shard_name(shard)
+        if not isinstance(every_steps, int) or every_steps < 1:
+            raise ValueError(f"every_steps must be an integer >= 1, got {every_steps!r}")
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.shard = shard
         self.every_steps = every_steps
         self.keep = keep
         self._on_commit = on_commit
@@ -298,24 +356,25 @@ class AsyncCheckpointer:
         self.errors: list[BaseException] = []
         self.superseded = 0
         self._remove_stale_temporaries()
-        self._thread = threading.Thread(target=self._run, name="bamboo-checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"bamboo-checkpoint-{shard}", daemon=True)
         self._thread.start()
 
     def _remove_stale_temporaries(self) -> None:
-        for entry in self.directory.iterdir():
-            if entry.name.startswith(_TEMP_PREFIX):
-                logger.warning("removing partial checkpoint %s left by an earlier writer", entry)
-                shutil.rmtree(entry, ignore_errors=True)
+        for _, folder in list_checkpoints(self.directory):
+            for entry in folder.glob(f"{self.shard}.*{_TEMP_MARK}*"):
+                logger.warning("removing partial checkpoint file %s left by an earlier writer", entry)
+                entry.unlink(missing_ok=True)
 
     def maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> bool:
-        """Save if ``step`` is on the period; ``state`` may be a callable, only called then."""
+        """Save if ``step`` is on the period; ``state`` may be a callable, called only then."""
         if step % self.every_steps != 0:
             return False
         self.save(step, state() if callable(state) else state)
         return True
 
     def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Snapshot ``state`` now and queue it for the writer thread; returns without disk I/O."""
+        """Snapshot ``state`` now and hand it to the writer thread; returns without disk I/O."""
+        step_dir_name(step)  # validate now, in the caller, not later in the thread
         snapshot = snapshot_state(dict(state))
         with self._cond:
             if self._closed:
@@ -336,7 +395,7 @@ class AsyncCheckpointer:
             return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Write what is pending, stop the thread and raise the first write error, if any."""
+        """Write what is pending, stop the thread, and raise the first write error, if any."""
         self.wait(timeout)
         with self._cond:
             self._closed = True
@@ -361,20 +420,29 @@ class AsyncCheckpointer:
                 self._pending = None
                 self._busy = True
             try:
-                info = self._writer(self.directory, step, snapshot)
+                info = self._writer(self.directory, step, snapshot, self.shard)
                 self.committed.append(info)
-                self._prune(keep_path=info.path)
+                self._prune(keep_step=step)
                 if self._on_commit is not None:
                     self._on_commit(info)
-            except BaseException as error:  # a failed write must not kill the thread silently
-                logger.error("checkpoint of step %d failed: %s", step, error)
+            except BaseException as error:  # a failed write must not end the thread silently
+                logger.error("checkpoint of step %d (shard %s) failed: %s", step, self.shard, error)
                 self.errors.append(error)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _prune(self, keep_path: Path) -> None:
-        for _, path in list_checkpoints(self.directory)[self.keep :]:
-            if path != keep_path:
-                shutil.rmtree(path, ignore_errors=True)
+    def _prune(self, keep_step: int) -> None:
+        mine = [
+            (step, folder)
+            for step, folder in list_checkpoints(self.directory)
+            if (folder / f"{self.shard}.manifest.json").exists()
+        ]
+        for step, folder in mine[self.keep :]:
+            if step == keep_step:
+                continue
+            (folder / f"{self.shard}.manifest.json").unlink(missing_ok=True)  # uncommit first
+            (folder / f"{self.shard}.pt").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only succeeds once every shard of that step is gone

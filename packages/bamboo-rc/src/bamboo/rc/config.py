@@ -1,0 +1,250 @@
+"""DeepSpeed config parsing for the bamboo runtime.
+
+A DeepSpeed user keeps their config file. This module reads the subset that bamboo supports
+(micro batch size, gradient accumulation, optimizer, scheduler, gradient clipping, bf16) into a
+frozen :class:`TrainingConfig`. Every key it does not support raises :class:`ConfigError` naming
+that key: nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = [
+    "SUPPORTED_KEYS",
+    "ConfigError",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TrainingConfig",
+    "build_optimizer",
+    "build_scheduler",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed config key or value that bamboo does not support (yet)."""
+
+
+# Top-level keys bamboo understands. `train_batch_size` is only checked for consistency.
+SUPPORTED_KEYS: tuple[str, ...] = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "bf16",
+)
+
+_OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
+    "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "torch_adam"),
+    "sgd": ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
+}
+
+_SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
+    "warmuplr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "warmupdecaylr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+}
+
+
+def _check_keys(where: str, given: Iterable[str], allowed: Iterable[str]) -> None:
+    allowed_set = set(allowed)
+    for key in given:
+        if key not in allowed_set:
+            raise ConfigError(
+                f"unsupported DeepSpeed config key {where}{key!r} (bamboo supports: {', '.join(sorted(allowed_set))})"
+            )
+
+
+@attrs.frozen
+class OptimizerConfig:
+    """The optimizer type (lower-case DeepSpeed name) and its keyword parameters."""
+
+    type: str = attrs.field(validator=attrs.validators.in_(tuple(_OPTIMIZER_PARAMS)))
+    params: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """The LR scheduler type (lower-case DeepSpeed name) and its keyword parameters."""
+
+    type: str = attrs.field(validator=attrs.validators.in_(tuple(_SCHEDULER_PARAMS)))
+    params: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _finite_non_negative(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (value >= 0.0 and math.isfinite(value)):
+        raise ConfigError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+@attrs.frozen
+class TrainingConfig:
+    """What bamboo takes from a DeepSpeed config."""
+
+    micro_batch_size: int = attrs.field(validator=_positive)
+    micro_batches: int = attrs.field(validator=_positive)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig("adamw", {"lr": 1e-3}))
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: float = attrs.field(default=0.0, validator=_finite_non_negative)
+    bf16: bool = False
+
+
+def _as_int(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> TrainingConfig:
+    """Parse a DeepSpeed config dict or JSON file path into a :class:`TrainingConfig`.
+
+    `pipelines` (the data-parallel degree D) is only used to check `train_batch_size`, which
+    must equal micro batch size × gradient accumulation steps × D when it is given.
+    """
+    if isinstance(config, (str, Path)):
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read DeepSpeed config {str(config)!r}: {exc}") from exc
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"a DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+    _check_keys("", config, SUPPORTED_KEYS)
+
+    if "train_micro_batch_size_per_gpu" not in config:
+        raise ConfigError("the DeepSpeed config needs 'train_micro_batch_size_per_gpu'")
+    micro = _as_int("train_micro_batch_size_per_gpu", config["train_micro_batch_size_per_gpu"])
+    accumulation = _as_int("gradient_accumulation_steps", config.get("gradient_accumulation_steps", 1))
+    if "train_batch_size" in config:
+        total = _as_int("train_batch_size", config["train_batch_size"])
+        if total != micro * accumulation * pipelines:
+            raise ConfigError(
+                f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
+                f"gradient_accumulation_steps {accumulation} × pipelines {pipelines}"
+            )
+
+    optimizer = OptimizerConfig("adamw", {"lr": 1e-3})
+    if "optimizer" in config:
+        raw = config["optimizer"]
+        _check_keys("optimizer.", raw, ("type", "params"))
+        kind = str(raw.get("type", "")).lower()
+        if kind not in _OPTIMIZER_PARAMS:
+            raise ConfigError(
+                f"unsupported optimizer type {raw.get('type')!r} (bamboo supports: Adam, AdamW, SGD)"
+            )
+        params = dict(raw.get("params", {}))
+        _check_keys("optimizer.params.", params, _OPTIMIZER_PARAMS[kind])
+        optimizer = OptimizerConfig(kind, params)
+
+    scheduler = None
+    if "scheduler" in config:
+        raw = config["scheduler"]
+        _check_keys("scheduler.", raw, ("type", "params"))
+        kind = str(raw.get("type", "")).lower()
+        if kind not in _SCHEDULER_PARAMS:
+            raise ConfigError(
+                f"unsupported scheduler type {raw.get('type')!r} (bamboo supports: WarmupLR, WarmupDecayLR)"
+            )
+        params = dict(raw.get("params", {}))
+        _check_keys("scheduler.params.", params, _SCHEDULER_PARAMS[kind])
+        if params.get("warmup_type", "log") not in ("log", "linear"):
+            raise ConfigError(f"unsupported scheduler.params.warmup_type {params['warmup_type']!r}")
+        if kind == "warmupdecaylr" and "total_num_steps" not in params:
+            raise ConfigError("scheduler WarmupDecayLR needs scheduler.params.total_num_steps")
+        scheduler = SchedulerConfig(kind, params)
+
+    bf16 = False
+    if "bf16" in config:
+        raw = config["bf16"]
+        _check_keys("bf16.", raw, ("enabled",))
+        bf16 = bool(raw.get("enabled", False))
+
+    clip = config.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+        raise ConfigError(f"gradient_clipping must be a number, got {clip!r}")
+    return TrainingConfig(
+        micro_batch_size=micro,
+        micro_batches=accumulation,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        gradient_clipping=float(clip),
+        bf16=bf16,
+    )
+
+
+def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Build the torch optimizer with the same math DeepSpeed's config names.
+
+    DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is false. Every optimizer is built with
+    `foreach=False` so the original and its replica run the very same kernels.
+    """
+    params = dict(config.params)
+    params.pop("torch_adam", None)
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    if config.type == "adam":
+        adam_w_mode = bool(params.pop("adam_w_mode", True))
+        params.setdefault("weight_decay", 0.01 if adam_w_mode else 0.0)
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        return cls(parameters, foreach=False, **params)
+    if config.type == "adamw":
+        return torch.optim.AdamW(parameters, foreach=False, **params)
+    return torch.optim.SGD(parameters, foreach=False, **params)
+
+
+def _warmup_factor(params: Mapping[str, Any]) -> Callable[[int], float]:
+    low = float(params.get("warmup_min_lr", 0.0))
+    high = float(params.get("warmup_max_lr", 0.001))
+    warmup = max(2, int(params.get("warmup_num_steps", 1000)))
+    kind = params.get("warmup_type", "log")
+    inverse_log = 1.0 / math.log(warmup)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            gamma = inverse_log * math.log(step + 1) if kind == "log" else min(1.0, step / warmup)
+            return low + (high - low) * gamma
+        return high
+
+    return lr_at
+
+
+def build_scheduler(
+    config: SchedulerConfig | None, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """Build DeepSpeed's WarmupLR / WarmupDecayLR as a torch scheduler that sets absolute LRs.
+
+    The learning rate follows DeepSpeed's formulas: log (default) or linear warmup from
+    `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then (WarmupDecayLR) a linear
+    decay to 0 at `total_num_steps`.
+    """
+    if config is None:
+        return None
+    warmup_lr = _warmup_factor(config.params)
+    warmup = max(2, int(config.params.get("warmup_num_steps", 1000)))
+    total = int(config.params.get("total_num_steps", 0))
+    decay = config.type == "warmupdecaylr"
+
+    def absolute_lr(step: int) -> float:
+        lr = warmup_lr(step)
+        if decay and step >= warmup:
+            lr *= max(0.0, (total - step) / max(1.0, total - warmup))
+        return lr
+
+    for group in optimizer.param_groups:
+        group["lr"] = absolute_lr(0)
+        group["initial_lr"] = 1.0
+    # LambdaLR multiplies initial_lr (1.0) by the lambda, so the lambda is the absolute LR.
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, absolute_lr)

@@ -1,0 +1,108 @@
+"""A trainable slice of the model: its layers, optimizer and LR scheduler, and the step math.
+
+Both a stage and its replica on the shadow are :class:`TrainableSlice` objects built from the
+same layer specs, seeds and config, so they start bit-equal. The step (:meth:`apply_step`) takes
+the gradients and the global clip coefficient as inputs, so the shadow that receives the
+original's final gradients applies the identical optimizer and scheduler step and stays
+bit-equal. The same code runs the single-process reference.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from bamboo.rc.config import TrainingConfig, build_optimizer, build_scheduler
+from bamboo.rc.model import build_layers
+from torch import nn
+
+__all__ = ["TrainableSlice", "clip_coefficient"]
+
+
+def clip_coefficient(max_norm: float, squared_norm: float) -> float:
+    """The factor that scales gradients with global squared norm `squared_norm` to `max_norm`.
+
+    The same formula as `torch.nn.utils.clip_grad_norm_`: `max_norm / (norm + 1e-6)`, at most 1.
+    A `max_norm` of 0 means no clipping.
+    """
+    if max_norm <= 0.0:
+        return 1.0
+    return min(1.0, max_norm / (math.sqrt(squared_norm) + 1e-6))
+
+
+class TrainableSlice:
+    """Layers `indices` of `specs`, with their own optimizer and scheduler."""
+
+    def __init__(self, specs: Sequence[Any], indices: range, config: TrainingConfig, seed: int) -> None:
+        self.indices = indices
+        self.layers: nn.Sequential = build_layers(specs, indices, seed)
+        self.parameters: list[nn.Parameter] = [p for p in self.layers.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(config.optimizer, self.parameters)
+        self.scheduler = build_scheduler(config.scheduler, self.optimizer)
+        self.steps = 0
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parameters)
+
+    def zero_grads(self) -> None:
+        for p in self.parameters:
+            p.grad = torch.zeros_like(p)
+
+    def flat_grads(self) -> torch.Tensor:
+        """All gradients concatenated (fp32 on CPU), a copy."""
+        return torch.cat([p.grad.reshape(-1) for p in self.parameters]) if self.parameters else torch.zeros(0)
+
+    def load_flat_grads(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.parameters:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+        if offset != flat.numel():
+            raise ValueError(f"gradient buffer has {flat.numel()} elements, the slice needs {offset}")
+
+    def squared_grad_norm(self) -> float:
+        """Sum of squared gradient entries, accumulated in float64 in parameter order."""
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.parameters:
+            total += p.grad.double().pow(2).sum()
+        return float(total)
+
+    def apply_step(self, clip: float) -> None:
+        """Scale gradients by `clip`, step the optimizer and the scheduler, zero the gradients."""
+        if clip != 1.0:
+            for p in self.parameters:
+                p.grad.mul_(clip)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps += 1
+        self.zero_grads()
+
+    def flat_parameters(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.parameters])
+
+    def state_bytes(self) -> bytes:
+        """Parameters, optimizer, scheduler and step counter, serialised (torch.save)."""
+        buffer = io.BytesIO()
+        torch.save(
+            {
+                "layers": self.layers.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "steps": self.steps,
+            },
+            buffer,
+        )
+        return buffer.getvalue()
+
+    def load_state_bytes(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), weights_only=False)
+        self.layers.load_state_dict(state["layers"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])

@@ -1,0 +1,178 @@
+"""The self-check: train P×D forked workers and a single-process reference, and compare.
+
+The parent process hosts the TCPStore (a store must not live in a worker), forks one worker per
+node, waits for them, trains the reference on the same global batches and compares:
+- every stage's parameters against the reference (max relative difference, per tensor
+  `max|a-b| / max|b|`), which must be at most 1e-6;
+- every replica against the original it shadows, which must be bit-equal (`torch.equal`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from bamboo.rc.comm import CommTimeouts
+from bamboo.rc.config import load_config
+from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.executor import REDUNDANCY_MODES, Layout
+from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss, partition_layers
+from bamboo.rc.reference import train_reference
+from bamboo.rc.worker import WorkerSpec, exact_mode, worker_main
+from torch.distributed import TCPStore
+
+__all__ = ["DEFAULT_CONFIG", "VerifyResult", "run_verify"]
+
+RELATIVE_TOLERANCE = 1e-6
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
+    "gradient_clipping": 1.0,
+}
+
+
+@attrs.frozen
+class VerifyResult:
+    """What `verify` measured."""
+
+    max_relative_diff: float
+    max_abs_diff: float
+    max_replica_diff: float
+    replicas_bit_equal: bool
+    replicas_compared: int
+    losses: list[float]
+    reference_losses: list[float]
+    worker_exit_codes: dict[int, int]
+    stash_peak_bytes: int
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return (
+            all(code == 0 for code in self.worker_exit_codes.values())
+            and self.max_relative_diff <= RELATIVE_TOLERANCE
+            and self.replicas_bit_equal
+        )
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    scale = b.double().abs().max().item() if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff, diff
+
+
+def run_verify(
+    stages: int,
+    pipelines: int,
+    steps: int,
+    redundancy: str = "eflb",
+    size: GPTSize | None = None,
+    config: dict[str, Any] | None = None,
+    seed: int = 0,
+    timeouts: CommTimeouts | None = None,
+    deadline_s: float = 300.0,
+) -> VerifyResult:
+    """Run the self-check and return what it measured (see the module docstring)."""
+    if redundancy not in REDUNDANCY_MODES:
+        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+    size = size or GPTSize()
+    config = dict(config or DEFAULT_CONFIG)
+    training = load_config(config, pipelines=pipelines)
+    layout = Layout(stages, pipelines)
+    specs = gpt_layer_specs(size)
+    partition_layers(len(specs), stages)  # a clear error before forking
+    exact_mode()
+    started = time.perf_counter()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    with tempfile.TemporaryDirectory(prefix="bamboo-verify-") as out_dir:
+        children: dict[int, int] = {}
+        for rank in range(layout.world):
+            stage, pipeline = layout.position(rank)
+            spec = WorkerSpec(
+                layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=store.port,
+                steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, seed=seed,
+                timeouts=timeouts or CommTimeouts(),
+            )
+            pid = os.fork()
+            if pid == 0:
+                worker_main(spec)
+            children[pid] = rank
+        codes = _wait_children(children, deadline_s)
+        reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
+            training.micro_batch_size, size.sequence, seed=seed), steps, pipelines, seed)
+        reports = {}
+        for rank in range(layout.world):
+            path = Path(out_dir) / f"rank{rank}.pt"
+            if path.exists():
+                reports[rank] = torch.load(path, weights_only=False)
+    parts = partition_layers(len(specs), stages)
+    max_rel = max_abs = max_replica = 0.0
+    equal = True
+    compared = 0
+    losses: list[float] = []
+    stash_peak = 0
+    for report in reports.values():
+        stage, pipeline = report["stage"], report["pipeline"]
+        stash_peak = max(stash_peak, report["stash_peak_bytes"])
+        if stage == stages - 1 and pipeline == 0:
+            losses = report["losses"]
+        for offset, layer_state in enumerate(report["slices"][stage]):
+            for name, tensor in layer_state.items():
+                rel, absolute = _relative(tensor, reference.layer_states[parts[stage][offset]][name])
+                max_rel, max_abs = max(max_rel, rel), max(max_abs, absolute)
+        replica_stage = report["replica_stage"]
+        owner = layout.rank(replica_stage, pipeline) if replica_stage is not None else None
+        if owner is not None and owner in reports:
+            original = reports[owner]["slices"][replica_stage]
+            for replica_layer, original_layer in zip(report["slices"][replica_stage], original, strict=True):
+                for name, tensor in replica_layer.items():
+                    compared += 1
+                    if not torch.equal(tensor, original_layer[name]):
+                        equal = False
+                        max_replica = max(max_replica, (tensor - original_layer[name]).abs().max().item())
+        elif owner is not None:
+            equal = False  # the original is missing: nothing proves the replica exact
+    missing = {rank: 1 for rank in range(layout.world) if rank not in reports}
+    return VerifyResult(
+        max_relative_diff=max_rel if reports else float("inf"),
+        max_abs_diff=max_abs,
+        max_replica_diff=max_replica,
+        replicas_bit_equal=equal,
+        replicas_compared=compared,
+        losses=losses,
+        reference_losses=reference.losses,
+        worker_exit_codes={**{rank: code for rank, code in codes.items()}, **missing},
+        stash_peak_bytes=stash_peak,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _wait_children(children: dict[int, int], deadline_s: float) -> dict[int, int]:
+    """Wait for every child; returns rank -> exit code (negative: killed by that signal)."""
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + deadline_s
+    while len(codes) < len(children):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                for other, rank in children.items():
+                    if rank not in codes:
+                        os.kill(other, signal.SIGKILL)
+                        os.waitpid(other, 0)
+                        codes[rank] = -signal.SIGKILL
+                break
+            time.sleep(0.01)
+            continue
+        if pid in children:
+            codes[children[pid]] = os.waitstatus_to_exitcode(status)
+    return codes

@@ -1,0 +1,114 @@
+"""One training worker process: build the executor for a (stage, pipeline), train, report.
+
+`verify` forks one of these per node. A worker connects to the c10d store hosted by its parent,
+runs with one intra-op thread and deterministic algorithms (so results are exact), trains the
+example model for the given steps, writes its final state to `<out>/rank<r>.pt` and ends with a
+flush and `os._exit` (never running gloo destructors that could block on a dead peer).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from bamboo.rc.comm import CommTimeouts
+from bamboo.rc.config import load_config
+from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.executor import Layout, StageExecutor
+from bamboo.rc.model import GPTSize, lm_loss
+from bamboo.rc.program import iteration_ops
+from torch.distributed import TCPStore
+
+__all__ = ["WorkerSpec", "exact_mode", "run_worker", "worker_main"]
+
+
+def exact_mode() -> None:
+    """One intra-op thread and deterministic algorithms: the same math gives the same bits."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+@attrs.frozen
+class WorkerSpec:
+    """Everything a forked worker needs."""
+
+    layout: Layout
+    stage: int
+    pipeline: int
+    store_host: str
+    store_port: int
+    steps: int
+    redundancy: str
+    size: GPTSize
+    config: dict[str, Any]
+    out_dir: str
+    seed: int = 0
+    job: str = "verify"
+    timeouts: CommTimeouts = attrs.field(factory=CommTimeouts)
+
+
+def run_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Train as node (spec.stage, spec.pipeline); returns the report also written to disk."""
+    exact_mode()
+    from bamboo.rc.model import gpt_layer_specs
+
+    config = load_config(spec.config, pipelines=spec.layout.pipelines)
+    store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_seconds(spec.timeouts.build))
+    specs = gpt_layer_specs(spec.size)
+    executor = StageExecutor(
+        specs, lm_loss, config, spec.layout, spec.stage, spec.pipeline, store,
+        redundancy=spec.redundancy, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
+    )
+    sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
+    ops = iteration_ops(spec.layout.stages, config.micro_batches, spec.stage, spec.redundancy)
+    started = time.perf_counter()
+    for step in range(spec.steps):
+        if executor.needs_data():
+            base = spec.pipeline * config.micro_batches
+            batches = {}
+            for k in range(config.micro_batches):
+                mb = sampler.microbatch(step, base + k)
+                batches[k] = (mb.tokens, mb.labels)
+            executor.set_microbatches(batches)
+        executor.run(ops)
+        executor.end_iteration()
+    executor.finish()
+    report = {
+        "stage": spec.stage,
+        "pipeline": spec.pipeline,
+        "slices": {stage: [layer.state_dict() for layer in piece.layers] for stage, piece in executor.slices.items()},
+        "replica_stage": executor.replica_stage,
+        "losses": executor.losses,
+        "stash_peak_bytes": executor.stash.peak_bytes,
+        "sync_bytes": executor.sync_bytes,
+        "seconds": time.perf_counter() - started,
+    }
+    rank = spec.layout.rank(spec.stage, spec.pipeline)
+    torch.save(report, Path(spec.out_dir) / f"rank{rank}.pt")
+    return report
+
+
+def _seconds(value: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=value)
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a forked worker: never returns."""
+    code = 0
+    try:
+        run_worker(spec)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

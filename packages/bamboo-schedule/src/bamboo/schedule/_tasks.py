@@ -53,11 +53,13 @@ CostFn = Callable[[Instruction], float]
 
 
 def unit_cost(instr: Instruction) -> float:
-    """The linearizer's default cost model: forward 1, backward 2, everything else free."""
+    """The linearizer's default cost model: forward 1, backward 2, step 0.5, everything else free."""
     if instr.kind in (Kind.FORWARD, Kind.FRC):
         return 1.0
     if instr.kind in (Kind.BACKWARD, Kind.BRC):
         return 2.0
+    if instr.kind in (Kind.ALLREDUCE, Kind.OPTIMIZER):
+        return 0.25
     return 0.0
 
 
@@ -131,7 +133,11 @@ def build_task(work: Work, node: int, placement: Sequence[int], stages: int) -> 
     if tag == "SYNC":
         _, r = work
         assert isinstance(r, int)
-        return Task((), (_message(("reduced", r), placement[r], node, "sync", r, r, None),), (), RANK_REDUNDANT)
+        # After the node's own all-reduce, so the sync never delays it; the exchange then follows the
+        # order in which nodes finish.
+        own = tuple(Need(("reduced", s), node) for s, p in enumerate(placement) if p == node)
+        needs = (*own, _message(("reduced", r), placement[r], node, "sync", r, r, None))
+        return Task((), needs, (), RANK_REDUNDANT)
     raise ValueError(f"unknown work item {work!r}")
 
 
@@ -157,64 +163,101 @@ def linearize(
 ) -> dict[int, tuple[Instruction, ...]]:
     """Streams for ``lanes`` (node -> ordered task lists), with every send/recv pair placed.
 
-    Raises ValueError when the work cannot complete (a task needs a token nobody makes in time).
+    The simulation follows blocking rendezvous semantics with ``cost`` as durations: a node that is
+    free first hands over the messages that idle nodes are waiting for, then starts the best ready
+    task (lowest rank: backward, forward, redundant; then lane order), and otherwise waits. A
+    message is received only when its consumer has nothing else to do, and sent when both ends are
+    free, so the streams reproduce this simulation exactly when run with the same costs.
+
+    Raises ValueError when the work cannot complete (a task needs a token nobody makes).
     """
     nodes = sorted(lanes)
     streams: dict[int, list[Instruction]] = {n: [] for n in nodes}
     free = dict.fromkeys(nodes, 0.0)
-    made: dict[tuple[int, Token], float] = {}
     heads = {n: [0] * len(lanes[n]) for n in nodes}
-    waiting: dict[tuple[int, Token], list[tuple[int, int]]] = {}
-    heap: list[tuple[float, int, int, int, int]] = []
+    local: dict[int, set[Token]] = {n: set() for n in nodes}
+    inbox: dict[int, set[tuple[int, Token]]] = {n: set() for n in nodes}
+    outbox: dict[int, dict[tuple[Token, int], Need]] = {n: {} for n in nodes}
+    consumers: dict[tuple[int, Token], list[tuple[int, Need]]] = {}
+    for n in nodes:
+        for lane in lanes[n]:
+            for task in lane:
+                for need in task.needs:
+                    if need.send is not None:
+                        consumers.setdefault((need.src, need.token), []).append((n, need))
+    heap: list[tuple[float, int]] = [(0.0, n) for n in nodes]
     remaining = sum(len(lane) for n in nodes for lane in lanes[n])
 
-    def consider(n: int, li: int) -> None:
-        index = heads[n][li]
-        lane = lanes[n][li]
-        if index >= len(lane):
-            return
-        task = lane[index]
-        start = free[n]
-        for need in task.needs:
-            key = (need.src, need.token)
-            when = made.get(key)
-            if when is None:
-                waiting.setdefault(key, []).append((n, li))
-                return
-            start = max(start, when)
-        heapq.heappush(heap, (start, task.rank, li, n, index))
+    def pair(src: int, dst: int, token: Token) -> None:
+        need = outbox[src].pop((token, dst))
+        assert need.send is not None and need.recv is not None
+        begin = max(free[src], free[dst])
+        streams[src].append(need.send)
+        streams[dst].append(need.recv)
+        end = begin + cost(need.send)
+        free[src] = free[dst] = end
+        inbox[dst].add((src, token))
+        heapq.heappush(heap, (end, src))
+        heapq.heappush(heap, (end, dst))
 
-    for n in nodes:
-        for li in range(len(lanes[n])):
-            consider(n, li)
+    def head_tasks(n: int) -> list[Task]:
+        """Lane heads, best rank first."""
+        found = [(lane[heads[n][li]].rank, li, lane[heads[n][li]]) for li, lane in enumerate(lanes[n])
+                 if heads[n][li] < len(lane)]
+        return [task for _rank, _li, task in sorted(found, key=lambda x: (x[0], x[1]))]
+
+    def wanted(n: int, src: int, token: Token) -> bool:
+        return any(need.src == src and need.token == token for task in head_tasks(n) for need in task.needs)
+
+    def communicate(n: int, t: float) -> bool:
+        """Push a message to a free consumer that needs it next, or pull one from a free producer."""
+        for token, dst in list(outbox[n]):
+            if free[dst] <= t and wanted(dst, n, token):
+                pair(n, dst, token)
+                return True
+        for task in head_tasks(n):
+            if not all(need.token in local[n] for need in task.needs if need.send is None):
+                continue
+            for need in task.needs:
+                if (
+                    need.send is not None
+                    and (need.src, need.token) not in inbox[n]
+                    and free[need.src] <= t
+                    and (need.token, n) in outbox[need.src]
+                ):
+                    pair(need.src, n, need.token)
+                    return True
+        return False
+
+    def ready(n: int) -> Task | None:
+        for task in head_tasks(n):
+            if all(
+                (need.token in local[n]) if need.send is None else ((need.src, need.token) in inbox[n])
+                for need in task.needs
+            ):
+                return task
+        return None
+
     while heap:
-        start, _rank, li, n, index = heapq.heappop(heap)
-        if heads[n][li] != index:
+        t, n = heapq.heappop(heap)
+        if t < free[n] or communicate(n, t):
             continue
-        task = lanes[n][li][index]
-        actual = max([free[n]] + [made[(need.src, need.token)] for need in task.needs])
-        if actual > start:
-            heapq.heappush(heap, (actual, task.rank, li, n, index))
-            continue
-        for need in task.needs:
-            if need.send is not None and need.recv is not None:
-                streams[need.src].append(need.send)
-                streams[n].append(need.recv)
+        task = ready(n)
+        if task is None:
+            continue  # idle: a producer pushes to this node when it is free
+        li = next(li for li, lane in enumerate(lanes[n]) if heads[n][li] < len(lane) and lane[heads[n][li]] is task)
         streams[n].extend(task.instrs)
-        end = start + sum(cost(i) for i in task.instrs)
-        free[n] = end
+        free[n] = t + sum(cost(i) for i in task.instrs)
         heads[n][li] += 1
         remaining -= 1
         for token in task.makes:
-            key = (n, token)
-            if key not in made:
-                made[key] = end
-                for waiter in waiting.pop(key, []):
-                    consider(*waiter)
-        consider(n, li)
-    if remaining:
+            local[n].add(token)
+            for dst, need in consumers.get((n, token), ()):
+                outbox[n][(token, dst)] = need
+        heapq.heappush(heap, (free[n], n))
+    if remaining or any(outbox.values()):
         stuck = [
-            f"node {n} lane {li} at {lanes[n][li][heads[n][li]].instrs}"
+            f"node {n} lane {li} at {' '.join(map(str, lanes[n][li][heads[n][li]].instrs)) or 'a receive'}"
             for n in nodes
             for li in range(len(lanes[n]))
             if heads[n][li] < len(lanes[n][li])

@@ -63,6 +63,10 @@ class Kind(enum.Enum):
     """Replica sync: receive ``stage``'s reduced gradients from node ``peer`` and apply the identical
     optimizer step to the local replica of ``stage``."""
 
+    # Members are singletons and compare by identity, so identity hashing is consistent and much
+    # cheaper than Enum's name hashing; the schedules hash tens of thousands of kinds.
+    __hash__ = object.__hash__
+
 
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD, Kind.SYNC_SEND})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD, Kind.SYNC_RECV})

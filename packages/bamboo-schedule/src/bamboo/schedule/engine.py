@@ -1,0 +1,137 @@
+"""Blocking execution of instruction streams: the one interpreter the validator and simulator share.
+
+`execute(streams, duration)` runs every node's stream in order with rendezvous send/recv: a send
+and its receive start together when both nodes have reached them, and end together. This is the
+strictest blocking semantics (gloo's is looser: a small send may return before its receive is
+posted), so streams that complete here complete under gloo too. Local instructions start as soon
+as their node is free. The result is each instruction's start and end time.
+
+Errors are typed and carry where they happened, so the validator can mark the bad cell:
+`Deadlock` (some nodes wait forever; the blocked heads are given) and `Mismatch` (two nodes are at a
+send and a receive towards each other, but for different tensors, so FIFO matching would pair the
+wrong tensors).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+from bamboo.schedule.ir import Instruction, Kind, make
+
+__all__ = ["Deadlock", "ExecutionError", "Mismatch", "Timeline", "counterpart", "execute"]
+
+Cell = tuple[int, int]
+"""(node, index in that node's stream)."""
+
+
+class ExecutionError(ValueError):
+    """Blocking execution cannot finish. ``cells`` are the (node, index) positions to mark."""
+
+    def __init__(self, message: str, cells: Sequence[Cell]) -> None:
+        super().__init__(message)
+        self.cells = tuple(cells)
+
+
+class Deadlock(ExecutionError):
+    """Every unfinished node waits on a send or receive that never comes."""
+
+
+class Mismatch(ExecutionError):
+    """A send and a receive meet between two nodes but name different tensors."""
+
+
+_PAIR = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD, Kind.SYNC_SEND: Kind.SYNC_RECV}
+_PAIR.update({v: k for k, v in list(_PAIR.items())})
+_OFFSET = {Kind.SEND_ACT: 1, Kind.RECV_ACT: -1, Kind.SEND_GRAD: -1, Kind.RECV_GRAD: 1}
+
+
+def counterpart(instr: Instruction, node: int) -> Instruction:
+    """The instruction that pairs with ``instr`` (executed on ``node``) on its peer.
+
+    ``sSAk>m`` on n pairs with ``(s+1)RAk<n`` on m; ``sSGk>m`` with ``(s-1)RGk<n``; ``sSY>m`` with ``sRY<n``.
+    """
+    if instr.peer is None:
+        raise ValueError(f"{instr} is not a send or receive")
+    stage = instr.stage + _OFFSET.get(instr.kind, 0)
+    return make(_PAIR[instr.kind], stage, instr.microbatch, node)
+
+
+@attrs.frozen
+class Timeline:
+    """Start and end time of every instruction: ``start[node][i]``, ``end[node][i]``."""
+
+    start: dict[int, list[float]]
+    end: dict[int, list[float]]
+    order: list[Cell]
+    """The global order in which instructions completed (a pair appears as two adjacent cells)."""
+
+    @property
+    def makespan(self) -> float:
+        return max((e[-1] for e in self.end.values() if e), default=0.0)
+
+
+Duration = Callable[[int, Instruction], float]
+
+
+def _zero(_node: int, _instr: Instruction) -> float:
+    return 0.0
+
+
+def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _zero) -> Timeline:
+    """Run ``streams`` with blocking rendezvous semantics; raise `Deadlock` or `Mismatch`."""
+    nodes = list(streams)
+    pos = dict.fromkeys(nodes, 0)
+    free = dict.fromkeys(nodes, 0.0)
+    start: dict[int, list[float]] = {n: [0.0] * len(streams[n]) for n in nodes}
+    end: dict[int, list[float]] = {n: [0.0] * len(streams[n]) for n in nodes}
+    order: list[Cell] = []
+    work = deque(nodes)
+    while work:
+        n = work.popleft()
+        stream = streams[n]
+        length = len(stream)
+        i = pos[n]
+        t = free[n]
+        while i < length:
+            instr = stream[i]
+            m = instr.peer
+            if m is None:
+                start[n][i] = t
+                t += duration(n, instr)
+                end[n][i] = t
+                order.append((n, i))
+                i += 1
+                continue
+            if m not in streams:
+                raise Deadlock(f"node {n} instruction {i} ({instr}) talks to node {m}, which has no stream", [(n, i)])
+            j = pos[m]
+            if j >= len(streams[m]):
+                break
+            other = streams[m][j]
+            if other.peer != n or other.is_send == instr.is_send:
+                break
+            if other != counterpart(instr, n):
+                raise Mismatch(
+                    f"node {n} runs {instr} while node {m} runs {other}: "
+                    f"{instr} pairs with {counterpart(instr, n)}",
+                    [(n, i), (m, j)],
+                )
+            begin = max(t, free[m])
+            t = begin + duration(n, instr)
+            start[n][i] = start[m][j] = begin
+            end[n][i] = end[m][j] = t
+            order.append((n, i))
+            order.append((m, j))
+            pos[m] = j + 1
+            free[m] = t
+            work.append(m)
+            i += 1
+        pos[n] = i
+        free[n] = t
+    blocked = [(n, pos[n]) for n in nodes if pos[n] < len(streams[n])]
+    if blocked:
+        heads = ", ".join(f"node {n} waits at {streams[n][i]} (#{i})" for n, i in blocked)
+        raise Deadlock(f"blocking execution deadlocks: {heads}", blocked)
+    return Timeline(start, end, order)

@@ -1,0 +1,284 @@
+"""The cost-model simulator: per-stage durations and link/swap speeds in, timeline and metrics out.
+
+`simulate(schedule, costs)` runs the streams with the blocking interpreter (`engine.execute`)
+where each instruction takes the time the cost model gives it (milliseconds):
+
+- ``F``/``B``/``FR``/``BR``/``OPT``: the stage's ``forward_ms``/``backward_ms``/``frc_ms``/
+  ``brc_ms``/``optimizer_ms`` (FRC defaults to the forward, BRC to the backward);
+- activations and gradients: ``latency_ms + size / link_gb_per_s`` (sizes in MB, 1 GB/s = 1 MB/ms);
+  the gradient w.r.t. a stage's input has the size of the previous stage's activation;
+- ``SO``/``SI``: ``stash_mb / swap_gb_per_s`` (``activation_mb`` of the previous stage in lflb);
+- ``AR``: ``2 * grad_mb / link_gb_per_s`` (ring all-reduce); ``SY``/``RY``: ``latency_ms + grad_mb / link``;
+- ``L``: free.
+
+It reports the makespan, each node's bubble (``makespan - busy``), the share of FRC that fits in
+the bubbles of the same schedule without redundancy (``frc_hidden_pct``: per node
+``min(FRC time, baseline bubble)``, summed, over the total FRC time), the overhead against that
+baseline, and the peak stash each node holds (MB, device plus swap store). Costs come from JSON
+(`Costs.from_json`) or the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from bamboo.schedule.engine import Timeline, execute
+from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
+
+__all__ = ["Costs", "SimResult", "StageCost", "simulate"]
+
+
+def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
+
+
+def _optional(_inst: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None:
+        _positive(_inst, attribute, value)
+
+
+@attrs.frozen
+class StageCost:
+    """Durations (ms) and tensor sizes (MB) of one stage."""
+
+    forward_ms: float = attrs.field(default=1.0, validator=_positive)
+    backward_ms: float = attrs.field(default=2.0, validator=_positive)
+    frc_ms: float | None = attrs.field(default=None, validator=_optional)
+    brc_ms: float | None = attrs.field(default=None, validator=_optional)
+    optimizer_ms: float = attrs.field(default=0.2, validator=_positive)
+    activation_mb: float = attrs.field(default=1.0, validator=_positive)
+    stash_mb: float = attrs.field(default=4.0, validator=_positive)
+    grad_mb: float = attrs.field(default=16.0, validator=_positive)
+
+    @property
+    def frc(self) -> float:
+        return self.forward_ms if self.frc_ms is None else self.frc_ms
+
+    @property
+    def brc(self) -> float:
+        return self.backward_ms if self.brc_ms is None else self.brc_ms
+
+
+_STAGE_KEYS = {f.name for f in attrs.fields(StageCost)}
+_TOP_KEYS = {"latency_ms", "link_gb_per_s", "swap_gb_per_s", "default", "stages"}
+
+
+@attrs.frozen
+class Costs:
+    """The cost model. ``stages[s]`` overrides ``default`` for stage s (shorter lists fall back)."""
+
+    default: StageCost = attrs.field(factory=StageCost)
+    stages: tuple[StageCost, ...] = attrs.field(default=(), converter=tuple)
+    latency_ms: float = attrs.field(default=0.05, validator=_positive)
+    link_gb_per_s: float = attrs.field(default=10.0, validator=_positive)
+    swap_gb_per_s: float = attrs.field(default=12.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.link_gb_per_s == 0 or self.swap_gb_per_s == 0:
+            raise ValueError(
+                f"bandwidths must be > 0, got link_gb_per_s={self.link_gb_per_s}, swap_gb_per_s={self.swap_gb_per_s}"
+            )
+
+    def stage(self, s: int) -> StageCost:
+        return self.stages[s] if s < len(self.stages) else self.default
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Costs:
+        """Build from the JSON layout: top-level link/swap keys, ``default`` and ``stages`` objects."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"costs must be a JSON object, got {type(data).__name__}")
+        unknown = set(data) - _TOP_KEYS
+        if unknown:
+            raise ValueError(f"unknown cost keys {sorted(unknown)}; expected some of {sorted(_TOP_KEYS)}")
+
+        def stage(obj: Any, where: str) -> StageCost:
+            if not isinstance(obj, Mapping):
+                raise ValueError(f"{where} must be an object, got {obj!r}")
+            bad = set(obj) - _STAGE_KEYS
+            if bad:
+                raise ValueError(f"unknown keys {sorted(bad)} in {where}; expected some of {sorted(_STAGE_KEYS)}")
+            return StageCost(**obj)
+
+        top = {k: data[k] for k in ("latency_ms", "link_gb_per_s", "swap_gb_per_s") if k in data}
+        default = stage(data.get("default", {}), "default")
+        stages = data.get("stages", [])
+        if not isinstance(stages, Sequence) or isinstance(stages, str):
+            raise ValueError(f"stages must be a list, got {stages!r}")
+        merged = [stage({**attrs.asdict(default), **s}, f"stages[{i}]") if isinstance(s, Mapping)
+                  else stage(s, f"stages[{i}]") for i, s in enumerate(stages)]
+        return cls(default, tuple(merged), **top)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Costs:
+        """Read a costs file; errors name the file and the bad value."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"cannot read costs file {str(path)!r}: {error}") from None
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"bad costs file {str(path)!r}: {error}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "latency_ms": self.latency_ms,
+            "link_gb_per_s": self.link_gb_per_s,
+            "swap_gb_per_s": self.swap_gb_per_s,
+            "default": attrs.asdict(self.default),
+            "stages": [attrs.asdict(s) for s in self.stages],
+        }
+
+    def duration(self, rc: RCMode) -> Callable[[int, Instruction], float]:
+        """The engine's duration function: (node, instruction) -> ms."""
+        link, swap, latency = self.link_gb_per_s, self.swap_gb_per_s, self.latency_ms
+        table: dict[tuple[Kind, int], float] = {}
+        count = max(len(self.stages), 1)
+
+        def fill(s: int) -> None:
+            c = self.stage(s)
+            prev_act = self.stage(s - 1).activation_mb if s > 0 else c.activation_mb
+            table.update(
+                {
+                    (Kind.FORWARD, s): c.forward_ms,
+                    (Kind.BACKWARD, s): c.backward_ms,
+                    (Kind.FRC, s): c.frc,
+                    (Kind.BRC, s): c.brc,
+                    (Kind.OPTIMIZER, s): c.optimizer_ms,
+                    (Kind.LOAD, s): 0.0,
+                    (Kind.SEND_ACT, s): latency + c.activation_mb / link,
+                    (Kind.RECV_GRAD, s): latency + c.activation_mb / link,
+                    (Kind.RECV_ACT, s): latency + prev_act / link,
+                    (Kind.SEND_GRAD, s): latency + prev_act / link,
+                    (Kind.SWAP_OUT, s): (prev_act if rc is RCMode.LFLB else c.stash_mb) / swap,
+                    (Kind.SWAP_IN, s): (prev_act if rc is RCMode.LFLB else c.stash_mb) / swap,
+                    (Kind.ALLREDUCE, s): 2 * c.grad_mb / link,
+                    (Kind.SYNC_SEND, s): latency + c.grad_mb / link,
+                    (Kind.SYNC_RECV, s): latency + c.grad_mb / link,
+                }
+            )
+
+        for s in range(count):
+            fill(s)
+
+        def duration(_node: int, instr: Instruction) -> float:
+            key = (instr.kind, instr.stage)
+            value = table.get(key)
+            if value is None:
+                fill(instr.stage)
+                value = table[key]
+            return value
+
+        return duration
+
+    def linearizer_cost(self) -> Callable[[Instruction], float]:
+        """Compute durations for the generators, so streams are ordered for these costs."""
+        duration = self.duration(RCMode.EFLB)
+        return lambda instr: 0.0 if instr.is_comm else duration(0, instr)
+
+
+@attrs.frozen
+class SimResult:
+    """What `simulate` measured. Times in ms, stash in MB; per-node values are keyed by node."""
+
+    timeline: Timeline
+    makespan: float
+    busy: dict[int, float]
+    bubble: dict[int, float]
+    frc: dict[int, float]
+    peak_stash: dict[int, float]
+    baseline_makespan: float | None
+    baseline_bubble: dict[int, float] | None
+
+    @property
+    def bubble_pct(self) -> float:
+        """Idle share of all node-time in the iteration, in percent."""
+        total = self.makespan * len(self.bubble)
+        return 100.0 * sum(self.bubble.values()) / total if total else 0.0
+
+    @property
+    def overhead_pct(self) -> float | None:
+        """Makespan increase against the same schedule without redundancy, in percent."""
+        if self.baseline_makespan is None or self.baseline_makespan == 0:
+            return None
+        return 100.0 * (self.makespan - self.baseline_makespan) / self.baseline_makespan
+
+    def frc_hidden(self, node: int) -> float | None:
+        """Share (0..1) of node's FRC time that its baseline bubble can hold; None without FRC."""
+        if self.baseline_bubble is None or self.frc.get(node, 0.0) == 0.0:
+            return None
+        return min(self.frc[node], self.baseline_bubble.get(node, 0.0)) / self.frc[node]
+
+    @property
+    def frc_hidden_pct(self) -> float | None:
+        total = sum(self.frc.values())
+        if self.baseline_bubble is None or total == 0:
+            return None
+        hidden = sum(min(f, self.baseline_bubble.get(n, 0.0)) for n, f in self.frc.items())
+        return 100.0 * hidden / total
+
+
+def _stash_sizes(schedule: Schedule, costs: Costs) -> Callable[[int], float]:
+    def size(s: int) -> float:
+        if schedule.rc is RCMode.LFLB:
+            return costs.stage(s - 1).activation_mb if s > 0 else costs.stage(0).activation_mb
+        return costs.stage(s).stash_mb
+
+    return size
+
+
+def measure(schedule: Schedule, timeline: Timeline, costs: Costs) -> tuple[dict, dict, dict, dict]:
+    """Busy time, bubble, FRC time and peak stash per node for an executed ``timeline``."""
+    makespan = timeline.makespan
+    size = _stash_sizes(schedule, costs)
+    busy, bubble, frc, peak = {}, {}, {}, {}
+    for n, stream in schedule.streams.items():
+        start, end = timeline.start[n], timeline.end[n]
+        total = 0.0
+        frc_time = 0.0
+        held = 0.0
+        top = 0.0
+        for i, instr in enumerate(stream):
+            d = end[i] - start[i]
+            total += d
+            kind = instr.kind
+            if kind is Kind.FRC:
+                frc_time += d
+            elif kind is Kind.SWAP_OUT:
+                held += size(instr.stage)
+                top = max(top, held)
+            elif kind is Kind.BRC:
+                held = max(0.0, held - size(instr.stage))
+        busy[n] = total
+        bubble[n] = makespan - total
+        frc[n] = frc_time
+        peak[n] = top
+    return busy, bubble, frc, peak
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None, baseline: Schedule | None = None) -> SimResult:
+    """Simulate one iteration of ``schedule``; compare with ``baseline`` (default: no redundancy).
+
+    The default baseline is the same policy, stages and microbatches without redundancy, generated
+    for the same costs. Pass ``baseline`` explicitly for failover schedules.
+    """
+    costs = costs or Costs()
+    timeline = execute(schedule.streams, costs.duration(schedule.rc))
+    busy, bubble, frc, peak = measure(schedule, timeline, costs)
+    if baseline is None and schedule.rc is not RCMode.NONE and schedule.placement == tuple(range(schedule.stages)):
+        from bamboo.schedule.generate import generate
+
+        baseline = generate(schedule.policy, schedule.stages, schedule.microbatches, "none", costs.linearizer_cost())
+    base_makespan = base_bubble = None
+    if baseline is not None:
+        base_timeline = execute(baseline.streams, costs.duration(baseline.rc))
+        base_makespan = base_timeline.makespan
+        base_bubble = measure(baseline, base_timeline, costs)[1]
+    elif schedule.rc is RCMode.NONE:
+        base_makespan, base_bubble = timeline.makespan, bubble
+    return SimResult(timeline, timeline.makespan, busy, bubble, frc, peak, base_makespan, base_bubble)

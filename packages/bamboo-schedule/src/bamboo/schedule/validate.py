@@ -1,0 +1,201 @@
+"""The validator: a schedule must run to completion under blocking execution and do its work once.
+
+`validate(schedule)` checks, in this order, and raises `ScheduleError` on the first problem, with
+the whole grid printed and the bad cell marked:
+
+1. shape: stages, microbatches and peers are in range, nobody sends to itself;
+2. dependencies: every instruction's inputs exist on its node when it runs (a forward after its
+   input arrived, a backward after its forward and its output gradient, a send after the tensor
+   was made, a swap-in after its swap-out, the all-reduce after every backward of the stage, the
+   replica's sync after the replica's last use);
+3. accounting: every (stage, microbatch) has exactly one forward and one backward, on the node
+   that runs the stage; each stage has one all-reduce and one optimizer step; redundant work is
+   what the mode says (one FRC per microbatch in eager modes, one BRC in efeb);
+4. execution: sends and receives pair up in order and blocking execution cannot deadlock.
+
+Failover plans are checked by `bamboo.schedule.failover.validate_failover`, on the same machinery.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from bamboo.schedule.engine import ExecutionError, execute
+from bamboo.schedule.export import text_grid
+from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
+
+__all__ = ["ScheduleError", "dependency_problem", "shape_problem", "validate"]
+
+Cell = tuple[int, int]
+Token = tuple[object, ...]
+
+
+class ScheduleError(ValueError):
+    """A schedule is wrong. ``cells`` are the marked (node, index) positions, ``grid`` the drawing."""
+
+    def __init__(self, problem: str, streams: Mapping[int, Sequence[Instruction]], cells: Iterable[Cell]) -> None:
+        self.problem = problem
+        self.cells = tuple(cells)
+        self.grid = text_grid(streams, self.cells)
+        super().__init__(f"{problem}\n{self.grid}")
+
+
+def _provides(instr: Instruction, rc: RCMode) -> tuple[Token, ...]:
+    kind, s, k = instr.kind, instr.stage, instr.microbatch
+    if kind is Kind.LOAD:
+        return (("act", -1, k),)
+    if kind in (Kind.FORWARD, Kind.FRC):
+        return (("act", s, k), ("fwd", s, k))
+    if kind in (Kind.BACKWARD, Kind.BRC):
+        return (("gin", s, k), ("wgrad", s, k))
+    if kind is Kind.RECV_ACT:
+        return (("act", s - 1, k),)
+    if kind is Kind.RECV_GRAD:
+        return (("gin", s + 1, k),)
+    if kind is Kind.SWAP_OUT:
+        return (("stashed", s, k),)
+    if kind is Kind.SWAP_IN:
+        return (("act", s - 1, k),) if rc is RCMode.LFLB else (("fwd", s, k), ("act", s, k))
+    if kind is Kind.ALLREDUCE:
+        return (("reduced", s),)
+    return ()
+
+
+def _requires(instr: Instruction, stages: int, microbatches: int, rc: RCMode) -> tuple[Token, ...]:
+    kind, s, k = instr.kind, instr.stage, instr.microbatch
+    if kind in (Kind.FORWARD, Kind.FRC):
+        return (("act", s - 1, k),)
+    if kind in (Kind.BACKWARD, Kind.BRC):
+        return (("fwd", s, k),) + ((("gin", s + 1, k),) if s < stages - 1 else ())
+    if kind is Kind.SEND_ACT:
+        return (("act", s, k),)
+    if kind is Kind.SEND_GRAD:
+        return (("gin", s, k),)
+    if kind is Kind.SWAP_OUT:
+        return (("act", s - 1, k),) if rc is RCMode.LFLB else (("fwd", s, k),)
+    if kind is Kind.SWAP_IN:
+        return (("stashed", s, k),)
+    if kind is Kind.ALLREDUCE:
+        return tuple(("wgrad", s, j) for j in range(microbatches))
+    if kind in (Kind.OPTIMIZER, Kind.SYNC_SEND):
+        return (("reduced", s),)
+    return ()
+
+
+_REPLICA_USE = (Kind.FRC, Kind.BRC, Kind.SWAP_OUT, Kind.SWAP_IN)
+
+
+def shape_problem(
+    streams: Mapping[int, Sequence[Instruction]], stages: int, microbatches: int
+) -> tuple[str, list[Cell]] | None:
+    """The first out-of-range stage, microbatch or peer, or a send to oneself."""
+    for n, stream in streams.items():
+        for i, instr in enumerate(stream):
+            if instr.stage >= stages:
+                return f"node {n} #{i} {instr}: stage {instr.stage} out of range 0..{stages - 1}", [(n, i)]
+            if instr.microbatch is not None and instr.microbatch >= microbatches:
+                return (f"node {n} #{i} {instr}: microbatch {instr.microbatch} out of range "
+                        f"0..{microbatches - 1}", [(n, i)])
+            if instr.kind is Kind.LOAD and instr.stage != 0:
+                return f"node {n} #{i} {instr}: only stage 0 loads input", [(n, i)]
+            if instr.peer is not None and instr.peer == n:
+                return f"node {n} #{i} {instr}: a node cannot send to or receive from itself", [(n, i)]
+    return None
+
+
+def dependency_problem(
+    streams: Mapping[int, Sequence[Instruction]], stages: int, microbatches: int, rc: RCMode
+) -> tuple[str, list[Cell]] | None:
+    """The first instruction that runs before one of its inputs exists on its node."""
+    for n, stream in streams.items():
+        have: set[Token] = set()
+        synced: set[int] = set()
+        for i, instr in enumerate(stream):
+            for token in _requires(instr, stages, microbatches, rc):
+                if token not in have:
+                    return f"node {n} #{i} {instr} runs before its input {_describe(token)} exists on node {n}", [(n, i)]
+            if instr.kind in _REPLICA_USE and instr.stage in synced:
+                return f"node {n} #{i} {instr} uses the replica of stage {instr.stage} after its sync step", [(n, i)]
+            if instr.kind is Kind.SYNC_RECV:
+                synced.add(instr.stage)
+            have.update(_provides(instr, rc))
+    return None
+
+
+def _describe(token: Token) -> str:
+    what, *rest = token
+    names = {
+        "act": "the output activation of stage {} microbatch {}",
+        "fwd": "the forward state of stage {} microbatch {}",
+        "gin": "the gradient w.r.t. the input of stage {} microbatch {}",
+        "wgrad": "the weight gradients of stage {} microbatch {}",
+        "stashed": "the swapped-out stash of stage {} microbatch {}",
+        "reduced": "the reduced gradients of stage {}",
+    }
+    if what == "act" and rest[0] == -1:
+        return f"the loaded input of microbatch {rest[1]}"
+    return names[str(what)].format(*rest)
+
+
+def _accounting_problem(schedule: Schedule) -> tuple[str, list[Cell]] | None:
+    P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
+    where: dict[tuple[Kind, int, int | None], list[Cell]] = {}
+    for n, stream in schedule.streams.items():
+        for i, instr in enumerate(stream):
+            if instr.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.FRC, Kind.BRC, Kind.ALLREDUCE, Kind.OPTIMIZER):
+                where.setdefault((instr.kind, instr.stage, instr.microbatch), []).append((n, i))
+            if instr.kind in (Kind.SYNC_SEND, Kind.SYNC_RECV):
+                where.setdefault((instr.kind, instr.stage, None), []).append((n, i))
+    expected: Counter[tuple[Kind, int, int | None]] = Counter()
+    owner: dict[tuple[Kind, int, int | None], int] = {}
+    for s in range(P):
+        for k in range(M):
+            for kind in (Kind.FORWARD, Kind.BACKWARD):
+                expected[(kind, s, k)] = 1
+                owner[(kind, s, k)] = schedule.placement[s]
+            if rc in (RCMode.EFLB, RCMode.EFEB):
+                expected[(Kind.FRC, s, k)] = 1
+                owner[(Kind.FRC, s, k)] = schedule.shadow_of(s)
+            if rc is RCMode.EFEB:
+                expected[(Kind.BRC, s, k)] = 1
+                owner[(Kind.BRC, s, k)] = schedule.shadow_of(s)
+        for kind in (Kind.ALLREDUCE, Kind.OPTIMIZER):
+            expected[(kind, s, None)] = 1
+            owner[(kind, s, None)] = schedule.placement[s]
+        if rc is not RCMode.NONE:
+            expected[(Kind.SYNC_SEND, s, None)] = 1
+            expected[(Kind.SYNC_RECV, s, None)] = 1
+            owner[(Kind.SYNC_RECV, s, None)] = schedule.shadow_of(s)
+    for key, count in expected.items():
+        cells = where.get(key, [])
+        if len(cells) != count:
+            return f"{_label(key)} runs {len(cells)} times, expected {count}", cells
+        if key in owner and cells[0][0] != owner[key]:
+            return f"{_label(key)} runs on node {cells[0][0]}, expected node {owner[key]}", cells
+    for key, cells in where.items():
+        if key not in expected:
+            return f"{_label(key)} runs {len(cells)} times, expected 0", cells
+    return None
+
+
+def _label(key: tuple[Kind, int, int | None]) -> str:
+    kind, s, k = key
+    return f"{kind.name} of stage {s}" + ("" if k is None else f" microbatch {k}")
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise `ScheduleError` (whole grid, bad cell marked) unless ``schedule`` is correct."""
+    P, M = schedule.stages, schedule.microbatches
+    for check in (
+        lambda: shape_problem(schedule.streams, P, M),
+        lambda: dependency_problem(schedule.streams, P, M, schedule.rc),
+        lambda: _accounting_problem(schedule),
+    ):
+        found = check()
+        if found is not None:
+            raise ScheduleError(found[0], schedule.streams, found[1])
+    try:
+        execute(schedule.streams)
+    except ExecutionError as error:
+        raise ScheduleError(str(error), schedule.streams, error.cells) from None

@@ -228,6 +228,11 @@ def test_agent_cli_rejects_bad_input_with_one_line_and_no_traceback() -> None:
                           "--node", "n"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == "bamboo agent: error: EtcdOptions.endpoints: 'nohost' is not host:port"
+    out = subprocess.run([sys.executable, "-m", "bamboo.membership", "--etcd", "127.0.0.1:1", "--job", "j",
+                          "--node", "n"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.startswith("bamboo agent: error: etcd at 127.0.0.1:1 unavailable")
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
     out = subprocess.run([sys.executable, "-m", "bamboo.membership", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--grace" in out.stdout and "--tls-cert" in out.stdout

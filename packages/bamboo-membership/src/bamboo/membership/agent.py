@@ -56,13 +56,18 @@ __all__ = ["GrpcProber", "NodeAgent", "TlsFiles", "main"]
 log = logging.getLogger(__name__)
 
 
+def _check_file(name: str, path: str) -> None:
+    if not Path(path).is_file():
+        raise ValueError(f"TlsFiles.{name}: no such file {path!r}")
+
+
 @attrs.frozen
 class TlsFiles:
     """PEM files for the agent's TLS. The server uses `cert` and `key`; clients verify against `ca`."""
 
-    cert: str
-    key: str
-    ca: str | None = None
+    cert: str = attrs.field(validator=lambda _, a, v: _check_file(a.name, v))
+    key: str = attrs.field(validator=lambda _, a, v: _check_file(a.name, v))
+    ca: str | None = attrs.field(default=None, validator=lambda _, a, v: v is None or _check_file(a.name, v))
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())])
@@ -221,7 +226,12 @@ class NodeAgent:
         self._server = server
         record = NodeRecord(id=self.node_id, zone=self.zone, address=self.host, agent_port=self.port,
                             incarnation=self.incarnation, state=NodeState.NODE_STATE_JOINING)
-        self.registration = self.store.register(record, self.ttl)
+        try:
+            self.registration = self.store.register(record, self.ttl)
+        except BaseException:
+            server.stop(0)
+            self._server = None
+            raise
         if self.detector is not None:
             self.detector.subscribe(self._on_node_failed)
             self.detector.start()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from bamboo.membership.agent import GrpcProber, NodeAgent
+from bamboo.membership.agent import AgentClient, GrpcProber, NodeAgent
 from bamboo.membership.detector import DetectorConfig, ProbeOutcome
 from bamboo.membership.embedded import EmbeddedEtcd
 from bamboo.membership.kv import EtcdKV, EtcdOptions
@@ -110,18 +110,38 @@ def test_kill_9_of_an_agent_is_seen_once_by_every_watcher_within_ttl_plus_margin
     assert set(store.failures(0)) == {"victim"}
 
 
-def test_kill_9_with_a_neighbour_report_is_confirmed_by_a_refused_probe(spawn, watchers, wait_until) -> None:
+def test_worker_reports_a_killed_peer_over_grpc_and_is_told_it_failed(spawn, watchers, wait_until) -> None:
+    """The runtime's path: AgentClient.report_peer_failure -> probe refused -> NodeFailed on every stream."""
     victim = spawn("victim")
-    (first, _), _ = watchers
+    (first, _), (second, _) = watchers
     wait_until(lambda: "victim" in first.detector.known_nodes(), message="the victim record")
+    clients = [AgentClient(agent.address, name=f"worker-of-{agent.node_id}") for agent in (first, second)]
+    told: list[list[object]] = [[], []]
+
+    def listen(i: int) -> None:
+        for event in clients[i].events():
+            told[i].append(event)
+
+    readers = [threading.Thread(target=listen, args=(i,), daemon=True) for i in range(2)]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.2)  # both Subscribe streams are registered
     victim.signal(signal.SIGKILL)
     victim.proc.wait(timeout=5)
     reported_at = time.monotonic()
-    first.report_peer_failure("victim", "recv from victim: Connection closed by peer")
-    wait_until(lambda: all(_failures(watchers, "victim")), timeout=TTL + MARGIN, message="NodeFailed(victim)")
-    event = _failures(watchers, "victim")[1][0]
-    assert (event.path, event.detected_by) == ("neighbour_report", "watcher0")
+    assert clients[0].report_peer_failure("victim", "recv from victim: Connection closed by peer")
+    wait_until(lambda: all(told), timeout=TTL + MARGIN, message="NodeFailed on both workers' streams")
     assert time.monotonic() - reported_at < TTL  # well before the lease could have expired
+    for events in told:
+        assert len(events) == 1 and isinstance(events[0], NodeFailed)
+        assert (events[0].node, events[0].epoch, events[0].detected_by) == ("victim", 0, "watcher0")
+        assert events[0].path == "neighbour_report" and "Connection closed by peer" in events[0].reason
+    assert clients[1].probe().node == "watcher1"
+    with pytest.raises(grpc.RpcError) as info:
+        clients[0].report_peer_failure("", "no node")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for client in clients:
+        client.close()
 
 
 def test_sigstop_shorter_than_grace_declares_nothing_and_longer_declares_failure(
@@ -144,7 +164,7 @@ def test_sigstop_shorter_than_grace_declares_nothing_and_longer_declares_failure
     stopped_at = time.monotonic()
     first.report_peer_failure("victim", "send to victim timed out")
     wait_until(lambda: all(_failures(watchers, "victim")), timeout=TTL + MARGIN + 2, message="NodeFailed(victim)")
-    assert time.monotonic() - stopped_at >= GRACE - 0.05
+    assert time.monotonic() - stopped_at >= min(GRACE, TTL * 2 / 3) - 0.05  # probe path, or an early lease expiry
     time.sleep(0.5)
     assert [len(e) for e in _failures(watchers, "victim")] == [1, 1]
     assert _failures(watchers, "victim")[0][0].path in {"probe_timeout", "lease_expiry"}

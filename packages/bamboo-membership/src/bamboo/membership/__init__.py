@@ -9,8 +9,9 @@
   decisions, and the layout with compare-and-swap on its revision. Keys live under `/bamboo/<job>/`.
 - `FailureDetector`: neighbour reports confirmed by gRPC probes (with a grace period for slow nodes)
   and lease expiry, emitted as `NodeFailed(node, epoch, detected_by, reason)` once per node per epoch.
-- `NodeAgent`: one per node, the gRPC `Agent` service (Probe, Notify, Subscribe), optional TLS,
-  SIGTERM and cloud-hook preemption notices. `python -m bamboo.membership --help`.
+- `NodeAgent`: one per node, the gRPC `Agent` service (Probe, Notify, ReportPeerFailure, Subscribe),
+  optional TLS, SIGTERM and cloud-hook preemption notices. `python -m bamboo.membership --help`.
+  `AgentClient` is the worker's side: report a peer's failure, receive `NodeFailed` and notices.
 - `EtcdStore`: a `torch.distributed.Store` over etcd (loaded lazily; needs the `torch` extra).
 
 Nothing here imports torch at import time.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bamboo.membership.agent import GrpcProber, NodeAgent, TlsFiles
+from bamboo.membership.agent import AgentClient, GrpcProber, NodeAgent, TlsFiles
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
 from bamboo.membership.embedded import EmbeddedEtcd, EtcdStartError
 from bamboo.membership.kv import (
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from bamboo.membership.c10d_store import EtcdStore, c10d_prefix
 
 __all__ = [
+    "AgentClient",
     "Decision",
     "DetectorConfig",
     "EmbeddedEtcd",

@@ -2,8 +2,8 @@
 
 One `NodeAgent` runs on each node. It
 
-- serves `bamboo.membership.v1.Agent` (Probe, Notify, Subscribe), bound to loopback by default, with
-  optional TLS (`TlsFiles`);
+- serves `bamboo.membership.v1.Agent` (Probe, Notify, ReportPeerFailure, Subscribe), bound to loopback
+  by default, with optional TLS (`TlsFiles`); `AgentClient` is the worker's side of it;
 - registers the node's record in etcd under a lease (TTL `ttl`) that it keeps alive;
 - runs a `FailureDetector` (its probes use `GrpcProber`) and streams its `NodeFailed` events, and every
   preemption notice of the job, to local subscribers (the worker);
@@ -51,7 +51,7 @@ from bamboo.membership.store import MembershipStore, Registration
 from bamboo.membership.v1 import membership_pb2 as pb
 from bamboo.membership.v1 import membership_pb2_grpc as pb_grpc
 
-__all__ = ["GrpcProber", "NodeAgent", "TlsFiles", "main"]
+__all__ = ["AgentClient", "GrpcProber", "NodeAgent", "TlsFiles", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,18 @@ class _Servicer(pb_grpc.AgentServicer):
                                       notice.source or "grpc")
         return pb.NotifyResponse(published=published)
 
+    def ReportPeerFailure(
+        self, request: pb.PeerFailureRequest, context: grpc.ServicerContext
+    ) -> pb.PeerFailureResponse:
+        if not request.node:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ReportPeerFailure needs the failed node's id")
+        detector = self.agent.detector
+        if detector is None:
+            return pb.PeerFailureResponse(accepted=False)
+        detector.report_peer_failure(request.node, request.reason or "peer failure reported",
+                                     reporter=request.reporter or self.agent.node_id)
+        return pb.PeerFailureResponse(accepted=True)
+
     def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.ClusterEvent]:
         events: queue.Queue[pb.ClusterEvent | None] = queue.Queue()
         self.agent._subscribers.append(events)
@@ -154,6 +166,56 @@ class _Servicer(pb_grpc.AgentServicer):
         finally:
             with contextlib.suppress(ValueError):
                 self.agent._subscribers.remove(events)
+
+
+class AgentClient:
+    """What a local worker (the runtime) uses to talk to its node's agent over gRPC.
+
+    `report_peer_failure(node, reason)` says "my P2P to `node` failed"; `failures()` yields
+    `NodeFailed` ("`node` failed in epoch E") and `notices()` preemption notices, from one Subscribe
+    stream. `timeout` (seconds, default 5) bounds each unary call.
+    """
+
+    def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 timeout: float = 5.0, name: str = "worker") -> None:
+        self.address = address
+        self.timeout = timeout
+        self.name = name
+        self._channel = (grpc.secure_channel(address, credentials) if credentials is not None
+                         else grpc.insecure_channel(address))
+        self._stub = pb_grpc.AgentStub(self._channel)
+
+    def probe(self) -> pb.ProbeResponse:
+        return self._stub.Probe(pb.ProbeRequest(from_node=self.name), timeout=self.timeout)
+
+    def report_peer_failure(self, node: str, reason: str) -> bool:
+        """Returns whether the agent's detector took the report (False: the agent runs no detector)."""
+        request = pb.PeerFailureRequest(node=node, reason=reason)
+        return self._stub.ReportPeerFailure(request, timeout=self.timeout).accepted
+
+    def notify(self, notice: PreemptionNotice) -> bool:
+        return self._stub.Notify(pb.NotifyRequest(notice=notice), timeout=self.timeout).published
+
+    def events(self) -> Iterator[NodeFailed | PreemptionNotice]:
+        """Cluster events as they happen: `NodeFailed` or `PreemptionNotice`. Ends when the agent stops
+        or `close()` is called; `grpc.RpcError` if the agent goes away."""
+        stream = self._stub.Subscribe(pb.SubscribeRequest(subscriber=self.name))
+        self._stream = stream
+        try:
+            for event in stream:
+                if event.HasField("node_failed"):
+                    yield NodeFailed.from_report(event.node_failed)
+                elif event.HasField("preemption"):
+                    yield event.preemption
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise
+
+    def close(self) -> None:
+        stream = getattr(self, "_stream", None)
+        if stream is not None:
+            stream.cancel()
+        self._channel.close()
 
 
 class NodeAgent:

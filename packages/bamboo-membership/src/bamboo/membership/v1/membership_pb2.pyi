@@ -108,6 +108,22 @@ class NotifyResponse(_message.Message):
     published: bool
     def __init__(self, published: _Optional[bool] = ...) -> None: ...
 
+class PeerFailureRequest(_message.Message):
+    __slots__ = ("node", "reason", "reporter")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    reason: str
+    reporter: str
+    def __init__(self, node: _Optional[str] = ..., reason: _Optional[str] = ..., reporter: _Optional[str] = ...) -> None: ...
+
+class PeerFailureResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
 class SubscribeRequest(_message.Message):
     __slots__ = ("subscriber",)
     SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
@@ -115,11 +131,9 @@ class SubscribeRequest(_message.Message):
     def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
 
 class ClusterEvent(_message.Message):
-    __slots__ = ("node_failed", "preemption", "node_joined")
+    __slots__ = ("node_failed", "preemption")
     NODE_FAILED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_FIELD_NUMBER: _ClassVar[int]
-    NODE_JOINED_FIELD_NUMBER: _ClassVar[int]
     node_failed: FailureReport
     preemption: PreemptionNotice
-    node_joined: NodeRecord
-    def __init__(self, node_failed: _Optional[_Union[FailureReport, _Mapping]] = ..., preemption: _Optional[_Union[PreemptionNotice, _Mapping]] = ..., node_joined: _Optional[_Union[NodeRecord, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_failed: _Optional[_Union[FailureReport, _Mapping]] = ..., preemption: _Optional[_Union[PreemptionNotice, _Mapping]] = ...) -> None: ...

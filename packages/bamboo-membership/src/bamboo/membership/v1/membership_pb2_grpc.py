@@ -45,6 +45,11 @@ class AgentStub:
                 request_serializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.NotifyRequest.SerializeToString,
                 response_deserializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.NotifyResponse.FromString,
                 _registered_method=True)
+        self.ReportPeerFailure = channel.unary_unary(
+                '/bamboo.membership.v1.Agent/ReportPeerFailure',
+                request_serializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.PeerFailureRequest.SerializeToString,
+                response_deserializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.PeerFailureResponse.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/bamboo.membership.v1.Agent/Subscribe',
                 request_serializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.SubscribeRequest.SerializeToString,
@@ -70,8 +75,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPeerFailure(self, request, context):
+        """A neighbour's report from the local runtime: makes `node` a suspect for the failure detector.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Subscribe(self, request, context):
-        """Cluster events (failures, notices, joins) for a local worker.
+        """Cluster events (failures, notices) for a local worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,6 +101,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Notify,
                     request_deserializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.NotifyRequest.FromString,
                     response_serializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.NotifyResponse.SerializeToString,
+            ),
+            'ReportPeerFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPeerFailure,
+                    request_deserializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.PeerFailureRequest.FromString,
+                    response_serializer=bamboo_dot_membership_dot_v1_dot_membership__pb2.PeerFailureResponse.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -151,6 +168,33 @@ class Agent:
             '/bamboo.membership.v1.Agent/Notify',
             bamboo_dot_membership_dot_v1_dot_membership__pb2.NotifyRequest.SerializeToString,
             bamboo_dot_membership_dot_v1_dot_membership__pb2.NotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPeerFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bamboo.membership.v1.Agent/ReportPeerFailure',
+            bamboo_dot_membership_dot_v1_dot_membership__pb2.PeerFailureRequest.SerializeToString,
+            bamboo_dot_membership_dot_v1_dot_membership__pb2.PeerFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
+from bamboo.membership.kv import StoreUnavailableError
 from bamboo.membership.records import NodeFailed, NodeRecord, NodeState
 from bamboo.membership.store import MembershipStore, Registration
 
@@ -203,3 +204,36 @@ def test_detector_config_validation_names_the_bad_value() -> None:
 
 def test_node_state_default_is_unspecified() -> None:
     assert NodeRecord(id="x").state == NodeState.NODE_STATE_UNSPECIFIED
+
+
+class FlakyKV:
+    """The real client behind the KeyValueStore interface, except that the first `create` fails."""
+
+    def __init__(self, kv: object) -> None:
+        self.kv = kv
+        self.failures = 1
+
+    def create(self, key: str, value: bytes, lease: int = 0) -> object:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailableError("etcd at test unavailable during create")
+        return self.kv.create(key, value, lease)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kv, name)
+
+
+def test_a_confirmed_failure_that_cannot_be_written_is_retried(store, victim) -> None:
+    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    flaky = MembershipStore(FlakyKV(store.kv), store.keys.job)
+    detector, seen = _detector(flaky, prober, clock)
+    try:
+        detector.report_peer_failure("victim", "recv failed")
+        detector.tick()
+        assert seen == [] and store.failures(0) == {}
+        clock.now += CONFIG.probe_interval
+        detector.tick()
+        assert [e.node for e in seen] == ["victim"] and len(prober.calls) == 1  # written, not re-probed
+        assert store.failures(0)["victim"].detected_by == "d1"
+    finally:
+        detector.stop()

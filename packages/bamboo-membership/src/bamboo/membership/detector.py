@@ -130,6 +130,8 @@ class FailureDetector:
         self._wake = threading.Condition(self._lock)
         self._nodes: dict[str, NodeRecord] = {}
         self._suspects: dict[str, _Suspicion] = {}
+        # Confirmed failures whose report could not be written yet (etcd unreachable): retried by tick().
+        self._unwritten: dict[str, tuple[NodeRecord, int, str, float]] = {}
         self._emitted: set[tuple[str, int]] = set()
         self._listeners: list[Callable[[NodeFailed], None]] = []
         self._watches: list[WatchHandle] = []
@@ -209,6 +211,9 @@ class FailureDetector:
         now = self.clock()
         with self._lock:
             due = [s for s in self._suspects.values() if s.next_probe_at <= now]
+            retry = [(r, p, why) for r, p, why, at in self._unwritten.values() if at <= now]
+        for record, path, reason in retry:
+            self._declare(record, path, reason)
         for suspicion in due:
             self._probe(suspicion)
 
@@ -255,10 +260,9 @@ class FailureDetector:
             with self._lock:
                 if self._stopped.is_set():
                     return
-                if self._suspects:
-                    wait = min(s.next_probe_at for s in self._suspects.values()) - self.clock()
-                else:
-                    wait = None
+                due = [s.next_probe_at for s in self._suspects.values()]
+                due += [at for *_, at in self._unwritten.values()]
+                wait = min(due) - self.clock() if due else None
                 if wait is None or wait > 0:
                     self._wake.wait(timeout=wait)
 
@@ -310,14 +314,15 @@ class FailureDetector:
         try:
             _, stored = self.store.report_failure(report)
         except (StoreError, MalformedValueError) as exc:
-            # Keep (or make) it a suspect so that the probe loop tries again once etcd answers.
+            # The failure is confirmed; only writing it failed. Retry the write on the next ticks.
             log.error("could not record the failure of %s: %s; will retry", record.id, exc)
             with self._lock:
-                now = self.clock()
-                self._suspects.setdefault(
-                    record.id, _Suspicion(record.id, now - self.config.grace_period, reason, self.detector_id, now)
-                ).next_probe_at = now + self.config.probe_interval
+                self._suspects.pop(record.id, None)
+                self._unwritten[record.id] = (record, path, reason, self.clock() + self.config.probe_interval)
+                self._wake.notify_all()
             return
+        with self._lock:
+            self._unwritten.pop(record.id, None)
         self._emit(stored)
 
     def _on_failure_event(self, event: WatchEvent) -> None:
@@ -337,6 +342,7 @@ class FailureDetector:
                 return
             self._emitted.add(key)
             self._suspects.pop(report.node, None)
+            self._unwritten.pop(report.node, None)
             listeners = list(self._listeners)
         event = NodeFailed.from_report(report)
         for listener in listeners:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from bamboo.membership.agent import GrpcProber, NodeAgent, TlsFiles
 from bamboo.membership.detector import ProbeOutcome
+from bamboo.membership.embedded import EmbeddedEtcd
+from bamboo.membership.kv import EtcdKV, EtcdOptions, StoreUnavailableError
 from bamboo.membership.store import MembershipStore
 
 
@@ -43,3 +45,16 @@ def test_tls_files_must_exist(tmp_path: Path, tls_files: TlsFiles) -> None:
         TlsFiles(cert=tls_files.cert, key=str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match=r"TlsFiles\.ca"):
         TlsFiles(cert=tls_files.cert, key=tls_files.key, ca=str(tmp_path / "nope.pem"))
+
+
+def test_etcd_over_tls_with_the_ca_passed_through(tls_files: TlsFiles) -> None:
+    with EmbeddedEtcd(tls_cert=tls_files.cert, tls_key=tls_files.key) as server:
+        assert server.client_url.startswith("https://")
+        secure = EtcdKV(EtcdOptions(endpoints=(server.endpoint,), ca_cert=tls_files.cert, timeout=3))
+        store = MembershipStore(secure, "tls")
+        assert store.decide("d", {"tls": True}).won
+        secure.close()
+        plaintext = EtcdKV(EtcdOptions(endpoints=(server.endpoint,), timeout=1))
+        with pytest.raises(StoreUnavailableError):
+            plaintext.get("/bamboo/tls/decisions/d")
+        plaintext.close()

@@ -1,7 +1,7 @@
 """Run a real single-member etcd v3 server on free loopback ports, for tests and for the launcher.
 
-`EmbeddedEtcd` starts `/usr/bin/etcd` (or the binary you name) with a data directory, waits until it
-answers `/health`, stops it by PID (SIGTERM, or SIGKILL to emulate a crash) and restarts it on the same
+`EmbeddedEtcd` starts `/usr/bin/etcd` (or the binary you name) with a data directory (and, given
+`tls_cert`/`tls_key`, HTTPS on the client port), waits until it answers `/health`, stops it by PID (SIGTERM, or SIGKILL to emulate a crash) and restarts it on the same
 data directory and the same ports, so that clients reconnect to the address they already know.
 
 Timeouts (all in seconds, all constructor arguments):
@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -59,7 +60,13 @@ class EmbeddedEtcd:
         binary: str = DEFAULT_ETCD_BINARY,
         start_timeout: float = 20.0,
         stop_timeout: float = 10.0,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError(f"EmbeddedEtcd: tls_cert and tls_key go together (cert={tls_cert!r}, key={tls_key!r})")
+        self.tls_cert = None if tls_cert is None else str(tls_cert)
+        self.tls_key = None if tls_key is None else str(tls_key)
         resolved = shutil.which(binary) or binary
         if not Path(resolved).exists():
             raise FileNotFoundError(f"etcd binary not found: {binary!r} (install the Debian package etcd-server)")
@@ -85,7 +92,8 @@ class EmbeddedEtcd:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls_cert else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -115,6 +123,7 @@ class EmbeddedEtcd:
             "--initial-cluster-state", "new",
             "--logger", "zap",
             "--log-level", "warn",
+            *(["--cert-file", self.tls_cert, "--key-file", self.tls_key] if self.tls_cert else []),
         ]  # fmt: skip
 
     def start(self) -> EmbeddedEtcd:
@@ -146,8 +155,9 @@ class EmbeddedEtcd:
 
     def healthy(self, timeout: float = 0.5) -> bool:
         """True when the server answers `GET /health` with `{"health": "true"}`."""
+        context = ssl.create_default_context(cafile=self.tls_cert) if self.tls_cert else None
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as resp:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout, context=context) as resp:
                 return json.loads(resp.read().decode()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False

@@ -324,6 +324,9 @@ class AsyncCheckpointer:
             (the launcher writes a ``checkpoint`` event there).
         writer: the function that writes one shard (``write_checkpoint``); tests inject a gated
             one to prove that the training loop does not wait for it.
+        writer_niceness: the writer thread's Linux nice increment (0 to 19; default 10), so that
+            serialising and hashing yield the CPU to training on small machines. Ignored where
+            per-thread priorities are not available.
     """
 
     def __init__(
@@ -335,7 +338,11 @@ class AsyncCheckpointer:
         keep: int = 3,
         on_commit: Callable[[CheckpointInfo], None] | None = None,
         writer: Callable[[Path, int, Mapping[str, Any], str], CheckpointInfo] = write_checkpoint,
+        writer_niceness: int = 10,
     ) -> None:
+        if not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
+            raise ValueError(f"writer_niceness must be an integer in [0, 19], got {writer_niceness!r}")
+        self.writer_niceness = writer_niceness
         _check_shard_name(shard)
         if not isinstance(every_steps, int) or every_steps < 1:
             raise ValueError(f"every_steps must be an integer >= 1, got {every_steps!r}")
@@ -410,7 +417,17 @@ class AsyncCheckpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _lower_priority(self) -> None:
+        if self.writer_niceness == 0 or not hasattr(os, "setpriority"):
+            return
+        try:
+            # On Linux a thread id names one thread, so only the writer is reniced.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.writer_niceness)
+        except OSError as error:
+            logger.info("could not lower the checkpoint writer's priority: %s", error)
+
     def _run(self) -> None:
+        self._lower_priority()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending is not None or self._closed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -205,43 +205,37 @@ def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Param
     return torch.optim.SGD(parameters, foreach=False, **params)
 
 
-def _warmup_factor(params: Mapping[str, Any]) -> Callable[[int], float]:
-    low = float(params.get("warmup_min_lr", 0.0))
-    high = float(params.get("warmup_max_lr", 0.001))
-    warmup = max(2, int(params.get("warmup_num_steps", 1000)))
-    kind = params.get("warmup_type", "log")
-    inverse_log = 1.0 / math.log(warmup)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            gamma = inverse_log * math.log(step + 1) if kind == "log" else min(1.0, step / warmup)
-            return low + (high - low) * gamma
-        return high
-
-    return lr_at
-
-
 def build_scheduler(
     config: SchedulerConfig | None, optimizer: torch.optim.Optimizer
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
     """Build DeepSpeed's WarmupLR / WarmupDecayLR as a torch scheduler that sets absolute LRs.
 
-    The learning rate follows DeepSpeed's formulas: log (default) or linear warmup from
-    `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then (WarmupDecayLR) a linear
-    decay to 0 at `total_num_steps`.
+    It follows DeepSpeed's formulas exactly, including that the first optimizer step runs at
+    `warmup_min_lr` (DeepSpeed's scheduler starts at iteration -1): step i uses iteration i-1,
+    `lr = min + (max - min) * gamma` with a log (default) or linear warmup over
+    `warmup_num_steps`, then (WarmupDecayLR) `gamma = (total - it) / (total - warmup)`, at least 0.
     """
     if config is None:
         return None
-    warmup_lr = _warmup_factor(config.params)
-    warmup = max(2, int(config.params.get("warmup_num_steps", 1000)))
-    total = int(config.params.get("total_num_steps", 0))
+    params = config.params
+    low = float(params.get("warmup_min_lr", 0.0))
+    default_high = optimizer.param_groups[0]["lr"] if config.type == "warmuplr" else 0.001
+    high = float(params.get("warmup_max_lr", default_high))
+    warmup = max(2, int(params.get("warmup_num_steps", 1000)))
+    kind = params.get("warmup_type", "log")
+    total = int(params.get("total_num_steps", 0))
     decay = config.type == "warmupdecaylr"
+    inverse_log = 1.0 / math.log(warmup)
+
+    def gamma(iteration: int) -> float:
+        if iteration < warmup:
+            return inverse_log * math.log(iteration + 1) if kind == "log" else iteration / warmup
+        if decay:
+            return max(0.0, float(total - iteration) / float(max(1.0, total - warmup)))
+        return 1.0
 
     def absolute_lr(step: int) -> float:
-        lr = warmup_lr(step)
-        if decay and step >= warmup:
-            lr *= max(0.0, (total - step) / max(1.0, total - warmup))
-        return lr
+        return low if step == 0 else low + (high - low) * gamma(step - 1)
 
     for group in optimizer.param_groups:
         group["lr"] = absolute_lr(0)

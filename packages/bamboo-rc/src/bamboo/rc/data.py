@@ -1,7 +1,8 @@
 """The example corpus and its deterministic sampler.
 
 The corpus is the Python standard library's source text (`*.py` under
-`sysconfig.get_paths()["stdlib"]`), read as bytes in sorted path order: every machine with this
+`sysconfig.get_paths()["stdlib"]`), read as bytes in a fixed order (a depth-first walk with
+sorted names, leaving out installed packages): every machine with this
 Python has the very same bytes. :class:`GlobalBatchSampler` draws the microbatch at global index
 `i` of step `s` from a generator seeded with `(seed, s, i)`, so the global batch of a step is the
 same whatever the number of pipelines D that split it.
@@ -10,6 +11,7 @@ same whatever the number of pipelines D that split it.
 from __future__ import annotations
 
 import functools
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,22 +23,27 @@ import torch
 __all__ = ["GlobalBatchSampler", "Microbatch", "pipeline_data_iter", "stdlib_corpus"]
 
 
+_SKIPPED_DIRECTORIES = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
 @functools.lru_cache(maxsize=2)
 def stdlib_corpus(limit_bytes: int = 4_000_000) -> bytes:
-    """The first `limit_bytes` of the standard library's `.py` sources, files in sorted order."""
+    """The first `limit_bytes` of the standard library's `.py` sources, in a fixed file order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: list[bytes] = []
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root).parts
-        if "site-packages" in relative or "dist-packages" in relative:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
+    # A depth-first walk with sorted directory and file names: a fixed order that stops early.
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = sorted(d for d in subdirectories if d not in _SKIPPED_DIRECTORIES)
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            try:
+                data = (Path(directory) / name).read_bytes()
+            except OSError:
+                continue
+            chunks.append(data)
+            total += len(data)
         if total >= limit_bytes:
             break
     corpus = b"".join(chunks)[:limit_bytes]

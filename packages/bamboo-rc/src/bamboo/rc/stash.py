@@ -1,13 +1,15 @@
-"""The FRC stash: tensors that a replica forward pass saves for its backward, kept off the device.
+"""The FRC stash: what a replica forward pass saves for its backward, swapped off the device.
 
-Eager FRC runs the successor's forward pass on the shadow during the bubbles. What autograd saves
-for the backward (BRC, run only on failure) is packed by :meth:`FrcStash.saving` into a separate
-store:
+Eager FRC runs the successor's forward on the shadow in the bubbles. While it runs
+(:meth:`FrcStash.recording`), every tensor autograd saves for the backward is registered under the
+(stage, microbatch) of that FRC. The schedule's `SO` (:meth:`FrcStash.swap_out`) then moves those
+tensors into the separate swap store:
 - on CUDA, into pinned host memory, copied on a side stream;
-- on CPU, as a copy into the store (so the stash never aliases live activations).
+- on CPU, as a copy into the store (the live activation is released).
 
-The bytes are accounted per microbatch and at the peak. :meth:`FrcStash.drop` frees a
-microbatch's entries (at the end of the iteration, or after its BRC ran).
+`SI` (:meth:`FrcStash.swap_in`) brings them back to the device before BRC. The bytes in the store
+are accounted, now and at the peak. The replica's own weights are never stashed: they stay
+where they are. In `lflb` the stash is only the replica's input (:meth:`FrcStash.put_input`).
 """
 
 from __future__ import annotations
@@ -19,74 +21,113 @@ import torch
 
 __all__ = ["FrcStash"]
 
+Key = tuple[int, int]
+
+
+class _Handle:
+    """What autograd keeps in place of a saved tensor: a key into the stash."""
+
+    __slots__ = ("index", "key")
+
+    def __init__(self, key: Key, index: int) -> None:
+        self.key = key
+        self.index = index
+
 
 class FrcStash:
-    """Saved tensors of replica forward passes, per microbatch, off the device."""
+    """Saved tensors of replica forward passes, keyed by (stage, microbatch)."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device or torch.device("cpu")
-        self._entries: dict[int, dict[int, torch.Tensor]] = {}
-        self._bytes: dict[int, int] = {}
-        self._next_key = 0
+    def __init__(self) -> None:
+        self._live: dict[Key, list[torch.Tensor]] = {}
+        self._stored: dict[Key, list[torch.Tensor]] = {}
+        self._device: dict[Key, torch.device] = {}
+        self._bytes: dict[Key, int] = {}
+        self.inputs: dict[Key, torch.Tensor] = {}
         self.peak_bytes = 0
-        self._side_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self.swapped_bytes_total = 0
+        self._side_stream: object | None = None
 
     @property
     def bytes(self) -> int:
-        """Bytes held now, over all microbatches."""
+        """Bytes held in the swap store now."""
         return sum(self._bytes.values())
 
-    def microbatches(self) -> list[int]:
-        return sorted(self._entries)
-
-    def _pack(
-        self, microbatch: int, tensor: torch.Tensor, skip: frozenset[int]
-    ) -> tuple[int, int, torch.device] | torch.Tensor:
-        if tensor.untyped_storage().data_ptr() in skip:
-            return tensor  # a replica weight: it stays where it is, only activations are stashed
-        key = self._next_key
-        self._next_key += 1
-        if tensor.device.type == "cuda":
-            assert self._side_stream is not None
-            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._side_stream.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(self._side_stream):
-                copy.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self._side_stream)
-        else:
-            copy = tensor.detach().clone()
-        self._entries.setdefault(microbatch, {})[key] = copy
-        self._bytes[microbatch] = self._bytes.get(microbatch, 0) + copy.numel() * copy.element_size()
+    def _account(self, key: Key, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self._bytes[key] = self._bytes.get(key, 0) + size
+        self.swapped_bytes_total += size
         self.peak_bytes = max(self.peak_bytes, self.bytes)
-        return (microbatch, key, tensor.device)
 
-    def _unpack(self, packed: tuple[int, int, torch.device] | torch.Tensor) -> torch.Tensor:
+    def _pack(self, key: Key, tensor: torch.Tensor, skip: frozenset[int]) -> _Handle | torch.Tensor:
+        if tensor.untyped_storage().data_ptr() in skip:
+            return tensor  # a replica weight: it stays where it is
+        tensors = self._live.setdefault(key, [])
+        tensors.append(tensor)
+        self._device[key] = tensor.device
+        return _Handle(key, len(tensors) - 1)
+
+    def _unpack(self, packed: _Handle | torch.Tensor) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        microbatch, key, device = packed
-        stored = self._entries[microbatch][key]
-        if device.type == "cuda":
-            assert self._side_stream is not None
-            torch.cuda.current_stream(device).wait_stream(self._side_stream)
-            return stored.to(device, non_blocking=True)
-        return stored
+        if packed.key in self._live:
+            return self._live[packed.key][packed.index]
+        return self._stored[packed.key][packed.index]
 
     @contextlib.contextmanager
-    def saving(self, microbatch: int, skip: Iterable[int] = ()) -> Iterator[None]:
-        """Inside this block, tensors saved for backward are packed into the stash of `microbatch`.
+    def recording(self, key: Key, skip: Iterable[int] = ()) -> Iterator[None]:
+        """Register the tensors saved for backward inside this block under `key`.
 
-        Tensors whose storage address is in `skip` (the replica's weights) are not copied.
+        Tensors whose storage address is in `skip` (the replica's weights) are left alone.
         """
         skipped = frozenset(skip)
-        with torch.autograd.graph.saved_tensors_hooks(
-            lambda tensor: self._pack(microbatch, tensor, skipped), self._unpack
-        ):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, t, skipped), self._unpack):
             yield
 
-    def drop(self, microbatch: int) -> None:
-        self._entries.pop(microbatch, None)
-        self._bytes.pop(microbatch, None)
+    def put_input(self, key: Key, tensor: torch.Tensor) -> None:
+        """lflb: stash only the replica's input (a copy) for a later FRC."""
+        copy = tensor.detach().to("cpu", copy=True)
+        self.inputs[key] = copy
+        self._account(key, copy)
+
+    def swap_out(self, key: Key) -> None:
+        """Move the saved tensors of `key` into the swap store (a copy; the live ones are released)."""
+        live = self._live.pop(key, [])
+        stored = []
+        for tensor in live:
+            if tensor.device.type == "cuda":
+                if self._side_stream is None:
+                    self._side_stream = torch.cuda.Stream()
+                stream = self._side_stream
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                stream.wait_stream(torch.cuda.current_stream(tensor.device))  # type: ignore[attr-defined]
+                with torch.cuda.stream(stream):  # type: ignore[arg-type]
+                    copy.copy_(tensor, non_blocking=True)
+                    tensor.record_stream(stream)  # type: ignore[arg-type]
+            else:
+                copy = tensor.detach().clone()
+            stored.append(copy)
+            self._account(key, copy)
+        self._stored[key] = stored
+
+    def swap_in(self, key: Key) -> None:
+        """Bring the saved tensors of `key` back to their device (on CPU they are used in place)."""
+        device = self._device.get(key)
+        if key not in self._stored or device is None or device.type != "cuda":
+            return
+        if self._side_stream is not None:
+            torch.cuda.current_stream(device).wait_stream(self._side_stream)  # type: ignore[arg-type]
+        self._live[key] = [t.to(device, non_blocking=True) for t in self._stored[key]]
+
+    def drop(self, key: Key) -> None:
+        self._live.pop(key, None)
+        self._stored.pop(key, None)
+        self._device.pop(key, None)
+        self._bytes.pop(key, None)
+        self.inputs.pop(key, None)
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._live.clear()
+        self._stored.clear()
+        self._device.clear()
         self._bytes.clear()
+        self.inputs.clear()

@@ -21,7 +21,7 @@ import attrs
 import torch
 from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
-from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.data import GlobalBatchSampler, stdlib_corpus
 from bamboo.rc.executor import REDUNDANCY_MODES, Layout
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss, partition_layers
 from bamboo.rc.reference import train_reference
@@ -92,6 +92,7 @@ def run_verify(
     specs = gpt_layer_specs(size)
     partition_layers(len(specs), stages)  # a clear error before forking
     exact_mode()
+    stdlib_corpus()  # read once here; the forked workers inherit it
     started = time.perf_counter()
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     with tempfile.TemporaryDirectory(prefix="bamboo-verify-") as out_dir:

@@ -19,10 +19,10 @@ import attrs
 import torch
 from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
-from bamboo.rc.data import GlobalBatchSampler
-from bamboo.rc.executor import Layout, StageExecutor
-from bamboo.rc.model import GPTSize, lm_loss
-from bamboo.rc.program import iteration_ops
+from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
+from bamboo.rc.engine import initialize
+from bamboo.rc.executor import Layout
+from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from torch.distributed import TCPStore
 
 __all__ = ["WorkerSpec", "exact_mode", "run_worker", "worker_main"]
@@ -56,29 +56,20 @@ class WorkerSpec:
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train as node (spec.stage, spec.pipeline); returns the report also written to disk."""
     exact_mode()
-    from bamboo.rc.model import gpt_layer_specs
-
     config = load_config(spec.config, pipelines=spec.layout.pipelines)
     store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_seconds(spec.timeouts.build))
-    specs = gpt_layer_specs(spec.size)
-    executor = StageExecutor(
-        specs, lm_loss, config, spec.layout, spec.stage, spec.pipeline, store,
-        redundancy=spec.redundancy, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
+    engine = initialize(
+        gpt_layer_specs(spec.size), spec.config, spec.redundancy, loss_fn=lm_loss,
+        stages=spec.layout.stages, rank=spec.layout.rank(spec.stage, spec.pipeline), world_size=spec.layout.world,
+        store=store, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
     )
+    executor = engine.executor
     sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
-    ops = iteration_ops(spec.layout.stages, config.micro_batches, spec.stage, spec.redundancy)
+    data = pipeline_data_iter(sampler, spec.pipeline, config.micro_batches)
     started = time.perf_counter()
-    for step in range(spec.steps):
-        if executor.needs_data():
-            base = spec.pipeline * config.micro_batches
-            batches = {}
-            for k in range(config.micro_batches):
-                mb = sampler.microbatch(step, base + k)
-                batches[k] = (mb.tokens, mb.labels)
-            executor.set_microbatches(batches)
-        executor.run(ops)
-        executor.end_iteration()
-    executor.finish()
+    for _ in range(spec.steps):
+        engine.train_batch(data)
+    engine.finish()
     report = {
         "stage": spec.stage,
         "pipeline": spec.pipeline,

@@ -1,0 +1,117 @@
+"""The `bamboo-rc` command line: `bamboo-rc verify` checks an install end to end.
+
+`verify` forks P×D local worker processes (gloo), trains the example model for N steps with the
+chosen redundancy, trains a single-process reference on the same batches, prints the max
+parameter difference, the max replica-versus-original difference and both loss curves, and exits
+0 only when the parameters agree within 1e-6 relative and every replica is bit-equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump, exit 2
+        print(f"bamboo-rc: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="bamboo-rc", description="Bamboo runtime tools.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    verify = commands.add_parser(
+        "verify",
+        help="train P×D local workers and a single-process reference, and compare them",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify.add_argument("--stages", type=_positive_int, default=2, help="pipeline depth P (default 2)")
+    verify.add_argument("--pipelines", type=_positive_int, default=1, help="data-parallel pipelines D (default 1)")
+    verify.add_argument("--steps", type=_positive_int, default=3, help="training steps N (default 3)")
+    verify.add_argument(
+        "--redundancy", choices=("none", "lflb", "eflb", "efeb"), default="eflb",
+        help="redundant computation: none, lazy FRC (lflb), eager FRC (eflb, default), eager FRC+BRC (efeb)",
+    )
+    verify.add_argument("--micro-batches", type=_positive_int, default=4,
+                        help="microbatches per pipeline per step, M (gradient_accumulation_steps; default 4)")
+    verify.add_argument("--micro-batch-size", type=_positive_int, default=2,
+                        help="samples per microbatch (train_micro_batch_size_per_gpu; default 2)")
+    verify.add_argument("--layers", type=_positive_int, default=4, help="decoder blocks of the example model (default 4)")
+    verify.add_argument("--width", type=_positive_int, default=64, help="model width (default 64)")
+    verify.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
+    verify.add_argument("--sequence", type=_positive_int, default=32, help="bytes per sample (default 32)")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampler (default 0)")
+    verify.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds before unfinished workers are killed and verify fails (default 300)")
+    return parser
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from bamboo.rc.model import GPTSize
+    from bamboo.rc.verify import DEFAULT_CONFIG, RELATIVE_TOLERANCE, run_verify
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    layer_count = args.layers + 2
+    if args.stages > layer_count:
+        raise ValueError(f"--stages {args.stages} exceeds the model's {layer_count} layers (raise --layers)")
+    try:
+        size = GPTSize(layers=args.layers, width=args.width, heads=args.heads, sequence=args.sequence)
+    except ValueError as exc:
+        raise ValueError(f"bad model size: {exc}") from None
+    config = dict(DEFAULT_CONFIG)
+    config["gradient_accumulation_steps"] = args.micro_batches
+    config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    with console.status(
+        f"training {args.stages}×{args.pipelines} workers ({args.redundancy}) and the reference for {args.steps} steps"
+    ):
+        result = run_verify(
+            args.stages, args.pipelines, args.steps, args.redundancy, size=size, config=config,
+            seed=args.seed, deadline_s=args.timeout,
+        )
+    failed = {rank: code for rank, code in result.worker_exit_codes.items() if code != 0}
+    console.print(f"P={args.stages} D={args.pipelines} steps={args.steps} redundancy={args.redundancy} "
+                  f"({result.seconds:.1f} s)")
+    console.print(f"max parameter difference: {result.max_relative_diff:.3e} relative, "
+                  f"{result.max_abs_diff:.3e} absolute (tolerance {RELATIVE_TOLERANCE:g} relative)")
+    console.print(f"max replica-versus-original difference: {result.max_replica_diff:.3e} "
+                  f"over {result.replicas_compared} tensors ({'bit-equal' if result.replicas_bit_equal else 'NOT bit-equal'})")
+    console.print(f"FRC stash peak: {result.stash_peak_bytes} bytes")
+    console.print("step  pipeline loss     reference loss")
+    for step, reference in enumerate(result.reference_losses):
+        mine = f"{result.losses[step]:.9f}" if step < len(result.losses) else "-"
+        console.print(f"{step:4d}  {mine:>15}  {reference:.9f}")
+    if failed:
+        console.print(f"workers that failed (rank: exit code): {failed}")
+    console.print("PASS" if result.passed else "FAIL")
+    return 0 if result.passed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "verify":
+            return _verify(args)
+    except (ValueError, TypeError) as exc:
+        print(f"bamboo-rc: error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

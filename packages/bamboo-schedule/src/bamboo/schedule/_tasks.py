@@ -229,6 +229,21 @@ def linearize(
                     return True
         return False
 
+    def next_exchange(n: int) -> float | None:
+        """When the earliest message with a busy partner that the main lanes need could happen."""
+        times = [free[dst] for token, dst in outbox[n] if wanted(dst, n, token)]
+        for task in head_tasks(n):
+            if task.rank == RANK_REDUNDANT:
+                continue
+            times += [
+                free[need.src]
+                for need in task.needs
+                if need.send is not None
+                and (need.src, need.token) not in inbox[n]
+                and (need.token, n) in outbox[need.src]
+            ]
+        return min(times, default=None)
+
     def ready(n: int) -> Task | None:
         for task in head_tasks(n):
             if all(
@@ -245,6 +260,11 @@ def linearize(
         task = ready(n)
         if task is None:
             continue  # idle: a producer pushes to this node when it is free
+        if task.rank == RANK_REDUNDANT:
+            soon = next_exchange(n)
+            if soon is not None and soon < t + sum(cost(i) for i in task.instrs):
+                heapq.heappush(heap, (soon, n))  # redundant work must not delay the pipeline's messages
+                continue
         li = next(li for li, lane in enumerate(lanes[n]) if heads[n][li] < len(lane) and lane[heads[n][li]] is task)
         streams[n].extend(task.instrs)
         free[n] = t + sum(cost(i) for i in task.instrs)

@@ -211,6 +211,17 @@ class Schedule:
     rc: RCMode = attrs.field(validator=attrs.validators.instance_of(RCMode))
     placement: tuple[int, ...] = attrs.field(converter=tuple)
     streams: dict[int, tuple[Instruction, ...]] = attrs.field(converter=_streams)
+    shadows: tuple[int | None, ...] = attrs.field(
+        default=attrs.Factory(lambda self: self.default_shadows(), takes_self=True), converter=tuple
+    )
+    """``shadows[s]``: the node holding a live replica of stage s, or None when s is unprotected
+    (no redundancy, or after a failover until reconfiguration)."""
+
+    def default_shadows(self) -> tuple[int | None, ...]:
+        """Node (s-1) % P for every stage when there is redundancy, else None."""
+        if self.rc is RCMode.NONE or self.stages < 2:
+            return (None,) * self.stages
+        return tuple((s - 1) % self.stages for s in range(self.stages))
 
     @placement.validator
     def _check_placement(self, _attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
@@ -226,9 +237,9 @@ class Schedule:
         """The stages whose primary copy node ``node`` runs."""
         return tuple(s for s, n in enumerate(self.placement) if n == node)
 
-    def shadow_of(self, stage: int) -> int:
-        """The node holding ``stage``'s replica in the fault-free layout: ``(stage - 1) % P``."""
-        return (stage - 1) % self.stages
+    def shadow_of(self, stage: int) -> int | None:
+        """The node holding ``stage``'s live replica (``(stage - 1) % P`` when fault-free), or None."""
+        return self.shadows[stage]
 
     def __len__(self) -> int:
         return sum(len(stream) for stream in self.streams.values())

@@ -154,19 +154,22 @@ def _accounting_problem(schedule: Schedule) -> tuple[str, list[Cell]] | None:
             for kind in (Kind.FORWARD, Kind.BACKWARD):
                 expected[(kind, s, k)] = 1
                 owner[(kind, s, k)] = schedule.placement[s]
-            if rc in (RCMode.EFLB, RCMode.EFEB):
+            shadow = schedule.shadow_of(s)
+            if shadow is not None and rc in (RCMode.EFLB, RCMode.EFEB):
                 expected[(Kind.FRC, s, k)] = 1
-                owner[(Kind.FRC, s, k)] = schedule.shadow_of(s)
-            if rc is RCMode.EFEB:
+                owner[(Kind.FRC, s, k)] = shadow
+            if shadow is not None and rc is RCMode.EFEB:
                 expected[(Kind.BRC, s, k)] = 1
-                owner[(Kind.BRC, s, k)] = schedule.shadow_of(s)
+                owner[(Kind.BRC, s, k)] = shadow
         for kind in (Kind.ALLREDUCE, Kind.OPTIMIZER):
             expected[(kind, s, None)] = 1
             owner[(kind, s, None)] = schedule.placement[s]
-        if rc is not RCMode.NONE:
+        shadow = schedule.shadow_of(s)
+        if rc is not RCMode.NONE and shadow is not None:
             expected[(Kind.SYNC_SEND, s, None)] = 1
             expected[(Kind.SYNC_RECV, s, None)] = 1
-            owner[(Kind.SYNC_RECV, s, None)] = schedule.shadow_of(s)
+            owner[(Kind.SYNC_SEND, s, None)] = schedule.placement[s]
+            owner[(Kind.SYNC_RECV, s, None)] = shadow
     for key, count in expected.items():
         cells = where.get(key, [])
         if len(cells) != count:

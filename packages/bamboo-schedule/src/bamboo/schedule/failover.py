@@ -1,0 +1,507 @@
+"""Failover: merge a victim's work into its shadow's stream, mid-iteration and for the iterations after.
+
+`failover_schedule(schedule, victims, progress)` takes a fault-free schedule, the failed stages
+and how many instructions each node had completed when the failure struck (any index, forward or
+backward phase). It returns a `FailoverPlan`:
+
+- ``executed[n]``: node n's completed prefix. Everything a **survivor** executed is kept. Everything
+  a **victim** executed is lost, except what its shadow already holds: the FRC stashes of the
+  victim's stage (and, in efeb, the BRCs already run). If the shadow had already received the
+  victim's replica sync, the victim's stage had finished the iteration and nothing is redone.
+- ``remainder``: the survivors' streams for the rest of the iteration (a `Schedule` keyed by
+  survivor; ``placement[v]`` is the shadow). For each victim ``v`` with shadow ``h = (v-1) % P``
+  and successor ``u = v+1``:
+
+  1. messages that went between victim and shadow become local (they are dropped; the shadow
+     uses its own tensors);
+  2. the successor re-sends, first thing, the gradients it had already sent the victim this
+     iteration (``SG`` to h), unless the shadow already has them (efeb);
+  3. the shadow runs, for every microbatch of ``v`` in this iteration, the forward from the FRC
+     stash (``SI``) or a fresh ``FR`` (with ``L`` for stage 0, and ``SI`` of the stashed input in
+     lflb), sends the activations the successor has not received yet, then swaps the stash in and
+     runs ``BR`` for every microbatch, in the victim's order;
+  4. the all-reduce and optimizer step of ``v`` (``vAR``, ``vOPT``) move to the shadow; the
+     replica syncs that involved the victim are dropped (stage v's copy on h is now the primary,
+     and the successor's replica died with the victim).
+
+  Survivors keep their own order; only the shadow's stream is a merge. The merge runs the streams
+  with blocking semantics and picks, whenever the shadow has a choice: the victim's external
+  communication first, then its own communication, then backward work before forward work (which
+  frees memory first). The result is a witness execution, so it cannot deadlock.
+- ``steady``: the schedule for the following iterations, where the shadow runs both stages (its
+  own 1F1B/GPipe order for each, backward first) until a reconfiguration. It is also what a
+  *preemption notice* hands over at an iteration boundary: no mid-iteration merge is needed then.
+
+Several non-adjacent victims in one iteration work. Adjacent victims (including the last and the
+first stage, adjacent through the shadow ring) raise `ConsecutiveFailure`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+from bamboo.schedule._tasks import CostFn, build_task, compute_order, linearize, replica_lane, unit_cost
+from bamboo.schedule.engine import ExecutionError, Timeline, counterpart, execute
+from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
+from bamboo.schedule.validate import (
+    ScheduleError,
+    _provides,
+    _requires,
+    dependency_problem,
+    shape_problem,
+)
+
+__all__ = [
+    "ConsecutiveFailure",
+    "FailoverPlan",
+    "failover_schedule",
+    "merged_schedule",
+    "progress_at",
+    "validate_failover",
+]
+
+
+class ConsecutiveFailure(ValueError):
+    """Two failed stages are adjacent in the shadow ring: a node and its shadow are both gone.
+
+    ``pair`` is (stage, its successor in the ring); the pipeline must be reconfigured.
+    """
+
+    def __init__(self, victims: Iterable[int], pair: tuple[int, int]) -> None:
+        self.victims = tuple(sorted(victims))
+        self.pair = pair
+        super().__init__(
+            f"consecutive failure: stages {pair[0]} and {pair[1]} both failed (victims {list(self.victims)}); "
+            f"stage {pair[1]}'s shadow is node {pair[0]}, so the pipeline must be reconfigured"
+        )
+
+
+@attrs.frozen
+class FailoverPlan:
+    """What `failover_schedule` returns; see the module docstring for the meaning of each part."""
+
+    schedule: Schedule
+    victims: frozenset[int]
+    progress: dict[int, int]
+    executed: dict[int, tuple[Instruction, ...]]
+    remainder: Schedule
+    steady: Schedule
+    resent: dict[int, tuple[Instruction, ...]]
+    persisted: frozenset[int]
+    """Victim stages whose iteration had completed (their shadow had applied the replica sync)."""
+
+    @property
+    def survivors(self) -> tuple[int, ...]:
+        return self.remainder.nodes
+
+    def iteration_streams(self) -> dict[int, tuple[Instruction, ...]]:
+        """Survivors' whole failing iteration: executed prefix followed by the remainder."""
+        return {n: self.executed[n] + self.remainder.streams[n] for n in self.survivors}
+
+
+def _check_victims(schedule: Schedule, victims: Iterable[int]) -> frozenset[int]:
+    P = schedule.stages
+    chosen = frozenset(victims)
+    if not chosen:
+        raise ValueError("at least one victim stage is needed")
+    bad = sorted(v for v in chosen if not isinstance(v, int) or not 0 <= v < P)
+    if bad:
+        raise ValueError(f"victim stages {bad} out of range 0..{P - 1}")
+    if schedule.rc is RCMode.NONE:
+        raise ValueError("a schedule without redundancy (rc=none) has no shadows to fail over to")
+    if schedule.placement != tuple(range(P)):
+        raise ValueError(f"failover needs a fault-free schedule, got placement {schedule.placement}")
+    for v in sorted(chosen):
+        if (v + 1) % P in chosen:
+            raise ConsecutiveFailure(chosen, (v, (v + 1) % P))
+    return chosen
+
+
+def _new_layout(schedule: Schedule, victims: frozenset[int]) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    P = schedule.stages
+    placement = tuple((s - 1) % P if s in victims else s for s in range(P))
+    shadows = tuple(
+        None if s in victims or (s - 1) % P in victims else (s - 1) % P for s in range(P)
+    )
+    return placement, shadows
+
+
+def merged_schedule(schedule: Schedule, victims: Iterable[int], cost: CostFn = unit_cost) -> Schedule:
+    """The steady-state schedule after ``victims`` failed: each shadow runs its stage and the victim's.
+
+    Stages whose shadow is gone (the victims' and their successors') run without redundancy until
+    a reconfiguration; every other stage keeps its shadow, FRC and replica sync.
+    """
+    chosen = _check_victims(schedule, victims)
+    P, M = schedule.stages, schedule.microbatches
+    placement, shadows = _new_layout(schedule, chosen)
+    lanes: dict[int, list[list[tuple[object, ...]]]] = {}
+    for n in range(P):
+        if n in chosen:
+            continue
+        lanes[n] = [
+            [*compute_order(schedule.policy, P, M, s), ("TAIL", s)] for s in range(P) if placement[s] == n
+        ]
+        replica = (n + 1) % P
+        if shadows[replica] == n:
+            lanes[n].append(replica_lane(schedule.policy, P, M, replica, schedule.rc))
+    tasks = {n: [[build_task(w, n, placement, P) for w in lane] for lane in ls] for n, ls in lanes.items()}
+    return Schedule(P, M, schedule.policy, schedule.rc, placement, linearize(tasks, cost), shadows)
+
+
+def progress_at(
+    schedule: Schedule,
+    failures: Mapping[int, int],
+    timeline: Timeline | None = None,
+) -> dict[int, int]:
+    """A consistent cut: how many instructions each node had completed when ``failures`` struck.
+
+    ``failures[v] = i`` means stage v fails just before its instruction ``i``. All victims fail at
+    the same moment: the earliest of those start times on ``timeline`` (default: the unit-cost
+    execution). A node has completed an instruction if it started before that moment and ended by
+    it; a send and its receive share their times, so the cut never splits a message.
+    """
+    timeline = timeline or execute(schedule.streams, lambda _n, i: 0.0 if i.is_comm else 1.0)
+    moments = []
+    for v, index in failures.items():
+        if v not in schedule.streams:
+            raise ValueError(f"stage {v} has no stream in this schedule")
+        length = len(schedule.streams[v])
+        if not 0 <= index <= length:
+            raise ValueError(f"failure index {index} for stage {v} out of range 0..{length}")
+        moments.append(timeline.start[v][index] if index < length else timeline.end[v][-1] + 1.0)
+    moment = min(moments)
+    progress = {}
+    for n, stream in schedule.streams.items():
+        done = 0
+        while done < len(stream) and timeline.start[n][done] < moment and timeline.end[n][done] <= moment:
+            done += 1
+        progress[n] = done
+    for v, index in failures.items():
+        progress[v] = min(progress[v], index)
+    return progress
+
+
+def _index(stream: Sequence[Instruction]) -> set[Instruction]:
+    return set(stream)
+
+
+def failover_schedule(
+    schedule: Schedule,
+    victims: Iterable[int],
+    progress: Mapping[int, int],
+    cost: CostFn = unit_cost,
+) -> FailoverPlan:
+    """The survivors' merged streams for the rest of the iteration, and the steady schedule after.
+
+    ``progress[n]`` is how many instructions of its stream node n had completed (survivors are
+    required; victims' entries are optional and only used to check the cut).
+    """
+    chosen = _check_victims(schedule, victims)
+    P, rc = schedule.stages, schedule.rc
+    survivors = [n for n in schedule.nodes if n not in chosen]
+    done: dict[int, int] = {}
+    for n in schedule.nodes:
+        if n not in progress:
+            if n in chosen:
+                continue
+            raise ValueError(f"progress of surviving node {n} is missing")
+        index = progress[n]
+        if not isinstance(index, int) or not 0 <= index <= len(schedule.streams[n]):
+            raise ValueError(f"progress {index!r} of node {n} out of range 0..{len(schedule.streams[n])}")
+        done[n] = index
+    executed = {n: schedule.streams[n][:i] for n, i in done.items()}
+    ran = {n: _index(executed[n]) for n in survivors}
+    placement, shadows = _new_layout(schedule, chosen)
+    persisted = frozenset(v for v in chosen if make(Kind.SYNC_RECV, v, None, v) in ran[(v - 1) % P])
+
+    # 1. Survivors' own remaining instructions, with messages to victims re-routed or dropped.
+    remaining: dict[int, list[Instruction]] = {}
+    for n in survivors:
+        kept: list[Instruction] = []
+        for instr in schedule.streams[n][done[n]:]:
+            p = instr.peer
+            if p in chosen:
+                other = counterpart(instr, n)
+                if other.stage != p or placement[p] == n:
+                    continue  # the victim's replica work died with it, or the message became local
+                kept.append(instr.sent_to(placement[p]))
+                continue
+            stage_victim = instr.stage in chosen and instr.stage not in persisted
+            if stage_victim and placement[instr.stage] == n and instr.kind in (
+                Kind.FRC, Kind.SWAP_OUT, Kind.SWAP_IN, Kind.BRC, Kind.LOAD
+            ):
+                continue  # the shadow's redundant work for the victim: the recovery lane redoes it
+            if (
+                instr.kind is Kind.RECV_GRAD and p is not None and instr.stage in chosen
+                and instr.stage not in persisted and placement[instr.stage] == n
+            ):
+                continue  # efeb copy of the successor's gradient: the re-routed original replaces it
+            if instr.kind is Kind.SEND_GRAD and p is not None and (instr.stage - 1) in chosen:
+                v = instr.stage - 1
+                if v not in persisted and p == placement[v] and p != v:
+                    continue  # the matching efeb copy on the sender's side
+            kept.append(instr)
+        remaining[n] = kept
+
+    # 2. Re-sends and 3. recovery lanes.
+    resent: dict[int, list[Instruction]] = {n: [] for n in survivors}
+    recovery: dict[int, list[Instruction]] = {}
+    for v in sorted(chosen - persisted):
+        h = placement[v]
+        u = v + 1 if v + 1 < P else None
+        shadow_ran = ran[h]
+        if u is not None and u != h:
+            for instr in executed[u]:
+                if instr.kind is Kind.SEND_GRAD and instr.peer == v:
+                    k = instr.microbatch
+                    if make(Kind.BRC, v, k) in shadow_ran or make(Kind.RECV_GRAD, v, k, u) in shadow_ran:
+                        continue
+                    resent[u].append(instr.sent_to(h))
+        lane: list[Instruction] = []
+        in_memory: set[int | None] = set()
+        for instr in schedule.streams[v]:
+            kind, k = instr.kind, instr.microbatch
+            if instr.peer is not None:
+                p = instr.peer
+                if instr.stage != v or p in chosen or p == h:
+                    continue  # the victim's replica traffic, a dead peer, or now local
+                partner_ran = ran[p]
+                if instr.is_send:
+                    if counterpart(instr, v) in partner_ran:
+                        continue  # the partner already has it
+                    if kind is Kind.SEND_ACT and k not in in_memory:
+                        lane.append(make(Kind.SWAP_IN, v, k))
+                        in_memory.add(k)
+                    lane.append(instr)
+                else:
+                    sent = counterpart(instr, v)
+                    if sent in partner_ran and sent.sent_to(h) not in resent.get(p, []):
+                        continue  # already delivered before the failure and not needed again
+                    lane.append(instr)
+                continue
+            if instr.stage != v:
+                continue  # the victim's own replica lane (FRC/SO/SI/BRC/RY of stage v+1, LOAD for it)
+            if kind is Kind.LOAD:
+                continue  # emitted together with the forward below
+            if kind is Kind.FORWARD:
+                if make(Kind.FRC, v, k) in shadow_ran:
+                    if make(Kind.SWAP_OUT, v, k) not in shadow_ran or make(Kind.SWAP_IN, v, k) in shadow_ran:
+                        in_memory.add(k)  # never swapped out, or already swapped back in
+                    continue
+                if v == 0:
+                    lane.append(make(Kind.LOAD, 0, k))
+                if (rc is RCMode.LFLB and make(Kind.SWAP_OUT, v, k) in shadow_ran
+                        and make(Kind.SWAP_IN, v, k) not in shadow_ran):
+                    lane.append(make(Kind.SWAP_IN, v, k))
+                lane.append(make(Kind.FRC, v, k))
+                in_memory.add(k)
+            elif kind is Kind.BACKWARD:
+                if make(Kind.BRC, v, k) in shadow_ran:
+                    continue
+                if k not in in_memory:
+                    lane.append(make(Kind.SWAP_IN, v, k))
+                    in_memory.add(k)
+                lane.append(make(Kind.BRC, v, k))
+            elif kind in (Kind.ALLREDUCE, Kind.OPTIMIZER):
+                lane.append(instr)
+        recovery[h] = lane
+
+    lanes = {
+        n: [resent[n] + remaining[n]] + ([recovery[n]] if n in recovery else []) for n in survivors
+    }
+    merged = _merge(lanes, executed, schedule, cost)
+    remainder = Schedule(P, schedule.microbatches, schedule.policy, rc, placement, merged, shadows)
+    steady = merged_schedule(schedule, chosen, cost)
+    return FailoverPlan(
+        schedule,
+        chosen,
+        dict(done),
+        executed,
+        remainder,
+        steady,
+        {n: tuple(r) for n, r in resent.items() if r},
+        persisted,
+    )
+
+
+def _priority(instr: Instruction, lane: int) -> tuple[int, int]:
+    """Merge rules: victim's communication, own communication, backward work, forward work."""
+    if instr.is_comm:
+        return (0, -lane)
+    backwardish = instr.kind in (Kind.BACKWARD, Kind.BRC, Kind.SWAP_IN, Kind.ALLREDUCE, Kind.OPTIMIZER,
+                                 Kind.SEND_GRAD, Kind.RECV_GRAD)
+    return (1 if backwardish else 2, -lane)
+
+
+def _merge(
+    lanes: Mapping[int, Sequence[Sequence[Instruction]]],
+    executed: Mapping[int, Sequence[Instruction]],
+    schedule: Schedule,
+    cost: CostFn = unit_cost,
+) -> dict[int, tuple[Instruction, ...]]:
+    """Interleave each node's lanes by running all of them with blocking semantics (a witness order).
+
+    Nodes advance in the order of their unit-cost clocks, so the interleaving follows time: a node
+    does not run ahead with local work while a partner that is earlier in time could talk to it.
+    """
+    P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
+    nodes = list(lanes)
+    pos = {n: [0] * len(lanes[n]) for n in nodes}
+    have: dict[int, set[tuple[object, ...]]] = {}
+    for n in nodes:
+        tokens: set[tuple[object, ...]] = set()
+        for instr in executed[n]:
+            tokens.update(_provides(instr, rc))
+        have[n] = tokens
+    out: dict[int, list[Instruction]] = {n: [] for n in nodes}
+
+    def satisfied(n: int, instr: Instruction) -> bool:
+        return all(t in have[n] for t in _requires(instr, P, M, rc))
+
+    def run(n: int, instr: Instruction, li: int) -> None:
+        out[n].append(instr)
+        have[n].update(_provides(instr, rc))
+        pos[n][li] += 1
+
+    clock = dict.fromkeys(nodes, 0.0)
+    heap = [(0.0, n) for n in nodes]
+    blocked: set[int] = set()
+
+    def step(n: int) -> int | None:
+        """Run one instruction (or pair) on n by the merge rules; the partner, n itself, or None."""
+        options = []
+        for li, lane in enumerate(lanes[n]):
+            if pos[n][li] < len(lane):
+                instr = lane[pos[n][li]]
+                options.append((_priority(instr, li), li, instr))
+        for _prio, li, instr in sorted(options, key=lambda o: o[0]):
+            if not satisfied(n, instr):
+                continue
+            if instr.peer is None:
+                run(n, instr, li)
+                clock[n] += cost(instr)
+                return n
+            m = instr.peer
+            if m not in lanes:
+                continue
+            want = counterpart(instr, n)
+            for lj, lane in enumerate(lanes[m]):
+                if pos[m][lj] < len(lane) and lane[pos[m][lj]] == want and satisfied(m, want):
+                    run(n, instr, li)
+                    run(m, want, lj)
+                    clock[n] = clock[m] = max(clock[n], clock[m]) + cost(instr)
+                    return m
+        return None
+
+    while heap:
+        _t, n = heapq.heappop(heap)
+        if n in blocked:
+            continue
+        partner = step(n)
+        if partner is None:
+            blocked.add(n)
+            continue
+        changed = {n, partner}
+        for q in list(blocked):
+            if any(pos[q][li] < len(lane) and lane[pos[q][li]].peer in changed for li, lane in enumerate(lanes[q])):
+                blocked.discard(q)
+                clock[q] = max(clock[q], clock[n])
+                heapq.heappush(heap, (clock[q], q))
+        if partner != n and partner in blocked:
+            blocked.discard(partner)
+        if partner != n:
+            heapq.heappush(heap, (clock[partner], partner))
+        heapq.heappush(heap, (clock[n], n))
+    left = {n: [lane[pos[n][li]] for li, lane in enumerate(lanes[n]) if pos[n][li] < len(lane)] for n in nodes}
+    if any(left.values()):
+        heads = "; ".join(f"node {n} at {', '.join(map(str, h))}" for n, h in left.items() if h)
+        partial = {n: tuple(executed[n]) + tuple(out[n]) for n in nodes}
+        raise ScheduleError(f"failover merge cannot finish: {heads}", partial,
+                            [(n, len(executed[n]) + len(out[n])) for n, h in left.items() if h])
+    return {n: tuple(s) for n, s in out.items()}
+
+
+def validate_failover(plan: FailoverPlan) -> None:
+    """Raise `ScheduleError` unless the plan is executable and accounts for all work exactly once.
+
+    Checks: the cut is consistent (completed prefixes pair up), the remainder only talks among
+    survivors and runs to completion with blocking semantics, every survivor's whole iteration
+    (prefix then remainder) respects dependencies, and each (stage, microbatch) has exactly one
+    forward and one backward (FRC/BRC count for victim stages), each stage one all-reduce and one
+    optimizer step. The steady schedule is validated with `validate`.
+    """
+    from bamboo.schedule.validate import validate
+
+    schedule, remainder = plan.schedule, plan.remainder
+    P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
+    survivors = plan.survivors
+    full = plan.iteration_streams()
+    split = {n: len(plan.executed[n]) for n in survivors}
+
+    def fail(problem: str, cells: Iterable[tuple[int, int]]) -> None:
+        error = ScheduleError(problem, full, cells)
+        from bamboo.schedule.export import text_grid
+
+        error.grid = text_grid(full, error.cells, split)
+        error.args = (f"{problem}\n{error.grid}",)
+        raise error
+
+    # the cut: survivors' prefixes (and victims', when known) must pair up among themselves
+    prefixes = {
+        n: tuple(i for i in plan.executed[n] if i.peer is None or i.peer in plan.executed)
+        for n in plan.executed
+    }
+    try:
+        execute(prefixes)
+    except ExecutionError as error:
+        fail(f"inconsistent cut: the completed prefixes do not pair up: {error}", [])
+    found = shape_problem(remainder.streams, P, M)
+    if found:
+        fail(found[0], [(n, split[n] + i) for n, i in found[1]])
+    for n, stream in remainder.streams.items():
+        for i, instr in enumerate(stream):
+            if instr.peer is not None and instr.peer not in remainder.streams:
+                fail(f"node {n} {instr} talks to failed node {instr.peer}", [(n, split[n] + i)])
+    try:
+        execute(remainder.streams)
+    except ExecutionError as error:
+        fail(str(error), [(n, split[n] + i) for n, i in error.cells])
+    found = dependency_problem(full, P, M, rc)
+    if found:
+        fail(found[0], found[1])
+    counts: Counter[tuple[str, int, int | None]] = Counter()
+    cells: dict[tuple[str, int, int | None], list[tuple[int, int]]] = {}
+    for n, stream in full.items():
+        for i, instr in enumerate(stream):
+            s, k = instr.stage, instr.microbatch
+            victim = s in plan.victims and s not in plan.persisted
+            what = {
+                Kind.FORWARD: "forward",
+                Kind.BACKWARD: "backward",
+                Kind.FRC: "forward" if victim else None,
+                Kind.BRC: "backward" if victim else None,
+                Kind.ALLREDUCE: "all-reduce",
+                Kind.OPTIMIZER: "optimizer step",
+            }.get(instr.kind)
+            if what is None:
+                continue
+            key = (what, s, k)
+            counts[key] += 1
+            cells.setdefault(key, []).append((n, i))
+            if victim and n != plan.remainder.placement[s]:
+                fail(f"{instr} of failed stage {s} runs on node {n}, not on its shadow", [(n, i)])
+    for s in range(P):
+        if s in plan.persisted:
+            continue
+        keys = [(w, s, k) for w in ("forward", "backward") for k in range(M)]
+        keys += [("all-reduce", s, None), ("optimizer step", s, None)]
+        for key in keys:
+            if counts[key] != 1:
+                label = f"{key[0]} of stage {s}" + ("" if key[2] is None else f" microbatch {key[2]}")
+                fail(f"{label} happens {counts[key]} times in the failing iteration, expected once",
+                     cells.get(key, []))
+    validate(plan.steady)

@@ -33,6 +33,9 @@ from rich.table import Table
 __all__ = ["main"]
 
 
+_MAX_SYNTHETIC_HOURS = 1000.0  # a synthetic run that has not completed by then is reported as not completed
+
+
 class _UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
@@ -129,8 +132,10 @@ def _add_synthetic_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bulk-mean", type=float, default=2.0, metavar="B",
-        help="mean number of nodes one bulk preemption takes from a zone, >= 1 (default 2.0, about the EC2 "
-        "p3 trace's 2.1 nodes per preemption time)",
+        help="how preemptions bunch within a zone: a victim joins its zone's current bulk with probability "
+        "1 - 1/B, so B is the mean bulk size before a zone's victims of the hour run out (B >= 1; 1 means "
+        "independent). Default 2.0: effective mean bulks of 1.07 to 1.43 nodes at p=0.01 to 0.5 on 48 nodes, "
+        "below the EC2 p3 trace's 2.1 nodes per preemption minute",
     )
 
 
@@ -338,9 +343,9 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
             for strategy in strategies:
                 for i in range(args.runs):
                     seed = args.seed + i
-                    events = SyntheticTraceGenerator(spec, seed).events()
+                    events = SyntheticTraceGenerator(spec, seed).events(until_s=_MAX_SYNTHETIC_HOURS * 3600.0)
                     run = simulate_run(
-                        events, profile, strategy, policy=policy, until_s=1000 * 3600.0,
+                        events, profile, strategy, policy=policy, until_s=_MAX_SYNTHETIC_HOURS * 3600.0,
                         record=args.plot is not None and i == 0,
                     )
                     runs_by_strategy[strategy].append(run)

@@ -137,7 +137,7 @@ class ModelProfile:
         """Build a profile from the JSON document described in the README (errors name `source` and the key)."""
         def need(mapping: dict[str, Any], key: str, where: str) -> Any:
             if key not in mapping:
-                raise ProfileError(f"{source}: missing key {where}{key!r}")
+                raise ProfileError(f"{source}: missing key '{where}{key}'")
             return mapping[key]
 
         try:

@@ -724,7 +724,7 @@ def simulate_synthetic(
     record: bool = False,
 ) -> RunResult:
     """One run "until completion" on the synthetic stream for `seed` (given up after `max_hours`)."""
-    events = SyntheticTraceGenerator(spec, seed).events()
+    events = SyntheticTraceGenerator(spec, seed).events(until_s=max_hours * 3600.0)
     return simulate_run(
         events, profile, strategy, policy=policy, target_samples=target_samples, until_s=max_hours * 3600.0, record=record
     )

@@ -7,7 +7,8 @@ Hour by hour:
 2. Every alive instance is preempted in this hour with probability `preemption_probability`.
    Preemptions come in bulk within one zone: the victims of a zone are put in groups whose sizes
    are geometric with mean `bulk_mean` (1.0: every victim on its own), and each group shares one
-   uniformly drawn time in the hour.
+   uniformly drawn time in the hour. A zone's victims of the hour cap the groups, so the mean bulk
+   seen in a trace is smaller than `bulk_mean` when preemptions are rare.
 3. Every missing instance (desired minus alive, plus this hour's victims) is requested once, and
    arrives with probability `a` at a uniform time in the hour, in a uniformly chosen zone, unless
    the cluster is already at the desired size then. A new instance may be preempted later in the
@@ -20,6 +21,7 @@ given length, which can be written to the generic CSV.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 
@@ -62,8 +64,11 @@ class SyntheticTraceGenerator:
         self.spec = spec
         self.seed = seed
 
-    def events(self) -> Iterator[tuple[float, bool, int, int]]:
-        """Events in time order: (seconds, True for add, node id, zone index). Never ends."""
+    def events(self, until_s: float = math.inf) -> Iterator[tuple[float, bool, int, int]]:
+        """Events in time order: (seconds, True for add, node id, zone index), those before `until_s`.
+
+        Without `until_s` the stream never ends (and a quiet cluster may yield nothing for ever).
+        """
         spec = self.spec
         rng = random.Random(self.seed)
         rand = rng.random
@@ -80,7 +85,7 @@ class SyntheticTraceGenerator:
                 yield (0.0, True, next_id, zone)
                 next_id += 1
         hour = 0
-        while True:
+        while hour * 3600.0 < until_s:
             start = hour * 3600.0
             if hour:
                 allocation = rand() if spec.random_allocation else spec.allocation_probability
@@ -128,7 +133,10 @@ class SyntheticTraceGenerator:
                         while j > ri and removals[j - 1][0] > leave:
                             removals[j], removals[j - 1] = removals[j - 1], removals[j]
                             j -= 1
-            yield from out
+            for event in out:
+                if event[0] >= until_s:
+                    return
+                yield event
             hour += 1
 
 
@@ -137,11 +145,7 @@ def generate_trace(spec: SyntheticSpec, hours: float, seed: int) -> Trace:
     if not hours > 0:
         raise ValueError(f"hours must be > 0, got {hours!r}")
     end = hours * 3600.0
-    rows: list[tuple[float, bool, int, int]] = []
-    for event in SyntheticTraceGenerator(spec, seed).events():
-        if event[0] >= end:
-            break
-        rows.append(event)
+    rows = list(SyntheticTraceGenerator(spec, seed).events(until_s=end))
     nodes = sorted({r[2] for r in rows})
     index = {n: i for i, n in enumerate(nodes)}
     return Trace(

@@ -1,0 +1,175 @@
+"""Loader tests: every format in the shared trace folder, the generic CSV round trip, malformed input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bamboo.bench.loaders import (
+    TraceFormatError,
+    load_ec2_events,
+    load_gcp_counts,
+    load_generic_csv,
+    load_skypilot_counts,
+    load_trace,
+    write_generic_csv,
+)
+from bamboo.bench.trace import EventKind
+
+
+def test_ec2_p3_trace_matches_its_source_notes(traces_dir: Path) -> None:
+    trace = load_ec2_events(traces_dir / "bamboo" / "p3-trace.csv", zone="us-east-1")
+    summary = trace.summary()
+    assert (summary.adds, summary.preemptions, summary.max_alive) == (177, 167, 32)
+    assert summary.duration_h == pytest.approx(11.3667, abs=1e-3)
+    assert summary.zones == ("us-east-1",)
+    first = next(iter(trace))
+    assert str(first) == "+node1@us-east-1@0s"
+    assert first.kind is EventKind.ADD
+
+
+def test_ec2_g4dn_trace_matches_its_source_notes(traces_dir: Path) -> None:
+    summary = load_trace(traces_dir / "bamboo" / "g4dn-trace.csv").summary()
+    assert (summary.adds, summary.preemptions, summary.max_alive) == (79, 74, 24)
+    assert summary.zones == ("ec2",)
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "low", "high"),
+    [("a100x1-east1b.txt", 268, 17, 64), ("v100x1-east1c.txt", 1477, 30, 80)],
+)
+def test_gcp_count_logs_replay_their_counts(traces_dir: Path, name: str, rows: int, low: int, high: int) -> None:
+    path = traces_dir / "bamboo" / name
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    assert len(lines) == rows
+    trace = load_gcp_counts(path)
+    times, counts = trace.alive_series()
+    assert counts.max() == high
+    assert counts.min() >= low or counts.min() == 0
+    # The count after the last event equals the count on the latest row (the log is sorted first).
+    latest = max(lines, key=lambda line: line.split(",")[0] + line.split(",")[1])
+    assert counts[-1] == int(latest.split(",")[2])
+    assert list(times) == sorted(times)
+
+
+def test_skypilot_multi_zone_counts(traces_dir: Path) -> None:
+    folder = traces_dir / "skypilot-spot-traces" / "preemption" / "4-node" / "aws-08-03-2023"
+    files = sorted(folder.glob("*.json"))
+    trace = load_skypilot_counts(files)
+    assert trace.summary().zones == ("us-east-1f", "us-east-2a", "us-west-2c")
+    for path in files:
+        document = json.loads(path.read_text())
+        zone = path.stem.split("_")[0]
+        z = trace.zone_names.index(zone)
+        mine = trace.zone == z
+        assert int(trace.is_add[mine].sum()) - int((~trace.is_add[mine]).sum()) == document["data"][-1]
+        gap = document["metadata"]["gap_seconds"]
+        assert trace.duration_s >= len(document["data"]) * gap
+
+
+@pytest.mark.parametrize(
+    "relative",
+    [
+        "availability/1-node/aws-02-15-2023/us-east-1a_v100_1.json",
+        "availability/16-node/aws-08-27-2023/us-east-2b_v100_1.json",
+        "preemption/1-node/gcp-04-30-2023/us-central1-a_c3-88.json",
+    ],
+)
+def test_skypilot_single_files(traces_dir: Path, relative: str) -> None:
+    path = traces_dir / "skypilot-spot-traces" / relative
+    data = json.loads(path.read_text())["data"]
+    trace = load_trace(path)
+    _, counts = trace.alive_series()
+    assert counts.max() == max(data)
+    changes = sum(abs(b - a) for a, b in zip([0, *data], data, strict=False))
+    assert len(trace) == changes
+
+
+def test_generic_csv_round_trip(traces_dir: Path, tmp_path: Path) -> None:
+    trace = load_trace(traces_dir / "bamboo" / "g4dn-trace.csv", zone="us-east-1c")
+    out = tmp_path / "g4dn.csv"
+    write_generic_csv(trace, out)
+    again = load_trace(out)
+    assert list(again) == list(trace)
+    assert again.duration_s == trace.duration_s
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("0,add,node1\n60000,remove,node2\n", 2, "not alive"),
+        ("0,add,node1\nabc,add,node2\n", 2, "'abc'"),
+        ("0,add,node1\n0,kill,node2\n", 2, "'kill'"),
+        ("0,add,node1\n0,add,node1\n", 2, "added twice"),
+        ("60000,add,node1\n0,add,node2\n", 2, "goes back"),
+        ("0,add\n", 1, "expected"),
+    ],
+)
+def test_ec2_malformed_lines_name_file_and_line(tmp_path: Path, text: str, line: int, words: str) -> None:
+    path = _write(tmp_path, "bad.csv", text)
+    with pytest.raises(TraceFormatError) as caught:
+        load_ec2_events(path)
+    assert caught.value.line == line
+    assert str(caught.value).startswith(f"{path}:{line}: ")
+    assert words in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("2021-12-11, 11:11:30, 5\n2021-12-11, 11:1x:30, 4\n", 2, "bad date"),
+        ("2021-12-11, 11:11:30, 5\n2021-12-11, 11:12:30, -1\n", 2, "not a whole number"),
+        ("2021-12-11, 11:11:30\n", 1, "expected"),
+    ],
+)
+def test_gcp_malformed_lines(tmp_path: Path, text: str, line: int, words: str) -> None:
+    path = _write(tmp_path, "bad.txt", text)
+    with pytest.raises(TraceFormatError, match=rf"bad\.txt:{line}: .*{words}"):
+        load_gcp_counts(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("time_s,event,node,zone\n1.0,add,n1,z\nx,add,n2,z\n", 3, "not a number"),
+        ("time_s,event,node,zone\n1.0,add,n1\n", 2, "4 fields"),
+        ("time,event\n", 1, "expected header"),
+        ("time_s,event,node,zone\n2.0,add,n1,z\n1.0,remove,n1,z\n", 3, "goes back"),
+        ("time_s,event,node,zone\n-1,add,n1,z\n", 2, ">= 0"),
+        ("# duration_s=abc\ntime_s,event,node,zone\n", 1, "not a number"),
+    ],
+)
+def test_generic_malformed_lines(tmp_path: Path, text: str, line: int, words: str) -> None:
+    path = _write(tmp_path, "bad.csv", text)
+    with pytest.raises(TraceFormatError, match=rf"bad\.csv:{line}: .*{words}"):
+        load_generic_csv(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('{"metadata": {"gap_seconds": 0}, "data": [1]}', "gap_seconds"),
+        ('{"metadata": {"gap_seconds": 30}, "data": [1, "x"]}', r"data\[1\]"),
+        ('{"metadata": {"gap_seconds": 30}, "data": [1, -1]}', "negative"),
+        ('{"metadata": {"gap_seconds": 30}}', "expected an object"),
+        ('{"metadata": ', "not JSON"),
+    ],
+)
+def test_skypilot_malformed(tmp_path: Path, text: str, words: str) -> None:
+    path = _write(tmp_path, "us-x-1a_v100_1.json", text)
+    with pytest.raises(TraceFormatError, match=rf"us-x-1a_v100_1\.json.*{words}"):
+        load_skypilot_counts([path])
+
+
+def test_unknown_format_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="unknown trace format"):
+        load_trace(_write(tmp_path, "counts.csv", "0,8\n"))
+    with pytest.raises(TraceFormatError, match="no such file"):
+        load_trace(tmp_path / "missing.csv")

@@ -31,9 +31,9 @@ RANK = textwrap.dedent(
     kv = EtcdKV(EtcdOptions(endpoints=(endpoint,)))
     keep = []
     for name in groups:
-        store = EtcdStore(kv, c10d_prefix("c10d-test", name), timedelta(seconds=60))
+        store = EtcdStore(kv, c10d_prefix("c10d-test", name), timedelta(seconds=150))
         opts = ProcessGroupGloo._Options()
-        opts._timeout = timedelta(seconds=30)
+        opts._timeout = timedelta(seconds=150)  # a newcomer may import torch slowly on a loaded machine
         opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         group = ProcessGroupGloo(store, rank, 2, opts)
         keep.append(group)
@@ -84,7 +84,7 @@ def test_two_rank_gloo_group_forms_and_reforms_under_a_new_prefix_after_a_kill(e
         victim.kill()  # rank 1 dies; the survivor is already waiting to form epoch-2
         victim.wait(timeout=10)
         newcomer = _rank(etcd, 1, "epoch-2")
-        out, err = newcomer.communicate(timeout=120)
+        out, err = newcomer.communicate(timeout=180)
         assert newcomer.returncode == 0, err
         assert json.loads(out) == {"group": "epoch-2", "rank": 1, "sum": 3.0}
         out, err = survivor.communicate(timeout=60)

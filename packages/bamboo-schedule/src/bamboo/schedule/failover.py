@@ -189,6 +189,19 @@ def _index(stream: Sequence[Instruction]) -> set[Instruction]:
     return set(stream)
 
 
+def _cut_problem(executed: Mapping[int, Sequence[Instruction]]) -> str | None:
+    """Why the completed prefixes are not a consistent cut (a message received but never sent), or None.
+
+    Messages with nodes whose progress is unknown (victims without an entry) are left out.
+    """
+    prefixes = {n: tuple(i for i in s if i.peer is None or i.peer in executed) for n, s in executed.items()}
+    try:
+        execute(prefixes)
+    except ExecutionError as error:
+        return str(error)
+    return None
+
+
 def failover_schedule(
     schedule: Schedule,
     victims: Iterable[int],
@@ -214,6 +227,9 @@ def failover_schedule(
             raise ValueError(f"progress {index!r} of node {n} out of range 0..{len(schedule.streams[n])}")
         done[n] = index
     executed = {n: schedule.streams[n][:i] for n, i in done.items()}
+    problem = _cut_problem(executed)
+    if problem:
+        raise ValueError(f"inconsistent cut: the completed prefixes do not pair up: {problem}")
     ran = {n: _index(executed[n]) for n in survivors}
     placement, shadows = _new_layout(schedule, chosen)
     persisted = frozenset(v for v in chosen if make(Kind.SYNC_RECV, v, None, v) in ran[(v - 1) % P])
@@ -451,14 +467,9 @@ def validate_failover(plan: FailoverPlan) -> None:
         raise error
 
     # the cut: survivors' prefixes (and victims', when known) must pair up among themselves
-    prefixes = {
-        n: tuple(i for i in plan.executed[n] if i.peer is None or i.peer in plan.executed)
-        for n in plan.executed
-    }
-    try:
-        execute(prefixes)
-    except ExecutionError as error:
-        fail(f"inconsistent cut: the completed prefixes do not pair up: {error}", [])
+    problem = _cut_problem(plan.executed)
+    if problem:
+        fail(f"inconsistent cut: the completed prefixes do not pair up: {problem}", [])
     found = shape_problem(remainder.streams, P, M)
     if found:
         fail(found[0], [(n, split[n] + i) for n, i in found[1]])

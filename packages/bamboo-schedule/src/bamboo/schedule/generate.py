@@ -50,7 +50,7 @@ def _mode(rc: RCMode | str) -> RCMode:
 def _build(lanes_of: dict[int, list[list[Work]]], schedule: Schedule, cost: CostFn) -> Schedule:
     placement, P = schedule.placement, schedule.stages
     lanes = {n: [[build_task(w, n, placement, P) for w in lane] for lane in ls] for n, ls in lanes_of.items()}
-    return attrs.evolve(schedule, streams=linearize(lanes, cost))
+    return Schedule(P, schedule.microbatches, schedule.policy, schedule.rc, placement, linearize(lanes, cost))
 
 
 def _fault_free(policy: str, stages: int, microbatches: int, rc: RCMode | str, cost: CostFn) -> Schedule:

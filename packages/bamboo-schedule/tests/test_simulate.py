@@ -1,0 +1,111 @@
+"""The cost-model simulator: costs files, timings, metrics, and the paper's Figure 10 finding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bamboo.schedule import one_f_one_b
+from bamboo.schedule.simulate import Costs, StageCost, simulate
+
+FREE_LINKS = {"latency_ms": 0.0, "link_gb_per_s": 1e9, "swap_gb_per_s": 1e9}
+
+
+def _free(**stage: float) -> Costs:
+    return Costs.from_dict({**FREE_LINKS, "default": {"optimizer_ms": 0.0, "grad_mb": 0.0, **stage}})
+
+
+def test_two_stage_single_microbatch_makespan_is_the_critical_path() -> None:
+    costs = _free(forward_ms=1.0, backward_ms=2.0)
+    result = simulate(one_f_one_b(2, 1), costs)
+    assert result.makespan == pytest.approx(6.0)  # F0, F1, B1, B0
+    assert result.bubble == pytest.approx({0: 3.0, 1: 3.0})
+    assert result.bubble_pct == pytest.approx(50.0)
+    assert result.overhead_pct == pytest.approx(0.0)
+
+
+def test_link_latency_and_bandwidth_are_charged_per_message() -> None:
+    costs = Costs.from_dict(
+        {"latency_ms": 0.5, "link_gb_per_s": 2.0, "swap_gb_per_s": 1e9,
+         "default": {"forward_ms": 1.0, "backward_ms": 2.0, "optimizer_ms": 0.0, "grad_mb": 0.0,
+                     "activation_mb": 3.0}}
+    )
+    # two messages (activation, gradient), each 0.5 + 3 MB / 2 GB/s = 2.0 ms
+    assert simulate(one_f_one_b(2, 1), costs).makespan == pytest.approx(6.0 + 4.0)
+
+
+def test_swap_bandwidth_and_stash_sizes_feed_peak_stash() -> None:
+    costs = Costs.from_dict({**FREE_LINKS, "swap_gb_per_s": 2.0,
+                             "default": {"optimizer_ms": 0.0, "grad_mb": 0.0, "stash_mb": 5.0}})
+    result = simulate(one_f_one_b(3, 4, "eflb"), costs)
+    assert result.peak_stash == pytest.approx({0: 20.0, 1: 20.0, 2: 20.0})
+    swap_time = sum(result.timeline.end[0][i] - result.timeline.start[0][i]
+                    for i, instr in enumerate(one_f_one_b(3, 4, "eflb").streams[0]) if instr.kind.value == "SO")
+    assert swap_time == pytest.approx(4 * 5.0 / 2.0)
+
+
+def test_overheads_order_as_in_the_paper() -> None:
+    costs = Costs()
+    overhead = {rc: simulate(one_f_one_b(4, 8, rc), costs).overhead_pct for rc in ("lflb", "eflb", "efeb")}
+    assert 0.0 < overhead["lflb"] < overhead["eflb"] < overhead["efeb"]
+
+
+def test_costs_json_round_trip_and_per_stage_overrides(tmp_path: Path) -> None:
+    costs = Costs(stages=(StageCost(forward_ms=3.0), StageCost(forward_ms=4.0, frc_ms=5.0)), latency_ms=0.2)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs.to_dict()))
+    loaded = Costs.from_json(path)
+    assert loaded == costs
+    assert loaded.stage(1).frc == 5.0 and loaded.stage(0).frc == 3.0 and loaded.stage(7) == loaded.default
+    partial = Costs.from_dict({"default": {"forward_ms": 2.0}, "stages": [{"backward_ms": 9.0}]})
+    assert partial.stage(0).forward_ms == 2.0 and partial.stage(0).backward_ms == 9.0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{", "cannot read costs file"),
+        ('{"speed": 1}', "unknown cost keys \\['speed'\\]"),
+        ('{"default": {"forward_ms": -1}}', "forward_ms must be a number >= 0, got -1"),
+        ('{"default": {"fwd": 1}}', "unknown keys \\['fwd'\\] in default"),
+        ('{"link_gb_per_s": 0}', "bandwidths must be > 0"),
+    ],
+)
+def test_bad_costs_files_are_named(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        Costs.from_json(path)
+
+
+def bert_like_costs(stages: int = 8) -> Costs:
+    """Forward cost growing with the stage index (later stages hold more layers), backward twice it."""
+    return Costs(
+        default=StageCost(optimizer_ms=0.5, grad_mb=32.0, activation_mb=2.0, stash_mb=8.0),
+        stages=tuple(
+            StageCost(forward_ms=1.0 + 0.3 * i, backward_ms=2.0 * (1.0 + 0.3 * i), optimizer_ms=0.5,
+                      grad_mb=32.0, activation_mb=2.0, stash_mb=8.0)
+            for i in range(stages)
+        ),
+    )
+
+
+def test_figure_10_frc_hidden_on_first_stages_partly_on_the_last() -> None:
+    """Paper, Figure 10: the bubble at stage i against the FRC for stage i+1 (BERT-like profile, 8 stages).
+
+    Early stages wait on their slower successors, so their bubble swallows all the FRC they run for
+    the next stage; the last stages have almost no bubble while the FRC they run is the most expensive.
+    """
+    costs = bert_like_costs()
+    M = 32
+    result = simulate(one_f_one_b(8, M, "eflb", costs.linearizer_cost()), costs)
+    assert result.baseline_bubble is not None
+    hidden = [result.frc_hidden(n) for n in range(8)]
+    for n in range(7):
+        assert result.frc[n] == pytest.approx(M * costs.stage(n + 1).frc)  # FRC for stage n+1 runs on node n
+    assert hidden[0] == hidden[1] == hidden[2] == 1.0  # fully hidden on the first stages
+    assert hidden[6] is not None and hidden[6] < 1.0  # partly hidden on the last stage that runs a costly FRC
+    bubbles = [result.baseline_bubble[n] for n in range(8)]
+    assert bubbles == sorted(bubbles, reverse=True)  # the bubble shrinks along the pipeline
+    assert 0.0 < result.overhead_pct < 50.0

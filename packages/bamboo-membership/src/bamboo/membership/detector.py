@@ -185,7 +185,7 @@ class FailureDetector:
             log.error("%s; declaring failures in epoch 0", exc)
         for record in self.store.list_nodes(skip_malformed=True).values():
             self._nodes[record.id] = record
-        self._watches.append(self.store.watch_epoch(self._on_epoch))
+        self._watches.append(self.store.watch_epoch(self._on_epoch, start_revision=revision + 1))
         self._watches.append(self.store.watch_nodes(self._on_node_event, start_revision=revision + 1))
         self._watches.append(self.store.watch_failures(self._on_failure_event, start_revision=revision + 1))
         for item in kv.get_prefix(self.store.keys.failures_in(self._epoch)):

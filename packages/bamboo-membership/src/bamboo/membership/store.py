@@ -261,7 +261,7 @@ class MembershipStore:
         new = self.kv.compare_and_swap(self.keys.epoch, encode_json({"epoch": expected + 1}), revision)
         return None if new is None else expected + 1
 
-    def watch_epoch(self, callback: Callable[[int], None]) -> WatchHandle:
+    def watch_epoch(self, callback: Callable[[int], None], start_revision: int | None = None) -> WatchHandle:
         """Call `callback(epoch)` whenever the epoch changes. A malformed value is logged and skipped."""
 
         def on_event(event: WatchEvent) -> None:
@@ -275,7 +275,7 @@ class MembershipStore:
             if isinstance(value, int):
                 callback(value)
 
-        return self.kv.watch_prefix(self.keys.epoch, on_event)
+        return self.kv.watch_prefix(self.keys.epoch, on_event, start_revision)
 
     # -- failures --------------------------------------------------------------------------------
 

@@ -168,6 +168,11 @@ def test_sigstop_shorter_than_grace_declares_nothing_and_longer_declares_failure
     time.sleep(0.5)
     assert [len(e) for e in _failures(watchers, "victim")] == [1, 1]
     assert _failures(watchers, "victim")[0][0].path in {"probe_timeout", "lease_expiry"}
+    # Woken up after its lease expired, the victim fences itself off: it exits instead of carrying on.
+    wait_until(lambda: "victim" not in store.list_nodes(), timeout=TTL + MARGIN, message="the lease to expire")
+    victim.signal(signal.SIGCONT)
+    assert victim.proc.wait(timeout=TTL + MARGIN + 5) == 3
+    assert "lost its lease" in victim.proc.stderr.read()
 
 
 def test_sigterm_publishes_a_preemption_notice_to_etcd_and_subscribers(

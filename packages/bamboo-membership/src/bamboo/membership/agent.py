@@ -261,6 +261,9 @@ class NodeAgent:
         self._notice_watch: WatchHandle | None = None
         self._stopping = threading.Event()
         self._noticed = threading.Event()
+        self.lease_lost = threading.Event()
+        """Set when this node's lease expired under it (e.g. it was stopped longer than the TTL): the cluster
+        has declared it failed, so this process must not carry on as that node."""
 
     @property
     def record(self) -> NodeRecord:
@@ -289,7 +292,7 @@ class NodeAgent:
         record = NodeRecord(id=self.node_id, zone=self.zone, address=self.host, agent_port=self.port,
                             incarnation=self.incarnation, state=NodeState.NODE_STATE_JOINING)
         try:
-            self.registration = self.store.register(record, self.ttl)
+            self.registration = self.store.register(record, self.ttl, on_lost=self._on_lease_lost)
         except BaseException:
             server.stop(0)
             self._server = None
@@ -349,6 +352,11 @@ class NodeAgent:
         thread.start()
         return thread
 
+    def _on_lease_lost(self, registration: Registration) -> None:
+        log.error("agent %s: lease %x expired; this node has been declared failed", self.node_id,
+                  registration.lease_id)
+        self.lease_lost.set()
+
     @property
     def noticed(self) -> threading.Event:
         """Set once this node received a preemption notice."""
@@ -394,6 +402,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m bamboo.membership",
         description="Run one node's Bamboo agent: gRPC Agent service, lease-held node record in etcd, "
         "failure detector, preemption notices. Prints one JSON line {\"node\", \"address\", \"port\"} when ready.",
+        epilog="Exit status: 0 after SIGINT (left on purpose) or at a preemption deadline; 2 on bad input or "
+        "when etcd cannot be reached at start; 3 when the node's lease expired under it (it was declared "
+        "failed; start again with a higher --incarnation).",
     )
     parser.add_argument("--etcd", required=True, action="append",
                         help="etcd client endpoint host:port (repeat for several)")
@@ -447,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"node": args.node, "address": agent.host, "port": agent.port}), flush=True)
     deadline: float | None = None
     while not stop.wait(0.1):
+        if agent.lease_lost.is_set():
+            print(f"bamboo agent: error: node {args.node} lost its lease and was declared failed; "
+                  "rejoin with a higher --incarnation", file=sys.stderr)
+            agent.stop(leave=False)
+            kv.close()
+            return 3
         if agent.noticed.is_set() and deadline is None:
             deadline = time.monotonic() + args.notice_window
         if deadline is not None and time.monotonic() >= deadline:

@@ -1,3 +1,68 @@
-"""bamboo.bench: Spot preemption traces, the trace-driven simulator (throughput, cost, value) and experiment reports for Bamboo."""
+"""bamboo.bench: spot preemption traces and the trace-driven simulator (throughput, cost, value).
 
-__all__: list[str] = []
+- Traces: `Trace` (timed add/remove events with node and zone; slicing, compression, summaries)
+  and loaders for the paper's EC2 event CSV, GCP count logs, SkyPilot count JSON and our generic
+  CSV (`load_trace` picks the format).
+- `SyntheticSpec` / `generate_trace`: the paper's synthetic preemption model, seedable.
+- `ModelProfile` / `load_profile`: model profiles as JSON data (format in the package README).
+- `simulate_run`, `simulate_synthetic`, `sweep`: the discrete-event simulator of the `Strategy`
+  values bamboo, checkpoint, on-demand and sample-dropping, per run (`RunResult`) and averaged.
+- `plot_runs` (in `bamboo.bench.plot`, imported lazily because it loads matplotlib): Figure-12
+  style panels. The CLI is `bamboo-bench` (`bamboo.bench.cli:main`).
+"""
+
+from bamboo.bench.loaders import (
+    TraceFormatError,
+    load_ec2_events,
+    load_gcp_counts,
+    load_generic_csv,
+    load_skypilot_counts,
+    load_trace,
+    write_generic_csv,
+)
+from bamboo.bench.profile import ModelProfile, ProfileError, Timing, builtin_profiles, load_profile
+from bamboo.bench.simulator import (
+    AveragedResult,
+    Policy,
+    RunResult,
+    Strategy,
+    Timeline,
+    average_results,
+    simulate_run,
+    simulate_synthetic,
+)
+from bamboo.bench.sweep import SweepRow, sweep
+from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator, generate_trace
+from bamboo.bench.trace import EventKind, Trace, TraceEvent, TraceSummary
+
+__all__ = [
+    "AveragedResult",
+    "EventKind",
+    "ModelProfile",
+    "Policy",
+    "ProfileError",
+    "RunResult",
+    "Strategy",
+    "SweepRow",
+    "SyntheticSpec",
+    "SyntheticTraceGenerator",
+    "Timeline",
+    "Timing",
+    "Trace",
+    "TraceEvent",
+    "TraceFormatError",
+    "TraceSummary",
+    "average_results",
+    "builtin_profiles",
+    "generate_trace",
+    "load_ec2_events",
+    "load_gcp_counts",
+    "load_generic_csv",
+    "load_profile",
+    "load_skypilot_counts",
+    "load_trace",
+    "simulate_run",
+    "simulate_synthetic",
+    "sweep",
+    "write_generic_csv",
+]

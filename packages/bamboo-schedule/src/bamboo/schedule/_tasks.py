@@ -163,11 +163,12 @@ def linearize(
 ) -> dict[int, tuple[Instruction, ...]]:
     """Streams for ``lanes`` (node -> ordered task lists), with every send/recv pair placed.
 
-    The simulation follows blocking rendezvous semantics with ``cost`` as durations: a node that is
-    free first hands over the messages that idle nodes are waiting for, then starts the best ready
-    task (lowest rank: backward, forward, redundant; then lane order), and otherwise waits. A
-    message is received only when its consumer has nothing else to do, and sent when both ends are
-    free, so the streams reproduce this simulation exactly when run with the same costs.
+    The simulation follows blocking rendezvous semantics with ``cost`` as durations. A node that is
+    free first exchanges a message with a partner that is free too and needs it next (push to a
+    consumer, or pull from a producer), then starts its best ready task (lowest rank: backward,
+    forward, redundant; then lane order), and otherwise waits. Redundant work is not started when
+    it would delay a message exchange the node could otherwise make. The streams reproduce this
+    simulation exactly when run with the same costs, and cannot deadlock in any case.
 
     Raises ValueError when the work cannot complete (a task needs a token nobody makes).
     """
@@ -178,6 +179,8 @@ def linearize(
     local: dict[int, set[Token]] = {n: set() for n in nodes}
     inbox: dict[int, set[tuple[int, Token]]] = {n: set() for n in nodes}
     outbox: dict[int, dict[tuple[Token, int], Need]] = {n: {} for n in nodes}
+    # (src, token) -> the lane head still missing that remote input (a dict: ordered, deterministic)
+    want: dict[int, dict[tuple[int, Token], Task]] = {n: {} for n in nodes}
     consumers: dict[tuple[int, Token], list[tuple[int, Need]]] = {}
     for n in nodes:
         for lane in lanes[n]:
@@ -188,6 +191,20 @@ def linearize(
     heap: list[tuple[float, int]] = [(0.0, n) for n in nodes]
     remaining = sum(len(lane) for n in nodes for lane in lanes[n])
 
+    def enter(n: int, li: int) -> None:
+        """Register the missing remote inputs of lane li's new head."""
+        lane = lanes[n][li]
+        index = heads[n][li]
+        if index < len(lane):
+            task = lane[index]
+            for need in task.needs:
+                if need.send is not None and (need.src, need.token) not in inbox[n]:
+                    want[n][(need.src, need.token)] = task
+
+    for n in nodes:
+        for li in range(len(lanes[n])):
+            enter(n, li)
+
     def pair(src: int, dst: int, token: Token) -> None:
         need = outbox[src].pop((token, dst))
         assert need.send is not None and need.recv is not None
@@ -197,79 +214,74 @@ def linearize(
         end = begin + cost(need.send)
         free[src] = free[dst] = end
         inbox[dst].add((src, token))
+        want[dst].pop((src, token), None)
         heapq.heappush(heap, (end, src))
         heapq.heappush(heap, (end, dst))
 
-    def head_tasks(n: int) -> list[Task]:
-        """Lane heads, best rank first."""
-        found = [(lane[heads[n][li]].rank, li, lane[heads[n][li]]) for li, lane in enumerate(lanes[n])
-                 if heads[n][li] < len(lane)]
-        return [task for _rank, _li, task in sorted(found, key=lambda x: (x[0], x[1]))]
-
-    def wanted(n: int, src: int, token: Token) -> bool:
-        return any(need.src == src and need.token == token for task in head_tasks(n) for need in task.needs)
-
     def communicate(n: int, t: float) -> bool:
         """Push a message to a free consumer that needs it next, or pull one from a free producer."""
-        for token, dst in list(outbox[n]):
-            if free[dst] <= t and wanted(dst, n, token):
+        for token, dst in outbox[n]:
+            if free[dst] <= t and (n, token) in want[dst]:
                 pair(n, dst, token)
                 return True
-        for task in head_tasks(n):
-            if not all(need.token in local[n] for need in task.needs if need.send is None):
-                continue
-            for need in task.needs:
-                if (
-                    need.send is not None
-                    and (need.src, need.token) not in inbox[n]
-                    and free[need.src] <= t
-                    and (need.token, n) in outbox[need.src]
-                ):
-                    pair(need.src, n, need.token)
-                    return True
+        mine = local[n]
+        for (src, token), task in want[n].items():
+            if (
+                free[src] <= t
+                and (token, n) in outbox[src]
+                and all(need.token in mine for need in task.needs if need.send is None)
+            ):
+                pair(src, n, token)
+                return True
         return False
 
     def next_exchange(n: int) -> float | None:
-        """When the earliest message with a busy partner that the main lanes need could happen."""
-        times = [free[dst] for token, dst in outbox[n] if wanted(dst, n, token)]
-        for task in head_tasks(n):
-            if task.rank == RANK_REDUNDANT:
-                continue
-            times += [
-                free[need.src]
-                for need in task.needs
-                if need.send is not None
-                and (need.src, need.token) not in inbox[n]
-                and (need.token, n) in outbox[need.src]
-            ]
-        return min(times, default=None)
+        """When the earliest exchange of a message that a main lane needs could happen."""
+        soon = None
+        for token, dst in outbox[n]:
+            task = want[dst].get((n, token))
+            if task is not None and task.rank != RANK_REDUNDANT and (soon is None or free[dst] < soon):
+                soon = free[dst]
+        for (src, token), task in want[n].items():
+            if task.rank != RANK_REDUNDANT and (token, n) in outbox[src] and (soon is None or free[src] < soon):
+                soon = free[src]
+        return soon
 
-    def ready(n: int) -> Task | None:
-        for task in head_tasks(n):
-            if all(
-                (need.token in local[n]) if need.send is None else ((need.src, need.token) in inbox[n])
+    def ready(n: int) -> int | None:
+        best = None
+        best_rank = 99
+        mine, received = local[n], inbox[n]
+        for li, lane in enumerate(lanes[n]):
+            index = heads[n][li]
+            if index >= len(lane):
+                continue
+            task = lane[index]
+            if task.rank < best_rank and all(
+                (need.token in mine) if need.send is None else ((need.src, need.token) in received)
                 for need in task.needs
             ):
-                return task
-        return None
+                best, best_rank = li, task.rank
+        return best
 
     while heap:
         t, n = heapq.heappop(heap)
         if t < free[n] or communicate(n, t):
             continue
-        task = ready(n)
-        if task is None:
+        li = ready(n)
+        if li is None:
             continue  # idle: a producer pushes to this node when it is free
+        task = lanes[n][li][heads[n][li]]
+        duration = sum(cost(i) for i in task.instrs)
         if task.rank == RANK_REDUNDANT:
             soon = next_exchange(n)
-            if soon is not None and soon < t + sum(cost(i) for i in task.instrs):
+            if soon is not None and soon < t + duration:
                 heapq.heappush(heap, (soon, n))  # redundant work must not delay the pipeline's messages
                 continue
-        li = next(li for li, lane in enumerate(lanes[n]) if heads[n][li] < len(lane) and lane[heads[n][li]] is task)
         streams[n].extend(task.instrs)
-        free[n] = t + sum(cost(i) for i in task.instrs)
+        free[n] = t + duration
         heads[n][li] += 1
         remaining -= 1
+        enter(n, li)
         for token in task.makes:
             local[n].add(token)
             for dst, need in consumers.get((n, token), ()):

@@ -132,7 +132,8 @@ def test_paper_trace_spread_over_zones(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_real_replay_kills_and_logs(tmp_path: Path, proc_helpers) -> None:
     trace = tmp_path / "tiny.csv"
-    trace.write_text(GENERIC)
+    # b0 leaves at 150 s, so that a1 (started at 90 s) runs a while before the replay ends.
+    trace.write_text(GENERIC + "150,remove,b0,west\n")
     events = tmp_path / "events.jsonl"
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -144,7 +145,7 @@ def test_real_replay_kills_and_logs(tmp_path: Path, proc_helpers) -> None:
             "--preemptions",
             str(trace),
             "--time-scale",
-            "30",
+            "40",
             "--events",
             str(events),
             "--log-dir",
@@ -162,6 +163,7 @@ def test_real_replay_kills_and_logs(tmp_path: Path, proc_helpers) -> None:
         ("join", "node1", "west"),
         ("preemption", "node0", "east"),
         ("join", "node2", "east"),
+        ("preemption", "node1", "west"),
     ]
     # The killed node and, after the replay, every other node: whole groups gone, grandchildren too.
     for name in ("node0", "node1", "node2"):

@@ -16,7 +16,9 @@ CONFIGS = {
     "gke-single-etcd-cpu": K8sConfig(cloud="gke", etcd_replicas=1, gpus_per_node=0, zone_spread="strict"),
     "none-external-etcd": K8sConfig(
         cloud="none",
-        etcd_url="https://etcd-0:2379,https://etcd-1:2379",
+        etcd_endpoints=("etcd-0.example:2379", "etcd-1.example:2379"),
+        etcd_tls_secret="etcd-client-tls",
+        etcd_auth_secret="etcd-auth",
         checkpoint_claim="ckpt",
         script=("train.py", "--lr", "0.1"),
     ),
@@ -103,7 +105,9 @@ def test_agents_spread_one_per_node_on_spot_pools() -> None:
     assert container["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": "1"}
     assert container["command"] == ["bamboo-launch"] and container["args"][0] == "agent"
     args = container["args"]
-    assert args[args.index("--etcd") + 1] == "http://bamboo-etcd.default.svc:2379"
+    assert args[args.index("--etcd") + 1] == "bamboo-etcd.default.svc:2379"
+    assert args[args.index("--node") + 1] == "$(POD_NAME)" and args[args.index("--port") + 1] == "50051"
+    assert args[args.index("--notice-window") + 1] == str(pod["terminationGracePeriodSeconds"]) == "15"
     assert args[args.index("--stages") + 1] == "4" and args[args.index("--pipelines") + 1] == "2"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     # etcd: 3 members, preferring on-demand nodes and different zones.
@@ -151,8 +155,21 @@ def test_external_etcd_deploys_none() -> None:
     assert "StatefulSet" not in kinds and "PodDisruptionBudget" not in kinds
     assert [s["metadata"]["name"] for s in kinds["Service"]] == ["bamboo-agent"]
     pod = kinds["Deployment"][0]["spec"]["template"]["spec"]
-    args = pod["containers"][0]["args"]
-    assert args[args.index("--etcd") + 1] == "https://etcd-0:2379,https://etcd-1:2379"
+    container = pod["containers"][0]
+    args = container["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--etcd"] == [
+        "etcd-0.example:2379",
+        "etcd-1.example:2379",
+    ]
+    assert args[args.index("--etcd-ca") + 1] == "/etc/bamboo/etcd-tls/ca.crt"
+    assert args[args.index("--etcd-password") + 1] == "$(ETCD_PASSWORD)"
+    assert {
+        "name": "ETCD_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "etcd-auth", "key": "password"}},
+    } in (container["env"])
+    assert {"name": "etcd-tls", "secret": {"secretName": "etcd-client-tls", "defaultMode": 0o400}} in pod[
+        "volumes"
+    ]
     assert args[-4:] == ["--", "train.py", "--lr", "0.1"]
     assert "nodeAffinity" not in pod["affinity"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["volumes"]
@@ -165,7 +182,12 @@ def test_external_etcd_deploys_none() -> None:
         ({"nodes": 4, "stages": 4, "pipelines": 2}, "nodes=4 cannot hold stages\\*pipelines=4\\*2=8"),
         ({"etcd_replicas": 2}, "etcd_replicas must be 1, 3 or 5 .*got 2"),
         ({"memory": "lots"}, "memory must be a Kubernetes quantity.*'lots'"),
-        ({"etcd_url": "etcd:2379"}, "etcd_url must be http\\(s\\)://host:port.*'etcd:2379'"),
+        (
+            {"etcd_endpoints": ("http://etcd:2379",)},
+            "etcd_endpoints must be host:port entries, got 'http://etcd:2379'",
+        ),
+        ({"etcd_endpoints": ("etcd:99999",)}, "etcd_endpoints must be host:port entries, got 'etcd:99999'"),
+        ({"etcd_tls_secret": "tls"}, "are for an external etcd"),
         ({"cloud": "azure"}, "'cloud' must be in"),
     ],
 )
@@ -211,11 +233,28 @@ def test_cli_validate_fails_on_a_broken_file(tmp_path: Path, capsys: pytest.Capt
     assert len(error.strip().splitlines()) == 1
 
 
+def test_cli_etcd_endpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["k8s", "render", "--etcd", "http://a:2379/, b:2379"]) == 0
+    documents = list(yaml.safe_load_all(capsys.readouterr().out))
+    args = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][
+        0
+    ]["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--etcd"] == ["a:2379", "b:2379"]
+    with pytest.raises(SystemExit):
+        main(["k8s", "render", "--etcd", "https://a:2379"])
+    assert "give etcd endpoints as host:port and TLS with --etcd-tls-secret" in capsys.readouterr().err
+
+
 def test_cli_bad_flag_value_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["k8s", "render", "--etcd-replicas", "4"]) == 2
     error = capsys.readouterr().err
     assert error == "bamboo-launch: error: --etcd-replicas must be 1, 3 or 5 (an odd quorum), got 4\n"
-    assert main(["k8s", "render", "--cloud", "none", "--etcd", "etcd:2379"]) == 2
-    assert "--etcd must be http(s)://host:port" in capsys.readouterr().err
+    assert main(["k8s", "render", "--cloud", "none", "--etcd", "etcd:port"]) == 2
+    assert "--etcd must be host:port entries, got 'etcd:port'" in capsys.readouterr().err
+    assert main(["k8s", "render", "--etcd-tls-secret", "tls"]) == 2
+    assert (
+        "--etcd-tls-secret and --etcd-auth-secret are for an external etcd (--etcd)"
+        in capsys.readouterr().err
+    )
     assert main(["k8s", "render", "--nodes", "3"]) == 2
     assert "--nodes=3 cannot hold --stages*--pipelines=4*2=8" in capsys.readouterr().err

@@ -42,6 +42,21 @@ def _zones(text: str) -> tuple[str, ...]:
     return zones
 
 
+def _endpoints(text: str) -> tuple[str, ...]:
+    endpoints = []
+    for part in text.split(","):
+        endpoint = part.strip()
+        if endpoint.startswith("https://"):
+            raise argparse.ArgumentTypeError(
+                f"give etcd endpoints as host:port and TLS with --etcd-tls-secret, got {endpoint!r}"
+            )
+        endpoint = endpoint.removeprefix("http://").rstrip("/")
+        if not endpoint:
+            raise argparse.ArgumentTypeError(f"etcd endpoints must be host:port[,host:port...], got {text!r}")
+        endpoints.append(endpoint)
+    return tuple(endpoints)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -125,9 +140,20 @@ def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
     )
     render.add_argument(
         "--etcd",
-        dest="etcd_url",
+        dest="etcd_endpoints",
+        type=_endpoints,
+        default=(),
+        help="use this external etcd, host:port[,host:port...], instead of deploying one",
+    )
+    render.add_argument(
+        "--etcd-tls-secret",
         default=None,
-        help="use this external etcd (http(s)://host:port[,...]) instead of deploying one",
+        help="external etcd only: a Secret with ca.crt, tls.crt and tls.key for TLS to etcd (default: no TLS)",
+    )
+    render.add_argument(
+        "--etcd-auth-secret",
+        default=None,
+        help="external etcd only: a Secret with username and password keys for etcd auth (default: none)",
     )
     render.add_argument(
         "--etcd-replicas",
@@ -198,7 +224,7 @@ def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
     validate.set_defaults(handler=_k8s_validate)
 
 
-_FLAG_OF_FIELD = {"etcd_url": "--etcd", "grace_period_s": "--grace-period"}
+_FLAG_OF_FIELD = {"etcd_endpoints": "--etcd", "grace_period_s": "--grace-period"}
 
 
 def _flag_names(message: str) -> str:
@@ -214,8 +240,7 @@ def _flag_names(message: str) -> str:
 
 
 def _k8s_render(args: argparse.Namespace) -> int:
-    import yaml
-    from bamboo.launch.k8s import K8sConfig, render_manifests, validate_manifests
+    from bamboo.launch.k8s import K8sConfig, dump_yaml, render_manifests, validate_manifests
 
     try:
         config = K8sConfig(
@@ -228,7 +253,9 @@ def _k8s_render(args: argparse.Namespace) -> int:
             cloud=args.cloud,
             zones=args.zones,
             zone_spread=args.zone_spread,
-            etcd_url=args.etcd_url,
+            etcd_endpoints=args.etcd_endpoints,
+            etcd_tls_secret=args.etcd_tls_secret,
+            etcd_auth_secret=args.etcd_auth_secret,
             etcd_replicas=args.etcd_replicas,
             etcd_image=args.etcd_image,
             etcd_storage=args.etcd_storage,
@@ -247,16 +274,16 @@ def _k8s_render(args: argparse.Namespace) -> int:
     if not args.no_validate:
         validate_manifests(manifests, args.kubernetes_version)
     if args.out == "-":
-        sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False))
+        sys.stdout.write(dump_yaml(manifests))
         return 0
     out = Path(args.out)
     if out.is_dir() or args.out.endswith("/"):
         out.mkdir(parents=True, exist_ok=True)
         for index, manifest in enumerate(manifests):
             name = f"{index:02d}-{manifest['kind'].lower()}-{manifest['metadata']['name']}.yaml"
-            (out / name).write_text(yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
+            (out / name).write_text(dump_yaml([manifest]), encoding="utf-8")
     else:
-        out.write_text(yaml.safe_dump_all(manifests, sort_keys=False), encoding="utf-8")
+        out.write_text(dump_yaml(manifests), encoding="utf-8")
     print(f"wrote {len(manifests)} objects to {out}", file=sys.stderr)
     return 0
 

@@ -18,7 +18,7 @@
   Deployment replaces a preempted pod at once on another node, while a StatefulSet waits until the
   lost pod is force-deleted.
 - **Service** ``<job>-agent`` (headless): DNS for the agents' gRPC port.
-- Unless ``etcd_url`` is given, an **etcd StatefulSet** ``<job>-etcd`` (1 or 3 members, persistent
+- Unless ``etcd_endpoints`` are given, an **etcd StatefulSet** ``<job>-etcd`` (1 or 3 members, persistent
   volumes, preferring on-demand nodes, since etcd is the part that must not be preempted) with a
   headless peer **Service** ``<job>-etcd-peer`` and a client **Service** ``<job>-etcd``.
 - A **PodDisruptionBudget** for etcd, so a voluntary drain never takes its quorum.
@@ -47,6 +47,7 @@ __all__ = [
     "ZONE_SPREADS",
     "K8sConfig",
     "ManifestValidationError",
+    "dump_yaml",
     "render_manifests",
     "validate_manifests",
 ]
@@ -55,23 +56,27 @@ CLOUDS = ("eks", "gke", "none")
 ZONE_SPREADS = ("best-effort", "strict")
 
 AGENT_ARGS_DOC = """\
-bamboo-launch agent (the arguments these manifests pass; the agent is built by a later issue):
+bamboo-launch agent (the arguments these manifests pass; the agent is built by a later issue; the
+names follow the membership agent, python -m bamboo.membership, which it wraps):
   --job NAME            the job's name: etcd keys live under /bamboo/NAME/
-  --etcd URL            etcd client endpoint(s), comma-separated
-  --node-id ID          this agent's unique id (the pod name)
-  --host IP             the address peers use to reach this agent (the pod IP)
+  --etcd HOST:PORT      an etcd client endpoint (repeated for several)
+  --node ID             this agent's unique id (the pod name)
+  --host IP             the address the gRPC service binds to and peers reach (the pod IP)
+  --port PORT           the agent's gRPC port
   --k8s-node NAME       the Kubernetes node; the agent reads its topology.kubernetes.io/zone label
-  --grpc-port PORT      the agent's gRPC service port
+  --notice-window S     seconds from SIGTERM (a preemption notice) to the kill
   --stages P            pipeline depth
   --pipelines D         data-parallel pipelines wanted
-  --checkpoint-dir DIR  where asynchronous checkpoints go (a shared volume or a mounted bucket)
-  --grace-period S      seconds between a preemption notice (SIGTERM) and the kill
+  --checkpoint-dir DIR  where asynchronous checkpoints go (a shared volume)
+  --etcd-ca/--etcd-cert/--etcd-key FILE   TLS to etcd, from --etcd-tls-secret (if given)
+  --etcd-user/--etcd-password             etcd auth, from --etcd-auth-secret (if given)
   -- SCRIPT ARGS        the training script, if not the built-in example
 """
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
-_ETCD_URL = re.compile(r"^https?://[^\s,]+(,https?://[^\s,]+)*$")
+_ENDPOINT = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:[0-9]{1,5}$")
+ETCD_TLS_MOUNT = "/etc/bamboo/etcd-tls"
 
 
 def _dns_label(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -104,11 +109,15 @@ def _port(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"{attribute.name} must be a port in 1..65535, got {value!r}")
 
 
-def _etcd_url(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
-    if value is not None and not _ETCD_URL.match(value):
-        raise ValueError(
-            f"{attribute.name} must be http(s)://host:port, comma-separated for several, got {value!r}"
-        )
+def _endpoints(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for endpoint in value:
+        if not _ENDPOINT.match(endpoint) or not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError(f"{attribute.name} must be host:port entries, got {endpoint!r}")
+
+
+def _optional_dns_label(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None:
+        _dns_label(instance, attribute, value)
 
 
 def _zones(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -130,7 +139,9 @@ class K8sConfig:
     cloud: str = attrs.field(default="eks", validator=attrs.validators.in_(CLOUDS))
     zones: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_zones)
     zone_spread: str = attrs.field(default="best-effort", validator=attrs.validators.in_(ZONE_SPREADS))
-    etcd_url: str | None = attrs.field(default=None, validator=_etcd_url)
+    etcd_endpoints: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_endpoints)
+    etcd_tls_secret: str | None = attrs.field(default=None, validator=_optional_dns_label)
+    etcd_auth_secret: str | None = attrs.field(default=None, validator=_optional_dns_label)
     etcd_replicas: int = attrs.field(default=3)
     etcd_image: str = attrs.field(
         default="quay.io/coreos/etcd:v3.5.17", validator=attrs.validators.min_len(1)
@@ -142,7 +153,7 @@ class K8sConfig:
     grpc_port: int = attrs.field(default=50051, validator=_port)
     grace_period_s: int = attrs.field(default=15, validator=_positive)
     checkpoint_dir: str = attrs.field(default="/checkpoints", validator=attrs.validators.min_len(1))
-    checkpoint_claim: str | None = attrs.field(default=None)
+    checkpoint_claim: str | None = attrs.field(default=None, validator=_optional_dns_label)
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @etcd_replicas.validator
@@ -150,12 +161,12 @@ class K8sConfig:
         if value not in (1, 3, 5):
             raise ValueError(f"etcd_replicas must be 1, 3 or 5 (an odd quorum), got {value!r}")
 
-    @checkpoint_claim.validator
-    def _check_claim(self, attribute: attrs.Attribute, value: str | None) -> None:
-        if value is not None:
-            _dns_label(self, attribute, value)
-
     def __attrs_post_init__(self) -> None:
+        if not self.etcd_endpoints and (self.etcd_tls_secret or self.etcd_auth_secret):
+            raise ValueError(
+                "etcd_tls_secret and etcd_auth_secret are for an external etcd (etcd_endpoints); "
+                "the etcd rendered here runs without TLS or auth inside the cluster network"
+            )
         if self.stages * self.pipelines > self.nodes:
             raise ValueError(
                 f"nodes={self.nodes} cannot hold stages*pipelines={self.stages}*{self.pipelines}="
@@ -210,37 +221,46 @@ def _on_demand_preference(config: K8sConfig) -> list[dict[str, Any]]:
     return [{"weight": 100, "preference": {"matchExpressions": [term]}}]
 
 
-def etcd_client_url(config: K8sConfig) -> str:
-    """The etcd endpoint(s) the agents use: the external URL, or the in-cluster client Service."""
-    if config.etcd_url is not None:
-        return config.etcd_url
-    return f"http://{config.job}-etcd.{config.namespace}.svc:2379"
+def etcd_endpoints(config: K8sConfig) -> tuple[str, ...]:
+    """The etcd endpoints the agents use: the external ones, or the in-cluster client Service."""
+    if config.etcd_endpoints:
+        return config.etcd_endpoints
+    return (f"{config.job}-etcd.{config.namespace}.svc:2379",)
 
 
 def _agent_args(config: K8sConfig) -> list[str]:
-    args = [
-        "agent",
-        "--job",
-        config.job,
-        "--etcd",
-        etcd_client_url(config),
-        "--node-id",
+    args = ["agent", "--job", config.job]
+    for endpoint in etcd_endpoints(config):
+        args += ["--etcd", endpoint]
+    args += [
+        "--node",
         "$(POD_NAME)",
         "--host",
         "$(POD_IP)",
+        "--port",
+        str(config.grpc_port),
         "--k8s-node",
         "$(NODE_NAME)",
-        "--grpc-port",
-        str(config.grpc_port),
+        "--notice-window",
+        str(config.grace_period_s),
         "--stages",
         str(config.stages),
         "--pipelines",
         str(config.pipelines),
         "--checkpoint-dir",
         config.checkpoint_dir,
-        "--grace-period",
-        str(config.grace_period_s),
     ]
+    if config.etcd_tls_secret is not None:
+        args += [
+            "--etcd-ca",
+            f"{ETCD_TLS_MOUNT}/ca.crt",
+            "--etcd-cert",
+            f"{ETCD_TLS_MOUNT}/tls.crt",
+            "--etcd-key",
+            f"{ETCD_TLS_MOUNT}/tls.key",
+        ]
+    if config.etcd_auth_secret is not None:
+        args += ["--etcd-user", "$(ETCD_USER)", "--etcd-password", "$(ETCD_PASSWORD)"]
     if config.script:
         args += ["--", *config.script]
     return args
@@ -268,6 +288,24 @@ def _agent_objects(config: K8sConfig) -> list[dict[str, Any]]:
         volumes.append(
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": config.checkpoint_claim}}
         )
+    if config.etcd_tls_secret is not None:
+        volume_mounts.append({"name": "etcd-tls", "mountPath": ETCD_TLS_MOUNT, "readOnly": True})
+        volumes.append(
+            {"name": "etcd-tls", "secret": {"secretName": config.etcd_tls_secret, "defaultMode": 0o400}}
+        )
+    env = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("NODE_NAME", "spec.nodeName"),
+    ]
+    if config.etcd_auth_secret is not None:
+        for variable, key in (("ETCD_USER", "username"), ("ETCD_PASSWORD", "password")):
+            env.append(
+                {
+                    "name": variable,
+                    "valueFrom": {"secretKeyRef": {"name": config.etcd_auth_secret, "key": key}},
+                }
+            )
     affinity: dict[str, Any] = {
         "podAntiAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": [
@@ -299,11 +337,7 @@ def _agent_objects(config: K8sConfig) -> list[dict[str, Any]]:
                 "image": config.image,
                 "command": ["bamboo-launch"],
                 "args": _agent_args(config),
-                "env": [
-                    _field_env("POD_NAME", "metadata.name"),
-                    _field_env("POD_IP", "status.podIP"),
-                    _field_env("NODE_NAME", "spec.nodeName"),
-                ],
+                "env": env,
                 "ports": [{"name": "grpc", "containerPort": config.grpc_port, "protocol": "TCP"}],
                 "resources": resources,
                 "readinessProbe": {
@@ -480,8 +514,19 @@ def _etcd_objects(config: K8sConfig) -> list[dict[str, Any]]:
 def render_manifests(config: K8sConfig) -> list[dict[str, Any]]:
     """Every object the job needs, in apply order (RBAC, then etcd, then the agents)."""
     agents = _agent_objects(config)
-    etcd = [] if config.etcd_url is not None else _etcd_objects(config)
+    etcd = [] if config.etcd_endpoints else _etcd_objects(config)
     return agents[:3] + etcd + agents[3:]
+
+
+def dump_yaml(manifests: Sequence[dict[str, Any]]) -> str:
+    """The manifests as one multi-document YAML text, keys in insertion order, no anchors."""
+    import yaml
+
+    class PlainDumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump_all(list(manifests), Dumper=PlainDumper, sort_keys=False)
 
 
 class ManifestValidationError(ValueError):

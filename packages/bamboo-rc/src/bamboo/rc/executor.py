@@ -155,7 +155,7 @@ class StageExecutor:
         self.step = 0
         self.losses: list[float] = []
         self.sync_bytes = 0
-        self.timings: dict[str, float] = {}
+        self.kind_seconds: dict[str, float] = {}
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
         self._replica_sync: tuple[int, list[object], torch.Tensor, int] | None = None
@@ -217,8 +217,11 @@ class StageExecutor:
             self.execute(instruction)
 
     def execute(self, instruction: Instruction) -> None:
-        """Execute one instruction."""
+        """Execute one instruction (its wall time is added to :attr:`kind_seconds`)."""
+        started = time.perf_counter()
         self._handlers[instruction.kind](self, instruction)
+        code = instruction.kind.value
+        self.kind_seconds[code] = self.kind_seconds.get(code, 0.0) + time.perf_counter() - started
 
     def _load(self, instruction: Instruction) -> None:
         k = instruction.microbatch
@@ -436,7 +439,7 @@ class StageExecutor:
             raise RuntimeError(f"replica sync of stage {s} out of order: got step {step}, replica at {replica.steps}")
         replica.load_flat_grads(buffer[:-1])
         replica.apply_step(1.0)
-        self.timings["replica_step"] = self.timings.get("replica_step", 0.0) + time.perf_counter() - started
+        self.kind_seconds["replica_step"] = self.kind_seconds.get("replica_step", 0.0) + time.perf_counter() - started
 
     _handlers: ClassVar[dict[Kind, Callable[[StageExecutor, Instruction], None]]] = {
         Kind.LOAD: _load,

@@ -94,21 +94,32 @@ def run_verify(
     exact_mode()
     stdlib_corpus()  # read once here; the forked workers inherit it
     started = time.perf_counter()
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     with tempfile.TemporaryDirectory(prefix="bamboo-verify-") as out_dir:
+        # Fork before the store exists: a process that forks while a store thread holds a libc
+        # lock (resolver, malloc) can leave the child deadlocked. The children read the port
+        # from a pipe once the store is up.
+        port_reader, port_writer = os.pipe()
         children: dict[int, int] = {}
         for rank in range(layout.world):
             stage, pipeline = layout.position(rank)
             spec = WorkerSpec(
-                layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=store.port,
+                layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
                 steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, seed=seed,
                 timeouts=timeouts or CommTimeouts(),
             )
             pid = os.fork()
             if pid == 0:
-                worker_main(spec)
+                os.close(port_writer)
+                port = int.from_bytes(os.read(port_reader, 8), "little")
+                os.close(port_reader)
+                worker_main(attrs.evolve(spec, store_port=port))
             children[pid] = rank
+        os.close(port_reader)
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+        os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
+        os.close(port_writer)
         codes = _wait_children(children, deadline_s)
+        del store  # stops the store's server thread before anything forks again
         reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
             training.micro_batch_size, size.sequence, seed=seed), steps, pipelines, seed)
         reports = {}

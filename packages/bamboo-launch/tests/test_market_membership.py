@@ -54,7 +54,9 @@ def test_notice_and_kill_reach_etcd(tmp_path: Path, fake_clock, proc_helpers) ->
                 assert store.list_nodes()["node1"].zone == "zone-b"
                 # The agent prints its ready line after installing its SIGTERM handler.
                 ready = tmp_path / "logs" / "node1.log"
-                assert proc_helpers.wait(lambda: '"node": "node1"' in ready.read_text(), 30), ready.read_text()
+                assert proc_helpers.wait(lambda: '"node": "node1"' in ready.read_text(), 30), (
+                    ready.read_text()
+                )
 
                 fake_clock.time += 5.0
                 market.run_due()  # the notice: SIGTERM to node1's agent

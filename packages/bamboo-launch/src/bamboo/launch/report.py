@@ -328,9 +328,12 @@ def plot_report(
 ) -> Path:
     """Write the four-panel figure (nodes, throughput, cost, value over time) to ``out`` (PNG).
 
-    The style follows the paper's Figure 12, as bamboo-bench's simulator plots do: the cluster
-    over time with preemptions marked, then throughput, cost and value, the last with the
-    on-demand value as a dashed reference line.
+    The layout is bamboo-bench's ``plot_runs`` (the paper's Figure 12): the cluster, then
+    throughput, cost and value, with the on-demand reference dashed. ``plot_runs`` itself takes
+    simulator results and a model profile, not a measured run, so the figure is drawn here with
+    the same panels, labels and colours: the run in green (bench's Bamboo colour), preemptions as
+    red ticks on the cluster panel, and the on-demand reference in grey on the value panel (and on
+    the throughput and cost panels when a measured on-demand run is given in ``prices``).
     """
     import matplotlib
 
@@ -340,36 +343,43 @@ def plot_report(
     prices = prices or Prices()
     report = compute_report(events, prices)
     timeline = compute_timeline(events, prices, bins)
-    minutes = [t / 60.0 for t in timeline.times]
-    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
-    panels = [
-        (axes[0], timeline.nodes, "nodes", "Cluster (nodes alive)"),
-        (axes[1], timeline.throughput, "samples/s", "Throughput"),
-        (axes[2], timeline.cost_per_hour, "$/h", "Cost (spot)"),
-        (axes[3], timeline.value, "samples/s per $/h", "Value"),
-    ]
-    for axis, series, unit, title in panels:
-        axis.step(minutes, series, where="post", color="tab:green", linewidth=1.4)
-        axis.set_ylabel(unit)
-        axis.set_title(title, fontsize=10, loc="left")
-        axis.grid(True, alpha=0.3)
-    for t in timeline.preemption_times:
-        axes[0].axvline(t / 60.0, color="tab:red", alpha=0.4, linewidth=0.8)
-    axes[3].axhline(
-        report.on_demand_value,
-        color="tab:gray",
-        linestyle="--",
-        label=f"on-demand ({report.on_demand_value:.3g})",
+    width = (timeline.times[1] - timeline.times[0]) if len(timeline.times) > 1 else 0.0
+    minutes = [(t + width / 2) / 60.0 for t in timeline.times]  # bin centres
+    figure, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    green, grey = "tab:green", "tab:gray"
+    axes[0].step([t / 60.0 for t in timeline.times], timeline.nodes, where="post", color="tab:blue",
+                 label=f"spot nodes (mean {report.avg_nodes:.2f})")  # fmt: skip
+    for index, t in enumerate(timeline.preemption_times):
+        axes[0].axvline(
+            t / 60.0, color="tab:red", alpha=0.5, linewidth=0.8, label="preemption" if index == 0 else None
+        )
+    axes[0].set_ylabel("# instances")
+    axes[1].plot(minutes, timeline.throughput, color=green, label=f"bamboo (mean {report.throughput:.2f})")
+    axes[2].plot(
+        minutes, timeline.cost_per_hour, color=green, label=f"bamboo (mean {report.cost_per_hour:.2f})"
     )
-    axes[3].legend(loc="upper right", fontsize=8)
+    axes[3].plot(minutes, timeline.value, color=green, label=f"bamboo (mean {report.value:.2f})")
+    if prices.on_demand_throughput is not None and prices.on_demand_nodes is not None:
+        on_demand_cost = prices.on_demand_nodes * prices.on_demand
+        axes[1].axhline(prices.on_demand_throughput, color=grey, linestyle="--",
+                        label=f"on-demand ({prices.on_demand_throughput:.1f})")  # fmt: skip
+        axes[2].axhline(on_demand_cost, color=grey, linestyle="--", label=f"on-demand ({on_demand_cost:.1f})")
+    axes[3].axhline(report.on_demand_value, color=grey, linestyle="--",
+                    label=f"on-demand ({report.on_demand_value:.2f})")  # fmt: skip
+    axes[1].set_ylabel("throughput\n(samples/s)")
+    axes[2].set_ylabel("cost ($/h)")
+    axes[3].set_ylabel("value\n(samples/s per $/h)")
     axes[3].set_xlabel("time (minutes)")
-    fig.suptitle(
-        f"{report.job}: {report.throughput:.2f} samples/s, value {report.value:.3g} "
-        f"({report.preemptions} preemptions, {report.failovers} failovers)",
-        fontsize=11,
+    for axis in axes:
+        axis.grid(True, alpha=0.3)
+        axis.legend(loc="upper right", fontsize="small")
+        axis.set_ylim(bottom=0)
+    axes[0].set_title(
+        f"{report.job}: trace, throughput, cost and value ({report.preemptions} preemptions, "
+        f"{report.failovers} failovers, {report.reconfigurations} reconfigurations)"
     )
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    figure.tight_layout()
+    path = Path(out)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -367,50 +367,80 @@ def _merge(
     P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
     nodes = list(lanes)
     pos = {n: [0] * len(lanes[n]) for n in nodes}
+    # Only nodes with several lanes need to track what exists: a single lane keeps its own order,
+    # whose dependencies the validator checks.
+    merged_nodes = {n for n in nodes if len(lanes[n]) > 1}
     have: dict[int, set[tuple[object, ...]]] = {}
-    for n in nodes:
+    for n in merged_nodes:
         tokens: set[tuple[object, ...]] = set()
         for instr in executed[n]:
             tokens.update(_provides(instr, rc))
         have[n] = tokens
     out: dict[int, list[Instruction]] = {n: [] for n in nodes}
+    # per lane position: (instruction, what it requires, what it provides, merge priority, counterpart)
+    Info = tuple[Instruction, tuple, tuple, tuple[int, int], Instruction | None]
+    info: dict[int, list[list[Info]]] = {
+        n: [
+            [
+                (
+                    instr,
+                    _requires(instr, P, M, rc) if n in merged_nodes else (),
+                    _provides(instr, rc) if n in merged_nodes else (),
+                    _priority(instr, li),
+                    None if instr.peer is None else counterpart(instr, n),
+                )
+                for instr in lane
+            ]
+            for li, lane in enumerate(lanes[n])
+        ]
+        for n in nodes
+    }
 
-    def satisfied(n: int, instr: Instruction) -> bool:
-        return all(t in have[n] for t in _requires(instr, P, M, rc))
+    def satisfied(n: int, requires: tuple) -> bool:
+        if not requires:
+            return True
+        mine = have[n]
+        return all(t in mine for t in requires)
 
-    def run(n: int, instr: Instruction, li: int) -> None:
-        out[n].append(instr)
-        have[n].update(_provides(instr, rc))
+    def run(n: int, entry: Info, li: int) -> None:
+        out[n].append(entry[0])
+        if entry[2]:
+            have[n].update(entry[2])
         pos[n][li] += 1
 
     clock = dict.fromkeys(nodes, 0.0)
     heap = [(0.0, n) for n in nodes]
     blocked: set[int] = set()
+    waiting: dict[int, set[int]] = {}
+
+    def heads(n: int) -> list[tuple[int, Info]]:
+        found = [(li, lane[pos[n][li]]) for li, lane in enumerate(info[n]) if pos[n][li] < len(lane)]
+        if len(found) > 1:
+            found.sort(key=lambda x: x[1][3])
+        return found
 
     def step(n: int) -> int | None:
         """Run one instruction (or pair) on n by the merge rules; the partner, n itself, or None."""
-        options = []
-        for li, lane in enumerate(lanes[n]):
-            if pos[n][li] < len(lane):
-                instr = lane[pos[n][li]]
-                options.append((_priority(instr, li), li, instr))
-        for _prio, li, instr in sorted(options, key=lambda o: o[0]):
-            if not satisfied(n, instr):
+        for li, entry in heads(n):
+            instr = entry[0]
+            if not satisfied(n, entry[1]):
                 continue
             if instr.peer is None:
-                run(n, instr, li)
+                run(n, entry, li)
                 clock[n] += cost(instr)
                 return n
             m = instr.peer
-            if m not in lanes:
+            if m not in info:
                 continue
-            want = counterpart(instr, n)
-            for lj, lane in enumerate(lanes[m]):
-                if pos[m][lj] < len(lane) and lane[pos[m][lj]] == want and satisfied(m, want):
-                    run(n, instr, li)
-                    run(m, want, lj)
-                    clock[n] = clock[m] = max(clock[n], clock[m]) + cost(instr)
-                    return m
+            want = entry[4]
+            for lj, lane in enumerate(info[m]):
+                if pos[m][lj] < len(lane):
+                    other = lane[pos[m][lj]]
+                    if other[0] == want and satisfied(m, other[1]):
+                        run(n, entry, li)
+                        run(m, other, lj)
+                        clock[n] = clock[m] = max(clock[n], clock[m]) + cost(instr)
+                        return m
         return None
 
     while heap:
@@ -420,16 +450,18 @@ def _merge(
         partner = step(n)
         if partner is None:
             blocked.add(n)
+            for _li, entry in heads(n):
+                if entry[0].peer is not None:
+                    waiting.setdefault(entry[0].peer, set()).add(n)
             continue
-        changed = {n, partner}
-        for q in list(blocked):
-            if any(pos[q][li] < len(lane) and lane[pos[q][li]].peer in changed for li, lane in enumerate(lanes[q])):
-                blocked.discard(q)
-                clock[q] = max(clock[q], clock[n])
-                heapq.heappush(heap, (clock[q], q))
-        if partner != n and partner in blocked:
-            blocked.discard(partner)
+        for changed in {n, partner}:
+            for q in sorted(waiting.pop(changed, ())):
+                if q in blocked:
+                    blocked.discard(q)
+                    clock[q] = max(clock[q], clock[n])
+                    heapq.heappush(heap, (clock[q], q))
         if partner != n:
+            blocked.discard(partner)
             heapq.heappush(heap, (clock[partner], partner))
         heapq.heappush(heap, (clock[n], n))
     left = {n: [lane[pos[n][li]] for li, lane in enumerate(lanes[n]) if pos[n][li] < len(lane)] for n in nodes}

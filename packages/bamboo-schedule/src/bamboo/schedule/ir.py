@@ -179,16 +179,27 @@ class Instruction:
 _SET = object.__setattr__
 
 
+_INTERNED: dict[tuple[Kind, int, int | None, int | None], Instruction] = {}
+_INTERN_LIMIT = 1 << 20
+
+
 def make(kind: Kind, stage: int, microbatch: int | None = None, peer: int | None = None) -> Instruction:
-    """Fast constructor for trusted callers inside this package (skips validation).
+    """Fast, interned constructor for trusted callers inside this package (skips validation).
 
     The generators build tens of thousands of instructions; the public constructor validates.
+    Instructions are immutable, so equal ones are shared.
     """
-    instr = object.__new__(Instruction)
-    _SET(instr, "kind", kind)
-    _SET(instr, "stage", stage)
-    _SET(instr, "microbatch", microbatch)
-    _SET(instr, "peer", peer)
+    key = (kind, stage, microbatch, peer)
+    instr = _INTERNED.get(key)
+    if instr is None:
+        if len(_INTERNED) >= _INTERN_LIMIT:
+            _INTERNED.clear()
+        instr = object.__new__(Instruction)
+        _SET(instr, "kind", kind)
+        _SET(instr, "stage", stage)
+        _SET(instr, "microbatch", microbatch)
+        _SET(instr, "peer", peer)
+        _INTERNED[key] = instr
     return instr
 
 

@@ -138,47 +138,75 @@ def _describe(token: Token) -> str:
     return names[str(what)].format(*rest)
 
 
+_PER_MICROBATCH = {Kind.FORWARD: 0, Kind.BACKWARD: 1, Kind.FRC: 2, Kind.BRC: 3}
+_PER_STAGE = (Kind.ALLREDUCE, Kind.OPTIMIZER, Kind.SYNC_SEND, Kind.SYNC_RECV)
+
+
+def _cells_of(schedule: Schedule, kind: Kind, stage: int, microbatch: int | None) -> list[Cell]:
+    return [
+        (n, i)
+        for n, stream in schedule.streams.items()
+        for i, instr in enumerate(stream)
+        if instr.kind is kind and instr.stage == stage and instr.microbatch == microbatch
+    ]
+
+
 def _accounting_problem(schedule: Schedule) -> tuple[str, list[Cell]] | None:
+    """The first (kind, stage, microbatch) that runs a wrong number of times or on the wrong node."""
     P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
-    where: dict[tuple[Kind, int, int | None], list[Cell]] = {}
+    counts = [[[0] * M for _ in range(P)] for _ in _PER_MICROBATCH]
+    first = [[[-1] * M for _ in range(P)] for _ in _PER_MICROBATCH]
+    stage_counts: Counter[tuple[Kind, int]] = Counter()
+    stage_first: dict[tuple[Kind, int], int] = {}
+    index_of = _PER_MICROBATCH.get
     for n, stream in schedule.streams.items():
-        for i, instr in enumerate(stream):
-            if instr.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.FRC, Kind.BRC, Kind.ALLREDUCE, Kind.OPTIMIZER):
-                where.setdefault((instr.kind, instr.stage, instr.microbatch), []).append((n, i))
-            if instr.kind in (Kind.SYNC_SEND, Kind.SYNC_RECV):
-                where.setdefault((instr.kind, instr.stage, None), []).append((n, i))
-    expected: Counter[tuple[Kind, int, int | None]] = Counter()
-    owner: dict[tuple[Kind, int, int | None], int] = {}
+        for instr in stream:
+            idx = index_of(instr.kind)
+            if idx is not None:
+                s, k = instr.stage, instr.microbatch
+                counts[idx][s][k] += 1  # type: ignore[index]
+                if first[idx][s][k] < 0:  # type: ignore[index]
+                    first[idx][s][k] = n  # type: ignore[index]
+            elif instr.kind in _PER_STAGE:
+                key = (instr.kind, instr.stage)
+                stage_counts[key] += 1
+                stage_first.setdefault(key, n)
+    eager = rc in (RCMode.EFLB, RCMode.EFEB)
     for s in range(P):
-        for k in range(M):
-            for kind in (Kind.FORWARD, Kind.BACKWARD):
-                expected[(kind, s, k)] = 1
-                owner[(kind, s, k)] = schedule.placement[s]
-            shadow = schedule.shadow_of(s)
-            if shadow is not None and rc in (RCMode.EFLB, RCMode.EFEB):
-                expected[(Kind.FRC, s, k)] = 1
-                owner[(Kind.FRC, s, k)] = shadow
-            if shadow is not None and rc is RCMode.EFEB:
-                expected[(Kind.BRC, s, k)] = 1
-                owner[(Kind.BRC, s, k)] = shadow
-        for kind in (Kind.ALLREDUCE, Kind.OPTIMIZER):
-            expected[(kind, s, None)] = 1
-            owner[(kind, s, None)] = schedule.placement[s]
         shadow = schedule.shadow_of(s)
-        if rc is not RCMode.NONE and shadow is not None:
-            expected[(Kind.SYNC_SEND, s, None)] = 1
-            expected[(Kind.SYNC_RECV, s, None)] = 1
-            owner[(Kind.SYNC_SEND, s, None)] = schedule.placement[s]
-            owner[(Kind.SYNC_RECV, s, None)] = shadow
-    for key, count in expected.items():
-        cells = where.get(key, [])
-        if len(cells) != count:
-            return f"{_label(key)} runs {len(cells)} times, expected {count}", cells
-        if key in owner and cells[0][0] != owner[key]:
-            return f"{_label(key)} runs on node {cells[0][0]}, expected node {owner[key]}", cells
-    for key, cells in where.items():
-        if key not in expected:
-            return f"{_label(key)} runs {len(cells)} times, expected 0", cells
+        wanted = [
+            (Kind.FORWARD, schedule.placement[s], True),
+            (Kind.BACKWARD, schedule.placement[s], True),
+            (Kind.FRC, shadow, shadow is not None and eager),
+            (Kind.BRC, shadow, shadow is not None and rc is RCMode.EFEB),
+        ]
+        for kind, owner, present in wanted:
+            idx = _PER_MICROBATCH[kind]
+            expected = 1 if present else 0
+            for k in range(M):
+                count = counts[idx][s][k]
+                if count != expected:
+                    label = _label((kind, s, k))
+                    return f"{label} runs {count} times, expected {expected}", _cells_of(schedule, kind, s, k)
+                if count and first[idx][s][k] != owner:
+                    label = _label((kind, s, k))
+                    return (f"{label} runs on node {first[idx][s][k]}, expected node {owner}",
+                            _cells_of(schedule, kind, s, k))
+        synced = rc is not RCMode.NONE and shadow is not None
+        for kind, owner, present in (
+            (Kind.ALLREDUCE, schedule.placement[s], True),
+            (Kind.OPTIMIZER, schedule.placement[s], True),
+            (Kind.SYNC_SEND, schedule.placement[s], synced),
+            (Kind.SYNC_RECV, shadow, synced),
+        ):
+            count = stage_counts[(kind, s)]
+            expected = 1 if present else 0
+            if count != expected:
+                cells = _cells_of(schedule, kind, s, None)
+                return f"{_label((kind, s, None))} runs {count} times, expected {expected}", cells
+            if count and stage_first[(kind, s)] != owner:
+                cells = _cells_of(schedule, kind, s, None)
+                return f"{_label((kind, s, None))} runs on node {stage_first[(kind, s)]}, expected node {owner}", cells
     return None
 
 

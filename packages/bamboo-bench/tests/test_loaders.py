@@ -1,13 +1,21 @@
-"""Loader tests: every format in the shared trace folder, the generic CSV round trip, malformed input."""
+"""Loader tests: every format in the shared trace folder, the generic CSV round trip, malformed input.
+
+The shared folder holds the EC2 event CSVs, GCP count logs, AWS count curves (seconds and scaled
+hours), Auto Scaling Group count CSVs, per-minute delta CSVs (refused: not counts) and SkyPilot
+count JSON files.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from bamboo.bench.loaders import (
     TraceFormatError,
+    load_count_csv,
+    load_count_curve,
     load_ec2_events,
     load_gcp_counts,
     load_generic_csv,
@@ -170,6 +178,89 @@ def test_skypilot_malformed(tmp_path: Path, text: str, words: str) -> None:
 
 def test_unknown_format_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match="unknown trace format"):
-        load_trace(_write(tmp_path, "counts.csv", "0,8\n"))
+        load_trace(_write(tmp_path, "other.csv", "a;b;c\n"))
     with pytest.raises(TraceFormatError, match="no such file"):
         load_trace(tmp_path / "missing.csv")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "aws-spot-instances-g4dn-xlarge-us-east-1c-2020-11-20-1930-to-2020-11-21-2200",
+        "aws-spot-instances-g4dn-xlarge-us-east-1d-2020-11-23-1730-to-2020-11-24-1530",
+        "aws-spot-instances-p2-xlarge-us-east-1e-2020-11-23-1700-to-2020-11-24-0700",
+        "aws-spot-instances-p2-xlarge-us-east-1a-2020-11-20-1730-to-2020-11-21-1104",
+    ],
+)
+def test_aws_count_curves_in_seconds_and_scaled_hours_agree(traces_dir: Path, name: str) -> None:
+    seconds = load_trace(traces_dir / "bamboo" / f"{name}.csv")
+    hours = load_trace(traces_dir / "bamboo" / f"{name}_scaled.csv")
+    text = (traces_dir / "bamboo" / f"{name}.csv").read_text()
+    rows = [line.split(",") for line in text.splitlines() if line.strip()]
+    _, counts = seconds.alive_series()
+    assert counts[-1] == int(rows[-1][1])
+    assert seconds.duration_s == float(rows[-1][0])
+    assert [e.kind for e in seconds] == [e.kind for e in hours]
+    # The scaled file rounds hours to 3 decimals: 3.6 s.
+    assert np.allclose(seconds.time_s, hours.time_s, atol=3.6)
+
+
+def test_aws_count_curve_already_in_hours(traces_dir: Path) -> None:
+    trace = load_count_curve(traces_dir / "bamboo" / "aws-spot-instances-p2-xlarge-2020-11-20-to-2020-11-23.csv",
+                             time_unit_s=3600)
+    summary = trace.summary()
+    assert summary.duration_h == pytest.approx(88.7, abs=0.1)
+    assert summary.max_alive == 16
+
+
+@pytest.mark.parametrize(
+    ("name", "rows"),
+    [
+        ("full-64-node-trace.csv", 97),  # SOURCE.md counts 98 rows with the header
+        ("preempt-trace-GroupInServiceInstances.csv", 305),
+        ("preempt-trace-GroupTotalInstances.csv", 305),
+        ("preempt-trace-GroupPendingInstances.csv", 305),
+        ("preempt-trace-GroupTerminatingInstances.csv", 305),
+    ],
+)
+def test_auto_scaling_group_count_csvs(traces_dir: Path, name: str, rows: int) -> None:
+    path = traces_dir / "bamboo" / name
+    lines = [line for line in path.read_text().splitlines()[1:] if line.strip()]
+    assert len(lines) == rows
+    trace = load_trace(path)
+    _, counts = trace.alive_series()
+    assert counts.max() == max(int(float(line.split(",")[1])) for line in lines)
+    assert counts[-1] == int(float(lines[-1].split(",")[1]))
+
+
+@pytest.mark.parametrize(
+    "name", ["full-64-additions-trace.csv", "full-64-terminate-trace.csv", "full-64-found-preemptions.csv"]
+)
+def test_per_minute_delta_files_are_refused_not_misread(traces_dir: Path, name: str) -> None:
+    # These hold additions or terminations per minute, not instance counts.
+    with pytest.raises(TraceFormatError, match="unknown trace format"):
+        load_trace(traces_dir / "bamboo" / name)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("timestamp,count\n2021-07-26T18:42:00Z,8\n2021-07-26 18:4x:00,9\n", 3, "bad timestamp"),
+        ("time,count\n2021-09-17 04:00:00,2.5\n", 2, "not a whole number"),
+        ("time,count\n2021-09-17 04:00:00\n", 2, "expected 'time,count'"),
+    ],
+)
+def test_count_csv_malformed_lines(tmp_path: Path, text: str, line: int, words: str) -> None:
+    path = _write(tmp_path, "asg.csv", text)
+    with pytest.raises(TraceFormatError, match=rf"asg\.csv:{line}: .*{words}"):
+        load_count_csv(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [("0,4\n10,x\n", 2, "not a number"), ("10,4\n5,3\n", 2, "goes back"), ("0,4,1\n", 1, "expected")],
+)
+def test_count_curve_malformed_lines(tmp_path: Path, text: str, line: int, words: str) -> None:
+    path = _write(tmp_path, "curve.csv", text)
+    with pytest.raises(TraceFormatError, match=rf"curve\.csv:{line}: .*{words}"):
+        load_count_curve(path)

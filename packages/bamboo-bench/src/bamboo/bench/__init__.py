@@ -1,8 +1,8 @@
 """bamboo.bench: spot preemption traces and the trace-driven simulator (throughput, cost, value).
 
 - Traces: `Trace` (timed add/remove events with node and zone; slicing, compression, summaries)
-  and loaders for the paper's EC2 event CSV, GCP count logs, SkyPilot count JSON and our generic
-  CSV (`load_trace` picks the format).
+  and loaders for the paper's EC2 event CSV, GCP count logs, AWS count curves and Auto Scaling
+  Group count CSVs, SkyPilot count JSON and our generic CSV (`load_trace` picks the format).
 - `SyntheticSpec` / `generate_trace`: the paper's synthetic preemption model, seedable.
 - `ModelProfile` / `load_profile`: model profiles as JSON data (format in the package README).
 - `simulate_run`, `simulate_synthetic`, `sweep`: the discrete-event simulator of the `Strategy`
@@ -13,6 +13,8 @@
 
 from bamboo.bench.loaders import (
     TraceFormatError,
+    load_count_csv,
+    load_count_curve,
     load_ec2_events,
     load_gcp_counts,
     load_generic_csv,
@@ -55,6 +57,8 @@ __all__ = [
     "average_results",
     "builtin_profiles",
     "generate_trace",
+    "load_count_csv",
+    "load_count_curve",
     "load_ec2_events",
     "load_gcp_counts",
     "load_generic_csv",

@@ -9,6 +9,10 @@ Formats (see the `SOURCE.md` beside each trace folder):
 - **SkyPilot count JSON** (``{"metadata": {"gap_seconds": g}, "data": [n0, n1, ...]}``): one file
   per zone; the zone is the file name up to the first ``_``. Several files load into one
   multi-zone trace.
+- **AWS count curve** (``doc/data`` files): no header, ``x,y`` with y the instance count and x in
+  seconds, or in hours for ``*_scaled`` files (`time_unit_s` overrides).
+- **Auto Scaling Group count CSV**: header ``timestamp,count`` or ``time,count``, ISO 8601 or
+  ``YYYY-MM-DD HH:MM:SS`` times, instance totals (floats allowed when whole).
 - **Generic CSV** (ours): a header line ``time_s,event,node,zone`` then one event per line, e.g.
   ``12.5,remove,node7,us-east-1a``. Lines starting with ``#`` are comments; a comment
   ``# duration_s=7200`` sets the observed window (default: the last event's time).
@@ -33,6 +37,8 @@ from bamboo.bench.trace import EventKind, Trace, TraceEvent
 __all__ = [
     "GENERIC_CSV_HEADER",
     "TraceFormatError",
+    "load_count_csv",
+    "load_count_curve",
     "load_ec2_events",
     "load_gcp_counts",
     "load_generic_csv",
@@ -43,6 +49,7 @@ __all__ = [
 
 GENERIC_CSV_HEADER = "time_s,event,node,zone"
 _EC2_LINE = re.compile(r"^\s*\d+\s*,\s*(add|remove)\s*,")
+_COUNT_CURVE_LINE = re.compile(r"^\s*\d+(\.\d*)?\s*,\s*\d+(\.0*)?\s*$")
 
 
 class TraceFormatError(ValueError):
@@ -162,6 +169,95 @@ def load_gcp_counts(path: Path | str, zone: str | None = None) -> Trace:
     return Trace.from_events(path.stem, builder.events, duration_s=samples[-1][1])
 
 
+def _whole_count(path: Path, line: int, text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise TraceFormatError(path, line, f"instance count {text!r} is not a number") from None
+    if not value.is_integer() or value < 0:
+        raise TraceFormatError(path, line, f"instance count {text!r} is not a whole number >= 0")
+    return int(value)
+
+
+def load_count_curve(path: Path | str, time_unit_s: float | None = None, zone: str | None = None) -> Trace:
+    """Load an AWS instance-count curve (``x,y`` rows, no header; the paper's early ``doc/data`` files).
+
+    `x` is the time in units of `time_unit_s` seconds: by default hours (3600) for ``*_scaled``
+    files and seconds (1) otherwise; pass 3600 for files already in hours. `y` is the count.
+    """
+    path = Path(path)
+    unit = time_unit_s if time_unit_s is not None else (3600.0 if path.stem.endswith("_scaled") else 1.0)
+    if not unit > 0:
+        raise ValueError(f"time_unit_s must be > 0, got {time_unit_s!r}")
+    zone = zone or path.stem
+    samples: list[tuple[int, float, int]] = []
+    previous = 0.0
+    for number, raw in enumerate(_read_lines(path), start=1):
+        if not raw.strip():
+            continue
+        parts = [p.strip() for p in raw.split(",")]
+        if len(parts) != 2:
+            raise TraceFormatError(path, number, f"expected 'time,count', got {raw!r}")
+        try:
+            when = float(parts[0]) * unit
+        except ValueError:
+            raise TraceFormatError(path, number, f"time {parts[0]!r} is not a number") from None
+        if when < previous or when < 0:
+            raise TraceFormatError(path, number, f"time {parts[0]} goes back before {previous / unit:g}")
+        previous = when
+        samples.append((number, when, _whole_count(path, number, parts[1])))
+    if not samples:
+        raise TraceFormatError(path, None, "no rows")
+    builder = _EventBuilder(path)
+    _count_events(path, samples, zone, builder)
+    return Trace.from_events(path.stem, builder.events, duration_s=samples[-1][1])
+
+
+_COUNT_HEADERS = ("timestamp,count", "time,count")
+
+
+def _parse_timestamp(path: Path, line: int, text: str) -> datetime.datetime:
+    for pattern in ("%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S"):
+        try:
+            return datetime.datetime.strptime(text, pattern)
+        except ValueError:
+            continue
+    raise TraceFormatError(path, line, f"bad timestamp {text!r} (expected ISO 8601 or 'YYYY-MM-DD HH:MM:SS')")
+
+
+def load_count_csv(path: Path | str, zone: str | None = None) -> Trace:
+    """Load an Auto Scaling Group count CSV (header ``timestamp,count`` or ``time,count``; ISO or ``YYYY-MM-DD HH:MM:SS`` times).
+
+    The counts are instance totals (CloudWatch ``GroupInServiceInstances`` and the like); rows are
+    sorted by time first. Time 0 is the earliest row; the zone defaults to the file stem.
+    """
+    path = Path(path)
+    zone = zone or path.stem
+    rows: list[tuple[datetime.datetime, int, int]] = []
+    header_seen = False
+    for number, raw in enumerate(_read_lines(path), start=1):
+        text = raw.strip()
+        if not text:
+            continue
+        if not header_seen:
+            if text.replace(" ", "") not in _COUNT_HEADERS:
+                raise TraceFormatError(path, number, f"expected a header {' or '.join(map(repr, _COUNT_HEADERS))}, got {raw!r}")
+            header_seen = True
+            continue
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 2:
+            raise TraceFormatError(path, number, f"expected 'time,count', got {raw!r}")
+        rows.append((_parse_timestamp(path, number, parts[0]), number, _whole_count(path, number, parts[1])))
+    if not rows:
+        raise TraceFormatError(path, None, "no rows")
+    rows.sort(key=lambda r: (r[0], r[1]))
+    start = rows[0][0]
+    samples = [(number, (when - start).total_seconds(), count) for when, number, count in rows]
+    builder = _EventBuilder(path)
+    _count_events(path, samples, zone, builder)
+    return Trace.from_events(path.stem, builder.events, duration_s=samples[-1][1])
+
+
 def load_skypilot_counts(paths: Sequence[Path | str] | Path | str) -> Trace:
     """Load one or more SkyPilot per-zone count JSON files into one trace (zone = file name up to ``_``)."""
     if isinstance(paths, (str, Path)):
@@ -260,7 +356,12 @@ def write_generic_csv(trace: Trace, path: Path | str) -> None:
 
 
 def load_trace(path: Path | str, zone: str | None = None) -> Trace:
-    """Load any supported format, chosen by extension and first line (``.json`` SkyPilot, ``.txt`` GCP, ``.csv`` EC2 or generic)."""
+    """Load any supported format, chosen by extension and first line.
+
+    ``.json``: SkyPilot counts; ``.txt``: GCP count log; otherwise the first line decides: the EC2
+    event CSV, a ``timestamp,count`` / ``time,count`` CSV, an ``x,y`` count curve (seconds, or hours
+    for ``*_scaled`` files) or our generic CSV.
+    """
     path = Path(path)
     if not path.is_file():
         raise TraceFormatError(path, None, "no such file")
@@ -276,7 +377,14 @@ def load_trace(path: Path | str, zone: str | None = None) -> Trace:
             return load_generic_csv(path)
         if _EC2_LINE.match(text):
             return load_ec2_events(path, zone or "ec2")
+        if text.replace(" ", "") in _COUNT_HEADERS:
+            return load_count_csv(path, zone)
+        if _COUNT_CURVE_LINE.match(text):
+            return load_count_curve(path, zone=zone)
         break
     raise TraceFormatError(
-        path, None, f"unknown trace format (expected the EC2 event CSV or a generic CSV with header {GENERIC_CSV_HEADER!r})"
+        path,
+        None,
+        "unknown trace format (expected the EC2 event CSV, an x,y count curve, a 'timestamp,count' or "
+        f"'time,count' CSV, or a generic CSV with header {GENERIC_CSV_HEADER!r})",
     )

@@ -181,3 +181,62 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = plot_report(sample_run(), tmp_path / "report.png", bins=12)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 10_000
+
+
+WRITER = """
+import sys, time
+from bamboo.launch.events import EventLog, Step
+log = EventLog(sys.argv[1], start=float(sys.argv[2]))
+for step in range(300):
+    log.emit(Step, step=step, samples=int(sys.argv[3]), loss=1.0, nodes_active=1, duration_s=0.0)
+log.close()
+"""
+
+
+def test_concurrent_writers_interleave_whole_records(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "shared.jsonl"
+    start = time.monotonic()
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(path), repr(start), str(samples)])
+        for samples in (1, 2, 3)
+    ]
+    assert [w.wait(60) for w in writers] == [0, 0, 0]
+    events = read_events(path)
+    assert len(events) == 900
+    for samples in (1, 2, 3):
+        mine = [e for e in events if isinstance(e, Step) and e.samples == samples]
+        assert [e.step for e in mine] == list(range(300))
+        assert [e.t for e in mine] == sorted(e.t for e in mine)  # one shared clock origin
+
+
+@st.composite
+def random_runs(draw) -> list:
+    """A valid log over [0, 1000]: nodes joining and maybe leaving, steps inside the window."""
+    events: list = [RunStart(t=0.0, job="prop", unix_time=0.0, target_nodes=2, stages=1, pipelines=2)]
+    for index in range(draw(st.integers(1, 6))):
+        joined = draw(st.floats(0, 900))
+        events.append(Join(t=joined, node=f"n{index}", zone="z"))
+        if draw(st.booleans()):
+            events.append(Preemption(t=draw(st.floats(joined, 1000)), node=f"n{index}", zone="z"))
+    for step in range(draw(st.integers(1, 20))):
+        end = draw(st.floats(1, 1000))
+        duration = draw(st.floats(0, end))
+        events.append(Step(t=end, step=step, samples=draw(st.integers(1, 50)), loss=0.0, nodes_active=1,
+                           duration_s=duration))  # fmt: skip
+    events.append(RunEnd(t=1000.0, steps=0))
+    return events
+
+
+@settings(deadline=None, max_examples=60)
+@given(random_runs(), st.integers(1, 40))
+def test_timeline_conserves_random_runs(events: list, bins: int) -> None:
+    report = compute_report(events)
+    timeline = compute_timeline(events, bins=bins)
+    width = 1000 / bins
+    assert sum(timeline.nodes) * width == pytest.approx(report.node_hours * 3600, rel=1e-9, abs=1e-6)
+    assert sum(timeline.throughput) * width == pytest.approx(report.samples, rel=1e-9)
+    assert report.avg_nodes == pytest.approx(report.node_hours * 3600 / 1000)

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TextIO
+from typing import Any, ClassVar
 
 import attrs
 
@@ -248,11 +248,16 @@ def read_events(path: str | os.PathLike[str]) -> list[Event]:
 
 
 class EventLog:
-    """An append-only, thread-safe JSON-lines writer with a monotonic run clock.
+    """An append-only, thread- and process-safe JSON-lines writer with a run clock.
 
-    ``clock`` returns seconds (monotonic); ``t`` of each record is ``clock() - start``. Each record
-    is written with one ``write`` call and flushed, so a reader sees whole lines; ``fsync=True``
-    also forces each line to disk (slower; use it when the host itself may die).
+    ``clock`` returns seconds; ``t`` of each record is ``clock() - start``. ``start`` defaults to
+    the clock's time when the log is opened; processes on one machine that share a run pass the
+    same ``start`` of ``time.monotonic`` (a system-wide clock on Linux), so their ``t`` agree.
+
+    The file is opened with ``O_APPEND`` and each record is one ``os.write`` of a whole line, so
+    several writers (threads, or the launcher and its agents) interleave whole records, never
+    parts of them. ``fsync=True`` also forces each record to disk (slower; use it when the host
+    itself may die).
     """
 
     def __init__(
@@ -260,29 +265,31 @@ class EventLog:
         path: str | os.PathLike[str],
         *,
         clock: Callable[[], float] = time.monotonic,
+        start: float | None = None,
         fsync: bool = False,
     ) -> None:
         self.path = Path(path)
         self._clock = clock
-        self._start = clock()
+        self.start = clock() if start is None else start
         self._fsync = fsync
         self._lock = threading.Lock()
-        self._handle: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def now(self) -> float:
-        """Seconds since this log was opened, on its clock."""
-        return max(0.0, self._clock() - self._start)
+        """Seconds since the run's start, on this log's clock (never negative)."""
+        return max(0.0, self._clock() - self.start)
 
     def write(self, event: Event) -> None:
         """Append one record (already built, with its own ``t``)."""
-        line = json.dumps(event_to_dict(event), separators=(",", ":")) + "\n"
+        data = (json.dumps(event_to_dict(event), separators=(",", ":")) + "\n").encode("utf-8")
         with self._lock:
-            if self._handle is None:
+            if self._fd is None:
                 raise ValueError(f"event log {self.path} is closed")
-            self._handle.write(line)
-            self._handle.flush()
+            written = os.write(self._fd, data)
+            if written != len(data):  # a regular file takes the whole write, or raises (ENOSPC)
+                raise OSError(f"event log {self.path}: short write of {written} of {len(data)} bytes")
             if self._fsync:
-                os.fsync(self._handle.fileno())
+                os.fsync(self._fd)
 
     def emit(self, cls: type[Event], **fields: Any) -> Event:
         """Build a record of ``cls`` stamped with :meth:`now` and append it; returns the record."""
@@ -296,11 +303,11 @@ class EventLog:
             self.write(event)
 
     def close(self) -> None:
-        """Flush and close the file; later writes raise."""
+        """Close the file; later writes raise."""
         with self._lock:
-            if self._handle is not None:
-                self._handle.close()
-                self._handle = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def __enter__(self) -> EventLog:
         return self

@@ -79,25 +79,13 @@ def test_bad_costs_files_are_named(tmp_path: Path, content: str, message: str) -
         Costs.from_json(path)
 
 
-def bert_like_costs(stages: int = 8) -> Costs:
-    """Forward cost growing with the stage index (later stages hold more layers), backward twice it."""
-    return Costs(
-        default=StageCost(optimizer_ms=0.5, grad_mb=32.0, activation_mb=2.0, stash_mb=8.0),
-        stages=tuple(
-            StageCost(forward_ms=1.0 + 0.3 * i, backward_ms=2.0 * (1.0 + 0.3 * i), optimizer_ms=0.5,
-                      grad_mb=32.0, activation_mb=2.0, stash_mb=8.0)
-            for i in range(stages)
-        ),
-    )
-
-
 def test_figure_10_frc_hidden_on_first_stages_partly_on_the_last() -> None:
     """Paper, Figure 10: the bubble at stage i against the FRC for stage i+1 (BERT-like profile, 8 stages).
 
     Early stages wait on their slower successors, so their bubble swallows all the FRC they run for
     the next stage; the last stages have almost no bubble while the FRC they run is the most expensive.
     """
-    costs = bert_like_costs()
+    costs = Costs.bert_like(8)
     M = 32
     result = simulate(one_f_one_b(8, M, "eflb", costs.linearizer_cost()), costs)
     assert result.baseline_bubble is not None

@@ -84,6 +84,20 @@ class Costs:
                 f"bandwidths must be > 0, got link_gb_per_s={self.link_gb_per_s}, swap_gb_per_s={self.swap_gb_per_s}"
             )
 
+    @classmethod
+    def bert_like(cls, stages: int = 8, growth: float = 0.3) -> Costs:
+        """A synthetic profile shaped like the paper's BERT pipeline (Figure 10), not a measurement.
+
+        Stage i's forward takes ``1 + growth * i`` ms (later stages hold more layers), its backward
+        twice that; 2 MB activations, 8 MB FRC stash, 32 MB of gradients per stage.
+        """
+        def stage(i: int) -> StageCost:
+            forward = 1.0 + growth * i
+            return StageCost(forward_ms=forward, backward_ms=2.0 * forward, optimizer_ms=0.5,
+                             activation_mb=2.0, stash_mb=8.0, grad_mb=32.0)
+
+        return cls(default=stage(0), stages=tuple(stage(i) for i in range(stages)))
+
     def stage(self, s: int) -> StageCost:
         return self.stages[s] if s < len(self.stages) else self.default
 

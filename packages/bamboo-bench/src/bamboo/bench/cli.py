@@ -157,11 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     source = simulate.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--trace", nargs="+", type=Path, metavar="FILE",
-        help="trace file: the EC2 event CSV, a GCP count log (.txt), SkyPilot count JSON (several zone files "
-        "make one multi-zone trace) or our generic CSV",
+        help="trace file: the EC2 event CSV, a GCP count log (.txt), an AWS x,y count curve, an Auto Scaling "
+        "Group 'timestamp,count' CSV, SkyPilot count JSON (several zone files make one multi-zone trace) or "
+        "our generic CSV",
     )
     source.add_argument("--synthetic", action="store_true", help="use the synthetic preemption model instead of a trace")
-    simulate.add_argument("--zone", help="zone name for EC2 and GCP traces, which carry none (default: ec2 / the file name)")
+    simulate.add_argument("--zone", help="zone name for traces that carry none (EC2 events: default ec2; count logs: the file name)")
     simulate.add_argument("--start-h", type=_non_negative_float, default=0.0, help="replay the trace from this hour (default 0)")
     simulate.add_argument("--end-h", type=_positive_float, help="replay the trace up to this hour (default: its end)")
     simulate.add_argument(

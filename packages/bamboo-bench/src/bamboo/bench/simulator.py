@@ -203,44 +203,46 @@ _STOPPED, _RUNNING, _PAUSED = 0, 1, 2
 _EV_READY, _EV_PAUSE_END, _EV_DECIDE = 0, 1, 2
 
 
-def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int) -> list[int]:
+def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int, count: int | None = None) -> list[int]:
     """Order `nodes` so that position i holds stage i % `stages`, with neighbouring stages in different zones.
 
     Greedy: each position takes a node from the zone with the most nodes left, among the zones
     other than the previous stage's (and, for the last stage, other than stage 0's, because the
-    last node shadows the first). If only the excluded zones are left, it takes from them.
+    last node shadows the first). If only the excluded zones are left, it takes from them. Only
+    the first `count` positions (default: all) are placed this way; the rest follow in any order.
     """
     by_zone: dict[int, list[int]] = {}
     for node in nodes:
         by_zone.setdefault(zone_of[node], []).append(node)
+    if len(by_zone) < 2:
+        return list(nodes)
+    pools = list(by_zone.values())
+    places = len(nodes) if count is None else min(count, len(nodes))
     order: list[int] = []
-    previous = -1
-    first = -1
-    for position in range(len(nodes)):
+    previous = first = -1
+    for position in range(places):
         stage = position % stages
         if stage == 0:
             previous = -1
-        banned = {previous}
-        if stage == stages - 1 and stages > 2:
-            banned.add(first)
-        best = -1
-        best_count = 0
-        fallback = -1
-        fallback_count = 0
-        for zone, members in by_zone.items():
-            count = len(members)
-            if not count:
+        last_stage = stage == stages - 1 and stages > 2
+        best = fallback = -1
+        best_count = fallback_count = 0
+        for index, pool in enumerate(pools):
+            size = len(pool)
+            if not size:
                 continue
-            if zone in banned:
-                if count > fallback_count:
-                    fallback, fallback_count = zone, count
-            elif count > best_count:
-                best, best_count = zone, count
-        zone = best if best >= 0 else fallback
-        order.append(by_zone[zone].pop())
-        previous = zone
+            if index == previous or (last_stage and index == first):
+                if size > fallback_count:
+                    fallback, fallback_count = index, size
+            elif size > best_count:
+                best, best_count = index, size
+        chosen = best if best >= 0 else fallback
+        order.append(pools[chosen].pop())
+        previous = chosen
         if stage == 0:
-            first = zone
+            first = chosen
+    for pool in pools:
+        order.extend(pool)
     return order
 
 
@@ -429,7 +431,7 @@ class _Run:
             self.set_phase(_STOPPED)
             return
         if self.policy.zone_aware and self.strategy is not Strategy.CHECKPOINT:
-            order = zone_aware_order(members, self.zone_of, self.stages)
+            order = zone_aware_order(members, self.zone_of, self.stages, pipelines * self.stages)
         else:
             order = sorted(members)
         used = pipelines * self.stages

@@ -5,18 +5,51 @@ validates, simulates and draws per-node instruction streams. See the package REA
 "Executing a schedule", for the exact meaning of every instruction.
 """
 
+from bamboo.schedule.engine import Deadlock, ExecutionError, Mismatch, Timeline, counterpart, execute
+from bamboo.schedule.export import chrome_trace, text_grid, time_grid
+from bamboo.schedule.failover import (
+    ConsecutiveFailure,
+    FailoverPlan,
+    failover_schedule,
+    merged_schedule,
+    progress_at,
+    validate_failover,
+)
 from bamboo.schedule.generate import add_redundancy, generate, gpipe, one_f_one_b
 from bamboo.schedule.ir import COMM_KINDS, COMPUTE_KINDS, Instruction, Kind, RCMode, Schedule
+from bamboo.schedule.simulate import Costs, SimResult, StageCost, simulate
+from bamboo.schedule.validate import ScheduleError, validate
 
 __all__ = [
     "COMM_KINDS",
     "COMPUTE_KINDS",
+    "ConsecutiveFailure",
+    "Costs",
+    "Deadlock",
+    "ExecutionError",
+    "FailoverPlan",
     "Instruction",
     "Kind",
+    "Mismatch",
     "RCMode",
     "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "StageCost",
+    "Timeline",
     "add_redundancy",
+    "chrome_trace",
+    "counterpart",
+    "execute",
+    "failover_schedule",
     "generate",
     "gpipe",
+    "merged_schedule",
     "one_f_one_b",
+    "progress_at",
+    "simulate",
+    "text_grid",
+    "time_grid",
+    "validate",
+    "validate_failover",
 ]

@@ -70,6 +70,10 @@ def test_malformed_trace_names_the_line(
         (["--preemptions", "{trace}", "--start", "50", "--end", "40"], "--end 40 must be after --start 50"),
         (["--preemptions", "{trace}"], "market needs the node's command after --"),
         (["--preemptions", "nowhere.csv"], "nowhere.csv: no such file"),
+        (
+            ["--preemptions", "{trace}", "--", "/no/such/agent"],
+            "the node command '/no/such/agent' is not an executable",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line(

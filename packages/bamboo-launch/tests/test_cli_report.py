@@ -84,6 +84,10 @@ def test_report_json_and_plot(event_log: Path, tmp_path: Path, capsys: pytest.Ca
         (["report", "{bad}"], "bad.jsonl:2: unknown kind 'jump'"),
         (["report", "{log}", "--bins", "0"], "--bins must be >= 1, got 0"),
         (["report", "{empty}"], "the event log is empty"),
+        (
+            ["report", "{log}", "--plot", "/no/such/dir/plot.png"],
+            "/no/such/dir/plot.png: No such file or directory",
+        ),
     ],
 )
 def test_report_errors_are_one_line(

@@ -74,6 +74,12 @@ def test_a_broken_manifest_fails_validation(breaker) -> None:
         validate_manifests(manifests)
 
 
+@pytest.mark.parametrize("version", ["abc", "1.10", "9.99", "1"])
+def test_unsupported_kubernetes_version_is_named(version: str) -> None:
+    with pytest.raises(ManifestValidationError, match=f"between 1.25 and .* got '{version}'"):
+        validate_manifests(render_manifests(K8sConfig()), version)
+
+
 def test_unknown_kind_fails() -> None:
     with pytest.raises(ManifestValidationError, match="Couldn't find schema"):
         validate_manifests([{"apiVersion": "v1", "kind": "Teapot", "metadata": {"name": "t"}}])

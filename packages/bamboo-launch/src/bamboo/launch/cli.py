@@ -529,6 +529,10 @@ def _market(args: argparse.Namespace) -> int:
         return 0
     if not args.script:
         _fail("market needs the node's command after --, e.g. -- bamboo-launch agent ...")
+    import shutil
+
+    if shutil.which(args.script[0]) is None:
+        _fail(f"the node command {args.script[0]!r} is not an executable file or on PATH")
     return _replay(args, plan)
 
 
@@ -639,6 +643,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ValueError as error:  # schema and format errors from the library carry their own context
         print(f"bamboo-launch: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # an output path that cannot be written, a full disk
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"bamboo-launch: error: {where}{error.strerror or error}", file=sys.stderr)
         return 2
 
 

@@ -537,24 +537,32 @@ def validate_manifests(manifests: Sequence[dict[str, Any]], kubernetes_version: 
     """Validate each manifest against the Kubernetes JSON schemas (strict: unknown fields fail).
 
     Uses ``kubernetes-validate``, which ships the schemas (no network). Raises
-    :class:`ManifestValidationError` for the first invalid object, naming it and the field.
+    :class:`ManifestValidationError` for an unsupported ``kubernetes_version`` or for the first
+    invalid object, naming it and the field.
     """
     try:
         import kubernetes_validate
+        from kubernetes_validate.utils import all_versions
     except ImportError as error:  # pragma: no cover - an optional dependency
         raise ManifestValidationError(
-            "validating manifests needs kubernetes-validate: pip install 'bamboo-launch[k8s]'"
+            "validating manifests needs kubernetes-validate: pip install 'bamboo-launch[k8s]' "
+            "(or skip validation with --no-validate)"
         ) from error
+    supported = [tuple(int(part) for part in v.split(".")[:2]) for v in all_versions()]
+    match = re.match(r"^v?(\d+)\.(\d+)(\.\d+)?$", kubernetes_version)
+    if match is None or not supported[0] <= (int(match.group(1)), int(match.group(2))) <= supported[-1]:
+        low, high = ".".join(map(str, supported[0])), ".".join(map(str, supported[-1]))
+        raise ManifestValidationError(
+            f"Kubernetes version must be MAJOR.MINOR between {low} and {high} (the schemas shipped), "
+            f"got {kubernetes_version!r}"
+        )
     for index, manifest in enumerate(manifests):
         if not isinstance(manifest, dict) or "kind" not in manifest or "apiVersion" not in manifest:
             raise ManifestValidationError(
                 f"document {index + 1} is not a Kubernetes object (no kind/apiVersion)"
             )
-        name = (
-            manifest.get("metadata", {}).get("name", "?")
-            if isinstance(manifest.get("metadata"), dict)
-            else "?"
-        )
+        metadata = manifest.get("metadata")
+        name = metadata.get("name", "?") if isinstance(metadata, dict) else "?"
         where = f"document {index + 1} ({manifest['kind']}/{name})"
         try:
             kubernetes_validate.validate(manifest, kubernetes_version, strict=True)
@@ -563,7 +571,3 @@ def validate_manifests(manifests: Sequence[dict[str, Any]], kubernetes_version: 
             raise ManifestValidationError(f"{where}: {path}: {error.message}") from None
         except kubernetes_validate.SchemaNotFoundError as error:
             raise ManifestValidationError(f"{where}: {error.message}") from None
-        except kubernetes_validate.VersionNotSupportedError as error:
-            raise ManifestValidationError(
-                f"kubernetes-validate has no schemas for Kubernetes {error.version}"
-            ) from None

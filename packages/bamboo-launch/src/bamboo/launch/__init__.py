@@ -7,8 +7,9 @@
 - :mod:`bamboo.launch.market`: the emulated spot market (a pure plan, a scheduler on an injectable
   clock, real process-group kills);
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
+- :mod:`bamboo.launch.live`: the live progress view, folded from an event log as it grows;
 - :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``k8s render|validate``, ``market``,
-  ``report``).
+  ``report``, ``watch``).
 
 Importing this package does not import torch or matplotlib; the functions that need them do.
 """
@@ -38,6 +39,7 @@ from bamboo.launch.events import (
     read_events,
 )
 from bamboo.launch.k8s import K8sConfig, ManifestValidationError, render_manifests, validate_manifests
+from bamboo.launch.live import EventFollower, LiveState, render_live
 from bamboo.launch.market import (
     ActionKind,
     MarketAction,
@@ -57,11 +59,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "Event",
+    "EventFollower",
     "EventLog",
     "EventLogError",
     "Failover",
     "Join",
     "K8sConfig",
+    "LiveState",
     "LoadedCheckpoint",
     "ManifestValidationError",
     "MarketAction",
@@ -86,6 +90,7 @@ __all__ = [
     "plan_market",
     "plot_report",
     "read_events",
+    "render_live",
     "render_manifests",
     "validate_manifests",
     "write_checkpoint",

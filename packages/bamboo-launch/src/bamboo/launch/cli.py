@@ -8,7 +8,8 @@ Subcommands (each one works end to end; the full ``run`` launcher comes with the
 - ``bamboo-launch report EVENTS.jsonl``: the final report of a run from its event log
   (``--json``, ``--plot OUT.png``);
 - ``bamboo-launch market``: the emulated spot market, replaying a preemption trace against one
-  process per node (see ``bamboo.launch.market``).
+  process per node (see ``bamboo.launch.market``);
+- ``bamboo-launch watch EVENTS.jsonl``: the live progress view of a run, following its event log.
 
 Bad input prints one line, ``bamboo-launch: error: ...``, and exits with status 2.
 """
@@ -607,16 +608,80 @@ def _replay(args: argparse.Namespace, plan: Sequence[Any]) -> int:
     return 1 if failures else 0
 
 
+def _add_watch(subparsers: argparse._SubParsersAction) -> None:
+    watch = subparsers.add_parser(
+        "watch",
+        help="live progress view of a run from its event log",
+        description=(
+            "Follow an event log as it grows and show step, loss, samples/s, nodes active, on standby and "
+            "joining, the counts of preemptions, failovers, reconfigurations and checkpoints, and the last "
+            "events. Stops at the run_end record, or on Ctrl-C."
+        ),
+    )
+    watch.add_argument("events", help="the run's event log (JSON lines; it may not exist yet)")
+    watch.add_argument("--once", action="store_true", help="show the current state once and exit")
+    watch.add_argument("--json", action="store_true", help="with --once: print the state as one JSON object")
+    watch.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=0.5,
+        help="seconds between reads of the log (default: %(default)s)",
+    )
+    watch.add_argument(
+        "--window", type=int, default=10, help="steps averaged for samples/s (default: %(default)s)"
+    )
+    watch.set_defaults(handler=_watch)
+
+
+def _watch(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from bamboo.launch.live import EventFollower, LiveState, render_live
+    from rich.console import Console
+    from rich.live import Live
+
+    if args.window < 1:
+        _fail(f"--window must be >= 1, got {args.window}")
+    if args.json and not args.once:
+        _fail("--json needs --once (the live view is for a terminal)")
+    follower = EventFollower(args.events)
+    state = LiveState(window=args.window)
+    if args.once:
+        if not follower.path.exists():
+            _fail(f"cannot read {args.events}: No such file or directory")
+        state.apply_all(follower.poll())
+        if args.json:
+            print(json.dumps(state.summary()))
+        else:
+            Console().print(render_live(state))
+        return 0
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    try:
+        with Live(render_live(state), refresh_per_second=4, console=Console()) as live:
+            while not interrupted.is_set():
+                state.apply_all(follower.poll())
+                live.update(render_live(state))
+                if state.finished:
+                    return 0
+                interrupted.wait(args.interval)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 130
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to render ``--help`` in the README)."""
     parser = argparse.ArgumentParser(
         prog="bamboo-launch",
-        description="Bamboo's launcher: Kubernetes manifests, the emulated spot market and run reports.",
+        description="Bamboo's launcher: Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{k8s,market,report}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{k8s,market,report,watch}")
     _add_k8s(subparsers)
     _add_market(subparsers)
     _add_report(subparsers)
+    _add_watch(subparsers)
     return parser
 
 

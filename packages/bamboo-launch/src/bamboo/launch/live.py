@@ -1,0 +1,231 @@
+"""The live progress view of a run, built from its event log as the log grows.
+
+Three parts, so that the logic is tested without a terminal or a clock:
+
+- :class:`EventFollower` reads the records appended to an event log since its last
+  :meth:`~EventFollower.poll`, and only whole lines (a record being written is read next time);
+- :class:`LiveState` folds records into what the view shows: step, loss, samples/s over the last
+  steps, nodes active, on standby and joining, counts of preemptions, failovers,
+  reconfigurations and checkpoints, and the last events;
+- :func:`render_live` turns a state into a rich renderable; ``bamboo-launch watch`` refreshes it.
+
+*Joining* nodes are nodes that have joined (and not been preempted) but are neither at work in
+the last step nor on standby after the last reconfiguration: they wait for the next one.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from bamboo.launch.events import (
+    Checkpoint,
+    Event,
+    EventLogError,
+    Failover,
+    Join,
+    Preemption,
+    Reconfiguration,
+    RunEnd,
+    RunStart,
+    Step,
+    event_from_dict,
+)
+
+__all__ = ["EventFollower", "LiveState", "describe_event", "render_live"]
+
+
+class EventFollower:
+    """Reads an event log incrementally: each :meth:`poll` returns the whole records added since.
+
+    A missing file reads as empty (the run has not started writing yet). A malformed record
+    raises :class:`EventLogError` naming the file and line.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._line = 0
+        self._partial = b""
+
+    def poll(self) -> list[Event]:
+        """The records completed since the last call, in file order."""
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        events = []
+        for raw in lines:
+            self._line += 1
+            if not raw.strip():
+                continue
+            try:
+                events.append(event_from_dict(json.loads(raw)))
+            except json.JSONDecodeError as error:
+                raise EventLogError(f"{self.path}:{self._line}: not valid JSON ({error.msg})") from None
+            except (ValueError, TypeError) as error:
+                raise EventLogError(f"{self.path}:{self._line}: {error}") from None
+        return events
+
+
+def describe_event(event: Event) -> str:
+    """A short human line for one record (steps excluded: they fill the header instead)."""
+    if isinstance(event, Join):
+        return f"{event.t:8.1f}s  join          {event.node} in {event.zone}"
+    if isinstance(event, Preemption):
+        notice = f", {event.notice_s:.1f}s notice" if event.notice_s > 0 else ""
+        return f"{event.t:8.1f}s  preemption    {event.node} in {event.zone}{notice}"
+    if isinstance(event, Failover):
+        return f"{event.t:8.1f}s  failover      {event.victim} -> {event.shadow} (stage {event.stage}), pause {event.pause_s:.2f}s"
+    if isinstance(event, Reconfiguration):
+        return (
+            f"{event.t:8.1f}s  reconfigure   {event.reason}: D={event.pipelines} P={event.stages}, "
+            f"{event.standby} standby, {event.bytes_moved / 2**20:.1f} MiB in {event.duration_s:.2f}s"
+        )
+    if isinstance(event, Checkpoint):
+        return f"{event.t:8.1f}s  checkpoint    step {event.step}, {event.bytes / 2**20:.1f} MiB in {event.duration_s:.2f}s"
+    if isinstance(event, RunStart):
+        return (
+            f"{event.t:8.1f}s  start         job {event.job}: {event.target_nodes} nodes, "
+            f"P={event.stages}, D={event.pipelines}"
+        )
+    if isinstance(event, RunEnd):
+        return f"{event.t:8.1f}s  end           after {event.steps} steps"
+    return f"{event.t:8.1f}s  step          {event.step}"
+
+
+class LiveState:
+    """What the live view shows, folded from records with :meth:`apply`.
+
+    ``window`` is how many recent steps the samples/s figure averages over; ``history`` how many
+    recent events (other than steps) are kept.
+    """
+
+    def __init__(self, window: int = 10, history: int = 8) -> None:
+        if window < 1 or history < 1:
+            raise ValueError(f"window and history must be >= 1, got {window} and {history}")
+        self.job = ""
+        self.target_nodes = 0
+        self.step: int | None = None
+        self.loss: float | None = None
+        self.nodes_active = 0
+        self.standby = 0
+        self.alive: dict[str, str] = {}
+        self.preemptions = 0
+        self.failovers = 0
+        self.reconfigurations = 0
+        self.checkpoints = 0
+        self.finished = False
+        self.now = 0.0
+        self._steps: collections.deque[Step] = collections.deque(maxlen=window)
+        self.recent: collections.deque[str] = collections.deque(maxlen=history)
+
+    def apply(self, event: Event) -> None:
+        """Fold one record into the state."""
+        self.now = max(self.now, event.t)
+        if isinstance(event, Step):
+            self.step, self.loss, self.nodes_active = event.step, event.loss, event.nodes_active
+            self._steps.append(event)
+            return
+        self.recent.append(describe_event(event))
+        if isinstance(event, RunStart):
+            self.job, self.target_nodes = event.job, event.target_nodes
+        elif isinstance(event, Join):
+            self.alive[event.node] = event.zone
+        elif isinstance(event, Preemption):
+            self.alive.pop(event.node, None)
+            self.preemptions += 1
+        elif isinstance(event, Failover):
+            self.failovers += 1
+        elif isinstance(event, Reconfiguration):
+            self.reconfigurations += 1
+            self.standby = event.standby
+        elif isinstance(event, Checkpoint):
+            self.checkpoints += 1
+        elif isinstance(event, RunEnd):
+            self.finished = True
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        """Fold several records in order."""
+        for event in events:
+            self.apply(event)
+
+    @property
+    def samples_per_second(self) -> float | None:
+        """Samples over the time the last ``window`` steps took (None before two steps)."""
+        if not self._steps:
+            return None
+        first, last = self._steps[0], self._steps[-1]
+        begin = first.t - first.duration_s
+        if last.t <= begin:
+            return None
+        return sum(step.samples for step in self._steps) / (last.t - begin)
+
+    @property
+    def joining(self) -> int:
+        """Alive nodes neither at work nor on standby."""
+        return max(0, len(self.alive) - self.nodes_active - self.standby)
+
+    def summary(self) -> dict[str, Any]:
+        """The state as a flat dict (for ``watch --once --json`` and tests)."""
+        return {
+            "job": self.job,
+            "t": self.now,
+            "step": self.step,
+            "loss": self.loss,
+            "samples_per_second": self.samples_per_second,
+            "nodes_alive": len(self.alive),
+            "nodes_active": self.nodes_active,
+            "standby": self.standby,
+            "joining": self.joining,
+            "preemptions": self.preemptions,
+            "failovers": self.failovers,
+            "reconfigurations": self.reconfigurations,
+            "checkpoints": self.checkpoints,
+            "finished": self.finished,
+            "recent": list(self.recent),
+        }
+
+
+def render_live(state: LiveState) -> Any:
+    """A rich renderable of ``state``: a header table and the last events."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    def show(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    header = Table.grid(padding=(0, 3))
+    for _ in range(4):
+        header.add_column()
+    header.add_row(
+        f"[bold]step[/] {state.step if state.step is not None else '-'}",
+        f"[bold]loss[/] {show(state.loss, 4)}",
+        f"[bold]samples/s[/] {show(state.samples_per_second, 2)}",
+        f"[bold]t[/] {state.now:.1f}s",
+    )
+    header.add_row(
+        f"[bold]active[/] {state.nodes_active}",
+        f"[bold]standby[/] {state.standby}",
+        f"[bold]joining[/] {state.joining}",
+        f"[bold]alive[/] {len(state.alive)}" + (f"/{state.target_nodes}" if state.target_nodes else ""),
+    )
+    header.add_row(
+        f"[bold]preemptions[/] {state.preemptions}",
+        f"[bold]failovers[/] {state.failovers}",
+        f"[bold]reconfigurations[/] {state.reconfigurations}",
+        f"[bold]checkpoints[/] {state.checkpoints}",
+    )
+    recent = "\n".join(state.recent) if state.recent else "(no events yet)"
+    title = "bamboo" + (f" {state.job}" if state.job else "") + (" (finished)" if state.finished else "")
+    return Panel(Group(header, "", recent), title=title, expand=False)

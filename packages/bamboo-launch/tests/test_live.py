@@ -1,0 +1,124 @@
+"""Tests of the live progress view: incremental reading, the folded state, rendering, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bamboo.launch.cli import main
+from bamboo.launch.events import (
+    Checkpoint,
+    EventLog,
+    EventLogError,
+    Failover,
+    Join,
+    Preemption,
+    Reconfiguration,
+    RunEnd,
+    RunStart,
+    Step,
+)
+from bamboo.launch.live import EventFollower, LiveState, render_live
+from rich.console import Console
+
+
+def run_events() -> list:
+    return [
+        RunStart(t=0.0, job="live", unix_time=0.0, target_nodes=4, stages=2, pipelines=2),
+        *(Join(t=0.0, node=f"n{i}", zone="ab"[i % 2]) for i in range(4)),
+        Step(t=2.0, step=0, samples=8, loss=2.5, nodes_active=4, duration_s=2.0),
+        Step(t=4.0, step=1, samples=8, loss=2.0, nodes_active=4, duration_s=2.0),
+        Preemption(t=4.5, node="n3", zone="b", notice_s=1.0),
+        Failover(t=4.6, victim="n3", shadow="n2", stage=1, pause_s=0.4),
+        Step(t=7.0, step=2, samples=8, loss=1.5, nodes_active=3, duration_s=3.0),
+        Join(t=7.5, node="n4", zone="b"),
+        Join(t=7.6, node="n5", zone="a"),
+        Reconfiguration(
+            t=8.0, reason="join", pipelines=2, stages=2, standby=1, bytes_moved=3 * 2**20, duration_s=0.5
+        ),
+        Checkpoint(t=9.0, step=2, path="/ck/step-2", bytes=2**20, duration_s=0.1),
+    ]
+
+
+def test_state_folds_the_run() -> None:
+    state = LiveState(window=2, history=3)
+    state.apply_all(run_events())
+    summary = state.summary()
+    assert summary["step"] == 2 and summary["loss"] == 1.5
+    assert summary["samples_per_second"] == pytest.approx(16 / 5.0)  # steps 1 and 2: from t=2 to t=7
+    assert summary["nodes_alive"] == 5 and summary["nodes_active"] == 3 and summary["standby"] == 1
+    assert summary["joining"] == 1
+    assert (summary["preemptions"], summary["failovers"], summary["reconfigurations"], summary["checkpoints"]) == (
+        1, 1, 1, 1,
+    )  # fmt: skip
+    assert len(summary["recent"]) == 3
+    assert "reconfigure   join: D=2 P=2, 1 standby, 3.0 MiB in 0.50s" in summary["recent"][1]
+    assert not summary["finished"]
+    state.apply(RunEnd(t=10.0, steps=3))
+    assert state.finished and state.now == 10.0
+
+
+def test_follower_reads_only_whole_records(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    follower = EventFollower(path)
+    assert follower.poll() == []  # not written yet
+    line = json.dumps({"kind": "join", "t": 1.0, "node": "n0", "zone": "a"}) + "\n"
+    with open(path, "w") as handle:
+        handle.write(line[:10])
+        handle.flush()
+        assert follower.poll() == []
+        handle.write(line[10:] + line[:5])
+        handle.flush()
+        assert follower.poll() == [Join(t=1.0, node="n0", zone="a")]
+        handle.write(line[5:])
+        handle.flush()
+        assert follower.poll() == [Join(t=1.0, node="n0", zone="a")]
+        assert follower.poll() == []
+        handle.write('{"kind":"join","t":2}\n')
+        handle.flush()
+    with pytest.raises(
+        EventLogError, match=r"events.jsonl:3: join record is missing keys \['node', 'zone'\]"
+    ):
+        follower.poll()
+
+
+def test_render_shows_the_numbers() -> None:
+    state = LiveState()
+    state.apply_all(run_events())
+    console = Console(record=True, width=120)
+    console.print(render_live(state))
+    text = console.export_text()
+    for expected in ("step 2", "loss 1.5000", "active 3", "standby 1", "joining 1", "alive 5/4",
+                     "preemptions 1", "failover      n3 -> n2 (stage 1), pause 0.40s"):  # fmt: skip
+        assert expected in text, (expected, text)
+
+
+def test_watch_once_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        log.write_all(run_events())
+    assert main(["watch", str(path), "--once", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["job"] == "live" and summary["step"] == 2 and summary["joining"] == 1
+
+
+def test_watch_follows_until_the_run_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        log.write_all([*run_events(), RunEnd(t=12.0, steps=3)])
+    assert main(["watch", str(path), "--interval", "0.05"]) == 0
+    assert "finished" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["watch", "missing.jsonl", "--once"], "cannot read missing.jsonl"),
+        (["watch", "x.jsonl", "--json"], "--json needs --once"),
+        (["watch", "x.jsonl", "--window", "0"], "--window must be >= 1, got 0"),
+    ],
+)
+def test_watch_errors(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    assert main(args) == 2
+    assert message in capsys.readouterr().err

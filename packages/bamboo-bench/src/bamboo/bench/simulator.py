@@ -217,27 +217,29 @@ def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int,
     if len(by_zone) < 2:
         return list(nodes)
     pools = list(by_zone.values())
+    sizes = [len(pool) for pool in pools]
+    zones = range(len(pools))
     places = len(nodes) if count is None else min(count, len(nodes))
     order: list[int] = []
     previous = first = -1
+    last = stages - 1
     for position in range(places):
         stage = position % stages
         if stage == 0:
             previous = -1
-        last_stage = stage == stages - 1 and stages > 2
+        other = first if stage == last and stages > 2 else -1
         best = fallback = -1
-        best_count = fallback_count = 0
-        for index, pool in enumerate(pools):
-            size = len(pool)
-            if not size:
-                continue
-            if index == previous or (last_stage and index == first):
-                if size > fallback_count:
-                    fallback, fallback_count = index, size
-            elif size > best_count:
-                best, best_count = index, size
+        best_size = fallback_size = 0
+        for index in zones:
+            size = sizes[index]
+            if index in (previous, other):
+                if size > fallback_size:
+                    fallback, fallback_size = index, size
+            elif size > best_size:
+                best, best_size = index, size
         chosen = best if best >= 0 else fallback
         order.append(pools[chosen].pop())
+        sizes[chosen] -= 1
         previous = chosen
         if stage == 0:
             first = chosen

@@ -91,3 +91,17 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for flag in ("--stages", "--microbatches", "--rc", "--fail", "--costs", "--trace", "--json", "--policy", "--grid"):
         assert flag in out
+
+
+def test_console_script_runs_without_a_traceback() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "bamboo-schedule"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "bamboo.schedule.cli"]
+    done = subprocess.run([*command, "show", "-P", "4", "-M", "4", "--fail", "1,2@3"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 3
+    assert done.stderr.startswith("bamboo-schedule: error: consecutive failure")
+    assert "Traceback" not in done.stderr

@@ -35,7 +35,7 @@ def failure_cases(draw: st.DrawFn) -> tuple[str, int, int, str, frozenset[int], 
     )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=failure_cases())
 def test_failover_at_any_consistent_cut_validates(case, random_cut) -> None:  # type: ignore[no-untyped-def]
     policy, stages, microbatches, rc, victims, seed = case
@@ -194,3 +194,14 @@ def test_progress_at_is_a_consistent_cut_and_stops_the_victim_at_its_index() -> 
     assert progress[2] <= 9
     with pytest.raises(ValueError, match="failure index 999 for stage 2 out of range"):
         progress_at(schedule, {2: 999})
+
+
+@pytest.mark.parametrize("rc", MODES)
+@pytest.mark.parametrize("policy", ["1f1b", "gpipe"])
+def test_largest_property_sizes_at_several_cuts(rc: str, policy: str, random_cut) -> None:  # type: ignore[no-untyped-def]
+    schedule = generate(policy, 12, 32, rc)
+    for victims, seed in [({0, 5, 9}, 1), ({11}, 2), ({3, 7}, 3), ({1, 3, 5, 7, 9}, 4)]:
+        validate_failover(failover_schedule(schedule, victims, random_cut(schedule, seed)))
+    for victim, fraction in [(6, 0.3), (11, 0.8)]:
+        index = int(len(schedule.streams[victim]) * fraction)
+        validate_failover(failover_schedule(schedule, [victim], progress_at(schedule, {victim: index})))

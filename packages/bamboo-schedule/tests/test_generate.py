@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 MODES = ["none", "lflb", "eflb", "efeb"]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     policy=st.sampled_from(["1f1b", "gpipe"]),
     stages=st.integers(2, 12),

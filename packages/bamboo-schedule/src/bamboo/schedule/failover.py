@@ -238,13 +238,22 @@ def failover_schedule(
     remaining: dict[int, list[Instruction]] = {}
     for n in survivors:
         kept: list[Instruction] = []
+        orphaned: set[tuple[int, int | None]] = set()
         for instr in schedule.streams[n][done[n]:]:
             p = instr.peer
             if p in chosen:
                 other = counterpart(instr, n)
                 if other.stage != p or placement[p] == n:
                     continue  # the victim's replica work died with it, or the message became local
+                if instr.kind is Kind.RECV_GRAD:
+                    # efeb: node v-2 waited for v's gradient to run BRC of stage v-1 eagerly. That BRC
+                    # only protects against v-1 failing too, which would now be a consecutive failure
+                    # (reconfiguration), so it is dropped for the rest of this iteration.
+                    orphaned.add((instr.stage, instr.microbatch))
+                    continue
                 kept.append(instr.sent_to(placement[p]))
+                continue
+            if instr.kind in (Kind.SWAP_IN, Kind.BRC) and (instr.stage, instr.microbatch) in orphaned:
                 continue
             stage_victim = instr.stage in chosen and instr.stage not in persisted
             if stage_victim and placement[instr.stage] == n and instr.kind in (
@@ -283,8 +292,8 @@ def failover_schedule(
             kind, k = instr.kind, instr.microbatch
             if instr.peer is not None:
                 p = instr.peer
-                if instr.stage != v or p in chosen or p == h:
-                    continue  # the victim's replica traffic, a dead peer, or now local
+                if instr.stage != v or p in chosen or p == h or kind is Kind.SEND_GRAD:
+                    continue  # replica traffic, a dead peer, now local, or an efeb copy nobody awaits
                 partner_ran = ran[p]
                 if instr.is_send:
                     if counterpart(instr, v) in partner_ran:

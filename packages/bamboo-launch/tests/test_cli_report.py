@@ -122,3 +122,24 @@ def test_console_script_runs(event_log: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 2 and "takes no script" in result.stderr
+
+
+def test_report_merges_logs_of_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clock = StepClock()
+    market = EventLog(tmp_path / "market.jsonl", clock=clock, start=0.0)
+    run = EventLog(tmp_path / "run.jsonl", clock=clock, start=0.0)
+    run.emit(RunStart, job="merged", unix_time=0.0, target_nodes=2, stages=1, pipelines=2)
+    market.emit(Join, node="n0", zone="a")
+    market.emit(Join, node="n1", zone="b")
+    clock.now = 1800.0
+    run.emit(Step, step=0, samples=100, loss=1.0, nodes_active=2, duration_s=1800.0)
+    market.emit(Preemption, node="n1", zone="b")
+    clock.now = 3600.0
+    run.emit(Step, step=1, samples=100, loss=0.5, nodes_active=1, duration_s=1800.0)
+    run.emit(RunEnd, steps=2)
+    market.close()
+    run.close()
+    assert main(["report", str(tmp_path / "run.jsonl"), str(tmp_path / "market.jsonl"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["job"] == "merged" and report["samples"] == 200
+    assert report["node_hours"] == pytest.approx(1.5) and report["preemptions"] == 1

@@ -324,7 +324,12 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
             "on-demand cost is the same node-hours at the on-demand price."
         ),
     )
-    report.add_argument("events", help="the run's event log (JSON lines, see bamboo.launch.events)")
+    report.add_argument(
+        "events",
+        nargs="+",
+        help="the run's event log (JSON lines, see bamboo.launch.events); several logs of one run "
+        "(say the launcher's and the market's, written with a shared start) are merged by time",
+    )
     report.add_argument("--json", action="store_true", help="print the report as one JSON object")
     report.add_argument(
         "--plot", metavar="OUT.png", help="also write the four-panel figure (nodes, throughput, cost, value)"
@@ -371,10 +376,12 @@ def _report(args: argparse.Namespace) -> int:
             .replace("on_demand_throughput", "--on-demand-throughput")
             .replace("on_demand_nodes", "--on-demand-nodes")
         )
-    try:
-        events = read_events(args.events)
-    except OSError as error:
-        _fail(f"cannot read {args.events}: {error.strerror or error}")
+    events = []
+    for name in args.events:
+        try:
+            events.extend(read_events(name))
+        except OSError as error:
+            _fail(f"cannot read {name}: {error.strerror or error}")
     report = compute_report(events, prices)
     if args.json:
         print(json.dumps(report.to_dict()))

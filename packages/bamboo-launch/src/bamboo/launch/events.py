@@ -7,23 +7,20 @@ Every record is a JSON object on its own line with two common keys:
 
 and the kind's own keys:
 
-================  ==================================================================================
-kind              keys (type, unit)
-================  ==================================================================================
-``run_start``     ``job`` (str), ``unix_time`` (float, wall clock at t=0), ``target_nodes`` (int),
-                  ``stages`` (int), ``pipelines`` (int)
-``join``          ``node`` (str), ``zone`` (str): a node started being billed and joined (or queued)
-``preemption``    ``node`` (str), ``zone`` (str), ``notice_s`` (float, seconds of notice, 0 if none):
-                  the node was killed; billing stops
-``failover``      ``victim`` (str), ``shadow`` (str), ``stage`` (int), ``pause_s`` (float, seconds the
-                  survivors could not make progress)
-``reconfiguration`` ``reason`` (str), ``pipelines`` (int), ``stages`` (int), ``standby`` (int),
-                  ``bytes_moved`` (int), ``duration_s`` (float)
-``checkpoint``    ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float)
-``step``          ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
-                  ``nodes_active`` (int), ``duration_s`` (float)
-``run_end``       ``steps`` (int): the run finished; nodes still alive stop being billed here
-================  ==================================================================================
+- ``run_start``: ``job`` (str), ``unix_time`` (float, wall clock at t=0), ``target_nodes``,
+  ``stages``, ``pipelines`` (int);
+- ``join``: ``node``, ``zone`` (str): a node started (billing starts) and joined, as a worker
+  or on standby;
+- ``preemption``: ``node``, ``zone`` (str), ``notice_s`` (float, seconds of notice, 0 if
+  none): the node was killed; billing stops;
+- ``failover``: ``victim``, ``shadow`` (str), ``stage`` (int), ``pause_s`` (float, seconds
+  the survivors could not make progress);
+- ``reconfiguration``: ``reason`` (str), ``pipelines``, ``stages``, ``standby`` (int),
+  ``bytes_moved`` (int, bytes of layers transferred), ``duration_s`` (float);
+- ``checkpoint``: ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float);
+- ``step``: ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
+  ``nodes_active`` (int), ``duration_s`` (float, the step's own time);
+- ``run_end``: ``steps`` (int): the run finished; nodes still alive stop being billed here.
 
 Unknown keys are rejected, so a typo in a writer fails at once instead of silently vanishing
 from the report. :func:`read_events` names the file and line of any malformed record.

@@ -374,6 +374,11 @@ class ProcessCluster:
     - ``notify`` sends ``notice_signal`` (SIGTERM) to the leader only: the agent turns it into a
       preemption notice, as a cloud's shutdown signal would arrive;
     - ``close`` kills every node still running.
+
+    ``notice_signal`` (SIGTERM) is the signal a notice sends. ``reap_timeout_s`` (10 s) bounds how
+    long ``kill`` and ``close`` wait for a killed leader to be reaped; a SIGKILLed process that is
+    not gone by then is reported (``kill`` raises ``subprocess.TimeoutExpired``, which the market
+    records as a failed action).
     """
 
     def __init__(

@@ -13,7 +13,10 @@ P2P operation raises :class:`PeerFailure`, which names the peer and the instruct
 Timeouts (all configurable through :class:`CommTimeouts`):
 - `group`: the gloo timeout of every group, which bounds any send, receive or collective whose
   peer is alive but stuck (a dead peer is noticed within tens of milliseconds anyway);
-- `build`: how long building a group may wait for its peers to join.
+- `build`: how long building a group may wait for its peers to join;
+- `confirm`: how long a worker that saw a peer fail waits for the failure to be confirmed
+  before it gives up (a slow peer is not a dead peer, but an unconfirmed failure is fatal);
+- `poll`: how often a worker blocked on a transfer checks for a confirmed failure notice.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ __all__ = [
     "CHUNK_BYTES",
     "MAX_CHUNKS",
     "CommTimeouts",
-    "EpochGroups",
+    "GroupTable",
     "PeerFailure",
-    "PendingSends",
     "build_gloo_group",
     "chunk_views",
+    "wait_works",
 ]
 
 CHUNK_BYTES = 1 << 20
@@ -66,6 +69,8 @@ class CommTimeouts:
 
     group: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
     build: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    confirm: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    poll: float = attrs.field(default=0.02, validator=attrs.validators.gt(0))
 
 
 def build_gloo_group(store: Store, prefix: str, rank: int, size: int, timeout: float) -> ProcessGroupGloo:
@@ -89,64 +94,59 @@ def _chunk_tag(tag: int, index: int) -> int:
     return tag * MAX_CHUNKS + index
 
 
-class PendingSends:
-    """Sends in flight. Their tensors stay referenced until the send has completed."""
+class GroupTable:
+    """The gloo groups of one process, across membership epochs.
 
-    def __init__(self) -> None:
-        self._works: list[tuple[object, torch.Tensor, int, str, str]] = []
-
-    def add(self, work: object, tensor: torch.Tensor, peer: int, peer_name: str, instruction: str) -> None:
-        self._works.append((work, tensor, peer, peer_name, instruction))
-
-    def wait_all(self) -> None:
-        """Wait for every send; the first failure raises :class:`PeerFailure`."""
-        works, self._works = self._works, []
-        for index, (work, _tensor, peer, peer_name, instruction) in enumerate(works):
-            try:
-                work.wait()  # type: ignore[attr-defined]
-            except RuntimeError as exc:
-                self._works = works[index + 1 :]
-                raise PeerFailure(peer, peer_name, instruction, exc) from exc
-
-    def abandon(self) -> list[object]:
-        """Forget the sends (after a failure); returns them so a caller can keep them referenced."""
-        works, self._works = self._works, []
-        return works
-
-    def __len__(self) -> int:
-        return len(self._works)
-
-
-class EpochGroups:
-    """All gloo groups of one process for one membership epoch.
-
-    `members` maps a group name to the ordered global ranks in it. Every process builds the groups
-    it belongs to in sorted name order, which cannot deadlock because all processes follow the
-    same order. A group's prefix is `bamboo/<job>/e<epoch>/<name>`.
+    `set_members(epoch, members)` maps group names to ordered global ranks. A group whose
+    membership is unchanged keeps its gloo group (messages in flight on it stay deliverable); a
+    group whose membership changed is retired (kept referenced, off the critical path) and rebuilt
+    on first use under the new prefix `bamboo/<job>/e<epoch>/<name>/`, so no prefix is ever reused.
+    `build_all()` builds, in sorted name order, every group this rank belongs to: all processes
+    follow the same order, so it cannot deadlock.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        job: str,
-        epoch: int,
-        rank: int,
-        members: dict[str, Sequence[int]],
-        timeouts: CommTimeouts,
-        names: dict[int, str] | None = None,
-    ) -> None:
-        self.epoch = epoch
+    def __init__(self, store: Store, job: str, rank: int, timeouts: CommTimeouts, names: dict[int, str]) -> None:
+        self.store = store
+        self.job = job
         self.rank = rank
         self.timeouts = timeouts
-        self.members = {name: tuple(ranks) for name, ranks in members.items()}
-        self.names = names or {}
+        self.names = names
+        self.members: dict[str, tuple[int, ...]] = {}
+        self.versions: dict[str, int] = {}
         self.groups: dict[str, ProcessGroupGloo] = {}
+        self.retired: list[ProcessGroupGloo] = []
+
+    def set_members(self, epoch: int, members: dict[str, Sequence[int]]) -> None:
+        for name in list(self.members):
+            if name not in members:
+                self._retire(name)
+                del self.members[name]
+        for name, ranks in members.items():
+            ranks = tuple(ranks)
+            if self.members.get(name) != ranks:
+                self._retire(name)
+                self.members[name] = ranks
+                self.versions[name] = epoch
+
+    def _retire(self, name: str) -> None:
+        group = self.groups.pop(name, None)
+        if group is not None:
+            self.retired.append(group)
+
+    def build_all(self) -> None:
         for name in sorted(self.members):
+            if self.rank in self.members[name] and len(self.members[name]) > 1:
+                self.group(name)
+
+    def group(self, name: str) -> ProcessGroupGloo:
+        """The gloo group `name` of the current membership, built on first use."""
+        group = self.groups.get(name)
+        if group is None:
             ranks = self.members[name]
-            if rank in ranks and len(ranks) > 1:
-                self.groups[name] = build_gloo_group(
-                    store, f"bamboo/{job}/e{epoch}/{name}/", ranks.index(rank), len(ranks), timeouts.group
-                )
+            prefix = f"bamboo/{self.job}/e{self.versions[name]}/{name}/"
+            group = build_gloo_group(self.store, prefix, ranks.index(self.rank), len(ranks), self.timeouts.group)
+            self.groups[name] = group
+        return group
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
@@ -154,51 +154,38 @@ class EpochGroups:
     def group_rank(self, group: str, rank: int) -> int:
         return self.members[group].index(rank)
 
-    def send(
-        self, group: str, tensor: torch.Tensor, peer: int, tag: int, instruction: str, pending: PendingSends
-    ) -> None:
-        """Start sending `tensor` to global rank `peer` in chunks; completion is awaited via `pending`."""
-        pg = self.groups[group]
+    def post_send(self, group: str, tensor: torch.Tensor, peer: int, tag: int, instruction: str) -> list[object]:
+        """Post the chunked send of `tensor` to global rank `peer`; returns the works."""
+        pg = self.group(group)
         flat = tensor.detach().contiguous().view(-1)
         dst = self.group_rank(group, peer)
-        for index, chunk in enumerate(chunk_views(flat)):
-            try:
-                work = pg.send([chunk], dst, _chunk_tag(tag, index))
-            except RuntimeError as exc:
-                raise PeerFailure(peer, self.name_of(peer), instruction, exc) from exc
-            pending.add(work, chunk, peer, self.name_of(peer), instruction)
+        try:
+            return [pg.send([chunk], dst, _chunk_tag(tag, index)) for index, chunk in enumerate(chunk_views(flat))]
+        except RuntimeError as exc:
+            raise PeerFailure(peer, self.name_of(peer), instruction, exc) from exc
 
     def post_recv(self, group: str, out: torch.Tensor, peer: int, tag: int, instruction: str) -> list[object]:
-        """Post the receives of `out` (contiguous) from global rank `peer`; returns their works."""
-        pg = self.groups[group]
+        """Post the chunked receive of `out` (contiguous) from global rank `peer`; returns the works."""
+        pg = self.group(group)
         src = self.group_rank(group, peer)
         try:
-            return [
-                pg.recv([chunk], src, _chunk_tag(tag, index)) for index, chunk in enumerate(chunk_views(out.view(-1)))
-            ]
+            return [pg.recv([chunk], src, _chunk_tag(tag, index)) for index, chunk in enumerate(chunk_views(out.view(-1)))]
         except RuntimeError as exc:
             raise PeerFailure(peer, self.name_of(peer), instruction, exc) from exc
-
-    def wait_recv(self, works: list[object], peer: int, instruction: str) -> None:
-        """Wait for posted receives; a failure raises PeerFailure."""
-        try:
-            for work in works:
-                work.wait()  # type: ignore[attr-defined]
-        except RuntimeError as exc:
-            raise PeerFailure(peer, self.name_of(peer), instruction, exc) from exc
-
-    def recv(self, group: str, out: torch.Tensor, peer: int, tag: int, instruction: str) -> torch.Tensor:
-        """Receive into `out` (contiguous) from global rank `peer`; a failure raises PeerFailure."""
-        self.wait_recv(self.post_recv(group, out, peer, tag, instruction), peer, instruction)
-        return out
 
     def allreduce(self, group: str, tensors: Iterable[torch.Tensor], instruction: str) -> None:
         """Sum `tensors` in place over `group` (a one-member group is a no-op)."""
-        if group not in self.groups:
+        if len(self.members[group]) < 2:
             return
-        pg = self.groups[group]
+        pg = self.group(group)
         for tensor in tensors:
             try:
                 pg.allreduce([tensor]).wait()
             except RuntimeError as exc:
                 raise PeerFailure(-1, f"a member of {group}", instruction, exc) from exc
+
+
+def wait_works(works: Sequence[object]) -> None:
+    """Wait for every work of a transfer (raises RuntimeError when the peer failed)."""
+    for work in works:
+        work.wait()  # type: ignore[attr-defined]

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
-from bamboo.rc.executor import REDUNDANCY_MODES, Layout, StageExecutor
+from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout, StageExecutor
+from bamboo.rc.failures import FailureNotices
 from torch.distributed import Store, TCPStore
 
 __all__ = ["Engine", "initialize"]
@@ -56,8 +57,7 @@ class Engine:
                 tokens, labels = next(data_iter)
                 batches[k] = (tokens, labels)
             executor.set_microbatches(batches)
-        executor.run()
-        return torch.tensor(executor.end_iteration())
+        return torch.tensor(executor.run_iteration())
 
     def finish(self) -> None:
         """Complete outstanding sends and the last replica sync."""
@@ -87,11 +87,15 @@ def initialize(
     seed: int = 0,
     job: str = "bamboo",
     timeouts: CommTimeouts | None = None,
+    notices: FailureNotices | None = None,
+    kills: Sequence[KillPoint] = (),
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
     `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`. Layers are partitioned into `stages`
-    contiguous slices; global rank r is stage `r % stages` of pipeline `r // stages`.
+    contiguous slices; global rank r is stage `r % stages` of pipeline `r // stages`. `notices`
+    is how the engine learns of confirmed failures (the launcher wires it to bamboo-membership);
+    without it, a peer failure is fatal. `kills` injects real SIGKILLs (for tests and `verify`).
     """
     if redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
@@ -121,6 +125,6 @@ def initialize(
     stage, pipeline = layout.position(rank)
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
-        redundancy=redundancy, seed=seed, job=job, timeouts=timeouts,
+        redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, kills=kills,
     )
     return Engine(executor)

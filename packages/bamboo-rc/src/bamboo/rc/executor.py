@@ -22,21 +22,30 @@ failover. The gradient w.r.t. each stage input (what `SG` sends) is kept for the
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import os
+import signal
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import attrs
 import torch
-from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, CommTimeouts, EpochGroups, PendingSends
+from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, CommTimeouts, GroupTable, PeerFailure, wait_works
 from bamboo.rc.config import TrainingConfig
+from bamboo.rc.failures import ConsecutiveFailure, FailureEvent, FailureNoticed, FailureNotices
 from bamboo.rc.model import partition_layers
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 from bamboo.schedule import Instruction, Kind, RCMode, Schedule, one_f_one_b
+from bamboo.schedule.engine import counterpart
+from bamboo.schedule.failover import ConsecutiveFailure as ScheduleConsecutiveFailure
+from bamboo.schedule.failover import failover_schedule
 from torch.distributed import Store
 
-__all__ = ["REDUNDANCY_MODES", "Layout", "StageExecutor"]
+__all__ = ["REDUNDANCY_MODES", "KillPoint", "Layout", "StageExecutor"]
 
 REDUNDANCY_MODES = tuple(mode.value for mode in RCMode)
 
@@ -63,20 +72,41 @@ class Layout:
         stage, pipeline = self.position(rank)
         return f"stage {stage} pipeline {pipeline}"
 
-    def group_members(self) -> dict[str, list[int]]:
-        """Every group of the fault-free layout: P2P pairs at distance 1 and 2 (efeb's extra
-        gradient, failover re-routing), the per-stage data-parallel groups, the per-pipeline groups."""
+    def group_members(self, placements: dict[int, tuple[int, ...]]) -> dict[str, list[int]]:
+        """Every group for the given placements (pipeline -> the node that runs each stage):
+        P2P pairs of nodes within a pipeline, per-stage data-parallel groups (the host of the stage
+        in each pipeline), and per-pipeline groups (its live nodes)."""
         members: dict[str, list[int]] = {}
-        for d in range(self.pipelines):
-            members[f"pipe-d{d}"] = [self.rank(s, d) for s in range(self.stages)]
-            for s in range(self.stages):
-                for hop in (1, 2):
-                    a, b = sorted((self.rank(s, d), self.rank((s + hop) % self.stages, d)))
-                    if a != b:
-                        members[f"p2p-{a}-{b}"] = [a, b]
+        for d, placement in placements.items():
+            nodes = sorted({self.rank(n, d) for n in placement})
+            members[f"pipe-d{d}"] = nodes
+            for i, a in enumerate(nodes):
+                for b in nodes[i + 1 :]:
+                    members[f"p2p-{a}-{b}"] = [a, b]
         for s in range(self.stages):
-            members[f"dp-s{s}"] = [self.rank(s, d) for d in range(self.pipelines)]
+            members[f"dp-s{s}"] = [self.rank(placements[d][s], d) for d in sorted(placements)]
         return members
+
+
+@attrs.frozen
+class KillPoint:
+    """Fault injection: the process of (stage, pipeline) SIGKILLs itself when it reaches
+    `instruction` (compact form, e.g. `2B3`, or an index into its stream, negative from the end)
+    in step `step`."""
+
+    stage: int
+    pipeline: int
+    instruction: str
+    step: int = 1
+
+    def matches(self, step: int, instruction: Instruction, index: int, length: int) -> bool:
+        if step != self.step:
+            return False
+        text = self.instruction
+        if text.lstrip("-").isdigit():
+            wanted = int(text)
+            return index == (wanted if wanted >= 0 else length + wanted)
+        return str(instruction) == text
 
 
 # Message tags: kind (3 bits) | stage (< 128) | microbatch or segment (< 4096).
@@ -100,8 +130,9 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 Key = tuple[int, int]
 
 
+
 class StageExecutor:
-    """Runs one node of one pipeline: its stage, its replica, its groups and its steps."""
+    """Runs one node of one pipeline: its stages, its replica, its groups, its steps and failovers."""
 
     def __init__(
         self,
@@ -116,6 +147,8 @@ class StageExecutor:
         seed: int = 0,
         job: str = "job",
         timeouts: CommTimeouts | None = None,
+        notices: FailureNotices | None = None,
+        kills: Sequence[KillPoint] = (),
     ) -> None:
         if redundancy not in REDUNDANCY_MODES:
             raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
@@ -136,33 +169,42 @@ class StageExecutor:
         self.job = job
         self.store = store
         self.timeouts = timeouts or CommTimeouts()
+        self.notices = notices
+        self.kills = [k for k in kills if (k.stage, k.pipeline) == (stage, pipeline)]
         self.parts = partition_layers(len(specs), layout.stages)
         self.slices: dict[int, TrainableSlice] = {stage: TrainableSlice(specs, self.parts[stage], config, seed)}
         self.replica_stage: int | None = None
         if redundancy != "none":
             self.replica_stage = (stage + 1) % layout.stages
             self.slices[self.replica_stage] = TrainableSlice(specs, self.parts[self.replica_stage], config, seed)
-        self.owned: list[int] = [stage]
         self.schedule: Schedule = one_f_one_b(layout.stages, config.micro_batches, rc=redundancy)
         self.epoch = 0
-        self.groups = EpochGroups(
-            store, job, self.epoch, self.rank, layout.group_members(), self.timeouts,
-            names={r: layout.name(r) for r in range(layout.world)},
-        )
-        self.retired_groups: list[EpochGroups] = []
+        self.dead: set[int] = set()
+        self.placements: dict[int, tuple[int, ...]] = {d: tuple(range(layout.stages)) for d in range(layout.pipelines)}
+        self.groups = GroupTable(store, job, self.rank, self.timeouts, {r: layout.name(r) for r in range(layout.world)})
+        self.groups.set_members(0, layout.group_members(self.placements))
+        for name in sorted(self.groups.members):  # eager: neighbours at distance 1 and 2, collectives
+            ranks = self.groups.members[name]
+            if self.rank in ranks and len(ranks) > 1 and (not name.startswith("p2p") or self._near(ranks)):
+                self.groups.group(name)
         self.stash = FrcStash()
-        self.pending = PendingSends()
         self.step = 0
         self.losses: list[float] = []
         self.sync_bytes = 0
         self.kind_seconds: dict[str, float] = {}
+        self.failovers: list[dict[str, Any]] = []
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=8) if notices is not None else None
+        self._pending: dict[str, tuple[object, torch.Tensor | None]] = {}
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
-        self._replica_sync: tuple[int, list[object], torch.Tensor, int] | None = None
-        self._final_grads: dict[int, torch.Tensor] = {}
+        self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._reset_iteration()
+
+    def _near(self, ranks: Sequence[int]) -> bool:
+        a, b = (self.layout.position(r)[0] for r in ranks)
+        return (a - b) % self.layout.stages in (1, 2, self.layout.stages - 1, self.layout.stages - 2)
 
     # ----------------------------------------------------------------------------- state
     def _reset_iteration(self) -> None:
@@ -172,21 +214,17 @@ class StageExecutor:
         self.input_grads: dict[Key, torch.Tensor] = {}
         self.red_inputs: dict[Key, torch.Tensor] = {}
         self.red_outputs: dict[Key, torch.Tensor] = {}
-        self.replica_feed: dict[Key, torch.Tensor] = {}
-        self.loss_sum = 0.0
-        self.loaded: set[int] = set()
-        self._deferred: list[Instruction] = []
-        self._deferred_done: frozenset[Instruction] = frozenset()
-        self._reduced: set[int] = set()
+        self.local_outputs: dict[Key, torch.Tensor] = {}
+        self.mb_losses: dict[int, float] = {}
+        self._reduced: dict[int, torch.Tensor] = {}
+        self._to_step: list[int] = []
+        self._received_syncs: dict[int, torch.Tensor] = {}
         self.stash.clear()
 
     @property
-    def replica(self) -> TrainableSlice | None:
-        return None if self.replica_stage is None else self.slices[self.replica_stage]
-
-    @property
-    def stream(self) -> tuple[Instruction, ...]:
-        return self.schedule.streams[self.node]
+    def hosted(self) -> tuple[int, ...]:
+        """The stages this node runs as their primary copy."""
+        return self.schedule.stages_on(self.node)
 
     def needs_data(self) -> bool:
         """Whether this node reads samples: it runs (or shadows) the first or the last stage."""
@@ -207,15 +245,54 @@ class StageExecutor:
     def _global_microbatches(self) -> int:
         return self.config.micro_batches * self.layout.pipelines
 
-    def _deferring(self) -> bool:
-        return self.config.gradient_clipping > 0.0
+    # ----------------------------------------------------------------------------- transfers
+    def _transfer(
+        self, instruction: Instruction, peer: int, post: Callable[[], tuple[list[object], torch.Tensor | None]]
+    ) -> torch.Tensor | None:
+        """Post (or resume) a send or receive and wait for it.
+
+        While it waits, the node checks for confirmed failure notices; if one arrives, the
+        transfer stays posted (kept under the instruction's text, so the same instruction of the
+        failover schedule resumes it instead of posting a duplicate) and FailureNoticed is raised.
+        """
+        key = str(instruction)
+        if key in self._pending:
+            handle, buffer = self._pending.pop(key)
+        else:
+            works, buffer = post()
+            handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
+        if isinstance(handle, list):
+            try:
+                wait_works(handle)
+            except RuntimeError as exc:
+                raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
+            return buffer
+        assert isinstance(handle, concurrent.futures.Future)
+        while True:
+            try:
+                handle.result(timeout=self.timeouts.poll)
+                return buffer
+            except concurrent.futures.TimeoutError:
+                event = self.notices.poll(self.epoch + 1) if self.notices is not None else None
+                if event is not None:
+                    self._pending[key] = (handle, buffer)
+                    raise FailureNoticed(event) from None
+            except RuntimeError as exc:
+                raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
+
+    def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        group = self._group_for(peer)
+        self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
+
+    def _recv(self, instruction: Instruction, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        group = self._group_for(peer)
+        out = self._transfer(
+            instruction, peer, lambda: (self.groups.post_recv(group, buffer, peer, tag, str(instruction)), buffer)
+        )
+        assert out is not None
+        return out
 
     # ----------------------------------------------------------------------------- interpreter
-    def run(self, stream: Iterable[Instruction] | None = None) -> None:
-        """Execute this iteration's stream (by default the node's stream of the schedule)."""
-        for instruction in self.stream if stream is None else stream:
-            self.execute(instruction)
-
     def execute(self, instruction: Instruction) -> None:
         """Execute one instruction (its wall time is added to :attr:`kind_seconds`)."""
         started = time.perf_counter()
@@ -223,41 +300,66 @@ class StageExecutor:
         code = instruction.kind.value
         self.kind_seconds[code] = self.kind_seconds.get(code, 0.0) + time.perf_counter() - started
 
+    def _maybe_die(self, instruction: Instruction, index: int, length: int) -> None:
+        for kill in self.kills:
+            if kill.matches(self.step, instruction, index, length):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def run_iteration(self) -> float:
+        """Run this iteration's stream, fail over as needed, commit. Returns the mean loss."""
+        stream = list(self.schedule.streams[self.node])
+        fault_free_length = len(stream)
+        index = 0
+        failed_over = False
+        while True:
+            try:
+                while index < len(stream):
+                    if not failed_over:
+                        self._maybe_die(stream[index], index, fault_free_length)
+                    self.execute(stream[index])
+                    index += 1
+                return self._commit()
+            except (PeerFailure, FailureNoticed) as failure:
+                stream = self._fail_over(failure, stream, index)
+                index = 0
+                failed_over = True
+
     def _load(self, instruction: Instruction) -> None:
         k = instruction.microbatch
-        assert k is not None
         if k not in self._microbatches:
             raise RuntimeError(f"{instruction}: microbatch {k} was not loaded (no data for this step)")
-        self.loaded.add(k)
 
     def _recv_act(self, instruction: Instruction) -> None:
-        key = (instruction.stage, instruction.microbatch)
-        peer = self._peer_rank(instruction.peer)  # type: ignore[arg-type]
-        group = self._group_for(peer)
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
         if peer not in self._act_meta:
-            header = torch.zeros(8, dtype=torch.int64)
-            self.groups.recv(group, header, peer, _tag(_TAG_HEADER, instruction.stage, 0), str(instruction))
+            header = self._recv(instruction, torch.zeros(8, dtype=torch.int64), peer, _tag(_TAG_HEADER, s, 0))
             ndim = int(header[0])
             self._act_meta[peer] = (tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
         shape, dtype = self._act_meta[peer]
-        buffer = torch.empty(shape, dtype=dtype)
-        tag = _tag(_TAG_ACT, instruction.stage, key[1])  # type: ignore[arg-type]
-        self.groups.recv(group, buffer, peer, tag, str(instruction))
-        self.inputs[key] = buffer.requires_grad_(buffer.is_floating_point())  # type: ignore[index]
+        buffer = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_ACT, s, k))
+        self.inputs[(s, k)] = buffer.requires_grad_(buffer.is_floating_point())
 
     def _stage_input(self, stage: int, k: int) -> torch.Tensor:
         if stage == 0:
             return self._microbatches[k][0]
         key = (stage, k)
         if key not in self.inputs:  # the previous stage runs here too: its local output
-            self.inputs[key] = self.outputs[(stage - 1, k)].detach().requires_grad_()
+            self.inputs[key] = self.local_outputs[(stage - 1, k)].requires_grad_()
         return self.inputs[key]
 
     def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
+        self._apply_replica_update(stage)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
             y = self.slices[stage].layers(x)
         if stage == self.layout.stages - 1:
             return self.loss_fn(y, self._microbatches[k][1]) / self._global_microbatches()
+        self._output_meta[stage] = (y.shape, y.dtype)
+        if stage + 1 in self.slices:
+            self.local_outputs[(stage, k)] = y.detach()  # input of the next stage's local copy
         return y
 
     def _forward(self, instruction: Instruction) -> None:
@@ -265,36 +367,29 @@ class StageExecutor:
         assert k is not None
         y = self._run_layers(s, k, self._stage_input(s, k))
         if s == self.layout.stages - 1:
-            self.loss_sum += float(y.detach()) * self._global_microbatches()
-        else:
-            self._output_meta[s] = (y.shape, y.dtype)
-            if self.replica_stage == s + 1:
-                self.replica_feed[(s + 1, k)] = y.detach()  # the replica's input, for FR / SO
+            self.mb_losses[k] = float(y.detach()) * self._global_microbatches()
         self.outputs[(s, k)] = y
 
     def _send_act(self, instruction: Instruction) -> None:
         s, k = instruction.stage, instruction.microbatch
-        assert k is not None
-        peer = self._peer_rank(instruction.peer)  # type: ignore[arg-type]
-        y = self.outputs[(s, k)].detach()
-        group = self._group_for(peer)
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
+        y = (self.outputs[(s, k)] if (s, k) in self.outputs else self.red_outputs[(s, k)]).detach()
         if peer not in self._act_meta_sent:
             header = torch.zeros(8, dtype=torch.int64)
             header[0] = y.dim()
             header[1] = _DTYPES.index(y.dtype)
             header[2 : 2 + y.dim()] = torch.tensor(y.shape)
-            self.groups.send(group, header, peer, _tag(_TAG_HEADER, s + 1, 0), str(instruction), self.pending)
+            self._send(instruction, header, peer, _tag(_TAG_HEADER, s + 1, 0))
             self._act_meta_sent.add(peer)
-        self.groups.send(group, y, peer, _tag(_TAG_ACT, s + 1, k), str(instruction), self.pending)
+        self._send(instruction, y, peer, _tag(_TAG_ACT, s + 1, k))
 
     def _recv_grad(self, instruction: Instruction) -> None:
         s, k = instruction.stage, instruction.microbatch
-        assert k is not None
-        peer = self._peer_rank(instruction.peer)  # type: ignore[arg-type]
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
         shape, dtype = self._output_meta[s]
-        buffer = torch.empty(shape, dtype=dtype)
-        self.groups.recv(self._group_for(peer), buffer, peer, _tag(_TAG_GRAD, s, k), str(instruction))
-        self.out_grads[(s, k)] = buffer
+        self.out_grads[(s, k)] = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_GRAD, s, k))
 
     def _output_grad(self, s: int, k: int) -> torch.Tensor | None:
         """The gradient w.r.t. stage s's output: received, or local when stage s+1 ran here."""
@@ -320,33 +415,32 @@ class StageExecutor:
 
     def _send_grad(self, instruction: Instruction) -> None:
         s, k = instruction.stage, instruction.microbatch
-        assert k is not None
-        peer = self._peer_rank(instruction.peer)  # type: ignore[arg-type]
-        grad = self.input_grads[(s, k)]
-        self.groups.send(self._group_for(peer), grad, peer, _tag(_TAG_GRAD, s - 1, k), str(instruction), self.pending)
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
+        self._send(instruction, self.input_grads[(s, k)], peer, _tag(_TAG_GRAD, s - 1, k))
 
     def _replica_input(self, s: int, k: int) -> torch.Tensor:
         if s == 0:
             return self._microbatches[k][0]
         if (s, k) in self.stash.inputs:  # lflb: the stashed input
             return self.stash.inputs[(s, k)]
-        return self.replica_feed.pop((s, k))
+        return self.local_outputs[(s - 1, k)]
 
     def _frc(self, instruction: Instruction) -> None:
         """Forward of stage s with the replica layers; saved tensors are registered in the stash."""
         s, k = instruction.stage, instruction.microbatch
         assert k is not None
-        self._finish_replica_sync()
         x = self._replica_input(s, k)
         if s > 0:
             x = x.detach().requires_grad_()
+        self._apply_replica_update(s)
         weights = {p.untyped_storage().data_ptr() for p in self.slices[s].parameters}
         with self.stash.recording((s, k), skip=weights):
             y = self._run_layers(s, k, x)
+        if s == self.layout.stages - 1:
+            self.mb_losses.setdefault(k, float(y.detach()) * self._global_microbatches())
         self.red_inputs[(s, k)] = x
         self.red_outputs[(s, k)] = y
-        if s < self.layout.stages - 1:
-            self._output_meta[s] = (y.shape, y.dtype)
 
     def _swap_out(self, instruction: Instruction) -> None:
         s, k = instruction.stage, instruction.microbatch
@@ -363,7 +457,6 @@ class StageExecutor:
         """Backward of stage s from the FRC stash (running the FRC first if it was lazy)."""
         s, k = instruction.stage, instruction.microbatch
         assert k is not None
-        self._finish_replica_sync()
         if (s, k) not in self.red_outputs:
             self._frc(instruction)
         output = self.red_outputs.pop((s, k))
@@ -374,72 +467,56 @@ class StageExecutor:
     def _allreduce(self, instruction: Instruction) -> None:
         s = instruction.stage
         piece = self.slices[s]
-        loss = torch.tensor([self.loss_sum if s == self.layout.stages - 1 else 0.0], dtype=torch.float64)
+        last = s == self.layout.stages - 1
+        loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
+        flat = piece.flat_grads()
         if self.layout.pipelines > 1:
-            flat = piece.flat_grads()
             self.groups.allreduce(f"dp-s{s}", [flat, loss], str(instruction))
             piece.load_flat_grads(flat)
-        if s == self.layout.stages - 1:
-            self.loss_sum = float(loss[0])
-        self._reduced.add(s)
+        self._reduced[s] = torch.cat([flat, loss.float(), torch.tensor([float(piece.steps + 1)])])
 
     def _optimizer(self, instruction: Instruction) -> None:
-        if self._deferring():
-            self._deferred.append(instruction)
-        else:
-            self._step_stage(instruction.stage, 1.0)
-
-    def _step_stage(self, s: int, clip: float) -> None:
-        piece = self.slices[s]
-        if clip != 1.0:
-            for p in piece.parameters:
-                p.grad.mul_(clip)
-        if self.replica_stage is not None:
-            self._final_grads[s] = torch.cat([piece.flat_grads(), torch.tensor([float(piece.steps + 1)])])
-        piece.apply_step(1.0)
+        self._to_step.append(instruction.stage)  # applied at the commit, with the global clip
 
     def _sync_send(self, instruction: Instruction) -> None:
-        if self._deferring() and instruction not in self._deferred_done:
-            self._deferred.append(instruction)
-            return
+        """Send stage s's reduced gradients (and its loss and step number) to its shadow."""
+        assert instruction.peer is not None
         s = instruction.stage
-        final = self._final_grads.pop(s)
-        shadow = self._peer_rank(instruction.peer)  # type: ignore[arg-type]
-        for segment, piece in enumerate(_segments(final)):
-            tag = _tag(_TAG_SYNC, s, segment)
-            self.groups.send(self._group_for(shadow), piece, shadow, tag, str(instruction), self.pending)
-        self.sync_bytes += final.numel() * final.element_size()
+        payload = self._reduced[s]
+        shadow = self._peer_rank(instruction.peer)
+        for segment, piece in enumerate(_segments(payload)):
+            self._send(instruction, piece, shadow, _tag(_TAG_SYNC, s, segment))
+        self.sync_bytes += payload.numel() * payload.element_size()
 
     def _sync_recv(self, instruction: Instruction) -> None:
-        """Post the receive of the owner's final gradients; the replica step runs before next use."""
-        if self._deferring() and instruction not in self._deferred_done:
-            self._deferred.append(instruction)
-            return
-        self._finish_replica_sync()
+        """Receive stage s's reduced gradients; the replica steps with them after the commit."""
+        assert instruction.peer is not None
         s = instruction.stage
-        owner = self._peer_rank(instruction.peer)  # type: ignore[arg-type]
-        buffer = torch.empty(self.slices[s].numel() + 1)
-        works: list[object] = []
-        for segment, piece in enumerate(_segments(buffer)):
-            tag = _tag(_TAG_SYNC, s, segment)
-            works += self.groups.post_recv(self._group_for(owner), piece, owner, tag, str(instruction))
-        self._replica_sync = (s, works, buffer, owner)
+        self._apply_replica_update(s)  # lflb never runs the replica: apply the last update now
+        owner = self._peer_rank(instruction.peer)
+        payload = torch.empty(self.slices[s].numel() + 2)
+        for segment, piece in enumerate(_segments(payload)):
+            self._recv(instruction, piece, owner, _tag(_TAG_SYNC, s, segment))
+        self._received_syncs[s] = payload
 
-    def _finish_replica_sync(self) -> None:
-        """Apply the owner's final gradients of the previous step to the replica (identical step)."""
-        if self._replica_sync is None:
+    def _apply_replica_update(self, stage: int) -> None:
+        """Apply the owner's step of the last iteration to the replica of `stage` (identical math)."""
+        update = self._replica_updates.pop(stage, None)
+        if update is None:
             return
-        s, works, buffer, owner = self._replica_sync
-        self._replica_sync = None
         started = time.perf_counter()
-        self.groups.wait_recv(works, owner, f"{s}RY<{self.layout.position(owner)[0]}")
-        replica = self.slices[s]
-        step = int(buffer[-1].item())
+        payload, clip = update
+        replica = self.slices[stage]
+        step = int(payload[-1].item())
         if step != replica.steps + 1:
-            raise RuntimeError(f"replica sync of stage {s} out of order: got step {step}, replica at {replica.steps}")
-        replica.load_flat_grads(buffer[:-1])
-        replica.apply_step(1.0)
+            raise RuntimeError(f"replica sync of stage {stage} out of order: got step {step}, replica at {replica.steps}")
+        replica.load_flat_grads(payload[:-2])
+        replica.apply_step(clip)
         self.kind_seconds["replica_step"] = self.kind_seconds.get("replica_step", 0.0) + time.perf_counter() - started
+
+    def apply_replica_updates(self) -> None:
+        for stage in list(self._replica_updates):
+            self._apply_replica_update(stage)
 
     _handlers: ClassVar[dict[Kind, Callable[[StageExecutor, Instruction], None]]] = {
         Kind.LOAD: _load,
@@ -459,26 +536,40 @@ class StageExecutor:
         Kind.SYNC_RECV: _sync_recv,
     }
 
-    # ----------------------------------------------------------------------------- iteration end
-    def end_iteration(self) -> float:
-        """Finish the iteration: the global norm and loss over the pipeline, the deferred steps
-        and syncs, the outstanding sends. Returns the step's mean loss over the global batch."""
+    # ----------------------------------------------------------------------------- commit
+    def _commit(self) -> float:
+        """End the iteration: one all-reduce over the pipeline of the squared gradient norm and the
+        loss, then the optimizer steps of the hosted stages with the global clip coefficient.
+
+        This is the commit point: until it, no parameter has changed in this iteration, so a
+        failure before it leaves every survivor at the start-of-iteration state.
+        """
         last = self.layout.stages - 1
-        squared = sum(self.slices[s].squared_grad_norm() for s in self._reduced)
-        norm_and_loss = torch.tensor([squared, self.loss_sum if last in self._reduced else 0.0], dtype=torch.float64)
-        if self.layout.stages > 1:
-            self.groups.allreduce(f"pipe-d{self.pipeline}", [norm_and_loss], "global gradient norm and loss")
-        if self._deferred:
-            clip = clip_coefficient(self.config.gradient_clipping, float(norm_and_loss[0]))
-            deferred, self._deferred = self._deferred, []
-            self._deferred_done = frozenset(deferred)
-            for instruction in deferred:
-                if instruction.kind is Kind.OPTIMIZER:
-                    self._step_stage(instruction.stage, clip)
-                else:
-                    self.execute(instruction)
-            self._deferred_done = frozenset()
-        self.pending.wait_all()
+        squared = 0.0
+        loss = 0.0
+        for s in self.hosted:
+            if s in self._reduced:
+                squared += self.slices[s].squared_grad_norm()
+                reduced_loss = float(self._reduced[s][-2])
+            elif s in self._received_syncs:  # a victim's finished stage: its sync is the result
+                payload = self._received_syncs.pop(s)
+                self.slices[s].load_flat_grads(payload[:-2])
+                squared += self.slices[s].squared_grad_norm()
+                reduced_loss = float(payload[-2])
+                self._to_step.append(s)
+            else:
+                raise RuntimeError(f"stage {s} ended the iteration without an all-reduce")
+            if s == last:
+                loss = float(self._reduced[s][-2]) if s in self._reduced else reduced_loss
+        if last in self.hosted and last in self._reduced:
+            loss = sum(self.mb_losses.values()) if self.layout.pipelines == 1 else loss
+        norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
+        self.groups.allreduce(f"pipe-d{self.pipeline}", [norm_and_loss], "commit (global gradient norm and loss)")
+        clip = clip_coefficient(self.config.gradient_clipping, float(norm_and_loss[0]))
+        for s in self._to_step:
+            self.slices[s].apply_step(clip)
+        for s, payload in self._received_syncs.items():
+            self._replica_updates[s] = (payload, clip)
         mean_loss = float(norm_and_loss[1]) / self._global_microbatches()
         self.losses.append(mean_loss)
         self.step += 1
@@ -486,6 +577,100 @@ class StageExecutor:
         return mean_loss
 
     def finish(self) -> None:
-        """Complete the last replica sync and every send (call after the last iteration)."""
-        self._finish_replica_sync()
-        self.pending.wait_all()
+        """Apply the last replica updates (call after the last iteration)."""
+        self.apply_replica_updates()
+
+    # ----------------------------------------------------------------------------- failover
+    def _confirmed_event(self, failure: PeerFailure | FailureNoticed) -> FailureEvent:
+        if isinstance(failure, FailureNoticed):
+            return failure.event
+        if self.notices is None:
+            raise failure
+        self.notices.suspect(self.epoch, self.rank, failure.peer, failure.instruction)
+        event = self.notices.wait(self.epoch + 1, self.timeouts.confirm)
+        if event is None:
+            raise failure  # not confirmed: a slow or partitioned peer is not treated as dead
+        return event
+
+    def _abandon_iteration(self) -> None:
+        """Back to the start-of-iteration state: partial gradients and stashes discarded."""
+        for piece in self.slices.values():
+            piece.zero_grads()
+        self._reset_iteration()
+
+    def _surviving_copies(self, stage: int) -> list[tuple[str, int]]:
+        copies: list[tuple[str, int]] = []
+        for d, placement in self.placements.items():
+            host = self.layout.rank(placement[stage], d)
+            if d != self.pipeline and host not in self.dead:
+                copies.append(("data-parallel", host))
+            shadow = self.layout.rank((stage - 1) % self.layout.stages, d)
+            if shadow not in self.dead and placement == tuple(range(self.layout.stages)):
+                copies.append(("shadow", shadow))
+        return copies
+
+    def _fail_over(
+        self, failure: PeerFailure | FailureNoticed, stream: list[Instruction], done: int
+    ) -> list[Instruction]:
+        """Switch to the failover schedule for the rest of this iteration; returns the new stream.
+
+        All survivors of the pipeline publish how many instructions they completed, agree on a
+        consistent cut (a transfer that one side completed completes on the other side too), and
+        derive the same `failover_schedule` from the same facts. Groups whose membership changed
+        are rebuilt for the new epoch; P2P groups between survivors stay, with anything in flight.
+        """
+        started = time.perf_counter()
+        event = self._confirmed_event(failure)
+        detected = time.perf_counter()
+        self.epoch = event.epoch
+        new_dead = set(event.victims) - self.dead
+        self.dead |= new_dead
+        victims = {self.layout.position(r)[0] for r in new_dead if self.layout.position(r)[1] == self.pipeline}
+        if any(self.layout.position(r)[1] != self.pipeline for r in new_dead):
+            raise RuntimeError(
+                f"failover across data-parallel pipelines is not supported yet (dead ranks {sorted(new_dead)})"
+            )
+        if self.schedule.placement != tuple(range(self.layout.stages)):
+            raise RuntimeError(
+                f"a failure while already failed over (epoch {self.epoch}, victims {sorted(victims)}) is not supported yet"
+            )
+        for v in sorted(victims):
+            if (v + 1) % self.layout.stages in victims:
+                self._abandon_iteration()
+                lost = sorted(victims)
+                raise ConsecutiveFailure(self.pipeline, lost, {s: self._surviving_copies(s) for s in lost})
+        if self.redundancy == "none":
+            raise failure
+        survivors = [n for n in range(self.layout.stages) if n not in victims]
+        prefix = f"bamboo/{self.job}/e{self.epoch}/progress/d{self.pipeline}"
+        self.store.set(f"{prefix}/n{self.node}", json.dumps({"done": done}))
+        progress = {n: int(json.loads(self.store.get(f"{prefix}/n{n}"))["done"]) for n in survivors}
+        streams = self.schedule.streams
+        cut = dict(progress)
+        for n in survivors:  # a transfer completed by one side is completed by the other side too
+            i = progress[n]
+            if i < len(streams[n]):
+                instruction = streams[n][i]
+                if instruction.peer is not None and instruction.peer in progress:
+                    partner = instruction.peer
+                    if counterpart(instruction, n) in streams[partner][: progress[partner]]:
+                        cut[n] = i + 1
+        try:
+            plan = failover_schedule(self.schedule, victims, cut)
+        except ScheduleConsecutiveFailure as exc:  # defensive: the check above already covers it
+            self._abandon_iteration()
+            raise ConsecutiveFailure(self.pipeline, sorted(victims), {}) from exc
+        if cut[self.node] > done:
+            self.execute(stream[done])  # the interrupted transfer: its partner completed it
+        self.apply_replica_updates()
+        self.schedule = plan.steady
+        self.placements[self.pipeline] = plan.steady.placement
+        self.groups.set_members(self.epoch, self.layout.group_members(self.placements))
+        replica = [s for s, shadow in enumerate(plan.steady.shadows) if shadow == self.node]
+        self.replica_stage = replica[0] if replica else None
+        self.failovers.append({
+            "epoch": self.epoch, "victims": sorted(victims), "step": self.step, "cut": cut,
+            "detect_s": detected - started, "reroute_s": time.perf_counter() - detected,
+            "resumed_at": time.perf_counter(),
+        })
+        return list(plan.remainder.streams[self.node])

@@ -22,7 +22,8 @@ import torch
 from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
 from bamboo.rc.data import GlobalBatchSampler, stdlib_corpus
-from bamboo.rc.executor import REDUNDANCY_MODES, Layout
+from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout
+from bamboo.rc.failures import FailureEvent, StoreFailureNotices
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss, partition_layers
 from bamboo.rc.reference import train_reference
 from bamboo.rc.worker import WorkerSpec, exact_mode, worker_main
@@ -31,6 +32,7 @@ from torch.distributed import TCPStore
 __all__ = ["DEFAULT_CONFIG", "VerifyResult", "run_verify"]
 
 RELATIVE_TOLERANCE = 1e-6
+BATCH_WINDOW_S = 0.005
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
@@ -55,11 +57,18 @@ class VerifyResult:
     worker_exit_codes: dict[int, int]
     stash_peak_bytes: int
     seconds: float
+    killed: tuple[int, ...] = ()
+    consecutive: str | None = None
+    failovers: tuple[dict[str, Any], ...] = ()
+    compared_at_step: int = 0
 
     @property
     def passed(self) -> bool:
+        """Survivors exited cleanly, parameters match within 1e-6 relative, replicas bit-equal,
+        and no consecutive failure stopped the run."""
         return (
-            all(code == 0 for code in self.worker_exit_codes.values())
+            self.consecutive is None
+            and all(code == 0 for rank, code in self.worker_exit_codes.items() if rank not in self.killed)
             and self.max_relative_diff <= RELATIVE_TOLERANCE
             and self.replicas_bit_equal
         )
@@ -81,8 +90,17 @@ def run_verify(
     seed: int = 0,
     timeouts: CommTimeouts | None = None,
     deadline_s: float = 300.0,
+    kills: tuple[KillPoint, ...] = (),
 ) -> VerifyResult:
-    """Run the self-check and return what it measured (see the module docstring)."""
+    """Run the self-check and return what it measured (see the module docstring).
+
+    With `kills`, the chosen workers SIGKILL themselves at the chosen instructions. This parent
+    process is then the failure authority: it sees each death through `waitpid` and publishes
+    the confirmed failure with the next membership epoch in the store.
+    """
+    for kill in kills:
+        if not (0 <= kill.stage < stages and 0 <= kill.pipeline < pipelines and 0 <= kill.step < steps):
+            raise ValueError(f"kill point {kill} is outside P={stages} D={pipelines} steps={steps}")
     if redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
     size = size or GPTSize()
@@ -105,7 +123,7 @@ def run_verify(
             spec = WorkerSpec(
                 layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
                 steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, seed=seed,
-                timeouts=timeouts or CommTimeouts(),
+                timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
             )
             pid = os.fork()
             if pid == 0:
@@ -118,43 +136,54 @@ def run_verify(
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
         os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
         os.close(port_writer)
-        codes = _wait_children(children, deadline_s)
+        codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"))
         del store  # stops the store's server thread before anything forks again
-        reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
-            training.micro_batch_size, size.sequence, seed=seed), steps, pipelines, seed)
         reports = {}
         for rank in range(layout.world):
             path = Path(out_dir) / f"rank{rank}.pt"
             if path.exists():
                 reports[rank] = torch.load(path, weights_only=False)
+    # A consecutive failure leaves survivors at the start of an iteration: compare with that step.
+    compared_at = min((r["steps_done"] for r in reports.values()), default=steps)
+    reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
+        training.micro_batch_size, size.sequence, seed=seed), compared_at, pipelines, seed)
     parts = partition_layers(len(specs), stages)
     max_rel = max_abs = max_replica = 0.0
     equal = True
     compared = 0
     losses: list[float] = []
     stash_peak = 0
+    hosts = {(report["pipeline"], stage): report for report in reports.values() for stage in report["hosted"]}
+    consecutive = next((r["consecutive"] for r in reports.values() if r["consecutive"]), None)
     for report in reports.values():
-        stage, pipeline = report["stage"], report["pipeline"]
+        pipeline = report["pipeline"]
         stash_peak = max(stash_peak, report["stash_peak_bytes"])
-        if stage == stages - 1 and pipeline == 0:
+        if stages - 1 in report["hosted"] and pipeline == 0:
             losses = report["losses"]
-        for offset, layer_state in enumerate(report["slices"][stage]):
-            for name, tensor in layer_state.items():
-                rel, absolute = _relative(tensor, reference.layer_states[parts[stage][offset]][name])
-                max_rel, max_abs = max(max_rel, rel), max(max_abs, absolute)
+        for stage, layers in report["slices"].items():
+            if stage not in report["hosted"] and consecutive is None:
+                continue  # a replica: compared with its original below
+            for offset, layer_state in enumerate(layers):
+                for name, tensor in layer_state.items():
+                    rel, absolute = _relative(tensor, reference.layer_states[parts[stage][offset]][name])
+                    max_rel, max_abs = max(max_rel, rel), max(max_abs, absolute)
         replica_stage = report["replica_stage"]
-        owner = layout.rank(replica_stage, pipeline) if replica_stage is not None else None
-        if owner is not None and owner in reports:
-            original = reports[owner]["slices"][replica_stage]
-            for replica_layer, original_layer in zip(report["slices"][replica_stage], original, strict=True):
-                for name, tensor in replica_layer.items():
-                    compared += 1
-                    if not torch.equal(tensor, original_layer[name]):
-                        equal = False
-                        max_replica = max(max_replica, (tensor - original_layer[name]).abs().max().item())
-        elif owner is not None:
-            equal = False  # the original is missing: nothing proves the replica exact
-    missing = {rank: 1 for rank in range(layout.world) if rank not in reports}
+        if replica_stage is None or replica_stage in report["hosted"]:
+            continue
+        owner = hosts.get((pipeline, replica_stage))
+        if owner is None:
+            if consecutive is None:
+                equal = False  # the original is missing: nothing proves the replica exact
+            continue
+        original = owner["slices"][replica_stage]
+        for replica_layer, original_layer in zip(report["slices"][replica_stage], original, strict=True):
+            for name, tensor in replica_layer.items():
+                compared += 1
+                if not torch.equal(tensor, original_layer[name]):
+                    equal = False
+                    max_replica = max(max_replica, (tensor - original_layer[name]).abs().max().item())
+    killed = tuple(sorted(rank for rank, code in codes.items() if code < 0))
+    missing = {rank: 1 for rank in range(layout.world) if rank not in reports and rank not in killed}
     return VerifyResult(
         max_relative_diff=max_rel if reports else float("inf"),
         max_abs_diff=max_abs,
@@ -166,12 +195,21 @@ def run_verify(
         worker_exit_codes={**{rank: code for rank, code in codes.items()}, **missing},
         stash_peak_bytes=stash_peak,
         seconds=time.perf_counter() - started,
+        killed=killed,
+        consecutive=consecutive,
+        failovers=tuple(f for r in reports.values() for f in r["failovers"]),
+        compared_at_step=compared_at,
     )
 
 
-def _wait_children(children: dict[int, int], deadline_s: float) -> dict[int, int]:
-    """Wait for every child; returns rank -> exit code (negative: killed by that signal)."""
+def _wait_children(children: dict[int, int], deadline_s: float, notices: StoreFailureNotices) -> dict[int, int]:
+    """Wait for every child; returns rank -> exit code (negative: killed by that signal).
+
+    A child killed by a signal is a confirmed failure: deaths seen within
+    :data:`BATCH_WINDOW_S` of each other are published together as the next epoch's event.
+    """
     codes: dict[int, int] = {}
+    epoch = 0
     deadline = time.monotonic() + deadline_s
     while len(codes) < len(children):
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -183,8 +221,22 @@ def _wait_children(children: dict[int, int], deadline_s: float) -> dict[int, int
                         os.waitpid(other, 0)
                         codes[rank] = -signal.SIGKILL
                 break
-            time.sleep(0.01)
+            time.sleep(0.002)
             continue
-        if pid in children:
-            codes[children[pid]] = os.waitstatus_to_exitcode(status)
+        if pid not in children:
+            continue
+        codes[children[pid]] = os.waitstatus_to_exitcode(status)
+        if codes[children[pid]] < 0:
+            dead = [children[pid]]
+            batch_end = time.monotonic() + BATCH_WINDOW_S
+            while time.monotonic() < batch_end:
+                other, other_status = os.waitpid(-1, os.WNOHANG)
+                if other in children:
+                    codes[children[other]] = os.waitstatus_to_exitcode(other_status)
+                    if codes[children[other]] < 0:
+                        dead.append(children[other])
+                else:
+                    time.sleep(0.001)
+            epoch += 1
+            notices.publish(FailureEvent(epoch, dead))
     return codes

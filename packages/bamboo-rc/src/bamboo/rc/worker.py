@@ -21,7 +21,8 @@ from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
 from bamboo.rc.engine import initialize
-from bamboo.rc.executor import Layout
+from bamboo.rc.executor import KillPoint, Layout
+from bamboo.rc.failures import ConsecutiveFailure, StoreFailureNotices
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from torch.distributed import TCPStore
 
@@ -51,6 +52,7 @@ class WorkerSpec:
     seed: int = 0
     job: str = "verify"
     timeouts: CommTimeouts = attrs.field(factory=CommTimeouts)
+    kills: tuple[KillPoint, ...] = ()
 
 
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
@@ -62,26 +64,38 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         gpt_layer_specs(spec.size), spec.config, spec.redundancy, loss_fn=lm_loss,
         stages=spec.layout.stages, rank=spec.layout.rank(spec.stage, spec.pipeline), world_size=spec.layout.world,
         store=store, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
+        notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None, kills=spec.kills,
     )
     executor = engine.executor
     sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
     data = pipeline_data_iter(sampler, spec.pipeline, config.micro_batches)
     started = time.perf_counter()
-    for _ in range(spec.steps):
-        engine.train_batch(data)
-    engine.finish()
+    consecutive: str | None = None
+    try:
+        for _ in range(spec.steps):
+            engine.train_batch(data)
+        engine.finish()
+    except ConsecutiveFailure as failure:
+        consecutive = str(failure)
+        executor.apply_replica_updates()
     report = {
         "stage": spec.stage,
         "pipeline": spec.pipeline,
+        "hosted": list(executor.hosted),
         "slices": {stage: [layer.state_dict() for layer in piece.layers] for stage, piece in executor.slices.items()},
         "replica_stage": executor.replica_stage,
         "losses": executor.losses,
+        "steps_done": executor.step,
         "stash_peak_bytes": executor.stash.peak_bytes,
         "sync_bytes": executor.sync_bytes,
+        "failovers": executor.failovers,
+        "consecutive": consecutive,
         "seconds": time.perf_counter() - started,
     }
     rank = spec.layout.rank(spec.stage, spec.pipeline)
     torch.save(report, Path(spec.out_dir) / f"rank{rank}.pt")
+    if consecutive is not None:
+        print(consecutive, file=sys.stderr)
     return report
 
 
@@ -95,7 +109,9 @@ def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a forked worker: never returns."""
     code = 0
     try:
-        run_worker(spec)
+        report = run_worker(spec)
+        if report["consecutive"] is not None:
+            code = 3
     except BaseException:
         traceback.print_exc()
         code = 1

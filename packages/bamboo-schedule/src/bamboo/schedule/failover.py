@@ -24,6 +24,10 @@ backward phase). It returns a `FailoverPlan`:
      replica syncs that involved the victim are dropped (stage v's copy on h is now the primary,
      and the successor's replica died with the victim).
 
+  Redundant work that can no longer help is dropped for the rest of the iteration: the victim's
+  own FRC/BRC for its successor, and (efeb) node v-2's eager BRC of stage v-1 that waited for the
+  victim's gradient: it only guards against h failing too, which would be a consecutive failure.
+
   Survivors keep their own order; only the shadow's stream is a merge. The merge runs the streams
   with blocking semantics and picks, whenever the shadow has a choice: the victim's external
   communication first, then its own communication, then backward work before forward work (which

@@ -27,6 +27,7 @@ Outputs per run (`RunResult`) and averaged over seeds (`average_results`).
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -203,24 +204,12 @@ _STOPPED, _RUNNING, _PAUSED = 0, 1, 2
 _EV_READY, _EV_PAUSE_END, _EV_DECIDE = 0, 1, 2
 
 
-def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int, count: int | None = None) -> list[int]:
-    """Order `nodes` so that position i holds stage i % `stages`, with neighbouring stages in different zones.
-
-    Greedy: each position takes a node from the zone with the most nodes left, among the zones
-    other than the previous stage's (and, for the last stage, other than stage 0's, because the
-    last node shadows the first). If only the excluded zones are left, it takes from them. Only
-    the first `count` positions (default: all) are placed this way; the rest follow in any order.
-    """
-    by_zone: dict[int, list[int]] = {}
-    for node in nodes:
-        by_zone.setdefault(zone_of[node], []).append(node)
-    if len(by_zone) < 2:
-        return list(nodes)
-    pools = list(by_zone.values())
-    sizes = [len(pool) for pool in pools]
-    zones = range(len(pools))
-    places = len(nodes) if count is None else min(count, len(nodes))
-    order: list[int] = []
+@functools.lru_cache(maxsize=4096)
+def _zone_pattern(sizes: tuple[int, ...], stages: int, places: int) -> tuple[int, ...]:
+    """The zone index (into `sizes`) of each of the first `places` positions; see `zone_aware_order`."""
+    left = list(sizes)
+    zones = range(len(left))
+    pattern: list[int] = []
     previous = first = -1
     last = stages - 1
     for position in range(places):
@@ -231,18 +220,39 @@ def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int,
         best = fallback = -1
         best_size = fallback_size = 0
         for index in zones:
-            size = sizes[index]
+            size = left[index]
             if index in (previous, other):
                 if size > fallback_size:
                     fallback, fallback_size = index, size
             elif size > best_size:
                 best, best_size = index, size
         chosen = best if best >= 0 else fallback
-        order.append(pools[chosen].pop())
-        sizes[chosen] -= 1
+        pattern.append(chosen)
+        left[chosen] -= 1
         previous = chosen
         if stage == 0:
             first = chosen
+    return tuple(pattern)
+
+
+def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int, count: int | None = None) -> list[int]:
+    """Order `nodes` so that position i holds stage i % `stages`, with neighbouring stages in different zones.
+
+    Greedy: each position takes a node from the zone with the most nodes left, among the zones
+    other than the previous stage's (and, for the last stage, other than stage 0's, because the
+    last node shadows the first). If only the excluded zones are left, it takes from them. Only
+    the first `count` positions (default: all) are placed this way; the rest follow in any order.
+    The zone pattern depends only on the zone sizes, so it is cached.
+    """
+    by_zone: dict[int, list[int]] = {}
+    for node in nodes:
+        by_zone.setdefault(zone_of[node], []).append(node)
+    if len(by_zone) < 2:
+        return list(nodes)
+    pools = list(by_zone.values())
+    places = len(nodes) if count is None else min(count, len(nodes))
+    pattern = _zone_pattern(tuple(len(pool) for pool in pools), stages, places)
+    order = [pools[index].pop() for index in pattern]
     for pool in pools:
         order.extend(pool)
     return order
@@ -390,7 +400,12 @@ class _Run:
         self.push(self.t + length, _EV_PAUSE_END, self.version)
 
     def schedule_decide(self) -> None:
-        if not self.decide_pending and self.phase == _RUNNING:
+        """After a change: if the policy now calls for a reconfiguration, decide at the next step boundary.
+
+        The conditions change only at events, so when they do not hold now nothing needs scheduling:
+        the next event checks again.
+        """
+        if not self.decide_pending and self.phase == _RUNNING and self.should_reconfigure():
             self.decide_pending = True
             self.push(self.t + self.step_s[self.pipelines], _EV_DECIDE, self.version)
 
@@ -590,6 +605,7 @@ class _Run:
         upcoming = next(events, None)
         completed = False
         inf = math.inf
+        record = self.record
         self.note()
         while True:
             te = upcoming[0] if upcoming is not None else inf
@@ -623,7 +639,8 @@ class _Run:
                 else:
                     self.on_remove(node)
                 upcoming = next(events, None)
-            self.note()
+            if record:
+                self.note()
         self.note()
         return self.result(completed)
 

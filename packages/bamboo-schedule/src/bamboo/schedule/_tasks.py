@@ -46,6 +46,14 @@ class Task(NamedTuple):
     rank: int = RANK_FORWARD
 
 
+def _need(token: Token, src: int, send: Instruction | None = None, recv: Instruction | None = None) -> Need:
+    return tuple.__new__(Need, (token, src, send, recv))
+
+
+def _task(instrs: tuple[Instruction, ...], needs: tuple[Need, ...], makes: tuple[Token, ...], rank: int) -> Task:
+    return tuple.__new__(Task, (instrs, needs, makes, rank))
+
+
 Work = tuple[object, ...]
 """A work item: ("F", s, k), ("B", s, k), ("TAIL", s), ("FRC", r, k), ("SO", r, k), ("BRC", r, k), ("SYNC", r)."""
 
@@ -79,13 +87,13 @@ def compute_order(policy: str, stages: int, microbatches: int, stage: int) -> li
 
 def _message(token: Token, src: int, dst: int, kind: str, stage_src: int, stage_dst: int, k: int | None) -> Need:
     if src == dst:
-        return Need(token, src)
+        return _need(token, src)
     send_kind, recv_kind = {
         "act": (Kind.SEND_ACT, Kind.RECV_ACT),
         "grad": (Kind.SEND_GRAD, Kind.RECV_GRAD),
         "sync": (Kind.SYNC_SEND, Kind.SYNC_RECV),
     }[kind]
-    return Need(token, src, make(send_kind, stage_src, k, dst), make(recv_kind, stage_dst, k, src))
+    return _need(token, src, make(send_kind, stage_src, k, dst), make(recv_kind, stage_dst, k, src))
 
 
 def build_task(work: Work, node: int, placement: Sequence[int], stages: int) -> Task:
@@ -98,19 +106,19 @@ def build_task(work: Work, node: int, placement: Sequence[int], stages: int) -> 
         instrs = [make(Kind.LOAD, 0, k)] if s == 0 else []
         instrs.append(make(Kind.FORWARD, s, k))
         needs = () if s == 0 else (_message(("act", s - 1, k), placement[s - 1], node, "act", s - 1, s, k),)
-        return Task(tuple(instrs), needs, (("act", s, k), ("fwd", s, k)), RANK_FORWARD)
+        return _task(tuple(instrs), needs, (("act", s, k), ("fwd", s, k)), RANK_FORWARD)
     if tag == "B":
         _, s, k = work
         assert isinstance(s, int) and isinstance(k, int)
-        needs = [Need(("fwd", s, k), node)]
+        needs = [_need(("fwd", s, k), node)]
         if s < last:
             needs.append(_message(("grad", s + 1, k), placement[s + 1], node, "grad", s + 1, s, k))
-        return Task((make(Kind.BACKWARD, s, k),), tuple(needs), (("grad", s, k),), RANK_BACKWARD)
+        return _task((make(Kind.BACKWARD, s, k),), tuple(needs), (("grad", s, k),), RANK_BACKWARD)
     if tag == "TAIL":
         _, s = work
         assert isinstance(s, int)
         instrs = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
-        return Task(instrs, (), (("reduced", s),), RANK_BACKWARD)
+        return _task(instrs, (), (("reduced", s),), RANK_BACKWARD)
     if tag in ("FRC", "SO"):
         _, r, k = work
         assert isinstance(r, int) and isinstance(k, int)
@@ -121,23 +129,23 @@ def build_task(work: Work, node: int, placement: Sequence[int], stages: int) -> 
             instrs.append(make(Kind.FRC, r, k))
         instrs.append(make(Kind.SWAP_OUT, r, k))
         needs = () if r == 0 else (_message(("act", r - 1, k), placement[r - 1], node, "act", r - 1, r, k),)
-        return Task(tuple(instrs), needs, (("stash", r, k),), RANK_REDUNDANT)
+        return _task(tuple(instrs), needs, (("stash", r, k),), RANK_REDUNDANT)
     if tag == "BRC":
         _, r, k = work
         assert isinstance(r, int) and isinstance(k, int)
-        needs = [Need(("stash", r, k), node)]
+        needs = [_need(("stash", r, k), node)]
         if r < last:
             needs.append(_message(("grad", r + 1, k), placement[r + 1], node, "grad", r + 1, r, k))
         instrs = (make(Kind.SWAP_IN, r, k), make(Kind.BRC, r, k))
-        return Task(instrs, tuple(needs), (), RANK_REDUNDANT)
+        return _task(instrs, tuple(needs), (), RANK_REDUNDANT)
     if tag == "SYNC":
         _, r = work
         assert isinstance(r, int)
         # After the node's own all-reduce, so the sync never delays it; the exchange then follows the
         # order in which nodes finish.
-        own = tuple(Need(("reduced", s), node) for s, p in enumerate(placement) if p == node)
+        own = tuple(_need(("reduced", s), node) for s, p in enumerate(placement) if p == node)
         needs = (*own, _message(("reduced", r), placement[r], node, "sync", r, r, None))
-        return Task((), needs, (), RANK_REDUNDANT)
+        return _task((), needs, (), RANK_REDUNDANT)
     raise ValueError(f"unknown work item {work!r}")
 
 
@@ -250,18 +258,29 @@ def linearize(
     def ready(n: int) -> int | None:
         best = None
         best_rank = 99
-        mine, received = local[n], inbox[n]
+        mine, received, position = local[n], inbox[n], heads[n]
         for li, lane in enumerate(lanes[n]):
-            index = heads[n][li]
+            index = position[li]
             if index >= len(lane):
                 continue
             task = lane[index]
-            if task.rank < best_rank and all(
-                (need.token in mine) if need.send is None else ((need.src, need.token) in received)
-                for need in task.needs
-            ):
+            if task.rank >= best_rank:
+                continue
+            for token, src, send, _recv in task.needs:
+                if (token not in mine) if send is None else ((src, token) not in received):
+                    break
+            else:
                 best, best_rank = li, task.rank
         return best
+
+    durations: dict[int, float] = {}
+
+    def duration_of(task: Task) -> float:
+        key = id(task)
+        value = durations.get(key)
+        if value is None:
+            value = durations[key] = sum(cost(i) for i in task.instrs)
+        return value
 
     while heap:
         t, n = heapq.heappop(heap)
@@ -271,7 +290,7 @@ def linearize(
         if li is None:
             continue  # idle: a producer pushes to this node when it is free
         task = lanes[n][li][heads[n][li]]
-        duration = sum(cost(i) for i in task.instrs)
+        duration = duration_of(task)
         if task.rank == RANK_REDUNDANT:
             soon = next_exchange(n)
             if soon is not None and soon < t + duration:

@@ -33,7 +33,8 @@ backward phase). It returns a `FailoverPlan`:
   communication first, then its own communication, then backward work before forward work (which
   frees memory first). The result is a witness execution, so it cannot deadlock.
 - ``steady``: the schedule for the following iterations, where the shadow runs both stages (its
-  own 1F1B/GPipe order for each, backward first) until a reconfiguration. It is also what a
+  own 1F1B/GPipe order for each, backward first) until a reconfiguration. It is built on first
+  access, so that computing the remainder (the recovery's critical path) does not wait for it. It is also what a
   *preemption notice* hands over at an iteration boundary: no mid-iteration merge is needed then.
 
 Several non-adjacent victims in one iteration work. Adjacent victims (including the last and the
@@ -92,10 +93,23 @@ class FailoverPlan:
     progress: dict[int, int]
     executed: dict[int, tuple[Instruction, ...]]
     remainder: Schedule
-    steady: Schedule
     resent: dict[int, tuple[Instruction, ...]]
     persisted: frozenset[int]
     """Victim stages whose iteration had completed (their shadow had applied the replica sync)."""
+    cost: CostFn = attrs.field(default=unit_cost, eq=False, repr=False)
+    _steady: Schedule | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def steady(self) -> Schedule:
+        """The schedule for the following iterations (`merged_schedule`), built on first use.
+
+        The runtime needs ``remainder`` at once, on the critical path of the recovery, but the
+        steady schedule only at the next iteration boundary, so it is not built before then.
+        """
+        if self._steady is None:
+            object.__setattr__(self, "_steady", merged_schedule(self.schedule, self.victims, self.cost))
+        assert self._steady is not None
+        return self._steady
 
     @property
     def survivors(self) -> tuple[int, ...]:
@@ -344,16 +358,15 @@ def failover_schedule(
     }
     merged = _merge(lanes, executed, schedule, cost)
     remainder = Schedule(P, schedule.microbatches, schedule.policy, rc, placement, merged, shadows)
-    steady = merged_schedule(schedule, chosen, cost)
     return FailoverPlan(
         schedule,
         chosen,
         dict(done),
         executed,
         remainder,
-        steady,
         {n: tuple(r) for n, r in resent.items() if r},
         persisted,
+        cost,
     )
 
 

@@ -88,19 +88,23 @@ def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _
     end: dict[int, list[float]] = {n: [0.0] * len(streams[n]) for n in nodes}
     order: list[Cell] = []
     work = deque(nodes)
+    timed = duration is not _zero
+    pair_kind, offset = _PAIR, _OFFSET
     while work:
         n = work.popleft()
         stream = streams[n]
         length = len(stream)
         i = pos[n]
         t = free[n]
+        starts, ends = start[n], end[n]
         while i < length:
             instr = stream[i]
             m = instr.peer
             if m is None:
-                start[n][i] = t
-                t += duration(n, instr)
-                end[n][i] = t
+                starts[i] = t
+                if timed:
+                    t += duration(n, instr)
+                ends[i] = t
                 order.append((n, i))
                 i += 1
                 continue
@@ -112,14 +116,19 @@ def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _
             other = streams[m][j]
             if other.peer != n or other.is_send == instr.is_send:
                 break
-            if other != counterpart(instr, n):
+            kind = instr.kind
+            if (
+                other.kind is not pair_kind[kind]
+                or other.stage != instr.stage + offset.get(kind, 0)
+                or other.microbatch != instr.microbatch
+            ):
                 raise Mismatch(
                     f"node {n} runs {instr} while node {m} runs {other}: "
                     f"{instr} pairs with {counterpart(instr, n)}",
                     [(n, i), (m, j)],
                 )
             begin = max(t, free[m])
-            t = begin + duration(n, instr)
+            t = begin + duration(n, instr) if timed else begin
             start[n][i] = start[m][j] = begin
             end[n][i] = end[m][j] = t
             order.append((n, i))

@@ -396,9 +396,9 @@ def _merge(
     # Only nodes with several lanes need to track what exists: a single lane keeps its own order,
     # whose dependencies the validator checks.
     merged_nodes = {n for n in nodes if len(lanes[n]) > 1}
-    have: dict[int, set[tuple[object, ...]]] = {}
+    have: dict[int, set[int]] = {}
     for n in merged_nodes:
-        tokens: set[tuple[object, ...]] = set()
+        tokens: set[int] = set()
         for instr in executed[n]:
             tokens.update(_provides(instr, rc))
         have[n] = tokens

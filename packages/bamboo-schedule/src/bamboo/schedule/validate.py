@@ -28,7 +28,7 @@ from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
 __all__ = ["ScheduleError", "dependency_problem", "shape_problem", "validate"]
 
 Cell = tuple[int, int]
-Token = tuple[object, ...]
+Token = int
 
 
 class ScheduleError(ValueError):
@@ -41,45 +41,70 @@ class ScheduleError(ValueError):
         super().__init__(f"{problem}\n{self.grid}")
 
 
+# Tokens are facts that exist on a node ("the output activation of stage s, microbatch k"), packed
+# into ints for speed: what << 40 | (stage + 1) << 20 | (microbatch + 1, or 0 for none).
+ACT, FWD, GIN, WGRAD, STASHED, REDUCED = range(1, 7)
+_NAMES = {
+    ACT: "the output activation of stage {} microbatch {}",
+    FWD: "the forward state of stage {} microbatch {}",
+    GIN: "the gradient w.r.t. the input of stage {} microbatch {}",
+    WGRAD: "the weight gradients of stage {} microbatch {}",
+    STASHED: "the swapped-out stash of stage {} microbatch {}",
+    REDUCED: "the reduced gradients of stage {}",
+}
+
+
+def _token(what: int, stage: int, microbatch: int | None = None) -> Token:
+    return (what << 40) | ((stage + 1) << 20) | (0 if microbatch is None else microbatch + 1)
+
+
 def _provides(instr: Instruction, rc: RCMode) -> tuple[Token, ...]:
+    """What exists on the executing node once ``instr`` ran."""
     kind, s, k = instr.kind, instr.stage, instr.microbatch
-    if kind is Kind.LOAD:
-        return (("act", -1, k),)
-    if kind in (Kind.FORWARD, Kind.FRC):
-        return (("act", s, k), ("fwd", s, k))
-    if kind in (Kind.BACKWARD, Kind.BRC):
-        return (("gin", s, k), ("wgrad", s, k))
+    base = ((s + 1) << 20) | (0 if k is None else k + 1)
+    if kind is Kind.FORWARD or kind is Kind.FRC:
+        return ((ACT << 40) | base, (FWD << 40) | base)
+    if kind is Kind.BACKWARD or kind is Kind.BRC:
+        return ((GIN << 40) | base, (WGRAD << 40) | base)
     if kind is Kind.RECV_ACT:
-        return (("act", s - 1, k),)
+        return ((ACT << 40) | (base - (1 << 20)),)
     if kind is Kind.RECV_GRAD:
-        return (("gin", s + 1, k),)
+        return ((GIN << 40) | (base + (1 << 20)),)
+    if kind is Kind.LOAD:
+        return ((ACT << 40) | (k + 1),)  # type: ignore[operator]
     if kind is Kind.SWAP_OUT:
-        return (("stashed", s, k),)
+        return ((STASHED << 40) | base,)
     if kind is Kind.SWAP_IN:
-        return (("act", s - 1, k),) if rc is RCMode.LFLB else (("fwd", s, k), ("act", s, k))
+        if rc is RCMode.LFLB:
+            return ((ACT << 40) | (base - (1 << 20)),)
+        return ((FWD << 40) | base, (ACT << 40) | base)
     if kind is Kind.ALLREDUCE:
-        return (("reduced", s),)
+        return ((REDUCED << 40) | base,)
     return ()
 
 
 def _requires(instr: Instruction, stages: int, microbatches: int, rc: RCMode) -> tuple[Token, ...]:
+    """What must exist on the executing node before ``instr`` can run."""
     kind, s, k = instr.kind, instr.stage, instr.microbatch
-    if kind in (Kind.FORWARD, Kind.FRC):
-        return (("act", s - 1, k),)
-    if kind in (Kind.BACKWARD, Kind.BRC):
-        return (("fwd", s, k),) + ((("gin", s + 1, k),) if s < stages - 1 else ())
+    base = ((s + 1) << 20) | (0 if k is None else k + 1)
+    if kind is Kind.FORWARD or kind is Kind.FRC:
+        return ((ACT << 40) | (base - (1 << 20)),)
+    if kind is Kind.BACKWARD or kind is Kind.BRC:
+        if s < stages - 1:
+            return ((FWD << 40) | base, (GIN << 40) | (base + (1 << 20)))
+        return ((FWD << 40) | base,)
     if kind is Kind.SEND_ACT:
-        return (("act", s, k),)
+        return ((ACT << 40) | base,)
     if kind is Kind.SEND_GRAD:
-        return (("gin", s, k),)
+        return ((GIN << 40) | base,)
     if kind is Kind.SWAP_OUT:
-        return (("act", s - 1, k),) if rc is RCMode.LFLB else (("fwd", s, k),)
+        return ((ACT << 40) | (base - (1 << 20)),) if rc is RCMode.LFLB else ((FWD << 40) | base,)
     if kind is Kind.SWAP_IN:
-        return (("stashed", s, k),)
+        return ((STASHED << 40) | base,)
     if kind is Kind.ALLREDUCE:
-        return tuple(("wgrad", s, j) for j in range(microbatches))
-    if kind in (Kind.OPTIMIZER, Kind.SYNC_SEND):
-        return (("reduced", s),)
+        return tuple(_token(WGRAD, s, j) for j in range(microbatches))
+    if kind is Kind.OPTIMIZER or kind is Kind.SYNC_SEND:
+        return ((REDUCED << 40) | base,)
     return ()
 
 
@@ -124,18 +149,10 @@ def dependency_problem(
 
 
 def _describe(token: Token) -> str:
-    what, *rest = token
-    names = {
-        "act": "the output activation of stage {} microbatch {}",
-        "fwd": "the forward state of stage {} microbatch {}",
-        "gin": "the gradient w.r.t. the input of stage {} microbatch {}",
-        "wgrad": "the weight gradients of stage {} microbatch {}",
-        "stashed": "the swapped-out stash of stage {} microbatch {}",
-        "reduced": "the reduced gradients of stage {}",
-    }
-    if what == "act" and rest[0] == -1:
-        return f"the loaded input of microbatch {rest[1]}"
-    return names[str(what)].format(*rest)
+    what, stage, microbatch = token >> 40, ((token >> 20) & 0xFFFFF) - 1, (token & 0xFFFFF) - 1
+    if what == ACT and stage == -1:
+        return f"the loaded input of microbatch {microbatch}"
+    return _NAMES[what].format(stage, microbatch)
 
 
 _PER_MICROBATCH = {Kind.FORWARD: 0, Kind.BACKWARD: 1, Kind.FRC: 2, Kind.BRC: 3}

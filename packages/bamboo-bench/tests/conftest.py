@@ -19,9 +19,9 @@ def traces_dir() -> Path:
     return TRACES.resolve()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_profile() -> ModelProfile:
-    """2 pipelines x 4 stages, 10 samples per step, 1.0 s steps with 2 pipelines and 1.5 s with 1.
+    """2 pipelines x 4 stages (immutable, so shared), 10 samples per step, 1.0 s steps with 2 pipelines and 1.5 s with 1.
 
     Timing: nodes ready 10 s after they are added, global rendezvous 5 s, local 2 s,
     reconfiguration 3 s, failover pause 4 s, fallback x1.5, restart 20 s, checkpoints every 100 s.

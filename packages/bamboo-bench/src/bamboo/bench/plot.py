@@ -3,8 +3,9 @@
 Uses matplotlib's Agg backend (no display needed). Throughput is averaged over time bins (a pause
 of a few seconds would otherwise be an invisible spike); cost follows the allocated nodes; value
 is binned throughput over binned cost. The on-demand strategy is drawn as a dashed reference line
-in every panel. Work that a later rollback throws away is drawn as no throughput at the time it
-was done, so each curve's mean is the run's throughput.
+in every panel. A run that finishes before the others stops where it finished. Work that a later
+rollback throws away is drawn as no throughput at the time it was done, so each curve's mean is
+the run's throughput.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def plot_runs(
     end_s = max(run.duration_h for run in runs) * 3600.0
     on_demand = profile.on_demand_samples_per_second, profile.on_demand_cost_per_hour, profile.on_demand_value
     figure, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    spot_runs = [r for r in runs if r.strategy is not Strategy.ON_DEMAND]
+    # Bamboo last, so its line is on top where the strategies coincide.
+    spot_runs = sorted(
+        (r for r in runs if r.strategy is not Strategy.ON_DEMAND), key=lambda r: r.strategy is Strategy.BAMBOO
+    )
     if spot_runs:
         timeline = spot_runs[0].timeline
         assert timeline is not None
@@ -79,10 +83,14 @@ def plot_runs(
         _, nodes = binned_mean(timeline.time_s, timeline.nodes, end_s, bins)
         cost = nodes * profile.spot_price_per_node_hour
         value = np.divide(rate, cost, out=np.zeros_like(rate), where=cost > 0)
+        # A run that finished early is drawn only up to its own end.
+        after = hours > run.duration_h
+        rate[after] = cost[after] = value[after] = np.nan
         label = run.strategy.value
-        axes[1].plot(hours, rate, color=colour, label=f"{label} (mean {run.throughput:.1f})")
-        axes[2].plot(hours, cost, color=colour, label=f"{label} (mean {run.cost_per_hour:.1f})")
-        axes[3].plot(hours, value, color=colour, label=f"{label} (mean {run.value:.2f})")
+        width = 1.8 if run.strategy is Strategy.BAMBOO else 1.2
+        axes[1].plot(hours, rate, color=colour, linewidth=width, label=f"{label} (mean {run.throughput:.1f})")
+        axes[2].plot(hours, cost, color=colour, linewidth=width, label=f"{label} (mean {run.cost_per_hour:.1f})")
+        axes[3].plot(hours, value, color=colour, linewidth=width, label=f"{label} (mean {run.value:.2f})")
     labels = ("on-demand", "on-demand", "on-demand")
     for axis, level, label, digits in zip(axes[1:], on_demand, labels, (1, 1, 2), strict=True):
         axis.axhline(level, color=_COLOURS[Strategy.ON_DEMAND], linestyle="--", label=f"{label} ({level:.{digits}f})")
@@ -92,7 +100,7 @@ def plot_runs(
     axes[3].set_xlabel("time (hours)")
     for axis in axes:
         axis.grid(True, alpha=0.3)
-        axis.legend(loc="upper right", fontsize="small")
+        axis.legend(loc="best", fontsize="small")
         axis.set_ylim(bottom=0)
     axes[0].set_title(title or f"{profile.name}: trace, throughput, cost and value")
     figure.tight_layout()

@@ -83,3 +83,9 @@ def test_schedule_validates_its_placement_and_exposes_layout() -> None:
     assert one_f_one_b(4, 2).shadow_of(1) is None
     assert schedule.to_text()["1"][0] == "1RA0<0"
     assert len(schedule) == sum(len(s) for s in schedule.streams.values())
+
+
+def test_schedule_rejects_bad_shadows() -> None:
+    with pytest.raises(ValueError, match=r"shadows must give a node or None for each of 2 stages, got \(0,\)"):
+        Schedule(2, 1, "1f1b", RCMode.EFLB, (0, 1), {}, (0,))
+    assert Schedule(2, 1, "1f1b", RCMode.EFLB, (0, 1), {}).shadows == (1, 0)

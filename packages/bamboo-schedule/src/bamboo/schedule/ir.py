@@ -239,6 +239,11 @@ class Schedule:
         if len(value) != self.stages or any(not 0 <= node < self.stages for node in value):
             raise ValueError(f"placement must map each of {self.stages} stages to a node, got {value}")
 
+    @shadows.validator
+    def _check_shadows(self, _attribute: attrs.Attribute, value: tuple[int | None, ...]) -> None:
+        if len(value) != self.stages or any(n is not None and not 0 <= n < self.stages for n in value):
+            raise ValueError(f"shadows must give a node or None for each of {self.stages} stages, got {value}")
+
     @property
     def nodes(self) -> tuple[int, ...]:
         """The executing nodes, in order."""

@@ -45,8 +45,10 @@ __all__ = [
     "Strategy",
     "Timeline",
     "average_results",
+    "run_many",
     "simulate_run",
     "simulate_synthetic",
+    "zone_aware_order",
 ]
 
 

@@ -1,4 +1,5 @@
-"""The `bamboo-rc` command line: `bamboo-rc verify` checks an install end to end.
+"""The `bamboo-rc` command line: `bamboo-rc verify` checks an install end to end; `bamboo-rc soak`
+runs many seeded kill points through it.
 
 `verify` forks P×D local worker processes (gloo), trains the example model for N steps with the
 chosen redundancy, trains a single-process reference on the same batches, prints the max
@@ -58,10 +59,42 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampler (default 0)")
     verify.add_argument("--timeout", type=float, default=300.0,
                         help="seconds before unfinished workers are killed and verify fails (default 300)")
+    verify.add_argument(
+        "--kill", type=_kill_points, default=(),
+        help="fault injection: STAGE[:PIPELINE]@INSTRUCTION[,...]; that worker SIGKILLs itself when it reaches the "
+             "instruction (compact form such as 2B3 or 1SA0>2, or an index into its stream, -1 for the last) "
+             "in step --kill-step; survivors fail over and are compared with the reference as usual",
+    )
+    verify.add_argument("--kill-step", type=int, default=1,
+                        help="the step (0-based) in which the --kill points fire (default 1)")
+    soak = commands.add_parser(
+        "soak",
+        help="run many seeded random kill points through verify and report the pass rate",
+        description="Run --runs seeded random failures (one victim, or two non-adjacent victims, at random "
+                    "instructions) through verify and print how many matched the reference.",
+    )
+    soak.add_argument("--runs", type=_positive_int, default=200, help="number of kill points (default 200)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the kill points (default 0)")
+    soak.add_argument("--stages", type=_positive_int, default=4, help="pipeline depth P (default 4)")
+    soak.add_argument("--steps", type=_positive_int, default=3, help="training steps per run (default 3)")
+    soak.add_argument("--redundancy", choices=("lflb", "eflb", "efeb"), default="eflb",
+                      help="redundancy mode (default eflb)")
     return parser
 
 
+def _kill_points(text: str) -> tuple[tuple[int, int, str], ...]:
+    points = []
+    for item in text.split(","):
+        where, sep, instruction = item.partition("@")
+        stage, _, pipeline = where.partition(":")
+        if not sep or not instruction or not stage.isdigit() or (pipeline and not pipeline.isdigit()):
+            raise argparse.ArgumentTypeError(f"bad kill point {item!r}: expected STAGE[:PIPELINE]@INSTRUCTION")
+        points.append((int(stage), int(pipeline or 0), instruction))
+    return tuple(points)
+
+
 def _verify(args: argparse.Namespace) -> int:
+    from bamboo.rc.executor import KillPoint
     from bamboo.rc.model import GPTSize
     from bamboo.rc.verify import DEFAULT_CONFIG, RELATIVE_TOLERANCE, run_verify
     from rich.console import Console
@@ -80,11 +113,12 @@ def _verify(args: argparse.Namespace) -> int:
     with console.status(
         f"training {args.stages}×{args.pipelines} workers ({args.redundancy}) and the reference for {args.steps} steps"
     ):
+        kills = tuple(KillPoint(stage, pipeline, instruction, args.kill_step) for stage, pipeline, instruction in args.kill)
         result = run_verify(
             args.stages, args.pipelines, args.steps, args.redundancy, size=size, config=config,
-            seed=args.seed, deadline_s=args.timeout,
+            seed=args.seed, deadline_s=args.timeout, kills=kills,
         )
-    failed = {rank: code for rank, code in result.worker_exit_codes.items() if code != 0}
+    failed = {rank: code for rank, code in result.worker_exit_codes.items() if code != 0 and rank not in result.killed}
     console.print(f"P={args.stages} D={args.pipelines} steps={args.steps} redundancy={args.redundancy} "
                   f"({result.seconds:.1f} s)")
     console.print(f"max parameter difference: {result.max_relative_diff:.3e} relative, "
@@ -96,10 +130,36 @@ def _verify(args: argparse.Namespace) -> int:
     for step, reference in enumerate(result.reference_losses):
         mine = f"{result.losses[step]:.9f}" if step < len(result.losses) else "-"
         console.print(f"{step:4d}  {mine:>15}  {reference:.9f}")
+    if result.killed:
+        console.print(f"killed with SIGKILL: ranks {list(result.killed)}")
+    for failover in result.failovers[:1]:
+        console.print(f"failover in step {failover['step']}: victims {failover['victims']}, cut {failover['cut']}")
+    if result.consecutive:
+        console.print(f"ConsecutiveFailure: {result.consecutive}")
+        console.print(f"survivors compared with the reference after {result.compared_at_step} steps "
+                      f"(the start of the failed iteration)")
     if failed:
         console.print(f"workers that failed (rank: exit code): {failed}")
     console.print("PASS" if result.passed else "FAIL")
     return 0 if result.passed else 1
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from bamboo.rc.chaos import random_kill_points, run_chaos
+    from rich.progress import Progress
+
+    if args.stages < 3:
+        raise ValueError(f"--stages {args.stages}: soak needs at least 3 stages")
+    plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy)
+    with Progress() as progress:
+        task = progress.add_task("kill points", total=len(plans))
+        outcomes = run_chaos(plans, args.stages, args.steps, args.redundancy, on_result=lambda *_: progress.advance(task))
+    passed = sum(1 for _, result in outcomes if result.passed)
+    for kills, result in outcomes:
+        if not result.passed:
+            print(f"FAIL {kills}: max relative {result.max_relative_diff:.3e}, exit codes {result.worker_exit_codes}")
+    print(f"soak: {passed}/{len(outcomes)} kill points matched the reference ({100.0 * passed / len(outcomes):.1f}%)")
+    return 0 if passed == len(outcomes) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "verify":
             return _verify(args)
+        if args.command == "soak":
+            return _soak(args)
     except (ValueError, TypeError) as exc:
         print(f"bamboo-rc: error: {exc}", file=sys.stderr)
         return 2

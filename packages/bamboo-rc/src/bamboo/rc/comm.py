@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -173,14 +174,29 @@ class GroupTable:
         except RuntimeError as exc:
             raise PeerFailure(peer, self.name_of(peer), instruction, exc) from exc
 
-    def allreduce(self, group: str, tensors: Iterable[torch.Tensor], instruction: str) -> None:
-        """Sum `tensors` in place over `group` (a one-member group is a no-op)."""
+    def allreduce(
+        self, group: str, tensors: Iterable[torch.Tensor], instruction: str,
+        interrupt: Callable[[], None] | None = None,
+    ) -> None:
+        """Sum `tensors` in place over `group` (a one-member group is a no-op).
+
+        While it waits, `interrupt` is called every `timeouts.poll` seconds and may raise to give
+        up (collectives, unlike P2P transfers, can be polled safely).
+        """
         if len(self.members[group]) < 2:
             return
         pg = self.group(group)
         for tensor in tensors:
             try:
-                pg.allreduce([tensor]).wait()
+                work = pg.allreduce([tensor])
+                if interrupt is not None:
+                    next_check = time.monotonic() + self.timeouts.poll
+                    while not work.is_completed():
+                        time.sleep(0.0005)
+                        if time.monotonic() >= next_check:
+                            interrupt()
+                            next_check = time.monotonic() + self.timeouts.poll
+                work.wait()
             except RuntimeError as exc:
                 raise PeerFailure(-1, f"a member of {group}", instruction, exc) from exc
 

@@ -280,6 +280,12 @@ class StageExecutor:
             except RuntimeError as exc:
                 raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
 
+    def _interrupt(self) -> None:
+        """Raise FailureNoticed if a failure has been confirmed (called while blocked)."""
+        event = self.notices.poll(self.epoch + 1) if self.notices is not None else None
+        if event is not None:
+            raise FailureNoticed(event)
+
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
         self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
@@ -471,7 +477,7 @@ class StageExecutor:
         loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
         flat = piece.flat_grads()
         if self.layout.pipelines > 1:
-            self.groups.allreduce(f"dp-s{s}", [flat, loss], str(instruction))
+            self.groups.allreduce(f"dp-s{s}", [flat, loss], str(instruction), self._interrupt)
             piece.load_flat_grads(flat)
         self._reduced[s] = torch.cat([flat, loss.float(), torch.tensor([float(piece.steps + 1)])])
 
@@ -496,7 +502,9 @@ class StageExecutor:
         owner = self._peer_rank(instruction.peer)
         payload = torch.empty(self.slices[s].numel() + 2)
         for segment, piece in enumerate(_segments(payload)):
-            self._recv(instruction, piece, owner, _tag(_TAG_SYNC, s, segment))
+            received = self._recv(instruction, piece, owner, _tag(_TAG_SYNC, s, segment))
+            if received is not piece:  # resumed after a failover: the data is in the first buffer
+                piece.copy_(received)
         self._received_syncs[s] = payload
 
     def _apply_replica_update(self, stage: int) -> None:
@@ -564,7 +572,9 @@ class StageExecutor:
         if last in self.hosted and last in self._reduced:
             loss = sum(self.mb_losses.values()) if self.layout.pipelines == 1 else loss
         norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
-        self.groups.allreduce(f"pipe-d{self.pipeline}", [norm_and_loss], "commit (global gradient norm and loss)")
+        self.groups.allreduce(
+            f"pipe-d{self.pipeline}", [norm_and_loss], "commit (global gradient norm and loss)", self._interrupt
+        )
         clip = clip_coefficient(self.config.gradient_clipping, float(norm_and_loss[0]))
         for s in self._to_step:
             self.slices[s].apply_step(clip)
@@ -609,6 +619,26 @@ class StageExecutor:
                 copies.append(("shadow", shadow))
         return copies
 
+    def _exchange_progress(
+        self, survivors: Sequence[int], done: int
+    ) -> tuple[dict[int, int], FailureEvent | None]:
+        """Publish how many instructions this node completed and read every survivor's count.
+
+        Returns the counts, or (while waiting) a later failure event that restarts the agreement.
+        """
+        prefix = f"bamboo/{self.job}/e{self.epoch}/progress/d{self.pipeline}"
+        self.store.set(f"{prefix}/n{self.node}", json.dumps({"done": done}))
+        keys = [f"{prefix}/n{n}" for n in survivors]
+        deadline = time.monotonic() + self.timeouts.confirm
+        while not self.store.check(keys):
+            later = self.notices.poll(self.epoch + 1) if self.notices is not None else None
+            if later is not None:
+                return {}, later
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"survivors {list(survivors)} did not publish their progress in epoch {self.epoch}")
+            time.sleep(0.001)
+        return {n: int(json.loads(self.store.get(key))["done"]) for n, key in zip(survivors, keys, strict=True)}, None
+
     def _fail_over(
         self, failure: PeerFailure | FailureNoticed, stream: list[Instruction], done: int
     ) -> list[Instruction]:
@@ -622,29 +652,33 @@ class StageExecutor:
         started = time.perf_counter()
         event = self._confirmed_event(failure)
         detected = time.perf_counter()
-        self.epoch = event.epoch
-        new_dead = set(event.victims) - self.dead
-        self.dead |= new_dead
-        victims = {self.layout.position(r)[0] for r in new_dead if self.layout.position(r)[1] == self.pipeline}
-        if any(self.layout.position(r)[1] != self.pipeline for r in new_dead):
-            raise RuntimeError(
-                f"failover across data-parallel pipelines is not supported yet (dead ranks {sorted(new_dead)})"
-            )
-        if self.schedule.placement != tuple(range(self.layout.stages)):
-            raise RuntimeError(
-                f"a failure while already failed over (epoch {self.epoch}, victims {sorted(victims)}) is not supported yet"
-            )
-        for v in sorted(victims):
-            if (v + 1) % self.layout.stages in victims:
-                self._abandon_iteration()
-                lost = sorted(victims)
-                raise ConsecutiveFailure(self.pipeline, lost, {s: self._surviving_copies(s) for s in lost})
-        if self.redundancy == "none":
-            raise failure
-        survivors = [n for n in range(self.layout.stages) if n not in victims]
-        prefix = f"bamboo/{self.job}/e{self.epoch}/progress/d{self.pipeline}"
-        self.store.set(f"{prefix}/n{self.node}", json.dumps({"done": done}))
-        progress = {n: int(json.loads(self.store.get(f"{prefix}/n{n}"))["done"]) for n in survivors}
+        victims: set[int] = set()
+        while True:  # a further failure during the agreement restarts it with every victim so far
+            self.epoch = event.epoch
+            new_dead = set(event.victims) - self.dead
+            self.dead |= new_dead
+            if any(self.layout.position(r)[1] != self.pipeline for r in new_dead):
+                raise RuntimeError(
+                    f"failover across data-parallel pipelines is not supported yet (dead ranks {sorted(new_dead)})"
+                )
+            victims |= {self.layout.position(r)[0] for r in new_dead}
+            if self.schedule.placement != tuple(range(self.layout.stages)):
+                raise RuntimeError(
+                    f"a failure while already failed over (epoch {self.epoch}, victims {sorted(victims)}) "
+                    "is not supported yet"
+                )
+            for v in sorted(victims):
+                if (v + 1) % self.layout.stages in victims:
+                    self._abandon_iteration()
+                    lost = sorted(victims)
+                    raise ConsecutiveFailure(self.pipeline, lost, {s: self._surviving_copies(s) for s in lost})
+            if self.redundancy == "none":
+                raise failure
+            survivors = [n for n in range(self.layout.stages) if n not in victims]
+            progress, later = self._exchange_progress(survivors, done)
+            if later is None:
+                break
+            event = later
         streams = self.schedule.streams
         cut = dict(progress)
         for n in survivors:  # a transfer completed by one side is completed by the other side too

@@ -1,0 +1,64 @@
+"""Failover with real SIGKILLs: single and non-adjacent victims, consecutive victims, detection."""
+
+from __future__ import annotations
+
+import pytest
+from bamboo.rc.cli import main
+from bamboo.rc.comm import CommTimeouts
+from bamboo.rc.executor import KillPoint
+from bamboo.rc.verify import run_verify
+
+pytestmark = pytest.mark.slow
+
+TIMEOUTS = CommTimeouts(group=30.0, build=30.0, confirm=15.0)
+
+
+@pytest.mark.parametrize(
+    ("stages", "kills"),
+    [
+        (4, [(1, "1F2")]),  # forward phase, middle stage
+        (4, [(2, "2B1")]),  # backward phase
+        (4, [(0, "0")]),  # first instruction, first stage
+        (4, [(3, "-1")]),  # last instruction, last stage
+        (4, [(3, "3F0")]),  # last stage, first forward
+        (4, [(1, "1F2"), (3, "3B0")]),  # two non-adjacent victims in one iteration
+        (3, [(1, "1B0")]),
+        (3, [(2, "0FR1")]),  # the last node dies while it runs the first stage's FRC
+    ],
+)
+def test_eflb_survives_kills_and_matches_the_reference(stages: int, kills: list[tuple[int, str]]) -> None:
+    points = tuple(KillPoint(stage, 0, where, step=1) for stage, where in kills)
+    result = run_verify(stages, 1, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=points)
+    assert set(result.killed) == {stage for stage, _ in kills}
+    assert result.failovers, "no survivor failed over"
+    assert result.passed, result
+    assert result.max_relative_diff <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["lflb", "efeb"])
+def test_other_modes_fail_over_exactly(mode: str) -> None:
+    result = run_verify(4, 1, 3, mode, timeouts=TIMEOUTS, deadline_s=120, kills=(KillPoint(2, 0, "2B1"),))
+    assert result.killed == (2,)
+    assert result.passed, result
+
+
+def test_adjacent_victims_raise_consecutive_failure_at_the_start_of_the_iteration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["verify", "--stages", "4", "--steps", "3", "--kill", "1@0,2@0", "--kill-step", "1"])
+    out = capsys.readouterr().out
+    assert code != 0
+    assert "ConsecutiveFailure: consecutive failure in pipeline 0: lost stages [1, 2]" in out
+    assert "stage 1: shadow rank 0" in out and "stage 2: none" in out
+    assert "after 1 steps" in out
+    # Every survivor's parameters (and replicas) equal the reference after 1 step, i.e. the state
+    # before the failed iteration: no partial gradient was applied, no optimizer stepped.
+    relative = float(out.split("max parameter difference: ")[1].split(" relative")[0])
+    assert relative <= 1e-6
+
+
+def test_without_redundancy_a_kill_is_a_typed_peer_failure(capfd: pytest.CaptureFixture[str]) -> None:
+    result = run_verify(3, 1, 2, "none", timeouts=TIMEOUTS, deadline_s=120, kills=(KillPoint(1, 0, "1F1", 0),))
+    assert not result.passed
+    err = capfd.readouterr().err
+    assert "PeerFailure: peer stage 1 pipeline 0 (rank 1) failed during" in err

@@ -205,3 +205,14 @@ def test_largest_property_sizes_at_several_cuts(rc: str, policy: str, random_cut
     for victim, fraction in [(6, 0.3), (11, 0.8)]:
         index = int(len(schedule.streams[victim]) * fraction)
         validate_failover(failover_schedule(schedule, [victim], progress_at(schedule, {victim: index})))
+
+
+def test_validator_catches_work_done_twice_in_the_failing_iteration() -> None:
+    _schedule, plan = _plan_in_backward_phase()
+    streams = dict(plan.remainder.streams)
+    shadow = list(streams[1])
+    index = next(i for i, instr in enumerate(shadow) if str(instr) == "2BR5")
+    streams[1] = (*shadow[: index + 1], shadow[index], *shadow[index + 1 :])
+    with pytest.raises(ScheduleError, match="backward of stage 2 microbatch 5 happens 2 times") as info:
+        validate_failover(attrs.evolve(plan, remainder=attrs.evolve(plan.remainder, streams=streams)))
+    assert info.value.grid.count(">>2BR5<<") == 2

@@ -542,27 +542,31 @@ def validate_failover(plan: FailoverPlan) -> None:
     found = dependency_problem(full, P, M, rc)
     if found:
         fail(found[0], found[1])
+    counted = plan.victims - plan.persisted
+    always = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.ALLREDUCE: "all-reduce",
+              Kind.OPTIMIZER: "optimizer step"}
+    redundant = {Kind.FRC: "forward", Kind.BRC: "backward"}  # count only for the victims' stages
     counts: Counter[tuple[str, int, int | None]] = Counter()
-    cells: dict[tuple[str, int, int | None], list[tuple[int, int]]] = {}
     for n, stream in full.items():
         for i, instr in enumerate(stream):
-            s, k = instr.stage, instr.microbatch
-            victim = s in plan.victims and s not in plan.persisted
-            what = {
-                Kind.FORWARD: "forward",
-                Kind.BACKWARD: "backward",
-                Kind.FRC: "forward" if victim else None,
-                Kind.BRC: "backward" if victim else None,
-                Kind.ALLREDUCE: "all-reduce",
-                Kind.OPTIMIZER: "optimizer step",
-            }.get(instr.kind)
+            kind, s = instr.kind, instr.stage
+            what = always.get(kind)
             if what is None:
-                continue
-            key = (what, s, k)
-            counts[key] += 1
-            cells.setdefault(key, []).append((n, i))
-            if victim and n != plan.remainder.placement[s]:
+                what = redundant.get(kind)
+                if what is None or s not in counted:
+                    continue
+            counts[(what, s, instr.microbatch)] += 1
+            if s in counted and n != plan.remainder.placement[s]:
                 fail(f"{instr} of failed stage {s} runs on node {n}, not on its shadow", [(n, i)])
+
+    def cells_of(key: tuple[str, int, int | None]) -> list[tuple[int, int]]:
+        what, s, k = key
+        kinds = {kind for kind, name in always.items() if name == what}
+        if s in counted:
+            kinds |= {kind for kind, name in redundant.items() if name == what}
+        return [(n, i) for n, stream in full.items() for i, instr in enumerate(stream)
+                if instr.kind in kinds and instr.stage == s and instr.microbatch == k]
+
     for s in range(P):
         if s in plan.persisted:
             continue
@@ -571,6 +575,5 @@ def validate_failover(plan: FailoverPlan) -> None:
         for key in keys:
             if counts[key] != 1:
                 label = f"{key[0]} of stage {s}" + ("" if key[2] is None else f" microbatch {key[2]}")
-                fail(f"{label} happens {counts[key]} times in the failing iteration, expected once",
-                     cells.get(key, []))
+                fail(f"{label} happens {counts[key]} times in the failing iteration, expected once", cells_of(key))
     validate(plan.steady)

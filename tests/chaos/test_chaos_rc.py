@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from bamboo.rc.chaos import random_kill_points, run_chaos
 
 pytestmark = pytest.mark.slow

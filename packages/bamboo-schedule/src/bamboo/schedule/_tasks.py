@@ -85,14 +85,17 @@ def compute_order(policy: str, stages: int, microbatches: int, stage: int) -> li
     return order
 
 
+_MESSAGE_KINDS = {
+    "act": (Kind.SEND_ACT, Kind.RECV_ACT),
+    "grad": (Kind.SEND_GRAD, Kind.RECV_GRAD),
+    "sync": (Kind.SYNC_SEND, Kind.SYNC_RECV),
+}
+
+
 def _message(token: Token, src: int, dst: int, kind: str, stage_src: int, stage_dst: int, k: int | None) -> Need:
     if src == dst:
         return _need(token, src)
-    send_kind, recv_kind = {
-        "act": (Kind.SEND_ACT, Kind.RECV_ACT),
-        "grad": (Kind.SEND_GRAD, Kind.RECV_GRAD),
-        "sync": (Kind.SYNC_SEND, Kind.SYNC_RECV),
-    }[kind]
+    send_kind, recv_kind = _MESSAGE_KINDS[kind]
     return _need(token, src, make(send_kind, stage_src, k, dst), make(recv_kind, stage_dst, k, src))
 
 

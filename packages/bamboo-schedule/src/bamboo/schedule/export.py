@@ -3,7 +3,8 @@
 `text_grid(streams, marks)` prints one row per node, one column per stream position, and marks the
 given cells as ``>>2F5<<``. `time_grid(schedule, timeline)` prints the compute instructions at
 their simulated times, the classic pipeline picture. `chrome_trace(schedule, timeline)` gives the
-`traceEvents` JSON that chrome://tracing and ui.perfetto.dev open: one track per node.
+`traceEvents` JSON that chrome://tracing and ui.perfetto.dev open: one track per node, with an
+arrow from every send to its receive.
 """
 
 from __future__ import annotations
@@ -118,4 +119,23 @@ def chrome_trace(schedule: Schedule, timeline: Timeline, time_unit_us: float = 1
                     },
                 }
             )
+    # flow arrows from each send to its receive (Perfetto draws them between the two tracks); the
+    # engine records a pair as two adjacent cells of its global order
+    order = timeline.order
+    flow = 0
+    index = 0
+    while index + 1 < len(order):
+        (n, i), (m, j) = order[index], order[index + 1]
+        a, b = schedule.streams[n][i], schedule.streams[m][j]
+        if a.is_comm and b.is_comm and a.peer == m and b.peer == n and a.is_send != b.is_send:
+            (src, send), (dst, _recv) = ((n, a), (m, b)) if a.is_send else ((m, b), (n, a))
+            flow += 1
+            ts = timeline.end[n][i] * time_unit_us
+            events.append({"name": str(send), "cat": "message", "ph": "s", "id": flow, "pid": 0, "tid": src, "ts": ts})
+            events.append(
+                {"name": str(send), "cat": "message", "ph": "f", "bp": "e", "id": flow, "pid": 0, "tid": dst, "ts": ts}
+            )
+            index += 2
+        else:
+            index += 1
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -203,10 +203,6 @@ def progress_at(
     return progress
 
 
-def _index(stream: Sequence[Instruction]) -> set[Instruction]:
-    return set(stream)
-
-
 def _cut_problem(executed: Mapping[int, Sequence[Instruction]]) -> str | None:
     """Why the completed prefixes are not a consistent cut (a message received but never sent), or None.
 
@@ -248,7 +244,7 @@ def failover_schedule(
     problem = _cut_problem(executed)
     if problem:
         raise ValueError(f"inconsistent cut: the completed prefixes do not pair up: {problem}")
-    ran = {n: _index(executed[n]) for n in survivors}
+    ran = {n: set(executed[n]) for n in survivors}  # what each survivor completed, for lookups
     placement, shadows = _new_layout(schedule, chosen)
     persisted = frozenset(v for v in chosen if make(Kind.SYNC_RECV, v, None, v) in ran[(v - 1) % P])
 

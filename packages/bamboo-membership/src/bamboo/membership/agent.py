@@ -448,11 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         agent = NodeAgent(MembershipStore(kv, args.job), args.node, zone=args.zone, incarnation=args.incarnation,
                           host=args.host, port=args.port, ttl=args.ttl, tls=tls, detector_config=config,
                           run_detector=not args.no_detector, notice_window=args.notice_window)
+        # The handler goes in before the node registers: a SIGTERM that arrives once the node is
+        # visible in etcd must become a preemption notice, never the default (silent) death.
+        agent.install_sigterm_handler()
         agent.start()
     except (ValueError, OSError, StoreError) as exc:
         print(f"bamboo agent: error: {exc}", file=sys.stderr)
         return 2
-    agent.install_sigterm_handler()
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(json.dumps({"node": args.node, "address": agent.host, "port": agent.port}), flush=True)

@@ -35,6 +35,30 @@ def test_eflb_survives_kills_and_matches_the_reference(stages: int, kills: list[
     assert result.max_relative_diff <= 1e-6
 
 
+@pytest.mark.parametrize(
+    ("stage", "pipeline", "where"),
+    [
+        (1, 0, "1F1"),  # forward phase
+        (1, 0, "1B2"),  # backward phase
+        (0, 1, "0"),  # first instruction, first stage
+        (2, 1, "-1"),  # last instruction, last stage
+        (2, 0, "2OPT"),  # after its all-reduce: the data-parallel peer joins the shadow's redo
+    ],
+)
+def test_two_pipelines_fail_over_exactly(stage: int, pipeline: int, where: str) -> None:
+    kill = KillPoint(stage, pipeline, where, step=1)
+    result = run_verify(3, 2, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=(kill,))
+    assert result.killed == (pipeline * 3 + stage,)
+    assert result.passed, result
+
+
+def test_two_pipelines_two_non_adjacent_victims() -> None:
+    kills = (KillPoint(1, 0, "1B0", step=1), KillPoint(0, 1, "0F2", step=1))
+    result = run_verify(3, 2, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=kills)
+    assert len(result.killed) >= 1
+    assert result.passed, result
+
+
 @pytest.mark.parametrize("mode", ["lflb", "efeb"])
 def test_other_modes_fail_over_exactly(mode: str) -> None:
     result = run_verify(4, 1, 3, mode, timeouts=TIMEOUTS, deadline_s=120, kills=(KillPoint(2, 0, "2B1"),))

@@ -41,7 +41,6 @@ from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 from bamboo.schedule import Instruction, Kind, RCMode, Schedule, one_f_one_b
 from bamboo.schedule.engine import counterpart
-from bamboo.schedule.failover import ConsecutiveFailure as ScheduleConsecutiveFailure
 from bamboo.schedule.failover import failover_schedule
 from torch.distributed import Store
 
@@ -85,6 +84,7 @@ class Layout:
                     members[f"p2p-{a}-{b}"] = [a, b]
         for s in range(self.stages):
             members[f"dp-s{s}"] = [self.rank(placements[d][s], d) for d in sorted(placements)]
+        members["world"] = sorted({self.rank(n, d) for d, placement in placements.items() for n in placement})
         return members
 
 
@@ -198,6 +198,7 @@ class StageExecutor:
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
+        self._contributions: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._reset_iteration()
@@ -280,11 +281,17 @@ class StageExecutor:
             except RuntimeError as exc:
                 raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
 
-    def _interrupt(self) -> None:
-        """Raise FailureNoticed if a failure has been confirmed (called while blocked)."""
-        event = self.notices.poll(self.epoch + 1) if self.notices is not None else None
-        if event is not None:
-            raise FailureNoticed(event)
+    def _interrupter(self, group: str) -> Callable[[], None]:
+        """While blocked in a collective on `group`: raise FailureNoticed if a confirmed failure
+        removed a member of it. A collective whose members all live is left to complete (the
+        event is noticed again at the next blocking point), so it is never posted twice."""
+
+        def interrupt() -> None:
+            event = self.notices.poll(self.epoch + 1) if self.notices is not None else None
+            if event is not None and set(event.victims) & set(self.groups.members[group]):
+                raise FailureNoticed(event)
+
+        return interrupt
 
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
@@ -477,7 +484,9 @@ class StageExecutor:
         loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
         flat = piece.flat_grads()
         if self.layout.pipelines > 1:
-            self.groups.allreduce(f"dp-s{s}", [flat, loss], str(instruction), self._interrupt)
+            contribution = (self.step, flat.clone(), loss.clone())
+            self.groups.allreduce(f"dp-s{s}", [flat, loss], str(instruction), self._interrupter(f"dp-s{s}"))
+            self._contributions[s] = contribution  # kept in case a lost peer's shadow redoes this
             piece.load_flat_grads(flat)
         self._reduced[s] = torch.cat([flat, loss.float(), torch.tensor([float(piece.steps + 1)])])
 
@@ -573,7 +582,8 @@ class StageExecutor:
             loss = sum(self.mb_losses.values()) if self.layout.pipelines == 1 else loss
         norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
         self.groups.allreduce(
-            f"pipe-d{self.pipeline}", [norm_and_loss], "commit (global gradient norm and loss)", self._interrupt
+            f"pipe-d{self.pipeline}", [norm_and_loss], "commit (global gradient norm and loss)",
+            self._interrupter(f"pipe-d{self.pipeline}"),
         )
         clip = clip_coefficient(self.config.gradient_clipping, float(norm_and_loss[0]))
         for s in self._to_step:
@@ -587,8 +597,20 @@ class StageExecutor:
         return mean_loss
 
     def finish(self) -> None:
-        """Apply the last replica updates (call after the last iteration)."""
+        """Apply the last replica updates and leave together (call after the last iteration).
+
+        With several pipelines, every live node meets in a last all-reduce before it leaves, so a
+        node is still there if a failover in another pipeline needs it to redo an all-reduce.
+        """
         self.apply_replica_updates()
+        if self.layout.pipelines == 1 or self.notices is None:
+            return
+        while True:
+            try:
+                self.groups.allreduce("world", [torch.zeros(1)], "final barrier", self._interrupter("world"))
+                return
+            except (PeerFailure, FailureNoticed) as failure:
+                self._fail_over(failure, [], 0)
 
     # ----------------------------------------------------------------------------- failover
     def _confirmed_event(self, failure: PeerFailure | FailureNoticed) -> FailureEvent:
@@ -619,92 +641,134 @@ class StageExecutor:
                 copies.append(("shadow", shadow))
         return copies
 
-    def _exchange_progress(
-        self, survivors: Sequence[int], done: int
-    ) -> tuple[dict[int, int], FailureEvent | None]:
-        """Publish how many instructions this node completed and read every survivor's count.
+    def _progress_prefix(self, pipeline: int) -> str:
+        return f"bamboo/{self.job}/e{self.epoch}/progress/d{pipeline}"
 
-        Returns the counts, or (while waiting) a later failure event that restarts the agreement.
-        """
-        prefix = f"bamboo/{self.job}/e{self.epoch}/progress/d{self.pipeline}"
-        self.store.set(f"{prefix}/n{self.node}", json.dumps({"done": done}))
-        keys = [f"{prefix}/n{n}" for n in survivors]
+    def _read_progress(
+        self, pipeline: int, survivors: Sequence[int]
+    ) -> tuple[dict[int, tuple[int, int]], FailureEvent | None]:
+        """Every survivor's (completed instructions, step) in `pipeline` for the current epoch, or
+        a later failure event (which restarts the agreement) if one arrives first."""
+        keys = [f"{self._progress_prefix(pipeline)}/n{n}" for n in survivors]
         deadline = time.monotonic() + self.timeouts.confirm
         while not self.store.check(keys):
             later = self.notices.poll(self.epoch + 1) if self.notices is not None else None
             if later is not None:
                 return {}, later
             if time.monotonic() > deadline:
-                raise RuntimeError(f"survivors {list(survivors)} did not publish their progress in epoch {self.epoch}")
+                raise RuntimeError(
+                    f"survivors {list(survivors)} of pipeline {pipeline} did not publish their progress "
+                    f"in epoch {self.epoch}"
+                )
             time.sleep(0.001)
-        return {n: int(json.loads(self.store.get(key))["done"]) for n, key in zip(survivors, keys, strict=True)}, None
+        records = [json.loads(self.store.get(key)) for key in keys]
+        return {n: (int(r["done"]), int(r["step"])) for n, r in zip(survivors, records, strict=True)}, None
+
+    def _plan(self, victims: set[int], progress: dict[int, int]) -> tuple[Any, dict[int, int]]:
+        """The failover plan of a pipeline from its survivors' progress (the same on every node).
+
+        A transfer that one side completed is completed by the other side too, so the cut pairs up.
+        """
+        schedule = one_f_one_b(self.layout.stages, self.config.micro_batches, rc=self.redundancy)
+        streams = schedule.streams
+        cut = dict(progress)
+        for n, i in progress.items():
+            if i < len(streams[n]):
+                instruction = streams[n][i]
+                partner = instruction.peer
+                if partner is not None and partner in progress and counterpart(instruction, n) in streams[partner][
+                    : progress[partner]
+                ]:
+                    cut[n] = i + 1
+        return failover_schedule(schedule, victims, cut), cut
 
     def _fail_over(
         self, failure: PeerFailure | FailureNoticed, stream: list[Instruction], done: int
     ) -> list[Instruction]:
         """Switch to the failover schedule for the rest of this iteration; returns the new stream.
 
-        All survivors of the pipeline publish how many instructions they completed, agree on a
-        consistent cut (a transfer that one side completed completes on the other side too), and
-        derive the same `failover_schedule` from the same facts. Groups whose membership changed
-        are rebuilt for the new epoch; P2P groups between survivors stay, with anything in flight.
+        All survivors of the victims' pipeline publish how many instructions they completed, agree
+        on a consistent cut, and derive the same `failover_schedule` from the same facts. Groups
+        whose membership changed are rebuilt for the new epoch; P2P groups between survivors stay,
+        with anything in flight. Nodes of other pipelines only rebuild the data-parallel groups of
+        the victims' stages; a node that already all-reduced a victim's stage this iteration joins
+        the shadow's redo of that all-reduce with its stored contribution.
         """
         started = time.perf_counter()
         event = self._confirmed_event(failure)
         detected = time.perf_counter()
-        victims: set[int] = set()
+        victims: dict[int, set[int]] = {}
         while True:  # a further failure during the agreement restarts it with every victim so far
             self.epoch = event.epoch
             new_dead = set(event.victims) - self.dead
             self.dead |= new_dead
-            if any(self.layout.position(r)[1] != self.pipeline for r in new_dead):
-                raise RuntimeError(
-                    f"failover across data-parallel pipelines is not supported yet (dead ranks {sorted(new_dead)})"
-                )
-            victims |= {self.layout.position(r)[0] for r in new_dead}
-            if self.schedule.placement != tuple(range(self.layout.stages)):
-                raise RuntimeError(
-                    f"a failure while already failed over (epoch {self.epoch}, victims {sorted(victims)}) "
-                    "is not supported yet"
-                )
-            for v in sorted(victims):
-                if (v + 1) % self.layout.stages in victims:
-                    self._abandon_iteration()
-                    lost = sorted(victims)
-                    raise ConsecutiveFailure(self.pipeline, lost, {s: self._surviving_copies(s) for s in lost})
+            for rank in new_dead:
+                stage, pipeline = self.layout.position(rank)
+                victims.setdefault(pipeline, set()).add(stage)
+            for pipeline, lost in victims.items():
+                for v in sorted(lost):
+                    if (v + 1) % self.layout.stages in lost:
+                        self._abandon_iteration()
+                        ordered = sorted(lost)
+                        raise ConsecutiveFailure(pipeline, ordered, {s: self._surviving_copies(s) for s in ordered})
+                placement = tuple((s - 1) % self.layout.stages if s in lost else s for s in range(self.layout.stages))
+                self.placements[pipeline] = placement
+            self.groups.set_members(self.epoch, self.layout.group_members(self.placements))
             if self.redundancy == "none":
                 raise failure
-            survivors = [n for n in range(self.layout.stages) if n not in victims]
-            progress, later = self._exchange_progress(survivors, done)
+            mine = victims.get(self.pipeline, set())
+            if mine and self.schedule.placement != tuple(range(self.layout.stages)):
+                raise RuntimeError(
+                    f"a failure while already failed over (epoch {self.epoch}, victims {sorted(mine)}) "
+                    "is not supported yet"
+                )
+            if mine:
+                self.store.set(
+                    f"{self._progress_prefix(self.pipeline)}/n{self.node}",
+                    json.dumps({"done": done, "step": self.step}),
+                )
+            later = None
+            plans: dict[int, tuple[Any, dict[int, int], int]] = {}
+            for pipeline, lost in sorted(victims.items()):
+                survivors = [n for n in range(self.layout.stages) if n not in lost]
+                progress, later = self._read_progress(pipeline, survivors)
+                if later is not None:
+                    break
+                plan, cut = self._plan(lost, {n: done_ for n, (done_, _) in progress.items()})
+                plans[pipeline] = (plan, cut, max(step for _, step in progress.values()))
             if later is None:
                 break
             event = later
-        streams = self.schedule.streams
-        cut = dict(progress)
-        for n in survivors:  # a transfer completed by one side is completed by the other side too
-            i = progress[n]
-            if i < len(streams[n]):
-                instruction = streams[n][i]
-                if instruction.peer is not None and instruction.peer in progress:
-                    partner = instruction.peer
-                    if counterpart(instruction, n) in streams[partner][: progress[partner]]:
-                        cut[n] = i + 1
-        try:
-            plan = failover_schedule(self.schedule, victims, cut)
-        except ScheduleConsecutiveFailure as exc:  # defensive: the check above already covers it
-            self._abandon_iteration()
-            raise ConsecutiveFailure(self.pipeline, sorted(victims), {}) from exc
+        for pipeline, (plan, _cut, step) in plans.items():
+            if pipeline != self.pipeline:
+                self._join_redone_allreduces(plan, victims[pipeline], step)
+        self.failovers.append({
+            "epoch": self.epoch, "victims": {d: sorted(v) for d, v in victims.items()}, "step": self.step,
+            "cut": plans[self.pipeline][1] if self.pipeline in plans else None,
+            "detect_s": detected - started, "reroute_s": time.perf_counter() - detected,
+            "resumed_at": time.perf_counter(),
+        })
+        if self.pipeline not in plans:
+            return stream[done:]  # our pipeline lost nobody: resume where we were
+        plan, cut, _ = plans[self.pipeline]
         if cut[self.node] > done:
             self.execute(stream[done])  # the interrupted transfer: its partner completed it
         self.apply_replica_updates()
         self.schedule = plan.steady
-        self.placements[self.pipeline] = plan.steady.placement
-        self.groups.set_members(self.epoch, self.layout.group_members(self.placements))
         replica = [s for s, shadow in enumerate(plan.steady.shadows) if shadow == self.node]
         self.replica_stage = replica[0] if replica else None
-        self.failovers.append({
-            "epoch": self.epoch, "victims": sorted(victims), "step": self.step, "cut": cut,
-            "detect_s": detected - started, "reroute_s": time.perf_counter() - detected,
-            "resumed_at": time.perf_counter(),
-        })
         return list(plan.remainder.streams[self.node])
+
+    def _join_redone_allreduces(self, plan: Any, lost: set[int], step: int) -> None:
+        """Join the all-reduce of a lost stage that its shadow redoes, if ours already ran."""
+        for v in sorted(lost):
+            if v != self.stage or self.stage not in self.hosted:
+                continue
+            shadow = (v - 1) % self.layout.stages
+            redone = any(i.kind is Kind.ALLREDUCE and i.stage == v for i in plan.remainder.streams[shadow])
+            contribution = self._contributions.get(v)
+            if redone and contribution is not None and contribution[0] == step:
+                _, flat, loss = contribution
+                self.groups.allreduce(
+                    f"dp-s{v}", [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(f"dp-s{v}")
+                )

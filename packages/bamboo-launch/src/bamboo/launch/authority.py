@@ -1,0 +1,156 @@
+"""Wiring the runtime's failure interface to bamboo-membership: worker side and launcher side.
+
+`bamboo.rc` learns of failures through :class:`bamboo.rc.FailureNotices`: a worker *suspects* a
+peer, and an authority *confirms* failures by publishing a :class:`bamboo.rc.FailureEvent` (the
+next runtime epoch and the global ranks that died) in the c10d store the workers share. Here:
+
+- :class:`MembershipFailureNotices` (in each worker) is :class:`bamboo.rc.StoreFailureNotices`
+  over the etcd-backed c10d store, whose ``suspect`` is also forwarded to the node's agent over
+  gRPC (``AgentClient.report_peer_failure``), so that the agent's ``FailureDetector`` probes the
+  suspect. A poll that cannot reach etcd (etcd restarting) answers "nothing confirmed yet"
+  instead of crashing the worker; the transfer it guards keeps waiting.
+- :class:`FailureAuthority` (in the launcher) runs a ``FailureDetector`` of its own, which sees
+  every ``NodeFailed`` (probe-confirmed neighbour reports written by any agent, and lease
+  expiries). It maps each failed node to its global rank in the current layout and publishes the
+  ranks that failed within ``batch_window_s`` (default 0.3 s) of each other as one event, so a
+  consecutive pair killed together is one event.
+
+Nobody acts on a suspicion alone: only what the membership detector confirmed is published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from bamboo.membership import (
+    AgentClient,
+    DetectorConfig,
+    FailureDetector,
+    GrpcProber,
+    MembershipStore,
+    NodeFailed,
+)
+from bamboo.membership.kv import StoreError
+from bamboo.rc import FailureEvent, StoreFailureNotices
+from torch.distributed import Store
+
+__all__ = ["FailureAuthority", "MembershipFailureNotices"]
+
+log = logging.getLogger(__name__)
+
+
+class MembershipFailureNotices(StoreFailureNotices):
+    """The worker's :class:`bamboo.rc.FailureNotices`: events from the store, suspicions to the agent.
+
+    ``node_of_rank`` names the node that runs each global rank (for the agent's detector).
+    """
+
+    def __init__(
+        self, store: Store, job: str, agent: AgentClient | None, node_of_rank: dict[int, str]
+    ) -> None:
+        super().__init__(store, job)
+        self.agent = agent
+        self.node_of_rank = dict(node_of_rank)
+
+    def suspect(self, epoch: int, reporter: int, peer: int, instruction: str) -> None:
+        node = self.node_of_rank.get(peer)
+        if self.agent is not None and node is not None:
+            try:
+                self.agent.report_peer_failure(node, f"rank {reporter}: {instruction} failed in epoch {epoch}")
+            except Exception as error:  # the agent being unreachable must not hide the suspicion
+                log.error("could not report %s to the agent: %s", node, error)
+        try:
+            super().suspect(epoch, reporter, peer, instruction)
+        except (StoreError, RuntimeError) as error:
+            log.error("could not record the suspicion of rank %d: %s", peer, error)
+
+    def poll(self, epoch: int) -> FailureEvent | None:
+        try:
+            return super().poll(epoch)
+        except (StoreError, RuntimeError) as error:  # etcd unreachable: nothing confirmed that we can see
+            log.warning("failure notices unreadable (epoch %d): %s", epoch, error)
+            return None
+
+
+class FailureAuthority:
+    """Turns membership's ``NodeFailed`` into the runtime's numbered ``FailureEvent``.
+
+    ``rank_of_node`` maps the nodes that hold a role to their global rank; failures of other nodes
+    (standby) are recorded in :attr:`failed_nodes` but publish nothing. ``on_event(event, nodes)``
+    is called after each publication (the launcher logs it).
+    """
+
+    def __init__(
+        self,
+        membership: MembershipStore,
+        notices: StoreFailureNotices,
+        rank_of_node: dict[str, int],
+        *,
+        detector_config: DetectorConfig | None = None,
+        batch_window_s: float = 0.3,
+        on_event: Callable[[FailureEvent, list[str]], None] | None = None,
+    ) -> None:
+        self.notices = notices
+        self.rank_of_node = dict(rank_of_node)
+        self.batch_window_s = batch_window_s
+        self.on_event = on_event
+        self.detector = FailureDetector(membership, "launcher", GrpcProber("launcher"), detector_config)
+        self.epoch = 0
+        self.failed_nodes: dict[str, float] = {}
+        self.published: list[FailureEvent] = []
+        self._pending: list[str] = []
+        self._lock = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publisher, name="bamboo-failure-authority", daemon=True)
+
+    def start(self) -> FailureAuthority:
+        self.detector.subscribe(self._on_failed)
+        self.detector.start()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        self.detector.stop()
+        self._thread.join(5)
+
+    def failed_ranks(self) -> set[int]:
+        """Global ranks confirmed failed so far."""
+        return {rank for event in self.published for rank in event.victims}
+
+    def _on_failed(self, event: NodeFailed) -> None:
+        with self._lock:
+            if event.node in self.failed_nodes:
+                return
+            self.failed_nodes[event.node] = time.monotonic()
+            if event.node in self.rank_of_node:
+                self._pending.append(event.node)
+                self._lock.notify_all()
+
+    def _publisher(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                while not self._pending and not self._stop.is_set():
+                    self._lock.wait(0.5)
+                if self._stop.is_set():
+                    return
+            time.sleep(self.batch_window_s)  # gather the failures that come together
+            with self._lock:
+                nodes, self._pending = self._pending, []
+            self.epoch += 1
+            event = FailureEvent(self.epoch, [self.rank_of_node[node] for node in nodes])
+            for attempt in range(100):  # etcd may be restarting: keep trying, a confirmed failure must get out
+                try:
+                    self.notices.publish(event)
+                    break
+                except (StoreError, RuntimeError) as error:
+                    log.error("publishing %s failed (attempt %d): %s", event, attempt + 1, error)
+                    time.sleep(0.2)
+            self.published.append(event)
+            if self.on_event is not None:
+                self.on_event(event, nodes)

@@ -615,6 +615,144 @@ def _replay(args: argparse.Namespace, plan: Sequence[Any]) -> int:
     return 1 if failures else 0
 
 
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser(
+        "run",
+        help="train on an emulated spot cluster: embedded etcd, one agent per node, the spot market, failover",
+        usage=(
+            "bamboo-launch run --nodes N --stages P --pipelines D [--zones a,b,c] [--etcd URL] "
+            "[--preemptions FILE|synthetic:RATE] [--time-scale X] [--checkpoint-dir DIR] [--steps S] [options]"
+        ),
+        description=(
+            "Start etcd (embedded unless --etcd), one node process per initial node of the trace (an agent that "
+            "registers under a lease, serves the gRPC agent service and spawns its worker), place P x D of them "
+            "with bamboo-reconfig (the rest on standby), train the built-in example (the tiny GPT of bamboo-rc) "
+            "with redundant computation, and replay the preemption trace: a removal SIGKILLs the node's whole "
+            "process group and the runtime fails over; an addition starts a new node after the allocation delay. "
+            "Trace time runs from the first training step. Writes a JSON-lines event log and prints the report. "
+            "User scripts after -- are not supported yet."
+        ),
+    )
+    run.add_argument("--nodes", type=int, default=8, help="initial cluster size; synthetic traces keep about "
+                     "this many nodes (default: %(default)s)")
+    run.add_argument("--stages", type=int, default=4, help="pipeline depth P (default: %(default)s)")
+    run.add_argument("--pipelines", type=int, default=2, help="data-parallel pipelines D (default: %(default)s)")
+    run.add_argument("--zones", type=_zones, default=None, help="zone names, comma separated (default: the "
+                     "trace's own; without a trace or for a synthetic one: 3 zones)")
+    run.add_argument("--steps", type=int, default=20, help="training steps S (default: %(default)s)")
+    run.add_argument("--preemptions", default=None, metavar="FILE|synthetic:RATE",
+                     help="preemption trace: a file in any bamboo-bench format (the paper's EC2 CSV, ...) or "
+                     "synthetic:RATE, the paper's model at per-hour preemption probability RATE (default: none)")
+    run.add_argument("--time-scale", type=_positive_float, default=60.0,
+                     help="trace seconds per wall second (default: %(default)s)")
+    run.add_argument("--hours", type=_positive_float, default=1.0,
+                     help="synthetic only: trace length in hours (default: %(default)s)")
+    run.add_argument("--seed", type=int, default=0, help="synthetic only: the trace's random seed (default: "
+                     "%(default)s)")
+    run.add_argument("--allocation-delay", type=_non_negative_float, default=0.0,
+                     help="wall seconds from a trace add to the node's start (default: %(default)s)")
+    run.add_argument("--notice", type=_non_negative_float, default=0.0,
+                     help="wall seconds of preemption notice (SIGTERM) before each kill (default: %(default)s)")
+    run.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                     help="write asynchronous checkpoints here (one shard per stage; default: none)")
+    run.add_argument("--checkpoint-every", type=int, default=10,
+                     help="steps between checkpoints (default: %(default)s)")
+    run.add_argument("--etcd", type=_endpoints, default=None, metavar="URL",
+                     help="external etcd endpoints host:port[,host:port] (default: start an embedded etcd)")
+    run.add_argument("--etcd-user", default=None, help="external etcd: user name (with --etcd-password)")
+    run.add_argument("--etcd-password", default=None, help="external etcd: password")
+    run.add_argument("--etcd-ca", default=None, help="external etcd: PEM CA of the server (enables TLS)")
+    run.add_argument("--etcd-cert", default=None, help="external etcd: PEM client certificate (with --etcd-key)")
+    run.add_argument("--etcd-key", default=None, help="external etcd: PEM client key")
+    run.add_argument("--job", default=None, help="job name: etcd keys live under /bamboo/<job>/ (default: a "
+                     "fresh random name)")
+    run.add_argument("--run-dir", default=None, help="where the run's files go: RUN.json, out/, logs/<node>.log, "
+                     "events.jsonl (default: a new temporary directory, kept)")
+    run.add_argument("--events", default=None, metavar="OUT.jsonl",
+                     help="the JSON-lines event log (default: RUN_DIR/events.jsonl)")
+    run.add_argument("--plot", default=None, metavar="OUT.png", help="also write the four-panel figure here")
+    run.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    run.add_argument("--verify", action="store_true",
+                     help="after the run, compare the final parameters with a fault-free single-process run of the "
+                     "same steps (exit status 1 above 1e-6 relative)")
+    run.add_argument("--layers", type=int, default=4, help="decoder blocks of the example GPT (default: %(default)s)")
+    run.add_argument("--redundancy", default="eflb", choices=["none", "lflb", "eflb", "efeb"],
+                     help="redundant computation mode (default: %(default)s)")
+    run.add_argument("--ttl", type=int, default=2, help="node lease TTL, seconds (default: %(default)s)")
+    run.add_argument("--grace", type=_positive_float, default=2.0,
+                     help="seconds a suspect must stay unresponsive before it is declared failed (default: "
+                     "%(default)s)")
+    run.add_argument("--timeout", type=_positive_float, default=900.0,
+                     help="seconds the whole run may take before every node is killed (default: %(default)s)")
+    run.add_argument("--no-live", action="store_true", help="no live view; print progress lines instead")
+    run.set_defaults(handler=_run, script=[])
+
+
+def _run(args: argparse.Namespace) -> int:
+    from bamboo.launch.run import RunError, RunOptions, compare_with_reference, run_cluster
+    from rich.console import Console
+
+    if args.script:
+        _fail(f"user scripts are not supported yet (got {' '.join(args.script)!r}); run without -- SCRIPT to "
+              "train the built-in example")
+    for name in ("nodes", "stages", "pipelines", "steps", "layers", "checkpoint_every", "ttl"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.layers + 2 < args.stages:
+        _fail(f"--stages {args.stages} is more than the example's {args.layers + 2} layers (raise --layers)")
+    try:
+        options = RunOptions(
+            nodes=args.nodes, stages=args.stages, pipelines=args.pipelines, steps=args.steps, zones=args.zones,
+            etcd=args.etcd, etcd_user=args.etcd_user, etcd_password=args.etcd_password, etcd_ca=args.etcd_ca,
+            etcd_cert=args.etcd_cert, etcd_key=args.etcd_key, preemptions=args.preemptions,
+            time_scale=args.time_scale, hours=args.hours, trace_seed=args.seed,
+            allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every, run_dir=args.run_dir, events=args.events, job=args.job,
+            redundancy=args.redundancy, size={"layers": args.layers}, ttl=args.ttl, grace_s=args.grace,
+            timeout_s=args.timeout, live=not args.no_live,
+        )
+    except ValueError as error:
+        _fail(str(error))
+    console = Console(stderr=True)
+    try:
+        result = run_cluster(options, progress=lambda line: console.print(f"[dim]bamboo-launch:[/dim] {line}"))
+    except RunError as error:
+        _fail(str(error))
+    return _finish_run(args, options, result, compare_with_reference if args.verify else None)
+
+
+def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any) -> int:
+    from bamboo.launch.events import read_events
+    from bamboo.launch.report import compute_report, format_report, plot_report
+
+    events = read_events(result.events)
+    report = compute_report(events)
+    status = 0
+    extra: dict[str, Any] = {"run_dir": str(result.run_dir), "events": str(result.events),
+                             "failed_ranks": list(result.failed_ranks), "timed_out": result.timed_out}
+    if result.consecutive:
+        extra["consecutive_failure"] = result.consecutive
+    if verify is not None:
+        comparison = verify(result, options)
+        extra["max_relative_diff"] = comparison["max_relative_diff"]
+        extra["compared_steps"] = comparison["steps"]
+        if comparison["max_relative_diff"] > 1e-6:
+            status = 1
+    if result.timed_out:
+        status = 1
+    if args.plot:
+        plot_report(events, args.plot)
+    if args.json:
+        print(json.dumps({**report.to_dict(), **extra}))
+    else:
+        print(format_report(report))
+        for key, value in extra.items():
+            print(f"  {key.replace('_', ' '):<17}{value}")
+        if args.plot:
+            print(f"  plot             {args.plot}")
+    return status
+
+
 def _add_watch(subparsers: argparse._SubParsersAction) -> None:
     watch = subparsers.add_parser(
         "watch",
@@ -682,9 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to render ``--help`` in the README)."""
     parser = argparse.ArgumentParser(
         prog="bamboo-launch",
-        description="Bamboo's launcher: Kubernetes manifests, the emulated spot market, run reports and the live view.",
+        description="Bamboo's launcher: training runs on an emulated spot cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{k8s,market,report,watch}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{run,k8s,market,report,watch}")
+    _add_run(subparsers)
     _add_k8s(subparsers)
     _add_market(subparsers)
     _add_report(subparsers)

@@ -89,6 +89,8 @@ class RunOptions:
     allocation_delay_s: float = 0.0
     notice_s: float = 0.0
     checkpoint_dir: str | None = None
+    checkpoint_every: int = attrs.field(default=10, validator=_positive)
+    confirm_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     run_dir: str | None = None
     events: str | None = None
     job: str | None = None
@@ -261,6 +263,8 @@ def run_cluster(options: RunOptions, *, progress: Callable[[str], None] | None =
         redundancy=options.redundancy, size=options.size, config=options.config, seed=options.seed,
         etcd_user=options.etcd_user, etcd_password=options.etcd_password, etcd_ca=options.etcd_ca,
         etcd_cert=options.etcd_cert, etcd_key=options.etcd_key,
+        checkpoint_dir=str(Path(options.checkpoint_dir).resolve()) if options.checkpoint_dir else None,
+        checkpoint_every=options.checkpoint_every, confirm_timeout_s=options.confirm_timeout_s,
     )
     spec_path = run_dir / "RUN.json"
     _write_atomic(spec_path, spec.to_json())
@@ -300,7 +304,10 @@ def run_cluster(options: RunOptions, *, progress: Callable[[str], None] | None =
         _write_atomic(spec_path, attrs.evolve(spec, node_of_rank=node_of_rank).to_json())
         notices = StoreFailureNotices(EtcdStore(kv, c10d_prefix(job, "rc")), job)
         authority = FailureAuthority(membership, notices, rank_of_node,
-                                     detector_config=DetectorConfig(grace_period=options.grace_s)).start()
+                                     detector_config=DetectorConfig(grace_period=options.grace_s),
+                                     on_event=lambda event, nodes: say(
+                                         f"confirmed failure of {', '.join(nodes)}: ranks {list(event.victims)} "
+                                         f"(runtime epoch {event.epoch})")).start()
         value = {"state": "running", "stages": options.stages, "pipelines": options.pipelines,
                  "ranks": rank_of_node, "standby": list(layout.standby),
                  "owners": [list(row) for row in layout.owners]}

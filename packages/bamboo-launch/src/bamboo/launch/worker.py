@@ -56,6 +56,8 @@ class RunSpec:
     etcd_cert: str | None = None
     etcd_key: str | None = None
     confirm_timeout_s: float = 60.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
     group_timeout_s: float = 60.0
 
     def to_json(self) -> str:
@@ -108,6 +110,23 @@ def train(spec: RunSpec, rank: int, agent_address: str | None) -> dict[str, Any]
     samples = config.micro_batch_size * config.micro_batches * spec.pipelines
     log = EventLog(spec.events, start=spec.run_start)
     node = spec.node_of_rank[rank]
+    checkpointers: dict[int, Any] = {}  # stage -> its shard's writer (pipeline 0 writes one shard per stage)
+
+    def checkpoint(step: int) -> None:
+        from bamboo.launch.checkpoint import AsyncCheckpointer
+        from bamboo.launch.events import Checkpoint
+
+        def committed(info: Any) -> None:
+            log.write(Checkpoint(t=log.now(), step=info.step, path=str(info.path), bytes=info.bytes,
+                                 duration_s=info.duration_s))
+
+        for stage in executor.hosted:  # a shadow that took over a stage writes that stage's shard too
+            if stage not in checkpointers:
+                checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
+                                                         every_steps=spec.checkpoint_every, on_commit=committed)
+            checkpointers[stage].maybe_save(step, lambda stage=stage: {
+                "state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8)})
+
     consecutive: str | None = None
     seen_failovers = 0
     started = time.perf_counter()
@@ -121,11 +140,15 @@ def train(spec: RunSpec, rank: int, agent_address: str | None) -> dict[str, Any]
                 log.write(Failover(t=log.now(), victim=spec.node_of_rank.get(victim_rank, str(victim_rank)),
                                    shadow=node, stage=record["victim"], pause_s=record["pause_s"]))
             seen_failovers = len(executor.failovers)
+            if spec.checkpoint_dir is not None and executor.pipeline == 0:
+                checkpoint(executor.step)
             if executor.pipeline == 0 and spec.stages - 1 in executor.hosted:
                 active = spec.stages * spec.pipelines - len(executor.dead)
                 log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
                                nodes_active=active, duration_s=duration))
         engine.finish()
+        for writer in checkpointers.values():
+            writer.close()
     except ConsecutiveFailure as failure:
         consecutive = str(failure)
         executor.apply_replica_updates()

@@ -41,6 +41,7 @@ import attrs
 __all__ = [
     "DEFAULT_RUN_CONFIG",
     "RunError",
+    "RunHandles",
     "RunOptions",
     "RunResult",
     "compare_with_reference",
@@ -221,8 +222,27 @@ def _first_layout(options: RunOptions, registered: dict[str, str]) -> Any:
     return layout
 
 
-def run_cluster(options: RunOptions, *, progress: Callable[[str], None] | None = None) -> RunResult:
-    """Run the emulated cluster to the end (see the module docstring); returns what it left."""
+@attrs.frozen
+class RunHandles:
+    """The live parts of a run, handed to ``run_cluster(during=...)`` once training has started
+    (chaos tests kill and restart the embedded etcd, or stop an agent, through them)."""
+
+    etcd: Any
+    cluster: Any
+    membership: Any
+    node_of_rank: dict[int, str]
+
+
+def run_cluster(
+    options: RunOptions,
+    *,
+    progress: Callable[[str], None] | None = None,
+    during: Callable[[RunHandles], None] | None = None,
+) -> RunResult:
+    """Run the emulated cluster to the end (see the module docstring); returns what it left.
+
+    ``during``, if given, runs in a background thread once training has started.
+    """
     from bamboo.launch.authority import FailureAuthority
     from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart
     from bamboo.launch.market import ActionKind, ExecutedAction, ProcessCluster, SpotMarket
@@ -319,6 +339,11 @@ def run_cluster(options: RunOptions, *, progress: Callable[[str], None] | None =
         clock.start_now()  # trace time runs from the first step: no kill lands while workers start
         say("training started; replaying the trace")
         market.start()
+        if during is not None:
+            import threading
+
+            threading.Thread(target=during, args=(RunHandles(etcd, cluster, membership, node_of_rank),),
+                             name="bamboo-run-during", daemon=True).start()
         timed_out = _wait_ranked(cluster, set(rank_of_node), started + options.timeout_s, events_path, options.live)
     finally:
         market.stop(timeout=10)

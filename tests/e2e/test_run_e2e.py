@@ -1,0 +1,106 @@
+"""End to end: `bamboo-launch run`'s engine on an emulated cluster, with real kills, a real etcd and real gloo.
+
+Each test runs `run_cluster` (an embedded etcd, one agent process per node that spawns a bamboo-rc
+worker, the spot market replaying a scripted trace) and checks the final parameters against a
+fault-free single-process run of the same steps (`compare_with_reference`, 1e-6 relative).
+
+The layout is bamboo-reconfig's zone-aware placement, deterministic for a given set of nodes and
+zones: with 8 nodes in zones a,b,c (node i in zone i mod 3), P=4, D=2, pipeline 0 is
+node0 node1 node3 node2 and pipeline 1 is node4 node6 node7 node5; with 4 nodes, P=2, D=2,
+pipeline 0 is node0 node1 and pipeline 1 is node3 node2. The tests assert the layout they rely on.
+Trace node K (from 1) is the launcher's node K-1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from bamboo.launch.events import Failover, Preemption, read_events
+from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+TOLERANCE = 1e-6
+
+
+def _options(tmp_path: Path, **changes: object) -> RunOptions:
+    base: dict[str, object] = {
+        "nodes": 4, "stages": 2, "pipelines": 2, "steps": 30, "zones": ("a", "b", "c"), "time_scale": 1.0,
+        "run_dir": str(tmp_path / "run"), "confirm_timeout_s": 30.0, "timeout_s": 240.0,
+    }
+    base.update(changes)
+    return RunOptions(**base)  # type: ignore[arg-type]
+
+
+def _failovers(events: Path) -> list[Failover]:
+    return [event for event in read_events(events) if isinstance(event, Failover)]
+
+
+def test_failovers_after_real_kills_match_a_fault_free_run(
+    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str]
+) -> None:
+    # trace node2 = node1 = rank 1 (stage 1 of pipeline 0); trace node7 = node6 = rank 5 (stage 1 of pipeline 1)
+    trace = write_trace(8, [(600, "add", "node9"), (1500, "remove", "node2"), (1500, "remove", "node7")])
+    options = _options(tmp_path, nodes=8, stages=4, steps=16, preemptions=trace)
+    result = run_cluster(options)
+    assert result.node_of_rank == {0: "node0", 1: "node1", 2: "node3", 3: "node2",
+                                   4: "node4", 5: "node6", 6: "node7", 7: "node5"}
+    assert result.failed_ranks == (1, 5)
+    assert result.exit_codes["node1"] == -signal.SIGKILL and result.exit_codes["node6"] == -signal.SIGKILL
+    assert sorted(result.reports) == [0, 2, 3, 4, 6, 7]
+    assert result.steps_done == 16 and result.consecutive is None and not result.timed_out
+    failovers = _failovers(result.events)
+    assert sorted((f.victim, f.shadow) for f in failovers) == [("node1", "node0"), ("node6", "node4")]
+    assert all(f.pause_s > 0 for f in failovers)
+    preempted = {e.node for e in read_events(result.events) if isinstance(e, Preemption)}
+    assert preempted == {"node1", "node6"}
+    comparison = compare_with_reference(result, options)
+    assert comparison["steps"] == 16
+    assert comparison["max_relative_diff"] <= TOLERANCE
+
+
+def test_embedded_etcd_killed_and_restarted_mid_run(tmp_path: Path) -> None:
+    outage: dict[str, float] = {}
+
+    def kill_and_restart_etcd(handles: RunHandles) -> None:
+        time.sleep(0.3)
+        handles.etcd.kill()
+        outage["killed"] = time.monotonic()
+        time.sleep(1.0)
+        handles.etcd.restart()
+        outage["restarted"] = time.monotonic()
+
+    options = _options(tmp_path, steps=40)
+    result = run_cluster(options, during=kill_and_restart_etcd)
+    assert "restarted" in outage, "the run ended before etcd came back"
+    assert result.failed_ranks == () and not result.timed_out
+    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
+    assert _failovers(result.events) == []
+    comparison = compare_with_reference(result, options)
+    assert comparison["steps"] == 40
+    assert comparison["max_relative_diff"] <= TOLERANCE
+
+
+def test_agent_stopped_for_less_than_the_grace_period_is_not_failed_over(tmp_path: Path) -> None:
+    stopped: dict[str, float] = {}
+
+    def pause_an_agent(handles: RunHandles) -> None:
+        agent = handles.cluster.processes[handles.node_of_rank[1]].pid  # the node's agent (its group leader)
+        os.kill(agent, signal.SIGSTOP)
+        stopped["at"] = time.monotonic()
+        time.sleep(1.0)  # below the 2 s grace period and the 2 s lease TTL
+        os.kill(agent, signal.SIGCONT)
+        stopped["resumed"] = time.monotonic()
+
+    options = _options(tmp_path, steps=40)
+    result = run_cluster(options, during=pause_an_agent)
+    assert "resumed" in stopped
+    assert result.failed_ranks == () and not result.timed_out
+    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
+    assert _failovers(result.events) == []
+    assert compare_with_reference(result, options)["max_relative_diff"] <= TOLERANCE

@@ -18,9 +18,18 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
-from bamboo.schedule.ir import Instruction, Kind, make
+from bamboo.schedule.ir import SENDS, Instruction, Kind, make
 
-__all__ = ["Deadlock", "ExecutionError", "Mismatch", "Timeline", "counterpart", "execute"]
+__all__ = [
+    "Deadlock",
+    "ExecutionError",
+    "Mismatch",
+    "StageTable",
+    "Timeline",
+    "check_execution",
+    "counterpart",
+    "execute",
+]
 
 Cell = tuple[int, int]
 """(node, index in that node's stream)."""
@@ -75,8 +84,91 @@ class Timeline:
 Duration = Callable[[int, Instruction], float]
 
 
+class StageTable:
+    """A `Duration` given as a table: ``rows[kind][stage]`` ms, the same on every node.
+
+    The engine reads the table directly instead of calling a function per instruction. A stage
+    beyond a row's end is looked up through ``fallback`` (which may extend the rows).
+    """
+
+    __slots__ = ("fallback", "rows")
+
+    def __init__(self, rows: Mapping[Kind, list[float]], fallback: Duration | None = None) -> None:
+        self.rows = rows
+        self.fallback = fallback
+
+    def __call__(self, node: int, instr: Instruction) -> float:
+        row = self.rows[instr.kind]
+        if instr.stage < len(row) or self.fallback is None:
+            return row[instr.stage]
+        return self.fallback(node, instr)
+
+
 def _zero(_node: int, _instr: Instruction) -> float:
     return 0.0
+
+
+def _blocked_error(streams: Mapping[int, Sequence[Instruction]], pos: Mapping[int, int]) -> Deadlock | None:
+    blocked = [(n, pos[n]) for n in streams if pos[n] < len(streams[n])]
+    if not blocked:
+        return None
+    heads = ", ".join(f"node {n} waits at {streams[n][i]} (#{i})" for n, i in blocked)
+    return Deadlock(f"blocking execution deadlocks: {heads}", blocked)
+
+
+def _mismatch(n: int, i: int, instr: Instruction, m: int, j: int, other: Instruction) -> Mismatch:
+    return Mismatch(
+        f"node {n} runs {instr} while node {m} runs {other}: {instr} pairs with {counterpart(instr, n)}",
+        [(n, i), (m, j)],
+    )
+
+
+def _no_stream(n: int, i: int, instr: Instruction, m: int) -> Deadlock:
+    return Deadlock(f"node {n} instruction {i} ({instr}) talks to node {m}, which has no stream", [(n, i)])
+
+
+def check_execution(streams: Mapping[int, Sequence[Instruction]]) -> None:
+    """`execute` without durations or a timeline: only raise `Deadlock` or `Mismatch` (the validator's use).
+
+    Nodes are visited in the same order as in `execute`, so the same error is raised.
+    """
+    pos = dict.fromkeys(streams, 0)
+    work = deque(streams)
+    pair_kind, offset = _PAIR, _OFFSET
+    while work:
+        n = work.popleft()
+        stream = streams[n]
+        length = len(stream)
+        i = pos[n]
+        while i < length:
+            instr = stream[i]
+            m = instr.peer
+            if m is None:
+                i += 1
+                continue
+            other_stream = streams.get(m)
+            if other_stream is None:
+                raise _no_stream(n, i, instr, m)
+            j = pos[m]
+            if j >= len(other_stream):
+                break
+            other = other_stream[j]
+            kind = instr.kind
+            if other.peer != n or (kind in SENDS) == (other.kind in SENDS):
+                break
+            if (
+                other.kind is not pair_kind[kind]
+                or other.stage != instr.stage + offset.get(kind, 0)
+                or other.microbatch != instr.microbatch
+            ):
+                raise _mismatch(n, i, instr, m, j, other)
+            pos[m] = j + 1
+            work.append(m)
+            i += 1
+        pos[n] = i
+    error = _blocked_error(streams, pos)
+    if error is not None:
+        raise error
 
 
 def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _zero) -> Timeline:
@@ -87,8 +179,10 @@ def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _
     start: dict[int, list[float]] = {n: [0.0] * len(streams[n]) for n in nodes}
     end: dict[int, list[float]] = {n: [0.0] * len(streams[n]) for n in nodes}
     order: list[Cell] = []
+    append = order.append
     work = deque(nodes)
     timed = duration is not _zero
+    rows = duration.rows if isinstance(duration, StageTable) else None
     pair_kind, offset = _PAIR, _OFFSET
     while work:
         n = work.popleft()
@@ -102,45 +196,52 @@ def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _
             m = instr.peer
             if m is None:
                 starts[i] = t
-                if timed:
+                if rows is not None:
+                    try:
+                        t += rows[instr.kind][instr.stage]
+                    except IndexError:
+                        t += duration(n, instr)
+                elif timed:
                     t += duration(n, instr)
                 ends[i] = t
-                order.append((n, i))
+                append((n, i))
                 i += 1
                 continue
-            if m not in streams:
-                raise Deadlock(f"node {n} instruction {i} ({instr}) talks to node {m}, which has no stream", [(n, i)])
+            other_stream = streams.get(m)
+            if other_stream is None:
+                raise _no_stream(n, i, instr, m)
             j = pos[m]
-            if j >= len(streams[m]):
+            if j >= len(other_stream):
                 break
-            other = streams[m][j]
-            if other.peer != n or other.is_send == instr.is_send:
-                break
+            other = other_stream[j]
             kind = instr.kind
+            if other.peer != n or (kind in SENDS) == (other.kind in SENDS):
+                break
             if (
                 other.kind is not pair_kind[kind]
                 or other.stage != instr.stage + offset.get(kind, 0)
                 or other.microbatch != instr.microbatch
             ):
-                raise Mismatch(
-                    f"node {n} runs {instr} while node {m} runs {other}: "
-                    f"{instr} pairs with {counterpart(instr, n)}",
-                    [(n, i), (m, j)],
-                )
-            begin = max(t, free[m])
-            t = begin + duration(n, instr) if timed else begin
-            start[n][i] = start[m][j] = begin
-            end[n][i] = end[m][j] = t
-            order.append((n, i))
-            order.append((m, j))
+                raise _mismatch(n, i, instr, m, j, other)
+            begin = t if t >= free[m] else free[m]
+            if rows is not None:
+                try:
+                    t = begin + rows[kind][instr.stage]
+                except IndexError:
+                    t = begin + duration(n, instr)
+            else:
+                t = begin + duration(n, instr) if timed else begin
+            starts[i] = start[m][j] = begin
+            ends[i] = end[m][j] = t
+            append((n, i))
+            append((m, j))
             pos[m] = j + 1
             free[m] = t
             work.append(m)
             i += 1
         pos[n] = i
         free[n] = t
-    blocked = [(n, pos[n]) for n in nodes if pos[n] < len(streams[n])]
-    if blocked:
-        heads = ", ".join(f"node {n} waits at {streams[n][i]} (#{i})" for n, i in blocked)
-        raise Deadlock(f"blocking execution deadlocks: {heads}", blocked)
+    error = _blocked_error(streams, pos)
+    if error is not None:
+        raise error
     return Timeline(start, end, order)

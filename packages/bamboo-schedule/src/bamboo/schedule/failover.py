@@ -49,8 +49,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 from bamboo.schedule._tasks import CostFn, build_task, compute_order, linearize, replica_lane, unit_cost
-from bamboo.schedule.engine import ExecutionError, Timeline, counterpart, execute
-from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
+from bamboo.schedule.engine import ExecutionError, StageTable, Timeline, check_execution, counterpart, execute
+from bamboo.schedule.ir import COMM_KINDS, Instruction, Kind, RCMode, Schedule, make
 from bamboo.schedule.validate import (
     ScheduleError,
     _provides,
@@ -182,7 +182,9 @@ def progress_at(
     execution). A node has completed an instruction if it started before that moment and ended by
     it; a send and its receive share their times, so the cut never splits a message.
     """
-    timeline = timeline or execute(schedule.streams, lambda _n, i: 0.0 if i.is_comm else 1.0)
+    if timeline is None:
+        unit = {kind: [0.0 if kind in COMM_KINDS else 1.0] * schedule.stages for kind in Kind}
+        timeline = execute(schedule.streams, StageTable(unit, lambda _n, i: 0.0 if i.is_comm else 1.0))
     moments = []
     for v, index in failures.items():
         if v not in schedule.streams:
@@ -210,7 +212,7 @@ def _cut_problem(executed: Mapping[int, Sequence[Instruction]]) -> str | None:
     """
     prefixes = {n: tuple(i for i in s if i.peer is None or i.peer in executed) for n, s in executed.items()}
     try:
-        execute(prefixes)
+        check_execution(prefixes)
     except ExecutionError as error:
         return str(error)
     return None
@@ -532,7 +534,7 @@ def validate_failover(plan: FailoverPlan) -> None:
             if instr.peer is not None and instr.peer not in remainder.streams:
                 fail(f"node {n} {instr} talks to failed node {instr.peer}", [(n, split[n] + i)])
     try:
-        execute(remainder.streams)
+        check_execution(remainder.streams)
     except ExecutionError as error:
         fail(str(error), [(n, split[n] + i) for n, i in error.cells])
     found = dependency_problem(full, P, M, rc)

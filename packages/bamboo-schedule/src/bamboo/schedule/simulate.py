@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from bamboo.schedule.engine import Timeline, execute
+from bamboo.schedule.engine import StageTable, Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
 
 __all__ = ["Costs", "SimResult", "StageCost", "simulate"]
@@ -148,47 +148,47 @@ class Costs:
             "stages": [attrs.asdict(s) for s in self.stages],
         }
 
-    def duration(self, rc: RCMode) -> Callable[[int, Instruction], float]:
-        """The engine's duration function: (node, instruction) -> ms."""
+    def duration(self, rc: RCMode, stages: int = 0) -> StageTable:
+        """The engine's duration function: (node, instruction) -> ms, as a table per kind and stage.
+
+        Rows cover ``stages`` stages (at least those listed in ``stages``); later stages are
+        filled in on first use.
+        """
         link, swap, latency = self.link_gb_per_s, self.swap_gb_per_s, self.latency_ms
-        table: dict[tuple[Kind, int], float] = {}
-        count = max(len(self.stages), 1)
+        rows: dict[Kind, list[float]] = {kind: [] for kind in Kind}
 
         def fill(s: int) -> None:
             c = self.stage(s)
             prev_act = self.stage(s - 1).activation_mb if s > 0 else c.activation_mb
-            table.update(
-                {
-                    (Kind.FORWARD, s): c.forward_ms,
-                    (Kind.BACKWARD, s): c.backward_ms,
-                    (Kind.FRC, s): c.frc,
-                    (Kind.BRC, s): c.brc,
-                    (Kind.OPTIMIZER, s): c.optimizer_ms,
-                    (Kind.LOAD, s): 0.0,
-                    (Kind.SEND_ACT, s): latency + c.activation_mb / link,
-                    (Kind.RECV_GRAD, s): latency + c.activation_mb / link,
-                    (Kind.RECV_ACT, s): latency + prev_act / link,
-                    (Kind.SEND_GRAD, s): latency + prev_act / link,
-                    (Kind.SWAP_OUT, s): (prev_act if rc is RCMode.LFLB else c.stash_mb) / swap,
-                    (Kind.SWAP_IN, s): (prev_act if rc is RCMode.LFLB else c.stash_mb) / swap,
-                    (Kind.ALLREDUCE, s): 2 * c.grad_mb / link,
-                    (Kind.SYNC_SEND, s): latency + c.grad_mb / link,
-                    (Kind.SYNC_RECV, s): latency + c.grad_mb / link,
-                }
-            )
+            swapped = (prev_act if rc is RCMode.LFLB else c.stash_mb) / swap
+            for kind, value in (
+                (Kind.FORWARD, c.forward_ms),
+                (Kind.BACKWARD, c.backward_ms),
+                (Kind.FRC, c.frc),
+                (Kind.BRC, c.brc),
+                (Kind.OPTIMIZER, c.optimizer_ms),
+                (Kind.LOAD, 0.0),
+                (Kind.SEND_ACT, latency + c.activation_mb / link),
+                (Kind.RECV_GRAD, latency + c.activation_mb / link),
+                (Kind.RECV_ACT, latency + prev_act / link),
+                (Kind.SEND_GRAD, latency + prev_act / link),
+                (Kind.SWAP_OUT, swapped),
+                (Kind.SWAP_IN, swapped),
+                (Kind.ALLREDUCE, 2 * c.grad_mb / link),
+                (Kind.SYNC_SEND, latency + c.grad_mb / link),
+                (Kind.SYNC_RECV, latency + c.grad_mb / link),
+            ):
+                rows[kind].append(value)
 
-        for s in range(count):
+        for s in range(max(len(self.stages), stages, 1)):
             fill(s)
 
-        def duration(_node: int, instr: Instruction) -> float:
-            key = (instr.kind, instr.stage)
-            value = table.get(key)
-            if value is None:
-                fill(instr.stage)
-                value = table[key]
-            return value
+        def beyond(_node: int, instr: Instruction) -> float:
+            while len(rows[Kind.FORWARD]) <= instr.stage:
+                fill(len(rows[Kind.FORWARD]))
+            return rows[instr.kind][instr.stage]
 
-        return duration
+        return StageTable(rows, beyond)
 
     def linearizer_cost(self) -> Callable[[Instruction], float]:
         """Compute durations for the generators, so streams are ordered for these costs."""
@@ -282,7 +282,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, baseline: Schedule 
     for the same costs. Pass ``baseline`` explicitly for failover schedules.
     """
     costs = costs or Costs()
-    timeline = execute(schedule.streams, costs.duration(schedule.rc))
+    timeline = execute(schedule.streams, costs.duration(schedule.rc, schedule.stages))
     busy, bubble, frc, peak = measure(schedule, timeline, costs)
     if baseline is None and schedule.rc is not RCMode.NONE and schedule.placement == tuple(range(schedule.stages)):
         from bamboo.schedule.generate import generate
@@ -290,7 +290,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, baseline: Schedule 
         baseline = generate(schedule.policy, schedule.stages, schedule.microbatches, "none", costs.linearizer_cost())
     base_makespan = base_bubble = None
     if baseline is not None:
-        base_timeline = execute(baseline.streams, costs.duration(baseline.rc))
+        base_timeline = execute(baseline.streams, costs.duration(baseline.rc, baseline.stages))
         base_makespan = base_timeline.makespan
         base_bubble = measure(baseline, base_timeline, costs)[1]
     elif schedule.rc is RCMode.NONE:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-from bamboo.schedule.engine import ExecutionError, execute
+from bamboo.schedule.engine import ExecutionError, check_execution
 from bamboo.schedule.export import text_grid
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
 
@@ -244,6 +244,6 @@ def validate(schedule: Schedule) -> None:
         if found is not None:
             raise ScheduleError(found[0], schedule.streams, found[1])
     try:
-        execute(schedule.streams)
+        check_execution(schedule.streams)
     except ExecutionError as error:
         raise ScheduleError(str(error), schedule.streams, error.cells) from None

@@ -174,6 +174,33 @@ class GroupTable:
         except RuntimeError as exc:
             raise PeerFailure(peer, self.name_of(peer), instruction, exc) from exc
 
+    def post_allreduce(self, group: str, tensors: Sequence[torch.Tensor], instruction: str) -> list[object]:
+        """Start summing `tensors` in place over `group`; returns the works (none for one member)."""
+        if len(self.members[group]) < 2:
+            return []
+        pg = self.group(group)
+        try:
+            return [pg.allreduce([tensor]) for tensor in tensors]
+        except RuntimeError as exc:
+            raise PeerFailure(-1, f"a member of {group}", instruction, exc) from exc
+
+    def wait_collective(
+        self, group: str, works: Sequence[object], instruction: str, interrupt: Callable[[], None] | None = None
+    ) -> None:
+        """Wait for collective works, calling `interrupt` every `timeouts.poll` seconds (it may raise)."""
+        try:
+            for work in works:
+                if interrupt is not None:
+                    next_check = time.monotonic() + self.timeouts.poll
+                    while not work.is_completed():  # type: ignore[attr-defined]
+                        time.sleep(0.0005)
+                        if time.monotonic() >= next_check:
+                            interrupt()
+                            next_check = time.monotonic() + self.timeouts.poll
+                work.wait()  # type: ignore[attr-defined]
+        except RuntimeError as exc:
+            raise PeerFailure(-1, f"a member of {group}", instruction, exc) from exc
+
     def allreduce(
         self, group: str, tensors: Iterable[torch.Tensor], instruction: str,
         interrupt: Callable[[], None] | None = None,

@@ -198,7 +198,7 @@ class StageExecutor:
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
-        self._contributions: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._reset_iteration()
@@ -218,6 +218,7 @@ class StageExecutor:
         self.local_outputs: dict[Key, torch.Tensor] = {}
         self.mb_losses: dict[int, float] = {}
         self._reduced: dict[int, torch.Tensor] = {}
+        self._reducing: dict[int, tuple[list[object], torch.Tensor, torch.Tensor, Any, tuple[int, ...]]] = {}
         self._to_step: list[int] = []
         self._received_syncs: dict[int, torch.Tensor] = {}
         self.stash.clear()
@@ -478,16 +479,32 @@ class StageExecutor:
         self.stash.drop((s, k))
 
     def _allreduce(self, instruction: Instruction) -> None:
+        """Start the data-parallel all-reduce of stage s (the result is awaited when needed:
+        collectives on different groups must not wait on each other in the stream's order)."""
         s = instruction.stage
         piece = self.slices[s]
         last = s == self.layout.stages - 1
         loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
         flat = piece.flat_grads()
-        if self.layout.pipelines > 1:
-            contribution = (self.step, flat.clone(), loss.clone())
-            self.groups.allreduce(f"dp-s{s}", [flat, loss], str(instruction), self._interrupter(f"dp-s{s}"))
-            self._contributions[s] = contribution  # kept in case a lost peer's shadow redoes this
-            piece.load_flat_grads(flat)
+        contribution = (self.step, flat.clone(), loss.clone())
+        group = f"dp-s{s}"
+        works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
+        self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
+
+    def _wait_reduction(self, s: int) -> None:
+        """Finish stage s's all-reduce: load the reduced gradients, record the result."""
+        if s not in self._reducing:
+            return
+        works, flat, loss, contribution, _members = self._reducing[s]
+        group = f"dp-s{s}"
+        self.groups.wait_collective(group, works, f"{s}AR", self._interrupter(group))
+        del self._reducing[s]
+        piece = self.slices[s]
+        piece.load_flat_grads(flat)
+        if self.layout.pipelines > 1:  # kept in case a lost peer's shadow redoes this all-reduce
+            self._contributions[(s, contribution[0])] = (contribution[1], contribution[2])
+            for key in [k for k in self._contributions if k[1] < contribution[0] - 1]:
+                del self._contributions[key]
         self._reduced[s] = torch.cat([flat, loss.float(), torch.tensor([float(piece.steps + 1)])])
 
     def _optimizer(self, instruction: Instruction) -> None:
@@ -497,6 +514,7 @@ class StageExecutor:
         """Send stage s's reduced gradients (and its loss and step number) to its shadow."""
         assert instruction.peer is not None
         s = instruction.stage
+        self._wait_reduction(s)
         payload = self._reduced[s]
         shadow = self._peer_rank(instruction.peer)
         for segment, piece in enumerate(_segments(payload)):
@@ -564,6 +582,8 @@ class StageExecutor:
         last = self.layout.stages - 1
         squared = 0.0
         loss = 0.0
+        for s in sorted(self._reducing):
+            self._wait_reduction(s)
         for s in self.hosted:
             if s in self._reduced:
                 squared += self.slices[s].squared_grad_norm()
@@ -641,15 +661,18 @@ class StageExecutor:
                 copies.append(("shadow", shadow))
         return copies
 
-    def _progress_prefix(self, pipeline: int) -> str:
-        return f"bamboo/{self.job}/e{self.epoch}/progress/d{pipeline}"
+    def _progress_prefix(self, pipeline: int, lost: set[int]) -> str:
+        """Where a pipeline's survivors publish their progress for the failover of `lost`: keyed by
+        the victims (not the epoch), so nodes that learn of the failures in different epochs
+        read the same agreement."""
+        return f"bamboo/{self.job}/progress/d{pipeline}/v{'-'.join(map(str, sorted(lost)))}"
 
     def _read_progress(
-        self, pipeline: int, survivors: Sequence[int]
+        self, pipeline: int, lost: set[int], survivors: Sequence[int]
     ) -> tuple[dict[int, tuple[int, int]], FailureEvent | None]:
         """Every survivor's (completed instructions, step) in `pipeline` for the current epoch, or
         a later failure event (which restarts the agreement) if one arrives first."""
-        keys = [f"{self._progress_prefix(pipeline)}/n{n}" for n in survivors]
+        keys = [f"{self._progress_prefix(pipeline, lost)}/n{n}" for n in survivors]
         deadline = time.monotonic() + self.timeouts.confirm
         while not self.store.check(keys):
             later = self.notices.poll(self.epoch + 1) if self.notices is not None else None
@@ -724,14 +747,14 @@ class StageExecutor:
                 )
             if mine:
                 self.store.set(
-                    f"{self._progress_prefix(self.pipeline)}/n{self.node}",
+                    f"{self._progress_prefix(self.pipeline, mine)}/n{self.node}",
                     json.dumps({"done": done, "step": self.step}),
                 )
             later = None
             plans: dict[int, tuple[Any, dict[int, int], int]] = {}
             for pipeline, lost in sorted(victims.items()):
                 survivors = [n for n in range(self.layout.stages) if n not in lost]
-                progress, later = self._read_progress(pipeline, survivors)
+                progress, later = self._read_progress(pipeline, lost, survivors)
                 if later is not None:
                     break
                 plan, cut = self._plan(lost, {n: done_ for n, (done_, _) in progress.items()})
@@ -760,15 +783,33 @@ class StageExecutor:
         return list(plan.remainder.streams[self.node])
 
     def _join_redone_allreduces(self, plan: Any, lost: set[int], step: int) -> None:
-        """Join the all-reduce of a lost stage that its shadow redoes, if ours already ran."""
+        """Take part, exactly once per step, in the all-reduce of each lost stage hosted here.
+
+        `step` is the step in which the other pipeline failed. If the lost stage's shadow redoes
+        that step's all-reduce: an all-reduce of ours for that step that already completed is
+        joined again with our stored contribution; one still pending on the old group is posted
+        again on the rebuilt group. If the shadow does not redo it (the victim had finished), ours
+        completes on the old group. A pending all-reduce of a later step is posted again too.
+        """
         for v in sorted(lost):
-            if v != self.stage or self.stage not in self.hosted:
+            if v not in self.hosted:
                 continue
             shadow = (v - 1) % self.layout.stages
             redone = any(i.kind is Kind.ALLREDUCE and i.stage == v for i in plan.remainder.streams[shadow])
-            contribution = self._contributions.get(v)
-            if redone and contribution is not None and contribution[0] == step:
-                _, flat, loss = contribution
+            group = f"dp-s{v}"
+            pending = self._reducing.get(v)
+            if pending is not None and pending[4] != self.groups.members[group]:
+                pending_step = pending[3][0]
+                if pending_step > step or (pending_step == step and redone):
+                    _, flat, loss = pending[3]
+                    fresh_flat, fresh_loss = flat.clone(), loss.clone()
+                    works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{v}AR (again)")
+                    self._reducing[v] = (works, fresh_flat, fresh_loss, pending[3], self.groups.members[group])
+                if pending_step == step:
+                    continue
+            contribution = self._contributions.get((v, step))
+            if redone and contribution is not None:
+                flat, loss = contribution
                 self.groups.allreduce(
-                    f"dp-s{v}", [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(f"dp-s{v}")
+                    group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
                 )

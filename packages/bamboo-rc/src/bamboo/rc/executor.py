@@ -84,7 +84,6 @@ class Layout:
                     members[f"p2p-{a}-{b}"] = [a, b]
         for s in range(self.stages):
             members[f"dp-s{s}"] = [self.rank(placements[d][s], d) for d in sorted(placements)]
-        members["world"] = sorted({self.rank(n, d) for d, placement in placements.items() for n in placement})
         return members
 
 
@@ -336,9 +335,9 @@ class StageExecutor:
                     index += 1
                 return self._commit()
             except (PeerFailure, FailureNoticed) as failure:
-                stream = self._fail_over(failure, stream, index)
-                index = 0
-                failed_over = True
+                new_stream = self._fail_over(failure, stream, index)
+                if new_stream is not stream:  # our pipeline failed over: run the remainder
+                    stream, index, failed_over = new_stream, 0, True
 
     def _load(self, instruction: Instruction) -> None:
         k = instruction.microbatch
@@ -619,18 +618,26 @@ class StageExecutor:
     def finish(self) -> None:
         """Apply the last replica updates and leave together (call after the last iteration).
 
-        With several pipelines, every live node meets in a last all-reduce before it leaves, so a
-        node is still there if a failover in another pipeline needs it to redo an all-reduce.
+        With several pipelines, every live node waits (in the store, watching for failure events)
+        until every live node has finished, so a node is still there if a failover in another
+        pipeline needs it to redo an all-reduce.
         """
         self.apply_replica_updates()
         if self.layout.pipelines == 1 or self.notices is None:
             return
+        self.store.set(f"bamboo/{self.job}/finished/{self.rank}", "1")
+        deadline = time.monotonic() + self.timeouts.build
         while True:
-            try:
-                self.groups.allreduce("world", [torch.zeros(1)], "final barrier", self._interrupter("world"))
+            event = self.notices.poll(self.epoch + 1)
+            if event is not None:
+                self._fail_over(FailureNoticed(event), [], 0)
+                continue
+            live = [r for r in range(self.layout.world) if r not in self.dead]
+            if self.store.check([f"bamboo/{self.job}/finished/{r}" for r in live]):
                 return
-            except (PeerFailure, FailureNoticed) as failure:
-                self._fail_over(failure, [], 0)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every live rank of {live} finished within {self.timeouts.build} s")
+            time.sleep(0.005)
 
     # ----------------------------------------------------------------------------- failover
     def _confirmed_event(self, failure: PeerFailure | FailureNoticed) -> FailureEvent:
@@ -708,7 +715,8 @@ class StageExecutor:
     def _fail_over(
         self, failure: PeerFailure | FailureNoticed, stream: list[Instruction], done: int
     ) -> list[Instruction]:
-        """Switch to the failover schedule for the rest of this iteration; returns the new stream.
+        """Switch to the failover schedule for the rest of this iteration; returns the new stream
+        (the very same `stream` object when this node's pipeline lost nobody).
 
         All survivors of the victims' pipeline publish how many instructions they completed, agree
         on a consistent cut, and derive the same `failover_schedule` from the same facts. Groups
@@ -772,7 +780,7 @@ class StageExecutor:
             "resumed_at": time.perf_counter(),
         })
         if self.pipeline not in plans:
-            return stream[done:]  # our pipeline lost nobody: resume where we were
+            return stream  # our pipeline lost nobody: resume where we were (same stream, same index)
         plan, cut, _ = plans[self.pipeline]
         if cut[self.node] > done:
             self.execute(stream[done])  # the interrupted transfer: its partner completed it

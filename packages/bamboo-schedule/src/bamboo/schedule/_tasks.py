@@ -20,38 +20,51 @@ from typing import NamedTuple
 
 from bamboo.schedule.ir import Instruction, Kind, RCMode, make
 
-Token = tuple[object, ...]
-"""A fact produced on a node: ("act", s, k), ("grad", s, k), ("fwd", s, k), ("stash", s, k), ("reduced", s)."""
+Token = int
+"""A fact produced on a node, packed into an int: what << 40 | (stage + 1) << 20 | (microbatch + 1, or 0).
+
+``what`` is one of `ACT`, `GRAD`, `FWD`, `STASH`, `REDUCED`; ints hash and compare much faster than tuples.
+"""
+
+ACT, GRAD, FWD, STASH, REDUCED = range(1, 6)
+_NODE = 50
+"""A (node, token) pair is packed as node << 50 | token."""
 
 RANK_BACKWARD = 0
 RANK_FORWARD = 1
 RANK_REDUNDANT = 2
 
 
+def token(what: int, stage: int, microbatch: int | None = None) -> Token:
+    """The packed token for ``what`` of ``stage`` (and ``microbatch``)."""
+    return (what << 40) | ((stage + 1) << 20) | (0 if microbatch is None else microbatch + 1)
+
+
 class Need(NamedTuple):
-    """An input of a task: ``token`` made on node ``src``; a message pair when src is another node."""
+    """A remote input of a task: ``token`` made on node ``src`` and sent by message ``send``/``recv``.
+
+    ``key`` is ``src << 50 | token``; ``cost`` is the message's duration for the linearizer.
+    """
 
     token: Token
     src: int
-    send: Instruction | None = None
-    recv: Instruction | None = None
+    send: Instruction
+    recv: Instruction
+    key: int
+    cost: float
 
 
 class Task(NamedTuple):
     """Instructions that run back to back on one node once every need is met."""
 
     instrs: tuple[Instruction, ...]
-    needs: tuple[Need, ...] = ()
-    makes: tuple[Token, ...] = ()
-    rank: int = RANK_FORWARD
-
-
-def _need(token: Token, src: int, send: Instruction | None = None, recv: Instruction | None = None) -> Need:
-    return tuple.__new__(Need, (token, src, send, recv))
-
-
-def _task(instrs: tuple[Instruction, ...], needs: tuple[Need, ...], makes: tuple[Token, ...], rank: int) -> Task:
-    return tuple.__new__(Task, (instrs, needs, makes, rank))
+    local: tuple[Token, ...]
+    """Tokens that must exist on the node itself."""
+    remote: tuple[Need, ...]
+    """Inputs that arrive by message from another node."""
+    makes: tuple[Token, ...]
+    rank: int
+    duration: float
 
 
 Work = tuple[object, ...]
@@ -71,6 +84,21 @@ def unit_cost(instr: Instruction) -> float:
     return 0.0
 
 
+class KindStageCost:
+    """A `CostFn` promised to depend only on an instruction's kind and stage.
+
+    The linearizer then computes each kind of task's duration once per stage instead of once per task.
+    """
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: CostFn) -> None:
+        self.function = function
+
+    def __call__(self, instr: Instruction) -> float:
+        return self.function(instr)
+
+
 def compute_order(policy: str, stages: int, microbatches: int, stage: int) -> list[Work]:
     """The forward/backward order of one stage: GPipe (all F, then all B) or 1F1B (PipeDream-flush)."""
     if policy == "gpipe":
@@ -85,71 +113,130 @@ def compute_order(policy: str, stages: int, microbatches: int, stage: int) -> li
     return order
 
 
-_MESSAGE_KINDS = {
-    "act": (Kind.SEND_ACT, Kind.RECV_ACT),
-    "grad": (Kind.SEND_GRAD, Kind.RECV_GRAD),
-    "sync": (Kind.SYNC_SEND, Kind.SYNC_RECV),
-}
+class _Builder:
+    """Builds the tasks of work items for one linearizer run (one placement, one cost model)."""
+
+    def __init__(self, placement: Sequence[int], stages: int, cost: CostFn) -> None:
+        self.placement = placement
+        self.stages = stages
+        self.cost = cost
+        self.by_kind_and_stage = cost is unit_cost or isinstance(cost, KindStageCost)
+        self.durations: dict[tuple[object, int], float] = {}
+
+    def duration(self, tag: object, stage: int, instrs: tuple[Instruction, ...]) -> float:
+        """Sum of the instructions' costs (memoized per (tag, stage) when the cost model allows)."""
+        if not self.by_kind_and_stage:
+            return sum(self.cost(i) for i in instrs)
+        key = (tag, stage)
+        value = self.durations.get(key)
+        if value is None:
+            value = self.durations[key] = sum(self.cost(i) for i in instrs)
+        return value
+
+    def message(self, what: int, src: int, dst: int, send_kind: Kind, recv_kind: Kind,
+                stage_src: int, stage_dst: int, k: int | None) -> Need:
+        send = make(send_kind, stage_src, k, dst)
+        tok = token(what, stage_src, k)
+        cost = self.duration(send_kind, stage_src, (send,))
+        return tuple.__new__(Need, (tok, src, send, make(recv_kind, stage_dst, k, src), (src << _NODE) | tok, cost))
+
+    def task(self, work: Work, node: int) -> Task:
+        """The task for one work item on ``node``, with the messages its inputs need."""
+        placement = self.placement
+        tag = work[0]
+        last = self.stages - 1
+        local: tuple[Token, ...] = ()
+        remote: tuple[Need, ...] = ()
+        if tag == "F":
+            _, s, k = work
+            assert isinstance(s, int) and isinstance(k, int)
+            if s == 0:
+                instrs: tuple[Instruction, ...] = (make(Kind.LOAD, 0, k), make(Kind.FORWARD, s, k))
+            else:
+                instrs = (make(Kind.FORWARD, s, k),)
+                src = placement[s - 1]
+                if src == node:
+                    local = (token(ACT, s - 1, k),)
+                else:
+                    remote = (self.message(ACT, src, node, Kind.SEND_ACT, Kind.RECV_ACT, s - 1, s, k),)
+            makes: tuple[Token, ...] = (token(ACT, s, k), token(FWD, s, k))
+            rank = RANK_FORWARD
+        elif tag == "B":
+            _, s, k = work
+            assert isinstance(s, int) and isinstance(k, int)
+            instrs = (make(Kind.BACKWARD, s, k),)
+            local = (token(FWD, s, k),)
+            if s < last:
+                src = placement[s + 1]
+                if src == node:
+                    local += (token(GRAD, s + 1, k),)
+                else:
+                    remote = (self.message(GRAD, src, node, Kind.SEND_GRAD, Kind.RECV_GRAD, s + 1, s, k),)
+            makes = (token(GRAD, s, k),)
+            rank = RANK_BACKWARD
+        elif tag == "TAIL":
+            _, s = work
+            assert isinstance(s, int)
+            instrs = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
+            makes = (token(REDUCED, s),)
+            rank = RANK_BACKWARD
+        elif tag in ("FRC", "SO"):
+            _, s, k = work
+            assert isinstance(s, int) and isinstance(k, int)
+            if tag == "SO":
+                instrs = (make(Kind.SWAP_OUT, s, k),)
+            elif s == 0:
+                instrs = (make(Kind.LOAD, 0, k), make(Kind.FRC, s, k), make(Kind.SWAP_OUT, s, k))
+            else:
+                instrs = (make(Kind.FRC, s, k), make(Kind.SWAP_OUT, s, k))
+            if s != 0:
+                src = placement[s - 1]
+                if src == node:
+                    local = (token(ACT, s - 1, k),)
+                else:
+                    remote = (self.message(ACT, src, node, Kind.SEND_ACT, Kind.RECV_ACT, s - 1, s, k),)
+            makes = (token(STASH, s, k),)
+            rank = RANK_REDUNDANT
+        elif tag == "BRC":
+            _, s, k = work
+            assert isinstance(s, int) and isinstance(k, int)
+            instrs = (make(Kind.SWAP_IN, s, k), make(Kind.BRC, s, k))
+            local = (token(STASH, s, k),)
+            if s < last:
+                src = placement[s + 1]
+                if src == node:
+                    local += (token(GRAD, s + 1, k),)
+                else:
+                    remote = (self.message(GRAD, src, node, Kind.SEND_GRAD, Kind.RECV_GRAD, s + 1, s, k),)
+            makes = ()
+            rank = RANK_REDUNDANT
+        elif tag == "SYNC":
+            _, s = work
+            assert isinstance(s, int)
+            # After the node's own all-reduce, so the sync never delays it; the exchange then follows the
+            # order in which nodes finish.
+            instrs = ()
+            local = tuple(token(REDUCED, own) for own, p in enumerate(placement) if p == node)
+            src = placement[s]
+            if src == node:
+                local += (token(REDUCED, s),)
+            else:
+                remote = (self.message(REDUCED, src, node, Kind.SYNC_SEND, Kind.SYNC_RECV, s, s, None),)
+            makes = ()
+            rank = RANK_REDUNDANT
+        else:
+            raise ValueError(f"unknown work item {work!r}")
+        duration = self.duration(tag, work[1], instrs)  # type: ignore[arg-type]
+        return tuple.__new__(Task, (instrs, local, remote, makes, rank, duration))
 
 
-def _message(token: Token, src: int, dst: int, kind: str, stage_src: int, stage_dst: int, k: int | None) -> Need:
-    if src == dst:
-        return _need(token, src)
-    send_kind, recv_kind = _MESSAGE_KINDS[kind]
-    return _need(token, src, make(send_kind, stage_src, k, dst), make(recv_kind, stage_dst, k, src))
-
-
-def build_task(work: Work, node: int, placement: Sequence[int], stages: int) -> Task:
-    """The task for one work item on ``node``, with the messages its inputs need under ``placement``."""
-    tag = work[0]
-    last = stages - 1
-    if tag == "F":
-        _, s, k = work
-        assert isinstance(s, int) and isinstance(k, int)
-        instrs = [make(Kind.LOAD, 0, k)] if s == 0 else []
-        instrs.append(make(Kind.FORWARD, s, k))
-        needs = () if s == 0 else (_message(("act", s - 1, k), placement[s - 1], node, "act", s - 1, s, k),)
-        return _task(tuple(instrs), needs, (("act", s, k), ("fwd", s, k)), RANK_FORWARD)
-    if tag == "B":
-        _, s, k = work
-        assert isinstance(s, int) and isinstance(k, int)
-        needs = [_need(("fwd", s, k), node)]
-        if s < last:
-            needs.append(_message(("grad", s + 1, k), placement[s + 1], node, "grad", s + 1, s, k))
-        return _task((make(Kind.BACKWARD, s, k),), tuple(needs), (("grad", s, k),), RANK_BACKWARD)
-    if tag == "TAIL":
-        _, s = work
-        assert isinstance(s, int)
-        instrs = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
-        return _task(instrs, (), (("reduced", s),), RANK_BACKWARD)
-    if tag in ("FRC", "SO"):
-        _, r, k = work
-        assert isinstance(r, int) and isinstance(k, int)
-        instrs = []
-        if tag == "FRC" and r == 0:
-            instrs.append(make(Kind.LOAD, 0, k))
-        if tag == "FRC":
-            instrs.append(make(Kind.FRC, r, k))
-        instrs.append(make(Kind.SWAP_OUT, r, k))
-        needs = () if r == 0 else (_message(("act", r - 1, k), placement[r - 1], node, "act", r - 1, r, k),)
-        return _task(tuple(instrs), needs, (("stash", r, k),), RANK_REDUNDANT)
-    if tag == "BRC":
-        _, r, k = work
-        assert isinstance(r, int) and isinstance(k, int)
-        needs = [_need(("stash", r, k), node)]
-        if r < last:
-            needs.append(_message(("grad", r + 1, k), placement[r + 1], node, "grad", r + 1, r, k))
-        instrs = (make(Kind.SWAP_IN, r, k), make(Kind.BRC, r, k))
-        return _task(instrs, tuple(needs), (), RANK_REDUNDANT)
-    if tag == "SYNC":
-        _, r = work
-        assert isinstance(r, int)
-        # After the node's own all-reduce, so the sync never delays it; the exchange then follows the
-        # order in which nodes finish.
-        own = tuple(_need(("reduced", s), node) for s, p in enumerate(placement) if p == node)
-        needs = (*own, _message(("reduced", r), placement[r], node, "sync", r, r, None))
-        return _task((), needs, (), RANK_REDUNDANT)
-    raise ValueError(f"unknown work item {work!r}")
+def build_lanes(
+    work: Mapping[int, Sequence[Sequence[Work]]], placement: Sequence[int], stages: int, cost: CostFn = unit_cost
+) -> dict[int, list[list[Task]]]:
+    """The tasks of every node's lanes of work items, with the messages their inputs need under ``placement``."""
+    builder = _Builder(placement, stages, cost)
+    task = builder.task
+    return {n: [[task(w, n) for w in lane] for lane in lanes] for n, lanes in work.items()}
 
 
 def replica_lane(policy: str, stages: int, microbatches: int, replica: int, rc: RCMode) -> list[Work]:
@@ -172,35 +259,39 @@ def linearize(
     lanes: Mapping[int, Sequence[Sequence[Task]]],
     cost: CostFn = unit_cost,
 ) -> dict[int, tuple[Instruction, ...]]:
-    """Streams for ``lanes`` (node -> ordered task lists), with every send/recv pair placed.
+    """Streams for ``lanes`` (node -> ordered task lists, from `build_lanes`), with every send/recv pair placed.
 
-    The simulation follows blocking rendezvous semantics with ``cost`` as durations. A node that is
-    free first exchanges a message with a partner that is free too and needs it next (push to a
-    consumer, or pull from a producer), then starts its best ready task (lowest rank: backward,
-    forward, redundant; then lane order), and otherwise waits. Redundant work is not started when
-    it would delay a message exchange the node could otherwise make. The streams reproduce this
-    simulation exactly when run with the same costs, and cannot deadlock in any case.
+    The simulation follows blocking rendezvous semantics with the tasks' durations (``cost`` was
+    applied when the tasks were built). A node that is free first exchanges a message with a
+    partner that is free too and needs it next (push to a consumer, or pull from a producer), then
+    starts its best ready task (lowest rank: backward, forward, redundant; then lane order), and
+    otherwise waits. Redundant work is not started when it would delay a message exchange the node
+    could otherwise make. The streams reproduce this simulation exactly when run with the same
+    costs, and cannot deadlock in any case.
 
     Raises ValueError when the work cannot complete (a task needs a token nobody makes).
     """
+    del cost  # durations were computed by `build_lanes`
     nodes = sorted(lanes)
     streams: dict[int, list[Instruction]] = {n: [] for n in nodes}
     free = dict.fromkeys(nodes, 0.0)
     heads = {n: [0] * len(lanes[n]) for n in nodes}
     local: dict[int, set[Token]] = {n: set() for n in nodes}
-    inbox: dict[int, set[tuple[int, Token]]] = {n: set() for n in nodes}
-    outbox: dict[int, dict[tuple[Token, int], Need]] = {n: {} for n in nodes}
-    # (src, token) -> the lane head still missing that remote input (a dict: ordered, deterministic)
-    want: dict[int, dict[tuple[int, Token], Task]] = {n: {} for n in nodes}
-    consumers: dict[tuple[int, Token], list[tuple[int, Need]]] = {}
+    inbox: dict[int, set[int]] = {n: set() for n in nodes}
+    # dst << 50 | token -> (dst, need): messages made on the node, not yet taken by their consumer
+    outbox: dict[int, dict[int, tuple[int, Need]]] = {n: {} for n in nodes}
+    # src << 50 | token -> the lane head still missing that remote input (a dict: ordered, deterministic)
+    want: dict[int, dict[int, Task]] = {n: {} for n in nodes}
+    consumers: dict[int, list[tuple[int, Need]]] = {}
     for n in nodes:
         for lane in lanes[n]:
             for task in lane:
-                for need in task.needs:
-                    if need.send is not None:
-                        consumers.setdefault((need.src, need.token), []).append((n, need))
+                for need in task.remote:
+                    consumers.setdefault(need.key, []).append((n, need))
     heap: list[tuple[float, int]] = [(0.0, n) for n in nodes]
     remaining = sum(len(lane) for n in nodes for lane in lanes[n])
+    mask = (1 << _NODE) - 1
+    push, pop = heapq.heappush, heapq.heappop
 
     def enter(n: int, li: int) -> None:
         """Register the missing remote inputs of lane li's new head."""
@@ -208,57 +299,75 @@ def linearize(
         index = heads[n][li]
         if index < len(lane):
             task = lane[index]
-            for need in task.needs:
-                if need.send is not None and (need.src, need.token) not in inbox[n]:
-                    want[n][(need.src, need.token)] = task
+            if task.remote:
+                received, wanted = inbox[n], want[n]
+                for need in task.remote:
+                    if need.key not in received:
+                        wanted[need.key] = task
 
     for n in nodes:
         for li in range(len(lanes[n])):
             enter(n, li)
 
-    def pair(src: int, dst: int, token: Token) -> None:
-        need = outbox[src].pop((token, dst))
-        assert need.send is not None and need.recv is not None
-        begin = max(free[src], free[dst])
+    def pair(src: int, dst: int, key: int) -> None:
+        """Exchange the message ``key`` (src << 50 | token) from src to dst."""
+        _dst, need = outbox[src].pop((dst << _NODE) | (key & mask))
+        begin = free[src] if free[src] >= free[dst] else free[dst]
         streams[src].append(need.send)
         streams[dst].append(need.recv)
-        end = begin + cost(need.send)
+        end = begin + need.cost
         free[src] = free[dst] = end
-        inbox[dst].add((src, token))
-        want[dst].pop((src, token), None)
-        heapq.heappush(heap, (end, src))
-        heapq.heappush(heap, (end, dst))
+        inbox[dst].add(key)
+        want[dst].pop(key, None)
+        push(heap, (end, src))
+        push(heap, (end, dst))
 
     def communicate(n: int, t: float) -> bool:
         """Push a message to a free consumer that needs it next, or pull one from a free producer."""
-        for token, dst in outbox[n]:
-            if free[dst] <= t and (n, token) in want[dst]:
-                pair(n, dst, token)
-                return True
-        mine = local[n]
-        for (src, token), task in want[n].items():
-            if (
-                free[src] <= t
-                and (token, n) in outbox[src]
-                and all(need.token in mine for need in task.needs if need.send is None)
-            ):
-                pair(src, n, token)
-                return True
+        mine = outbox[n]
+        if mine:
+            for dst, need in mine.values():
+                if free[dst] <= t and need.key in want[dst]:
+                    pair(n, dst, need.key)
+                    return True
+        wanted = want[n]
+        if wanted:
+            have = local[n]
+            node_bits = n << _NODE
+            for key, task in wanted.items():
+                src = key >> _NODE
+                if free[src] <= t and (node_bits | (key & mask)) in outbox[src]:
+                    for tok in task.local:
+                        if tok not in have:
+                            break
+                    else:
+                        pair(src, n, key)
+                        return True
         return False
 
     def next_exchange(n: int) -> float | None:
         """When the earliest exchange of a message that a main lane needs could happen."""
         soon = None
-        for token, dst in outbox[n]:
-            task = want[dst].get((n, token))
+        for dst, need in outbox[n].values():
+            task = want[dst].get(need.key)
             if task is not None and task.rank != RANK_REDUNDANT and (soon is None or free[dst] < soon):
                 soon = free[dst]
-        for (src, token), task in want[n].items():
-            if task.rank != RANK_REDUNDANT and (token, n) in outbox[src] and (soon is None or free[src] < soon):
+        node_bits = n << _NODE
+        for key, task in want[n].items():
+            src = key >> _NODE
+            if (
+                task.rank != RANK_REDUNDANT
+                and (node_bits | (key & mask)) in outbox[src]
+                and (soon is None or free[src] < soon)
+            ):
                 soon = free[src]
         return soon
 
-    def ready(n: int) -> int | None:
+    while heap:
+        t, n = pop(heap)
+        if t < free[n] or communicate(n, t):
+            continue
+        # the best ready lane head: lowest rank, then lane order
         best = None
         best_rank = 99
         mine, received, position = local[n], inbox[n], heads[n]
@@ -269,46 +378,38 @@ def linearize(
             task = lane[index]
             if task.rank >= best_rank:
                 continue
-            for token, src, send, _recv in task.needs:
-                if (token not in mine) if send is None else ((src, token) not in received):
+            for tok in task.local:
+                if tok not in mine:
                     break
             else:
-                best, best_rank = li, task.rank
-        return best
-
-    durations: dict[int, float] = {}
-
-    def duration_of(task: Task) -> float:
-        key = id(task)
-        value = durations.get(key)
-        if value is None:
-            value = durations[key] = sum(cost(i) for i in task.instrs)
-        return value
-
-    while heap:
-        t, n = heapq.heappop(heap)
-        if t < free[n] or communicate(n, t):
-            continue
-        li = ready(n)
-        if li is None:
+                for need in task.remote:
+                    if need.key not in received:
+                        break
+                else:
+                    best, best_rank = li, task.rank
+        if best is None:
             continue  # idle: a producer pushes to this node when it is free
-        task = lanes[n][li][heads[n][li]]
-        duration = duration_of(task)
+        li = best
+        task = lanes[n][li][position[li]]
+        duration = task.duration
         if task.rank == RANK_REDUNDANT:
             soon = next_exchange(n)
             if soon is not None and soon < t + duration:
-                heapq.heappush(heap, (soon, n))  # redundant work must not delay the pipeline's messages
+                push(heap, (soon, n))  # redundant work must not delay the pipeline's messages
                 continue
         streams[n].extend(task.instrs)
         free[n] = t + duration
-        heads[n][li] += 1
+        position[li] += 1
         remaining -= 1
         enter(n, li)
-        for token in task.makes:
-            local[n].add(token)
-            for dst, need in consumers.get((n, token), ()):
-                outbox[n][(token, dst)] = need
-        heapq.heappush(heap, (free[n], n))
+        if task.makes:
+            node_bits = n << _NODE
+            box = outbox[n]
+            for tok in task.makes:
+                mine.add(tok)
+                for dst, need in consumers.get(node_bits | tok, ()):
+                    box[(dst << _NODE) | tok] = (dst, need)
+        push(heap, (free[n], n))
     if remaining or any(outbox.values()):
         stuck = [
             f"node {n} lane {li} at {' '.join(map(str, lanes[n][li][heads[n][li]].instrs)) or 'a receive'}"

@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
-from bamboo.schedule._tasks import CostFn, build_task, compute_order, linearize, replica_lane, unit_cost
+from bamboo.schedule._tasks import CostFn, build_lanes, compute_order, linearize, replica_lane, unit_cost
 from bamboo.schedule.engine import ExecutionError, StageTable, Timeline, check_execution, counterpart, execute
 from bamboo.schedule.ir import COMM_KINDS, Instruction, Kind, RCMode, Schedule, make
 from bamboo.schedule.validate import (
@@ -166,8 +166,8 @@ def merged_schedule(schedule: Schedule, victims: Iterable[int], cost: CostFn = u
         replica = (n + 1) % P
         if shadows[replica] == n:
             lanes[n].append(replica_lane(schedule.policy, P, M, replica, schedule.rc))
-    tasks = {n: [[build_task(w, n, placement, P) for w in lane] for lane in ls] for n, ls in lanes.items()}
-    return Schedule(P, M, schedule.policy, schedule.rc, placement, linearize(tasks, cost), shadows)
+    tasks = build_lanes(lanes, placement, P, cost)
+    return Schedule(P, M, schedule.policy, schedule.rc, placement, linearize(tasks), shadows)
 
 
 def progress_at(

@@ -22,7 +22,7 @@ import attrs
 from bamboo.schedule._tasks import (
     CostFn,
     Work,
-    build_task,
+    build_lanes,
     compute_order,
     linearize,
     replica_lane,
@@ -49,8 +49,8 @@ def _mode(rc: RCMode | str) -> RCMode:
 
 def _build(lanes_of: dict[int, list[list[Work]]], schedule: Schedule, cost: CostFn) -> Schedule:
     placement, P = schedule.placement, schedule.stages
-    lanes = {n: [[build_task(w, n, placement, P) for w in lane] for lane in ls] for n, ls in lanes_of.items()}
-    return Schedule(P, schedule.microbatches, schedule.policy, schedule.rc, placement, linearize(lanes, cost))
+    lanes = build_lanes(lanes_of, placement, P, cost)
+    return Schedule(P, schedule.microbatches, schedule.policy, schedule.rc, placement, linearize(lanes))
 
 
 def _fault_free(policy: str, stages: int, microbatches: int, rc: RCMode | str, cost: CostFn) -> Schedule:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from bamboo.schedule._tasks import KindStageCost
 from bamboo.schedule.engine import StageTable, Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
 
@@ -193,7 +194,7 @@ class Costs:
     def linearizer_cost(self) -> Callable[[Instruction], float]:
         """Compute durations for the generators, so streams are ordered for these costs."""
         duration = self.duration(RCMode.EFLB)
-        return lambda instr: 0.0 if instr.is_comm else duration(0, instr)
+        return KindStageCost(lambda instr: 0.0 if instr.is_comm else duration(0, instr))
 
 
 @attrs.frozen

@@ -129,22 +129,87 @@ def shape_problem(
     return None
 
 
+_STAGE = 1 << 20
+_NEXT, _SAME, _PREV = _STAGE, 0, -_STAGE
+
+
+def _offsets(*pairs: tuple[int, int]) -> tuple[int, ...]:
+    """Token offsets from an instruction's own ``(stage + 1) << 20 | (microbatch + 1)`` part."""
+    return tuple((what << 40) + delta for what, delta in pairs)
+
+
+_BACKWARDS = (Kind.BACKWARD, Kind.BRC)
+
+
+def _dependency_tables(rc: RCMode) -> tuple[dict[Kind, tuple[int, ...] | None], dict[Kind, tuple[int, ...] | None]]:
+    """`_requires` and `_provides` as token offsets per kind (None: worked out per instruction)."""
+    lflb = rc is RCMode.LFLB
+    requires: dict[Kind, tuple[int, ...] | None] = dict.fromkeys(Kind, ())
+    provides: dict[Kind, tuple[int, ...] | None] = dict.fromkeys(Kind, ())
+    requires.update({
+        Kind.FORWARD: _offsets((ACT, _PREV)),
+        Kind.FRC: _offsets((ACT, _PREV)),
+        Kind.BACKWARD: None,
+        Kind.BRC: None,
+        Kind.SEND_ACT: _offsets((ACT, _SAME)),
+        Kind.SEND_GRAD: _offsets((GIN, _SAME)),
+        Kind.SWAP_OUT: _offsets((ACT, _PREV)) if lflb else _offsets((FWD, _SAME)),
+        Kind.SWAP_IN: _offsets((STASHED, _SAME)),
+        Kind.ALLREDUCE: None,
+        Kind.OPTIMIZER: _offsets((REDUCED, _SAME)),
+        Kind.SYNC_SEND: _offsets((REDUCED, _SAME)),
+    })
+    provides.update({
+        Kind.FORWARD: _offsets((ACT, _SAME), (FWD, _SAME)),
+        Kind.FRC: _offsets((ACT, _SAME), (FWD, _SAME)),
+        Kind.BACKWARD: _offsets((GIN, _SAME), (WGRAD, _SAME)),
+        Kind.BRC: _offsets((GIN, _SAME), (WGRAD, _SAME)),
+        Kind.RECV_ACT: _offsets((ACT, _PREV)),
+        Kind.RECV_GRAD: _offsets((GIN, _NEXT)),
+        Kind.LOAD: None,
+        Kind.SWAP_OUT: _offsets((STASHED, _SAME)),
+        Kind.SWAP_IN: _offsets((ACT, _PREV)) if lflb else _offsets((FWD, _SAME), (ACT, _SAME)),
+        Kind.ALLREDUCE: _offsets((REDUCED, _SAME)),
+    })
+    return requires, provides
+
+
+def _missing(n: int, i: int, instr: Instruction, token: Token) -> tuple[str, list[Cell]]:
+    return f"node {n} #{i} {instr} runs before its input {_describe(token)} exists on node {n}", [(n, i)]
+
+
 def dependency_problem(
     streams: Mapping[int, Sequence[Instruction]], stages: int, microbatches: int, rc: RCMode
 ) -> tuple[str, list[Cell]] | None:
     """The first instruction that runs before one of its inputs exists on its node."""
+    requires_of, provides_of = _dependency_tables(rc)
+    replica_use = frozenset(_REPLICA_USE)
     for n, stream in streams.items():
         have: set[Token] = set()
+        add = have.add
         synced: set[int] = set()
         for i, instr in enumerate(stream):
-            for token in _requires(instr, stages, microbatches, rc):
-                if token not in have:
-                    return f"node {n} #{i} {instr} runs before its input {_describe(token)} exists on node {n}", [(n, i)]
-            if instr.kind in _REPLICA_USE and instr.stage in synced:
+            kind, k = instr.kind, instr.microbatch
+            base = ((instr.stage + 1) << 20) | (0 if k is None else k + 1)
+            offsets = requires_of[kind]
+            if offsets:
+                for offset in offsets:
+                    if base + offset not in have:
+                        return _missing(n, i, instr, base + offset)
+            elif offsets is None:
+                for token in _requires(instr, stages, microbatches, rc):
+                    if token not in have:
+                        return _missing(n, i, instr, token)
+            if synced and kind in replica_use and instr.stage in synced:
                 return f"node {n} #{i} {instr} uses the replica of stage {instr.stage} after its sync step", [(n, i)]
-            if instr.kind is Kind.SYNC_RECV:
+            if kind is Kind.SYNC_RECV:
                 synced.add(instr.stage)
-            have.update(_provides(instr, rc))
+            offsets = provides_of[kind]
+            if offsets is None:
+                have.update(_provides(instr, rc))
+            else:
+                for offset in offsets:
+                    add(base + offset)
     return None
 
 

@@ -48,7 +48,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
-from bamboo.schedule._tasks import CostFn, build_lanes, compute_order, linearize, replica_lane, unit_cost
+from bamboo.schedule._tasks import (
+    CostFn,
+    KindStageCost,
+    build_lanes,
+    compute_order,
+    linearize,
+    replica_lane,
+    unit_cost,
+)
 from bamboo.schedule.engine import ExecutionError, StageTable, Timeline, check_execution, counterpart, execute
 from bamboo.schedule.ir import COMM_KINDS, Instruction, Kind, RCMode, Schedule, make
 from bamboo.schedule.validate import (
@@ -391,8 +399,8 @@ def _merge(
     P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
     nodes = list(lanes)
     pos = {n: [0] * len(lanes[n]) for n in nodes}
-    # Only nodes with several lanes need to track what exists: a single lane keeps its own order,
-    # whose dependencies the validator checks.
+    # Only nodes with several lanes need to track what exists and to choose by priority: a single
+    # lane keeps its own order, whose dependencies the validator checks.
     merged_nodes = {n for n in nodes if len(lanes[n]) > 1}
     have: dict[int, set[int]] = {}
     for n in merged_nodes:
@@ -401,24 +409,45 @@ def _merge(
             tokens.update(_provides(instr, rc))
         have[n] = tokens
     out: dict[int, list[Instruction]] = {n: [] for n in nodes}
-    # per lane position: (instruction, what it requires, what it provides, merge priority, counterpart)
-    Info = tuple[Instruction, tuple, tuple, tuple[int, int], Instruction | None]
-    info: dict[int, list[list[Info]]] = {
-        n: [
-            [
-                (
-                    instr,
-                    _requires(instr, P, M, rc) if n in merged_nodes else (),
-                    _provides(instr, rc) if n in merged_nodes else (),
-                    _priority(instr, li),
-                    None if instr.peer is None else counterpart(instr, n),
-                )
-                for instr in lane
+    by_kind_and_stage = cost is unit_cost or isinstance(cost, KindStageCost)
+    costs: dict[tuple[Kind, int], float] = {}
+
+    def cost_of(instr: Instruction) -> float:
+        if not by_kind_and_stage:
+            return cost(instr)
+        key = (instr.kind, instr.stage)
+        value = costs.get(key)
+        if value is None:
+            value = costs[key] = cost(instr)
+        return value
+
+    # per lane position: (instruction, what it requires, what it provides, merge priority, counterpart, cost)
+    Info = tuple[Instruction, tuple, tuple, tuple[int, int] | None, Instruction | None, float]
+    info: dict[int, list[list[Info]]] = {}
+    for n in nodes:
+        if n in merged_nodes:
+            info[n] = [
+                [
+                    (
+                        instr,
+                        _requires(instr, P, M, rc),
+                        _provides(instr, rc),
+                        _priority(instr, li),
+                        None if instr.peer is None else counterpart(instr, n),
+                        cost_of(instr),
+                    )
+                    for instr in lane
+                ]
+                for li, lane in enumerate(lanes[n])
             ]
-            for li, lane in enumerate(lanes[n])
-        ]
-        for n in nodes
-    }
+        else:
+            info[n] = [
+                [
+                    (instr, (), (), None, None if instr.peer is None else counterpart(instr, n), cost_of(instr))
+                    for instr in lane
+                ]
+                for lane in lanes[n]
+            ]
 
     def satisfied(n: int, requires: tuple) -> bool:
         if not requires:
@@ -426,51 +455,68 @@ def _merge(
         mine = have[n]
         return all(t in mine for t in requires)
 
-    def run(n: int, entry: Info, li: int) -> None:
-        out[n].append(entry[0])
-        if entry[2]:
-            have[n].update(entry[2])
-        pos[n][li] += 1
-
     clock = dict.fromkeys(nodes, 0.0)
     heap = [(0.0, n) for n in nodes]
     blocked: set[int] = set()
     waiting: dict[int, set[int]] = {}
 
     def heads(n: int) -> list[tuple[int, Info]]:
-        found = [(li, lane[pos[n][li]]) for li, lane in enumerate(info[n]) if pos[n][li] < len(lane)]
+        position = pos[n]
+        found = [(li, lane[position[li]]) for li, lane in enumerate(info[n]) if position[li] < len(lane)]
         if len(found) > 1:
             found.sort(key=lambda x: x[1][3])
         return found
 
     def step(n: int) -> int | None:
         """Run one instruction (or pair) on n by the merge rules; the partner, n itself, or None."""
-        for li, entry in heads(n):
+        own = info[n]
+        if len(own) == 1:
+            lane = own[0]
+            at = pos[n][0]
+            candidates: Sequence[tuple[int, Info]] = ((0, lane[at]),) if at < len(lane) else ()
+        else:
+            candidates = heads(n)
+        for li, entry in candidates:
             instr = entry[0]
-            if not satisfied(n, entry[1]):
+            if entry[1] and not satisfied(n, entry[1]):
                 continue
-            if instr.peer is None:
-                run(n, entry, li)
-                clock[n] += cost(instr)
-                return n
             m = instr.peer
+            if m is None:
+                out[n].append(instr)
+                if entry[2]:
+                    have[n].update(entry[2])
+                pos[n][li] += 1
+                clock[n] += entry[5]
+                return n
             if m not in info:
                 continue
             want = entry[4]
+            position = pos[m]
             for lj, lane in enumerate(info[m]):
-                if pos[m][lj] < len(lane):
-                    other = lane[pos[m][lj]]
-                    if other[0] == want and satisfied(m, other[1]):
-                        run(n, entry, li)
-                        run(m, other, lj)
-                        clock[n] = clock[m] = max(clock[n], clock[m]) + cost(instr)
+                if position[lj] < len(lane):
+                    other = lane[position[lj]]
+                    if (other[0] is want or other[0] == want) and (not other[1] or satisfied(m, other[1])):
+                        out[n].append(instr)
+                        if entry[2]:
+                            have[n].update(entry[2])
+                        pos[n][li] += 1
+                        out[m].append(other[0])
+                        if other[2]:
+                            have[m].update(other[2])
+                        position[lj] += 1
+                        clock[n] = clock[m] = max(clock[n], clock[m]) + entry[5]
                         return m
         return None
 
-    while heap:
-        _t, n = heapq.heappop(heap)
-        if n in blocked:
-            continue
+    push, pop = heapq.heappush, heapq.heappop
+    current: int | None = None  # the node to step next, when it is known to be the heap's minimum
+    while current is not None or heap:
+        if current is None:
+            _t, n = pop(heap)
+            if n in blocked:
+                continue
+        else:
+            n, current = current, None
         partner = step(n)
         if partner is None:
             blocked.add(n)
@@ -478,21 +524,26 @@ def _merge(
                 if entry[0].peer is not None:
                     waiting.setdefault(entry[0].peer, set()).add(n)
             continue
-        for changed in {n, partner}:
-            for q in sorted(waiting.pop(changed, ())):
-                if q in blocked:
-                    blocked.discard(q)
-                    clock[q] = max(clock[q], clock[n])
-                    heapq.heappush(heap, (clock[q], q))
+        if waiting:
+            for changed in {n, partner}:
+                for q in sorted(waiting.pop(changed, ())):
+                    if q in blocked:
+                        blocked.discard(q)
+                        clock[q] = max(clock[q], clock[n])
+                        push(heap, (clock[q], q))
         if partner != n:
             blocked.discard(partner)
-            heapq.heappush(heap, (clock[partner], partner))
-        heapq.heappush(heap, (clock[n], n))
+            push(heap, (clock[partner], partner))
+        mine = (clock[n], n)
+        if heap and heap[0] < mine:
+            push(heap, mine)
+        else:
+            current = n  # pushing n and popping the minimum would give n back
     left = {n: [lane[pos[n][li]] for li, lane in enumerate(lanes[n]) if pos[n][li] < len(lane)] for n in nodes}
     if any(left.values()):
-        heads = "; ".join(f"node {n} at {', '.join(map(str, h))}" for n, h in left.items() if h)
+        stuck = "; ".join(f"node {n} at {', '.join(map(str, h))}" for n, h in left.items() if h)
         partial = {n: tuple(executed[n]) + tuple(out[n]) for n in nodes}
-        raise ScheduleError(f"failover merge cannot finish: {heads}", partial,
+        raise ScheduleError(f"failover merge cannot finish: {stuck}", partial,
                             [(n, len(executed[n]) + len(out[n])) for n, h in left.items() if h])
     return {n: tuple(s) for n, s in out.items()}
 

@@ -192,6 +192,7 @@ class StageExecutor:
         self.sync_bytes = 0
         self.kind_seconds: dict[str, float] = {}
         self.failovers: list[dict[str, Any]] = []
+        self.iteration_times: list[tuple[float, float]] = []
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=8) if notices is not None else None
         self._pending: dict[str, tuple[object, torch.Tensor | None]] = {}
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -316,6 +317,7 @@ class StageExecutor:
     def _maybe_die(self, instruction: Instruction, index: int, length: int) -> None:
         for kill in self.kills:
             if kill.matches(self.step, instruction, index, length):
+                self.store.set(f"bamboo/{self.job}/killed_at/{self.rank}", repr(time.time()))
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -324,6 +326,7 @@ class StageExecutor:
         """Run this iteration's stream, fail over as needed, commit. Returns the mean loss."""
         stream = list(self.schedule.streams[self.node])
         fault_free_length = len(stream)
+        iteration_started = time.time()
         index = 0
         failed_over = False
         while True:
@@ -333,7 +336,15 @@ class StageExecutor:
                         self._maybe_die(stream[index], index, fault_free_length)
                     self.execute(stream[index])
                     index += 1
-                return self._commit()
+                loss = self._commit()
+                self.iteration_times.append((iteration_started, time.time()))
+                if failed_over:
+                    self.failovers[-1]["iteration_end"] = time.time()
+                    self.failovers[-1]["recovery_kinds"] = {
+                        kind: seconds - self.failovers[-1]["kinds_before"].get(kind, 0.0)
+                        for kind, seconds in self.kind_seconds.items()
+                    }
+                return loss
             except (PeerFailure, FailureNoticed) as failure:
                 new_stream = self._fail_over(failure, stream, index)
                 if new_stream is not stream:  # our pipeline failed over: run the remainder
@@ -725,9 +736,9 @@ class StageExecutor:
         the victims' stages; a node that already all-reduced a victim's stage this iteration joins
         the shadow's redo of that all-reduce with its stored contribution.
         """
-        started = time.perf_counter()
+        caught = time.time()
         event = self._confirmed_event(failure)
-        detected = time.perf_counter()
+        confirmed = time.time()
         victims: dict[int, set[int]] = {}
         while True:  # a further failure during the agreement restarts it with every victim so far
             self.epoch = event.epoch
@@ -776,8 +787,8 @@ class StageExecutor:
         self.failovers.append({
             "epoch": self.epoch, "victims": {d: sorted(v) for d, v in victims.items()}, "step": self.step,
             "cut": plans[self.pipeline][1] if self.pipeline in plans else None,
-            "detect_s": detected - started, "reroute_s": time.perf_counter() - detected,
-            "resumed_at": time.perf_counter(),
+            "caught_at": caught, "confirmed_at": confirmed, "resumed_at": time.time(),
+            "own_pipeline": self.pipeline in plans, "kinds_before": dict(self.kind_seconds),
         })
         if self.pipeline not in plans:
             return stream  # our pipeline lost nobody: resume where we were (same stream, same index)

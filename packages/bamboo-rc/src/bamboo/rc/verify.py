@@ -61,6 +61,8 @@ class VerifyResult:
     consecutive: str | None = None
     failovers: tuple[dict[str, Any], ...] = ()
     compared_at_step: int = 0
+    kill_times: dict[int, float] = attrs.field(factory=dict)
+    timings: dict[int, dict[str, Any]] = attrs.field(factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -137,6 +139,11 @@ def run_verify(
         os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
         os.close(port_writer)
         codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"))
+        kill_times = {
+            rank: float(store.get(f"bamboo/verify/killed_at/{rank}"))
+            for rank in range(layout.world)
+            if codes.get(rank, 0) < 0 and store.check([f"bamboo/verify/killed_at/{rank}"])
+        }
         del store  # stops the store's server thread before anything forks again
         reports = {}
         for rank in range(layout.world):
@@ -199,6 +206,12 @@ def run_verify(
         consecutive=consecutive,
         failovers=tuple(f for r in reports.values() for f in r["failovers"]),
         compared_at_step=compared_at,
+        kill_times=kill_times,
+        timings={
+            rank: {"iteration_times": r["iteration_times"], "failovers": r["failovers"], "hosted": r["hosted"],
+                   "stage": r["stage"], "pipeline": r["pipeline"]}
+            for rank, r in reports.items()
+        },
     )
 
 

@@ -89,6 +89,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "stash_peak_bytes": executor.stash.peak_bytes,
         "sync_bytes": executor.sync_bytes,
         "failovers": executor.failovers,
+        "iteration_times": executor.iteration_times,
         "consecutive": consecutive,
         "seconds": time.perf_counter() - started,
     }

@@ -11,9 +11,11 @@ next runtime epoch and the global ranks that died) in the c10d store the workers
   instead of crashing the worker; the transfer it guards keeps waiting.
 - :class:`FailureAuthority` (in the launcher) runs a ``FailureDetector`` of its own, which sees
   every ``NodeFailed`` (probe-confirmed neighbour reports written by any agent, and lease
-  expiries). It maps each failed node to its global rank in the current layout and publishes the
-  ranks that failed within ``batch_window_s`` (default 0.3 s) of each other as one event, so a
-  consecutive pair killed together is one event.
+  expiries). It maps each failed node to its global rank in the current layout (``roles()``:
+  the generation and node -> rank) and publishes the ranks that failed within
+  ``batch_window_s`` (default 2.5 s: the probe and lease paths confirm kills of one instant up to about the 2 s lease TTL apart, and bamboo-rc handles failures of one event together) of each other as one event of that generation's job
+  (``<job>-g<generation>``, epochs counted from 1 in each generation), so a consecutive pair
+  killed together is one event.
 
 Nobody acts on a suspicion alone: only what the membership detector confirmed is published.
 """
@@ -78,29 +80,32 @@ class MembershipFailureNotices(StoreFailureNotices):
 class FailureAuthority:
     """Turns membership's ``NodeFailed`` into the runtime's numbered ``FailureEvent``.
 
-    ``rank_of_node`` maps the nodes that hold a role to their global rank; failures of other nodes
-    (standby) are recorded in :attr:`failed_nodes` but publish nothing. ``on_event(event, nodes)``
-    is called after each publication (the launcher logs it).
+    ``roles()`` gives the current generation and its node -> global rank map; failures of other
+    nodes (standby) are recorded in :attr:`failed_nodes` but publish nothing. ``store`` is the c10d
+    store the workers share; events go under job ``<job>-g<generation>``. ``on_event(event,
+    nodes)`` is called after each publication (the launcher logs it).
     """
 
     def __init__(
         self,
         membership: MembershipStore,
-        notices: StoreFailureNotices,
-        rank_of_node: dict[str, int],
+        store: Store,
+        job: str,
+        roles: Callable[[], tuple[int, dict[str, int]]],
         *,
         detector_config: DetectorConfig | None = None,
-        batch_window_s: float = 0.3,
+        batch_window_s: float = 2.5,
         on_event: Callable[[FailureEvent, list[str]], None] | None = None,
     ) -> None:
-        self.notices = notices
-        self.rank_of_node = dict(rank_of_node)
+        self.store = store
+        self.job = job
+        self.roles = roles
         self.batch_window_s = batch_window_s
         self.on_event = on_event
         self.detector = FailureDetector(membership, "launcher", GrpcProber("launcher"), detector_config)
-        self.epoch = 0
+        self.epochs: dict[int, int] = {}
         self.failed_nodes: dict[str, float] = {}
-        self.published: list[FailureEvent] = []
+        self.published: list[tuple[int, FailureEvent]] = []
         self._pending: list[str] = []
         self._lock = threading.Condition()
         self._stop = threading.Event()
@@ -121,16 +126,24 @@ class FailureAuthority:
 
     def failed_ranks(self) -> set[int]:
         """Global ranks confirmed failed so far."""
-        return {rank for event in self.published for rank in event.victims}
+        return {rank for _, event in self.published for rank in event.victims}
 
     def _on_failed(self, event: NodeFailed) -> None:
         with self._lock:
             if event.node in self.failed_nodes:
                 return
             self.failed_nodes[event.node] = time.monotonic()
-            if event.node in self.rank_of_node:
-                self._pending.append(event.node)
-                self._lock.notify_all()
+            self._pending.append(event.node)
+            self._lock.notify_all()
+
+    def _roles(self) -> tuple[int, dict[str, int]]:
+        for attempt in range(100):
+            try:
+                return self.roles()
+            except (StoreError, RuntimeError) as error:
+                log.error("reading the layout failed (attempt %d): %s", attempt + 1, error)
+                time.sleep(0.2)
+        raise RuntimeError("the layout could not be read from etcd")
 
     def _publisher(self) -> None:
         while not self._stop.is_set():
@@ -142,15 +155,20 @@ class FailureAuthority:
             time.sleep(self.batch_window_s)  # gather the failures that come together
             with self._lock:
                 nodes, self._pending = self._pending, []
-            self.epoch += 1
-            event = FailureEvent(self.epoch, [self.rank_of_node[node] for node in nodes])
+            generation, ranks = self._roles()
+            nodes = [node for node in nodes if node in ranks]
+            if not nodes:
+                continue  # standby nodes: nothing for the runtime to do
+            self.epochs[generation] = self.epochs.get(generation, 0) + 1
+            event = FailureEvent(self.epochs[generation], [ranks[node] for node in nodes])
+            notices = StoreFailureNotices(self.store, f"{self.job}-g{generation}")
             for attempt in range(100):  # etcd may be restarting: keep trying, a confirmed failure must get out
                 try:
-                    self.notices.publish(event)
+                    notices.publish(event)
                     break
                 except (StoreError, RuntimeError) as error:
                     log.error("publishing %s failed (attempt %d): %s", event, attempt + 1, error)
                     time.sleep(0.2)
-            self.published.append(event)
+            self.published.append((generation, event))
             if self.on_event is not None:
                 self.on_event(event, nodes)

@@ -7,11 +7,12 @@ The market starts ``python -m bamboo.launch.node ...`` as the leader of a new pr
    service (`bamboo.membership.NodeAgent`, with its failure detector): a SIGTERM or a notice
    becomes a preemption notice published in etcd;
 2. waits for the layout in etcd (``/bamboo/<job>/layout``) to give it a rank; a node that has none
-   waits on standby until the run ends;
+   waits on standby until a later layout gives it one, or the run ends;
 3. spawns its worker (``python -m bamboo.launch.worker``) in the node's process group, so a market
    kill (SIGKILL of the group) takes both, and watches it;
-4. when the worker exits, leaves the cluster on purpose (not a failure) and exits with the
-   worker's status.
+4. when the worker exits with ``STANDBY_EXIT`` (no role in the next layout), waits on standby
+   again; otherwise leaves the cluster on purpose (not a failure) and exits with the worker's
+   status.
 
 Timeouts (seconds, flags): ``--ttl`` lease TTL (2), ``--grace`` how long a suspect must stay
 unresponsive before it is declared failed (2; an agent stopped for less is only slow),
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 __all__ = ["main"]
 
@@ -47,9 +49,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
-    from bamboo.launch.worker import RunSpec
+    from bamboo.launch.worker import STANDBY_EXIT, RunSpec
     from bamboo.membership import DetectorConfig, EtcdKV, EtcdOptions, MembershipStore, NodeAgent
-    from bamboo.membership.kv import StoreError
 
     args = _parse(argv)
     if not args.node:
@@ -65,39 +66,58 @@ def main(argv: list[str] | None = None) -> int:
     agent.install_sigterm_handler()  # before registering: a notice must never be a silent death
     agent.start()
     print(f"node {args.node} ({args.zone}) registered; agent at {agent.address}", flush=True)
-    rank: int | None = None
+    after = -1  # the generation this node last left (STANDBY_EXIT); -1: none yet
+    while True:
+        generation = _wait_for_role(membership, agent, args.node, after, args.poll)
+        if generation is None:
+            agent.stop(leave=True)
+            kv.close()
+            return 0 if not agent.lease_lost.is_set() else 3
+        print(f"node {args.node}: a role in generation {generation}; spawning its worker", flush=True)
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "bamboo.launch.worker", "--spec", str(spec_path), "--node", args.node,
+             "--agent", agent.address],
+        )
+        while worker.poll() is None:
+            time.sleep(args.poll)
+        code = worker.returncode
+        print(f"node {args.node}: worker exited with status {code}", flush=True)
+        if code != STANDBY_EXIT:
+            agent.stop(leave=True)
+            kv.close()
+            return code if code >= 0 else 1
+        after = _current_generation(membership)
+        print(f"node {args.node}: on standby after generation {after}", flush=True)
+
+
+def _current_generation(membership: Any) -> int:
+    while True:
+        try:
+            current = membership.get_layout()
+            return int(current.value.get("generation", 0)) if current is not None else -1
+        except Exception:
+            time.sleep(0.1)
+
+
+def _wait_for_role(membership: Any, agent: Any, node: str, after: int, poll: float) -> int | None:
+    """The generation (> ``after``) whose layout gives ``node`` a rank; None when the run is over."""
     stop = threading.Event()
-    while rank is None:
+    while True:
         try:
             layout = membership.get_layout()
-        except StoreError as error:
-            print(f"node {args.node}: etcd unreachable ({error}); waiting", flush=True)
+        except Exception as error:
+            print(f"node {node}: etcd unreachable ({error}); waiting", flush=True)
             layout = None
         if layout is not None:
             if layout.value.get("state") == "finished":
-                agent.stop(leave=True)
-                kv.close()
-                return 0
-            rank = layout.value.get("ranks", {}).get(args.node)
+                return None
+            generation = int(layout.value.get("generation", 0))
+            if generation > after and node in layout.value.get("ranks", {}):
+                return generation
         if agent.lease_lost.is_set():
-            print(f"node {args.node}: lost its lease; exiting", file=sys.stderr, flush=True)
-            return 3
-        if rank is None:
-            stop.wait(args.poll)
-    print(f"node {args.node}: rank {rank}; spawning its worker", flush=True)
-    spec_path = Path(args.spec)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "bamboo.launch.worker", "--spec", str(spec_path), "--rank", str(rank),
-         "--agent", agent.address],
-    )
-    while worker.poll() is None:
-        time.sleep(args.poll)
-    code = worker.returncode
-    print(f"node {args.node}: worker exited with status {code}", flush=True)
-    agent.stop(leave=True)
-    kv.close()
-    return code if code >= 0 else 1
-
+            print(f"node {node}: lost its lease; exiting", file=sys.stderr, flush=True)
+            return None
+        stop.wait(poll)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -46,6 +46,7 @@ __all__ = [
     "RunResult",
     "compare_with_reference",
     "initial_plan",
+    "layer_specs",
     "load_preemptions",
     "run_cluster",
 ]
@@ -117,12 +118,18 @@ class RunOptions:
 
 @attrs.frozen
 class RunResult:
-    """What a run left: its directory, event log, per-rank final reports and the failures seen."""
+    """What a run left: its directory, event log, per-rank final reports and the failures seen.
+
+    ``failed_ranks`` are the ranks published as failed (each in the layout of its time);
+    ``failed_nodes`` the nodes the membership detector declared failed (standby ones included).
+    ``reports`` are keyed by the final rank of each worker that finished.
+    """
 
     run_dir: Path
     events: Path
     reports: dict[int, dict[str, Any]]
     failed_ranks: tuple[int, ...]
+    failed_nodes: tuple[str, ...]
     node_of_rank: dict[int, str]
     exit_codes: dict[str, int | None]
     timed_out: bool
@@ -188,7 +195,7 @@ def initial_plan(options: RunOptions) -> tuple[Any, ...]:
                        notice_s=options.notice_s, zone_of=zone_of)
 
 
-def _layer_specs(size: dict[str, int]) -> list[Any]:
+def layer_specs(size: dict[str, int]) -> list[Any]:
     """bamboo-reconfig's view of the example model's layers: state bytes and compute cost per layer."""
     from bamboo.rc.model import ByteEmbedding, DecoderBlock, GPTSize, LMHead
     from bamboo.reconfig import LayerSpec
@@ -211,7 +218,7 @@ def _first_layout(options: RunOptions, registered: dict[str, str]) -> Any:
     view = ClusterView(
         nodes=[Node(node, zone or "default", "joining") for node, zone in registered.items()],
         target_stages=options.stages, target_pipelines=options.pipelines,
-        global_batch=micro * options.pipelines, layers=_layer_specs(options.size),
+        global_batch=micro * options.pipelines, layers=layer_specs(options.size),
     )
     layout = plan_layout(view)
     if layout.stages != options.stages or len(layout.owners) != options.pipelines:
@@ -256,7 +263,7 @@ def run_cluster(
         MembershipStore,
         c10d_prefix,
     )
-    from bamboo.rc import StoreFailureNotices
+    from bamboo.rc import load_config
 
     say = progress or (lambda message: None)
     started = time.monotonic()
@@ -322,15 +329,22 @@ def run_cluster(
         node_of_rank = {d * options.stages + s: node for d, row in enumerate(layout.owners) for s, node in enumerate(row)}
         rank_of_node = {node: rank for rank, node in node_of_rank.items()}
         _write_atomic(spec_path, attrs.evolve(spec, node_of_rank=node_of_rank).to_json())
-        notices = StoreFailureNotices(EtcdStore(kv, c10d_prefix(job, "rc")), job)
-        authority = FailureAuthority(membership, notices, rank_of_node,
+        def roles() -> tuple[int, dict[str, int]]:
+            current = membership.get_layout()
+            if current is None:
+                return 0, rank_of_node
+            return int(current.value["generation"]), {n: int(r) for n, r in current.value["ranks"].items()}
+
+        authority = FailureAuthority(membership, EtcdStore(kv, c10d_prefix(job, "rc")), job, roles,
                                      detector_config=DetectorConfig(grace_period=options.grace_s),
                                      on_event=lambda event, nodes: say(
                                          f"confirmed failure of {', '.join(nodes)}: ranks {list(event.victims)} "
                                          f"(runtime epoch {event.epoch})")).start()
-        value = {"state": "running", "stages": options.stages, "pipelines": options.pipelines,
-                 "ranks": rank_of_node, "standby": list(layout.standby),
-                 "owners": [list(row) for row in layout.owners]}
+        micro = load_config(options.config, pipelines=options.pipelines).micro_batches
+        value = {"state": "running", "generation": 0, "stages": options.stages, "pipelines": options.pipelines,
+                 "micro_batches": micro, "start_step": 0, "ranks": rank_of_node, "standby": list(layout.standby),
+                 "owners": [list(row) for row in layout.owners], "plan": layout.to_dict(), "mode": "first",
+                 "transfers": [], "reason": "first layout"}
         if membership.put_layout(value, 0) is None:
             raise RunError(f"job {job} already has a layout in etcd; use a new --job")
         say("layout: " + "; ".join(f"pipeline {d}: {' '.join(row)}" for d, row in enumerate(layout.owners))
@@ -344,7 +358,7 @@ def run_cluster(
 
             threading.Thread(target=during, args=(RunHandles(etcd, cluster, membership, node_of_rank),),
                              name="bamboo-run-during", daemon=True).start()
-        timed_out = _wait_ranked(cluster, set(rank_of_node), started + options.timeout_s, events_path, options.live)
+        timed_out = _wait_ranked(cluster, membership, started + options.timeout_s, events_path, options.live)
     finally:
         market.stop(timeout=10)
         if authority is not None:
@@ -359,7 +373,9 @@ def run_cluster(
             etcd.close()
     codes = {node: process.returncode for node, process in cluster.processes.items()}
     failed = tuple(sorted(authority.failed_ranks())) if authority is not None else ()
+    failed_nodes = tuple(sorted(authority.failed_nodes)) if authority is not None else ()
     return RunResult(run_dir=run_dir, events=events_path, reports=reports, failed_ranks=failed,
+                     failed_nodes=failed_nodes,
                      node_of_rank=node_of_rank, exit_codes=codes, timed_out=timed_out,
                      seconds=time.monotonic() - started)
 
@@ -421,11 +437,19 @@ def _wait_registered(membership: Any, count: int, timeout_s: float) -> dict[str,
         time.sleep(0.05)
 
 
-def _wait_ranked(cluster: Any, ranked_nodes: set[str], deadline: float, events: Path, live: bool) -> bool:
-    """Wait until every node holding a rank has exited; True if the deadline came first."""
+def _wait_ranked(cluster: Any, membership: Any, deadline: float, events: Path, live: bool) -> bool:
+    """Wait until every node holding a rank in the current layout has exited; True if the deadline came first."""
+    ranked: set[str] = set()
 
     def running() -> bool:
-        return any(cluster.processes[node].poll() is None for node in ranked_nodes if node in cluster.processes)
+        try:
+            current = membership.get_layout()
+            if current is not None:
+                ranked.clear()
+                ranked.update(current.value["ranks"])
+        except Exception:  # etcd restarting: judge by the last layout read
+            pass
+        return any(cluster.processes[node].poll() is None for node in ranked if node in cluster.processes)
 
     if not live:
         while running():

@@ -75,104 +75,401 @@ def _failover_records(executor: Any, seen: int) -> list[dict[str, Any]]:
     for failover in executor.failovers[seen:]:
         for victim in failover["victims"].get(executor.pipeline, []):
             if (victim - 1) % stages == executor.stage:
-                records.append({"victim": victim, "pause_s": failover["detect_s"] + failover["reroute_s"]})
+                records.append({"victim": victim, "pause_s": _pause_s(failover)})
     return records
 
 
-def train(spec: RunSpec, rank: int, agent_address: str | None) -> dict[str, Any]:
-    """Train as global rank ``rank`` of the run; returns the report also written to disk."""
+def _pause_s(failover: dict[str, Any]) -> float:
+    """Seconds from the moment the runtime caught the failure to the moment it resumed.
+
+    bamboo-rc records ``caught_at``/``resumed_at`` (wall clock); older records carried
+    ``detect_s`` and ``reroute_s``.
+    """
+    if "caught_at" in failover and "resumed_at" in failover:
+        return max(0.0, float(failover["resumed_at"]) - float(failover["caught_at"]))
+    return float(failover.get("detect_s", 0.0)) + float(failover.get("reroute_s", 0.0))
+
+
+STANDBY_EXIT = 4
+"""Exit status of a worker whose node has no role in the next layout (its agent waits on standby)."""
+
+
+class _Generation:
+    """One worker's view of the run across layouts (see :mod:`bamboo.launch.reconfigure`)."""
+
+    def __init__(self, spec: RunSpec, node: str, agent_address: str | None) -> None:
+        from bamboo.launch.events import EventLog
+        from bamboo.membership import (
+            AgentClient,
+            EtcdKV,
+            EtcdOptions,
+            EtcdStore,
+            MembershipStore,
+            c10d_prefix,
+        )
+        from bamboo.rc import CommTimeouts
+        from bamboo.rc.model import GPTSize, gpt_layer_specs
+
+        self.spec = spec
+        self.node = node
+        self.size = GPTSize(**spec.size)
+        self.specs = gpt_layer_specs(self.size)
+        self.kv = EtcdKV(EtcdOptions(endpoints=spec.etcd, user=spec.etcd_user, password=spec.etcd_password,
+                                     ca_cert=spec.etcd_ca, cert_cert=spec.etcd_cert, cert_key=spec.etcd_key))
+        self.membership = MembershipStore(self.kv, spec.job)
+        self.timeouts = CommTimeouts(group=spec.group_timeout_s, confirm=spec.confirm_timeout_s)
+        self.store = EtcdStore(self.kv, c10d_prefix(spec.job, "rc"),
+                               timeout=datetime.timedelta(seconds=self.timeouts.build))
+        self.agent = AgentClient(agent_address, name=f"worker-{node}") if agent_address else None
+        self.log = EventLog(spec.events, start=spec.run_start)
+        self._layers: list[Any] | None = None
+        self.retired: list[Any] = []  # old executors stay referenced: their gloo groups must not be destroyed
+
+    def layers(self) -> list[Any]:
+        """bamboo-reconfig's view of the model's layers (built once)."""
+        if self._layers is None:
+            from bamboo.launch.run import layer_specs
+
+            self._layers = layer_specs(self.spec.size)
+        return self._layers
+
+    def wait_layout(self, after: int) -> dict[str, Any]:
+        """The first layout of generation > ``after`` (the first layout for ``after=-1``)."""
+        deadline = time.monotonic() + self.timeouts.build
+        while True:
+            try:
+                current = self.membership.get_layout()
+            except Exception:  # etcd restarting
+                current = None
+            if current is not None and current.value.get("generation", 0) > after:
+                return current.value
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no layout after generation {after} within {self.timeouts.build:g} s")
+            time.sleep(0.05)
+
+    def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                found = self.membership.get_decision(name)
+            except Exception:
+                found = None
+            if found is not None:
+                return found.value
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"decision {name} not taken within {timeout:g} s")
+            time.sleep(0.02)
+
+
+def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]:
+    """Train as node ``node`` through every layout it has a role in; returns the final report."""
     import torch
     from bamboo.launch.authority import MembershipFailureNotices
-    from bamboo.launch.events import EventLog, Failover, Step
-    from bamboo.membership import AgentClient, EtcdKV, EtcdOptions, EtcdStore, c10d_prefix
-    from bamboo.rc import CommTimeouts, ConsecutiveFailure, initialize, load_config
+    from bamboo.launch.events import Failover, Reconfiguration, Step
+    from bamboo.rc import ConsecutiveFailure, initialize, load_config
+    from bamboo.rc.comm import build_gloo_group
     from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
-    from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
+    from bamboo.rc.model import lm_loss
+    from bamboo.rc.transfer import export_stage_state, import_stage_state
     from bamboo.rc.worker import exact_mode
 
     exact_mode()
-    size = GPTSize(**spec.size)
-    config = load_config(spec.config, pipelines=spec.pipelines)
-    kv = EtcdKV(EtcdOptions(endpoints=spec.etcd, user=spec.etcd_user, password=spec.etcd_password,
-                            ca_cert=spec.etcd_ca, cert_cert=spec.etcd_cert, cert_key=spec.etcd_key))
-    timeouts = CommTimeouts(group=spec.group_timeout_s, confirm=spec.confirm_timeout_s)
-    store = EtcdStore(kv, c10d_prefix(spec.job, "rc"), timeout=datetime.timedelta(seconds=timeouts.build))
-    agent = AgentClient(agent_address, name=f"worker-{rank}") if agent_address else None
-    notices = MembershipFailureNotices(store, spec.job, agent, spec.node_of_rank)
-    engine = initialize(
-        gpt_layer_specs(size), spec.config, spec.redundancy, loss_fn=lm_loss, stages=spec.stages, rank=rank,
-        world_size=spec.stages * spec.pipelines, store=store, seed=spec.seed, job=spec.job, timeouts=timeouts,
-        notices=notices if spec.redundancy != "none" else None,
-    )
-    executor = engine.executor
-    sampler = GlobalBatchSampler(config.micro_batch_size, size.sequence, seed=spec.seed)
-    data = pipeline_data_iter(sampler, executor.pipeline, config.micro_batches)
-    samples = config.micro_batch_size * config.micro_batches * spec.pipelines
-    log = EventLog(spec.events, start=spec.run_start)
-    node = spec.node_of_rank[rank]
-    checkpointers: dict[int, Any] = {}  # stage -> its shard's writer (pipeline 0 writes one shard per stage)
-
-    def checkpoint(step: int) -> None:
-        from bamboo.launch.checkpoint import AsyncCheckpointer
-        from bamboo.launch.events import Checkpoint
-
-        def committed(info: Any) -> None:
-            log.write(Checkpoint(t=log.now(), step=info.step, path=str(info.path), bytes=info.bytes,
-                                 duration_s=info.duration_s))
-
-        for stage in executor.hosted:  # a shadow that took over a stage writes that stage's shard too
-            if stage not in checkpointers:
-                checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
-                                                         every_steps=spec.checkpoint_every, on_commit=committed)
-            checkpointers[stage].maybe_save(step, lambda stage=stage: {
-                "state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8)})
-
-    consecutive: str | None = None
-    seen_failovers = 0
-    started = time.perf_counter()
-    try:
-        for _ in range(spec.steps):
+    run = _Generation(spec, node, agent_address)
+    log = run.log
+    layout = run.wait_layout(-1)
+    old: Any = None  # the executor of the previous generation (the state this node holds)
+    started = barrier_started = time.perf_counter()
+    checkpointers: dict[int, Any] = {}
+    losses: list[float] = []
+    failovers: list[dict[str, Any]] = []
+    while True:
+        generation = int(layout["generation"])
+        ranks: dict[str, int] = dict(layout["ranks"])
+        if node not in ranks:
+            return {"standby": True, "generation": generation}
+        rank = ranks[node]
+        pipelines, micro_batches = int(layout["pipelines"]), int(layout["micro_batches"])
+        config = {**spec.config, "gradient_accumulation_steps": micro_batches}
+        job = f"{spec.job}-g{generation}"
+        node_of_rank = {r: n for n, r in ranks.items()}
+        notices = MembershipFailureNotices(run.store, job, run.agent, node_of_rank)
+        engine = initialize(
+            run.specs, config, spec.redundancy, loss_fn=lm_loss, stages=spec.stages, rank=rank,
+            world_size=spec.stages * pipelines, store=run.store, seed=spec.seed, job=job, timeouts=run.timeouts,
+            notices=notices if spec.redundancy != "none" else None,
+        )
+        executor = engine.executor
+        if generation > 0:
+            _receive_state(run, layout, old, executor, build_gloo_group, export_stage_state, import_stage_state)
+            executor.step = int(layout["start_step"])
+            if rank == min(ranks.values()):  # one record per reconfiguration, once this node has its state
+                log.write(Reconfiguration(t=log.now(), reason=layout["reason"], pipelines=pipelines,
+                                          stages=spec.stages, standby=len(layout["standby"]),
+                                          bytes_moved=_bytes_moved(run, layout),
+                                          duration_s=time.perf_counter() - barrier_started))
+        if old is not None:
+            run.retired.append(old)
+        old = None
+        training = load_config(config, pipelines=pipelines)
+        sampler = GlobalBatchSampler(training.micro_batch_size, run.size.sequence, seed=spec.seed)
+        data = pipeline_data_iter(sampler, executor.pipeline, micro_batches, first_step=executor.step)
+        samples = training.micro_batch_size * micro_batches * pipelines
+        seen_failovers = 0
+        stop_step: int | None = None
+        consecutive = False
+        evaluator = min(ranks.values())
+        while executor.step < spec.steps:
+            if stop_step is not None and executor.step >= stop_step:
+                break
             step_started = time.perf_counter()
-            loss = float(engine.train_batch(data))
+            try:
+                loss = float(engine.train_batch(data))
+            except ConsecutiveFailure as failure:
+                print(f"node {node}: {failure}", file=sys.stderr, flush=True)
+                executor.apply_replica_updates()
+                consecutive = True
+                break
             duration = time.perf_counter() - step_started
+            losses.append(loss)
             for record in _failover_records(executor, seen_failovers):
                 victim_rank = executor.layout.rank(record["victim"], executor.pipeline)
-                log.write(Failover(t=log.now(), victim=spec.node_of_rank.get(victim_rank, str(victim_rank)),
+                log.write(Failover(t=log.now(), victim=node_of_rank.get(victim_rank, str(victim_rank)),
                                    shadow=node, stage=record["victim"], pause_s=record["pause_s"]))
+            failovers.extend(executor.failovers[seen_failovers:])
             seen_failovers = len(executor.failovers)
-            if spec.checkpoint_dir is not None and executor.pipeline == 0:
-                checkpoint(executor.step)
             if executor.pipeline == 0 and spec.stages - 1 in executor.hosted:
-                active = spec.stages * spec.pipelines - len(executor.dead)
                 log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
-                               nodes_active=active, duration_s=duration))
-        engine.finish()
-        for writer in checkpointers.values():
-            writer.close()
-    except ConsecutiveFailure as failure:
-        consecutive = str(failure)
+                               nodes_active=spec.stages * pipelines - len(executor.dead), duration_s=duration))
+            if spec.checkpoint_dir is not None and executor.pipeline == 0:
+                _checkpoint(spec, executor, checkpointers, log, torch)
+            if stop_step is None:
+                stop_step = _stop_step(run, generation, executor, ranks, evaluator, layout)
+        if executor.step >= spec.steps and not consecutive:
+            engine.finish()
+            break
+        # ---- the barrier: this generation ends at executor.step ----------------------------------
+        barrier_started = time.perf_counter()
         executor.apply_replica_updates()
+        holds = sorted(s for s, piece in executor.slices.items() if piece.steps == executor.step)
+        run.membership.decide(f"g{generation}-ready-{node}", {"step": executor.step, "holds": holds})
+        nxt = _next_layout(run, layout, executor, ranks, "consecutive failure" if consecutive else "step boundary")
+        old = executor
+        if node not in nxt["ranks"]:
+            _serve_as_source(run, nxt, old, build_gloo_group, export_stage_state)
+            return {"standby": True, "generation": generation + 1}
+        layout = nxt
+    for writer in checkpointers.values():
+        writer.close()
     report = {
         "rank": rank,
         "node": node,
+        "generation": generation,
         "stage": executor.stage,
         "pipeline": executor.pipeline,
         "hosted": list(executor.hosted),
         "slices": {stage: [layer.state_dict() for layer in piece.layers] for stage, piece in executor.slices.items()},
         "replica_stage": executor.replica_stage,
-        "losses": executor.losses,
+        "losses": losses,
         "steps_done": executor.step,
-        "failovers": executor.failovers,
-        "consecutive": consecutive,
+        "failovers": failovers,
+        "consecutive": None,
         "seconds": time.perf_counter() - started,
     }
     path = Path(spec.out_dir) / f"rank{rank}.pt"
     torch.save(report, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)  # the launcher polls for this file: never a partial one
+    os.replace(path.with_suffix(".tmp"), path)  # the launcher reads this file: never a partial one
     log.close()
-    if consecutive is not None:
-        print(consecutive, file=sys.stderr)
     return report
+
+
+def _bytes_moved(run: _Generation, layout: dict[str, Any]) -> int:
+    """Bytes the sources of this reconfiguration sent (each records its own; waits up to 10 s for them)."""
+    sources = sorted({src for src, _, _ in layout["transfers"]})
+    total = 0
+    for src in sources:
+        try:
+            total += int(run.wait_decision(f"g{layout['generation']}-sent-{src}", 10.0)["bytes"])
+        except RuntimeError:
+            print(f"node {run.node}: source {src} did not record what it sent", file=sys.stderr, flush=True)
+    return total
+
+
+def _checkpoint(spec: RunSpec, executor: Any, checkpointers: dict[int, Any], log: Any, torch: Any) -> None:
+    """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too)."""
+    from bamboo.launch.checkpoint import AsyncCheckpointer
+    from bamboo.launch.events import Checkpoint
+
+    def committed(info: Any) -> None:
+        log.write(Checkpoint(t=log.now(), step=info.step, path=str(info.path), bytes=info.bytes,
+                             duration_s=info.duration_s))
+
+    for stage in executor.hosted:
+        if stage not in checkpointers:
+            checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
+                                                     every_steps=spec.checkpoint_every, on_commit=committed)
+        checkpointers[stage].maybe_save(executor.step, lambda stage=stage: {
+            "state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8)})
+
+
+def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str, int], evaluator: int,
+               layout: dict[str, Any]) -> int | None:
+    """The step this generation stops at, once decided (first writer wins); the evaluator proposes it."""
+    name = f"g{generation}-stop"
+    if executor.rank == evaluator and executor.step + 2 <= run.spec.steps:
+        from bamboo.reconfig import When, decide
+
+        view = _view(run, layout, executor, ranks)
+        if view is not None:
+            decision = decide(view)
+            if decision.when is not When.CARRY_ON:
+                reason = ", ".join(r.value for r in decision.reasons)
+                run.membership.decide(name, {"step": executor.step + 2, "reason": reason})
+    try:
+        found = run.membership.get_decision(name)
+    except Exception:
+        return None
+    return int(found.value["step"]) if found is not None else None
+
+
+def _view(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[str, int]) -> Any:
+    from bamboo.launch.reconfigure import build_view
+
+    try:
+        records = run.membership.list_nodes(skip_malformed=True)
+    except Exception:
+        return None
+    dead = [n for n, r in ranks.items() if r in executor.dead]
+    zones = {n: record.zone for n, record in records.items()}
+    zones.update(layout.get("zones", {}))
+    layers = run.layers()
+    global_batch = int(layout["micro_batches"]) * int(layout["pipelines"])
+    return build_view(layout, zones, sorted(records), dead, layers, global_batch, run.spec.stages,
+                      run.spec.pipelines)
+
+
+def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[str, int],
+                 reason: str) -> dict[str, Any]:
+    """Wait for every survivor at the barrier, then the next layout (first writer wins)."""
+    from bamboo.launch.reconfigure import build_view, transfer_plan
+    from bamboo.reconfig import plan_layout
+
+    generation = int(layout["generation"])
+    name = f"g{generation}-next"
+    deadline = time.monotonic() + run.timeouts.confirm
+    ready: dict[str, dict[str, Any]] = {}
+    while True:
+        existing = run.membership.get_decision(name)
+        if existing is not None:
+            return existing.value
+        records = run.membership.list_nodes(skip_malformed=True)
+        expected = [n for n, r in ranks.items() if r not in executor.dead and n in records]
+        for other in expected:
+            if other not in ready:
+                found = run.membership.get_decision(f"g{generation}-ready-{other}")
+                if found is not None:
+                    ready[other] = found.value
+        if all(other in ready for other in expected):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"survivors {sorted(set(expected) - set(ready))} did not reach the barrier of "
+                               f"generation {generation}")
+        time.sleep(0.02)
+    step = min(int(record["step"]) for record in ready.values())
+    holdings = {other: [int(s) for s in record["holds"]] for other, record in ready.items()
+                if int(record["step"]) == step}
+    dead = [n for n in ranks if n not in ready]
+    records = run.membership.list_nodes(skip_malformed=True)
+    zones = {n: record.zone for n, record in records.items()}
+    usable = sorted(set(ready) | {n for n in records if n not in ranks})
+    view = build_view(layout, zones, usable, dead, run.layers(), int(layout["micro_batches"]) * int(layout["pipelines"]),
+                      run.spec.stages, run.spec.pipelines)
+    plan = plan_layout(view)
+    pipelines = len(plan.owners)
+    global_batch = int(layout["micro_batches"]) * int(layout["pipelines"])
+    if pipelines == 0 or global_batch % pipelines:
+        raise RuntimeError(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} pipelines")
+    new_ranks = {owner: d * run.spec.stages + s for d, row in enumerate(plan.owners) for s, owner in enumerate(row)}
+    transfers, _local, missing = transfer_plan(new_ranks, run.spec.stages, holdings)
+    mode = "peers"
+    if missing:
+        mode = "checkpoint"
+        transfers = []
+    value = {
+        "state": "running", "generation": generation + 1, "stages": run.spec.stages, "pipelines": pipelines,
+        "micro_batches": global_batch // pipelines, "ranks": new_ranks, "standby": list(plan.standby),
+        "owners": [list(row) for row in plan.owners], "plan": plan.to_dict(), "start_step": step,
+        "mode": mode, "missing": missing, "transfers": [[a, b, stages] for a, b, stages in transfers],
+        "reason": reason, "planned_bytes": {},
+    }
+    decision = run.membership.decide(name, value)
+    if decision.won:
+        current = run.membership.get_layout()
+        if current is not None and int(current.value.get("generation", 0)) == generation:
+            run.membership.put_layout(decision.value, current.revision)
+    return decision.value
+
+
+def _receive_state(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, build_gloo_group: Any,
+                   export_stage_state: Any, import_stage_state: Any) -> None:
+    """Fill the new executor's slices: local copies, transfers by the plan, or the last checkpoint."""
+    if layout["mode"] == "checkpoint":
+        from bamboo.launch.checkpoint import load_latest_good
+
+        if run.spec.checkpoint_dir is None:
+            raise RuntimeError(f"every copy of stages {layout['missing']} is gone and the run has no checkpoints")
+        shards = [f"stage-{s}" for s in sorted(executor.slices)]
+        loaded = load_latest_good(run.spec.checkpoint_dir, shards)
+        for stage, piece in executor.slices.items():
+            piece.load_state_bytes(loaded.shards[f"stage-{stage}"]["state"].numpy().tobytes())
+        if loaded.step != int(layout["start_step"]):
+            raise RuntimeError(f"checkpoint restore: every node must restart from the same step; the plan says "
+                               f"{layout['start_step']}, the newest good checkpoint is {loaded.step}")
+        return
+    if old is not None:
+        for stage, piece in executor.slices.items():
+            if stage in old.slices and old.slices[stage].steps == int(layout["start_step"]):
+                piece.load_state_bytes(old.slices[stage].state_bytes())
+    _run_transfers(run, layout, old, executor, build_gloo_group, export_stage_state, import_stage_state)
+
+
+def _run_transfers(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, build_gloo_group: Any,
+                   export_stage_state: Any, import_stage_state: Any) -> None:
+    from bamboo.launch.reconfigure import transfer_participants
+
+    transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
+    if not any(run.node in (a, b) for a, b, _ in transfers):
+        return
+    members = transfer_participants(transfers)
+    group = build_gloo_group(run.store, f"bamboo/{run.spec.job}/g{layout['generation']}/transfer/", members.index(run.node),
+                             len(members), run.timeouts.group)
+    sent = 0
+    for src, dst, stages in transfers:  # every member walks the same order: no cycle can block
+        if src == run.node:
+            sent += export_stage_state({s: old.slices[s] for s in stages}, group, members.index(dst))
+        elif dst == run.node:
+            import_stage_state(executor.slices, group, members.index(src))
+    run.retired.append(group)
+    if sent:
+        run.membership.decide(f"g{layout['generation']}-sent-{run.node}", {"bytes": sent})
+
+
+def _serve_as_source(run: _Generation, layout: dict[str, Any], old: Any, build_gloo_group: Any,
+                     export_stage_state: Any) -> None:
+    """A node with no role in the next layout still sends the stages it holds by the plan."""
+    from bamboo.launch.reconfigure import transfer_participants
+
+    transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
+    if not any(a == run.node for a, _, _ in transfers):
+        return
+    members = transfer_participants(transfers)
+    group = build_gloo_group(run.store, f"bamboo/{run.spec.job}/g{layout['generation']}/transfer/", members.index(run.node),
+                             len(members), run.timeouts.group)
+    sent = 0
+    for src, dst, stages in transfers:
+        if src == run.node:
+            sent += export_stage_state({s: old.slices[s] for s in stages}, group, members.index(dst))
+    run.retired.append(group)
+    run.membership.decide(f"g{layout['generation']}-sent-{run.node}", {"bytes": sent})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,13 +477,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bamboo.launch.worker",
                                      description="One bamboo-launch worker (started by its node's agent).")
     parser.add_argument("--spec", required=True, help="the run's RUN.json, written by bamboo-launch run")
-    parser.add_argument("--rank", type=int, required=True, help="this worker's global rank (pipeline * P + stage)")
+    parser.add_argument("--node", required=True, help="this worker's node id (its rank comes from the layout in etcd)")
     parser.add_argument("--agent", default=None, help="HOST:PORT of this node's agent (failure reports)")
     args = parser.parse_args(argv)
     code = 0
     try:
-        report = train(RunSpec.from_json(Path(args.spec).read_text()), args.rank, args.agent)
-        code = 3 if report["consecutive"] is not None else 0
+        report = train(RunSpec.from_json(Path(args.spec).read_text()), args.node, args.agent)
+        code = STANDBY_EXIT if report.get("standby") else 0
     except BaseException:
         traceback.print_exc()
         code = 1

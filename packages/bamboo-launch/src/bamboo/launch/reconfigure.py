@@ -1,0 +1,101 @@
+"""Reconfiguration at step boundaries: the view, the first-writer-wins decision, and the transfer plan.
+
+Layouts are numbered by *generation*. Generation g's layout lives in etcd under
+``/bamboo/<job>/layout`` (``generation``, ``ranks`` node -> global rank, ``pipelines``,
+``micro_batches``, ``start_step``, ``plan``: bamboo-reconfig's layout) and its workers use the
+c10d key space and failure notices of job ``<job>-g<g>`` (fresh group prefixes every generation).
+
+A generation ends at a barrier, at a step boundary:
+
+- on a consecutive failure (bamboo-rc raises ``ConsecutiveFailure``; every survivor is at the start
+  of the interrupted step), at once;
+- when `bamboo.reconfig.decide` says so at a step boundary (waiting nodes can fill a pipeline, a
+  pipeline cannot absorb one more failure, a shadow carries two stages and a replacement waits).
+  The lowest surviving rank evaluates it after each step and proposes the stop step (two steps
+  ahead, so every worker can still stop there) as decision ``g<g>-stop``, first writer wins.
+
+At the barrier every survivor publishes which stages it holds at the barrier step (decision
+``g<g>-ready-<node>``). The first to see them all computes the next layout
+(`bamboo.reconfig.plan_layout`: depth kept, whole pipelines only, surplus on standby) and the
+transfer plan (:func:`transfer_plan`: each new owner fetches the stages it lacks from a survivor
+that holds them at that step), and writes it as decision ``g<g>-next`` (first writer wins; everyone
+uses the winner's). The global batch stays constant: D' pipelines run ``M * D / D'`` microbatches.
+Only when no survivor holds some stage is the last good checkpoint restored (``mode``
+``checkpoint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["build_view", "transfer_participants", "transfer_plan"]
+
+
+def build_view(
+    layout_value: Mapping[str, Any],
+    zones: Mapping[str, str],
+    alive: Sequence[str],
+    dead: Sequence[str],
+    layers: Sequence[Any],
+    global_batch: int,
+    stages: int,
+    target_pipelines: int,
+) -> Any:
+    """bamboo-reconfig's ``ClusterView`` of a generation: its ranked nodes (active, or preempted when
+    in ``dead``) and every other live registered node (standby)."""
+    from bamboo.reconfig import ClusterView, Layout, Node, StageSlot
+
+    ranks: dict[str, int] = dict(layout_value["ranks"])
+    nodes = []
+    for node, rank in ranks.items():
+        slot = StageSlot(rank // stages, rank % stages)
+        state = "preempted" if node in dead or node not in alive else "active"
+        nodes.append(Node(node, zones.get(node) or "default", state, slot if state == "active" else None))
+    for node in alive:
+        if node not in ranks:
+            nodes.append(Node(node, zones.get(node) or "default", "standby"))
+    plan = Layout.from_dict(layout_value["plan"]) if layout_value.get("plan") else None
+    return ClusterView(nodes=nodes, target_stages=stages, target_pipelines=target_pipelines,
+                       global_batch=global_batch, layers=list(layers), layout=plan)
+
+
+def transfer_plan(
+    new_ranks: Mapping[str, int], stages: int, holdings: Mapping[str, Sequence[int]]
+) -> tuple[list[tuple[str, str, list[int]]], dict[str, list[int]], list[int]]:
+    """Who sends which stages to whom, for the new owners in ``new_ranks`` (node -> global rank).
+
+    A node at stage s needs stage s and, with redundancy, the replica of s+1: both are needed here
+    (``stages`` >= 2). ``holdings`` are the stages each survivor holds exactly at the barrier step.
+    Returns ``(transfers, local, missing)``: ``(src, dst, stages)`` in a deterministic order (each
+    source's load balanced, lowest node id first on ties), the stages each new owner already holds,
+    and the stages no survivor holds (non-empty: restore the checkpoint). Same inputs, same plan.
+    """
+    holders: dict[int, list[str]] = {}
+    for node in sorted(holdings):
+        for stage in holdings[node]:
+            holders.setdefault(int(stage), []).append(node)
+    load: dict[str, int] = dict.fromkeys(holdings, 0)
+    wanted: dict[tuple[str, str], list[int]] = {}
+    local: dict[str, list[int]] = {}
+    missing: set[int] = set()
+    for dst, rank in sorted(new_ranks.items(), key=lambda item: item[1]):
+        stage = rank % stages
+        for need in sorted({stage, (stage + 1) % stages}):
+            if need in holdings.get(dst, ()):
+                local.setdefault(dst, []).append(need)
+                continue
+            candidates = holders.get(need, [])
+            if not candidates:
+                missing.add(need)
+                continue
+            src = min(candidates, key=lambda node: (load[node], node))
+            load[src] += 1
+            wanted.setdefault((src, dst), []).append(need)
+    transfers = [(src, dst, sorted(stage_list)) for (src, dst), stage_list in sorted(wanted.items())]
+    return transfers, local, sorted(missing)
+
+
+def transfer_participants(transfers: Sequence[tuple[str, str, Sequence[int]]]) -> list[str]:
+    """Members of the transfer group, in group-rank order: every source and every receiver."""
+    return sorted({src for src, _, _ in transfers} | {dst for _, dst, _ in transfers})

@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from bamboo.schedule.ir import Instruction, Kind, RCMode, make
+from bamboo.schedule.ir import _INTERNED, Instruction, Kind, RCMode, make
 
 Token = int
 """A fact produced on a node, packed into an int: what << 40 | (stage + 1) << 20 | (microbatch + 1, or 0).
@@ -113,130 +113,132 @@ def compute_order(policy: str, stages: int, microbatches: int, stage: int) -> li
     return order
 
 
-class _Builder:
-    """Builds the tasks of work items for one linearizer run (one placement, one cost model)."""
+class _Durations:
+    """Durations of instruction groups under one cost model, memoized per (tag, stage) when it allows."""
 
-    def __init__(self, placement: Sequence[int], stages: int, cost: CostFn) -> None:
-        self.placement = placement
-        self.stages = stages
+    def __init__(self, cost: CostFn) -> None:
         self.cost = cost
         self.by_kind_and_stage = cost is unit_cost or isinstance(cost, KindStageCost)
-        self.durations: dict[tuple[object, int], float] = {}
+        self.memo: dict[tuple[object, int], float] = {}
 
-    def duration(self, tag: object, stage: int, instrs: tuple[Instruction, ...]) -> float:
-        """Sum of the instructions' costs (memoized per (tag, stage) when the cost model allows)."""
+    def of(self, tag: object, stage: int, instrs: tuple[Instruction, ...]) -> float:
+        """Sum of the instructions' costs; ``(tag, stage)`` must determine their kinds and stages."""
         if not self.by_kind_and_stage:
             return sum(self.cost(i) for i in instrs)
         key = (tag, stage)
-        value = self.durations.get(key)
+        value = self.memo.get(key)
         if value is None:
-            value = self.durations[key] = sum(self.cost(i) for i in instrs)
+            value = self.memo[key] = sum(self.cost(i) for i in instrs)
         return value
-
-    def message(self, what: int, src: int, dst: int, send_kind: Kind, recv_kind: Kind,
-                stage_src: int, stage_dst: int, k: int | None) -> Need:
-        send = make(send_kind, stage_src, k, dst)
-        tok = token(what, stage_src, k)
-        cost = self.duration(send_kind, stage_src, (send,))
-        return tuple.__new__(Need, (tok, src, send, make(recv_kind, stage_dst, k, src), (src << _NODE) | tok, cost))
-
-    def task(self, work: Work, node: int) -> Task:
-        """The task for one work item on ``node``, with the messages its inputs need."""
-        placement = self.placement
-        tag = work[0]
-        last = self.stages - 1
-        local: tuple[Token, ...] = ()
-        remote: tuple[Need, ...] = ()
-        if tag == "F":
-            _, s, k = work
-            assert isinstance(s, int) and isinstance(k, int)
-            if s == 0:
-                instrs: tuple[Instruction, ...] = (make(Kind.LOAD, 0, k), make(Kind.FORWARD, s, k))
-            else:
-                instrs = (make(Kind.FORWARD, s, k),)
-                src = placement[s - 1]
-                if src == node:
-                    local = (token(ACT, s - 1, k),)
-                else:
-                    remote = (self.message(ACT, src, node, Kind.SEND_ACT, Kind.RECV_ACT, s - 1, s, k),)
-            makes: tuple[Token, ...] = (token(ACT, s, k), token(FWD, s, k))
-            rank = RANK_FORWARD
-        elif tag == "B":
-            _, s, k = work
-            assert isinstance(s, int) and isinstance(k, int)
-            instrs = (make(Kind.BACKWARD, s, k),)
-            local = (token(FWD, s, k),)
-            if s < last:
-                src = placement[s + 1]
-                if src == node:
-                    local += (token(GRAD, s + 1, k),)
-                else:
-                    remote = (self.message(GRAD, src, node, Kind.SEND_GRAD, Kind.RECV_GRAD, s + 1, s, k),)
-            makes = (token(GRAD, s, k),)
-            rank = RANK_BACKWARD
-        elif tag == "TAIL":
-            _, s = work
-            assert isinstance(s, int)
-            instrs = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
-            makes = (token(REDUCED, s),)
-            rank = RANK_BACKWARD
-        elif tag in ("FRC", "SO"):
-            _, s, k = work
-            assert isinstance(s, int) and isinstance(k, int)
-            if tag == "SO":
-                instrs = (make(Kind.SWAP_OUT, s, k),)
-            elif s == 0:
-                instrs = (make(Kind.LOAD, 0, k), make(Kind.FRC, s, k), make(Kind.SWAP_OUT, s, k))
-            else:
-                instrs = (make(Kind.FRC, s, k), make(Kind.SWAP_OUT, s, k))
-            if s != 0:
-                src = placement[s - 1]
-                if src == node:
-                    local = (token(ACT, s - 1, k),)
-                else:
-                    remote = (self.message(ACT, src, node, Kind.SEND_ACT, Kind.RECV_ACT, s - 1, s, k),)
-            makes = (token(STASH, s, k),)
-            rank = RANK_REDUNDANT
-        elif tag == "BRC":
-            _, s, k = work
-            assert isinstance(s, int) and isinstance(k, int)
-            instrs = (make(Kind.SWAP_IN, s, k), make(Kind.BRC, s, k))
-            local = (token(STASH, s, k),)
-            if s < last:
-                src = placement[s + 1]
-                if src == node:
-                    local += (token(GRAD, s + 1, k),)
-                else:
-                    remote = (self.message(GRAD, src, node, Kind.SEND_GRAD, Kind.RECV_GRAD, s + 1, s, k),)
-            makes = ()
-            rank = RANK_REDUNDANT
-        elif tag == "SYNC":
-            _, s = work
-            assert isinstance(s, int)
-            # After the node's own all-reduce, so the sync never delays it; the exchange then follows the
-            # order in which nodes finish.
-            instrs = ()
-            local = tuple(token(REDUCED, own) for own, p in enumerate(placement) if p == node)
-            src = placement[s]
-            if src == node:
-                local += (token(REDUCED, s),)
-            else:
-                remote = (self.message(REDUCED, src, node, Kind.SYNC_SEND, Kind.SYNC_RECV, s, s, None),)
-            makes = ()
-            rank = RANK_REDUNDANT
-        else:
-            raise ValueError(f"unknown work item {work!r}")
-        duration = self.duration(tag, work[1], instrs)  # type: ignore[arg-type]
-        return tuple.__new__(Task, (instrs, local, remote, makes, rank, duration))
 
 
 def build_lanes(
     work: Mapping[int, Sequence[Sequence[Work]]], placement: Sequence[int], stages: int, cost: CostFn = unit_cost
 ) -> dict[int, list[list[Task]]]:
-    """The tasks of every node's lanes of work items, with the messages their inputs need under ``placement``."""
-    builder = _Builder(placement, stages, cost)
-    task = builder.task
-    return {n: [[task(w, n) for w in lane] for lane in lanes] for n, lanes in work.items()}
+    """The tasks of every node's lanes of work items, with the messages their inputs need under ``placement``.
+
+    A work item ("F", s, k) becomes the task ``[0Lk] sFk`` that needs the activation of (s-1, k),
+    by message from node ``placement[s-1]`` unless that is this node; ("B", s, k) becomes ``sBk``
+    after the forward of (s, k) and the gradient from stage s+1; ("TAIL", s) ``sAR sOPT``; ("FRC",
+    r, k) ``[0Lk] rFRk rSOk`` and ("SO", r, k) ``rSOk`` after the activation of (r-1, k); ("BRC", r,
+    k) ``rSIk rBRk`` after the stash and the gradient from stage r+1; ("SYNC", r) receives r's
+    reduced gradients after the node's own all-reduces.
+    """
+    durations = _Durations(cost)
+    last = stages - 1
+    lookup = _INTERNED.get
+    new = tuple.__new__
+    out: dict[int, list[list[Task]]] = {}
+    for node, node_lanes in work.items():
+        built: list[list[Task]] = []
+        for lane in node_lanes:
+            tasks: list[Task] = []
+            append = tasks.append
+            for w in lane:
+                tag = w[0]
+                s: int = w[1]  # type: ignore[assignment]
+                local: tuple[Token, ...] = ()
+                remote: tuple[Need, ...] = ()
+                if tag == "F" or tag == "FRC" or tag == "SO":
+                    k: int = w[2]  # type: ignore[misc]
+                    if tag == "F":
+                        f = lookup((Kind.FORWARD, s, k, None)) or make(Kind.FORWARD, s, k)
+                        instrs: tuple[Instruction, ...] = (f,)
+                        makes: tuple[Token, ...] = (
+                            (ACT << 40) | ((s + 1) << 20) | (k + 1),
+                            (FWD << 40) | ((s + 1) << 20) | (k + 1),
+                        )
+                        rank = RANK_FORWARD
+                    else:
+                        so = lookup((Kind.SWAP_OUT, s, k, None)) or make(Kind.SWAP_OUT, s, k)
+                        if tag == "SO":
+                            instrs = (so,)
+                        else:
+                            instrs = ((lookup((Kind.FRC, s, k, None)) or make(Kind.FRC, s, k)), so)
+                        makes = ((STASH << 40) | ((s + 1) << 20) | (k + 1),)
+                        rank = RANK_REDUNDANT
+                    if s == 0:
+                        if tag != "SO":
+                            instrs = ((lookup((Kind.LOAD, 0, k, None)) or make(Kind.LOAD, 0, k)), *instrs)
+                    else:
+                        src = placement[s - 1]
+                        tok = (ACT << 40) | (s << 20) | (k + 1)
+                        if src == node:
+                            local = (tok,)
+                        else:
+                            send = lookup((Kind.SEND_ACT, s - 1, k, node)) or make(Kind.SEND_ACT, s - 1, k, node)
+                            recv = lookup((Kind.RECV_ACT, s, k, src)) or make(Kind.RECV_ACT, s, k, src)
+                            remote = (new(Need, (tok, src, send, recv, (src << _NODE) | tok,
+                                                 durations.of(Kind.SEND_ACT, s - 1, (send,)))),)
+                elif tag == "B" or tag == "BRC":
+                    k = w[2]  # type: ignore[misc]
+                    if tag == "B":
+                        instrs = (lookup((Kind.BACKWARD, s, k, None)) or make(Kind.BACKWARD, s, k),)
+                        local = ((FWD << 40) | ((s + 1) << 20) | (k + 1),)
+                        makes = ((GRAD << 40) | ((s + 1) << 20) | (k + 1),)
+                        rank = RANK_BACKWARD
+                    else:
+                        instrs = (lookup((Kind.SWAP_IN, s, k, None)) or make(Kind.SWAP_IN, s, k),
+                                  lookup((Kind.BRC, s, k, None)) or make(Kind.BRC, s, k))
+                        local = ((STASH << 40) | ((s + 1) << 20) | (k + 1),)
+                        makes = ()
+                        rank = RANK_REDUNDANT
+                    if s < last:
+                        src = placement[s + 1]
+                        tok = (GRAD << 40) | ((s + 2) << 20) | (k + 1)
+                        if src == node:
+                            local += (tok,)
+                        else:
+                            send = lookup((Kind.SEND_GRAD, s + 1, k, node)) or make(Kind.SEND_GRAD, s + 1, k, node)
+                            recv = lookup((Kind.RECV_GRAD, s, k, src)) or make(Kind.RECV_GRAD, s, k, src)
+                            remote = (new(Need, (tok, src, send, recv, (src << _NODE) | tok,
+                                                 durations.of(Kind.SEND_GRAD, s + 1, (send,)))),)
+                elif tag == "TAIL":
+                    instrs = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
+                    makes = (token(REDUCED, s),)
+                    rank = RANK_BACKWARD
+                elif tag == "SYNC":
+                    # After the node's own all-reduce, so the sync never delays it; the exchange then
+                    # follows the order in which nodes finish.
+                    instrs = ()
+                    local = tuple(token(REDUCED, own) for own, p in enumerate(placement) if p == node)
+                    src = placement[s]
+                    tok = token(REDUCED, s)
+                    if src == node:
+                        local += (tok,)
+                    else:
+                        send = make(Kind.SYNC_SEND, s, None, node)
+                        recv = make(Kind.SYNC_RECV, s, None, src)
+                        remote = (new(Need, (tok, src, send, recv, (src << _NODE) | tok,
+                                             durations.of(Kind.SYNC_SEND, s, (send,)))),)
+                    makes = ()
+                    rank = RANK_REDUNDANT
+                else:
+                    raise ValueError(f"unknown work item {w!r}")
+                append(new(Task, (instrs, local, remote, makes, rank, durations.of(tag, s, instrs))))
+            built.append(tasks)
+        out[node] = built
+    return out
 
 
 def replica_lane(policy: str, stages: int, microbatches: int, replica: int, rc: RCMode) -> list[Work]:

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+from bamboo.schedule._gc import gc_paused
 from bamboo.schedule.ir import SENDS, Instruction, Kind, make
 
 __all__ = [
@@ -127,6 +128,7 @@ def _no_stream(n: int, i: int, instr: Instruction, m: int) -> Deadlock:
     return Deadlock(f"node {n} instruction {i} ({instr}) talks to node {m}, which has no stream", [(n, i)])
 
 
+@gc_paused
 def check_execution(streams: Mapping[int, Sequence[Instruction]]) -> None:
     """`execute` without durations or a timeline: only raise `Deadlock` or `Mismatch` (the validator's use).
 
@@ -171,6 +173,7 @@ def check_execution(streams: Mapping[int, Sequence[Instruction]]) -> None:
         raise error
 
 
+@gc_paused
 def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _zero) -> Timeline:
     """Run ``streams`` with blocking rendezvous semantics; raise `Deadlock` or `Mismatch`."""
     nodes = list(streams)

@@ -48,6 +48,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
+from bamboo.schedule._gc import gc_paused
 from bamboo.schedule._tasks import (
     CostFn,
     KindStageCost,
@@ -155,6 +156,7 @@ def _new_layout(schedule: Schedule, victims: frozenset[int]) -> tuple[tuple[int,
     return placement, shadows
 
 
+@gc_paused
 def merged_schedule(schedule: Schedule, victims: Iterable[int], cost: CostFn = unit_cost) -> Schedule:
     """The steady-state schedule after ``victims`` failed: each shadow runs its stage and the victim's.
 
@@ -178,6 +180,7 @@ def merged_schedule(schedule: Schedule, victims: Iterable[int], cost: CostFn = u
     return Schedule(P, M, schedule.policy, schedule.rc, placement, linearize(tasks), shadows)
 
 
+@gc_paused
 def progress_at(
     schedule: Schedule,
     failures: Mapping[int, int],
@@ -226,6 +229,7 @@ def _cut_problem(executed: Mapping[int, Sequence[Instruction]]) -> str | None:
     return None
 
 
+@gc_paused
 def failover_schedule(
     schedule: Schedule,
     victims: Iterable[int],
@@ -548,6 +552,7 @@ def _merge(
     return {n: tuple(s) for n, s in out.items()}
 
 
+@gc_paused
 def validate_failover(plan: FailoverPlan) -> None:
     """Raise `ScheduleError` unless the plan is executable and accounts for all work exactly once.
 

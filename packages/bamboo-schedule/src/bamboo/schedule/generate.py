@@ -19,6 +19,7 @@ With any redundancy, every stage sends its reduced gradients to its shadow after
 from __future__ import annotations
 
 import attrs
+from bamboo.schedule._gc import gc_paused
 from bamboo.schedule._tasks import (
     CostFn,
     Work,
@@ -53,6 +54,7 @@ def _build(lanes_of: dict[int, list[list[Work]]], schedule: Schedule, cost: Cost
     return Schedule(P, schedule.microbatches, schedule.policy, schedule.rc, placement, linearize(lanes))
 
 
+@gc_paused
 def _fault_free(policy: str, stages: int, microbatches: int, rc: RCMode | str, cost: CostFn) -> Schedule:
     _check_shape(stages, microbatches)
     mode = _mode(rc)
@@ -104,6 +106,7 @@ def _main_lane(schedule: Schedule, node: int) -> list[Work]:
     return work + tails
 
 
+@gc_paused
 def add_redundancy(schedule: Schedule, rc: RCMode | str, cost: CostFn = unit_cost) -> Schedule:
     """The pass: ``schedule`` (plain, fault-free) with node n also covering stage (n+1) % P under ``rc``.
 

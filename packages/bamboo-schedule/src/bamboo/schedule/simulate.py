@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from bamboo.schedule._gc import gc_paused
 from bamboo.schedule._tasks import KindStageCost
 from bamboo.schedule.engine import StageTable, Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
@@ -276,6 +277,7 @@ def measure(schedule: Schedule, timeline: Timeline, costs: Costs) -> tuple[dict,
     return busy, bubble, frc, peak
 
 
+@gc_paused
 def simulate(schedule: Schedule, costs: Costs | None = None, baseline: Schedule | None = None) -> SimResult:
     """Simulate one iteration of ``schedule``; compare with ``baseline`` (default: no redundancy).
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+from bamboo.schedule._gc import gc_paused
 from bamboo.schedule.engine import ExecutionError, check_execution
 from bamboo.schedule.export import text_grid
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
@@ -297,6 +298,7 @@ def _label(key: tuple[Kind, int, int | None]) -> str:
     return f"{kind.name} of stage {s}" + ("" if k is None else f" microbatch {k}")
 
 
+@gc_paused
 def validate(schedule: Schedule) -> None:
     """Raise `ScheduleError` (whole grid, bad cell marked) unless ``schedule`` is correct."""
     P, M = schedule.stages, schedule.microbatches

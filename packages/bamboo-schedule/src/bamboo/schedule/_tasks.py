@@ -293,7 +293,7 @@ def linearize(
     heap: list[tuple[float, int]] = [(0.0, n) for n in nodes]
     remaining = sum(len(lane) for n in nodes for lane in lanes[n])
     mask = (1 << _NODE) - 1
-    push, pop = heapq.heappush, heapq.heappop
+    push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
 
     def enter(n: int, li: int) -> None:
         """Register the missing remote inputs of lane li's new head."""
@@ -310,42 +310,6 @@ def linearize(
     for n in nodes:
         for li in range(len(lanes[n])):
             enter(n, li)
-
-    def pair(src: int, dst: int, key: int) -> None:
-        """Exchange the message ``key`` (src << 50 | token) from src to dst."""
-        _dst, need = outbox[src].pop((dst << _NODE) | (key & mask))
-        begin = free[src] if free[src] >= free[dst] else free[dst]
-        streams[src].append(need.send)
-        streams[dst].append(need.recv)
-        end = begin + need.cost
-        free[src] = free[dst] = end
-        inbox[dst].add(key)
-        want[dst].pop(key, None)
-        push(heap, (end, src))
-        push(heap, (end, dst))
-
-    def communicate(n: int, t: float) -> bool:
-        """Push a message to a free consumer that needs it next, or pull one from a free producer."""
-        mine = outbox[n]
-        if mine:
-            for dst, need in mine.values():
-                if free[dst] <= t and need.key in want[dst]:
-                    pair(n, dst, need.key)
-                    return True
-        wanted = want[n]
-        if wanted:
-            have = local[n]
-            node_bits = n << _NODE
-            for key, task in wanted.items():
-                src = key >> _NODE
-                if free[src] <= t and (node_bits | (key & mask)) in outbox[src]:
-                    for tok in task.local:
-                        if tok not in have:
-                            break
-                    else:
-                        pair(src, n, key)
-                        return True
-        return False
 
     def next_exchange(n: int) -> float | None:
         """When the earliest exchange of a message that a main lane needs could happen."""
@@ -365,11 +329,54 @@ def linearize(
                 soon = free[src]
         return soon
 
-    while heap:
-        t, n = pop(heap)
-        if t < free[n] or communicate(n, t):
+    # An event to push is kept back one step: pushing it and popping the minimum is one heappushpop,
+    # which returns it at once when it is the minimum.
+    pending: tuple[float, int] | None = None
+    while True:
+        if pending is not None:
+            t, n = pushpop(heap, pending)
+            pending = None
+        elif heap:
+            t, n = pop(heap)
+        else:
+            break
+        if t < free[n]:
             continue
-        # the best ready lane head: lowest rank, then lane order
+        # 1. exchange a message: push one to a free consumer that needs it next, or pull one from a
+        # free producer (its own inputs on this node permitting)
+        src = dst = -1
+        key = 0
+        box = outbox[n]
+        if box:
+            for consumer, need in box.values():
+                if free[consumer] <= t and need.key in want[consumer]:
+                    src, dst, key = n, consumer, need.key
+                    break
+        if src < 0 and want[n]:
+            have = local[n]
+            node_bits = n << _NODE
+            for wanted_key, task in want[n].items():
+                producer = wanted_key >> _NODE
+                if free[producer] <= t and (node_bits | (wanted_key & mask)) in outbox[producer]:
+                    for tok in task.local:
+                        if tok not in have:
+                            break
+                    else:
+                        src, dst, key = producer, n, wanted_key
+                        break
+        if src >= 0:
+            _dst, need = outbox[src].pop((dst << _NODE) | (key & mask))
+            begin = free[src] if free[src] >= free[dst] else free[dst]
+            streams[src].append(need.send)
+            streams[dst].append(need.recv)
+            end = begin + need.cost
+            free[src] = free[dst] = end
+            inbox[dst].add(key)
+            want[dst].pop(key, None)
+            push(heap, (end, src))
+            pending = (end, dst)
+            continue
+        # 2. otherwise start the best ready lane head: lowest rank, then lane order
         best = None
         best_rank = 99
         mine, received, position = local[n], inbox[n], heads[n]
@@ -397,7 +404,7 @@ def linearize(
         if task.rank == RANK_REDUNDANT:
             soon = next_exchange(n)
             if soon is not None and soon < t + duration:
-                push(heap, (soon, n))  # redundant work must not delay the pipeline's messages
+                pending = (soon, n)  # redundant work must not delay the pipeline's messages
                 continue
         streams[n].extend(task.instrs)
         free[n] = t + duration
@@ -409,9 +416,9 @@ def linearize(
             box = outbox[n]
             for tok in task.makes:
                 mine.add(tok)
-                for dst, need in consumers.get(node_bits | tok, ()):
-                    box[(dst << _NODE) | tok] = (dst, need)
-        push(heap, (free[n], n))
+                for consumer, need in consumers.get(node_bits | tok, ()):
+                    box[(consumer << _NODE) | tok] = (consumer, need)
+        pending = (free[n], n)
     if remaining or any(outbox.values()):
         stuck = [
             f"node {n} lane {li} at {' '.join(map(str, lanes[n][li][heads[n][li]].instrs)) or 'a receive'}"

@@ -234,13 +234,20 @@ def _cells_of(schedule: Schedule, kind: Kind, stage: int, microbatch: int | None
     ]
 
 
+_Counts = tuple[list[list[list[int]]], list[list[list[int]]], Counter[tuple[Kind, int]], dict[tuple[Kind, int], int]]
+
+
+def _new_counts(stages: int, microbatches: int) -> _Counts:
+    """Empty tallies: per-microbatch kinds (count and first node), per-stage kinds (count and first node)."""
+    counts = [[[0] * microbatches for _ in range(stages)] for _ in _PER_MICROBATCH]
+    first = [[[-1] * microbatches for _ in range(stages)] for _ in _PER_MICROBATCH]
+    return counts, first, Counter(), {}
+
+
 def _accounting_problem(schedule: Schedule) -> tuple[str, list[Cell]] | None:
     """The first (kind, stage, microbatch) that runs a wrong number of times or on the wrong node."""
-    P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
-    counts = [[[0] * M for _ in range(P)] for _ in _PER_MICROBATCH]
-    first = [[[-1] * M for _ in range(P)] for _ in _PER_MICROBATCH]
-    stage_counts: Counter[tuple[Kind, int]] = Counter()
-    stage_first: dict[tuple[Kind, int], int] = {}
+    tallies = _new_counts(schedule.stages, schedule.microbatches)
+    counts, first, stage_counts, stage_first = tallies
     index_of = _PER_MICROBATCH.get
     for n, stream in schedule.streams.items():
         for instr in stream:
@@ -254,6 +261,13 @@ def _accounting_problem(schedule: Schedule) -> tuple[str, list[Cell]] | None:
                 key = (instr.kind, instr.stage)
                 stage_counts[key] += 1
                 stage_first.setdefault(key, n)
+    return _count_problem(schedule, tallies)
+
+
+def _count_problem(schedule: Schedule, tallies: _Counts) -> tuple[str, list[Cell]] | None:
+    """The first wrong tally (see `_accounting_problem`)."""
+    P, M, rc = schedule.stages, schedule.microbatches, schedule.rc
+    counts, first, stage_counts, stage_first = tallies
     eager = rc in (RCMode.EFLB, RCMode.EFEB)
     for s in range(P):
         shadow = schedule.shadow_of(s)
@@ -298,18 +312,78 @@ def _label(key: tuple[Kind, int, int | None]) -> str:
     return f"{kind.name} of stage {s}" + ("" if k is None else f" microbatch {k}")
 
 
+def _all_clear(schedule: Schedule) -> bool:
+    """Shape, dependency and accounting checks fused into one pass: True when none finds a problem.
+
+    Only a yes/no: on False the separate checks run again to name the first problem.
+    """
+    P, M = schedule.stages, schedule.microbatches
+    requires_of, provides_of = _dependency_tables(schedule.rc)
+    replica_use = frozenset(_REPLICA_USE)
+    per_stage = frozenset(_PER_STAGE)
+    tallies = _new_counts(P, M)
+    counts, first, stage_counts, stage_first = tallies
+    index_of = _PER_MICROBATCH.get
+    load, sync_recv = Kind.LOAD, Kind.SYNC_RECV
+    for n, stream in schedule.streams.items():
+        have: set[Token] = set()
+        add = have.add
+        synced: set[int] = set()
+        for instr in stream:
+            kind, s, k = instr.kind, instr.stage, instr.microbatch
+            if s >= P or instr.peer == n or (kind is load and s != 0):
+                return False
+            if k is None:
+                base = (s + 1) << 20
+            elif k >= M:
+                return False
+            else:
+                base = ((s + 1) << 20) | (k + 1)
+            offsets = requires_of[kind]
+            if offsets:
+                for offset in offsets:
+                    if base + offset not in have:
+                        return False
+            elif offsets is None:
+                for token in _requires(instr, P, M, schedule.rc):
+                    if token not in have:
+                        return False
+            if synced and kind in replica_use and s in synced:
+                return False
+            idx = index_of(kind)
+            if idx is not None:
+                row = counts[idx][s]
+                row[k] += 1  # type: ignore[index]
+                if row[k] == 1:  # type: ignore[index]
+                    first[idx][s][k] = n  # type: ignore[index]
+            elif kind in per_stage:
+                key = (kind, s)
+                stage_counts[key] += 1
+                stage_first.setdefault(key, n)
+                if kind is sync_recv:
+                    synced.add(s)
+            offsets = provides_of[kind]
+            if offsets is None:
+                have.update(_provides(instr, schedule.rc))
+            else:
+                for offset in offsets:
+                    add(base + offset)
+    return _count_problem(schedule, tallies) is None
+
+
 @gc_paused
 def validate(schedule: Schedule) -> None:
     """Raise `ScheduleError` (whole grid, bad cell marked) unless ``schedule`` is correct."""
     P, M = schedule.stages, schedule.microbatches
-    for check in (
-        lambda: shape_problem(schedule.streams, P, M),
-        lambda: dependency_problem(schedule.streams, P, M, schedule.rc),
-        lambda: _accounting_problem(schedule),
-    ):
-        found = check()
-        if found is not None:
-            raise ScheduleError(found[0], schedule.streams, found[1])
+    if not _all_clear(schedule):
+        for check in (
+            lambda: shape_problem(schedule.streams, P, M),
+            lambda: dependency_problem(schedule.streams, P, M, schedule.rc),
+            lambda: _accounting_problem(schedule),
+        ):
+            found = check()
+            if found is not None:
+                raise ScheduleError(found[0], schedule.streams, found[1])
     try:
         check_execution(schedule.streams)
     except ExecutionError as error:

@@ -203,6 +203,11 @@ def make(kind: Kind, stage: int, microbatch: int | None = None, peer: int | None
     return instr
 
 
+def clear_caches() -> None:
+    """Forget the interned instructions (benchmarks call this to time a cold start)."""
+    _INTERNED.clear()
+
+
 def _streams(value: Mapping[int, object]) -> dict[int, tuple[Instruction, ...]]:
     return {int(node): tuple(stream) for node, stream in sorted(value.items())}  # type: ignore[call-overload]
 

@@ -140,18 +140,23 @@ def _offsets(*pairs: tuple[int, int]) -> tuple[int, ...]:
 
 
 _BACKWARDS = (Kind.BACKWARD, Kind.BRC)
+_LAST_STAGE = {kind: ((FWD << 40) + _SAME,) for kind in _BACKWARDS}
+"""Requirement offsets of the backward kinds on the last stage (no gradient from a successor)."""
 
 
 def _dependency_tables(rc: RCMode) -> tuple[dict[Kind, tuple[int, ...] | None], dict[Kind, tuple[int, ...] | None]]:
-    """`_requires` and `_provides` as token offsets per kind (None: worked out per instruction)."""
+    """`_requires` and `_provides` as token offsets per kind (None: worked out per instruction).
+
+    Backward kinds on the last stage need no gradient from a successor: see `_LAST_STAGE`.
+    """
     lflb = rc is RCMode.LFLB
     requires: dict[Kind, tuple[int, ...] | None] = dict.fromkeys(Kind, ())
     provides: dict[Kind, tuple[int, ...] | None] = dict.fromkeys(Kind, ())
     requires.update({
         Kind.FORWARD: _offsets((ACT, _PREV)),
         Kind.FRC: _offsets((ACT, _PREV)),
-        Kind.BACKWARD: None,
-        Kind.BRC: None,
+        Kind.BACKWARD: _offsets((FWD, _SAME), (GIN, _NEXT)),
+        Kind.BRC: _offsets((FWD, _SAME), (GIN, _NEXT)),
         Kind.SEND_ACT: _offsets((ACT, _SAME)),
         Kind.SEND_GRAD: _offsets((GIN, _SAME)),
         Kind.SWAP_OUT: _offsets((ACT, _PREV)) if lflb else _offsets((FWD, _SAME)),
@@ -184,6 +189,8 @@ def dependency_problem(
 ) -> tuple[str, list[Cell]] | None:
     """The first instruction that runs before one of its inputs exists on its node."""
     requires_of, provides_of = _dependency_tables(rc)
+    requires_last = {**requires_of, **_LAST_STAGE}
+    last = stages - 1
     replica_use = frozenset(_REPLICA_USE)
     for n, stream in streams.items():
         have: set[Token] = set()
@@ -192,7 +199,7 @@ def dependency_problem(
         for i, instr in enumerate(stream):
             kind, k = instr.kind, instr.microbatch
             base = ((instr.stage + 1) << 20) | (0 if k is None else k + 1)
-            offsets = requires_of[kind]
+            offsets = requires_of[kind] if instr.stage < last else requires_last[kind]
             if offsets:
                 for offset in offsets:
                     if base + offset not in have:
@@ -319,6 +326,8 @@ def _all_clear(schedule: Schedule) -> bool:
     """
     P, M = schedule.stages, schedule.microbatches
     requires_of, provides_of = _dependency_tables(schedule.rc)
+    requires_last = {**requires_of, **_LAST_STAGE}
+    last = P - 1
     replica_use = frozenset(_REPLICA_USE)
     per_stage = frozenset(_PER_STAGE)
     tallies = _new_counts(P, M)
@@ -339,7 +348,7 @@ def _all_clear(schedule: Schedule) -> bool:
                 return False
             else:
                 base = ((s + 1) << 20) | (k + 1)
-            offsets = requires_of[kind]
+            offsets = requires_of[kind] if s < last else requires_last[kind]
             if offsets:
                 for offset in offsets:
                     if base + offset not in have:

@@ -529,7 +529,10 @@ def _merge(
             continue
         if waiting:
             for changed in {n, partner}:
-                for q in sorted(waiting.pop(changed, ())):
+                woken = waiting.pop(changed, None)
+                if not woken:
+                    continue
+                for q in sorted(woken):
                     if q in blocked:
                         blocked.discard(q)
                         clock[q] = max(clock[q], clock[n])

@@ -238,6 +238,9 @@ class RunHandles:
     cluster: Any
     membership: Any
     node_of_rank: dict[int, str]
+    preempt: Callable[[str], None]
+    """Kill a node now as the market would (SIGKILL of its process group) and log the preemption."""
+    events: Path
 
 
 def run_cluster(
@@ -356,7 +359,14 @@ def run_cluster(
         if during is not None:
             import threading
 
-            threading.Thread(target=during, args=(RunHandles(etcd, cluster, membership, node_of_rank),),
+            def preempt(node: str) -> None:
+                zone = cluster.zones.get(node, "unknown")
+                cluster.kill(node)
+                log.write(Preemption(t=log.now(), node=node, zone=zone or "unknown", notice_s=0.0))
+                say(f"killed {node} ({zone})")
+
+            handles = RunHandles(etcd, cluster, membership, node_of_rank, preempt, events_path)
+            threading.Thread(target=during, args=(handles,),
                              name="bamboo-run-during", daemon=True).start()
         timed_out = _wait_ranked(cluster, membership, started + options.timeout_s, events_path, options.live)
     finally:

@@ -216,6 +216,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]
         samples = training.micro_batch_size * micro_batches * pipelines
         seen_failovers = 0
         stop_step: int | None = None
+        stop_reason = "step boundary"
         consecutive = False
         evaluator = min(ranks.values())
         while executor.step < spec.steps:
@@ -243,7 +244,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]
             if spec.checkpoint_dir is not None and executor.pipeline == 0:
                 _checkpoint(spec, executor, checkpointers, log, torch)
             if stop_step is None:
-                stop_step = _stop_step(run, generation, executor, ranks, evaluator, layout)
+                stop_step, stop_reason = _stop_step(run, generation, executor, ranks, evaluator, layout)
         if executor.step >= spec.steps and not consecutive:
             engine.finish()
             break
@@ -252,7 +253,11 @@ def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]
         executor.apply_replica_updates()
         holds = sorted(s for s, piece in executor.slices.items() if piece.steps == executor.step)
         run.membership.decide(f"g{generation}-ready-{node}", {"step": executor.step, "holds": holds})
-        nxt = _next_layout(run, layout, executor, ranks, "consecutive failure" if consecutive else "step boundary")
+        print(f"node {node}: at the barrier of generation {generation}: step {executor.step}, holds stages {holds}",
+              flush=True)
+        nxt = _next_layout(run, layout, executor, ranks, "consecutive failure" if consecutive else stop_reason)
+        print(f"node {node}: generation {nxt['generation']} starts at step {nxt['start_step']} ({nxt['mode']}): "
+              f"ranks {nxt['ranks']}, transfers {nxt['transfers']}", flush=True)
         old = executor
         if node not in nxt["ranks"]:
             _serve_as_source(run, nxt, old, build_gloo_group, export_stage_state)
@@ -312,8 +317,8 @@ def _checkpoint(spec: RunSpec, executor: Any, checkpointers: dict[int, Any], log
 
 
 def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str, int], evaluator: int,
-               layout: dict[str, Any]) -> int | None:
-    """The step this generation stops at, once decided (first writer wins); the evaluator proposes it."""
+               layout: dict[str, Any]) -> tuple[int | None, str]:
+    """The step this generation stops at and why, once decided (first writer wins); the evaluator proposes it."""
     name = f"g{generation}-stop"
     if executor.rank == evaluator and executor.step + 2 <= run.spec.steps:
         from bamboo.reconfig import When, decide
@@ -327,8 +332,10 @@ def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str
     try:
         found = run.membership.get_decision(name)
     except Exception:
-        return None
-    return int(found.value["step"]) if found is not None else None
+        return None, ""
+    if found is None:
+        return None, ""
+    return int(found.value["step"]), str(found.value["reason"])
 
 
 def _view(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[str, int]) -> Any:
@@ -355,7 +362,8 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
 
     generation = int(layout["generation"])
     name = f"g{generation}-next"
-    deadline = time.monotonic() + run.timeouts.confirm
+    # A survivor may reach the barrier only after its own confirmation wait or group timeout.
+    deadline = time.monotonic() + run.timeouts.build
     ready: dict[str, dict[str, Any]] = {}
     while True:
         existing = run.membership.get_decision(name)
@@ -374,7 +382,10 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
             raise RuntimeError(f"survivors {sorted(set(expected) - set(ready))} did not reach the barrier of "
                                f"generation {generation}")
         time.sleep(0.02)
-    step = min(int(record["step"]) for record in ready.values())
+    # A consecutive failure can leave one pipeline committed at step k+1 while the broken one's
+    # survivors abandoned step k: the committed state already holds the whole global batch of k,
+    # so the next generation starts from the newest step, held by the nodes that reached it.
+    step = max(int(record["step"]) for record in ready.values())
     holdings = {other: [int(s) for s in record["holds"]] for other, record in ready.items()
                 if int(record["step"]) == step}
     dead = [n for n in ranks if n not in ready]

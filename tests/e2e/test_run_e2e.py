@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from bamboo.launch.events import Failover, Preemption, read_events
+from bamboo.launch.events import Failover, Join, Preemption, Reconfiguration, read_events
 from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,7 +50,7 @@ def test_failovers_after_real_kills_match_a_fault_free_run(
     result = run_cluster(options)
     assert result.node_of_rank == {0: "node0", 1: "node1", 2: "node3", 3: "node2",
                                    4: "node4", 5: "node6", 6: "node7", 7: "node5"}
-    assert result.failed_ranks == (1, 5)
+    assert result.failed_nodes == ("node1", "node6")
     assert result.exit_codes["node1"] == -signal.SIGKILL and result.exit_codes["node6"] == -signal.SIGKILL
     assert sorted(result.reports) == [0, 2, 3, 4, 6, 7]
     assert result.steps_done == 16 and result.consecutive is None and not result.timed_out
@@ -104,3 +104,63 @@ def test_agent_stopped_for_less_than_the_grace_period_is_not_failed_over(tmp_pat
     assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
     assert _failovers(result.events) == []
     assert compare_with_reference(result, options)["max_relative_diff"] <= TOLERANCE
+
+
+def _layout_generation(handles: RunHandles, generation: int, deadline_s: float) -> dict[str, object]:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            current = handles.membership.get_layout()
+        except Exception:
+            current = None
+        if current is not None and int(current.value["generation"]) >= generation:
+            return current.value
+        time.sleep(0.05)
+    raise AssertionError(f"no layout of generation {generation} within {deadline_s} s")
+
+
+def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run(
+    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str]
+) -> None:
+    """The acceptance run: 3 real kills (one a consecutive pair), a join, reconfigurations, exact result.
+
+    1. trace: node8 joins (standby); node1 (stage 1 of pipeline 0) is killed; its shadow fails over;
+    2. at a step boundary `decide` sees a degraded pipeline and a waiting node: generation 1 puts the
+       joiner in, moving layers over gloo;
+    3. the test kills stages 2 and 3 of pipeline 1 of generation 1 together (a consecutive pair):
+       the survivors reconfigure from the surviving copies into one pipeline of 8 microbatches
+       (the global batch unchanged), the surplus on standby; no checkpoint is restored.
+    """
+    trace = write_trace(8, [(600, "add", "node9"), (1500, "remove", "node2")])
+    killed_pair: list[str] = []
+
+    def kill_consecutive_pair(handles: RunHandles) -> None:
+        layout = _layout_generation(handles, 1, 120.0)
+        ranks = {int(rank): node for node, rank in layout["ranks"].items()}  # type: ignore[union-attr]
+        deadline = time.monotonic() + 120.0
+        while not any(isinstance(e, Reconfiguration) for e in read_events(handles.events)):
+            assert time.monotonic() < deadline, "generation 1 never finished its transfers"
+            time.sleep(0.05)
+        time.sleep(1.0)  # let generation 1 train a few steps
+        pair = [ranks[6], ranks[7]]  # stages 2 and 3 of pipeline 1
+        killed_pair.extend(pair)
+        for node in pair:
+            handles.preempt(node)
+
+    options = _options(tmp_path, nodes=8, stages=4, steps=60, preemptions=trace)
+    result = run_cluster(options, during=kill_consecutive_pair)
+    events = read_events(result.events)
+    assert len(killed_pair) == 2
+    assert set(result.failed_nodes) == {"node1", *killed_pair}
+    assert {e.node for e in events if isinstance(e, Preemption)} == {"node1", *killed_pair}
+    assert "node8" in {e.node for e in events if isinstance(e, Join)}
+    reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
+    assert len(reconfigurations) >= 2, reconfigurations
+    assert reconfigurations[0].pipelines == 2 and reconfigurations[0].bytes_moved > 0
+    assert any(e.reason == "consecutive failure" and e.pipelines == 1 and e.standby == 2 for e in reconfigurations)
+    assert [f.victim for f in _failovers(result.events)] == ["node1"]
+    assert not result.timed_out
+    assert result.steps_done == 60 and sorted(result.reports) == [0, 1, 2, 3]
+    comparison = compare_with_reference(result, options)
+    assert comparison["steps"] == 60
+    assert comparison["max_relative_diff"] <= TOLERANCE

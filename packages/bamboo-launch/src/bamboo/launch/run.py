@@ -49,6 +49,7 @@ __all__ = [
     "layer_specs",
     "load_preemptions",
     "run_cluster",
+    "train_reference_history",
 ]
 
 DEFAULT_RUN_CONFIG: dict[str, Any] = {
@@ -508,16 +509,53 @@ def _load_reports(out: Path) -> dict[int, dict[str, Any]]:
     return reports
 
 
+def train_reference_history(
+    specs: Sequence[Any], config: dict[str, Any], size: Any, seed: int, history: Sequence[Sequence[int]], steps: int
+) -> list[dict[str, Any]]:
+    """Single-process training of the whole model for ``steps`` steps, grouped as the run was.
+
+    ``history`` lists ``(first step, pipelines)`` of every layout generation. The global batch is
+    the same at every step; at each step the microbatch gradients are accumulated per pipeline of
+    that step's layout and the shares added in pipeline order, which is how the data-parallel
+    all-reduce associates them (bamboo-rc's ``train_reference`` does this for one fixed D). So a
+    run that changed D mid-way is compared with the same sums, associated the same way.
+    """
+    import torch
+    from bamboo.rc import load_config
+    from bamboo.rc.data import GlobalBatchSampler
+    from bamboo.rc.model import lm_loss
+    from bamboo.rc.state import TrainableSlice, clip_coefficient
+
+    first_d = int(history[0][1])
+    base = load_config(config, pipelines=first_d)
+    global_microbatches = base.micro_batches * first_d
+    whole = TrainableSlice(specs, range(len(specs)), base, seed)
+    sampler = GlobalBatchSampler(base.micro_batch_size, size.sequence, seed=seed)
+    for step in range(steps):
+        pipelines = next(int(d) for first, d in reversed(history) if step >= int(first))
+        per_pipeline = global_microbatches // pipelines
+        summed: torch.Tensor | None = None
+        for pipeline in range(pipelines):
+            whole.zero_grads()
+            for k in range(per_pipeline):
+                batch = sampler.microbatch(step, pipeline * per_pipeline + k)
+                (lm_loss(whole.layers(batch.tokens), batch.labels) / global_microbatches).backward()
+            share = whole.flat_grads()
+            summed = share if summed is None else summed + share
+        assert summed is not None
+        whole.load_flat_grads(summed)
+        whole.apply_step(clip_coefficient(base.gradient_clipping, whole.squared_grad_norm()))
+    return [layer.state_dict() for layer in whole.layers]
+
+
 def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, Any]:
     """Compare every surviving worker's hosted stages with a fault-free single-process run.
 
-    Returns ``{"steps", "max_relative_diff", "tensors"}``; the relative difference of a tensor is
-    ``max|a-b| / max|b|``. The reference trains the same global batches for the steps the run did.
+    Returns ``{"steps", "max_relative_diff", "tensors", "history"}``; the relative difference of a
+    tensor is ``max|a-b| / max|b|``. The reference trains the same global batches for the steps the
+    run did, grouped by pipeline as the run's layouts were (:func:`train_reference_history`).
     """
-    from bamboo.rc import load_config
-    from bamboo.rc.data import GlobalBatchSampler
-    from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss, partition_layers
-    from bamboo.rc.reference import train_reference
+    from bamboo.rc.model import GPTSize, gpt_layer_specs, partition_layers
     from bamboo.rc.worker import exact_mode
 
     if not result.reports:
@@ -525,11 +563,9 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, 
     exact_mode()
     size = GPTSize(**options.size)
     specs = gpt_layer_specs(size)
-    training = load_config(options.config, pipelines=options.pipelines)
     steps = result.steps_done
-    reference = train_reference(specs, lm_loss, training,
-                                GlobalBatchSampler(training.micro_batch_size, size.sequence, seed=options.seed),
-                                steps, options.pipelines, options.seed)
+    history = max((r.get("history", [[0, options.pipelines]]) for r in result.reports.values()), key=len)
+    reference = train_reference_history(specs, options.config, size, options.seed, history, steps)
     parts = partition_layers(len(specs), options.stages)
     worst = 0.0
     tensors = 0
@@ -537,12 +573,12 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, 
         for stage in report["hosted"]:
             for offset, layer in enumerate(report["slices"][stage]):
                 for name, tensor in layer.items():
-                    expected = reference.layer_states[parts[stage][offset]][name]
+                    expected = reference[parts[stage][offset]][name]
                     diff = (tensor.double() - expected.double()).abs().max().item()
                     scale = expected.double().abs().max().item()
                     worst = max(worst, diff / scale if scale > 0 else diff)
                     tensors += 1
-    return {"steps": steps, "max_relative_diff": worst, "tensors": tensors}
+    return {"steps": steps, "max_relative_diff": worst, "tensors": tensors, "history": history}
 
 
 def dumps_result(result: RunResult) -> str:

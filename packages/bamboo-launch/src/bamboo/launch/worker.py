@@ -269,6 +269,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]
         "rank": rank,
         "node": node,
         "generation": generation,
+        "history": layout.get("history", [[0, int(layout["pipelines"])]]),
         "stage": executor.stage,
         "pipeline": executor.pipeline,
         "hosted": list(executor.hosted),
@@ -410,7 +411,9 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
         "micro_batches": global_batch // pipelines, "ranks": new_ranks, "standby": list(plan.standby),
         "owners": [list(row) for row in plan.owners], "plan": plan.to_dict(), "start_step": step,
         "mode": mode, "missing": missing, "transfers": [[a, b, stages] for a, b, stages in transfers],
-        "reason": reason, "planned_bytes": {},
+        "reason": reason,
+        # (first step, pipelines) of every generation so far: the reference follows the same grouping
+        "history": [*layout.get("history", [[0, int(layout["pipelines"])]]), [step, pipelines]],
     }
     decision = run.membership.decide(name, value)
     if decision.won:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from bamboo.rc.cli import main
 from bamboo.rc.comm import CommTimeouts
-from bamboo.rc.executor import KillPoint
+from bamboo.rc.executor import KillPoint, NoticePoint
 from bamboo.rc.verify import run_verify
 
 pytestmark = pytest.mark.slow
@@ -86,3 +86,20 @@ def test_without_redundancy_a_kill_is_a_typed_peer_failure(capfd: pytest.Capture
     assert not result.passed
     err = capfd.readouterr().err
     assert "PeerFailure: peer stage 1 pipeline 0 (rank 1) failed during" in err
+
+
+@pytest.mark.parametrize(("stages", "pipelines", "stage", "pipeline"), [(4, 1, 2, 0), (3, 2, 1, 1)])
+def test_preemption_notice_hands_over_at_the_boundary(stages: int, pipelines: int, stage: int, pipeline: int) -> None:
+    notice = NoticePoint(stage, pipeline, step=1, lead_s=60.0)
+    result = run_verify(stages, pipelines, 4, "eflb", timeouts=TIMEOUTS, deadline_s=120, notice_points=(notice,))
+    assert result.left == (pipeline * stages + stage,)
+    assert not result.killed and not result.failovers  # no failure, no BRC: a planned hand-over
+    assert result.passed, result
+
+
+def test_preemption_notice_too_close_to_the_deadline_is_an_ordinary_failure() -> None:
+    notice = NoticePoint(2, 0, step=1, lead_s=0.0)
+    result = run_verify(4, 1, 4, "eflb", timeouts=TIMEOUTS, deadline_s=120, notice_points=(notice,))
+    assert result.killed == (2,) and not result.left
+    assert result.failovers
+    assert result.passed, result

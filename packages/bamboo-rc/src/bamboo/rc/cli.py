@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--kill-step", type=int, default=1,
                         help="the step (0-based) in which the --kill points fire (default 1)")
+    verify.add_argument(
+        "--notice", type=_notice_points, default=(),
+        help="preemption notice: STAGE[:PIPELINE]@STEP[,...]; that worker is told at the start of STEP that it "
+             "will be preempted --notice-lead seconds later, finishes the iteration and hands its role to its shadow",
+    )
+    verify.add_argument("--notice-lead", type=float, default=60.0,
+                        help="seconds from the notice to the preemption deadline; too short a lead falls back "
+                             "to an ordinary failure at the deadline (default 60)")
     soak = commands.add_parser(
         "soak",
         help="run many seeded random kill points through verify and report the pass rate",
@@ -82,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _notice_points(text: str) -> tuple[tuple[int, int, int], ...]:
+    points = []
+    for item in text.split(","):
+        where, sep, step = item.partition("@")
+        stage, _, pipeline = where.partition(":")
+        if not sep or not step.isdigit() or not stage.isdigit() or (pipeline and not pipeline.isdigit()):
+            raise argparse.ArgumentTypeError(f"bad notice {item!r}: expected STAGE[:PIPELINE]@STEP")
+        points.append((int(stage), int(pipeline or 0), int(step)))
+    return tuple(points)
+
+
 def _kill_points(text: str) -> tuple[tuple[int, int, str], ...]:
     points = []
     for item in text.split(","):
@@ -94,7 +113,7 @@ def _kill_points(text: str) -> tuple[tuple[int, int, str], ...]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from bamboo.rc.executor import KillPoint
+    from bamboo.rc.executor import KillPoint, NoticePoint
     from bamboo.rc.model import GPTSize
     from bamboo.rc.verify import DEFAULT_CONFIG, RELATIVE_TOLERANCE, run_verify
     from rich.console import Console
@@ -117,6 +136,8 @@ def _verify(args: argparse.Namespace) -> int:
         result = run_verify(
             args.stages, args.pipelines, args.steps, args.redundancy, size=size, config=config,
             seed=args.seed, deadline_s=args.timeout, kills=kills,
+            notice_points=tuple(NoticePoint(stage, pipeline, step, args.notice_lead)
+                                for stage, pipeline, step in args.notice),
         )
     failed = {rank: code for rank, code in result.worker_exit_codes.items() if code != 0 and rank not in result.killed}
     console.print(f"P={args.stages} D={args.pipelines} steps={args.steps} redundancy={args.redundancy} "
@@ -132,6 +153,8 @@ def _verify(args: argparse.Namespace) -> int:
         console.print(f"{step:4d}  {mine:>15}  {reference:.9f}")
     if result.killed:
         console.print(f"killed with SIGKILL: ranks {list(result.killed)}")
+    if result.left:
+        console.print(f"handed over to their shadows after a preemption notice: ranks {list(result.left)}")
     for failover in result.failovers[:1]:
         console.print(f"failover in step {failover['step']}: victims {failover['victims']}, cut {failover['cut']}")
     if result.consecutive:

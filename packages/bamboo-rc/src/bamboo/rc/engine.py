@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
-from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout, StageExecutor
+from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout, NoticePoint, StageExecutor
 from bamboo.rc.failures import FailureNotices
 from torch.distributed import Store, TCPStore
 
@@ -89,13 +89,16 @@ def initialize(
     timeouts: CommTimeouts | None = None,
     notices: FailureNotices | None = None,
     kills: Sequence[KillPoint] = (),
+    notice_points: Sequence[NoticePoint] = (),
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
     `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`. Layers are partitioned into `stages`
     contiguous slices; global rank r is stage `r % stages` of pipeline `r // stages`. `notices`
     is how the engine learns of confirmed failures (the launcher wires it to bamboo-membership);
-    without it, a peer failure is fatal. `kills` injects real SIGKILLs (for tests and `verify`).
+    without it, a peer failure is fatal. `kills` injects real SIGKILLs and `notice_points`
+preemption notices (for tests and `verify`). `train_batch` raises `HandedOver` on a node that
+handed its role to its shadow after a notice: that process should exit.
     """
     if redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
@@ -126,5 +129,6 @@ def initialize(
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, kills=kills,
+        notice_points=notice_points,
     )
     return Engine(executor)

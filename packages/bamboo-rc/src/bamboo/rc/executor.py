@@ -35,16 +35,16 @@ import attrs
 import torch
 from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, CommTimeouts, GroupTable, PeerFailure, wait_works
 from bamboo.rc.config import TrainingConfig
-from bamboo.rc.failures import ConsecutiveFailure, FailureEvent, FailureNoticed, FailureNotices
+from bamboo.rc.failures import ConsecutiveFailure, FailureEvent, FailureNoticed, FailureNotices, HandedOver
 from bamboo.rc.model import partition_layers
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 from bamboo.schedule import Instruction, Kind, RCMode, Schedule, one_f_one_b
 from bamboo.schedule.engine import counterpart
-from bamboo.schedule.failover import failover_schedule
+from bamboo.schedule.failover import failover_schedule, merged_schedule
 from torch.distributed import Store
 
-__all__ = ["REDUNDANCY_MODES", "KillPoint", "Layout", "StageExecutor"]
+__all__ = ["REDUNDANCY_MODES", "KillPoint", "Layout", "NoticePoint", "StageExecutor"]
 
 REDUNDANCY_MODES = tuple(mode.value for mode in RCMode)
 
@@ -85,6 +85,17 @@ class Layout:
         for s in range(self.stages):
             members[f"dp-s{s}"] = [self.rank(placements[d][s], d) for d in sorted(placements)]
         return members
+
+
+@attrs.frozen
+class NoticePoint:
+    """Fault injection: the node of (stage, pipeline) is told at the start of step `step` that it
+    will be preempted `lead_s` seconds later (as the launcher's agent would tell it)."""
+
+    stage: int
+    pipeline: int
+    step: int
+    lead_s: float = 60.0
 
 
 @attrs.frozen
@@ -148,6 +159,7 @@ class StageExecutor:
         timeouts: CommTimeouts | None = None,
         notices: FailureNotices | None = None,
         kills: Sequence[KillPoint] = (),
+        notice_points: Sequence[NoticePoint] = (),
     ) -> None:
         if redundancy not in REDUNDANCY_MODES:
             raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
@@ -170,6 +182,10 @@ class StageExecutor:
         self.timeouts = timeouts or CommTimeouts()
         self.notices = notices
         self.kills = [k for k in kills if (k.stage, k.pipeline) == (stage, pipeline)]
+        self.notice_points = [n for n in notice_points if (n.stage, n.pipeline) == (stage, pipeline)]
+        self._leaving = False
+        self._die_at: float | None = None
+        self.handovers: list[dict[str, Any]] = []
         self.parts = partition_layers(len(specs), layout.stages)
         self.slices: dict[int, TrainableSlice] = {stage: TrainableSlice(specs, self.parts[stage], config, seed)}
         self.replica_stage: int | None = None
@@ -315,15 +331,86 @@ class StageExecutor:
         self.kind_seconds[code] = self.kind_seconds.get(code, 0.0) + time.perf_counter() - started
 
     def _maybe_die(self, instruction: Instruction, index: int, length: int) -> None:
-        for kill in self.kills:
-            if kill.matches(self.step, instruction, index, length):
+        preempted = self._die_at is not None and time.time() >= self._die_at
+        for kill in self.kills if not preempted else [None]:
+            if kill is None or kill.matches(self.step, instruction, index, length):
                 self.store.set(f"bamboo/{self.job}/killed_at/{self.rank}", repr(time.time()))
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    def _check_notice(self) -> None:
+        """At the start of an iteration: act on a preemption notice for this node.
+
+        If the deadline leaves time for this iteration (1.5 × the median iteration so far), the
+        node announces that it hands over after it, and leaves at the boundary (no BRC, no lost
+        work). Otherwise it keeps going and is treated as an ordinary failure at the deadline.
+        """
+        for point in self.notice_points:
+            if point.step == self.step:
+                self.store.set(f"bamboo/{self.job}/notice/{self.rank}", repr(time.time() + point.lead_s))
+        key = f"bamboo/{self.job}/notice/{self.rank}"
+        if self._leaving or self._die_at is not None or not self.store.check([key]):
+            return
+        deadline = float(self.store.get(key))
+        durations = [end - start for start, end in self.iteration_times]
+        needed = 1.5 * (sorted(durations)[len(durations) // 2] if durations else float("inf"))
+        if self.redundancy != "none" and self.schedule.placement == tuple(range(self.layout.stages)) and (
+            time.time() + needed < deadline
+        ):
+            self._leaving = True
+            self.store.set(f"bamboo/{self.job}/handover/d{self.pipeline}/{self.step}", str(self.node))
+            self.store.set(f"bamboo/{self.job}/handover_request/{self.rank}", str(self.step))
+        else:
+            self._die_at = deadline
+
+    def _after_boundary(self, step: int) -> None:
+        """After the commit of `step`: leave if handing over; take over if a neighbour leaves."""
+        if self._leaving:
+            raise HandedOver(f"rank {self.rank} handed its role over after step {step}")
+        key = f"bamboo/{self.job}/handover/d{self.pipeline}/{step}"
+        if self.notices is None or not self.store.check([key]):
+            return
+        started = time.time()
+        while True:
+            event = self.notices.wait(self.epoch + 1, self.timeouts.confirm)
+            if event is None:
+                raise RuntimeError(f"the hand-over announced after step {step} was never confirmed")
+            self._apply_membership(event)
+            if event.handover:
+                break
+        self.handovers.append({"step": step, "epoch": self.epoch, "seconds": time.time() - started})
+
+    def _apply_membership(self, event: FailureEvent) -> None:
+        """Apply a hand-over event at an iteration boundary (no failover plan: nothing was lost)."""
+        if not event.handover:
+            raise RuntimeError(f"a failure at an iteration boundary during a hand-over: {event}")
+        self.epoch = event.epoch
+        new_dead = set(event.victims) - self.dead
+        self.dead |= new_dead
+        lost_here = {self.layout.position(r)[0] for r in new_dead if self.layout.position(r)[1] == self.pipeline}
+        for rank in new_dead:
+            stage, pipeline = self.layout.position(rank)
+            placement = list(self.placements[pipeline])
+            placement[stage] = (stage - 1) % self.layout.stages
+            self.placements[pipeline] = tuple(placement)
+        self.groups.set_members(self.epoch, self.layout.group_members(self.placements))
+        for stage, (_, _, _, contribution, members) in list(self._reducing.items()):
+            group = f"dp-s{stage}"
+            if members != self.groups.members[group]:  # posted on a group the leaver was in: again
+                _, flat, loss = contribution
+                fresh_flat, fresh_loss = flat.clone(), loss.clone()
+                works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{stage}AR (again)")
+                self._reducing[stage] = (works, fresh_flat, fresh_loss, contribution, self.groups.members[group])
+        if lost_here:
+            fault_free = one_f_one_b(self.layout.stages, self.config.micro_batches, rc=self.redundancy)
+            self.schedule = merged_schedule(fault_free, lost_here)
+            replica = [s for s, shadow in enumerate(self.schedule.shadows) if shadow == self.node]
+            self.replica_stage = replica[0] if replica else None
+
     def run_iteration(self) -> float:
         """Run this iteration's stream, fail over as needed, commit. Returns the mean loss."""
+        self._check_notice()
         stream = list(self.schedule.streams[self.node])
         fault_free_length = len(stream)
         iteration_started = time.time()
@@ -338,6 +425,7 @@ class StageExecutor:
                     index += 1
                 loss = self._commit()
                 self.iteration_times.append((iteration_started, time.time()))
+                self._after_boundary(self.step - 1)
                 if failed_over:
                     self.failovers[-1]["iteration_end"] = time.time()
                     self.failovers[-1]["recovery_kinds"] = {
@@ -741,6 +829,13 @@ class StageExecutor:
         confirmed = time.time()
         victims: dict[int, set[int]] = {}
         while True:  # a further failure during the agreement restarts it with every victim so far
+            if event.handover:  # another pipeline's node left at a boundary: groups only
+                self._apply_membership(event)
+                later = self.notices.poll(self.epoch + 1) if self.notices is not None else None
+                if later is None:
+                    return stream
+                event = later
+                continue
             self.epoch = event.epoch
             new_dead = set(event.victims) - self.dead
             self.dead |= new_dead

@@ -27,6 +27,7 @@ __all__ = [
     "FailureEvent",
     "FailureNoticed",
     "FailureNotices",
+    "HandedOver",
     "StoreFailureNotices",
 ]
 
@@ -37,14 +38,16 @@ class FailureEvent:
 
     epoch: int = attrs.field(validator=attrs.validators.ge(1))
     victims: tuple[int, ...] = attrs.field(converter=lambda v: tuple(sorted(v)))
+    handover: bool = False
+    """True when the ranks left after a preemption notice, at an iteration boundary."""
 
     def to_json(self) -> str:
-        return json.dumps({"epoch": self.epoch, "victims": list(self.victims)})
+        return json.dumps({"epoch": self.epoch, "victims": list(self.victims), "handover": self.handover})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> FailureEvent:
         data = json.loads(text)
-        return cls(int(data["epoch"]), data["victims"])
+        return cls(int(data["epoch"]), data["victims"], bool(data.get("handover", False)))
 
 
 class FailureNotices(Protocol):
@@ -66,6 +69,11 @@ class FailureNoticed(Exception):
     def __init__(self, event: FailureEvent) -> None:
         self.event = event
         super().__init__(f"failure confirmed for epoch {event.epoch}: ranks {list(event.victims)}")
+
+
+class HandedOver(Exception):
+    """Raised by the executor of a node that handed its role to its shadow after a preemption
+    notice: the process should now exit (cleanly) before its deadline."""
 
 
 class ConsecutiveFailure(RuntimeError):

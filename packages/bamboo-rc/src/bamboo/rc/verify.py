@@ -22,7 +22,7 @@ import torch
 from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
 from bamboo.rc.data import GlobalBatchSampler, stdlib_corpus
-from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout
+from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout, NoticePoint
 from bamboo.rc.failures import FailureEvent, StoreFailureNotices
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss, partition_layers
 from bamboo.rc.reference import train_reference
@@ -62,6 +62,7 @@ class VerifyResult:
     failovers: tuple[dict[str, Any], ...] = ()
     compared_at_step: int = 0
     kill_times: dict[int, float] = attrs.field(factory=dict)
+    left: tuple[int, ...] = ()
     timings: dict[int, dict[str, Any]] = attrs.field(factory=dict)
 
     @property
@@ -93,6 +94,7 @@ def run_verify(
     timeouts: CommTimeouts | None = None,
     deadline_s: float = 300.0,
     kills: tuple[KillPoint, ...] = (),
+    notice_points: tuple[NoticePoint, ...] = (),
 ) -> VerifyResult:
     """Run the self-check and return what it measured (see the module docstring).
 
@@ -126,6 +128,7 @@ def run_verify(
                 layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
                 steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, seed=seed,
                 timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
+                notice_points=tuple(notice_points),
             )
             pid = os.fork()
             if pid == 0:
@@ -151,7 +154,8 @@ def run_verify(
             if path.exists():
                 reports[rank] = torch.load(path, weights_only=False)
     # A consecutive failure leaves survivors at the start of an iteration: compare with that step.
-    compared_at = min((r["steps_done"] for r in reports.values()), default=steps)
+    compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
+    left = tuple(sorted(rank for rank, r in reports.items() if r["left"]))
     reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
         training.micro_batch_size, size.sequence, seed=seed), compared_at, pipelines, seed)
     parts = partition_layers(len(specs), stages)
@@ -207,6 +211,7 @@ def run_verify(
         failovers=tuple(f for r in reports.values() for f in r["failovers"]),
         compared_at_step=compared_at,
         kill_times=kill_times,
+        left=left,
         timings={
             rank: {"iteration_times": r["iteration_times"], "failovers": r["failovers"], "hosted": r["hosted"],
                    "stage": r["stage"], "pipeline": r["pipeline"]}
@@ -239,6 +244,11 @@ def _wait_children(children: dict[int, int], deadline_s: float, notices: StoreFa
         if pid not in children:
             continue
         codes[children[pid]] = os.waitstatus_to_exitcode(status)
+        rank = children[pid]
+        if codes[rank] == 0 and notices.store.check([f"bamboo/{notices.job}/handover_request/{rank}"]):
+            epoch += 1  # it left after a preemption notice: its shadow takes over at the boundary
+            notices.publish(FailureEvent(epoch, [rank], handover=True))
+            continue
         if codes[children[pid]] < 0:
             dead = [children[pid]]
             batch_end = time.monotonic() + BATCH_WINDOW_S

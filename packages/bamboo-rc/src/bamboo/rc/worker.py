@@ -21,8 +21,8 @@ from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
 from bamboo.rc.engine import initialize
-from bamboo.rc.executor import KillPoint, Layout
-from bamboo.rc.failures import ConsecutiveFailure, StoreFailureNotices
+from bamboo.rc.executor import KillPoint, Layout, NoticePoint
+from bamboo.rc.failures import ConsecutiveFailure, HandedOver, StoreFailureNotices
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from torch.distributed import TCPStore
 
@@ -53,6 +53,7 @@ class WorkerSpec:
     job: str = "verify"
     timeouts: CommTimeouts = attrs.field(factory=CommTimeouts)
     kills: tuple[KillPoint, ...] = ()
+    notice_points: tuple[NoticePoint, ...] = ()
 
 
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
@@ -65,12 +66,14 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         stages=spec.layout.stages, rank=spec.layout.rank(spec.stage, spec.pipeline), world_size=spec.layout.world,
         store=store, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
         notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None, kills=spec.kills,
+        notice_points=spec.notice_points,
     )
     executor = engine.executor
     sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
     data = pipeline_data_iter(sampler, spec.pipeline, config.micro_batches)
     started = time.perf_counter()
     consecutive: str | None = None
+    left = False
     try:
         for _ in range(spec.steps):
             engine.train_batch(data)
@@ -78,12 +81,16 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     except ConsecutiveFailure as failure:
         consecutive = str(failure)
         executor.apply_replica_updates()
+    except HandedOver:
+        left = True
     report = {
         "stage": spec.stage,
         "pipeline": spec.pipeline,
-        "hosted": list(executor.hosted),
-        "slices": {stage: [layer.state_dict() for layer in piece.layers] for stage, piece in executor.slices.items()},
-        "replica_stage": executor.replica_stage,
+        "hosted": [] if left else list(executor.hosted),
+        "slices": {} if left else {s: [layer.state_dict() for layer in p.layers] for s, p in executor.slices.items()},
+        "replica_stage": None if left else executor.replica_stage,
+        "left": left,
+        "handovers": executor.handovers,
         "losses": executor.losses,
         "steps_done": executor.step,
         "stash_peak_bytes": executor.stash.peak_bytes,

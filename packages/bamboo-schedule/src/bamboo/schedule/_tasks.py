@@ -408,9 +408,16 @@ def linearize(
                 continue
         streams[n].extend(task.instrs)
         free[n] = t + duration
-        position[li] += 1
+        index = position[li] = position[li] + 1
         remaining -= 1
-        enter(n, li)
+        lane = lanes[n][li]
+        if index < len(lane):  # the lane's new head: register its missing remote inputs
+            head = lane[index]
+            if head.remote:
+                wanted = want[n]
+                for need in head.remote:
+                    if need.key not in received:
+                        wanted[need.key] = head
         if task.makes:
             node_bits = n << _NODE
             box = outbox[n]

@@ -257,14 +257,11 @@ def replica_lane(policy: str, stages: int, microbatches: int, replica: int, rc: 
     return [*lane, ("SYNC", replica)]
 
 
-def linearize(
-    lanes: Mapping[int, Sequence[Sequence[Task]]],
-    cost: CostFn = unit_cost,
-) -> dict[int, tuple[Instruction, ...]]:
+def linearize(lanes: Mapping[int, Sequence[Sequence[Task]]]) -> dict[int, tuple[Instruction, ...]]:
     """Streams for ``lanes`` (node -> ordered task lists, from `build_lanes`), with every send/recv pair placed.
 
-    The simulation follows blocking rendezvous semantics with the tasks' durations (``cost`` was
-    applied when the tasks were built). A node that is free first exchanges a message with a
+    The simulation follows blocking rendezvous semantics with the tasks' durations (the cost
+    model was applied when the tasks were built). A node that is free first exchanges a message with a
     partner that is free too and needs it next (push to a consumer, or pull from a producer), then
     starts its best ready task (lowest rank: backward, forward, redundant; then lane order), and
     otherwise waits. Redundant work is not started when it would delay a message exchange the node
@@ -273,7 +270,6 @@ def linearize(
 
     Raises ValueError when the work cannot complete (a task needs a token nobody makes).
     """
-    del cost  # durations were computed by `build_lanes`
     nodes = sorted(lanes)
     streams: dict[int, list[Instruction]] = {n: [] for n in nodes}
     free = dict.fromkeys(nodes, 0.0)

@@ -35,13 +35,45 @@ from bamboo.membership import (
     MembershipStore,
     NodeFailed,
 )
-from bamboo.membership.kv import StoreError
+from bamboo.membership.kv import StoreError, StoreUnavailableError
 from bamboo.rc import FailureEvent, StoreFailureNotices
 from torch.distributed import Store
 
-__all__ = ["FailureAuthority", "MembershipFailureNotices"]
+__all__ = ["FailureAuthority", "MembershipFailureNotices", "PatientKV"]
 
 log = logging.getLogger(__name__)
+
+
+class PatientKV:
+    """A key-value store (``EtcdKV``) whose calls ride out an etcd outage of up to ``outage_s`` seconds.
+
+    Each call that fails with ``StoreUnavailableError`` (etcd down or restarting) is retried every
+    ``retry_s`` (0.1 s) until ``outage_s`` (30 s) has passed, then the error is raised. The runtime
+    reads the c10d store at every step, so the workers' store sits on this: a restarted etcd only
+    pauses them. Other errors are raised at once.
+    """
+
+    def __init__(self, kv: object, outage_s: float = 30.0, retry_s: float = 0.1) -> None:
+        self._kv = kv
+        self.outage_s = outage_s
+        self.retry_s = retry_s
+
+    def __getattr__(self, name: str) -> object:
+        attribute = getattr(self._kv, name)
+        if not callable(attribute):
+            return attribute
+
+        def patient(*args: object, **kwargs: object) -> object:
+            deadline = time.monotonic() + self.outage_s
+            while True:
+                try:
+                    return attribute(*args, **kwargs)
+                except StoreUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(self.retry_s)
+
+        return patient
 
 
 class MembershipFailureNotices(StoreFailureNotices):

@@ -94,6 +94,7 @@ class RunOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int = attrs.field(default=10, validator=_positive)
     confirm_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    group_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     run_dir: str | None = None
     events: str | None = None
     job: str | None = None
@@ -296,6 +297,7 @@ def run_cluster(
         etcd_cert=options.etcd_cert, etcd_key=options.etcd_key,
         checkpoint_dir=str(Path(options.checkpoint_dir).resolve()) if options.checkpoint_dir else None,
         checkpoint_every=options.checkpoint_every, confirm_timeout_s=options.confirm_timeout_s,
+        group_timeout_s=options.group_timeout_s,
     )
     spec_path = run_dir / "RUN.json"
     _write_atomic(spec_path, spec.to_json())

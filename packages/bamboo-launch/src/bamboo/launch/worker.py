@@ -98,6 +98,7 @@ class _Generation:
     """One worker's view of the run across layouts (see :mod:`bamboo.launch.reconfigure`)."""
 
     def __init__(self, spec: RunSpec, node: str, agent_address: str | None) -> None:
+        from bamboo.launch.authority import PatientKV
         from bamboo.launch.events import EventLog
         from bamboo.membership import (
             AgentClient,
@@ -116,9 +117,10 @@ class _Generation:
         self.specs = gpt_layer_specs(self.size)
         self.kv = EtcdKV(EtcdOptions(endpoints=spec.etcd, user=spec.etcd_user, password=spec.etcd_password,
                                      ca_cert=spec.etcd_ca, cert_cert=spec.etcd_cert, cert_key=spec.etcd_key))
-        self.membership = MembershipStore(self.kv, spec.job)
+        patient = PatientKV(self.kv)  # an etcd restart pauses this worker instead of failing it
+        self.membership = MembershipStore(patient, spec.job)  # type: ignore[arg-type]
         self.timeouts = CommTimeouts(group=spec.group_timeout_s, confirm=spec.confirm_timeout_s)
-        self.store = EtcdStore(self.kv, c10d_prefix(spec.job, "rc"),
+        self.store = EtcdStore(patient, c10d_prefix(spec.job, "rc"),  # type: ignore[arg-type]
                                timeout=datetime.timedelta(seconds=self.timeouts.build))
         self.agent = AgentClient(agent_address, name=f"worker-{node}") if agent_address else None
         self.log = EventLog(spec.events, start=spec.run_start)
@@ -329,7 +331,11 @@ def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str
             decision = decide(view)
             if decision.when is not When.CARRY_ON:
                 reason = ", ".join(r.value for r in decision.reasons)
-                run.membership.decide(name, {"step": executor.step + 2, "reason": reason})
+                try:
+                    run.membership.decide(name, {"step": executor.step + 2, "reason": reason})
+                except Exception as error:  # etcd restarting: propose again after the next step
+                    print(f"node {run.node}: could not propose a reconfiguration: {error}", file=sys.stderr)
+                    return None, ""
     try:
         found = run.membership.get_decision(name)
     except Exception:

@@ -1,5 +1,13 @@
-"""bamboo.launch: the launcher's self-contained parts, composed later into ``bamboo-launch run``.
+"""bamboo.launch: the launcher, ``bamboo-launch run``, and its self-contained parts.
 
+- :mod:`bamboo.launch.run`: :func:`run_cluster` composes everything (embedded etcd, the market,
+  one agent per node, the first layout, the failure authority, the event log) and
+  :func:`compare_with_reference` checks a run against a fault-free single-process run;
+- :mod:`bamboo.launch.node` / :mod:`bamboo.launch.worker`: one node's agent process and the
+  bamboo-rc worker it spawns (``python -m bamboo.launch.node|worker``);
+- :mod:`bamboo.launch.authority`: the runtime's failure interface wired to bamboo-membership
+  (imports torch; not re-exported here);
+- :mod:`bamboo.launch.reconfigure`: the cluster view and layer-transfer plan of a reconfiguration;
 - :mod:`bamboo.launch.events`: the JSON-lines event log (typed records, documented schema);
 - :mod:`bamboo.launch.report`: the final report from an event log (throughput, node-hours, spot
   and on-demand cost, value) and its four-panel plot;
@@ -8,8 +16,8 @@
   clock, real process-group kills);
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
 - :mod:`bamboo.launch.live`: the live progress view, folded from an event log as it grows;
-- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``k8s render|validate``, ``market``,
-  ``report``, ``watch``).
+- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``run``, ``k8s render|validate``,
+  ``market``, ``report``, ``watch``).
 
 Importing this package does not import torch or matplotlib; the functions that need them do.
 """
@@ -50,7 +58,17 @@ from bamboo.launch.market import (
     kill_process_group,
     plan_market,
 )
+from bamboo.launch.reconfigure import build_view, transfer_participants, transfer_plan
 from bamboo.launch.report import Prices, Report, ReportError, compute_report, format_report, plot_report
+from bamboo.launch.run import (
+    RunError,
+    RunHandles,
+    RunOptions,
+    RunResult,
+    compare_with_reference,
+    run_cluster,
+    train_reference_history,
+)
 
 __all__ = [
     "ActionKind",
@@ -78,10 +96,16 @@ __all__ = [
     "Report",
     "ReportError",
     "RunEnd",
+    "RunError",
+    "RunHandles",
+    "RunOptions",
+    "RunResult",
     "RunStart",
     "SpotMarket",
     "Step",
     "assign_zones",
+    "build_view",
+    "compare_with_reference",
     "compute_report",
     "format_report",
     "kill_process_group",
@@ -92,6 +116,10 @@ __all__ = [
     "read_events",
     "render_live",
     "render_manifests",
+    "run_cluster",
+    "train_reference_history",
+    "transfer_participants",
+    "transfer_plan",
     "validate_manifests",
     "write_checkpoint",
 ]

@@ -1,7 +1,10 @@
 """The ``bamboo-launch`` command line.
 
-Subcommands (each one works end to end; the full ``run`` launcher comes with the runtime):
+Subcommands (each one works end to end):
 
+- ``bamboo-launch run``: train the built-in example on an emulated spot cluster (embedded or
+  external etcd, one agent per node, the spot market, failover and reconfiguration; see
+  ``bamboo.launch.run``); user scripts after ``--`` are refused with a one-line error for now;
 - ``bamboo-launch k8s render``: write the Kubernetes manifests of a job on EKS or GKE spot pools
   (validated against the Kubernetes schemas before they are written);
 - ``bamboo-launch k8s validate FILE...``: validate YAML manifests against the Kubernetes schemas;

@@ -719,9 +719,9 @@ def _run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         result = run_cluster(options, progress=lambda line: console.print(f"[dim]bamboo-launch:[/dim] {line}"))
+        return _finish_run(args, options, result, compare_with_reference if args.verify else None)
     except RunError as error:
-        _fail(str(error))
-    return _finish_run(args, options, result, compare_with_reference if args.verify else None)
+        _fail(f"{error} (node logs: {options.run_dir or 'the run directory'}/logs)")
 
 
 def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any) -> int:

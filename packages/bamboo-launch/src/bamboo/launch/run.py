@@ -343,6 +343,7 @@ def run_cluster(
 
         authority = FailureAuthority(membership, EtcdStore(kv, c10d_prefix(job, "rc")), job, roles,
                                      detector_config=DetectorConfig(grace_period=options.grace_s),
+                                     batch_window_s=max(2.5, options.ttl + 0.5),
                                      on_event=lambda event, nodes: say(
                                          f"confirmed failure of {', '.join(nodes)}: ranks {list(event.victims)} "
                                          f"(runtime epoch {event.epoch})")).start()

@@ -216,3 +216,15 @@ def test_validator_catches_work_done_twice_in_the_failing_iteration() -> None:
     with pytest.raises(ScheduleError, match="backward of stage 2 microbatch 5 happens 2 times") as info:
         validate_failover(attrs.evolve(plan, remainder=attrs.evolve(plan.remainder, streams=streams)))
     assert info.value.grid.count(">>2BR5<<") == 2
+
+
+def test_validate_failover_checks_the_cut_again_when_the_prefixes_change() -> None:
+    schedule = generate("1f1b", 4, 4, "eflb")
+    plan = failover_schedule(schedule, [1], progress_at(schedule, {1: 12}))
+    validate_failover(plan)  # the cut failover_schedule checked is not checked twice
+    plan.executed[2] = schedule.streams[2]  # node 2 "completed" receives that node 1 never sent
+    with pytest.raises(ScheduleError, match="inconsistent cut"):
+        validate_failover(plan)
+    evolved = attrs.evolve(plan, executed={**plan.executed, 2: schedule.streams[2]})
+    with pytest.raises(ScheduleError, match="inconsistent cut"):
+        validate_failover(evolved)

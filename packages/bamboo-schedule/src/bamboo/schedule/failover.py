@@ -106,6 +106,19 @@ class FailoverPlan:
     """Victim stages whose iteration had completed (their shadow had applied the replica sync)."""
     cost: CostFn = attrs.field(default=unit_cost, eq=False, repr=False)
     _steady: Schedule | None = attrs.field(default=None, eq=False, repr=False)
+    _checked_cut: tuple[tuple[int, tuple[Instruction, ...]], ...] | None = attrs.field(
+        default=None, init=False, eq=False, repr=False
+    )
+    """The (node, prefix) pairs that `failover_schedule` found to be a consistent cut; prefixes are
+    immutable, so while ``executed`` holds the very same tuples the check need not run again."""
+
+    def _cut_already_checked(self) -> bool:
+        checked = self._checked_cut
+        return (
+            checked is not None
+            and len(checked) == len(self.executed)
+            and all(self.executed.get(n) is prefix for n, prefix in checked)
+        )
 
     @property
     def steady(self) -> Schedule:
@@ -367,7 +380,7 @@ def failover_schedule(
     }
     merged = _merge(lanes, executed, schedule, cost)
     remainder = Schedule(P, schedule.microbatches, schedule.policy, rc, placement, merged, shadows)
-    return FailoverPlan(
+    plan = FailoverPlan(
         schedule,
         chosen,
         dict(done),
@@ -377,6 +390,8 @@ def failover_schedule(
         persisted,
         cost,
     )
+    object.__setattr__(plan, "_checked_cut", tuple(executed.items()))
+    return plan
 
 
 def _priority(instr: Instruction, lane: int) -> tuple[int, int]:
@@ -581,7 +596,7 @@ def validate_failover(plan: FailoverPlan) -> None:
         raise error
 
     # the cut: survivors' prefixes (and victims', when known) must pair up among themselves
-    problem = _cut_problem(plan.executed)
+    problem = None if plan._cut_already_checked() else _cut_problem(plan.executed)
     if problem:
         fail(f"inconsistent cut: the completed prefixes do not pair up: {problem}", [])
     found = shape_problem(remainder.streams, P, M)

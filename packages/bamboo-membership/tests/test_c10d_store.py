@@ -20,7 +20,7 @@ from bamboo.membership.kv import EtcdKV  # noqa: E402
 # One rank: joins each named group in turn, all-reduces (rank + 1) and prints the sum as JSON.
 RANK = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from datetime import timedelta
     import torch
     from torch.distributed import ProcessGroupGloo
@@ -42,6 +42,10 @@ RANK = textwrap.dedent(
         print(json.dumps({"group": name, "rank": rank, "sum": x.item()}), flush=True)
     if len(sys.argv) > 4:
         sys.stdin.readline()  # stay alive until the test kills us
+    # End like a worker does (DESIGN.md): flush, then os._exit. A normal interpreter exit destroys live gloo
+    # and etcd client threads and can abort with "terminate called without an active exception".
+    sys.stdout.flush()
+    os._exit(0)
     """
 )
 

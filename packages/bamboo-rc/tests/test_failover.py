@@ -52,6 +52,21 @@ def test_two_pipelines_fail_over_exactly(stage: int, pipeline: int, where: str) 
     assert result.passed, result
 
 
+def test_data_parallel_peer_that_ran_ahead_redoes_the_failed_step_before_its_next_all_reduce() -> None:
+    """Issue 8 regression: the victim (stage 2 of pipeline 0) dies right after its all-reduce of
+    step 1 completed, and the failure is confirmed only once its data-parallel peer (stage 2 of
+    pipeline 1) has finished step 1 and posted its all-reduce of step 2. The peer must join the
+    shadow's redo of step 1 before it posts step 2's all-reduce again on the rebuilt group (gloo
+    matches collectives in posting order); the other order silently summed different steps."""
+    kill = KillPoint(2, 0, "2OPT", step=1, settle=True, hold_confirmation_until=(2, 1, "2AR", 2))
+    result = run_verify(3, 2, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=(kill,))
+    assert result.killed == (2,)
+    peer_failovers = result.timings[5]["failovers"]
+    assert [f["step"] for f in peer_failovers] == [2], "the peer did not run ahead into step 2 as forced"
+    assert result.passed, result
+    assert result.max_relative_diff == 0.0
+
+
 def test_two_pipelines_two_non_adjacent_victims() -> None:
     kills = (KillPoint(1, 0, "1B0", step=1), KillPoint(0, 1, "0F2", step=1))
     result = run_verify(3, 2, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=kills)

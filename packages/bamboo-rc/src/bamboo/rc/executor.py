@@ -108,6 +108,12 @@ class KillPoint:
     pipeline: int
     instruction: str
     step: int = 1
+    settle: bool = False
+    """When True, the node first waits for its posted data-parallel all-reduces to complete (so its
+    peers in other pipelines completed them too), then dies."""
+    hold_confirmation_until: tuple[int, int, str, int] | None = None
+    """(stage, pipeline, instruction, step): the authority confirms this death only once that
+    node has executed that instruction in that step (it forces a peer to run ahead of the notice)."""
 
     def matches(self, step: int, instruction: Instruction, index: int, length: int) -> bool:
         if step != self.step:
@@ -182,6 +188,11 @@ class StageExecutor:
         self.timeouts = timeouts or CommTimeouts()
         self.notices = notices
         self.kills = [k for k in kills if (k.stage, k.pipeline) == (stage, pipeline)]
+        self._holds = [
+            KillPoint(stage, pipeline, k.hold_confirmation_until[2], k.hold_confirmation_until[3])
+            for k in kills
+            if k.hold_confirmation_until is not None and k.hold_confirmation_until[:2] == (stage, pipeline)
+        ]
         self.notice_points = [n for n in notice_points if (n.stage, n.pipeline) == (stage, pipeline)]
         self._leaving = False
         self._die_at: float | None = None
@@ -334,10 +345,21 @@ class StageExecutor:
         preempted = self._die_at is not None and time.time() >= self._die_at
         for kill in self.kills if not preempted else [None]:
             if kill is None or kill.matches(self.step, instruction, index, length):
+                if kill is not None and kill.settle:
+                    for s in sorted(self._reducing):
+                        works, _, _, _, _ = self._reducing[s]
+                        self.groups.wait_collective(f"dp-s{s}", works, f"{s}AR (before the kill)")
                 self.store.set(f"bamboo/{self.job}/killed_at/{self.rank}", repr(time.time()))
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _mark_holds(self, instruction: Instruction, index: int, length: int) -> None:
+        """Fault injection: tell the authority that this node executed an instruction that a kill
+        point's `hold_confirmation_until` waits for."""
+        for hold in self._holds:
+            if hold.matches(self.step, instruction, index, length):
+                self.store.set(f"bamboo/{self.job}/reached/{self.rank}/{hold.step}/{hold.instruction}", "1")
 
     def _check_notice(self) -> None:
         """At the start of an iteration: act on a preemption notice for this node.
@@ -422,6 +444,8 @@ class StageExecutor:
                     if not failed_over:
                         self._maybe_die(stream[index], index, fault_free_length)
                     self.execute(stream[index])
+                    if not failed_over:
+                        self._mark_holds(stream[index], index, fault_free_length)
                     index += 1
                 loss = self._commit()
                 self.iteration_times.append((iteration_started, time.time()))
@@ -903,7 +927,10 @@ class StageExecutor:
         that step's all-reduce: an all-reduce of ours for that step that already completed is
         joined again with our stored contribution; one still pending on the old group is posted
         again on the rebuilt group. If the shadow does not redo it (the victim had finished), ours
-        completes on the old group. A pending all-reduce of a later step is posted again too.
+        completes on the old group. A pending all-reduce of a later step (this node ran ahead:
+        its pipeline committed `step` without the failed one) is posted again too, but only after
+        the redo of `step`: gloo matches the collectives of a group in posting order, and the
+        shadow posts the redo of `step` first, so the other order would sum different steps.
         """
         for v in sorted(lost):
             if v not in self.hosted:
@@ -912,18 +939,28 @@ class StageExecutor:
             redone = any(i.kind is Kind.ALLREDUCE and i.stage == v for i in plan.remainder.streams[shadow])
             group = f"dp-s{v}"
             pending = self._reducing.get(v)
+            pending_step = pending[3][0] if pending is not None else None
+            if pending_step is not None and pending_step < step:
+                raise RuntimeError(
+                    f"stage {v}: an all-reduce of step {pending_step} is still pending while the other pipeline "
+                    f"failed in step {step}"
+                )
+            if redone and pending_step != step:  # ours of `step` completed (or is not posted yet)
+                contribution = self._contributions.get((v, step))
+                if contribution is not None:
+                    flat, loss = contribution
+                    self.groups.allreduce(
+                        group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
+                    )
+                elif pending_step is not None:  # ran ahead, yet nothing stored: cannot redo exactly
+                    raise RuntimeError(
+                        f"stage {v}: the shadow redoes the all-reduce of step {step}, but this node is in step "
+                        f"{pending_step} and kept no contribution of step {step}"
+                    )
             if pending is not None and pending[4] != self.groups.members[group]:
-                pending_step = pending[3][0]
-                if pending_step > step or (pending_step == step and redone):
+                assert pending_step is not None
+                if pending_step > step or redone:
                     _, flat, loss = pending[3]
                     fresh_flat, fresh_loss = flat.clone(), loss.clone()
                     works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{v}AR (again)")
                     self._reducing[v] = (works, fresh_flat, fresh_loss, pending[3], self.groups.members[group])
-                if pending_step == step:
-                    continue
-            contribution = self._contributions.get((v, step))
-            if redone and contribution is not None:
-                flat, loss = contribution
-                self.groups.allreduce(
-                    group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
-                )

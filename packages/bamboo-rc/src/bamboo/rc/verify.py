@@ -33,6 +33,9 @@ __all__ = ["DEFAULT_CONFIG", "VerifyResult", "run_verify"]
 
 RELATIVE_TOLERANCE = 1e-6
 BATCH_WINDOW_S = 0.005
+HOLD_LIMIT_S = 10.0
+"""The longest the authority withholds a confirmation for `KillPoint.hold_confirmation_until`
+(the held node may itself be blocked on the victim; the run then proceeds unforced)."""
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
@@ -141,7 +144,15 @@ def run_verify(
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
         os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
         os.close(port_writer)
-        codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"))
+        hold_keys: dict[int, str] = {}
+        for kill in kills:
+            if kill.hold_confirmation_until is not None:
+                hold_stage, hold_pipeline, hold_instruction, hold_step = kill.hold_confirmation_until
+                holder = layout.rank(hold_stage, hold_pipeline)
+                hold_keys[layout.rank(kill.stage, kill.pipeline)] = (
+                    f"bamboo/verify/reached/{holder}/{hold_step}/{hold_instruction}"
+                )
+        codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"), hold_keys)
         kill_times = {
             rank: float(store.get(f"bamboo/verify/killed_at/{rank}"))
             for rank in range(layout.world)
@@ -220,11 +231,15 @@ def run_verify(
     )
 
 
-def _wait_children(children: dict[int, int], deadline_s: float, notices: StoreFailureNotices) -> dict[int, int]:
+def _wait_children(
+    children: dict[int, int], deadline_s: float, notices: StoreFailureNotices, hold_keys: dict[int, str] | None = None
+) -> dict[int, int]:
     """Wait for every child; returns rank -> exit code (negative: killed by that signal).
 
     A child killed by a signal is a confirmed failure: deaths seen within
     :data:`BATCH_WINDOW_S` of each other are published together as the next epoch's event.
+    `hold_keys` (fault injection, from `KillPoint.hold_confirmation_until`) maps a victim to a
+    store key: its death is confirmed only once that key exists (or after HOLD_LIMIT_S).
     """
     codes: dict[int, int] = {}
     epoch = 0
@@ -260,6 +275,11 @@ def _wait_children(children: dict[int, int], deadline_s: float, notices: StoreFa
                         dead.append(children[other])
                 else:
                     time.sleep(0.001)
+            for victim in dead:
+                key = (hold_keys or {}).get(victim)
+                hold_end = time.monotonic() + HOLD_LIMIT_S
+                while key is not None and not notices.store.check([key]) and time.monotonic() < hold_end:
+                    time.sleep(0.002)
             epoch += 1
             notices.publish(FailureEvent(epoch, dead))
     return codes

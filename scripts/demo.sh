@@ -4,7 +4,7 @@
 # `bamboo-launch run` starts an embedded etcd, 8 emulated nodes in 3 zones (one agent process per node, each
 # spawning its bamboo-rc worker), places them as P=4 stages x D=2 pipelines with bamboo-reconfig, trains the tiny
 # GPT with eager redundant computation, and replays synthetic preemptions at the paper's highest replayed rate
-# (33% per node per hour) compressed 60x (two trace hours in two minutes of training), timed from the first step:
+# (33% per node per hour) compressed 60x (87 trace minutes in 87 s of training), timed from the first step:
 # every removal SIGKILLs a node's process group, the runtime fails over, additions start new nodes that join at
 # the next reconfiguration, and the final report compares the cost at spot and on-demand prices.
 #
@@ -26,7 +26,7 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 step "1/2 bamboo-launch run: 8 nodes in 3 zones, P=4, D=2, tiny GPT, synthetic preemptions (rate 0.33/h, seed $SEED)"
 $BIN/bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps "${DEMO_STEPS:-500}" \
-  --preemptions synthetic:0.33 --hours 2 --seed "$SEED" --time-scale 60 \
+  --preemptions synthetic:0.33 --hours 1.45 --seed "$SEED" --time-scale 60 \
   --ttl 5 --grace 5 --checkpoint-dir "$OUT/checkpoints" --checkpoint-every 20 --run-dir "$OUT/run" --plot "$OUT/run.png" --verify
 
 step "2/2 what the same spot market would cost over a long run: bamboo vs checkpoint/restart vs on-demand (simulated, EC2 p3 trace)"

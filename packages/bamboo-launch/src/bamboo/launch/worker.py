@@ -323,14 +323,19 @@ def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str
                layout: dict[str, Any]) -> tuple[int | None, str]:
     """The step this generation stops at and why, once decided (first writer wins); the evaluator proposes it."""
     name = f"g{generation}-stop"
+    evaluator = min((r for r in ranks.values() if r not in executor.dead), default=evaluator)  # the lowest live rank
     if executor.rank == evaluator and executor.step + 2 <= run.spec.steps:
         from bamboo.reconfig import When, decide
 
         view = _view(run, layout, executor, ranks)
         if view is not None:
             decision = decide(view)
-            if decision.when is not When.CARRY_ON:
-                reason = ", ".join(r.value for r in decision.reasons)
+            reason = ", ".join(r.value for r in decision.reasons)
+            if decision.when is When.CARRY_ON and executor.dead:
+                # bamboo-rc fails over once per pipeline and layout: after a failover, restore full
+                # redundancy at the next boundary rather than risk a second failure in that pipeline.
+                reason = "rebuild redundancy after a failover"
+            if decision.when is not When.CARRY_ON or executor.dead:
                 try:
                     run.membership.decide(name, {"step": executor.step + 2, "reason": reason})
                 except Exception as error:  # etcd restarting: propose again after the next step

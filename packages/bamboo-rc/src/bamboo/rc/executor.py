@@ -321,6 +321,18 @@ class StageExecutor:
 
         return interrupt
 
+    def _interrupt_on_any_failure(self) -> None:
+        """While waiting for a posted data-parallel all-reduce (its works stay in `_reducing`, so
+        it is resumed, never posted twice): raise FailureNoticed on any confirmed failure.
+
+        A failed pipeline's survivors must never sit uninterruptibly in a collective with another
+        pipeline: that pipeline's nodes wait in the failover agreement for the survivors'
+        progress, so a survivor waiting for, say, stage 0's all-reduce with a node that is itself
+        waiting for that progress would deadlock until the agreement timed out."""
+        event = self.notices.poll(self.epoch + 1) if self.notices is not None else None
+        if event is not None:
+            raise FailureNoticed(event)
+
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
         self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
@@ -619,7 +631,7 @@ class StageExecutor:
             return
         works, flat, loss, contribution, _members = self._reducing[s]
         group = f"dp-s{s}"
-        self.groups.wait_collective(group, works, f"{s}AR", self._interrupter(group))
+        self.groups.wait_collective(group, works, f"{s}AR", self._interrupt_on_any_failure)
         del self._reducing[s]
         piece = self.slices[s]
         piece.load_flat_grads(flat)
@@ -780,9 +792,13 @@ class StageExecutor:
             piece.zero_grads()
         self._reset_iteration()
 
-    def _surviving_copies(self, stage: int) -> list[tuple[str, int]]:
+    def _surviving_copies(
+        self, stage: int, placements: dict[int, tuple[int, ...]] | None = None
+    ) -> list[tuple[str, int]]:
+        """Where copies of `stage` survive, judged on `placements` (default: the current ones): the
+        same stage in other pipelines, and the shadow's replica if its pipeline had not failed over."""
         copies: list[tuple[str, int]] = []
-        for d, placement in self.placements.items():
+        for d, placement in (placements if placements is not None else self.placements).items():
             host = self.layout.rank(placement[stage], d)
             if d != self.pipeline and host not in self.dead:
                 copies.append(("data-parallel", host))
@@ -852,6 +868,10 @@ class StageExecutor:
         event = self._confirmed_event(failure)
         confirmed = time.time()
         victims: dict[int, set[int]] = {}
+        # The copies of lost stages are judged on the placements before this failover: when the
+        # victims' deaths are confirmed in separate events, the loop below has already moved a
+        # first victim's stage onto its shadow before it learns that a neighbour died too.
+        placements_before = dict(self.placements)
         while True:  # a further failure during the agreement restarts it with every victim so far
             if event.handover:  # another pipeline's node left at a boundary: groups only
                 self._apply_membership(event)
@@ -871,7 +891,9 @@ class StageExecutor:
                     if (v + 1) % self.layout.stages in lost:
                         self._abandon_iteration()
                         ordered = sorted(lost)
-                        raise ConsecutiveFailure(pipeline, ordered, {s: self._surviving_copies(s) for s in ordered})
+                        raise ConsecutiveFailure(
+                            pipeline, ordered, {s: self._surviving_copies(s, placements_before) for s in ordered}
+                        )
                 placement = tuple((s - 1) % self.layout.stages if s in lost else s for s in range(self.layout.stages))
                 self.placements[pipeline] = placement
             self.groups.set_members(self.epoch, self.layout.group_members(self.placements))

@@ -8,8 +8,8 @@
 # every removal SIGKILLs a node's process group, the runtime fails over, additions start new nodes that join at
 # the next reconfiguration, and the final report compares the cost at spot and on-demand prices.
 #
-# Leases of 5 s (--ttl 5 --grace 5): eight workers importing torch at once on two cores can starve an agent for
-# longer than the 2 s default, and a node declared failed by mistake is worse than a slower detection.
+# Leases of 10 s (--ttl 10 --grace 10): eight workers importing torch at once on two cores can starve an agent or
+# etcd itself for longer than the 2 s default, and a node declared failed by mistake is worse than a slower detection.
 #
 # The trace seed is fixed (DEMO_SEED, default 0) so the demo is repeatable; the seed was chosen because its
 # trace has several preemptions and joins within the run. Then the parameters are checked against a fault-free
@@ -27,7 +27,7 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "1/2 bamboo-launch run: 8 nodes in 3 zones, P=4, D=2, tiny GPT, synthetic preemptions (rate 0.33/h, seed $SEED)"
 $BIN/bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps "${DEMO_STEPS:-500}" \
   --preemptions synthetic:0.33 --hours 1.45 --seed "$SEED" --time-scale 60 \
-  --ttl 5 --grace 5 --checkpoint-dir "$OUT/checkpoints" --checkpoint-every 20 --run-dir "$OUT/run" --plot "$OUT/run.png" --verify
+  --ttl 10 --grace 10 --checkpoint-dir "$OUT/checkpoints" --checkpoint-every 20 --run-dir "$OUT/run" --plot "$OUT/run.png" --verify
 
 step "2/2 what the same spot market would cost over a long run: bamboo vs checkpoint/restart vs on-demand (simulated, EC2 p3 trace)"
 TRACE=../shared/traces/bamboo/p3-trace.csv

@@ -5,6 +5,8 @@
   :func:`compare_with_reference` checks a run against a fault-free single-process run;
 - :mod:`bamboo.launch.node` / :mod:`bamboo.launch.worker`: one node's agent process and the
   bamboo-rc worker it spawns (``python -m bamboo.launch.node|worker``);
+- :mod:`bamboo.launch.script`: :func:`train_worker`, the one call of a user training script run by
+  ``bamboo-launch run ... -- SCRIPT ARGS`` (its layers, loss and data; the same worker loop);
 - :mod:`bamboo.launch.authority`: the runtime's failure interface wired to bamboo-membership
   (imports torch; not re-exported here);
 - :mod:`bamboo.launch.reconfigure`: the cluster view and layer-transfer plan of a reconfiguration;
@@ -68,7 +70,9 @@ from bamboo.launch.run import (
     compare_with_reference,
     run_cluster,
     train_reference_history,
+    train_reference_program,
 )
+from bamboo.launch.script import Program, ScriptError, train_worker
 
 __all__ = [
     "ActionKind",
@@ -92,6 +96,7 @@ __all__ = [
     "Preemption",
     "Prices",
     "ProcessCluster",
+    "Program",
     "Reconfiguration",
     "Report",
     "ReportError",
@@ -101,6 +106,7 @@ __all__ = [
     "RunOptions",
     "RunResult",
     "RunStart",
+    "ScriptError",
     "SpotMarket",
     "Step",
     "assign_zones",
@@ -118,6 +124,8 @@ __all__ = [
     "render_manifests",
     "run_cluster",
     "train_reference_history",
+    "train_reference_program",
+    "train_worker",
     "transfer_participants",
     "transfer_plan",
     "validate_manifests",

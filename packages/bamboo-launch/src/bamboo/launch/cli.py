@@ -2,9 +2,10 @@
 
 Subcommands (each one works end to end):
 
-- ``bamboo-launch run``: train the built-in example on an emulated spot cluster (embedded or
-  external etcd, one agent per node, the spot market, failover and reconfiguration; see
-  ``bamboo.launch.run``); user scripts after ``--`` are refused with a one-line error for now;
+- ``bamboo-launch run [...] [-- SCRIPT ARGS]``: train the built-in example, or a user script that
+  calls ``bamboo.launch.train_worker`` (see ``bamboo.launch.script``), on an emulated spot cluster
+  (embedded or external etcd, one agent per node, the spot market, failover and reconfiguration;
+  see ``bamboo.launch.run``);
 - ``bamboo-launch k8s render``: write the Kubernetes manifests of a job on EKS or GKE spot pools
   (validated against the Kubernetes schemas before they are written);
 - ``bamboo-launch k8s validate FILE...``: validate YAML manifests against the Kubernetes schemas;
@@ -624,16 +625,20 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         help="train on an emulated spot cluster: embedded etcd, one agent per node, the spot market, failover",
         usage=(
             "bamboo-launch run --nodes N --stages P --pipelines D [--zones a,b,c] [--etcd URL] "
-            "[--preemptions FILE|synthetic:RATE] [--time-scale X] [--checkpoint-dir DIR] [--steps S] [options]"
+            "[--preemptions FILE|synthetic:RATE] [--time-scale X] [--checkpoint-dir DIR] [--steps S] [options] "
+            "[-- SCRIPT ARGS...]"
         ),
         description=(
             "Start etcd (embedded unless --etcd), one node process per initial node of the trace (an agent that "
             "registers under a lease, serves the gRPC agent service and spawns its worker), place P x D of them "
-            "with bamboo-reconfig (the rest on standby), train the built-in example (the tiny GPT of bamboo-rc) "
-            "with redundant computation, and replay the preemption trace: a removal SIGKILLs the node's whole "
-            "process group and the runtime fails over; an addition starts a new node after the allocation delay. "
-            "Trace time runs from the first training step. Writes a JSON-lines event log and prints the report. "
-            "User scripts after -- are not supported yet."
+            "with bamboo-reconfig (the rest on standby), train with redundant computation, and replay the "
+            "preemption trace: a removal SIGKILLs the node's whole process group and the runtime fails over; an "
+            "addition starts a new node after the allocation delay. Trace time runs from the first training "
+            "step. Writes a JSON-lines event log and prints the report. The model is the built-in example (the "
+            "tiny GPT of bamboo-rc) or, after --, your script: each worker runs `python SCRIPT ARGS`, which "
+            "gives its layers (DeepSpeed LayerSpecs), loss and data (microbatch(step, index)) to "
+            "bamboo.launch.train_worker(...); RANK, WORLD_SIZE, LOCAL_RANK and BAMBOO_* are set. The launcher "
+            "runs the script once first to read its model, and once more for --verify."
         ),
     )
     run.add_argument("--nodes", type=int, default=8, help="initial cluster size; synthetic traces keep about "
@@ -678,7 +683,8 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--verify", action="store_true",
                      help="after the run, compare the final parameters with a fault-free single-process run of the "
                      "same steps (exit status 1 above 1e-6 relative)")
-    run.add_argument("--layers", type=int, default=4, help="decoder blocks of the example GPT (default: %(default)s)")
+    run.add_argument("--layers", type=int, default=4, help="decoder blocks of the built-in example GPT (not used "
+                     "with a script; default: %(default)s)")
     run.add_argument("--redundancy", default="eflb", choices=["none", "lflb", "eflb", "efeb"],
                      help="redundant computation mode (default: %(default)s)")
     run.add_argument("--ttl", type=int, default=2, help="node lease TTL, seconds (default: %(default)s)")
@@ -695,13 +701,10 @@ def _run(args: argparse.Namespace) -> int:
     from bamboo.launch.run import RunError, RunOptions, compare_with_reference, run_cluster
     from rich.console import Console
 
-    if args.script:
-        _fail(f"user scripts are not supported yet (got {' '.join(args.script)!r}); run without -- SCRIPT to "
-              "train the built-in example")
     for name in ("nodes", "stages", "pipelines", "steps", "layers", "checkpoint_every", "ttl"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.layers + 2 < args.stages:
+    if not args.script and args.layers + 2 < args.stages:
         _fail(f"--stages {args.stages} is more than the example's {args.layers + 2} layers (raise --layers)")
     try:
         options = RunOptions(
@@ -712,7 +715,7 @@ def _run(args: argparse.Namespace) -> int:
             allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, run_dir=args.run_dir, events=args.events, job=args.job,
             redundancy=args.redundancy, size={"layers": args.layers}, ttl=args.ttl, grace_s=args.grace,
-            timeout_s=args.timeout, live=not args.no_live,
+            timeout_s=args.timeout, live=not args.no_live, script=tuple(args.script),
         )
     except ValueError as error:
         _fail(str(error))
@@ -735,6 +738,10 @@ def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any
                              "failed_ranks": list(result.failed_ranks), "timed_out": result.timed_out}
     if result.consecutive:
         extra["consecutive_failure"] = result.consecutive
+    errors = {node: code for node, code in result.exit_codes.items() if code is not None and code > 0}
+    if errors:  # a worker's error, a lost lease, a script that never called train_worker (killed nodes are < 0)
+        extra["node_errors"] = {node: f"status {code}, log {result.run_dir / 'logs' / (node + '.log')}"
+                                for node, code in sorted(errors.items())}
     if verify is not None:
         comparison = verify(result, options)
         extra["max_relative_diff"] = comparison["max_relative_diff"]
@@ -750,7 +757,7 @@ def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any
     else:
         print(format_report(report))
         for key, value in extra.items():
-            print(f"  {key.replace('_', ' '):<17}{value}")
+            print(f"  {key.replace('_', ' '):<16} {value}")
         if args.plot:
             print(f"  plot             {args.plot}")
     return status

@@ -8,8 +8,12 @@ The market starts ``python -m bamboo.launch.node ...`` as the leader of a new pr
    becomes a preemption notice published in etcd;
 2. waits for the layout in etcd (``/bamboo/<job>/layout``) to give it a rank; a node that has none
    waits on standby until a later layout gives it one, or the run ends;
-3. spawns its worker (``python -m bamboo.launch.worker``) in the node's process group, so a market
-   kill (SIGKILL of the group) takes both, and watches it;
+3. spawns its worker in the node's process group, so a market kill (SIGKILL of the group) takes
+   both, and watches it: ``python -m bamboo.launch.worker`` for the built-in example, or the run's
+   user script, ``python SCRIPT ARGS``, with ``BAMBOO_RUN_SPEC``, ``BAMBOO_NODE_ID``, ``BAMBOO_AGENT``,
+   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set (see
+   :mod:`bamboo.launch.script`); a script that exits with status 0 without calling
+   :func:`bamboo.launch.train_worker` is reported (exit status 1), not taken for a finished worker;
 4. when the worker exits with ``STANDBY_EXIT`` (no role in the next layout), waits on standby
    again; otherwise leaves the cluster on purpose (not a failure) and exits with the worker's
    status.
@@ -27,9 +31,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "worker_command"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -47,8 +52,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pathlib import Path
-
     from bamboo.launch.worker import STANDBY_EXIT, RunSpec
     from bamboo.membership import DetectorConfig, EtcdKV, EtcdOptions, MembershipStore, NodeAgent
 
@@ -67,27 +70,48 @@ def main(argv: list[str] | None = None) -> int:
     agent.start()
     print(f"node {args.node} ({args.zone}) registered; agent at {agent.address}", flush=True)
     after = -1  # the generation this node last left (STANDBY_EXIT); -1: none yet
+    log = spec_path.parent / "logs" / f"{args.node}.log"
     while True:
-        generation = _wait_for_role(membership, agent, args.node, after, args.poll)
-        if generation is None:
+        layout = _wait_for_role(membership, agent, args.node, after, args.poll)
+        if layout is None:
             agent.stop(leave=True)
             kv.close()
             return 0 if not agent.lease_lost.is_set() else 3
+        generation = int(layout.get("generation", 0))
         print(f"node {args.node}: a role in generation {generation}; spawning its worker", flush=True)
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "bamboo.launch.worker", "--spec", str(spec_path), "--node", args.node,
-             "--agent", agent.address],
-        )
+        command, env, mark = worker_command(spec, spec_path, args.node, agent.address, layout)
+        worker = subprocess.Popen(command, env=env)
         while worker.poll() is None:
             time.sleep(args.poll)
         code = worker.returncode
-        print(f"node {args.node}: worker exited with status {code}", flush=True)
+        print(f"node {args.node}: worker exited with status {code} (log: {log})", flush=True)
+        if code == 0 and mark is not None and not mark.exists():
+            print(f"node {args.node}: error: {spec.script[0]} exited with status 0 without calling "
+                  f"bamboo.launch.train_worker (log: {log})", file=sys.stderr, flush=True)
+            code = 1
         if code != STANDBY_EXIT:
             agent.stop(leave=True)
             kv.close()
             return code if code >= 0 else 1
         after = _current_generation(membership)
         print(f"node {args.node}: on standby after generation {after}", flush=True)
+
+
+def worker_command(
+    spec: Any, spec_path: Path, node: str, agent_address: str, layout: dict[str, Any]
+) -> tuple[list[str], dict[str, str] | None, Path | None]:
+    """The worker's command line, environment (None: this one) and entry mark (scripts only)."""
+    if not spec.script:
+        return ([sys.executable, "-m", "bamboo.launch.worker", "--spec", str(spec_path), "--node", node,
+                 "--agent", agent_address], None, None)
+    from bamboo.launch.script import worker_environment
+
+    mark = spec_path.parent / "logs" / f"{node}.entered"
+    mark.unlink(missing_ok=True)
+    env = {**os.environ, **worker_environment(
+        spec_path=spec_path, node=node, agent=agent_address, rank=int(layout["ranks"][node]),
+        world_size=int(layout["stages"]) * int(layout["pipelines"]), entry_mark=mark)}
+    return [sys.executable, *spec.script], env, mark
 
 
 def _current_generation(membership: Any) -> int:
@@ -99,8 +123,8 @@ def _current_generation(membership: Any) -> int:
             time.sleep(0.1)
 
 
-def _wait_for_role(membership: Any, agent: Any, node: str, after: int, poll: float) -> int | None:
-    """The generation (> ``after``) whose layout gives ``node`` a rank; None when the run is over."""
+def _wait_for_role(membership: Any, agent: Any, node: str, after: int, poll: float) -> dict[str, Any] | None:
+    """The layout of the first generation (> ``after``) that gives ``node`` a rank; None when the run is over."""
     stop = threading.Event()
     while True:
         try:
@@ -113,7 +137,7 @@ def _wait_for_role(membership: Any, agent: Any, node: str, after: int, poll: flo
                 return None
             generation = int(layout.value.get("generation", 0))
             if generation > after and node in layout.value.get("ranks", {}):
-                return generation
+                return dict(layout.value)
         if agent.lease_lost.is_set():
             print(f"node {node}: lost its lease; exiting", file=sys.stderr, flush=True)
             return None

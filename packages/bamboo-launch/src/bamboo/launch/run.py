@@ -50,6 +50,7 @@ __all__ = [
     "load_preemptions",
     "run_cluster",
     "train_reference_history",
+    "train_reference_program",
 ]
 
 DEFAULT_RUN_CONFIG: dict[str, Any] = {
@@ -68,6 +69,16 @@ class RunError(RuntimeError):
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _script_file(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    if not value:
+        return
+    path = Path(value[0])
+    if not path.exists():
+        raise ValueError(f"script {value[0]!r} not found")
+    if not path.is_file():
+        raise ValueError(f"script {value[0]!r} is not a file")
 
 
 @attrs.frozen
@@ -107,6 +118,8 @@ class RunOptions:
     register_timeout_s: float = attrs.field(default=120.0, validator=_positive)
     timeout_s: float = attrs.field(default=900.0, validator=_positive)
     live: bool = False
+    script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
+    """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < self.stages * self.pipelines:
@@ -212,15 +225,42 @@ def layer_specs(size: dict[str, int]) -> list[Any]:
     return specs
 
 
-def _first_layout(options: RunOptions, registered: dict[str, str]) -> Any:
+def _model(options: RunOptions, run_dir: Path, say: Callable[[str], None]) -> tuple[list[Any], dict[str, Any]]:
+    """The model's layers (bamboo-reconfig costs) and the run's DeepSpeed config: the built-in example's,
+    or what the user script describes (it runs once in ``describe`` mode, see :mod:`bamboo.launch.script`)."""
+    if not options.script:
+        return layer_specs(options.size), dict(options.config)
+    from bamboo.launch.script import ScriptError, describe_script
+
+    say(f"reading the model of {' '.join(options.script)}")
+    try:
+        description = describe_script(options.script, run_dir / "logs" / "script-describe.log",
+                                      timeout_s=options.register_timeout_s)
+    except ScriptError as error:
+        raise RunError(str(error)) from None
+    if len(description.layers) < options.stages:
+        raise RunError(f"{options.script[0]} has {len(description.layers)} layers, fewer than the "
+                       f"{options.stages} stages (give it more layers or run fewer --stages)")
+    config = description.config if description.config is not None else dict(options.config)
+    try:
+        from bamboo.rc import load_config
+
+        load_config(config, pipelines=options.pipelines)
+    except ValueError as error:
+        raise RunError(f"{options.script[0]}: its DeepSpeed config: {error}") from None
+    return list(description.layers), config
+
+
+def _first_layout(options: RunOptions, registered: dict[str, str], layers: Sequence[Any],
+                  config: dict[str, Any]) -> Any:
     from bamboo.rc import load_config
     from bamboo.reconfig import ClusterView, Node, plan_layout
 
-    micro = load_config(options.config, pipelines=options.pipelines).micro_batches
+    micro = load_config(config, pipelines=options.pipelines).micro_batches
     view = ClusterView(
         nodes=[Node(node, zone or "default", "joining") for node, zone in registered.items()],
         target_stages=options.stages, target_pipelines=options.pipelines,
-        global_batch=micro * options.pipelines, layers=layer_specs(options.size),
+        global_batch=micro * options.pipelines, layers=list(layers),
     )
     layout = plan_layout(view)
     if layout.stages != options.stages or len(layout.owners) != options.pipelines:
@@ -282,6 +322,7 @@ def run_cluster(
     (run_dir / "logs").mkdir(exist_ok=True)
     events_path = Path(options.events) if options.events else run_dir / "events.jsonl"
     job = options.job or f"run-{uuid.uuid4().hex[:8]}"
+    layers, config = _model(options, run_dir, say)
     etcd = None if options.etcd else EmbeddedEtcd(run_dir / "etcd").start()
     endpoints = options.etcd or (etcd.endpoint,)  # type: ignore[union-attr]
     etcd_options = EtcdOptions(endpoints=endpoints, user=options.etcd_user, password=options.etcd_password,
@@ -292,12 +333,13 @@ def run_cluster(
     spec = RunSpec(
         job=job, etcd=endpoints, stages=options.stages, pipelines=options.pipelines, steps=options.steps,
         node_of_rank={}, out_dir=str(run_dir / "out"), events=str(events_path), run_start=started,
-        redundancy=options.redundancy, size=options.size, config=options.config, seed=options.seed,
+        redundancy=options.redundancy, size=options.size, config=config, seed=options.seed,
         etcd_user=options.etcd_user, etcd_password=options.etcd_password, etcd_ca=options.etcd_ca,
         etcd_cert=options.etcd_cert, etcd_key=options.etcd_key,
         checkpoint_dir=str(Path(options.checkpoint_dir).resolve()) if options.checkpoint_dir else None,
         checkpoint_every=options.checkpoint_every, confirm_timeout_s=options.confirm_timeout_s,
         group_timeout_s=options.group_timeout_s,
+        script=(str(Path(options.script[0]).resolve()), *options.script[1:]) if options.script else (),
     )
     spec_path = run_dir / "RUN.json"
     _write_atomic(spec_path, spec.to_json())
@@ -331,7 +373,7 @@ def run_cluster(
     try:
         market.run_due()  # the initial nodes start now; the rest of the plan waits for the layout
         registered = _wait_registered(membership, len(initial), options.register_timeout_s)
-        layout = _first_layout(options, registered)
+        layout = _first_layout(options, registered, layers, config)
         node_of_rank = {d * options.stages + s: node for d, row in enumerate(layout.owners) for s, node in enumerate(row)}
         rank_of_node = {node: rank for rank, node in node_of_rank.items()}
         _write_atomic(spec_path, attrs.evolve(spec, node_of_rank=node_of_rank).to_json())
@@ -347,7 +389,7 @@ def run_cluster(
                                      on_event=lambda event, nodes: say(
                                          f"confirmed failure of {', '.join(nodes)}: ranks {list(event.victims)} "
                                          f"(runtime epoch {event.epoch})")).start()
-        micro = load_config(options.config, pipelines=options.pipelines).micro_batches
+        micro = load_config(config, pipelines=options.pipelines).micro_batches
         value = {"state": "running", "generation": 0, "stages": options.stages, "pipelines": options.pipelines,
                  "micro_batches": micro, "start_step": 0, "ranks": rank_of_node, "standby": list(layout.standby),
                  "owners": [list(row) for row in layout.owners], "plan": layout.to_dict(), "mode": "first",
@@ -356,7 +398,7 @@ def run_cluster(
             raise RunError(f"job {job} already has a layout in etcd; use a new --job")
         say("layout: " + "; ".join(f"pipeline {d}: {' '.join(row)}" for d, row in enumerate(layout.owners))
             + (f"; standby: {' '.join(layout.standby)}" if layout.standby else ""))
-        _wait_first_step(events_path, cluster, set(rank_of_node), started + options.timeout_s)
+        _wait_first_step(events_path, cluster, set(rank_of_node), started + options.timeout_s, run_dir / "logs")
         clock.start_now()  # trace time runs from the first step: no kill lands while workers start
         say("training started; replaying the trace")
         market.start()
@@ -418,7 +460,7 @@ class _TrainingClock:
         stop.wait(max(0.0, seconds))
 
 
-def _wait_first_step(events: Path, cluster: Any, ranked_nodes: set[str], deadline: float) -> None:
+def _wait_first_step(events: Path, cluster: Any, ranked_nodes: set[str], deadline: float, log_dir: Path) -> None:
     from bamboo.launch.events import Step
     from bamboo.launch.live import EventFollower
 
@@ -426,9 +468,11 @@ def _wait_first_step(events: Path, cluster: Any, ranked_nodes: set[str], deadlin
     while True:
         if any(isinstance(event, Step) for event in follower.poll()):
             return
-        dead = [node for node in ranked_nodes if cluster.processes[node].poll() is not None]
+        dead = sorted(node for node in ranked_nodes if cluster.processes[node].poll() is not None)
         if dead:
-            raise RunError(f"node(s) {sorted(dead)} exited before the first step; see their logs")
+            raise RunError("before the first step, " + "; ".join(
+                f"node {node} exited with status {cluster.processes[node].returncode} (log: "
+                f"{log_dir / (node + '.log')})" for node in dead))
         if time.monotonic() > deadline:
             raise RunError("no training step before the run's timeout")
         time.sleep(0.1)
@@ -512,28 +556,32 @@ def _load_reports(out: Path) -> dict[int, dict[str, Any]]:
     return reports
 
 
-def train_reference_history(
-    specs: Sequence[Any], config: dict[str, Any], size: Any, seed: int, history: Sequence[Sequence[int]], steps: int
+def train_reference_program(
+    specs: Sequence[Any],
+    loss_fn: Callable[[Any, Any], Any],
+    microbatch: Callable[[int, int], tuple[Any, Any]],
+    config: dict[str, Any],
+    seed: int,
+    history: Sequence[Sequence[int]],
+    steps: int,
 ) -> list[dict[str, Any]]:
     """Single-process training of the whole model for ``steps`` steps, grouped as the run was.
 
-    ``history`` lists ``(first step, pipelines)`` of every layout generation. The global batch is
-    the same at every step; at each step the microbatch gradients are accumulated per pipeline of
-    that step's layout and the shares added in pipeline order, which is how the data-parallel
-    all-reduce associates them (bamboo-rc's ``train_reference`` does this for one fixed D). So a
-    run that changed D mid-way is compared with the same sums, associated the same way.
+    ``microbatch(step, index)`` gives the ``(inputs, labels)`` at position ``index`` of the global
+    batch of ``step``. ``history`` lists ``(first step, pipelines)`` of every layout generation. The
+    global batch is the same at every step; at each step the microbatch gradients are accumulated per
+    pipeline of that step's layout and the shares added in pipeline order, which is how the
+    data-parallel all-reduce associates them (bamboo-rc's ``train_reference`` does this for one fixed
+    D). So a run that changed D mid-way is compared with the same sums, associated the same way.
     """
     import torch
     from bamboo.rc import load_config
-    from bamboo.rc.data import GlobalBatchSampler
-    from bamboo.rc.model import lm_loss
     from bamboo.rc.state import TrainableSlice, clip_coefficient
 
     first_d = int(history[0][1])
     base = load_config(config, pipelines=first_d)
     global_microbatches = base.micro_batches * first_d
     whole = TrainableSlice(specs, range(len(specs)), base, seed)
-    sampler = GlobalBatchSampler(base.micro_batch_size, size.sequence, seed=seed)
     for step in range(steps):
         pipelines = next(int(d) for first, d in reversed(history) if step >= int(first))
         per_pipeline = global_microbatches // pipelines
@@ -541,8 +589,10 @@ def train_reference_history(
         for pipeline in range(pipelines):
             whole.zero_grads()
             for k in range(per_pipeline):
-                batch = sampler.microbatch(step, pipeline * per_pipeline + k)
-                (lm_loss(whole.layers(batch.tokens), batch.labels) / global_microbatches).backward()
+                inputs, labels = microbatch(step, pipeline * per_pipeline + k)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=base.bf16):
+                    outputs = whole.layers(inputs)
+                (loss_fn(outputs, labels) / global_microbatches).backward()
             share = whole.flat_grads()
             summed = share if summed is None else summed + share
         assert summed is not None
@@ -551,25 +601,47 @@ def train_reference_history(
     return [layer.state_dict() for layer in whole.layers]
 
 
+def train_reference_history(
+    specs: Sequence[Any], config: dict[str, Any], size: Any, seed: int, history: Sequence[Sequence[int]], steps: int
+) -> list[dict[str, Any]]:
+    """:func:`train_reference_program` of the built-in example (the GPT of ``size`` on its corpus)."""
+    from bamboo.launch.worker import example_program
+
+    program = example_program(attrs.asdict(size), config, seed)
+    return train_reference_program(specs, program.loss_fn, program.microbatch, config, seed, history, steps)
+
+
 def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, Any]:
     """Compare every surviving worker's hosted stages with a fault-free single-process run.
 
     Returns ``{"steps", "max_relative_diff", "tensors", "history"}``; the relative difference of a
     tensor is ``max|a-b| / max|b|``. The reference trains the same global batches for the steps the
-    run did, grouped by pipeline as the run's layouts were (:func:`train_reference_history`).
+    run did, grouped by pipeline as the run's layouts were (:func:`train_reference_program`), with
+    the run's config and seed (from its ``RUN.json``). For a user script the launcher runs the script
+    once more, in ``reference`` mode (:func:`bamboo.launch.script.reference_from_script`).
     """
+    from bamboo.launch.worker import RunSpec
     from bamboo.rc.model import GPTSize, gpt_layer_specs, partition_layers
     from bamboo.rc.worker import exact_mode
 
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
-    exact_mode()
-    size = GPTSize(**options.size)
-    specs = gpt_layer_specs(size)
+    spec = RunSpec.from_json((result.run_dir / "RUN.json").read_text())
     steps = result.steps_done
-    history = max((r.get("history", [[0, options.pipelines]]) for r in result.reports.values()), key=len)
-    reference = train_reference_history(specs, options.config, size, options.seed, history, steps)
-    parts = partition_layers(len(specs), options.stages)
+    history = max((r.get("history", [[0, spec.pipelines]]) for r in result.reports.values()), key=len)
+    if spec.script:
+        from bamboo.launch.script import ScriptError, reference_from_script
+
+        try:
+            reference = reference_from_script(spec.script, config=spec.config, seed=spec.seed, history=history,
+                                              steps=steps, work_dir=result.run_dir, timeout_s=options.timeout_s)
+        except ScriptError as error:
+            raise RunError(str(error)) from None
+    else:
+        exact_mode()
+        size = GPTSize(**spec.size)
+        reference = train_reference_history(gpt_layer_specs(size), spec.config, size, spec.seed, history, steps)
+    parts = partition_layers(len(reference), spec.stages)
     worst = 0.0
     tensors = 0
     for report in result.reports.values():

@@ -7,8 +7,9 @@ HOST:PORT``, in the agent's process group (a market kill takes both). The worker
   ``/bamboo/<job>/c10d/rc/``), so groups form and re-form with no store host to lose;
 - learns of confirmed failures through :class:`bamboo.launch.authority.MembershipFailureNotices`
   (suspicions go to its agent's failure detector);
-- trains the built-in example (the tiny GPT of bamboo-rc) with exact arithmetic for the run's
-  steps, appending ``step`` records (from the host of the last stage of pipeline 0) and
+- trains a :class:`bamboo.launch.script.Program` (the built-in example, the tiny GPT of bamboo-rc,
+  or a user script's model, loss and data through :func:`bamboo.launch.train_worker`) with exact
+  arithmetic for the run's steps, appending ``step`` records (from the host of the last stage of pipeline 0) and
   ``failover`` records (from the shadow that took a victim's stage) to the run's event log;
 - writes its final state to ``<run>/out/rank<R>.pt`` and ends with a flush and ``os._exit``.
 
@@ -25,12 +26,16 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-__all__ = ["RunSpec", "main", "train"]
+if TYPE_CHECKING:
+    from bamboo.launch.script import Program
+
+__all__ = ["STANDBY_EXIT", "RunSpec", "example_program", "main", "train"]
 
 
 @attrs.frozen
@@ -59,6 +64,8 @@ class RunSpec:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     group_timeout_s: float = 60.0
+    script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """``SCRIPT ARGS`` of a user script (agents spawn ``python SCRIPT ARGS``); empty: the built-in example."""
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), indent=1)
@@ -97,7 +104,7 @@ STANDBY_EXIT = 4
 class _Generation:
     """One worker's view of the run across layouts (see :mod:`bamboo.launch.reconfigure`)."""
 
-    def __init__(self, spec: RunSpec, node: str, agent_address: str | None) -> None:
+    def __init__(self, spec: RunSpec, node: str, agent_address: str | None, program: Program) -> None:
         from bamboo.launch.authority import PatientKV
         from bamboo.launch.events import EventLog
         from bamboo.membership import (
@@ -109,12 +116,10 @@ class _Generation:
             c10d_prefix,
         )
         from bamboo.rc import CommTimeouts
-        from bamboo.rc.model import GPTSize, gpt_layer_specs
 
         self.spec = spec
         self.node = node
-        self.size = GPTSize(**spec.size)
-        self.specs = gpt_layer_specs(self.size)
+        self.program = program
         self.kv = EtcdKV(EtcdOptions(endpoints=spec.etcd, user=spec.etcd_user, password=spec.etcd_password,
                                      ca_cert=spec.etcd_ca, cert_cert=spec.etcd_cert, cert_key=spec.etcd_key))
         patient = PatientKV(self.kv)  # an etcd restart pauses this worker instead of failing it
@@ -124,16 +129,14 @@ class _Generation:
                                timeout=datetime.timedelta(seconds=self.timeouts.build))
         self.agent = AgentClient(agent_address, name=f"worker-{node}") if agent_address else None
         self.log = EventLog(spec.events, start=spec.run_start)
-        self._layers: list[Any] | None = None
         self.retired: list[Any] = []  # old executors stay referenced: their gloo groups must not be destroyed
 
-    def layers(self) -> list[Any]:
-        """bamboo-reconfig's view of the model's layers (built once)."""
-        if self._layers is None:
-            from bamboo.launch.run import layer_specs
+    @staticmethod
+    def layers(layout: dict[str, Any]) -> list[Any]:
+        """bamboo-reconfig's view of the model's layers: those the launcher planned the first layout with."""
+        from bamboo.reconfig import Layout
 
-            self._layers = layer_specs(self.spec.size)
-        return self._layers
+        return list(Layout.from_dict(layout["plan"]).layers)
 
     def wait_layout(self, after: int) -> dict[str, Any]:
         """The first layout of generation > ``after`` (the first layout for ``after=-1``)."""
@@ -163,20 +166,47 @@ class _Generation:
             time.sleep(0.02)
 
 
-def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]:
-    """Train as node ``node`` through every layout it has a role in; returns the final report."""
+def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> Program:
+    """The built-in example: the tiny GPT of bamboo-rc on the standard library's source bytes."""
+    from bamboo.launch.script import Program
+    from bamboo.rc import load_config
+    from bamboo.rc.data import GlobalBatchSampler
+    from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
+
+    gpt = GPTSize(**size)
+    sampler = GlobalBatchSampler(load_config(config).micro_batch_size, gpt.sequence, seed=seed)
+
+    def microbatch(step: int, index: int) -> tuple[Any, Any]:
+        batch = sampler.microbatch(step, index)
+        return batch.tokens, batch.labels
+
+    return Program(layers=gpt_layer_specs(gpt), loss_fn=lm_loss, microbatch=microbatch, config=config)
+
+
+def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_step: int) -> Iterator[Any]:
+    """DeepSpeed-style ``(inputs, labels)`` iterator of pipeline ``pipeline``: global microbatches
+    ``pipeline*M .. pipeline*M+M-1`` of every step from ``first_step`` on."""
+    step = first_step
+    while True:
+        for k in range(micro_batches):
+            yield microbatch(step, pipeline * micro_batches + k)
+        step += 1
+
+
+def train(spec: RunSpec, node: str, agent_address: str | None, program: Program | None = None) -> dict[str, Any]:
+    """Train ``program`` (default: the built-in example) as node ``node`` through every layout it has a
+    role in; returns the final report."""
     import torch
     from bamboo.launch.authority import MembershipFailureNotices
     from bamboo.launch.events import Failover, Reconfiguration, Step
-    from bamboo.rc import ConsecutiveFailure, initialize, load_config
+    from bamboo.rc import ConsecutiveFailure, initialize
     from bamboo.rc.comm import build_gloo_group
-    from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
-    from bamboo.rc.model import lm_loss
     from bamboo.rc.transfer import export_stage_state, import_stage_state
     from bamboo.rc.worker import exact_mode
 
     exact_mode()
-    run = _Generation(spec, node, agent_address)
+    program = program or example_program(spec.size, spec.config, spec.seed)
+    run = _Generation(spec, node, agent_address, program)
     log = run.log
     layout = run.wait_layout(-1)
     old: Any = None  # the executor of the previous generation (the state this node holds)
@@ -196,7 +226,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]
         node_of_rank = {r: n for n, r in ranks.items()}
         notices = MembershipFailureNotices(run.store, job, run.agent, node_of_rank)
         engine = initialize(
-            run.specs, config, spec.redundancy, loss_fn=lm_loss, stages=spec.stages, rank=rank,
+            list(program.layers), config, spec.redundancy, loss_fn=program.loss_fn, stages=spec.stages, rank=rank,
             world_size=spec.stages * pipelines, store=run.store, seed=spec.seed, job=job, timeouts=run.timeouts,
             notices=notices if spec.redundancy != "none" else None,
         )
@@ -212,10 +242,8 @@ def train(spec: RunSpec, node: str, agent_address: str | None) -> dict[str, Any]
         if old is not None:
             run.retired.append(old)
         old = None
-        training = load_config(config, pipelines=pipelines)
-        sampler = GlobalBatchSampler(training.micro_batch_size, run.size.sequence, seed=spec.seed)
-        data = pipeline_data_iter(sampler, executor.pipeline, micro_batches, first_step=executor.step)
-        samples = training.micro_batch_size * micro_batches * pipelines
+        data = pipeline_batches(program.microbatch, executor.pipeline, micro_batches, executor.step)
+        samples = executor.config.micro_batch_size * micro_batches * pipelines
         seen_failovers = 0
         stop_step: int | None = None
         stop_reason = "step boundary"
@@ -360,7 +388,7 @@ def _view(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[s
     dead = [n for n, r in ranks.items() if r in executor.dead]
     zones = {n: record.zone for n, record in records.items()}
     zones.update(layout.get("zones", {}))
-    layers = run.layers()
+    layers = run.layers(layout)
     global_batch = int(layout["micro_batches"]) * int(layout["pipelines"])
     return build_view(layout, zones, sorted(records), dead, layers, global_batch, run.spec.stages,
                       run.spec.pipelines)
@@ -404,7 +432,7 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
     records = run.membership.list_nodes(skip_malformed=True)
     zones = {n: record.zone for n, record in records.items()}
     usable = sorted(set(ready) | {n for n in records if n not in ranks})
-    view = build_view(layout, zones, usable, dead, run.layers(), int(layout["micro_batches"]) * int(layout["pipelines"]),
+    view = build_view(layout, zones, usable, dead, run.layers(layout), int(layout["micro_batches"]) * int(layout["pipelines"]),
                       run.spec.stages, run.spec.pipelines)
     plan = plan_layout(view)
     pipelines = len(plan.owners)

@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from bamboo.schedule.ir import _INTERNED, Instruction, Kind, RCMode, make
+from bamboo.schedule.ir import Instruction, Kind, RCMode, make
 
 Token = int
 """A fact produced on a node, packed into an int: what << 40 | (stage + 1) << 20 | (microbatch + 1, or 0).
@@ -29,6 +29,7 @@ Token = int
 ACT, GRAD, FWD, STASH, REDUCED = range(1, 6)
 _NODE = 50
 """A (node, token) pair is packed as node << 50 | token."""
+_TOKEN_MASK = (1 << _NODE) - 1
 
 RANK_BACKWARD = 0
 RANK_FORWARD = 1
@@ -132,6 +133,34 @@ class _Durations:
         return value
 
 
+def _microbatch_count(work: Mapping[int, Sequence[Sequence[Work]]]) -> int:
+    """One more than the largest microbatch any work item names (0 when none does)."""
+    top = -1
+    for node_lanes in work.values():
+        for lane in node_lanes:
+            for w in lane:
+                if len(w) > 2 and w[2] > top:  # type: ignore[operator]
+                    top = w[2]  # type: ignore[assignment]
+    return top + 1
+
+
+class _Context(NamedTuple):
+    """What every task of one (tag, stage) on one node shares; the per-microbatch parts are rows by k."""
+
+    instrs: tuple[list[Instruction], ...]
+    """Rows of the task's own instructions, one row per instruction of the task, indexed by microbatch."""
+    makes: tuple[int, ...]
+    """Token bases (the microbatch bits are 0) of what the task makes."""
+    local: int
+    """Token base of a local input (0: none)."""
+    remote: tuple[int, list[Instruction], list[Instruction], int, float] | None
+    """(src, send row, recv row, key base, message cost) of a remote input; None when the input is local."""
+    extra_local: int
+    """Token base of a second local input (backward work: the gradient, when its producer is on this node)."""
+    rank: int
+    duration: float
+
+
 def build_lanes(
     work: Mapping[int, Sequence[Sequence[Work]]], placement: Sequence[int], stages: int, cost: CostFn = unit_cost
 ) -> dict[int, list[list[Task]]]:
@@ -143,99 +172,144 @@ def build_lanes(
     r, k) ``[0Lk] rFRk rSOk`` and ("SO", r, k) ``rSOk`` after the activation of (r-1, k); ("BRC", r,
     k) ``rSIk rBRk`` after the stash and the gradient from stage r+1; ("SYNC", r) receives r's
     reduced gradients after the node's own all-reduces.
+
+    Everything a task needs that does not depend on its microbatch is worked out once per (node,
+    tag, stage) (a `_Context`); the instructions come from per-microbatch rows.
     """
     durations = _Durations(cost)
     last = stages - 1
-    lookup = _INTERNED.get
+    count = _microbatch_count(work)
+    rows: dict[tuple[Kind, int, int | None], list[Instruction]] = {}
     new = tuple.__new__
+
+    def row(kind: Kind, stage: int, peer: int | None = None) -> list[Instruction]:
+        key = (kind, stage, peer)
+        found = rows.get(key)
+        if found is None:
+            found = rows[key] = [make(kind, stage, k, peer) for k in range(count)]
+        return found
+
+    def context(node: int, tag: object, s: int) -> _Context:
+        local = extra_local = 0
+        remote = None
+        base = (s + 1) << 20
+        if tag == "F" or tag == "FRC" or tag == "SO":
+            if tag == "F":
+                instrs: tuple[list[Instruction], ...] = (row(Kind.FORWARD, s),)
+                makes: tuple[int, ...] = ((ACT << 40) | base, (FWD << 40) | base)
+                rank = RANK_FORWARD
+            else:
+                so = row(Kind.SWAP_OUT, s)
+                instrs = (so,) if tag == "SO" else (row(Kind.FRC, s), so)
+                makes = ((STASH << 40) | base,)
+                rank = RANK_REDUNDANT
+            if s == 0:
+                if tag != "SO":
+                    instrs = (row(Kind.LOAD, 0), *instrs)
+            else:
+                src = placement[s - 1]
+                tok = (ACT << 40) | (s << 20)
+                if src == node:
+                    local = tok
+                else:
+                    send = row(Kind.SEND_ACT, s - 1, node)
+                    remote = (src, send, row(Kind.RECV_ACT, s, src), (src << _NODE) | tok,
+                              durations.of(Kind.SEND_ACT, s - 1, (send[0],)))
+        elif tag == "B" or tag == "BRC":
+            if tag == "B":
+                instrs = (row(Kind.BACKWARD, s),)
+                local = (FWD << 40) | base
+                makes = ((GRAD << 40) | base,)
+                rank = RANK_BACKWARD
+            else:
+                instrs = (row(Kind.SWAP_IN, s), row(Kind.BRC, s))
+                local = (STASH << 40) | base
+                makes = ()
+                rank = RANK_REDUNDANT
+            if s < last:
+                src = placement[s + 1]
+                tok = (GRAD << 40) | ((s + 2) << 20)
+                if src == node:
+                    extra_local = tok
+                else:
+                    send = row(Kind.SEND_GRAD, s + 1, node)
+                    remote = (src, send, row(Kind.RECV_GRAD, s, src), (src << _NODE) | tok,
+                              durations.of(Kind.SEND_GRAD, s + 1, (send[0],)))
+        else:
+            raise ValueError(f"unknown work item tag {tag!r}")
+        duration = durations.of(tag, s, tuple(r[0] for r in instrs))
+        return _Context(instrs, makes, local, remote, extra_local, rank, duration)
+
+    def per_iteration_task(node: int, w: Work) -> Task:
+        tag, s = w[0], w[1]
+        assert isinstance(s, int)
+        local: tuple[Token, ...] = ()
+        remote: tuple[Need, ...] = ()
+        if tag == "TAIL":
+            instrs: tuple[Instruction, ...] = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
+            return new(Task, (instrs, local, remote, (token(REDUCED, s),), RANK_BACKWARD,
+                              durations.of(tag, s, instrs)))
+        # SYNC: after the node's own all-reduce, so the sync never delays it; the exchange then
+        # follows the order in which nodes finish.
+        local = tuple(token(REDUCED, own) for own, p in enumerate(placement) if p == node)
+        src = placement[s]
+        tok = token(REDUCED, s)
+        if src == node:
+            local += (tok,)
+        else:
+            send = make(Kind.SYNC_SEND, s, None, node)
+            recv = make(Kind.SYNC_RECV, s, None, src)
+            remote = (new(Need, (tok, src, send, recv, (src << _NODE) | tok,
+                                 durations.of(Kind.SYNC_SEND, s, (send,)))),)
+        return new(Task, ((), local, remote, (), RANK_REDUNDANT, durations.of(tag, s, ())))
+
+    uniform = durations.by_kind_and_stage
     out: dict[int, list[list[Task]]] = {}
     for node, node_lanes in work.items():
+        contexts: dict[tuple[object, object], _Context] = {}
         built: list[list[Task]] = []
         for lane in node_lanes:
             tasks: list[Task] = []
             append = tasks.append
             for w in lane:
-                tag = w[0]
-                s: int = w[1]  # type: ignore[assignment]
-                local: tuple[Token, ...] = ()
-                remote: tuple[Need, ...] = ()
-                if tag == "F" or tag == "FRC" or tag == "SO":
-                    k: int = w[2]  # type: ignore[misc]
-                    if tag == "F":
-                        f = lookup((Kind.FORWARD, s, k, None)) or make(Kind.FORWARD, s, k)
-                        instrs: tuple[Instruction, ...] = (f,)
-                        makes: tuple[Token, ...] = (
-                            (ACT << 40) | ((s + 1) << 20) | (k + 1),
-                            (FWD << 40) | ((s + 1) << 20) | (k + 1),
-                        )
-                        rank = RANK_FORWARD
-                    else:
-                        so = lookup((Kind.SWAP_OUT, s, k, None)) or make(Kind.SWAP_OUT, s, k)
-                        if tag == "SO":
-                            instrs = (so,)
-                        else:
-                            instrs = ((lookup((Kind.FRC, s, k, None)) or make(Kind.FRC, s, k)), so)
-                        makes = ((STASH << 40) | ((s + 1) << 20) | (k + 1),)
-                        rank = RANK_REDUNDANT
-                    if s == 0:
-                        if tag != "SO":
-                            instrs = ((lookup((Kind.LOAD, 0, k, None)) or make(Kind.LOAD, 0, k)), *instrs)
-                    else:
-                        src = placement[s - 1]
-                        tok = (ACT << 40) | (s << 20) | (k + 1)
-                        if src == node:
-                            local = (tok,)
-                        else:
-                            send = lookup((Kind.SEND_ACT, s - 1, k, node)) or make(Kind.SEND_ACT, s - 1, k, node)
-                            recv = lookup((Kind.RECV_ACT, s, k, src)) or make(Kind.RECV_ACT, s, k, src)
-                            remote = (new(Need, (tok, src, send, recv, (src << _NODE) | tok,
-                                                 durations.of(Kind.SEND_ACT, s - 1, (send,)))),)
-                elif tag == "B" or tag == "BRC":
-                    k = w[2]  # type: ignore[misc]
-                    if tag == "B":
-                        instrs = (lookup((Kind.BACKWARD, s, k, None)) or make(Kind.BACKWARD, s, k),)
-                        local = ((FWD << 40) | ((s + 1) << 20) | (k + 1),)
-                        makes = ((GRAD << 40) | ((s + 1) << 20) | (k + 1),)
-                        rank = RANK_BACKWARD
-                    else:
-                        instrs = (lookup((Kind.SWAP_IN, s, k, None)) or make(Kind.SWAP_IN, s, k),
-                                  lookup((Kind.BRC, s, k, None)) or make(Kind.BRC, s, k))
-                        local = ((STASH << 40) | ((s + 1) << 20) | (k + 1),)
-                        makes = ()
-                        rank = RANK_REDUNDANT
-                    if s < last:
-                        src = placement[s + 1]
-                        tok = (GRAD << 40) | ((s + 2) << 20) | (k + 1)
-                        if src == node:
-                            local += (tok,)
-                        else:
-                            send = lookup((Kind.SEND_GRAD, s + 1, k, node)) or make(Kind.SEND_GRAD, s + 1, k, node)
-                            recv = lookup((Kind.RECV_GRAD, s, k, src)) or make(Kind.RECV_GRAD, s, k, src)
-                            remote = (new(Need, (tok, src, send, recv, (src << _NODE) | tok,
-                                                 durations.of(Kind.SEND_GRAD, s + 1, (send,)))),)
-                elif tag == "TAIL":
-                    instrs = (make(Kind.ALLREDUCE, s), make(Kind.OPTIMIZER, s))
-                    makes = (token(REDUCED, s),)
-                    rank = RANK_BACKWARD
-                elif tag == "SYNC":
-                    # After the node's own all-reduce, so the sync never delays it; the exchange then
-                    # follows the order in which nodes finish.
-                    instrs = ()
-                    local = tuple(token(REDUCED, own) for own, p in enumerate(placement) if p == node)
-                    src = placement[s]
-                    tok = token(REDUCED, s)
-                    if src == node:
-                        local += (tok,)
-                    else:
-                        send = make(Kind.SYNC_SEND, s, None, node)
-                        recv = make(Kind.SYNC_RECV, s, None, src)
-                        remote = (new(Need, (tok, src, send, recv, (src << _NODE) | tok,
-                                             durations.of(Kind.SYNC_SEND, s, (send,)))),)
-                    makes = ()
-                    rank = RANK_REDUNDANT
+                if len(w) < 3:
+                    if w[0] != "TAIL" and w[0] != "SYNC":
+                        raise ValueError(f"unknown work item {w!r}")
+                    append(per_iteration_task(node, w))
+                    continue
+                tag, s, k = w
+                key = (tag, s)
+                ctx = contexts.get(key)
+                if ctx is None:
+                    ctx = contexts[key] = context(node, tag, s)  # type: ignore[arg-type]
+                k1: int = k + 1  # type: ignore[operator]
+                instr_rows = ctx[0]
+                instrs = (instr_rows[0][k],) if len(instr_rows) == 1 else tuple([r[k] for r in instr_rows])  # type: ignore[index]
+                local_base, remote, extra = ctx[2], ctx[3], ctx[4]
+                if local_base:
+                    local = (local_base | k1, extra | k1) if extra else (local_base | k1,)
+                elif extra:
+                    local = (extra | k1,)
                 else:
-                    raise ValueError(f"unknown work item {w!r}")
-                append(new(Task, (instrs, local, remote, makes, rank, durations.of(tag, s, instrs))))
+                    local = ()
+                if remote is None:
+                    needs: tuple[Need, ...] = ()
+                else:
+                    src, send_row, recv_row, key_base, message_cost = remote
+                    send = send_row[k]  # type: ignore[index]
+                    if not uniform:
+                        message_cost = cost(send)
+                    tok = (key_base | k1) & _TOKEN_MASK
+                    needs = (new(Need, (tok, src, send, recv_row[k], key_base | k1, message_cost)),)  # type: ignore[index]
+                makes = ctx[1]
+                if len(makes) == 2:
+                    made: tuple[Token, ...] = (makes[0] | k1, makes[1] | k1)
+                elif makes:
+                    made = (makes[0] | k1,)
+                else:
+                    made = ()
+                duration = ctx[6] if uniform else sum(cost(i) for i in instrs)
+                append(new(Task, (instrs, local, needs, made, ctx[5], duration)))
             built.append(tasks)
         out[node] = built
     return out
@@ -271,41 +345,35 @@ def linearize(lanes: Mapping[int, Sequence[Sequence[Task]]]) -> dict[int, tuple[
     Raises ValueError when the work cannot complete (a task needs a token nobody makes).
     """
     nodes = sorted(lanes)
-    streams: dict[int, list[Instruction]] = {n: [] for n in nodes}
-    free = dict.fromkeys(nodes, 0.0)
-    heads = {n: [0] * len(lanes[n]) for n in nodes}
-    local: dict[int, set[Token]] = {n: set() for n in nodes}
-    inbox: dict[int, set[int]] = {n: set() for n in nodes}
+    size = nodes[-1] + 1 if nodes else 0
+    # Per-node state in lists indexed by node (nodes are small ints; absent ones keep empty state).
+    lanes_of: list[Sequence[Sequence[Task]]] = [lanes.get(n, ()) for n in range(size)]
+    streams: list[list[Instruction]] = [[] for _ in range(size)]
+    free = [0.0] * size
+    heads = [[0] * len(lanes_of[n]) for n in range(size)]
+    local: list[set[Token]] = [set() for _ in range(size)]
+    inbox: list[set[int]] = [set() for _ in range(size)]
     # dst << 50 | token -> (dst, need): messages made on the node, not yet taken by their consumer
-    outbox: dict[int, dict[int, tuple[int, Need]]] = {n: {} for n in nodes}
+    outbox: list[dict[int, tuple[int, Need]]] = [{} for _ in range(size)]
     # src << 50 | token -> the lane head still missing that remote input (a dict: ordered, deterministic)
-    want: dict[int, dict[int, Task]] = {n: {} for n in nodes}
+    want: list[dict[int, Task]] = [{} for _ in range(size)]
     consumers: dict[int, list[tuple[int, Need]]] = {}
     for n in nodes:
-        for lane in lanes[n]:
+        for lane in lanes_of[n]:
             for task in lane:
                 for need in task.remote:
                     consumers.setdefault(need.key, []).append((n, need))
     heap: list[tuple[float, int]] = [(0.0, n) for n in nodes]
-    remaining = sum(len(lane) for n in nodes for lane in lanes[n])
+    remaining = sum(len(lane) for n in nodes for lane in lanes_of[n])
     mask = (1 << _NODE) - 1
     push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
+    no_consumers: tuple[tuple[int, Need], ...] = ()
 
-    def enter(n: int, li: int) -> None:
-        """Register the missing remote inputs of lane li's new head."""
-        lane = lanes[n][li]
-        index = heads[n][li]
-        if index < len(lane):
-            task = lane[index]
-            if task.remote:
-                received, wanted = inbox[n], want[n]
-                for need in task.remote:
-                    if need.key not in received:
-                        wanted[need.key] = task
-
-    for n in nodes:
-        for li in range(len(lanes[n])):
-            enter(n, li)
+    for n in nodes:  # register the missing remote inputs of every lane's first task
+        for lane in lanes_of[n]:
+            if lane and lane[0].remote:
+                for need in lane[0].remote:
+                    want[n][need.key] = lane[0]
 
     def next_exchange(n: int) -> float | None:
         """When the earliest exchange of a message that a main lane needs could happen."""
@@ -340,26 +408,27 @@ def linearize(lanes: Mapping[int, Sequence[Sequence[Task]]]) -> dict[int, tuple[
             continue
         # 1. exchange a message: push one to a free consumer that needs it next, or pull one from a
         # free producer (its own inputs on this node permitting)
-        src = dst = -1
-        key = 0
+        src = -1
         box = outbox[n]
         if box:
             for consumer, need in box.values():
                 if free[consumer] <= t and need.key in want[consumer]:
                     src, dst, key = n, consumer, need.key
                     break
-        if src < 0 and want[n]:
-            have = local[n]
-            node_bits = n << _NODE
-            for wanted_key, task in want[n].items():
-                producer = wanted_key >> _NODE
-                if free[producer] <= t and (node_bits | (wanted_key & mask)) in outbox[producer]:
-                    for tok in task.local:
-                        if tok not in have:
+        if src < 0:
+            wanted_here = want[n]
+            if wanted_here:
+                have = local[n]
+                node_bits = n << _NODE
+                for wanted_key, task in wanted_here.items():
+                    producer = wanted_key >> _NODE
+                    if free[producer] <= t and (node_bits | (wanted_key & mask)) in outbox[producer]:
+                        for tok in task.local:
+                            if tok not in have:
+                                break
+                        else:
+                            src, dst, key = producer, n, wanted_key
                             break
-                    else:
-                        src, dst, key = producer, n, wanted_key
-                        break
         if src >= 0:
             _dst, need = outbox[src].pop((dst << _NODE) | (key & mask))
             begin = free[src] if free[src] >= free[dst] else free[dst]
@@ -373,40 +442,38 @@ def linearize(lanes: Mapping[int, Sequence[Sequence[Task]]]) -> dict[int, tuple[
             pending = (end, dst)
             continue
         # 2. otherwise start the best ready lane head: lowest rank, then lane order
-        best = None
+        best = -1
         best_rank = 99
         mine, received, position = local[n], inbox[n], heads[n]
-        for li, lane in enumerate(lanes[n]):
+        node_lanes = lanes_of[n]
+        for li, lane in enumerate(node_lanes):
             index = position[li]
-            if index >= len(lane):
-                continue
-            task = lane[index]
-            if task.rank >= best_rank:
-                continue
-            for tok in task.local:
-                if tok not in mine:
-                    break
-            else:
-                for need in task.remote:
-                    if need.key not in received:
-                        break
-                else:
-                    best, best_rank = li, task.rank
-        if best is None:
+            if index < len(lane):
+                task = lane[index]
+                if task.rank < best_rank:
+                    for tok in task.local:
+                        if tok not in mine:
+                            break
+                    else:
+                        for need in task.remote:
+                            if need.key not in received:
+                                break
+                        else:
+                            best, best_rank, chosen = li, task.rank, task
+        if best < 0:
             continue  # idle: a producer pushes to this node when it is free
-        li = best
-        task = lanes[n][li][position[li]]
+        task = chosen
         duration = task.duration
-        if task.rank == RANK_REDUNDANT:
+        if best_rank == RANK_REDUNDANT:
             soon = next_exchange(n)
             if soon is not None and soon < t + duration:
                 pending = (soon, n)  # redundant work must not delay the pipeline's messages
                 continue
         streams[n].extend(task.instrs)
-        free[n] = t + duration
-        index = position[li] = position[li] + 1
+        end = free[n] = t + duration
+        index = position[best] = position[best] + 1
         remaining -= 1
-        lane = lanes[n][li]
+        lane = node_lanes[best]
         if index < len(lane):  # the lane's new head: register its missing remote inputs
             head = lane[index]
             if head.remote:
@@ -419,15 +486,15 @@ def linearize(lanes: Mapping[int, Sequence[Sequence[Task]]]) -> dict[int, tuple[
             box = outbox[n]
             for tok in task.makes:
                 mine.add(tok)
-                for consumer, need in consumers.get(node_bits | tok, ()):
+                for consumer, need in consumers.get(node_bits | tok, no_consumers):
                     box[(consumer << _NODE) | tok] = (consumer, need)
-        pending = (free[n], n)
-    if remaining or any(outbox.values()):
+        pending = (end, n)
+    if remaining or any(outbox):
         stuck = [
-            f"node {n} lane {li} at {' '.join(map(str, lanes[n][li][heads[n][li]].instrs)) or 'a receive'}"
+            f"node {n} lane {li} at {' '.join(map(str, lanes_of[n][li][heads[n][li]].instrs)) or 'a receive'}"
             for n in nodes
-            for li in range(len(lanes[n]))
-            if heads[n][li] < len(lanes[n][li])
+            for li in range(len(lanes_of[n]))
+            if heads[n][li] < len(lanes_of[n][li])
         ]
         raise ValueError("work cannot be ordered, inputs never made: " + "; ".join(stuck[:4]))
-    return {n: tuple(s) for n, s in streams.items()}
+    return {n: tuple(streams[n]) for n in nodes}

@@ -176,11 +176,14 @@ class Instruction:
         return make(self.kind, self.stage, self.microbatch, dst)
 
 
-_SET = object.__setattr__
-
-
 _INTERNED: dict[tuple[Kind, int, int | None, int | None], Instruction] = {}
 _INTERN_LIMIT = 1 << 20
+# The slots' own setters: they skip the frozen class's __setattr__ and the attribute-name lookup.
+_SET_KIND = Instruction.__dict__["kind"].__set__
+_SET_STAGE = Instruction.__dict__["stage"].__set__
+_SET_MICROBATCH = Instruction.__dict__["microbatch"].__set__
+_SET_PEER = Instruction.__dict__["peer"].__set__
+_NEW = object.__new__
 
 
 def make(kind: Kind, stage: int, microbatch: int | None = None, peer: int | None = None) -> Instruction:
@@ -194,11 +197,11 @@ def make(kind: Kind, stage: int, microbatch: int | None = None, peer: int | None
     if instr is None:
         if len(_INTERNED) >= _INTERN_LIMIT:
             _INTERNED.clear()
-        instr = object.__new__(Instruction)
-        _SET(instr, "kind", kind)
-        _SET(instr, "stage", stage)
-        _SET(instr, "microbatch", microbatch)
-        _SET(instr, "peer", peer)
+        instr = _NEW(Instruction)
+        _SET_KIND(instr, kind)
+        _SET_STAGE(instr, stage)
+        _SET_MICROBATCH(instr, microbatch)
+        _SET_PEER(instr, peer)
         _INTERNED[key] = instr
     return instr
 

@@ -105,11 +105,13 @@ class ModuleFactory:
 def _as_layers(value: Sequence[Any]) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"layers must be a list of LayerSpec or module factories, got {type(value).__name__}")
+    from torch import nn
+
     layers = []
     for index, layer in enumerate(value):
         if callable(getattr(layer, "build", None)):
             layers.append(layer)
-        elif callable(layer):
+        elif callable(layer) and not isinstance(layer, nn.Module):
             layers.append(ModuleFactory(layer))
         else:
             raise TypeError(f"layer {index} is a {type(layer).__name__}: give a DeepSpeed LayerSpec or a "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from operator import sub
 from pathlib import Path
 from typing import Any
 
@@ -253,22 +254,22 @@ def measure(schedule: Schedule, timeline: Timeline, costs: Costs) -> tuple[dict,
     makespan = timeline.makespan
     size = _stash_sizes(schedule, costs)
     busy, bubble, frc, peak = {}, {}, {}, {}
+    frc_kind, swap_out, brc = Kind.FRC, Kind.SWAP_OUT, Kind.BRC
     for n, stream in schedule.streams.items():
-        start, end = timeline.start[n], timeline.end[n]
         total = 0.0
         frc_time = 0.0
         held = 0.0
         top = 0.0
-        for i, instr in enumerate(stream):
-            d = end[i] - start[i]
+        for instr, d in zip(stream, map(sub, timeline.end[n], timeline.start[n]), strict=True):
             total += d
             kind = instr.kind
-            if kind is Kind.FRC:
+            if kind is frc_kind:
                 frc_time += d
-            elif kind is Kind.SWAP_OUT:
+            elif kind is swap_out:
                 held += size(instr.stage)
-                top = max(top, held)
-            elif kind is Kind.BRC:
+                if held > top:
+                    top = held
+            elif kind is brc:
                 held = max(0.0, held - size(instr.stage))
         busy[n] = total
         bubble[n] = makespan - total

@@ -1,8 +1,8 @@
 """Failover: merge a victim's work into its shadow's stream, mid-iteration and for the iterations after.
 
-`failover_schedule(schedule, victims, progress)` takes a fault-free schedule, the failed stages
-and how many instructions each node had completed when the failure struck (any index, forward or
-backward phase). It returns a `FailoverPlan`:
+`failover_schedule(schedule, victims, progress)` takes a schedule (fault-free, or a failover's
+steady schedule), the failed nodes and how many instructions each node had completed when the
+failure struck (any index, forward or backward phase). It returns a `FailoverPlan`:
 
 - ``executed[n]``: node n's completed prefix. Everything a **survivor** executed is kept. Everything
   a **victim** executed is lost, except what its shadow already holds: the FRC stashes of the
@@ -39,6 +39,19 @@ backward phase). It returns a `FailoverPlan`:
 
 Several non-adjacent victims in one iteration work. Adjacent victims (including the last and the
 first stage, adjacent through the shadow ring) raise `ConsecutiveFailure`.
+
+A second failure after a failover works the same way (victims are always *nodes*):
+
+- in a later iteration, ``failover_schedule(plan.steady, victims, progress)``: any schedule whose
+  ``placement`` and ``shadows`` say who runs and who shadows each stage is accepted;
+- during the recovery itself, ``failover_schedule(plan, victims, progress)`` with ``progress``
+  indexing ``plan.remainder``: the new plan's ``schedule`` is the survivors' whole iteration so
+  far, so its prefixes are the first plan's prefixes followed by the remainder's, and its
+  ``earlier`` is the first plan. `validate_failover` then counts the work of every stage failed
+  over in the iteration exactly once.
+
+Every stage a victim ran must have a live shadow; otherwise (a victim next to a node that failed
+earlier, or a shadow that already runs a taken-over stage) `ConsecutiveFailure` names the lost stages.
 """
 
 from __future__ import annotations
@@ -78,16 +91,32 @@ __all__ = [
 
 
 class ConsecutiveFailure(ValueError):
-    """Two failed stages are adjacent in the shadow ring: a node and its shadow are both gone.
+    """A stage lost every copy in its pipeline: its node and its shadow are both gone.
 
-    ``pair`` is (stage, its successor in the ring); the pipeline must be reconfigured.
+    ``pair`` is (shadow node, stage): the stage whose replica is gone too (in a fault-free schedule,
+    two adjacent victims in the shadow ring). ``lost`` names every stage hosted on a victim, and
+    ``earlier`` the nodes that had failed before (a failover schedule already ran without them).
+    The pipeline must be reconfigured.
     """
 
-    def __init__(self, victims: Iterable[int], pair: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        victims: Iterable[int],
+        pair: tuple[int, int],
+        lost: Iterable[int] = (),
+        earlier: Iterable[int] = (),
+    ) -> None:
         self.victims = tuple(sorted(victims))
         self.pair = pair
+        self.lost = tuple(sorted(lost))
+        self.earlier = tuple(sorted(earlier))
+        context = f"victims {list(self.victims)}"
+        if self.earlier:
+            context += f", failed earlier {list(self.earlier)}"
+        if self.lost:
+            context += f", lost stages {list(self.lost)}"
         super().__init__(
-            f"consecutive failure: stages {pair[0]} and {pair[1]} both failed (victims {list(self.victims)}); "
+            f"consecutive failure: stages {pair[0]} and {pair[1]} both failed ({context}); "
             f"stage {pair[1]}'s shadow is node {pair[0]}, so the pipeline must be reconfigured"
         )
 
@@ -105,6 +134,9 @@ class FailoverPlan:
     persisted: frozenset[int]
     """Victim stages whose iteration had completed (their shadow had applied the replica sync)."""
     cost: CostFn = attrs.field(default=unit_cost, eq=False, repr=False)
+    earlier: FailoverPlan | None = attrs.field(default=None, eq=False, repr=False)
+    """The plan whose remainder was running when these victims failed (a second failure in the same
+    iteration), or None. ``schedule`` then holds the survivors' whole iteration up to the failure."""
     _steady: Schedule | None = attrs.field(default=None, eq=False, repr=False)
     _checked_cut: tuple[tuple[int, tuple[Instruction, ...]], ...] | None = attrs.field(
         default=None, init=False, eq=False, repr=False
@@ -136,12 +168,29 @@ class FailoverPlan:
     def survivors(self) -> tuple[int, ...]:
         return self.remainder.nodes
 
+    @property
+    def recovered(self) -> frozenset[int]:
+        """Stages failed over in this iteration whose work the shadows redo (this plan's victims and
+        the earlier plans', less the persisted ones): their FRC and BRC count as forward and backward."""
+        mine = self.victims - self.persisted
+        return mine if self.earlier is None else mine | self.earlier.recovered
+
+    @property
+    def finished(self) -> frozenset[int]:
+        """Failed stages (this plan's and the earlier plans') whose iteration had completed."""
+        return self.persisted if self.earlier is None else self.persisted | self.earlier.finished
+
     def iteration_streams(self) -> dict[int, tuple[Instruction, ...]]:
         """Survivors' whole failing iteration: executed prefix followed by the remainder."""
         return {n: self.executed[n] + self.remainder.streams[n] for n in self.survivors}
 
 
 def _check_victims(schedule: Schedule, victims: Iterable[int]) -> frozenset[int]:
+    """The victims as a set, after checking that every stage they ran has a live shadow.
+
+    ``schedule`` may be fault-free or a failover schedule (``placement`` and ``shadows`` say who
+    runs and who shadows each stage; the nodes without a stream failed earlier).
+    """
     P = schedule.stages
     chosen = frozenset(victims)
     if not chosen:
@@ -151,21 +200,28 @@ def _check_victims(schedule: Schedule, victims: Iterable[int]) -> frozenset[int]
         raise ValueError(f"victim stages {bad} out of range 0..{P - 1}")
     if schedule.rc is RCMode.NONE:
         raise ValueError("a schedule without redundancy (rc=none) has no shadows to fail over to")
-    if schedule.placement != tuple(range(P)):
-        raise ValueError(f"failover needs a fault-free schedule, got placement {schedule.placement}")
-    for v in sorted(chosen):
-        if (v + 1) % P in chosen:
-            raise ConsecutiveFailure(chosen, (v, (v + 1) % P))
+    earlier = frozenset(range(P)) - frozenset(schedule.streams)
+    gone = sorted(chosen & earlier)
+    if gone:
+        raise ValueError(f"victims {gone} had already failed (this schedule runs without them)")
+    dead = chosen | earlier
+    lost = [s for s in range(P) if schedule.placement[s] in chosen]
+    unprotected = sorted(((s - 1) % P, s) for s in lost if schedule.shadows[s] is None or schedule.shadows[s] in dead)
+    if unprotected:
+        raise ConsecutiveFailure(chosen, unprotected[0], lost, earlier)
     return chosen
 
 
 def _new_layout(schedule: Schedule, victims: frozenset[int]) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    """Placement and shadows once ``victims`` failed: a victim's stages move to their shadows, and
+    stages that moved or whose shadow died are unprotected until a reconfiguration."""
     P = schedule.stages
-    placement = tuple((s - 1) % P if s in victims else s for s in range(P))
+    before, shadows_before = schedule.placement, schedule.shadows
+    placement = tuple(shadows_before[s] if before[s] in victims else before[s] for s in range(P))
     shadows = tuple(
-        None if s in victims or (s - 1) % P in victims else (s - 1) % P for s in range(P)
+        None if placement[s] != before[s] or shadows_before[s] in victims else shadows_before[s] for s in range(P)
     )
-    return placement, shadows
+    return placement, shadows  # type: ignore[return-value]
 
 
 @gc_paused
@@ -173,21 +229,23 @@ def merged_schedule(schedule: Schedule, victims: Iterable[int], cost: CostFn = u
     """The steady-state schedule after ``victims`` failed: each shadow runs its stage and the victim's.
 
     Stages whose shadow is gone (the victims' and their successors') run without redundancy until
-    a reconfiguration; every other stage keeps its shadow, FRC and replica sync.
+    a reconfiguration; every other stage keeps its shadow, FRC and replica sync. ``schedule`` may
+    itself be a merged schedule (a second failure after a failover): the result is the same as
+    merging every failed node into the fault-free schedule at once.
     """
     chosen = _check_victims(schedule, victims)
     P, M = schedule.stages, schedule.microbatches
     placement, shadows = _new_layout(schedule, chosen)
     lanes: dict[int, list[list[tuple[object, ...]]]] = {}
-    for n in range(P):
+    for n in schedule.nodes:
         if n in chosen:
             continue
         lanes[n] = [
             [*compute_order(schedule.policy, P, M, s), ("TAIL", s)] for s in range(P) if placement[s] == n
         ]
-        replica = (n + 1) % P
-        if shadows[replica] == n:
-            lanes[n].append(replica_lane(schedule.policy, P, M, replica, schedule.rc))
+        for replica in range(P):
+            if shadows[replica] == n:
+                lanes[n].append(replica_lane(schedule.policy, P, M, replica, schedule.rc))
     tasks = build_lanes(lanes, placement, P, cost)
     return Schedule(P, M, schedule.policy, schedule.rc, placement, linearize(tasks), shadows)
 
@@ -215,7 +273,10 @@ def progress_at(
         length = len(schedule.streams[v])
         if not 0 <= index <= length:
             raise ValueError(f"failure index {index} for stage {v} out of range 0..{length}")
-        moments.append(timeline.start[v][index] if index < length else timeline.end[v][-1] + 1.0)
+        if index < length:
+            moments.append(timeline.start[v][index])
+        else:  # after its last instruction (a victim with nothing left to do fails at once)
+            moments.append(timeline.end[v][-1] + 1.0 if length else 0.0)
     moment = min(moments)
     progress = {}
     for n, stream in schedule.streams.items():
@@ -243,16 +304,43 @@ def _cut_problem(executed: Mapping[int, Sequence[Instruction]]) -> str | None:
 
 @gc_paused
 def failover_schedule(
-    schedule: Schedule,
+    schedule: Schedule | FailoverPlan,
     victims: Iterable[int],
     progress: Mapping[int, int],
     cost: CostFn = unit_cost,
 ) -> FailoverPlan:
     """The survivors' merged streams for the rest of the iteration, and the steady schedule after.
 
-    ``progress[n]`` is how many instructions of its stream node n had completed (survivors are
-    required; victims' entries are optional and only used to check the cut).
+    ``schedule`` is what the pipeline was running when ``victims`` (nodes) failed:
+
+    - a `Schedule`, fault-free or a failover's steady schedule (``placement``/``shadows`` say who
+      runs and who shadows each stage); ``progress[n]`` is how many instructions of
+      ``schedule.streams[n]`` node n had completed;
+    - a `FailoverPlan` whose remainder was running (a second failure during the recovery of the
+      same iteration); ``progress[n]`` then counts completed instructions of
+      ``plan.remainder.streams[n]``. The new plan's ``earlier`` is that plan, its ``schedule`` holds
+      the survivors' whole iteration so far (``plan.iteration_streams()``) and its ``progress`` and
+      ``executed`` index those streams: the first plan's prefixes, then the remainder's prefixes.
+
+    Survivors' progress is required; victims' entries are optional and only used to check the cut.
+    Every stage a victim ran needs a live shadow, else `ConsecutiveFailure`.
     """
+    earlier: FailoverPlan | None = None
+    if isinstance(schedule, FailoverPlan):
+        earlier = schedule
+        remainder = earlier.remainder
+        for n in remainder.nodes:
+            if n in progress:
+                index = progress[n]
+                if not isinstance(index, int) or not 0 <= index <= len(remainder.streams[n]):
+                    raise ValueError(
+                        f"progress {index!r} of node {n} out of range 0..{len(remainder.streams[n])} (its remainder)"
+                    )
+        progress = {n: len(earlier.executed[n]) + i for n, i in progress.items() if n in remainder.streams}
+        schedule = Schedule(
+            remainder.stages, remainder.microbatches, remainder.policy, remainder.rc, remainder.placement,
+            earlier.iteration_streams(), remainder.shadows,
+        )
     chosen = _check_victims(schedule, victims)
     P, rc = schedule.stages, schedule.rc
     survivors = [n for n in schedule.nodes if n not in chosen]
@@ -272,7 +360,12 @@ def failover_schedule(
         raise ValueError(f"inconsistent cut: the completed prefixes do not pair up: {problem}")
     ran = {n: set(executed[n]) for n in survivors}  # what each survivor completed, for lookups
     placement, shadows = _new_layout(schedule, chosen)
-    persisted = frozenset(v for v in chosen if make(Kind.SYNC_RECV, v, None, v) in ran[(v - 1) % P])
+    # Every victim runs exactly its own stage here: a victim that also ran a stage it had taken
+    # over before would leave that stage without a shadow (`_check_victims` raised).
+    assert all(schedule.stages_on(v) == (v,) for v in chosen), "a victim hosts more than its own stage"
+    persisted = frozenset(
+        v for v in chosen if make(Kind.SYNC_RECV, v, None, v) in ran[schedule.shadows[v]]  # type: ignore[index]
+    )
 
     # 1. Survivors' own remaining instructions, with messages to victims re-routed or dropped.
     remaining: dict[int, list[Instruction]] = {}
@@ -321,7 +414,7 @@ def failover_schedule(
         shadow_ran = ran[h]
         if u is not None and u != h:
             for instr in executed[u]:
-                if instr.kind is Kind.SEND_GRAD and instr.peer == v:
+                if instr.kind is Kind.SEND_GRAD and instr.peer == v and instr.stage == u:
                     k = instr.microbatch
                     if make(Kind.BRC, v, k) in shadow_ran or make(Kind.RECV_GRAD, v, k, u) in shadow_ran:
                         continue
@@ -332,7 +425,7 @@ def failover_schedule(
             kind, k = instr.kind, instr.microbatch
             if instr.peer is not None:
                 p = instr.peer
-                if instr.stage != v or p in chosen or p == h or kind is Kind.SEND_GRAD:
+                if instr.stage != v or p in chosen or p == h or kind is Kind.SEND_GRAD or p not in ran:
                     continue  # replica traffic, a dead peer, now local, or an efeb copy nobody awaits
                 partner_ran = ran[p]
                 if instr.is_send:
@@ -389,6 +482,7 @@ def failover_schedule(
         {n: tuple(r) for n, r in resent.items() if r},
         persisted,
         cost,
+        earlier=earlier,
     )
     object.__setattr__(plan, "_checked_cut", tuple(executed.items()))
     return plan
@@ -613,7 +707,7 @@ def validate_failover(plan: FailoverPlan) -> None:
     found = dependency_problem(full, P, M, rc)
     if found:
         fail(found[0], found[1])
-    counted = plan.victims - plan.persisted
+    counted = plan.recovered
     always = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.ALLREDUCE: "all-reduce",
               Kind.OPTIMIZER: "optimizer step"}
     redundant = {Kind.FRC: "forward", Kind.BRC: "backward"}  # count only for the victims' stages
@@ -647,8 +741,9 @@ def validate_failover(plan: FailoverPlan) -> None:
         return [(n, i) for n, stream in full.items() for i, instr in enumerate(stream)
                 if instr.kind in kinds and instr.stage == s and instr.microbatch == k]
 
+    finished = plan.finished
     for s in range(P):
-        if s in plan.persisted:
+        if s in finished:
             continue
         forwards, backwards = per_microbatch["forward"][s], per_microbatch["backward"][s]
         if forwards.count(1) == M and backwards.count(1) == M and per_stage["all-reduce"][s] == 1 \

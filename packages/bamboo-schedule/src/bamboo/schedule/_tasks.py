@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from bamboo.schedule.ir import Instruction, Kind, RCMode, make
+from bamboo.schedule.ir import Instruction, Kind, RCMode, make, make_row
 
 Token = int
 """A fact produced on a node, packed into an int: what << 40 | (stage + 1) << 20 | (microbatch + 1, or 0).
@@ -147,13 +147,13 @@ def _microbatch_count(work: Mapping[int, Sequence[Sequence[Work]]]) -> int:
 class _Context(NamedTuple):
     """What every task of one (tag, stage) on one node shares; the per-microbatch parts are rows by k."""
 
-    instrs: tuple[list[Instruction], ...]
+    instrs: tuple[Sequence[Instruction], ...]
     """Rows of the task's own instructions, one row per instruction of the task, indexed by microbatch."""
     makes: tuple[int, ...]
     """Token bases (the microbatch bits are 0) of what the task makes."""
     local: int
     """Token base of a local input (0: none)."""
-    remote: tuple[int, list[Instruction], list[Instruction], int, float] | None
+    remote: tuple[int, Sequence[Instruction], Sequence[Instruction], int, float] | None
     """(src, send row, recv row, key base, message cost) of a remote input; None when the input is local."""
     extra_local: int
     """Token base of a second local input (backward work: the gradient, when its producer is on this node)."""
@@ -179,15 +179,10 @@ def build_lanes(
     durations = _Durations(cost)
     last = stages - 1
     count = _microbatch_count(work)
-    rows: dict[tuple[Kind, int, int | None], list[Instruction]] = {}
     new = tuple.__new__
 
-    def row(kind: Kind, stage: int, peer: int | None = None) -> list[Instruction]:
-        key = (kind, stage, peer)
-        found = rows.get(key)
-        if found is None:
-            found = rows[key] = [make(kind, stage, k, peer) for k in range(count)]
-        return found
+    def row(kind: Kind, stage: int, peer: int | None = None) -> Sequence[Instruction]:
+        return make_row(kind, stage, peer, count)
 
     def context(node: int, tag: object, s: int) -> _Context:
         local = extra_local = 0
@@ -195,7 +190,7 @@ def build_lanes(
         base = (s + 1) << 20
         if tag == "F" or tag == "FRC" or tag == "SO":
             if tag == "F":
-                instrs: tuple[list[Instruction], ...] = (row(Kind.FORWARD, s),)
+                instrs: tuple[Sequence[Instruction], ...] = (row(Kind.FORWARD, s),)
                 makes: tuple[int, ...] = ((ACT << 40) | base, (FWD << 40) | base)
                 rank = RANK_FORWARD
             else:

@@ -206,9 +206,24 @@ def make(kind: Kind, stage: int, microbatch: int | None = None, peer: int | None
     return instr
 
 
+_ROWS: dict[tuple[Kind, int, int | None], tuple[Instruction, ...]] = {}
+
+
+def make_row(kind: Kind, stage: int, peer: int | None, count: int) -> tuple[Instruction, ...]:
+    """``make(kind, stage, k, peer)`` for k in 0..count-1, interned as a whole (the generators' unit)."""
+    key = (kind, stage, peer)
+    row = _ROWS.get(key)
+    if row is None or len(row) < count:
+        if len(_ROWS) >= _INTERN_LIMIT:
+            _ROWS.clear()
+        row = _ROWS[key] = tuple([make(kind, stage, k, peer) for k in range(count)])
+    return row
+
+
 def clear_caches() -> None:
-    """Forget the interned instructions (benchmarks call this to time a cold start)."""
+    """Forget the interned instructions and rows (benchmarks call this to time a cold start)."""
     _INTERNED.clear()
+    _ROWS.clear()
 
 
 def _streams(value: Mapping[int, object]) -> dict[int, tuple[Instruction, ...]]:

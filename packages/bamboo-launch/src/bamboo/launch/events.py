@@ -18,6 +18,10 @@ and the kind's own keys:
 - ``reconfiguration``: ``reason`` (str), ``pipelines``, ``stages``, ``standby`` (int),
   ``bytes_moved`` (int, bytes of layers transferred), ``duration_s`` (float);
 - ``checkpoint``: ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float);
+- ``restore``: ``step`` (int, the checkpoint step training restarts from), ``path`` (str, its
+  folder), ``lost_stages`` (str, the stages no survivor held, comma separated), ``discarded_steps``
+  (int, steps done since that checkpoint, trained again): every copy of some stage was gone, so
+  every node restarted from the last good checkpoint;
 - ``step``: ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
   ``nodes_active`` (int), ``duration_s`` (float, the step's own time);
 - ``run_end``: ``steps`` (int): the run finished; nodes still alive stop being billed here.
@@ -49,6 +53,7 @@ __all__ = [
     "Join",
     "Preemption",
     "Reconfiguration",
+    "Restore",
     "RunEnd",
     "RunStart",
     "Step",
@@ -165,6 +170,28 @@ class Checkpoint:
     duration_s: float = attrs.field(validator=_non_negative_time)
 
 
+def _stage_list(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    parts = value.split(",") if isinstance(value, str) else []
+    if not parts or not all(part.isdigit() for part in parts):
+        raise ValueError(f"{attribute.name} must be stage numbers separated by commas, like '1,2', got {value!r}")
+
+
+@attrs.frozen
+class Restore:
+    """No survivor held some stage: every node restarted from the checkpoint of ``step`` at ``path``.
+
+    ``lost_stages`` are the stages whose every copy was gone (``"1"``, ``"1,2"``);
+    ``discarded_steps`` the steps done after that checkpoint, which are trained again.
+    """
+
+    KIND: ClassVar[str] = "restore"
+    t: float = attrs.field(validator=_non_negative_time)
+    step: int = attrs.field(validator=_non_negative_int)
+    path: str = attrs.field(validator=_non_empty_str)
+    lost_stages: str = attrs.field(validator=_stage_list)
+    discarded_steps: int = attrs.field(validator=_non_negative_int)
+
+
 @attrs.frozen
 class Step:
     """One optimizer step finished at ``t``: its global batch size and loss, and the nodes at work."""
@@ -187,10 +214,11 @@ class RunEnd:
     steps: int = attrs.field(validator=_non_negative_int)
 
 
-Event = RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Step | RunEnd
+Event = RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Restore | Step | RunEnd
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.KIND: cls for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Step, RunEnd)
+    cls.KIND: cls
+    for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Restore, Step, RunEnd)
 }
 
 

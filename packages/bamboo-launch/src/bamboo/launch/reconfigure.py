@@ -21,15 +21,35 @@ transfer plan (:func:`transfer_plan`: each new owner fetches the stages it lacks
 that holds them at that step), and writes it as decision ``g<g>-next`` (first writer wins; everyone
 uses the winner's). The global batch stays constant: D' pipelines run ``M * D / D'`` microbatches.
 Only when no survivor holds some stage is the last good checkpoint restored (``mode``
-``checkpoint``).
+``checkpoint``): the writer of the next layout picks the newest step whose shards of *every* stage
+verify (:func:`restore_point`: a corrupt, truncated or uncommitted newer one is logged with its
+file and reason and skipped), and names it in the layout (``checkpoint``, ``start_step``; the
+barrier step stays in ``barrier_step``). Every node of the next generation, survivors included,
+loads exactly that folder (:func:`restore_slices`), so no node can pick a different step while
+an asynchronous writer is still committing a newer one. The steps after the checkpoint are
+trained again; ``history`` (the pipelines of each step, for the reference run) is cut at the
+restored step (:func:`next_history`), so it describes the timeline that survived. Shards of the
+abandoned steps stay on disk; the new timeline rewrites every shard of each checkpoint step it
+reaches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+import sys
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-__all__ = ["build_view", "transfer_participants", "transfer_plan"]
+__all__ = [
+    "build_view",
+    "log_restore",
+    "next_history",
+    "restore_point",
+    "restore_slices",
+    "stage_shards",
+    "transfer_participants",
+    "transfer_plan",
+]
 
 
 def build_view(
@@ -99,3 +119,79 @@ def transfer_plan(
 def transfer_participants(transfers: Sequence[tuple[str, str, Sequence[int]]]) -> list[str]:
     """Members of the transfer group, in group-rank order: every source and every receiver."""
     return sorted({src for src, _, _ in transfers} | {dst for _, dst, _ in transfers})
+
+
+def stage_shards(stages: Sequence[int]) -> list[str]:
+    """Checkpoint shard names of ``stages`` (``stage-<s>``: pipeline 0's host of each stage writes its own)."""
+    return [f"stage-{stage}" for stage in sorted(stages)]
+
+
+class _StderrHandler(logging.Handler):
+    """Log records to whatever ``sys.stderr`` is at the time (one line each, prefixed)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"bamboo-launch restore: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def restore_point(checkpoint_dir: str | None, stages: int, missing: Sequence[int]) -> tuple[int, str]:
+    """``(step, folder)`` of the checkpoint to restart from when no survivor holds ``missing``.
+
+    The newest step whose shards ``stage-0`` ... ``stage-<stages-1>`` all verify and load
+    (:func:`bamboo.launch.checkpoint.load_latest_good`; each rejected shard is logged to stderr
+    with its file and reason). Raises ``RuntimeError`` naming the lost stages if the run has no
+    checkpoint directory or no good checkpoint in it.
+    """
+    from bamboo.launch.checkpoint import NoGoodCheckpointError, load_latest_good
+
+    lost = ",".join(map(str, sorted(missing)))
+    if checkpoint_dir is None:
+        raise RuntimeError(f"every copy of stage(s) {lost} is gone and the run writes no checkpoints "
+                           "(--checkpoint-dir): it cannot go on")
+    logger = logging.getLogger("bamboo.launch.restore")
+    if not logger.handlers:  # the worker's stderr is its node's log: say there why a checkpoint was skipped
+        logger.addHandler(_StderrHandler())
+        logger.propagate = False
+    try:
+        loaded = load_latest_good(checkpoint_dir, stage_shards(range(stages)), log=logger)
+    except NoGoodCheckpointError as error:
+        raise RuntimeError(f"every copy of stage(s) {lost} is gone and no checkpoint can replace them: {error}") from None
+    return loaded.step, str(loaded.path)
+
+
+def restore_slices(layout_value: Mapping[str, Any], slices: MutableMapping[int, Any]) -> int:
+    """Load every slice (stage -> ``TrainableSlice``) from the checkpoint the layout names; returns its step.
+
+    Raises ``CheckpointError`` (naming the file and why) if a shard no longer verifies.
+    """
+    from bamboo.launch.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(layout_value["checkpoint"], stage_shards(slices))
+    if loaded.step != int(layout_value["start_step"]):
+        raise RuntimeError(f"checkpoint {loaded.path} is of step {loaded.step}, the layout restarts at "
+                           f"{layout_value['start_step']}")
+    for stage, piece in slices.items():
+        piece.load_state_bytes(loaded.shards[f"stage-{stage}"]["state"].numpy().tobytes())
+    return loaded.step
+
+
+def log_restore(log: Any, layout_value: Mapping[str, Any]) -> None:
+    """Append a ``restore`` record to the event log if this layout restarts from a checkpoint."""
+    if layout_value.get("mode") != "checkpoint":
+        return
+    from bamboo.launch.events import Restore
+
+    step = int(layout_value["start_step"])
+    log.write(Restore(t=log.now(), step=step, path=str(layout_value["checkpoint"]),
+                      lost_stages=",".join(str(int(s)) for s in layout_value["missing"]),
+                      discarded_steps=int(layout_value.get("barrier_step", step)) - step))
+
+
+def next_history(history: Sequence[Sequence[int]], start_step: int, pipelines: int) -> list[list[int]]:
+    """``(first step, pipelines)`` of each generation after one that starts at ``start_step``.
+
+    Generations that start at or after ``start_step`` are dropped: after a checkpoint restore
+    their steps are trained again by the new generation (and a generation that ran no step at
+    all never counted).
+    """
+    kept = [[int(first), int(d)] for first, d in history if int(first) < start_step]
+    return [*kept, [int(start_step), int(pipelines)]]

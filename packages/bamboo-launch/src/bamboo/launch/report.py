@@ -6,7 +6,12 @@ Definitions (all times are the log's ``t``, seconds since the run started):
   record). Billing covers the window.
 - **throughput**: samples of all ``step`` records divided by the training time, from the run's
   start to the end of the last step. Start-up, failover pauses and reconfigurations count, as they
-  do for a user waiting on the job.
+  do for a user waiting on the job. A step trained again after a checkpoint restore (a ``step``
+  record whose step number was seen before) counts once: its samples are not new work, and its
+  time counts as lost (``redone_steps`` says how many there were).
+- **consecutive failures**: reconfigurations whose reason is ``consecutive failure`` (adjacent
+  stages of one pipeline lost before the failover of the first completed); **restores**: the
+  ``restore`` records (every copy of some stage lost, the last good checkpoint loaded).
 - **node-hours**: the sum over nodes of the time from their ``join`` to their ``preemption`` (or the
   window's end for nodes still alive), in hours. ``avg_nodes`` is node-hours over the window.
 - **cost**: node-hours at the spot price (default $0.918/h per GPU node, the paper's EC2 p3 price).
@@ -38,6 +43,7 @@ from bamboo.launch.events import (
     Join,
     Preemption,
     Reconfiguration,
+    Restore,
     RunEnd,
     RunStart,
     Step,
@@ -117,6 +123,9 @@ class Report:
     bytes_moved: int
     reconfiguration_s: float
     checkpoints: int
+    consecutive_failures: int
+    restores: int
+    redone_steps: int
     spot_price: float
     on_demand_price: float
     cost_spot: float
@@ -172,10 +181,14 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
     ordered = sorted(events, key=lambda e: e.t)
     start, end, job = _window(ordered)
     intervals = _node_intervals(ordered, end)
-    steps = [e for e in ordered if isinstance(e, Step)]
-    if not steps:
+    records = [e for e in ordered if isinstance(e, Step)]
+    if not records:
         raise ReportError("the event log has no step records, so there is no throughput to report")
-    samples = sum(s.samples for s in steps)
+    first_of_step: dict[int, Step] = {}
+    for record in records:
+        first_of_step.setdefault(record.step, record)  # a step trained again after a restore counts once
+    steps = records
+    samples = sum(s.samples for s in first_of_step.values())
     training_s = steps[-1].t - start
     if training_s <= 0:
         raise ReportError(f"the last step ends at t={steps[-1].t} which is not after the start t={start}")
@@ -203,7 +216,7 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
         basis = "same node-hours at the on-demand price"
     return Report(
         job=job,
-        steps=len(steps),
+        steps=len(first_of_step),
         samples=samples,
         final_loss=steps[-1].loss,
         duration_s=duration_s,
@@ -220,6 +233,9 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
         bytes_moved=sum(r.bytes_moved for r in reconfigs),
         reconfiguration_s=sum(r.duration_s for r in reconfigs),
         checkpoints=sum(isinstance(e, Checkpoint) for e in ordered),
+        consecutive_failures=sum(r.reason == "consecutive failure" for r in reconfigs),
+        restores=sum(isinstance(e, Restore) for e in ordered),
+        redone_steps=len(records) - len(first_of_step),
         spot_price=prices.spot,
         on_demand_price=prices.on_demand,
         cost_spot=cost_spot,
@@ -248,7 +264,8 @@ def format_report(report: Report) -> str:
         f"  failovers        {report.failovers} (median pause {seconds(report.median_pause_s)}, "
         f"max {seconds(report.max_pause_s)})",
         f"  reconfigurations {report.reconfigurations} ({report.bytes_moved} bytes moved, "
-        f"{report.reconfiguration_s:.3f} s)",
+        f"{report.reconfiguration_s:.3f} s; {report.consecutive_failures} after a consecutive failure)",
+        f"  restores         {report.restores} from a checkpoint ({report.redone_steps} steps trained again)",
         f"  checkpoints      {report.checkpoints}",
         f"  cost (spot)      ${report.cost_spot:.4f} at ${report.spot_price:g}/h per node "
         f"(${report.cost_per_hour:.3f}/h)",

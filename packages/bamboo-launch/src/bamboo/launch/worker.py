@@ -99,6 +99,7 @@ def _pause_s(failover: dict[str, Any]) -> float:
 
 STANDBY_EXIT = 4
 """Exit status of a worker whose node has no role in the next layout (its agent waits on standby)."""
+_UNTIL_EXIT: list[Any] = []  # objects that must not be freed before ``os._exit`` (see train's standby return)
 
 
 class _Generation:
@@ -199,6 +200,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
     import torch
     from bamboo.launch.authority import MembershipFailureNotices
     from bamboo.launch.events import Failover, Reconfiguration, Step
+    from bamboo.launch.reconfigure import log_restore
     from bamboo.rc import ConsecutiveFailure, initialize
     from bamboo.rc.comm import build_gloo_group
     from bamboo.rc.transfer import export_stage_state, import_stage_state
@@ -239,6 +241,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
                                           stages=spec.stages, standby=len(layout["standby"]),
                                           bytes_moved=_bytes_moved(run, layout),
                                           duration_s=time.perf_counter() - barrier_started))
+                log_restore(log, layout)
         if old is not None:
             run.retired.append(old)
         old = None
@@ -291,6 +294,9 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
         old = executor
         if node not in nxt["ranks"]:
             _serve_as_source(run, nxt, old, build_gloo_group, export_stage_state)
+            # Freeing the groups here would block until their pending work times out (gloo's destructor
+            # waits; 60 s after a kill), so the agent would see this exit late and miss the next layout.
+            _UNTIL_EXIT.append((run, engine, old))
             return {"standby": True, "generation": generation + 1}
         layout = nxt
     for writer in checkpointers.values():
@@ -397,7 +403,7 @@ def _view(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[s
 def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[str, int],
                  reason: str) -> dict[str, Any]:
     """Wait for every survivor at the barrier, then the next layout (first writer wins)."""
-    from bamboo.launch.reconfigure import build_view, transfer_plan
+    from bamboo.launch.reconfigure import build_view, next_history, restore_point, transfer_plan
     from bamboo.reconfig import plan_layout
 
     generation = int(layout["generation"])
@@ -441,18 +447,18 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
         raise RuntimeError(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} pipelines")
     new_ranks = {owner: d * run.spec.stages + s for d, row in enumerate(plan.owners) for s, owner in enumerate(row)}
     transfers, _local, missing = transfer_plan(new_ranks, run.spec.stages, holdings)
-    mode = "peers"
-    if missing:
-        mode = "checkpoint"
-        transfers = []
+    mode, start, restore = "peers", step, None
+    if missing:  # no survivor holds these stages: every node restarts from the last good checkpoint
+        mode, transfers = "checkpoint", []
+        start, restore = restore_point(run.spec.checkpoint_dir, run.spec.stages, missing)
     value = {
         "state": "running", "generation": generation + 1, "stages": run.spec.stages, "pipelines": pipelines,
         "micro_batches": global_batch // pipelines, "ranks": new_ranks, "standby": list(plan.standby),
-        "owners": [list(row) for row in plan.owners], "plan": plan.to_dict(), "start_step": step,
+        "owners": [list(row) for row in plan.owners], "plan": plan.to_dict(), "start_step": start,
         "mode": mode, "missing": missing, "transfers": [[a, b, stages] for a, b, stages in transfers],
-        "reason": reason,
+        "reason": reason, "barrier_step": step, "checkpoint": restore,
         # (first step, pipelines) of every generation so far: the reference follows the same grouping
-        "history": [*layout.get("history", [[0, int(layout["pipelines"])]]), [step, pipelines]],
+        "history": next_history(layout.get("history", [[0, int(layout["pipelines"])]]), start, pipelines),
     }
     decision = run.membership.decide(name, value)
     if decision.won:
@@ -465,18 +471,10 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
 def _receive_state(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, build_gloo_group: Any,
                    export_stage_state: Any, import_stage_state: Any) -> None:
     """Fill the new executor's slices: local copies, transfers by the plan, or the last checkpoint."""
-    if layout["mode"] == "checkpoint":
-        from bamboo.launch.checkpoint import load_latest_good
+    if layout["mode"] == "checkpoint":  # every node loads the checkpoint the layout names (reconfigure.py)
+        from bamboo.launch.reconfigure import restore_slices
 
-        if run.spec.checkpoint_dir is None:
-            raise RuntimeError(f"every copy of stages {layout['missing']} is gone and the run has no checkpoints")
-        shards = [f"stage-{s}" for s in sorted(executor.slices)]
-        loaded = load_latest_good(run.spec.checkpoint_dir, shards)
-        for stage, piece in executor.slices.items():
-            piece.load_state_bytes(loaded.shards[f"stage-{stage}"]["state"].numpy().tobytes())
-        if loaded.step != int(layout["start_step"]):
-            raise RuntimeError(f"checkpoint restore: every node must restart from the same step; the plan says "
-                               f"{layout['start_step']}, the newest good checkpoint is {loaded.step}")
+        restore_slices(layout, executor.slices)
         return
     if old is not None:
         for stage, piece in executor.slices.items():

@@ -52,7 +52,7 @@ def test_pause_from_runtime_timing_records() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--", "train.py", "--lr", "1"], "user scripts are not supported yet (got 'train.py --lr 1')"),
+        (["run", "--", "no-such-train.py", "--lr", "1"], "script 'no-such-train.py' not found"),
         (["run", "--nodes", "3"], "--nodes 3 cannot hold 2 pipelines of 4 stages"),
         (["run", "--steps", "0"], "--steps must be >= 1, got 0"),
         (["run", "--stages", "9", "--nodes", "18"], "--stages 9 is more than the example's 6 layers"),

@@ -39,6 +39,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
 
 TINY_SCRIPT = '''
 """A tiny two-layer model for the tests."""
+import os
+
 import torch
 from torch import nn
 from torch.nn import functional
@@ -61,6 +63,8 @@ def mse(outputs, labels):
 
 LAYERS = [lambda: nn.Linear(5, 7), lambda: nn.Sequential(nn.Tanh(), nn.Linear(7, 1))]
 
+if __name__ == "__main__":
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
 if __name__ == "__main__":
     bamboo.launch.train_worker(layers=LAYERS, loss_fn=mse, microbatch=microbatch, config=CONFIG)
 '''

@@ -27,7 +27,8 @@ environment variable ``BAMBOO_SCRIPT_MODE``; :func:`train_worker` does what the 
 returns (it ends the process with ``os._exit``):
 
 - ``describe``: once, before the cluster starts: the layers' sizes and the config go to the JSON file
-  ``BAMBOO_SCRIPT_OUT`` (the first layout and the reconfiguration costs need them); exit 0;
+  ``BAMBOO_SCRIPT_OUT`` (the first layout and the reconfiguration costs need them); exit 0 (this
+  mode and ``reference`` run as one process: ``RANK=0``, ``WORLD_SIZE=1``);
 - ``worker``: each node's agent spawns it in the node's process group, with ``BAMBOO_RUN_SPEC`` (the
   run's ``RUN.json``), ``BAMBOO_NODE_ID``, ``BAMBOO_AGENT`` (the agent's gRPC address) and, as torchrun
   sets them, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (0) and ``LOCAL_WORLD_SIZE`` (1) of the layout it was
@@ -259,7 +260,9 @@ class ScriptDescription:
 def _run_mode(script: Sequence[str], mode: str, out: Path, log: Path, timeout_s: float, what: str) -> None:
     """Run ``python SCRIPT ARGS`` in ``mode``; ScriptError naming the status and the log if it fails."""
     env = {**os.environ, ENV_MODE: mode, ENV_OUT: str(out), "PYTHONWARNINGS": "ignore",
-           "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+           "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           # one process: a script that reads torchrun's variables at import time still runs
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     for name in (ENV_SPEC, ENV_NODE, ENV_AGENT, ENV_ENTRY_MARK):
         env.pop(name, None)
     command = [sys.executable, *script]

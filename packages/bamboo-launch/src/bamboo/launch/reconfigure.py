@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -121,7 +121,7 @@ def transfer_participants(transfers: Sequence[tuple[str, str, Sequence[int]]]) -
     return sorted({src for src, _, _ in transfers} | {dst for _, dst, _ in transfers})
 
 
-def stage_shards(stages: Sequence[int]) -> list[str]:
+def stage_shards(stages: Iterable[int]) -> list[str]:
     """Checkpoint shard names of ``stages`` (``stage-<s>``: pipeline 0's host of each stage writes its own)."""
     return [f"stage-{stage}" for stage in sorted(stages)]
 
@@ -183,7 +183,7 @@ def log_restore(log: Any, layout_value: Mapping[str, Any]) -> None:
     step = int(layout_value["start_step"])
     log.write(Restore(t=log.now(), step=step, path=str(layout_value["checkpoint"]),
                       lost_stages=",".join(str(int(s)) for s in layout_value["missing"]),
-                      discarded_steps=int(layout_value.get("barrier_step", step)) - step))
+                      discarded_steps=max(0, int(layout_value.get("barrier_step", step)) - step)))
 
 
 def next_history(history: Sequence[Sequence[int]], start_step: int, pipelines: int) -> list[list[int]]:

@@ -211,6 +211,9 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
     run = _Generation(spec, node, agent_address, program)
     log = run.log
     layout = run.wait_layout(-1)
+    if len(program.layers) != len(run.layers(layout)):
+        raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the launcher planned "
+                           f"{len(run.layers(layout))}: every process of the script must build the same model")
     old: Any = None  # the executor of the previous generation (the state this node holds)
     started = barrier_started = time.perf_counter()
     checkpointers: dict[int, Any] = {}

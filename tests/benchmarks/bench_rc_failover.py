@@ -13,6 +13,8 @@ forward-phase and at a backward-phase instruction of step 2, and measures on the
 - the rest of the failed iteration.
 The pauses (kill -> first merged instruction, kill -> end of the iteration) are printed against
 the median fault-free iteration time measured in the same run (the shadow's other iterations).
+"lost" is what the failure cost: the failed iteration's duration minus that fault-free iteration
+(kill -> end counts the iteration's remaining ordinary work too, which a fault-free run also does).
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ def measure(mode: str, where: str, size: GPTSize, micro_batches: int, steps: int
     detection = failover["confirmed_at"] - killed_at
     rerouting = failover["resumed_at"] - failover["confirmed_at"]
     to_end = failover["iteration_end"] - killed_at
+    failed_start, failed_end = shadow["iteration_times"][kill_step]
     return {
         "iteration_s": iteration, "to_merged_s": failover["resumed_at"] - killed_at, "to_end_s": to_end,
         "detection_s": detection, "rerouting_s": rerouting, "brc_s": brc,
         "rest_s": to_end - detection - rerouting - brc,
+        "lost_s": (failed_end - failed_start) - iteration,
     }
 
 
@@ -68,7 +72,7 @@ def main() -> int:
     points = {"forward phase (1F3)": "1F3", "backward phase (1B2)": "1B2"}
     print(f"P=4 D=1 M={args.micro_batches}, model {size}, victim stage 1, {args.repeats} runs each (medians)")
     header = (f"{'mode':<6} {'kill':<22} {'iter ms':>8} {'->merged ms':>12} {'/iter':>6} {'->end ms':>9} {'/iter':>6} "
-              f"{'detect':>7} {'reroute':>8} {'BRC':>7} {'rest':>7}")
+              f"{'detect':>7} {'reroute':>8} {'BRC':>7} {'rest':>7} {'lost ms':>8} {'/iter':>6}")
     print(header)
     for mode in ("lflb", "eflb", "efeb"):
         for label, where in points.items():
@@ -76,7 +80,8 @@ def main() -> int:
             m = {key: statistics.median(r[key] for r in runs) * 1e3 for key in runs[0]}
             print(f"{mode:<6} {label:<22} {m['iteration_s']:>8.1f} {m['to_merged_s']:>12.1f} "
                   f"{m['to_merged_s'] / m['iteration_s']:>6.2f} {m['to_end_s']:>9.1f} {m['to_end_s'] / m['iteration_s']:>6.2f} "
-                  f"{m['detection_s']:>7.1f} {m['rerouting_s']:>8.1f} {m['brc_s']:>7.1f} {m['rest_s']:>7.1f}", flush=True)
+                  f"{m['detection_s']:>7.1f} {m['rerouting_s']:>8.1f} {m['brc_s']:>7.1f} {m['rest_s']:>7.1f} "
+                  f"{m['lost_s']:>8.1f} {m['lost_s'] / m['iteration_s']:>6.2f}", flush=True)
     return 0
 
 

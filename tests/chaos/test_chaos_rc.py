@@ -1,4 +1,5 @@
-"""Seeded random kill points (single and non-adjacent double failures) through bamboo-rc verify."""
+"""Seeded random kill points (single and non-adjacent double failures, and second failures after a
+failover) through bamboo-rc verify."""
 
 from __future__ import annotations
 
@@ -13,3 +14,16 @@ def test_twenty_seeded_kill_points_all_match_the_reference() -> None:
     assert len({plan for plan in plans}) > 10  # really different kill points
     failures = [(plan, result) for plan, result in run_chaos(plans, 4, 3) if not result.passed]
     assert not failures, failures[:3]
+
+
+def test_seeded_second_failures_after_a_failover_match_the_reference() -> None:
+    plans = random_kill_points(seed=2027, count=8, stages=4, steps=3, second_failures=True)
+    assert any(kill.in_recovery for plan in plans for kill in plan)
+    assert any(plan[1].step > plan[0].step for plan in plans)
+    outcomes = run_chaos(plans, 4, 3)
+    failures = [(plan, result) for plan, result in outcomes if not result.passed]
+    assert not failures, failures[:3]
+    # kills in a later step always fire (an index into the merged schedule); one during the
+    # recovery fires only when the remainder is that long
+    later = sum(1 for plan in plans if plan[1].step > plan[0].step)
+    assert sum(1 for _, result in outcomes if len(result.killed) == 2) >= later

@@ -36,6 +36,52 @@ def test_eflb_survives_kills_and_matches_the_reference(stages: int, kills: list[
 
 
 @pytest.mark.parametrize(
+    ("stages", "pipelines", "mode", "kills"),
+    [
+        # (stage, instruction, step, only during a failover's remainder)
+        (4, 1, "eflb", [(1, "1F2", 1, False), (3, "3B2", 1, True)]),  # second kill during the merged remainder
+        (4, 1, "eflb", [(1, "1F2", 1, False), (3, "3B2", 2, False)]),  # in a later iteration (merged schedule)
+        (6, 1, "efeb", [(2, "2F1", 1, False), (4, "4B2", 1, True)]),
+        (6, 1, "lflb", [(2, "2F1", 1, False), (4, "4B2", 2, False)]),
+        (4, 2, "eflb", [(1, "1F2", 1, False), (3, "3B2", 1, True)]),  # the data-parallel groups follow
+    ],
+)
+def test_a_second_non_adjacent_failure_after_a_failover_matches_the_reference(
+    stages: int, pipelines: int, mode: str, kills: list[tuple[int, str, int, bool]]
+) -> None:
+    points = tuple(KillPoint(stage, 0, where, step=step, in_recovery=recovery) for stage, where, step, recovery in kills)
+    steps = max(step for _, _, step, _ in kills) + 2  # a whole iteration runs with both stages taken over
+    result = run_verify(stages, pipelines, steps, mode, timeouts=TIMEOUTS, deadline_s=120, kills=points)
+    assert set(result.killed) == {stage for stage, _, _, _ in kills}
+    own = {(f["step"], repr(f["victims"])) for f in result.failovers if f["cut"] is not None}
+    assert own == {(step, repr({0: [stage]})) for stage, _, step, _ in kills}, "not two separate failovers"
+    assert result.passed, result
+    assert result.max_relative_diff <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("kill", "steps", "lost", "copies", "after"),
+    [
+        # node 2 dies while node 1's stage runs on node 0: stage 2's only replica was on node 1
+        ("1@1F2,2@2B2/1/recovery", 3, "[2]", "stage 2: none", 1),
+        # node 0 dies in the next iteration while it runs stages 0 and 1: stage 1 has no replica left
+        ("1@1F2,0@0B1/2", 4, "[0, 1]", "stage 0: shadow rank 3; stage 1: none", 2),
+    ],
+)
+def test_a_second_victim_next_to_a_taken_over_stage_is_a_consecutive_failure(
+    kill: str, steps: int, lost: str, copies: str, after: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["verify", "--stages", "4", "--steps", str(steps), "--kill", kill])
+    out = capsys.readouterr().out
+    assert code != 0
+    assert f"ConsecutiveFailure: consecutive failure in pipeline 0: lost stages {lost}" in out
+    assert copies in out
+    assert f"after {after} steps" in out
+    relative = float(out.split("max parameter difference: ")[1].split(" relative")[0])
+    assert relative <= 1e-6  # every survivor (and replica) at the state before the failed iteration
+
+
+@pytest.mark.parametrize(
     ("stage", "pipeline", "where"),
     [
         (1, 0, "1F1"),  # forward phase

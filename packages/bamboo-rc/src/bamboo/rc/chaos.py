@@ -1,8 +1,11 @@
 """Seeded random failures for the chaos test and the `soak` command.
 
 A kill plan is one victim, or two non-adjacent victims (in the shadow ring), each at a random
-instruction index of its stream in a random step. Every plan runs through `verify`, whose
-survivors must fail over and match the single-process reference.
+instruction index of its stream in a random step. With ``second_failures`` every plan is a first
+victim and then a second, non-adjacent one after the pipeline has failed over: either during the
+recovery of the same step (a random index into its remainder, which fires only if the remainder is
+that long) or in a later step (a random index into its merged schedule). Every plan runs through
+`verify`, whose survivors must fail over and match the single-process reference.
 """
 
 from __future__ import annotations
@@ -13,17 +16,21 @@ from collections.abc import Callable
 from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.executor import KillPoint
 from bamboo.rc.verify import DEFAULT_CONFIG, VerifyResult, run_verify
-from bamboo.schedule import one_f_one_b
+from bamboo.schedule import Schedule, merged_schedule, one_f_one_b
 
 __all__ = ["random_kill_points", "run_chaos"]
 
 
 def random_kill_points(
-    seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb"
+    seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", second_failures: bool = False
 ) -> list[tuple[KillPoint, ...]]:
-    """`count` seeded kill plans for a P=`stages`, D=1 pipeline."""
+    """`count` seeded kill plans for a P=`stages`, D=1 pipeline (see the module docstring)."""
     rng = random.Random(seed)
     schedule = one_f_one_b(stages, DEFAULT_CONFIG["gradient_accumulation_steps"], rc=redundancy)
+    if second_failures:
+        if stages < 4 or steps < 2:
+            raise ValueError(f"a second failure needs at least 4 stages and 2 steps, got {stages} and {steps}")
+        return [_second_failure(rng, schedule, stages, steps) for _ in range(count)]
     plans = []
     for _ in range(count):
         step = rng.randrange(steps)
@@ -37,6 +44,19 @@ def random_kill_points(
         )
         plans.append(plan)
     return plans
+
+
+def _second_failure(rng: random.Random, schedule: Schedule, stages: int, steps: int) -> tuple[KillPoint, ...]:
+    first = rng.randrange(stages)
+    second = rng.choice([s for s in range(stages) if (s - first) % stages not in (0, 1, stages - 1)])
+    step = rng.randrange(steps - 1)
+    kill = KillPoint(first, 0, str(rng.randrange(len(schedule.streams[first]))), step)
+    if rng.random() < 0.5:  # during the recovery: the remainder is at most the whole stream
+        again = KillPoint(second, 0, str(rng.randrange(len(schedule.streams[second]))), step, in_recovery=True)
+    else:
+        merged = merged_schedule(schedule, [first]).streams[second]
+        again = KillPoint(second, 0, str(rng.randrange(len(merged))), rng.randrange(step + 1, steps))
+    return (kill, again)
 
 
 def run_chaos(

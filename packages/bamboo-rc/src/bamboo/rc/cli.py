@@ -61,12 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds before unfinished workers are killed and verify fails (default 300)")
     verify.add_argument(
         "--kill", type=_kill_points, default=(),
-        help="fault injection: STAGE[:PIPELINE]@INSTRUCTION[,...]; that worker SIGKILLs itself when it reaches the "
-             "instruction (compact form such as 2B3 or 1SA0>2, or an index into its stream, -1 for the last) "
-             "in step --kill-step; survivors fail over and are compared with the reference as usual",
+        help="fault injection: STAGE[:PIPELINE]@INSTRUCTION[/STEP][/recovery][,...]; that worker SIGKILLs itself "
+             "when it reaches the instruction (compact form such as 2B3 or 1SA0>2, or an index into its stream, -1 "
+             "for the last) in step STEP (default --kill-step); survivors fail over and are compared with the "
+             "reference as usual. With /recovery the point fires only while the worker runs a failover's remainder "
+             "of the iteration (a second failure during the recovery, e.g. 3@3B2/1/recovery), without it only "
+             "outside one. A later STEP after an earlier kill hits the merged (failed-over) schedule",
     )
     verify.add_argument("--kill-step", type=int, default=1,
-                        help="the step (0-based) in which the --kill points fire (default 1)")
+                        help="the step (0-based) in which the --kill points without their own /STEP fire (default 1)")
     verify.add_argument(
         "--notice", type=_notice_points, default=(),
         help="preemption notice: STAGE[:PIPELINE]@STEP[,...]; that worker is told at the start of STEP that it "
@@ -87,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--steps", type=_positive_int, default=3, help="training steps per run (default 3)")
     soak.add_argument("--redundancy", choices=("lflb", "eflb", "efeb"), default="eflb",
                       help="redundancy mode (default eflb)")
+    soak.add_argument("--second-failures", action="store_true",
+                      help="every kill point is a first victim and then a second, non-adjacent one after the "
+                           "failover: during the recovery of the same step, or in a later step (needs P >= 4)")
     return parser
 
 
@@ -101,14 +107,31 @@ def _notice_points(text: str) -> tuple[tuple[int, int, int], ...]:
     return tuple(points)
 
 
-def _kill_points(text: str) -> tuple[tuple[int, int, str], ...]:
-    points = []
+KillSpec = tuple[int, int, str, int | None, bool]
+"""(stage, pipeline, instruction, step or None for --kill-step, only during a failover's remainder)."""
+
+
+def _kill_points(text: str) -> tuple[KillSpec, ...]:
+    points: list[KillSpec] = []
     for item in text.split(","):
-        where, sep, instruction = item.partition("@")
+        where, sep, rest = item.partition("@")
         stage, _, pipeline = where.partition(":")
-        if not sep or not instruction or not stage.isdigit() or (pipeline and not pipeline.isdigit()):
-            raise argparse.ArgumentTypeError(f"bad kill point {item!r}: expected STAGE[:PIPELINE]@INSTRUCTION")
-        points.append((int(stage), int(pipeline or 0), instruction))
+        instruction, *options = rest.split("/")
+        step: int | None = None
+        recovery = False
+        bad = not sep or not instruction or not stage.isdigit() or (pipeline and not pipeline.isdigit())
+        for option in options:
+            if option == "recovery" and not recovery:
+                recovery = True
+            elif option.isdigit() and step is None and not recovery:
+                step = int(option)
+            else:
+                bad = True
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"bad kill point {item!r}: expected STAGE[:PIPELINE]@INSTRUCTION[/STEP][/recovery]"
+            )
+        points.append((int(stage), int(pipeline or 0), instruction, step, recovery))
     return tuple(points)
 
 
@@ -132,7 +155,10 @@ def _verify(args: argparse.Namespace) -> int:
     with console.status(
         f"training {args.stages}×{args.pipelines} workers ({args.redundancy}) and the reference for {args.steps} steps"
     ):
-        kills = tuple(KillPoint(stage, pipeline, instruction, args.kill_step) for stage, pipeline, instruction in args.kill)
+        kills = tuple(
+            KillPoint(stage, pipeline, instruction, args.kill_step if step is None else step, in_recovery=recovery)
+            for stage, pipeline, instruction, step, recovery in args.kill
+        )
         result = run_verify(
             args.stages, args.pipelines, args.steps, args.redundancy, size=size, config=config,
             seed=args.seed, deadline_s=args.timeout, kills=kills,
@@ -155,7 +181,11 @@ def _verify(args: argparse.Namespace) -> int:
         console.print(f"killed with SIGKILL: ranks {list(result.killed)}")
     if result.left:
         console.print(f"handed over to their shadows after a preemption notice: ranks {list(result.left)}")
-    for failover in result.failovers[:1]:
+    shown: set[str] = set()
+    for failover in result.failovers:  # one line per failover (every survivor records each one)
+        if failover["cut"] is None or repr((failover["step"], failover["victims"])) in shown:
+            continue
+        shown.add(repr((failover["step"], failover["victims"])))
         console.print(f"failover in step {failover['step']}: victims {failover['victims']}, cut {failover['cut']}")
     if result.consecutive:
         console.print(f"ConsecutiveFailure: {result.consecutive}")
@@ -173,7 +203,7 @@ def _soak(args: argparse.Namespace) -> int:
 
     if args.stages < 3:
         raise ValueError(f"--stages {args.stages}: soak needs at least 3 stages")
-    plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy)
+    plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy, args.second_failures)
     with Progress() as progress:
         task = progress.add_task("kill points", total=len(plans))
         outcomes = run_chaos(plans, args.stages, args.steps, args.redundancy, on_result=lambda *_: progress.advance(task))

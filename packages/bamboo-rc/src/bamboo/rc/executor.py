@@ -41,7 +41,7 @@ from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 from bamboo.schedule import Instruction, Kind, RCMode, Schedule, one_f_one_b
 from bamboo.schedule.engine import counterpart
-from bamboo.schedule.failover import failover_schedule, merged_schedule
+from bamboo.schedule.failover import FailoverPlan, failover_schedule, merged_schedule
 from torch.distributed import Store
 
 __all__ = ["REDUNDANCY_MODES", "KillPoint", "Layout", "NoticePoint", "StageExecutor"]
@@ -114,9 +114,13 @@ class KillPoint:
     hold_confirmation_until: tuple[int, int, str, int] | None = None
     """(stage, pipeline, instruction, step): the authority confirms this death only once that
     node has executed that instruction in that step (it forces a peer to run ahead of the notice)."""
+    in_recovery: bool = False
+    """When True, the point fires only while the node runs a failover's remainder of the iteration
+    (a second failure during the recovery; `instruction` then indexes the remainder stream), and
+    when False only outside one."""
 
-    def matches(self, step: int, instruction: Instruction, index: int, length: int) -> bool:
-        if step != self.step:
+    def matches(self, step: int, instruction: Instruction, index: int, length: int, recovering: bool = False) -> bool:
+        if step != self.step or recovering != self.in_recovery:
             return False
         text = self.instruction
         if text.lstrip("-").isdigit():
@@ -207,6 +211,11 @@ class StageExecutor:
         self.epoch = 0
         self.dead: set[int] = set()
         self.placements: dict[int, tuple[int, ...]] = {d: tuple(range(layout.stages)) for d in range(layout.pipelines)}
+        self.layouts: dict[int, Schedule] = dict.fromkeys(range(layout.pipelines), self.schedule)
+        """The schedule each pipeline runs in its next fault-free iteration (fault-free or merged):
+        its ``placement`` and ``shadows`` say who runs and who shadows each stage."""
+        self._recovering: dict[int, tuple[FailoverPlan, int]] = {}
+        """pipeline -> (the failover plan whose remainder it runs or ran, the step of that plan)."""
         self.groups = GroupTable(store, job, self.rank, self.timeouts, {r: layout.name(r) for r in range(layout.world)})
         self.groups.set_members(0, layout.group_members(self.placements))
         for name in sorted(self.groups.members):  # eager: neighbours at distance 1 and 2, collectives
@@ -353,10 +362,10 @@ class StageExecutor:
         code = instruction.kind.value
         self.kind_seconds[code] = self.kind_seconds.get(code, 0.0) + time.perf_counter() - started
 
-    def _maybe_die(self, instruction: Instruction, index: int, length: int) -> None:
+    def _maybe_die(self, instruction: Instruction, index: int, length: int, recovering: bool = False) -> None:
         preempted = self._die_at is not None and time.time() >= self._die_at
         for kill in self.kills if not preempted else [None]:
-            if kill is None or kill.matches(self.step, instruction, index, length):
+            if kill is None or kill.matches(self.step, instruction, index, length, recovering):
                 if kill is not None and kill.settle:
                     for s in sorted(self._reducing):
                         works, _, _, _, _ = self._reducing[s]
@@ -423,11 +432,13 @@ class StageExecutor:
         new_dead = set(event.victims) - self.dead
         self.dead |= new_dead
         lost_here = {self.layout.position(r)[0] for r in new_dead if self.layout.position(r)[1] == self.pipeline}
+        leavers: dict[int, set[int]] = {}
         for rank in new_dead:
             stage, pipeline = self.layout.position(rank)
-            placement = list(self.placements[pipeline])
-            placement[stage] = (stage - 1) % self.layout.stages
-            self.placements[pipeline] = tuple(placement)
+            leavers.setdefault(pipeline, set()).add(stage)
+        for pipeline, nodes in leavers.items():
+            self.layouts[pipeline] = merged_schedule(self.layouts[pipeline], nodes)
+            self.placements[pipeline] = self.layouts[pipeline].placement
         self.groups.set_members(self.epoch, self.layout.group_members(self.placements))
         for stage, (_, _, _, contribution, members) in list(self._reducing.items()):
             group = f"dp-s{stage}"
@@ -437,8 +448,7 @@ class StageExecutor:
                 works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{stage}AR (again)")
                 self._reducing[stage] = (works, fresh_flat, fresh_loss, contribution, self.groups.members[group])
         if lost_here:
-            fault_free = one_f_one_b(self.layout.stages, self.config.micro_batches, rc=self.redundancy)
-            self.schedule = merged_schedule(fault_free, lost_here)
+            self.schedule = self.layouts[self.pipeline]
             replica = [s for s, shadow in enumerate(self.schedule.shadows) if shadow == self.node]
             self.replica_stage = replica[0] if replica else None
 
@@ -453,8 +463,8 @@ class StageExecutor:
         while True:
             try:
                 while index < len(stream):
-                    if not failed_over:
-                        self._maybe_die(stream[index], index, fault_free_length)
+                    self._maybe_die(stream[index], index, fault_free_length if not failed_over else len(stream),
+                                    failed_over)
                     self.execute(stream[index])
                     if not failed_over:
                         self._mark_holds(stream[index], index, fault_free_length)
@@ -792,19 +802,17 @@ class StageExecutor:
             piece.zero_grads()
         self._reset_iteration()
 
-    def _surviving_copies(
-        self, stage: int, placements: dict[int, tuple[int, ...]] | None = None
-    ) -> list[tuple[str, int]]:
-        """Where copies of `stage` survive, judged on `placements` (default: the current ones): the
-        same stage in other pipelines, and the shadow's replica if its pipeline had not failed over."""
+    def _surviving_copies(self, stage: int, layouts: dict[int, Schedule] | None = None) -> list[tuple[str, int]]:
+        """Where copies of `stage` survive, judged on `layouts` (default: the current ones): the
+        same stage in other pipelines, and the live replica of its shadow (if the stage has one)."""
         copies: list[tuple[str, int]] = []
-        for d, placement in (placements if placements is not None else self.placements).items():
-            host = self.layout.rank(placement[stage], d)
+        for d, schedule in (layouts if layouts is not None else self.layouts).items():
+            host = self.layout.rank(schedule.placement[stage], d)
             if d != self.pipeline and host not in self.dead:
                 copies.append(("data-parallel", host))
-            shadow = self.layout.rank((stage - 1) % self.layout.stages, d)
-            if shadow not in self.dead and placement == tuple(range(self.layout.stages)):
-                copies.append(("shadow", shadow))
+            shadow_node = schedule.shadows[stage]
+            if shadow_node is not None and self.layout.rank(shadow_node, d) not in self.dead:
+                copies.append(("shadow", self.layout.rank(shadow_node, d)))
         return copies
 
     def _progress_prefix(self, pipeline: int, lost: set[int]) -> str:
@@ -815,8 +823,8 @@ class StageExecutor:
 
     def _read_progress(
         self, pipeline: int, lost: set[int], survivors: Sequence[int]
-    ) -> tuple[dict[int, tuple[int, int]], FailureEvent | None]:
-        """Every survivor's (completed instructions, step) in `pipeline` for the current epoch, or
+    ) -> tuple[dict[int, tuple[int, int, bool]], FailureEvent | None]:
+        """Every survivor's (completed instructions, step, running a remainder) in `pipeline`, or
         a later failure event (which restarts the agreement) if one arrives first."""
         keys = [f"{self._progress_prefix(pipeline, lost)}/n{n}" for n in survivors]
         deadline = time.monotonic() + self.timeouts.confirm
@@ -831,15 +839,44 @@ class StageExecutor:
                 )
             time.sleep(0.001)
         records = [json.loads(self.store.get(key)) for key in keys]
-        return {n: (int(r["done"]), int(r["step"])) for n, r in zip(survivors, records, strict=True)}, None
+        return {
+            n: (int(r["done"]), int(r["step"]), bool(r.get("remainder", False)))
+            for n, r in zip(survivors, records, strict=True)
+        }, None
 
-    def _plan(self, victims: set[int], progress: dict[int, int]) -> tuple[Any, dict[int, int]]:
+    def _agreed_recovering(self, pipeline: int, progress: dict[int, tuple[int, int, bool]]) -> bool:
+        """Whether `pipeline`'s survivors were running a failover remainder (all of them, in the
+        step of the plan this node computed for it), or its steady schedule (all of them)."""
+        flags = {flag for _, _, flag in progress.values()}
+        if len(flags) != 1:
+            raise RuntimeError(f"survivors of pipeline {pipeline} disagree on running a failover remainder: {progress}")
+        if not flags.pop():
+            return False
+        known = self._recovering.get(pipeline)
+        steps = {step for _, step, _ in progress.values()}
+        if known is None or steps != {known[1]}:
+            raise RuntimeError(
+                f"pipeline {pipeline} runs a failover remainder in steps {sorted(steps)}, but the last plan known "
+                f"here is for step {None if known is None else known[1]}"
+            )
+        return True
+
+    def _plan(
+        self, pipeline: int, victims: set[int], progress: dict[int, int], recovering: bool
+    ) -> tuple[FailoverPlan, dict[int, int]]:
         """The failover plan of a pipeline from its survivors' progress (the same on every node).
 
+        `progress` indexes the pipeline's steady schedule (`layouts`), or, when `recovering`, the
+        remainder of the failover plan it was running (a second failure in the same iteration).
         A transfer that one side completed is completed by the other side too, so the cut pairs up.
         """
-        schedule = one_f_one_b(self.layout.stages, self.config.micro_batches, rc=self.redundancy)
-        streams = schedule.streams
+        base: Schedule | FailoverPlan
+        if recovering:
+            base = self._recovering[pipeline][0]
+            streams = base.remainder.streams
+        else:
+            base = self.layouts[pipeline]
+            streams = base.streams
         cut = dict(progress)
         for n, i in progress.items():
             if i < len(streams[n]):
@@ -849,7 +886,7 @@ class StageExecutor:
                     : progress[partner]
                 ]:
                     cut[n] = i + 1
-        return failover_schedule(schedule, victims, cut), cut
+        return failover_schedule(base, victims, cut), cut
 
     def _fail_over(
         self, failure: PeerFailure | FailureNoticed, stream: list[Instruction], done: int
@@ -871,7 +908,8 @@ class StageExecutor:
         # The copies of lost stages are judged on the placements before this failover: when the
         # victims' deaths are confirmed in separate events, the loop below has already moved a
         # first victim's stage onto its shadow before it learns that a neighbour died too.
-        placements_before = dict(self.placements)
+        layouts_before = dict(self.layouts)
+        in_remainder = self._recovering.get(self.pipeline, (None, -1))[1] == self.step
         while True:  # a further failure during the agreement restarts it with every victim so far
             if event.handover:  # another pipeline's node left at a boundary: groups only
                 self._apply_membership(event)
@@ -887,42 +925,45 @@ class StageExecutor:
                 stage, pipeline = self.layout.position(rank)
                 victims.setdefault(pipeline, set()).add(stage)
             for pipeline, lost in victims.items():
-                for v in sorted(lost):
-                    if (v + 1) % self.layout.stages in lost:
-                        self._abandon_iteration()
-                        ordered = sorted(lost)
-                        raise ConsecutiveFailure(
-                            pipeline, ordered, {s: self._surviving_copies(s, placements_before) for s in ordered}
-                        )
-                placement = tuple((s - 1) % self.layout.stages if s in lost else s for s in range(self.layout.stages))
-                self.placements[pipeline] = placement
+                # Every stage a victim ran (its own, and one it took over earlier) needs a live shadow.
+                before = layouts_before[pipeline]
+                ran_there = [s for s in range(self.layout.stages) if before.placement[s] in lost]
+                gone = lost | (set(range(self.layout.stages)) - set(before.nodes))
+                if any(before.shadows[s] is None or before.shadows[s] in gone for s in ran_there):
+                    self._abandon_iteration()
+                    raise ConsecutiveFailure(
+                        pipeline, ran_there, {s: self._surviving_copies(s, layouts_before) for s in ran_there}
+                    )
+                self.placements[pipeline] = tuple(
+                    before.shadows[s] if before.placement[s] in lost else before.placement[s]  # type: ignore[misc]
+                    for s in range(self.layout.stages)
+                )
             self.groups.set_members(self.epoch, self.layout.group_members(self.placements))
             if self.redundancy == "none":
                 raise failure
             mine = victims.get(self.pipeline, set())
-            if mine and self.schedule.placement != tuple(range(self.layout.stages)):
-                raise RuntimeError(
-                    f"a failure while already failed over (epoch {self.epoch}, victims {sorted(mine)}) "
-                    "is not supported yet"
-                )
             if mine:
                 self.store.set(
                     f"{self._progress_prefix(self.pipeline, mine)}/n{self.node}",
-                    json.dumps({"done": done, "step": self.step}),
+                    json.dumps({"done": done, "step": self.step, "remainder": in_remainder}),
                 )
             later = None
-            plans: dict[int, tuple[Any, dict[int, int], int]] = {}
+            plans: dict[int, tuple[FailoverPlan, dict[int, int], int]] = {}
             for pipeline, lost in sorted(victims.items()):
-                survivors = [n for n in range(self.layout.stages) if n not in lost]
+                survivors = [n for n in layouts_before[pipeline].nodes if n not in lost]
                 progress, later = self._read_progress(pipeline, lost, survivors)
                 if later is not None:
                     break
-                plan, cut = self._plan(lost, {n: done_ for n, (done_, _) in progress.items()})
-                plans[pipeline] = (plan, cut, max(step for _, step in progress.values()))
+                recovering = self._agreed_recovering(pipeline, progress)
+                plan, cut = self._plan(pipeline, lost, {n: done_ for n, (done_, _, _) in progress.items()}, recovering)
+                plans[pipeline] = (plan, cut, max(step for _, step, _ in progress.values()))
             if later is None:
                 break
             event = later
         for pipeline, (plan, _cut, step) in plans.items():
+            self._recovering[pipeline] = (plan, step)
+            self.layouts[pipeline] = plan.steady
+            self.placements[pipeline] = plan.steady.placement
             if pipeline != self.pipeline:
                 self._join_redone_allreduces(plan, victims[pipeline], step)
         self.failovers.append({

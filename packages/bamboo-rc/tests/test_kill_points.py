@@ -1,0 +1,34 @@
+"""The `--kill` syntax (per-kill step, /recovery) and when a `KillPoint` fires; no processes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from bamboo.rc.cli import _kill_points
+from bamboo.rc.executor import KillPoint
+from bamboo.schedule import Instruction
+
+
+def test_kill_points_keep_the_old_form_and_take_a_step_and_recovery() -> None:
+    assert _kill_points("1@1F2") == ((1, 0, "1F2", None, False),)
+    assert _kill_points("2:1@-1,3@2SA0>3") == ((2, 1, "-1", None, False), (3, 0, "2SA0>3", None, False))
+    assert _kill_points("3@3B2/2") == ((3, 0, "3B2", 2, False),)
+    assert _kill_points("3@3B2/1/recovery,0@0/recovery") == ((3, 0, "3B2", 1, True), (0, 0, "0", None, True))
+
+
+@pytest.mark.parametrize("text", ["1", "1@", "x@1F0", "1@1F0/", "1@1F0/x", "1@1F0/recovery/2", "1@1F0/1/2"])
+def test_bad_kill_points_are_one_line_errors(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected STAGE\[:PIPELINE\]@INSTRUCTION\[/STEP\]\[/recovery\]"):
+        _kill_points(text)
+
+
+def test_a_recovery_kill_point_fires_only_in_a_failover_remainder() -> None:
+    b2 = Instruction.parse("3B2")
+    normal = KillPoint(3, 0, "3B2", step=1)
+    recovery = KillPoint(3, 0, "3B2", step=1, in_recovery=True)
+    assert normal.matches(1, b2, 5, 10) and not normal.matches(1, b2, 5, 10, recovering=True)
+    assert recovery.matches(1, b2, 5, 10, recovering=True) and not recovery.matches(1, b2, 5, 10)
+    assert not recovery.matches(2, b2, 5, 10, recovering=True)
+    by_index = KillPoint(3, 0, "-1", step=1, in_recovery=True)
+    assert by_index.matches(1, b2, 3, 4, recovering=True) and not by_index.matches(1, b2, 2, 4, recovering=True)

@@ -15,6 +15,7 @@ from bamboo.launch.events import (
     Join,
     Preemption,
     Reconfiguration,
+    Restore,
     RunEnd,
     RunStart,
     Step,
@@ -57,6 +58,21 @@ def test_state_folds_the_run() -> None:
     assert not summary["finished"]
     state.apply(RunEnd(t=10.0, steps=3))
     assert state.finished and state.now == 10.0
+
+
+def test_a_restore_is_counted_and_described() -> None:
+    state = LiveState(history=2)
+    state.apply_all(run_events())
+    assert state.summary()["restores"] == 0
+    state.apply(Restore(t=9.5, step=2, path="/ck/step-2", lost_stages="0,1", discarded_steps=1))
+    summary = state.summary()
+    assert summary["restores"] == 1 and summary["checkpoints"] == 1
+    assert "restore       checkpoint of step 2 (every copy of stage 0,1 lost), 1 steps trained again" in (
+        summary["recent"][-1]
+    )
+    console = Console(record=True, width=120)
+    console.print(render_live(state))
+    assert "checkpoints 1 (1 restored)" in console.export_text()
 
 
 def test_follower_reads_only_whole_records(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ Three parts, so that the logic is tested without a terminal or a clock:
   :meth:`~EventFollower.poll`, and only whole lines (a record being written is read next time);
 - :class:`LiveState` folds records into what the view shows: step, loss, samples/s over the last
   steps, nodes active, on standby and joining, counts of preemptions, failovers,
-  reconfigurations and checkpoints, and the last events;
+  reconfigurations, checkpoints and restores, and the last events;
 - :func:`render_live` turns a state into a rich renderable; ``bamboo-launch watch`` refreshes it.
 
 *Joining* nodes are nodes that have joined (and not been preempted) but are neither at work in
@@ -30,6 +30,7 @@ from bamboo.launch.events import (
     Join,
     Preemption,
     Reconfiguration,
+    Restore,
     RunEnd,
     RunStart,
     Step,
@@ -91,6 +92,11 @@ def describe_event(event: Event) -> str:
             f"{event.t:8.1f}s  reconfigure   {event.reason}: D={event.pipelines} P={event.stages}, "
             f"{event.standby} standby, {event.bytes_moved / 2**20:.1f} MiB in {event.duration_s:.2f}s"
         )
+    if isinstance(event, Restore):
+        return (
+            f"{event.t:8.1f}s  restore       checkpoint of step {event.step} (every copy of stage "
+            f"{event.lost_stages} lost), {event.discarded_steps} steps trained again"
+        )
     if isinstance(event, Checkpoint):
         return f"{event.t:8.1f}s  checkpoint    step {event.step}, {event.bytes / 2**20:.1f} MiB in {event.duration_s:.2f}s"
     if isinstance(event, RunStart):
@@ -124,6 +130,7 @@ class LiveState:
         self.failovers = 0
         self.reconfigurations = 0
         self.checkpoints = 0
+        self.restores = 0
         self.finished = False
         self.now = 0.0
         self._steps: collections.deque[Step] = collections.deque(maxlen=window)
@@ -151,6 +158,8 @@ class LiveState:
             self.standby = event.standby
         elif isinstance(event, Checkpoint):
             self.checkpoints += 1
+        elif isinstance(event, Restore):
+            self.restores += 1
         elif isinstance(event, RunEnd):
             self.finished = True
 
@@ -191,6 +200,7 @@ class LiveState:
             "failovers": self.failovers,
             "reconfigurations": self.reconfigurations,
             "checkpoints": self.checkpoints,
+            "restores": self.restores,
             "finished": self.finished,
             "recent": list(self.recent),
         }
@@ -224,7 +234,7 @@ def render_live(state: LiveState) -> Any:
         f"[bold]preemptions[/] {state.preemptions}",
         f"[bold]failovers[/] {state.failovers}",
         f"[bold]reconfigurations[/] {state.reconfigurations}",
-        f"[bold]checkpoints[/] {state.checkpoints}",
+        f"[bold]checkpoints[/] {state.checkpoints}" + (f" ({state.restores} restored)" if state.restores else ""),
     )
     recent = "\n".join(state.recent) if state.recent else "(no events yet)"
     title = "bamboo" + (f" {state.job}" if state.job else "") + (" (finished)" if state.finished else "")

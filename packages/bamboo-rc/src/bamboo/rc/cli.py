@@ -212,6 +212,8 @@ def _soak(args: argparse.Namespace) -> int:
         if not result.passed:
             print(f"FAIL {kills}: max relative {result.max_relative_diff:.3e}, exit codes {result.worker_exit_codes}")
     print(f"soak: {passed}/{len(outcomes)} kill points matched the reference ({100.0 * passed / len(outcomes):.1f}%)")
+    killed_two = sum(1 for _, result in outcomes if len(result.killed) >= 2)
+    print(f"soak: {killed_two}/{len(outcomes)} runs killed two nodes (a kill point fires only if its node reaches it)")
     return 0 if passed == len(outcomes) else 1
 
 

@@ -342,12 +342,44 @@ class StageExecutor:
         if event is not None:
             raise FailureNoticed(event)
 
+    def _announce_group(self, group: str) -> str | None:
+        """Tell the other members that this node is about to build `group` (first use in a
+        membership epoch); returns the key prefix, or None when nothing is to be built."""
+        members = self.groups.members[group]
+        if self.notices is None or group in self.groups.groups or len(members) < 2:
+            return None
+        prefix = f"bamboo/{self.job}/ready/e{self.groups.versions[group]}/{group}"
+        self.store.set(f"{prefix}/{self.rank}", "1")
+        return prefix
+
+    def _await_group_members(self, group: str) -> None:
+        """Before building `group` (first use in a membership epoch): wait until every member is
+        about to build it too, raising FailureNoticed on any confirmed failure meanwhile.
+
+        A gloo group build blocks until every member joins; after a failover, a member may die
+        before it gets there (a second failure during the recovery), and the build would only
+        time out. Waiting in the store instead keeps the failure noticeable. Paths that build a
+        group inside the failover itself only announce it (`_announce_group`).
+        """
+        prefix = self._announce_group(group)
+        if prefix is None or self.notices is None:
+            return
+        keys = [f"{prefix}/{rank}" for rank in self.groups.members[group]]
+        deadline = time.monotonic() + self.timeouts.group
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            event = self.notices.poll(self.epoch + 1)
+            if event is not None:
+                raise FailureNoticed(event)
+            time.sleep(0.001)
+
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
+        self._await_group_members(group)
         self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
 
     def _recv(self, instruction: Instruction, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         group = self._group_for(peer)
+        self._await_group_members(group)
         out = self._transfer(
             instruction, peer, lambda: (self.groups.post_recv(group, buffer, peer, tag, str(instruction)), buffer)
         )
@@ -445,6 +477,7 @@ class StageExecutor:
             if members != self.groups.members[group]:  # posted on a group the leaver was in: again
                 _, flat, loss = contribution
                 fresh_flat, fresh_loss = flat.clone(), loss.clone()
+                self._announce_group(group)
                 works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{stage}AR (again)")
                 self._reducing[stage] = (works, fresh_flat, fresh_loss, contribution, self.groups.members[group])
         if lost_here:
@@ -632,6 +665,7 @@ class StageExecutor:
         flat = piece.flat_grads()
         contribution = (self.step, flat.clone(), loss.clone())
         group = f"dp-s{s}"
+        self._await_group_members(group)
         works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
         self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
 
@@ -723,6 +757,7 @@ class StageExecutor:
         This is the commit point: until it, no parameter has changed in this iteration, so a
         failure before it leaves every survivor at the start-of-iteration state.
         """
+        self._await_group_members(f"pipe-d{self.pipeline}")  # before anything changes: it may raise
         last = self.layout.stages - 1
         squared = 0.0
         loss = 0.0
@@ -1012,6 +1047,7 @@ class StageExecutor:
                 contribution = self._contributions.get((v, step))
                 if contribution is not None:
                     flat, loss = contribution
+                    self._announce_group(group)
                     self.groups.allreduce(
                         group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
                     )
@@ -1025,5 +1061,6 @@ class StageExecutor:
                 if pending_step > step or redone:
                     _, flat, loss = pending[3]
                     fresh_flat, fresh_loss = flat.clone(), loss.clone()
+                    self._announce_group(group)
                     works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{v}AR (again)")
                     self._reducing[v] = (works, fresh_flat, fresh_loss, pending[3], self.groups.members[group])

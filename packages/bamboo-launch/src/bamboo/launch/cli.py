@@ -691,6 +691,11 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--grace", type=_positive_float, default=2.0,
                      help="seconds a suspect must stay unresponsive before it is declared failed (default: "
                      "%(default)s)")
+    run.add_argument("--reconfigure-timeout", type=_positive_float, default=120.0,
+                     help="seconds a reconfiguration may take to start every node of the new layout before it is "
+                     "abandoned and decided again (a node that dies meanwhile is noticed sooner: at once when a "
+                     "transfer fails on its closed connection, otherwise when its lease expires, --ttl; default: "
+                     "%(default)s)")
     run.add_argument("--timeout", type=_positive_float, default=900.0,
                      help="seconds the whole run may take before every node is killed (default: %(default)s)")
     run.add_argument("--no-live", action="store_true", help="no live view; print progress lines instead")
@@ -715,7 +720,8 @@ def _run(args: argparse.Namespace) -> int:
             allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, run_dir=args.run_dir, events=args.events, job=args.job,
             redundancy=args.redundancy, size={"layers": args.layers}, ttl=args.ttl, grace_s=args.grace,
-            timeout_s=args.timeout, live=not args.no_live, script=tuple(args.script),
+            reconfigure_timeout_s=args.reconfigure_timeout, timeout_s=args.timeout, live=not args.no_live,
+            script=tuple(args.script),
         )
     except ValueError as error:
         _fail(str(error))

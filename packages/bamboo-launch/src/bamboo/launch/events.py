@@ -16,7 +16,8 @@ and the kind's own keys:
 - ``failover``: ``victim``, ``shadow`` (str), ``stage`` (int), ``pause_s`` (float, seconds
   the survivors could not make progress);
 - ``reconfiguration``: ``reason`` (str), ``pipelines``, ``stages``, ``standby`` (int),
-  ``bytes_moved`` (int, bytes of layers transferred), ``duration_s`` (float);
+  ``bytes_moved`` (int, bytes of layers transferred), ``duration_s`` (float), ``attempts`` (int,
+  optional, default 1: more when a node died while the new layout started and it was redone);
 - ``checkpoint``: ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float);
 - ``restore``: ``step`` (int, the checkpoint step training restarts from), ``path`` (str, its
   folder), ``lost_stages`` (str, the stages no survivor held, comma separated), ``discarded_steps``
@@ -146,7 +147,8 @@ class Failover:
 
 @attrs.frozen
 class Reconfiguration:
-    """The pipelines were re-formed: the new layout, the bytes of layers moved and how long it took."""
+    """The pipelines were re-formed: the new layout, the bytes of layers moved, how long it took, in how many
+    attempts."""
 
     KIND: ClassVar[str] = "reconfiguration"
     t: float = attrs.field(validator=_non_negative_time)
@@ -156,6 +158,8 @@ class Reconfiguration:
     standby: int = attrs.field(validator=_non_negative_int)
     bytes_moved: int = attrs.field(validator=_non_negative_int)
     duration_s: float = attrs.field(validator=_non_negative_time)
+    attempts: int = attrs.field(default=1, validator=_positive_int)
+    """Starts it took: more than 1 when a node died while it started and the decision was redone."""
 
 
 @attrs.frozen

@@ -106,6 +106,7 @@ class RunOptions:
     checkpoint_every: int = attrs.field(default=10, validator=_positive)
     confirm_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     group_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    reconfigure_timeout_s: float = attrs.field(default=120.0, validator=_positive)
     run_dir: str | None = None
     events: str | None = None
     job: str | None = None
@@ -338,7 +339,7 @@ def run_cluster(
         etcd_cert=options.etcd_cert, etcd_key=options.etcd_key,
         checkpoint_dir=str(Path(options.checkpoint_dir).resolve()) if options.checkpoint_dir else None,
         checkpoint_every=options.checkpoint_every, confirm_timeout_s=options.confirm_timeout_s,
-        group_timeout_s=options.group_timeout_s,
+        group_timeout_s=options.group_timeout_s, reconfigure_timeout_s=options.reconfigure_timeout_s,
         script=(str(Path(options.script[0]).resolve()), *options.script[1:]) if options.script else (),
     )
     spec_path = run_dir / "RUN.json"

@@ -64,6 +64,8 @@ class RunSpec:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     group_timeout_s: float = 60.0
+    reconfigure_timeout_s: float = 120.0
+    """How long a reconfiguration attempt may take to start every node before it is abandoned and redone."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     """``SCRIPT ARGS`` of a user script (agents spawn ``python SCRIPT ARGS``); empty: the built-in example."""
 
@@ -198,12 +200,9 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
     """Train ``program`` (default: the built-in example) as node ``node`` through every layout it has a
     role in; returns the final report."""
     import torch
-    from bamboo.launch.authority import MembershipFailureNotices
     from bamboo.launch.events import Failover, Reconfiguration, Step
     from bamboo.launch.reconfigure import log_restore
-    from bamboo.rc import ConsecutiveFailure, initialize
-    from bamboo.rc.comm import build_gloo_group
-    from bamboo.rc.transfer import export_stage_state, import_stage_state
+    from bamboo.rc import ConsecutiveFailure
     from bamboo.rc.worker import exact_mode
 
     exact_mode()
@@ -215,6 +214,8 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
         raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the launcher planned "
                            f"{len(run.layers(layout))}: every process of the script must build the same model")
     old: Any = None  # the executor of the previous generation (the state this node holds)
+    base: dict[str, Any] = layout  # the layout whose barrier this node's state is from (holders only)
+    ready_record: dict[str, Any] | None = None  # what this node published at that barrier (None: holds nothing)
     started = barrier_started = time.perf_counter()
     checkpointers: dict[int, Any] = {}
     losses: list[float] = []
@@ -222,31 +223,41 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
     while True:
         generation = int(layout["generation"])
         ranks: dict[str, int] = dict(layout["ranks"])
-        if node not in ranks:
+        if node not in ranks and ready_record is None:
             return {"standby": True, "generation": generation}
-        rank = ranks[node]
         pipelines, micro_batches = int(layout["pipelines"]), int(layout["micro_batches"])
-        config = {**spec.config, "gradient_accumulation_steps": micro_batches}
-        job = f"{spec.job}-g{generation}"
         node_of_rank = {r: n for n, r in ranks.items()}
-        notices = MembershipFailureNotices(run.store, job, run.agent, node_of_rank)
-        engine = initialize(
-            list(program.layers), config, spec.redundancy, loss_fn=program.loss_fn, stages=spec.stages, rank=rank,
-            world_size=spec.stages * pipelines, store=run.store, seed=spec.seed, job=job, timeouts=run.timeouts,
-            notices=notices if spec.redundancy != "none" else None,
-        )
+        if generation == 0:
+            engine = _start_engine(run, layout, None, run.store)
+        else:
+            engine = _attempt(run, layout, old)
+            if engine is _ABANDONED:
+                if ready_record is None:  # a joiner: it holds nothing, it follows the next attempt's layout
+                    layout = _next_attempt_layout(run, layout)
+                    continue
+                attempt = int(layout.get("attempt", 0)) + 1
+                run.membership.decide(f"{_prefix(int(base['generation']), attempt)}ready-{node}", ready_record)
+                survivors = list(layout["survivors"])
+                layout = _next_layout(run, base, lambda records, s=survivors: [n for n in s if n in records],
+                                      attempt, str(layout["reason"]))
+                continue
+            if node not in ranks:  # a source that leaves for standby: its transfers are done
+                # Freeing the groups here would block until their pending work times out (gloo's destructor
+                # waits; 60 s after a kill), so the agent would see this exit late and miss the next layout.
+                _UNTIL_EXIT.append((run, old))
+                return {"standby": True, "generation": generation}
+        rank = ranks[node]
         executor = engine.executor
-        if generation > 0:
-            _receive_state(run, layout, old, executor, build_gloo_group, export_stage_state, import_stage_state)
-            executor.step = int(layout["start_step"])
-            if rank == min(ranks.values()):  # one record per reconfiguration, once this node has its state
-                log.write(Reconfiguration(t=log.now(), reason=layout["reason"], pipelines=pipelines,
-                                          stages=spec.stages, standby=len(layout["standby"]),
-                                          bytes_moved=_bytes_moved(run, layout),
-                                          duration_s=time.perf_counter() - barrier_started))
-                log_restore(log, layout)
+        if generation > 0 and rank == min(ranks.values()):  # one record per reconfiguration, once all are up
+            log.write(Reconfiguration(t=log.now(), reason=layout["reason"], pipelines=pipelines,
+                                      stages=spec.stages, standby=len(layout["standby"]),
+                                      bytes_moved=_bytes_moved(run, layout),
+                                      duration_s=time.perf_counter() - barrier_started,
+                                      attempts=int(layout.get("attempt", 0)) + 1))
+            log_restore(log, layout)
         if old is not None:
             run.retired.append(old)
+        ready_record = None
         old = None
         data = pipeline_batches(program.microbatch, executor.pipeline, micro_batches, executor.step)
         samples = executor.config.micro_batch_size * micro_batches * pipelines
@@ -288,20 +299,15 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
         barrier_started = time.perf_counter()
         executor.apply_replica_updates()
         holds = sorted(s for s, piece in executor.slices.items() if piece.steps == executor.step)
-        run.membership.decide(f"g{generation}-ready-{node}", {"step": executor.step, "holds": holds})
+        ready_record = {"step": executor.step, "holds": holds}
+        run.membership.decide(f"g{generation}-ready-{node}", ready_record)
         print(f"node {node}: at the barrier of generation {generation}: step {executor.step}, holds stages {holds}",
               flush=True)
-        nxt = _next_layout(run, layout, executor, ranks, "consecutive failure" if consecutive else stop_reason)
-        print(f"node {node}: generation {nxt['generation']} starts at step {nxt['start_step']} ({nxt['mode']}): "
-              f"ranks {nxt['ranks']}, transfers {nxt['transfers']}", flush=True)
-        old = executor
-        if node not in nxt["ranks"]:
-            _serve_as_source(run, nxt, old, build_gloo_group, export_stage_state)
-            # Freeing the groups here would block until their pending work times out (gloo's destructor
-            # waits; 60 s after a kill), so the agent would see this exit late and miss the next layout.
-            _UNTIL_EXIT.append((run, engine, old))
-            return {"standby": True, "generation": generation + 1}
-        layout = nxt
+        dead = set(executor.dead)
+        base, old = layout, executor
+        layout = _next_layout(run, base, lambda records, dead=dead, ranks=ranks: [
+            n for n, r in ranks.items() if r not in dead and n in records],
+            0, "consecutive failure" if consecutive else stop_reason)
     for writer in checkpointers.values():
         writer.close()
     report = {
@@ -403,34 +409,131 @@ def _view(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[s
                       run.spec.pipelines)
 
 
-def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[str, int],
-                 reason: str) -> dict[str, Any]:
-    """Wait for every survivor at the barrier, then the next layout (first writer wins)."""
+_ABANDONED: Any = object()
+"""What :func:`_attempt` returns when the attempt's outcome was ``abort``."""
+
+
+def _prefix(generation: int, attempt: int) -> str:
+    """Decision names of the barrier of ``generation``: ``g<g>-`` for its first attempt, ``g<g>-a<k>-`` after."""
+    return f"g{generation}-" if attempt == 0 else f"g{generation}-a{attempt}-"
+
+
+def _start_engine(run: _Generation, layout: dict[str, Any], old: Any, store: Any) -> Any:
+    """This node's engine for ``layout``, with its stage state (from ``old``, peers or a checkpoint) in place."""
+    from bamboo.launch.authority import MembershipFailureNotices
+    from bamboo.rc import initialize
+
+    spec, ranks = run.spec, dict(layout["ranks"])
+    pipelines, micro_batches = int(layout["pipelines"]), int(layout["micro_batches"])
+    job = f"{spec.job}-g{int(layout['generation'])}"
+    notices = MembershipFailureNotices(store, job, run.agent, {r: n for n, r in ranks.items()})
+    engine = initialize(
+        list(run.program.layers), {**spec.config, "gradient_accumulation_steps": micro_batches}, spec.redundancy,
+        loss_fn=run.program.loss_fn, stages=spec.stages, rank=ranks[run.node], world_size=spec.stages * pipelines,
+        store=store, seed=spec.seed, job=job, timeouts=run.timeouts,
+        notices=notices if spec.redundancy != "none" else None,
+    )
+    if int(layout["generation"]) > 0:
+        _receive_state(run, layout, old, engine.executor, store)
+        engine.executor.step = int(layout["start_step"])
+    return engine
+
+
+def _attempt(run: _Generation, layout: dict[str, Any], old: Any) -> Any:
+    """Start ``layout`` as one attempt (:mod:`bamboo.launch.attempt`): this node's engine on ``go``,
+    :data:`_ABANDONED` on ``abort``; a node that is not in the layout (a source leaving for standby, or a
+    holder kept for a possible retry) does its transfers and returns None on ``go``."""
+    from bamboo.launch.attempt import AbandonableStore, StartThread, await_outcome
+
+    generation = int(layout["generation"])
+    owners = set(layout["ranks"])
+    sources = {src for src, _, _ in layout["transfers"]}
+    store = AbandonableStore(run.store)
+    if run.node in owners:
+        part = StartThread(lambda: _start_engine(run, layout, old, store), name=f"bamboo-start-g{generation}")
+    else:
+        part = StartThread(lambda: _serve_as_source(run, layout, old, store), name=f"bamboo-serve-g{generation}")
+    outcome = await_outcome(run.membership, generation, run.node, owners, owners | sources, part.progress,
+                            run.spec.reconfigure_timeout_s, say=lambda line: print(f"node {run.node}: {line}",
+                                                                                    flush=True))
+    if outcome.go:
+        part.join(run.timeouts.group)  # every owner is up, so every transfer of this node is done
+        done, error = part.progress()
+        if not done or error is not None:
+            raise RuntimeError(f"generation {generation} went ahead without this node's part: {error}")
+        return part.result
+    print(f"node {run.node}: generation {generation} abandoned: {outcome.reason}", flush=True)
+    store.abandon()
+    part.join(2.0)  # a thread blocked in gloo on a dead peer stays blocked: its objects are never freed
+    run.retired.append((store, part))
+    return _ABANDONED
+
+
+def _publish_layout(run: _Generation, value: dict[str, Any]) -> None:
+    """Make ``value`` the layout in etcd unless a later one is there (any node may do it: its writer may be dead)."""
+    current = run.membership.get_layout()
+    if current is not None and int(current.value.get("generation", 0)) < int(value["generation"]):
+        run.membership.put_layout(value, current.revision)
+
+
+def _next_attempt_layout(run: _Generation, layout: dict[str, Any]) -> dict[str, Any]:
+    """For a joiner whose attempt was abandoned: the layout the holders decide next."""
+    name = f"{_prefix(int(layout['base_generation']), int(layout['attempt']) + 1)}next"
+    value = run.wait_decision(name, run.timeouts.build)
+    _publish_layout(run, value)
+    return value
+
+
+def _next_layout(run: _Generation, base: dict[str, Any], expected: Any, attempt: int, reason: str) -> dict[str, Any]:
+    """Wait for every expected holder at the barrier of ``base``, then the next layout (first writer wins).
+
+    ``expected(records)`` lists the nodes that must publish what they hold, given the registered nodes;
+    ``attempt`` counts the abandoned starts of this barrier so far (each retry has its own decision names).
+    """
     from bamboo.launch.reconfigure import build_view, next_history, restore_point, transfer_plan
     from bamboo.reconfig import plan_layout
 
-    generation = int(layout["generation"])
-    name = f"g{generation}-next"
+    generation = int(base["generation"])
+    prefix = _prefix(generation, attempt)
+    name = f"{prefix}next"
     # A survivor may reach the barrier only after its own confirmation wait or group timeout.
     deadline = time.monotonic() + run.timeouts.build
     ready: dict[str, dict[str, Any]] = {}
-    while True:
+    value: dict[str, Any] | None = None
+    while value is None:
         existing = run.membership.get_decision(name)
         if existing is not None:
-            return existing.value
+            value = existing.value
+            break
         records = run.membership.list_nodes(skip_malformed=True)
-        expected = [n for n, r in ranks.items() if r not in executor.dead and n in records]
-        for other in expected:
+        waiting_for = expected(records)
+        for other in waiting_for:
             if other not in ready:
-                found = run.membership.get_decision(f"g{generation}-ready-{other}")
+                found = run.membership.get_decision(f"{prefix}ready-{other}")
                 if found is not None:
                     ready[other] = found.value
-        if all(other in ready for other in expected):
+        if all(other in ready for other in waiting_for):
+            value = _plan_next(run, base, ready, attempt, reason, build_view, next_history, restore_point,
+                               transfer_plan, plan_layout)
+            value = run.membership.decide(name, value).value
             break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"survivors {sorted(set(expected) - set(ready))} did not reach the barrier of "
+            raise RuntimeError(f"survivors {sorted(set(waiting_for) - set(ready))} did not reach the barrier of "
                                f"generation {generation}")
         time.sleep(0.02)
+    _publish_layout(run, value)
+    print(f"node {run.node}: generation {value['generation']} starts at step {value['start_step']} "
+          f"({value['mode']}, attempt {attempt + 1}): ranks {value['ranks']}, transfers {value['transfers']}",
+          flush=True)
+    return value
+
+
+def _plan_next(run: _Generation, base: dict[str, Any], ready: dict[str, dict[str, Any]], attempt: int, reason: str,
+               build_view: Any, next_history: Any, restore_point: Any, transfer_plan: Any,
+               plan_layout: Any) -> dict[str, Any]:
+    """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
+    generation = int(base["generation"])
+    ranks: dict[str, int] = dict(base["ranks"])
     # A consecutive failure can leave one pipeline committed at step k+1 while the broken one's
     # survivors abandoned step k: the committed state already holds the whole global batch of k,
     # so the next generation starts from the newest step, held by the nodes that reached it.
@@ -441,11 +544,11 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
     records = run.membership.list_nodes(skip_malformed=True)
     zones = {n: record.zone for n, record in records.items()}
     usable = sorted(set(ready) | {n for n in records if n not in ranks})
-    view = build_view(layout, zones, usable, dead, run.layers(layout), int(layout["micro_batches"]) * int(layout["pipelines"]),
-                      run.spec.stages, run.spec.pipelines)
+    global_batch = int(base["micro_batches"]) * int(base["pipelines"])
+    view = build_view(base, zones, usable, dead, run.layers(base), global_batch, run.spec.stages,
+                      run.spec.pipelines)
     plan = plan_layout(view)
     pipelines = len(plan.owners)
-    global_batch = int(layout["micro_batches"]) * int(layout["pipelines"])
     if pipelines == 0 or global_batch % pipelines:
         raise RuntimeError(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} pipelines")
     new_ranks = {owner: d * run.spec.stages + s for d, row in enumerate(plan.owners) for s, owner in enumerate(row)}
@@ -454,25 +557,21 @@ def _next_layout(run: _Generation, layout: dict[str, Any], executor: Any, ranks:
     if missing:  # no survivor holds these stages: every node restarts from the last good checkpoint
         mode, transfers = "checkpoint", []
         start, restore = restore_point(run.spec.checkpoint_dir, run.spec.stages, missing)
-    value = {
-        "state": "running", "generation": generation + 1, "stages": run.spec.stages, "pipelines": pipelines,
-        "micro_batches": global_batch // pipelines, "ranks": new_ranks, "standby": list(plan.standby),
-        "owners": [list(row) for row in plan.owners], "plan": plan.to_dict(), "start_step": start,
-        "mode": mode, "missing": missing, "transfers": [[a, b, stages] for a, b, stages in transfers],
-        "reason": reason, "barrier_step": step, "checkpoint": restore,
+    return {
+        "state": "running", "generation": generation + 1 + attempt, "stages": run.spec.stages,
+        "pipelines": pipelines, "micro_batches": global_batch // pipelines, "ranks": new_ranks,
+        "standby": list(plan.standby), "owners": [list(row) for row in plan.owners], "plan": plan.to_dict(),
+        "start_step": start, "mode": mode, "missing": missing,
+        "transfers": [[a, b, stages] for a, b, stages in transfers], "reason": reason, "barrier_step": step,
+        "checkpoint": restore,
+        # the barrier this layout comes from, which start of it this is, and who held state there
+        "base_generation": generation, "attempt": attempt, "survivors": sorted(ready),
         # (first step, pipelines) of every generation so far: the reference follows the same grouping
-        "history": next_history(layout.get("history", [[0, int(layout["pipelines"])]]), start, pipelines),
+        "history": next_history(base.get("history", [[0, int(base["pipelines"])]]), start, pipelines),
     }
-    decision = run.membership.decide(name, value)
-    if decision.won:
-        current = run.membership.get_layout()
-        if current is not None and int(current.value.get("generation", 0)) == generation:
-            run.membership.put_layout(decision.value, current.revision)
-    return decision.value
 
 
-def _receive_state(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, build_gloo_group: Any,
-                   export_stage_state: Any, import_stage_state: Any) -> None:
+def _receive_state(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, store: Any) -> None:
     """Fill the new executor's slices: local copies, transfers by the plan, or the last checkpoint."""
     if layout["mode"] == "checkpoint":  # every node loads the checkpoint the layout names (reconfigure.py)
         from bamboo.launch.reconfigure import restore_slices
@@ -483,46 +582,50 @@ def _receive_state(run: _Generation, layout: dict[str, Any], old: Any, executor:
         for stage, piece in executor.slices.items():
             if stage in old.slices and old.slices[stage].steps == int(layout["start_step"]):
                 piece.load_state_bytes(old.slices[stage].state_bytes())
-    _run_transfers(run, layout, old, executor, build_gloo_group, export_stage_state, import_stage_state)
+    _run_transfers(run, layout, old, executor, store)
 
 
-def _run_transfers(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, build_gloo_group: Any,
-                   export_stage_state: Any, import_stage_state: Any) -> None:
+def _transfer_group(run: _Generation, layout: dict[str, Any], store: Any) -> tuple[Any, list[str]]:
     from bamboo.launch.reconfigure import transfer_participants
+    from bamboo.rc.comm import build_gloo_group
+
+    transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
+    members = transfer_participants(transfers)
+    group = build_gloo_group(store, f"bamboo/{run.spec.job}/g{layout['generation']}/transfer/",
+                             members.index(run.node), len(members), run.timeouts.group)
+    run.retired.append(group)
+    return group, members
+
+
+def _run_transfers(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, store: Any) -> None:
+    from bamboo.rc.transfer import export_stage_state, import_stage_state
 
     transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
     if not any(run.node in (a, b) for a, b, _ in transfers):
         return
-    members = transfer_participants(transfers)
-    group = build_gloo_group(run.store, f"bamboo/{run.spec.job}/g{layout['generation']}/transfer/", members.index(run.node),
-                             len(members), run.timeouts.group)
+    group, members = _transfer_group(run, layout, store)
     sent = 0
     for src, dst, stages in transfers:  # every member walks the same order: no cycle can block
         if src == run.node:
             sent += export_stage_state({s: old.slices[s] for s in stages}, group, members.index(dst))
         elif dst == run.node:
             import_stage_state(executor.slices, group, members.index(src))
-    run.retired.append(group)
     if sent:
         run.membership.decide(f"g{layout['generation']}-sent-{run.node}", {"bytes": sent})
 
 
-def _serve_as_source(run: _Generation, layout: dict[str, Any], old: Any, build_gloo_group: Any,
-                     export_stage_state: Any) -> None:
+def _serve_as_source(run: _Generation, layout: dict[str, Any], old: Any, store: Any) -> None:
     """A node with no role in the next layout still sends the stages it holds by the plan."""
-    from bamboo.launch.reconfigure import transfer_participants
+    from bamboo.rc.transfer import export_stage_state
 
     transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
     if not any(a == run.node for a, _, _ in transfers):
         return
-    members = transfer_participants(transfers)
-    group = build_gloo_group(run.store, f"bamboo/{run.spec.job}/g{layout['generation']}/transfer/", members.index(run.node),
-                             len(members), run.timeouts.group)
+    group, members = _transfer_group(run, layout, store)
     sent = 0
     for src, dst, stages in transfers:
         if src == run.node:
             sent += export_stage_state({s: old.slices[s] for s in stages}, group, members.index(dst))
-    run.retired.append(group)
     run.membership.decide(f"g{layout['generation']}-sent-{run.node}", {"bytes": sent})
 
 

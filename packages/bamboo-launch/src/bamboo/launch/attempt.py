@@ -1,0 +1,216 @@
+"""Starting a reconfigured generation as an *attempt* that every node of it commits to, or all abandon.
+
+After the barrier of generation g (see :mod:`bamboo.launch.reconfigure`) the next layout is started:
+each of its nodes builds its engine, and stage state moves over gloo. A node killed in that window
+(a survivor that was to send its stages, a joiner still starting, any new owner) used to leave the
+others blocked until the gloo group timeout. Now every start is one attempt with a first-writer-wins
+outcome, decision ``g<G>-outcome`` of the attempt's generation G:
+
+- each node runs its part (engine and transfers, or only its transfers for a node going to standby)
+  in a background thread, on an :class:`AbandonableStore` over the run's c10d store;
+- a node whose part is done publishes ``g<G>-up-<node>``; a node that sees every node of the new
+  layout up writes the outcome ``go``;
+- a node writes the outcome ``abort`` when its own part failed (a gloo error from a dead peer's
+  closed connection comes at once), when a node the attempt needs (a new owner or a transfer source)
+  has left the membership (its lease expired: within the lease TTL, ``--ttl``, of its death, plus
+  one poll), or when the attempt has not come up within ``--reconfigure-timeout`` seconds;
+- everyone follows the outcome that won. On ``abort`` each node abandons its thread (its store
+  raises at the next call, its groups stay referenced until the process exits, so no gloo
+  destructor blocks), and the nodes that hold stage state at the barrier redo the layout decision
+  with the membership as it now is, under the attempt's own key, as generation G+1 (see
+  ``bamboo.launch.worker``). A node killed after the outcome ``go`` is an ordinary failure of the new
+  generation (the runtime fails over).
+
+Because no node trains a step of an attempt before the outcome is ``go``, and ``go`` needs every
+node up, either every node of the attempt trains it or none does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+
+__all__ = ["AbandonableStore", "AttemptAbandonedError", "Outcome", "StartThread", "await_outcome"]
+
+
+class AttemptAbandonedError(RuntimeError):
+    """Raised inside an abandoned attempt's thread by its store: the attempt's outcome was ``abort``."""
+
+
+class AbandonableStore(dist.Store):
+    """A c10d store over ``inner`` whose every call raises :class:`AttemptAbandonedError` once
+    :meth:`abandon` was called; waits poll ``inner`` (1 ms, doubling to ``poll_max_s``) so that a
+    wait in progress ends too."""
+
+    def __init__(self, inner: Any, poll_max_s: float = 0.02) -> None:
+        super().__init__()
+        self.inner = inner
+        self.poll_max_s = poll_max_s
+        self._abandoned = threading.Event()
+        self.set_timeout(inner.timeout)
+
+    def abandon(self) -> None:
+        self._abandoned.set()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned.is_set()
+
+    def _check(self) -> None:
+        if self._abandoned.is_set():
+            raise AttemptAbandonedError("this reconfiguration attempt was abandoned")
+
+    def _wait_for(self, keys: Sequence[str], timeout: datetime.timedelta | None) -> None:
+        limit = (timeout if timeout is not None else self.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        pause = 0.001
+        while True:
+            self._check()
+            if self.inner.check(list(keys)):
+                return
+            if limit > 0 and time.monotonic() >= deadline:
+                raise TimeoutError(f"keys {list(keys)} not set within {limit:.1f} s")
+            self._abandoned.wait(pause)
+            pause = min(pause * 2, self.poll_max_s)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._check()
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._wait_for([key], None)
+        return self.inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        self._check()
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        self._check()
+        return self.inner.compare_set(key, expected_value, desired_value)
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
+        self._wait_for(keys, timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        self._check()
+        return bool(self.inner.check(list(keys)))
+
+    def num_keys(self) -> int:
+        self._check()
+        return int(self.inner.num_keys())
+
+    def delete_key(self, key: str) -> bool:
+        self._check()
+        return bool(self.inner.delete_key(key))
+
+
+class StartThread:
+    """``work()`` in a daemon thread; :meth:`progress` says whether it finished and how."""
+
+    def __init__(self, work: Callable[[], Any], name: str) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._work = work
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._work()
+        except BaseException as error:  # reported through progress(); an abandoned thread's error is dropped
+            self.error = error
+        finally:
+            self._done.set()
+
+    def progress(self) -> tuple[bool, BaseException | None]:
+        return self._done.is_set(), self.error
+
+    def join(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+
+@attrs.frozen
+class Outcome:
+    """How an attempt ended: ``go`` (every node of it trains it) or not, and why."""
+
+    go: bool
+    reason: str
+    won: bool = False
+    """Whether this node wrote the outcome."""
+
+
+def outcome_name(generation: int) -> str:
+    return f"g{generation}-outcome"
+
+
+def up_name(generation: int, node: str) -> str:
+    return f"g{generation}-up-{node}"
+
+
+def await_outcome(
+    membership: Any,
+    generation: int,
+    node: str,
+    new_owners: Collection[str],
+    needed: Collection[str],
+    progress: Callable[[], tuple[bool, BaseException | None]],
+    timeout_s: float,
+    *,
+    poll_s: float = 0.2,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    say: Callable[[str], None] = lambda line: None,
+) -> Outcome:
+    """Wait for the outcome of attempt ``generation``, writing it (first writer wins) when this node can tell.
+
+    ``new_owners``: the nodes of the attempt's layout (each must publish that it is up); ``needed``:
+    every node whose death breaks the attempt (the new owners and the transfer sources);
+    ``progress()``: this node's own part, ``(finished, error)``. ``membership`` is a
+    ``bamboo.membership.MembershipStore`` (``decide``, ``get_decision``, ``list_nodes``); an
+    unreachable etcd only delays the answer.
+    """
+    deadline = clock() + timeout_s
+    published = False
+    up: set[str] = set()
+    while True:
+        verdict: tuple[bool, str] | None = None
+        try:
+            found = membership.get_decision(outcome_name(generation))
+            if found is not None:
+                return Outcome(go=bool(found.value["go"]), reason=str(found.value["reason"]))
+            finished, error = progress()
+            if error is not None:
+                verdict = (False, f"{node} could not start its part: {type(error).__name__}: {error}")
+            elif finished and not published and node in new_owners:
+                membership.decide(up_name(generation, node), {"node": node})
+                published = True
+            if verdict is None:
+                records = membership.list_nodes(skip_malformed=True)
+                gone = sorted(other for other in needed if other not in records)
+                if gone:
+                    verdict = (False, f"{', '.join(gone)} left the membership (lease expired)")
+            if verdict is None:
+                for other in sorted(set(new_owners) - up):
+                    if membership.get_decision(up_name(generation, other)) is not None:
+                        up.add(other)
+                if up >= set(new_owners):
+                    verdict = (True, "every node is up")
+                elif clock() > deadline:
+                    verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
+            if verdict is not None:
+                decision = membership.decide(outcome_name(generation), {"go": verdict[0], "reason": verdict[1]})
+                if decision.won:
+                    say(f"attempt of generation {generation}: {'go' if verdict[0] else 'abort'} ({verdict[1]})")
+                return Outcome(go=bool(decision.value["go"]), reason=str(decision.value["reason"]),
+                               won=decision.won)
+        except Exception as failure:  # etcd restarting: ask again
+            say(f"attempt of generation {generation}: etcd unreadable ({failure}); asking again")
+        sleep(poll_s)

@@ -1,0 +1,152 @@
+"""Unit tests of one reconfiguration attempt's outcome (`bamboo.launch.attempt`), on an in-memory membership."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any
+
+import attrs
+import pytest
+import torch.distributed as dist
+from bamboo.launch.attempt import AbandonableStore, AttemptAbandonedError, StartThread, await_outcome
+
+
+@attrs.frozen
+class _Decision:
+    value: dict[str, Any]
+    won: bool
+
+
+class _Membership:
+    """``decide`` (first writer wins), ``get_decision`` and ``list_nodes`` over dicts; every call ticks a fake clock."""
+
+    def __init__(self, nodes: set[str]) -> None:
+        self.decisions: dict[str, dict[str, Any]] = {}
+        self.nodes = set(nodes)
+        self.time = 0.0
+
+    def decide(self, name: str, value: dict[str, Any]) -> _Decision:
+        won = name not in self.decisions
+        self.decisions.setdefault(name, value)
+        return _Decision(self.decisions[name], won)
+
+    def get_decision(self, name: str) -> _Decision | None:
+        return _Decision(self.decisions[name], False) if name in self.decisions else None
+
+    def list_nodes(self, *, skip_malformed: bool = False) -> dict[str, object]:
+        return dict.fromkeys(self.nodes, object())
+
+    def clock(self) -> float:
+        return self.time
+
+    def sleep(self, seconds: float) -> None:
+        self.time += seconds
+
+
+def _await(membership: _Membership, node: str, progress: Any, owners: set[str], needed: set[str],
+           timeout_s: float = 60.0) -> Any:
+    return await_outcome(membership, 5, node, owners, needed, progress, timeout_s, clock=membership.clock,
+                         sleep=membership.sleep)
+
+
+def test_every_owner_up_is_go() -> None:
+    membership = _Membership({"a", "b", "c"})
+    membership.decide("g5-up-b", {"node": "b"})
+    outcome = _await(membership, "a", lambda: (True, None), {"a", "b"}, {"a", "b", "c"})
+    assert outcome.go and outcome.won
+    assert "g5-up-a" in membership.decisions
+    assert membership.decisions["g5-outcome"]["go"] is True
+
+
+def test_a_needed_node_gone_from_the_membership_aborts() -> None:
+    membership = _Membership({"a", "b"})  # the source "c" has no record any more: its lease expired
+    outcome = _await(membership, "a", lambda: (False, None), {"a", "b"}, {"a", "b", "c"})
+    assert not outcome.go
+    assert "c left the membership" in outcome.reason
+
+
+def test_a_failed_part_aborts_with_its_error() -> None:
+    membership = _Membership({"a", "b"})
+    outcome = _await(membership, "a", lambda: (True, RuntimeError("Connection closed by peer")), {"a", "b"},
+                     {"a", "b"})
+    assert not outcome.go
+    assert outcome.reason == "a could not start its part: RuntimeError: Connection closed by peer"
+    assert "g5-up-a" not in membership.decisions
+
+
+def test_an_owner_not_up_within_the_timeout_aborts() -> None:
+    membership = _Membership({"a", "b"})
+    outcome = _await(membership, "a", lambda: (True, None), {"a", "b"}, {"a", "b"}, timeout_s=3.0)
+    assert not outcome.go
+    assert outcome.reason == "b not up within 3 s"
+    assert membership.time > 3.0
+
+
+def test_the_written_outcome_wins_over_what_this_node_sees() -> None:
+    membership = _Membership({"a", "b"})
+    membership.decide("g5-outcome", {"go": False, "reason": "b could not start its part"})
+    membership.decide("g5-up-b", {"node": "b"})
+    outcome = _await(membership, "a", lambda: (True, None), {"a", "b"}, {"a", "b"})
+    assert not outcome.go and not outcome.won
+    assert outcome.reason == "b could not start its part"
+
+
+def test_a_node_outside_the_layout_publishes_nothing_and_follows_the_owners() -> None:
+    membership = _Membership({"a", "b", "s"})
+    membership.decide("g5-up-a", {"node": "a"})
+    membership.decide("g5-up-b", {"node": "b"})
+    outcome = _await(membership, "s", lambda: (True, None), {"a", "b"}, {"a", "b", "s"})
+    assert outcome.go
+    assert "g5-up-s" not in membership.decisions
+
+
+def _store() -> AbandonableStore:
+    return AbandonableStore(dist.HashStore())
+
+
+def test_abandonable_store_passes_calls_through() -> None:
+    store = _store()
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    assert store.add("n", 2) == 2
+    assert store.check(["k", "n"]) and not store.check(["missing"])
+    store.wait(["k"], datetime.timedelta(seconds=1))
+
+
+def test_abandonable_store_refuses_every_call_once_abandoned() -> None:
+    store = _store()
+    store.set("k", b"v")
+    store.abandon()
+    assert store.abandoned
+    for call in (lambda: store.set("k", b"w"), lambda: store.get("k"), lambda: store.add("n", 1),
+                 lambda: store.check(["k"]), lambda: store.num_keys(), lambda: store.delete_key("k")):
+        with pytest.raises(AttemptAbandonedError, match="abandoned"):
+            call()
+
+
+def test_abandoning_ends_a_wait_in_progress() -> None:
+    store = _store()
+    waiting = threading.Event()
+
+    def wait_for_a_key_nobody_sets() -> None:
+        waiting.set()
+        store.wait(["never"], datetime.timedelta(seconds=600))
+
+    part = StartThread(wait_for_a_key_nobody_sets, name="test-wait")
+    assert waiting.wait(30)
+    store.abandon()
+    assert part.join(30)
+    done, error = part.progress()
+    assert done and isinstance(error, AttemptAbandonedError)
+
+
+def test_a_wait_without_the_key_times_out() -> None:
+    with pytest.raises(TimeoutError, match="not set within"):
+        _store().wait(["never"], datetime.timedelta(seconds=0.05))
+
+
+def test_start_thread_reports_its_result() -> None:
+    part = StartThread(lambda: 42, name="test-result")
+    assert part.join(30)
+    assert part.progress() == (True, None) and part.result == 42

@@ -11,28 +11,29 @@
 # Leases of 10 s (--ttl 10 --grace 10): eight workers importing torch at once on two cores can starve an agent or
 # etcd itself for longer than the 2 s default, and a node declared failed by mistake is worse than a slower detection.
 #
-# The trace seed is fixed (DEMO_SEED, default 2559) so the demo is repeatable. The trace is the synthetic model as
-# is (no scripted kill): three preemptions in the first 4.3 trace minutes (node1 and node0, stages 0 and 3 of
-# pipeline 0, adjacent through the shadow ring, 2.1 trace minutes apart, and node7 of pipeline 1 in between),
-# then three additions (28, 46 and 58.5 trace minutes). The kills are 0.6 and 1.5 s apart at 60x, well inside the
-# 10 s detection window, so membership confirms them in one failure event: the runtime raises ConsecutiveFailure
-# and the survivors re-form into one pipeline from the surviving copies (a consecutive pair); when the third
-# joiner arrives there are enough waiting nodes for a second pipeline, and the run goes back to D=2.
+# The trace seed is fixed (DEMO_SEED, default 771) so the demo is repeatable. The trace is the synthetic model as
+# is (no scripted kill). On the first layout (pipeline 0: node1 node4 node5 node0; pipeline 1: node6 node2 node7
+# node3) it kills node7 and node3 (stages 2 and 3 of pipeline 1, adjacent through the shadow ring) 5.2 trace
+# minutes apart, inside one 10 s detection window at 60x: the runtime raises ConsecutiveFailure and the survivors
+# re-form into one pipeline from the surviving copies (a consecutive pair). Then node4 (pipeline 0) dies while that
+# is under way, three nodes join, the run goes back to two pipelines, and later kills of active nodes are ordinary
+# failovers (node5, then node0), each followed by a reconfiguration; one joiner (node9) is killed while a
+# reconfiguration is starting, which is abandoned and decided again without it (attempts 2 in its record).
 # Why this seed: a consecutive pair needs adjacent stages lost within one detection window. The generator's bulk
 # preemptions share one time only within a zone, and bamboo-reconfig never puts adjacent stages in one zone, so no
-# seed has adjacent kills at the same instant (0 of the 1,056 seeds in 0-9999 whose 8 nodes are all there at
-# t=0). Independent kills of adjacent stages a few trace minutes apart do happen (114 of those 1,056 have two
-# within 3 trace minutes on the first layout), but most of those traces also kill a node while a reconfiguration
-# is in progress, which bamboo-launch does not handle yet (the run times out). A rough replay of the layouts
-# (bamboo-reconfig's decide and plan_layout on the trace) kept 3 seeds of 10,000 with one pair, joins and no kill
-# during a reconfiguration: 2559, 2778 and 6053 (the last two lose a pair in a single pipeline, so they restore
-# the last checkpoint instead). Then the parameters are checked against a fault-free single-process run of the
-# same steps (--verify: within 1e-6 relative). --timeout 420 ends a run that hangs after 7 minutes.
+# seed has adjacent kills at the same instant; independent kills of adjacent stages a few trace minutes apart do
+# happen. Of seeds 0-2999, 11 have such a pair on the first layout within 30 trace minutes, a later kill at least
+# 12 trace minutes from any other (a candidate ordinary failover) and at least two additions; 771 is the first of
+# those tried, and its run showed every part the demo is for. (The previous seed, 2559, was chosen to avoid kills
+# during a reconfiguration, which bamboo-launch did not survive then; its pair and third kill were confirmed as
+# one failure event, so it showed no ordinary failover.)
+# Then the parameters are checked against a fault-free single-process run of the same steps (--verify: within 1e-6
+# relative). --timeout 420 ends a run that hangs after 7 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu PYTHONWARNINGS=ignore
 BIN=.venv/bin
-SEED=${DEMO_SEED:-2559}
+SEED=${DEMO_SEED:-771}
 OUT=${DEMO_OUT:-.cache/demo}
 rm -rf "$OUT" && mkdir -p "$OUT"
 

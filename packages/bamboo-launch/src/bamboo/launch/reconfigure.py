@@ -31,6 +31,11 @@ trained again; ``history`` (the pipelines of each step, for the reference run) i
 restored step (:func:`next_history`), so it describes the timeline that survived. Shards of the
 abandoned steps stay on disk; the new timeline rewrites every shard of each checkpoint step it
 reaches.
+
+The next layout then starts as an *attempt* (:mod:`bamboo.launch.attempt`): if a node it needs dies
+before every new owner is up, all abandon it, and the holders publish what they hold again
+(``g<g>-a<k>-ready-<node>``) and decide anew (``g<g>-a<k>-next``, generation ``g+1+k``; the layout
+carries ``base_generation``, ``attempt`` and ``survivors``, the holders of the barrier).
 """
 
 from __future__ import annotations

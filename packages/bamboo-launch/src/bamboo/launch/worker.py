@@ -11,6 +11,8 @@ HOST:PORT``, in the agent's process group (a market kill takes both). The worker
   or a user script's model, loss and data through :func:`bamboo.launch.train_worker`) with exact
   arithmetic for the run's steps, appending ``step`` records (from the host of the last stage of pipeline 0) and
   ``failover`` records (from the shadow that took a victim's stage) to the run's event log;
+- at a reconfiguration, starts the next layout as an attempt (:mod:`bamboo.launch.attempt`) that is
+  abandoned and decided again if a node it needs dies meanwhile;
 - writes its final state to ``<run>/out/rank<R>.pt`` and ends with a flush and ``os._exit``.
 
 Exit status: 0 done; 3 a consecutive failure stopped its pipeline (reconfiguration is the

@@ -8,6 +8,12 @@ lands inside the attempt. The survivors must notice (the source's lease expires,
 abandon generation 1, decide again without it (generation 2, another surviving copy as the source)
 (the two survivors and the two spares: two pipelines again, the survivors sending the joiners their stages)
 and finish with parameters within 1e-6 of a fault-free run.
+
+The second test kills the *only* holder of a stage: 5 nodes, P=3, D=1 (two on standby), checkpoints every
+5 steps. The test kills the node of stage 1; its shadow (the node of stage 0) takes the stage over, and
+rebuilding redundancy puts a standby node in (generation 1). The test then kills that shadow as soon as
+generation 1's layout appears: nobody else holds stage 1, so the redone decision restores the last good
+checkpoint (the existing restore path) instead of moving state from peers.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from bamboo.launch.events import Preemption, Reconfiguration, read_events
+from bamboo.launch.events import Preemption, Reconfiguration, Restore, Step, read_events
 from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -73,4 +79,40 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
     assert result.steps_done == 80
     comparison = compare_with_reference(result, options)
     assert comparison["steps"] == 80
+    assert comparison["max_relative_diff"] <= TOLERANCE
+
+
+def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restores_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    killed: list[str] = []
+
+    def kill_stage_1_then_its_shadow(handles: RunHandles) -> None:
+        deadline = time.monotonic() + 120.0
+        while max((e.step for e in read_events(handles.events) if isinstance(e, Step)), default=0) < 12:
+            assert time.monotonic() < deadline, "the run never reached step 12"
+            time.sleep(0.02)
+        killed.append(handles.node_of_rank[1])
+        handles.preempt(handles.node_of_rank[1])
+        _layout(handles, 1, 120.0)
+        killed.append(handles.node_of_rank[0])  # the shadow that took stage 1 over: its only holder
+        handles.preempt(handles.node_of_rank[0])
+
+    options = RunOptions(
+        nodes=5, stages=3, pipelines=1, steps=60, zones=("a", "b", "c"), time_scale=1.0,
+        run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5,
+        confirm_timeout_s=30.0, timeout_s=200.0, group_timeout_s=20.0,
+    )
+    result = run_cluster(options, during=kill_stage_1_then_its_shadow)
+    events = read_events(result.events)
+    assert len(killed) == 2
+    assert {e.node for e in events if isinstance(e, Preemption)} == set(killed)
+    reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
+    assert reconfigurations and reconfigurations[0].attempts >= 2, reconfigurations
+    restores = [e for e in events if isinstance(e, Restore)]
+    assert len(restores) == 1 and restores[0].lost_stages == "1", restores
+    assert not result.timed_out
+    assert result.steps_done == 60
+    comparison = compare_with_reference(result, options)
+    assert comparison["steps"] == 60
     assert comparison["max_relative_diff"] <= TOLERANCE

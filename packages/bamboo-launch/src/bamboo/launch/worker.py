@@ -218,7 +218,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
     old: Any = None  # the executor of the previous generation (the state this node holds)
     base: dict[str, Any] = layout  # the layout whose barrier this node's state is from (holders only)
     ready_record: dict[str, Any] | None = None  # what this node published at that barrier (None: holds nothing)
-    started = barrier_started = time.perf_counter()
+    started = time.perf_counter()
     checkpointers: dict[int, Any] = {}
     losses: list[float] = []
     failovers: list[dict[str, Any]] = []
@@ -254,7 +254,7 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
             log.write(Reconfiguration(t=log.now(), reason=layout["reason"], pipelines=pipelines,
                                       stages=spec.stages, standby=len(layout["standby"]),
                                       bytes_moved=_bytes_moved(run, layout),
-                                      duration_s=time.perf_counter() - barrier_started,
+                                      duration_s=max(0.0, time.time() - float(layout["barrier_unix"])),
                                       attempts=int(layout.get("attempt", 0)) + 1))
             log_restore(log, layout)
         if old is not None:
@@ -298,10 +298,9 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
             engine.finish()
             break
         # ---- the barrier: this generation ends at executor.step ----------------------------------
-        barrier_started = time.perf_counter()
         executor.apply_replica_updates()
         holds = sorted(s for s, piece in executor.slices.items() if piece.steps == executor.step)
-        ready_record = {"step": executor.step, "holds": holds}
+        ready_record = {"step": executor.step, "holds": holds, "at": time.time()}
         run.membership.decide(f"g{generation}-ready-{node}", ready_record)
         print(f"node {node}: at the barrier of generation {generation}: step {executor.step}, holds stages {holds}",
               flush=True)
@@ -566,6 +565,9 @@ def _plan_next(run: _Generation, base: dict[str, Any], ready: dict[str, dict[str
         "start_step": start, "mode": mode, "missing": missing,
         "transfers": [[a, b, stages] for a, b, stages in transfers], "reason": reason, "barrier_step": step,
         "checkpoint": restore,
+        # when the first holder reached the barrier (wall clock): the reconfiguration's duration counts from
+        # it, whichever node writes the record (the lowest rank may be a joiner that started later)
+        "barrier_unix": min(float(record.get("at", time.time())) for record in ready.values()),
         # the barrier this layout comes from, which start of it this is, and who held state there
         "base_generation": generation, "attempt": attempt, "survivors": sorted(ready),
         # (first step, pipelines) of every generation so far: the reference follows the same grouping

@@ -150,3 +150,86 @@ def test_start_thread_reports_its_result() -> None:
     part = StartThread(lambda: 42, name="test-result")
     assert part.join(30)
     assert part.progress() == (True, None) and part.result == 42
+
+
+# ---- the redone decision (bamboo.launch.worker._plan_next) ---------------------------------------------------
+
+
+@attrs.frozen
+class _Record:
+    zone: str
+
+
+class _Run:
+    """What ``_plan_next`` reads of a worker: the spec, the membership and the planned layers."""
+
+    def __init__(self, base: dict[str, Any], zones: dict[str, str], checkpoint_dir: str | None = None) -> None:
+        from bamboo.launch.worker import RunSpec
+
+        self.spec = RunSpec(job="j", etcd=("e",), stages=2, pipelines=2, steps=10, node_of_rank={}, out_dir="o",
+                            events="e.jsonl", run_start=0.0, checkpoint_dir=checkpoint_dir)
+        self.zones = zones
+        self.base = base
+        self.membership = self
+
+    def list_nodes(self, *, skip_malformed: bool = False) -> dict[str, _Record]:
+        return {node: _Record(zone) for node, zone in self.zones.items()}
+
+    def layers(self, layout: dict[str, Any]) -> list[Any]:
+        from bamboo.reconfig import Layout
+
+        return list(Layout.from_dict(layout["plan"]).layers)
+
+
+def _base_layout(zones: dict[str, str]) -> dict[str, Any]:
+    """Generation 0 of 4 nodes, P=2, D=2, as the launcher writes it."""
+    from bamboo.launch.run import DEFAULT_RUN_CONFIG, RunOptions, _first_layout, layer_specs
+
+    options = RunOptions(nodes=4, stages=2, pipelines=2)
+    plan = _first_layout(options, zones, layer_specs({"layers": 4}), dict(DEFAULT_RUN_CONFIG))
+    ranks = {node: d * 2 + s for d, row in enumerate(plan.owners) for s, node in enumerate(row)}
+    return {"state": "running", "generation": 0, "stages": 2, "pipelines": 2, "micro_batches": 4,
+            "start_step": 0, "ranks": ranks, "standby": [], "owners": [list(row) for row in plan.owners],
+            "plan": plan.to_dict(), "mode": "first", "transfers": [], "reason": "first layout"}
+
+
+def _plan(run: _Run, ready: dict[str, dict[str, Any]], attempt: int) -> dict[str, Any]:
+    from bamboo.launch.reconfigure import build_view, next_history, restore_point, transfer_plan
+    from bamboo.launch.worker import _plan_next
+    from bamboo.reconfig import plan_layout
+
+    return _plan_next(run, run.base, ready, attempt, "test", build_view, next_history,  # type: ignore[arg-type]
+                      restore_point, transfer_plan, plan_layout)
+
+
+def test_a_redone_decision_takes_the_next_generation_and_another_surviving_copy() -> None:
+    zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
+    base = _base_layout(zones)
+    owner = {rank: node for node, rank in base["ranks"].items()}
+    lost = owner[1]  # stage 1 of pipeline 0 failed over: its shadow holds stages 0 and 1
+    survivors = {node: {"step": 7, "holds": [0, 1], "at": 100.0 + rank} for node, rank in base["ranks"].items()
+                 if node != lost}
+    run = _Run(base, {**{n: z for n, z in zones.items() if n != lost}, "j1": "b"})  # a joiner, j1
+    first = _plan(run, survivors, 0)
+    assert first["generation"] == 1 and first["attempt"] == 0 and first["mode"] == "peers"
+    assert first["survivors"] == sorted(survivors) and first["barrier_unix"] == 100.0
+    assert "j1" in first["ranks"] and all(dst == "j1" for _, dst, _ in first["transfers"])
+    dead_source = first["transfers"][0][0]
+    # the source dies while generation 1 starts: the holders decide again without it
+    del run.zones[dead_source]
+    again = _plan(run, {n: r for n, r in survivors.items() if n != dead_source}, 1)
+    assert again["generation"] == 2 and again["attempt"] == 1 and again["base_generation"] == 0
+    assert again["start_step"] == 7 and again["mode"] == "peers"
+    assert dead_source not in again["ranks"] and dead_source not in again["survivors"]
+    assert all(src != dead_source for src, _, _ in again["transfers"])
+    assert again["history"] == [[0, 2], [7, len(again["owners"])]]
+
+
+def test_a_redone_decision_without_any_copy_of_a_stage_needs_a_checkpoint() -> None:
+    zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
+    base = _base_layout(zones)
+    owner = {rank: node for node, rank in base["ranks"].items()}
+    holder = owner[2]  # only pipeline 1's stage 0 is left, holding stage 0 alone
+    run = _Run(base, {holder: zones[holder], "j1": "b", "j2": "c"})
+    with pytest.raises(RuntimeError, match=r"every copy of stage\(s\) 1 is gone and the run writes no checkpoints"):
+        _plan(run, {holder: {"step": 7, "holds": [0], "at": 1.0}}, 1)

@@ -233,3 +233,15 @@ def test_a_redone_decision_without_any_copy_of_a_stage_needs_a_checkpoint() -> N
     run = _Run(base, {holder: zones[holder], "j1": "b", "j2": "c"})
     with pytest.raises(RuntimeError, match=r"every copy of stage\(s\) 1 is gone and the run writes no checkpoints"):
         _plan(run, {holder: {"step": 7, "holds": [0], "at": 1.0}}, 1)
+
+
+def test_a_holder_whose_lease_expired_after_the_barrier_is_no_source() -> None:
+    zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
+    base = _base_layout(zones)
+    owner = {rank: node for node, rank in base["ranks"].items()}
+    ready = {node: {"step": 7, "holds": [0, 1], "at": 1.0} for node in zones if node != owner[1]}
+    gone = owner[2]  # published what it holds, then died before the layout was written
+    run = _Run(base, {**{n: z for n, z in zones.items() if n not in (owner[1], gone)}, "j1": "b", "j2": "c"})
+    value = _plan(run, ready, 0)
+    assert gone not in value["survivors"] and gone not in value["ranks"]
+    assert all(gone not in (src, dst) for src, dst, _ in value["transfers"])

@@ -535,6 +535,9 @@ def _plan_next(run: _Generation, base: dict[str, Any], ready: dict[str, dict[str
     """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
     generation = int(base["generation"])
     ranks: dict[str, int] = dict(base["ranks"])
+    records = run.membership.list_nodes(skip_malformed=True)
+    # a holder whose lease expired since it published what it holds is dead: no transfer from it
+    ready = {node: record for node, record in ready.items() if node in records} or ready
     # A consecutive failure can leave one pipeline committed at step k+1 while the broken one's
     # survivors abandoned step k: the committed state already holds the whole global batch of k,
     # so the next generation starts from the newest step, held by the nodes that reached it.
@@ -542,7 +545,6 @@ def _plan_next(run: _Generation, base: dict[str, Any], ready: dict[str, dict[str
     holdings = {other: [int(s) for s in record["holds"]] for other, record in ready.items()
                 if int(record["step"]) == step}
     dead = [n for n in ranks if n not in ready]
-    records = run.membership.list_nodes(skip_malformed=True)
     zones = {n: record.zone for n, record in records.items()}
     usable = sorted(set(ready) | {n for n in records if n not in ranks})
     global_batch = int(base["micro_batches"]) * int(base["pipelines"])

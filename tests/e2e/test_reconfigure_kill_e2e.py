@@ -116,3 +116,41 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
     comparison = compare_with_reference(result, options)
     assert comparison["steps"] == 60
     assert comparison["max_relative_diff"] <= TOLERANCE
+
+
+def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_redone(
+    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the first test, but the source dies once the transfer group is formed (a test hook pauses every
+    member there for 0.5 s): the receivers' gloo calls fail on its closed connection, before its lease expires."""
+    from bamboo.launch.worker import TRANSFER_PAUSE_ENV
+
+    monkeypatch.setenv(TRANSFER_PAUSE_ENV, "0.5")  # well below the 2 s lease: the gloo error comes first
+    trace = write_trace(4, [(300, "add", "node5"), (600, "add", "node6"), (1500, "remove", "node2")])
+    killed: list[str] = []
+
+    def kill_a_source_mid_transfer(handles: RunHandles) -> None:
+        layout = _layout(handles, 1, 120.0)
+        source = sorted({src for src, _, _ in layout["transfers"]})[0]  # type: ignore[union-attr]
+        deadline = time.monotonic() + 120.0
+        while handles.membership.get_decision(f"g1-transfer-group-{source}") is None:
+            assert time.monotonic() < deadline, "generation 1's transfer group never formed"
+            time.sleep(0.01)
+        killed.append(source)
+        handles.preempt(source)
+
+    options = RunOptions(
+        nodes=4, stages=2, pipelines=2, steps=80, zones=("a", "b", "c"), time_scale=1.0,
+        preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
+        group_timeout_s=20.0,
+    )
+    result = run_cluster(options, during=kill_a_source_mid_transfer)
+    events = read_events(result.events)
+    assert len(killed) == 1
+    reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
+    assert reconfigurations and reconfigurations[0].attempts >= 2, reconfigurations
+    logs = "".join(path.read_text() for path in (result.run_dir / "logs").glob("node*.log"))
+    assert "generation 1 abandoned" in logs and "could not start its part" in logs
+    assert not result.timed_out and result.steps_done == 80
+    assert compare_with_reference(result, options)["max_relative_diff"] <= TOLERANCE

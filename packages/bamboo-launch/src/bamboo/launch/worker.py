@@ -101,6 +101,10 @@ def _pause_s(failover: dict[str, Any]) -> float:
     return float(failover.get("detect_s", 0.0)) + float(failover.get("reroute_s", 0.0))
 
 
+TRANSFER_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_TRANSFER_PAUSE_S"
+"""Test hook: seconds every member of a reconfiguration's transfer group waits once the group is formed,
+after publishing decision ``g<G>-transfer-group-<node>`` (so that a test can kill a node mid-transfer)."""
+
 STANDBY_EXIT = 4
 """Exit status of a worker whose node has no role in the next layout (its agent waits on standby)."""
 _UNTIL_EXIT: list[Any] = []  # objects that must not be freed before ``os._exit`` (see train's standby return)
@@ -600,6 +604,10 @@ def _transfer_group(run: _Generation, layout: dict[str, Any], store: Any) -> tup
     group = build_gloo_group(store, f"bamboo/{run.spec.job}/g{layout['generation']}/transfer/",
                              members.index(run.node), len(members), run.timeouts.group)
     run.retired.append(group)
+    pause_s = float(os.environ.get(TRANSFER_PAUSE_ENV, "0") or 0)
+    if pause_s > 0:  # test hook: the group is formed, no byte has moved yet
+        run.membership.decide(f"g{layout['generation']}-transfer-group-{run.node}", {"pause_s": pause_s})
+        time.sleep(pause_s)
     return group, members
 
 

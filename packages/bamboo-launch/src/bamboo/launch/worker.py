@@ -380,8 +380,9 @@ def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str
             decision = decide(view)
             reason = ", ".join(r.value for r in decision.reasons)
             if decision.when is When.CARRY_ON and executor.dead:
-                # bamboo-rc fails over once per pipeline and layout: after a failover, restore full
-                # redundancy at the next boundary rather than risk a second failure in that pipeline.
+                # After a failover the taken-over stage and its successor have no shadow, so one more
+                # failure next to them would be consecutive. bamboo-rc survives a second non-adjacent
+                # failure on the merged schedule, but full redundancy is restored at the next boundary.
                 reason = "rebuild redundancy after a failover"
             if decision.when is not When.CARRY_ON or executor.dead:
                 try:

@@ -1,9 +1,11 @@
-"""Fixtures of the end-to-end tests: scripted preemption traces written in the paper's EC2 format."""
+"""Fixtures of the end-to-end tests: scripted preemption traces (the paper's EC2 format), waiting for a layout."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,3 +25,23 @@ def write_trace(tmp_path: Path) -> Callable[[int, list[tuple[int, str, str]]], s
         return str(path)
 
     return write
+
+
+def _wait_for_layout(handles: Any, generation: int, deadline_s: float) -> dict[str, object]:
+    """The run's layout in etcd once its generation is at least ``generation`` (an etcd error is retried)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            current = handles.membership.get_layout()
+        except Exception:
+            current = None
+        if current is not None and int(current.value["generation"]) >= generation:
+            return current.value
+        time.sleep(0.01)
+    raise AssertionError(f"no layout of generation {generation} within {deadline_s} s")
+
+
+@pytest.fixture
+def wait_for_layout() -> Callable[[Any, int, float], dict[str, object]]:
+    """``wait_for_layout(handles, generation, deadline_s)``: see `_wait_for_layout`."""
+    return _wait_for_layout

@@ -31,28 +31,16 @@ pytestmark = pytest.mark.timeout(240)
 TOLERANCE = 1e-6
 
 
-def _layout(handles: RunHandles, generation: int, deadline_s: float) -> dict[str, object]:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            current = handles.membership.get_layout()
-        except Exception:
-            current = None
-        if current is not None and int(current.value["generation"]) >= generation:
-            return current.value
-        time.sleep(0.01)
-    raise AssertionError(f"no layout of generation {generation} within {deadline_s} s")
-
-
 def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
-    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str]
+    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
+    wait_for_layout: Callable[..., dict[str, object]],
 ) -> None:
     trace = write_trace(4, [(300, "add", "node5"), (600, "add", "node6"), (1500, "remove", "node2")])
     killed: list[str] = []
     seen: dict[str, object] = {}
 
     def kill_a_source_of_generation_1(handles: RunHandles) -> None:
-        layout = _layout(handles, 1, 120.0)
+        layout = wait_for_layout(handles, 1, 120.0)
         seen["generation"] = layout["generation"]
         sources = sorted({src for src, _, _ in layout["transfers"]})  # type: ignore[union-attr]
         assert sources, f"generation 1 moves no stage state: {layout}"
@@ -83,7 +71,7 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
 
 
 def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restores_the_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, wait_for_layout: Callable[..., dict[str, object]]
 ) -> None:
     killed: list[str] = []
 
@@ -94,7 +82,7 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
             time.sleep(0.02)
         killed.append(handles.node_of_rank[1])
         handles.preempt(handles.node_of_rank[1])
-        _layout(handles, 1, 120.0)
+        wait_for_layout(handles, 1, 120.0)
         killed.append(handles.node_of_rank[0])  # the shadow that took stage 1 over: its only holder
         handles.preempt(handles.node_of_rank[0])
 
@@ -120,7 +108,7 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
 
 def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_redone(
     tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, wait_for_layout: Callable[..., dict[str, object]],
 ) -> None:
     """As the first test, but the source dies once the transfer group is formed (a test hook pauses every
     member there for 0.5 s): the receivers' gloo calls fail on its closed connection, before its lease expires."""
@@ -131,7 +119,7 @@ def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_r
     killed: list[str] = []
 
     def kill_a_source_mid_transfer(handles: RunHandles) -> None:
-        layout = _layout(handles, 1, 120.0)
+        layout = wait_for_layout(handles, 1, 120.0)
         source = sorted({src for src, _, _ in layout["transfers"]})[0]  # type: ignore[union-attr]
         deadline = time.monotonic() + 120.0
         while handles.membership.get_decision(f"g1-transfer-group-{source}") is None:

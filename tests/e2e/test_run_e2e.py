@@ -87,21 +87,9 @@ def test_agent_stopped_for_less_than_the_grace_period_is_not_failed_over(tmp_pat
     assert compare_with_reference(result, options)["max_relative_diff"] <= TOLERANCE
 
 
-def _layout_generation(handles: RunHandles, generation: int, deadline_s: float) -> dict[str, object]:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            current = handles.membership.get_layout()
-        except Exception:
-            current = None
-        if current is not None and int(current.value["generation"]) >= generation:
-            return current.value
-        time.sleep(0.05)
-    raise AssertionError(f"no layout of generation {generation} within {deadline_s} s")
-
-
 def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run(
-    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str]
+    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
+    wait_for_layout: Callable[..., dict[str, object]],
 ) -> None:
     """The acceptance run: 3 real kills (one a consecutive pair), a join, reconfigurations, exact result.
 
@@ -116,7 +104,7 @@ def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run
     killed_pair: list[str] = []
 
     def kill_consecutive_pair(handles: RunHandles) -> None:
-        layout = _layout_generation(handles, 1, 120.0)
+        layout = wait_for_layout(handles, 1, 120.0)
         ranks = {int(rank): node for node, rank in layout["ranks"].items()}  # type: ignore[union-attr]
         deadline = time.monotonic() + 120.0
         while not any(isinstance(e, Reconfiguration) for e in read_events(handles.events)):

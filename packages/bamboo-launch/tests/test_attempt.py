@@ -194,12 +194,9 @@ def _base_layout(zones: dict[str, str]) -> dict[str, Any]:
 
 
 def _plan(run: _Run, ready: dict[str, dict[str, Any]], attempt: int) -> dict[str, Any]:
-    from bamboo.launch.reconfigure import build_view, next_history, restore_point, transfer_plan
     from bamboo.launch.worker import _plan_next
-    from bamboo.reconfig import plan_layout
 
-    return _plan_next(run, run.base, ready, attempt, "test", build_view, next_history,  # type: ignore[arg-type]
-                      restore_point, transfer_plan, plan_layout)
+    return _plan_next(run, run.base, ready, attempt, "test")  # type: ignore[arg-type]
 
 
 def test_a_redone_decision_takes_the_next_generation_and_another_surviving_copy() -> None:

@@ -213,17 +213,10 @@ def initial_plan(options: RunOptions) -> tuple[Any, ...]:
 
 def layer_specs(size: dict[str, int]) -> list[Any]:
     """bamboo-reconfig's view of the example model's layers: state bytes and compute cost per layer."""
-    from bamboo.rc.model import ByteEmbedding, DecoderBlock, GPTSize, LMHead
-    from bamboo.reconfig import LayerSpec
+    from bamboo.launch.script import program_layer_costs
+    from bamboo.rc.model import GPTSize, gpt_layer_specs
 
-    gpt = GPTSize(**size)
-    modules = [ByteEmbedding(gpt.width, gpt.sequence), *(DecoderBlock(gpt.width, gpt.heads) for _ in range(gpt.layers)),
-               LMHead(gpt.width)]
-    specs = []
-    for module in modules:
-        params = sum(p.numel() for p in module.parameters())
-        specs.append(LayerSpec(param_bytes=4 * params, optimizer_bytes=8 * params, compute_cost=float(params)))
-    return specs
+    return program_layer_costs(gpt_layer_specs(GPTSize(**size)))
 
 
 def _model(options: RunOptions, run_dir: Path, say: Callable[[str], None]) -> tuple[list[Any], dict[str, Any]]:

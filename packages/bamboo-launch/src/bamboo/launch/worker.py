@@ -496,9 +496,6 @@ def _next_layout(run: _Generation, base: dict[str, Any], expected: Any, attempt:
     ``expected(records)`` lists the nodes that must publish what they hold, given the registered nodes;
     ``attempt`` counts the abandoned starts of this barrier so far (each retry has its own decision names).
     """
-    from bamboo.launch.reconfigure import build_view, next_history, restore_point, transfer_plan
-    from bamboo.reconfig import plan_layout
-
     generation = int(base["generation"])
     prefix = _prefix(generation, attempt)
     name = f"{prefix}next"
@@ -519,8 +516,7 @@ def _next_layout(run: _Generation, base: dict[str, Any], expected: Any, attempt:
                 if found is not None:
                     ready[other] = found.value
         if all(other in ready for other in waiting_for):
-            value = _plan_next(run, base, ready, attempt, reason, build_view, next_history, restore_point,
-                               transfer_plan, plan_layout)
+            value = _plan_next(run, base, ready, attempt, reason)
             value = run.membership.decide(name, value).value
             break
         if time.monotonic() > deadline:
@@ -534,10 +530,12 @@ def _next_layout(run: _Generation, base: dict[str, Any], expected: Any, attempt:
     return value
 
 
-def _plan_next(run: _Generation, base: dict[str, Any], ready: dict[str, dict[str, Any]], attempt: int, reason: str,
-               build_view: Any, next_history: Any, restore_point: Any, transfer_plan: Any,
-               plan_layout: Any) -> dict[str, Any]:
+def _plan_next(run: _Generation, base: dict[str, Any], ready: dict[str, dict[str, Any]], attempt: int,
+               reason: str) -> dict[str, Any]:
     """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
+    from bamboo.launch.reconfigure import build_view, next_history, restore_point, transfer_plan
+    from bamboo.reconfig import plan_layout
+
     generation = int(base["generation"])
     ranks: dict[str, int] = dict(base["ranks"])
     records = run.membership.list_nodes(skip_malformed=True)
@@ -612,7 +610,9 @@ def _transfer_group(run: _Generation, layout: dict[str, Any], store: Any) -> tup
     return group, members
 
 
-def _run_transfers(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, store: Any) -> None:
+def _run_transfers(run: _Generation, layout: dict[str, Any], old: Any, executor: Any | None, store: Any) -> None:
+    """This node's part of the layout's transfers: send what ``old`` holds by the plan and, with an
+    ``executor`` (a node with a role in the layout), receive into its slices."""
     from bamboo.rc.transfer import export_stage_state, import_stage_state
 
     transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
@@ -624,24 +624,15 @@ def _run_transfers(run: _Generation, layout: dict[str, Any], old: Any, executor:
         if src == run.node:
             sent += export_stage_state({s: old.slices[s] for s in stages}, group, members.index(dst))
         elif dst == run.node:
+            assert executor is not None, "a node without a role in the layout receives nothing"
             import_stage_state(executor.slices, group, members.index(src))
-    if sent:
+    if any(src == run.node for src, _, _ in transfers):  # every source reports, for the reconfiguration record
         run.membership.decide(f"g{layout['generation']}-sent-{run.node}", {"bytes": sent})
 
 
 def _serve_as_source(run: _Generation, layout: dict[str, Any], old: Any, store: Any) -> None:
     """A node with no role in the next layout still sends the stages it holds by the plan."""
-    from bamboo.rc.transfer import export_stage_state
-
-    transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
-    if not any(a == run.node for a, _, _ in transfers):
-        return
-    group, members = _transfer_group(run, layout, store)
-    sent = 0
-    for src, dst, stages in transfers:
-        if src == run.node:
-            sent += export_stage_state({s: old.slices[s] for s in stages}, group, members.index(dst))
-    run.membership.decide(f"g{layout['generation']}-sent-{run.node}", {"bytes": sent})
+    _run_transfers(run, layout, old, None, store)
 
 
 def main(argv: list[str] | None = None) -> None:

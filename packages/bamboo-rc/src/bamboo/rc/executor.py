@@ -1018,7 +1018,7 @@ class StageExecutor:
         self.replica_stage = replica[0] if replica else None
         return list(plan.remainder.streams[self.node])
 
-    def _join_redone_allreduces(self, plan: Any, lost: set[int], step: int) -> None:
+    def _join_redone_allreduces(self, plan: FailoverPlan, lost: set[int], step: int) -> None:
         """Take part, exactly once per step, in the all-reduce of each lost stage hosted here.
 
         `step` is the step in which the other pipeline failed. If the lost stage's shadow redoes
@@ -1033,7 +1033,7 @@ class StageExecutor:
         for v in sorted(lost):
             if v not in self.hosted:
                 continue
-            shadow = (v - 1) % self.layout.stages
+            shadow = plan.remainder.placement[v]  # the node that took stage v over
             redone = any(i.kind is Kind.ALLREDUCE and i.stage == v for i in plan.remainder.streams[shadow])
             group = f"dp-s{v}"
             pending = self._reducing.get(v)

@@ -29,7 +29,6 @@ Token = int
 ACT, GRAD, FWD, STASH, REDUCED = range(1, 6)
 _NODE = 50
 """A (node, token) pair is packed as node << 50 | token."""
-_TOKEN_MASK = (1 << _NODE) - 1
 
 RANK_BACKWARD = 0
 RANK_FORWARD = 1
@@ -154,7 +153,7 @@ class _Context(NamedTuple):
     local: int
     """Token base of a local input (0: none)."""
     remote: tuple[int, Sequence[Instruction], Sequence[Instruction], int, float] | None
-    """(src, send row, recv row, key base, message cost) of a remote input; None when the input is local."""
+    """(src, send row, recv row, token base, message cost) of a remote input; None when the input is local."""
     extra_local: int
     """Token base of a second local input (backward work: the gradient, when its producer is on this node)."""
     rank: int
@@ -208,8 +207,7 @@ def build_lanes(
                     local = tok
                 else:
                     send = row(Kind.SEND_ACT, s - 1, node)
-                    remote = (src, send, row(Kind.RECV_ACT, s, src), (src << _NODE) | tok,
-                              durations.of(Kind.SEND_ACT, s - 1, (send[0],)))
+                    remote = (src, send, row(Kind.RECV_ACT, s, src), tok, durations.of(Kind.SEND_ACT, s - 1, (send[0],)))
         elif tag == "B" or tag == "BRC":
             if tag == "B":
                 instrs = (row(Kind.BACKWARD, s),)
@@ -228,8 +226,7 @@ def build_lanes(
                     extra_local = tok
                 else:
                     send = row(Kind.SEND_GRAD, s + 1, node)
-                    remote = (src, send, row(Kind.RECV_GRAD, s, src), (src << _NODE) | tok,
-                              durations.of(Kind.SEND_GRAD, s + 1, (send[0],)))
+                    remote = (src, send, row(Kind.RECV_GRAD, s, src), tok, durations.of(Kind.SEND_GRAD, s + 1, (send[0],)))
         else:
             raise ValueError(f"unknown work item tag {tag!r}")
         duration = durations.of(tag, s, tuple(r[0] for r in instrs))
@@ -290,12 +287,12 @@ def build_lanes(
                 if remote is None:
                     needs: tuple[Need, ...] = ()
                 else:
-                    src, send_row, recv_row, key_base, message_cost = remote
+                    src, send_row, recv_row, token_base, message_cost = remote
                     send = send_row[k]  # type: ignore[index]
                     if not uniform:
                         message_cost = cost(send)
-                    tok = (key_base | k1) & _TOKEN_MASK
-                    needs = (new(Need, (tok, src, send, recv_row[k], key_base | k1, message_cost)),)  # type: ignore[index]
+                    tok = token_base | k1
+                    needs = (new(Need, (tok, src, send, recv_row[k], (src << _NODE) | tok, message_cost)),)  # type: ignore[index]
                 makes = ctx[1]
                 if len(makes) == 2:
                     made: tuple[Token, ...] = (makes[0] | k1, makes[1] | k1)

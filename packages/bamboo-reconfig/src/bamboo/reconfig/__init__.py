@@ -6,6 +6,8 @@
 - ``plan_layout(view)``: the new layout: depth P kept first, ``D' = min(D, usable // P)`` whole pipelines,
   surplus nodes in standby, the minimum possible number of same-zone neighbours, a compute-balanced
   layer split within node memory, and microbatch shares that keep the global batch.
+- ``JobLayout``: the versioned record of one generation of a job (placement, stage bounds, how it starts:
+  first layout, transfer plan or checkpoint restore point), as every node reads it from etcd.
 - ``plan_transfers(old, new, holders)``: each new owner fetches only the layers it lacks, from a surviving
   holder, in rounds where no node sends or receives two transfers at once; or "restore from checkpoint".
 
@@ -14,6 +16,7 @@ Every value class is frozen, validated, and round-trips through JSON (``to_dict`
 """
 
 from bamboo.reconfig.decide import Decision, Reason, When, decide
+from bamboo.reconfig.job_layout import LAYOUT_VERSION, JobLayout, RecordError, RestorePoint, StartMode
 from bamboo.reconfig.layout_plan import microbatch_shares, pipeline_count, plan_layout
 from bamboo.reconfig.model import (
     ClusterView,
@@ -36,16 +39,21 @@ from bamboo.reconfig.transfers import (
 )
 
 __all__ = [
+    "LAYOUT_VERSION",
     "ClusterView",
     "Decision",
     "InfeasibleSplit",
+    "JobLayout",
     "LayerSpec",
     "Layout",
     "LayoutError",
     "Node",
     "NodeState",
     "Reason",
+    "RecordError",
+    "RestorePoint",
     "StageSlot",
+    "StartMode",
     "Transfer",
     "TransferPlan",
     "When",

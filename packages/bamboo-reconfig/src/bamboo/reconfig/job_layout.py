@@ -1,0 +1,311 @@
+"""The job layout: the one record that tells every node of a job its role, as stored in etcd.
+
+A :class:`JobLayout` is a generation of the job: the planner's :class:`~bamboo.reconfig.Layout` (who owns
+each stage of each pipeline, the shadows, the stage bounds, the microbatch shares, the standby queue),
+plus what the nodes need to start it: the step it starts at, how the state gets there (``mode``: the
+first layout, state moved from surviving peers by a :class:`~bamboo.reconfig.TransferPlan`, or a
+checkpoint :class:`RestorePoint`), why it was made, and where it came from (the barrier step, the
+generation and attempt it follows, the holders that survived). ``history`` lists ``(first step,
+pipelines)`` of every generation so far, which is how the single-process reference groups the global
+batch exactly as the run did.
+
+The node at global rank ``pipeline * stages + stage`` owns ``stage`` of ``pipeline``; the stage bounds in
+``plan.stage_layers`` are exactly the layers each stage's executor builds.
+
+The record travels as versioned JSON (``"v": 1``). :meth:`JobLayout.from_dict` rejects an unknown
+version, a missing key or a malformed value with a :class:`RecordError` that names the key.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+from bamboo.reconfig.model import Layout
+from bamboo.reconfig.transfers import TransferPlan
+
+__all__ = ["LAYOUT_VERSION", "JobLayout", "RecordError", "RestorePoint", "StartMode"]
+
+LAYOUT_VERSION = 1
+
+
+class RecordError(ValueError):
+    """A record read from the store is malformed, or of a version this reader does not know.
+
+    The message names the record and the offending key.
+    """
+
+
+class StartMode(enum.Enum):
+    """How the state of a generation gets into place."""
+
+    FIRST = "first"
+    """The job's first layout: every stage starts from its seeded initial weights."""
+    PEERS = "peers"
+    """State moves from surviving holders (owners, shadows, data-parallel peers) by the transfer plan."""
+    CHECKPOINT = "checkpoint"
+    """Some stage lost every copy: every node loads the checkpoint named by the restore point."""
+
+
+def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+
+
+def _node_ids(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class RestorePoint:
+    """The checkpoint a generation restarts from: its step, its folder and the stages that forced it."""
+
+    step: int = attrs.field(validator=_non_negative_int)
+    path: str = attrs.field(validator=attrs.validators.instance_of(str))
+    lost_stages: tuple[int, ...] = attrs.field(converter=lambda v: tuple(sorted(int(s) for s in v)))
+
+    def __attrs_post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("a restore point needs the checkpoint's folder, got an empty path")
+        if not self.lost_stages:
+            raise ValueError(f"a restore point names the stages that lost every copy, got none (step {self.step})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path, "lost_stages": list(self.lost_stages)}
+
+
+def _history(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
+    return tuple((int(first), int(pipelines)) for first, pipelines in value)
+
+
+def _zones(value: Mapping[str, str]) -> dict[str, str]:
+    return {str(node): str(zone) for node, zone in dict(value).items()}
+
+
+@attrs.frozen
+class JobLayout:
+    """Generation ``generation`` of a job: its placement (``plan``) and how it starts (see the module docstring)."""
+
+    generation: int = attrs.field(validator=_non_negative_int)
+    plan: Layout = attrs.field(validator=attrs.validators.instance_of(Layout))
+    start_step: int = attrs.field(default=0, validator=_non_negative_int)
+    mode: StartMode = attrs.field(default=StartMode.FIRST, converter=StartMode)
+    reason: str = attrs.field(default="first layout", validator=attrs.validators.instance_of(str))
+    transfers: TransferPlan = attrs.field(
+        factory=lambda: TransferPlan(rounds=(), bytes_moved=0, naive_bytes=0),
+        validator=attrs.validators.instance_of(TransferPlan),
+    )
+    restore: RestorePoint | None = attrs.field(default=None)
+    barrier_step: int = attrs.field(default=0, validator=_non_negative_int)
+    """The step at which the previous generation's holders met (the start step, unless restored)."""
+    barrier_unix: float | None = attrs.field(default=None)
+    """When the first holder reached that barrier (wall clock); None for the first layout."""
+    base_generation: int | None = attrs.field(default=None)
+    """The generation whose barrier this layout comes from; None for the first layout."""
+    attempt: int = attrs.field(default=0, validator=_non_negative_int)
+    """How many starts of that barrier were abandoned before this one."""
+    survivors: tuple[str, ...] = attrs.field(default=(), converter=_node_ids)
+    """The nodes that held state at that barrier."""
+    history: tuple[tuple[int, int], ...] = attrs.field(default=((0, 0),), converter=_history)
+    """``(first step, pipelines)`` of every generation so far, this one last."""
+    zones: dict[str, str] = attrs.field(factory=dict, converter=_zones)
+    """The zone of every node placed or on standby when the layout was planned."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode is StartMode.CHECKPOINT and self.restore is None:
+            raise ValueError(f"generation {self.generation} restarts from a checkpoint but names no restore point")
+        if self.mode is not StartMode.CHECKPOINT and self.restore is not None:
+            raise ValueError(f"generation {self.generation} is mode {self.mode.value} but names a restore point")
+        if self.restore is not None and self.restore.step != self.start_step:
+            raise ValueError(f"generation {self.generation} starts at step {self.start_step} but its checkpoint "
+                             f"is of step {self.restore.step}")
+        if self.barrier_unix is not None and not math.isfinite(self.barrier_unix):
+            raise ValueError(f"barrier_unix must be finite, got {self.barrier_unix!r}")
+        if self.history == ((0, 0),):  # the default: this generation alone
+            object.__setattr__(self, "history", ((self.start_step, self.pipelines),))
+        if not self.history or self.history[-1] != (self.start_step, self.pipelines):
+            raise ValueError(f"history {list(self.history)} must end with this generation's (start step, "
+                             f"pipelines) = {(self.start_step, self.pipelines)}")
+
+    # ---- the placement, as every node reads it --------------------------------------------------------
+
+    @property
+    def stages(self) -> int:
+        return self.plan.stages
+
+    @property
+    def pipelines(self) -> int:
+        return self.plan.num_pipelines
+
+    @property
+    def stage_bounds(self) -> tuple[tuple[int, int], ...]:
+        """The half-open layer range of every stage: exactly what each executor builds."""
+        return self.plan.stage_layers
+
+    @property
+    def micro_batches(self) -> int:
+        """Microbatches per pipeline per step. Raises when the shares differ (a pipeline runs M each)."""
+        shares = set(self.plan.microbatches)
+        if len(shares) != 1:
+            raise ValueError(f"generation {self.generation} has unequal microbatch shares "
+                             f"{list(self.plan.microbatches)}; every pipeline must run the same number")
+        return shares.pop()
+
+    @property
+    def global_batch(self) -> int:
+        return self.plan.global_batch
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """Node -> global rank (``pipeline * stages + stage``) of every owner."""
+        return {node: d * self.stages + s for d, row in enumerate(self.plan.owners) for s, node in enumerate(row)}
+
+    @property
+    def node_of_rank(self) -> dict[int, str]:
+        return {rank: node for node, rank in self.ranks.items()}
+
+    @property
+    def owners(self) -> tuple[tuple[str, ...], ...]:
+        return self.plan.owners
+
+    @property
+    def standby(self) -> tuple[str, ...]:
+        return self.plan.standby
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node this generation knows: owners, then standby."""
+        return (*self.ranks, *self.standby)
+
+    def shadow(self, pipeline: int, stage: int) -> str:
+        return self.plan.shadow(pipeline, stage)
+
+    def history_at(self, step: int) -> int:
+        """The pipelines that ran step ``step``."""
+        return next(d for first, d in reversed(self.history) if step >= first)
+
+    def stages_of_layers(self, layers: Iterable[int]) -> tuple[int, ...]:
+        """The stages whose layers are exactly ``layers`` (a transfer moves whole stages).
+
+        Raises ValueError when ``layers`` covers part of a stage: the executors hold state per stage.
+        """
+        wanted = set(layers)
+        stages = sorted({self.plan.stage_of_layer(layer) for layer in wanted})
+        covered = {layer for stage in stages for layer in self.plan.stage_layer_range(stage)}
+        if covered != wanted:
+            raise ValueError(f"layers {sorted(wanted)} are not whole stages of the split "
+                             f"{list(self.stage_bounds)} (stages {stages} have layers {sorted(covered)})")
+        return tuple(stages)
+
+    def holdings_of_stages(self, stages_by_node: Mapping[str, Iterable[int]]) -> dict[str, frozenset[int]]:
+        """Node -> layers it holds, from node -> stages it holds (for :func:`bamboo.reconfig.plan_transfers`)."""
+        return {node: frozenset(layer for stage in stages for layer in self.plan.stage_layer_range(int(stage)))
+                for node, stages in stages_by_node.items()}
+
+    # ---- JSON ---------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": LAYOUT_VERSION,
+            "generation": self.generation,
+            "plan": self.plan.to_dict(),
+            "start_step": self.start_step,
+            "mode": self.mode.value,
+            "reason": self.reason,
+            "transfers": self.transfers.to_dict(),
+            "restore": None if self.restore is None else self.restore.to_dict(),
+            "barrier_step": self.barrier_step,
+            "barrier_unix": self.barrier_unix,
+            "base_generation": self.base_generation,
+            "attempt": self.attempt,
+            "survivors": list(self.survivors),
+            "history": [list(item) for item in self.history],
+            "zones": dict(sorted(self.zones.items())),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobLayout:
+        """The layout in ``data``; :class:`RecordError` names the key of anything unknown or malformed."""
+        read = _Reader("layout", data)
+        version = read.value("v", int)
+        if version != LAYOUT_VERSION:
+            raise RecordError(f"layout: unknown version {version!r} (this reader knows version {LAYOUT_VERSION})")
+        plan = read.parsed("plan", Layout.from_dict)
+        transfers = read.parsed("transfers", TransferPlan.from_dict)
+        restore_data = read.value("restore", (dict, type(None)))
+        restore = None
+        if restore_data is not None:
+            restore = _Reader("layout", data).parsed("restore", lambda d: RestorePoint(
+                step=d["step"], path=d["path"], lost_stages=d["lost_stages"]))
+        try:
+            return cls(
+                generation=read.value("generation", int),
+                plan=plan,
+                start_step=read.value("start_step", int),
+                mode=read.parsed("mode", StartMode),
+                reason=read.value("reason", str),
+                transfers=transfers,
+                restore=restore,
+                barrier_step=read.value("barrier_step", int),
+                barrier_unix=read.value("barrier_unix", (int, float, type(None))),
+                base_generation=read.value("base_generation", (int, type(None))),
+                attempt=read.value("attempt", int),
+                survivors=read.value("survivors", list),
+                history=read.value("history", list),
+                zones=read.value("zones", dict),
+            )
+        except (TypeError, ValueError) as error:
+            if isinstance(error, RecordError):
+                raise
+            raise RecordError(f"layout: {error}") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobLayout:
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise RecordError(f"layout: not JSON ({error})") from None
+        return cls.from_dict(data)
+
+
+class _Reader:
+    """Reads typed keys of one JSON record, naming the record and the key in every error."""
+
+    def __init__(self, what: str, data: object) -> None:
+        if not isinstance(data, Mapping):
+            raise RecordError(f"{what}: must be a JSON object, got {type(data).__name__}")
+        self.what = what
+        self.data = data
+
+    def value(self, key: str, kinds: type | tuple[type, ...]) -> Any:
+        if key not in self.data:
+            raise RecordError(f"{self.what}: missing key {key!r}")
+        value = self.data[key]
+        allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+        if isinstance(value, bool) and bool not in allowed:
+            raise RecordError(f"{self.what}: key {key!r} must be {_names(allowed)}, got {value!r}")
+        if not isinstance(value, allowed):
+            raise RecordError(f"{self.what}: key {key!r} must be {_names(allowed)}, got {value!r}")
+        return value
+
+    def parsed(self, key: str, parse: Any) -> Any:
+        if key not in self.data:
+            raise RecordError(f"{self.what}: missing key {key!r}")
+        try:
+            return parse(self.data[key])
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            detail = f"missing key {error}" if isinstance(error, KeyError) else str(error)
+            raise RecordError(f"{self.what}: key {key!r} is malformed: {detail}") from None
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
+             type(None): "null", bool: "true or false"}
+    return " or ".join(names.get(kind, kind.__name__) for kind in kinds)

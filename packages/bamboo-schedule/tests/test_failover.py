@@ -7,8 +7,10 @@ import pytest
 from bamboo.schedule import Kind, generate, one_f_one_b
 from bamboo.schedule.failover import (
     ConsecutiveFailure,
+    check_victims,
     failover_schedule,
     merged_schedule,
+    placement_after,
     progress_at,
     validate_failover,
 )
@@ -228,3 +230,22 @@ def test_validate_failover_checks_the_cut_again_when_the_prefixes_change() -> No
     evolved = attrs.evolve(plan, executed={**plan.executed, 2: schedule.streams[2]})
     with pytest.raises(ScheduleError, match="inconsistent cut"):
         validate_failover(evolved)
+
+
+def test_check_victims_and_placement_after_are_the_public_failover_rules() -> None:
+    schedule = one_f_one_b(4, 4, "eflb")
+    assert check_victims(schedule, [1, 3]) == frozenset({1, 3})
+    assert placement_after(schedule, {1, 3}) == ((0, 0, 2, 2), (None, None, None, None))
+    assert placement_after(schedule, {2}) == ((0, 1, 1, 3), (3, 0, None, None))
+    with pytest.raises(ConsecutiveFailure) as info:
+        check_victims(schedule, [2, 3])
+    assert info.value.pair == (2, 3) and info.value.lost == (2, 3)
+    # after a failover, a victim next to the taken-over stage: node 1 runs stages 1 and 2
+    steady = merged_schedule(schedule, [2])
+    assert steady.placement == placement_after(schedule, {2})[0]
+    assert steady.shadows == placement_after(schedule, {2})[1]
+    with pytest.raises(ConsecutiveFailure) as info:
+        check_victims(steady, [1])
+    assert info.value.lost == (1, 2) and info.value.earlier == (2,)
+    with pytest.raises(ValueError, match=r"victims \[2\] had already failed"):
+        check_victims(steady, [2])

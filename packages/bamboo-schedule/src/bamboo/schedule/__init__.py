@@ -10,8 +10,10 @@ from bamboo.schedule.export import chrome_trace, text_grid, time_grid
 from bamboo.schedule.failover import (
     ConsecutiveFailure,
     FailoverPlan,
+    check_victims,
     failover_schedule,
     merged_schedule,
+    placement_after,
     progress_at,
     validate_failover,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "StageCost",
     "Timeline",
     "add_redundancy",
+    "check_victims",
     "chrome_trace",
     "counterpart",
     "execute",
@@ -46,6 +49,7 @@ __all__ = [
     "gpipe",
     "merged_schedule",
     "one_f_one_b",
+    "placement_after",
     "progress_at",
     "simulate",
     "text_grid",

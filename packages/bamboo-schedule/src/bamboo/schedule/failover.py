@@ -83,8 +83,10 @@ from bamboo.schedule.validate import (
 __all__ = [
     "ConsecutiveFailure",
     "FailoverPlan",
+    "check_victims",
     "failover_schedule",
     "merged_schedule",
+    "placement_after",
     "progress_at",
     "validate_failover",
 ]
@@ -185,11 +187,16 @@ class FailoverPlan:
         return {n: self.executed[n] + self.remainder.streams[n] for n in self.survivors}
 
 
-def _check_victims(schedule: Schedule, victims: Iterable[int]) -> frozenset[int]:
-    """The victims as a set, after checking that every stage they ran has a live shadow.
+def check_victims(schedule: Schedule, victims: Iterable[int]) -> frozenset[int]:
+    """The victims (nodes) as a set, after checking that the pipeline can fail over without them.
 
-    ``schedule`` may be fault-free or a failover schedule (``placement`` and ``shadows`` say who
-    runs and who shadows each stage; the nodes without a stream failed earlier).
+    This is the one place of the rule "every stage a victim ran needs a live shadow". ``schedule``
+    may be fault-free or a failover schedule (``placement`` and ``shadows`` say who runs and who
+    shadows each stage; the nodes without a stream failed earlier). Raises `ConsecutiveFailure`
+    when a stage a victim ran has no shadow, or its shadow is a victim too or failed earlier (two
+    adjacent victims, a victim next to an earlier victim, or a shadow that already runs a stage it
+    took over), and ``ValueError`` for no victims, victims out of range, victims that had already
+    failed, or a schedule without redundancy.
     """
     P = schedule.stages
     chosen = frozenset(victims)
@@ -212,14 +219,21 @@ def _check_victims(schedule: Schedule, victims: Iterable[int]) -> frozenset[int]
     return chosen
 
 
-def _new_layout(schedule: Schedule, victims: frozenset[int]) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
-    """Placement and shadows once ``victims`` failed: a victim's stages move to their shadows, and
-    stages that moved or whose shadow died are unprotected until a reconfiguration."""
+def placement_after(
+    schedule: Schedule, victims: Iterable[int]
+) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    """``(placement, shadows)`` once ``victims`` failed: the new owner and the new shadow of every stage.
+
+    A victim's stages move to their shadows; a stage that moved, or whose shadow died, has no
+    shadow (None) until a reconfiguration. ``victims`` must pass `check_victims` (call it first:
+    this function does not check again).
+    """
+    chosen = frozenset(victims)
     P = schedule.stages
     before, shadows_before = schedule.placement, schedule.shadows
-    placement = tuple(shadows_before[s] if before[s] in victims else before[s] for s in range(P))
+    placement = tuple(shadows_before[s] if before[s] in chosen else before[s] for s in range(P))
     shadows = tuple(
-        None if placement[s] != before[s] or shadows_before[s] in victims else shadows_before[s] for s in range(P)
+        None if placement[s] != before[s] or shadows_before[s] in chosen else shadows_before[s] for s in range(P)
     )
     return placement, shadows  # type: ignore[return-value]
 
@@ -233,9 +247,9 @@ def merged_schedule(schedule: Schedule, victims: Iterable[int], cost: CostFn = u
     itself be a merged schedule (a second failure after a failover): the result is the same as
     merging every failed node into the fault-free schedule at once.
     """
-    chosen = _check_victims(schedule, victims)
+    chosen = check_victims(schedule, victims)
     P, M = schedule.stages, schedule.microbatches
-    placement, shadows = _new_layout(schedule, chosen)
+    placement, shadows = placement_after(schedule, chosen)
     lanes: dict[int, list[list[tuple[object, ...]]]] = {}
     for n in schedule.nodes:
         if n in chosen:
@@ -341,7 +355,7 @@ def failover_schedule(
             remainder.stages, remainder.microbatches, remainder.policy, remainder.rc, remainder.placement,
             earlier.iteration_streams(), remainder.shadows,
         )
-    chosen = _check_victims(schedule, victims)
+    chosen = check_victims(schedule, victims)
     P, rc = schedule.stages, schedule.rc
     survivors = [n for n in schedule.nodes if n not in chosen]
     done: dict[int, int] = {}
@@ -359,9 +373,9 @@ def failover_schedule(
     if problem:
         raise ValueError(f"inconsistent cut: the completed prefixes do not pair up: {problem}")
     ran = {n: set(executed[n]) for n in survivors}  # what each survivor completed, for lookups
-    placement, shadows = _new_layout(schedule, chosen)
+    placement, shadows = placement_after(schedule, chosen)
     # Every victim runs exactly its own stage here: a victim that also ran a stage it had taken
-    # over before would leave that stage without a shadow (`_check_victims` raised).
+    # over before would leave that stage without a shadow (`check_victims` raised).
     assert all(schedule.stages_on(v) == (v,) for v in chosen), "a victim hosts more than its own stage"
     persisted = frozenset(
         v for v in chosen if make(Kind.SYNC_RECV, v, None, v) in ran[schedule.shadows[v]]  # type: ignore[index]

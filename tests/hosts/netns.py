@@ -35,8 +35,11 @@ down after the test, failed or not; it skips the test when namespaces cannot be 
 
 `Host.popen` runs ``ip netns exec <namespace> argv...`` (``ip`` execs the command, so the `Popen`'s
 pid is the command's own) in a new session, so ``os.killpg(proc.pid, sig)`` reaches its process
-group. `Host.address` is the host's IPv4 address; a server inside a host binds to it (or to
-0.0.0.0) and ``127.0.0.1`` stays private to the host.
+group; it returns once the process is inside the namespace. `Host.run` is the same to completion.
+`Host.address` is the host's IPv4 address; a server inside a host binds to it (or to 0.0.0.0),
+and ``127.0.0.1`` stays private to the host. `Host.signal_all(signal.SIGSTOP)` freezes a host
+(slow, not dead: it still accepts connections); `HostNetwork.netem_unavailable_reason()` tells
+up front whether `Host.slow` can work.
 
 What it needs
 -------------

@@ -6,7 +6,10 @@
 - `SyntheticSpec` / `generate_trace`: the paper's synthetic preemption model, seedable.
 - `ModelProfile` / `load_profile`: model profiles as JSON data (format in the package README).
 - `simulate_run`, `simulate_synthetic`, `sweep`: the discrete-event simulator of the `Strategy`
-  values bamboo, checkpoint, on-demand and sample-dropping, per run (`RunResult`) and averaged.
+  values bamboo, checkpoint, on-demand and sample-dropping, per run (`RunResult`) and averaged. The
+  bamboo strategy runs the system's policy (bamboo-reconfig's ``decide`` and ``plan_layout``, on
+  integers in `bamboo.bench.policy`); ``check_policy=True`` checks each run against bamboo-reconfig
+  itself (`PolicyMismatch`).
 - `plot_runs` (in `bamboo.bench.plot`, imported lazily because it loads matplotlib): Figure-12
   style panels. The CLI is `bamboo-bench` (`bamboo.bench.cli:main`).
 """
@@ -26,6 +29,7 @@ from bamboo.bench.profile import ModelProfile, ProfileError, Timing, builtin_pro
 from bamboo.bench.simulator import (
     AveragedResult,
     Policy,
+    PolicyMismatch,
     RunResult,
     Strategy,
     Timeline,
@@ -42,6 +46,7 @@ __all__ = [
     "EventKind",
     "ModelProfile",
     "Policy",
+    "PolicyMismatch",
     "ProfileError",
     "RunResult",
     "Strategy",

@@ -22,7 +22,15 @@ from pathlib import Path
 import attrs
 from bamboo.bench.loaders import TraceFormatError, load_skypilot_counts, load_trace, write_generic_csv
 from bamboo.bench.profile import ModelProfile, ProfileError, builtin_profiles, load_profile
-from bamboo.bench.simulator import AveragedResult, Policy, RunResult, Strategy, average_results, simulate_run
+from bamboo.bench.simulator import (
+    AveragedResult,
+    Policy,
+    PolicyMismatch,
+    RunResult,
+    Strategy,
+    average_results,
+    simulate_run,
+)
 from bamboo.bench.sweep import sweep
 from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator, generate_trace
 from bamboo.bench.trace import Trace
@@ -116,13 +124,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, default: str) -> None:
         "(default: the profile's restart_s)",
     )
     parser.add_argument(
-        "--exposed-share", type=_probability, default=0.05, metavar="F",
-        help="Bamboo reconfigures once more than this share of working nodes would cause a fatal failure "
-        "if preempted (default 0.05)",
-    )
-    parser.add_argument(
         "--no-zone-aware", action="store_true",
-        help="place stages in arrival order instead of putting neighbouring stages in different zones",
+        help="the ablation of zone-aware placement: the planner sees every node in one zone, as when nodes "
+        "register without a zone (Bamboo's decisions are the system's and have no knob)",
     )
 
 
@@ -192,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(simulate, default="gpt2")
     simulate.add_argument("--plot", type=Path, metavar="OUT.png", help="write the four-panel figure (trace, throughput, cost, value)")
     simulate.add_argument("--json", action="store_true", help="print one JSON object per strategy instead of a table")
+    simulate.add_argument(
+        "--check-policy", action="store_true",
+        help="also compute every placement and reconfiguration decision of the bamboo strategy with "
+        "bamboo-reconfig's plan_layout and decide, and stop with an error on the first difference (slow)",
+    )
 
     sweep_parser = commands.add_parser(
         "sweep",
@@ -252,7 +261,7 @@ def _profile(args: argparse.Namespace) -> ModelProfile:
 
 
 def _policy(args: argparse.Namespace) -> Policy:
-    return Policy(reconfigure_exposed_share=args.exposed_share, zone_aware=not args.no_zone_aware)
+    return Policy(zone_aware=not args.no_zone_aware)
 
 
 def _check_bulk(args: argparse.Namespace) -> None:
@@ -326,7 +335,7 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
                 trace, profile, strategy, policy=policy,
                 target_samples=math.inf if until == "trace-end" else None,
                 until_s=trace.duration_s if until == "trace-end" else None,
-                record=args.plot is not None,
+                record=args.plot is not None, check_policy=args.check_policy and strategy is Strategy.BAMBOO,
             )
             runs_by_strategy[strategy].append(run)
     else:
@@ -348,6 +357,7 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
                     run = simulate_run(
                         events, profile, strategy, policy=policy, until_s=_MAX_SYNTHETIC_HOURS * 3600.0,
                         record=args.plot is not None and i == 0,
+                        check_policy=args.check_policy and strategy is Strategy.BAMBOO,
                     )
                     runs_by_strategy[strategy].append(run)
                     progress.advance(task)
@@ -440,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "sweep":
             return _cmd_sweep(args, console)
         return _cmd_trace(args, console)
-    except (_UsageError, TraceFormatError, ProfileError, ValueError, KeyError, OSError) as error:
+    except (_UsageError, TraceFormatError, ProfileError, PolicyMismatch, ValueError, KeyError, OSError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
         print(f"bamboo-bench: error: {message}", file=sys.stderr)
         return 2

@@ -4,21 +4,21 @@ One run replays a stream of spot events (a `Trace`, or the endless synthetic str
 strategy, and integrates the training progress between events: while the job runs with a given
 configuration its throughput is constant, so no per-step events are needed. Strategies:
 
-- ``bamboo``: a preempted node's shadow (its predecessor in the pipeline) takes over after
-  `failover_pause_s`; while any stage is taken over, steps are `fallback_slowdown` times slower.
-  Losing a node whose neighbour slot is already taken over is a *fatal failure*: the pipeline is
-  lost, the job re-forms after a global rendezvous, and it rolls back to the last checkpoint only
-  if some stage has no copy left in any pipeline. At step boundaries it reconfigures (local
-  rendezvous plus `reconfiguration_s`) when waiting nodes can replace the taken-over ones, when
-  waiting nodes can form another pipeline, or when the share of nodes whose loss would be fatal
-  (two per taken-over slot) exceeds `reconfigure_exposed_share`. Placement is zone-aware:
-  neighbouring stages go to different zones wherever the zones allow it.
+- ``bamboo``: the system's policy (``bamboo.bench.policy``, which is bamboo-reconfig's ``decide`` and
+  ``plan_layout`` on integers). A preempted node's shadow (its predecessor in the pipeline) takes over
+  after `failover_pause_s`; while any stage is taken over, steps are `fallback_slowdown` times slower.
+  Losing a stage together with its shadow is a *fatal failure*: the job re-forms at once after a global
+  rendezvous, and it rolls back to the last checkpoint only if some stage has no copy left in any
+  pipeline. At step boundaries it reconfigures (local rendezvous plus `reconfiguration_s`) when a shadow
+  carries a lost stage and a node waits, when the waiting nodes let more pipelines run, or when one more
+  failure in some pipeline would be fatal. Every layout is the planner's: depth P, ``min(D, usable // P)``
+  pipelines, the fewest same-zone neighbours, holders kept at their stages, the rest on standby.
 - ``checkpoint``: every preemption of a working node restarts the job (global rendezvous plus
   `restart_s`) from the last checkpoint; new nodes that allow another pipeline trigger a restart
   after a fresh checkpoint (no rollback).
 - ``sample-dropping``: a pipeline that loses a node drops out (its samples are dropped, the others
-  go on) until a reconfiguration re-forms pipelines; when no pipeline is left it re-forms after a
-  global rendezvous, rolling back only if some stage lost every copy.
+  go on) until a reconfiguration re-forms pipelines (placed by the same planner); when no pipeline is
+  left it re-forms after a global rendezvous, rolling back only if some stage lost every copy.
 - ``on-demand``: the profile's on-demand cluster, never preempted, at on-demand prices.
 
 Outputs per run (`RunResult`) and averaged over seeds (`average_results`).
@@ -27,20 +27,22 @@ Outputs per run (`RunResult`) and averaged over seeds (`average_results`).
 from __future__ import annotations
 
 import enum
-import functools
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
+from bamboo.bench.policy import NOT_A_HOLDER, decision, is_consecutive_failure, plan_placement, system_view
 from bamboo.bench.profile import ModelProfile
 from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator
 from bamboo.bench.trace import Trace
+from bamboo.reconfig import ClusterView, InfeasibleSplit, Reason, When, decide, plan_layout
 
 __all__ = [
     "AveragedResult",
     "Policy",
+    "PolicyMismatch",
     "RunResult",
     "Strategy",
     "Timeline",
@@ -48,7 +50,6 @@ __all__ = [
     "run_many",
     "simulate_run",
     "simulate_synthetic",
-    "zone_aware_order",
 ]
 
 
@@ -71,20 +72,20 @@ class Strategy(enum.Enum):
 
 @attrs.frozen
 class Policy:
-    """Placement and reconfiguration choices of the Bamboo strategy.
+    """What the simulated cluster tells the planner about zones.
 
-    `reconfigure_exposed_share`: reconfigure at the next step boundary once more than this share
-    of the working nodes would cause a fatal failure if preempted (each taken-over slot exposes
-    its two neighbours). `zone_aware`: place neighbouring stages in different zones.
+    `zone_aware` (default): nodes report their zones, and the planner (bamboo-reconfig's ``plan_layout``)
+    keeps neighbouring stages in different zones wherever the zones allow. ``zone_aware=False`` is the same
+    planner on a view where every node is in one zone, as when nodes register without a zone (the launcher
+    files them all under ``default``): the ablation of zone-aware placement. The reconfiguration decisions
+    are the system's (``bamboo.reconfig.decide``) and have no knob.
     """
 
-    reconfigure_exposed_share: float = attrs.field(default=0.05)
     zone_aware: bool = True
 
-    @reconfigure_exposed_share.validator
-    def _check_share(self, attribute: attrs.Attribute, value: float) -> None:
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"reconfigure_exposed_share must be in [0, 1], got {value!r}")
+
+class PolicyMismatch(AssertionError):
+    """``check_policy``: the simulator's placement or decision differs from bamboo-reconfig's on the same state."""
 
 
 @attrs.frozen
@@ -206,60 +207,6 @@ _STOPPED, _RUNNING, _PAUSED = 0, 1, 2
 _EV_READY, _EV_PAUSE_END, _EV_DECIDE = 0, 1, 2
 
 
-@functools.lru_cache(maxsize=4096)
-def _zone_pattern(sizes: tuple[int, ...], stages: int, places: int) -> tuple[int, ...]:
-    """The zone index (into `sizes`) of each of the first `places` positions; see `zone_aware_order`."""
-    left = list(sizes)
-    zones = range(len(left))
-    pattern: list[int] = []
-    previous = first = -1
-    last = stages - 1
-    for position in range(places):
-        stage = position % stages
-        if stage == 0:
-            previous = -1
-        other = first if stage == last and stages > 2 else -1
-        best = fallback = -1
-        best_size = fallback_size = 0
-        for index in zones:
-            size = left[index]
-            if index in (previous, other):
-                if size > fallback_size:
-                    fallback, fallback_size = index, size
-            elif size > best_size:
-                best, best_size = index, size
-        chosen = best if best >= 0 else fallback
-        pattern.append(chosen)
-        left[chosen] -= 1
-        previous = chosen
-        if stage == 0:
-            first = chosen
-    return tuple(pattern)
-
-
-def zone_aware_order(nodes: Sequence[int], zone_of: dict[int, int], stages: int, count: int | None = None) -> list[int]:
-    """Order `nodes` so that position i holds stage i % `stages`, with neighbouring stages in different zones.
-
-    Greedy: each position takes a node from the zone with the most nodes left, among the zones
-    other than the previous stage's (and, for the last stage, other than stage 0's, because the
-    last node shadows the first). If only the excluded zones are left, it takes from them. Only
-    the first `count` positions (default: all) are placed this way; the rest follow in any order.
-    The zone pattern depends only on the zone sizes, so it is cached.
-    """
-    by_zone: dict[int, list[int]] = {}
-    for node in nodes:
-        by_zone.setdefault(zone_of[node], []).append(node)
-    if len(by_zone) < 2:
-        return list(nodes)
-    pools = list(by_zone.values())
-    places = len(nodes) if count is None else min(count, len(nodes))
-    pattern = _zone_pattern(tuple(len(pool) for pool in pools), stages, places)
-    order = [pools[index].pop() for index in pattern]
-    for pool in pools:
-        order.extend(pool)
-    return order
-
-
 class _Run:
     """One run of one strategy; `run()` walks the merged external and internal events."""
 
@@ -271,10 +218,17 @@ class _Run:
         target_samples: float,
         until_s: float,
         record: bool,
+        check_policy: bool = False,
     ) -> None:
         self.profile = profile
         self.strategy = strategy
         self.policy = policy
+        self.check_policy = check_policy
+        if check_policy and (strategy is not Strategy.BAMBOO or profile.stages < 2):
+            raise ValueError(
+                f"check_policy compares the bamboo strategy with bamboo-reconfig, which plans pipelines of at "
+                f"least 2 stages; got strategy {strategy.value!r} with {profile.stages} stage(s)"
+            )
         self.timing = profile.timing
         self.stages = profile.stages
         self.max_pipelines = profile.pipelines
@@ -292,10 +246,12 @@ class _Run:
         self.ckpt_wall = 0.0
         self.next_ckpt = self.timing.checkpoint_interval_s
         self.node_seconds = 0.0
-        # Nodes.
+        # Nodes. `owners` is the current layout (dead owners included; empty before the first one),
+        # `slot_of` its live owners, `dead` its lost slots, `ready` the live nodes outside it (standby).
         self.zone_of: dict[int, int] = {}
         self.start_of: dict[int, float] = {}
         self.state: dict[int, int] = {}
+        self.owners: list[list[int]] = []
         self.slot_of: dict[int, tuple[int, int]] = {}
         self.ready: set[int] = set()
         self.dead: set[tuple[int, int]] = set()
@@ -307,6 +263,7 @@ class _Run:
         self.rate = 0.0
         self.pause_forms = False
         self.pause_length = 0.0
+        # Whether training goes on from the current layout's state (false once it has been rolled back).
         self.layout_intact = False
         self.version = 0
         self.decide_pending = False
@@ -326,14 +283,17 @@ class _Run:
         self.seq += 1
         heapq.heappush(self.heap, (when, self.seq, kind, payload))
 
+    def step_duration(self) -> float:
+        """Seconds per training step now (Bamboo runs `fallback_slowdown` slower while a slot is taken over)."""
+        step = self.step_s[self.pipelines]
+        if self.strategy is Strategy.BAMBOO and self.dead:
+            step *= self.timing.fallback_slowdown
+        return step
+
     def current_rate(self) -> float:
         if self.phase != _RUNNING or self.pipelines == 0:
             return 0.0
-        step = self.step_s[self.pipelines]
-        if self.strategy is Strategy.BAMBOO:
-            if self.dead:
-                step *= self.timing.fallback_slowdown
-            return self.profile.samples_per_step / step
+        step = self.step_duration()
         if self.strategy is Strategy.SAMPLE_DROPPING:
             working = self.pipelines - len(self.broken)
             return self.profile.samples_per_step * working / self.pipelines / step
@@ -409,7 +369,7 @@ class _Run:
         """
         if not self.decide_pending and self.phase == _RUNNING and self.should_reconfigure():
             self.decide_pending = True
-            self.push(self.t + self.step_s[self.pipelines], _EV_DECIDE, self.version)
+            self.push(self.t + self.step_duration(), _EV_DECIDE, self.version)
 
     def every_stage_has_a_copy(self) -> bool:
         """Whether every stage still exists somewhere (its own node or, for Bamboo, its shadow)."""
@@ -417,7 +377,7 @@ class _Run:
         dead = self.dead
         shadows = self.strategy is Strategy.BAMBOO
         for k in range(stages):
-            for d in range(self.pipelines):
+            for d in range(len(self.owners)):
                 if (d, k) not in dead or (shadows and stages > 1 and (d, (k - 1) % stages) not in dead):
                     break
             else:
@@ -433,35 +393,57 @@ class _Run:
         return self.timing.local_rendezvous_s + self.timing.reconfiguration_s
 
     # ------------------------------------------------------------ pipelines
+    def placement(self, members: list[int]) -> list[list[int]]:
+        """The new layout's owners grid for the live registered `members` (no pipeline: an empty grid)."""
+        stages = self.stages
+        if self.strategy is Strategy.CHECKPOINT or stages < 2:
+            # Checkpoint/restart restarts every process from the checkpoint, so where a node ran before
+            # does not matter; one-stage pipelines have no neighbours to keep apart.
+            order = sorted(members)
+            return [order[d * stages:(d + 1) * stages] for d in range(min(self.max_pipelines, len(order) // stages))]
+        zone_aware = self.policy.zone_aware
+        zone_of = self.zone_of
+        slot_of = self.slot_of
+        usable = [
+            (node, zone_of[node] if zone_aware else 0, slot_of[node][1] if node in slot_of else NOT_A_HOLDER)
+            for node in members
+        ]
+        owners = plan_placement(usable, stages, self.max_pipelines)
+        if self.check_policy:
+            self.check_plan(members, owners)
+        return owners
+
     def form(self) -> None:
-        """End of a rendezvous: build as many full pipelines as the live nodes allow."""
+        """End of a rendezvous: the new layout, as many whole pipelines as the live nodes allow.
+
+        With too few nodes for one pipeline no layout forms: the job waits, and the live owners of the
+        current layout keep their state (Bamboo, sample dropping) until the next attempt.
+        """
         members = [n for n, s in self.state.items() if s != _CREATING]
-        pipelines = min(self.max_pipelines, len(members) // self.stages)
-        self.slot_of.clear()
-        self.dead.clear()
-        self.broken.clear()
-        self.reconfigurations += 1
-        if pipelines == 0:
-            self.layout_intact = False
-            for node in members:
-                self.state[node] = _READY
-            self.ready = set(members)
+        owners = self.placement(members)
+        if not owners:
+            if self.strategy is Strategy.CHECKPOINT:
+                self.owners, self.slot_of = [], {}
+                self.dead.clear()
+                for node in members:
+                    self.state[node] = _READY
+                self.ready = set(members)
             self.pipelines = 0
             self.set_phase(_STOPPED)
             return
-        if self.policy.zone_aware and self.strategy is not Strategy.CHECKPOINT:
-            order = zone_aware_order(members, self.zone_of, self.stages, pipelines * self.stages)
-        else:
-            order = sorted(members)
-        used = pipelines * self.stages
-        stages = self.stages
-        for i, node in enumerate(order[:used]):
-            self.state[node] = _WORKING
-            self.slot_of[node] = (i // stages, i % stages)
-        self.ready = set(order[used:])
-        for node in self.ready:
-            self.state[node] = _READY
-        self.pipelines = pipelines
+        self.reconfigurations += 1
+        self.owners = owners
+        slot_of: dict[int, tuple[int, int]] = {}
+        for d, row in enumerate(owners):
+            for s, node in enumerate(row):
+                slot_of[node] = (d, s)
+        self.slot_of = slot_of
+        self.ready = {node for node in members if node not in slot_of}
+        for node in members:
+            self.state[node] = _WORKING if node in slot_of else _READY
+        self.dead.clear()
+        self.broken.clear()
+        self.pipelines = len(owners)
         self.layout_intact = True
         self.set_phase(_RUNNING)
         self.schedule_decide()
@@ -470,17 +452,42 @@ class _Run:
         waiting = len(self.ready)
         working = len(self.slot_of)
         if self.strategy is Strategy.BAMBOO:
-            dead = len(self.dead)
-            if dead and waiting >= dead:
-                return True
-            if dead and 2 * dead / max(working, 1) > self.policy.reconfigure_exposed_share:
-                return True
-            return self.pipelines < self.max_pipelines and (working + waiting) // self.stages > self.pipelines
+            when, reasons = decision(self.dead, len(self.owners), self.stages, self.max_pipelines,
+                                     working + waiting, waiting)
+            if self.check_policy:
+                self.check_decision(when, reasons)
+            return when is not When.CARRY_ON
         if self.strategy is Strategy.SAMPLE_DROPPING:
             possible = min(self.max_pipelines, (working + waiting) // self.stages)
             return possible > self.pipelines - len(self.broken)
         # Checkpoint/restart: only a whole new pipeline is worth a restart.
         return self.pipelines < self.max_pipelines and (working + waiting) // self.stages > self.pipelines
+
+    # ------------------------------------------------------------ checks against bamboo-reconfig
+    def system_view(self, alive: Iterable[int]) -> ClusterView:
+        return system_view(self.owners, alive, self.zone_of, self.stages, self.max_pipelines, self.policy.zone_aware)
+
+    def check_plan(self, members: list[int], owners: list[list[int]]) -> None:
+        view = self.system_view(members)
+        try:
+            expected = [[int(name[1:]) for name in row] for row in plan_layout(view).owners]
+        except InfeasibleSplit:
+            expected = []
+        if owners != expected:
+            raise PolicyMismatch(
+                f"at t={self.t:g} s the simulator placed {owners}, bamboo-reconfig's plan_layout {expected}, "
+                f"for the view {view.to_json()}"
+            )
+
+    def check_decision(self, when: When, reasons: tuple[Reason, ...]) -> None:
+        view = self.system_view([*self.slot_of, *self.ready])
+        expected = decide(view)
+        if (when, reasons) != (expected.when, expected.reasons):
+            raise PolicyMismatch(
+                f"at t={self.t:g} s the simulator decided {when.value} {[r.value for r in reasons]}, bamboo-reconfig's "
+                f"decide {expected.when.value} {[r.value for r in expected.reasons]} ({expected.detail}), "
+                f"for the view {view.to_json()}"
+            )
 
     # ------------------------------------------------------------ events
     def on_add(self, node: int, zone: int) -> None:
@@ -496,7 +503,7 @@ class _Run:
         self.state[node] = _READY
         self.ready.add(node)
         if self.phase == _STOPPED:
-            if len(self.ready) >= self.stages:
+            if len(self.ready) + len(self.slot_of) >= self.stages:
                 self.start_pause(self.global_restart_s(), forms=True)
         elif self.phase == _RUNNING:
             if self.strategy is Strategy.CHECKPOINT:
@@ -513,7 +520,6 @@ class _Run:
         self.allocated -= 1
         self.removal_times.append(self.t)
         self.lifetimes.append(self.t - self.start_of.pop(node))
-        del self.zone_of[node]
         if state == _CREATING:
             return
         if state == _READY:
@@ -522,6 +528,14 @@ class _Run:
                 self.start_pause(self.pause_length, forms=True)  # a member left: the rendezvous starts over
             return
         d, s = self.slot_of.pop(node)
+        if self.phase == _STOPPED:
+            # The job waits for nodes; a holder's loss matters only if a stage loses its last copy.
+            self.dead.add((d, s))
+            if self.layout_intact and not self.every_stage_has_a_copy():
+                self.fatal += 1
+                self.rollback()
+                self.layout_intact = False
+            return
         if self.phase == _PAUSED and self.pause_forms:
             # A member left during a rendezvous: it starts over. A reconfiguration rebuilds every
             # stage from whichever copy is left, so the loss is fatal only if a stage lost every copy.
@@ -546,13 +560,21 @@ class _Run:
 
     def bamboo_failure(self, d: int, s: int) -> None:
         stages = self.stages
-        neighbours_dead = (d, (s - 1) % stages) in self.dead or (d, (s + 1) % stages) in self.dead
+        fatal = stages == 1 or is_consecutive_failure(self.dead, d, s, stages)
         self.dead.add((d, s))
-        if stages == 1 or neighbours_dead:
+        if self.check_policy:
+            waiting = len(self.ready)
+            when, reasons = decision(self.dead, len(self.owners), stages, self.max_pipelines,
+                                     len(self.slot_of) + waiting, waiting)
+            if (when is When.NOW) != fatal:
+                raise PolicyMismatch(f"at t={self.t:g} s slot {(d, s)} lost: fatal={fatal} but the decision is {when.value}")
+            self.check_decision(when, reasons)
+        if fatal:
+            # A stage and its shadow are gone: reconfigure now, from whichever copy is left.
             self.fatal += 1
             if not self.every_stage_has_a_copy():
                 self.rollback()
-            self.layout_intact = False
+                self.layout_intact = False
             self.start_pause(self.global_restart_s(), forms=True)
             return
         pause = self.timing.failover_pause_s
@@ -572,6 +594,7 @@ class _Run:
             self.fatal += 1
             if not self.every_stage_has_a_copy():
                 self.rollback()
+                self.layout_intact = False
             self.start_pause(self.global_restart_s(), forms=True)
             return
         self.rate = self.current_rate()
@@ -716,12 +739,16 @@ def simulate_run(
     target_samples: float | None = None,
     until_s: float | None = None,
     record: bool = False,
+    check_policy: bool = False,
 ) -> RunResult:
     """Simulate one run of `strategy` on `source` until `target_samples` are trained or `until_s` passes.
 
     `source` is a `Trace` or an iterable of (time_s, is_add, node id, zone index) in time order
     (e.g. `SyntheticTraceGenerator.events()`). `target_samples` defaults to the profile's
     `job_samples`; `until_s` defaults to no limit. With `record`, the result carries a `Timeline`.
+    With `check_policy` (bamboo only; slow), every placement and decision is also computed by
+    bamboo-reconfig's ``plan_layout`` and ``decide`` on the same state, and a difference raises
+    `PolicyMismatch`.
     """
     target = profile.job_samples if target_samples is None else target_samples
     limit = math.inf if until_s is None else until_s
@@ -732,7 +759,7 @@ def simulate_run(
     if strategy is Strategy.ON_DEMAND:
         return _on_demand_result(profile, target, limit, record)
     events = _trace_events(source) if isinstance(source, Trace) else iter(source)
-    return _Run(profile, strategy, policy or Policy(), target, limit, record).run(events)
+    return _Run(profile, strategy, policy or Policy(), target, limit, record, check_policy).run(events)
 
 
 def simulate_synthetic(
@@ -745,11 +772,13 @@ def simulate_synthetic(
     target_samples: float | None = None,
     max_hours: float = 1000.0,
     record: bool = False,
+    check_policy: bool = False,
 ) -> RunResult:
     """One run "until completion" on the synthetic stream for `seed` (given up after `max_hours`)."""
     events = SyntheticTraceGenerator(spec, seed).events(until_s=max_hours * 3600.0)
     return simulate_run(
-        events, profile, strategy, policy=policy, target_samples=target_samples, until_s=max_hours * 3600.0, record=record
+        events, profile, strategy, policy=policy, target_samples=target_samples, until_s=max_hours * 3600.0,
+        record=record, check_policy=check_policy,
     )
 
 

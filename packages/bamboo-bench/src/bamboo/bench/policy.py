@@ -1,0 +1,324 @@
+"""The system's reconfiguration policy, on the simulator's integers: bamboo-reconfig's rules, fast.
+
+The simulator's ``bamboo`` strategy takes every placement and every reconfiguration decision from here.
+They are the rules of ``bamboo.reconfig.plan_layout`` and ``bamboo.reconfig.decide``, computed on plain
+integers because a sweep makes millions of them (building a ``ClusterView`` and calling the planner costs
+about a millisecond each; these functions cost tens of microseconds). The simulator state maps onto the
+planner's inputs like this (``system_view`` builds that ``ClusterView``):
+
+- Nodes that are allocated but still starting are not in the view (they have not registered yet). The
+  owners of the current layout are ``active`` (with their slot) or ``preempted``; every other live node is
+  ``standby``, as the launcher reports waiting nodes (``bamboo.launch.reconfigure.build_view``).
+- The depth is the profile's P and never lower: a profile gives step times for depth P only. The view says
+  so with a model of P one-byte layers and a node memory of two bytes (a node holds its stage and its
+  successor's replica), so with fewer than P usable nodes the planner finds no split
+  (``InfeasibleSplit``) and the job waits for nodes.
+- The global batch does not bind: the view's global batch is D microbatches, so D' = min(D, usable // P).
+- Node ids and zone indices become names that sort like the integers (``node_name``, ``zone_name``), so
+  every tie the planner breaks by name is broken the same way here. Zone-blind placement
+  (``Policy(zone_aware=False)``) is the planner on a view where every node is in one zone, which is what
+  the launcher does with nodes that register without a zone (it files them under ``default``).
+
+`plan_placement` equals ``plan_layout(system_view(...)).owners`` and `decision` equals
+``decide(system_view(...))`` (when and reasons): the tests check both on random clusters (hypothesis), and
+``simulate_run(..., check_policy=True)`` checks every placement and decision of a run against
+bamboo-reconfig itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+from bamboo.reconfig import ClusterView, LayerSpec, Layout, Node, Reason, StageSlot, When, microbatch_shares
+from bamboo.reconfig.layout_plan import ARRANGEMENT_SEARCH_BUDGET
+from bamboo.reconfig.placement import ring_arrangements
+from scipy.optimize import linear_sum_assignment
+
+__all__ = [
+    "NOT_A_HOLDER",
+    "decision",
+    "is_consecutive_failure",
+    "node_name",
+    "plan_placement",
+    "system_view",
+    "zone_name",
+]
+
+#: The held stage of a node that holds no state of the current layout (a standby node).
+NOT_A_HOLDER = -1
+#: The one zone of a zone-blind view (the launcher's name for nodes that register without a zone).
+ZONE_BLIND_NAME = "default"
+
+
+def node_name(node: int) -> str:
+    """The view's name for simulator node `node`: names sort like the integers (up to 10**12 nodes)."""
+    return f"n{node:012d}"
+
+
+def zone_name(zone: int) -> str:
+    """The view's name for simulator zone index `zone`: names sort like the integers."""
+    return f"z{zone:06d}"
+
+
+# ------------------------------------------------------------------------------------------ placement
+@functools.lru_cache(maxsize=64)
+def _missing_layers(stages: int) -> np.ndarray:
+    """``table[h, s]``: layers a node that owned stage h must fetch to own stage s; row -1 is a non-holder.
+
+    A stage's owner holds its own layer and its successor's (``Layout.layers_held_at``); with one layer per
+    stage, owning stage s needs layers {s, s+1 mod P}.
+    """
+    need = [frozenset({s, (s + 1) % stages}) for s in range(stages)]
+    rows = [[len(need[s] - need[h]) for s in range(stages)] for h in range(stages)]
+    rows.append([len(need[s]) for s in range(stages)])
+    table = np.array(rows, dtype=np.float64)
+    table.setflags(write=False)
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _fit_stage(stages: int) -> tuple[int, ...]:
+    """The first new stage a holder of old stage h can own without fetching anything (the planner's "fits")."""
+    table = _missing_layers(stages)
+    return tuple(int(np.flatnonzero(table[h] == 0)[0]) for h in range(stages))
+
+
+def _spread_cost(total: int, rings: int, stages: int) -> int:
+    """Same-zone pairs of one zone's `total` nodes spread as evenly as possible over `rings` rings."""
+    base, extra = divmod(total, rings)
+    return extra * max(0, 2 * (base + 1) - stages) + (rings - extra) * max(0, 2 * base - stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _marginal_pairs(rings: int, stages: int, longest: int) -> tuple[int, ...]:
+    """Same-zone pairs added by a zone's (c+1)-th node, for c < `longest` (non-decreasing in c)."""
+    return tuple(_spread_cost(c + 1, rings, stages) - _spread_cost(c, rings, stages) for c in range(longest))
+
+
+@functools.lru_cache(maxsize=4096)
+def _arrangements(counts: tuple[tuple[int, int], ...], stages: int) -> _Arrangements:
+    """The planner's candidate zone sequences for one ring with these (zone, count) pairs (by zone), cached."""
+    candidates = tuple(tuple(sequence) for sequence in ring_arrangements(dict(counts), stages))
+    zones = tuple(zone for zone, _count in counts)
+    position = {zone: index for index, zone in enumerate(zones)}
+    # choice[c, k * stages + s] = 1 when candidate c puts zone k at stage s: scores are one product.
+    choice = np.zeros((len(candidates), len(zones) * stages), dtype=np.float64)
+    for c, candidate in enumerate(candidates):
+        for stage, zone in enumerate(candidate):
+            choice[c, position[zone] * stages + stage] = 1.0
+    stages_of = tuple(
+        tuple(tuple(stage for stage, zone in enumerate(candidate) if zone == wanted) for wanted in zones)
+        for candidate in candidates
+    )
+    return _Arrangements(candidates, zones, choice, stages_of)
+
+
+class _Arrangements(NamedTuple):
+    candidates: tuple[tuple[int, ...], ...]
+    zones: tuple[int, ...]
+    #: ``choice[c, k * stages + s]`` is 1 when candidate c puts ``zones[k]`` at stage s.
+    choice: np.ndarray
+    #: ``stages_of[c][k]``: the stages candidate c gives to ``zones[k]``, in order.
+    stages_of: tuple[tuple[tuple[int, ...], ...], ...]
+
+
+def plan_placement(usable: Sequence[tuple[int, int, int]], stages: int, pipelines: int) -> list[list[int]]:
+    """The owners grid (``owners[d][s]`` = node) that ``plan_layout`` gives for these usable nodes.
+
+    `usable` holds ``(node, zone, held_stage)`` for every live registered node, `held_stage` being the
+    stage the node owns in the current layout or `NOT_A_HOLDER`. Pipelines have depth `stages`; there are
+    ``min(pipelines, len(usable) // stages)`` of them (none with fewer than `stages` nodes). Nodes left
+    out are the standby queue. Steps, as in ``bamboo.reconfig.layout_plan``: choose the nodes (fewest
+    same-zone neighbours, holders first, then by id), deal their zone counts round-robin over the rings,
+    pick each ring's zone sequence (the first of the planner's candidates that lets the most holders keep
+    their stage), and match each zone's nodes to its slots by the fewest layers fetched.
+    """
+    rings = min(pipelines, len(usable) // stages)
+    if rings == 0:
+        return []
+    needed = rings * stages
+    held = {node: stage for node, _zone, stage in usable}
+    # 1. Which nodes run. The planner takes nodes one at a time, each time the one with the smallest
+    # (added same-zone pairs, not a holder, id); within a zone those keys only grow (the added pairs of
+    # the c-th node of a zone never fall as c grows, and the zone's nodes come in (not a holder, id)
+    # order), so its picks are simply the `needed` smallest keys.
+    if needed == len(usable):
+        chosen = [(zone, node) for node, zone, _stage in usable]
+    else:
+        queues: dict[int, list[tuple[int, int]]] = {}
+        for node, zone, stage in usable:
+            queues.setdefault(zone, []).append((0 if stage != NOT_A_HOLDER else 1, node))
+        marginal = _marginal_pairs(rings, stages, max(len(queue) for queue in queues.values()))
+        keys = []
+        for zone, queue in queues.items():
+            queue.sort()
+            keys.extend((marginal[count], rank, node, zone) for count, (rank, node) in enumerate(queue))
+        keys.sort()
+        chosen = [(zone, node) for _pairs, _rank, node, zone in keys[:needed]]
+    # 2. Zone counts per ring: the chosen nodes in (zone, id) order, dealt round-robin (zone z holds a
+    # run of that order, so each ring's share of it is counted, not dealt).
+    chosen.sort()
+    nodes_of: dict[int, list[int]] = {}
+    for zone, node in chosen:
+        nodes_of.setdefault(zone, []).append(node)
+    ring_counts: list[list[tuple[int, int]]] = [[] for _ in range(rings)]
+    first = 0
+    for zone, nodes in nodes_of.items():
+        full, extra = divmod(len(nodes), rings)
+        for ring in range(rings):
+            count = full + 1 if (ring - first) % rings < extra else full
+            if count:
+                ring_counts[ring].append((zone, count))
+        first += len(nodes)
+    # 3. Each ring's zone sequence: the first of the planner's candidates that lets the most holders
+    # keep their stage. fits[zone][s]: chosen holders of that zone that can own stage s as they are.
+    fit_stage = _fit_stage(stages)
+    fits: dict[int, list[int]] = {}
+    holders = 0
+    for zone, nodes in nodes_of.items():
+        row = fits[zone] = [0] * stages
+        for node in nodes:
+            stage = held[node]
+            if stage != NOT_A_HOLDER:
+                row[fit_stage[stage]] += 1
+                holders += 1
+    ring_choice: list[tuple[_Arrangements, int]] = []
+    for counts in ring_counts:
+        arrangements = _arrangements(tuple(counts), stages)
+        best = 0
+        if holders and len(arrangements.candidates) * stages <= ARRANGEMENT_SEARCH_BUDGET:
+            fitting = np.array([1.0 if count else 0.0 for zone in arrangements.zones for count in fits[zone]])
+            scores = arrangements.choice @ fitting
+            best = int(scores.argmax())
+            for stage, zone in enumerate(arrangements.candidates[best]):
+                row = fits[zone]
+                if row[stage]:
+                    row[stage] -= 1
+                    holders -= 1
+        ring_choice.append((arrangements, best))
+    # 4. Within each zone, nodes (by id) to slots (ring-major): identity, or the fewest layers fetched.
+    slots_of: dict[int, list[tuple[int, int]]] = {zone: [] for zone in nodes_of}
+    for ring, (arrangements, best) in enumerate(ring_choice):
+        for zone, zone_stages in zip(arrangements.zones, arrangements.stages_of[best], strict=True):
+            slots_of[zone].extend((ring, stage) for stage in zone_stages)
+    missing = _missing_layers(stages)
+    owners = [[0] * stages for _ in range(rings)]
+    for zone, nodes in nodes_of.items():
+        slots = slots_of[zone]
+        stages_held = [held[node] for node in nodes]
+        if stages_held.count(NOT_A_HOLDER) == len(stages_held):
+            for (ring, stage), node in zip(slots, nodes, strict=True):
+                owners[ring][stage] = node
+            continue
+        cost = missing.take(stages_held, axis=0).take([stage for _ring, stage in slots], axis=1)
+        node_index, slot_index = linear_sum_assignment(cost)
+        for n, s in zip(node_index.tolist(), slot_index.tolist(), strict=True):
+            ring, stage = slots[s]
+            owners[ring][stage] = nodes[n]
+    return owners
+
+
+# ------------------------------------------------------------------------------------------- decision
+def is_consecutive_failure(dead: Collection[tuple[int, int]], pipeline: int, stage: int, stages: int) -> bool:
+    """Whether the lost slot (`pipeline`, `stage`) has a lost neighbour: a stage and its shadow are both gone."""
+    return (pipeline, (stage - 1) % stages) in dead or (pipeline, (stage + 1) % stages) in dead
+
+
+def decision(
+    dead: Collection[tuple[int, int]],
+    layout_pipelines: int,
+    stages: int,
+    target_pipelines: int,
+    usable: int,
+    waiting: int,
+) -> tuple[When, tuple[Reason, ...]]:
+    """``decide``'s when and reasons for a layout of `layout_pipelines` x `stages` whose slots `dead` are lost.
+
+    `usable` counts the live registered nodes (surviving owners and waiting nodes), `waiting` the live
+    nodes outside the layout. The rules, most urgent first: a pipeline that lost a stage and its shadow
+    reconfigures now; at the next step boundary when every survivor of some degraded pipeline has a lost
+    neighbour (one more failure would be fatal), when a shadow carries a lost stage and a node waits, or
+    when the waiting nodes let more pipelines run; otherwise carry on.
+    """
+    if not dead:
+        if waiting and min(target_pipelines, usable // stages) > layout_pipelines:
+            return When.NEXT_STEP_BOUNDARY, (Reason.NEW_PIPELINE,)
+        return When.CARRY_ON, (Reason.ALL_PIPELINES_WHOLE,)
+    lost_by_pipeline: dict[int, set[int]] = {}
+    for pipeline, stage in dead:
+        lost_by_pipeline.setdefault(pipeline, set()).add(stage)
+    fragile = False
+    for lost in lost_by_pipeline.values():
+        if any((stage - 1) % stages in lost for stage in lost):
+            return When.NOW, (Reason.CONSECUTIVE_FAILURE,)
+        if not fragile:
+            fragile = all(
+                (stage - 1) % stages in lost or (stage + 1) % stages in lost
+                for stage in range(stages)
+                if stage not in lost
+            )
+    reasons: list[Reason] = []
+    if fragile:
+        reasons.append(Reason.ONE_MORE_FAILURE_FATAL)
+    if waiting:
+        reasons.append(Reason.SHADOW_CARRYING_TWO_STAGES)
+        if min(target_pipelines, usable // stages) > layout_pipelines:
+            reasons.append(Reason.NEW_PIPELINE)
+    if reasons:
+        return When.NEXT_STEP_BOUNDARY, tuple(reasons)
+    return When.CARRY_ON, (Reason.FAILURES_ABSORBED,)
+
+
+# ---------------------------------------------------------------------------------------- system view
+@functools.lru_cache(maxsize=64)
+def _layers(stages: int) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(param_bytes=1, optimizer_bytes=0, compute_cost=1.0) for _ in range(stages))
+
+
+def system_view(
+    owners: Sequence[Sequence[int]],
+    alive: Iterable[int],
+    zone_of: Mapping[int, int],
+    stages: int,
+    pipelines: int,
+    zone_aware: bool = True,
+) -> ClusterView:
+    """The ``ClusterView`` that bamboo-reconfig sees for this simulator state (see the module docstring).
+
+    `owners` is the current layout's grid (empty before the first layout), dead owners included; `alive`
+    the live registered nodes (owners still alive and waiting nodes); `zone_of` every node's zone index.
+    """
+    if stages < 2:
+        raise ValueError(f"bamboo-reconfig plans pipelines of at least 2 stages, got {stages}")
+    live = set(alive)
+
+    def zone(node: int) -> str:
+        return zone_name(zone_of[node]) if zone_aware else ZONE_BLIND_NAME
+
+    nodes: list[Node] = []
+    slots: set[int] = set()
+    for pipeline, row in enumerate(owners):
+        for stage, node in enumerate(row):
+            slots.add(node)
+            if node in live:
+                nodes.append(Node(node_name(node), zone(node), "active", StageSlot(pipeline, stage)))
+            else:
+                nodes.append(Node(node_name(node), zone(node), "preempted"))
+    nodes.extend(Node(node_name(node), zone(node), "standby") for node in live - slots)
+    layers = _layers(stages)
+    layout = None
+    if owners:
+        layout = Layout(
+            stages=stages,
+            layers=layers,
+            stage_layers=[(stage, stage + 1) for stage in range(stages)],
+            owners=[[node_name(node) for node in row] for row in owners],
+            microbatches=microbatch_shares(pipelines, len(owners)),
+        )
+    return ClusterView(
+        nodes=nodes, target_stages=stages, target_pipelines=pipelines, global_batch=pipelines,
+        layers=layers, layout=layout, node_memory_bytes=2,
+    )

@@ -25,6 +25,7 @@ def test_simulate_p3_gpt2_side_by_side_with_plot(traces_dir: Path, tmp_path: Pat
     assert rows["checkpoint"]["progress_share"] < rows["bamboo"]["progress_share"] < 1.0
     assert rows["on-demand"]["progress_share"] == 1.0
     assert rows["bamboo"]["value"] > rows["checkpoint"]["value"]
+    assert all(row["warning"] is None for row in rows.values())
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -96,6 +97,47 @@ def test_argument_errors_exit_2(argv: list[str], words: str, capsys) -> None:
         main(argv)
     assert caught.value.code == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("metadata", "shown"), [("[]", "[]"), ("null", "None"), ('"x"', "'x'")])
+def test_skypilot_metadata_not_an_object_is_a_one_line_error(tmp_path: Path, metadata: str, shown: str, capsys) -> None:
+    path = tmp_path / "us-east-1a_v100_1.json"
+    path.write_text(f'{{"metadata": {metadata}, "data": [4, 3]}}')
+    assert main(["simulate", "--trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"bamboo-bench: error: {path}: 'metadata' must be an object with 'gap_seconds', got {shown}\n"
+
+
+def _too_small_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "small.csv"
+    path.write_text("# duration_s=3600\ntime_s,event,node,zone\n0,add,a,z1\n0,add,b,z2\n1000,add,c,z1\n"
+                    "2000,remove,a,z1\n")
+    return path
+
+
+def test_simulate_warns_when_no_pipeline_can_form(tmp_path: Path, capsys) -> None:
+    path = _too_small_trace(tmp_path)
+    assert main(["simulate", "--trace", str(path), "--model", "gpt2", "--json"]) == 0
+    rows = {r["strategy"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    expected = ("no pipeline can ever form: trace 'small' never has more than 3 node(s) alive at once, fewer than "
+                "the 12 stages of one pipeline of 'gpt2'; throughput is 0 and 2.28 node(s) on average were still "
+                "charged ($2.07/h)")
+    assert rows["bamboo"]["warning"] == rows["checkpoint"]["warning"] == expected
+    assert rows["bamboo"]["throughput"] == 0.0 and rows["bamboo"]["cost_per_hour"] > 0
+    assert rows["on-demand"]["warning"] is None
+    assert main(["simulate", "--trace", str(path), "--model", "gpt2"]) == 0
+    table = capsys.readouterr().out
+    assert "│ warning (bamboo, checkpoint): no pipeline can ever" in table
+    assert "fewer than the 12 stages of one" in table
+
+
+def test_simulate_warns_when_nothing_was_trained(tmp_path: Path, capsys) -> None:
+    # Enough nodes, but the window ends before the first rendezvous is over.
+    path = tmp_path / "short.csv"
+    path.write_text("# duration_s=60\ntime_s,event,node,zone\n" + "".join(f"0,add,n{i},z{i % 3}\n" for i in range(12)))
+    assert main(["simulate", "--trace", str(path), "--model", "gpt2", "--strategy", "bamboo", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["warning"] == "nothing was trained (throughput 0) and 12.00 node(s) on average were still charged ($10.92/h)"
 
 
 def test_malformed_trace_error_names_file_and_line(tmp_path: Path, capsys) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bamboo.bench.loaders import (
+    MAX_INSTANCE_COUNT,
     TraceFormatError,
     load_count_csv,
     load_count_curve,
@@ -165,8 +166,12 @@ def test_generic_malformed_lines(tmp_path: Path, text: str, line: int, words: st
     [
         ('{"metadata": {"gap_seconds": 0}, "data": [1]}', "gap_seconds"),
         ('{"metadata": {"gap_seconds": 30}, "data": [1, "x"]}', r"data\[1\]"),
-        ('{"metadata": {"gap_seconds": 30}, "data": [1, -1]}', "negative"),
+        ('{"metadata": {"gap_seconds": 30}, "data": [1, -1]}', r": data\[1\] = -1 is a negative instance count"),
+        ('{"metadata": {"gap_seconds": 30}, "data": [1, 2, 10001]}',
+         r": data\[2\] = 10001 is above the instance-count limit of 10000"),
         ('{"metadata": {"gap_seconds": 30}}', "expected an object"),
+        ('{"metadata": [], "data": [1]}', r"'metadata' must be an object with 'gap_seconds', got \[\]"),
+        ('{"metadata": null, "data": [1]}', "'metadata' must be an object with 'gap_seconds', got None"),
         ('{"metadata": ', "not JSON"),
     ],
 )
@@ -174,6 +179,37 @@ def test_skypilot_malformed(tmp_path: Path, text: str, words: str) -> None:
     path = _write(tmp_path, "us-x-1a_v100_1.json", text)
     with pytest.raises(TraceFormatError, match=rf"us-x-1a_v100_1\.json.*{words}"):
         load_skypilot_counts([path])
+
+
+def test_skypilot_errors_name_the_element_not_a_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "us-x-1a_v100_1.json", '{"metadata": {"gap_seconds": 30}, "data": [3, 2, 1, 0, 1, -2]}')
+    with pytest.raises(TraceFormatError) as caught:
+        load_skypilot_counts([path])
+    assert str(caught.value) == f"{path}: data[5] = -2 is a negative instance count"
+    assert caught.value.line is None
+
+
+def test_counts_above_the_limit_are_refused(tmp_path: Path) -> None:
+    assert MAX_INSTANCE_COUNT == 10_000
+    with pytest.raises(TraceFormatError, match=r"curve\.csv:2: instance count 1000000 is above the limit of 10000"):
+        load_count_curve(_write(tmp_path, "curve.csv", "0,4\n60,1000000\n"))
+    with pytest.raises(TraceFormatError, match=r"log\.txt:1: instance count 10001 is above the limit of 10000"):
+        load_gcp_counts(_write(tmp_path, "log.txt", "2021-01-01, 00:00:00, 10001\n"))
+    assert len(load_count_curve(_write(tmp_path, "edge.csv", "0,10000\n60,0\n"))) == 20_000
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    text = "time_s,event,node,zone\n0,add,n0,zone-a\n5,remove,n0,zone-a\n"
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    trace = load_trace(path)
+    assert [str(event) for event in trace.events()] == ["+n0@zone-a@0s", "-n0@zone-a@5s"]
+    ec2 = tmp_path / "ec2.csv"
+    ec2.write_bytes(b"\xef\xbb\xbf0,add,node1\n")
+    assert len(load_trace(ec2)) == 1
+    sky = tmp_path / "us-x-1a_v100_1.json"
+    sky.write_bytes(b"\xef\xbb\xbf" + json.dumps({"metadata": {"gap_seconds": 60}, "data": [2, 1]}).encode())
+    assert len(load_trace(sky)) == 3
 
 
 def test_unknown_format_and_missing_file(tmp_path: Path) -> None:

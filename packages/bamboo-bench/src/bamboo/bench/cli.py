@@ -287,7 +287,8 @@ def _fmt(value: float, digits: int) -> str:
 
 def _results_table(title: str, rows: Sequence[tuple[str, AveragedResult | RunResult]]) -> Table:
     table = Table(title=title)
-    for header in ("strategy", "preemptions", "interval h", "lifetime h", "fatal", "nodes", "throughput",
+    table.add_column("strategy", justify="left", max_width=56)
+    for header in ( "preemptions", "interval h", "lifetime h", "fatal", "nodes", "throughput",
                    "$/h", "value", "progress", "hours"):
         table.add_column(header, justify="right")
     for label, r in rows:
@@ -297,6 +298,20 @@ def _results_table(title: str, rows: Sequence[tuple[str, AveragedResult | RunRes
             _fmt(r.value, 3), f"{r.progress_share:.0%}", _fmt(r.duration_h, 2),
         )
     return table
+
+
+def _warning(strategy: Strategy, result: AveragedResult, profile: ModelProfile, trace: Trace | None) -> str | None:
+    """What a reader of `result` must be told, or None: a spot run that trained nothing but was charged."""
+    if strategy is Strategy.ON_DEMAND or result.throughput > 0:
+        return None
+    charged = f"{result.nodes:.2f} node(s) on average were still charged (${result.cost_per_hour:.2f}/h)"
+    if trace is not None:
+        most = trace.summary().max_alive
+        if most < profile.stages:
+            return (f"no pipeline can ever form: trace {trace.name!r} never has more than {most} node(s) alive at once, "
+                    f"fewer than the {profile.stages} stages of one pipeline of {profile.name!r}; throughput is 0 "
+                    f"and {charged}")
+    return f"nothing was trained (throughput 0) and {charged}"
 
 
 def _load_trace(args: argparse.Namespace) -> Trace:
@@ -327,6 +342,7 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     strategies: list[Strategy] = args.strategy
     until = args.until or ("trace-end" if args.trace else "completion")
     runs_by_strategy: dict[Strategy, list[RunResult]] = {s: [] for s in strategies}
+    trace: Trace | None = None
     if args.trace:
         trace = _load_trace(args)
         title = f"{profile.name} on {trace.name} ({trace.duration_s / 3600:.2f} h, until {until})"
@@ -362,13 +378,21 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
                     runs_by_strategy[strategy].append(run)
                     progress.advance(task)
     averaged = {s: average_results(r) for s, r in runs_by_strategy.items()}
+    warnings = {s: _warning(s, r, profile, trace) for s, r in averaged.items()}
     if args.json:
-        for result in averaged.values():
-            document = {"model": profile.name, "source": title, **result.as_dict()}
+        for strategy, result in averaged.items():
+            document = {"model": profile.name, "source": title, **result.as_dict(), "warning": warnings[strategy]}
             print(json.dumps(document))
     else:
         console_out = _stdout_console()
-        console_out.print(_results_table(title, [(s.value, r) for s, r in averaged.items()]))
+        table = _results_table(title, [(s.value, r) for s, r in averaged.items()])
+        said: dict[str, list[str]] = {}
+        for strategy, warning in warnings.items():
+            if warning is not None:
+                said.setdefault(warning, []).append(strategy.value)
+        for warning, names in said.items():
+            table.add_row(f"[bold yellow]warning[/] ({', '.join(names)}): [yellow]{warning}[/]", end_section=True)
+        console_out.print(table)
         console_out.print(f"on-demand reference value: {profile.on_demand_value:.3f} samples/s per $/h")
     if args.plot is not None:
         from bamboo.bench.plot import plot_runs

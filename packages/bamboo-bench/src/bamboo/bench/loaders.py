@@ -18,9 +18,11 @@ Formats (see the `SOURCE.md` beside each trace folder):
   ``# duration_s=7200`` sets the observed window (default: the last event's time).
 
 Count logs become events like this: a rise of k adds k new nodes named ``<zone>-<i>``, a drop of
-k removes the k most recently added nodes of that zone (last in, first out).
+k removes the k most recently added nodes of that zone (last in, first out). A count above
+`MAX_INSTANCE_COUNT` is refused: every counted instance becomes a node with its own events.
 
-Every malformed input raises `TraceFormatError`, whose message names the file and the line.
+Text files may start with a UTF-8 byte-order mark. Every malformed input raises `TraceFormatError`,
+whose message names the file and the line (for JSON: the element, ``data[5]``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from bamboo.bench.trace import EventKind, Trace, TraceEvent
 
 __all__ = [
     "GENERIC_CSV_HEADER",
+    "MAX_INSTANCE_COUNT",
     "TraceFormatError",
     "load_count_csv",
     "load_count_curve",
@@ -48,6 +51,9 @@ __all__ = [
 ]
 
 GENERIC_CSV_HEADER = "time_s,event,node,zone"
+#: The largest instance count a count trace may hold. The real traces peak at 80; each counted instance
+#: becomes a node with its own events (a count of a million took 580 MB), so a larger count is refused.
+MAX_INSTANCE_COUNT = 10_000
 _EC2_LINE = re.compile(r"^\s*\d+\s*,\s*(add|remove)\s*,")
 _COUNT_CURVE_LINE = re.compile(r"^\s*\d+(\.\d*)?\s*,\s*\d+(\.0*)?\s*$")
 
@@ -63,13 +69,18 @@ class TraceFormatError(ValueError):
         super().__init__(f"{where}: {problem}")
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_text(path: Path) -> str:
+    """The file's text; a UTF-8 byte-order mark at the start is dropped."""
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        return path.read_text(encoding="utf-8-sig")
     except OSError as error:
         raise TraceFormatError(path, None, f"cannot read: {error.strerror or error}") from error
     except UnicodeDecodeError as error:
         raise TraceFormatError(path, None, f"not UTF-8 text: {error.reason}") from error
+
+
+def _read_lines(path: Path) -> list[str]:
+    return _read_text(path).splitlines()
 
 
 class _EventBuilder:
@@ -132,6 +143,8 @@ def _count_events(
     for line, time_s, count in samples:
         if count < 0:
             raise TraceFormatError(path, line, f"negative instance count {count}")
+        if count > MAX_INSTANCE_COUNT:
+            raise TraceFormatError(path, line, f"instance count {count} is above the limit of {MAX_INSTANCE_COUNT}")
         while len(stack) < count:
             created += 1
             node = f"{zone}-{created}"
@@ -274,14 +287,15 @@ def load_skypilot_counts(paths: Sequence[Path | str] | Path | str) -> Trace:
             raise TraceFormatError(path, None, f"zone {zone!r} is loaded twice")
         zones_seen.add(zone)
         try:
-            document = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as error:
-            raise TraceFormatError(path, None, f"cannot read: {error.strerror or error}") from error
+            document = json.loads(_read_text(path))
         except json.JSONDecodeError as error:
             raise TraceFormatError(path, error.lineno, f"not JSON: {error.msg}") from None
         if not isinstance(document, dict) or "data" not in document:
             raise TraceFormatError(path, None, "expected an object with 'metadata.gap_seconds' and 'data'")
-        gap = document.get("metadata", {}).get("gap_seconds")
+        metadata = document.get("metadata")
+        if not isinstance(metadata, dict):
+            raise TraceFormatError(path, None, f"'metadata' must be an object with 'gap_seconds', got {metadata!r}")
+        gap = metadata.get("gap_seconds")
         if not isinstance(gap, (int, float)) or gap <= 0:
             raise TraceFormatError(path, None, f"metadata.gap_seconds must be a positive number, got {gap!r}")
         data = document["data"]
@@ -290,8 +304,14 @@ def load_skypilot_counts(paths: Sequence[Path | str] | Path | str) -> Trace:
         for index, count in enumerate(data):
             if not isinstance(count, int) or isinstance(count, bool):
                 raise TraceFormatError(path, None, f"data[{index}] = {count!r} is not a whole number")
+            if count < 0:
+                raise TraceFormatError(path, None, f"data[{index}] = {count} is a negative instance count")
+            if count > MAX_INSTANCE_COUNT:
+                raise TraceFormatError(
+                    path, None, f"data[{index}] = {count} is above the instance-count limit of {MAX_INSTANCE_COUNT}"
+                )
         builder = _EventBuilder(path)
-        # The "line" of a JSON sample is its tick index (the file is a single line).
+        # Every count was checked above, so the tick index never reaches an error message as a "line".
         _count_events(path, ((i, i * float(gap), c) for i, c in enumerate(data)), zone, builder)
         events.extend(builder.events)
         duration = max(duration, len(data) * float(gap))

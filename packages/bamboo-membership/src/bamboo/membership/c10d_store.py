@@ -14,8 +14,9 @@ and then, with no `init_process_group`:
     group = ProcessGroupGloo(store, rank, world_size, opts)
 
 Timeouts: `get` and `wait` block until their keys exist, for at most the store's `timeout` (constructor
-argument, default 300 s, changeable with `set_timeout`), polling etcd every `poll_min` seconds at first and
-backing off to `poll_max` (defaults 1 ms and 20 ms). Each etcd request is bounded by the client's own timeout.
+argument, default `C10D_STORE_TIMEOUT_S` = 300 s, changeable with `set_timeout`), polling etcd every
+`poll_min` seconds at first and backing off to `poll_max` (`C10D_POLL_MIN_S` = 1 ms, `C10D_POLL_MAX_S` =
+20 ms; all in `bamboo.membership.timeouts`). Each etcd request is bounded by the client's own timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
+from bamboo.membership import timeouts
 from bamboo.membership.kv import KeyValueStore
 from bamboo.membership.store import JobKeys
 
@@ -51,10 +53,10 @@ class EtcdStore(dist.Store):
         self,
         kv: KeyValueStore,
         prefix: str,
-        timeout: timedelta = timedelta(seconds=300),
+        timeout: timedelta = timedelta(seconds=timeouts.C10D_STORE_TIMEOUT_S),
         *,
-        poll_min: float = 0.001,
-        poll_max: float = 0.02,
+        poll_min: float = timeouts.C10D_POLL_MIN_S,
+        poll_max: float = timeouts.C10D_POLL_MAX_S,
     ) -> None:
         super().__init__()
         if not prefix.endswith("/"):

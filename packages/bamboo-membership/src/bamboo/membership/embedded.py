@@ -4,9 +4,10 @@
 `tls_cert`/`tls_key`, HTTPS on the client port), waits until it answers `/health`, stops it by PID (SIGTERM, or SIGKILL to emulate a crash) and restarts it on the same
 data directory and the same ports, so that clients reconnect to the address they already know.
 
-Timeouts (all in seconds, all constructor arguments):
-- `start_timeout` (default 20): how long `start()` waits for `/health` before giving up;
-- `stop_timeout` (default 10): how long `stop()` waits after SIGTERM before sending SIGKILL.
+Timeouts (all in seconds, constructor arguments; defaults in `bamboo.membership.timeouts`):
+- `start_timeout` (`ETCD_START_TIMEOUT_S`, 20): how long `start()` waits for `/health` before giving up;
+- `stop_timeout` (`ETCD_STOP_TIMEOUT_S`, 10): how long `stop()` waits after SIGTERM before sending SIGKILL;
+- `/health` is checked every `ETCD_HEALTH_POLL_S` with a deadline of `ETCD_HEALTH_TIMEOUT_S` per check.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+
+from bamboo.membership import timeouts
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError", "free_port"]
 
@@ -58,8 +61,8 @@ class EmbeddedEtcd:
         peer_port: int | None = None,
         name: str = "bamboo-etcd",
         binary: str = DEFAULT_ETCD_BINARY,
-        start_timeout: float = 20.0,
-        stop_timeout: float = 10.0,
+        start_timeout: float = timeouts.ETCD_START_TIMEOUT_S,
+        stop_timeout: float = timeouts.ETCD_STOP_TIMEOUT_S,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -147,13 +150,13 @@ class EmbeddedEtcd:
                 )
             if self.healthy():
                 return self
-            time.sleep(0.05)
+            time.sleep(timeouts.ETCD_HEALTH_POLL_S)
         self.kill()
         raise EtcdStartError(
             f"etcd at {self.client_url} not healthy after {self.start_timeout} s; log tail:\n{self.log_tail()}"
         )
 
-    def healthy(self, timeout: float = 0.5) -> bool:
+    def healthy(self, timeout: float = timeouts.ETCD_HEALTH_TIMEOUT_S) -> bool:
         """True when the server answers `GET /health` with `{"health": "true"}`."""
         context = ssl.create_default_context(cafile=self.tls_cert) if self.tls_cert else None
         try:

@@ -8,12 +8,23 @@ membership store relies on:
   `StoreError`, so callers need not know pyetcd's exceptions;
 - the endpoint is never blacklisted after a failure (pyetcd would refuse to use it for 300 s), and gRPC
   reconnects with a short backoff, so clients come back soon after etcd restarts;
-- prefix watches resume from the last revision they delivered after the stream breaks (etcd restarted),
-  so no event is lost or delivered twice.
+- **guarded writes**: `put`, `create`, `compare_and_swap` and `delete` take a `Guard` (the writer's own
+  node record: its key, the create revision and the lease of its registration), checked in the same
+  etcd transaction as the write. A writer whose record is gone (its lease revoked or expired) or was
+  replaced by a newer registration gets `FencedError`, and nothing is written;
+- **watches that lose nothing**: each prefix watch has its own gRPC stream. After the stream breaks (etcd
+  restarted, the network cut) it resumes from the revision after the last one it delivered, so no event
+  is lost or delivered twice. If etcd compacted its history past that revision meanwhile, the watch
+  relists the prefix and reconciles it against its own snapshot (key -> last value seen), as Kubernetes
+  informers do: the callback gets synthetic PUT events (`relisted=True`) for keys that appeared or
+  changed, and DELETE events for keys that vanished, in revision order, then the watch resumes from the
+  relist's revision. A watch's first registration is retried within `watch_start_timeout`.
 
-Timeouts (seconds, in `EtcdOptions`): `timeout` bounds every unary RPC (default 5);
-`reconnect_backoff_max` caps gRPC's reconnect backoff (default 1); `watch_retry_interval` is the pause
-between attempts to re-create a broken watch (default 0.2).
+Timeouts (seconds, in `EtcdOptions`, defaults in `bamboo.membership.timeouts`): `timeout` bounds every
+unary RPC and each attempt to create a watch (`ETCD_RPC_TIMEOUT_S`); `reconnect_backoff_max` caps gRPC's
+reconnect backoff (`ETCD_RECONNECT_BACKOFF_MAX_S`); `watch_retry_interval` is the pause between attempts to
+re-create a broken watch (`WATCH_RETRY_INTERVAL_S`); `watch_start_timeout` bounds a watch's first
+registration (`WATCH_START_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -23,21 +34,28 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import grpc
 import pyetcd
+from bamboo.membership import timeouts
+from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exceptions
 from pyetcd import transactions as etcd_txn
+from pyetcd import utils as etcd_utils
+from pyetcd.etcdrpc import kv_pb2
 
 __all__ = [
     "EtcdKV",
     "EtcdOptions",
     "EventKind",
+    "FencedError",
+    "Guard",
     "KeyValue",
     "KeyValueStore",
+    "PrefixWatch",
     "StoreError",
     "StoreUnavailableError",
     "WatchEvent",
@@ -54,6 +72,19 @@ class StoreError(RuntimeError):
 
 class StoreUnavailableError(StoreError):
     """etcd could not be reached, or did not answer within the request timeout."""
+
+
+class FencedError(StoreError):
+    """A guarded write was refused: the writer's node record is gone or belongs to a newer registration.
+
+    The node was declared failed (its lease revoked or expired), or another process registered the same
+    id since. It must not write to the job again; a process that comes back rejoins as a fresh node.
+    """
+
+    def __init__(self, node: str, key: str, detail: str) -> None:
+        self.node = node
+        self.key = key
+        super().__init__(f"node {node!r} is fenced: the write to {key} was refused ({detail})")
 
 
 def _check_endpoint(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
@@ -75,6 +106,7 @@ class EtcdOptions:
     """How to reach etcd. User/password auth and TLS files are passed through to the client.
 
     `ca_cert` alone gives server-verified TLS; add `cert_cert` and `cert_key` for client certificates.
+    Timeouts in seconds; see `bamboo.membership.timeouts` for what each bounds.
     """
 
     endpoints: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_endpoint)
@@ -83,9 +115,10 @@ class EtcdOptions:
     ca_cert: str | None = None
     cert_cert: str | None = None
     cert_key: str | None = None
-    timeout: float = attrs.field(default=5.0, validator=_positive)
-    reconnect_backoff_max: float = attrs.field(default=1.0, validator=_positive)
-    watch_retry_interval: float = attrs.field(default=0.2, validator=_positive)
+    timeout: float = attrs.field(default=timeouts.ETCD_RPC_TIMEOUT_S, validator=_positive)
+    reconnect_backoff_max: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MAX_S, validator=_positive)
+    watch_retry_interval: float = attrs.field(default=timeouts.WATCH_RETRY_INTERVAL_S, validator=_positive)
+    watch_start_timeout: float = attrs.field(default=timeouts.WATCH_START_TIMEOUT_S, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if (self.user is None) != (self.password is None):
@@ -109,6 +142,27 @@ class KeyValue:
     lease: int = 0
 
 
+def _positive_int(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"Guard.{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen
+class Guard:
+    """What a guarded write checks in its transaction: the writer's node record still exists at `key`,
+    with the create revision and the lease of the writer's registration.
+
+    A revoked or expired lease deletes the record, and a new registration of the same id has a new lease
+    (and, once the old record is gone, a new create revision), so either makes the comparison fail.
+    `MembershipStore.register` returns a `Registration` whose `guard` is this.
+    """
+
+    node: str
+    key: str
+    create_revision: int = attrs.field(validator=_positive_int)
+    lease: int = attrs.field(validator=_positive_int)
+
+
 class EventKind(enum.Enum):
     PUT = "put"
     DELETE = "delete"
@@ -116,13 +170,19 @@ class EventKind(enum.Enum):
 
 @attrs.frozen
 class WatchEvent:
-    """A change under a watched prefix. `prev_value` is the value before the change, when etcd kept it."""
+    """A change under a watched prefix. `prev_value` is the value before the change, when known.
+
+    `relisted` marks an event made up by a relist after etcd compacted past the watch's revision: a PUT
+    carries the key's current value and mod revision; a DELETE carries the relist's revision (or the
+    re-created key's create revision), an upper bound of when the key went away.
+    """
 
     kind: EventKind
     key: str
     value: bytes
     revision: int
     prev_value: bytes | None = None
+    relisted: bool = False
 
 
 class WatchHandle(Protocol):
@@ -131,31 +191,37 @@ class WatchHandle(Protocol):
 
 @runtime_checkable
 class KeyValueStore(Protocol):
-    """The operations bamboo.membership needs. Keys are str, values bytes, revisions etcd's."""
+    """The operations bamboo.membership needs. Keys are str, values bytes, revisions etcd's.
+
+    Writes take an optional `guard`: the write happens only if the guard holds, in the same transaction;
+    otherwise `FencedError` is raised and nothing is written.
+    """
 
     def get(self, key: str) -> KeyValue | None: ...
 
     def get_prefix(self, prefix: str) -> list[KeyValue]: ...
 
-    def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        """Write unconditionally; returns the new revision."""
+    def put(self, key: str, value: bytes, lease: int = 0, *, guard: Guard | None = None) -> int:
+        """Write unconditionally (but for the guard); returns the new revision."""
         ...
 
-    def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, KeyValue]:
+    def create(self, key: str, value: bytes, lease: int = 0, *, guard: Guard | None = None) -> tuple[bool, KeyValue]:
         """First writer wins: write only if the key does not exist (create revision 0).
 
         Returns (True, what was written) or (False, what was already there).
         """
         ...
 
-    def compare_and_swap(self, key: str, value: bytes, expected_mod_revision: int) -> int | None:
+    def compare_and_swap(
+        self, key: str, value: bytes, expected_mod_revision: int, *, guard: Guard | None = None
+    ) -> int | None:
         """Write only if the key's mod revision is `expected_mod_revision` (0: the key must not exist).
 
         Returns the new mod revision, or None when the comparison failed.
         """
         ...
 
-    def delete(self, key: str) -> bool: ...
+    def delete(self, key: str, *, guard: Guard | None = None) -> bool: ...
 
     def delete_prefix(self, prefix: str) -> int: ...
 
@@ -200,6 +266,26 @@ def _kv(kv: Any) -> KeyValue:
     )
 
 
+class _LeaseIs(etcd_txn.BaseCompare):
+    """Compare a key's lease id (pyetcd has no helper for etcd's LEASE compare target)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = etcdrpc.Compare.LEASE
+        compare.lease = int(self.value)
+
+
+def _guard_compares(guard: Guard) -> list[Any]:
+    return [etcd_txn.Create(guard.key) == guard.create_revision, _LeaseIs(guard.key) == guard.lease]
+
+
+class _RevisionOutOfRange(Exception):
+    """A read at a revision etcd no longer has (compacted) or does not have yet (future)."""
+
+    def __init__(self, compacted: bool, detail: str) -> None:
+        self.compacted = compacted
+        super().__init__(detail)
+
+
 class EtcdKV:
     """`KeyValueStore` over a real etcd v3 server, through `pyetcd`."""
 
@@ -209,6 +295,10 @@ class EtcdKV:
         self.reauthentications = 0
         self._client = self._connect()
         self._closed = False
+
+    @property
+    def where(self) -> str:
+        return ", ".join(self.options.endpoints)
 
     def _connect(self) -> pyetcd.MultiEndpointEtcd3Client:
         opts = self.options
@@ -248,7 +338,7 @@ class EtcdKV:
         return client
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
-        where = ", ".join(self.options.endpoints)
+        where = self.where
         if isinstance(exc, _UNAVAILABLE):
             return StoreUnavailableError(f"etcd at {where} unavailable during {what}: {type(exc).__name__}")
         if isinstance(exc, grpc.RpcError):
@@ -259,9 +349,20 @@ class EtcdKV:
             return StoreError(f"etcd at {where} refused {what}: {code}: {detail}")
         return StoreError(f"etcd at {where} failed {what}: {type(exc).__name__}: {exc}")
 
+    def _reauthenticate(self, stale: pyetcd.MultiEndpointEtcd3Client) -> None:
+        """Replace `stale` by a freshly authenticated client (etcd forgets its tokens on restart)."""
+        with self._lock:
+            if self._client is not stale:
+                return  # another thread did it already
+            old, self._client = self._client, self._connect()
+            self.reauthentications += 1
+        with contextlib.suppress(Exception):
+            old.close()
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one client call; reauthenticate once if etcd forgot our token (it does on restart)."""
         for attempt in (0, 1):
+            client = self._client
             try:
                 return fn()
             except grpc.RpcError as exc:
@@ -272,20 +373,14 @@ class EtcdKV:
                     and "token" in (exc.details() or "")
                 )
                 if stale_token:
-                    with self._lock:
-                        old, self._client = self._client, self._connect()
-                        self.reauthentications += 1
-                    with contextlib.suppress(Exception):
-                        old.close()  # its watch stream ends; PrefixWatch re-watches on the new client
+                    self._reauthenticate(client)
                     continue
                 raise self._translate(exc, what) from exc
-            except etcd_exceptions.RevisionCompactedError:
-                raise
             except (etcd_exceptions.Etcd3Exception, ValueError) as exc:
                 raise self._translate(exc, what) from exc
         raise AssertionError("unreachable")
 
-    # -- reads and writes ------------------------------------------------------------------------
+    # -- reads -----------------------------------------------------------------------------------
 
     def get(self, key: str) -> KeyValue | None:
         resp = self._call(f"get {key}", lambda: self._client.get_response(key))
@@ -295,22 +390,70 @@ class EtcdKV:
         resp = self._call(f"get prefix {prefix}", lambda: self._client.get_prefix_response(prefix))
         return [_kv(kv) for kv in resp.kvs]
 
-    def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        resp = self._call(f"put {key}", lambda: self._client.put(key, value, lease=lease or None))
+    def _range(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix` (at `revision`, default now) and the revision read at.
+
+        Raises `_RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet.
+        """
+
+        def read() -> Any:
+            kwargs = {} if revision is None else {"revision": revision}
+            try:
+                return self._client.get_prefix_response(prefix, **kwargs)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                    detail = exc.details() or ""
+                    return _RevisionOutOfRange("compacted" in detail, detail)
+                raise
+
+        resp = self._call(f"list {prefix}" + ("" if revision is None else f" at revision {revision}"), read)
+        if isinstance(resp, _RevisionOutOfRange):
+            raise resp
+        return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+
+    def revision(self) -> int:
+        resp = self._call("status", lambda: self._client.get_response("/"))
         return int(resp.header.revision)
 
-    def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, KeyValue]:
-        ok, responses = self._call(
-            f"create {key}",
-            lambda: self._client.transaction(
-                compare=[etcd_txn.Create(key) == 0],
-                success=[etcd_txn.Put(key, value, lease=lease or None), etcd_txn.Get(key)],
-                failure=[etcd_txn.Get(key)],
-            ),
-        )
-        rows = responses[-1]
-        if not rows:  # deleted between the compare and the read (cannot happen inside one txn)
-            raise StoreError(f"create {key}: the transaction returned no value")
+    # -- writes ----------------------------------------------------------------------------------
+
+    def _fenced(self, guard: Guard, key: str, rows: list[Any]) -> FencedError | None:
+        """The FencedError for `guard` given what a transaction read at its key; None if the guard holds."""
+        if not rows:
+            return FencedError(guard.node, key, f"its record {guard.key} is gone: its lease {guard.lease:x} "
+                                                 "was revoked or expired")
+        _, meta = rows[0]
+        if int(meta.create_revision) == guard.create_revision and int(meta.lease_id) == guard.lease:
+            return None
+        return FencedError(guard.node, key, f"its record {guard.key} belongs to a newer registration (create "
+                                             f"revision {int(meta.create_revision)}, lease {int(meta.lease_id):x}; "
+                                             f"ours: {guard.create_revision}, {guard.lease:x})")
+
+    def _txn(self, what: str, compare: list[Any], success: list[Any], failure: list[Any]) -> tuple[bool, list[Any]]:
+        return self._call(what, lambda: self._client.transaction(compare=compare, success=success, failure=failure))
+
+    def put(self, key: str, value: bytes, lease: int = 0, *, guard: Guard | None = None) -> int:
+        if guard is None:
+            resp = self._call(f"put {key}", lambda: self._client.put(key, value, lease=lease or None))
+            return int(resp.header.revision)
+        ok, responses = self._txn(f"guarded put {key}", _guard_compares(guard),
+                                  [etcd_txn.Put(key, value, lease=lease or None)], [etcd_txn.Get(guard.key)])
+        if not ok:
+            raise self._fenced(guard, key, responses[0]) or FencedError(guard.node, key, "the guard failed")
+        return int(responses[0].response_put.header.revision)
+
+    def create(self, key: str, value: bytes, lease: int = 0, *, guard: Guard | None = None) -> tuple[bool, KeyValue]:
+        compare = [etcd_txn.Create(key) == 0, *(_guard_compares(guard) if guard is not None else [])]
+        failure = [etcd_txn.Get(key)] + ([etcd_txn.Get(guard.key)] if guard is not None else [])
+        ok, responses = self._txn(f"create {key}", compare,
+                                  [etcd_txn.Put(key, value, lease=lease or None), etcd_txn.Get(key)], failure)
+        if not ok and guard is not None:
+            fenced = self._fenced(guard, key, responses[1])
+            if fenced is not None:
+                raise fenced
+        rows = responses[-1] if ok else responses[0]
+        if not rows:  # the compare failed on a key that does not exist: only a failed guard can do that
+            raise StoreError(f"create {key}: the transaction failed and returned no value")
         stored, meta = rows[0]
         return bool(ok), KeyValue(
             key=key,
@@ -320,28 +463,39 @@ class EtcdKV:
             lease=int(meta.lease_id),
         )
 
-    def compare_and_swap(self, key: str, value: bytes, expected_mod_revision: int) -> int | None:
-        compare = (
-            etcd_txn.Create(key) == 0 if expected_mod_revision == 0 else etcd_txn.Mod(key) == expected_mod_revision
-        )
-        ok, responses = self._call(
-            f"compare-and-swap {key}",
-            lambda: self._client.transaction(compare=[compare], success=[etcd_txn.Put(key, value)], failure=[]),
-        )
+    def compare_and_swap(
+        self, key: str, value: bytes, expected_mod_revision: int, *, guard: Guard | None = None
+    ) -> int | None:
+        compare = [
+            etcd_txn.Create(key) == 0 if expected_mod_revision == 0 else etcd_txn.Mod(key) == expected_mod_revision,
+            *(_guard_compares(guard) if guard is not None else []),
+        ]
+        failure = [etcd_txn.Get(guard.key)] if guard is not None else []
+        ok, responses = self._txn(f"compare-and-swap {key}", compare, [etcd_txn.Put(key, value)], failure)
         if not ok:
+            if guard is not None:
+                fenced = self._fenced(guard, key, responses[0])
+                if fenced is not None:
+                    raise fenced
             return None
         return int(responses[0].response_put.header.revision)
 
-    def delete(self, key: str) -> bool:
-        return bool(self._call(f"delete {key}", lambda: self._client.delete(key)))
+    def delete(self, key: str, *, guard: Guard | None = None) -> bool:
+        if guard is None:
+            return bool(self._call(f"delete {key}", lambda: self._client.delete(key)))
+        ok, responses = self._txn(f"guarded delete {key}", _guard_compares(guard), [etcd_txn.Delete(key)],
+                                  [etcd_txn.Get(guard.key)])
+        if not ok:
+            raise self._fenced(guard, key, responses[0]) or FencedError(guard.node, key, "the guard failed")
+        return int(responses[0].response_delete_range.deleted) > 0
 
     def delete_prefix(self, prefix: str) -> int:
         resp = self._call(f"delete prefix {prefix}", lambda: self._client.delete_prefix(prefix))
         return int(resp.deleted)
 
-    def revision(self) -> int:
-        resp = self._call("status", lambda: self._client.get_response("/"))
-        return int(resp.header.revision)
+    def compact(self, revision: int) -> None:
+        """Drop etcd's history before `revision` (physically). Watches older than it relist (see `PrefixWatch`)."""
+        self._call(f"compact {revision}", lambda: self._client.compact(revision, physical=True))
 
     # -- leases ----------------------------------------------------------------------------------
 
@@ -367,21 +521,11 @@ class EtcdKV:
     def watch_prefix(
         self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None
     ) -> PrefixWatch:
+        """Watch `prefix` (see `PrefixWatch`). Raises `StoreUnavailableError` if the watch cannot be set up
+        within `options.watch_start_timeout`."""
         watch = PrefixWatch(self, prefix, callback, start_revision)
         watch.start()
         return watch
-
-    def _add_watch(self, prefix: str, on_response: Callable[[Any], None], start_revision: int) -> int:
-        return self._call(
-            f"watch {prefix}",
-            lambda: self._client.add_watch_prefix_callback(
-                prefix, on_response, start_revision=start_revision, prev_kv=True
-            ),
-        )
-
-    def _cancel_watch(self, watch_id: int) -> None:
-        with contextlib.suppress(StoreError):
-            self._call("cancel watch", lambda: self._client.cancel_watch(watch_id))
 
     def close(self) -> None:
         self._closed = True
@@ -396,10 +540,17 @@ class EtcdKV:
 
 
 class PrefixWatch:
-    """A prefix watch that survives etcd restarts: it resumes from the revision after the last one delivered.
+    """A prefix watch on its own gRPC stream that survives etcd restarts and compaction.
 
     Callbacks run on one thread per watch, in revision order. An exception in a callback is logged and the
-    watch goes on.
+    watch goes on. The watch keeps a snapshot of the keys under its prefix (key -> last `KeyValue` seen):
+    after a broken stream it resumes from the revision after the last one delivered; if etcd compacted
+    past that revision, it relists the prefix and delivers the difference against the snapshot as
+    synthetic events (`WatchEvent.relisted`), then resumes from the relist's revision.
+
+    Counters for tests and logs: `reconnects` (streams re-created after the first), `relists`,
+    `list_failures` (failed attempts at the starting list), `create_timeouts` (attempts to create the
+    stream that got no answer within the RPC timeout).
     """
 
     def __init__(
@@ -407,95 +558,233 @@ class PrefixWatch:
     ) -> None:
         self._kv = kv
         self.prefix = prefix
+        self._range_end = etcd_utils.prefix_range_end(prefix.encode())
         self._callback = callback
-        self._next_revision = start_revision
-        self._cond = threading.Condition()
-        self._pending: list[Any] = []
-        self._broken = False
-        self._cancelled = False
-        self._watch_id: int | None = None
+        self._start_revision = start_revision
+        self._next_revision = 0
+        self._snapshot: dict[str, KeyValue] | None = {}
+        self._needs_relist = False
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._cancelled = threading.Event()
+        self._created = threading.Event()
+        self._ever_created = False
+        self._last_error = "no attempt finished yet"
         self._thread = threading.Thread(target=self._run, name=f"bamboo-watch{prefix}", daemon=True)
         self.reconnects = 0
+        self.relists = 0
+        self.list_failures = 0
+        self.create_timeouts = 0
+
+    # -- start -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._next_revision is None:
-            self._next_revision = self._kv.revision() + 1
-        self._watch_id = self._kv._add_watch(self.prefix, self._on_response, self._next_revision)
+        """Read the starting snapshot and create the stream, retrying both within `watch_start_timeout`."""
+        bound = self._kv.options.watch_start_timeout
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                self._load_snapshot()
+                break
+            except StoreUnavailableError as exc:
+                self._last_error = str(exc)
+                self.list_failures += 1
+                if time.monotonic() + self._kv.options.watch_retry_interval >= deadline:
+                    raise self._start_failed(bound) from exc
+                log.debug("watch %s: initial list failed (%s); retrying", self.prefix, exc)
+                time.sleep(self._kv.options.watch_retry_interval)
         self._thread.start()
+        if not self._created.wait(max(0.0, deadline - time.monotonic())):
+            self.cancel()
+            raise self._start_failed(bound)
 
-    def _on_response(self, response: Any) -> None:
-        # Runs on pyetcd's shared watch thread: only queue, never call back into the client here.
-        with self._cond:
-            if response is None or isinstance(response, BaseException):
-                self._broken = True  # the stream ended (etcd went away, or the client closed)
-            else:
-                self._pending.append(response)
-            self._cond.notify_all()
+    def _start_failed(self, bound: float) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"watch on {self.prefix} at etcd {self._kv.where} could not be set up within {bound} s "
+            f"(watch_start_timeout; each attempt bounded by the {self._kv.options.timeout} s RPC timeout); "
+            f"last error: {self._last_error}"
+        )
 
-    def _events(self, response: Any) -> Iterator[WatchEvent]:
-        for event in response.events:
-            kind = EventKind.DELETE if isinstance(event, pyetcd.events.DeleteEvent) else EventKind.PUT
-            prev = bytes(event.prev_value) if event._event.HasField("prev_kv") else None
-            yield WatchEvent(
-                kind=kind,
-                key=event.key.decode(),
-                value=bytes(event.value),
-                revision=int(event.mod_revision),
-                prev_value=prev,
-            )
+    def _load_snapshot(self) -> None:
+        if self._start_revision is None:
+            kvs, revision = self._kv._range(self.prefix)
+            self._snapshot = {kv.key: kv for kv in kvs}
+            self._next_revision = revision + 1
+            return
+        self._next_revision = self._start_revision
+        if self._start_revision <= 1:
+            self._snapshot = {}
+            return
+        try:
+            kvs, _ = self._kv._range(self.prefix, self._start_revision - 1)
+        except _RevisionOutOfRange as exc:
+            if exc.compacted:
+                # The stream will be told it is compacted and relist; deletions before then cannot be known.
+                self._snapshot = None
+                return
+            kvs, _ = self._kv._range(self.prefix)  # a start in the future: what exists now precedes it
+        self._snapshot = {kv.key: kv for kv in kvs}
+
+    # -- the stream ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._pending or self._broken or self._cancelled):
-                    self._cond.wait()
-                if self._cancelled:
-                    return
-                pending, self._pending = self._pending, []
-                broken = self._broken
-            for response in pending:
-                for event in self._events(response):
-                    if self._next_revision is not None and event.revision < self._next_revision:
-                        continue  # already delivered before a reconnect
-                    self._next_revision = event.revision + 1
-                    try:
-                        self._callback(event)
-                    except Exception:
-                        log.exception("watch callback for %s failed on %s", self.prefix, event)
-            if broken:
-                self._rewatch()
-                if self._kv._closed:
-                    return
+        retry = self._kv.options.watch_retry_interval
+        while not self._cancelled.is_set() and not self._kv._closed:
+            if self._needs_relist:
+                try:
+                    self._relist()
+                except (StoreError, _RevisionOutOfRange) as exc:
+                    self._last_error = str(exc)
+                    log.debug("watch %s: relist failed (%s); retrying", self.prefix, exc)
+                    self._cancelled.wait(retry)
+                    continue
+            if self._stream_once() == "compacted":
+                self._needs_relist = True
+                continue
+            if self._cancelled.is_set() or self._kv._closed:
+                break
+            self._cancelled.wait(retry)
+        log.debug("watch %s ends", self.prefix)
 
-    def _rewatch(self) -> None:
-        while not self._cancelled:
-            if self._kv._closed:
-                log.debug("watch %s: the client was closed; the watch ends", self.prefix)
-                return
-            try:
-                assert self._next_revision is not None
-                watch_id = self._kv._add_watch(self.prefix, self._on_response, self._next_revision)
-            except etcd_exceptions.RevisionCompactedError as exc:
-                log.warning("watch %s: revision %d compacted; resuming at %d, events between are lost",
-                            self.prefix, self._next_revision, exc.compacted_revision)
-                self._next_revision = exc.compacted_revision
-                continue
-            except StoreError as exc:
-                log.debug("watch %s: re-watch failed (%s); retrying", self.prefix, exc)
-                time.sleep(self._kv.options.watch_retry_interval)
-                continue
-            with self._cond:
-                self._watch_id = watch_id
-                self._broken = False
-                self.reconnects += 1
+    def _stream_once(self) -> str:
+        """One watch stream from `_next_revision`: 'compacted', or 'broken' when it ended for another reason."""
+        client = self._kv._client
+        try:
+            stub = etcdrpc.WatchStub(client.channel)
+        except (etcd_exceptions.Etcd3Exception, ValueError) as exc:
+            self._last_error = f"no etcd endpoint: {exc}"
+            return "broken"
+        request = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+            key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision, prev_kv=True))
+        # One request, then the request side half-closes; etcd keeps the watch open until we cancel.
+        try:
+            call = stub.Watch(iter([request]), credentials=client.call_credentials, metadata=client.metadata)
+        except (ValueError, grpc.RpcError) as exc:  # the channel was closed under us
+            self._last_error = f"cannot open the watch stream: {exc}"
+            return "broken"
+        with self._lock:
+            self._call = call
+        if self._cancelled.is_set():
+            call.cancel()
+        created = threading.Event()
+        timed_out = threading.Event()
+
+        def create_timed_out() -> None:
+            if not created.is_set():
+                timed_out.set()
+                call.cancel()
+
+        timer = threading.Timer(self._kv.options.timeout, create_timed_out)
+        timer.daemon = True
+        timer.start()
+        try:
+            for response in call:
+                if response.created and not created.is_set():
+                    created.set()
+                    timer.cancel()
+                if response.compact_revision:
+                    log.warning("watch %s: etcd compacted its history to revision %d, past revision %d that the "
+                                "watch resumes from; relisting", self.prefix, response.compact_revision,
+                                self._next_revision)
+                    return "compacted"
+                if response.canceled:
+                    self._last_error = f"etcd cancelled the watch: {response.cancel_reason or 'no reason given'}"
+                    log.warning("watch %s: %s", self.prefix, self._last_error)
+                    if self._kv.options.user is not None:
+                        self._kv._reauthenticate(client)  # a stale token makes etcd refuse the watch
+                    return "broken"
+                if response.created:
+                    if self._ever_created:
+                        self.reconnects += 1
+                    self._ever_created = True
+                    self._created.set()
+                self._deliver(response.events)
+            self._last_error = "the watch stream ended"
+            return "broken"
+        except grpc.RpcError as exc:
+            if timed_out.is_set():
+                self.create_timeouts += 1
+                self._last_error = f"no answer to the watch request within {self._kv.options.timeout} s"
+                log.warning("watch %s: %s; retrying", self.prefix, self._last_error)
+            elif not self._cancelled.is_set() and not self._kv._closed:
+                self._last_error = f"{exc.code()}: {exc.details()}"
+                log.debug("watch %s: stream broke (%s); resuming from revision %d", self.prefix,
+                          self._last_error, self._next_revision)
+            return "broken"
+        finally:
+            timer.cancel()
+            call.cancel()
+            with self._lock:
+                self._call = None
+
+    def _deliver(self, raw_events: Any) -> None:
+        last = None
+        for raw in raw_events:
+            revision = int(raw.kv.mod_revision)
+            if revision < self._next_revision:
+                continue  # already delivered before a reconnect
+            last = revision if last is None else max(last, revision)
+            key = raw.kv.key.decode()
+            known = self._snapshot.get(key) if self._snapshot is not None else None
+            prev = bytes(raw.prev_kv.value) if raw.HasField("prev_kv") else (known.value if known else None)
+            if raw.type == kv_pb2.Event.DELETE:
+                event = WatchEvent(EventKind.DELETE, key, bytes(raw.kv.value), revision, prev)
+                if self._snapshot is not None:
+                    self._snapshot.pop(key, None)
+            else:
+                event = WatchEvent(EventKind.PUT, key, bytes(raw.kv.value), revision, prev)
+                if self._snapshot is not None:
+                    self._snapshot[key] = _kv(raw.kv)
+            self._safe_callback(event)
+        if last is not None:
+            self._next_revision = last + 1
+
+    def _relist(self) -> None:
+        """Reconcile the snapshot with the prefix as it is now, deliver the difference, resume after it."""
+        kvs, revision = self._kv._range(self.prefix)
+        current = {kv.key: kv for kv in kvs}
+        old = self._snapshot
+        events: list[WatchEvent] = []
+        if old is None:
+            log.warning("watch %s: the history before its start revision %d was compacted; keys deleted before "
+                        "the relist at %d cannot be reported", self.prefix, self._next_revision, revision)
+            old = {}
+        for key, before in old.items():
+            now = current.get(key)
+            if now is None:
+                events.append(WatchEvent(EventKind.DELETE, key, b"", revision, before.value, relisted=True))
+            elif now.create_revision != before.create_revision:  # deleted, then created again
+                events.append(WatchEvent(EventKind.DELETE, key, b"", now.create_revision, before.value,
+                                         relisted=True))
+        for key, now in current.items():
+            if now.mod_revision < self._next_revision:
+                continue  # unchanged since it was delivered (or since before the watch started)
+            before = old.get(key)
+            prev = before.value if before is not None and before.create_revision == now.create_revision else None
+            events.append(WatchEvent(EventKind.PUT, key, now.value, now.mod_revision, prev, relisted=True))
+        events.sort(key=lambda e: (e.revision, e.kind is EventKind.PUT, e.key))
+        log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d changes delivered",
+                    self.prefix, revision, self._next_revision, len(events))
+        self._snapshot = current
+        self._next_revision = revision + 1
+        self._needs_relist = False
+        self.relists += 1
+        for event in events:
+            self._safe_callback(event)
+
+    def _safe_callback(self, event: WatchEvent) -> None:
+        if self._cancelled.is_set():
             return
+        try:
+            self._callback(event)
+        except Exception:
+            log.exception("watch callback for %s failed on %s", self.prefix, event)
 
     def cancel(self) -> None:
-        with self._cond:
-            self._cancelled = True
-            watch_id = self._watch_id
-            self._cond.notify_all()
-        if watch_id is not None and not self._kv._closed:
-            self._kv._cancel_watch(watch_id)
+        self._cancelled.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
         if threading.current_thread() is not self._thread and self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)

@@ -11,8 +11,16 @@ Keys (DESIGN.md, "Wire and storage contracts"), all under `/bamboo/<job>/`:
 | `decisions/<name>` | any JSON object | first writer wins (transaction on create revision 0) |
 | `notices/<node>` | `PreemptionNotice` JSON | by the node's agent |
 
-Timeouts: a `Registration` refreshes its lease every `ttl / 3` seconds (`keepalive_interval` overrides it),
-and retries every `retry_interval` (default 0.1 s) while etcd is unreachable.
+**Fencing.** A `Registration` knows its record's key, create revision and lease (`Registration.guard`).
+`store.fenced(registration)` (or `MembershipStore(kv, job, fence=registration)`) is a view of the store
+whose every write (`advance_epoch`, `report_failure`, `decide`, `put_layout`, `publish_notice`) carries
+that guard in the same etcd transaction: once the node's lease is revoked (a detector confirmed it dead,
+see `revoke_node`) or expired, or a newer registration took its id, each of those writes raises
+`FencedError` and writes nothing. A process that comes back registers again, as a fresh node.
+
+Timeouts (defaults in `bamboo.membership.timeouts`): a `Registration` refreshes its lease every `ttl / 3`
+seconds (`keepalive_interval` overrides it), so it notices its lease is gone (`lost`) within one such
+interval; it retries every `retry_interval` (`KEEPALIVE_RETRY_INTERVAL_S`) while etcd is unreachable.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-from bamboo.membership.kv import KeyValueStore, StoreError, WatchEvent, WatchHandle
+from bamboo.membership import timeouts
+from bamboo.membership.kv import Guard, KeyValueStore, StoreError, WatchEvent, WatchHandle
 from bamboo.membership.records import (
     FailureReport,
     MalformedValueError,
@@ -119,9 +128,14 @@ class Layout:
 class Registration:
     """A node record held in etcd by a lease that a background thread keeps alive.
 
-    If the lease is lost (the process was stopped longer than the TTL, or etcd lost it), `lost` is set and
-    `on_lost` is called once; the record is gone and the node has been, or will be, declared failed.
-    A new process must register again with a higher incarnation.
+    If the lease is lost (the process was stopped longer than the TTL, etcd lost it, or a detector revoked
+    it on confirming the node dead), `lost` is set and `on_lost` is called once, at the first refresh that
+    finds the lease gone: within one `keepalive_interval`. The record is gone and the node has been, or
+    will be, declared failed; every write guarded by `guard` now raises `FencedError`. A new process must
+    register again with a higher incarnation.
+
+    `guard` (key, create revision and lease of the record as registered) is what fenced writes check.
+    `refreshes` and `refresh_failures` count the keepalive's successful and failed refreshes.
     """
 
     def __init__(
@@ -130,11 +144,13 @@ class Registration:
         record: NodeRecord,
         ttl: int,
         keepalive_interval: float | None = None,
-        retry_interval: float = 0.1,
+        retry_interval: float = timeouts.KEEPALIVE_RETRY_INTERVAL_S,
         on_lost: Callable[[Registration], None] | None = None,
     ) -> None:
         if ttl < 1:
             raise ValueError(f"lease TTL must be at least 1 s, got {ttl!r}")
+        if keepalive_interval is not None and not keepalive_interval > 0:
+            raise ValueError(f"keepalive_interval must be > 0, got {keepalive_interval!r}")
         self.store = store
         self.ttl = ttl
         self.keepalive_interval = keepalive_interval if keepalive_interval is not None else ttl / 3
@@ -143,14 +159,33 @@ class Registration:
         self._record = record
         self._stop = threading.Event()
         self.lost = threading.Event()
+        self.refreshes = 0
+        self.refresh_failures = 0
         self.lease_id = store.kv.grant_lease(ttl)
-        store.kv.put(store.keys.node(record.id), encode_message(record), lease=self.lease_id)
+        key = store.keys.node(record.id)
+        store.kv.put(key, encode_message(record), lease=self.lease_id)
+        written = store.kv.get(key)
+        if written is None or written.lease != self.lease_id:
+            store.kv.revoke_lease(self.lease_id)
+            raise StoreError(f"registering node {record.id!r}: its record {key} was replaced or removed while it "
+                             "was written (another process registering the same id?)")
+        self.guard = Guard(node=record.id, key=key, create_revision=written.create_revision, lease=self.lease_id)
         self._thread = threading.Thread(target=self._keepalive, name=f"bamboo-lease-{record.id}", daemon=True)
         self._thread.start()
 
     @property
     def record(self) -> NodeRecord:
         return self._record
+
+    @property
+    def key(self) -> str:
+        """The etcd key of this node's record."""
+        return self.guard.key
+
+    @property
+    def create_revision(self) -> int:
+        """The create revision of the record as registered (what fenced writes compare)."""
+        return self.guard.create_revision
 
     def _keepalive(self) -> None:
         wait = self.keepalive_interval
@@ -159,6 +194,7 @@ class Registration:
                 remaining = self.store.kv.refresh_lease(self.lease_id)
             except StoreError as exc:
                 log.debug("lease %x of %s: refresh failed (%s); retrying", self.lease_id, self._record.id, exc)
+                self.refresh_failures += 1
                 wait = self.retry_interval
                 continue
             if remaining <= 0:
@@ -167,6 +203,7 @@ class Registration:
                 if self._on_lost is not None:
                     self._on_lost(self)
                 return
+            self.refreshes += 1
             wait = self.keepalive_interval
 
     def update(self, **changes: Any) -> NodeRecord:
@@ -176,12 +213,14 @@ class Registration:
         for name, value in changes.items():
             setattr(record, name, value)
         validate_node_record(record)
-        self.store.kv.put(self.store.keys.node(record.id), encode_message(record), lease=self.lease_id)
+        self.store.kv.put(self.guard.key, encode_message(record), lease=self.lease_id, guard=self.guard)
         self._record = record
         return record
 
     def leave(self) -> None:
-        """Leave on purpose: mark the record LEFT, then revoke the lease. Detectors do not call this a failure."""
+        """Leave on purpose: mark the record LEFT, then revoke the lease. Detectors do not call this a failure.
+
+        A node already fenced (its lease is gone) has nothing left to leave: this does nothing then."""
         self._stop.set()
         with contextlib.suppress(StoreError):
             self.update(state=NodeState.NODE_STATE_LEFT)
@@ -191,15 +230,30 @@ class Registration:
         """Stop refreshing the lease without revoking it: the record expires after the TTL (as on a crash)."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)
 
 
 class MembershipStore:
-    """One job's membership state in etcd, through a `KeyValueStore`."""
+    """One job's membership state in etcd, through a `KeyValueStore`.
 
-    def __init__(self, kv: KeyValueStore, job: str) -> None:
+    With `fence` (a `Registration`, or its `Guard`), every write is guarded by that node's registration:
+    see the module docstring. `fenced(registration)` returns such a view of an unfenced store.
+    """
+
+    def __init__(self, kv: KeyValueStore, job: str, *, fence: Registration | Guard | None = None) -> None:
         self.kv = kv
         self.keys = JobKeys(job)
+        self.guard: Guard | None = fence.guard if isinstance(fence, Registration) else fence
+        if self.guard is not None and not self.guard.key.startswith(self.keys.nodes):
+            raise ValueError(f"fence {self.guard.key!r} is not a node record of job {job!r}")
+
+    def fenced(self, fence: Registration | Guard) -> MembershipStore:
+        """This store, with every write guarded by `fence` (a node's registration)."""
+        return MembershipStore(self.kv, self.keys.job, fence=fence)
+
+    def _guarded(self) -> dict[str, Any]:
+        # Only pass `guard` when there is one, so unfenced stores work over any older KeyValueStore.
+        return {} if self.guard is None else {"guard": self.guard}
 
     # -- nodes -----------------------------------------------------------------------------------
 
@@ -209,11 +263,33 @@ class MembershipStore:
         ttl: int,
         *,
         keepalive_interval: float | None = None,
+        retry_interval: float = timeouts.KEEPALIVE_RETRY_INTERVAL_S,
         on_lost: Callable[[Registration], None] | None = None,
     ) -> Registration:
         """Put `record` under a new lease of `ttl` seconds and keep the lease alive in the background."""
         validate_node_record(record)
-        return Registration(self, record, ttl, keepalive_interval=keepalive_interval, on_lost=on_lost)
+        return Registration(self, record, ttl, keepalive_interval=keepalive_interval,
+                            retry_interval=retry_interval, on_lost=on_lost)
+
+    def revoke_node(self, node_id: str, incarnation: int | None = None) -> bool:
+        """Revoke the lease that holds `node_id`'s record, so it leaves every view at once (and is fenced).
+
+        With `incarnation`, only a record of that incarnation is revoked (never a newer process that took
+        the id). Returns whether a lease was revoked. Used when a failure is confirmed.
+        """
+        key = self.keys.node(node_id)
+        found = self.kv.get(key)
+        if found is None or not found.lease:
+            return False
+        if incarnation is not None:
+            try:
+                record = decode_message(key, found.value, NodeRecord)
+            except MalformedValueError:
+                record = None
+            if record is not None and record.incarnation != incarnation:
+                return False
+        self.kv.revoke_lease(found.lease)
+        return True
 
     def get_node(self, node_id: str) -> NodeRecord | None:
         """The node's record, None when absent; MalformedValueError when it does not decode."""
@@ -258,7 +334,8 @@ class MembershipStore:
         current, revision = self.epoch()
         if current != expected:
             return None
-        new = self.kv.compare_and_swap(self.keys.epoch, encode_json({"epoch": expected + 1}), revision)
+        new = self.kv.compare_and_swap(self.keys.epoch, encode_json({"epoch": expected + 1}), revision,
+                                       **self._guarded())
         return None if new is None else expected + 1
 
     def watch_epoch(self, callback: Callable[[int], None], start_revision: int | None = None) -> WatchHandle:
@@ -287,7 +364,7 @@ class MembershipStore:
         if not report.node:
             raise ValueError(f"failure report without a node id: {report}")
         key = self.keys.failure(report.epoch, report.node)
-        won, stored = self.kv.create(key, encode_message(report))
+        won, stored = self.kv.create(key, encode_message(report), **self._guarded())
         return won, (report if won else decode_message(key, stored.value, FailureReport))
 
     def failures(self, epoch: int) -> dict[str, FailureReport]:
@@ -308,7 +385,7 @@ class MembershipStore:
         if not name or name != name.strip():
             raise ValueError(f"decision name must be non-empty without surrounding spaces, got {name!r}")
         key = self.keys.decision(name)
-        won, stored = self.kv.create(key, encode_json(value))
+        won, stored = self.kv.create(key, encode_json(value), **self._guarded())
         return Decision(name=name, value=decode_json(key, stored.value, "decision"), won=won,
                         revision=stored.mod_revision)
 
@@ -328,7 +405,8 @@ class MembershipStore:
 
     def put_layout(self, value: dict[str, Any], expected_revision: int) -> Layout | None:
         """Replace the layout if it is still at `expected_revision` (0: no layout yet). None on conflict."""
-        revision = self.kv.compare_and_swap(self.keys.layout, encode_json(value), expected_revision)
+        revision = self.kv.compare_and_swap(self.keys.layout, encode_json(value), expected_revision,
+                                            **self._guarded())
         return None if revision is None else Layout(value=value, revision=revision)
 
     # -- preemption notices ----------------------------------------------------------------------
@@ -336,7 +414,7 @@ class MembershipStore:
     def publish_notice(self, notice: PreemptionNotice) -> int:
         if not notice.node:
             raise ValueError(f"preemption notice without a node id: {notice}")
-        return self.kv.put(self.keys.notice(notice.node), encode_message(notice))
+        return self.kv.put(self.keys.notice(notice.node), encode_message(notice), **self._guarded())
 
     def watch_notices(self, callback: Callable[[WatchEvent], None], start_revision: int | None = None) -> WatchHandle:
         return self.kv.watch_prefix(self.keys.notices, callback, start_revision)

@@ -1,15 +1,18 @@
 """FailureDetector logic with an injected clock and a scripted prober (real etcd holds the records).
 
 The probe path's timing (grace period, probe interval) is driven by a fake clock through `tick()`:
-no sleeping to test timing. Only the lease-expiry test waits, for etcd's real TTL.
+no sleeping to test timing. Only the lease-expiry test waits, for etcd's real TTL. Also: the winner of a
+report revokes the failed node's lease; a parallel sweep (`probe_all`) confirms only the dead; a probe
+refused for credentials (DENIED) never confirms; a fenced detector writes nothing.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
-from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
+from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult, SweepResult
 from bamboo.membership.kv import StoreUnavailableError
 from bamboo.membership.records import NodeFailed, NodeRecord, NodeState
 from bamboo.membership.store import MembershipStore, Registration
@@ -166,16 +169,23 @@ def test_leaving_on_purpose_is_not_a_failure(store, wait_until) -> None:
 def test_failures_are_per_epoch(store, victim, wait_until) -> None:
     clock, prober = FakeClock(), ScriptedProber(REFUSED)
     detector, seen = _detector(store, prober, clock)
+    again = None
     try:
         detector.report_peer_failure("victim", "first")
         detector.tick()
         assert store.advance_epoch(0) == 1
         wait_until(lambda: detector.epoch == 1, message="the new epoch to arrive through the watch")
+        # The first confirmation revoked the victim's lease; it comes back as a fresh node, and fails again.
+        again = store.register(NodeRecord(id="victim", address="127.0.0.1", agent_port=9, incarnation=2), ttl=5)
+        wait_until(lambda: detector.known_nodes().get("victim", NodeRecord()).incarnation == 2,
+                   message="the victim's new incarnation")
         detector.report_peer_failure("victim", "second")
         detector.tick()
-        assert [(e.node, e.epoch) for e in seen] == [("victim", 0), ("victim", 1)]
+        assert [(e.node, e.epoch, e.incarnation) for e in seen] == [("victim", 0, 1), ("victim", 1, 2)]
     finally:
         detector.stop()
+        if again is not None:
+            again.leave()
 
 
 def test_malformed_node_value_in_a_watch_is_logged_not_fatal(store, wait_until, caplog) -> None:
@@ -237,3 +247,129 @@ def test_a_confirmed_failure_that_cannot_be_written_is_retried(store, victim) ->
         assert store.failures(0)["victim"].detected_by == "d1"
     finally:
         detector.stop()
+
+
+def test_the_winner_revokes_the_failed_nodes_lease_at_once(store, victim) -> None:
+    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    detector, seen = _detector(store, prober, clock)
+    try:
+        detector.report_peer_failure("victim", "recv failed")
+        detector.tick()
+        assert [e.node for e in seen] == ["victim"]
+        assert "victim" not in store.list_nodes()  # gone from the lease-based view now, not after the TTL
+        assert victim.lost.wait(20), "the victim's keepalive did not notice its revoked lease"
+    finally:
+        detector.stop()
+
+
+def test_revocation_spares_a_newer_incarnation(store, victim) -> None:
+    newer: list[Registration] = []
+
+    def new_process_takes_the_id(record: NodeRecord, timeout: float) -> ProbeResult:
+        # While incarnation 1 is probed, a new process registers the id and answers the probe.
+        newer.append(store.register(NodeRecord(id="victim", address="127.0.0.1", agent_port=9, incarnation=2),
+                                    ttl=5))
+        return ProbeResult(ProbeOutcome.ALIVE, incarnation=2)
+
+    detector = FailureDetector(store, "d1", new_process_takes_the_id, CONFIG, clock=FakeClock())
+    seen: list[NodeFailed] = []
+    detector.subscribe(seen.append)
+    detector.start(probe_loop=False)
+    try:
+        detector.report_peer_failure("victim", "recv failed")
+        detector.tick()
+        assert [(e.node, e.incarnation) for e in seen] == [("victim", 1)]
+        assert store.list_nodes()["victim"].incarnation == 2  # incarnation 2's lease was not revoked
+    finally:
+        detector.stop()
+        for reg in newer:
+            reg.leave()
+
+
+def test_a_probe_refused_for_credentials_is_never_a_failure(store, victim, caplog) -> None:
+    clock = FakeClock()
+    denied = ProbeResult(ProbeOutcome.DENIED, detail="StatusCode.UNAUTHENTICATED: this agent requires the job token")
+    detector, seen = _detector(store, ScriptedProber(denied), clock)
+    try:
+        detector.report_peer_failure("victim", "recv failed")
+        detector.tick()
+        assert detector.suspects() == [] and seen == []
+        assert any("credentials" in r.getMessage() for r in caplog.records)
+        clock.now += 10 * CONFIG.grace_period
+        detector.tick()
+        assert seen == [] and "victim" in store.list_nodes()
+    finally:
+        detector.stop()
+
+
+class SweepProber:
+    """Answers by node id; every probe waits at a barrier of all probes, so a sequential sweep would fail."""
+
+    def __init__(self, answers: dict[str, ProbeResult]) -> None:
+        self.answers = answers
+        self.barrier = threading.Barrier(len(answers), timeout=20)
+        self.calls: list[str] = []
+
+    def __call__(self, record: NodeRecord, timeout: float) -> ProbeResult:
+        self.calls.append(record.id)
+        self.barrier.wait()  # raises BrokenBarrierError unless every probe is in flight at once
+        return self.answers[record.id]
+
+
+def test_probe_all_confirms_only_the_dead_and_starts_the_grace_period_of_the_slow(store, wait_until) -> None:
+    answers = {
+        "refused": REFUSED,
+        "alive": ALIVE,
+        "slow": TIMEOUT,
+        "reborn": ProbeResult(ProbeOutcome.ALIVE, incarnation=9),
+        "denied": ProbeResult(ProbeOutcome.DENIED, detail="UNAUTHENTICATED"),
+    }
+    regs = [store.register(NodeRecord(id=n, address="127.0.0.1", agent_port=9, incarnation=1), ttl=30)
+            for n in answers]
+    clock, prober = FakeClock(), SweepProber(answers)
+    detector = FailureDetector(store, "d1", prober, CONFIG, clock=clock, wall_clock=lambda: 1.7e9)
+    seen: list[NodeFailed] = []
+    detector.subscribe(seen.append)
+    detector.start(probe_loop=False)
+    try:
+        result = detector.probe_all([*answers, "ghost"], "first confirmation: node0 failed")
+        assert result == SweepResult(confirmed=("reborn", "refused"), alive=("alive", "denied"), slow=("slow",),
+                                     unknown=("ghost",))
+        assert sorted(prober.calls) == sorted(answers)
+        assert sorted((e.node, e.path) for e in seen) == [("reborn", "probe_sweep"), ("refused", "probe_sweep")]
+        assert "node0 failed" in seen[0].reason
+        assert {"reborn", "refused"}.isdisjoint(store.list_nodes())  # revoked at once
+        assert detector.suspects() == ["slow"]
+        # Slow is not dead: the slow node is declared only once its grace period has passed.
+        prober.barrier = threading.Barrier(1)
+        clock.now += CONFIG.grace_period - 0.01
+        detector.tick()
+        assert [e.node for e in seen if e.node == "slow"] == []
+        clock.now += CONFIG.probe_interval  # the next probe, past the grace period
+        detector.tick()
+        assert [(e.node, e.path) for e in seen if e.node == "slow"] == [("slow", "probe_timeout")]
+        again = detector.probe_all(["refused", "alive"], "second sweep")
+        assert again.already_failed == ("refused",) and again.alive == ("alive",)
+    finally:
+        detector.stop()
+        for reg in regs:
+            reg.leave()
+
+
+def test_a_fenced_detector_writes_nothing_and_does_not_retry(store, victim, caplog) -> None:
+    me = store.register(NodeRecord(id="d1", address="127.0.0.1", agent_port=9, incarnation=1), ttl=30)
+    store.kv.revoke_lease(me.lease_id)  # this detector's own node was declared dead
+    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    detector, seen = _detector(store.fenced(me), prober, clock)
+    try:
+        detector.report_peer_failure("victim", "recv failed")
+        detector.tick()
+        assert seen == [] and store.failures(0) == {}
+        assert "victim" in store.list_nodes()
+        assert any("is fenced" in r.getMessage() for r in caplog.records)
+        clock.now += CONFIG.probe_interval
+        detector.tick()
+        assert len(prober.calls) == 1 and store.failures(0) == {}  # dropped, not retried
+    finally:
+        detector.stop()
+        me.stop_keepalive()

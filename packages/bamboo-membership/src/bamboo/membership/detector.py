@@ -8,18 +8,29 @@ Three signals, one outcome:
   - connection refused (nothing listens on the agent port: the process is gone) confirms at once;
   - an answer with a different incarnation (the id was taken by a new process) confirms at once;
   - an answer with the same incarnation clears the suspicion: the node is slow, not dead;
+  - an answer that refuses the prober's credentials (DENIED: wrong job token or client certificate)
+    also clears it: something alive holds the port, and a misconfigured prober must never read as a
+    dead node; it is logged;
   - a probe that times out is repeated every `probe_interval` until the node has been unresponsive
     for `grace_period` seconds since the report; then the failure is confirmed.
 - **Lease expiry.** The node's record disappears from etcd without having been marked LEFT: its
   lease ran out (it stopped heartbeating for the TTL). Confirmed at once.
+- **Sweep.** `probe_all(nodes)` probes many nodes at once (e.g. every node of the layout on the first
+  confirmation, so kills that land together are found together): refused or another incarnation
+  confirms at once; a timeout only makes the node a suspect, so its grace period starts.
 
 A confirmed failure is written to etcd first-writer-wins, one per node per membership epoch
 (`MembershipStore.report_failure`), and every detector emits `NodeFailed` from what it reads back, so
 each listener of each detector sees exactly one `NodeFailed(node, epoch, detected_by, reason)` per node
-per epoch, whoever detected it.
+per epoch, whoever detected it. The detector that wins the report revokes the failed node's lease at
+once (`MembershipStore.revoke_node`, only for the incarnation it declared): the node leaves every
+lease-based view (`list_nodes`) without waiting for its TTL, and its fenced writes fail from then on.
+A detector whose own store is fenced (`store.fenced(registration)`) and whose node was declared dead
+writes nothing: its reports raise `FencedError`, which it logs and drops.
 
 Time: all grace and probe scheduling reads the injected `clock` (monotonic seconds), so unit tests drive
-`tick()` with a fake clock and a fake prober; `start()` runs `tick()` on a background thread.
+`tick()` with a fake clock and a fake prober; `start()` runs `tick()` on a background thread. Defaults
+come from `bamboo.membership.timeouts` (`GRACE_PERIOD_S`, `PROBE_TIMEOUT_S`, `PROBE_INTERVAL_S`).
 """
 
 from __future__ import annotations
@@ -28,11 +39,13 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent import futures
 from typing import Any
 
 import attrs
-from bamboo.membership.kv import EventKind, StoreError, WatchEvent, WatchHandle
+from bamboo.membership import timeouts
+from bamboo.membership.kv import EventKind, FencedError, StoreError, WatchEvent, WatchHandle
 from bamboo.membership.records import (
     DetectionPath,
     FailureReport,
@@ -44,7 +57,7 @@ from bamboo.membership.records import (
 )
 from bamboo.membership.store import MembershipStore
 
-__all__ = ["DetectorConfig", "FailureDetector", "ProbeOutcome", "ProbeResult", "Prober"]
+__all__ = ["DetectorConfig", "FailureDetector", "ProbeOutcome", "ProbeResult", "Prober", "SweepResult"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +66,7 @@ class ProbeOutcome(enum.Enum):
     ALIVE = "alive"  # the agent answered
     REFUSED = "refused"  # nothing listens: the process is gone
     TIMEOUT = "timeout"  # no answer within the deadline: slow, stopped, or partitioned
+    DENIED = "denied"  # something listens but refused the prober's credentials: alive, identity unknown
 
 
 @attrs.frozen
@@ -82,15 +96,34 @@ class DetectorConfig:
     - `probe_interval`: pause between two probes of the same suspect.
     """
 
-    grace_period: float = attrs.field(default=2.0, validator=_positive)
-    probe_timeout: float = attrs.field(default=0.25, validator=_positive)
-    probe_interval: float = attrs.field(default=0.1, validator=_positive)
+    grace_period: float = attrs.field(default=timeouts.GRACE_PERIOD_S, validator=_positive)
+    probe_timeout: float = attrs.field(default=timeouts.PROBE_TIMEOUT_S, validator=_positive)
+    probe_interval: float = attrs.field(default=timeouts.PROBE_INTERVAL_S, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.probe_timeout > self.grace_period:
             raise ValueError(
                 f"DetectorConfig: probe_timeout {self.probe_timeout} must not exceed grace_period {self.grace_period}"
             )
+
+
+@attrs.frozen
+class SweepResult:
+    """What `FailureDetector.probe_all` found, by node id (each tuple sorted).
+
+    - `confirmed`: refused, or answered by another incarnation: declared failed now;
+    - `alive`: answered by the registered incarnation (or refused only the prober's credentials);
+    - `slow`: no answer within the probe timeout (or no agent port to probe): now suspects, declared
+      only if they stay unresponsive for the grace period;
+    - `unknown`: no node record (never registered, or its lease already expired: the lease path decides);
+    - `already_failed`: declared failed in the current epoch before the sweep.
+    """
+
+    confirmed: tuple[str, ...] = ()
+    alive: tuple[str, ...] = ()
+    slow: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    already_failed: tuple[str, ...] = ()
 
 
 @attrs.define
@@ -175,6 +208,65 @@ class FailureDetector:
         with self._lock:
             return dict(self._nodes)
 
+    def probe_all(self, nodes: Iterable[str], reason: str, *, max_parallel: int = 64) -> SweepResult:
+        """Probe `nodes` concurrently (one probe each, `probe_timeout`), and confirm the dead ones at once.
+
+        Refused probes and answers from another incarnation are declared failed (path `probe_sweep`);
+        nodes that answer are left alone; nodes whose probe times out become suspects (their grace period
+        starts now), since slow is not dead. `reason` says why the sweep ran (it goes into the failure
+        reports). Returns what was found; blocks for about one probe timeout.
+        """
+        if max_parallel < 1:
+            raise ValueError(f"probe_all: max_parallel must be >= 1, got {max_parallel!r}")
+        wanted = sorted(set(nodes))
+        with self._lock:
+            epoch = self._epoch
+            already = [n for n in wanted if (n, epoch) in self._emitted]
+            records = {n: self._nodes.get(n) for n in wanted if (n, epoch) not in self._emitted}
+        unknown = sorted(n for n, record in records.items() if record is None)
+        probed = {n: record for n, record in records.items() if record is not None}
+        results: dict[str, ProbeResult] = {}
+        with_port = {n: r for n, r in probed.items() if r.agent_port}
+        if with_port:
+            with futures.ThreadPoolExecutor(max_workers=min(max_parallel, len(with_port)),
+                                            thread_name_prefix=f"bamboo-sweep-{self.detector_id}") as pool:
+                running = {n: pool.submit(self.prober, r, self.config.probe_timeout) for n, r in with_port.items()}
+                for node, future in running.items():
+                    try:
+                        results[node] = future.result()
+                    except Exception as exc:  # a prober must not raise; if it does, slow is the safe reading
+                        results[node] = ProbeResult(ProbeOutcome.TIMEOUT, detail=f"prober raised {exc!r}")
+        for node in probed.keys() - with_port.keys():
+            results[node] = ProbeResult(ProbeOutcome.TIMEOUT, detail="node has no agent port to probe")
+        confirmed, alive, slow = [], [], []
+        base = f"{reason} (sweep by {self.detector_id})"
+        for node in sorted(results):
+            record, result = probed[node], results[node]
+            if result.outcome is ProbeOutcome.REFUSED:
+                confirmed.append(node)
+                self._declare(record, DetectionPath.DETECTION_PATH_PROBE_SWEEP,
+                              f"{base}; probe refused: {result.detail}".rstrip(": "))
+            elif result.outcome is ProbeOutcome.ALIVE and result.incarnation != record.incarnation:
+                confirmed.append(node)
+                self._declare(record, DetectionPath.DETECTION_PATH_PROBE_SWEEP,
+                              f"{base}; probe answered by incarnation {result.incarnation}, not {record.incarnation}")
+            elif result.outcome in (ProbeOutcome.ALIVE, ProbeOutcome.DENIED):
+                if result.outcome is ProbeOutcome.DENIED:
+                    log.warning("sweep: %s refused the probe's credentials (%s); taken as alive", node, result.detail)
+                alive.append(node)
+                with self._lock:
+                    self._suspects.pop(node, None)
+            else:
+                slow.append(node)
+                with self._lock:
+                    if node not in self._suspects and (node, self._epoch) not in self._emitted:
+                        now = self.clock()
+                        self._suspects[node] = _Suspicion(node, now, f"{base}; probe timed out", self.detector_id,
+                                                          next_probe_at=now + self.config.probe_interval)
+                        self._wake.notify_all()
+        return SweepResult(confirmed=tuple(confirmed), alive=tuple(alive), slow=tuple(slow), unknown=tuple(unknown),
+                           already_failed=tuple(already))
+
     def start(self, *, probe_loop: bool = True) -> FailureDetector:
         """Load the current nodes, epoch and failures, then watch them. With `probe_loop`, probe in the background."""
         kv = self.store.kv
@@ -204,7 +296,7 @@ class FailureDetector:
             watch.cancel()
         self._watches.clear()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)
 
     def tick(self) -> None:
         """Probe every suspect that is due, and confirm or clear it. Called by the background loop or by tests."""
@@ -245,6 +337,11 @@ class FailureDetector:
                           f"not {record.incarnation}")
         elif result.outcome is ProbeOutcome.ALIVE:
             log.info("suspect %s answered a probe after %.3f s: slow, not dead", node, now - suspicion.since)
+            with self._lock:
+                self._suspects.pop(node, None)
+        elif result.outcome is ProbeOutcome.DENIED:
+            log.warning("suspect %s refused this prober's credentials (%s): something alive holds its port, so it "
+                        "is not declared; check the job token or the client certificate", node, result.detail)
             with self._lock:
                 self._suspects.pop(node, None)
         elif now - suspicion.since >= self.config.grace_period:
@@ -312,7 +409,14 @@ class FailureDetector:
             detected_at=self.wall_clock(),
         )
         try:
-            _, stored = self.store.report_failure(report)
+            won, stored = self.store.report_failure(report)
+        except FencedError as exc:
+            # This detector's own node was declared dead: it must not write to the job any more.
+            log.error("not recording the failure of %s: %s", record.id, exc)
+            with self._lock:
+                self._suspects.pop(record.id, None)
+                self._unwritten.pop(record.id, None)
+            return
         except (StoreError, MalformedValueError) as exc:
             # The failure is confirmed; only writing it failed. Retry the write on the next ticks.
             log.error("could not record the failure of %s: %s; will retry", record.id, exc)
@@ -323,7 +427,17 @@ class FailureDetector:
             return
         with self._lock:
             self._unwritten.pop(record.id, None)
+        if won:
+            self._revoke(record)
         self._emit(stored)
+
+    def _revoke(self, record: NodeRecord) -> None:
+        """The failure of `record` is confirmed (by us): take its lease away, so it leaves every view now."""
+        try:
+            if self.store.revoke_node(record.id, record.incarnation or None):
+                log.info("revoked the lease of %s (incarnation %d)", record.id, record.incarnation)
+        except StoreError as exc:  # the lease still expires after its TTL
+            log.warning("could not revoke the lease of failed node %s: %s", record.id, exc)
 
     def _on_failure_event(self, event: WatchEvent) -> None:
         if event.kind is not EventKind.PUT:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%bamboo/membership/v1/membership.proto\x12\x14\x62\x61mboo.membership.v1\"\x90\x01\n\nNodeRecord\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04zone\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nagent_port\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12.\n\x05state\x18\x06 \x01(\x0e\x32\x1f.bamboo.membership.v1.NodeState\"\xae\x01\n\rFailureReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65tected_by\x18\x04 \x01(\t\x12\x31\n\x04path\x18\x05 \x01(\x0e\x32#.bamboo.membership.v1.DetectionPath\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65tected_at\x18\x07 \x01(\x01\"W\n\x10PreemptionNotice\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x01\x12\x0e\n\x06source\x18\x04 \x01(\t\"!\n\x0cProbeRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\"t\n\rProbeResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08progress\x18\x03 \x01(\x04\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.bamboo.membership.v1.NodeState\"G\n\rNotifyRequest\x12\x36\n\x06notice\x18\x01 \x01(\x0b\x32&.bamboo.membership.v1.PreemptionNotice\"#\n\x0eNotifyResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\"D\n\x12PeerFailureRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08reporter\x18\x03 \x01(\t\"\'\n\x13PeerFailureResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x91\x01\n\x0c\x43lusterEvent\x12:\n\x0bnode_failed\x18\x01 \x01(\x0b\x32#.bamboo.membership.v1.FailureReportH\x00\x12<\n\npreemption\x18\x02 \x01(\x0b\x32&.bamboo.membership.v1.PreemptionNoticeH\x00\x42\x07\n\x05\x65vent*\x9e\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_JOINING\x10\x01\x12\x15\n\x11NODE_STATE_ACTIVE\x10\x02\x12\x16\n\x12NODE_STATE_STANDBY\x10\x03\x12\x19\n\x15NODE_STATE_PREEMPTING\x10\x04\x12\x13\n\x0fNODE_STATE_LEFT\x10\x05*\x97\x01\n\rDetectionPath\x12\x1e\n\x1a\x44\x45TECTION_PATH_UNSPECIFIED\x10\x00\x12#\n\x1f\x44\x45TECTION_PATH_NEIGHBOUR_REPORT\x10\x01\x12\x1f\n\x1b\x44\x45TECTION_PATH_LEASE_EXPIRY\x10\x02\x12 \n\x1c\x44\x45TECTION_PATH_PROBE_TIMEOUT\x10\x03\x32\xf3\x02\n\x05\x41gent\x12P\n\x05Probe\x12\".bamboo.membership.v1.ProbeRequest\x1a#.bamboo.membership.v1.ProbeResponse\x12S\n\x06Notify\x12#.bamboo.membership.v1.NotifyRequest\x1a$.bamboo.membership.v1.NotifyResponse\x12h\n\x11ReportPeerFailure\x12(.bamboo.membership.v1.PeerFailureRequest\x1a).bamboo.membership.v1.PeerFailureResponse\x12Y\n\tSubscribe\x12&.bamboo.membership.v1.SubscribeRequest\x1a\".bamboo.membership.v1.ClusterEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%bamboo/membership/v1/membership.proto\x12\x14\x62\x61mboo.membership.v1\"\x90\x01\n\nNodeRecord\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04zone\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nagent_port\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12.\n\x05state\x18\x06 \x01(\x0e\x32\x1f.bamboo.membership.v1.NodeState\"\xae\x01\n\rFailureReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65tected_by\x18\x04 \x01(\t\x12\x31\n\x04path\x18\x05 \x01(\x0e\x32#.bamboo.membership.v1.DetectionPath\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65tected_at\x18\x07 \x01(\x01\"W\n\x10PreemptionNotice\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x01\x12\x0e\n\x06source\x18\x04 \x01(\t\"!\n\x0cProbeRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\"\xa3\x01\n\rProbeResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08progress\x18\x03 \x01(\x04\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.bamboo.membership.v1.NodeState\x12\r\n\x05lease\x18\x05 \x01(\x03\x12\x1e\n\x16record_create_revision\x18\x06 \x01(\x03\"G\n\rNotifyRequest\x12\x36\n\x06notice\x18\x01 \x01(\x0b\x32&.bamboo.membership.v1.PreemptionNotice\"#\n\x0eNotifyResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\"D\n\x12PeerFailureRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08reporter\x18\x03 \x01(\t\"\'\n\x13PeerFailureResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x91\x01\n\x0c\x43lusterEvent\x12:\n\x0bnode_failed\x18\x01 \x01(\x0b\x32#.bamboo.membership.v1.FailureReportH\x00\x12<\n\npreemption\x18\x02 \x01(\x0b\x32&.bamboo.membership.v1.PreemptionNoticeH\x00\x42\x07\n\x05\x65vent*\x9e\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_JOINING\x10\x01\x12\x15\n\x11NODE_STATE_ACTIVE\x10\x02\x12\x16\n\x12NODE_STATE_STANDBY\x10\x03\x12\x19\n\x15NODE_STATE_PREEMPTING\x10\x04\x12\x13\n\x0fNODE_STATE_LEFT\x10\x05*\xb7\x01\n\rDetectionPath\x12\x1e\n\x1a\x44\x45TECTION_PATH_UNSPECIFIED\x10\x00\x12#\n\x1f\x44\x45TECTION_PATH_NEIGHBOUR_REPORT\x10\x01\x12\x1f\n\x1b\x44\x45TECTION_PATH_LEASE_EXPIRY\x10\x02\x12 \n\x1c\x44\x45TECTION_PATH_PROBE_TIMEOUT\x10\x03\x12\x1e\n\x1a\x44\x45TECTION_PATH_PROBE_SWEEP\x10\x04\x32\xf3\x02\n\x05\x41gent\x12P\n\x05Probe\x12\".bamboo.membership.v1.ProbeRequest\x1a#.bamboo.membership.v1.ProbeResponse\x12S\n\x06Notify\x12#.bamboo.membership.v1.NotifyRequest\x1a$.bamboo.membership.v1.NotifyResponse\x12h\n\x11ReportPeerFailure\x12(.bamboo.membership.v1.PeerFailureRequest\x1a).bamboo.membership.v1.PeerFailureResponse\x12Y\n\tSubscribe\x12&.bamboo.membership.v1.SubscribeRequest\x1a\".bamboo.membership.v1.ClusterEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bamboo.membership.v1.membership_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODESTATE']._serialized_start=1039
-  _globals['_NODESTATE']._serialized_end=1197
-  _globals['_DETECTIONPATH']._serialized_start=1200
-  _globals['_DETECTIONPATH']._serialized_end=1351
+  _globals['_NODESTATE']._serialized_start=1087
+  _globals['_NODESTATE']._serialized_end=1245
+  _globals['_DETECTIONPATH']._serialized_start=1248
+  _globals['_DETECTIONPATH']._serialized_end=1431
   _globals['_NODERECORD']._serialized_start=64
   _globals['_NODERECORD']._serialized_end=208
   _globals['_FAILUREREPORT']._serialized_start=211
@@ -43,20 +43,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREEMPTIONNOTICE']._serialized_end=474
   _globals['_PROBEREQUEST']._serialized_start=476
   _globals['_PROBEREQUEST']._serialized_end=509
-  _globals['_PROBERESPONSE']._serialized_start=511
-  _globals['_PROBERESPONSE']._serialized_end=627
-  _globals['_NOTIFYREQUEST']._serialized_start=629
-  _globals['_NOTIFYREQUEST']._serialized_end=700
-  _globals['_NOTIFYRESPONSE']._serialized_start=702
-  _globals['_NOTIFYRESPONSE']._serialized_end=737
-  _globals['_PEERFAILUREREQUEST']._serialized_start=739
-  _globals['_PEERFAILUREREQUEST']._serialized_end=807
-  _globals['_PEERFAILURERESPONSE']._serialized_start=809
-  _globals['_PEERFAILURERESPONSE']._serialized_end=848
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=850
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=888
-  _globals['_CLUSTEREVENT']._serialized_start=891
-  _globals['_CLUSTEREVENT']._serialized_end=1036
-  _globals['_AGENT']._serialized_start=1354
-  _globals['_AGENT']._serialized_end=1725
+  _globals['_PROBERESPONSE']._serialized_start=512
+  _globals['_PROBERESPONSE']._serialized_end=675
+  _globals['_NOTIFYREQUEST']._serialized_start=677
+  _globals['_NOTIFYREQUEST']._serialized_end=748
+  _globals['_NOTIFYRESPONSE']._serialized_start=750
+  _globals['_NOTIFYRESPONSE']._serialized_end=785
+  _globals['_PEERFAILUREREQUEST']._serialized_start=787
+  _globals['_PEERFAILUREREQUEST']._serialized_end=855
+  _globals['_PEERFAILURERESPONSE']._serialized_start=857
+  _globals['_PEERFAILURERESPONSE']._serialized_end=896
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=898
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=936
+  _globals['_CLUSTEREVENT']._serialized_start=939
+  _globals['_CLUSTEREVENT']._serialized_end=1084
+  _globals['_AGENT']._serialized_start=1434
+  _globals['_AGENT']._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

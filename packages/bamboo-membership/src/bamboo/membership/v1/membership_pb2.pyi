@@ -21,6 +21,7 @@ class DetectionPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DETECTION_PATH_NEIGHBOUR_REPORT: _ClassVar[DetectionPath]
     DETECTION_PATH_LEASE_EXPIRY: _ClassVar[DetectionPath]
     DETECTION_PATH_PROBE_TIMEOUT: _ClassVar[DetectionPath]
+    DETECTION_PATH_PROBE_SWEEP: _ClassVar[DetectionPath]
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_JOINING: NodeState
 NODE_STATE_ACTIVE: NodeState
@@ -31,6 +32,7 @@ DETECTION_PATH_UNSPECIFIED: DetectionPath
 DETECTION_PATH_NEIGHBOUR_REPORT: DetectionPath
 DETECTION_PATH_LEASE_EXPIRY: DetectionPath
 DETECTION_PATH_PROBE_TIMEOUT: DetectionPath
+DETECTION_PATH_PROBE_SWEEP: DetectionPath
 
 class NodeRecord(_message.Message):
     __slots__ = ("id", "zone", "address", "agent_port", "incarnation", "state")
@@ -85,16 +87,20 @@ class ProbeRequest(_message.Message):
     def __init__(self, from_node: _Optional[str] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("node", "incarnation", "progress", "state")
+    __slots__ = ("node", "incarnation", "progress", "state", "lease", "record_create_revision")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    RECORD_CREATE_REVISION_FIELD_NUMBER: _ClassVar[int]
     node: str
     incarnation: int
     progress: int
     state: NodeState
-    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[int] = ..., progress: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ...) -> None: ...
+    lease: int
+    record_create_revision: int
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[int] = ..., progress: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., lease: _Optional[int] = ..., record_create_revision: _Optional[int] = ...) -> None: ...
 
 class NotifyRequest(_message.Message):
     __slots__ = ("notice",)

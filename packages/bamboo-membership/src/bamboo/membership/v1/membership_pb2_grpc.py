@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class AgentStub:
-    """One agent per node, bound to loopback by default.
+    """One agent per node, bound to loopback by default. Beyond loopback every call must be authenticated:
+    mutual TLS (a client certificate signed by the job's CA) or the job token in the call metadata
+    ("authorization: Bearer <token>"); anything else is answered UNAUTHENTICATED.
     """
 
     def __init__(self, channel):
@@ -58,7 +60,9 @@ class AgentStub:
 
 
 class AgentServicer:
-    """One agent per node, bound to loopback by default.
+    """One agent per node, bound to loopback by default. Beyond loopback every call must be authenticated:
+    mutual TLS (a client certificate signed by the job's CA) or the job token in the call metadata
+    ("authorization: Bearer <token>"); anything else is answered UNAUTHENTICATED.
     """
 
     def Probe(self, request, context):
@@ -121,7 +125,9 @@ def add_AgentServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Agent:
-    """One agent per node, bound to loopback by default.
+    """One agent per node, bound to loopback by default. Beyond loopback every call must be authenticated:
+    mutual TLS (a client certificate signed by the job's CA) or the job token in the call metadata
+    ("authorization: Bearer <token>"); anything else is answered UNAUTHENTICATED.
     """
 
     @staticmethod

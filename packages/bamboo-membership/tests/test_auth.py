@@ -1,5 +1,6 @@
 """etcd user/password auth passed through `EtcdOptions`: it works, a wrong password is a clear error, and the
-client re-authenticates after etcd restarts (etcd forgets its simple tokens on restart)."""
+client re-authenticates after etcd restarts (etcd forgets its simple tokens on restart), for requests and for
+a watch that was open across the restart."""
 
 from __future__ import annotations
 
@@ -36,9 +37,15 @@ def test_user_password_auth_is_passed_through_and_survives_a_restart(etcd_factor
     kv = EtcdKV(EtcdOptions(endpoints=(server.endpoint,), user="root", password="s3cret", timeout=2))
     store = MembershipStore(kv, "auth")
     assert store.decide("d", {"v": 1}).won
+    decided: list[str] = []
+    watch = kv.watch_prefix(store.keys.decisions, lambda event: decided.append(event.key))
     server.restart()
-    wait_until(lambda: _decision(store) == {"v": 1}, timeout=10, message="an authenticated read after restart")
+    wait_until(lambda: _decision(store) == {"v": 1}, timeout=30, message="an authenticated read after restart")
     assert kv.reauthentications >= 1  # the old token died with the old server
+    assert store.decide("after-restart", {"v": 2}).won
+    wait_until(lambda: store.keys.decision("after-restart") in decided, timeout=30,
+               message="the watch to resume with a fresh token")
+    watch.cancel()
     reg = store.register(NodeRecord(id="n"), ttl=2)
     assert set(store.list_nodes()) == {"n"}
     reg.leave()

@@ -4,40 +4,57 @@ One `NodeAgent` runs on each node. It
 
 - serves `bamboo.membership.v1.Agent` (Probe, Notify, ReportPeerFailure, Subscribe), bound to loopback
   by default, with optional TLS (`TlsFiles`); `AgentClient` is the worker's side of it;
-- registers the node's record in etcd under a lease (TTL `ttl`) that it keeps alive;
-- runs a `FailureDetector` (its probes use `GrpcProber`) and streams its `NodeFailed` events, and every
-  preemption notice of the job, to local subscribers (the worker);
+- lets only the job's own processes call it, once it listens beyond loopback: with `TlsFiles.ca` the
+  server asks every client for a certificate signed by that CA (mutual TLS), and with a job `token`
+  every call must carry `authorization: Bearer <token>` in its metadata (checked in constant time);
+  anything else is answered UNAUTHENTICATED (or fails the TLS handshake). An agent that would bind a
+  non-loopback address with neither refuses to start, unless `insecure=True` (`--insecure`);
+- registers the node's record in etcd under a lease (TTL `ttl`) that it keeps alive, and from then on
+  writes to the job only through a store fenced by that registration (`NodeAgent.membership`): once the
+  node is declared dead, its writes fail (`FencedError`) and `lease_lost` is set;
+- runs a `FailureDetector` (its probes use `GrpcProber`, with the same credentials) and streams its
+  `NodeFailed` events, and every preemption notice of the job, to local subscribers (the worker);
 - turns SIGTERM (`install_sigterm_handler`) and an optional cloud preemption-notice hook
-  (`watch_preemption_hook`) into a `Notify`: a `PreemptionNotice` published to etcd, with the record's
-  state set to PREEMPTING.
+  (`watch_preemption_hook`, e.g. `bamboo.membership.cloud.AwsSpotNotice`) into a `Notify`: a
+  `PreemptionNotice` published to etcd, with the record's state set to PREEMPTING.
+
+A probe that the target refuses for credentials (UNAUTHENTICATED, or a failed TLS handshake on a port that
+accepts connections) reads as DENIED: something alive is there, so it is never taken for a dead node.
 
 Run one as a process with `python -m bamboo.membership --help`.
 
-Timeouts (seconds): `ttl` (lease, default 2); `notice_window` (how far in the future a SIGTERM notice
-puts the deadline, default 30, the GCP spot notice); `hook_interval` (how often the preemption hook is
-polled, default 1); `stream_poll` (how often a Subscribe stream checks that its client is still there,
-default 0.5); the detector's own timings are in `DetectorConfig`.
+Timeouts (seconds, defaults in `bamboo.membership.timeouts`): `ttl` (`LEASE_TTL_S`); `notice_window`
+(`NOTICE_WINDOW_S`); the hook's `interval` (`PREEMPTION_POLL_INTERVAL_S`); `stream_poll` (`STREAM_POLL_S`);
+`AgentClient.timeout` (`AGENT_RPC_TIMEOUT_S`); `stop(grace=...)` (`SERVER_STOP_GRACE_S`); the detector's own
+timings are in `DetectorConfig`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import attrs
 import grpc
+from bamboo.membership import timeouts
+from bamboo.membership.cloud import PREEMPTION_NOTICE_KINDS, MetadataError, preemption_hook
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
-from bamboo.membership.kv import EtcdKV, EtcdOptions, EventKind, StoreError, WatchEvent, WatchHandle
+from bamboo.membership.kv import EtcdKV, EtcdOptions, EventKind, Guard, StoreError, WatchEvent, WatchHandle
 from bamboo.membership.records import (
     FailureReport,
     MalformedValueError,
@@ -47,13 +64,19 @@ from bamboo.membership.records import (
     PreemptionNotice,
     decode_message,
 )
-from bamboo.membership.store import MembershipStore, Registration
+from bamboo.membership.store import JobKeys, MembershipStore, Registration
 from bamboo.membership.v1 import membership_pb2 as pb
 from bamboo.membership.v1 import membership_pb2_grpc as pb_grpc
 
-__all__ = ["AgentClient", "GrpcProber", "NodeAgent", "TlsFiles", "main"]
+__all__ = ["TOKEN_METADATA_KEY", "AgentClient", "GrpcProber", "NodeAgent", "TlsFiles", "load_token", "main"]
 
 log = logging.getLogger(__name__)
+
+TOKEN_METADATA_KEY = "authorization"
+"""The call-metadata key that carries the job token, as `Bearer <token>`."""
+
+TOKEN_FILE_ENV = "BAMBOO_AGENT_TOKEN_FILE"
+"""Environment variable naming the job token file when `--token-file` is not given."""
 
 
 def _check_file(name: str, path: str) -> None:
@@ -63,18 +86,94 @@ def _check_file(name: str, path: str) -> None:
 
 @attrs.frozen
 class TlsFiles:
-    """PEM files for the agent's TLS. The server uses `cert` and `key`; clients verify against `ca`."""
+    """PEM files for the agent's TLS (e.g. mounted from a Kubernetes Secret).
+
+    The server presents `cert`/`key`. With `ca`, TLS is mutual: the server requires a client certificate
+    signed by `ca`, and clients (probes, `AgentClient`) verify the server against `ca` and present
+    `cert`/`key` themselves. Without `ca`, clients verify against `cert` and present nothing.
+    `server_name` overrides the name clients check in the server's certificate (one certificate can then
+    serve agents at any address, e.g. pod IPs).
+    """
 
     cert: str = attrs.field(validator=lambda _, a, v: _check_file(a.name, v))
     key: str = attrs.field(validator=lambda _, a, v: _check_file(a.name, v))
     ca: str | None = attrs.field(default=None, validator=lambda _, a, v: v is None or _check_file(a.name, v))
+    server_name: str | None = None
+
+    @property
+    def mutual(self) -> bool:
+        """Whether clients must present a certificate (a CA is given)."""
+        return self.ca is not None
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())])
+        pair = [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())]
+        if self.ca is None:
+            return grpc.ssl_server_credentials(pair)
+        return grpc.ssl_server_credentials(pair, root_certificates=Path(self.ca).read_bytes(),
+                                           require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        ca = Path(self.ca or self.cert).read_bytes()
-        return grpc.ssl_channel_credentials(root_certificates=ca)
+        if self.ca is None:
+            return grpc.ssl_channel_credentials(root_certificates=Path(self.cert).read_bytes())
+        return grpc.ssl_channel_credentials(root_certificates=Path(self.ca).read_bytes(),
+                                            private_key=Path(self.key).read_bytes(),
+                                            certificate_chain=Path(self.cert).read_bytes())
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [] if self.server_name is None else [("grpc.ssl_target_name_override", self.server_name)]
+
+
+def load_token(path: str | os.PathLike[str]) -> str:
+    """The job token in `path` (surrounding whitespace stripped); ValueError naming the file if unusable."""
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the job token file {str(path)!r}: {exc}") from exc
+    if not token:
+        raise ValueError(f"the job token file {str(path)!r} is empty")
+    if any(c.isspace() for c in token) or not token.isprintable():
+        raise ValueError(f"the job token in {str(path)!r} must be one printable word without spaces")
+    return token
+
+
+def _token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return None if token is None else ((TOKEN_METADATA_KEY, f"Bearer {token}"),)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`); names other than `localhost` count as not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Answers UNAUTHENTICATED to every call whose metadata lacks `authorization: Bearer <job token>`."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this agent requires the job token "
+                          f"('{TOKEN_METADATA_KEY}: Bearer <token>' in the call metadata)")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        given = ""
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                given = value if isinstance(value, str) else value.decode(errors="replace")
+        if hmac.compare_digest(given.encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        return self._deny_stream if handler.response_streaming else self._deny_unary
 
 
 def _report_of(event: NodeFailed) -> FailureReport:
@@ -89,31 +188,65 @@ def _report_of(event: NodeFailed) -> FailureReport:
     )
 
 
+def _tcp_refused(host: str, port: int, timeout: float) -> bool | None:
+    """True: the connection is refused (nothing listens); False: something accepted it; None: no answer."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return None
+
+
+_DENIED_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
+
+
 class GrpcProber:
     """Probes an agent over gRPC on a fresh channel each time, so an earlier failure cannot mask a recovery.
 
-    Connection refused maps to REFUSED, a missed deadline to TIMEOUT. `credentials` enables TLS.
+    Outcomes: an answer is ALIVE; UNAUTHENTICATED (or PERMISSION_DENIED) is DENIED (alive, but it refused
+    our credentials); UNAVAILABLE is checked with a plain TCP connect: refused is REFUSED (the process is
+    gone), accepted is DENIED (e.g. a failed TLS handshake), no answer is TIMEOUT; anything else (a missed
+    deadline) is TIMEOUT. `credentials` enables TLS, `token` sends the job token, `channel_options` are
+    passed to the channel (e.g. `TlsFiles.channel_options()`).
     """
 
-    def __init__(self, from_node: str = "", credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        from_node: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+        *,
+        token: str | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         self.from_node = from_node
         self.credentials = credentials
+        self.metadata = _token_metadata(token)
+        self.channel_options = list(channel_options)
 
     def __call__(self, record: NodeRecord, timeout: float) -> ProbeResult:
         target = f"{record.address}:{record.agent_port}"
         channel = (
-            grpc.secure_channel(target, self.credentials)
+            grpc.secure_channel(target, self.credentials, options=self.channel_options)
             if self.credentials is not None
-            else grpc.insecure_channel(target)
+            else grpc.insecure_channel(target, options=self.channel_options)
         )
         try:
-            reply = pb_grpc.AgentStub(channel).Probe(pb.ProbeRequest(from_node=self.from_node), timeout=timeout)
+            reply = pb_grpc.AgentStub(channel).Probe(pb.ProbeRequest(from_node=self.from_node), timeout=timeout,
+                                                     metadata=self.metadata)
             return ProbeResult(ProbeOutcome.ALIVE, incarnation=reply.incarnation, progress=reply.progress)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             detail = f"{code}: {exc.details() if hasattr(exc, 'details') else exc}"
+            if code in _DENIED_CODES:
+                return ProbeResult(ProbeOutcome.DENIED, detail=detail)
             if code == grpc.StatusCode.UNAVAILABLE:
-                return ProbeResult(ProbeOutcome.REFUSED, detail=detail)
+                refused = _tcp_refused(record.address, record.agent_port, timeout)
+                if refused:
+                    return ProbeResult(ProbeOutcome.REFUSED, detail=detail)
+                if refused is False:
+                    return ProbeResult(ProbeOutcome.DENIED, detail=f"{detail} (but the port accepts connections)")
             return ProbeResult(ProbeOutcome.TIMEOUT, detail=detail)
         finally:
             channel.close()
@@ -125,8 +258,11 @@ class _Servicer(pb_grpc.AgentServicer):
 
     def Probe(self, request: pb.ProbeRequest, context: grpc.ServicerContext) -> pb.ProbeResponse:
         record = self.agent.record
+        registration = self.agent.registration
         return pb.ProbeResponse(
-            node=record.id, incarnation=record.incarnation, progress=self.agent.progress(), state=record.state
+            node=record.id, incarnation=record.incarnation, progress=self.agent.progress(), state=record.state,
+            lease=registration.lease_id if registration is not None else 0,
+            record_create_revision=registration.create_revision if registration is not None else 0,
         )
 
     def Notify(self, request: pb.NotifyRequest, context: grpc.ServicerContext) -> pb.NotifyResponse:
@@ -173,33 +309,47 @@ class AgentClient:
 
     `report_peer_failure(node, reason)` says "my P2P to `node` failed"; `failures()` yields
     `NodeFailed` ("`node` failed in epoch E") and `notices()` preemption notices, from one Subscribe
-    stream. `timeout` (seconds, default 5) bounds each unary call.
+    stream. `timeout` (seconds, `AGENT_RPC_TIMEOUT_S`) bounds each unary call. `credentials` (e.g.
+    `TlsFiles.channel_credentials()`) and `token` authenticate to an agent that requires them.
     """
 
     def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 timeout: float = 5.0, name: str = "worker") -> None:
+                 timeout: float = timeouts.AGENT_RPC_TIMEOUT_S, name: str = "worker", token: str | None = None,
+                 channel_options: Sequence[tuple[str, Any]] = ()) -> None:
         self.address = address
         self.timeout = timeout
         self.name = name
-        self._channel = (grpc.secure_channel(address, credentials) if credentials is not None
-                         else grpc.insecure_channel(address))
+        self._metadata = _token_metadata(token)
+        options = list(channel_options)
+        self._channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+                         else grpc.insecure_channel(address, options=options))
         self._stub = pb_grpc.AgentStub(self._channel)
 
     def probe(self) -> pb.ProbeResponse:
-        return self._stub.Probe(pb.ProbeRequest(from_node=self.name), timeout=self.timeout)
+        return self._stub.Probe(pb.ProbeRequest(from_node=self.name), timeout=self.timeout, metadata=self._metadata)
+
+    def fence(self, job: str) -> Guard | None:
+        """The agent's registration as a `Guard`, for `MembershipStore(kv, job, fence=...)` in the worker:
+        the worker's writes then fail once its node is declared dead. None before the agent registered."""
+        reply = self.probe()
+        if not reply.lease or not reply.record_create_revision:
+            return None
+        return Guard(node=reply.node, key=JobKeys(job).node(reply.node),
+                     create_revision=int(reply.record_create_revision), lease=int(reply.lease))
 
     def report_peer_failure(self, node: str, reason: str) -> bool:
         """Returns whether the agent's detector took the report (False: the agent runs no detector)."""
         request = pb.PeerFailureRequest(node=node, reason=reason)
-        return self._stub.ReportPeerFailure(request, timeout=self.timeout).accepted
+        return self._stub.ReportPeerFailure(request, timeout=self.timeout, metadata=self._metadata).accepted
 
     def notify(self, notice: PreemptionNotice) -> bool:
-        return self._stub.Notify(pb.NotifyRequest(notice=notice), timeout=self.timeout).published
+        return self._stub.Notify(pb.NotifyRequest(notice=notice), timeout=self.timeout,
+                                 metadata=self._metadata).published
 
     def events(self) -> Iterator[NodeFailed | PreemptionNotice]:
         """Cluster events as they happen: `NodeFailed` or `PreemptionNotice`. Ends when the agent stops
         or `close()` is called; `grpc.RpcError` if the agent goes away."""
-        stream = self._stub.Subscribe(pb.SubscribeRequest(subscriber=self.name))
+        stream = self._stub.Subscribe(pb.SubscribeRequest(subscriber=self.name), metadata=self._metadata)
         self._stream = stream
         try:
             for event in stream:
@@ -219,7 +369,13 @@ class AgentClient:
 
 
 class NodeAgent:
-    """One node's agent: gRPC server, lease-held record, failure detector, preemption notices."""
+    """One node's agent: gRPC server, lease-held record, failure detector, preemption notices.
+
+    The lease (`ttl` s) is refreshed every `keepalive_interval` s (default TTL/3). `token` (the job token)
+    and `tls` (with a `ca`: mutual TLS) authenticate callers; binding a
+    non-loopback `host` with neither raises ValueError unless `insecure=True`. `membership` is the store
+    fenced by this node's registration (after `start()`): every write the agent makes goes through it.
+    """
 
     def __init__(
         self,
@@ -230,23 +386,39 @@ class NodeAgent:
         incarnation: int = 1,
         host: str = "127.0.0.1",
         port: int = 0,
-        ttl: int = 2,
+        ttl: int = timeouts.LEASE_TTL_S,
+        keepalive_interval: float | None = None,
         tls: TlsFiles | None = None,
+        token: str | None = None,
+        insecure: bool = False,
         detector_config: DetectorConfig | None = None,
         run_detector: bool = True,
         progress: Callable[[], int] = lambda: 0,
-        notice_window: float = 30.0,
-        stream_poll: float = 0.5,
+        notice_window: float = timeouts.NOTICE_WINDOW_S,
+        stream_poll: float = timeouts.STREAM_POLL_S,
         max_workers: int = 8,
     ) -> None:
+        if token is not None and (not token or any(c.isspace() for c in token)):
+            raise ValueError("NodeAgent: the job token must be a non-empty word without spaces")
+        if not is_loopback(host) and not insecure and token is None and not (tls is not None and tls.mutual):
+            raise ValueError(
+                f"agent {node_id}: refusing to listen on {host}:{port or '<any port>'} (beyond loopback) without "
+                "authentication: any process that reaches it could make this node leave. Give a job token "
+                "(--token-file) or mutual TLS (--tls-cert/--tls-key with --tls-ca), or pass --insecure "
+                "(insecure=True) to accept any caller"
+            )
         self.store = store
+        self.membership = store
         self.node_id = node_id
         self.zone = zone
         self.incarnation = incarnation
         self.host = host
         self.port = port
         self.ttl = ttl
+        self.keepalive_interval = keepalive_interval
         self.tls = tls
+        self.token = token
+        self.insecure = insecure
         self.progress = progress
         self.notice_window = notice_window
         self.stream_poll = stream_poll
@@ -255,15 +427,28 @@ class NodeAgent:
         self.registration: Registration | None = None
         self.detector: FailureDetector | None = None
         if run_detector:
-            prober = GrpcProber(node_id, tls.channel_credentials() if tls else None)
-            self.detector = FailureDetector(store, node_id, prober, detector_config)
+            self.detector = FailureDetector(store, node_id, self.prober(), detector_config)
         self._subscribers: list[queue.Queue[pb.ClusterEvent | None]] = []
         self._notice_watch: WatchHandle | None = None
         self._stopping = threading.Event()
         self._noticed = threading.Event()
+        self.notice_deadline: float | None = None
+        """The deadline (unix seconds) of the first preemption notice this node received, None before."""
         self.lease_lost = threading.Event()
-        """Set when this node's lease expired under it (e.g. it was stopped longer than the TTL): the cluster
-        has declared it failed, so this process must not carry on as that node."""
+        """Set when this node's lease is gone under it (it was stopped longer than the TTL, or a detector
+        confirmed it dead and revoked the lease): the cluster has declared it failed, so this process must
+        not carry on as that node. Set within one keepalive interval (TTL/3) of the lease going away."""
+
+    def prober(self) -> GrpcProber:
+        """A `GrpcProber` that authenticates as this agent's clients must (same TLS files and token)."""
+        return GrpcProber(self.node_id, self.tls.channel_credentials() if self.tls else None, token=self.token,
+                          channel_options=self.tls.channel_options() if self.tls else ())
+
+    def client(self, *, name: str = "worker", timeout: float = timeouts.AGENT_RPC_TIMEOUT_S) -> AgentClient:
+        """An `AgentClient` to this agent with the credentials it requires."""
+        return AgentClient(self.address, credentials=self.tls.channel_credentials() if self.tls else None,
+                           timeout=timeout, name=name, token=self.token,
+                           channel_options=self.tls.channel_options() if self.tls else ())
 
     @property
     def record(self) -> NodeRecord:
@@ -276,10 +461,17 @@ class NodeAgent:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def subscriber_count(self) -> int:
+        """How many Subscribe streams are open (workers listening for cluster events)."""
+        return len(self._subscribers)
+
     def start(self) -> NodeAgent:
         """Bind the gRPC server, register the node, start the detector and the notice watch."""
+        interceptors = [_TokenCheck(self.token)] if self.token is not None else []
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers,
-                                                        thread_name_prefix=f"bamboo-agent-{self.node_id}"))
+                                                        thread_name_prefix=f"bamboo-agent-{self.node_id}"),
+                             interceptors=interceptors)
         pb_grpc.add_AgentServicer_to_server(_Servicer(self), server)
         bind = f"{self.host}:{self.port}"
         bound = (server.add_secure_port(bind, self.tls.server_credentials()) if self.tls
@@ -292,15 +484,17 @@ class NodeAgent:
         record = NodeRecord(id=self.node_id, zone=self.zone, address=self.host, agent_port=self.port,
                             incarnation=self.incarnation, state=NodeState.NODE_STATE_JOINING)
         try:
-            self.registration = self.store.register(record, self.ttl, on_lost=self._on_lease_lost)
+            self.registration = self.store.register(record, self.ttl, keepalive_interval=self.keepalive_interval,
+                                                    on_lost=self._on_lease_lost)
+            self.membership = self.store.fenced(self.registration)
+            if self.detector is not None:
+                self.detector.store = self.membership
+                self.detector.subscribe(self._on_node_failed)
+                self.detector.start()
+            self._notice_watch = self.store.watch_notices(self._on_notice_event)
         except BaseException:
-            server.stop(0)
-            self._server = None
+            self.stop(leave=True, grace=0)
             raise
-        if self.detector is not None:
-            self.detector.subscribe(self._on_node_failed)
-            self.detector.start()
-        self._notice_watch = self.store.watch_notices(self._on_notice_event)
         return self
 
     def report_peer_failure(self, node: str, reason: str) -> None:
@@ -312,12 +506,15 @@ class NodeAgent:
     def notify(self, deadline: float, source: str) -> bool:
         """This node will be preempted by `deadline` (unix seconds): publish the notice, mark the record.
 
-        Returns False when etcd could not be reached (the lease path will still catch the departure).
+        Returns False when etcd could not be reached, or this node is fenced (the lease path will still
+        catch the departure).
         """
         notice = PreemptionNotice(node=self.node_id, incarnation=self.incarnation, deadline=deadline, source=source)
+        if self.notice_deadline is None:
+            self.notice_deadline = deadline
         self._noticed.set()
         try:
-            self.store.publish_notice(notice)
+            self.membership.publish_notice(notice)
             if self.registration is not None:
                 self.registration.update(state=NodeState.NODE_STATE_PREEMPTING)
         except StoreError as exc:
@@ -334,26 +531,44 @@ class NodeAgent:
 
         signal.signal(signal.SIGTERM, handler)
 
-    def watch_preemption_hook(self, hook: Callable[[], float | None], interval: float = 1.0) -> threading.Thread:
-        """Poll `hook()` every `interval` s (e.g. a cloud metadata query); when it returns a deadline, notify once."""
+    def watch_preemption_hook(
+        self,
+        hook: Callable[[], float | None],
+        interval: float = timeouts.PREEMPTION_POLL_INTERVAL_S,
+        *,
+        source: str | None = None,
+    ) -> threading.Thread:
+        """Call `hook()` every `interval` s (e.g. a cloud metadata query, `bamboo.membership.cloud`); when it
+        returns a deadline, notify once (with `source`, default the hook's `source` or "cloud-hook").
+
+        The first call is made at once. A hook may block (GCE's hanging GET); one that raises is logged and
+        called again after `interval`.
+        """
+        if not interval > 0:
+            raise ValueError(f"preemption hook interval must be > 0, got {interval!r}")
+        name = source or getattr(hook, "source", None) or "cloud-hook"
 
         def poll() -> None:
-            while not self._stopping.wait(interval):
+            while not self._stopping.is_set():
                 try:
                     deadline = hook()
+                except MetadataError as exc:
+                    log.warning("agent %s: preemption hook %s: %s", self.node_id, name, exc)
+                    deadline = None
                 except Exception:
-                    log.exception("agent %s: preemption hook failed", self.node_id)
-                    continue
-                if deadline is not None:
-                    self.notify(deadline, "cloud-hook")
+                    log.exception("agent %s: preemption hook %s failed", self.node_id, name)
+                    deadline = None
+                if deadline is not None and not self._stopping.is_set():
+                    self.notify(deadline, name)
                     return
+                self._stopping.wait(interval)
 
         thread = threading.Thread(target=poll, name=f"bamboo-preempt-hook-{self.node_id}", daemon=True)
         thread.start()
         return thread
 
     def _on_lease_lost(self, registration: Registration) -> None:
-        log.error("agent %s: lease %x expired; this node has been declared failed", self.node_id,
+        log.error("agent %s: lease %x is gone; this node has been declared failed", self.node_id,
                   registration.lease_id)
         self.lease_lost.set()
 
@@ -379,7 +594,7 @@ class NodeAgent:
             return
         self._broadcast(pb.ClusterEvent(preemption=notice))
 
-    def stop(self, *, leave: bool = True, grace: float = 0.5) -> None:
+    def stop(self, *, leave: bool = True, grace: float = timeouts.SERVER_STOP_GRACE_S) -> None:
         """Stop serving. `leave=True` marks the record LEFT and revokes the lease (not a failure)."""
         self._stopping.set()
         if self._notice_watch is not None:
@@ -401,10 +616,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bamboo.membership",
         description="Run one node's Bamboo agent: gRPC Agent service, lease-held node record in etcd, "
-        "failure detector, preemption notices. Prints one JSON line {\"node\", \"address\", \"port\"} when ready.",
+        "failure detector, preemption notices. Prints one JSON line {\"node\", \"address\", \"port\"} when ready. "
+        "Beyond loopback (--host) callers must authenticate: give --token-file, or mutual TLS (--tls-cert, "
+        "--tls-key and --tls-ca), or --insecure.",
         epilog="Exit status: 0 after SIGINT (left on purpose) or at a preemption deadline; 2 on bad input or "
-        "when etcd cannot be reached at start; 3 when the node's lease expired under it (it was declared "
-        "failed; start again with a higher --incarnation).",
+        "when etcd cannot be reached at start; 3 when the node's lease expired or was revoked under it (it was "
+        "declared failed; start again with a higher --incarnation).",
     )
     parser.add_argument("--etcd", required=True, action="append",
                         help="etcd client endpoint host:port (repeat for several)")
@@ -415,21 +632,50 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="incarnation of this node id; bump it when a new process takes the id (default 1)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to (default loopback)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default 0: a free port)")
-    parser.add_argument("--ttl", type=int, default=2, help="lease TTL in seconds (default 2)")
-    parser.add_argument("--grace", type=float, default=2.0,
-                        help="seconds a suspect must stay unresponsive before it is declared failed (default 2)")
-    parser.add_argument("--probe-timeout", type=float, default=0.25, help="deadline of one probe, s (default 0.25)")
-    parser.add_argument("--notice-window", type=float, default=30.0,
-                        help="seconds from SIGTERM to the preemption deadline; the agent exits then (default 30)")
+    parser.add_argument("--ttl", type=int, default=timeouts.LEASE_TTL_S,
+                        help=f"lease TTL in seconds (default {timeouts.LEASE_TTL_S})")
+    parser.add_argument("--grace", type=float, default=timeouts.GRACE_PERIOD_S,
+                        help="seconds a suspect must stay unresponsive before it is declared failed "
+                        f"(default {timeouts.GRACE_PERIOD_S:g})")
+    parser.add_argument("--probe-timeout", type=float, default=timeouts.PROBE_TIMEOUT_S,
+                        help=f"deadline of one probe, s (default {timeouts.PROBE_TIMEOUT_S:g})")
+    parser.add_argument("--probe-interval", type=float, default=timeouts.PROBE_INTERVAL_S,
+                        help=f"pause between two probes of a suspect, s (default {timeouts.PROBE_INTERVAL_S:g})")
+    parser.add_argument("--notice-window", type=float, default=timeouts.NOTICE_WINDOW_S,
+                        help="seconds from SIGTERM to the preemption deadline; the agent exits then "
+                        f"(default {timeouts.NOTICE_WINDOW_S:g})")
+    parser.add_argument("--preemption-notices", choices=PREEMPTION_NOTICE_KINDS, default="none",
+                        help="poll a cloud's metadata server for preemption notices: aws (IMDSv2 "
+                        "spot/instance-action) or gce (instance/preempted, hanging GET) (default none)")
+    parser.add_argument("--metadata-url", default=None,
+                        help="base URL of the metadata server (default the cloud's own: http://169.254.169.254 "
+                        "for aws, http://metadata.google.internal for gce)")
+    parser.add_argument("--preemption-poll-interval", type=float, default=timeouts.PREEMPTION_POLL_INTERVAL_S,
+                        help="seconds between two metadata polls "
+                        f"(default {timeouts.PREEMPTION_POLL_INTERVAL_S:g})")
     parser.add_argument("--no-detector", action="store_true", help="do not run a failure detector in this agent")
-    parser.add_argument("--tls-cert", help="PEM certificate for the gRPC server (enables TLS with --tls-key)")
-    parser.add_argument("--tls-key", help="PEM private key for the gRPC server")
-    parser.add_argument("--tls-ca", help="PEM CA that peers' agent certificates are checked against")
+    parser.add_argument("--tls-cert", help="PEM certificate of this agent (enables TLS with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of this agent")
+    parser.add_argument("--tls-ca", help="PEM CA of the job: peers' certificates are checked against it, and "
+                        "callers must present a certificate it signed (mutual TLS)")
+    parser.add_argument("--tls-server-name", help="name to check in peers' certificates instead of their address")
+    parser.add_argument("--token-file",
+                        default=os.environ.get(TOKEN_FILE_ENV),
+                        help="file holding the job token (e.g. a mounted Secret): every call to this agent must "
+                        f"carry it, and this agent sends it to its peers (default ${TOKEN_FILE_ENV})")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow listening beyond loopback with neither a token nor mutual TLS: any process "
+                        "that reaches the port can then make this node leave")
     parser.add_argument("--etcd-user", help="etcd user name (with --etcd-password)")
     parser.add_argument("--etcd-password", help="etcd password")
     parser.add_argument("--etcd-ca", help="PEM CA of the etcd server (enables TLS to etcd)")
     parser.add_argument("--etcd-cert", help="PEM client certificate for etcd (with --etcd-key)")
     parser.add_argument("--etcd-key", help="PEM client key for etcd")
+    parser.add_argument("--etcd-timeout", type=float, default=timeouts.ETCD_RPC_TIMEOUT_S,
+                        help=f"deadline of each etcd request, s (default {timeouts.ETCD_RPC_TIMEOUT_S:g})")
+    parser.add_argument("--watch-start-timeout", type=float, default=timeouts.WATCH_START_TIMEOUT_S,
+                        help="how long setting up an etcd watch is retried before giving up, s "
+                        f"(default {timeouts.WATCH_START_TIMEOUT_S:g})")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     return parser.parse_args(argv)
 
@@ -439,15 +685,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         options = EtcdOptions(endpoints=tuple(args.etcd), user=args.etcd_user, password=args.etcd_password,
-                              ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key)
-        config = DetectorConfig(grace_period=args.grace, probe_timeout=args.probe_timeout)
+                              ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
+                              timeout=args.etcd_timeout, watch_start_timeout=args.watch_start_timeout)
+        config = DetectorConfig(grace_period=args.grace, probe_timeout=args.probe_timeout,
+                                probe_interval=args.probe_interval)
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError(f"--tls-cert and --tls-key go together (got cert={args.tls_cert!r}, key={args.tls_key!r})")
-        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
+        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name) if args.tls_cert else None
+        token = load_token(args.token_file) if args.token_file else None
+        hook = preemption_hook(args.preemption_notices, args.metadata_url)
+        if not args.preemption_poll_interval > 0:
+            raise ValueError(f"--preemption-poll-interval must be > 0, got {args.preemption_poll_interval!r}")
         kv = EtcdKV(options)
         agent = NodeAgent(MembershipStore(kv, args.job), args.node, zone=args.zone, incarnation=args.incarnation,
-                          host=args.host, port=args.port, ttl=args.ttl, tls=tls, detector_config=config,
-                          run_detector=not args.no_detector, notice_window=args.notice_window)
+                          host=args.host, port=args.port, ttl=args.ttl, tls=tls, token=token, insecure=args.insecure,
+                          detector_config=config, run_detector=not args.no_detector,
+                          notice_window=args.notice_window)
         # The handler goes in before the node registers: a SIGTERM that arrives once the node is
         # visible in etcd must become a preemption notice, never the default (silent) death.
         agent.install_sigterm_handler()
@@ -455,11 +708,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, StoreError) as exc:
         print(f"bamboo agent: error: {exc}", file=sys.stderr)
         return 2
+    if hook is not None:
+        agent.watch_preemption_hook(hook, args.preemption_poll_interval)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(json.dumps({"node": args.node, "address": agent.host, "port": agent.port}), flush=True)
     deadline: float | None = None
-    while not stop.wait(0.1):
+    while not stop.wait(timeouts.MAIN_LOOP_POLL_S):
         if agent.lease_lost.is_set():
             print(f"bamboo agent: error: node {args.node} lost its lease and was declared failed; "
                   "rejoin with a higher --incarnation", file=sys.stderr)
@@ -467,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
             kv.close()
             return 3
         if agent.noticed.is_set() and deadline is None:
-            deadline = time.monotonic() + args.notice_window
+            # The notice's own deadline: now + --notice-window after SIGTERM, the cloud's after a metadata notice.
+            due = agent.notice_deadline if agent.notice_deadline is not None else time.time() + args.notice_window
+            deadline = time.monotonic() + max(0.0, due - time.time())
         if deadline is not None and time.monotonic() >= deadline:
             # Preempted: vanish without leaving, as the machine would; the lease expiry reports it.
             agent.stop(leave=False)

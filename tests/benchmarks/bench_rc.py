@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import socket
@@ -66,7 +67,7 @@ def _deepspeed_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     specs = gpt_layer_specs(size)
-    # "uniform" splits the layer count evenly, as bamboo.rc.model.partition_layers does for P=2.
+    # "uniform" splits the layer count evenly; the bamboo variants are given the same stage bounds.
     module = PipelineModule(layers=specs, num_stages=2, loss_fn=lm_loss, partition_method="uniform")
     ds_config = {**config, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=module, config=ds_config, model_parameters=module.parameters())
@@ -80,10 +81,19 @@ def _deepspeed_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any
     return {"times": times, "stash": 0, "rss": _peak_rss_mib(), "kinds": {}}
 
 
+def _uniform_bounds(layer_count: int, stages: int) -> tuple[tuple[int, int], ...]:
+    """DeepSpeed's "uniform" partition as stage bounds, so both engines run the very same layers per stage."""
+    from deepspeed.runtime.utils import partition_uniform
+
+    parts = partition_uniform(layer_count, stages)
+    return tuple(itertools.pairwise(parts))
+
+
 def _bamboo_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int, mode: str) -> dict[str, Any]:
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    engine = initialize(gpt_layer_specs(size), config, mode, loss_fn=lm_loss, stages=2, rank=rank,
-                        world_size=2, store=store, job=f"bench-{mode}")
+    specs = gpt_layer_specs(size)
+    engine = initialize(specs, config, mode, loss_fn=lm_loss, stages=2, rank=rank, world_size=2, store=store,
+                        job=f"bench-{mode}", stage_bounds=_uniform_bounds(len(specs), 2))
     sampler = GlobalBatchSampler(config["train_micro_batch_size_per_gpu"], size.sequence)
     data = pipeline_data_iter(sampler, 0, config["gradient_accumulation_steps"])
     engine.executor.kind_seconds.clear()

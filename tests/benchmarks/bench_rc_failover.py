@@ -25,9 +25,9 @@ import statistics
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from bamboo.rc.comm import CommTimeouts
-from bamboo.rc.executor import KillPoint
+from bamboo.rc.faults import KillPoint
 from bamboo.rc.model import GPTSize
+from bamboo.rc.timeouts import CommTimeouts
 from bamboo.rc.verify import DEFAULT_CONFIG, run_verify
 
 
@@ -40,17 +40,17 @@ def measure(mode: str, where: str, size: GPTSize, micro_batches: int, steps: int
         raise SystemExit(f"bench_rc_failover: {mode} kill at {where} did not match the reference: {result}")
     killed_at = result.kill_times[1]
     shadow = result.timings[0]
-    failover = next(f for f in shadow["failovers"] if f["own_pipeline"])
+    failover = next(f for f in shadow["failovers"] if f.own_pipeline)
     normal = [end - start for i, (start, end) in enumerate(shadow["iteration_times"]) if i not in (0, kill_step)]
     iteration = statistics.median(normal)
-    kinds = failover["recovery_kinds"]
+    kinds = failover.recovery_kinds
     brc = sum(kinds.get(k, 0.0) for k in ("FR", "SI", "BR"))
-    detection = failover["confirmed_at"] - killed_at
-    rerouting = failover["resumed_at"] - failover["confirmed_at"]
-    to_end = failover["iteration_end"] - killed_at
+    detection = failover.confirmed_at - killed_at
+    rerouting = failover.resumed_at - failover.confirmed_at
+    to_end = failover.iteration_end - killed_at
     failed_start, failed_end = shadow["iteration_times"][kill_step]
     return {
-        "iteration_s": iteration, "to_merged_s": failover["resumed_at"] - killed_at, "to_end_s": to_end,
+        "iteration_s": iteration, "to_merged_s": failover.resumed_at - killed_at, "to_end_s": to_end,
         "detection_s": detection, "rerouting_s": rerouting, "brc_s": brc,
         "rest_s": to_end - detection - rerouting - brc,
         "lost_s": (failed_end - failed_start) - iteration,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from bamboo.rc.cli import main
-from bamboo.rc.comm import CommTimeouts
-from bamboo.rc.executor import KillPoint, NoticePoint
+from bamboo.rc.faults import KillPoint, NoticePoint
+from bamboo.rc.timeouts import CommTimeouts
 from bamboo.rc.verify import run_verify
 
 pytestmark = pytest.mark.slow
@@ -56,8 +56,8 @@ def test_a_second_non_adjacent_failure_after_a_failover_matches_the_reference(
     steps = max(step for _, _, step, _ in kills) + 2  # a whole iteration runs with both stages taken over
     result = run_verify(stages, pipelines, steps, mode, timeouts=TIMEOUTS, deadline_s=120, kills=points)
     assert set(result.killed) == {stage for stage, _, _, _ in kills}
-    own = {(f["step"], repr(f["victims"])) for f in result.failovers if f["cut"] is not None}
-    assert own == {(step, repr({0: [stage]})) for stage, _, step, _ in kills}, "not two separate failovers"
+    own = {(f.step, repr(f.victims)) for f in result.failovers if f.cut is not None}
+    assert own == {(step, repr({0: (stage,)})) for stage, _, step, _ in kills}, "not two separate failovers"
     assert result.passed, result
     assert result.max_relative_diff <= 1e-6
 
@@ -111,7 +111,7 @@ def test_data_parallel_peer_that_ran_ahead_redoes_the_failed_step_before_its_nex
     result = run_verify(3, 2, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=(kill,))
     assert result.killed == (2,)
     peer_failovers = result.timings[5]["failovers"]
-    assert [f["step"] for f in peer_failovers] == [2], "the peer did not run ahead into step 2 as forced"
+    assert [f.step for f in peer_failovers] == [2], "the peer did not run ahead into step 2 as forced"
     assert result.passed, result
     assert result.max_relative_diff == 0.0
 
@@ -119,8 +119,22 @@ def test_data_parallel_peer_that_ran_ahead_redoes_the_failed_step_before_its_nex
 def test_two_pipelines_two_non_adjacent_victims() -> None:
     kills = (KillPoint(1, 0, "1B0", step=1), KillPoint(0, 1, "0F2", step=1))
     result = run_verify(3, 2, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=kills)
-    assert len(result.killed) >= 1
+    assert result.killed == (1, 3)  # both victims were killed
+    assert not result.unfired_kills
     assert result.passed, result
+
+
+def test_a_kill_point_that_never_fires_is_named_and_fails_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """Node 1 dies at its instruction 4 (1F1) before it sends 1SA1, so node 2 never reaches its
+    instruction 4 (2F1, which needs that activation) outside the failover's remainder."""
+    code = main(["verify", "--stages", "4", "--pipelines", "1", "--steps", "3", "--redundancy", "eflb",
+                 "--kill", "1@4,2@4"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "killed with SIGKILL: ranks [1]" in out
+    assert "kill point 2:0@4/1 never fired" in out
+    assert "max parameter difference: 0.000e+00 relative" in out  # the run itself is exact
+    assert out.rstrip().endswith("FAIL")
 
 
 @pytest.mark.parametrize("mode", ["lflb", "efeb"])

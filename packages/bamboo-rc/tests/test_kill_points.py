@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 from bamboo.rc.cli import _kill_points
-from bamboo.rc.executor import KillPoint
+from bamboo.rc.faults import KillPoint
 from bamboo.schedule import Instruction
 
 

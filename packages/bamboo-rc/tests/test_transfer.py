@@ -11,7 +11,7 @@ import pytest
 import torch
 from bamboo.rc.comm import build_gloo_group
 from bamboo.rc.config import load_config
-from bamboo.rc.model import GPTSize, gpt_layer_specs, partition_layers
+from bamboo.rc.model import GPTSize, gpt_layer_specs, stage_bounds
 from bamboo.rc.state import TrainableSlice
 from bamboo.rc.transfer import export_stage_state, import_stage_state
 from bamboo.rc.verify import DEFAULT_CONFIG
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 
 def _slices(seed: int) -> dict[int, TrainableSlice]:
     specs = gpt_layer_specs(GPTSize(layers=2, width=32, heads=2, sequence=8))
-    parts = partition_layers(len(specs), 2)
+    bounds = stage_bounds(specs, 2)
     config = load_config(DEFAULT_CONFIG)
-    return {stage: TrainableSlice(specs, parts[stage], config, seed) for stage in (0, 1)}
+    return {stage: TrainableSlice(specs, range(*bounds[stage]), config, seed) for stage in (0, 1)}
 
 
 def _train(slices: dict[int, TrainableSlice], steps: int) -> None:

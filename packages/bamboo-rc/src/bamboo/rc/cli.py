@@ -13,7 +13,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from bamboo.rc.timeouts import BUILD_S, CONFIRM_S, GROUP_S, NOTICE_LEAD_S, VERIFY_DEADLINE_S
+
 __all__ = ["main"]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -57,8 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
     verify.add_argument("--sequence", type=_positive_int, default=32, help="bytes per sample (default 32)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampler (default 0)")
-    verify.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds before unfinished workers are killed and verify fails (default 300)")
+    verify.add_argument("--timeout", type=_positive_float, default=VERIFY_DEADLINE_S,
+                        help=f"seconds before unfinished workers are killed and verify fails (default {VERIFY_DEADLINE_S:g})")
+    verify.add_argument("--group-timeout", type=_positive_float, default=GROUP_S,
+                        help="gloo timeout of every group: bounds a transfer or collective with a live but stuck peer "
+                             f"(default {GROUP_S:g})")
+    verify.add_argument("--build-timeout", type=_positive_float, default=BUILD_S,
+                        help=f"seconds a group build, a store read or the final barrier may wait (default {BUILD_S:g})")
+    verify.add_argument("--confirm-timeout", type=_positive_float, default=CONFIRM_S,
+                        help="seconds a worker waits for a suspected failure to be confirmed, and for the other "
+                             f"survivors' progress (default {CONFIRM_S:g})")
     verify.add_argument(
         "--kill", type=_kill_points, default=(),
         help="fault injection: STAGE[:PIPELINE]@INSTRUCTION[/STEP][/recovery][,...]; that worker SIGKILLs itself "
@@ -66,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
              "for the last) in step STEP (default --kill-step); survivors fail over and are compared with the "
              "reference as usual. With /recovery the point fires only while the worker runs a failover's remainder "
              "of the iteration (a second failure during the recovery, e.g. 3@3B2/1/recovery), without it only "
-             "outside one. A later STEP after an earlier kill hits the merged (failed-over) schedule",
+             "outside one. A later STEP after an earlier kill hits the merged (failed-over) schedule. A kill point "
+             "that never fires is named and fails the run",
     )
     verify.add_argument("--kill-step", type=int, default=1,
                         help="the step (0-based) in which the --kill points without their own /STEP fire (default 1)")
@@ -75,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="preemption notice: STAGE[:PIPELINE]@STEP[,...]; that worker is told at the start of STEP that it "
              "will be preempted --notice-lead seconds later, finishes the iteration and hands its role to its shadow",
     )
-    verify.add_argument("--notice-lead", type=float, default=60.0,
+    verify.add_argument("--notice-lead", type=float, default=NOTICE_LEAD_S,
                         help="seconds from the notice to the preemption deadline; too short a lead falls back "
-                             "to an ordinary failure at the deadline (default 60)")
+                             f"to an ordinary failure at the deadline (default {NOTICE_LEAD_S:g})")
     soak = commands.add_parser(
         "soak",
         help="run many seeded random kill points through verify and report the pass rate",
@@ -136,8 +157,9 @@ def _kill_points(text: str) -> tuple[KillSpec, ...]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from bamboo.rc.executor import KillPoint, NoticePoint
+    from bamboo.rc.faults import KillPoint, NoticePoint
     from bamboo.rc.model import GPTSize
+    from bamboo.rc.timeouts import CommTimeouts
     from bamboo.rc.verify import DEFAULT_CONFIG, RELATIVE_TOLERANCE, run_verify
     from rich.console import Console
 
@@ -162,6 +184,7 @@ def _verify(args: argparse.Namespace) -> int:
         result = run_verify(
             args.stages, args.pipelines, args.steps, args.redundancy, size=size, config=config,
             seed=args.seed, deadline_s=args.timeout, kills=kills,
+            timeouts=CommTimeouts(group=args.group_timeout, build=args.build_timeout, confirm=args.confirm_timeout),
             notice_points=tuple(NoticePoint(stage, pipeline, step, args.notice_lead)
                                 for stage, pipeline, step in args.notice),
         )
@@ -172,6 +195,7 @@ def _verify(args: argparse.Namespace) -> int:
                   f"{result.max_abs_diff:.3e} absolute (tolerance {RELATIVE_TOLERANCE:g} relative)")
     console.print(f"max replica-versus-original difference: {result.max_replica_diff:.3e} "
                   f"over {result.replicas_compared} tensors ({'bit-equal' if result.replicas_bit_equal else 'NOT bit-equal'})")
+    console.print(f"stage bounds (layers of each stage): {[list(b) for b in result.stage_bounds]}")
     console.print(f"FRC stash peak: {result.stash_peak_bytes} bytes")
     console.print("step  pipeline loss     reference loss")
     for step, reference in enumerate(result.reference_losses):
@@ -181,12 +205,15 @@ def _verify(args: argparse.Namespace) -> int:
         console.print(f"killed with SIGKILL: ranks {list(result.killed)}")
     if result.left:
         console.print(f"handed over to their shadows after a preemption notice: ranks {list(result.left)}")
+    for kill in result.unfired_kills:
+        console.print(f"kill point {kill} never fired (its node never reached that instruction)")
     shown: set[str] = set()
     for failover in result.failovers:  # one line per failover (every survivor records each one)
-        if failover["cut"] is None or repr((failover["step"], failover["victims"])) in shown:
+        victims = {d: list(nodes) for d, nodes in failover.victims.items()}
+        if failover.cut is None or repr((failover.step, victims)) in shown:
             continue
-        shown.add(repr((failover["step"], failover["victims"])))
-        console.print(f"failover in step {failover['step']}: victims {failover['victims']}, cut {failover['cut']}")
+        shown.add(repr((failover.step, victims)))
+        console.print(f"failover in step {failover.step}: victims {victims}, cut {failover.cut}")
     if result.consecutive:
         console.print(f"ConsecutiveFailure: {result.consecutive}")
         console.print(f"survivors compared with the reference after {result.compared_at_step} steps "
@@ -214,6 +241,9 @@ def _soak(args: argparse.Namespace) -> int:
     print(f"soak: {passed}/{len(outcomes)} kill points matched the reference ({100.0 * passed / len(outcomes):.1f}%)")
     killed_two = sum(1 for _, result in outcomes if len(result.killed) >= 2)
     print(f"soak: {killed_two}/{len(outcomes)} runs killed two nodes (a kill point fires only if its node reaches it)")
+    unfired = sum(len(result.unfired_kills) for _, result in outcomes)
+    total = sum(len(kills) for kills, _ in outcomes)
+    print(f"soak: {total - unfired}/{total} kill points fired")
     return 0 if passed == len(outcomes) else 1
 
 

@@ -8,15 +8,13 @@ ProcessGroupGloo objects built directly (no `init_process_group`), and only thei
 
 P2P messages travel in chunks of at most :data:`CHUNK_BYTES` (1 MiB): gloo hangs until the group
 timeout when a large, partly-transferred message loses its peer, and does not at 1 MiB. A failed
-P2P operation raises :class:`PeerFailure`, which names the peer and the instruction.
+P2P operation raises :class:`PeerFailure`, which names the peer and the instruction; a failed
+collective raises one that names every other member of the group (a collective does not say who
+failed).
 
-Timeouts (all configurable through :class:`CommTimeouts`):
-- `group`: the gloo timeout of every group, which bounds any send, receive or collective whose
-  peer is alive but stuck (a dead peer is noticed within tens of milliseconds anyway);
-- `build`: how long building a group may wait for its peers to join;
-- `confirm`: how long a worker that saw a peer fail waits for the failure to be confirmed
-  before it gives up (a slow peer is not a dead peer, but an unconfirmed failure is fatal);
-- `poll`: how often a worker blocked on a transfer checks for a confirmed failure notice.
+Timeouts (all configurable through :class:`CommTimeouts`; defaults and meaning in
+:mod:`bamboo.rc.timeouts`): `group` (the gloo timeout of every group), `build`, `confirm`,
+`poll`.
 """
 
 from __future__ import annotations
@@ -26,8 +24,9 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import attrs
 import torch
+from bamboo.rc.failures import PeerFailure
+from bamboo.rc.timeouts import COLLECTIVE_SPIN_S, CommTimeouts
 from torch.distributed import PrefixStore, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
@@ -46,32 +45,6 @@ CHUNK_BYTES = 1 << 20
 # gloo tags are 32-bit: a message tag is `base × MAX_CHUNKS + chunk`, so one message holds at most
 # MAX_CHUNKS chunks (256 MiB of data). Callers split larger payloads into several messages.
 MAX_CHUNKS = 256
-
-
-class PeerFailure(RuntimeError):
-    """A P2P send or receive (or a collective) failed: the peer's socket closed or it timed out.
-
-    `peer` is the global rank of the peer (or -1 for a collective), `peer_name` its role (for
-    example `stage 2 pipeline 0`), and `instruction` the instruction that was running.
-    """
-
-    def __init__(self, peer: int, peer_name: str, instruction: str, cause: BaseException | None = None) -> None:
-        self.peer = peer
-        self.peer_name = peer_name
-        self.instruction = instruction
-        self.cause = cause
-        detail = f": {cause}" if cause is not None else ""
-        super().__init__(f"peer {peer_name} (rank {peer}) failed during {instruction}{detail}")
-
-
-@attrs.frozen
-class CommTimeouts:
-    """Timeouts of the communication layer, in seconds."""
-
-    group: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
-    build: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
-    confirm: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
-    poll: float = attrs.field(default=0.02, validator=attrs.validators.gt(0))
 
 
 def build_gloo_group(store: Store, prefix: str, rank: int, size: int, timeout: float) -> ProcessGroupGloo:
@@ -174,6 +147,11 @@ class GroupTable:
         except RuntimeError as exc:
             raise PeerFailure(peer, self.name_of(peer), instruction, exc) from exc
 
+    def collective_failure(self, group: str, instruction: str, cause: BaseException) -> PeerFailure:
+        """The failure of a collective on `group`: every other member is a suspect."""
+        others = [rank for rank in self.members[group] if rank != self.rank]
+        return PeerFailure(others, f"a member of {group}", instruction, cause)
+
     def post_allreduce(self, group: str, tensors: Sequence[torch.Tensor], instruction: str) -> list[object]:
         """Start summing `tensors` in place over `group`; returns the works (none for one member)."""
         if len(self.members[group]) < 2:
@@ -182,7 +160,7 @@ class GroupTable:
         try:
             return [pg.allreduce([tensor]) for tensor in tensors]
         except RuntimeError as exc:
-            raise PeerFailure(-1, f"a member of {group}", instruction, exc) from exc
+            raise self.collective_failure(group, instruction, exc) from exc
 
     def wait_collective(
         self, group: str, works: Sequence[object], instruction: str, interrupt: Callable[[], None] | None = None
@@ -193,39 +171,25 @@ class GroupTable:
                 if interrupt is not None:
                     next_check = time.monotonic() + self.timeouts.poll
                     while not work.is_completed():  # type: ignore[attr-defined]
-                        time.sleep(0.0005)
+                        time.sleep(COLLECTIVE_SPIN_S)
                         if time.monotonic() >= next_check:
                             interrupt()
                             next_check = time.monotonic() + self.timeouts.poll
                 work.wait()  # type: ignore[attr-defined]
         except RuntimeError as exc:
-            raise PeerFailure(-1, f"a member of {group}", instruction, exc) from exc
+            raise self.collective_failure(group, instruction, exc) from exc
 
     def allreduce(
         self, group: str, tensors: Iterable[torch.Tensor], instruction: str,
         interrupt: Callable[[], None] | None = None,
     ) -> None:
-        """Sum `tensors` in place over `group` (a one-member group is a no-op).
+        """Sum `tensors` in place over `group` (a one-member group is a no-op), one after the other.
 
         While it waits, `interrupt` is called every `timeouts.poll` seconds and may raise to give
         up (collectives, unlike P2P transfers, can be polled safely).
         """
-        if len(self.members[group]) < 2:
-            return
-        pg = self.group(group)
         for tensor in tensors:
-            try:
-                work = pg.allreduce([tensor])
-                if interrupt is not None:
-                    next_check = time.monotonic() + self.timeouts.poll
-                    while not work.is_completed():
-                        time.sleep(0.0005)
-                        if time.monotonic() >= next_check:
-                            interrupt()
-                            next_check = time.monotonic() + self.timeouts.poll
-                work.wait()
-            except RuntimeError as exc:
-                raise PeerFailure(-1, f"a member of {group}", instruction, exc) from exc
+            self.wait_collective(group, self.post_allreduce(group, [tensor], instruction), instruction, interrupt)
 
 
 def wait_works(works: Sequence[object]) -> None:

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
-from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout, NoticePoint, StageExecutor
+from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
 from bamboo.rc.failures import FailureNotices
+from bamboo.rc.layout import Layout
+from bamboo.rc.timeouts import CommTimeouts
 from torch.distributed import Store, TCPStore
 
 __all__ = ["Engine", "initialize"]
@@ -88,17 +89,20 @@ def initialize(
     job: str = "bamboo",
     timeouts: CommTimeouts | None = None,
     notices: FailureNotices | None = None,
-    kills: Sequence[KillPoint] = (),
-    notice_points: Sequence[NoticePoint] = (),
+    stage_bounds: Sequence[Sequence[int]] | None = None,
+    hook: ExecutorHook | None = None,
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
-    `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`. Layers are partitioned into `stages`
-    contiguous slices; global rank r is stage `r % stages` of pipeline `r // stages`. `notices`
-    is how the engine learns of confirmed failures (the launcher wires it to bamboo-membership);
-    without it, a peer failure is fatal. `kills` injects real SIGKILLs and `notice_points`
-preemption notices (for tests and `verify`). `train_batch` raises `HandedOver` on a node that
-handed its role to its shadow after a notice: that process should exit.
+    `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`. The layers are cut into `stages`
+    contiguous ranges, `stage_bounds` (``[(start, end), ...]``, one per stage; default
+    :func:`bamboo.rc.model.stage_bounds`, bamboo-reconfig's split by parameter count), and this
+    process builds exactly its stage's range and its replica's. Global rank r is stage
+    `r % stages` of pipeline `r // stages`. `notices` is how the engine learns of confirmed
+    failures (the launcher wires it to bamboo-membership); without it, a peer failure is fatal.
+    `hook` is called around every instruction (fault injection for `verify`:
+    :class:`bamboo.rc.faults.FaultInjector`). `train_batch` raises `HandedOver` on a node that
+    handed its role to its shadow after a notice: that process should exit.
     """
     if redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
@@ -128,7 +132,8 @@ handed its role to its shadow after a notice: that process should exit.
     stage, pipeline = layout.position(rank)
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
-        redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, kills=kills,
-        notice_points=notice_points,
+        redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
+        hook=hook,
     )
+    executor.connect()
     return Engine(executor)

@@ -1,53 +1,65 @@
 """How the runtime learns of failures: typed errors and the failure-notice interface.
 
-`bamboo.rc` knows nothing of etcd. A worker that sees a P2P operation fail reports a *suspicion*
-through :class:`FailureNotices`; an authority outside the workers (the launcher over
-bamboo-membership, or `verify`'s parent process, which sees its children die through `waitpid`)
-*confirms* failures by publishing a :class:`FailureEvent`: the next membership epoch and the global
-ranks that failed. Nobody acts on a suspicion alone (a slow peer is not a dead peer), and every
-survivor acts on the same published event, so all derive the same failover.
+`bamboo.rc` knows nothing of etcd. A worker that sees a transfer or a collective fail reports a
+*suspicion* through :class:`FailureNotices`, for each peer that may have failed (the peer of a
+P2P transfer; every other member of a collective's group, since a collective does not say who
+failed); an authority outside the workers (the launcher over bamboo-membership, or `verify`'s
+parent process, which sees its children die through `waitpid`) *confirms* failures by publishing
+a :class:`FailureEvent`: the next membership epoch and the global ranks that failed. Nobody acts
+on a suspicion alone (a slow peer is not a dead peer; the launcher's probes clear the live
+suspects), and every survivor acts on the same published event, so all derive the same failover.
 
-:class:`StoreFailureNotices` implements the interface over any c10d store, under
-`bamboo/<job>/epoch/<e>` (the event that starts epoch e) and `bamboo/<job>/suspect/<e>/<rank>`.
-Values are JSON.
+:class:`StoreFailureNotices` implements the interface over any key-value store (a c10d store),
+under `bamboo/<job>/epoch/<e>` (the event that starts epoch e, a :class:`FailureEvent`) and
+`bamboo/<job>/suspect/<e>/<reporter>/<peer>` (a :class:`~bamboo.rc.records.SuspicionRecord`).
+This module does not import torch.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-import attrs
-from torch.distributed import Store
+from bamboo.rc.ports import Clock, KeyValueStore, SystemClock
+from bamboo.rc.records import FailureEvent, SuspicionRecord
+from bamboo.rc.timeouts import EVENT_POLL_S
 
 __all__ = [
+    "AgreementError",
     "ConsecutiveFailure",
     "FailureEvent",
     "FailureNoticed",
     "FailureNotices",
     "HandedOver",
+    "PeerFailure",
     "StoreFailureNotices",
 ]
 
 
-@attrs.frozen
-class FailureEvent:
-    """Confirmed failures that start membership epoch `epoch`: the global ranks that died."""
+class PeerFailure(RuntimeError):
+    """A P2P send or receive, or a collective, failed: a peer's socket closed or it timed out.
 
-    epoch: int = attrs.field(validator=attrs.validators.ge(1))
-    victims: tuple[int, ...] = attrs.field(converter=lambda v: tuple(sorted(v)))
-    handover: bool = False
-    """True when the ranks left after a preemption notice, at an iteration boundary."""
+    ``peers`` are the global ranks that may have failed: the peer of a send or receive, or every
+    other member of the collective's group (a collective does not say which member failed; the
+    authority's probes clear the live ones). ``peer`` is the one peer of a send or receive, or -1
+    for a collective. ``peer_name`` says who they are (for example ``stage 2 pipeline 0``, or ``a
+    member of dp-s1``) and ``instruction`` which instruction was running.
+    """
 
-    def to_json(self) -> str:
-        return json.dumps({"epoch": self.epoch, "victims": list(self.victims), "handover": self.handover})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> FailureEvent:
-        data = json.loads(text)
-        return cls(int(data["epoch"]), data["victims"], bool(data.get("handover", False)))
+    def __init__(
+        self, peers: int | Iterable[int], peer_name: str, instruction: str, cause: BaseException | None = None
+    ) -> None:
+        self.peers: tuple[int, ...] = (peers,) if isinstance(peers, int) else tuple(sorted(peers))
+        self.peer = self.peers[0] if len(self.peers) == 1 else -1
+        self.peer_name = peer_name
+        self.instruction = instruction
+        self.cause = cause
+        detail = f": {cause}" if cause is not None else ""
+        who = (
+            f"peer {peer_name} (rank {self.peer})" if len(self.peers) == 1
+            else f"{peer_name} (one of ranks {list(self.peers)})"
+        )
+        super().__init__(f"{who} failed during {instruction}{detail}")
 
 
 class FailureNotices(Protocol):
@@ -76,14 +88,21 @@ class HandedOver(Exception):
     notice: the process should now exit (cleanly) before its deadline."""
 
 
-class ConsecutiveFailure(RuntimeError):
-    """Adjacent stages of one pipeline failed (a node and its shadow): no failover is possible.
+class AgreementError(RuntimeError):
+    """The survivors of a pipeline cannot agree on a failover (for example, some ran a failover's
+    remainder and some did not, or they published their progress for different steps)."""
 
-    Every survivor is left at the consistent start-of-iteration state: partial gradients
-    discarded, the optimizer not stepped. `lost_stages` are the stages of `pipeline` whose node
-    died; `surviving_copies[s]` lists where copies of each lost stage survive, as
-    `("data-parallel", rank)` for the same stage in another pipeline and `("shadow", rank)` for a
-    live shadow's replica.
+
+class ConsecutiveFailure(RuntimeError):
+    """A stage of a pipeline lost its node and its shadow: no failover is possible.
+
+    The rule is bamboo-schedule's (:func:`bamboo.schedule.check_victims`, whose
+    :class:`bamboo.schedule.ConsecutiveFailure` is this error's ``__cause__``). Every survivor is
+    left at the consistent start-of-iteration state: partial gradients discarded, the optimizer
+    not stepped. ``lost_stages`` are the stages of ``pipeline`` whose node died;
+    ``surviving_copies[s]`` lists where copies of each lost stage survive, as
+    ``("data-parallel", rank)`` for the same stage in another pipeline and ``("shadow", rank)``
+    for a live shadow's replica.
     """
 
     def __init__(
@@ -103,21 +122,23 @@ class ConsecutiveFailure(RuntimeError):
 
 
 class StoreFailureNotices:
-    """:class:`FailureNotices` over a c10d store (TCPStore, or the etcd-backed store).
+    """:class:`FailureNotices` over a key-value store (TCPStore, or the etcd-backed store).
 
-    `job` scopes the keys. Polls use `store.check`, which does not block.
+    `job` scopes the keys. Polls use `store.check`, which does not block; `wait` polls every
+    :data:`~bamboo.rc.timeouts.EVENT_POLL_S` on `clock` (default: the system clock).
     """
 
-    def __init__(self, store: Store, job: str) -> None:
+    def __init__(self, store: KeyValueStore, job: str, clock: Clock | None = None) -> None:
         self.store = store
         self.job = job
+        self.clock = clock or SystemClock()
 
     def _event_key(self, epoch: int) -> str:
         return f"bamboo/{self.job}/epoch/{epoch}"
 
     def suspect(self, epoch: int, reporter: int, peer: int, instruction: str) -> None:
-        value = json.dumps({"reporter": reporter, "peer": peer, "instruction": instruction})
-        self.store.set(f"bamboo/{self.job}/suspect/{epoch}/{reporter}", value)
+        record = SuspicionRecord(epoch, reporter, peer, instruction)
+        self.store.set(f"bamboo/{self.job}/suspect/{epoch}/{reporter}/{peer}", record.to_json())
 
     def poll(self, epoch: int) -> FailureEvent | None:
         key = self._event_key(epoch)
@@ -126,12 +147,12 @@ class StoreFailureNotices:
         return FailureEvent.from_json(self.store.get(key))
 
     def wait(self, epoch: int, timeout: float) -> FailureEvent | None:
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         while True:
             event = self.poll(epoch)
-            if event is not None or time.monotonic() >= deadline:
+            if event is not None or self.clock.monotonic() >= deadline:
                 return event
-            time.sleep(0.005)
+            self.clock.sleep(EVENT_POLL_S)
 
     def publish(self, event: FailureEvent) -> None:
         """Publish a confirmed event (the authority's side)."""

@@ -1,9 +1,15 @@
-"""The example model: a GPT-style byte-level decoder defined as DeepSpeed `LayerSpec`s.
+"""Layers and stages: the example model, the cost of each layer, and the split into stages.
 
-The layer list is `[ByteEmbedding, DecoderBlock × n_layers, LMHead]`. Stages own contiguous
-slices of it (:func:`partition_layers`). Every layer is built under its own seed
-(:func:`build_layers`), so a stage, its replica on the shadow and the single-process reference
-start from bit-identical weights whatever the partition.
+The example model is a GPT-style byte-level decoder defined as DeepSpeed `LayerSpec`s: the layer
+list is `[ByteEmbedding, DecoderBlock × n_layers, LMHead]`.
+
+Stages own contiguous layer ranges, the *stage bounds*. There is one split function for the
+whole system, bamboo-reconfig's :func:`bamboo.reconfig.split_layers` (it balances compute and
+honours node memory): :func:`stage_bounds` applies it to :func:`layer_costs`, and the runtime
+builds exactly the bounds it is given (:func:`stage_slices`), so the plan in etcd is what runs.
+
+Every layer is built under its own seed (:func:`build_layers`), so a stage, its replica on the
+shadow and the single-process reference start from bit-identical weights whatever the split.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 
 import attrs
 import torch
+from bamboo.reconfig import LayerSpec as LayerCost
+from bamboo.reconfig import split_layers
 from torch import nn
 from torch.nn import functional
 
@@ -23,10 +31,16 @@ __all__ = [
     "GPTSize",
     "LMHead",
     "build_layers",
+    "check_stage_bounds",
     "gpt_layer_specs",
+    "layer_costs",
     "lm_loss",
-    "partition_layers",
+    "stage_bounds",
+    "stage_slices",
 ]
+
+StageBounds = tuple[tuple[int, int], ...]
+"""Half-open layer ranges ``(start, end)``, one per stage, contiguous from layer 0 to the last."""
 
 VOCAB_SIZE = 256
 
@@ -116,19 +130,66 @@ def gpt_layer_specs(size: GPTSize) -> list[Any]:
     ]
 
 
-def partition_layers(layer_count: int, stages: int) -> list[range]:
-    """Split `layer_count` layers into `stages` contiguous, non-empty, near-equal slices.
+def _layer_spec(spec: Any, index: int) -> Any:
+    """Layer ``index``'s spec, checked: a DeepSpeed LayerSpec (anything with ``.build()``)."""
+    if not callable(getattr(spec, "build", None)):
+        raise TypeError(f"layer {index} is {type(spec).__name__}, not a LayerSpec with .build()")
+    return spec
 
-    The earlier stages get the smaller slices, so later stages (which also do the loss) are the
-    slower ones, as in the paper's 1F1B bubbles.
+
+def layer_costs(specs: Sequence[Any]) -> list[LayerCost]:
+    """bamboo-reconfig's cost of each layer: its parameters in fp32 (4 bytes each), Adam's state
+    (8 bytes each), and a compute cost equal to its parameter count.
+
+    Each layer is built once to count its parameters, on the meta device where it can be (no
+    memory, no random numbers drawn), else on the CPU with the random state restored afterwards.
     """
-    if not 1 <= stages <= layer_count:
-        raise ValueError(f"cannot split {layer_count} layers into {stages} stages")
-    base, extra = divmod(layer_count, stages)
-    bounds = [0]
-    for stage in range(stages):
-        bounds.append(bounds[-1] + base + (1 if stage >= stages - extra else 0))
-    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+    costs = []
+    for index, spec in enumerate(specs):
+        spec = _layer_spec(spec, index)
+        try:
+            with torch.device("meta"):
+                module = spec.build()
+        except Exception:  # a layer whose constructor needs real tensors
+            with torch.random.fork_rng(devices=[]):
+                module = spec.build()
+        params = sum(p.numel() for p in module.parameters())
+        costs.append(LayerCost(param_bytes=4 * params, optimizer_bytes=8 * params, compute_cost=float(params)))
+    return costs
+
+
+def stage_bounds(specs: Sequence[Any], stages: int, node_memory_bytes: int | None = None) -> StageBounds:
+    """The layer range of each of `stages` stages: ``split_layers(layer_costs(specs), stages, memory)``.
+
+    Raises ValueError when there are fewer layers than stages, and
+    :class:`bamboo.reconfig.InfeasibleSplit` when no split fits `node_memory_bytes`.
+    """
+    return split_layers(layer_costs(specs), stages, node_memory_bytes)
+
+
+def check_stage_bounds(bounds: Sequence[Sequence[int]], layer_count: int, stages: int) -> StageBounds:
+    """`bounds` as a tuple of pairs, after checking that they cut `layer_count` layers into `stages`
+    contiguous, non-empty ranges; ValueError naming the bounds otherwise."""
+    pairs = tuple((int(start), int(end)) for start, end in bounds)
+    contiguous = all(start < end for start, end in pairs) and all(
+        pairs[i][1] == pairs[i + 1][0] for i in range(len(pairs) - 1)
+    )
+    if len(pairs) != stages or not contiguous or pairs[0][0] != 0 or pairs[-1][1] != layer_count:
+        raise ValueError(
+            f"stage bounds {[list(p) for p in pairs]} do not cut {layer_count} layers into {stages} contiguous, "
+            f"non-empty stages"
+        )
+    return pairs
+
+
+def stage_slices(bounds: StageBounds, stage: int, redundancy: str) -> dict[int, range]:
+    """The layers the node of `stage` builds, by stage: its own stage's range and, with redundancy,
+    the range of its successor ``(stage + 1) % P``, whose replica it holds."""
+    slices = {stage: range(*bounds[stage])}
+    if redundancy != "none":
+        successor = (stage + 1) % len(bounds)
+        slices[successor] = range(*bounds[successor])
+    return slices
 
 
 def build_layers(specs: Sequence[Any], indices: range, seed: int) -> nn.Sequential:
@@ -139,10 +200,7 @@ def build_layers(specs: Sequence[Any], indices: range, seed: int) -> nn.Sequenti
     """
     layers = []
     for index in indices:
-        spec = specs[index]
-        if not callable(getattr(spec, "build", None)):
-            raise TypeError(f"layer {index} is {type(spec).__name__}, not a LayerSpec with .build()")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * 100_003 + index)
-            layers.append(spec.build())
+            layers.append(_layer_spec(specs[index], index).build())
     return nn.Sequential(*layers)

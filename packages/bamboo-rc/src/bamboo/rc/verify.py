@@ -5,6 +5,12 @@ node, waits for them, trains the reference on the same global batches and compar
 - every stage's parameters against the reference (max relative difference, per tensor
   `max|a-b| / max|b|`), which must be at most 1e-6;
 - every replica against the original it shadows, which must be bit-equal (`torch.equal`).
+
+Every worker builds exactly the stage bounds of :func:`bamboo.rc.model.stage_bounds` (or those
+given), and the reference's layers are compared by those bounds. With kill points, the parent is
+the failure authority (it sees each death through `waitpid`), and every kill point must fire:
+one that never does is reported by name and fails the run (the soak's random kill points may
+not fire, and do not have to).
 """
 
 from __future__ import annotations
@@ -19,23 +25,30 @@ from typing import Any
 
 import attrs
 import torch
-from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
+from bamboo.rc.coordinator import handover_request_key
 from bamboo.rc.data import GlobalBatchSampler, stdlib_corpus
-from bamboo.rc.executor import REDUNDANCY_MODES, KillPoint, Layout, NoticePoint
+from bamboo.rc.executor import REDUNDANCY_MODES
 from bamboo.rc.failures import FailureEvent, StoreFailureNotices
-from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss, partition_layers
+from bamboo.rc.faults import KillPoint, KillRecord, NoticePoint, killed_key, reached_key
+from bamboo.rc.layout import Layout
+from bamboo.rc.model import GPTSize, check_stage_bounds, gpt_layer_specs, lm_loss, stage_bounds
+from bamboo.rc.records import FailoverRecord
 from bamboo.rc.reference import train_reference
+from bamboo.rc.timeouts import (
+    VERIFY_BATCH_WINDOW_S,
+    VERIFY_DEADLINE_S,
+    VERIFY_HOLD_LIMIT_S,
+    VERIFY_STORE_S,
+    VERIFY_WAIT_POLL_S,
+    CommTimeouts,
+)
 from bamboo.rc.worker import WorkerSpec, exact_mode, worker_main
 from torch.distributed import TCPStore
 
-__all__ = ["DEFAULT_CONFIG", "VerifyResult", "run_verify"]
+__all__ = ["DEFAULT_CONFIG", "RELATIVE_TOLERANCE", "VerifyResult", "run_verify"]
 
 RELATIVE_TOLERANCE = 1e-6
-BATCH_WINDOW_S = 0.005
-HOLD_LIMIT_S = 10.0
-"""The longest the authority withholds a confirmation for `KillPoint.hold_confirmation_until`
-(the held node may itself be blocked on the victim; the run then proceeds unforced)."""
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
@@ -62,21 +75,27 @@ class VerifyResult:
     seconds: float
     killed: tuple[int, ...] = ()
     consecutive: str | None = None
-    failovers: tuple[dict[str, Any], ...] = ()
+    failovers: tuple[FailoverRecord, ...] = ()
     compared_at_step: int = 0
     kill_times: dict[int, float] = attrs.field(factory=dict)
     left: tuple[int, ...] = ()
     timings: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    stage_bounds: tuple[tuple[int, int], ...] = ()
+    """The layer range of every stage, as every worker built it."""
+    unfired_kills: tuple[str, ...] = ()
+    """The kill points (as `--kill` writes them) whose node never reached them."""
+    kills_must_fire: bool = True
 
     @property
     def passed(self) -> bool:
         """Survivors exited cleanly, parameters match within 1e-6 relative, replicas bit-equal,
-        and no consecutive failure stopped the run."""
+        no consecutive failure stopped the run, and every kill point fired (when they must)."""
         return (
             self.consecutive is None
             and all(code == 0 for rank, code in self.worker_exit_codes.items() if rank not in self.killed)
             and self.max_relative_diff <= RELATIVE_TOLERANCE
             and self.replicas_bit_equal
+            and not (self.kills_must_fire and self.unfired_kills)
         )
 
 
@@ -95,15 +114,19 @@ def run_verify(
     config: dict[str, Any] | None = None,
     seed: int = 0,
     timeouts: CommTimeouts | None = None,
-    deadline_s: float = 300.0,
+    deadline_s: float = VERIFY_DEADLINE_S,
     kills: tuple[KillPoint, ...] = (),
     notice_points: tuple[NoticePoint, ...] = (),
+    bounds: tuple[tuple[int, int], ...] | None = None,
+    kills_must_fire: bool = True,
 ) -> VerifyResult:
     """Run the self-check and return what it measured (see the module docstring).
 
     With `kills`, the chosen workers SIGKILL themselves at the chosen instructions. This parent
     process is then the failure authority: it sees each death through `waitpid` and publishes
-    the confirmed failure with the next membership epoch in the store.
+    the confirmed failure with the next membership epoch in the store. A kill point that never
+    fires fails the run unless `kills_must_fire` is False. `bounds` are the stage bounds
+    (default: :func:`bamboo.rc.model.stage_bounds` of the model).
     """
     for kill in kills:
         if not (0 <= kill.stage < stages and 0 <= kill.pipeline < pipelines and 0 <= kill.step < steps):
@@ -115,7 +138,7 @@ def run_verify(
     training = load_config(config, pipelines=pipelines)
     layout = Layout(stages, pipelines)
     specs = gpt_layer_specs(size)
-    partition_layers(len(specs), stages)  # a clear error before forking
+    bounds = check_stage_bounds(stage_bounds(specs, stages) if bounds is None else bounds, len(specs), stages)
     exact_mode()
     stdlib_corpus()  # read once here; the forked workers inherit it
     started = time.perf_counter()
@@ -129,7 +152,8 @@ def run_verify(
             stage, pipeline = layout.position(rank)
             spec = WorkerSpec(
                 layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
-                steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, seed=seed,
+                steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, stage_bounds=bounds,
+                seed=seed,
                 timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
                 notice_points=tuple(notice_points),
             )
@@ -141,7 +165,8 @@ def run_verify(
                 worker_main(attrs.evolve(spec, store_port=port))
             children[pid] = rank
         os.close(port_reader)
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=VERIFY_STORE_S))
         os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
         os.close(port_writer)
         hold_keys: dict[int, str] = {}
@@ -149,14 +174,14 @@ def run_verify(
             if kill.hold_confirmation_until is not None:
                 hold_stage, hold_pipeline, hold_instruction, hold_step = kill.hold_confirmation_until
                 holder = layout.rank(hold_stage, hold_pipeline)
-                hold_keys[layout.rank(kill.stage, kill.pipeline)] = (
-                    f"bamboo/verify/reached/{holder}/{hold_step}/{hold_instruction}"
+                hold_keys[layout.rank(kill.stage, kill.pipeline)] = reached_key(
+                    "verify", holder, hold_step, hold_instruction
                 )
         codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"), hold_keys)
-        kill_times = {
-            rank: float(store.get(f"bamboo/verify/killed_at/{rank}"))
+        kill_records = {
+            rank: KillRecord.from_json(store.get(killed_key("verify", rank)))
             for rank in range(layout.world)
-            if codes.get(rank, 0) < 0 and store.check([f"bamboo/verify/killed_at/{rank}"])
+            if codes.get(rank, 0) < 0 and store.check([killed_key("verify", rank)])
         }
         del store  # stops the store's server thread before anything forks again
         reports = {}
@@ -169,7 +194,6 @@ def run_verify(
     left = tuple(sorted(rank for rank, r in reports.items() if r["left"]))
     reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
         training.micro_batch_size, size.sequence, seed=seed), compared_at, pipelines, seed)
-    parts = partition_layers(len(specs), stages)
     max_rel = max_abs = max_replica = 0.0
     equal = True
     compared = 0
@@ -187,7 +211,7 @@ def run_verify(
                 continue  # a replica: compared with its original below
             for offset, layer_state in enumerate(layers):
                 for name, tensor in layer_state.items():
-                    rel, absolute = _relative(tensor, reference.layer_states[parts[stage][offset]][name])
+                    rel, absolute = _relative(tensor, reference.layer_states[bounds[stage][0] + offset][name])
                     max_rel, max_abs = max(max_rel, rel), max(max_abs, absolute)
         replica_stage = report["replica_stage"]
         if replica_stage is None or replica_stage in report["hosted"]:
@@ -206,6 +230,8 @@ def run_verify(
                     max_replica = max(max_replica, (tensor - original_layer[name]).abs().max().item())
     killed = tuple(sorted(rank for rank, code in codes.items() if code < 0))
     missing = {rank: 1 for rank in range(layout.world) if rank not in reports and rank not in killed}
+    fired = {record.point for record in kill_records.values()}
+    unfired = tuple(str(kill) for kill in kills if str(kill) not in fired)
     return VerifyResult(
         max_relative_diff=max_rel if reports else float("inf"),
         max_abs_diff=max_abs,
@@ -219,15 +245,18 @@ def run_verify(
         seconds=time.perf_counter() - started,
         killed=killed,
         consecutive=consecutive,
-        failovers=tuple(f for r in reports.values() for f in r["failovers"]),
+        failovers=tuple(FailoverRecord.from_dict(f) for r in reports.values() for f in r["failovers"]),
         compared_at_step=compared_at,
-        kill_times=kill_times,
+        kill_times={rank: record.at for rank, record in kill_records.items()},
         left=left,
         timings={
-            rank: {"iteration_times": r["iteration_times"], "failovers": r["failovers"], "hosted": r["hosted"],
-                   "stage": r["stage"], "pipeline": r["pipeline"]}
+            rank: {"iteration_times": r["iteration_times"], "hosted": r["hosted"], "stage": r["stage"],
+                   "pipeline": r["pipeline"], "failovers": [FailoverRecord.from_dict(f) for f in r["failovers"]]}
             for rank, r in reports.items()
         },
+        stage_bounds=bounds,
+        unfired_kills=unfired,
+        kills_must_fire=kills_must_fire,
     )
 
 
@@ -237,9 +266,10 @@ def _wait_children(
     """Wait for every child; returns rank -> exit code (negative: killed by that signal).
 
     A child killed by a signal is a confirmed failure: deaths seen within
-    :data:`BATCH_WINDOW_S` of each other are published together as the next epoch's event.
-    `hold_keys` (fault injection, from `KillPoint.hold_confirmation_until`) maps a victim to a
-    store key: its death is confirmed only once that key exists (or after HOLD_LIMIT_S).
+    :data:`~bamboo.rc.timeouts.VERIFY_BATCH_WINDOW_S` of each other are published together as the
+    next epoch's event. `hold_keys` (fault injection, from `KillPoint.hold_confirmation_until`)
+    maps a victim to a store key: its death is confirmed only once that key exists (or after
+    :data:`~bamboo.rc.timeouts.VERIFY_HOLD_LIMIT_S`).
     """
     codes: dict[int, int] = {}
     epoch = 0
@@ -254,19 +284,19 @@ def _wait_children(
                         os.waitpid(other, 0)
                         codes[rank] = -signal.SIGKILL
                 break
-            time.sleep(0.002)
+            time.sleep(VERIFY_WAIT_POLL_S)
             continue
         if pid not in children:
             continue
         codes[children[pid]] = os.waitstatus_to_exitcode(status)
         rank = children[pid]
-        if codes[rank] == 0 and notices.store.check([f"bamboo/{notices.job}/handover_request/{rank}"]):
+        if codes[rank] == 0 and notices.store.check([handover_request_key(notices.job, rank)]):
             epoch += 1  # it left after a preemption notice: its shadow takes over at the boundary
             notices.publish(FailureEvent(epoch, [rank], handover=True))
             continue
         if codes[children[pid]] < 0:
             dead = [children[pid]]
-            batch_end = time.monotonic() + BATCH_WINDOW_S
+            batch_end = time.monotonic() + VERIFY_BATCH_WINDOW_S
             while time.monotonic() < batch_end:
                 other, other_status = os.waitpid(-1, os.WNOHANG)
                 if other in children:
@@ -274,12 +304,12 @@ def _wait_children(
                     if codes[children[other]] < 0:
                         dead.append(children[other])
                 else:
-                    time.sleep(0.001)
+                    time.sleep(VERIFY_WAIT_POLL_S)
             for victim in dead:
                 key = (hold_keys or {}).get(victim)
-                hold_end = time.monotonic() + HOLD_LIMIT_S
+                hold_end = time.monotonic() + VERIFY_HOLD_LIMIT_S
                 while key is not None and not notices.store.check([key]) and time.monotonic() < hold_end:
-                    time.sleep(0.002)
+                    time.sleep(VERIFY_WAIT_POLL_S)
             epoch += 1
             notices.publish(FailureEvent(epoch, dead))
     return codes

@@ -2,8 +2,10 @@
 
 `verify` forks one of these per node. A worker connects to the c10d store hosted by its parent,
 runs with one intra-op thread and deterministic algorithms (so results are exact), trains the
-example model for the given steps, writes its final state to `<out>/rank<r>.pt` and ends with a
-flush and `os._exit` (never running gloo destructors that could block on a dead peer).
+example model for the given steps with the verify's kill and notice points (a
+:class:`~bamboo.rc.faults.FaultInjector` hook), writes its final state to `<out>/rank<r>.pt` (its
+failovers as :class:`~bamboo.rc.records.FailoverRecord` dictionaries) and ends with a flush and
+`os._exit` (never running gloo destructors that could block on a dead peer).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from typing import Any
 
 import attrs
 import torch
-from bamboo.rc.comm import CommTimeouts
 from bamboo.rc.config import load_config
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
 from bamboo.rc.engine import initialize
-from bamboo.rc.executor import KillPoint, Layout, NoticePoint
 from bamboo.rc.failures import ConsecutiveFailure, HandedOver, StoreFailureNotices
+from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
+from bamboo.rc.layout import Layout
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
+from bamboo.rc.timeouts import CommTimeouts
 from torch.distributed import TCPStore
 
 __all__ = ["WorkerSpec", "exact_mode", "run_worker", "worker_main"]
@@ -49,6 +52,8 @@ class WorkerSpec:
     size: GPTSize
     config: dict[str, Any]
     out_dir: str
+    stage_bounds: tuple[tuple[int, int], ...] | None = None
+    """The layer range of every stage (default: :func:`bamboo.rc.model.stage_bounds`)."""
     seed: int = 0
     job: str = "verify"
     timeouts: CommTimeouts = attrs.field(factory=CommTimeouts)
@@ -65,8 +70,9 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         gpt_layer_specs(spec.size), spec.config, spec.redundancy, loss_fn=lm_loss,
         stages=spec.layout.stages, rank=spec.layout.rank(spec.stage, spec.pipeline), world_size=spec.layout.world,
         store=store, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
-        notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None, kills=spec.kills,
-        notice_points=spec.notice_points,
+        notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None,
+        stage_bounds=spec.stage_bounds,
+        hook=FaultInjector.for_node(spec.stage, spec.pipeline, spec.kills, spec.notice_points),
     )
     executor = engine.executor
     sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
@@ -95,7 +101,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "steps_done": executor.step,
         "stash_peak_bytes": executor.stash.peak_bytes,
         "sync_bytes": executor.sync_bytes,
-        "failovers": executor.failovers,
+        "failovers": [failover.to_dict() for failover in executor.failovers],
         "iteration_times": executor.iteration_times,
         "consecutive": consecutive,
         "seconds": time.perf_counter() - started,

@@ -1,0 +1,437 @@
+"""The failover coordinator: what one node agrees with the others when a failure is confirmed.
+
+:class:`FailoverCoordinator` is pure logic over an injected key-value store and clock
+(:mod:`bamboo.rc.ports`) and the failure notices (:mod:`bamboo.rc.failures`); it holds no tensor
+and imports no torch, so it is tested in-process with a dictionary for a store. It owns:
+
+- **epochs and the dead**: the membership epoch of the last event applied, and every rank
+  confirmed failed or gone;
+- **what each pipeline runs** (``layouts``: the fault-free schedule, or a failover's steady
+  schedule, whose ``placement``/``shadows`` say who runs and who shadows each stage), its
+  ``placements``, and the failover plan whose remainder a pipeline runs (``recovering``);
+- **the agreement** on a failure: :meth:`FailoverCoordinator.confirm` reports the suspects and
+  waits for the authority's event; :meth:`FailoverCoordinator.agree` checks every failed
+  pipeline's victims and moves their stages to the shadows with bamboo-schedule's own rules
+  (:func:`~bamboo.schedule.check_victims`, :func:`~bamboo.schedule.placement_after`), publishes
+  this node's progress (a :class:`~bamboo.rc.records.ProgressRecord` under
+  ``bamboo/<job>/progress/d<p>/v<victims>/n<node>``: keyed by the victims, so nodes that learn of
+  the deaths in different epochs read the same agreement), waits for every survivor's, and
+  derives from the same facts the same consistent cut and ``failover_schedule`` on every node. A
+  further failure during the wait restarts the agreement with every victim so far; a victim
+  without a live shadow is a :class:`~bamboo.rc.failures.ConsecutiveFailure`; survivors that
+  disagree (some in a failover's remainder, some not) are an
+  :class:`~bamboo.rc.failures.AgreementError`;
+- **hand-over events** (a node that left at an iteration boundary after a preemption notice:
+  its pipeline switches to the merged schedule), the notice and hand-over keys
+  (``notice/<rank>``, ``handover/d<p>/<step>``, ``handover_request/<rank>``);
+- the **group barrier** (``ready/e<version>/<group>/<rank>``: a gloo group's first build in an
+  epoch waits until every member is about to build it, noticing failures meanwhile) and the
+  **finish barrier** (``finished/<rank>``).
+
+The executor (:mod:`bamboo.rc.executor`) applies what the coordinator decides to its tensors and
+groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+from bamboo.rc.failures import (
+    AgreementError,
+    ConsecutiveFailure,
+    FailureEvent,
+    FailureNoticed,
+    FailureNotices,
+    PeerFailure,
+)
+from bamboo.rc.layout import Layout
+from bamboo.rc.ports import Clock, KeyValueStore, SystemClock
+from bamboo.rc.records import HandoverRecord, NoticeRecord, ProgressRecord
+from bamboo.rc.timeouts import STORE_POLL_S, CommTimeouts
+from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
+from bamboo.schedule import FailoverPlan, Schedule, check_victims, merged_schedule, placement_after
+from bamboo.schedule.engine import counterpart
+from bamboo.schedule.failover import failover_schedule
+
+__all__ = ["Agreement", "FailoverCoordinator", "PendingFailover", "PipelinePlan", "handover_request_key"]
+
+
+def handover_request_key(job: str, rank: int) -> str:
+    """Where a node that leaves after a preemption notice asks the authority to publish its
+    hand-over (a :class:`~bamboo.rc.records.HandoverRecord`)."""
+    return f"bamboo/{job}/handover_request/{rank}"
+
+
+@attrs.frozen
+class PipelinePlan:
+    """The agreed failover of one pipeline: the plan, the cut it was derived from, and the step."""
+
+    plan: FailoverPlan
+    cut: dict[int, int]
+    """Node -> instructions completed (the survivors' published progress, with transfers that one
+    side completed counted as completed on the other side too)."""
+    step: int
+    """The step in which the pipeline failed."""
+
+
+@attrs.frozen
+class Agreement:
+    """What every node derived from the same facts once a failure was agreed on."""
+
+    epoch: int
+    victims: dict[int, frozenset[int]]
+    """Pipeline -> the nodes that failed in it (in this failover)."""
+    plans: dict[int, PipelinePlan]
+    """Pipeline -> its failover (every pipeline in ``victims``)."""
+
+
+class FailoverCoordinator:
+    """One node's side of the failover agreement (see the module docstring).
+
+    `schedule` is the fault-free schedule every pipeline starts with; `node` and `pipeline` say
+    which node this is. `notices` is None when failures are fatal (then nothing is ever noticed). `timeouts` bounds
+    the waits: ``confirm`` (a confirmation, the survivors' progress, a hand-over event), ``group``
+    (the group barrier) and ``build`` (the finish barrier).
+    """
+
+    def __init__(
+        self,
+        store: KeyValueStore,
+        job: str,
+        layout: Layout,
+        pipeline: int,
+        node: int,
+        schedule: Schedule,
+        notices: FailureNotices | None = None,
+        timeouts: CommTimeouts | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.store = store
+        self.job = job
+        self.layout = layout
+        self.pipeline = pipeline
+        self.node = node
+        self.rank = layout.rank(node, pipeline)
+        self.notices = notices
+        self.timeouts = timeouts or CommTimeouts()
+        self.clock = clock or SystemClock()
+        self.epoch = 0
+        self.dead: set[int] = set()
+        self.layouts: dict[int, Schedule] = dict.fromkeys(range(layout.pipelines), schedule)
+        """The schedule each pipeline runs in its next fault-free iteration (fault-free or merged)."""
+        self.placements: dict[int, tuple[int, ...]] = {d: schedule.placement for d in range(layout.pipelines)}
+        self.recovering: dict[int, tuple[FailoverPlan, int]] = {}
+        """Pipeline -> (the failover plan whose remainder it runs or ran, the step of that plan)."""
+
+    def _key(self, *parts: object) -> str:
+        return "/".join(["bamboo", self.job, *map(str, parts)])
+
+    # ------------------------------------------------------------------------------------ events
+    @property
+    def watching(self) -> bool:
+        """Whether failures can be noticed (there are failure notices)."""
+        return self.notices is not None
+
+    def pending_event(self) -> FailureEvent | None:
+        """The event of the next epoch, if it was published (never blocks)."""
+        return self.notices.poll(self.epoch + 1) if self.notices is not None else None
+
+    def raise_if_noticed(self) -> None:
+        """Raise :class:`FailureNoticed` if the next epoch's event was published."""
+        event = self.pending_event()
+        if event is not None:
+            raise FailureNoticed(event)
+
+    def confirm(self, failure: PeerFailure) -> FailureEvent:
+        """Report every suspect of `failure` and wait for the authority's event of the next epoch.
+
+        Raises `failure` itself when there are no notices or nothing is confirmed within the
+        confirm timeout: a slow or partitioned peer is not treated as dead.
+        """
+        if self.notices is None:
+            raise failure
+        for peer in failure.peers:
+            self.notices.suspect(self.epoch, self.rank, peer, failure.instruction)
+        event = self.notices.wait(self.epoch + 1, self.timeouts.confirm)
+        if event is None:
+            raise failure
+        return event
+
+    # --------------------------------------------------------------------------------- agreement
+    def begin(
+        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None
+    ) -> PendingFailover:
+        """Start agreeing on `event`: this node had completed `done` instructions of its current
+        stream in step `step`. :meth:`PendingFailover.poll` finishes it (:meth:`agree` does both).
+
+        `on_event` is called after each event is applied (this one and any later one met on the
+        way), before anything else happens: the caller rebuilds its groups there, so that a group
+        whose membership an event changed gets that event's epoch as its version on every node,
+        whichever events a node learns of together.
+        """
+        in_remainder = self.recovering.get(self.pipeline, (None, -1))[1] == step
+        pending = PendingFailover(self, done, step, in_remainder, on_event)
+        pending.absorb(event)
+        return pending
+
+    def agree(
+        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None
+    ) -> Agreement:
+        """Agree on `event` with the other survivors (blocking; see the module docstring and :meth:`begin`).
+
+        Raises ConsecutiveFailure, or AgreementError when the survivors disagree or some did not
+        publish their progress within the confirm timeout.
+        """
+        pending = self.begin(event, done, step, on_event)
+        epoch, deadline = self.epoch, self.clock.monotonic() + self.timeouts.confirm
+        while True:
+            agreement = pending.poll()
+            if agreement is not None:
+                return agreement
+            if self.epoch != epoch:  # a later failure restarted the agreement
+                epoch, deadline = self.epoch, self.clock.monotonic() + self.timeouts.confirm
+            elif self.clock.monotonic() > deadline:
+                pipeline, missing = pending.missing()
+                raise AgreementError(
+                    f"survivors {missing} of pipeline {pipeline} did not publish their progress in epoch "
+                    f"{self.epoch} within {self.timeouts.confirm} s"
+                )
+            self.clock.sleep(STORE_POLL_S)
+
+    def progress_key(self, pipeline: int, lost: set[int] | frozenset[int], node: int) -> str:
+        return self._key("progress", f"d{pipeline}", "v" + "-".join(map(str, sorted(lost))), f"n{node}")
+
+    def surviving_copies(self, stage: int, layouts: dict[int, Schedule] | None = None) -> list[tuple[str, int]]:
+        """Where copies of `stage` survive, judged on `layouts` (default: the current ones): the
+        same stage in other pipelines, and the live replica of its shadow (if the stage has one)."""
+        copies: list[tuple[str, int]] = []
+        for d, schedule in (layouts if layouts is not None else self.layouts).items():
+            host = self.layout.rank(schedule.placement[stage], d)
+            if d != self.pipeline and host not in self.dead:
+                copies.append(("data-parallel", host))
+            shadow_node = schedule.shadows[stage]
+            if shadow_node is not None and self.layout.rank(shadow_node, d) not in self.dead:
+                copies.append(("shadow", self.layout.rank(shadow_node, d)))
+        return copies
+
+    def plan(
+        self, pipeline: int, victims: set[int] | frozenset[int], progress: dict[int, int], recovering: bool, step: int
+    ) -> PipelinePlan:
+        """The failover plan of a pipeline from its survivors' progress (the same on every node).
+
+        `progress` indexes the pipeline's steady schedule (`layouts`), or, when `recovering`, the
+        remainder of the failover plan it was running (a second failure in the same iteration).
+        A transfer that one side completed is completed by the other side too, so the cut pairs up.
+        """
+        base: Schedule | FailoverPlan
+        if recovering:
+            base = self.recovering[pipeline][0]
+            streams = base.remainder.streams
+        else:
+            base = self.layouts[pipeline]
+            streams = base.streams
+        cut = dict(progress)
+        for n, i in progress.items():
+            if i < len(streams[n]):
+                instruction = streams[n][i]
+                partner = instruction.peer
+                if partner is not None and partner in progress and counterpart(instruction, n) in streams[partner][
+                    : progress[partner]
+                ]:
+                    cut[n] = i + 1
+        return PipelinePlan(failover_schedule(base, victims, cut), cut, step)
+
+    # --------------------------------------------------------------------------------- hand-over
+    def apply_handover(self, event: FailureEvent) -> None:
+        """Apply a hand-over event (nodes that left at an iteration boundary): their pipelines switch
+        to the merged schedule. Nothing was lost, so there is no plan."""
+        if not event.handover:
+            raise RuntimeError(f"a failure at an iteration boundary during a hand-over: {event}")
+        self.epoch = event.epoch
+        new_dead = set(event.victims) - self.dead
+        self.dead |= new_dead
+        leavers: dict[int, set[int]] = {}
+        for rank in new_dead:
+            stage, pipeline = self.layout.position(rank)
+            leavers.setdefault(pipeline, set()).add(stage)
+        for pipeline, nodes in leavers.items():
+            self.layouts[pipeline] = merged_schedule(self.layouts[pipeline], nodes)
+            self.placements[pipeline] = self.layouts[pipeline].placement
+
+    def notice_key(self) -> str:
+        """Where this node's agent writes the :class:`~bamboo.rc.records.NoticeRecord` of a preemption."""
+        return self._key("notice", self.rank)
+
+    def notice_deadline(self) -> float | None:
+        """The preemption deadline this node was told of (wall clock), if any."""
+        key = self.notice_key()
+        if not self.store.check([key]):
+            return None
+        return NoticeRecord.from_json(self.store.get(key)).deadline
+
+    def announce_handover(self, step: int) -> None:
+        """Tell the others (and the authority) that this node leaves after step `step`."""
+        record = HandoverRecord(self.rank, self.pipeline, self.node, step).to_json()
+        self.store.set(self._key("handover", f"d{self.pipeline}", step), record)
+        self.store.set(handover_request_key(self.job, self.rank), record)
+
+    def handover_announced(self, step: int) -> bool:
+        """Whether a node of this pipeline announced that it leaves after step `step`."""
+        return self.store.check([self._key("handover", f"d{self.pipeline}", step)])
+
+    def await_handover(self, step: int) -> FailureEvent:
+        """The hand-over event of the next epoch (the authority publishes it once the leaver left);
+        RuntimeError when it is not published within the confirm timeout."""
+        event = self.notices.wait(self.epoch + 1, self.timeouts.confirm) if self.notices is not None else None
+        if event is None:
+            raise RuntimeError(f"the hand-over announced after step {step} was never confirmed")
+        return event
+
+    # ---------------------------------------------------------------------------------- barriers
+    def announce_group(self, group: str, version: int) -> None:
+        """Tell the other members that this node is about to build `group` (first use in an epoch)."""
+        self.store.set(self._key("ready", f"e{version}", group, self.rank), "1")
+
+    def await_group(self, group: str, version: int, members: Sequence[int]) -> None:
+        """Announce `group` and wait until every member is about to build it, raising
+        :class:`FailureNoticed` on any confirmed failure meanwhile (a member that dies before it
+        joins would otherwise leave the others in a gloo build that only times out). Gives up
+        after the group timeout (the gloo build then times out on its own)."""
+        self.announce_group(group, version)
+        keys = [self._key("ready", f"e{version}", group, rank) for rank in members]
+        deadline = self.clock.monotonic() + self.timeouts.group
+        while not self.store.check(keys) and self.clock.monotonic() < deadline:
+            self.raise_if_noticed()
+            self.clock.sleep(STORE_POLL_S)
+
+    def announce_finished(self) -> None:
+        self.store.set(self._key("finished", self.rank), "1")
+
+    def everyone_finished(self) -> bool:
+        """Whether every live rank announced that it finished."""
+        live = [r for r in range(self.layout.world) if r not in self.dead]
+        return self.store.check([self._key("finished", r) for r in live])
+
+
+class PendingFailover:
+    """One failover agreement in progress on one node (:meth:`FailoverCoordinator.begin`).
+
+    :meth:`absorb` applies an event (more victims restart the agreement); :meth:`poll` returns the
+    :class:`Agreement` once every survivor of every failed pipeline published its progress, and
+    None while one is missing (absorbing a later event if one arrived). `on_event` is called after
+    each event is applied.
+    """
+
+    def __init__(
+        self,
+        coordinator: FailoverCoordinator,
+        done: int,
+        step: int,
+        in_remainder: bool,
+        on_event: Callable[[FailureEvent], None] | None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.done = done
+        self.step = step
+        self.in_remainder = in_remainder
+        self.on_event = on_event
+        self.victims: dict[int, set[int]] = {}
+        # The copies of lost stages are judged on the placements before this failover: when the
+        # victims' deaths are confirmed in separate events, a first victim's stage has already
+        # moved onto its shadow before this node learns that a neighbour died too.
+        self.layouts_before = dict(coordinator.layouts)
+
+    def absorb(self, event: FailureEvent) -> None:
+        """Apply `event`: its victims join this failover (every pipeline's stages move to the shadows
+        and this node publishes its progress again), or, for a hand-over, the leavers' pipelines
+        switch to the merged schedule."""
+        c = self.coordinator
+        if event.handover:
+            c.apply_handover(event)
+            if self.on_event is not None:
+                self.on_event(event)
+            return
+        c.epoch = event.epoch
+        new_dead = set(event.victims) - c.dead
+        c.dead |= new_dead
+        for rank in new_dead:
+            stage, pipeline = c.layout.position(rank)
+            self.victims.setdefault(pipeline, set()).add(stage)
+        for pipeline, lost in self.victims.items():
+            before = self.layouts_before[pipeline]
+            try:
+                check_victims(before, lost)  # every stage a victim ran needs a live shadow
+            except LostEveryCopy as error:
+                copies = {s: c.surviving_copies(s, self.layouts_before) for s in error.lost}
+                raise ConsecutiveFailure(pipeline, error.lost, copies) from error
+            c.placements[pipeline] = placement_after(before, lost)[0]
+        if self.on_event is not None:
+            self.on_event(event)
+        mine = self.victims.get(c.pipeline)
+        if mine:
+            record = ProgressRecord(self.done, self.step, self.in_remainder)
+            c.store.set(c.progress_key(c.pipeline, mine, c.node), record.to_json())
+
+    def survivors(self, pipeline: int) -> list[int]:
+        return [n for n in self.layouts_before[pipeline].nodes if n not in self.victims[pipeline]]
+
+    def missing(self) -> tuple[int, list[int]]:
+        """The first failed pipeline (by number) some of whose survivors did not publish their
+        progress yet, and those survivors; (-1, []) when none is missing."""
+        c = self.coordinator
+        for pipeline, lost in sorted(self.victims.items()):
+            absent = [n for n in self.survivors(pipeline) if not c.store.check([c.progress_key(pipeline, lost, n)])]
+            if absent:
+                return pipeline, absent
+        return -1, []
+
+    def poll(self) -> Agreement | None:
+        c = self.coordinator
+        if self.victims and self.missing()[1] == []:
+            return self._decide()
+        later = c.pending_event()
+        if later is not None:
+            self.absorb(later)
+            return None
+        if not self.victims:  # hand-overs only: nothing to agree on
+            return Agreement(c.epoch, {}, {})
+        return None
+
+    def _decide(self) -> Agreement:
+        c = self.coordinator
+        plans: dict[int, PipelinePlan] = {}
+        for pipeline, lost in sorted(self.victims.items()):
+            progress = {
+                n: ProgressRecord.from_json(c.store.get(c.progress_key(pipeline, lost, n)))
+                for n in self.survivors(pipeline)
+            }
+            recovering = self._agreed_recovering(pipeline, progress)
+            done = {n: r.done for n, r in progress.items()}
+            plans[pipeline] = c.plan(pipeline, lost, done, recovering, max(r.step for r in progress.values()))
+        for pipeline, planned in plans.items():
+            c.recovering[pipeline] = (planned.plan, planned.step)
+            c.layouts[pipeline] = planned.plan.steady
+            c.placements[pipeline] = planned.plan.steady.placement
+        return Agreement(c.epoch, {d: frozenset(v) for d, v in self.victims.items()}, plans)
+
+    def _agreed_recovering(self, pipeline: int, progress: dict[int, ProgressRecord]) -> bool:
+        """Whether `pipeline`'s survivors were running a failover remainder (all of them, in the
+        step of the plan this node computed for it), or its steady schedule (all of them)."""
+        flags = {record.remainder for record in progress.values()}
+        shown = {n: (r.done, r.step, r.remainder) for n, r in progress.items()}
+        if len(flags) != 1:
+            raise AgreementError(
+                f"survivors of pipeline {pipeline} disagree on running a failover remainder "
+                f"(node: (done, step, in a remainder)): {shown}"
+            )
+        if not flags.pop():
+            return False
+        known = self.coordinator.recovering.get(pipeline)
+        steps = {record.step for record in progress.values()}
+        if known is None or steps != {known[1]}:
+            raise AgreementError(
+                f"pipeline {pipeline} runs a failover remainder in steps {sorted(steps)}, but the last plan known "
+                f"here is for step {None if known is None else known[1]}"
+            )
+        return True

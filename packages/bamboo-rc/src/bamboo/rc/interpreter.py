@@ -1,0 +1,582 @@
+"""The instruction interpreter: one node's `bamboo.schedule` instructions, executed with real tensors.
+
+:class:`StageInterpreter` holds a node's slices (its stage and the replica it shadows), the
+per-microbatch tensors of the current iteration, the FRC stash and the posted all-reduces, and
+executes one instruction at a time (see `packages/bamboo-schedule/README.md`, "Executing a
+schedule"):
+
+- `L`, `F`, `B`, `SA`/`RA`, `SG`/`RG`: the pipeline itself. Sends and receives wait for
+  completion; while one waits, a confirmed failure event raises
+  :class:`~bamboo.rc.failures.FailureNoticed` and the transfer stays posted, so the same
+  instruction of the failover schedule resumes it instead of posting it again.
+- `FR`, `SO`, `SI`, `BR`: redundant work on the replica, with the FRC stash kept in
+  :class:`~bamboo.rc.stash.FrcStash`.
+- `AR`: posts the data-parallel all-reduce of the stage's gradients (and the loss); its result is
+  awaited where it is needed (collectives of different groups never wait on each other in stream
+  order).
+- `OPT`, `SY`, `RY`: the step is recorded, and applied at the commit (:meth:`commit`: one small
+  all-reduce over the pipeline of the squared gradient norm and the loss, then every hosted
+  stage steps with the global clip coefficient). `RY` receives the owner's reduced gradients; the
+  replica steps with them right before its next use.
+
+All per-microbatch state is keyed by (stage, microbatch), so a node can host two stages after a
+failover. The gradient w.r.t. each stage input (what `SG` sends) is kept for the whole iteration
+(:attr:`StageInterpreter.input_grads`), so it can be sent again to a new owner. What the
+interpreter must know of failures (events to notice while it waits, the group barrier) it asks
+the :class:`~bamboo.rc.coordinator.FailoverCoordinator`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, GroupTable, wait_works
+from bamboo.rc.config import TrainingConfig
+from bamboo.rc.coordinator import FailoverCoordinator
+from bamboo.rc.failures import FailureNoticed, PeerFailure
+from bamboo.rc.layout import Layout
+from bamboo.rc.stash import FrcStash
+from bamboo.rc.state import TrainableSlice, clip_coefficient
+from bamboo.schedule import FailoverPlan, Instruction, Kind
+
+__all__ = ["StageInterpreter"]
+
+# Message tags: kind (3 bits) | stage (< 128) | microbatch or segment (< 4096).
+_TAG_ACT, _TAG_GRAD, _TAG_HEADER, _TAG_SYNC = 1, 2, 3, 4
+
+
+def _tag(kind: int, stage: int, microbatch: int) -> int:
+    if not (stage < 128 and microbatch < 4096):
+        raise ValueError(f"stage {stage} / microbatch {microbatch} do not fit the message tag (128 / 4096)")
+    return (kind * 128 + stage) * 4096 + microbatch
+
+
+def _segments(flat: torch.Tensor) -> list[torch.Tensor]:
+    """Split a large 1-D payload into messages that each fit MAX_CHUNKS chunks."""
+    per_message = max(1, MAX_CHUNKS * CHUNK_BYTES // flat.element_size())
+    return list(flat.split(per_message))
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+
+Key = tuple[int, int]
+Posted = tuple[list[object], torch.Tensor, torch.Tensor, Any, tuple[int, ...]]
+"""A posted all-reduce: (works, gradients, loss, (step, gradients, loss) as contributed, members)."""
+
+
+class StageInterpreter:
+    """Executes one node's instructions: its slices, its tensors, its transfers and its commit."""
+
+    def __init__(
+        self,
+        slices: dict[int, TrainableSlice],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        config: TrainingConfig,
+        layout: Layout,
+        node: int,
+        pipeline: int,
+        groups: GroupTable,
+        coordinator: FailoverCoordinator,
+    ) -> None:
+        self.slices = slices
+        self.loss_fn = loss_fn
+        self.config = config
+        self.layout = layout
+        self.node = node
+        self.pipeline = pipeline
+        self.rank = layout.rank(node, pipeline)
+        self.groups = groups
+        self.coordinator = coordinator
+        self.stash = FrcStash()
+        self.step = 0
+        self.losses: list[float] = []
+        self.sync_bytes = 0
+        self.kind_seconds: dict[str, float] = {}
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=8) if coordinator.watching else None
+        self._pending: dict[str, tuple[object, torch.Tensor | None]] = {}
+        self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._act_meta_sent: set[int] = set()
+        self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
+        self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self.reset_iteration()
+
+    # ----------------------------------------------------------------------------- state
+    def reset_iteration(self) -> None:
+        """Forget every tensor of the current iteration (the stash too)."""
+        self.inputs: dict[Key, torch.Tensor] = {}
+        self.outputs: dict[Key, torch.Tensor] = {}
+        self.out_grads: dict[Key, torch.Tensor] = {}
+        self.input_grads: dict[Key, torch.Tensor] = {}
+        self.red_inputs: dict[Key, torch.Tensor] = {}
+        self.red_outputs: dict[Key, torch.Tensor] = {}
+        self.local_outputs: dict[Key, torch.Tensor] = {}
+        self.mb_losses: dict[int, float] = {}
+        self._reduced: dict[int, torch.Tensor] = {}
+        self._reducing: dict[int, Posted] = {}
+        self._to_step: list[int] = []
+        self._received_syncs: dict[int, torch.Tensor] = {}
+        self.stash.clear()
+
+    def abandon_iteration(self) -> None:
+        """Back to the start-of-iteration state: partial gradients and stashes discarded."""
+        for piece in self.slices.values():
+            piece.zero_grads()
+        self.reset_iteration()
+
+    def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This iteration's (tokens, labels) by microbatch index within the pipeline."""
+        self._microbatches = microbatches
+
+    def _peer_rank(self, node: int) -> int:
+        return self.layout.rank(node, self.pipeline)
+
+    def _group_for(self, peer: int) -> str:
+        a, b = sorted((self.rank, peer))
+        return f"p2p-{a}-{b}"
+
+    def _global_microbatches(self) -> int:
+        return self.config.micro_batches * self.layout.pipelines
+
+    # ----------------------------------------------------------------------------- transfers
+    def _transfer(
+        self, instruction: Instruction, peer: int, post: Callable[[], tuple[list[object], torch.Tensor | None]]
+    ) -> torch.Tensor | None:
+        """Post (or resume) a send or receive and wait for it.
+
+        While it waits, the node checks for confirmed failure notices; if one arrives, the
+        transfer stays posted (kept under the instruction's text, so the same instruction of the
+        failover schedule resumes it instead of posting a duplicate) and FailureNoticed is raised.
+        """
+        key = str(instruction)
+        if key in self._pending:
+            handle, buffer = self._pending.pop(key)
+        else:
+            works, buffer = post()
+            handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
+        if isinstance(handle, list):
+            try:
+                wait_works(handle)
+            except RuntimeError as exc:
+                raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
+            return buffer
+        assert isinstance(handle, concurrent.futures.Future)
+        while True:
+            try:
+                handle.result(timeout=self.groups.timeouts.poll)
+                return buffer
+            except concurrent.futures.TimeoutError:
+                event = self.coordinator.pending_event()
+                if event is not None:
+                    self._pending[key] = (handle, buffer)
+                    raise FailureNoticed(event) from None
+            except RuntimeError as exc:
+                raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
+
+    def _interrupter(self, group: str) -> Callable[[], None]:
+        """While blocked in a collective on `group`: raise FailureNoticed if a confirmed failure
+        removed a member of it. A collective whose members all live is left to complete (the
+        event is noticed again at the next blocking point), so it is never posted twice."""
+
+        def interrupt() -> None:
+            event = self.coordinator.pending_event()
+            if event is not None and set(event.victims) & set(self.groups.members[group]):
+                raise FailureNoticed(event)
+
+        return interrupt
+
+    def _needs_barrier(self, group: str) -> bool:
+        """Whether using `group` builds it first (its first use in an epoch) with others."""
+        return self.coordinator.watching and group not in self.groups.groups and len(self.groups.members[group]) > 1
+
+    def _announce_group(self, group: str) -> None:
+        """Tell the other members that this node is about to build `group` (paths that build a group
+        inside the failover itself only announce it)."""
+        if self._needs_barrier(group):
+            self.coordinator.announce_group(group, self.groups.versions[group])
+
+    def _await_group_members(self, group: str) -> None:
+        """Before building `group`: wait until every member is about to build it too, raising
+        FailureNoticed on any confirmed failure meanwhile (a member may die before it gets there,
+        and a gloo build would only time out)."""
+        if self._needs_barrier(group):
+            self.coordinator.await_group(group, self.groups.versions[group], self.groups.members[group])
+
+    def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        group = self._group_for(peer)
+        self._await_group_members(group)
+        self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
+
+    def _recv(self, instruction: Instruction, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        group = self._group_for(peer)
+        self._await_group_members(group)
+        out = self._transfer(
+            instruction, peer, lambda: (self.groups.post_recv(group, buffer, peer, tag, str(instruction)), buffer)
+        )
+        assert out is not None
+        return out
+
+    # ----------------------------------------------------------------------------- instructions
+    def execute(self, instruction: Instruction) -> None:
+        """Execute one instruction (its wall time is added to :attr:`kind_seconds`)."""
+        started = time.perf_counter()
+        self._handlers[instruction.kind](self, instruction)
+        code = instruction.kind.value
+        self.kind_seconds[code] = self.kind_seconds.get(code, 0.0) + time.perf_counter() - started
+
+    def _load(self, instruction: Instruction) -> None:
+        k = instruction.microbatch
+        if k not in self._microbatches:
+            raise RuntimeError(f"{instruction}: microbatch {k} was not loaded (no data for this step)")
+
+    def _recv_act(self, instruction: Instruction) -> None:
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
+        if peer not in self._act_meta:
+            header = self._recv(instruction, torch.zeros(8, dtype=torch.int64), peer, _tag(_TAG_HEADER, s, 0))
+            ndim = int(header[0])
+            self._act_meta[peer] = (tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
+        shape, dtype = self._act_meta[peer]
+        buffer = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_ACT, s, k))
+        self.inputs[(s, k)] = buffer.requires_grad_(buffer.is_floating_point())
+
+    def _stage_input(self, stage: int, k: int) -> torch.Tensor:
+        if stage == 0:
+            return self._microbatches[k][0]
+        key = (stage, k)
+        if key not in self.inputs:  # the previous stage runs here too: its local output
+            self.inputs[key] = self.local_outputs[(stage - 1, k)].requires_grad_()
+        return self.inputs[key]
+
+    def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
+        self._apply_replica_update(stage)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+            y = self.slices[stage].layers(x)
+        if stage == self.layout.stages - 1:
+            return self.loss_fn(y, self._microbatches[k][1]) / self._global_microbatches()
+        self._output_meta[stage] = (y.shape, y.dtype)
+        if stage + 1 in self.slices:
+            self.local_outputs[(stage, k)] = y.detach()  # input of the next stage's local copy
+        return y
+
+    def _forward(self, instruction: Instruction) -> None:
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None
+        y = self._run_layers(s, k, self._stage_input(s, k))
+        if s == self.layout.stages - 1:
+            self.mb_losses[k] = float(y.detach()) * self._global_microbatches()
+        self.outputs[(s, k)] = y
+
+    def _send_act(self, instruction: Instruction) -> None:
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
+        y = (self.outputs[(s, k)] if (s, k) in self.outputs else self.red_outputs[(s, k)]).detach()
+        if peer not in self._act_meta_sent:
+            header = torch.zeros(8, dtype=torch.int64)
+            header[0] = y.dim()
+            header[1] = _DTYPES.index(y.dtype)
+            header[2 : 2 + y.dim()] = torch.tensor(y.shape)
+            self._send(instruction, header, peer, _tag(_TAG_HEADER, s + 1, 0))
+            self._act_meta_sent.add(peer)
+        self._send(instruction, y, peer, _tag(_TAG_ACT, s + 1, k))
+
+    def _recv_grad(self, instruction: Instruction) -> None:
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
+        shape, dtype = self._output_meta[s]
+        self.out_grads[(s, k)] = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_GRAD, s, k))
+
+    def _output_grad(self, s: int, k: int) -> torch.Tensor | None:
+        """The gradient w.r.t. stage s's output: received, or local when stage s+1 ran here."""
+        if s == self.layout.stages - 1:
+            return None
+        if (s, k) in self.out_grads:
+            return self.out_grads.pop((s, k))
+        return self.input_grads[(s + 1, k)]
+
+    def _backward_from(self, s: int, k: int, output: torch.Tensor, x: torch.Tensor | None) -> None:
+        grad = self._output_grad(s, k)
+        if grad is None:
+            output.backward()
+        else:
+            torch.autograd.backward(output, grad)
+        if s > 0 and x is not None:
+            self.input_grads[(s, k)] = x.grad  # type: ignore[assignment]
+
+    def _backward(self, instruction: Instruction) -> None:
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None
+        self._backward_from(s, k, self.outputs.pop((s, k)), self.inputs.pop((s, k), None))
+
+    def _send_grad(self, instruction: Instruction) -> None:
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
+        self._send(instruction, self.input_grads[(s, k)], peer, _tag(_TAG_GRAD, s - 1, k))
+
+    def _replica_input(self, s: int, k: int) -> torch.Tensor:
+        if s == 0:
+            return self._microbatches[k][0]
+        if (s, k) in self.stash.inputs:  # lflb: the stashed input
+            return self.stash.inputs[(s, k)]
+        return self.local_outputs[(s - 1, k)]
+
+    def _frc(self, instruction: Instruction) -> None:
+        """Forward of stage s with the replica layers; saved tensors are registered in the stash."""
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None
+        x = self._replica_input(s, k)
+        if s > 0:
+            x = x.detach().requires_grad_()
+        self._apply_replica_update(s)
+        weights = {p.untyped_storage().data_ptr() for p in self.slices[s].parameters}
+        with self.stash.recording((s, k), skip=weights):
+            y = self._run_layers(s, k, x)
+        if s == self.layout.stages - 1:
+            self.mb_losses.setdefault(k, float(y.detach()) * self._global_microbatches())
+        self.red_inputs[(s, k)] = x
+        self.red_outputs[(s, k)] = y
+
+    def _swap_out(self, instruction: Instruction) -> None:
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None
+        if (s, k) in self.red_outputs:
+            self.stash.swap_out((s, k))
+        else:  # lflb: no FRC ran; the stash is the replica's input
+            self.stash.put_input((s, k), self._replica_input(s, k))
+
+    def _swap_in(self, instruction: Instruction) -> None:
+        self.stash.swap_in((instruction.stage, instruction.microbatch))  # type: ignore[arg-type]
+
+    def _brc(self, instruction: Instruction) -> None:
+        """Backward of stage s from the FRC stash (running the FRC first if it was lazy)."""
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None
+        if (s, k) not in self.red_outputs:
+            self._frc(instruction)
+        output = self.red_outputs.pop((s, k))
+        x = self.red_inputs.pop((s, k))
+        self._backward_from(s, k, output, x if s > 0 else None)
+        self.stash.drop((s, k))
+
+    def _allreduce(self, instruction: Instruction) -> None:
+        """Start the data-parallel all-reduce of stage s (the result is awaited when needed:
+        collectives on different groups must not wait on each other in the stream's order)."""
+        s = instruction.stage
+        piece = self.slices[s]
+        last = s == self.layout.stages - 1
+        loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
+        flat = piece.flat_grads()
+        contribution = (self.step, flat.clone(), loss.clone())
+        group = f"dp-s{s}"
+        self._await_group_members(group)
+        works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
+        self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
+
+    def _wait_reduction(self, s: int) -> None:
+        """Finish stage s's all-reduce: load the reduced gradients, record the result.
+
+        While it waits, any confirmed failure raises FailureNoticed (the all-reduce stays posted
+        in `_reducing` and is resumed, never posted twice): a failed pipeline's survivors must
+        never sit uninterruptibly in a collective with another pipeline, whose nodes may wait in
+        the failover agreement for the survivors' progress.
+        """
+        if s not in self._reducing:
+            return
+        works, flat, loss, contribution, _members = self._reducing[s]
+        group = f"dp-s{s}"
+        self.groups.wait_collective(group, works, f"{s}AR", self.coordinator.raise_if_noticed)
+        del self._reducing[s]
+        piece = self.slices[s]
+        piece.load_flat_grads(flat)
+        if self.layout.pipelines > 1:  # kept in case a lost peer's shadow redoes this all-reduce
+            self._contributions[(s, contribution[0])] = (contribution[1], contribution[2])
+            for key in [k for k in self._contributions if k[1] < contribution[0] - 1]:
+                del self._contributions[key]
+        self._reduced[s] = torch.cat([flat, loss.float(), torch.tensor([float(piece.steps + 1)])])
+
+    def wait_posted_allreduces(self) -> None:
+        """Wait until every posted data-parallel all-reduce completed (so the peers completed it too)."""
+        for s in sorted(self._reducing):
+            works, _, _, _, _ = self._reducing[s]
+            self.groups.wait_collective(f"dp-s{s}", works, f"{s}AR")
+
+    def _optimizer(self, instruction: Instruction) -> None:
+        self._to_step.append(instruction.stage)  # applied at the commit, with the global clip
+
+    def _sync_send(self, instruction: Instruction) -> None:
+        """Send stage s's reduced gradients (and its loss and step number) to its shadow."""
+        assert instruction.peer is not None
+        s = instruction.stage
+        self._wait_reduction(s)
+        payload = self._reduced[s]
+        shadow = self._peer_rank(instruction.peer)
+        for segment, piece in enumerate(_segments(payload)):
+            self._send(instruction, piece, shadow, _tag(_TAG_SYNC, s, segment))
+        self.sync_bytes += payload.numel() * payload.element_size()
+
+    def _sync_recv(self, instruction: Instruction) -> None:
+        """Receive stage s's reduced gradients; the replica steps with them after the commit."""
+        assert instruction.peer is not None
+        s = instruction.stage
+        self._apply_replica_update(s)  # lflb never runs the replica: apply the last update now
+        owner = self._peer_rank(instruction.peer)
+        payload = torch.empty(self.slices[s].numel() + 2)
+        for segment, piece in enumerate(_segments(payload)):
+            received = self._recv(instruction, piece, owner, _tag(_TAG_SYNC, s, segment))
+            if received is not piece:  # resumed after a failover: the data is in the first buffer
+                piece.copy_(received)
+        self._received_syncs[s] = payload
+
+    def _apply_replica_update(self, stage: int) -> None:
+        """Apply the owner's step of the last iteration to the replica of `stage` (identical math)."""
+        update = self._replica_updates.pop(stage, None)
+        if update is None:
+            return
+        started = time.perf_counter()
+        payload, clip = update
+        replica = self.slices[stage]
+        step = int(payload[-1].item())
+        if step != replica.steps + 1:
+            raise RuntimeError(f"replica sync of stage {stage} out of order: got step {step}, replica at {replica.steps}")
+        replica.load_flat_grads(payload[:-2])
+        replica.apply_step(clip)
+        self.kind_seconds["replica_step"] = self.kind_seconds.get("replica_step", 0.0) + time.perf_counter() - started
+
+    def apply_replica_updates(self) -> None:
+        """Apply every received replica update now (they are otherwise applied at the replica's next use)."""
+        for stage in list(self._replica_updates):
+            self._apply_replica_update(stage)
+
+    _handlers: ClassVar[dict[Kind, Callable[[StageInterpreter, Instruction], None]]] = {
+        Kind.LOAD: _load,
+        Kind.FORWARD: _forward,
+        Kind.BACKWARD: _backward,
+        Kind.FRC: _frc,
+        Kind.BRC: _brc,
+        Kind.SEND_ACT: _send_act,
+        Kind.RECV_ACT: _recv_act,
+        Kind.SEND_GRAD: _send_grad,
+        Kind.RECV_GRAD: _recv_grad,
+        Kind.SWAP_OUT: _swap_out,
+        Kind.SWAP_IN: _swap_in,
+        Kind.ALLREDUCE: _allreduce,
+        Kind.OPTIMIZER: _optimizer,
+        Kind.SYNC_SEND: _sync_send,
+        Kind.SYNC_RECV: _sync_recv,
+    }
+
+    # ----------------------------------------------------------------------------- commit
+    def commit(self, hosted: Sequence[int]) -> float:
+        """End the iteration of the `hosted` stages: one all-reduce over the pipeline of the squared
+        gradient norm and the loss, then their optimizer steps with the global clip coefficient.
+        Returns the step's mean loss over the global batch.
+
+        This is the commit point: until it, no parameter has changed in this iteration, so a
+        failure before it leaves every survivor at the start-of-iteration state.
+        """
+        pipe = f"pipe-d{self.pipeline}"
+        self._await_group_members(pipe)  # before anything changes: it may raise
+        last = self.layout.stages - 1
+        squared = 0.0
+        loss = 0.0
+        for s in sorted(self._reducing):
+            self._wait_reduction(s)
+        for s in hosted:
+            if s in self._reduced:
+                squared += self.slices[s].squared_grad_norm()
+                reduced_loss = float(self._reduced[s][-2])
+            elif s in self._received_syncs:  # a victim's finished stage: its sync is the result
+                payload = self._received_syncs.pop(s)
+                self.slices[s].load_flat_grads(payload[:-2])
+                squared += self.slices[s].squared_grad_norm()
+                reduced_loss = float(payload[-2])
+                self._to_step.append(s)
+            else:
+                raise RuntimeError(f"stage {s} ended the iteration without an all-reduce")
+            if s == last:
+                loss = float(self._reduced[s][-2]) if s in self._reduced else reduced_loss
+        if last in hosted and last in self._reduced:
+            loss = sum(self.mb_losses.values()) if self.layout.pipelines == 1 else loss
+        norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
+        self.groups.allreduce(pipe, [norm_and_loss], "commit (global gradient norm and loss)", self._interrupter(pipe))
+        clip = clip_coefficient(self.config.gradient_clipping, float(norm_and_loss[0]))
+        for s in self._to_step:
+            self.slices[s].apply_step(clip)
+        for s, payload in self._received_syncs.items():
+            self._replica_updates[s] = (payload, clip)
+        mean_loss = float(norm_and_loss[1]) / self._global_microbatches()
+        self.losses.append(mean_loss)
+        self.step += 1
+        self.reset_iteration()
+        return mean_loss
+
+    # ----------------------------------------------------------------------------- after failures
+    def repost_changed_allreduces(self) -> None:
+        """Post again, on the rebuilt group, every pending all-reduce whose group's membership
+        changed (a member left at an iteration boundary)."""
+        for stage, (_, _, _, contribution, members) in list(self._reducing.items()):
+            group = f"dp-s{stage}"
+            if members != self.groups.members[group]:
+                self._post_again(stage, contribution)
+
+    def _post_again(self, stage: int, contribution: Any) -> None:
+        group = f"dp-s{stage}"
+        _, flat, loss = contribution
+        fresh_flat, fresh_loss = flat.clone(), loss.clone()
+        self._announce_group(group)
+        works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{stage}AR (again)")
+        self._reducing[stage] = (works, fresh_flat, fresh_loss, contribution, self.groups.members[group])
+
+    def join_redone_allreduces(self, plan: FailoverPlan, lost: set[int] | frozenset[int], step: int,
+                               hosted: Sequence[int]) -> None:
+        """Take part, exactly once per step, in the all-reduce of each lost stage hosted here (the
+        failover of another pipeline).
+
+        `step` is the step in which the other pipeline failed. If the lost stage's shadow redoes
+        that step's all-reduce: an all-reduce of ours for that step that already completed is
+        joined again with our stored contribution; one still pending on the old group is posted
+        again on the rebuilt group. If the shadow does not redo it (the victim had finished), ours
+        completes on the old group. A pending all-reduce of a later step (this node ran ahead:
+        its pipeline committed `step` without the failed one) is posted again too, but only after
+        the redo of `step`: gloo matches the collectives of a group in posting order, and the
+        shadow posts the redo of `step` first, so the other order would sum different steps.
+        """
+        for v in sorted(lost):
+            if v not in hosted:
+                continue
+            shadow = plan.remainder.placement[v]  # the node that took stage v over
+            redone = any(i.kind is Kind.ALLREDUCE and i.stage == v for i in plan.remainder.streams[shadow])
+            group = f"dp-s{v}"
+            pending = self._reducing.get(v)
+            pending_step = pending[3][0] if pending is not None else None
+            if pending_step is not None and pending_step < step:
+                raise RuntimeError(
+                    f"stage {v}: an all-reduce of step {pending_step} is still pending while the other pipeline "
+                    f"failed in step {step}"
+                )
+            if redone and pending_step != step:  # ours of `step` completed (or is not posted yet)
+                contribution = self._contributions.get((v, step))
+                if contribution is not None:
+                    flat, loss = contribution
+                    self._announce_group(group)
+                    self.groups.allreduce(
+                        group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
+                    )
+                elif pending_step is not None:  # ran ahead, yet nothing stored: cannot redo exactly
+                    raise RuntimeError(
+                        f"stage {v}: the shadow redoes the all-reduce of step {step}, but this node is in step "
+                        f"{pending_step} and kept no contribution of step {step}"
+                    )
+            if pending is not None and pending[4] != self.groups.members[group]:
+                assert pending_step is not None
+                if pending_step > step or redone:
+                    self._post_again(v, pending[3])

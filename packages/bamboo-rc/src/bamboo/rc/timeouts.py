@@ -1,0 +1,135 @@
+"""Every timeout and poll interval of bamboo-rc, in seconds, in one place.
+
+Each constant ends in ``_S`` and says what it bounds and what happens when it fires. The four
+that a deployment tunes are the defaults of :class:`CommTimeouts` (``GROUP_S``, ``BUILD_S``,
+``CONFIRM_S``, ``NOTICE_POLL_S``), which every worker takes as an argument; the launcher and
+``bamboo-rc verify`` set them from their flags. The others are poll intervals of
+loops that wait on the store (how quickly a wait notices what it waits for), and the defaults of
+the self-check (``verify``, ``soak``, the chaos tests).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = [
+    "BUILD_S",
+    "CHAOS_BUILD_S",
+    "CHAOS_CONFIRM_S",
+    "CHAOS_DEADLINE_S",
+    "CHAOS_GROUP_S",
+    "COLLECTIVE_SPIN_S",
+    "CONFIRM_S",
+    "EVENT_POLL_S",
+    "FINISH_POLL_S",
+    "GROUP_S",
+    "NOTICE_LEAD_S",
+    "NOTICE_POLL_S",
+    "STORE_POLL_S",
+    "VERIFY_BATCH_WINDOW_S",
+    "VERIFY_DEADLINE_S",
+    "VERIFY_HOLD_LIMIT_S",
+    "VERIFY_STORE_S",
+    "VERIFY_WAIT_POLL_S",
+    "CommTimeouts",
+]
+
+# ---------------------------------------------------------------- the worker (CommTimeouts defaults)
+GROUP_S = 60.0
+"""The gloo timeout of every group (``CommTimeouts.group``). It bounds a send, receive or
+collective whose peer is alive but stuck (a dead peer is noticed within tens of milliseconds
+anyway), and the wait in the store for a group's members before its first build in an epoch.
+When it fires, gloo raises and the operation becomes a :class:`~bamboo.rc.PeerFailure`; the
+build wait gives up and lets the gloo build time out on its own."""
+
+BUILD_S = 120.0
+"""``CommTimeouts.build``: how long building a group, or a c10d store client's connection and
+reads, may wait for the peers; and how long :meth:`StageExecutor.finish` waits for every live
+rank to finish (with several pipelines). When it fires: a RuntimeError (store or gloo timeout,
+or ``not every live rank ... finished``)."""
+
+CONFIRM_S = 60.0
+"""``CommTimeouts.confirm``: how long a worker that saw a peer fail waits for the authority to
+confirm the failure; how long the survivors of a pipeline wait for each other's progress in the
+failover agreement; how long a node waits for a hand-over announced at a boundary to be
+confirmed. When it fires: the original :class:`~bamboo.rc.PeerFailure` is raised (a slow peer is
+not a dead peer, but an unconfirmed failure ends the worker), or a RuntimeError that names the
+survivors that did not publish their progress, or the hand-over that was never confirmed."""
+
+NOTICE_POLL_S = 0.02
+"""``CommTimeouts.poll``: how often a worker blocked on a transfer or a collective checks for a
+confirmed failure event (the gap between an event's publication and a blocked worker noticing
+it)."""
+
+
+
+@attrs.frozen
+class CommTimeouts:
+    """The timeouts a worker is given, in seconds (defaults above)."""
+
+    group: float = attrs.field(default=GROUP_S, validator=attrs.validators.gt(0))
+    """:data:`GROUP_S`"""
+    build: float = attrs.field(default=BUILD_S, validator=attrs.validators.gt(0))
+    """:data:`BUILD_S`"""
+    confirm: float = attrs.field(default=CONFIRM_S, validator=attrs.validators.gt(0))
+    """:data:`CONFIRM_S`"""
+    poll: float = attrs.field(default=NOTICE_POLL_S, validator=attrs.validators.gt(0))
+    """:data:`NOTICE_POLL_S`"""
+
+
+# ---------------------------------------------------------------- poll intervals of store waits
+STORE_POLL_S = 0.001
+"""How often the failover agreement (survivors' progress) and the group barrier (members about
+to build a group) read the store again while they wait. Bounded by ``CONFIRM_S`` and
+``GROUP_S``."""
+
+EVENT_POLL_S = 0.005
+"""How often :meth:`StoreFailureNotices.wait` reads the store again for the event it waits for.
+Bounded by the ``timeout`` it is given (``CONFIRM_S`` in the runtime)."""
+
+FINISH_POLL_S = 0.005
+"""How often :meth:`StageExecutor.finish` checks whether every live rank finished. Bounded by
+``BUILD_S``."""
+
+COLLECTIVE_SPIN_S = 0.0005
+"""How long a worker waiting for a collective sleeps between two ``is_completed()`` checks (it
+checks for failure events every ``NOTICE_POLL_S``). Bounded by ``GROUP_S`` (gloo)."""
+
+# ---------------------------------------------------------------- the self-check
+VERIFY_DEADLINE_S = 300.0
+"""``bamboo-rc verify --timeout``: how long verify waits for its workers; when it fires, every
+unfinished worker is SIGKILLed and the run fails."""
+
+VERIFY_STORE_S = 60.0
+"""The timeout of the TCPStore that verify's parent process hosts for its workers (how long a
+``get`` on it may block)."""
+
+VERIFY_BATCH_WINDOW_S = 0.005
+"""Deaths that verify's parent sees within this window of each other are confirmed as one
+failure event (the parent is the failure authority in verify)."""
+
+VERIFY_HOLD_LIMIT_S = 10.0
+"""The longest verify's parent holds back the confirmation of a death for
+``KillPoint.hold_confirmation_until`` (the held node may itself be blocked on the victim; the
+run then goes on unforced)."""
+
+VERIFY_WAIT_POLL_S = 0.002
+"""How often verify's parent polls ``waitpid`` and the store while it waits for its workers."""
+
+NOTICE_LEAD_S = 60.0
+"""``bamboo-rc verify --notice-lead`` (``NoticePoint.lead_s``): seconds from a preemption notice to
+the preemption. A lead too short for the rest of the iteration turns the notice into an ordinary
+failure at the deadline."""
+
+CHAOS_GROUP_S = 30.0
+"""``CommTimeouts.group`` of the runs of ``bamboo-rc soak`` and the chaos tests."""
+
+CHAOS_BUILD_S = 30.0
+"""``CommTimeouts.build`` of the runs of ``bamboo-rc soak`` and the chaos tests."""
+
+CHAOS_CONFIRM_S = 15.0
+"""``CommTimeouts.confirm`` of the runs of ``bamboo-rc soak`` and the chaos tests."""
+
+CHAOS_DEADLINE_S = 120.0
+"""The verify deadline (``VERIFY_DEADLINE_S``) of each run of ``bamboo-rc soak`` and the chaos
+tests."""

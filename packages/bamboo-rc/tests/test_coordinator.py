@@ -1,0 +1,298 @@
+"""The failover coordinator in-process: a dictionary for the store, a clock that only moves when told.
+
+No processes, no sleeps: several coordinators (one per survivor) share one fake store, and the
+tests drive the agreement step by step (:meth:`FailoverCoordinator.begin`, :meth:`PendingFailover.poll`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from bamboo.rc.coordinator import FailoverCoordinator, handover_request_key
+from bamboo.rc.failures import (
+    AgreementError,
+    ConsecutiveFailure,
+    FailureEvent,
+    FailureNoticed,
+    PeerFailure,
+    StoreFailureNotices,
+)
+from bamboo.rc.layout import Layout
+from bamboo.rc.records import HandoverRecord, ProgressRecord, SuspicionRecord
+from bamboo.rc.timeouts import CommTimeouts
+from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
+from bamboo.schedule import merged_schedule, one_f_one_b, progress_at, validate_failover
+
+JOB = "job"
+TIMEOUTS = CommTimeouts(group=5.0, build=5.0, confirm=2.0)
+
+
+class FakeStore:
+    """A c10d store's set/get/check over a dictionary."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.data for key in keys)
+
+
+class FakeClock:
+    """Time moves only when someone sleeps; `on_sleep` runs after each sleep (the other processes)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+        self.on_sleep: Callable[[FakeClock], None] | None = None
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+        if self.on_sleep is not None:
+            self.on_sleep(self)
+
+
+class Cluster:
+    """One pipeline's coordinators over one fake store, and the authority that publishes events."""
+
+    def __init__(self, stages: int, mode: str = "eflb", microbatches: int = 4) -> None:
+        self.store = FakeStore()
+        self.clock = FakeClock()
+        self.layout = Layout(stages, 1)
+        self.schedule = one_f_one_b(stages, microbatches, rc=mode)
+        self.authority = StoreFailureNotices(self.store, JOB)
+        self.nodes = {
+            n: FailoverCoordinator(self.store, JOB, self.layout, 0, n, self.schedule,
+                                   StoreFailureNotices(self.store, JOB, self.clock), TIMEOUTS, self.clock)
+            for n in range(stages)
+        }
+
+    def publish(self, epoch: int, victims: list[int], handover: bool = False) -> None:
+        self.authority.publish(FailureEvent(epoch, victims, handover))
+
+
+def test_survivors_at_different_progress_agree_on_one_cut_and_derive_the_same_plan() -> None:
+    cluster = Cluster(4)
+    cluster.publish(1, [2])
+    # Node 1 completed its send 1SG0>0 (index 17); node 0's receive of it (index 19) was interrupted by
+    # the failure before it returned: the cut counts it as completed on both sides.
+    progress = {0: 19, 1: 18, 3: 16}
+    pending = {}
+    for n in (0, 1):
+        coordinator = cluster.nodes[n]
+        event = coordinator.pending_event()
+        assert event is not None
+        pending[n] = coordinator.begin(event, progress[n], step=1)
+    assert pending[0].poll() is None  # node 3 has not published its progress yet
+    assert pending[0].missing() == (0, [3])
+    pending[3] = cluster.nodes[3].begin(FailureEvent(1, [2]), progress[3], step=1)
+    agreements = {n: p.poll() for n, p in pending.items()}
+    plans = []
+    for n, agreement in agreements.items():
+        assert agreement is not None and agreement.epoch == 1 and agreement.victims == {0: frozenset({2})}
+        planned = agreement.plans[0]
+        assert planned.cut == {0: 20, 1: 18, 3: 16}, n
+        assert planned.step == 1
+        plans.append(planned.plan)
+        coordinator = cluster.nodes[n]
+        assert coordinator.epoch == 1 and coordinator.dead == {2}
+        assert coordinator.placements[0] == (0, 1, 1, 3)
+        assert coordinator.layouts[0] is planned.plan.steady and coordinator.recovering[0] == (planned.plan, 1)
+    assert all(plan.remainder.streams == plans[0].remainder.streams for plan in plans)
+    validate_failover(plans[0])
+    record = ProgressRecord.from_json(cluster.store.get(cluster.nodes[0].progress_key(0, {2}, 0)))
+    assert record == ProgressRecord(19, 1, remainder=False)
+
+
+def test_a_second_failure_during_the_agreement_restarts_it_with_every_victim() -> None:
+    cluster = Cluster(6)
+    progress = progress_at(cluster.schedule, {1: 9, 4: 12})
+    cluster.publish(1, [1])
+    seen: dict[int, list[tuple[int, tuple[int, ...]]]] = {n: [] for n in (0, 2, 3, 5)}
+
+    def on_event(n: int) -> Callable[[FailureEvent], None]:  # the executor rebuilds its groups here
+        return lambda event: seen[n].append((cluster.nodes[n].epoch, cluster.nodes[n].placements[0]))
+
+    pending = {n: cluster.nodes[n].begin(FailureEvent(1, [1]), progress[n], 0, on_event(n)) for n in (0, 2, 3)}
+    assert all(p.poll() is None for p in pending.values())  # nodes 4 and 5 have not published
+    cluster.publish(2, [4])  # node 4 dies before it publishes its progress for the first failure
+    pending[5] = cluster.nodes[5].begin(FailureEvent(1, [1]), progress[5], 0, on_event(5))  # learns of it later
+    assert all(p.poll() is None for p in pending.values())  # each absorbs epoch 2 and publishes again
+    agreements = {n: p.poll() for n, p in pending.items()}
+    streams = set()
+    for n, agreement in agreements.items():
+        assert agreement is not None, n
+        assert agreement.epoch == 2 and agreement.victims == {0: frozenset({1, 4})}
+        assert cluster.nodes[n].dead == {1, 4}
+        streams.add(repr(agreement.plans[0].plan.remainder.streams))
+        assert cluster.nodes[n].placements[0] == (0, 0, 2, 3, 3, 5)
+    assert len(streams) == 1
+    validate_failover(agreements[0].plans[0].plan)  # type: ignore[union-attr]
+    # every node applied each event on its own, in order, whether or not it learned of both together:
+    # a group changed by an event gets that event's epoch as its version everywhere
+    assert all(events == [(1, (0, 0, 2, 3, 4, 5)), (2, (0, 0, 2, 3, 3, 5))] for events in seen.values()), seen
+
+
+def test_adjacent_victims_raise_consecutive_failure_and_leave_the_start_of_iteration_state() -> None:
+    cluster = Cluster(4)
+    coordinator = cluster.nodes[0]
+    with pytest.raises(ConsecutiveFailure) as info:
+        coordinator.begin(FailureEvent(1, [1, 2]), 7, step=1)
+    assert info.value.pipeline == 0 and info.value.lost_stages == (1, 2)
+    assert info.value.surviving_copies == {1: [("shadow", 0)], 2: []}
+    assert isinstance(info.value.__cause__, LostEveryCopy)  # bamboo-schedule's rule, called, not copied
+    assert coordinator.layouts[0] is cluster.schedule and not coordinator.recovering
+    assert not any("/progress/" in key for key in cluster.store.data)  # nothing was agreed on
+
+
+def test_a_consecutive_victim_in_a_later_event_during_the_agreement() -> None:
+    cluster = Cluster(4)
+    pending = cluster.nodes[0].begin(FailureEvent(1, [1]), 3, step=1)
+    assert pending.poll() is None
+    cluster.publish(2, [2])
+    with pytest.raises(ConsecutiveFailure, match=r"lost stages \[1, 2\]"):
+        pending.poll()
+    assert cluster.nodes[0].layouts[0] is cluster.schedule
+
+
+def test_survivors_that_disagree_on_running_a_remainder_are_a_clear_error() -> None:
+    cluster = Cluster(4)
+    pending = {n: cluster.nodes[n].begin(FailureEvent(1, [2]), 0, step=1) for n in (0, 1)}
+    forged = ProgressRecord(0, 1, remainder=True)  # node 3 believes it runs a failover's remainder
+    cluster.store.set(cluster.nodes[3].progress_key(0, {2}, 3), forged.to_json())
+    with pytest.raises(AgreementError, match=r"survivors of pipeline 0 disagree on running a failover remainder"):
+        pending[0].poll()
+
+
+def test_survivors_in_a_remainder_this_node_knows_no_plan_for_are_a_clear_error() -> None:
+    cluster = Cluster(4)
+    pending = cluster.nodes[0].begin(FailureEvent(1, [2]), 0, step=1)
+    for n in (0, 1, 3):
+        cluster.store.set(cluster.nodes[n].progress_key(0, {2}, n), ProgressRecord(0, 1, remainder=True).to_json())
+    with pytest.raises(AgreementError, match=r"runs a failover remainder in steps \[1\], but the last plan known here"):
+        pending.poll()
+
+
+def test_a_survivor_that_never_publishes_times_the_agreement_out_on_the_injected_clock() -> None:
+    cluster = Cluster(4)
+    cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
+    with pytest.raises(AgreementError, match=r"survivors \[3\] of pipeline 0 did not publish their progress"):
+        cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
+    assert TIMEOUTS.confirm < cluster.clock.now < TIMEOUTS.confirm + 0.01
+
+
+def test_the_blocking_agreement_returns_once_the_last_survivor_publishes() -> None:
+    cluster = Cluster(4)
+    cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
+
+    def node_3_arrives(clock: FakeClock) -> None:
+        if clock.sleeps == 25:
+            cluster.nodes[3].begin(FailureEvent(1, [2]), 0, step=1)
+
+    cluster.clock.on_sleep = node_3_arrives
+    agreement = cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
+    assert agreement.victims == {0: frozenset({2})} and cluster.clock.sleeps == 25
+
+
+def test_a_failed_collective_reports_every_other_member_and_waits_for_the_confirmation() -> None:
+    cluster = Cluster(4)
+    failure = PeerFailure([1, 2, 3], "a member of pipe-d0", "commit (global gradient norm and loss)")
+    assert failure.peer == -1 and failure.peers == (1, 2, 3)
+    assert "a member of pipe-d0 (one of ranks [1, 2, 3]) failed during commit" in str(failure)
+    with pytest.raises(PeerFailure) as info:  # nobody confirms: a slow peer is not a dead peer
+        cluster.nodes[0].confirm(failure)
+    assert info.value is failure and cluster.clock.now >= TIMEOUTS.confirm
+    suspicions = sorted(key for key in cluster.store.data if "/suspect/" in key)
+    assert suspicions == [f"bamboo/{JOB}/suspect/0/0/{peer}" for peer in (1, 2, 3)]
+    assert SuspicionRecord.from_json(cluster.store.get(suspicions[1])) == SuspicionRecord(0, 0, 2, failure.instruction)
+    cluster.clock.sleeps = 0
+    cluster.clock.on_sleep = lambda clock: cluster.publish(1, [2]) if clock.sleeps == 3 else None
+    assert cluster.nodes[1].confirm(PeerFailure(2, "stage 2 pipeline 0", "1SA0>2")) == FailureEvent(1, [2])
+
+
+def test_a_collective_failure_in_the_group_table_names_the_other_members() -> None:
+    from bamboo.rc.comm import GroupTable
+
+    table = GroupTable(FakeStore(), JOB, 4, TIMEOUTS, {})  # type: ignore[arg-type]
+    table.set_members(0, {"dp-s1": [1, 4, 7]})
+    failure = table.collective_failure("dp-s1", "1AR", RuntimeError("Connection closed by peer"))
+    assert failure.peers == (1, 7) and failure.instruction == "1AR"
+
+
+def test_the_group_barrier_notices_a_failure_while_it_waits() -> None:
+    cluster = Cluster(4)
+    cluster.nodes[1].announce_group("p2p-0-1", 1)
+    cluster.nodes[0].await_group("p2p-0-1", 1, [0, 1])  # both announced: returns at once
+    assert cluster.clock.sleeps == 0
+    cluster.clock.on_sleep = lambda clock: cluster.publish(1, [3]) if clock.sleeps == 4 else None
+    with pytest.raises(FailureNoticed, match=r"ranks \[3\]"):
+        cluster.nodes[0].await_group("p2p-0-3", 1, [0, 3])
+
+
+def test_a_hand_over_switches_the_pipeline_to_the_merged_schedule() -> None:
+    cluster = Cluster(4)
+    leaver = cluster.nodes[2]
+    leaver.announce_handover(3)
+    assert cluster.nodes[1].handover_announced(3) and not cluster.nodes[1].handover_announced(2)
+    assert HandoverRecord.from_json(cluster.store.get(handover_request_key(JOB, 2))) == HandoverRecord(2, 0, 2, 3)
+    cluster.publish(1, [2], handover=True)
+    shadow = cluster.nodes[1]
+    shadow.apply_handover(shadow.await_handover(3))
+    assert shadow.epoch == 1 and shadow.dead == {2}
+    assert shadow.layouts[0] == merged_schedule(cluster.schedule, [2]) and shadow.placements[0] == (0, 1, 1, 3)
+    agreement = cluster.nodes[0].agree(FailureEvent(1, [2], handover=True), 5, step=3)
+    assert agreement.victims == {} and agreement.plans == {}  # nothing lost, nothing to agree on
+    with pytest.raises(RuntimeError, match="a failure at an iteration boundary during a hand-over"):
+        shadow.apply_handover(FailureEvent(2, [3]))
+
+
+def test_the_coordinator_and_its_modules_import_without_torch() -> None:
+    source = Path(__file__).resolve().parents[1] / "src" / "bamboo" / "rc"
+    script = f"""
+import sys, types
+sys.modules["torch"] = None  # any import of torch fails
+package = types.ModuleType("bamboo.rc")
+package.__path__ = [{str(source)!r}]
+sys.modules["bamboo.rc"] = package
+import bamboo.rc.coordinator, bamboo.rc.failures, bamboo.rc.records, bamboo.rc.timeouts
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_the_executor_abandons_the_iteration_on_a_consecutive_failure() -> None:
+    import torch
+    from bamboo.rc.config import load_config
+    from bamboo.rc.executor import StageExecutor
+    from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
+    from bamboo.rc.verify import DEFAULT_CONFIG
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    executor = StageExecutor(gpt_layer_specs(GPTSize()), lm_loss, load_config(DEFAULT_CONFIG), Layout(4, 1), 0, 0,
+                             store, "eflb", notices=StoreFailureNotices(store, JOB))  # built, not connected
+    for piece in executor.slices.values():
+        for p in piece.parameters:
+            p.grad = torch.ones_like(p)  # partial gradients of the failed iteration
+    executor.interpreter.inputs[(0, 0)] = torch.ones(1)
+    with pytest.raises(ConsecutiveFailure, match=r"lost stages \[1, 2\]"):
+        executor._fail_over(FailureNoticed(FailureEvent(1, [1, 2])), [], 0)
+    assert all(not p.grad.any() for piece in executor.slices.values() for p in piece.parameters)
+    assert not executor.interpreter.inputs and executor.step == 0 and executor.schedule is executor.layouts[0]

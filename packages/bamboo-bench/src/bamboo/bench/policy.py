@@ -113,7 +113,8 @@ def _arrangements(counts: tuple[tuple[int, int], ...], stages: int) -> _Arrangem
         tuple(tuple(stage for stage, zone in enumerate(candidate) if zone == wanted) for wanted in zones)
         for candidate in candidates
     )
-    return _Arrangements(candidates, zones, choice, stages_of)
+    places = tuple(tuple(position[zone] * stages + stage for stage, zone in enumerate(candidate)) for candidate in candidates)
+    return _Arrangements(candidates, zones, choice, stages_of, places)
 
 
 class _Arrangements(NamedTuple):
@@ -123,6 +124,8 @@ class _Arrangements(NamedTuple):
     choice: np.ndarray
     #: ``stages_of[c][k]``: the stages candidate c gives to ``zones[k]``, in order.
     stages_of: tuple[tuple[tuple[int, ...], ...], ...]
+    #: ``places[c][s]``: ``k * stages + s`` where candidate c puts ``zones[k]`` at stage s.
+    places: tuple[tuple[int, ...], ...]
 
 
 def plan_placement(usable: Sequence[tuple[int, int, int]], stages: int, pipelines: int) -> list[list[int]]:
@@ -140,85 +143,174 @@ def plan_placement(usable: Sequence[tuple[int, int, int]], stages: int, pipeline
     if rings == 0:
         return []
     needed = rings * stages
-    held = {node: stage for node, _zone, stage in usable}
     # 1. Which nodes run. The planner takes nodes one at a time, each time the one with the smallest
     # (added same-zone pairs, not a holder, id); within a zone those keys only grow (the added pairs of
     # the c-th node of a zone never fall as c grows, and the zone's nodes come in (not a holder, id)
     # order), so its picks are simply the `needed` smallest keys.
     if needed == len(usable):
-        chosen = [(zone, node) for node, zone, _stage in usable]
+        chosen = sorted([(zone, node, stage) for node, zone, stage in usable])
     else:
-        queues: dict[int, list[tuple[int, int]]] = {}
-        for node, zone, stage in usable:
-            queues.setdefault(zone, []).append((0 if stage != NOT_A_HOLDER else 1, node))
-        marginal = _marginal_pairs(rings, stages, max(len(queue) for queue in queues.values()))
-        keys = []
-        for zone, queue in queues.items():
-            queue.sort()
-            keys.extend((marginal[count], rank, node, zone) for count, (rank, node) in enumerate(queue))
+        ranked = sorted([(zone, stage == NOT_A_HOLDER, node, stage) for node, zone, stage in usable])
+        marginal = _marginal_pairs(rings, stages, len(ranked))
+        keys: list[tuple[int, bool, int, tuple[int, bool, int, int]]] = []
+        previous, count = None, 0
+        for item in ranked:
+            if item[0] != previous:
+                previous, count = item[0], 0
+            keys.append((marginal[count], item[1], item[2], item))
+            count += 1
         keys.sort()
-        chosen = [(zone, node) for _pairs, _rank, node, zone in keys[:needed]]
+        chosen = sorted([(item[0], item[2], item[3]) for _pairs, _rank, _node, item in keys[:needed]])
     # 2. Zone counts per ring: the chosen nodes in (zone, id) order, dealt round-robin (zone z holds a
     # run of that order, so each ring's share of it is counted, not dealt).
-    chosen.sort()
     nodes_of: dict[int, list[int]] = {}
-    for zone, node in chosen:
-        nodes_of.setdefault(zone, []).append(node)
+    held_of: dict[int, list[int]] = {}
+    for zone, node, stage in chosen:
+        if zone in nodes_of:
+            nodes_of[zone].append(node)
+            held_of[zone].append(stage)
+        else:
+            nodes_of[zone] = [node]
+            held_of[zone] = [stage]
+    zones = tuple(nodes_of)
     ring_counts: list[list[tuple[int, int]]] = [[] for _ in range(rings)]
     first = 0
-    for zone, nodes in nodes_of.items():
-        full, extra = divmod(len(nodes), rings)
+    for zone in zones:
+        size = len(nodes_of[zone])
+        full, extra = divmod(size, rings)
         for ring in range(rings):
             count = full + 1 if (ring - first) % rings < extra else full
             if count:
                 ring_counts[ring].append((zone, count))
-        first += len(nodes)
+        first += size
     # 3. Each ring's zone sequence: the first of the planner's candidates that lets the most holders
-    # keep their stage. fits[zone][s]: chosen holders of that zone that can own stage s as they are.
+    # keep their stage. fits[k * stages + s]: chosen holders of zones[k] that can own stage s as they are.
     fit_stage = _fit_stage(stages)
-    fits: dict[int, list[int]] = {}
+    fits = [0] * (len(zones) * stages)
     holders = 0
-    for zone, nodes in nodes_of.items():
-        row = fits[zone] = [0] * stages
-        for node in nodes:
-            stage = held[node]
+    for k, zone in enumerate(zones):
+        base = k * stages
+        for stage in held_of[zone]:
             if stage != NOT_A_HOLDER:
-                row[fit_stage[stage]] += 1
+                fits[base + fit_stage[stage]] += 1
                 holders += 1
+    flags = np.array([1.0 if count else 0.0 for count in fits])
     ring_choice: list[tuple[_Arrangements, int]] = []
     for counts in ring_counts:
         arrangements = _arrangements(tuple(counts), stages)
         best = 0
         if holders and len(arrangements.candidates) * stages <= ARRANGEMENT_SEARCH_BUDGET:
-            fitting = np.array([1.0 if count else 0.0 for zone in arrangements.zones for count in fits[zone]])
-            scores = arrangements.choice @ fitting
+            if arrangements.zones == zones:
+                scores = arrangements.choice @ flags
+            else:
+                scores = arrangements.choice @ flags[_flag_columns(arrangements.zones, zones, stages)]
             best = int(scores.argmax())
-            for stage, zone in enumerate(arrangements.candidates[best]):
-                row = fits[zone]
-                if row[stage]:
-                    row[stage] -= 1
-                    holders -= 1
+            if scores[best]:
+                places = arrangements.places[best]
+                if arrangements.zones != zones:
+                    places = _flag_columns(arrangements.zones, zones, stages)[list(places)].tolist()
+                for at in places:
+                    if fits[at]:
+                        fits[at] -= 1
+                        holders -= 1
+                        if not fits[at]:
+                            flags[at] = 0.0
         ring_choice.append((arrangements, best))
     # 4. Within each zone, nodes (by id) to slots (ring-major): identity, or the fewest layers fetched.
-    slots_of: dict[int, list[tuple[int, int]]] = {zone: [] for zone in nodes_of}
+    slots_of: dict[int, list[tuple[int, int]]] = {zone: [] for zone in zones}
     for ring, (arrangements, best) in enumerate(ring_choice):
         for zone, zone_stages in zip(arrangements.zones, arrangements.stages_of[best], strict=True):
-            slots_of[zone].extend((ring, stage) for stage in zone_stages)
-    missing = _missing_layers(stages)
+            slots_of[zone] += [(ring, stage) for stage in zone_stages]
     owners = [[0] * stages for _ in range(rings)]
-    for zone, nodes in nodes_of.items():
+    for zone in zones:
+        nodes = nodes_of[zone]
         slots = slots_of[zone]
-        stages_held = [held[node] for node in nodes]
+        stages_held = held_of[zone]
         if stages_held.count(NOT_A_HOLDER) == len(stages_held):
             for (ring, stage), node in zip(slots, nodes, strict=True):
                 owners[ring][stage] = node
             continue
-        cost = missing.take(stages_held, axis=0).take([stage for _ring, stage in slots], axis=1)
-        node_index, slot_index = linear_sum_assignment(cost)
-        for n, s in zip(node_index.tolist(), slot_index.tolist(), strict=True):
-            ring, stage = slots[s]
-            owners[ring][stage] = nodes[n]
+        slot_stages = [stage for _ring, stage in slots]
+        columns = _greedy_assignment(stages_held, slot_stages, stages)
+        if columns is None:
+            cost = _missing_layers(stages).take(stages_held, axis=0).take(slot_stages, axis=1)
+            columns = linear_sum_assignment(cost)[1].tolist()
+        for node, column in zip(nodes, columns, strict=True):
+            ring, stage = slots[column]
+            owners[ring][stage] = node
     return owners
+
+
+@functools.lru_cache(maxsize=64)
+def _cost_levels(stages: int) -> dict[int, tuple[tuple[int, ...] | None, ...]]:
+    """For each held stage (and `NOT_A_HOLDER`), the new stages grouped by layers to fetch, fewest first.
+
+    A group that holds every stage is None: any column of the zone is in it.
+    """
+    table = _missing_layers(stages)
+    levels: dict[int, tuple[tuple[int, ...] | None, ...]] = {}
+    for held in [*range(stages), NOT_A_HOLDER]:
+        row = table[held].tolist()
+        groups = [tuple(s for s in range(stages) if row[s] == cost) for cost in sorted(set(row))]
+        levels[held] = tuple(None if len(group) == stages else group for group in groups)
+    return levels
+
+
+def _greedy_assignment(stages_held: Sequence[int], slot_stages: Sequence[int], stages: int) -> list[int] | None:
+    """``linear_sum_assignment``'s columns for this zone's cost matrix, when a greedy pass can tell; else None.
+
+    scipy's solver (shortest augmenting paths, rows in order) gives row i the lowest-numbered free column
+    among those of the row's smallest cost whenever one of them is free: its dual variables stay zero
+    for the columns and no path runs through an assigned column. When some row's cheapest columns are
+    all taken that argument ends, and the caller asks scipy itself. The tests check both against
+    ``plan_layout``, which calls scipy.
+    """
+    count = len(slot_stages)
+    columns_at: dict[int, list[int]] = {}
+    for column, stage in enumerate(slot_stages):
+        if stage in columns_at:
+            columns_at[stage].append(column)
+        else:
+            columns_at[stage] = [column]
+    levels = _cost_levels(stages)
+    taken = [False] * count
+    lowest_free = 0
+    result = []
+    for held in stages_held:
+        pick = -1
+        for group in levels[held]:
+            if group is None:
+                while taken[lowest_free]:
+                    lowest_free += 1
+                pick = lowest_free
+                break
+            present = False
+            for stage in group:
+                at = columns_at.get(stage)
+                if at:
+                    present = True
+                    for column in at:
+                        if not taken[column]:
+                            if pick < 0 or column < pick:
+                                pick = column
+                            break
+            if present:
+                if pick < 0:
+                    return None
+                break
+        if pick < 0:
+            # No group of this row is present among the columns: impossible (the last group is every
+            # stage left), kept as scipy's case for safety.
+            return None
+        taken[pick] = True
+        result.append(pick)
+    return result
+
+
+@functools.lru_cache(maxsize=1024)
+def _flag_columns(ring_zones: tuple[int, ...], zones: tuple[int, ...], stages: int) -> np.ndarray:
+    """Indices into the flat (zone, stage) fits of `zones` for a ring whose zones are `ring_zones`."""
+    return np.array([zones.index(zone) * stages + stage for zone in ring_zones for stage in range(stages)])
 
 
 # ------------------------------------------------------------------------------------------- decision

@@ -200,8 +200,9 @@ def average_results(results: Sequence[RunResult]) -> AveragedResult:
     )
 
 
-# Node states and job phases (plain ints: this is the hot loop).
-_CREATING, _READY, _WORKING = 0, 1, 2
+# Node states and job phases (plain ints: this is the hot loop). A registered node is an owner of the
+# current layout when it is in `slot_of`, and waiting (standby) when it is in `ready`.
+_CREATING, _REGISTERED = 0, 1
 _STOPPED, _RUNNING, _PAUSED = 0, 1, 2
 # Internal event kinds.
 _EV_READY, _EV_PAUSE_END, _EV_DECIDE = 0, 1, 2
@@ -251,6 +252,7 @@ class _Run:
         self.zone_of: dict[int, int] = {}
         self.start_of: dict[int, float] = {}
         self.state: dict[int, int] = {}
+        self.registered: set[int] = set()
         self.owners: list[list[int]] = []
         self.slot_of: dict[int, tuple[int, int]] = {}
         self.ready: set[int] = set()
@@ -419,14 +421,12 @@ class _Run:
         With too few nodes for one pipeline no layout forms: the job waits, and the live owners of the
         current layout keep their state (Bamboo, sample dropping) until the next attempt.
         """
-        members = [n for n, s in self.state.items() if s != _CREATING]
+        members = list(self.registered)
         owners = self.placement(members)
         if not owners:
             if self.strategy is Strategy.CHECKPOINT:
                 self.owners, self.slot_of = [], {}
                 self.dead.clear()
-                for node in members:
-                    self.state[node] = _READY
                 self.ready = set(members)
             self.pipelines = 0
             self.set_phase(_STOPPED)
@@ -438,9 +438,7 @@ class _Run:
             for s, node in enumerate(row):
                 slot_of[node] = (d, s)
         self.slot_of = slot_of
-        self.ready = {node for node in members if node not in slot_of}
-        for node in members:
-            self.state[node] = _WORKING if node in slot_of else _READY
+        self.ready = self.registered - slot_of.keys()
         self.dead.clear()
         self.broken.clear()
         self.pipelines = len(owners)
@@ -500,7 +498,8 @@ class _Run:
     def on_ready(self, node: int) -> None:
         if self.state.get(node) != _CREATING:
             return
-        self.state[node] = _READY
+        self.state[node] = _REGISTERED
+        self.registered.add(node)
         self.ready.add(node)
         if self.phase == _STOPPED:
             if len(self.ready) + len(self.slot_of) >= self.stages:
@@ -522,7 +521,8 @@ class _Run:
         self.lifetimes.append(self.t - self.start_of.pop(node))
         if state == _CREATING:
             return
-        if state == _READY:
+        self.registered.discard(node)
+        if node in self.ready:
             self.ready.discard(node)
             if self.phase == _PAUSED and self.pause_forms:
                 self.start_pause(self.pause_length, forms=True)  # a member left: the rendezvous starts over

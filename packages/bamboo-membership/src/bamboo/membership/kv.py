@@ -21,8 +21,8 @@ membership store relies on:
   relist's revision. A watch's first registration is retried within `watch_start_timeout`.
 
 Timeouts (seconds, in `EtcdOptions`, defaults in `bamboo.membership.timeouts`): `timeout` bounds every
-unary RPC and each attempt to create a watch (`ETCD_RPC_TIMEOUT_S`); `reconnect_backoff_max` caps gRPC's
-reconnect backoff (`ETCD_RECONNECT_BACKOFF_MAX_S`); `watch_retry_interval` is the pause between attempts to
+unary RPC and each attempt to create a watch (`ETCD_RPC_TIMEOUT_S`); `reconnect_backoff_min` and
+`reconnect_backoff_max` bound gRPC's reconnect backoff (`ETCD_RECONNECT_BACKOFF_MIN_S`, `..._MAX_S`); `watch_retry_interval` is the pause between attempts to
 re-create a broken watch (`WATCH_RETRY_INTERVAL_S`); `watch_start_timeout` bounds a watch's first
 registration (`WATCH_START_TIMEOUT_S`).
 """
@@ -116,6 +116,7 @@ class EtcdOptions:
     cert_cert: str | None = None
     cert_key: str | None = None
     timeout: float = attrs.field(default=timeouts.ETCD_RPC_TIMEOUT_S, validator=_positive)
+    reconnect_backoff_min: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MIN_S, validator=_positive)
     reconnect_backoff_max: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MAX_S, validator=_positive)
     watch_retry_interval: float = attrs.field(default=timeouts.WATCH_RETRY_INTERVAL_S, validator=_positive)
     watch_start_timeout: float = attrs.field(default=timeouts.WATCH_START_TIMEOUT_S, validator=_positive)
@@ -303,9 +304,10 @@ class EtcdKV:
     def _connect(self) -> pyetcd.MultiEndpointEtcd3Client:
         opts = self.options
         backoff_ms = int(opts.reconnect_backoff_max * 1000)
+        first_ms = min(int(opts.reconnect_backoff_min * 1000), backoff_ms)
         grpc_options = [
-            ("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
-            ("grpc.min_reconnect_backoff_ms", min(100, backoff_ms)),
+            ("grpc.initial_reconnect_backoff_ms", first_ms),
+            ("grpc.min_reconnect_backoff_ms", first_ms),
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
         ]
         creds = None

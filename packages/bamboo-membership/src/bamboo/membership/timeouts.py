@@ -20,6 +20,7 @@ __all__ = [
     "ETCD_HEALTH_POLL_S",
     "ETCD_HEALTH_TIMEOUT_S",
     "ETCD_RECONNECT_BACKOFF_MAX_S",
+    "ETCD_RECONNECT_BACKOFF_MIN_S",
     "ETCD_RPC_TIMEOUT_S",
     "ETCD_START_TIMEOUT_S",
     "ETCD_STOP_TIMEOUT_S",
@@ -51,6 +52,10 @@ attempt to create a watch (`EtcdOptions.timeout`, flag `--etcd-timeout`). When i
 ETCD_RECONNECT_BACKOFF_MAX_S = 1.0
 """Cap on gRPC's reconnect backoff to etcd (`EtcdOptions.reconnect_backoff_max`): after etcd comes back,
 clients reconnect within this long. Nothing fails when it elapses; it only spaces reconnect attempts."""
+
+ETCD_RECONNECT_BACKOFF_MIN_S = 0.1
+"""First (and shortest) gRPC reconnect backoff to etcd (`EtcdOptions.reconnect_backoff_min`): a client whose
+connection broke tries again after this long, then backs off up to `ETCD_RECONNECT_BACKOFF_MAX_S`."""
 
 WATCH_RETRY_INTERVAL_S = 0.2
 """Pause between two attempts to (re)create a broken watch stream (`EtcdOptions.watch_retry_interval`).

@@ -43,7 +43,7 @@ def test_plan_with_old_layout_prints_decision_and_transfers(tmp_path: Path, caps
             "--old", str(tmp_path / "old.json")]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "decision: now (consecutive-failure)" in out
+    assert "decision: now (consecutive-failure, rebuild redundancy after a failover)" in out
     assert "transfers:" in out and "naive" in out
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from bamboo.reconfig import ClusterView, Reason, When, decide, plan_layout
+from bamboo.reconfig import ClusterView, Decision, NodeState, Reason, When, decide, plan_layout
 
 
 @pytest.fixture
@@ -29,12 +29,32 @@ def test_whole_pipelines_carry_on(build, healthy) -> None:
     assert not decision.reconfigure
 
 
-def test_a_failure_absorbed_by_its_shadow_carries_on_without_a_replacement(build, healthy) -> None:
+def test_a_failover_without_a_replacement_rebuilds_redundancy_at_the_boundary(build, healthy) -> None:
     layout, nodes = healthy
     victim = layout.owner(1, 2)
-    decision = decide(build.view_after(layout, build.with_states(nodes, {victim: "preempted"})))
-    assert (decision.when, decision.reason) == (When.CARRY_ON, Reason.FAILURES_ABSORBED)
+    after = build.view_after(layout, build.with_states(nodes, {victim: "preempted"}))
+    decision = decide(after)
+    # stage 2 runs on its shadow (stage 1's owner): stages 2 and 3 have no shadow until the next layout
+    assert (decision.when, decision.reasons) == (When.NEXT_STEP_BOUNDARY, (Reason.REBUILD_REDUNDANCY,))
     assert decision.pipelines == (1,)
+    assert decision.detail.startswith("rebuild redundancy after a failover: pipeline 1: stage(s) 2 lost")
+    # the launcher records the reason by its value, word for word
+    assert Reason.REBUILD_REDUNDANCY.value == "rebuild redundancy after a failover"
+    assert Decision.from_json(decision.to_json()) == decision
+    # the rebuilt layout: one pipeline of the 7 survivors, the other 3 in standby, nobody preempted
+    new = plan_layout(after)
+    assert (new.num_pipelines, len(new.standby)) == (1, 3)
+    assert victim not in {node for row in new.owners for node in row}
+
+
+def test_a_rebuilt_layout_carries_on(build, healthy) -> None:
+    layout, nodes = healthy
+    after = build.view_after(layout, build.with_states(nodes, {layout.owner(1, 2): "preempted"}))
+    new = plan_layout(after)
+    survivors = [node for node in after.nodes if node.state is not NodeState.PREEMPTED]
+    standby = {node: "standby" for node in new.standby}
+    decision = decide(build.view_after(new, build.with_states(survivors, standby), target_pipelines=2))
+    assert (decision.when, decision.reasons) == (When.CARRY_ON, (Reason.ALL_PIPELINES_WHOLE,))
 
 
 def test_a_shadow_carrying_two_stages_with_a_replacement_waiting_reconfigures_at_the_boundary(build, healthy) -> None:
@@ -43,8 +63,10 @@ def test_a_shadow_carrying_two_stages_with_a_replacement_waiting_reconfigures_at
     spare = build.zoned_nodes(1, "c", state="joining", prefix="spare")
     view = build.view_after(layout, [*build.with_states(nodes, {victim: "preempted"}), *spare])
     decision = decide(view)
-    assert (decision.when, decision.reason) == (When.NEXT_STEP_BOUNDARY, Reason.SHADOW_CARRYING_TWO_STAGES)
+    assert (decision.when, decision.reasons) == (
+        When.NEXT_STEP_BOUNDARY, (Reason.SHADOW_CARRYING_TWO_STAGES, Reason.REBUILD_REDUNDANCY))
     assert "stage(s) 2 carried by their shadows" in decision.detail
+    assert decision.pipelines == (1,)
 
 
 @pytest.mark.parametrize(("first", "second"), [(1, 2), (3, 0), (0, 3)])
@@ -52,7 +74,8 @@ def test_consecutive_failure_reconfigures_now(build, healthy, first: int, second
     layout, nodes = healthy
     dead = {layout.owner(0, first): "preempted", layout.owner(0, second): "preempted"}
     decision = decide(build.view_after(layout, build.with_states(nodes, dead)))
-    assert (decision.when, decision.reason) == (When.NOW, Reason.CONSECUTIVE_FAILURE)
+    # the consecutive failure comes first; every failover also calls for the rebuild
+    assert (decision.when, decision.reasons) == (When.NOW, (Reason.CONSECUTIVE_FAILURE, Reason.REBUILD_REDUNDANCY))
     assert decision.pipelines == (0,)
 
 
@@ -60,7 +83,8 @@ def test_non_consecutive_failures_that_leave_no_safe_node_reconfigure_at_the_bou
     layout, nodes = healthy
     dead = {layout.owner(0, 0): "preempted", layout.owner(0, 2): "preempted"}
     decision = decide(build.view_after(layout, build.with_states(nodes, dead)))
-    assert (decision.when, decision.reason) == (When.NEXT_STEP_BOUNDARY, Reason.ONE_MORE_FAILURE_FATAL)
+    assert (decision.when, decision.reasons) == (
+        When.NEXT_STEP_BOUNDARY, (Reason.ONE_MORE_FAILURE_FATAL, Reason.REBUILD_REDUNDANCY))
 
 
 def test_a_two_stage_pipeline_is_fragile_after_one_failure(build) -> None:
@@ -68,7 +92,7 @@ def test_a_two_stage_pipeline_is_fragile_after_one_failure(build) -> None:
     layout = plan_layout(ClusterView(nodes=nodes, target_stages=2, target_pipelines=2, global_batch=4,
                                      layers=build.uniform_layers(4)))
     decision = decide(build.view_after(layout, build.with_states(nodes, {layout.owner(1, 0): "preempted"})))
-    assert decision.reasons == (Reason.ONE_MORE_FAILURE_FATAL,)
+    assert decision.reasons == (Reason.ONE_MORE_FAILURE_FATAL, Reason.REBUILD_REDUNDANCY)
 
 
 def test_waiting_nodes_that_can_form_a_pipeline_reconfigure_at_the_boundary(build, healthy) -> None:
@@ -104,3 +128,16 @@ def test_waiting_nodes_that_restore_the_target_depth_reconfigure_at_the_boundary
     assert decision.reasons == (Reason.NEW_PIPELINE,)
     assert "1 pipeline(s) of 4 stages, back towards the target depth, instead of 1 of 3" in decision.detail
     assert plan_layout(after).stages == 4
+
+
+def test_every_reason_that_holds_is_listed_in_order(build, healthy) -> None:
+    layout, nodes = healthy
+    # pipeline 0 loses stages 0 and 2 (no safe survivor left), pipeline 1 loses stage 1; 7 nodes join
+    dead = {layout.owner(0, 0): "preempted", layout.owner(0, 2): "preempted", layout.owner(1, 1): "preempted"}
+    joiners = build.zoned_nodes(7, "ab", state="joining", prefix="j")
+    decision = decide(build.view_after(layout, [*build.with_states(nodes, dead), *joiners], target_pipelines=3))
+    assert decision.when is When.NEXT_STEP_BOUNDARY
+    assert decision.reasons == (Reason.ONE_MORE_FAILURE_FATAL, Reason.SHADOW_CARRYING_TWO_STAGES,
+                                Reason.NEW_PIPELINE, Reason.REBUILD_REDUNDANCY)
+    assert decision.pipelines == (0, 1)
+    assert "pipeline 0: stage(s) 0, 2 lost; pipeline 1: stage(s) 1 lost" in decision.detail

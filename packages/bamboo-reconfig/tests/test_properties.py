@@ -9,6 +9,9 @@ from collections import Counter
 from bamboo.reconfig import (
     ClusterView,
     Layout,
+    NodeState,
+    Reason,
+    When,
     decide,
     minimum_rounds,
     plan_layout,
@@ -76,6 +79,32 @@ def test_same_input_in_any_order_gives_the_same_output(strategies, data, seed) -
     reordered = list(survivors)
     rng.shuffle(reordered)
     assert plan_transfers(shuffled.layout, again, reordered) == plan_transfers(view.layout, layout, survivors)
+
+
+#: The order in which a decision lists its reasons (decide's docstring).
+REASON_ORDER = [Reason.NO_LAYOUT, Reason.CONSECUTIVE_FAILURE, Reason.ONE_MORE_FAILURE_FATAL,
+                Reason.SHADOW_CARRYING_TWO_STAGES, Reason.NEW_PIPELINE, Reason.REBUILD_REDUNDANCY,
+                Reason.ALL_PIPELINES_WHOLE]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_failover_always_reconfigures_and_reasons_come_in_order(strategies, data) -> None:
+    _first, view = data.draw(strategies.scenario())
+    decision = decide(view)
+    assert list(decision.reasons) == sorted(decision.reasons, key=REASON_ORDER.index)
+    assert len(set(decision.reasons)) == len(decision.reasons)
+    assert view.layout is not None
+    states = view.nodes_by_id
+    failed_over = sorted({d for d, row in enumerate(view.layout.owners)
+                          for node in row if states[node].state is NodeState.PREEMPTED})
+    # the rebuild is listed exactly when some owner of the layout is preempted, so only whole layouts carry on
+    assert (Reason.REBUILD_REDUNDANCY in decision.reasons) == bool(failed_over)
+    assert (decision.when is When.CARRY_ON) == (decision.reasons == (Reason.ALL_PIPELINES_WHOLE,))
+    if failed_over:
+        assert decision.when is not When.CARRY_ON
+        assert set(failed_over) <= set(decision.pipelines)
+    assert (decision.when is When.NOW) == (Reason.CONSECUTIVE_FAILURE in decision.reasons)
 
 
 @SETTINGS

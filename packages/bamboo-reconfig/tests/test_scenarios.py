@@ -39,6 +39,10 @@ def test_a_whole_zone_lost_is_never_fatal_and_the_survivors_re_form(build, twelv
     # no same-zone neighbours, so losing one zone never takes a stage and its shadow together
     assert decision.when is When.NEXT_STEP_BOUNDARY
     assert Reason.CONSECUTIVE_FAILURE not in decision.reasons
+    # no node waits; every pipeline failed over, and one with two stages lost is one failure from fatal
+    assert decision.reasons[-1] is Reason.REBUILD_REDUNDANCY
+    assert Reason.SHADOW_CARRYING_TWO_STAGES not in decision.reasons
+    assert decision.pipelines == (0, 1, 2)
     new = plan_layout(after)
     assert (new.num_pipelines, new.stages) == (2, 4)
     assert new.same_zone_neighbours == 0
@@ -56,7 +60,7 @@ def test_losing_a_zone_in_a_single_zone_cluster_is_fatal(build) -> None:
                                      layers=build.uniform_layers(4)))
     assert layout.same_zone_neighbours == 4
     after = build.view_after(layout, build.with_states(nodes, {n.id: "preempted" for n in nodes}))
-    assert decide(after).reason is Reason.CONSECUTIVE_FAILURE
+    assert decide(after).reasons == (Reason.CONSECUTIVE_FAILURE, Reason.REBUILD_REDUNDANCY)
     assert plan_layout(after).num_pipelines == 0
 
 
@@ -94,7 +98,8 @@ def test_fatal_loss_with_surviving_data_parallel_copies_rebuilds_from_peers(buil
     view, layout = twelve
     dead = {layout.owner(0, 1): "preempted", layout.owner(0, 2): "preempted"}
     after = build.view_after(layout, build.with_states(view.nodes, dead))
-    assert decide(after).when is When.NOW
+    decision = decide(after)
+    assert (decision.when, decision.reasons) == (When.NOW, (Reason.CONSECUTIVE_FAILURE, Reason.REBUILD_REDUNDANCY))
     new = plan_layout(after)
     assert new.num_pipelines == 2
     plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])
@@ -154,7 +159,7 @@ def test_a_same_zone_replacement_takes_the_lost_slot_and_nobody_else_moves(build
     victim = view.nodes_by_id[layout.owner(pipeline, stage)]
     joiner = build.zoned_nodes(1, victim.zone, state="joining", prefix="j")[0]
     after = build.view_after(layout, [*build.with_states(view.nodes, {victim.id: "preempted"}), joiner])
-    assert decide(after).reason is Reason.SHADOW_CARRYING_TWO_STAGES
+    assert decide(after).reasons == (Reason.SHADOW_CARRYING_TWO_STAGES, Reason.REBUILD_REDUNDANCY)
     new = plan_layout(after)
     assert new.same_zone_neighbours == 0
     plan = plan_transfers(layout, new, [node.id for node in after.usable_nodes])

@@ -1,8 +1,8 @@
 """bamboo.reconfig: reconfiguration planning for Bamboo, as pure functions every node runs alike.
 
 - ``decide(view)``: reconfigure now (consecutive failure), at the next step boundary (a new pipeline can
-  form, one more failure would be fatal, or a shadow carries two stages while a replacement waits), or
-  carry on; each decision carries its reasons.
+  form, one more failure would be fatal, a shadow carries two stages while a replacement waits, or any
+  failover, to rebuild redundancy), or carry on (every pipeline whole); each decision carries its reasons.
 - ``plan_layout(view)``: the new layout: depth P kept first, ``D' = min(D, usable // P)`` whole pipelines,
   surplus nodes in standby, the minimum possible number of same-zone neighbours, a compute-balanced
   layer split within node memory, and microbatch shares that keep the global batch.

@@ -1,6 +1,7 @@
 """``decide(view)``: whether to reconfigure now, at the next step boundary, or carry on.
 
-The triggers (paper §5, DESIGN.md "Reconfiguration"), most urgent first:
+The triggers (paper §5, DESIGN.md "Reconfiguration"), most urgent first; a decision lists every one that
+holds, in this order (``Decision.reasons``; ``Decision.reason`` is the first):
 
 - ``consecutive-failure`` (now): a pipeline lost a node and its shadow (two consecutive stages, last to
   first included). The shadow of the lost stage is gone too, so that pipeline cannot go on; training
@@ -13,9 +14,16 @@ The triggers (paper §5, DESIGN.md "Reconfiguration"), most urgent first:
 - ``new-pipeline`` (next step boundary): the waiting (standby and joining) nodes, with the survivors,
   can form more pipelines than run now, up to the target D; or, when the layout runs shallower than the
   target P (too few nodes were left), they can form pipelines of a greater depth again.
+- ``rebuild redundancy after a failover`` (next step boundary): some owner of the current layout is
+  preempted, so its stage runs on its shadow. That taken-over stage and its successor have no shadow any
+  more, so one more failure next to them would be consecutive; the next step boundary re-forms the
+  pipelines with full redundancy, even when no replacement waits (the surplus goes to standby, and fewer
+  pipelines may run until nodes join). It holds whenever the layout has a preempted owner, so it follows
+  ``consecutive-failure`` too, and it alone turns a failover that nothing else calls for into a
+  reconfiguration.
 
-Otherwise ``carry-on``: either every pipeline is whole, or its failures are absorbed by shadows and no
-replacement is waiting. With no layout yet, the decision is to configure now (``no-layout``).
+Otherwise ``all-pipelines-whole``: carry on. With no layout yet, the decision is to configure now
+(``no-layout``).
 """
 
 from __future__ import annotations
@@ -47,8 +55,8 @@ class Reason(enum.Enum):
     ONE_MORE_FAILURE_FATAL = "one-more-failure-fatal"
     SHADOW_CARRYING_TWO_STAGES = "shadow-carrying-two-stages"
     NEW_PIPELINE = "new-pipeline"
+    REBUILD_REDUNDANCY = "rebuild redundancy after a failover"
     ALL_PIPELINES_WHOLE = "all-pipelines-whole"
-    FAILURES_ABSORBED = "failures-absorbed"
 
 
 def _to_reasons(value: object) -> tuple[Reason, ...]:
@@ -115,12 +123,14 @@ def decide(view: ClusterView) -> Decision:
     stages = layout.stages
     fatal: dict[int, list[int]] = {}
     degraded: dict[int, list[int]] = {}
+    lost_in: dict[int, list[int]] = {}
     fragile: list[int] = []
     for pipeline, row in enumerate(layout.owners):
         dead = [states[node] is NodeState.PREEMPTED for node in row]
         lost = [stage for stage in range(stages) if dead[stage]]
         if not lost:
             continue
+        lost_in[pipeline] = lost
         pairs = [stage for stage in lost if dead[(stage - 1) % stages]]
         if pairs:
             fatal[pipeline] = pairs
@@ -130,13 +140,20 @@ def decide(view: ClusterView) -> Decision:
         if all(dead[(stage - 1) % stages] or dead[(stage + 1) % stages] for stage in survivors):
             fragile.append(pipeline)
 
+    # Every pipeline with a preempted owner failed over (its shadows took over what they could).
+    rebuild = ""
+    if lost_in:
+        rebuild = "rebuild redundancy after a failover: " + "; ".join(
+            f"pipeline {p}: stage(s) {_join(lost)} lost" for p, lost in lost_in.items()
+        ) + " (a taken-over stage and its successor have no shadow)"
+
     if fatal:
         parts = [
             f"pipeline {p}: " + ", ".join(f"stage {s} and its shadow stage {(s - 1) % stages}" for s in stages_lost)
             for p, stages_lost in sorted(fatal.items())
         ]
-        return Decision(When.NOW, [Reason.CONSECUTIVE_FAILURE], "consecutive failure: " + "; ".join(parts) + " lost",
-                        sorted(fatal))
+        return Decision(When.NOW, [Reason.CONSECUTIVE_FAILURE, Reason.REBUILD_REDUNDANCY],
+                        "consecutive failure: " + "; ".join(parts) + " lost; " + rebuild, sorted(lost_in))
 
     reasons: list[Reason] = []
     details: list[str] = []
@@ -167,16 +184,12 @@ def decide(view: ClusterView) -> Decision:
             f"{waiting} waiting node(s) with the survivors can run {possible} pipeline(s) of {stages} stages "
             f"instead of {layout.num_pipelines}"
         )
+    if degraded:
+        reasons.append(Reason.REBUILD_REDUNDANCY)
+        details.append(rebuild)
+        concerned.update(degraded)
     if reasons:
         return Decision(When.NEXT_STEP_BOUNDARY, reasons, "; ".join(details), sorted(concerned))
-    if degraded:
-        lost_count = sum(len(lost) for lost in degraded.values())
-        return Decision(
-            When.CARRY_ON, [Reason.FAILURES_ABSORBED],
-            f"{lost_count} failed stage(s) in pipeline(s) {_join(sorted(degraded))} are carried by their shadows; "
-            "no replacement is waiting and another failure can still be absorbed",
-            sorted(degraded),
-        )
     return Decision(When.CARRY_ON, [Reason.ALL_PIPELINES_WHOLE],
                     f"all {layout.num_pipelines} pipeline(s) are whole; {waiting} node(s) waiting", ())
 

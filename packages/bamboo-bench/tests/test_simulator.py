@@ -58,17 +58,17 @@ def test_no_preemption_until_completion(tiny_profile: ModelProfile) -> None:
 
 def test_one_preemption_bamboo(tiny_profile: ModelProfile) -> None:
     result = run(cluster("abababab", [(500, 1)]), tiny_profile)
-    # 18-500 at 10/s; failover pause 500-504; then the system's decide carries on (one lost stage,
-    # its shadow carries it, no node waits, another failure can still be absorbed): fallback at
-    # 10/1.5 samples/s until the end.
-    expected = 482 * 10 + 496 * ONE_PIPELINE
+    # 18-500 at 10/s; failover pause 500-504; one fallback step (1.5 s, 10/1.5 samples/s); then decide
+    # rebuilds redundancy after the failover although no node waits: local rendezvous + reconfiguration
+    # 505.5-510.5, and the seven survivors run one whole pipeline (three in standby) until the end.
+    expected = 482 * 10 + 1.5 * ONE_PIPELINE + 489.5 * ONE_PIPELINE
     assert result.samples == pytest.approx(expected)
     assert result.fatal_failures == 0
-    assert result.reconfigurations == 1
+    assert result.reconfigurations == 2
     assert result.preemptions == 1
     assert result.nodes == pytest.approx((8 * 500 + 7 * 500) / 1000)
     assert result.lifetime_h == pytest.approx((500 + 7 * 1000) / 8 / 3600)
-    assert result.progress_share == pytest.approx((482 + 496) / 1000)
+    assert result.progress_share == pytest.approx((482 + 1.5 + 489.5) / 1000)
 
 
 def test_one_preemption_checkpoint(tiny_profile: ModelProfile) -> None:
@@ -104,25 +104,33 @@ def test_consecutive_pair_is_fatal_but_rebuilt_from_the_other_pipeline(tiny_prof
     assert result.progress_share == pytest.approx((482 + 490) / 1000)
 
 
-def test_pair_apart_in_time_is_fatal_when_no_replacement_came(tiny_profile: ModelProfile) -> None:
-    # decide carries on after the first loss (nothing waits to replace it), so n1's slot is still taken
-    # over by n0 when n2, its neighbour, is lost 200 s later: a consecutive failure.
+def test_a_neighbour_lost_after_the_rebuild_is_an_ordinary_failover(tiny_profile: ModelProfile) -> None:
+    # The first loss is rebuilt at 505.5-510.5 (one pipeline: the planner keeps n0, n2, n3 at their
+    # stages and gives stage 1 to n4). n2, the lost n1's neighbour, is lost 200 s later: the new layout
+    # has full redundancy again, so it is a failover (pause 700-704, one fallback step of 2.25 s), rebuilt
+    # at 706.25-711.25 with the six survivors, not a consecutive failure.
     result = run(cluster("abababab", [(500, 1), (700, 2)]), tiny_profile)
-    assert result.fatal_failures == 1
+    assert result.fatal_failures == 0
+    assert result.reconfigurations == 3
+    slow = ONE_PIPELINE / 1.5
+    expected = 482 * 10 + 1.5 * ONE_PIPELINE + (700 - 510.5) * ONE_PIPELINE + 2.25 * slow + (1000 - 711.25) * ONE_PIPELINE
+    assert result.samples == pytest.approx(expected)
 
 
-def test_a_replacement_restores_redundancy_before_the_second_loss(tiny_profile: ModelProfile) -> None:
+def test_a_replacement_brings_back_the_pipeline_that_the_rebuild_dropped(tiny_profile: ModelProfile) -> None:
     events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
     events += [TraceEvent(500.0, EventKind.REMOVE, "n1", "b"), TraceEvent(550.0, EventKind.ADD, "n8", "b"),
                TraceEvent(700.0, EventKind.REMOVE, "n2", "a")]
     result = run(Trace.from_events("replaced", events, duration_s=1000), tiny_profile, zone_aware=True)
-    # n8 is ready at 560 and waits while a shadow carries n1's stage: reconfigure at the next step
-    # boundary (a fallback step, 561.5), local rendezvous + reconfiguration until 566.5, two whole
-    # pipelines again. n2's loss at 700 is then an ordinary failover: pause until 704, fallback after.
-    expected = 482 * 10 + 57.5 * ONE_PIPELINE + (700 - 566.5) * 10 + 296 * ONE_PIPELINE
+    # n1's failover (pause 500-504, one fallback step) is rebuilt at 505.5-510.5 into one pipeline.
+    # n8 is ready at 560: eight nodes make two pipelines again at the next step boundary (a one-pipeline
+    # step, 561.5), local rendezvous + reconfiguration until 566.5. n2's loss at 700 is an ordinary
+    # failover: pause until 704, one fallback step, rebuilt at 705.5-710.5 into one pipeline again.
+    expected = (482 * 10 + 1.5 * ONE_PIPELINE + (561.5 - 510.5) * ONE_PIPELINE + (700 - 566.5) * 10
+                + 1.5 * ONE_PIPELINE + (1000 - 710.5) * ONE_PIPELINE)
     assert result.samples == pytest.approx(expected)
     assert result.fatal_failures == 0
-    assert result.reconfigurations == 2
+    assert result.reconfigurations == 4
 
 
 def test_job_waits_with_its_state_and_rolls_back_when_the_last_copy_goes(tiny_profile: ModelProfile) -> None:
@@ -131,15 +139,14 @@ def test_job_waits_with_its_state_and_rolls_back_when_the_last_copy_goes(tiny_pr
     events += [TraceEvent(t, EventKind.REMOVE, f"n{i}", "ab"[i % 2]) for t, i in ((500, 1), (600, 3), (700, 0))]
     result = run(Trace.from_events("stop", events, duration_s=1000), profile, zone_aware=True)
     # n0..n3 own stages 0..3. One pipeline runs at 10/1.5 samples/s from 18 s; n1 is lost at 500 (pause
-    # to 504, then 1.5x slower); n3 at 600 (pause to 604): stages 1 and 3 are lost, so losing either
-    # survivor would be fatal: reconfigure at the next (slow) step boundary, 606.25. Two nodes cannot
-    # form a pipeline: the job waits, n0 and n2 keep their state. n0's loss at 700 leaves stage 0 with
-    # no copy (its shadow n3 is gone): back to the checkpoint taken at 500 s of training (503.33 s).
-    slow = ONE_PIPELINE / 1.5
-    assert result.samples == pytest.approx(482 * ONE_PIPELINE + 18 * slow)
+    # to 504, then one fallback step of 2.25 s): the rebuild after the failover, at 506.25-511.25, finds
+    # three nodes, too few for a pipeline: the job waits, n0, n2 and n3 keep their state. n3's loss at 600
+    # leaves a copy of every stage; n0's at 700 leaves stage 0 with none (its shadow n3 is gone): back to
+    # the checkpoint taken at 400 s of training, with 484.25 s trained.
+    assert result.samples == pytest.approx(400 * ONE_PIPELINE)
     assert result.fatal_failures == 1
     assert result.reconfigurations == 1
-    assert result.progress_share == pytest.approx((482 + 96 + 2.25 - 80.25) / 1000)
+    assert result.progress_share == pytest.approx((484.25 - 84.25) / 1000)
 
 
 def test_consecutive_pair_in_a_single_pipeline_rolls_back(tiny_profile: ModelProfile) -> None:

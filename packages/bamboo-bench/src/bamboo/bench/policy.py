@@ -336,36 +336,49 @@ def decision(
     `usable` counts the live registered nodes (surviving owners and waiting nodes), `waiting` the live
     nodes outside the layout. The rules, most urgent first: a pipeline that lost a stage and its shadow
     reconfigures now; at the next step boundary when every survivor of some degraded pipeline has a lost
-    neighbour (one more failure would be fatal), when a shadow carries a lost stage and a node waits, or
-    when the waiting nodes let more pipelines run; otherwise carry on.
+    neighbour (one more failure would be fatal), when a shadow carries a lost stage and a node waits, when
+    the waiting nodes let more pipelines run, or after any failover (rebuild redundancy, listed after every
+    other reason, the consecutive failure's included); a whole layout carries on unless more pipelines can run.
     """
     if not dead:
         if waiting and min(target_pipelines, usable // stages) > layout_pipelines:
-            return When.NEXT_STEP_BOUNDARY, (Reason.NEW_PIPELINE,)
-        return When.CARRY_ON, (Reason.ALL_PIPELINES_WHOLE,)
+            return When.NEXT_STEP_BOUNDARY, _NEW_PIPELINE
+        return When.CARRY_ON, _WHOLE
     lost_by_pipeline: dict[int, set[int]] = {}
     for pipeline, stage in dead:
-        lost_by_pipeline.setdefault(pipeline, set()).add(stage)
+        if pipeline in lost_by_pipeline:
+            lost_by_pipeline[pipeline].add(stage)
+        else:
+            lost_by_pipeline[pipeline] = {stage}
     fragile = False
     for lost in lost_by_pipeline.values():
         if any((stage - 1) % stages in lost for stage in lost):
-            return When.NOW, (Reason.CONSECUTIVE_FAILURE,)
+            return When.NOW, _CONSECUTIVE
         if not fragile:
             fragile = all(
                 (stage - 1) % stages in lost or (stage + 1) % stages in lost
                 for stage in range(stages)
                 if stage not in lost
             )
-    reasons: list[Reason] = []
-    if fragile:
-        reasons.append(Reason.ONE_MORE_FAILURE_FATAL)
-    if waiting:
-        reasons.append(Reason.SHADOW_CARRYING_TWO_STAGES)
-        if min(target_pipelines, usable // stages) > layout_pipelines:
-            reasons.append(Reason.NEW_PIPELINE)
-    if reasons:
-        return When.NEXT_STEP_BOUNDARY, tuple(reasons)
-    return When.CARRY_ON, (Reason.FAILURES_ABSORBED,)
+    more = bool(waiting) and min(target_pipelines, usable // stages) > layout_pipelines
+    return When.NEXT_STEP_BOUNDARY, _FAILED_OVER[fragile, bool(waiting), more]
+
+
+_NEW_PIPELINE = (Reason.NEW_PIPELINE,)
+_WHOLE = (Reason.ALL_PIPELINES_WHOLE,)
+_CONSECUTIVE = (Reason.CONSECUTIVE_FAILURE, Reason.REBUILD_REDUNDANCY)
+#: The reasons after a failover that is not consecutive, by (fragile, a node waits, more pipelines can run).
+_FAILED_OVER = {
+    (fragile, waiting, more): tuple(
+        reason for reason, holds in (
+            (Reason.ONE_MORE_FAILURE_FATAL, fragile),
+            (Reason.SHADOW_CARRYING_TWO_STAGES, waiting),
+            (Reason.NEW_PIPELINE, more),
+            (Reason.REBUILD_REDUNDANCY, True),
+        ) if holds
+    )
+    for fragile in (False, True) for waiting in (False, True) for more in (False, True)
+}
 
 
 # ---------------------------------------------------------------------------------------- system view

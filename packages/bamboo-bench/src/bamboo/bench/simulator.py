@@ -9,10 +9,10 @@ configuration its throughput is constant, so no per-step events are needed. Stra
   after `failover_pause_s`; while any stage is taken over, steps are `fallback_slowdown` times slower.
   Losing a stage together with its shadow is a *fatal failure*: the job re-forms at once after a global
   rendezvous, and it rolls back to the last checkpoint only if some stage has no copy left in any
-  pipeline. At step boundaries it reconfigures (local rendezvous plus `reconfiguration_s`) when a shadow
-  carries a lost stage and a node waits, when the waiting nodes let more pipelines run, or when one more
-  failure in some pipeline would be fatal. Every layout is the planner's: depth P, ``min(D, usable // P)``
-  pipelines, the fewest same-zone neighbours, holders kept at their stages, the rest on standby.
+  pipeline. At the end of the step in progress it reconfigures (local rendezvous plus `reconfiguration_s`)
+  after any failover, to rebuild redundancy, and when the waiting nodes let more pipelines run. Every
+  layout is the planner's: depth P, ``min(D, usable // P)`` pipelines, the fewest same-zone neighbours,
+  holders kept at their stages, the rest on standby.
 - ``checkpoint``: every preemption of a working node restarts the job (global rendezvous plus
   `restart_s`) from the last checkpoint; new nodes that allow another pipeline trigger a restart
   after a fresh checkpoint (no rollback).

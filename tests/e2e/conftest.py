@@ -27,8 +27,11 @@ def write_trace(tmp_path: Path) -> Callable[[int, list[tuple[int, str, str]]], s
     return write
 
 
-def _wait_for_layout(handles: Any, generation: int, deadline_s: float) -> dict[str, object]:
-    """The run's layout in etcd once its generation is at least ``generation`` (an etcd error is retried)."""
+def _wait_for_layout(handles: Any, generation: int, deadline_s: float) -> Any:
+    """The run's layout in etcd (a ``bamboo.reconfig.JobLayout``) once its generation is at least
+    ``generation`` (an etcd error is retried)."""
+    from bamboo.reconfig import JobLayout
+
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         try:
@@ -36,12 +39,12 @@ def _wait_for_layout(handles: Any, generation: int, deadline_s: float) -> dict[s
         except Exception:
             current = None
         if current is not None and int(current.value["generation"]) >= generation:
-            return current.value
+            return JobLayout.from_dict(current.value)
         time.sleep(0.01)
     raise AssertionError(f"no layout of generation {generation} within {deadline_s} s")
 
 
 @pytest.fixture
-def wait_for_layout() -> Callable[[Any, int, float], dict[str, object]]:
+def wait_for_layout() -> Callable[[Any, int, float], Any]:
     """``wait_for_layout(handles, generation, deadline_s)``: see `_wait_for_layout`."""
     return _wait_for_layout

@@ -21,6 +21,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bamboo.launch.events import Failover, Join, Preemption, Reconfiguration, read_events
@@ -89,24 +90,29 @@ def test_agent_stopped_for_less_than_the_grace_period_is_not_failed_over(tmp_pat
 
 def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run(
     tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
-    wait_for_layout: Callable[..., dict[str, object]],
+    wait_for_layout: Callable[..., Any],
 ) -> None:
     """The acceptance run: 3 real kills (one a consecutive pair), a join, reconfigurations, exact result.
 
-    1. trace: node8 joins (standby); node1 (stage 1 of pipeline 0) is killed; its shadow fails over;
-    2. at a step boundary `decide` sees a degraded pipeline and a waiting node: generation 1 puts the
+    1. trace: node8 joins (standby: its worker starts warm and waits for a role); once it is warm, the
+       test kills node1 (stage 1 of pipeline 0); its shadow fails over;
+    2. at a step boundary `decide` sees a degraded pipeline and a waiting warm node: generation 1 puts the
        joiner in, moving layers over gloo;
     3. the test kills stages 2 and 3 of pipeline 1 of generation 1 together (a consecutive pair):
        the survivors reconfigure from the surviving copies into one pipeline of 8 microbatches
        (the global batch unchanged), the surplus on standby; no checkpoint is restored.
     """
-    trace = write_trace(8, [(600, "add", "node9"), (1500, "remove", "node2")])
+    trace = write_trace(8, [(600, "add", "node9")])
     killed_pair: list[str] = []
 
-    def kill_consecutive_pair(handles: RunHandles) -> None:
-        layout = wait_for_layout(handles, 1, 120.0)
-        ranks = {int(rank): node for node, rank in layout["ranks"].items()}  # type: ignore[union-attr]
+    def kill_node1_then_a_consecutive_pair(handles: RunHandles) -> None:
         deadline = time.monotonic() + 120.0
+        while handles.membership.get_decision("warm-node8") is None:
+            assert time.monotonic() < deadline, "the joiner's worker never got warm"
+            time.sleep(0.05)
+        handles.preempt("node1")
+        layout = wait_for_layout(handles, 1, 120.0)
+        ranks = layout.node_of_rank
         while not any(isinstance(e, Reconfiguration) for e in read_events(handles.events)):
             assert time.monotonic() < deadline, "generation 1 never finished its transfers"
             time.sleep(0.05)
@@ -116,8 +122,8 @@ def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run
         for node in pair:
             handles.preempt(node)
 
-    options = _options(tmp_path, nodes=8, stages=4, steps=60, preemptions=trace)
-    result = run_cluster(options, during=kill_consecutive_pair)
+    options = _options(tmp_path, nodes=8, stages=4, steps=150, preemptions=trace)
+    result = run_cluster(options, during=kill_node1_then_a_consecutive_pair)
     events = read_events(result.events)
     assert len(killed_pair) == 2
     assert set(result.failed_nodes) == {"node1", *killed_pair}
@@ -129,7 +135,7 @@ def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run
     assert any(e.reason == "consecutive failure" and e.pipelines == 1 and e.standby == 2 for e in reconfigurations)
     assert [f.victim for f in _failovers(result.events)] == ["node1"]
     assert not result.timed_out
-    assert result.steps_done == 60 and sorted(result.reports) == [0, 1, 2, 3]
+    assert result.steps_done == 150 and sorted(result.reports) == [0, 1, 2, 3]
     comparison = compare_with_reference(result, options)
-    assert comparison["steps"] == 60
+    assert comparison["steps"] == 150
     assert comparison["max_relative_diff"] <= TOLERANCE

@@ -10,6 +10,7 @@ import attrs
 import pytest
 import torch.distributed as dist
 from bamboo.launch.attempt import AbandonableStore, AttemptAbandonedError, StartThread, await_outcome
+from bamboo.launch.records import AttemptOutcome, NodeUp
 
 
 @attrs.frozen
@@ -52,7 +53,7 @@ def _await(membership: _Membership, node: str, progress: Any, owners: set[str], 
 
 def test_every_owner_up_is_go() -> None:
     membership = _Membership({"a", "b", "c"})
-    membership.decide("g5-up-b", {"node": "b"})
+    membership.decide("g5-up-b", NodeUp("b").to_dict())
     outcome = _await(membership, "a", lambda: (True, None), {"a", "b"}, {"a", "b", "c"})
     assert outcome.go and outcome.won
     assert "g5-up-a" in membership.decisions
@@ -85,8 +86,8 @@ def test_an_owner_not_up_within_the_timeout_aborts() -> None:
 
 def test_the_written_outcome_wins_over_what_this_node_sees() -> None:
     membership = _Membership({"a", "b"})
-    membership.decide("g5-outcome", {"go": False, "reason": "b could not start its part"})
-    membership.decide("g5-up-b", {"node": "b"})
+    membership.decide("g5-outcome", AttemptOutcome(False, "b could not start its part").to_dict())
+    membership.decide("g5-up-b", NodeUp("b").to_dict())
     outcome = _await(membership, "a", lambda: (True, None), {"a", "b"}, {"a", "b"})
     assert not outcome.go and not outcome.won
     assert outcome.reason == "b could not start its part"
@@ -94,8 +95,8 @@ def test_the_written_outcome_wins_over_what_this_node_sees() -> None:
 
 def test_a_node_outside_the_layout_publishes_nothing_and_follows_the_owners() -> None:
     membership = _Membership({"a", "b", "s"})
-    membership.decide("g5-up-a", {"node": "a"})
-    membership.decide("g5-up-b", {"node": "b"})
+    membership.decide("g5-up-a", NodeUp("a").to_dict())
+    membership.decide("g5-up-b", NodeUp("b").to_dict())
     outcome = _await(membership, "s", lambda: (True, None), {"a", "b"}, {"a", "b", "s"})
     assert outcome.go
     assert "g5-up-s" not in membership.decisions
@@ -160,85 +161,126 @@ class _Record:
     zone: str
 
 
+class _Kv:
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def get_prefix(self, prefix: str) -> list[Any]:  # the warm records of the nodes alive
+        return [_Item(f"/bamboo/j/decisions/warm-{node}") for node in self.run.zones]
+
+
+@attrs.frozen
+class _Item:
+    key: str
+
+
+class _Keys:
+    def decision(self, name: str) -> str:
+        return f"/bamboo/j/decisions/{name}"
+
+
 class _Run:
-    """What ``_plan_next`` reads of a worker: the spec, the membership and the planned layers."""
+    """What ``_plan_next`` reads of a worker: the spec, the membership (nodes alive, warm records), the layers."""
 
-    def __init__(self, base: dict[str, Any], zones: dict[str, str], checkpoint_dir: str | None = None) -> None:
-        from bamboo.launch.worker import RunSpec
+    def __init__(self, zones: dict[str, str], checkpoint_dir: str | None = None) -> None:
+        from bamboo.launch.spec import JobSpec
 
-        self.spec = RunSpec(job="j", etcd=("e",), stages=2, pipelines=2, steps=10, node_of_rank={}, out_dir="o",
-                            events="e.jsonl", run_start=0.0, checkpoint_dir=checkpoint_dir)
+        self.spec = JobSpec(job="j", stages=2, pipelines=2, steps=10, micro_batches=4, created_unix=1.0,
+                            layers=[layer.to_dict() for layer in _layers()], config={},
+                            checkpoint_dir=checkpoint_dir)
+        self.layers = self.spec.reconfig_layers()
         self.zones = zones
-        self.base = base
         self.membership = self
+        self.kv = _Kv(self)
+        self.keys = _Keys()
 
     def list_nodes(self, *, skip_malformed: bool = False) -> dict[str, _Record]:
         return {node: _Record(zone) for node, zone in self.zones.items()}
 
-    def layers(self, layout: dict[str, Any]) -> list[Any]:
-        from bamboo.reconfig import Layout
 
-        return list(Layout.from_dict(layout["plan"]).layers)
+def _layers() -> list[Any]:
+    from bamboo.reconfig import LayerSpec
 
-
-def _base_layout(zones: dict[str, str]) -> dict[str, Any]:
-    """Generation 0 of 4 nodes, P=2, D=2, as the launcher writes it."""
-    from bamboo.launch.run import DEFAULT_RUN_CONFIG, RunOptions, _first_layout, layer_specs
-
-    options = RunOptions(nodes=4, stages=2, pipelines=2)
-    plan = _first_layout(options, zones, layer_specs({"layers": 4}), dict(DEFAULT_RUN_CONFIG))
-    ranks = {node: d * 2 + s for d, row in enumerate(plan.owners) for s, node in enumerate(row)}
-    return {"state": "running", "generation": 0, "stages": 2, "pipelines": 2, "micro_batches": 4,
-            "start_step": 0, "ranks": ranks, "standby": [], "owners": [list(row) for row in plan.owners],
-            "plan": plan.to_dict(), "mode": "first", "transfers": [], "reason": "first layout"}
+    return [LayerSpec(400 * (1 + i % 2), 800 * (1 + i % 2), 100.0 * (1 + i % 2)) for i in range(6)]
 
 
-def _plan(run: _Run, ready: dict[str, dict[str, Any]], attempt: int) -> dict[str, Any]:
+def _base_layout(zones: dict[str, str]) -> Any:
+    """Generation 0 of 4 nodes, P=2, D=2, as the coordinator writes it."""
+    from bamboo.launch.coordinator import first_layout
+
+    return first_layout(_Run(zones).spec, zones)
+
+
+def _ready(step: int, holds: list[int], at: float) -> Any:
+    from bamboo.launch.records import BarrierReady
+
+    return BarrierReady(step=step, holds=holds, at=at)
+
+
+def _plan(run: _Run, base: Any, ready: dict[str, Any], attempt: int) -> Any:
     from bamboo.launch.worker import _plan_next
 
-    return _plan_next(run, run.base, ready, attempt, "test")  # type: ignore[arg-type]
+    return _plan_next(run, base, ready, attempt, "test")  # type: ignore[arg-type]
 
 
 def test_a_redone_decision_takes_the_next_generation_and_another_surviving_copy() -> None:
+    from bamboo.reconfig import JobLayout, StartMode
+
     zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
     base = _base_layout(zones)
-    owner = {rank: node for node, rank in base["ranks"].items()}
+    owner = base.node_of_rank
     lost = owner[1]  # stage 1 of pipeline 0 failed over: its shadow holds stages 0 and 1
-    survivors = {node: {"step": 7, "holds": [0, 1], "at": 100.0 + rank} for node, rank in base["ranks"].items()
-                 if node != lost}
-    run = _Run(base, {**{n: z for n, z in zones.items() if n != lost}, "j1": "b"})  # a joiner, j1
-    first = _plan(run, survivors, 0)
-    assert first["generation"] == 1 and first["attempt"] == 0 and first["mode"] == "peers"
-    assert first["survivors"] == sorted(survivors) and first["barrier_unix"] == 100.0
-    assert "j1" in first["ranks"] and all(dst == "j1" for _, dst, _ in first["transfers"])
-    dead_source = first["transfers"][0][0]
+    survivors = {node: _ready(7, [0, 1], 100.0 + rank) for node, rank in base.ranks.items() if node != lost}
+    run = _Run({**{n: z for n, z in zones.items() if n != lost}, "j1": "b"})  # a joiner, j1
+    first = _plan(run, base, survivors, 0)
+    assert JobLayout.from_json(first.to_json()) == first
+    assert first.generation == 1 and first.attempt == 0 and first.mode is StartMode.PEERS
+    assert first.survivors == tuple(sorted(survivors)) and first.barrier_unix == 100.0
+    transfers = first.transfers.transfers
+    assert "j1" in first.ranks and transfers and all(t.destination == "j1" for t in transfers)
+    assert first.transfers.bytes_moved == sum(t.bytes for t in transfers)
+    dead_source = transfers[0].source
     # the source dies while generation 1 starts: the holders decide again without it
     del run.zones[dead_source]
-    again = _plan(run, {n: r for n, r in survivors.items() if n != dead_source}, 1)
-    assert again["generation"] == 2 and again["attempt"] == 1 and again["base_generation"] == 0
-    assert again["start_step"] == 7 and again["mode"] == "peers"
-    assert dead_source not in again["ranks"] and dead_source not in again["survivors"]
-    assert all(src != dead_source for src, _, _ in again["transfers"])
-    assert again["history"] == [[0, 2], [7, len(again["owners"])]]
+    again = _plan(run, base, {n: r for n, r in survivors.items() if n != dead_source}, 1)
+    assert again.generation == 2 and again.attempt == 1 and again.base_generation == 0
+    assert again.start_step == 7 and again.mode is StartMode.PEERS
+    assert dead_source not in again.ranks and dead_source not in again.survivors
+    assert all(t.source != dead_source for t in again.transfers.transfers)
+    assert again.history == ((0, 2), (7, again.pipelines))
+
+
+def test_the_transfer_plan_moves_whole_stages_round_by_round() -> None:
+    zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
+    base = _base_layout(zones)
+    lost = base.node_of_rank[3]  # stage 1 of pipeline 1
+    ready = {node: _ready(4, [0, 1], 1.0) for node in base.ranks if node != lost}
+    layout = _plan(_Run({**{n: z for n, z in zones.items() if n != lost}, "j1": "c"}), base, ready, 0)
+    for round_ in layout.transfers.rounds:
+        assert len({t.source for t in round_}) == len(round_) and len({t.destination for t in round_}) == len(round_)
+        for transfer in round_:
+            stages = layout.stages_of_layers(transfer.layers)  # whole stages, or it raises
+            assert stages and set(stages) <= {0, 1}
 
 
 def test_a_redone_decision_without_any_copy_of_a_stage_needs_a_checkpoint() -> None:
+    from bamboo.launch.worker import JobCannotContinue
+
     zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
     base = _base_layout(zones)
-    owner = {rank: node for node, rank in base["ranks"].items()}
-    holder = owner[2]  # only pipeline 1's stage 0 is left, holding stage 0 alone
-    run = _Run(base, {holder: zones[holder], "j1": "b", "j2": "c"})
-    with pytest.raises(RuntimeError, match=r"every copy of stage\(s\) 1 is gone and the run writes no checkpoints"):
-        _plan(run, {holder: {"step": 7, "holds": [0], "at": 1.0}}, 1)
+    holder = base.node_of_rank[2]  # only pipeline 1's stage 0 is left, holding stage 0 alone
+    run = _Run({holder: zones[holder], "j1": "b", "j2": "c"})
+    with pytest.raises(JobCannotContinue, match=r"every copy of stage\(s\) 1 is gone and the run writes no checkpoints"):
+        _plan(run, base, {holder: _ready(7, [0], 1.0)}, 1)
 
 
 def test_a_holder_whose_lease_expired_after_the_barrier_is_no_source() -> None:
     zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
     base = _base_layout(zones)
-    owner = {rank: node for node, rank in base["ranks"].items()}
-    ready = {node: {"step": 7, "holds": [0, 1], "at": 1.0} for node in zones if node != owner[1]}
+    owner = base.node_of_rank
+    ready = {node: _ready(7, [0, 1], 1.0) for node in zones if node != owner[1]}
     gone = owner[2]  # published what it holds, then died before the layout was written
-    run = _Run(base, {**{n: z for n, z in zones.items() if n not in (owner[1], gone)}, "j1": "b", "j2": "c"})
-    value = _plan(run, ready, 0)
-    assert gone not in value["survivors"] and gone not in value["ranks"]
-    assert all(gone not in (src, dst) for src, dst, _ in value["transfers"])
+    run = _Run({**{n: z for n, z in zones.items() if n not in (owner[1], gone)}, "j1": "b", "j2": "c"})
+    value = _plan(run, base, ready, 0)
+    assert gone not in value.survivors and gone not in value.ranks
+    assert all(gone not in (t.source, t.destination) for t in value.transfers.transfers)

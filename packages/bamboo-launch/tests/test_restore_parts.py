@@ -21,6 +21,7 @@ from bamboo.launch.events import (
 )
 from bamboo.launch.reconfigure import log_restore, next_history, restore_point, restore_slices, stage_shards
 from bamboo.launch.report import compute_report, format_report
+from bamboo.reconfig import JobLayout, LayerSpec, Layout, RestorePoint, StartMode
 
 
 def _shard(payload: bytes) -> dict[str, torch.Tensor]:
@@ -84,10 +85,22 @@ def test_restore_point_without_a_good_checkpoint_is_a_clear_error(
     assert message in str(caught.value)
 
 
+def _layout(start_step: int, checkpoint: str | None = None, lost: tuple[int, ...] = (1,),
+            barrier_step: int | None = None) -> JobLayout:
+    """A P=3 layout of one pipeline, restarting from ``checkpoint`` (or moving state from peers)."""
+    plan = Layout(stages=3, layers=[LayerSpec(4, 8, 1.0)] * 3, stage_layers=((0, 1), (1, 2), (2, 3)),
+                  owners=[["a", "b", "c"]], microbatches=(4,))
+    restore = None if checkpoint is None else RestorePoint(start_step, checkpoint, lost)
+    return JobLayout(generation=1, plan=plan, start_step=start_step,
+                     mode=StartMode.PEERS if checkpoint is None else StartMode.CHECKPOINT, restore=restore,
+                     barrier_step=start_step if barrier_step is None else barrier_step,
+                     history=[(0, 1), (start_step, 1)])
+
+
 def test_restore_slices_loads_the_named_step_for_every_slice(tmp_path: Path) -> None:
     _write_steps(tmp_path, [5, 10])
     slices = {2: FakeSlice(), 0: FakeSlice()}
-    layout = {"checkpoint": str(tmp_path / "step-000000005"), "start_step": 5}
+    layout = _layout(5, str(tmp_path / "step-000000005"))
     assert restore_slices(layout, slices) == 5
     assert slices[0].loaded == b"stage 0 at step 5" and slices[2].loaded == b"stage 2 at step 5"
     assert stage_shards(slices) == ["stage-0", "stage-2"]
@@ -97,29 +110,20 @@ def test_restore_slices_refuses_a_shard_that_no_longer_verifies(tmp_path: Path) 
     _write_steps(tmp_path, [5])
     (tmp_path / "step-000000005" / "stage-2.pt").write_bytes(b"truncated")
     with pytest.raises(CheckpointError, match=r"stage-2\.pt has 9 bytes"):
-        restore_slices({"checkpoint": str(tmp_path / "step-000000005"), "start_step": 5}, {2: FakeSlice()})
+        restore_slices(_layout(5, str(tmp_path / "step-000000005")), {2: FakeSlice()})
 
 
 def test_next_history_cuts_the_abandoned_generations() -> None:
-    assert next_history([[0, 2]], 40, 1) == [[0, 2], [40, 1]]
-    assert next_history([[0, 2], [15, 1], [30, 2]], 20, 1) == [[0, 2], [15, 1], [20, 1]]
-    assert next_history([[0, 2], [15, 1]], 15, 2) == [[0, 2], [15, 2]]  # a generation that ran no step
+    assert next_history([[0, 2]], 40, 1) == [(0, 2), (40, 1)]
+    assert next_history([[0, 2], [15, 1], [30, 2]], 20, 1) == [(0, 2), (15, 1), (20, 1)]
+    assert next_history([[0, 2], [15, 1]], 15, 2) == [(0, 2), (15, 2)]  # a generation that ran no step
 
 
 def test_restore_record_round_trip_and_validation(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     with EventLog(path) as log:
-        log_restore(log, {"mode": "peers", "start_step": 7})  # no restore: nothing written
-        log_restore(
-            log,
-            {
-                "mode": "checkpoint",
-                "start_step": 10,
-                "barrier_step": 13,
-                "missing": [1, 2],
-                "checkpoint": "/ck/step-000000010",
-            },
-        )
+        log_restore(log, _layout(7))  # no restore: nothing written
+        log_restore(log, _layout(10, "/ck/step-000000010", (1, 2), barrier_step=13))
     [record] = read_events(path)
     assert isinstance(record, Restore)
     assert (record.step, record.path, record.lost_stages, record.discarded_steps) == (

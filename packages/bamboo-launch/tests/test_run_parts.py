@@ -1,37 +1,13 @@
-"""Unit tests of `bamboo-launch run`'s pure parts: the transfer plan, the market plan, CLI errors."""
+"""Unit tests of `bamboo-launch run`'s pure parts: the market plan, the agents' command line, CLI errors."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 from bamboo.launch.cli import main
 from bamboo.launch.market import ActionKind
-from bamboo.launch.reconfigure import transfer_participants, transfer_plan
-from bamboo.launch.run import RunOptions, initial_plan
-from bamboo.launch.worker import _pause_s
-
-
-def test_transfer_plan_fetches_only_missing_stages_from_holders() -> None:
-    holdings = {"a": [0, 1], "b": [1, 2], "c": [2, 3]}  # the node of stage 3 (holding 3 and 0) died
-    transfers, local, missing = transfer_plan({"a": 0, "b": 1, "c": 2, "j": 3}, 4, holdings)
-    assert missing == []
-    assert local == {"a": [0, 1], "b": [1, 2], "c": [2, 3]}
-    assert transfers == [("a", "j", [0]), ("c", "j", [3])]
-    assert transfer_participants(transfers) == ["a", "c", "j"]
-
-
-def test_transfer_plan_is_independent_of_input_order_and_balances_sources() -> None:
-    holdings = {"x": [0, 1], "y": [0, 1], "z": [2, 3]}
-    forward = transfer_plan({"n1": 0, "n2": 4}, 4, holdings)
-    backward = transfer_plan(dict(reversed(list({"n1": 0, "n2": 4}.items()))), 4, dict(reversed(list(holdings.items()))))
-    assert forward == backward
-    sent = {src: sum(len(stages) for s, _, stages in forward[0] if s == src) for src, _, _ in forward[0]}
-    assert sent == {"x": 2, "y": 2}  # four stage copies, balanced over the two holders
-
-
-def test_transfer_plan_reports_stages_with_no_surviving_copy() -> None:
-    transfers, _, missing = transfer_plan({"a": 0, "b": 1}, 2, {"a": [0]})
-    assert missing == [1]  # the worker then restores the checkpoint instead of transferring
-    assert transfers == [("a", "b", [0])]
+from bamboo.launch.run import RunOptions, agent_command, initial_plan
 
 
 def test_initial_plan_without_preemptions_spreads_nodes_over_zones() -> None:
@@ -39,14 +15,27 @@ def test_initial_plan_without_preemptions_spreads_nodes_over_zones() -> None:
     assert [(a.kind, a.at_s, a.zone) for a in plan] == [(ActionKind.ADD, 0.0, z) for z in "xyxyx"]
 
 
+def test_every_agent_of_a_run_gets_the_same_job_flags(tmp_path) -> None:
+    options = RunOptions(nodes=5, stages=2, pipelines=2, steps=7, checkpoint_dir=str(tmp_path / "ck"),
+                         size={"layers": 3}, confirm_timeout_s=9.0)
+    first = agent_command(options, "j", ("127.0.0.1:1",), tmp_path, 5, "node0", "a")
+    second = agent_command(options, "j", ("127.0.0.1:1",), tmp_path, 5, "node4", "b")
+    assert first[:4] == [sys.executable, "-m", "bamboo.launch", "agent"]
+
+    def flags(command: list[str]) -> dict[str, str]:
+        return {command[i]: command[i + 1] for i in range(4, len(command) - 1, 2)}
+
+    assert {k: v for k, v in flags(first).items() if k not in ("--node", "--zone")} == \
+        {k: v for k, v in flags(second).items() if k not in ("--node", "--zone")}
+    assert flags(first)["--min-nodes"] == "5" and flags(first)["--steps"] == "7"
+    assert flags(first)["--layers"] == "3" and flags(first)["--confirm-timeout"] == "9.0"
+    assert flags(first)["--checkpoint-dir"] == str((tmp_path / "ck").resolve())
+    assert "--group-timeout" not in first  # not given: the runtime's default
+
+
 def test_run_options_refuse_too_few_nodes() -> None:
     with pytest.raises(ValueError, match="--nodes 3 cannot hold 2 pipelines of 2 stages"):
         RunOptions(nodes=3, stages=2, pipelines=2)
-
-
-def test_pause_from_runtime_timing_records() -> None:
-    assert _pause_s({"caught_at": 10.0, "resumed_at": 12.5}) == 2.5
-    assert _pause_s({"detect_s": 0.25, "reroute_s": 0.5}) == 0.75
 
 
 @pytest.mark.parametrize(

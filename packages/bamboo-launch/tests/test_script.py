@@ -7,7 +7,6 @@ covered end to end in ``test_script_e2e.py``.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import textwrap
 from pathlib import Path
@@ -16,23 +15,20 @@ from types import ModuleType
 import pytest
 import torch
 from bamboo.launch import cli
-from bamboo.launch.node import worker_command
-from bamboo.launch.run import RunOptions, train_reference_program
+from bamboo.launch.agent import worker_command
+from bamboo.launch.reference import train_reference_program
+from bamboo.launch.run import RunOptions
 from bamboo.launch.script import (
-    ENV_AGENT,
-    ENV_ENTRY_MARK,
     ENV_MODE,
     ENV_NODE,
-    ENV_SPEC,
-    ModuleFactory,
-    Program,
     ScriptError,
     describe_script,
     reference_from_script,
     train_worker,
     worker_environment,
 )
-from bamboo.launch.worker import RunSpec, pipeline_batches
+from bamboo.launch.spec import ENV_CONTEXT, JobSpec, ModuleFactory, Program, SpecError
+from bamboo.launch.worker import pipeline_batches
 from bamboo.rc.worker import exact_mode
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
@@ -85,46 +81,62 @@ def _import(path: Path) -> ModuleType:
 
 
 def test_worker_environment_is_torchrun_like_plus_the_bamboo_variables(tmp_path: Path) -> None:
-    env = worker_environment(spec_path=tmp_path / "RUN.json", node="node3", agent="127.0.0.1:5000", rank=5,
-                             world_size=8, entry_mark=tmp_path / "node3.entered")
-    assert env == {
-        ENV_MODE: "worker", ENV_SPEC: str(tmp_path / "RUN.json"), ENV_NODE: "node3", ENV_AGENT: "127.0.0.1:5000",
-        ENV_ENTRY_MARK: str(tmp_path / "node3.entered"), "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
+    env = worker_environment(context_path=tmp_path / "node3.json", node="node3")
+    assert env == {ENV_MODE: "worker", ENV_CONTEXT: str(tmp_path / "node3.json"), ENV_NODE: "node3",
+                   "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    assert "RANK" not in env and "WORLD_SIZE" not in env  # a warm worker has no rank until a layout gives one
+
+
+def _spec(script: tuple[str, ...] = (), **changes: object) -> JobSpec:
+    fields: dict[str, object] = {
+        "job": "j", "stages": 2, "pipelines": 3, "steps": 4, "micro_batches": 2, "created_unix": 1.0,
+        "layers": [{"param_bytes": 4, "optimizer_bytes": 8, "compute_cost": 1.0}] * 3,
+        "config": {"train_micro_batch_size_per_gpu": 2}, "script": script,
     }
+    fields.update(changes)
+    return JobSpec(**fields)  # type: ignore[arg-type]
 
 
-def _spec(tmp_path: Path, script: tuple[str, ...]) -> RunSpec:
-    return RunSpec(job="j", etcd=("127.0.0.1:1",), stages=2, pipelines=3, steps=4, node_of_rank={},
-                   out_dir=str(tmp_path / "out"), events=str(tmp_path / "events.jsonl"), run_start=0.0,
-                   script=script)
-
-
-def test_the_agent_spawns_the_builtin_worker_or_the_script_with_its_rank(tmp_path: Path) -> None:
-    (tmp_path / "logs").mkdir()
-    spec_path = tmp_path / "RUN.json"
-    layout = {"generation": 2, "stages": 2, "pipelines": 3, "ranks": {"node0": 4, "node7": 1}}
-    command, env, mark = worker_command(_spec(tmp_path, ()), spec_path, "node0", "h:1", layout)
-    assert command == [sys.executable, "-m", "bamboo.launch.worker", "--spec", str(spec_path), "--node", "node0",
-                       "--agent", "h:1"]
-    assert env is None and mark is None
-
-    stale = tmp_path / "logs" / "node0.entered"
-    stale.touch()  # left by the worker of an earlier generation: must not count for this one
-    command, env, mark = worker_command(_spec(tmp_path, ("/x/train.py", "--lr", "3")), spec_path, "node0", "h:1",
-                                        layout)
+def test_the_agent_spawns_the_builtin_worker_or_the_script(tmp_path: Path) -> None:
+    context = tmp_path / "node0.json"
+    command, env = worker_command(_spec(), context, "node0")
+    assert command == [sys.executable, "-m", "bamboo.launch.worker"]
+    assert env == {ENV_CONTEXT: str(context)}
+    command, env = worker_command(_spec(("/x/train.py", "--lr", "3")), context, "node0")
     assert command == [sys.executable, "/x/train.py", "--lr", "3"]
-    assert env is not None and mark == stale and not stale.exists()
-    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("4", "6", "0")
-    assert (env[ENV_MODE], env[ENV_SPEC], env[ENV_NODE], env[ENV_AGENT]) == ("worker", str(spec_path), "node0", "h:1")
-    assert env["PATH"] == os.environ["PATH"]  # the node's own environment is kept
+    assert (env[ENV_MODE], env[ENV_CONTEXT], env[ENV_NODE]) == ("worker", str(context), "node0")
 
 
-def test_run_spec_round_trips_the_script() -> None:
-    spec = RunSpec(job="j", etcd=["e:1"], stages=2, pipelines=1, steps=3, node_of_rank={}, out_dir="o",
-                   events="e", run_start=1.0, script=["/a/b.py", "--x", "1"])
-    assert RunSpec.from_json(spec.to_json()) == spec
+def test_job_spec_round_trips_and_names_conflicting_flags() -> None:
+    spec = _spec(("/a/b.py", "--x", "1"), checkpoint_dir="/ckpt")
+    assert JobSpec.from_json(spec.to_json()) == spec
     assert spec.script == ("/a/b.py", "--x", "1")
+    assert spec.conflicts({"stages": 2, "steps": 4}) == []
+    assert spec.conflicts({"stages": 4, "checkpoint_dir": None, "script": ["/a/b.py"]}) == [
+        "--checkpoint-dir (none) conflicts with the job's stored checkpoint_dir /ckpt",
+        "-- SCRIPT ARGS /a/b.py conflicts with the job's stored script /a/b.py --x 1",
+        "--stages 4 conflicts with the job's stored stages 2",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(v=9), "job spec: unknown version 9"),
+        (lambda d: d.pop("stages"), "job spec: missing key 'stages'"),
+        (lambda d: d.update(colour="red"), "job spec: unknown key(s) 'colour'"),
+        (lambda d: d.update(steps=0), "job spec: steps must be an integer >= 1, got 0"),
+        (lambda d: d.update(redundancy="eager"), "job spec: 'redundancy' must be in"),
+    ],
+)
+def test_job_spec_reader_rejects_malformed_specs(change: object, message: str) -> None:
+    import json
+
+    data = json.loads(_spec().to_json())
+    change(data)  # type: ignore[operator]
+    with pytest.raises(SpecError) as error:
+        JobSpec.from_dict(data)
+    assert message in str(error.value)
 
 
 def test_program_takes_layer_specs_or_module_factories_and_rejects_built_modules() -> None:
@@ -151,25 +163,28 @@ def test_pipeline_batches_take_their_share_of_each_global_batch() -> None:
 
 
 def test_describe_reads_the_example_model_and_config(tmp_path: Path) -> None:
-    description = describe_script([str(EXAMPLE), "--blocks", "3", "--width", "32"], tmp_path / "describe.log")
-    assert len(description.layers) == 5  # input projection, 3 blocks, head
+    description = describe_script([str(EXAMPLE), "--blocks", "3", "--width", "32"], tmp_path / "describe.log",
+                                  pipelines=2)
+    assert len(description["layers"]) == 5  # input projection, 3 blocks, head
     block = 32 * 64 + 64 + 64 * 32 + 32 + 2 * 32  # up, down, layer norm
-    assert description.layers[1].param_bytes == 4 * block and description.layers[1].optimizer_bytes == 8 * block
-    assert description.config is not None and description.config["train_micro_batch_size_per_gpu"] == 16
+    assert description["layers"][1]["param_bytes"] == 4 * block
+    assert description["layers"][1]["optimizer_bytes"] == 8 * block
+    assert description["config"]["train_micro_batch_size_per_gpu"] == 16
+    assert description["micro_batches"] == description["config"]["gradient_accumulation_steps"]
 
 
 def test_describe_names_a_script_that_never_calls_the_entry_point(tmp_path: Path) -> None:
     script = _write(tmp_path, "forgot.py", "print('training... not really')\n")
     with pytest.raises(ScriptError, match=r"forgot\.py exited without calling bamboo\.launch\.train_worker.*log: "):
-        describe_script([str(script)], tmp_path / "describe.log")
+        describe_script([str(script)], tmp_path / "describe.log", pipelines=1)
 
 
 def test_describe_reports_a_failing_script_with_its_status_last_line_and_log(tmp_path: Path) -> None:
     script = _write(tmp_path, "broken.py", "import sys\nraise SystemExit('no data under /nowhere')\n")
     log = tmp_path / "describe.log"
     with pytest.raises(ScriptError) as caught:
-        describe_script([str(script)], log)
-    assert str(caught.value) == (f"{script} exited with status 1 while the launcher read its model: "
+        describe_script([str(script)], log, pipelines=1)
+    assert str(caught.value) == (f"{script} exited with status 1 while its model was read: "
                                  f"no data under /nowhere (log: {log})")
 
 

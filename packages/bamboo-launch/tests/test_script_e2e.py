@@ -82,7 +82,7 @@ def test_a_script_that_skips_the_entry_point_in_its_workers_is_reported_not_wait
     assert message.startswith("before the first step, node node")
     logs = tmp_path / "run" / "logs"
     # whichever workers exited first are named (which ones depends on timing), each with its own log
-    named = re.findall(r"node (node\d+) exited with status 1 \(log: ([^)]+)\)", message)
+    named = re.findall(r"node (node\d+) exited with status 1: [^(]*\(log: ([^)]+)\)", message)
     assert named, message
     for node, log in named:
         assert log == str(logs / f"{node}.log")

@@ -1,16 +1,19 @@
-"""bamboo.launch: the launcher, ``bamboo-launch run``, and its self-contained parts.
+"""bamboo.launch: the agent every machine of a job runs, ``bamboo-launch run``, and their parts.
 
-- :mod:`bamboo.launch.run`: :func:`run_cluster` composes everything (embedded etcd, the market,
-  one agent per node, the first layout, the failure authority, the event log) and
-  :func:`compare_with_reference` checks a run against a fault-free single-process run;
-- :mod:`bamboo.launch.node` / :mod:`bamboo.launch.worker`: one node's agent process and the
-  bamboo-rc worker it spawns (``python -m bamboo.launch.node|worker``);
-- :mod:`bamboo.launch.script`: :func:`train_worker`, the one call of a user training script run by
-  ``bamboo-launch run ... -- SCRIPT ARGS`` (its layers, loss and data; the same worker loop);
-- :mod:`bamboo.launch.authority`: the runtime's failure interface wired to bamboo-membership
-  (imports torch; not re-exported here);
-- :mod:`bamboo.launch.reconfigure`: the cluster view and layer-transfer plan of a reconfiguration;
-- :mod:`bamboo.launch.events`: the JSON-lines event log (typed records, documented schema);
+- :mod:`bamboo.launch.agent`: ``bamboo-launch agent``, one per machine and the whole system: the job's
+  spec, registration, failure detection, the worker it supervises; :mod:`bamboo.launch.coordinator`: the
+  job-wide duties of the elected agent (publishing confirmed failures, the first layout);
+- :mod:`bamboo.launch.worker`: the bamboo-rc worker an agent spawns (warm, waiting for a role; failover,
+  reconfiguration at step boundaries, checkpoints); :mod:`bamboo.launch.attempt`: starting a new layout
+  as an attempt that everyone commits to or abandons; :mod:`bamboo.launch.reconfigure`: the view, the
+  restore point; :mod:`bamboo.launch.notices`: how a worker learns of confirmed failures;
+- :mod:`bamboo.launch.run`: :func:`run_cluster` composes an embedded etcd, the emulated spot market and
+  one agent process per node, plus the live view; :func:`compare_with_reference` checks a run against a
+  fault-free single-process run (:mod:`bamboo.launch.reference`);
+- :mod:`bamboo.launch.script`: :func:`train_worker`, the one call of a user training script;
+- :mod:`bamboo.launch.spec` (the job's spec, a worker's context, a program), :mod:`bamboo.launch.records`
+  (the decisions in etcd), :mod:`bamboo.launch.timeouts` (every timeout): shared types;
+- :mod:`bamboo.launch.events`: the event log (typed records; JSON lines, or etcd on a cluster);
 - :mod:`bamboo.launch.report`: the final report from an event log (throughput, node-hours, spot
   and on-demand cost, value) and its four-panel plot;
 - :mod:`bamboo.launch.checkpoint`: atomic asynchronous checkpoints, loading the newest good one;
@@ -18,7 +21,7 @@
   clock, real process-group kills);
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
 - :mod:`bamboo.launch.live`: the live progress view, folded from an event log as it grows;
-- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``run``, ``k8s render|validate``,
+- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``agent``, ``run``, ``k8s render|validate``,
   ``market``, ``report``, ``watch``).
 
 Importing this package does not import torch or matplotlib; the functions that need them do.
@@ -61,7 +64,8 @@ from bamboo.launch.market import (
     kill_process_group,
     plan_market,
 )
-from bamboo.launch.reconfigure import build_view, transfer_participants, transfer_plan
+from bamboo.launch.reconfigure import build_view, transfer_participants
+from bamboo.launch.reference import train_reference_history, train_reference_program
 from bamboo.launch.report import Prices, Report, ReportError, compute_report, format_report, plot_report
 from bamboo.launch.run import (
     RunError,
@@ -70,10 +74,9 @@ from bamboo.launch.run import (
     RunResult,
     compare_with_reference,
     run_cluster,
-    train_reference_history,
-    train_reference_program,
 )
-from bamboo.launch.script import Program, ScriptError, train_worker
+from bamboo.launch.script import ScriptError, train_worker
+from bamboo.launch.spec import JobSpec, Program, WorkerContext
 
 __all__ = [
     "ActionKind",
@@ -86,6 +89,7 @@ __all__ = [
     "EventLog",
     "EventLogError",
     "Failover",
+    "JobSpec",
     "Join",
     "K8sConfig",
     "LiveState",
@@ -111,6 +115,7 @@ __all__ = [
     "ScriptError",
     "SpotMarket",
     "Step",
+    "WorkerContext",
     "assign_zones",
     "build_view",
     "compare_with_reference",
@@ -129,7 +134,6 @@ __all__ = [
     "train_reference_program",
     "train_worker",
     "transfer_participants",
-    "transfer_plan",
     "validate_manifests",
     "write_checkpoint",
 ]

@@ -35,6 +35,8 @@ from typing import Any
 
 import attrs
 import torch.distributed as dist
+from bamboo.launch.records import AttemptOutcome, NodeUp
+from bamboo.membership.kv import StoreError
 
 __all__ = ["AbandonableStore", "AttemptAbandonedError", "Outcome", "StartThread", "await_outcome"]
 
@@ -185,12 +187,13 @@ def await_outcome(
         try:
             found = membership.get_decision(outcome_name(generation))
             if found is not None:
-                return Outcome(go=bool(found.value["go"]), reason=str(found.value["reason"]))
+                written = AttemptOutcome.from_dict(found.value)
+                return Outcome(go=written.go, reason=written.reason)
             finished, error = progress()
             if error is not None:
                 verdict = (False, f"{node} could not start its part: {type(error).__name__}: {error}")
             elif finished and not published and node in new_owners:
-                membership.decide(up_name(generation, node), {"node": node})
+                membership.decide(up_name(generation, node), NodeUp(node).to_dict())
                 published = True
             if verdict is None:
                 records = membership.list_nodes(skip_malformed=True)
@@ -206,11 +209,11 @@ def await_outcome(
                 elif clock() > deadline:
                     verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
             if verdict is not None:
-                decision = membership.decide(outcome_name(generation), {"go": verdict[0], "reason": verdict[1]})
+                decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict).to_dict())
                 if decision.won:
                     say(f"attempt of generation {generation}: {'go' if verdict[0] else 'abort'} ({verdict[1]})")
-                return Outcome(go=bool(decision.value["go"]), reason=str(decision.value["reason"]),
-                               won=decision.won)
-        except Exception as failure:  # etcd restarting: ask again
+                written = AttemptOutcome.from_dict(decision.value)
+                return Outcome(go=written.go, reason=written.reason, won=decision.won)
+        except StoreError as failure:  # etcd restarting: ask again
             say(f"attempt of generation {generation}: etcd unreadable ({failure}); asking again")
         sleep(poll_s)

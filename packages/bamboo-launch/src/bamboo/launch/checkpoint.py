@@ -166,9 +166,18 @@ def _write_then_rename(final: Path, write: Callable[[Any], None]) -> None:
 
 
 def write_checkpoint(
-    directory: str | os.PathLike[str], step: int, state: Mapping[str, Any], shard: str = DEFAULT_SHARD
+    directory: str | os.PathLike[str],
+    step: int,
+    state: Mapping[str, Any],
+    shard: str = DEFAULT_SHARD,
+    *,
+    before_commit: Callable[[int, str], None] | None = None,
 ) -> CheckpointInfo:
     """Write ``state`` as ``shard`` of ``step``'s checkpoint, atomically (synchronous).
+
+    ``before_commit(step, shard)`` runs after the data is on disk and before the manifest (the commit
+    point) is renamed into place; if it raises, the shard is not committed and the error propagates (the
+    launcher checks there that its node has not been declared dead).
 
     This is the background thread's job in :class:`AsyncCheckpointer`; call it directly only
     where blocking is fine.
@@ -195,6 +204,8 @@ def write_checkpoint(
         "bytes": size,
         "sha256": _sha256(data),
     }
+    if before_commit is not None:
+        before_commit(step, shard)
     _write_then_rename(manifest_path, lambda handle: handle.write(json.dumps(manifest, indent=1).encode()))
     _fsync_path(folder)
     _fsync_path(root)
@@ -324,6 +335,8 @@ class AsyncCheckpointer:
             (the launcher writes a ``checkpoint`` event there).
         writer: the function that writes one shard (``write_checkpoint``); tests inject a gated
             one to prove that the training loop does not wait for it.
+        before_commit: passed to the writer (see :func:`write_checkpoint`): called before each shard
+            commits; raising there leaves the shard uncommitted.
         writer_niceness: the writer thread's Linux nice increment (0 to 19; default 10), so that
             serialising and hashing yield the CPU to training on small machines. Ignored where
             per-thread priorities are not available.
@@ -337,8 +350,9 @@ class AsyncCheckpointer:
         every_steps: int = 10,
         keep: int = 3,
         on_commit: Callable[[CheckpointInfo], None] | None = None,
-        writer: Callable[[Path, int, Mapping[str, Any], str], CheckpointInfo] = write_checkpoint,
+        writer: Callable[..., CheckpointInfo] = write_checkpoint,
         writer_niceness: int = 10,
+        before_commit: Callable[[int, str], None] | None = None,
     ) -> None:
         if not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
             raise ValueError(f"writer_niceness must be an integer in [0, 19], got {writer_niceness!r}")
@@ -355,6 +369,7 @@ class AsyncCheckpointer:
         self.keep = keep
         self._on_commit = on_commit
         self._writer = writer
+        self._before_commit = before_commit
         self._cond = threading.Condition()
         self._pending: tuple[int, dict[str, Any]] | None = None
         self._busy = False
@@ -437,7 +452,11 @@ class AsyncCheckpointer:
                 self._pending = None
                 self._busy = True
             try:
-                info = self._writer(self.directory, step, snapshot, self.shard)
+                if self._before_commit is None:
+                    info = self._writer(self.directory, step, snapshot, self.shard)
+                else:
+                    info = self._writer(self.directory, step, snapshot, self.shard,
+                                        before_commit=self._before_commit)
                 self.committed.append(info)
                 self._prune(keep_step=step)
                 if self._on_commit is not None:

@@ -2,6 +2,8 @@
 
 Subcommands (each one works end to end):
 
+- ``bamboo-launch agent --job J --etcd HOST:PORT ... [-- SCRIPT ARGS]``: one machine's agent (see
+  ``bamboo.launch.agent``): what every machine of a cluster runs, and what ``run`` starts per node;
 - ``bamboo-launch run [...] [-- SCRIPT ARGS]``: train the built-in example, or a user script that
   calls ``bamboo.launch.train_worker`` (see ``bamboo.launch.script``), on an emulated spot cluster
   (embedded or external etcd, one agent per node, the spot market, failover and reconfiguration;
@@ -9,11 +11,12 @@ Subcommands (each one works end to end):
 - ``bamboo-launch k8s render``: write the Kubernetes manifests of a job on EKS or GKE spot pools
   (validated against the Kubernetes schemas before they are written);
 - ``bamboo-launch k8s validate FILE...``: validate YAML manifests against the Kubernetes schemas;
-- ``bamboo-launch report EVENTS.jsonl``: the final report of a run from its event log
-  (``--json``, ``--plot OUT.png``);
+- ``bamboo-launch report (EVENTS.jsonl | --etcd URL --job J)``: the final report of a run from its event
+  log, a local file or the job's log in etcd (``--json``, ``--plot OUT.png``);
 - ``bamboo-launch market``: the emulated spot market, replaying a preemption trace against one
   process per node (see ``bamboo.launch.market``);
-- ``bamboo-launch watch EVENTS.jsonl``: the live progress view of a run, following its event log.
+- ``bamboo-launch watch (EVENTS.jsonl | --etcd URL --job J)``: the live progress view of a run, following
+  its event log.
 
 Bad input prints one line, ``bamboo-launch: error: ...``, and exits with status 2.
 """
@@ -330,10 +333,11 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
     )
     report.add_argument(
         "events",
-        nargs="+",
+        nargs="*",
         help="the run's event log (JSON lines, see bamboo.launch.events); several logs of one run "
         "(say the launcher's and the market's, written with a shared start) are merged by time",
     )
+    _add_etcd_source(report)
     report.add_argument("--json", action="store_true", help="print the report as one JSON object")
     report.add_argument(
         "--plot", metavar="OUT.png", help="also write the four-panel figure (nodes, throughput, cost, value)"
@@ -362,7 +366,6 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from bamboo.launch.events import read_events
     from bamboo.launch.report import Prices, compute_report, format_report, plot_report
 
     if args.bins < 1:
@@ -380,12 +383,7 @@ def _report(args: argparse.Namespace) -> int:
             .replace("on_demand_throughput", "--on-demand-throughput")
             .replace("on_demand_nodes", "--on-demand-nodes")
         )
-    events = []
-    for name in args.events:
-        try:
-            events.extend(read_events(name))
-        except OSError as error:
-            _fail(f"cannot read {name}: {error.strerror or error}")
+    events = _source_events(args)
     report = compute_report(events, prices)
     if args.json:
         print(json.dumps(report.to_dict()))
@@ -395,6 +393,65 @@ def _report(args: argparse.Namespace) -> int:
         out = plot_report(events, args.plot, prices, args.bins)
         print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _add_etcd_source(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--etcd", type=_endpoints, default=None, metavar="URL",
+                        help="read the job's event log from etcd (host:port[,host:port]) instead of a file")
+    parser.add_argument("--job", default=None, help="with --etcd: the job's name")
+    parser.add_argument("--etcd-user", default=None, help="etcd user name (with --etcd-password)")
+    parser.add_argument("--etcd-password", default=None, help="etcd password")
+    parser.add_argument("--etcd-ca", default=None, help="PEM CA of the etcd server (enables TLS)")
+    parser.add_argument("--etcd-cert", default=None, help="PEM client certificate (with --etcd-key)")
+    parser.add_argument("--etcd-key", default=None, help="PEM client key")
+
+
+def _etcd_kv(args: argparse.Namespace) -> Any:
+    from bamboo.membership import EtcdKV, EtcdOptions, StoreError
+
+    try:
+        return EtcdKV(EtcdOptions(endpoints=args.etcd, user=args.etcd_user, password=args.etcd_password,
+                                  ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key))
+    except StoreError as error:
+        _fail(str(error))
+
+
+def _check_source(args: argparse.Namespace, files: Sequence[str]) -> None:
+    if args.etcd is None and args.job is not None:
+        _fail("--job needs --etcd (or give the event log file instead)")
+    if args.etcd is not None:
+        if args.job is None:
+            _fail("--etcd needs --job (the job whose event log to read)")
+        if files:
+            _fail(f"give an event log file or --etcd with --job, not both (got {' '.join(files)})")
+    elif not files:
+        _fail("give the run's event log (EVENTS.jsonl), or --etcd URL --job J")
+
+
+def _source_events(args: argparse.Namespace) -> list[Any]:
+    """The events of a report: from the files given, or from the job's log in etcd."""
+    from bamboo.launch.events import read_etcd_events, read_events
+    from bamboo.membership import StoreError
+
+    _check_source(args, args.events)
+    if args.etcd is not None:
+        kv = _etcd_kv(args)
+        try:
+            events = read_etcd_events(kv, args.job)
+        except StoreError as error:
+            _fail(str(error))
+        finally:
+            kv.close()
+        if not events:
+            _fail(f"job {args.job} has no event records in etcd at {','.join(args.etcd)}")
+        return events
+    events = []
+    for name in args.events:
+        try:
+            events.extend(read_events(name))
+        except OSError as error:
+            _fail(f"cannot read {name}: {error.strerror or error}")
+    return events
 
 
 def _add_market(subparsers: argparse._SubParsersAction) -> None:
@@ -619,6 +676,165 @@ def _replay(args: argparse.Namespace, plan: Sequence[Any]) -> int:
     return 1 if failures else 0
 
 
+AGENT_USAGE_LINE = (
+    "bamboo-launch agent --job J --etcd HOST:PORT[,...] --stages P --pipelines D [--zone Z | --k8s-node NAME] "
+    "[--steps S] [--host ADDR] [--port N] [--checkpoint-dir DIR] [--ttl S] [--grace S] [etcd TLS and auth flags] "
+    "[options] [-- SCRIPT ARGS]"
+)
+
+# The agent's flags that set fields of the job's spec (argparse dest -> spec field).
+_SPEC_FLAGS = {
+    "stages": "stages", "pipelines": "pipelines", "steps": "steps", "min_nodes": "min_nodes",
+    "redundancy": "redundancy", "seed": "seed", "checkpoint_dir": "checkpoint_dir",
+    "checkpoint_every": "checkpoint_every", "ttl": "ttl", "grace": "grace_s",
+    "confirm_timeout": "confirm_timeout_s", "group_timeout": "group_timeout_s",
+    "reconfigure_timeout": "reconfigure_timeout_s",
+}
+
+
+def _add_agent(subparsers: argparse._SubParsersAction) -> None:
+    from bamboo.launch import timeouts
+    from bamboo.membership import timeouts as membership_timeouts
+    from bamboo.rc import timeouts as rc_timeouts
+
+    agent = subparsers.add_parser(
+        "agent",
+        help="one machine's agent: registration, failure detection, the job-wide duties, the worker",
+        usage=AGENT_USAGE_LINE,
+        description=(
+            "Run one machine of a Bamboo job. Every machine of a cluster runs exactly one agent, and there is "
+            "no other process: the agents agree on the job's spec in etcd (the first one writes it; a flag that "
+            "conflicts with it is an error), register under leases, detect failures (gRPC probes, leases), elect "
+            "one of them to publish confirmed failures and write the first layout, and each spawns its worker, "
+            "which waits warm for a role and trains through failovers and reconfigurations. Flags marked (spec) "
+            "are the job's: they are needed, or checked, as described. The agent exits 0 when the job ends, 1 "
+            "when the job cannot go on (the error is printed), 2 on bad input, 3 when a preemption notice's "
+            "deadline passed. Without a script after --, it trains the built-in example (a tiny GPT)."
+        ),
+    )
+    job = agent.add_argument_group("the job (spec)")
+    job.add_argument("--job", required=True, help="the job's name: its keys live under /bamboo/JOB/ in etcd")
+    job.add_argument("--stages", type=int, default=None,
+                     help="(spec) pipeline depth P; needed by the agent that creates the job")
+    job.add_argument("--pipelines", type=int, default=None,
+                     help="(spec) data-parallel pipelines D wanted; needed by the agent that creates the job")
+    job.add_argument("--steps", type=int, default=None, help="(spec) training steps (default: 20)")
+    job.add_argument("--min-nodes", type=int, default=None,
+                     help="(spec) registered nodes the first layout waits for (default: P x D)")
+    job.add_argument("--redundancy", default=None, choices=["none", "lflb", "eflb", "efeb"],
+                     help="(spec) redundant computation mode (default: eflb)")
+    job.add_argument("--layers", type=int, default=None,
+                     help="(spec) decoder blocks of the built-in example GPT (default: 4; not with a script)")
+    job.add_argument("--seed", type=int, default=None, help="(spec) the model's seed (default: 0)")
+    job.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                     help="(spec) where asynchronous checkpoints go: storage every machine sees (default: none)")
+    job.add_argument("--checkpoint-every", type=int, default=None,
+                     help="(spec) steps between checkpoints (default: 10)")
+    job.add_argument("--ttl", type=int, default=None,
+                     help=f"(spec) lease TTL, seconds: a node silent this long is dead (default: "
+                     f"{membership_timeouts.LEASE_TTL_S:g})")
+    job.add_argument("--grace", type=_positive_float, default=None,
+                     help=f"(spec) seconds a suspect must stay unresponsive to its probes before it is declared "
+                     f"dead; a stopped or partitioned node is only slow until then (default: "
+                     f"{membership_timeouts.GRACE_PERIOD_S:g})")
+    job.add_argument("--confirm-timeout", type=_positive_float, default=None,
+                     help=f"(spec) seconds a worker that saw a peer fail waits for the failure to be confirmed "
+                     f"before it gives up (default: {rc_timeouts.CONFIRM_S:g})")
+    job.add_argument("--group-timeout", type=_positive_float, default=None,
+                     help=f"(spec) gloo timeout of every group: bounds an operation on a live but stuck peer "
+                     f"(default: {rc_timeouts.GROUP_S:g})")
+    job.add_argument("--reconfigure-timeout", type=_positive_float, default=None,
+                     help=f"(spec) seconds a reconfiguration may take to start every node before it is abandoned "
+                     f"and decided again (default: {timeouts.RECONFIGURE_TIMEOUT_S:g})")
+    where = agent.add_argument_group("this machine")
+    where.add_argument("--node", default=None,
+                       help="this agent's unique id (default: $BAMBOO_NODE_ID, else the host name)")
+    zone = where.add_mutually_exclusive_group()
+    zone.add_argument("--zone", default=None, help="this machine's zone (default: $BAMBOO_ZONE)")
+    zone.add_argument("--k8s-node", default=None, metavar="NAME",
+                      help="the Kubernetes node: the zone is its topology.kubernetes.io/zone label")
+    where.add_argument("--host", default="127.0.0.1",
+                       help="the address the gRPC service binds to and peers reach (default: %(default)s)")
+    where.add_argument("--port", type=int, default=0, help="the gRPC port (default: 0, a free one)")
+    where.add_argument("--run-dir", default=None,
+                       help="where this machine's files go: worker contexts, out/rank<R>.pt (default: "
+                       "$TMPDIR/bamboo-JOB)")
+    where.add_argument("--events", default=None, metavar="OUT.jsonl",
+                       help="also append this agent's event records to a local JSON-lines file")
+    where.add_argument("--notice-window", type=_positive_float, default=30.0,
+                       help="seconds from SIGTERM (a preemption notice) to the machine's end (default: "
+                       "%(default)s)")
+    where.add_argument("--preemption-notices", default="none", choices=["none", "aws", "gce"],
+                       help="also poll the cloud's metadata server for preemption notices (default: none)")
+    where.add_argument("--spec-timeout", type=_positive_float, default=None,
+                       help=f"seconds to wait for another agent to write the job's spec (default: "
+                       f"{timeouts.SPEC_WAIT_S:g})")
+    auth = agent.add_argument_group("who may call this agent (required beyond loopback)")
+    auth.add_argument("--token-file", default=None,
+                      help="a file with the job's shared token: calls without it are refused")
+    auth.add_argument("--tls-cert", default=None, help="PEM certificate of this agent (mutual TLS, with --tls-key)")
+    auth.add_argument("--tls-key", default=None, help="PEM private key of this agent")
+    auth.add_argument("--tls-ca", default=None,
+                      help="PEM CA that the job's agents' certificates are signed by (mutual TLS)")
+    auth.add_argument("--insecure", action="store_true",
+                      help="listen beyond loopback with neither a token nor mutual TLS (anyone who reaches the "
+                      "port could drain the job)")
+    etcd = agent.add_argument_group("etcd")
+    etcd.add_argument("--etcd", type=_endpoints, action="append", required=True, metavar="HOST:PORT[,...]",
+                      help="etcd client endpoints (repeat the flag or separate with commas)")
+    etcd.add_argument("--etcd-user", default=None, help="etcd user name (with --etcd-password)")
+    etcd.add_argument("--etcd-password", default=None, help="etcd password")
+    etcd.add_argument("--etcd-ca", default=None, help="PEM CA of the etcd server (enables TLS)")
+    etcd.add_argument("--etcd-cert", default=None, help="PEM client certificate for etcd (with --etcd-key)")
+    etcd.add_argument("--etcd-key", default=None, help="PEM client key for etcd")
+    agent.set_defaults(handler=_agent, script=[])
+
+
+def _agent(args: argparse.Namespace) -> int:
+    import os
+    import socket
+
+    from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent
+    from bamboo.launch.spec import EtcdAccess
+
+    for name in ("stages", "pipelines", "steps", "min_nodes", "checkpoint_every", "ttl", "layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.seed is not None and args.seed < 0:
+        _fail(f"--seed must be >= 0, got {args.seed}")
+    if args.script and args.layers is not None:
+        _fail("--layers sizes the built-in example; a script describes its own layers")
+    if args.script and not Path(args.script[0]).is_file():
+        _fail(f"script {args.script[0]!r} not found" if not Path(args.script[0]).exists()
+              else f"script {args.script[0]!r} is not a file")
+    spec = {field: getattr(args, dest) for dest, field in _SPEC_FLAGS.items() if getattr(args, dest) is not None}
+    if args.checkpoint_dir is not None:
+        spec["checkpoint_dir"] = str(Path(args.checkpoint_dir).resolve())
+    if args.script:
+        spec["script"] = tuple(args.script)
+    if args.layers is not None:
+        spec["size"] = {"layers": args.layers}
+    endpoints = tuple(endpoint for group in args.etcd for endpoint in group)
+    try:
+        options = AgentOptions(
+            job=args.job,
+            etcd=EtcdAccess(endpoints, user=args.etcd_user, password=args.etcd_password, ca=args.etcd_ca,
+                            cert=args.etcd_cert, key=args.etcd_key),
+            node=args.node or os.environ.get("BAMBOO_NODE_ID") or socket.gethostname(),
+            zone=args.zone if args.zone is not None else os.environ.get("BAMBOO_ZONE", ""),
+            k8s_node=args.k8s_node, host=args.host, port=args.port,
+            run_dir=str(Path(args.run_dir or default_run_dir(args.job)).resolve()), events=args.events,
+            spec=spec, token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            tls_ca=args.tls_ca, insecure=args.insecure, notice_window_s=args.notice_window,
+            preemption_notices=args.preemption_notices,
+            **({"spec_timeout_s": args.spec_timeout} if args.spec_timeout is not None else {}),
+        )
+    except AgentError as error:
+        _fail(str(error))
+    return run_agent(options)
+
+
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser(
         "run",
@@ -719,7 +935,8 @@ def _run(args: argparse.Namespace) -> int:
             time_scale=args.time_scale, hours=args.hours, trace_seed=args.seed,
             allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, run_dir=args.run_dir, events=args.events, job=args.job,
-            redundancy=args.redundancy, size={"layers": args.layers}, ttl=args.ttl, grace_s=args.grace,
+            redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
+            grace_s=args.grace,
             reconfigure_timeout_s=args.reconfigure_timeout, timeout_s=args.timeout, live=not args.no_live,
             script=tuple(args.script),
         )
@@ -744,6 +961,9 @@ def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any
                              "failed_ranks": list(result.failed_ranks), "timed_out": result.timed_out}
     if result.consecutive:
         extra["consecutive_failure"] = result.consecutive
+    if result.job_error:
+        extra["job_error"] = result.job_error
+        status = 1
     errors = {node: code for node, code in result.exit_codes.items() if code is not None and code > 0}
     if errors:  # a worker's error, a lost lease, a script that never called train_worker (killed nodes are < 0)
         extra["node_errors"] = {node: f"status {code}, log {result.run_dir / 'logs' / (node + '.log')}"
@@ -774,12 +994,15 @@ def _add_watch(subparsers: argparse._SubParsersAction) -> None:
         "watch",
         help="live progress view of a run from its event log",
         description=(
-            "Follow an event log as it grows and show step, loss, samples/s, nodes active, on standby and "
+            "Follow an event log as it grows (a local JSON-lines file, or the job's log in etcd with --etcd URL "
+            "--job J, from any machine) and show step, loss, samples/s, nodes active, on standby and "
             "joining, the counts of preemptions, failovers, reconfigurations and checkpoints, and the last "
             "events. Stops at the run_end record, or on Ctrl-C."
         ),
     )
-    watch.add_argument("events", help="the run's event log (JSON lines; it may not exist yet)")
+    watch.add_argument("events", nargs="?", default=None,
+                       help="the run's event log (JSON lines; it may not exist yet)")
+    _add_etcd_source(watch)
     watch.add_argument("--once", action="store_true", help="show the current state once and exit")
     watch.add_argument("--json", action="store_true", help="with --once: print the state as one JSON object")
     watch.add_argument(
@@ -806,10 +1029,16 @@ def _watch(args: argparse.Namespace) -> int:
         _fail(f"--window must be >= 1, got {args.window}")
     if args.json and not args.once:
         _fail("--json needs --once (the live view is for a terminal)")
-    follower = EventFollower(args.events)
+    _check_source(args, [args.events] if args.events else [])
+    if args.etcd is not None:
+        from bamboo.launch.events import EtcdEventFollower
+
+        follower: Any = EtcdEventFollower(_etcd_kv(args), args.job)
+    else:
+        follower = EventFollower(args.events)
     state = LiveState(window=args.window)
     if args.once:
-        if not follower.path.exists():
+        if args.etcd is None and not follower.path.exists():
             _fail(f"cannot read {args.events}: No such file or directory")
         state.apply_all(follower.poll())
         if args.json:
@@ -836,9 +1065,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to render ``--help`` in the README)."""
     parser = argparse.ArgumentParser(
         prog="bamboo-launch",
-        description="Bamboo's launcher: training runs on an emulated spot cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
+        description="Bamboo's launcher: the agent every machine of a job runs, training runs on an emulated spot "
+        "cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{run,k8s,market,report,watch}")
+    subparsers = parser.add_subparsers(dest="command", required=True,
+                                       metavar="{agent,run,k8s,market,report,watch}")
+    _add_agent(subparsers)
     _add_run(subparsers)
     _add_k8s(subparsers)
     _add_market(subparsers)

@@ -29,13 +29,26 @@ and the kind's own keys:
 
 Unknown keys are rejected, so a typo in a writer fails at once instead of silently vanishing
 from the report. :func:`read_events` names the file and line of any malformed record.
+
+**Events in etcd.** On a cluster there is no shared file: every agent and worker writes its records
+to etcd with :class:`EtcdEventLog`, one key per record under
+``/bamboo/<job>/events/<writer>/<sequence>`` (``writer`` is ``<node>.<role>.<pid>``), from a background
+thread so that training never waits for etcd. Each writer keeps only its newest
+:data:`EVENTS_PER_WRITER` records (it deletes the older ones as it goes), so the log stays bounded.
+There, ``t`` counts from the job's ``created_unix`` (wall clock: clocks of different machines may
+differ by their skew). :func:`read_etcd_events` returns the whole log sorted by ``t`` and
+:class:`EtcdEventFollower` the records added since its last poll (``bamboo-launch watch`` and
+``report`` read them with ``--etcd URL --job J``; ``bamboo-launch run`` mirrors them into a local
+JSON-lines file).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -43,10 +56,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
+from bamboo.membership.kv import FencedError, StoreError, StoreUnavailableError
 
 __all__ = [
+    "EVENTS_PER_WRITER",
     "EVENT_TYPES",
     "Checkpoint",
+    "EtcdEventFollower",
+    "EtcdEventLog",
     "Event",
     "EventLog",
     "EventLogError",
@@ -61,8 +78,14 @@ __all__ = [
     "event_from_dict",
     "event_to_dict",
     "iter_kind",
+    "read_etcd_events",
     "read_events",
 ]
+
+log = logging.getLogger(__name__)
+
+EVENTS_PER_WRITER = 20_000
+"""How many records each writer keeps in etcd (older ones are deleted as new ones are written)."""
 
 
 class EventLogError(ValueError):
@@ -348,3 +371,190 @@ class EventLog:
 def iter_kind(events: Iterable[Event], cls: type[Event]) -> Iterator[Event]:
     """The records of one type, in log order."""
     return (event for event in events if isinstance(event, cls))
+
+
+def events_prefix(job: str) -> str:
+    """The etcd prefix of a job's event records."""
+    return f"/bamboo/{job}/events/"
+
+
+class EtcdEventLog:
+    """Writes records to etcd under ``/bamboo/<job>/events/<writer>/`` (see the module docstring).
+
+    ``kv`` is a key-value store (``bamboo.membership.EtcdKV``); ``guard``, when given (a
+    ``bamboo.membership.Guard``: the writer's registration), fences every write. ``start_unix`` is the job's time zero; ``t`` of a record is
+    ``time.time() - start_unix``. Records are written in order by one background thread; a write that
+    etcd refuses because the node was fenced stops the log (nothing this node writes reaches the job
+    any more); a write that fails because etcd is unreachable is retried for ``outage_s`` seconds, then
+    dropped with an error line. ``local``, if given, also gets every record (a JSON-lines
+    :class:`EventLog`).
+    """
+
+    def __init__(
+        self,
+        kv: Any,
+        job: str,
+        writer: str,
+        start_unix: float,
+        *,
+        local: str | os.PathLike[str] | None = None,
+        keep: int = EVENTS_PER_WRITER,
+        outage_s: float = 30.0,
+        retry_s: float = 0.1,
+        guard: Any = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self._kv = kv
+        self._guard = guard
+        self.prefix = f"{events_prefix(job)}{writer}/"
+        self.start_unix = start_unix
+        self.keep = keep
+        self.outage_s = outage_s
+        self.retry_s = retry_s
+        self._local = EventLog(local, clock=time.time, start=start_unix) if local is not None else None
+        self._sequence = 0
+        self._queue: queue.Queue[Event | None] = queue.Queue()
+        self.fenced = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._drain, name=f"bamboo-events-{writer}", daemon=True)
+        self._thread.start()
+
+    def now(self) -> float:
+        """Seconds since the job's time zero (never negative)."""
+        return max(0.0, time.time() - self.start_unix)
+
+    def write(self, event: Event) -> None:
+        """Queue one record (already built, with its own ``t``); it reaches etcd shortly after."""
+        if self._closed:
+            raise ValueError(f"event log {self.prefix} is closed")
+        self._queue.put(event)
+
+    def emit(self, cls: type[Event], **fields: Any) -> Event:
+        event = cls(t=self.now(), **fields)
+        self.write(event)
+        return event
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued record was written (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (up to ``timeout`` seconds), then stop."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._local is not None:
+            self._local.close()
+
+    def _drain(self) -> None:
+        while True:
+            event = self._queue.get()
+            try:
+                if event is None:
+                    return
+                self._put(event)
+            finally:
+                self._queue.task_done()
+
+    def _put(self, event: Event) -> None:
+        if self._local is not None:
+            self._local.write(event)
+        if self.fenced.is_set():
+            return
+        data = json.dumps(event_to_dict(event), separators=(",", ":")).encode()
+        key = f"{self.prefix}{self._sequence:010d}"
+        deadline = time.monotonic() + self.outage_s
+        while True:
+            try:
+                self._kv.put(key, data, guard=self._guard)
+                if self._sequence >= self.keep:
+                    self._kv.delete(f"{self.prefix}{self._sequence - self.keep:010d}", guard=self._guard)
+                self._sequence += 1
+                return
+            except FencedError as error:
+                log.error("event log %s: this node was fenced; no more records: %s", self.prefix, error)
+                self.fenced.set()
+                return
+            except StoreUnavailableError as error:
+                if time.monotonic() > deadline:
+                    log.error("event log %s: dropped a %s record: %s", self.prefix, type(event).KIND, error)
+                    return
+                time.sleep(self.retry_s)
+            except StoreError as error:
+                log.error("event log %s: dropped a %s record: %s", self.prefix, type(event).KIND, error)
+                return
+
+
+def _parse_etcd_record(key: str, value: bytes) -> Event:
+    try:
+        return event_from_dict(json.loads(value))
+    except (ValueError, TypeError) as error:
+        raise EventLogError(f"etcd key {key}: {error}") from None
+
+
+def read_etcd_events(kv: Any, job: str) -> list[Event]:
+    """Every record of a job's event log in etcd, sorted by ``t`` (ties by key); a bad one raises
+    :class:`EventLogError` naming its key."""
+    items = kv.get_prefix(events_prefix(job))
+    parsed = [(_parse_etcd_record(item.key, item.value), item.key) for item in items]
+    parsed.sort(key=lambda pair: (pair[0].t, pair[1]))
+    return [event for event, _ in parsed]
+
+
+class EtcdEventFollower:
+    """Follows a job's event log in etcd: each :meth:`poll` returns the records added since the last one.
+
+    The first poll returns the whole log so far. Records come in the order etcd stored them, which is
+    ``t`` order for each writer; across writers a record may arrive slightly out of ``t`` order.
+    """
+
+    def __init__(self, kv: Any, job: str) -> None:
+        self._kv = kv
+        self.job = job
+        self._pending: list[Event] = []
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self._watch: Any = None
+        self._error: EventLogError | None = None
+
+    def _on_event(self, event: Any) -> None:
+        if getattr(event.kind, "value", event.kind) != "put" or event.key in self._seen:
+            return
+        try:
+            record = _parse_etcd_record(event.key, event.value)
+        except EventLogError as error:
+            with self._lock:
+                self._error = error
+            return
+        with self._lock:
+            self._seen.add(event.key)
+            self._pending.append(record)
+
+    def poll(self) -> list[Event]:
+        """The records added since the last call."""
+        if self._watch is None:
+            revision = self._kv.revision()
+            items = self._kv.get_prefix(events_prefix(self.job))
+            records = sorted(((_parse_etcd_record(i.key, i.value), i.key) for i in items),
+                             key=lambda pair: (pair[0].t, pair[1]))
+            with self._lock:
+                self._seen.update(key for _, key in records)
+                self._pending[:0] = [record for record, _ in records]
+            self._watch = self._kv.watch_prefix(events_prefix(self.job), self._on_event, start_revision=revision + 1)
+        with self._lock:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            out, self._pending = self._pending, []
+        return out
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None

@@ -184,6 +184,14 @@ class LiveState:
         """Alive nodes neither at work nor on standby."""
         return max(0, len(self.alive) - self.nodes_active - self.standby)
 
+    def progress_line(self) -> str:
+        """One line for a terminal without the live view: step, loss, samples/s, nodes."""
+        rate = self.samples_per_second
+        return (f"step {self.step if self.step is not None else '-'}  "
+                f"loss {'-' if self.loss is None else f'{self.loss:.4f}'}  "
+                f"samples/s {'-' if rate is None else f'{rate:.1f}'} (last {self._steps.maxlen} steps)  "
+                f"nodes {self.nodes_active} active, {self.standby} standby, {self.joining} joining")
+
     def summary(self) -> dict[str, Any]:
         """The state as a flat dict (for ``watch --once --json`` and tests)."""
         return {

@@ -1,9 +1,9 @@
-"""Reconfiguration at step boundaries: the view, the first-writer-wins decision, and the transfer plan.
+"""Reconfiguration at step boundaries: the view, the barrier, the restore point.
 
 Layouts are numbered by *generation*. Generation g's layout lives in etcd under
-``/bamboo/<job>/layout`` (``generation``, ``ranks`` node -> global rank, ``pipelines``,
-``micro_batches``, ``start_step``, ``plan``: bamboo-reconfig's layout) and its workers use the
-c10d key space and failure notices of job ``<job>-g<g>`` (fresh group prefixes every generation).
+``/bamboo/<job>/layout`` as a :class:`bamboo.reconfig.JobLayout` (the placement, the stage bounds, the
+start step, and how the state gets there), and its workers use the c10d key space and failure events of
+generation g (fresh group prefixes every generation).
 
 A generation ends at a barrier, at a step boundary:
 
@@ -15,16 +15,18 @@ A generation ends at a barrier, at a step boundary:
   ahead, so every worker can still stop there) as decision ``g<g>-stop``, first writer wins.
 
 At the barrier every survivor publishes which stages it holds at the barrier step (decision
-``g<g>-ready-<node>``). The first to see them all computes the next layout
-(`bamboo.reconfig.plan_layout`: depth kept, whole pipelines only, surplus on standby) and the
-transfer plan (:func:`transfer_plan`: each new owner fetches the stages it lacks from a survivor
-that holds them at that step), and writes it as decision ``g<g>-next`` (first writer wins; everyone
-uses the winner's). The global batch stays constant: D' pipelines run ``M * D / D'`` microbatches.
-Only when no survivor holds some stage is the last good checkpoint restored (``mode``
+``g<g>-ready-<node>``, a :class:`bamboo.launch.records.BarrierReady`). The first to see them all
+computes the next layout (`bamboo.reconfig.plan_layout`: depth kept, whole pipelines only, surplus on
+standby; standby nodes count once their worker is warm) and its transfer plan
+(`bamboo.reconfig.plan_transfers`: each new owner fetches only the layers it lacks, from a survivor
+that holds them at that step, in rounds where no node sends or receives two transfers at once; the
+workers execute it round by round), and writes it as decision ``g<g>-next`` (first writer wins;
+everyone uses the winner's). The global batch stays constant: D' pipelines run ``M * D / D'``
+microbatches. Only when no survivor holds some stage is the last good checkpoint restored (mode
 ``checkpoint``): the writer of the next layout picks the newest step whose shards of *every* stage
 verify (:func:`restore_point`: a corrupt, truncated or uncommitted newer one is logged with its
-file and reason and skipped), and names it in the layout (``checkpoint``, ``start_step``; the
-barrier step stays in ``barrier_step``). Every node of the next generation, survivors included,
+file and reason and skipped), and names it in the layout (its ``restore`` point; the barrier step
+stays in ``barrier_step``). Every node of the next generation, survivors included,
 loads exactly that folder (:func:`restore_slices`), so no node can pick a different step while
 an asynchronous writer is still committing a newer one. The steps after the checkpoint are
 trained again; ``history`` (the pipelines of each step, for the reference run) is cut at the
@@ -53,77 +55,40 @@ __all__ = [
     "restore_slices",
     "stage_shards",
     "transfer_participants",
-    "transfer_plan",
 ]
 
 
 def build_view(
-    layout_value: Mapping[str, Any],
+    layout: Any,
     zones: Mapping[str, str],
     alive: Sequence[str],
     dead: Sequence[str],
     layers: Sequence[Any],
-    global_batch: int,
-    stages: int,
     target_pipelines: int,
 ) -> Any:
-    """bamboo-reconfig's ``ClusterView`` of a generation: its ranked nodes (active, or preempted when
-    in ``dead``) and every other live registered node (standby)."""
-    from bamboo.reconfig import ClusterView, Layout, Node, StageSlot
+    """bamboo-reconfig's ``ClusterView`` of a generation (a :class:`bamboo.reconfig.JobLayout`): its ranked
+    nodes (active, or preempted when in ``dead`` or not ``alive``) and every other ``alive`` node (standby).
 
-    ranks: dict[str, int] = dict(layout_value["ranks"])
+    The global batch is the layout's; P is its depth and D the job's target number of pipelines.
+    """
+    from bamboo.reconfig import ClusterView, Node, StageSlot
+
+    stages = layout.stages
     nodes = []
-    for node, rank in ranks.items():
+    for node, rank in layout.ranks.items():
         slot = StageSlot(rank // stages, rank % stages)
         state = "preempted" if node in dead or node not in alive else "active"
         nodes.append(Node(node, zones.get(node) or "default", state, slot if state == "active" else None))
     for node in alive:
-        if node not in ranks:
+        if node not in layout.ranks:
             nodes.append(Node(node, zones.get(node) or "default", "standby"))
-    plan = Layout.from_dict(layout_value["plan"]) if layout_value.get("plan") else None
     return ClusterView(nodes=nodes, target_stages=stages, target_pipelines=target_pipelines,
-                       global_batch=global_batch, layers=list(layers), layout=plan)
+                       global_batch=layout.global_batch, layers=list(layers), layout=layout.plan)
 
 
-def transfer_plan(
-    new_ranks: Mapping[str, int], stages: int, holdings: Mapping[str, Sequence[int]]
-) -> tuple[list[tuple[str, str, list[int]]], dict[str, list[int]], list[int]]:
-    """Who sends which stages to whom, for the new owners in ``new_ranks`` (node -> global rank).
-
-    A node at stage s needs stage s and, with redundancy, the replica of s+1: both are needed here
-    (``stages`` >= 2). ``holdings`` are the stages each survivor holds exactly at the barrier step.
-    Returns ``(transfers, local, missing)``: ``(src, dst, stages)`` in a deterministic order (each
-    source's load balanced, lowest node id first on ties), the stages each new owner already holds,
-    and the stages no survivor holds (non-empty: restore the checkpoint). Same inputs, same plan.
-    """
-    holders: dict[int, list[str]] = {}
-    for node in sorted(holdings):
-        for stage in holdings[node]:
-            holders.setdefault(int(stage), []).append(node)
-    load: dict[str, int] = dict.fromkeys(holdings, 0)
-    wanted: dict[tuple[str, str], list[int]] = {}
-    local: dict[str, list[int]] = {}
-    missing: set[int] = set()
-    for dst, rank in sorted(new_ranks.items(), key=lambda item: item[1]):
-        stage = rank % stages
-        for need in sorted({stage, (stage + 1) % stages}):
-            if need in holdings.get(dst, ()):
-                local.setdefault(dst, []).append(need)
-                continue
-            candidates = holders.get(need, [])
-            if not candidates:
-                missing.add(need)
-                continue
-            src = min(candidates, key=lambda node: (load[node], node))
-            load[src] += 1
-            wanted.setdefault((src, dst), []).append(need)
-    transfers = [(src, dst, sorted(stage_list)) for (src, dst), stage_list in sorted(wanted.items())]
-    return transfers, local, sorted(missing)
-
-
-def transfer_participants(transfers: Sequence[tuple[str, str, Sequence[int]]]) -> list[str]:
-    """Members of the transfer group, in group-rank order: every source and every receiver."""
-    return sorted({src for src, _, _ in transfers} | {dst for _, dst, _ in transfers})
+def transfer_participants(plan: Any) -> list[str]:
+    """Members of a transfer plan's gloo group, in group-rank order: every source and every receiver."""
+    return sorted({t.source for t in plan.transfers} | {t.destination for t in plan.transfers})
 
 
 def stage_shards(stages: Iterable[int]) -> list[str]:
@@ -163,40 +128,41 @@ def restore_point(checkpoint_dir: str | None, stages: int, missing: Sequence[int
     return loaded.step, str(loaded.path)
 
 
-def restore_slices(layout_value: Mapping[str, Any], slices: MutableMapping[int, Any]) -> int:
-    """Load every slice (stage -> ``TrainableSlice``) from the checkpoint the layout names; returns its step.
+def restore_slices(layout: Any, slices: MutableMapping[int, Any]) -> int:
+    """Load every slice (stage -> ``TrainableSlice``) from the checkpoint the layout (a ``JobLayout``)
+    names; returns its step.
 
     Raises ``CheckpointError`` (naming the file and why) if a shard no longer verifies.
     """
     from bamboo.launch.checkpoint import load_checkpoint
 
-    loaded = load_checkpoint(layout_value["checkpoint"], stage_shards(slices))
-    if loaded.step != int(layout_value["start_step"]):
+    loaded = load_checkpoint(layout.restore.path, stage_shards(slices))
+    if loaded.step != layout.start_step:
         raise RuntimeError(f"checkpoint {loaded.path} is of step {loaded.step}, the layout restarts at "
-                           f"{layout_value['start_step']}")
+                           f"{layout.start_step}")
     for stage, piece in slices.items():
         piece.load_state_bytes(loaded.shards[f"stage-{stage}"]["state"].numpy().tobytes())
     return loaded.step
 
 
-def log_restore(log: Any, layout_value: Mapping[str, Any]) -> None:
-    """Append a ``restore`` record to the event log if this layout restarts from a checkpoint."""
-    if layout_value.get("mode") != "checkpoint":
+def log_restore(log: Any, layout: Any) -> None:
+    """Append a ``restore`` record to the event log if this layout (a ``JobLayout``) restarts from a checkpoint."""
+    if layout.restore is None:
         return
     from bamboo.launch.events import Restore
 
-    step = int(layout_value["start_step"])
-    log.write(Restore(t=log.now(), step=step, path=str(layout_value["checkpoint"]),
-                      lost_stages=",".join(str(int(s)) for s in layout_value["missing"]),
-                      discarded_steps=max(0, int(layout_value.get("barrier_step", step)) - step)))
+    step = layout.start_step
+    log.write(Restore(t=log.now(), step=step, path=layout.restore.path,
+                      lost_stages=",".join(str(s) for s in layout.restore.lost_stages),
+                      discarded_steps=max(0, layout.barrier_step - step)))
 
 
-def next_history(history: Sequence[Sequence[int]], start_step: int, pipelines: int) -> list[list[int]]:
+def next_history(history: Sequence[Sequence[int]], start_step: int, pipelines: int) -> list[tuple[int, int]]:
     """``(first step, pipelines)`` of each generation after one that starts at ``start_step``.
 
     Generations that start at or after ``start_step`` are dropped: after a checkpoint restore
     their steps are trained again by the new generation (and a generation that ran no step at
     all never counted).
     """
-    kept = [[int(first), int(d)] for first, d in history if int(first) < start_step]
-    return [*kept, [int(start_step), int(pipelines)]]
+    kept = [(int(first), int(d)) for first, d in history if int(first) < start_step]
+    return [*kept, (int(start_step), int(pipelines))]

@@ -26,15 +26,17 @@ The launcher runs the same command line (``python SCRIPT ARGS``) in three modes,
 environment variable ``BAMBOO_SCRIPT_MODE``; :func:`train_worker` does what the mode says and never
 returns (it ends the process with ``os._exit``):
 
-- ``describe``: once, before the cluster starts: the layers' sizes and the config go to the JSON file
-  ``BAMBOO_SCRIPT_OUT`` (the first layout and the reconfiguration costs need them); exit 0 (this
-  mode and ``reference`` run as one process: ``RANK=0``, ``WORLD_SIZE=1``);
-- ``worker``: each node's agent spawns it in the node's process group, with ``BAMBOO_RUN_SPEC`` (the
-  run's ``RUN.json``), ``BAMBOO_NODE_ID``, ``BAMBOO_AGENT`` (the agent's gRPC address) and, as torchrun
-  sets them, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (0) and ``LOCAL_WORLD_SIZE`` (1) of the layout it was
-  spawned for (a reconfiguration may move the node to another rank within the same process): the
-  worker loop of :func:`bamboo.launch.worker.train` (failover, reconfiguration, checkpoints, event
-  records), the same as the built-in example's; exit status as ``python -m bamboo.launch.worker``;
+- ``describe``: once, by the agent that writes the job's spec: the layers' sizes, the config and the
+  microbatches per pipeline go to the JSON file ``BAMBOO_SCRIPT_OUT`` (the first layout and the
+  reconfiguration costs need them); exit 0 (this mode and ``reference`` run as one process:
+  ``RANK=0``, ``WORLD_SIZE=1``);
+- ``worker``: each node's agent spawns it in the node's process group as soon as it has registered,
+  with ``BAMBOO_WORKER_CONTEXT`` (the agent's :class:`~bamboo.launch.spec.WorkerContext`),
+  ``BAMBOO_NODE_ID`` and, as torchrun sets them, ``LOCAL_RANK`` (0) and ``LOCAL_WORLD_SIZE`` (1). ``RANK``
+  and ``WORLD_SIZE`` are not set: the worker starts warm, before any layout gives it a rank, and a
+  reconfiguration may move it to another rank within the same process. It runs the worker loop of
+  :func:`bamboo.launch.worker.train` (failover, reconfiguration, checkpoints, event records), the same
+  as the built-in example's; exit status as ``python -m bamboo.launch.worker``;
 - ``reference``: for ``--verify``: a fault-free single-process run of the request in
   ``BAMBOO_SCRIPT_OUT`` (steps, per-generation pipelines, seed, config); its final layer states go to
   the file the request names; exit 0.
@@ -53,22 +55,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import attrs
+from bamboo.launch import timeouts
+from bamboo.launch.spec import ENV_CONTEXT, Program
 
 __all__ = [
-    "ENV_AGENT",
-    "ENV_ENTRY_MARK",
     "ENV_MODE",
     "ENV_NODE",
     "ENV_OUT",
-    "ENV_SPEC",
+    "ENV_PIPELINES",
     "MODES",
-    "ModuleFactory",
-    "Program",
-    "ScriptDescription",
     "ScriptError",
     "describe_script",
-    "program_layer_costs",
     "reference_from_script",
     "train_worker",
     "worker_environment",
@@ -76,11 +73,9 @@ __all__ = [
 
 ENV_MODE = "BAMBOO_SCRIPT_MODE"
 ENV_OUT = "BAMBOO_SCRIPT_OUT"
-ENV_SPEC = "BAMBOO_RUN_SPEC"
 ENV_NODE = "BAMBOO_NODE_ID"
-ENV_AGENT = "BAMBOO_AGENT"
-ENV_ENTRY_MARK = "BAMBOO_ENTRY_MARK"
-"""A file the entry point creates as it starts: the agent tells "the script never called it" by its absence."""
+ENV_PIPELINES = "BAMBOO_SCRIPT_PIPELINES"
+"""``describe`` mode: the number of pipelines the microbatches per pipeline are counted for."""
 MODES = ("describe", "worker", "reference")
 
 ENTRY_POINT = "bamboo.launch.train_worker"
@@ -90,85 +85,17 @@ class ScriptError(RuntimeError):
     """A user script could not be described or replayed; the message names the script and its log."""
 
 
-class ModuleFactory:
-    """A zero-argument callable that returns a module, seen through DeepSpeed ``LayerSpec``'s ``build()``."""
+def worker_environment(*, context_path: str | Path, node: str) -> dict[str, str]:
+    """The variables an agent adds to its environment for a script worker (see the module docstring).
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self.factory = factory
-
-    def build(self) -> Any:
-        return self.factory()
-
-    def __repr__(self) -> str:
-        return f"ModuleFactory({self.factory!r})"
-
-
-def _as_layers(value: Sequence[Any]) -> tuple[Any, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"layers must be a list of LayerSpec or module factories, got {type(value).__name__}")
-    from torch import nn
-
-    layers = []
-    for index, layer in enumerate(value):
-        if callable(getattr(layer, "build", None)):
-            layers.append(layer)
-        elif callable(layer) and not isinstance(layer, nn.Module):
-            layers.append(ModuleFactory(layer))
-        else:
-            raise TypeError(f"layer {index} is a {type(layer).__name__}: give a DeepSpeed LayerSpec or a "
-                            "zero-argument callable that returns a torch.nn.Module (not a built module)")
-    if not layers:
-        raise ValueError("layers is empty: the model needs at least one layer per stage")
-    return tuple(layers)
-
-
-def _callable(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not callable(value):
-        raise TypeError(f"{attribute.name} must be callable, got {type(value).__name__}")
-
-
-def _as_config(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise TypeError(f"config must be a DeepSpeed config dict, got {type(value).__name__}")
-    return json.loads(json.dumps(dict(value)))  # a plain JSON value: it travels in RUN.json
-
-
-@attrs.frozen
-class Program:
-    """What a training script gives the launcher: its model, loss, data and DeepSpeed config."""
-
-    layers: tuple[Any, ...] = attrs.field(converter=_as_layers)
-    loss_fn: Callable[[Any, Any], Any] = attrs.field(validator=_callable)
-    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=_callable)
-    config: dict[str, Any] | None = attrs.field(default=None, converter=_as_config)
-
-
-def program_layer_costs(layers: Sequence[Any]) -> list[Any]:
-    """bamboo-reconfig's ``LayerSpec`` of each layer: fp32 parameters, Adam state, cost by parameter count."""
-    from bamboo.reconfig import LayerSpec
-
-    costs = []
-    for layer in layers:
-        module = layer.build()
-        params = sum(p.numel() for p in module.parameters())
-        costs.append(LayerSpec(param_bytes=4 * params, optimizer_bytes=8 * params, compute_cost=float(params)))
-    return costs
-
-
-def worker_environment(
-    *, spec_path: str | Path, node: str, agent: str, rank: int, world_size: int, entry_mark: str | Path
-) -> dict[str, str]:
-    """The variables an agent adds to its environment for a script worker (see the module docstring)."""
+    A worker is spawned warm, before any layout gives it a rank, and a reconfiguration may move it to
+    another rank in the same process: ``RANK`` and ``WORLD_SIZE`` are therefore not set (the engine knows
+    its rank). ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are, as torchrun sets them: one worker per machine.
+    """
     return {
         ENV_MODE: "worker",
-        ENV_SPEC: str(spec_path),
+        ENV_CONTEXT: str(context_path),
         ENV_NODE: node,
-        ENV_AGENT: agent,
-        ENV_ENTRY_MARK: str(entry_mark),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1",
     }
@@ -187,24 +114,18 @@ def train_worker(
         raise RuntimeError(f"{ENTRY_POINT} runs under `bamboo-launch run ... -- SCRIPT` ({ENV_MODE} is not set)")
     if mode not in MODES:
         raise RuntimeError(f"{ENV_MODE} must be one of {', '.join(MODES)}, got {mode!r}")
-    mark = os.environ.get(ENV_ENTRY_MARK)
-    if mark:
-        Path(mark).touch()
+    if mode == "worker":
+        from bamboo.launch.worker import run_worker
+
+        run_worker(Program(layers=layers, loss_fn=loss_fn, microbatch=microbatch, config=config))
     code = 1
     try:
         program = Program(layers=layers, loss_fn=loss_fn, microbatch=microbatch, config=config)
         if mode == "describe":
-            _describe(program, Path(_required(ENV_OUT)))
-            code = 0
-        elif mode == "reference":
-            _reference(program, Path(_required(ENV_OUT)))
-            code = 0
+            _describe(program, Path(_required(ENV_OUT)), int(_required(ENV_PIPELINES)))
         else:
-            from bamboo.launch.worker import STANDBY_EXIT, RunSpec, train
-
-            spec = RunSpec.from_json(Path(_required(ENV_SPEC)).read_text())
-            report = train(spec, _required(ENV_NODE), os.environ.get(ENV_AGENT) or None, program)
-            code = STANDBY_EXIT if report.get("standby") else 0
+            _reference(program, Path(_required(ENV_OUT)))
+        code = 0
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -221,17 +142,15 @@ def _required(name: str) -> str:
     return value
 
 
-def _describe(program: Program, out: Path) -> None:
-    description = {
-        "layers": [layer.to_dict() for layer in program_layer_costs(program.layers)],
-        "config": program.config,
-    }
-    _write_atomic(out, json.dumps(description))
+def _describe(program: Program, out: Path, pipelines: int) -> None:
+    from bamboo.launch.example import describe_program
+
+    _write_atomic(out, json.dumps(describe_program(program, pipelines)))
 
 
 def _reference(program: Program, request_path: Path) -> None:
     import torch
-    from bamboo.launch.run import train_reference_program
+    from bamboo.launch.reference import train_reference_program
     from bamboo.rc.worker import exact_mode
 
     request = json.loads(request_path.read_text())
@@ -249,21 +168,14 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-@attrs.frozen
-class ScriptDescription:
-    """A script's model as the launcher needs it: bamboo-reconfig layer costs and its DeepSpeed config."""
-
-    layers: tuple[Any, ...] = attrs.field(converter=tuple)
-    config: dict[str, Any] | None
-
-
-def _run_mode(script: Sequence[str], mode: str, out: Path, log: Path, timeout_s: float, what: str) -> None:
+def _run_mode(script: Sequence[str], mode: str, out: Path, log: Path, timeout_s: float, what: str,
+              extra: Mapping[str, str] | None = None) -> None:
     """Run ``python SCRIPT ARGS`` in ``mode``; ScriptError naming the status and the log if it fails."""
-    env = {**os.environ, ENV_MODE: mode, ENV_OUT: str(out), "PYTHONWARNINGS": "ignore",
+    env = {**os.environ, **(extra or {}), ENV_MODE: mode, ENV_OUT: str(out), "PYTHONWARNINGS": "ignore",
            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
            # one process: a script that reads torchrun's variables at import time still runs
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    for name in (ENV_SPEC, ENV_NODE, ENV_AGENT, ENV_ENTRY_MARK):
+    for name in (ENV_CONTEXT, ENV_NODE):
         env.pop(name, None)
     command = [sys.executable, *script]
     with open(log, "wb") as sink:
@@ -282,25 +194,24 @@ def _last_line(log: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
-def describe_script(script: Sequence[str], log: Path, *, timeout_s: float = 300.0) -> ScriptDescription:
-    """Run the script in ``describe`` mode: its layers' costs and its config (ScriptError if it fails,
-    or exits without calling :func:`train_worker`)."""
-    from bamboo.reconfig import LayerSpec
-
+def describe_script(script: Sequence[str], log: Path, *, pipelines: int,
+                    timeout_s: float = timeouts.SCRIPT_DESCRIBE_TIMEOUT_S) -> dict[str, Any]:
+    """Run the script in ``describe`` mode: ``{"layers", "config", "micro_batches"}`` (its layers' costs for
+    the planner, its DeepSpeed config, and its microbatches per pipeline at ``pipelines`` pipelines).
+    ScriptError if it fails, or exits without calling :func:`train_worker`."""
     out = log.with_suffix(".json")
     out.unlink(missing_ok=True)
-    _run_mode(script, "describe", out, log, timeout_s, "while the launcher read its model")
+    _run_mode(script, "describe", out, log, timeout_s, "while its model was read",
+              {ENV_PIPELINES: str(pipelines)})
     if not out.exists():
         raise ScriptError(f"{script[0]} exited without calling {ENTRY_POINT}(layers=..., loss_fn=..., "
                           f"microbatch=...) (log: {log})")
-    description = json.loads(out.read_text())
-    return ScriptDescription(layers=[LayerSpec.from_dict(layer) for layer in description["layers"]],
-                             config=description["config"])
+    return json.loads(out.read_text())
 
 
 def reference_from_script(
     script: Sequence[str], *, config: Mapping[str, Any], seed: int, history: Sequence[Sequence[int]], steps: int,
-    work_dir: Path, timeout_s: float = 900.0,
+    work_dir: Path, timeout_s: float = timeouts.SCRIPT_REFERENCE_TIMEOUT_S,
 ) -> list[dict[str, Any]]:
     """Run the script in ``reference`` mode: the layer states of a fault-free single-process run."""
     import torch

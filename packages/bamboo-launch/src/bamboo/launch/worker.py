@@ -1,165 +1,135 @@
-"""One training worker of ``bamboo-launch run``: the bamboo-rc engine for one (stage, pipeline).
+"""One training worker of a bamboo-launch job: the bamboo-rc engine of one node, through every layout.
 
-Its node's agent spawns it as ``python -m bamboo.launch.worker --spec RUN.json --rank R --agent
-HOST:PORT``, in the agent's process group (a market kill takes both). The worker
+Its agent (:mod:`bamboo.launch.agent`) spawns it as soon as the agent has registered:
+``python -m bamboo.launch.worker`` for the built-in example, or ``python SCRIPT ARGS`` for a user script
+(which calls :func:`bamboo.launch.train_worker`), in the agent's process group (a kill of the machine
+takes both), with ``BAMBOO_WORKER_CONTEXT`` naming its :class:`~bamboo.launch.spec.WorkerContext`. The
+worker
 
+- reads the job's spec from etcd, builds its program (torch, DeepSpeed and the script are imported
+  now), and publishes ``warm-<node>``: from then on it is a *warm joiner*, and a reconfiguration that
+  brings it in only waits for the barrier and the state transfer;
+- waits for a role: a layout in etcd that places its node (generation 0, or a later one), or the
+  job's end;
 - reaches the shared c10d store over etcd (`bamboo.membership.EtcdStore` under
   ``/bamboo/<job>/c10d/rc/``), so groups form and re-form with no store host to lose;
-- learns of confirmed failures through :class:`bamboo.launch.authority.MembershipFailureNotices`
-  (suspicions go to its agent's failure detector);
-- trains a :class:`bamboo.launch.script.Program` (the built-in example, the tiny GPT of bamboo-rc,
-  or a user script's model, loss and data through :func:`bamboo.launch.train_worker`) with exact
-  arithmetic for the run's steps, appending ``step`` records (from the host of the last stage of pipeline 0) and
-  ``failover`` records (from the shadow that took a victim's stage) to the run's event log;
-- at a reconfiguration, starts the next layout as an attempt (:mod:`bamboo.launch.attempt`) that is
-  abandoned and decided again if a node it needs dies meanwhile;
-- writes its final state to ``<run>/out/rank<R>.pt`` and ends with a flush and ``os._exit``.
+- builds exactly the stage bounds of the layout (``JobLayout.stage_bounds``) and trains the program
+  with exact arithmetic, learning of confirmed failures through
+  :class:`bamboo.launch.notices.EtcdFailureNotices` (suspicions go to its agent's failure detector);
+- writes ``step`` records (the host of the last stage of pipeline 0), ``failover`` records (the shadow
+  that took a victim's stage) and ``reconfiguration`` records to the job's event log in etcd;
+- at a step boundary, when the lowest live rank decides so (:func:`bamboo.reconfig.decide`), or at
+  once after a consecutive failure, meets the other holders at a barrier and starts the next layout
+  as an attempt (:mod:`bamboo.launch.attempt`), which is abandoned and decided again if a node it
+  needs dies meanwhile; state moves by bamboo-reconfig's transfer plan, round by round;
+- a worker left out of a new layout goes back to waiting for a role in the same process;
+- after the last step, writes its final state to ``<run dir>/out/rank<R>.pt`` and the job's end record.
 
-Exit status: 0 done; 3 a consecutive failure stopped its pipeline (reconfiguration is the
-launcher's business; see the package README for what is supported); 1 any other error.
+Every write to etcd is fenced by the agent's registration: once the node is declared dead it cannot
+write a step, a checkpoint, a layout or an event of the job any more.
+
+Exit status: 0 done (or the job ended without needing it); 1 an error (its last line is published as
+``error-<node>``; a job that cannot go on, such as a stage with no copy and no checkpoint, also ends the
+job with that error). The process ends with a flush and ``os._exit``: gloo's destructors can block on a
+dead peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
+from bamboo.launch.records import (
+    BarrierReady,
+    JobEnd,
+    StopDecision,
+    WorkerError,
+    WorkerWarm,
+    read_record,
+)
+from bamboo.launch.spec import WORKER_DONE, WORKER_ERROR, JobSpec, Program, WorkerContext
 
-if TYPE_CHECKING:
-    from bamboo.launch.script import Program
-
-__all__ = ["STANDBY_EXIT", "RunSpec", "example_program", "main", "train"]
-
-
-@attrs.frozen
-class RunSpec:
-    """What every worker of a run shares (written once by the launcher as ``RUN.json``)."""
-
-    job: str
-    etcd: tuple[str, ...] = attrs.field(converter=tuple)
-    stages: int
-    pipelines: int
-    steps: int
-    node_of_rank: dict[int, str] = attrs.field(converter=lambda m: {int(k): str(v) for k, v in m.items()})
-    out_dir: str
-    events: str
-    run_start: float
-    redundancy: str = "eflb"
-    size: dict[str, int] = attrs.field(factory=dict)
-    config: dict[str, Any] = attrs.field(factory=dict)
-    seed: int = 0
-    etcd_user: str | None = None
-    etcd_password: str | None = attrs.field(default=None, repr=False)
-    etcd_ca: str | None = None
-    etcd_cert: str | None = None
-    etcd_key: str | None = None
-    confirm_timeout_s: float = 60.0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 10
-    group_timeout_s: float = 60.0
-    reconfigure_timeout_s: float = 120.0
-    """How long a reconfiguration attempt may take to start every node before it is abandoned and redone."""
-    script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    """``SCRIPT ARGS`` of a user script (agents spawn ``python SCRIPT ARGS``); empty: the built-in example."""
-
-    def to_json(self) -> str:
-        return json.dumps(attrs.asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> RunSpec:
-        return cls(**json.loads(text))
-
-
-def _failover_records(executor: Any, seen: int) -> list[dict[str, Any]]:
-    """The failovers this node took a victim's stage in, among those recorded since ``seen``."""
-    records = []
-    stages = executor.layout.stages
-    for failover in executor.failovers[seen:]:
-        for victim in failover["victims"].get(executor.pipeline, []):
-            if (victim - 1) % stages == executor.stage:
-                records.append({"victim": victim, "pause_s": _pause_s(failover)})
-    return records
-
-
-def _pause_s(failover: dict[str, Any]) -> float:
-    """Seconds from the moment the runtime caught the failure to the moment it resumed.
-
-    bamboo-rc records ``caught_at``/``resumed_at`` (wall clock); older records carried
-    ``detect_s`` and ``reroute_s``.
-    """
-    if "caught_at" in failover and "resumed_at" in failover:
-        return max(0.0, float(failover["resumed_at"]) - float(failover["caught_at"]))
-    return float(failover.get("detect_s", 0.0)) + float(failover.get("reroute_s", 0.0))
-
+__all__ = ["TRANSFER_PAUSE_ENV", "JobCannotContinue", "main", "pipeline_batches", "train"]
 
 TRANSFER_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_TRANSFER_PAUSE_S"
 """Test hook: seconds every member of a reconfiguration's transfer group waits once the group is formed,
 after publishing decision ``g<G>-transfer-group-<node>`` (so that a test can kill a node mid-transfer)."""
 
-STANDBY_EXIT = 4
-"""Exit status of a worker whose node has no role in the next layout (its agent waits on standby)."""
-_UNTIL_EXIT: list[Any] = []  # objects that must not be freed before ``os._exit`` (see train's standby return)
+WORKER_POLL_S = 0.05
+"""How often a worker without a role checks the layout and the job's end."""
+
+_UNTIL_EXIT: list[Any] = []  # objects that must not be freed before ``os._exit`` (their gloo groups)
 
 
-class _Generation:
-    """One worker's view of the run across layouts (see :mod:`bamboo.launch.reconfigure`)."""
+class JobCannotContinue(RuntimeError):
+    """The job cannot go on (say, every copy of a stage is gone and there is no checkpoint): the worker
+    ends the job with this error."""
 
-    def __init__(self, spec: RunSpec, node: str, agent_address: str | None, program: Program) -> None:
-        from bamboo.launch.authority import PatientKV
-        from bamboo.launch.events import EventLog
-        from bamboo.membership import (
-            AgentClient,
-            EtcdKV,
-            EtcdOptions,
-            EtcdStore,
-            MembershipStore,
-            c10d_prefix,
-        )
+
+def read_spec(membership: Any) -> JobSpec:
+    """The job's spec from etcd (a clear error when there is none)."""
+    found = membership.kv.get(membership.keys.root + "spec")
+    if found is None:
+        raise RuntimeError(f"job {membership.keys.job} has no spec in etcd (its agents write it)")
+    return JobSpec.from_json(found.value)
+
+
+class _Run:
+    """One worker's connections and view of the job across layouts."""
+
+    def __init__(self, context: WorkerContext, program: Program) -> None:
+        from bamboo.launch.events import EtcdEventLog
+        from bamboo.launch.notices import PatientKV
+        from bamboo.membership import AgentClient, EtcdKV, EtcdStore, MembershipStore, c10d_prefix
         from bamboo.rc import CommTimeouts
 
-        self.spec = spec
-        self.node = node
+        self.context = context
         self.program = program
-        self.kv = EtcdKV(EtcdOptions(endpoints=spec.etcd, user=spec.etcd_user, password=spec.etcd_password,
-                                     ca_cert=spec.etcd_ca, cert_cert=spec.etcd_cert, cert_key=spec.etcd_key))
+        self.node = context.node
+        self.kv = EtcdKV(context.etcd.options())
         patient = PatientKV(self.kv)  # an etcd restart pauses this worker instead of failing it
-        self.membership = MembershipStore(patient, spec.job)  # type: ignore[arg-type]
-        self.timeouts = CommTimeouts(group=spec.group_timeout_s, confirm=spec.confirm_timeout_s)
-        self.store = EtcdStore(patient, c10d_prefix(spec.job, "rc"),  # type: ignore[arg-type]
+        self.membership = _fenced(MembershipStore(patient, context.job), context)  # type: ignore[arg-type]
+        self.spec = read_spec(self.membership)
+        self.timeouts = CommTimeouts(group=self.spec.group_timeout_s, confirm=self.spec.confirm_timeout_s)
+        self.store = EtcdStore(patient, c10d_prefix(context.job, "rc"),  # type: ignore[arg-type]
                                timeout=datetime.timedelta(seconds=self.timeouts.build))
-        self.agent = AgentClient(agent_address, name=f"worker-{node}") if agent_address else None
-        self.log = EventLog(spec.events, start=spec.run_start)
+        self.agent = AgentClient(context.agent_address, name=f"worker-{self.node}", **_agent_auth(context))
+        self.log = EtcdEventLog(self.membership.kv, context.job, f"{self.node}.worker.{os.getpid()}",
+                                self.spec.created_unix, guard=self.membership.guard)
         self.retired: list[Any] = []  # old executors stay referenced: their gloo groups must not be destroyed
+        self.layers = self.spec.reconfig_layers()
 
-    @staticmethod
-    def layers(layout: dict[str, Any]) -> list[Any]:
-        """bamboo-reconfig's view of the model's layers: those the launcher planned the first layout with."""
-        from bamboo.reconfig import Layout
+    def ended(self) -> JobEnd | None:
+        try:
+            return read_record(JobEnd, self.membership.get_decision("end"))
+        except Exception:  # etcd restarting
+            return None
 
-        return list(Layout.from_dict(layout["plan"]).layers)
+    def layout(self) -> Any:
+        from bamboo.launch.coordinator import read_layout
 
-    def wait_layout(self, after: int) -> dict[str, Any]:
-        """The first layout of generation > ``after`` (the first layout for ``after=-1``)."""
-        deadline = time.monotonic() + self.timeouts.build
+        return read_layout(self.membership)
+
+    def wait_role(self, after: int) -> Any:
+        """The first layout of generation > ``after`` that places this node; None once the job has ended."""
         while True:
+            if self.ended() is not None:
+                return None
             try:
-                current = self.membership.get_layout()
+                layout = self.layout()
             except Exception:  # etcd restarting
-                current = None
-            if current is not None and current.value.get("generation", 0) > after:
-                return current.value
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no layout after generation {after} within {self.timeouts.build:g} s")
-            time.sleep(0.05)
+                layout = None
+            if layout is not None and layout.generation > after and self.node in layout.ranks:
+                return layout
+            time.sleep(WORKER_POLL_S)
 
     def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -174,22 +144,31 @@ class _Generation:
                 raise RuntimeError(f"decision {name} not taken within {timeout:g} s")
             time.sleep(0.02)
 
+    def close(self) -> None:
+        self.log.close()
 
-def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> Program:
-    """The built-in example: the tiny GPT of bamboo-rc on the standard library's source bytes."""
-    from bamboo.launch.script import Program
-    from bamboo.rc import load_config
-    from bamboo.rc.data import GlobalBatchSampler
-    from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 
-    gpt = GPTSize(**size)
-    sampler = GlobalBatchSampler(load_config(config).micro_batch_size, gpt.sequence, seed=seed)
+def _fenced(membership: Any, context: WorkerContext) -> Any:
+    """``membership`` with every write guarded by the agent's registration (when the agent gave one)."""
+    if not context.fence_key:
+        return membership
+    from bamboo.membership import Guard
 
-    def microbatch(step: int, index: int) -> tuple[Any, Any]:
-        batch = sampler.microbatch(step, index)
-        return batch.tokens, batch.labels
+    return membership.fenced(Guard(node=context.node, key=context.fence_key, create_revision=context.fence_revision,
+                                   lease=context.fence_lease))
 
-    return Program(layers=gpt_layer_specs(gpt), loss_fn=lm_loss, microbatch=microbatch, config=config)
+
+def _agent_auth(context: WorkerContext) -> dict[str, Any]:
+    """How to call the agent's gRPC service: its job token or its TLS files."""
+    options: dict[str, Any] = {}
+    if context.agent_token_file:
+        options["token"] = Path(context.agent_token_file).read_text().strip()
+    if context.agent_tls_ca:
+        from bamboo.membership import TlsFiles
+
+        options["credentials"] = TlsFiles(context.agent_tls_cert or "", context.agent_tls_key or "",
+                                          context.agent_tls_ca).channel_credentials()
+    return options
 
 
 def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_step: int) -> Iterator[Any]:
@@ -202,37 +181,51 @@ def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_s
         step += 1
 
 
-def train(spec: RunSpec, node: str, agent_address: str | None, program: Program | None = None) -> dict[str, Any]:
-    """Train ``program`` (default: the built-in example) as node ``node`` through every layout it has a
-    role in; returns the final report."""
+def _failover_records(executor: Any, seen: int) -> list[tuple[int, float]]:
+    """``(victim stage, pause)`` of the failovers in which this node took a victim's stage, since ``seen``."""
+    records = []
+    stages = executor.layout.stages
+    for failover in executor.failovers[seen:]:
+        for victim in failover.victims.get(executor.pipeline, ()):
+            if (victim - 1) % stages == executor.stage:
+                records.append((victim, failover.pause_s))
+    return records
+
+
+def train(context: WorkerContext, program: Program | None = None) -> dict[str, Any]:
+    """Train ``program`` (default: the built-in example) as ``context.node`` through every layout it has a
+    role in; returns the final report (``{"done": False}`` when the job ended without needing this node)."""
     import torch
     from bamboo.launch.events import Failover, Reconfiguration, Step
+    from bamboo.launch.example import example_program
     from bamboo.launch.reconfigure import log_restore
     from bamboo.rc import ConsecutiveFailure
     from bamboo.rc.worker import exact_mode
 
     exact_mode()
-    program = program or example_program(spec.size, spec.config, spec.seed)
-    run = _Generation(spec, node, agent_address, program)
-    log = run.log
-    layout = run.wait_layout(-1)
-    if len(program.layers) != len(run.layers(layout)):
-        raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the launcher planned "
-                           f"{len(run.layers(layout))}: every process of the script must build the same model")
+    if program is None:
+        spec = _spec_of(context)
+        program = example_program(spec.size, spec.config, spec.seed)
+    run = _Run(context, program)
+    spec, node, log = run.spec, run.node, run.log
+    if len(program.layers) != len(spec.layers):
+        raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the job's spec has "
+                           f"{len(spec.layers)}: every process of the script must build the same model")
+    run.membership.decide(f"warm-{node}", WorkerWarm(node, time.time()).to_dict())
+    layout = run.wait_role(-1)
+    if layout is None:
+        run.close()
+        return {"done": False}
     old: Any = None  # the executor of the previous generation (the state this node holds)
-    base: dict[str, Any] = layout  # the layout whose barrier this node's state is from (holders only)
-    ready_record: dict[str, Any] | None = None  # what this node published at that barrier (None: holds nothing)
+    base: Any = layout  # the layout whose barrier this node's state is from (holders only)
+    ready_record: BarrierReady | None = None  # what this node published at that barrier (None: holds nothing)
     started = time.perf_counter()
     checkpointers: dict[int, Any] = {}
     losses: list[float] = []
-    failovers: list[dict[str, Any]] = []
+    failovers: list[Any] = []
     while True:
-        generation = int(layout["generation"])
-        ranks: dict[str, int] = dict(layout["ranks"])
-        if node not in ranks and ready_record is None:
-            return {"standby": True, "generation": generation}
-        pipelines, micro_batches = int(layout["pipelines"]), int(layout["micro_batches"])
-        node_of_rank = {r: n for n, r in ranks.items()}
+        generation = layout.generation
+        ranks: dict[str, int] = layout.ranks
         if generation == 0:
             engine = _start_engine(run, layout, None, run.store)
         else:
@@ -240,38 +233,46 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
             if engine is _ABANDONED:
                 if ready_record is None:  # a joiner: it holds nothing, it follows the next attempt's layout
                     layout = _next_attempt_layout(run, layout)
+                    if node not in layout.ranks:
+                        layout = run.wait_role(layout.generation)
+                        if layout is None:
+                            break
                     continue
-                attempt = int(layout.get("attempt", 0)) + 1
-                run.membership.decide(f"{_prefix(int(base['generation']), attempt)}ready-{node}", ready_record)
-                survivors = list(layout["survivors"])
+                attempt = layout.attempt + 1
+                run.membership.decide(f"{_prefix(base.generation, attempt)}ready-{node}", ready_record.to_dict())
+                survivors = list(layout.survivors)
                 layout = _next_layout(run, base, lambda records, s=survivors: [n for n in s if n in records],
-                                      attempt, str(layout["reason"]))
+                                      attempt, layout.reason)
                 continue
             if node not in ranks:  # a source that leaves for standby: its transfers are done
                 # Freeing the groups here would block until their pending work times out (gloo's destructor
-                # waits; 60 s after a kill), so the agent would see this exit late and miss the next layout.
-                _UNTIL_EXIT.append((run, old))
-                return {"standby": True, "generation": generation}
+                # waits; 60 s after a kill), so they stay referenced until the process exits.
+                _UNTIL_EXIT.append(old)
+                old, ready_record = None, None
+                print(f"node {node}: on standby after generation {generation}", flush=True)
+                layout = run.wait_role(generation)
+                if layout is None:
+                    break
+                continue
         rank = ranks[node]
         executor = engine.executor
         if generation > 0 and rank == min(ranks.values()):  # one record per reconfiguration, once all are up
-            log.write(Reconfiguration(t=log.now(), reason=layout["reason"], pipelines=pipelines,
-                                      stages=spec.stages, standby=len(layout["standby"]),
-                                      bytes_moved=_bytes_moved(run, layout),
-                                      duration_s=max(0.0, time.time() - float(layout["barrier_unix"])),
-                                      attempts=int(layout.get("attempt", 0)) + 1))
+            log.write(Reconfiguration(t=log.now(), reason=layout.reason, pipelines=layout.pipelines,
+                                      stages=spec.stages, standby=len(layout.standby),
+                                      bytes_moved=layout.transfers.bytes_moved,
+                                      duration_s=max(0.0, time.time() - float(layout.barrier_unix or time.time())),
+                                      attempts=layout.attempt + 1))
             log_restore(log, layout)
         if old is not None:
             run.retired.append(old)
         ready_record = None
         old = None
-        data = pipeline_batches(program.microbatch, executor.pipeline, micro_batches, executor.step)
-        samples = executor.config.micro_batch_size * micro_batches * pipelines
+        data = pipeline_batches(program.microbatch, executor.pipeline, layout.micro_batches, executor.step)
+        samples = executor.config.micro_batch_size * layout.micro_batches * layout.pipelines
         seen_failovers = 0
         stop_step: int | None = None
         stop_reason = "step boundary"
         consecutive = False
-        evaluator = min(ranks.values())
         while executor.step < spec.steps:
             if stop_step is not None and executor.step >= stop_step:
                 break
@@ -285,27 +286,29 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
                 break
             duration = time.perf_counter() - step_started
             losses.append(loss)
-            for record in _failover_records(executor, seen_failovers):
-                victim_rank = executor.layout.rank(record["victim"], executor.pipeline)
+            node_of_rank = layout.node_of_rank
+            for victim, pause_s in _failover_records(executor, seen_failovers):
+                victim_rank = executor.layout.rank(victim, executor.pipeline)
                 log.write(Failover(t=log.now(), victim=node_of_rank.get(victim_rank, str(victim_rank)),
-                                   shadow=node, stage=record["victim"], pause_s=record["pause_s"]))
+                                   shadow=node, stage=victim, pause_s=pause_s))
             failovers.extend(executor.failovers[seen_failovers:])
             seen_failovers = len(executor.failovers)
             if executor.pipeline == 0 and spec.stages - 1 in executor.hosted:
                 log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
-                               nodes_active=spec.stages * pipelines - len(executor.dead), duration_s=duration))
+                               nodes_active=spec.stages * layout.pipelines - len(executor.dead),
+                               duration_s=duration))
             if spec.checkpoint_dir is not None and executor.pipeline == 0:
-                _checkpoint(spec, executor, checkpointers, log, torch)
+                _checkpoint(run, executor, checkpointers, torch)
             if stop_step is None:
-                stop_step, stop_reason = _stop_step(run, generation, executor, ranks, evaluator, layout)
+                stop_step, stop_reason = _stop_step(run, layout, executor, ranks)
         if executor.step >= spec.steps and not consecutive:
             engine.finish()
             break
         # ---- the barrier: this generation ends at executor.step ----------------------------------
         executor.apply_replica_updates()
         holds = sorted(s for s, piece in executor.slices.items() if piece.steps == executor.step)
-        ready_record = {"step": executor.step, "holds": holds, "at": time.time()}
-        run.membership.decide(f"g{generation}-ready-{node}", ready_record)
+        ready_record = BarrierReady(step=executor.step, holds=holds, at=time.time())
+        run.membership.decide(f"g{generation}-ready-{node}", ready_record.to_dict())
         print(f"node {node}: at the barrier of generation {generation}: step {executor.step}, holds stages {holds}",
               flush=True)
         dead = set(executor.dead)
@@ -315,67 +318,81 @@ def train(spec: RunSpec, node: str, agent_address: str | None, program: Program 
             0, "consecutive failure" if consecutive else stop_reason)
     for writer in checkpointers.values():
         writer.close()
+    if layout is None or node not in layout.ranks:
+        run.close()
+        return {"done": False}
+    report = _final_report(run, layout, engine.executor, losses, failovers, started)
+    run.membership.decide("end", JobEnd(steps=engine.executor.step, node=node).to_dict())
+    run.close()
+    return report
+
+
+def _final_report(run: _Run, layout: Any, executor: Any, losses: list[float], failovers: list[Any],
+                  started: float) -> dict[str, Any]:
+    import torch
+
+    rank = layout.ranks[run.node]
     report = {
         "rank": rank,
-        "node": node,
-        "generation": generation,
-        "history": layout.get("history", [[0, int(layout["pipelines"])]]),
+        "node": run.node,
+        "generation": layout.generation,
+        "history": [list(item) for item in layout.history],
+        "stage_bounds": [list(bounds) for bounds in layout.stage_bounds],
         "stage": executor.stage,
         "pipeline": executor.pipeline,
         "hosted": list(executor.hosted),
         "slices": {stage: [layer.state_dict() for layer in piece.layers] for stage, piece in executor.slices.items()},
+        "slice_layers": {stage: list(piece.indices) for stage, piece in executor.slices.items()},
         "replica_stage": executor.replica_stage,
         "losses": losses,
         "steps_done": executor.step,
-        "failovers": failovers,
+        "failovers": [failover.to_dict() for failover in failovers],
         "consecutive": None,
         "seconds": time.perf_counter() - started,
     }
-    path = Path(spec.out_dir) / f"rank{rank}.pt"
+    out = run.context.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"rank{rank}.pt"
     torch.save(report, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)  # the launcher reads this file: never a partial one
-    log.close()
     return report
 
 
-def _bytes_moved(run: _Generation, layout: dict[str, Any]) -> int:
-    """Bytes the sources of this reconfiguration sent (each records its own; waits up to 10 s for them)."""
-    sources = sorted({src for src, _, _ in layout["transfers"]})
-    total = 0
-    for src in sources:
-        try:
-            total += int(run.wait_decision(f"g{layout['generation']}-sent-{src}", 10.0)["bytes"])
-        except RuntimeError:
-            print(f"node {run.node}: source {src} did not record what it sent", file=sys.stderr, flush=True)
-    return total
+def _checkpoint(run: _Run, executor: Any, checkpointers: dict[int, Any], torch: Any) -> None:
+    """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too).
 
-
-def _checkpoint(spec: RunSpec, executor: Any, checkpointers: dict[int, Any], log: Any, torch: Any) -> None:
-    """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too)."""
+    A shard commits only after a fenced write to etcd succeeded: a node declared dead writes no checkpoint.
+    """
     from bamboo.launch.checkpoint import AsyncCheckpointer
     from bamboo.launch.events import Checkpoint
+
+    spec, log = run.spec, run.log
 
     def committed(info: Any) -> None:
         log.write(Checkpoint(t=log.now(), step=info.step, path=str(info.path), bytes=info.bytes,
                              duration_s=info.duration_s))
 
+    def may_commit(step: int, shard: str) -> None:  # raises (the shard is not committed) once fenced
+        run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
+
     for stage in executor.hosted:
         if stage not in checkpointers:
             checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
-                                                     every_steps=spec.checkpoint_every, on_commit=committed)
+                                                     every_steps=spec.checkpoint_every, on_commit=committed,
+                                                     before_commit=may_commit)
         checkpointers[stage].maybe_save(executor.step, lambda stage=stage: {
             "state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8)})
 
 
-def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str, int], evaluator: int,
-               layout: dict[str, Any]) -> tuple[int | None, str]:
-    """The step this generation stops at and why, once decided (first writer wins); the evaluator proposes it."""
-    name = f"g{generation}-stop"
-    evaluator = min((r for r in ranks.values() if r not in executor.dead), default=evaluator)  # the lowest live rank
+def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> tuple[int | None, str]:
+    """The step this generation stops at and why, once decided (first writer wins); the lowest live rank
+    proposes it."""
+    name = f"g{layout.generation}-stop"
+    evaluator = min((r for r in ranks.values() if r not in executor.dead), default=min(ranks.values()))
     if executor.rank == evaluator and executor.step + 2 <= run.spec.steps:
         from bamboo.reconfig import When, decide
 
-        view = _view(run, layout, executor, ranks)
+        view = _view(run, layout, executor)
         if view is not None:
             decision = decide(view)
             reason = ", ".join(r.value for r in decision.reasons)
@@ -386,33 +403,39 @@ def _stop_step(run: _Generation, generation: int, executor: Any, ranks: dict[str
                 reason = "rebuild redundancy after a failover"
             if decision.when is not When.CARRY_ON or executor.dead:
                 try:
-                    run.membership.decide(name, {"step": executor.step + 2, "reason": reason})
+                    run.membership.decide(name, StopDecision(executor.step + 2, reason).to_dict())
                 except Exception as error:  # etcd restarting: propose again after the next step
                     print(f"node {run.node}: could not propose a reconfiguration: {error}", file=sys.stderr)
                     return None, ""
     try:
-        found = run.membership.get_decision(name)
+        found = read_record(StopDecision, run.membership.get_decision(name))
     except Exception:
         return None, ""
     if found is None:
         return None, ""
-    return int(found.value["step"]), str(found.value["reason"])
+    return found.step, found.reason
 
 
-def _view(run: _Generation, layout: dict[str, Any], executor: Any, ranks: dict[str, int]) -> Any:
+def warm_standby(membership: Any, registered: Any) -> list[str]:
+    """The registered nodes whose worker is warm (it published ``warm-<node>``)."""
+    warm = {item.key.rsplit("/", 1)[-1].removeprefix("warm-")
+            for item in membership.kv.get_prefix(membership.keys.decision("warm-"))}
+    return sorted(node for node in registered if node in warm)
+
+
+def _view(run: _Run, layout: Any, executor: Any) -> Any:
     from bamboo.launch.reconfigure import build_view
 
     try:
         records = run.membership.list_nodes(skip_malformed=True)
+        alive = warm_standby(run.membership, records)
     except Exception:
         return None
+    ranks = layout.ranks
     dead = [n for n, r in ranks.items() if r in executor.dead]
-    zones = {n: record.zone for n, record in records.items()}
-    zones.update(layout.get("zones", {}))
-    layers = run.layers(layout)
-    global_batch = int(layout["micro_batches"]) * int(layout["pipelines"])
-    return build_view(layout, zones, sorted(records), dead, layers, global_batch, run.spec.stages,
-                      run.spec.pipelines)
+    alive = sorted(set(alive) | {n for n in ranks if n in records})
+    zones = {**layout.zones, **{n: record.zone for n, record in records.items()}}
+    return build_view(layout, zones, alive, dead, run.layers, run.spec.pipelines)
 
 
 _ABANDONED: Any = object()
@@ -424,44 +447,44 @@ def _prefix(generation: int, attempt: int) -> str:
     return f"g{generation}-" if attempt == 0 else f"g{generation}-a{attempt}-"
 
 
-def _start_engine(run: _Generation, layout: dict[str, Any], old: Any, store: Any) -> Any:
+def _start_engine(run: _Run, layout: Any, old: Any, store: Any) -> Any:
     """This node's engine for ``layout``, with its stage state (from ``old``, peers or a checkpoint) in place."""
-    from bamboo.launch.authority import MembershipFailureNotices
+    from bamboo.launch.notices import EtcdFailureNotices
     from bamboo.rc import initialize
 
-    spec, ranks = run.spec, dict(layout["ranks"])
-    pipelines, micro_batches = int(layout["pipelines"]), int(layout["micro_batches"])
-    job = f"{spec.job}-g{int(layout['generation'])}"
-    notices = MembershipFailureNotices(store, job, run.agent, {r: n for n, r in ranks.items()})
+    spec, ranks = run.spec, layout.ranks
+    job = f"{spec.job}-g{layout.generation}"
+    notices = EtcdFailureNotices(run.membership, layout.generation, run.agent, layout.node_of_rank)
+    run.retired.append(notices)
+    config = {**spec.config, "gradient_accumulation_steps": layout.micro_batches}
     engine = initialize(
-        list(run.program.layers), {**spec.config, "gradient_accumulation_steps": micro_batches}, spec.redundancy,
-        loss_fn=run.program.loss_fn, stages=spec.stages, rank=ranks[run.node], world_size=spec.stages * pipelines,
-        store=store, seed=spec.seed, job=job, timeouts=run.timeouts,
-        notices=notices if spec.redundancy != "none" else None,
+        list(run.program.layers), config, spec.redundancy, loss_fn=run.program.loss_fn, stages=spec.stages,
+        rank=ranks[run.node], world_size=spec.stages * layout.pipelines, store=store, seed=spec.seed, job=job,
+        timeouts=run.timeouts, notices=notices if spec.redundancy != "none" else None,
+        stage_bounds=layout.stage_bounds,
     )
-    if int(layout["generation"]) > 0:
-        _receive_state(run, layout, old, engine.executor, store)
-        engine.executor.step = int(layout["start_step"])
+    _receive_state(run, layout, old, engine.executor, store)
+    engine.executor.step = layout.start_step
     return engine
 
 
-def _attempt(run: _Generation, layout: dict[str, Any], old: Any) -> Any:
+def _attempt(run: _Run, layout: Any, old: Any) -> Any:
     """Start ``layout`` as one attempt (:mod:`bamboo.launch.attempt`): this node's engine on ``go``,
     :data:`_ABANDONED` on ``abort``; a node that is not in the layout (a source leaving for standby, or a
     holder kept for a possible retry) does its transfers and returns None on ``go``."""
     from bamboo.launch.attempt import AbandonableStore, StartThread, await_outcome
 
-    generation = int(layout["generation"])
-    owners = set(layout["ranks"])
-    sources = {src for src, _, _ in layout["transfers"]}
+    generation = layout.generation
+    owners = set(layout.ranks)
+    sources = {transfer.source for transfer in layout.transfers.transfers}
     store = AbandonableStore(run.store)
     if run.node in owners:
         part = StartThread(lambda: _start_engine(run, layout, old, store), name=f"bamboo-start-g{generation}")
     else:
-        part = StartThread(lambda: _serve_as_source(run, layout, old, store), name=f"bamboo-serve-g{generation}")
+        part = StartThread(lambda: _run_transfers(run, layout, old, None, store), name=f"bamboo-serve-g{generation}")
     outcome = await_outcome(run.membership, generation, run.node, owners, owners | sources, part.progress,
-                            run.spec.reconfigure_timeout_s, say=lambda line: print(f"node {run.node}: {line}",
-                                                                                    flush=True))
+                            run.spec.reconfigure_timeout_s,
+                            say=lambda line: print(f"node {run.node}: {line}", flush=True))
     if outcome.go:
         part.join(run.timeouts.group)  # every owner is up, so every transfer of this node is done
         done, error = part.progress()
@@ -475,185 +498,234 @@ def _attempt(run: _Generation, layout: dict[str, Any], old: Any) -> Any:
     return _ABANDONED
 
 
-def _publish_layout(run: _Generation, value: dict[str, Any]) -> None:
-    """Make ``value`` the layout in etcd unless a later one is there (any node may do it: its writer may be dead)."""
+def _publish_layout(run: _Run, layout: Any) -> None:
+    """Make ``layout`` the layout in etcd unless a later one is there (any node may do it: its writer may be dead)."""
     current = run.membership.get_layout()
-    if current is not None and int(current.value.get("generation", 0)) < int(value["generation"]):
-        run.membership.put_layout(value, current.revision)
+    if current is not None and int(current.value.get("generation", 0)) < layout.generation:
+        run.membership.put_layout(layout.to_dict(), current.revision)
 
 
-def _next_attempt_layout(run: _Generation, layout: dict[str, Any]) -> dict[str, Any]:
+def _next_attempt_layout(run: _Run, layout: Any) -> Any:
     """For a joiner whose attempt was abandoned: the layout the holders decide next."""
-    name = f"{_prefix(int(layout['base_generation']), int(layout['attempt']) + 1)}next"
-    value = run.wait_decision(name, run.timeouts.build)
+    from bamboo.reconfig import JobLayout
+
+    name = f"{_prefix(int(layout.base_generation), layout.attempt + 1)}next"
+    value = JobLayout.from_dict(run.wait_decision(name, run.timeouts.build))
     _publish_layout(run, value)
     return value
 
 
-def _next_layout(run: _Generation, base: dict[str, Any], expected: Any, attempt: int, reason: str) -> dict[str, Any]:
+def _next_layout(run: _Run, base: Any, expected: Any, attempt: int, reason: str) -> Any:
     """Wait for every expected holder at the barrier of ``base``, then the next layout (first writer wins).
 
     ``expected(records)`` lists the nodes that must publish what they hold, given the registered nodes;
     ``attempt`` counts the abandoned starts of this barrier so far (each retry has its own decision names).
     """
-    generation = int(base["generation"])
+    from bamboo.reconfig import JobLayout
+
+    generation = base.generation
     prefix = _prefix(generation, attempt)
     name = f"{prefix}next"
     # A survivor may reach the barrier only after its own confirmation wait or group timeout.
     deadline = time.monotonic() + run.timeouts.build
-    ready: dict[str, dict[str, Any]] = {}
-    value: dict[str, Any] | None = None
+    ready: dict[str, BarrierReady] = {}
+    value: JobLayout | None = None
     while value is None:
         existing = run.membership.get_decision(name)
         if existing is not None:
-            value = existing.value
+            value = JobLayout.from_dict(existing.value)
             break
         records = run.membership.list_nodes(skip_malformed=True)
         waiting_for = expected(records)
         for other in waiting_for:
             if other not in ready:
-                found = run.membership.get_decision(f"{prefix}ready-{other}")
+                found = read_record(BarrierReady, run.membership.get_decision(f"{prefix}ready-{other}"))
                 if found is not None:
-                    ready[other] = found.value
+                    ready[other] = found
         if all(other in ready for other in waiting_for):
-            value = _plan_next(run, base, ready, attempt, reason)
-            value = run.membership.decide(name, value).value
+            planned = _plan_next(run, base, ready, attempt, reason)
+            value = JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)
             break
         if time.monotonic() > deadline:
             raise RuntimeError(f"survivors {sorted(set(waiting_for) - set(ready))} did not reach the barrier of "
                                f"generation {generation}")
         time.sleep(0.02)
     _publish_layout(run, value)
-    print(f"node {run.node}: generation {value['generation']} starts at step {value['start_step']} "
-          f"({value['mode']}, attempt {attempt + 1}): ranks {value['ranks']}, transfers {value['transfers']}",
-          flush=True)
+    print(f"node {run.node}: generation {value.generation} starts at step {value.start_step} "
+          f"({value.mode.value}, attempt {attempt + 1}): ranks {value.ranks}, "
+          f"{len(value.transfers.transfers)} transfers of {value.transfers.bytes_moved} bytes", flush=True)
     return value
 
 
-def _plan_next(run: _Generation, base: dict[str, Any], ready: dict[str, dict[str, Any]], attempt: int,
-               reason: str) -> dict[str, Any]:
+def _plan_next(run: _Run, base: Any, ready: dict[str, BarrierReady], attempt: int, reason: str) -> Any:
     """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
-    from bamboo.launch.reconfigure import build_view, next_history, restore_point, transfer_plan
-    from bamboo.reconfig import plan_layout
+    from bamboo.launch.reconfigure import build_view, next_history, restore_point
+    from bamboo.reconfig import JobLayout, RestorePoint, StartMode, TransferPlan, plan_layout, plan_transfers
 
-    generation = int(base["generation"])
-    ranks: dict[str, int] = dict(base["ranks"])
+    spec = run.spec
     records = run.membership.list_nodes(skip_malformed=True)
-    # a holder whose lease expired since it published what it holds is dead: no transfer from it
+    # a holder whose lease expired (or was revoked) since it published what it holds is dead: no transfer from it
     ready = {node: record for node, record in ready.items() if node in records} or ready
     # A consecutive failure can leave one pipeline committed at step k+1 while the broken one's
     # survivors abandoned step k: the committed state already holds the whole global batch of k,
     # so the next generation starts from the newest step, held by the nodes that reached it.
-    step = max(int(record["step"]) for record in ready.values())
-    holdings = {other: [int(s) for s in record["holds"]] for other, record in ready.items()
-                if int(record["step"]) == step}
-    dead = [n for n in ranks if n not in ready]
-    zones = {n: record.zone for n, record in records.items()}
-    usable = sorted(set(ready) | {n for n in records if n not in ranks})
-    global_batch = int(base["micro_batches"]) * int(base["pipelines"])
-    view = build_view(base, zones, usable, dead, run.layers(base), global_batch, run.spec.stages,
-                      run.spec.pipelines)
+    step = max(record.step for record in ready.values())
+    holdings = {node: record.holds for node, record in ready.items() if record.step == step}
+    dead = [node for node in base.ranks if node not in ready]
+    standby = [node for node in warm_standby(run.membership, records) if node not in base.ranks]
+    usable = sorted(set(ready) | set(standby))
+    zones = {**base.zones, **{n: record.zone for n, record in records.items()}}
+    view = build_view(base, zones, usable, dead, run.layers, spec.pipelines)
     plan = plan_layout(view)
+    global_batch = base.global_batch
     pipelines = len(plan.owners)
-    if pipelines == 0 or global_batch % pipelines:
-        raise RuntimeError(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} pipelines")
-    new_ranks = {owner: d * run.spec.stages + s for d, row in enumerate(plan.owners) for s, owner in enumerate(row)}
-    transfers, _local, missing = transfer_plan(new_ranks, run.spec.stages, holdings)
-    mode, start, restore = "peers", step, None
-    if missing:  # no survivor holds these stages: every node restarts from the last good checkpoint
-        mode, transfers = "checkpoint", []
-        start, restore = restore_point(run.spec.checkpoint_dir, run.spec.stages, missing)
-    return {
-        "state": "running", "generation": generation + 1 + attempt, "stages": run.spec.stages,
-        "pipelines": pipelines, "micro_batches": global_batch // pipelines, "ranks": new_ranks,
-        "standby": list(plan.standby), "owners": [list(row) for row in plan.owners], "plan": plan.to_dict(),
-        "start_step": start, "mode": mode, "missing": missing,
-        "transfers": [[a, b, stages] for a, b, stages in transfers], "reason": reason, "barrier_step": step,
-        "checkpoint": restore,
+    if plan.stages != spec.stages or pipelines == 0:
+        raise JobCannotContinue(f"{len(usable)} nodes left cannot form a pipeline of {spec.stages} stages")
+    if global_batch % pipelines:
+        raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
+                                "pipelines")
+    held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
+    transfers = plan_transfers(base.plan, plan, held)
+    mode, start, restore = StartMode.PEERS, step, None
+    if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a checkpoint
+        missing = list(transfers.stages_without_copy)
+        try:
+            start, path = restore_point(spec.checkpoint_dir, spec.stages, missing)
+        except RuntimeError as error:
+            raise JobCannotContinue(str(error)) from None
+        mode, restore = StartMode.CHECKPOINT, RestorePoint(start, path, missing)
+        transfers = TransferPlan(rounds=(), bytes_moved=0, naive_bytes=transfers.naive_bytes)
+    return JobLayout(
+        generation=base.generation + 1 + attempt, plan=plan, start_step=start, mode=mode, reason=reason,
+        transfers=transfers, restore=restore, barrier_step=step,
         # when the first holder reached the barrier (wall clock): the reconfiguration's duration counts from
         # it, whichever node writes the record (the lowest rank may be a joiner that started later)
-        "barrier_unix": min(float(record.get("at", time.time())) for record in ready.values()),
-        # the barrier this layout comes from, which start of it this is, and who held state there
-        "base_generation": generation, "attempt": attempt, "survivors": sorted(ready),
-        # (first step, pipelines) of every generation so far: the reference follows the same grouping
-        "history": next_history(base.get("history", [[0, int(base["pipelines"])]]), start, pipelines),
-    }
+        barrier_unix=min(record.at for record in ready.values()),
+        base_generation=base.generation, attempt=attempt, survivors=sorted(ready),
+        history=next_history(base.history, start, pipelines),
+        zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)},
+    )
 
 
-def _receive_state(run: _Generation, layout: dict[str, Any], old: Any, executor: Any, store: Any) -> None:
+def _receive_state(run: _Run, layout: Any, old: Any, executor: Any, store: Any) -> None:
     """Fill the new executor's slices: local copies, transfers by the plan, or the last checkpoint."""
-    if layout["mode"] == "checkpoint":  # every node loads the checkpoint the layout names (reconfigure.py)
+    from bamboo.reconfig import StartMode
+
+    if layout.mode is StartMode.FIRST:
+        return
+    if layout.mode is StartMode.CHECKPOINT:  # every node loads the checkpoint the layout names
         from bamboo.launch.reconfigure import restore_slices
 
         restore_slices(layout, executor.slices)
         return
     if old is not None:
         for stage, piece in executor.slices.items():
-            if stage in old.slices and old.slices[stage].steps == int(layout["start_step"]):
+            if stage in old.slices and old.slices[stage].steps == layout.start_step:
                 piece.load_state_bytes(old.slices[stage].state_bytes())
     _run_transfers(run, layout, old, executor, store)
 
 
-def _transfer_group(run: _Generation, layout: dict[str, Any], store: Any) -> tuple[Any, list[str]]:
+def _run_transfers(run: _Run, layout: Any, old: Any, executor: Any | None, store: Any) -> None:
+    """This node's part of the layout's transfer plan, round by round: send what ``old`` holds and, with an
+    ``executor`` (a node with a role in the layout), receive into its slices.
+
+    In a round a node sends at most one transfer and receives at most one (bamboo-reconfig's plan); the
+    send runs in a thread while the receive runs here, so two nodes that exchange in one round never wait
+    on each other.
+    """
     from bamboo.launch.reconfigure import transfer_participants
     from bamboo.rc.comm import build_gloo_group
+    from bamboo.rc.transfer import export_stage_state, import_stage_state
 
-    transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
-    members = transfer_participants(transfers)
-    group = build_gloo_group(store, f"bamboo/{run.spec.job}/g{layout['generation']}/transfer/",
+    plan = layout.transfers
+    if not any(run.node in (t.source, t.destination) for t in plan.transfers):
+        return
+    members = transfer_participants(plan)
+    group = build_gloo_group(store, f"bamboo/{run.spec.job}/g{layout.generation}/transfer/",
                              members.index(run.node), len(members), run.timeouts.group)
     run.retired.append(group)
     pause_s = float(os.environ.get(TRANSFER_PAUSE_ENV, "0") or 0)
     if pause_s > 0:  # test hook: the group is formed, no byte has moved yet
-        run.membership.decide(f"g{layout['generation']}-transfer-group-{run.node}", {"pause_s": pause_s})
+        run.membership.decide(f"g{layout.generation}-transfer-group-{run.node}", {"pause_s": pause_s})
         time.sleep(pause_s)
-    return group, members
+    for round_ in plan.rounds:
+        sending = [t for t in round_ if t.source == run.node]
+        receiving = [t for t in round_ if t.destination == run.node]
+        errors: list[BaseException] = []
 
+        def send(transfer: Any, errors: list[BaseException] = errors) -> None:
+            try:
+                stages = layout.stages_of_layers(transfer.layers)
+                export_stage_state({s: old.slices[s] for s in stages}, group, members.index(transfer.destination))
+            except BaseException as error:
+                errors.append(error)
 
-def _run_transfers(run: _Generation, layout: dict[str, Any], old: Any, executor: Any | None, store: Any) -> None:
-    """This node's part of the layout's transfers: send what ``old`` holds by the plan and, with an
-    ``executor`` (a node with a role in the layout), receive into its slices."""
-    from bamboo.rc.transfer import export_stage_state, import_stage_state
-
-    transfers = [(a, b, list(stages)) for a, b, stages in layout["transfers"]]
-    if not any(run.node in (a, b) for a, b, _ in transfers):
-        return
-    group, members = _transfer_group(run, layout, store)
-    sent = 0
-    for src, dst, stages in transfers:  # every member walks the same order: no cycle can block
-        if src == run.node:
-            sent += export_stage_state({s: old.slices[s] for s in stages}, group, members.index(dst))
-        elif dst == run.node:
+        senders = [threading.Thread(target=send, args=(t,), daemon=True) for t in sending]
+        for thread in senders:
+            thread.start()
+        for transfer in receiving:
             assert executor is not None, "a node without a role in the layout receives nothing"
-            import_stage_state(executor.slices, group, members.index(src))
-    if any(src == run.node for src, _, _ in transfers):  # every source reports, for the reconfiguration record
-        run.membership.decide(f"g{layout['generation']}-sent-{run.node}", {"bytes": sent})
-
-
-def _serve_as_source(run: _Generation, layout: dict[str, Any], old: Any, store: Any) -> None:
-    """A node with no role in the next layout still sends the stages it holds by the plan."""
-    _run_transfers(run, layout, old, None, store)
+            import_stage_state(executor.slices, group, members.index(transfer.source))
+        for thread in senders:
+            thread.join()
+        if errors:
+            raise errors[0]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point (never returns: ends with ``os._exit``, see the module docstring)."""
+    """Entry point of the built-in example's worker (never returns: ends with ``os._exit``)."""
     parser = argparse.ArgumentParser(prog="python -m bamboo.launch.worker",
-                                     description="One bamboo-launch worker (started by its node's agent).")
-    parser.add_argument("--spec", required=True, help="the run's RUN.json, written by bamboo-launch run")
-    parser.add_argument("--node", required=True, help="this worker's node id (its rank comes from the layout in etcd)")
-    parser.add_argument("--agent", default=None, help="HOST:PORT of this node's agent (failure reports)")
-    args = parser.parse_args(argv)
-    code = 0
+                                     description="One bamboo-launch worker of the built-in example (its agent "
+                                     "starts it, with BAMBOO_WORKER_CONTEXT set).")
+    parser.parse_args(argv)
+    run_worker(None)
+
+
+def run_worker(program: Program | None) -> None:
+    """Train as the worker the environment describes, then end the process (``os._exit``).
+
+    ``program`` is a user script's (None: the built-in example's). Failures are published before the exit.
+    """
+    code = WORKER_DONE
+    context: WorkerContext | None = None
     try:
-        report = train(RunSpec.from_json(Path(args.spec).read_text()), args.node, args.agent)
-        code = STANDBY_EXIT if report.get("standby") else 0
-    except BaseException:
+        context = WorkerContext.from_environment()
+        train(context, program)
+    except BaseException as error:
         traceback.print_exc()
-        code = 1
+        code = WORKER_ERROR
+        if context is not None:
+            _publish_error(context, error)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _spec_of(context: WorkerContext) -> JobSpec:
+    from bamboo.membership import EtcdKV, MembershipStore
+
+    kv = EtcdKV(context.etcd.options())
+    try:
+        return read_spec(MembershipStore(kv, context.job))
+    finally:
+        kv.close()
+
+
+def _publish_error(context: WorkerContext, error: BaseException) -> None:
+    """Publish the worker's last exception line (and end the job if it cannot go on); never raises."""
+    try:
+        from bamboo.membership import EtcdKV, MembershipStore
+
+        kv = EtcdKV(context.etcd.options())
+        membership = _fenced(MembershipStore(kv, context.job), context)
+        line = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        membership.decide(f"error-{context.node}", WorkerError(context.node, line, time.time()).to_dict())
+        if isinstance(error, JobCannotContinue):
+            membership.decide("end", JobEnd(steps=0, error=line, node=context.node).to_dict())
+        kv.close()
+    except Exception as failure:  # etcd gone, or this node was fenced: the agent reports the exit status
+        print(f"node {context.node}: could not publish the error: {failure}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

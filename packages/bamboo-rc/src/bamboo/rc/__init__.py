@@ -6,13 +6,14 @@ exact replica sync, lazy BRC and failover at any instruction. Each node builds e
 bounds it is given (by default bamboo-reconfig's split, :func:`bamboo.rc.model.stage_bounds`).
 `initialize` is the DeepSpeed-compatible front door; `bamboo-rc verify` checks an install end to
 end.
+
+Importing ``bamboo.rc`` does not import torch: the failure records, the failover coordinator and the
+timeouts are plain Python; the engine, the executor and the model load torch on first use.
 """
 
-from bamboo.rc.comm import PeerFailure
-from bamboo.rc.config import ConfigError, TrainingConfig, load_config
+from typing import TYPE_CHECKING, Any
+
 from bamboo.rc.coordinator import FailoverCoordinator
-from bamboo.rc.engine import Engine, initialize
-from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
 from bamboo.rc.failures import (
     AgreementError,
     ConsecutiveFailure,
@@ -20,15 +21,43 @@ from bamboo.rc.failures import (
     FailureNoticed,
     FailureNotices,
     HandedOver,
+    PeerFailure,
     StoreFailureNotices,
 )
-from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
-from bamboo.rc.interpreter import StageInterpreter
 from bamboo.rc.layout import Layout
-from bamboo.rc.model import layer_costs, stage_bounds
 from bamboo.rc.records import FailoverRecord, RecordError
 from bamboo.rc.timeouts import CommTimeouts
-from bamboo.rc.transfer import export_stage_state, import_stage_state
+
+if TYPE_CHECKING:
+    from bamboo.rc.config import ConfigError, TrainingConfig, load_config
+    from bamboo.rc.engine import Engine, initialize
+    from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
+    from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
+    from bamboo.rc.interpreter import StageInterpreter
+    from bamboo.rc.model import layer_costs, stage_bounds
+    from bamboo.rc.transfer import export_stage_state, import_stage_state
+
+# Names whose modules import torch: loaded on first use, so that the failure records above (which an
+# agent process reads and writes) come without torch.
+_LAZY = {
+    "ConfigError": "config", "TrainingConfig": "config", "load_config": "config",
+    "Engine": "engine", "initialize": "engine",
+    "REDUNDANCY_MODES": "executor", "ExecutorHook": "executor", "StageExecutor": "executor",
+    "FaultInjector": "faults", "KillPoint": "faults", "NoticePoint": "faults",
+    "StageInterpreter": "interpreter",
+    "layer_costs": "model", "stage_bounds": "model",
+    "export_stage_state": "transfer", "import_stage_state": "transfer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bamboo.rc' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"bamboo.rc.{module}"), name)
+
 
 __all__ = [
     "REDUNDANCY_MODES",

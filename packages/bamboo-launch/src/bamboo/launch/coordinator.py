@@ -1,0 +1,254 @@
+"""The job's elected coordinator: the agent that publishes failures and writes the first layout.
+
+Every ``bamboo-launch agent`` runs a :class:`Coordinator`. One of them at a time is *elected*: it
+holds the key ``/bamboo/<job>/leader`` under its own lease (created first-writer-wins). When the
+elected agent dies, its lease is revoked as soon as its failure is confirmed (or expires after the
+TTL), the key goes with it, and the next agent to try takes over; killing the coordinator is just
+another failure. Everything it does is idempotent and read back from etcd, so a new coordinator
+carries on where the old one stopped. Its duties:
+
+- **Publish confirmed failures at once.** Every agent's failure detector confirms failures (a refused
+  probe after a neighbour's report, another incarnation, an expired lease) and writes one report per
+  node to etcd; the coordinator reads them back. For each ranked node of the current layout whose
+  death is not yet in a published event, it first probes every other node of the layout in parallel
+  (so kills that landed together are confirmed together), then publishes one
+  :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
+  ``g<generation>-epoch-<n>`` (:func:`bamboo.launch.notices.publish_failure_event`). A node confirmed
+  later is a second failure, which the runtime survives. No batching window: the runtime acts within
+  milliseconds of the confirmation.
+- **Preemption records.** Once per confirmed node (decision ``preempted-<node>``), a ``preemption``
+  event for the report (billing stops).
+- **The first layout.** Once the job's spec asks for it (``min_nodes`` registered, P x D by default)
+  and no node has registered for :data:`~bamboo.launch.timeouts.FIRST_LAYOUT_SETTLE_S`, it places the
+  registered nodes with :func:`bamboo.reconfig.plan_layout` and writes generation 0 with
+  compare-and-swap (only when there is no layout yet).
+
+Every write goes through the agent's fenced store: a coordinator that was declared dead (its lease is
+gone) cannot write anything more.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bamboo.launch import timeouts
+from bamboo.launch.events import Preemption
+from bamboo.launch.notices import publish_failure_event
+from bamboo.launch.records import Leader, Preempted
+from bamboo.launch.spec import JobSpec
+from bamboo.membership.kv import StoreError
+from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
+from bamboo.rc import FailureEvent
+
+__all__ = ["Coordinator", "first_layout", "published_events", "read_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def read_layout(membership: Any) -> Any:
+    """The job's current :class:`bamboo.reconfig.JobLayout`, or None before the first one."""
+    from bamboo.reconfig import JobLayout
+
+    found = membership.get_layout()
+    return None if found is None else JobLayout.from_dict(found.value)
+
+
+def published_events(membership: Any, generation: int) -> dict[int, FailureEvent]:
+    """The failure events published for ``generation``, by epoch."""
+    prefix = membership.keys.decision(f"g{generation}-epoch-")
+    events = {}
+    for item in membership.kv.get_prefix(prefix):
+        event = FailureEvent.from_json(item.value)
+        events[event.epoch] = event
+    return events
+
+
+def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:
+    """Generation 0 for the registered nodes (node -> zone): bamboo-reconfig's placement of them."""
+    from bamboo.reconfig import ClusterView, JobLayout, Node, plan_layout
+
+    view = ClusterView(nodes=[Node(node, zone or "default", "standby") for node, zone in sorted(zones.items())],
+                       target_stages=spec.stages, target_pipelines=spec.pipelines,
+                       global_batch=spec.micro_batches * spec.pipelines, layers=spec.reconfig_layers())
+    plan = plan_layout(view)
+    if plan.stages != spec.stages or not plan.owners:
+        raise RuntimeError(f"{len(zones)} nodes cannot form a pipeline of {spec.stages} stages")
+    return JobLayout(generation=0, plan=plan, zones=zones)
+
+
+class Coordinator:
+    """The coordinator duties of one agent, active while it is elected (see the module docstring).
+
+    ``membership`` is the agent's fenced ``MembershipStore``; ``agent`` its ``NodeAgent`` (the lease the
+    leader key is held by, and the failure detector); ``events`` its event log. ``clock`` is monotonic
+    seconds (injected in tests).
+    """
+
+    def __init__(
+        self,
+        membership: Any,
+        agent: Any,
+        spec: JobSpec,
+        events: Any,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self.membership = membership
+        self.agent = agent
+        self.node = agent.node_id
+        self.spec = spec
+        self.events = events
+        self.clock = clock
+        self.say = say
+        self.leader = False
+        self.published: list[tuple[int, FailureEvent]] = []
+        self._key = membership.keys.root + "leader"
+        self._wake = threading.Condition()
+        self._woken = False
+        self._stop = threading.Event()
+        self._preempted: set[str] = set()
+        self._zones: dict[str, str] = {}
+        self._registered_count = -1
+        self._settle_from = 0.0
+        self._thread = threading.Thread(target=self._loop, name=f"bamboo-coordinator-{self.node}", daemon=True)
+
+    def start(self) -> Coordinator:
+        if self.agent.detector is not None:
+            self.agent.detector.subscribe(lambda _event: self.wake())
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def wake(self) -> None:
+        with self._wake:
+            self._woken = True
+            self._wake.notify_all()
+
+    # ---- election -----------------------------------------------------------------------------------
+
+    def _campaign(self) -> bool:
+        """Take the leader key if nobody holds it; True when this agent is the coordinator."""
+        registration = self.agent.registration
+        if registration is None or registration.lost.is_set():
+            self.leader = False
+            return False
+        found = self.membership.kv.get(self._key)
+        if found is None:
+            won, found = self.membership.kv.create(self._key, _encode(Leader(self.node, time.time())),
+                                                   lease=registration.lease_id, guard=self.membership.guard)
+            if won:
+                self.say(f"elected coordinator of job {self.membership.keys.job}")
+        holder = Leader.from_dict(_decode(found.value)).node
+        was = self.leader
+        self.leader = holder == self.node and found.lease == registration.lease_id
+        if was and not self.leader:
+            self.say(f"no longer the coordinator ({holder} is)")
+        return self.leader
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._campaign():
+                    self._first_layout()
+                    self._publish_failures()
+            except StoreError as error:  # etcd restarting, or this agent was fenced
+                log.warning("coordinator %s: %s", self.node, error)
+            except Exception:
+                log.exception("coordinator %s failed a round; trying again", self.node)
+            with self._wake:
+                if not self._woken:
+                    self._wake.wait(timeouts.LEADER_POLL_S)
+                self._woken = False
+
+    def _first_layout(self) -> None:
+        if self.membership.get_layout() is not None:
+            return
+        nodes = self.membership.list_nodes(skip_malformed=True)
+        zones = {node: record.zone for node, record in nodes.items()}
+        if len(zones) < self.spec.first_layout_nodes:
+            self._registered_count = -1
+            return
+        if len(zones) != self._registered_count:
+            self._registered_count, self._settle_from = len(zones), self.clock()
+            return
+        if self.clock() - self._settle_from < timeouts.FIRST_LAYOUT_SETTLE_S:
+            return
+        layout = first_layout(self.spec, zones)
+        if self.membership.put_layout(layout.to_dict(), 0) is not None:
+            self.say("first layout: " + "; ".join(f"pipeline {d}: {' '.join(row)}" for d, row in
+                                                 enumerate(layout.owners))
+                     + (f"; standby: {' '.join(layout.standby)}" if layout.standby else ""))
+
+    def _failure_reports(self) -> dict[str, FailureReport]:
+        reports: dict[str, FailureReport] = {}
+        for item in self.membership.kv.get_prefix(self.membership.keys.failures):
+            try:
+                report = decode_message(item.key, item.value, FailureReport)
+            except MalformedValueError as error:
+                log.error("%s", error)
+                continue
+            reports.setdefault(report.node, report)
+        return reports
+
+    def _publish_failures(self) -> None:
+        reports = self._failure_reports()
+        layout = read_layout(self.membership)
+        if layout is not None:
+            self._zones.update(layout.zones)
+        for node, record in self.agent.detector.known_nodes().items() if self.agent.detector else ():
+            if record.zone:
+                self._zones.setdefault(node, record.zone)
+        for node, report in sorted(reports.items()):
+            if node in self._preempted:
+                continue
+            zone = self._zones.get(node) or "unknown"
+            decision = self.membership.decide(f"preempted-{node}", Preempted(node, zone, report.reason).to_dict())
+            if decision.won:
+                self.events.write(Preemption(t=self.events.now(), node=node, zone=zone, notice_s=0.0))
+                self.say(f"confirmed failure of {node}: {report.reason}")
+            self._preempted.add(node)
+        if layout is None:
+            return
+        ranks = layout.ranks
+        while True:
+            published = published_events(self.membership, layout.generation)
+            covered = {rank for event in published.values() for rank in event.victims}
+            pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
+            if not pending:
+                return
+            if self.agent.detector is not None:  # kills that landed together: confirm them all before publishing
+                self.agent.detector.probe_all([node for node in ranks if node not in reports and node != self.node],
+                                              "swept after a confirmed failure in the layout")
+                reports = self._failure_reports()
+                pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
+            epoch = max(published, default=0) + 1
+            won, event = publish_failure_event(self.membership, layout.generation, FailureEvent(epoch, pending))
+            if won:
+                self.published.append((layout.generation, event))
+                victims = [layout.node_of_rank[rank] for rank in event.victims]
+                self.say(f"published the failure of {', '.join(victims)}: ranks {list(event.victims)} "
+                         f"(generation {layout.generation}, runtime epoch {epoch})")
+
+
+def _encode(record: Any) -> bytes:
+    import json
+
+    return json.dumps(record.to_dict()).encode()
+
+
+def _decode(value: bytes) -> Any:
+    import json
+
+    return json.loads(value)

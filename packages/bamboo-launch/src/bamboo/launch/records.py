@@ -1,0 +1,206 @@
+"""The records bamboo-launch keeps in etcd, each a frozen attrs class with a versioned JSON codec.
+
+Decisions live under ``/bamboo/<job>/decisions/<name>`` and are written first-writer-wins
+(:meth:`bamboo.membership.MembershipStore.decide`); everyone reads the winner. The names:
+
+| name | record | written by |
+|---|---|---|
+| ``g<g>-stop`` | :class:`StopDecision` | the lowest live rank of generation g: the step it stops at and why |
+| ``g<g>-ready-<node>``, ``g<g>-a<k>-ready-<node>`` | :class:`BarrierReady` | each holder at the barrier of g (attempt k) |
+| ``g<g>-next``, ``g<g>-a<k>-next`` | :class:`bamboo.reconfig.JobLayout` | the first holder to see every holder ready |
+| ``g<G>-up-<node>`` | :class:`NodeUp` | each node of attempt G once its part is done |
+| ``g<G>-outcome`` | :class:`AttemptOutcome` | the first node that can tell whether attempt G goes ahead |
+| ``g<g>-epoch-<e>`` | ``bamboo.rc.FailureEvent`` | the elected coordinator: the ranks of generation g that died |
+| ``preempted-<node>`` | :class:`Preempted` | the coordinator, once per confirmed node (the ``preemption`` event) |
+| ``warm-<node>`` | :class:`WorkerWarm` | a worker once its model is built and it waits for a role |
+| ``error-<node>`` | :class:`WorkerError` | a worker that failed: its last exception line |
+| ``end`` | :class:`JobEnd` | the first worker that finished the job, or found that it cannot go on |
+
+The layout itself is ``/bamboo/<job>/layout`` (a :class:`bamboo.reconfig.JobLayout`, compare-and-swap on
+its revision), the spec ``/bamboo/<job>/spec`` (:class:`bamboo.launch.spec.JobSpec`) and the elected
+coordinator ``/bamboo/<job>/leader`` (:class:`Leader`, held by the leader's lease).
+
+Every reader rejects an unknown version or a malformed value with a ``RecordError`` naming the
+record and the key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+from bamboo.reconfig import RecordError
+
+__all__ = [
+    "RECORD_VERSION",
+    "AttemptOutcome",
+    "BarrierReady",
+    "JobEnd",
+    "Leader",
+    "NodeUp",
+    "Preempted",
+    "RecordError",
+    "StopDecision",
+    "WorkerError",
+    "WorkerWarm",
+    "read_record",
+]
+
+RECORD_VERSION = 1
+R = TypeVar("R")
+
+
+def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"key {attribute.name!r} must be an integer >= 0, got {value!r}")
+
+
+def _finite(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"key {attribute.name!r} must be a finite number, got {value!r}")
+
+
+def _string(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"key {attribute.name!r} must be a string, got {value!r}")
+
+
+def _node(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"key {attribute.name!r} must be a node id, got {value!r}")
+
+
+def _optional_string(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"key {attribute.name!r} must be a string or null, got {value!r}")
+
+
+def _stages(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) for s in value):
+        raise ValueError(f"key 'holds' must be a list of stage numbers, got {value!r}")
+    return tuple(sorted(value))
+
+
+class _Record:
+    """The codec every record shares: ``to_dict`` adds ``"v"``; ``from_dict`` checks it and the keys."""
+
+    NAME: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
+        return {"v": RECORD_VERSION, **{k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}}
+
+    @classmethod
+    def from_dict(cls: type[R], data: Any) -> R:
+        name = cls.NAME  # type: ignore[attr-defined]
+        if not isinstance(data, Mapping):
+            raise RecordError(f"{name}: must be a JSON object, got {type(data).__name__}")
+        version = data.get("v")
+        if version != RECORD_VERSION:
+            raise RecordError(f"{name}: unknown version {version!r} (this reader knows version {RECORD_VERSION})")
+        fields = attrs.fields(cls)  # type: ignore[arg-type]
+        known = {field.name for field in fields}
+        unknown = sorted(set(data) - known - {"v"})
+        if unknown:
+            raise RecordError(f"{name}: unknown key {unknown[0]!r}")
+        for field in fields:
+            if field.default is attrs.NOTHING and field.name not in data:
+                raise RecordError(f"{name}: missing key {field.name!r}")
+        try:
+            return cls(**{key: value for key, value in data.items() if key != "v"})
+        except (TypeError, ValueError) as error:
+            raise RecordError(f"{name}: {error.args[0] if error.args else error}") from None
+
+
+def read_record(cls: type[R], found: Any) -> R | None:
+    """The record of class ``cls`` in a decision read from the store (``None`` when there is none)."""
+    if found is None:
+        return None
+    return cls.from_dict(found.value)  # type: ignore[attr-defined,no-any-return]
+
+
+@attrs.frozen
+class StopDecision(_Record):
+    """Generation g stops at ``step`` (a step boundary) and reconfigures, for ``reason``."""
+
+    NAME: ClassVar[str] = "stop decision"
+    step: int = attrs.field(validator=_non_negative_int)
+    reason: str = attrs.field(validator=_string)
+
+
+@attrs.frozen
+class BarrierReady(_Record):
+    """A holder at the barrier: the step it is at, the stages whose state it holds at that step, and when."""
+
+    NAME: ClassVar[str] = "barrier record"
+    step: int = attrs.field(validator=_non_negative_int)
+    holds: tuple[int, ...] = attrs.field(converter=_stages)
+    at: float = attrs.field(validator=_finite)
+
+
+@attrs.frozen
+class NodeUp(_Record):
+    """A node of an attempt finished its part (engine built, state received or sent)."""
+
+    NAME: ClassVar[str] = "up record"
+    node: str = attrs.field(validator=_node)
+
+
+@attrs.frozen
+class AttemptOutcome(_Record):
+    """How a reconfiguration attempt ended: ``go`` (every node of it trains it) or abort, and why."""
+
+    NAME: ClassVar[str] = "attempt outcome"
+    go: bool = attrs.field(validator=attrs.validators.instance_of(bool))
+    reason: str = attrs.field(validator=_string)
+
+
+@attrs.frozen
+class Preempted(_Record):
+    """A node the coordinator confirmed dead (the ``preemption`` event is written once per node)."""
+
+    NAME: ClassVar[str] = "preemption record"
+    node: str = attrs.field(validator=_node)
+    zone: str = attrs.field(validator=_string)
+    reason: str = attrs.field(validator=_string)
+
+
+@attrs.frozen
+class WorkerWarm(_Record):
+    """A worker whose model is built and which waits for a role (a warm joiner)."""
+
+    NAME: ClassVar[str] = "warm record"
+    node: str = attrs.field(validator=_node)
+    at: float = attrs.field(validator=_finite)
+
+
+@attrs.frozen
+class WorkerError(_Record):
+    """A worker that failed: its node and the last line of its exception."""
+
+    NAME: ClassVar[str] = "worker error"
+    node: str = attrs.field(validator=_node)
+    error: str = attrs.field(validator=_string)
+    at: float = attrs.field(validator=_finite)
+
+
+@attrs.frozen
+class JobEnd(_Record):
+    """The job ended: after ``steps`` steps, or with ``error`` (it cannot go on)."""
+
+    NAME: ClassVar[str] = "job end"
+    steps: int = attrs.field(validator=_non_negative_int)
+    error: str | None = attrs.field(default=None, validator=_optional_string)
+    node: str = attrs.field(default="", validator=_string)
+    """The node that wrote it."""
+
+
+@attrs.frozen
+class Leader(_Record):
+    """The elected coordinator of a job: its node and since when (wall clock). Held by its lease."""
+
+    NAME: ClassVar[str] = "leader record"
+    node: str = attrs.field(validator=_node)
+    since: float = attrs.field(validator=_finite)

@@ -1,0 +1,70 @@
+"""The fault-free single-process reference that ``--verify`` compares a run with.
+
+:func:`train_reference_program` trains the whole model in one process for the run's steps, with the
+same global batch at every step, accumulated per pipeline as the run's layouts grouped it (``history``:
+``(first step, pipelines)`` of every generation) and the shares added in pipeline order, which is how
+the data-parallel all-reduce associates them. So a run that changed the number of pipelines mid-way is
+compared with the same sums, associated the same way, and an exact run matches bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["train_reference_history", "train_reference_program"]
+
+
+def train_reference_program(
+    specs: Sequence[Any],
+    loss_fn: Callable[[Any, Any], Any],
+    microbatch: Callable[[int, int], tuple[Any, Any]],
+    config: dict[str, Any],
+    seed: int,
+    history: Sequence[Sequence[int]],
+    steps: int,
+) -> list[dict[str, Any]]:
+    """Single-process training of the whole model for ``steps`` steps, grouped as the run was.
+
+    ``microbatch(step, index)`` gives the ``(inputs, labels)`` at position ``index`` of the global
+    batch of ``step``. ``history`` lists ``(first step, pipelines)`` of every layout generation. The
+    global batch is the same at every step; at each step the microbatch gradients are accumulated per
+    pipeline of that step's layout and the shares added in pipeline order, which is how the
+    data-parallel all-reduce associates them (bamboo-rc's ``train_reference`` does this for one fixed
+    D). So a run that changed D mid-way is compared with the same sums, associated the same way.
+    """
+    import torch
+    from bamboo.rc import load_config
+    from bamboo.rc.state import TrainableSlice, clip_coefficient
+
+    first_d = int(history[0][1])
+    base = load_config(config, pipelines=first_d)
+    global_microbatches = base.micro_batches * first_d
+    whole = TrainableSlice(specs, range(len(specs)), base, seed)
+    for step in range(steps):
+        pipelines = next(int(d) for first, d in reversed(history) if step >= int(first))
+        per_pipeline = global_microbatches // pipelines
+        summed: torch.Tensor | None = None
+        for pipeline in range(pipelines):
+            whole.zero_grads()
+            for k in range(per_pipeline):
+                inputs, labels = microbatch(step, pipeline * per_pipeline + k)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=base.bf16):
+                    outputs = whole.layers(inputs)
+                (loss_fn(outputs, labels) / global_microbatches).backward()
+            share = whole.flat_grads()
+            summed = share if summed is None else summed + share
+        assert summed is not None
+        whole.load_flat_grads(summed)
+        whole.apply_step(clip_coefficient(base.gradient_clipping, whole.squared_grad_norm()))
+    return [layer.state_dict() for layer in whole.layers]
+
+
+def train_reference_history(
+    specs: Sequence[Any], config: dict[str, Any], size: Any, seed: int, history: Sequence[Sequence[int]], steps: int
+) -> list[dict[str, Any]]:
+    """:func:`train_reference_program` of the built-in example (the GPT of ``size`` on its corpus)."""
+    from bamboo.launch.example import example_program
+
+    program = example_program(dict(size), config, seed)
+    return train_reference_program(specs, program.loss_fn, program.microbatch, config, seed, history, steps)

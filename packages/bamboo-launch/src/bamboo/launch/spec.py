@@ -1,0 +1,361 @@
+"""The shared types of bamboo-launch: the job's spec, what an agent tells its worker, a training program.
+
+This module is a leaf: it imports no other module of ``bamboo.launch`` (an import check in ``make test``
+enforces the package's directions), so the agent, the worker, the user-script entry point and the
+composition in ``bamboo-launch run`` can all share these types without importing each other.
+
+- :class:`JobSpec`: what every node of a job must agree on (P, D, steps, the model's description, the
+  checkpoint settings, the job-wide timeouts). The first agent writes it into etcd at
+  ``/bamboo/<job>/spec`` (first writer wins); every later agent reads it and checks its own flags
+  against it (:meth:`JobSpec.conflicts`). Versioned JSON.
+- :class:`WorkerContext`: what an agent hands the worker it spawns (the node, its agent's address, how
+  to reach etcd, the fence that guards the node's writes, where to write its files). Written as a JSON
+  file whose path the worker gets in ``BAMBOO_WORKER_CONTEXT``.
+- :class:`Program`: a training program (layers, loss, data, DeepSpeed config): the built-in example's,
+  or a user script's through :func:`bamboo.launch.train_worker`.
+- Exit statuses of agents and workers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "AGENT_DONE",
+    "AGENT_JOB_FAILED",
+    "AGENT_USAGE",
+    "ENV_CONTEXT",
+    "SPEC_VERSION",
+    "WORKER_DONE",
+    "WORKER_ERROR",
+    "EtcdAccess",
+    "JobSpec",
+    "ModuleFactory",
+    "Program",
+    "SpecError",
+    "WorkerContext",
+]
+
+SPEC_VERSION = 1
+ENV_CONTEXT = "BAMBOO_WORKER_CONTEXT"
+"""The environment variable that names a worker's :class:`WorkerContext` file."""
+
+WORKER_DONE = 0
+"""A worker that trained every step, or left because the job ended."""
+WORKER_ERROR = 1
+"""A worker that failed: its agent goes back to standby as a fresh node (or gives up after repeated failures)."""
+AGENT_DONE = 0
+"""An agent whose job ended."""
+AGENT_JOB_FAILED = 1
+"""An agent whose job cannot go on (the job's end record names the error), or whose worker keeps failing."""
+AGENT_USAGE = 2
+"""Bad input: a malformed flag, or a flag that conflicts with the job's stored spec."""
+
+
+class SpecError(ValueError):
+    """A spec or context that is malformed or of an unknown version; the message names the key."""
+
+
+def _positive_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+
+
+def _positive_number(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a number > 0, got {value!r}")
+
+
+def _job_name(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str) or not value or "/" in value or value != value.strip():
+        raise ValueError(f"{attribute.name} must be a non-empty name without '/' or surrounding spaces, got {value!r}")
+
+
+def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(dict(value)))
+
+
+REDUNDANCY = ("none", "lflb", "eflb", "efeb")
+
+# The fields of a spec that an agent's flags set, with the flag that sets each (for conflict messages).
+FLAG_OF = {
+    "stages": "--stages",
+    "pipelines": "--pipelines",
+    "steps": "--steps",
+    "min_nodes": "--min-nodes",
+    "redundancy": "--redundancy",
+    "script": "-- SCRIPT ARGS",
+    "size": "--layers",
+    "seed": "--seed",
+    "checkpoint_dir": "--checkpoint-dir",
+    "checkpoint_every": "--checkpoint-every",
+    "ttl": "--ttl",
+    "grace_s": "--grace",
+    "confirm_timeout_s": "--confirm-timeout",
+    "group_timeout_s": "--group-timeout",
+    "reconfigure_timeout_s": "--reconfigure-timeout",
+}
+
+
+@attrs.frozen
+class JobSpec:
+    """What every node of a job agrees on, stored in etcd at ``/bamboo/<job>/spec`` by the first agent.
+
+    ``layers`` is the model's description for the planner (bamboo-reconfig ``LayerSpec`` dicts: state
+    bytes and compute cost per layer) and ``config`` its DeepSpeed config; both come from the first
+    agent's reading of the model (the built-in example of ``size``, or ``script`` run in ``describe``
+    mode). ``created_unix`` is the job's time zero: event records count seconds from it.
+    """
+
+    job: str = attrs.field(validator=_job_name)
+    stages: int = attrs.field(validator=_positive_int)
+    pipelines: int = attrs.field(validator=_positive_int)
+    steps: int = attrs.field(validator=_positive_int)
+    layers: tuple[dict[str, Any], ...] = attrs.field(converter=lambda v: tuple(_plain_json(x) for x in v))
+    config: dict[str, Any] = attrs.field(converter=_plain_json)
+    micro_batches: int = attrs.field(validator=_positive_int)
+    """Microbatches per pipeline per step at ``pipelines`` pipelines (the global batch is ``micro_batches *
+    pipelines`` microbatches, kept when the number of pipelines changes)."""
+    created_unix: float = attrs.field(validator=_positive_number)
+    min_nodes: int = attrs.field(default=0, validator=_non_negative_int)
+    """Registered nodes the first layout waits for (0: P x D)."""
+    redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
+    script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """``SCRIPT ARGS`` of a user script (every worker runs ``python SCRIPT ARGS``); empty: the built-in example."""
+    size: dict[str, int] = attrs.field(factory=dict, converter=_plain_json)
+    """The built-in example's ``GPTSize`` keywords."""
+    seed: int = attrs.field(default=0, validator=_non_negative_int)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = attrs.field(default=10, validator=_positive_int)
+    ttl: int = attrs.field(default=2, validator=_positive_int)
+    grace_s: float = attrs.field(default=2.0, validator=_positive_number)
+    confirm_timeout_s: float = attrs.field(default=60.0, validator=_positive_number)
+    group_timeout_s: float = attrs.field(default=60.0, validator=_positive_number)
+    reconfigure_timeout_s: float = attrs.field(default=120.0, validator=_positive_number)
+
+    def __attrs_post_init__(self) -> None:
+        if self.redundancy != "none" and self.stages < 2:
+            raise ValueError(f"redundancy {self.redundancy!r} needs at least 2 stages, got {self.stages}")
+        if len(self.layers) < self.stages:
+            raise ValueError(f"the model has {len(self.layers)} layers, fewer than the {self.stages} stages")
+        if self.min_nodes and self.min_nodes < self.stages * self.pipelines:
+            raise ValueError(f"min_nodes {self.min_nodes} is fewer than the {self.stages * self.pipelines} nodes "
+                             f"of {self.pipelines} pipelines of {self.stages} stages")
+
+    @property
+    def first_layout_nodes(self) -> int:
+        """How many registered nodes the first layout waits for."""
+        return self.min_nodes or self.stages * self.pipelines
+
+    def reconfig_layers(self) -> list[Any]:
+        """The model's layers as bamboo-reconfig ``LayerSpec`` values."""
+        from bamboo.reconfig import LayerSpec
+
+        return [LayerSpec.from_dict(layer) for layer in self.layers]
+
+    def conflicts(self, given: Mapping[str, Any]) -> list[str]:
+        """One line per flag in ``given`` (field -> value) whose value differs from this spec's."""
+        lines = []
+        for field, value in sorted(given.items()):
+            stored = getattr(self, field)
+            if field == "script":
+                value = tuple(value)
+            if value != stored:
+                flag = FLAG_OF.get(field, field)
+                lines.append(f"{flag} {_show(value)} conflicts with the job's stored {field} {_show(stored)}")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        data = attrs.asdict(self)
+        data["layers"] = [dict(layer) for layer in self.layers]
+        data["script"] = list(self.script)
+        return {"v": SPEC_VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        return _from_dict(cls, "job spec", data)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobSpec:
+        return cls.from_dict(_loads("job spec", text))
+
+
+def _show(value: object) -> str:
+    if isinstance(value, tuple):
+        return " ".join(map(str, value)) or "(none)"
+    if value is None:
+        return "(none)"
+    return str(value)
+
+
+def _loads(what: str, text: str | bytes) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise SpecError(f"{what}: not JSON ({error})") from None
+
+
+def _from_dict(cls: Any, what: str, data: Any) -> Any:
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{what}: must be a JSON object, got {type(data).__name__}")
+    version = data.get("v")
+    if version != SPEC_VERSION:
+        raise SpecError(f"{what}: unknown version {version!r} (this reader knows version {SPEC_VERSION})")
+    names = {field.name for field in attrs.fields(cls)}
+    unknown = sorted(set(data) - names - {"v"})
+    if unknown:
+        raise SpecError(f"{what}: unknown key(s) {', '.join(map(repr, unknown))}")
+    required = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in data]
+    if required:
+        raise SpecError(f"{what}: missing key {required[0]!r}")
+    values = {key: value for key, value in data.items() if key != "v"}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as error:
+        raise SpecError(f"{what}: {error.args[0] if error.args else error}") from None
+
+
+@attrs.frozen
+class EtcdAccess:
+    """How a process reaches etcd: endpoints, and user/password or TLS files (all optional)."""
+
+    endpoints: tuple[str, ...] = attrs.field(converter=tuple)
+    user: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def options(self) -> Any:
+        from bamboo.membership import EtcdOptions
+
+        return EtcdOptions(endpoints=self.endpoints, user=self.user, password=self.password, ca_cert=self.ca,
+                           cert_cert=self.cert, cert_key=self.key)
+
+
+@attrs.frozen
+class WorkerContext:
+    """What an agent tells the worker it spawns (a JSON file named by ``BAMBOO_WORKER_CONTEXT``).
+
+    ``fence_key``, ``fence_revision`` and ``fence_lease`` are the agent's registration in etcd (its node
+    record, that record's create revision and its lease): every write of the worker is guarded by them,
+    so once the node is declared dead (its lease revoked or expired) nothing it writes reaches the job. ``agent_token_file``
+    / ``agent_tls_*`` are what the worker needs to call its agent's gRPC service.
+    """
+
+    job: str = attrs.field(validator=_job_name)
+    node: str
+    zone: str
+    agent_address: str
+    etcd: EtcdAccess = attrs.field(converter=lambda v: v if isinstance(v, EtcdAccess) else EtcdAccess(**v))
+    run_dir: str
+    fence_key: str = ""
+    fence_revision: int = 0
+    fence_lease: int = 0
+    agent_token_file: str | None = None
+    agent_tls_ca: str | None = None
+    agent_tls_cert: str | None = None
+    agent_tls_key: str | None = None
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run_dir) / "out"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = attrs.asdict(self)
+        return {"v": SPEC_VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerContext:
+        return _from_dict(cls, "worker context", data)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerContext:
+        return cls.from_dict(_loads("worker context", text))
+
+    @classmethod
+    def from_environment(cls) -> WorkerContext:
+        """The context named by ``BAMBOO_WORKER_CONTEXT`` (a clear error when it is not set)."""
+        path = os.environ.get(ENV_CONTEXT)
+        if not path:
+            raise RuntimeError(f"{ENV_CONTEXT} is not set: workers are started by `bamboo-launch agent`")
+        return cls.from_json(Path(path).read_text())
+
+    def write(self, path: Path) -> None:
+        partial = path.with_suffix(path.suffix + ".tmp")
+        partial.write_text(self.to_json())
+        os.chmod(partial, 0o600)  # it may carry the etcd password
+        os.replace(partial, path)
+
+
+class ModuleFactory:
+    """A zero-argument callable that returns a module, seen through DeepSpeed ``LayerSpec``'s ``build()``."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+
+    def build(self) -> Any:
+        return self.factory()
+
+    def __repr__(self) -> str:
+        return f"ModuleFactory({self.factory!r})"
+
+
+def _as_layers(value: Sequence[Any]) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"layers must be a list of LayerSpec or module factories, got {type(value).__name__}")
+    from torch import nn
+
+    layers = []
+    for index, layer in enumerate(value):
+        if callable(getattr(layer, "build", None)):
+            layers.append(layer)
+        elif callable(layer) and not isinstance(layer, nn.Module):
+            layers.append(ModuleFactory(layer))
+        else:
+            raise TypeError(f"layer {index} is a {type(layer).__name__}: give a DeepSpeed LayerSpec or a "
+                            "zero-argument callable that returns a torch.nn.Module (not a built module)")
+    if not layers:
+        raise ValueError("layers is empty: the model needs at least one layer per stage")
+    return tuple(layers)
+
+
+def _callable(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not callable(value):
+        raise TypeError(f"{attribute.name} must be callable, got {type(value).__name__}")
+
+
+def _as_config(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"config must be a DeepSpeed config dict, got {type(value).__name__}")
+    return _plain_json(value)  # a plain JSON value: it travels in the job spec
+
+
+@attrs.frozen
+class Program:
+    """What a training script gives the launcher: its model, loss, data and DeepSpeed config."""
+
+    layers: tuple[Any, ...] = attrs.field(converter=_as_layers)
+    loss_fn: Callable[[Any, Any], Any] = attrs.field(validator=_callable)
+    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=_callable)
+    config: dict[str, Any] | None = attrs.field(default=None, converter=_as_config)

@@ -1,0 +1,63 @@
+"""Every timeout and poll interval of bamboo-launch, in one place (seconds).
+
+``docs/failure-model.md`` has the table of all of them (with the flag that sets each, and what happens
+when it fires); a test fails when a default here differs from that table. The lease TTL, the grace
+period and the runtime's timeouts are owned by bamboo-membership and bamboo-rc; the agent's flags
+default to theirs.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AGENT_POLL_S",
+    "ETCD_OUTAGE_S",
+    "ETCD_RETRY_S",
+    "FIRST_LAYOUT_SETTLE_S",
+    "LEADER_POLL_S",
+    "NOTICE_DIRECT_READ_S",
+    "RECONFIGURE_TIMEOUT_S",
+    "RUN_TIMEOUT_S",
+    "SCRIPT_DESCRIBE_TIMEOUT_S",
+    "SCRIPT_REFERENCE_TIMEOUT_S",
+    "SPEC_WAIT_S",
+    "WORKER_EXIT_GRACE_S",
+]
+
+RECONFIGURE_TIMEOUT_S = 120.0
+"""How long a reconfiguration attempt may take to start every node of the new layout before it is
+abandoned and decided again (``--reconfigure-timeout``). A node that dies meanwhile is noticed sooner."""
+
+ETCD_OUTAGE_S = 30.0
+"""How long a worker's etcd calls are retried while etcd is unreachable before the error is raised."""
+
+ETCD_RETRY_S = 0.1
+"""The pause between two tries of an etcd call while etcd is unreachable."""
+
+NOTICE_DIRECT_READ_S = 0.05
+"""While a worker's watch of failure events is down (etcd restarting), how often a poll reads etcd directly."""
+
+FIRST_LAYOUT_SETTLE_S = 1.0
+"""Once enough nodes registered for the first layout, how long the coordinator waits for no new
+registration before it writes the layout (so nodes that start together are all placed)."""
+
+LEADER_POLL_S = 0.2
+"""How often an agent that is not the job's coordinator checks whether the coordinator's key is gone
+(a confirmed dead coordinator's lease is revoked at once, so it is taken over within this)."""
+
+AGENT_POLL_S = 0.1
+"""How often an agent checks its worker, its lease and the job's end."""
+
+SPEC_WAIT_S = 600.0
+"""How long an agent waits for another agent to write the job's spec (``--spec-timeout``)."""
+
+WORKER_EXIT_GRACE_S = 30.0
+"""Once the job has ended, how long an agent waits for its worker to exit by itself before killing it."""
+
+RUN_TIMEOUT_S = 900.0
+"""How long ``bamboo-launch run`` may take in all before every node is killed (``--timeout``)."""
+
+SCRIPT_DESCRIBE_TIMEOUT_S = 300.0
+"""How long a user script may take to describe its model (``describe`` mode) before it is an error."""
+
+SCRIPT_REFERENCE_TIMEOUT_S = 900.0
+"""How long a user script may take to train the ``--verify`` reference before it is an error."""

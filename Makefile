@@ -10,7 +10,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 help:
 	@echo "make setup   create .venv and install torch, deepspeed, etcd and every package (idempotent)"
-	@echo "make test    setup, ruff, then pytest over every package and tests/"
+	@echo "make test    setup, ruff, the import contracts (lint-imports), then pytest over every package and tests/"
 	@echo "make demo    setup, then run the project's main job"
 	@echo "make proto   regenerate the gRPC/protobuf stubs from proto/"
 	@echo "make bench   run the benchmarks (slow; they print ratios against baselines measured in the same run)"
@@ -20,6 +20,7 @@ setup:
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 test: setup lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \

@@ -394,14 +394,9 @@ def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> 
 
         view = _view(run, layout, executor)
         if view is not None:
-            decision = decide(view)
+            decision = decide(view)  # after a failover: "rebuild redundancy after a failover", at least
             reason = ", ".join(r.value for r in decision.reasons)
-            if decision.when is When.CARRY_ON and executor.dead:
-                # After a failover the taken-over stage and its successor have no shadow, so one more
-                # failure next to them would be consecutive. bamboo-rc survives a second non-adjacent
-                # failure on the merged schedule, but full redundancy is restored at the next boundary.
-                reason = "rebuild redundancy after a failover"
-            if decision.when is not When.CARRY_ON or executor.dead:
+            if decision.when is not When.CARRY_ON:
                 try:
                     run.membership.decide(name, StopDecision(executor.step + 2, reason).to_dict())
                 except Exception as error:  # etcd restarting: propose again after the next step

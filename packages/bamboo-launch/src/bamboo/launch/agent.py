@@ -103,6 +103,7 @@ class AgentOptions:
     tls_ca: str | None = None
     insecure: bool = False
     notice_window_s: float = 30.0
+    """Seconds from SIGTERM (a preemption notice) to the machine's end (``--notice-window``)."""
     preemption_notices: str = "none"
     spec_timeout_s: float = timeouts.SPEC_WAIT_S
 
@@ -137,7 +138,7 @@ def zone_of_k8s_node(name: str) -> str:
     request = urllib.request.Request(f"{api.rstrip('/')}/api/v1/nodes/{name}",
                                      headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        with urllib.request.urlopen(request, timeout=timeouts.K8S_API_TIMEOUT_S, context=context) as response:
             node = json.loads(response.read())
     except OSError as error:
         raise AgentError(f"--k8s-node {name}: cannot read the node from {api}: {error}") from None
@@ -193,7 +194,7 @@ def ensure_spec(membership: Any, options: AgentOptions, say: Callable[[str], Non
             if time.monotonic() > deadline:
                 raise AgentError(f"job {options.job}: no spec within {options.spec_timeout_s:g} s (agent "
                                  f"{holder.value.decode(errors='replace')} was writing it)")
-            time.sleep(0.2)
+            time.sleep(timeouts.SPEC_POLL_S)
             continue
         try:
             say(f"writing the spec of job {options.job}: reading the model")

@@ -35,6 +35,7 @@ from typing import Any
 
 import attrs
 import torch.distributed as dist
+from bamboo.launch import timeouts
 from bamboo.launch.records import AttemptOutcome, NodeUp
 from bamboo.membership.kv import StoreError
 
@@ -50,7 +51,7 @@ class AbandonableStore(dist.Store):
     :meth:`abandon` was called; waits poll ``inner`` (1 ms, doubling to ``poll_max_s``) so that a
     wait in progress ends too."""
 
-    def __init__(self, inner: Any, poll_max_s: float = 0.02) -> None:
+    def __init__(self, inner: Any, poll_max_s: float = timeouts.ATTEMPT_STORE_POLL_MAX_S) -> None:
         super().__init__()
         self.inner = inner
         self.poll_max_s = poll_max_s
@@ -166,7 +167,7 @@ def await_outcome(
     progress: Callable[[], tuple[bool, BaseException | None]],
     timeout_s: float,
     *,
-    poll_s: float = 0.2,
+    poll_s: float = timeouts.ATTEMPT_POLL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     say: Callable[[str], None] = lambda line: None,

@@ -22,6 +22,11 @@ carries on where the old one stopped. Its duties:
   and no node has registered for :data:`~bamboo.launch.timeouts.FIRST_LAYOUT_SETTLE_S`, it places the
   registered nodes with :func:`bamboo.reconfig.plan_layout` and writes generation 0 with
   compare-and-swap (only when there is no layout yet).
+- **A layout nobody holds any more.** The workers themselves move from one layout to the next at a
+  barrier. When every node of the current layout (its owners and the holders it came from) is gone, no
+  worker is left to do it: the coordinator then writes the next generation itself, restarting every
+  stage from the newest good checkpoint on the warm standby nodes (as soon as they can form a pipeline),
+  or, without a checkpoint, ends the job with the error.
 
 Every write goes through the agent's fenced store: a coordinator that was declared dead (its lease is
 gone) cannot write anything more.
@@ -44,7 +49,7 @@ from bamboo.membership.kv import StoreError
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
-__all__ = ["Coordinator", "first_layout", "published_events", "read_layout"]
+__all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "restart_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,28 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:
     if plan.stages != spec.stages or not plan.owners:
         raise RuntimeError(f"{len(zones)} nodes cannot form a pipeline of {spec.stages} stages")
     return JobLayout(generation=0, plan=plan, zones=zones)
+
+
+def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, str], step: int,
+                   path: str) -> Any:
+    """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
+    every stage restored from the checkpoint of ``step`` at ``path``; None when they cannot form a pipeline."""
+    from bamboo.launch.reconfigure import next_history
+    from bamboo.reconfig import ClusterView, JobLayout, Node, RestorePoint, StartMode, plan_layout
+
+    if len(warm) < spec.stages:
+        return None
+    view = ClusterView(nodes=[Node(node, zones.get(node) or "default", "standby") for node in warm],
+                       target_stages=spec.stages, target_pipelines=spec.pipelines,
+                       global_batch=lost.global_batch, layers=spec.reconfig_layers())
+    plan = plan_layout(view)
+    if plan.stages != spec.stages or not plan.owners or lost.global_batch % len(plan.owners):
+        return None
+    return JobLayout(generation=lost.generation + 1, plan=plan, start_step=step, mode=StartMode.CHECKPOINT,
+                     reason="every holder lost", restore=RestorePoint(step, path, range(spec.stages)),
+                     barrier_step=lost.start_step, barrier_unix=time.time(), base_generation=lost.generation,
+                     survivors=(), history=next_history(lost.history, step, len(plan.owners)),
+                     zones={node: zones.get(node, "default") for node in warm})
 
 
 class Coordinator:
@@ -127,7 +154,7 @@ class Coordinator:
         self._stop.set()
         self.wake()
         if self._thread is not threading.current_thread():
-            self._thread.join(5)
+            self._thread.join(timeouts.THREAD_JOIN_S)
 
     def wake(self) -> None:
         with self._wake:
@@ -157,12 +184,23 @@ class Coordinator:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
+    def round(self) -> bool:
+        """One pass of the duties: campaign, and while elected, the first layout, failures, orphaned layouts.
+
+        Returns whether this agent is the coordinator. The background thread calls it whenever a failure is
+        confirmed, and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S`; tests call it directly.
+        """
+        if not self._campaign():
+            return False
+        self._first_layout()
+        self._publish_failures()
+        self._orphaned_layout()
+        return True
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                if self._campaign():
-                    self._first_layout()
-                    self._publish_failures()
+                self.round()
             except StoreError as error:  # etcd restarting, or this agent was fenced
                 log.warning("coordinator %s: %s", self.node, error)
             except Exception:
@@ -191,6 +229,35 @@ class Coordinator:
                                                  enumerate(layout.owners))
                      + (f"; standby: {' '.join(layout.standby)}" if layout.standby else ""))
 
+    def _orphaned_layout(self) -> None:
+        """Restart from the newest checkpoint when every holder of the current layout is gone."""
+        from bamboo.launch.reconfigure import restore_point, warm_standby
+        from bamboo.launch.records import JobEnd
+
+        layout = read_layout(self.membership)
+        if layout is None or self.membership.get_decision("end") is not None:
+            return
+        registered = self.membership.list_nodes(skip_malformed=True)
+        if any(node in registered for node in (*layout.ranks, *layout.survivors)):
+            return
+        stages = list(range(self.spec.stages))
+        try:
+            step, path = restore_point(self.spec.checkpoint_dir, self.spec.stages, stages)
+        except RuntimeError as error:
+            message = f"every node of generation {layout.generation} is gone: {error}"
+            if self.membership.decide("end", JobEnd(steps=layout.start_step, error=message,
+                                                    node=self.node).to_dict()).won:
+                self.say(f"the job cannot go on: {message}")
+            return
+        restart = restart_layout(self.spec, layout, warm_standby(self.membership, registered),
+                                 {n: r.zone for n, r in registered.items()}, step, path)
+        if restart is None:
+            return  # not enough warm nodes for one pipeline yet: wait for the market to add some
+        current = self.membership.get_layout()
+        if current is not None and self.membership.put_layout(restart.to_dict(), current.revision) is not None:
+            self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
+                     f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
+
     def _failure_reports(self) -> dict[str, FailureReport]:
         reports: dict[str, FailureReport] = {}
         for item in self.membership.kv.get_prefix(self.membership.keys.failures):
@@ -207,7 +274,9 @@ class Coordinator:
         layout = read_layout(self.membership)
         if layout is not None:
             self._zones.update(layout.zones)
-        for node, record in self.agent.detector.known_nodes().items() if self.agent.detector else ():
+        known = dict(self.agent.detector.known_nodes()) if self.agent.detector else {}
+        known.update(self.membership.list_nodes(skip_malformed=True))
+        for node, record in known.items():  # remembered while they are alive: a dead node's record is gone
             if record.zone:
                 self._zones.setdefault(node, record.zone)
         for node, report in sorted(reports.items()):

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
+from bamboo.launch import timeouts
 from bamboo.membership.kv import FencedError, StoreError, StoreUnavailableError
 
 __all__ = [
@@ -399,8 +400,8 @@ class EtcdEventLog:
         *,
         local: str | os.PathLike[str] | None = None,
         keep: int = EVENTS_PER_WRITER,
-        outage_s: float = 30.0,
-        retry_s: float = 0.1,
+        outage_s: float = timeouts.ETCD_OUTAGE_S,
+        retry_s: float = timeouts.ETCD_RETRY_S,
         guard: Any = None,
     ) -> None:
         if keep < 1:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import attrs
+from bamboo.launch import timeouts
 
 __all__ = [
     "ActionKind",
@@ -389,7 +390,7 @@ class ProcessCluster:
         log_dir: str | os.PathLike[str] | None = None,
         notice_signal: signal.Signals = signal.SIGTERM,
         name_prefix: str = "node",
-        reap_timeout_s: float = 10.0,
+        reap_timeout_s: float = timeouts.REAP_TIMEOUT_S,
     ) -> None:
         self._command = command
         self._env = dict(os.environ if env is None else env)

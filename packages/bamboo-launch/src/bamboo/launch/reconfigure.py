@@ -55,6 +55,7 @@ __all__ = [
     "restore_slices",
     "stage_shards",
     "transfer_participants",
+    "warm_standby",
 ]
 
 
@@ -84,6 +85,13 @@ def build_view(
             nodes.append(Node(node, zones.get(node) or "default", "standby"))
     return ClusterView(nodes=nodes, target_stages=stages, target_pipelines=target_pipelines,
                        global_batch=layout.global_batch, layers=list(layers), layout=layout.plan)
+
+
+def warm_standby(membership: Any, registered: Any) -> list[str]:
+    """The registered nodes whose worker is warm (it published ``warm-<node>``)."""
+    warm = {item.key.rsplit("/", 1)[-1].removeprefix("warm-")
+            for item in membership.kv.get_prefix(membership.keys.decision("warm-"))}
+    return sorted(node for node in registered if node in warm)
 
 
 def transfer_participants(plan: Any) -> list[str]:

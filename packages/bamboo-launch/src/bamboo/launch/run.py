@@ -263,7 +263,7 @@ class _Recorder:
                 self.steps += 1
 
     def _run(self) -> None:
-        while not self._stop.wait(0.1):
+        while not self._stop.wait(timeouts.RUN_POLL_S):
             try:
                 self._drain()
             except Exception as error:  # etcd restarting: the watch resumes; a malformed record is reported
@@ -271,7 +271,7 @@ class _Recorder:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(timeouts.THREAD_JOIN_S)
         try:
             self._drain()
         except Exception as error:
@@ -356,7 +356,7 @@ def run_cluster(
             threading.Thread(target=during, args=(handles,), name="bamboo-run-during", daemon=True).start()
         timed_out = _wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say)
     finally:
-        market.stop(timeout=10)
+        market.stop(timeout=timeouts.MARKET_STOP_S)
         cluster.close()
         recorder.stop()
         try:
@@ -435,7 +435,7 @@ def _wait_first_step(recorder: _Recorder, cluster: Any, membership: Any, deadlin
                 f"{_last_line(log_dir / (node + '.log'))} (log: {log_dir / (node + '.log')})" for node in dead))
         if time.monotonic() > deadline:
             raise RunError("no training step before the run's timeout")
-        time.sleep(0.1)
+        time.sleep(timeouts.RUN_POLL_S)
 
 
 def _wait_end(cluster: Any, membership: Any, deadline: float, events: Path, live: bool,
@@ -456,7 +456,7 @@ def _wait_end(cluster: Any, membership: Any, deadline: float, events: Path, live
             if state.step is not None and state.step // 10 != last_steps // 10:
                 last_steps = state.step
                 say(state.progress_line())
-            time.sleep(0.1)
+            time.sleep(timeouts.RUN_POLL_S)
         return False
     from bamboo.launch.live import EventFollower, LiveState, render_live
     from rich.console import Console
@@ -470,7 +470,7 @@ def _wait_end(cluster: Any, membership: Any, deadline: float, events: Path, live
                 return True
             state.apply_all(follower.poll())
             view.update(render_live(state))
-            time.sleep(0.25)
+            time.sleep(timeouts.LIVE_REFRESH_S)
         state.apply_all(follower.poll())
         view.update(render_live(state))
     return False

@@ -9,18 +9,31 @@ default to theirs.
 from __future__ import annotations
 
 __all__ = [
+    "ABANDONED_JOIN_S",
     "AGENT_POLL_S",
+    "ATTEMPT_POLL_S",
+    "ATTEMPT_STORE_POLL_MAX_S",
+    "DECISION_POLL_S",
     "ETCD_OUTAGE_S",
     "ETCD_RETRY_S",
     "FIRST_LAYOUT_SETTLE_S",
+    "K8S_API_TIMEOUT_S",
     "LEADER_POLL_S",
+    "LIVE_REFRESH_S",
+    "MARKET_STOP_S",
+    "NODE_SHORTAGE_SAY_S",
     "NOTICE_DIRECT_READ_S",
+    "REAP_TIMEOUT_S",
     "RECONFIGURE_TIMEOUT_S",
+    "RUN_POLL_S",
     "RUN_TIMEOUT_S",
     "SCRIPT_DESCRIBE_TIMEOUT_S",
     "SCRIPT_REFERENCE_TIMEOUT_S",
+    "SPEC_POLL_S",
     "SPEC_WAIT_S",
+    "THREAD_JOIN_S",
     "WORKER_EXIT_GRACE_S",
+    "WORKER_POLL_S",
 ]
 
 RECONFIGURE_TIMEOUT_S = 120.0
@@ -61,3 +74,44 @@ SCRIPT_DESCRIBE_TIMEOUT_S = 300.0
 
 SCRIPT_REFERENCE_TIMEOUT_S = 900.0
 """How long a user script may take to train the ``--verify`` reference before it is an error."""
+
+SPEC_POLL_S = 0.2
+"""How often an agent that waits for another agent to write the job's spec looks again."""
+
+K8S_API_TIMEOUT_S = 10.0
+"""Deadline of the agent's one request to the Kubernetes API (its node's zone label, ``--k8s-node``)."""
+
+WORKER_POLL_S = 0.05
+"""How often a worker without a role checks the layout and the job's end (and how often holders at a
+barrier that lack nodes for one pipeline try again)."""
+
+NODE_SHORTAGE_SAY_S = 10.0
+"""How often holders at a barrier that wait for enough nodes for one pipeline say so in their log."""
+
+DECISION_POLL_S = 0.02
+"""How often a worker at a barrier, or waiting for a decision, reads etcd again."""
+
+ATTEMPT_POLL_S = 0.2
+"""How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership."""
+
+ATTEMPT_STORE_POLL_MAX_S = 0.02
+"""Longest pause between reads of an attempt's abandonable c10d store while it waits for a key."""
+
+ABANDONED_JOIN_S = 2.0
+"""How long a node waits for the thread of an abandoned attempt to end (one blocked on a dead peer never
+does; it is left behind, referenced until the process exits)."""
+
+RUN_POLL_S = 0.1
+"""How often ``bamboo-launch run`` mirrors the event log and checks its agents."""
+
+LIVE_REFRESH_S = 0.25
+"""How often the live view of ``bamboo-launch run`` is redrawn."""
+
+MARKET_STOP_S = 10.0
+"""How long ``bamboo-launch run`` waits for the market's thread to stop at the end."""
+
+REAP_TIMEOUT_S = 10.0
+"""How long the emulated market waits for a SIGKILLed node's process to be reaped (then it is reported)."""
+
+THREAD_JOIN_S = 5.0
+"""How long stopping waits for a background thread (the coordinator, the event recorder) to end."""

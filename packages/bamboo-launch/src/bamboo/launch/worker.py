@@ -47,6 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bamboo.launch import timeouts
 from bamboo.launch.records import (
     BarrierReady,
     JobEnd,
@@ -63,15 +64,16 @@ TRANSFER_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_TRANSFER_PAUSE_S"
 """Test hook: seconds every member of a reconfiguration's transfer group waits once the group is formed,
 after publishing decision ``g<G>-transfer-group-<node>`` (so that a test can kill a node mid-transfer)."""
 
-WORKER_POLL_S = 0.05
-"""How often a worker without a role checks the layout and the job's end."""
-
 _UNTIL_EXIT: list[Any] = []  # objects that must not be freed before ``os._exit`` (their gloo groups)
 
 
 class JobCannotContinue(RuntimeError):
     """The job cannot go on (say, every copy of a stage is gone and there is no checkpoint): the worker
     ends the job with this error."""
+
+
+class NotEnoughNodes(RuntimeError):
+    """Too few live nodes for one pipeline: the holders wait at the barrier for more."""
 
 
 def read_spec(membership: Any) -> JobSpec:
@@ -129,7 +131,7 @@ class _Run:
                 layout = None
             if layout is not None and layout.generation > after and self.node in layout.ranks:
                 return layout
-            time.sleep(WORKER_POLL_S)
+            time.sleep(timeouts.WORKER_POLL_S)
 
     def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -142,7 +144,7 @@ class _Run:
                 return found.value
             if time.monotonic() > deadline:
                 raise RuntimeError(f"decision {name} not taken within {timeout:g} s")
-            time.sleep(0.02)
+            time.sleep(timeouts.DECISION_POLL_S)
 
     def close(self) -> None:
         self.log.close()
@@ -411,15 +413,8 @@ def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> 
     return found.step, found.reason
 
 
-def warm_standby(membership: Any, registered: Any) -> list[str]:
-    """The registered nodes whose worker is warm (it published ``warm-<node>``)."""
-    warm = {item.key.rsplit("/", 1)[-1].removeprefix("warm-")
-            for item in membership.kv.get_prefix(membership.keys.decision("warm-"))}
-    return sorted(node for node in registered if node in warm)
-
-
 def _view(run: _Run, layout: Any, executor: Any) -> Any:
-    from bamboo.launch.reconfigure import build_view
+    from bamboo.launch.reconfigure import build_view, warm_standby
 
     try:
         records = run.membership.list_nodes(skip_malformed=True)
@@ -488,7 +483,7 @@ def _attempt(run: _Run, layout: Any, old: Any) -> Any:
         return part.result
     print(f"node {run.node}: generation {generation} abandoned: {outcome.reason}", flush=True)
     store.abandon()
-    part.join(2.0)  # a thread blocked in gloo on a dead peer stays blocked: its objects are never freed
+    part.join(timeouts.ABANDONED_JOIN_S)  # a thread blocked in gloo on a dead peer stays blocked: its objects are never freed
     run.retired.append((store, part))
     return _ABANDONED
 
@@ -523,6 +518,7 @@ def _next_layout(run: _Run, base: Any, expected: Any, attempt: int, reason: str)
     name = f"{prefix}next"
     # A survivor may reach the barrier only after its own confirmation wait or group timeout.
     deadline = time.monotonic() + run.timeouts.build
+    next_say = 0.0
     ready: dict[str, BarrierReady] = {}
     value: JobLayout | None = None
     while value is None:
@@ -538,13 +534,22 @@ def _next_layout(run: _Run, base: Any, expected: Any, attempt: int, reason: str)
                 if found is not None:
                     ready[other] = found
         if all(other in ready for other in waiting_for):
-            planned = _plan_next(run, base, ready, attempt, reason)
+            try:
+                planned = _plan_next(run, base, ready, attempt, reason)
+            except NotEnoughNodes as shortage:  # wait, holding the state, for the market to add machines
+                if time.monotonic() >= next_say:
+                    print(f"node {run.node}: at the barrier of generation {generation}: {shortage}; waiting for "
+                          "more nodes", flush=True)
+                    next_say = time.monotonic() + timeouts.NODE_SHORTAGE_SAY_S
+                deadline = time.monotonic() + run.timeouts.build
+                time.sleep(timeouts.WORKER_POLL_S)
+                continue
             value = JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)
             break
         if time.monotonic() > deadline:
             raise RuntimeError(f"survivors {sorted(set(waiting_for) - set(ready))} did not reach the barrier of "
                                f"generation {generation}")
-        time.sleep(0.02)
+        time.sleep(timeouts.DECISION_POLL_S)
     _publish_layout(run, value)
     print(f"node {run.node}: generation {value.generation} starts at step {value.start_step} "
           f"({value.mode.value}, attempt {attempt + 1}): ranks {value.ranks}, "
@@ -554,7 +559,7 @@ def _next_layout(run: _Run, base: Any, expected: Any, attempt: int, reason: str)
 
 def _plan_next(run: _Run, base: Any, ready: dict[str, BarrierReady], attempt: int, reason: str) -> Any:
     """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
-    from bamboo.launch.reconfigure import build_view, next_history, restore_point
+    from bamboo.launch.reconfigure import build_view, next_history, restore_point, warm_standby
     from bamboo.reconfig import JobLayout, RestorePoint, StartMode, TransferPlan, plan_layout, plan_transfers
 
     spec = run.spec
@@ -575,7 +580,7 @@ def _plan_next(run: _Run, base: Any, ready: dict[str, BarrierReady], attempt: in
     global_batch = base.global_batch
     pipelines = len(plan.owners)
     if plan.stages != spec.stages or pipelines == 0:
-        raise JobCannotContinue(f"{len(usable)} nodes left cannot form a pipeline of {spec.stages} stages")
+        raise NotEnoughNodes(f"{len(usable)} nodes left cannot form a pipeline of {spec.stages} stages")
     if global_batch % pipelines:
         raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
                                 "pipelines")
@@ -683,6 +688,7 @@ def run_worker(program: Program | None) -> None:
     """
     code = WORKER_DONE
     context: WorkerContext | None = None
+    _die_with_agent()
     try:
         context = WorkerContext.from_environment()
         train(context, program)
@@ -695,6 +701,19 @@ def run_worker(program: Program | None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _die_with_agent() -> None:
+    """End this process if its agent (its parent) dies: a worker never outlives the agent that fences it."""
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(timeouts.AGENT_POLL_S)
+        print("worker: its agent is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(WORKER_ERROR)
+
+    threading.Thread(target=watch, name="bamboo-agent-watch", daemon=True).start()
 
 
 def _spec_of(context: WorkerContext) -> JobSpec:

@@ -1,0 +1,194 @@
+"""The job's elected coordinator (`bamboo.launch.coordinator`), in process against a real etcd.
+
+Each test drives :meth:`Coordinator.round` itself (no background thread), with fake agents whose
+registrations are real leases and whose detectors record the sweeps they are asked for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bamboo.launch.coordinator import Coordinator, first_layout, published_events, read_layout, restart_layout
+from bamboo.launch.records import JobEnd, read_record
+from bamboo.launch.spec import JobSpec
+from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+from bamboo.membership.records import FailureReport, NodeRecord, NodeState
+from bamboo.rc import FailureEvent
+
+LAYER = {"param_bytes": 400, "optimizer_bytes": 800, "compute_cost": 100.0}
+
+
+class FakeDetector:
+    """What the coordinator asks of a detector: its listeners, the nodes it knows, and sweeps."""
+
+    def __init__(self) -> None:
+        self.sweeps: list[tuple[list[str], str]] = []
+        self.confirm_on_sweep: list[str] = []
+        self.membership: MembershipStore | None = None
+
+    def subscribe(self, listener: Any) -> None:
+        pass
+
+    def known_nodes(self) -> dict[str, Any]:
+        return {}
+
+    def probe_all(self, nodes: list[str], reason: str) -> None:
+        self.sweeps.append((sorted(nodes), reason))
+        assert self.membership is not None
+        for node in self.confirm_on_sweep:  # the sweep found these dead too
+            self.membership.report_failure(FailureReport(node=node, epoch=0, reason="swept"))
+
+
+class FakeAgent:
+    def __init__(self, membership: MembershipStore, node: str, zone: str) -> None:
+        self.node_id = node
+        self.registration = membership.register(NodeRecord(id=node, zone=zone, state=NodeState.NODE_STATE_ACTIVE),
+                                                ttl=30)
+        self.detector = FakeDetector()
+        self.detector.membership = membership
+
+
+class Events:
+    def __init__(self) -> None:
+        self.written: list[Any] = []
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return 1.0
+
+    def write(self, event: Any) -> None:
+        with self._lock:
+            self.written.append(event)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd")).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def membership(etcd: EmbeddedEtcd, request: pytest.FixtureRequest) -> Iterator[MembershipStore]:
+    kv = EtcdKV(EtcdOptions(endpoints=(etcd.endpoint,)))
+    yield MembershipStore(kv, request.node.name.replace("[", "-").replace("]", "")[:60])
+    kv.close()
+
+
+def _spec(job: str, **changes: Any) -> JobSpec:
+    fields: dict[str, Any] = {"job": job, "stages": 2, "pipelines": 2, "steps": 10, "micro_batches": 4,
+                              "created_unix": 1.0, "layers": [LAYER] * 4, "config": {}}
+    fields.update(changes)
+    return JobSpec(**fields)
+
+
+def _coordinator(membership: MembershipStore, node: str, zone: str, spec: JobSpec,
+                 clock: list[float] | None = None) -> tuple[Coordinator, FakeAgent, Events]:
+    agent = FakeAgent(membership, node, zone)
+    events = Events()
+    ticks = clock if clock is not None else [0.0]
+    coordinator = Coordinator(membership.fenced(agent.registration), agent, spec, events, clock=lambda: ticks[0])
+    return coordinator, agent, events
+
+
+def test_one_agent_is_elected_and_another_takes_over_when_its_lease_goes(membership: MembershipStore) -> None:
+    spec = _spec(membership.keys.job, min_nodes=9)  # never enough nodes: no first layout in this test
+    first, first_agent, _ = _coordinator(membership, "n0", "a", spec)
+    second, _, _ = _coordinator(membership, "n1", "b", spec)
+    assert first.round() and not second.round()
+    assert first.leader and not second.leader
+    membership.kv.revoke_lease(first_agent.registration.lease_id)  # n0 declared dead: its key goes with it
+    assert second.round() and second.leader
+    assert not first.round() and not first.leader
+
+
+def test_the_first_layout_waits_for_min_nodes_and_for_registrations_to_settle(membership: MembershipStore) -> None:
+    clock = [100.0]
+    spec = _spec(membership.keys.job, min_nodes=4)
+    coordinator, _, _ = _coordinator(membership, "n0", "a", spec, clock)
+    assert coordinator.round() and read_layout(membership) is None  # 1 of 4 registered
+    agents = [FakeAgent(membership, f"n{i}", zone) for i, zone in ((1, "b"), (2, "c"))]
+    assert coordinator.round() and read_layout(membership) is None  # 3 of 4
+    agents.append(FakeAgent(membership, "n3", "a"))
+    coordinator.round()
+    assert read_layout(membership) is None  # 4 of 4, but they just registered: settle first
+    clock[0] += 0.5
+    coordinator.round()
+    assert read_layout(membership) is None
+    clock[0] += 1.0
+    coordinator.round()
+    layout = read_layout(membership)
+    assert layout is not None and layout.generation == 0 and sorted(layout.ranks) == ["n0", "n1", "n2", "n3"]
+    assert layout == first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    assert agents  # kept registered
+
+
+def test_confirmed_failures_of_ranked_nodes_are_published_once_with_what_the_sweep_finds(
+    membership: MembershipStore,
+) -> None:
+    spec = _spec(membership.keys.job)
+    coordinator, agent, events = _coordinator(membership, "n0", "a", spec)
+    for node, zone in (("n1", "b"), ("n2", "c"), ("n3", "a"), ("s4", "b")):
+        FakeAgent(membership, node, zone)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    assert membership.put_layout(layout.to_dict(), 0) is not None
+    ranks = layout.ranks
+    membership.report_failure(FailureReport(node="n1", epoch=0, reason="probe refused"))
+    agent.detector.confirm_on_sweep = ["n3"]  # killed at the same instant: found by the sweep
+    coordinator.round()
+    assert agent.detector.sweeps == [(["n2", "n3"], "swept after a confirmed failure in the layout")]
+    assert published_events(membership, 0) == {1: FailureEvent(1, sorted([ranks["n1"], ranks["n3"]]))}
+    coordinator.round()  # nothing new: nothing published again
+    assert list(published_events(membership, 0)) == [1]
+    membership.report_failure(FailureReport(node="s4", epoch=0, reason="lease expired"))  # a standby node
+    membership.report_failure(FailureReport(node="n2", epoch=0, reason="probe refused"))
+    agent.detector.confirm_on_sweep = []
+    coordinator.round()
+    assert published_events(membership, 0)[2] == FailureEvent(2, [ranks["n2"]])
+    assert sorted(e.node for e in events.written) == ["n1", "n2", "n3", "s4"]  # one preemption record each
+    assert {e.zone for e in events.written if e.node == "s4"} == {"b"}
+
+
+def test_a_new_coordinator_carries_on_without_publishing_twice(membership: MembershipStore) -> None:
+    spec = _spec(membership.keys.job)
+    old, old_agent, _ = _coordinator(membership, "n0", "a", spec)
+    new, new_agent, new_events = _coordinator(membership, "n1", "b", spec)
+    for node, zone in (("n2", "c"), ("n3", "a")):
+        FakeAgent(membership, node, zone)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    membership.put_layout(layout.to_dict(), 0)
+    membership.report_failure(FailureReport(node="n2", epoch=0, reason="probe refused"))
+    assert old.round()
+    membership.kv.revoke_lease(old_agent.registration.lease_id)
+    membership.report_failure(FailureReport(node="n0", epoch=0, reason="lease revoked"))
+    assert new.round()
+    events = published_events(membership, 0)
+    assert [event.victims for _, event in sorted(events.items())] == [(layout.ranks["n2"],), (layout.ranks["n0"],)]
+    assert [e.node for e in new_events.written] == ["n0"]  # n2's preemption was recorded by the old one
+    assert new_agent.detector.sweeps[0][0] == ["n3"]
+
+
+def test_a_layout_nobody_holds_ends_the_job_without_a_checkpoint(membership: MembershipStore) -> None:
+    spec = _spec(membership.keys.job)
+    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})  # none of them registered
+    membership.put_layout(layout.to_dict(), 0)
+    coordinator.round()
+    end = read_record(JobEnd, membership.get_decision("end"))
+    assert end is not None and end.error is not None
+    assert "every node of generation 0 is gone" in end.error and "writes no checkpoints" in end.error
+
+
+def test_restart_layout_restores_every_stage_on_the_warm_nodes(tmp_path: Path) -> None:
+    spec = _spec("j")
+    lost = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    assert restart_layout(spec, lost, ["w1"], {"w1": "a"}, 5, str(tmp_path)) is None  # one node: no pipeline
+    restart = restart_layout(spec, lost, ["w1", "w2", "w3"], {"w1": "a", "w2": "b", "w3": "c"}, 5, str(tmp_path))
+    assert restart is not None and restart.generation == 1 and restart.pipelines == 1
+    assert restart.restore is not None and restart.restore.lost_stages == (0, 1) and restart.start_step == 5
+    assert restart.global_batch == lost.global_batch and restart.micro_batches == 8
+    assert restart.history == ((0, 2), (5, 1))

@@ -4,7 +4,8 @@ Three levels, all with hypothesis:
 
 - `plan_placement` against ``plan_layout(system_view(...))`` on random clusters: nodes, zones, a random
   current layout with preempted owners, P and D, zone-aware or zone-blind (the same nodes, the same slots);
-- `decision` against ``decide(system_view(...))`` on the same clusters (the same when and reasons);
+- `decision` against ``decide(system_view(...))`` on the same clusters (the same when and reasons), and
+  `reconfigures` against its when;
 - whole simulated runs with ``check_policy=True`` on random traces and synthetic streams, which ask
   bamboo-reconfig for every placement and decision the run makes and fail on the first difference.
 """
@@ -16,12 +17,12 @@ import math
 import attrs
 import pytest
 from bamboo.bench import policy, simulator
-from bamboo.bench.policy import NOT_A_HOLDER, decision, plan_placement, system_view
+from bamboo.bench.policy import NOT_A_HOLDER, decision, plan_placement, reconfigures, system_view
 from bamboo.bench.profile import ModelProfile, Timing
 from bamboo.bench.simulator import Policy, PolicyMismatch, Strategy, simulate_run, simulate_synthetic
 from bamboo.bench.synthetic import SyntheticSpec
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
-from bamboo.reconfig import InfeasibleSplit, When, decide, plan_layout
+from bamboo.reconfig import InfeasibleSplit, Reason, When, decide, plan_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
@@ -89,6 +90,10 @@ def test_decision_equals_decide(cluster: Cluster, zone_aware: bool) -> None:
         system_view(cluster.owners, cluster.alive, cluster.zone_of, cluster.stages, cluster.pipelines, zone_aware)
     )
     assert (when, reasons) == (expected.when, expected.reasons), expected.detail
+    reconfigure = reconfigures(dead, len(cluster.owners), cluster.stages, cluster.pipelines, len(alive), waiting)
+    assert reconfigure == (expected.when is not When.CARRY_ON)
+    # the system's policy rebuilds redundancy after every failover
+    assert (Reason.REBUILD_REDUNDANCY in reasons) == bool(dead)
 
 
 @settings(max_examples=300, deadline=None)
@@ -185,5 +190,14 @@ def test_check_policy_catches_a_different_decision(monkeypatch: pytest.MonkeyPat
     events.append(TraceEvent(50.0, EventKind.ADD, "n8", "a"))
     events.append(TraceEvent(300.0, EventKind.REMOVE, "n1", "b"))
     with pytest.raises(PolicyMismatch, match="the simulator decided carry-on"):
+        simulate_run(Trace.from_events("t", events, duration_s=400.0), tiny_profile, Strategy.BAMBOO,
+                     target_samples=math.inf, until_s=400.0, check_policy=True)
+
+
+def test_check_policy_catches_a_shortcut_that_disagrees(monkeypatch: pytest.MonkeyPatch, tiny_profile: ModelProfile) -> None:
+    monkeypatch.setattr(simulator, "reconfigures", lambda *args: False)
+    events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
+    events.append(TraceEvent(300.0, EventKind.REMOVE, "n1", "b"))
+    with pytest.raises(PolicyMismatch, match=r"reconfigures\(\) says False, the decision next-step-boundary"):
         simulate_run(Trace.from_events("t", events, duration_s=400.0), tiny_profile, Strategy.BAMBOO,
                      target_samples=math.inf, until_s=400.0, check_policy=True)

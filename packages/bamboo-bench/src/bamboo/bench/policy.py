@@ -23,9 +23,10 @@ inputs like this (``system_view`` builds that ``ClusterView``):
   the launcher does with nodes that register without a zone (it files them under ``default``).
 
 `plan_placement` equals ``plan_layout(system_view(...)).owners`` and `decision` equals
-``decide(system_view(...))`` (when and reasons): the tests check both on random clusters (hypothesis), and
-``simulate_run(..., check_policy=True)`` checks every placement and decision of a run against
-bamboo-reconfig itself.
+``decide(system_view(...))`` (when and reasons); `reconfigures` is whether that decision reconfigures, without
+building its reasons (the simulator asks it at every event). The tests check all three on random clusters
+(hypothesis), and ``simulate_run(..., check_policy=True)`` checks every placement and decision of a run
+against bamboo-reconfig itself.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "is_consecutive_failure",
     "node_name",
     "plan_placement",
+    "reconfigures",
     "system_view",
     "zone_name",
 ]
@@ -362,6 +364,22 @@ def decision(
             )
     more = bool(waiting) and min(target_pipelines, usable // stages) > layout_pipelines
     return When.NEXT_STEP_BOUNDARY, _FAILED_OVER[fragile, bool(waiting), more]
+
+
+def reconfigures(
+    dead: Collection[tuple[int, int]],
+    layout_pipelines: int,
+    stages: int,
+    target_pipelines: int,
+    usable: int,
+    waiting: int,
+) -> bool:
+    """Whether `decision` on the same arguments reconfigures (now or at the next step boundary), cheaply.
+
+    It does after any failover (some slot is lost), and when the waiting nodes let more pipelines run:
+    with the rebuild after a failover, a decision carries on only while the layout is whole and cannot grow.
+    """
+    return bool(dead) or (waiting > 0 and min(target_pipelines, usable // stages) > layout_pipelines)
 
 
 _NEW_PIPELINE = (Reason.NEW_PIPELINE,)

@@ -33,7 +33,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
-from bamboo.bench.policy import NOT_A_HOLDER, decision, is_consecutive_failure, plan_placement, system_view
+from bamboo.bench.policy import (
+    NOT_A_HOLDER,
+    decision,
+    is_consecutive_failure,
+    plan_placement,
+    reconfigures,
+    system_view,
+)
 from bamboo.bench.profile import ModelProfile
 from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator
 from bamboo.bench.trace import Trace
@@ -450,11 +457,14 @@ class _Run:
         waiting = len(self.ready)
         working = len(self.slot_of)
         if self.strategy is Strategy.BAMBOO:
-            when, reasons = decision(self.dead, len(self.owners), self.stages, self.max_pipelines,
-                                     working + waiting, waiting)
+            dead, layout_pipelines = self.dead, len(self.owners)
+            reconfigure = reconfigures(dead, layout_pipelines, self.stages, self.max_pipelines, working + waiting, waiting)
             if self.check_policy:
+                when, reasons = decision(dead, layout_pipelines, self.stages, self.max_pipelines, working + waiting, waiting)
                 self.check_decision(when, reasons)
-            return when is not When.CARRY_ON
+                if reconfigure != (when is not When.CARRY_ON):
+                    raise PolicyMismatch(f"at t={self.t:g} s reconfigures() says {reconfigure}, the decision {when.value}")
+            return reconfigure
         if self.strategy is Strategy.SAMPLE_DROPPING:
             possible = min(self.max_pipelines, (working + waiting) // self.stages)
             return possible > self.pipelines - len(self.broken)

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from bamboo.launch.cli import main
-from bamboo.launch.k8s import K8sConfig, ManifestValidationError, render_manifests, validate_manifests
+from bamboo.launch.k8s import (
+    AGENT_TLS_MOUNT,
+    AGENT_TOKEN_MOUNT,
+    RUN_DIR,
+    K8sConfig,
+    ManifestValidationError,
+    render_manifests,
+    validate_manifests,
+)
 
 CONFIGS = {
     "eks-embedded-etcd": K8sConfig(cloud="eks", zones=("us-east-1a", "us-east-1b", "us-east-1c")),
@@ -22,6 +31,8 @@ CONFIGS = {
         checkpoint_claim="ckpt",
         script=("train.py", "--lr", "0.1"),
     ),
+    "gke-agent-mtls": K8sConfig(cloud="gke", agent_tls_secret="agent-mtls", steps=50),
+    "eks-own-token-secret": K8sConfig(cloud="eks", agent_token_secret="my-token", etcd_replicas=5),
 }
 
 
@@ -208,9 +219,15 @@ def test_cli_render_to_directory_then_validate(tmp_path: Path, capsys: pytest.Ca
         main(["k8s", "render", "--cloud", "gke", "--nodes", "12", "--zones", "a1,b1", "-o", f"{out}/"]) == 0
     )
     files = sorted(out.iterdir())
-    assert len(files) == 9 and files[0].name == "00-serviceaccount-bamboo-agent.yaml"
+    assert len(files) == 12 and files[0].name == "00-serviceaccount-bamboo-agent.yaml"
     assert main(["k8s", "validate", *map(str, files)]) == 0
-    assert "9 objects in 9 file(s) are valid" in capsys.readouterr().out
+    assert "12 objects in 12 file(s) are valid" in capsys.readouterr().out
+    # Only the Secret's file holds the token: it alone is private and says so.
+    (secret_file,) = [f for f in files if "-secret-" in f.name]
+    assert secret_file.name == "03-secret-bamboo-agent-token.yaml"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    assert secret_file.read_text().startswith("# Secret bamboo-agent-token holds the job token")
+    assert all(not f.read_text().startswith("#") for f in files if f != secret_file)
     deployment = yaml.safe_load(next(f for f in files if "deployment" in f.name).read_text())
     assert deployment["spec"]["replicas"] == 12
 
@@ -264,3 +281,145 @@ def test_cli_bad_flag_value_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     )
     assert main(["k8s", "render", "--nodes", "3"]) == 2
     assert "--nodes=3 cannot hold --stages*--pipelines=4*2=8" in capsys.readouterr().err
+
+
+def agent_container(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = by_kind(manifests)["Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_agent_command_line_is_one_the_agent_accepts(name: str) -> None:
+    """Every flag the manifests pass exists: the real `bamboo-launch agent` parser takes the args."""
+    from bamboo.launch.cli import build_parser
+
+    config = CONFIGS[name]
+    container = agent_container(render_manifests(config))
+    assert container["command"] == ["bamboo-launch"]
+    downward = {"POD_NAME": "bamboo-agent-abc12", "POD_IP": "10.1.2.3", "NODE_NAME": "ip-10-0-0-1",
+                "ETCD_USER": "user", "ETCD_PASSWORD": "secret"}
+    assert {e["name"] for e in container["env"] if "valueFrom" in e} <= set(downward)
+    args = [re.sub(r"\$\((\w+)\)", lambda m: downward[m.group(1)], arg) for arg in container["args"]]
+    flags, script = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
+    parsed = build_parser().parse_args(flags)
+    assert parsed.command == "agent" and parsed.handler.__name__ == "_agent"
+    assert (parsed.job, parsed.node, parsed.host, parsed.k8s_node) == (config.job, "bamboo-agent-abc12", "10.1.2.3",
+                                                                        "ip-10-0-0-1")
+    assert (parsed.port, parsed.stages, parsed.pipelines, parsed.steps) == (
+        config.grpc_port, config.stages, config.pipelines, config.steps)
+    assert parsed.run_dir == RUN_DIR and parsed.notice_window == config.grace_period_s
+    assert not parsed.insecure
+    assert script == list(config.script)
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert RUN_DIR in mounts
+    if config.agent_tls_secret is None:
+        assert parsed.token_file == f"{AGENT_TOKEN_MOUNT}/token" and AGENT_TOKEN_MOUNT in mounts
+        assert parsed.tls_ca is None and parsed.tls_cert is None and parsed.tls_key is None
+    else:
+        assert parsed.token_file is None and AGENT_TLS_MOUNT in mounts
+        assert (parsed.tls_ca, parsed.tls_cert, parsed.tls_key) == (
+            f"{AGENT_TLS_MOUNT}/ca.crt", f"{AGENT_TLS_MOUNT}/tls.crt", f"{AGENT_TLS_MOUNT}/tls.key")
+    # Checkpoints only on the shared claim: a pod's own disk cannot serve a restore.
+    if config.checkpoint_claim is None:
+        assert parsed.checkpoint_dir is None
+    else:
+        assert parsed.checkpoint_dir == config.checkpoint_dir and config.checkpoint_dir in mounts
+
+
+def test_the_job_token_secret_is_rendered_by_default_with_a_fresh_token() -> None:
+    config = K8sConfig(job="gpt", namespace="ml")
+    first, second = render_manifests(config), render_manifests(config)
+    (secret,) = by_kind(first)["Secret"]
+    assert secret["metadata"]["name"] == "gpt-agent-token" and secret["metadata"]["namespace"] == "ml"
+    token = secret["stringData"]["token"]
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert by_kind(second)["Secret"][0]["stringData"]["token"] != token
+    volumes = by_kind(first)["Deployment"][0]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "agent-token", "secret": {"secretName": "gpt-agent-token", "defaultMode": 0o400}} in volumes
+    mount = next(m for m in agent_container(first)["volumeMounts"] if m["name"] == "agent-token")
+    assert mount == {"name": "agent-token", "mountPath": AGENT_TOKEN_MOUNT, "readOnly": True}
+    # The Secret comes before the pods that mount it.
+    kinds = [m["kind"] for m in first]
+    assert kinds.index("Secret") < kinds.index("Deployment")
+    given = render_manifests(config, agent_token="t0ken")
+    assert by_kind(given)["Secret"][0]["stringData"] == {"token": "t0ken"}
+    with pytest.raises(ValueError, match="agent_token must be one printable word"):
+        render_manifests(config, agent_token="two words")
+
+
+def test_an_existing_token_secret_or_mutual_tls_renders_no_secret() -> None:
+    own = render_manifests(CONFIGS["eks-own-token-secret"])
+    assert "Secret" not in by_kind(own)
+    volumes = by_kind(own)["Deployment"][0]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "agent-token", "secret": {"secretName": "my-token", "defaultMode": 0o400}} in volumes
+    args = agent_container(own)["args"]
+    assert args[args.index("--token-file") + 1] == "/etc/bamboo/agent-token/token"
+    tls = render_manifests(CONFIGS["gke-agent-mtls"])
+    assert "Secret" not in by_kind(tls)
+    args = agent_container(tls)["args"]
+    assert "--token-file" not in args
+    assert args[args.index("--tls-ca") + 1] == "/etc/bamboo/agent-tls/ca.crt"
+    assert args[args.index("--tls-cert") + 1] == "/etc/bamboo/agent-tls/tls.crt"
+    assert args[args.index("--tls-key") + 1] == "/etc/bamboo/agent-tls/tls.key"
+    volumes = by_kind(tls)["Deployment"][0]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "agent-tls", "secret": {"secretName": "agent-mtls", "defaultMode": 0o400}} in volumes
+    with pytest.raises(ValueError, match="agent_token_secret 'a' and agent_tls_secret 'b' are alternatives"):
+        K8sConfig(agent_token_secret="a", agent_tls_secret="b")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_network_policies_admit_only_the_jobs_agents(name: str) -> None:
+    config = CONFIGS[name]
+    manifests = render_manifests(config)
+    policies = {p["metadata"]["name"]: p for p in by_kind(manifests)["NetworkPolicy"]}
+    agents = {"app.kubernetes.io/name": "bamboo", "app.kubernetes.io/instance": config.job,
+              "app.kubernetes.io/component": "agent"}
+    (deployment,) = by_kind(manifests)["Deployment"]
+    assert deployment["spec"]["template"]["metadata"]["labels"] == agents
+    agent_policy = policies.pop(f"{config.job}-agent")
+    assert agent_policy["apiVersion"] == "networking.k8s.io/v1"
+    assert agent_policy["metadata"]["namespace"] == config.namespace
+    # Selects the agent pods; admits connections from the agent pods of this namespace only, on every port
+    # (no "ports": the workers' gloo connections between agent pods use ephemeral ports).
+    assert agent_policy["spec"] == {
+        "podSelector": {"matchLabels": agents},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": {"matchLabels": agents}}]}],
+    }
+    kinds = [m["kind"] for m in manifests]
+    assert kinds.index("NetworkPolicy") < kinds.index("Deployment")
+    if config.etcd_endpoints:
+        assert policies == {}
+        return
+    etcd = {**agents, "app.kubernetes.io/component": "etcd"}
+    etcd_policy = policies.pop(f"{config.job}-etcd")
+    assert policies == {}
+    assert etcd_policy["spec"]["podSelector"] == {"matchLabels": etcd}
+    assert etcd_policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": agents}}], "ports": [{"protocol": "TCP", "port": 2379}]},
+        {"from": [{"podSelector": {"matchLabels": etcd}}],
+         "ports": [{"protocol": "TCP", "port": 2379}, {"protocol": "TCP", "port": 2380}]},
+    ]
+    (statefulset,) = by_kind(manifests)["StatefulSet"]
+    assert statefulset["spec"]["template"]["metadata"]["labels"] == etcd
+
+
+def test_cli_agent_auth_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["k8s", "render", "--agent-token-secret", "mine", "--steps", "7"]) == 0
+    out = capsys.readouterr()
+    documents = list(yaml.safe_load_all(out.out))
+    assert not out.out.startswith("#") and "Secret" not in {d["kind"] for d in documents}
+    args = agent_container(documents)["args"]
+    assert args[args.index("--steps") + 1] == "7"
+    assert main(["k8s", "render"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Secret bamboo-agent-token holds the job token")
+    assert "Secret" in {d["kind"] for d in yaml.safe_load_all(out)}
+    with pytest.raises(SystemExit):
+        main(["k8s", "render", "--agent-token-secret", "a", "--agent-tls-secret", "b"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert main(["k8s", "render", "--agent-tls-secret", "Bad_Secret"]) == 2
+    assert "--agent-tls-secret must be a lowercase DNS label" in capsys.readouterr().err
+    assert main(["k8s", "render", "--steps", "0"]) == 2
+    assert "--steps must be an integer >= 1, got 0" in capsys.readouterr().err

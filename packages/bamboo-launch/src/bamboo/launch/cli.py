@@ -93,13 +93,15 @@ def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
     k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True, metavar="{render,validate}")
     render = k8s_commands.add_parser(
         "render",
-        help="write the manifests of a job (agents, etcd, RBAC)",
+        help="write the manifests of a job (agents, etcd, RBAC, the job token, network policies)",
         usage="bamboo-launch k8s render [options] [-- SCRIPT ARGS...]",
         description=(
             "Write the Kubernetes objects of a Bamboo job: one agent per node spread across zones, an etcd "
-            "StatefulSet (or --etcd URL of an external one), the minimum RBAC and spot-pool scheduling. "
-            "The manifests are validated against the Kubernetes schemas before they are written. "
-            "Anything after -- is the training script the agents run (default: the built-in example)."
+            "StatefulSet (or --etcd URL of an external one), the minimum RBAC, spot-pool scheduling, the job "
+            "token's Secret (or --agent-token-secret / --agent-tls-secret) and NetworkPolicies that admit only "
+            "the job's agents. The manifests are validated against the Kubernetes schemas before they are "
+            "written. Anything after -- is the training script the agents run, a path inside the image "
+            "(default: the built-in example)."
         ),
         epilog=AGENT_ARGS_DOC,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -126,6 +128,9 @@ def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=defaults.pipelines,
         help="data-parallel pipelines D (default: %(default)s)",
+    )
+    render.add_argument(
+        "--steps", type=int, default=defaults.steps, help="training steps of the job (default: %(default)s)"
     )
     render.add_argument(
         "--cloud",
@@ -206,6 +211,21 @@ def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="a ReadWriteMany PersistentVolumeClaim to mount at --checkpoint-dir (default: none)",
     )
+    auth = render.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--agent-token-secret",
+        default=None,
+        metavar="NAME",
+        help="an existing Secret whose key 'token' is the job token that calls to an agent must carry "
+        "(default: render JOB-agent-token with a fresh random token; the output then contains a secret)",
+    )
+    auth.add_argument(
+        "--agent-tls-secret",
+        default=None,
+        metavar="NAME",
+        help="a Secret with ca.crt, tls.crt and tls.key: the agents authenticate each other with mutual TLS "
+        "instead of a job token (default: a job token)",
+    )
     render.add_argument(
         "--kubernetes-version",
         default="1.30",
@@ -258,6 +278,7 @@ def _k8s_render(args: argparse.Namespace) -> int:
             nodes=args.nodes,
             stages=args.stages,
             pipelines=args.pipelines,
+            steps=args.steps,
             cloud=args.cloud,
             zones=args.zones,
             zone_spread=args.zone_spread,
@@ -274,6 +295,8 @@ def _k8s_render(args: argparse.Namespace) -> int:
             grace_period_s=args.grace_period_s,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_claim=args.checkpoint_claim,
+            agent_token_secret=args.agent_token_secret,
+            agent_tls_secret=args.agent_tls_secret,
             script=tuple(args.script),
         )
     except (ValueError, TypeError) as error:
@@ -281,18 +304,40 @@ def _k8s_render(args: argparse.Namespace) -> int:
     manifests = render_manifests(config)
     if not args.no_validate:
         validate_manifests(manifests, args.kubernetes_version)
+
+    def text(objects: list[dict[str, Any]]) -> str:
+        secrets = [m["metadata"]["name"] for m in objects if m["kind"] == "Secret"]
+        warning = "".join(
+            f"# Secret {name} holds the job token that every call to an agent must carry: keep this file "
+            "private (or render with --agent-token-secret NAME of a Secret you manage).\n"
+            for name in secrets
+        )
+        return warning + dump_yaml(objects)
+
+    def write(path: Path, objects: list[dict[str, Any]]) -> None:
+        private = any(m["kind"] == "Secret" for m in objects)
+        if private:  # created private, before the secret is written
+            path.touch(mode=0o600, exist_ok=True)
+            path.chmod(0o600)
+        path.write_text(text(objects), encoding="utf-8")
+
     if args.out == "-":
-        sys.stdout.write(dump_yaml(manifests))
+        sys.stdout.write(text(manifests))
         return 0
     out = Path(args.out)
     if out.is_dir() or args.out.endswith("/"):
         out.mkdir(parents=True, exist_ok=True)
         for index, manifest in enumerate(manifests):
             name = f"{index:02d}-{manifest['kind'].lower()}-{manifest['metadata']['name']}.yaml"
-            (out / name).write_text(dump_yaml([manifest]), encoding="utf-8")
+            write(out / name, [manifest])
     else:
-        out.write_text(dump_yaml(manifests), encoding="utf-8")
-    print(f"wrote {len(manifests)} objects to {out}", file=sys.stderr)
+        write(out, manifests)
+    secret_note = "".join(
+        f"; Secret {m['metadata']['name']} holds the job token: keep the output private"
+        for m in manifests
+        if m["kind"] == "Secret"
+    )
+    print(f"wrote {len(manifests)} objects to {out}{secret_note}", file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,20 @@
   ``topology.kubernetes.io/zone`` label (the downward API cannot expose node labels), for
   zone-aware placement. Nodes are cluster-scoped, so a namespaced Role cannot grant it. Everything
   else (membership, roles, failure reports) goes through etcd, so there is no namespaced Role.
+- **Secret** ``<job>-agent-token`` (key ``token``, a fresh ``secrets.token_hex(32)``): the job token
+  that every call to an agent must carry. Not rendered when ``agent_token_secret`` names an existing
+  Secret, nor with ``agent_tls_secret`` (mutual TLS instead). The rendered text then holds a secret.
+- Unless ``etcd_endpoints`` are given, an **etcd StatefulSet** ``<job>-etcd`` (1, 3 or 5 members,
+  persistent volumes, preferring on-demand nodes, since etcd is the part that must not be preempted)
+  with a headless peer **Service** ``<job>-etcd-peer``, a client **Service** ``<job>-etcd``, a
+  **PodDisruptionBudget** (a voluntary drain never takes its quorum) and a **NetworkPolicy**
+  ``<job>-etcd`` that admits only the job's agents (client port) and the other members (both ports):
+  the etcd rendered here has no TLS or auth, so the network is what keeps other pods out.
+- **NetworkPolicy** ``<job>-agent``: the agent pods accept connections only from the job's agent pods,
+  on every port. Every port because the workers (which live in the agent pods) connect to each other
+  for gloo collectives on ephemeral ports; the agent's gRPC port is among them. Connections from the
+  pod's own node (the kubelet's probes) are always admitted by Kubernetes.
+- **Service** ``<job>-agent`` (headless): DNS for the agents' gRPC port.
 - **Deployment** ``<job>-agent``: one agent per machine (a required pod anti-affinity on
   ``kubernetes.io/hostname``), spread across zones by a ``topology.kubernetes.io/zone`` spread
   constraint with maxSkew 1. ``zone_spread="best-effort"`` (default) makes it
@@ -17,25 +31,21 @@
   Bamboo's agents are interchangeable (their role comes from etcd, not from an ordinal), and a
   Deployment replaces a preempted pod at once on another node, while a StatefulSet waits until the
   lost pod is force-deleted.
-- **Service** ``<job>-agent`` (headless): DNS for the agents' gRPC port.
-- Unless ``etcd_endpoints`` are given, an **etcd StatefulSet** ``<job>-etcd`` (1 or 3 members, persistent
-  volumes, preferring on-demand nodes, since etcd is the part that must not be preempted) with a
-  headless peer **Service** ``<job>-etcd-peer`` and a client **Service** ``<job>-etcd``.
-- A **PodDisruptionBudget** for etcd, so a voluntary drain never takes its quorum.
 
 Spot pools: ``cloud="eks"`` requires ``eks.amazonaws.com/capacityType=SPOT`` (managed node
 groups); ``cloud="gke"`` requires ``cloud.google.com/gke-spot=true`` and tolerates the
 ``cloud.google.com/gke-spot`` taint; ``cloud="none"`` adds no spot constraint. GPU nodes: the
 ``nvidia.com/gpu`` taint is tolerated and the GPU is requested when ``gpus_per_node > 0``.
 
-The agent's command line is ``bamboo-launch agent`` with the arguments documented in
-:data:`AGENT_ARGS_DOC`; the agent itself is built by a later issue, these are the arguments the
-manifests pass it.
+The agent container runs ``bamboo-launch agent`` (:mod:`bamboo.launch.agent`) with the flags listed in
+:data:`AGENT_ARGS_DOC`; ``tests/test_manifests_run.py`` runs exactly those command lines as local
+processes and checks that a short job trains exactly.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,10 +53,14 @@ import attrs
 
 __all__ = [
     "AGENT_ARGS_DOC",
+    "AGENT_TLS_MOUNT",
+    "AGENT_TOKEN_MOUNT",
     "CLOUDS",
+    "RUN_DIR",
     "ZONE_SPREADS",
     "K8sConfig",
     "ManifestValidationError",
+    "agent_token_secret_name",
     "dump_yaml",
     "render_manifests",
     "validate_manifests",
@@ -55,28 +69,41 @@ __all__ = [
 CLOUDS = ("eks", "gke", "none")
 ZONE_SPREADS = ("best-effort", "strict")
 
+ETCD_TLS_MOUNT = "/etc/bamboo/etcd-tls"
+AGENT_TOKEN_MOUNT = "/etc/bamboo/agent-token"
+"""Where the job token's Secret is mounted (read-only); the agent reads ``token`` there."""
+AGENT_TLS_MOUNT = "/etc/bamboo/agent-tls"
+"""Where ``agent_tls_secret`` is mounted (read-only): ``ca.crt``, ``tls.crt``, ``tls.key``."""
+RUN_DIR = "/var/lib/bamboo"
+"""The agent's run dir (an emptyDir): worker contexts, logs, ``out/rank<R>.pt``."""
+
 AGENT_ARGS_DOC = """\
-bamboo-launch agent (the arguments these manifests pass; the agent is built by a later issue; the
-names follow the membership agent, python -m bamboo.membership, which it wraps):
-  --job NAME            the job's name: etcd keys live under /bamboo/NAME/
-  --etcd HOST:PORT      an etcd client endpoint (repeated for several)
-  --node ID             this agent's unique id (the pod name)
-  --host IP             the address the gRPC service binds to and peers reach (the pod IP)
-  --port PORT           the agent's gRPC port
-  --k8s-node NAME       the Kubernetes node; the agent reads its topology.kubernetes.io/zone label
-  --notice-window S     seconds from SIGTERM (a preemption notice) to the kill
-  --stages P            pipeline depth
-  --pipelines D         data-parallel pipelines wanted
-  --checkpoint-dir DIR  where asynchronous checkpoints go (a shared volume)
+The agent container runs `bamboo-launch agent` (see `bamboo-launch agent --help`) with:
+  --job NAME                 the job: its etcd keys live under /bamboo/NAME/
+  --etcd HOST:PORT           an etcd client endpoint (one flag per endpoint)
+  --node $(POD_NAME)         this agent's id: the pod's name (downward API)
+  --host $(POD_IP)           the gRPC service binds the pod IP; peers probe it there
+  --port PORT                the agent's gRPC port (--grpc-port)
+  --k8s-node $(NODE_NAME)    the agent reads its node's topology.kubernetes.io/zone label (the RBAC)
+  --run-dir /var/lib/bamboo  this machine's files, on an emptyDir
+  --notice-window S          seconds from SIGTERM (a preemption notice) to the kill (--grace-period)
+  --stages P --pipelines D --steps S   the job's spec: the first agent writes it to etcd, the others
+                             check theirs against it
+  --token-file /etc/bamboo/agent-token/token   the job token (Secret JOB-agent-token, rendered with a
+                             fresh random token unless --agent-token-secret names yours), or, with
+                             --agent-tls-secret, --tls-ca/--tls-cert/--tls-key under /etc/bamboo/agent-tls
+  --checkpoint-dir DIR       with --checkpoint-claim only: checkpoints on the shared volume
   --etcd-ca/--etcd-cert/--etcd-key FILE   TLS to etcd, from --etcd-tls-secret (if given)
   --etcd-user/--etcd-password             etcd auth, from --etcd-auth-secret (if given)
-  -- SCRIPT ARGS        the training script, if not the built-in example
+  -- SCRIPT ARGS             the training script (a path inside the image), if not the built-in example
+A NetworkPolicy admits only the job's agent pods to the agent pods (every port: the workers' gloo
+traffic between pods uses ephemeral ports). Unless --agent-token-secret or --agent-tls-secret is
+given, the output contains a Secret (the job token): keep it private.
 """
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
 _ENDPOINT = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:[0-9]{1,5}$")
-ETCD_TLS_MOUNT = "/etc/bamboo/etcd-tls"
 
 
 def _dns_label(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -136,6 +163,7 @@ class K8sConfig:
     nodes: int = attrs.field(default=8, validator=_positive)
     stages: int = attrs.field(default=4, validator=_positive)
     pipelines: int = attrs.field(default=2, validator=_positive)
+    steps: int = attrs.field(default=1000, validator=_positive)
     cloud: str = attrs.field(default="eks", validator=attrs.validators.in_(CLOUDS))
     zones: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_zones)
     zone_spread: str = attrs.field(default="best-effort", validator=attrs.validators.in_(ZONE_SPREADS))
@@ -154,6 +182,10 @@ class K8sConfig:
     grace_period_s: int = attrs.field(default=15, validator=_positive)
     checkpoint_dir: str = attrs.field(default="/checkpoints", validator=attrs.validators.min_len(1))
     checkpoint_claim: str | None = attrs.field(default=None, validator=_optional_dns_label)
+    agent_token_secret: str | None = attrs.field(default=None, validator=_optional_dns_label)
+    """An existing Secret with the job token under key ``token``; None: render ``<job>-agent-token``."""
+    agent_tls_secret: str | None = attrs.field(default=None, validator=_optional_dns_label)
+    """A Secret with ``ca.crt``, ``tls.crt`` and ``tls.key``: mutual TLS between the agents instead of a token."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @etcd_replicas.validator
@@ -166,6 +198,11 @@ class K8sConfig:
             raise ValueError(
                 "etcd_tls_secret and etcd_auth_secret are for an external etcd (etcd_endpoints); "
                 "the etcd rendered here runs without TLS or auth inside the cluster network"
+            )
+        if self.agent_token_secret is not None and self.agent_tls_secret is not None:
+            raise ValueError(
+                f"agent_token_secret {self.agent_token_secret!r} and agent_tls_secret {self.agent_tls_secret!r} "
+                "are alternatives: the agents authenticate each other with a job token or with mutual TLS"
             )
         if self.stages * self.pipelines > self.nodes:
             raise ValueError(
@@ -228,7 +265,15 @@ def etcd_endpoints(config: K8sConfig) -> tuple[str, ...]:
     return (f"{config.job}-etcd.{config.namespace}.svc:2379",)
 
 
+def agent_token_secret_name(config: K8sConfig) -> str | None:
+    """The Secret that holds the job token the agents use (None with mutual TLS instead)."""
+    if config.agent_tls_secret is not None:
+        return None
+    return config.agent_token_secret or f"{config.job}-agent-token"
+
+
 def _agent_args(config: K8sConfig) -> list[str]:
+    """The arguments of ``bamboo-launch agent`` in the agent container (see :data:`AGENT_ARGS_DOC`)."""
     args = ["agent", "--job", config.job]
     for endpoint in etcd_endpoints(config):
         args += ["--etcd", endpoint]
@@ -241,15 +286,32 @@ def _agent_args(config: K8sConfig) -> list[str]:
         str(config.grpc_port),
         "--k8s-node",
         "$(NODE_NAME)",
+        "--run-dir",
+        RUN_DIR,
         "--notice-window",
         str(config.grace_period_s),
         "--stages",
         str(config.stages),
         "--pipelines",
         str(config.pipelines),
-        "--checkpoint-dir",
-        config.checkpoint_dir,
+        "--steps",
+        str(config.steps),
     ]
+    if config.agent_tls_secret is not None:
+        args += [
+            "--tls-ca",
+            f"{AGENT_TLS_MOUNT}/ca.crt",
+            "--tls-cert",
+            f"{AGENT_TLS_MOUNT}/tls.crt",
+            "--tls-key",
+            f"{AGENT_TLS_MOUNT}/tls.key",
+        ]
+    else:
+        args += ["--token-file", f"{AGENT_TOKEN_MOUNT}/token"]
+    # Checkpoints only on storage that every machine sees: a pod's own disk would hold one stage's
+    # shards, which no restore can use (and which could fill the node's ephemeral storage).
+    if config.checkpoint_claim is not None:
+        args += ["--checkpoint-dir", config.checkpoint_dir]
     if config.etcd_tls_secret is not None:
         args += [
             "--etcd-ca",
@@ -281,8 +343,14 @@ def _agent_objects(config: K8sConfig) -> list[dict[str, Any]]:
     if config.gpus_per_node > 0:
         resources["requests"]["nvidia.com/gpu"] = str(config.gpus_per_node)
         resources["limits"]["nvidia.com/gpu"] = str(config.gpus_per_node)
-    volume_mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    volume_mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "run", "mountPath": RUN_DIR},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "run", "emptyDir": {}},
+    ]
     if config.checkpoint_claim is not None:
         volume_mounts.append({"name": "checkpoints", "mountPath": config.checkpoint_dir})
         volumes.append(
@@ -293,10 +361,22 @@ def _agent_objects(config: K8sConfig) -> list[dict[str, Any]]:
         volumes.append(
             {"name": "etcd-tls", "secret": {"secretName": config.etcd_tls_secret, "defaultMode": 0o400}}
         )
-    env = [
+    token_secret = agent_token_secret_name(config)
+    if token_secret is not None:
+        volume_mounts.append({"name": "agent-token", "mountPath": AGENT_TOKEN_MOUNT, "readOnly": True})
+        volumes.append({"name": "agent-token", "secret": {"secretName": token_secret, "defaultMode": 0o400}})
+    else:
+        volume_mounts.append({"name": "agent-tls", "mountPath": AGENT_TLS_MOUNT, "readOnly": True})
+        volumes.append(
+            {"name": "agent-tls", "secret": {"secretName": config.agent_tls_secret, "defaultMode": 0o400}}
+        )
+    env: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_IP", "status.podIP"),
         _field_env("NODE_NAME", "spec.nodeName"),
+        # bamboo-rc trains on CPU tensors over gloo: DeepSpeed must not pick a GPU accelerator.
+        {"name": "DS_ACCELERATOR", "value": "cpu"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     if config.etcd_auth_secret is not None:
         for variable, key in (("ETCD_USER", "username"), ("ETCD_PASSWORD", "password")):
@@ -394,7 +474,31 @@ def _agent_objects(config: K8sConfig) -> list[dict[str, Any]]:
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
-    return [service_account, cluster_role, binding, service, deployment]
+    # Only the job's agent pods may connect to an agent pod, on any port: the agents' gRPC port, and the
+    # ephemeral ports of the workers' gloo connections to each other. The pod's own node (the kubelet's
+    # probes) is always admitted. Egress is not restricted (etcd, the API server, data).
+    network_policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(config, name, "agent"),
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": labels}}]}],
+        },
+    }
+    return [service_account, cluster_role, binding, network_policy, service, deployment]
+
+
+def _token_secret(config: K8sConfig, token: str) -> dict[str, Any]:
+    """The job token's Secret: every call to an agent carries this token."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(config, f"{config.job}-agent-token", "agent"),
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }
 
 
 def _etcd_objects(config: K8sConfig) -> list[dict[str, Any]]:
@@ -508,14 +612,46 @@ def _etcd_objects(config: K8sConfig) -> list[dict[str, Any]]:
         "metadata": _meta(config, name, "etcd"),
         "spec": {"maxUnavailable": 1 if config.etcd_replicas > 1 else 0, "selector": {"matchLabels": labels}},
     }
-    return [peer_service, client_service, statefulset, budget]
+    agents = _labels(config, "agent")
+    # The etcd rendered here has no TLS or auth: only the job's agents (client port) and the other
+    # members (both ports) may reach it. Reach it from elsewhere with kubectl port-forward.
+    network_policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(config, name, "etcd"),
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": agents}}],
+                    "ports": [{"protocol": "TCP", "port": 2379}],
+                },
+                {
+                    "from": [{"podSelector": {"matchLabels": labels}}],
+                    "ports": [{"protocol": "TCP", "port": 2379}, {"protocol": "TCP", "port": 2380}],
+                },
+            ],
+        },
+    }
+    return [peer_service, client_service, statefulset, budget, network_policy]
 
 
-def render_manifests(config: K8sConfig) -> list[dict[str, Any]]:
-    """Every object the job needs, in apply order (RBAC, then etcd, then the agents)."""
+def render_manifests(config: K8sConfig, *, agent_token: str | None = None) -> list[dict[str, Any]]:
+    """Every object the job needs, in apply order: RBAC, the token's Secret, etcd, then the agents (their
+    NetworkPolicy before the pods, so that no agent is ever reachable from outside the job).
+
+    The token's Secret is rendered only when the config names neither ``agent_token_secret`` nor
+    ``agent_tls_secret``; it holds ``agent_token``, or a fresh ``secrets.token_hex(32)`` when None.
+    """
+    if agent_token is not None and (not agent_token.isprintable() or not agent_token.strip()
+                                    or any(c.isspace() for c in agent_token)):
+        raise ValueError("agent_token must be one printable word without spaces (the value given is not)")
     agents = _agent_objects(config)
+    rendered_token = config.agent_token_secret is None and config.agent_tls_secret is None
+    token = [_token_secret(config, agent_token or secrets.token_hex(32))] if rendered_token else []
     etcd = [] if config.etcd_endpoints else _etcd_objects(config)
-    return agents[:3] + etcd + agents[3:]
+    return agents[:3] + token + etcd + agents[3:]
 
 
 def dump_yaml(manifests: Sequence[dict[str, Any]]) -> str:

@@ -263,6 +263,8 @@ class _Supervisor:
         path = folder / f"{self.node}.json"
         self.context().write(path)
         command, variables = worker_command(self.spec, path, self.node)
+        if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
+            variables["BAMBOO_GLOO_HOST"] = self.options.host
         self.say(f"node {self.node}: spawning its worker")
         # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.
         return subprocess.Popen(command, env={**os.environ, **variables}, stdin=subprocess.DEVNULL)

@@ -514,49 +514,32 @@ def _load_reports(out: Path) -> dict[int, dict[str, Any]]:
 def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, Any]:
     """Compare every surviving worker's hosted stages with a fault-free single-process run.
 
-    Returns ``{"steps", "max_relative_diff", "tensors", "history"}``; the relative difference of a
-    tensor is ``max|a-b| / max|b|``. The reference trains the same global batches for the steps the
-    run did, grouped by pipeline as the run's layouts were (:func:`bamboo.launch.reference.train_reference_program`),
-    with the run's config and seed (from the job's spec, kept as ``RUN_DIR/spec.json``). For a user
-    script the launcher runs the script once more, in ``reference`` mode
-    (:func:`bamboo.launch.script.reference_from_script`). Each worker's layers are compared with the
-    reference's layers of the same index (the layers its executor built).
+    Returns ``{"steps", "max_relative_diff", "tensors", "history"}``. The reference trains the same global
+    batches for the steps the run did, grouped by pipeline as the run's layouts were, with the run's config
+    and seed (from the job's spec, kept as ``RUN_DIR/spec.json``): the built-in example in this process
+    (:func:`bamboo.launch.reference.compare_reports`), a user script by running the script once more, in
+    ``reference`` mode (:func:`bamboo.launch.script.reference_from_script`). Each worker's layers are
+    compared with the reference's layers of the same index (the layers its executor built).
     """
-    from bamboo.launch.reference import train_reference_history
+    from bamboo.launch.reference import compare_reports, compare_states
     from bamboo.launch.spec import JobSpec
-    from bamboo.rc.model import gpt_layer_specs
-    from bamboo.rc.worker import exact_mode
 
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
     spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())
+    reports = list(result.reports.values())
+    if not spec.script:
+        return compare_reports(reports, spec)
+    from bamboo.launch.script import ScriptError, reference_from_script
+
     steps = result.steps_done
-    history = max((r["history"] for r in result.reports.values()), key=len)
-    if spec.script:
-        from bamboo.launch.script import ScriptError, reference_from_script
-
-        try:
-            reference = reference_from_script(spec.script, config=spec.config, seed=spec.seed, history=history,
-                                              steps=steps, work_dir=result.run_dir, timeout_s=options.timeout_s)
-        except ScriptError as error:
-            raise RunError(str(error)) from None
-    else:
-        from bamboo.rc.model import GPTSize
-
-        exact_mode()
-        reference = train_reference_history(gpt_layer_specs(GPTSize(**spec.size)), spec.config, spec.size,
-                                            spec.seed, history, steps)
-    worst = 0.0
-    tensors = 0
-    for report in result.reports.values():
-        for stage in report["hosted"]:
-            for index, layer in zip(report["slice_layers"][stage], report["slices"][stage], strict=True):
-                for name, tensor in layer.items():
-                    expected = reference[index][name]
-                    diff = (tensor.double() - expected.double()).abs().max().item()
-                    scale = expected.double().abs().max().item()
-                    worst = max(worst, diff / scale if scale > 0 else diff)
-                    tensors += 1
+    history = max((r["history"] for r in reports), key=len)
+    try:
+        reference = reference_from_script(spec.script, config=spec.config, seed=spec.seed, history=history,
+                                          steps=steps, work_dir=result.run_dir, timeout_s=options.timeout_s)
+    except ScriptError as error:
+        raise RunError(str(error)) from None
+    worst, tensors = compare_states(reports, reference)
     return {"steps": steps, "max_relative_diff": worst, "tensors": tensors, "history": history}
 
 

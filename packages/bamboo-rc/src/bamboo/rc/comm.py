@@ -20,6 +20,7 @@ Timeouts (all configurable through :class:`CommTimeouts`; defaults and meaning i
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,12 +33,14 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 __all__ = [
     "CHUNK_BYTES",
+    "GLOO_HOST_ENV",
     "MAX_CHUNKS",
     "CommTimeouts",
     "GroupTable",
     "PeerFailure",
     "build_gloo_group",
     "chunk_views",
+    "gloo_device",
     "wait_works",
 ]
 
@@ -47,11 +50,26 @@ CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 256
 
 
+GLOO_HOST_ENV = "BAMBOO_GLOO_HOST"
+"""The address this process's gloo groups listen on and advertise (default: the host name's address).
+``GLOO_SOCKET_IFNAME`` (a network interface), as torch.distributed reads it, takes precedence."""
+
+
+def gloo_device() -> object:
+    """The gloo device of this process: ``GLOO_SOCKET_IFNAME``'s interface, else ``BAMBOO_GLOO_HOST``'s
+    address, else the host name's (a machine whose host name does not resolve to an address its peers
+    reach, such as a network namespace or a multi-homed host, sets one of them)."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return ProcessGroupGloo.create_device(interface=interface)
+    return ProcessGroupGloo.create_device(hostname=os.environ.get(GLOO_HOST_ENV) or socket.gethostname())
+
+
 def build_gloo_group(store: Store, prefix: str, rank: int, size: int, timeout: float) -> ProcessGroupGloo:
     """Build a gloo group of `size` ranks under `prefix` of `store` (blocks until all joined)."""
     options = ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout)
-    options._devices = [ProcessGroupGloo.create_device(hostname=socket.gethostname())]
+    options._devices = [gloo_device()]
     options._threads = 1
     return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
 

@@ -1,0 +1,247 @@
+"""``bamboo-launch agent`` on separate hosts: each agent in its own network namespace, etcd in another.
+
+Every agent listens on its host's own address (so it needs the job token), its worker's gloo groups too;
+nothing leaves the machine (the bridge has no uplink). Kills, partitions and the etcd restart are real:
+``kill -9`` of every process of a host, the host's link taken down, etcd SIGKILLed and restarted. Each
+case ends with the final parameters compared with a fault-free single-process run of the same steps.
+
+The cases (issue 14): a host killed (failover) and then the elected agent's host killed (another agent
+takes over); a partition longer than the lease (the node is fenced and comes back as a fresh node); a
+partition shorter than the grace period and an etcd restart (nothing is lost, no failover).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .host_etcd import HostEtcd
+from .netns import Host, HostNetwork
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES, PIPELINES = 2, 2
+TTL_S, GRACE_S = 3, 3.0
+ZONES = ("a", "b", "c", "a")
+
+
+class HostCluster:
+    """Four agents (P=2, D=2 of the built-in example) on four hosts, against etcd on a fifth."""
+
+    def __init__(self, network: HostNetwork, etcd: HostEtcd, tmp: Path, steps: int,
+                 checkpoint_every: int | None = None) -> None:
+        from bamboo.membership import EtcdKV, EtcdOptions, MembershipStore
+
+        self.network, self.etcd, self.tmp, self.steps = network, etcd, tmp, steps
+        self.job = f"hosts-{secrets.token_hex(3)}"
+        self.token = tmp / "token"
+        self.token.write_text(secrets.token_hex(16))
+        self.checkpoints = tmp / "checkpoints" if checkpoint_every else None
+        self.checkpoint_every = checkpoint_every
+        self.hosts: dict[str, Host] = {}
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.killed: set[str] = set()
+        self.kv = EtcdKV(EtcdOptions(endpoints=(etcd.endpoint,)))
+        self.membership = MembershipStore(self.kv, self.job)
+
+    def start(self) -> None:
+        for index, zone in enumerate(ZONES):
+            node = f"node{index}"
+            host = self.network.add_host(node)
+            self.hosts[node] = host
+            command = [sys.executable, "-m", "bamboo.launch", "agent", "--job", self.job, "--etcd", self.etcd.endpoint,
+                       "--node", node, "--zone", zone, "--host", host.address, "--port", "0",
+                       "--token-file", str(self.token), "--run-dir", str(self.tmp / node),
+                       "--stages", str(STAGES), "--pipelines", str(PIPELINES), "--steps", str(self.steps),
+                       "--min-nodes", str(len(ZONES)), "--ttl", str(TTL_S), "--grace", str(GRACE_S),
+                       "--group-timeout", "30", "--confirm-timeout", "30"]
+            if self.checkpoints is not None:
+                command += ["--checkpoint-dir", str(self.checkpoints), "--checkpoint-every", str(self.checkpoint_every)]
+            env = {**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
+            log = open(self.tmp / f"{node}.log", "wb")  # noqa: SIM115 - closed by the process's end
+            self.agents[node] = host.popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def events(self) -> list[Any]:
+        from bamboo.launch.events import read_etcd_events
+
+        try:
+            return read_etcd_events(self.kv, self.job)
+        except Exception:  # etcd restarting
+            return []
+
+    def wait(self, what: str, condition: Callable[[], bool], timeout: float = 120.0) -> float:
+        """Poll `condition` until it holds; returns the monotonic time it did."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} within {timeout:g} s; logs under {self.tmp}")
+            dead = {node: agent.returncode for node, agent in self.agents.items()
+                    if agent.poll() not in (None, 0) and node not in self.killed}
+            assert not dead or what.startswith("every agent"), f"agents exited early {dead}; logs in {self.tmp}"
+            time.sleep(0.05)
+        return time.monotonic()
+
+    def step(self) -> int:
+        from bamboo.launch.events import Step
+
+        return max((event.step for event in self.events() if isinstance(event, Step)), default=0)
+
+    def leader(self) -> str | None:
+        try:
+            found = self.kv.get(self.membership.keys.root + "leader")
+        except Exception:
+            return None
+        return None if found is None else json.loads(found.value)["node"]
+
+    def layout(self) -> Any:
+        from bamboo.launch.coordinator import read_layout
+
+        return read_layout(self.membership)
+
+    def kill_host(self, node: str) -> float:
+        self.killed.add(node)
+        self.hosts[node].kill_all()
+        return time.monotonic()
+
+    def finish(self, killed: set[str]) -> dict[str, int | None]:
+        """Wait for every agent that was not killed to exit; returns the exit statuses."""
+        self.wait("every agent exits", lambda: all(
+            agent.poll() is not None for node, agent in self.agents.items() if node not in killed), 180.0)
+        return {node: agent.returncode for node, agent in self.agents.items()}
+
+    def compare(self) -> dict[str, Any]:
+        """The final parameters of every worker against the fault-free single-process reference."""
+        import torch
+        from bamboo.launch.reference import compare_reports
+        from bamboo.launch.spec import JobSpec
+
+        spec = JobSpec.from_json(self.kv.get(self.membership.keys.root + "spec").value)
+        reports = [torch.load(path, weights_only=False) for path in sorted(self.tmp.glob("node*/out/rank*.pt"))]
+        assert reports, f"no worker wrote a final report under {self.tmp}"
+        return compare_reports(reports, spec)
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+@pytest.fixture
+def cluster(host_network: HostNetwork, host_etcd: HostEtcd, tmp_path: Path) -> Iterator[Callable[..., HostCluster]]:
+    made: list[HostCluster] = []
+
+    def make(steps: int, checkpoint_every: int | None = None) -> HostCluster:
+        made.append(HostCluster(host_network, host_etcd, tmp_path, steps, checkpoint_every))
+        made[-1].start()
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def _kinds(events: list[Any], kind: str) -> list[Any]:
+    return [event for event in events if kind == type(event).KIND]
+
+
+def test_a_killed_host_fails_over_and_a_killed_coordinator_is_taken_over(cluster: Callable[..., HostCluster]) -> None:
+    hosts = cluster(steps=140)
+    hosts.wait("training starts", lambda: hosts.step() >= 15)
+    leader = hosts.leader()
+    assert leader is not None
+    first = next(node for node in hosts.layout().ranks if node != leader)
+    hosts.kill_host(first)
+    hosts.wait(f"a failover after {first} was killed", lambda: bool(_kinds(hosts.events(), "failover")))
+    hosts.wait("the reconfiguration that rebuilds redundancy", lambda: bool(_kinds(hosts.events(), "reconfiguration")))
+    leader = hosts.leader()
+    assert leader is not None and leader != first
+    killed_leader_at = hosts.kill_host(leader)
+    taken_over_at = hosts.wait("another agent takes the coordinator over",
+                               lambda: hosts.leader() not in (None, leader), timeout=30.0)
+    codes = hosts.finish({first, leader})
+    assert all(code == 0 for node, code in codes.items() if node not in (first, leader)), codes
+    events = hosts.events()
+    failovers = _kinds(events, "failover")
+    assert failovers[0].victim == first
+    print(f"\nkill -9 of host {first}: failover pause {failovers[0].pause_s:.3f} s; kill -9 of the coordinator's "
+          f"host {leader}: another agent took the coordinator over {taken_over_at - killed_leader_at:.2f} s later "
+          f"(lease TTL {TTL_S} s)")
+    assert taken_over_at - killed_leader_at < TTL_S
+    assert {e.node for e in _kinds(events, "preemption")} == {first, leader}
+    comparison = hosts.compare()
+    assert comparison["steps"] == 140
+    assert comparison["max_relative_diff"] <= 1e-6, comparison
+
+
+def test_a_partition_longer_than_the_lease_fences_the_node_and_it_comes_back_fresh(
+    cluster: Callable[..., HostCluster],
+) -> None:
+    hosts = cluster(steps=260, checkpoint_every=10)
+    hosts.wait("training starts", lambda: hosts.step() >= 15)
+    leader = hosts.leader()
+    victim = next(node for node in hosts.layout().ranks if node != leader)
+    step_at_cut = hosts.step()
+    cut_unix, cut_at = time.time(), time.monotonic()
+    hosts.hosts[victim].partition()
+    confirmed_at = hosts.wait(f"{victim} declared dead", lambda: any(
+        e.node == victim for e in _kinds(hosts.events(), "preemption")), timeout=30.0)
+    hosts.wait("the others carry on without it", lambda: hosts.step() >= step_at_cut + 10, timeout=60.0)
+    hosts.hosts[victim].heal()  # its lease expired (that is how it was declared dead): it must come back fresh
+    healed_at = time.monotonic()
+    fresh = f"{victim}.2"
+    fresh_at = hosts.wait(f"{victim} comes back as {fresh}", lambda: hosts.membership.get_decision(f"warm-{fresh}") is not None,
+               timeout=60.0)
+    codes = hosts.finish(set())
+    assert all(code == 0 for code in codes.values()), codes
+    events = hosts.events()
+    assert [e.node for e in _kinds(events, "preemption")] == [victim]
+    # fenced: nothing the old identity wrote after the cut reached the job
+    old_writers = [item for role in ("agent", "worker")
+                   for item in hosts.kv.get_prefix(f"/bamboo/{hosts.job}/events/{victim}.{role}.")]
+    start = json.loads(hosts.kv.get(hosts.membership.keys.root + "spec").value)["created_unix"]
+    late = [item.key for item in old_writers if json.loads(item.value)["t"] > cut_unix - start + 0.5]
+    assert old_writers and not late, f"{victim} wrote events after it was cut off: {late[:3]}"
+    assert hosts.kv.get_prefix(f"/bamboo/{hosts.job}/events/{fresh}."), f"{fresh} wrote nothing"
+    commits = hosts.kv.get_prefix(hosts.membership.keys.decision("checkpoint-"))  # checkpoint-<step>-<shard>
+    steps_by_victim = [int(item.key.rsplit("/", 1)[1].split("-")[1]) for item in commits
+                       if json.loads(item.value)["node"] == victim]
+    assert commits and all(step <= step_at_cut + 10 for step in steps_by_victim), steps_by_victim
+    assert hosts.layout() is not None and victim not in hosts.layout().ranks
+    comparison = hosts.compare()
+    assert comparison["max_relative_diff"] <= 1e-6, comparison
+    print(f"\npartition of {victim}: declared dead {confirmed_at - cut_at:.2f} s after the cut (lease TTL {TTL_S} s, "
+          f"grace {GRACE_S} s); came back as {fresh} {fresh_at - healed_at:.2f} s after the link came back")
+
+
+def test_a_partition_shorter_than_the_grace_period_and_an_etcd_restart_lose_nothing(
+    cluster: Callable[..., HostCluster], host_etcd: HostEtcd,
+) -> None:
+    hosts = cluster(steps=140)
+    hosts.wait("training starts", lambda: hosts.step() >= 15)
+    victim = next(node for node in hosts.layout().ranks if node != hosts.leader())
+    before = hosts.step()
+    hosts.hosts[victim].partition()
+    time.sleep(1.0)  # shorter than the 3 s grace period and the 3 s lease
+    hosts.hosts[victim].heal()
+    hosts.wait("training goes on after the short partition", lambda: hosts.step() >= before + 15, timeout=60.0)
+    host_etcd.kill()
+    time.sleep(1.0)
+    host_etcd.restart()
+    codes = hosts.finish(set())
+    assert all(code == 0 for code in codes.values()), codes
+    events = hosts.events()
+    assert not _kinds(events, "failover") and not _kinds(events, "preemption"), \
+        [e for e in events if type(e).KIND in ("failover", "preemption")]
+    steps = sorted(e.step for e in _kinds(events, "step"))
+    assert steps == list(range(1, 141)), "a step was lost or done twice"
+    comparison = hosts.compare()
+    assert comparison["steps"] == 140
+    assert comparison["max_relative_diff"] <= 1e-6, comparison

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -423,3 +424,46 @@ def test_cli_agent_auth_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--agent-tls-secret must be a lowercase DNS label" in capsys.readouterr().err
     assert main(["k8s", "render", "--steps", "0"]) == 2
     assert "--steps must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_the_dockerfile_installs_what_make_setup_installs() -> None:
+    """The image recipe (not buildable here: no container daemon) keeps to setup.sh's steps and pins."""
+    import sys
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    pyprojects = {path.parent.name: path.read_text() for path in (REPO / "packages").glob("*/pyproject.toml")}
+    # The interpreter setup.sh makes the virtualenv with (the torch wheel's Python).
+    assert re.search(rf"^FROM python:{sys.version_info.major}\.{sys.version_info.minor}-slim$", dockerfile, re.M)
+    for name in ("torch", "deepspeed"):
+        (pin,) = set(re.findall(rf"'{name}==([^']+)'", setup))
+        assert re.findall(rf"'{name}==([^']+)'", dockerfile) == [pin], name
+        for package, text in pyprojects.items():  # every requirement of it, extras included
+            for requirement in re.findall(rf'"({name}\b[^"]*)"', text):
+                assert requirement == f"{name}=={pin}", f"{package} requires {requirement}; the image has {pin}"
+    assert re.search(r"--index-url https://download.pytorch.org/whl/cpu 'torch==", dockerfile)
+    assert re.search(r"--no-build-isolation 'deepspeed==", dockerfile)
+    assert "DS_BUILD_OPS=0" in dockerfile and "DS_BUILD_OPS=0" in setup
+    # The six packages of setup.sh, not editable, each after the bamboo packages it depends on.
+    (packages,) = re.findall(r"^PACKAGES=\(([^)]*)\)$", setup, re.M)
+    install = re.search(r"pip install --no-build-isolation \\\n((?:\s+packages/\S+(?: \\\n)?)+)", dockerfile)
+    assert install is not None
+    installed = re.findall(r"packages/bamboo-(\S+)", install.group(1))
+    assert sorted(installed) == sorted(packages.split()) == sorted(p.removeprefix("bamboo-") for p in pyprojects)
+    assert not re.search(r"\s(-e|--editable)\s", dockerfile)
+    order = {name: index for index, name in enumerate(installed)}
+    for package, text in pyprojects.items():
+        (dependencies,) = re.findall(r"^dependencies = \[(.*)\]$", text, re.M)
+        for dependency in re.findall(r'"bamboo-(\w+)', dependencies):
+            assert order[dependency] < order[package.removeprefix("bamboo-")], (package, dependency)
+    # Its name and entry point are the manifests'.
+    config = K8sConfig()
+    (version,) = re.findall(r'^version = "([^"]+)"$', pyprojects["bamboo-launch"], re.M)
+    assert config.image == f"bamboo-launch:{version}"
+    assert f"docker build -t {config.image} ." in dockerfile
+    container = agent_container(render_manifests(config))
+    assert re.search(rf"^ENTRYPOINT {re.escape(json.dumps(container['command']))}$", dockerfile, re.M)
+    assert f"WORKDIR {RUN_DIR}" in dockerfile

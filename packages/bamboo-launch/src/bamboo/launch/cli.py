@@ -204,12 +204,14 @@ def _add_k8s(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument(
         "--checkpoint-dir",
         default=defaults.checkpoint_dir,
-        help="checkpoint path inside the agent (default: %(default)s)",
+        help="where --checkpoint-claim is mounted and the agents write checkpoints; without a claim the job "
+        "writes none, since a pod's own disk cannot serve a restore (default: %(default)s)",
     )
     render.add_argument(
         "--checkpoint-claim",
         default=None,
-        help="a ReadWriteMany PersistentVolumeClaim to mount at --checkpoint-dir (default: none)",
+        help="a ReadWriteMany PersistentVolumeClaim to mount at --checkpoint-dir for checkpoints (default: none, "
+        "no checkpoints)",
     )
     auth = render.add_mutually_exclusive_group()
     auth.add_argument(

@@ -9,9 +9,7 @@ zones: with 8 nodes in zones a,b,c (node i in zone i mod 3), P=4, D=2, pipeline 
 node0 node1 node3 node2 and pipeline 1 is node4 node6 node7 node5. Trace node K (from 1) is the
 launcher's node K-1.
 
-Not covered here: two nodes of *different* pipelines killed at the same instant. bamboo-rc's
-failover of that event deadlocked in the next step's data-parallel all-reduces in 1 of 3 runs
-(gloo timeouts after 60 s); it is reported to bamboo-rc.
+Two nodes of different pipelines killed at the same instant: `test_same_instant_e2e.py`.
 """
 
 from __future__ import annotations

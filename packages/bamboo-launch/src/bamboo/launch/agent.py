@@ -101,10 +101,15 @@ class AgentOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    tls_server_name: str | None = None
+    """The name peers check in this agent's certificate (one certificate for every pod of the job)."""
     insecure: bool = False
     notice_window_s: float = 30.0
     """Seconds from SIGTERM (a preemption notice) to the machine's end (``--notice-window``)."""
     preemption_notices: str = "none"
+    """Also poll the cloud's metadata server for preemption notices: ``none``, ``aws`` or ``gce``."""
+    metadata_url: str | None = None
+    """The metadata server's base URL (default: the cloud's own)."""
     spec_timeout_s: float = timeouts.SPEC_WAIT_S
 
     def __attrs_post_init__(self) -> None:
@@ -247,6 +252,11 @@ class _Supervisor:
         if announce:
             self.events.write(Join(t=self.events.now(), node=self.node, zone=self.zone or "default"))
         self.coordinator = Coordinator(self.fenced, self.agent, spec, self.events, say=self.say).start()
+        from bamboo.membership import preemption_hook
+
+        hook = preemption_hook(options.preemption_notices, options.metadata_url)
+        if hook is not None:  # the cloud's notice becomes this node's preemption notice, as SIGTERM does
+            self.agent.watch_preemption_hook(hook)
 
     def context(self) -> WorkerContext:
         options, registration = self.options, self.agent.registration
@@ -255,7 +265,7 @@ class _Supervisor:
                              fence_revision=registration.create_revision, fence_lease=registration.lease_id,
                              agent_token_file=options.token_file,
                              agent_tls_ca=options.tls_ca, agent_tls_cert=options.tls_cert,
-                             agent_tls_key=options.tls_key)
+                             agent_tls_key=options.tls_key, agent_tls_server_name=options.tls_server_name)
 
     def spawn(self) -> subprocess.Popen[bytes]:
         folder = Path(self.options.run_dir) / "workers"
@@ -317,7 +327,7 @@ def _tls(options: AgentOptions) -> Any:
         return None
     from bamboo.membership import TlsFiles
 
-    return TlsFiles(options.tls_cert, options.tls_key or "", options.tls_ca)
+    return TlsFiles(options.tls_cert, options.tls_key or "", options.tls_ca, options.tls_server_name)
 
 
 def _agent_auth(options: AgentOptions) -> dict[str, Any]:
@@ -395,10 +405,12 @@ def _supervise(supervisor: _Supervisor, noticed: threading.Event, window_s: floa
                 return AGENT_JOB_FAILED, ""
             say(f"the job ended after {end.steps} steps")
             return AGENT_DONE, ""
-        if noticed.is_set() and deadline is None:
-            deadline = time.monotonic() + window_s
+        if noticed.is_set() and not supervisor.agent.noticed.is_set():
             supervisor.agent.notify(time.time() + window_s, "sigterm")
-            say(f"node {node}: preemption notice; the machine goes away in {window_s:g} s")
+        if supervisor.agent.noticed.is_set() and deadline is None:
+            due = supervisor.agent.notice_deadline or time.time() + window_s
+            deadline = time.monotonic() + max(0.0, due - time.time())
+            say(f"node {node}: preemption notice; the machine goes away in {due - time.time():.1f} s")
         if deadline is not None and time.monotonic() >= deadline:
             _kill(worker)
             supervisor.agent.stop(leave=False)

@@ -812,7 +812,10 @@ def _add_agent(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds from SIGTERM (a preemption notice) to the machine's end (default: "
                        "%(default)s)")
     where.add_argument("--preemption-notices", default="none", choices=["none", "aws", "gce"],
-                       help="also poll the cloud's metadata server for preemption notices (default: none)")
+                       help="also poll the cloud's metadata server for preemption notices: AWS spot "
+                       "instance-action (IMDSv2) or GCE instance/preempted (default: none)")
+    where.add_argument("--metadata-url", default=None,
+                       help="base URL of the metadata server (default: the cloud's own)")
     where.add_argument("--spec-timeout", type=_positive_float, default=None,
                        help=f"seconds to wait for another agent to write the job's spec (default: "
                        f"{timeouts.SPEC_WAIT_S:g})")
@@ -823,6 +826,9 @@ def _add_agent(subparsers: argparse._SubParsersAction) -> None:
     auth.add_argument("--tls-key", default=None, help="PEM private key of this agent")
     auth.add_argument("--tls-ca", default=None,
                       help="PEM CA that the job's agents' certificates are signed by (mutual TLS)")
+    auth.add_argument("--tls-server-name", default=None,
+                      help="the name peers check in the agents' certificates, when one certificate serves every "
+                      "agent (pod IPs change; default: the address dialled)")
     auth.add_argument("--insecure", action="store_true",
                       help="listen beyond loopback with neither a token nor mutual TLS (anyone who reaches the "
                       "port could drain the job)")
@@ -873,8 +879,9 @@ def _agent(args: argparse.Namespace) -> int:
             k8s_node=args.k8s_node, host=args.host, port=args.port,
             run_dir=str(Path(args.run_dir or default_run_dir(args.job)).resolve()), events=args.events,
             spec=spec, token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            tls_ca=args.tls_ca, insecure=args.insecure, notice_window_s=args.notice_window,
-            preemption_notices=args.preemption_notices,
+            tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, insecure=args.insecure,
+            notice_window_s=args.notice_window, preemption_notices=args.preemption_notices,
+            metadata_url=args.metadata_url,
             **({"spec_timeout_s": args.spec_timeout} if args.spec_timeout is not None else {}),
         )
     except AgentError as error:

@@ -271,6 +271,7 @@ class WorkerContext:
     agent_tls_ca: str | None = None
     agent_tls_cert: str | None = None
     agent_tls_key: str | None = None
+    agent_tls_server_name: str | None = None
 
     @property
     def out_dir(self) -> Path:

@@ -168,8 +168,10 @@ def _agent_auth(context: WorkerContext) -> dict[str, Any]:
     if context.agent_tls_ca:
         from bamboo.membership import TlsFiles
 
-        options["credentials"] = TlsFiles(context.agent_tls_cert or "", context.agent_tls_key or "",
-                                          context.agent_tls_ca).channel_credentials()
+        files = TlsFiles(context.agent_tls_cert or "", context.agent_tls_key or "", context.agent_tls_ca,
+                         context.agent_tls_server_name)
+        options["credentials"] = files.channel_credentials()
+        options["channel_options"] = files.channel_options()
     return options
 
 

@@ -2,8 +2,8 @@
 
 The simulator's ``bamboo`` strategy takes every placement and every reconfiguration decision from here.
 They are the rules of ``bamboo.reconfig.plan_layout`` and ``bamboo.reconfig.decide``, computed on plain
-integers because a sweep makes millions of them (on 48 nodes, building a ``ClusterView`` and calling
-bamboo-reconfig costs about 1.3 ms per layout and 0.27 ms per decision; these functions about 50 µs per
+integers because a sweep makes millions of them (on 40 to 48 nodes, building a ``ClusterView`` and calling
+bamboo-reconfig costs about 1.2 ms per layout and 0.24 ms per decision; these functions about 50 µs per
 layout and a few µs per decision). Where the planner matches nodes to slots with scipy's
 ``linear_sum_assignment``, `plan_placement` takes the answer from a greedy pass when scipy's algorithm
 is forced to the same choice, and from scipy otherwise. The simulator state maps onto the planner's

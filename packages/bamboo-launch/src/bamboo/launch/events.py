@@ -14,7 +14,10 @@ and the kind's own keys:
 - ``preemption``: ``node``, ``zone`` (str), ``notice_s`` (float, seconds of notice, 0 if
   none): the node was killed; billing stops;
 - ``failover``: ``victim``, ``shadow`` (str), ``stage`` (int), ``pause_s`` (float, seconds
-  the survivors could not make progress);
+  the survivors could not make progress: from catching the failure to resuming on the merged
+  schedule), and, optionally, the wall-clock times (Unix seconds) at the shadow ``caught_unix``
+  (it caught the failure), ``resumed_unix`` (it ran the first instruction of the merged schedule)
+  and ``step_end_unix`` (the failed step committed);
 - ``reconfiguration``: ``reason`` (str), ``pipelines``, ``stages``, ``standby`` (int),
   ``bytes_moved`` (int, bytes of layers transferred), ``duration_s`` (float), ``attempts`` (int,
   optional, default 1: more when a node died while the new layout started and it was redone);
@@ -167,6 +170,9 @@ class Failover:
     shadow: str = attrs.field(validator=_non_empty_str)
     stage: int = attrs.field(validator=_non_negative_int)
     pause_s: float = attrs.field(validator=_non_negative_time)
+    caught_unix: float | None = attrs.field(default=None)
+    resumed_unix: float | None = attrs.field(default=None)
+    step_end_unix: float | None = attrs.field(default=None)
 
 
 @attrs.frozen

@@ -185,14 +185,15 @@ def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_s
         step += 1
 
 
-def _failover_records(executor: Any, seen: int) -> list[tuple[int, float]]:
-    """``(victim stage, pause)`` of the failovers in which this node took a victim's stage, since ``seen``."""
+def _failover_records(executor: Any, seen: int) -> list[tuple[int, Any]]:
+    """``(victim stage, failover record)`` of the failovers in which this node took a victim's stage, since
+    ``seen``."""
     records = []
     stages = executor.layout.stages
     for failover in executor.failovers[seen:]:
         for victim in failover.victims.get(executor.pipeline, ()):
             if (victim - 1) % stages == executor.stage:
-                records.append((victim, failover.pause_s))
+                records.append((victim, failover))
     return records
 
 
@@ -291,10 +292,12 @@ def train(context: WorkerContext, program: Program | None = None) -> dict[str, A
             duration = time.perf_counter() - step_started
             losses.append(loss)
             node_of_rank = layout.node_of_rank
-            for victim, pause_s in _failover_records(executor, seen_failovers):
+            for victim, failover in _failover_records(executor, seen_failovers):
                 victim_rank = executor.layout.rank(victim, executor.pipeline)
                 log.write(Failover(t=log.now(), victim=node_of_rank.get(victim_rank, str(victim_rank)),
-                                   shadow=node, stage=victim, pause_s=pause_s))
+                                   shadow=node, stage=victim, pause_s=failover.pause_s,
+                                   caught_unix=failover.caught_at, resumed_unix=failover.resumed_at,
+                                   step_end_unix=failover.iteration_end))
             failovers.extend(executor.failovers[seen_failovers:])
             seen_failovers = len(executor.failovers)
             if executor.pipeline == 0 and spec.stages - 1 in executor.hosted:

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from bamboo.launch.events import Failover, Join, Preemption, Reconfiguration, read_events
 from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
+from bamboo.rc.model import GPTSize, gpt_layer_specs, stage_bounds
+from bamboo.reconfig import JobLayout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,6 +61,12 @@ def test_embedded_etcd_killed_and_restarted_mid_run(tmp_path: Path) -> None:
     result = run_cluster(options, during=kill_and_restart_etcd)
     assert "restarted" in outage, "the run ended before etcd came back"
     assert result.failed_ranks == () and not result.timed_out
+    # the plan is what runs: the stage bounds of the layout in etcd are the layers every executor built
+    layout = JobLayout.from_json((result.run_dir / "layout.json").read_text())
+    assert layout.stage_bounds == stage_bounds(gpt_layer_specs(GPTSize()), 2)
+    for report in result.reports.values():
+        built = {int(stage): list(indices) for stage, indices in report["slice_layers"].items()}
+        assert built == {stage: list(range(*layout.stage_bounds[stage])) for stage in built}, report["node"]
     assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
     assert _failovers(result.events) == []
     comparison = compare_with_reference(result, options)

@@ -35,7 +35,14 @@ else
   echo "setup: the six bamboo packages, editable, with dev extras"
   args=()
   for p in "${PACKAGES[@]}"; do args+=(-e "packages/bamboo-$p[dev]"); done
-  "$PY" -m pip install -q --no-build-isolation --config-settings editable_mode=compat "${args[@]}"
+  # setuptools' deprecation notices about our pyproject files flood the terminal: keep them in a log,
+  # shown only when the install fails.
+  if ! "$PY" -m pip install -q --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \
+      > "$VENV/setup-packages.log" 2>&1; then
+    cat "$VENV/setup-packages.log" >&2
+    echo "setup: installing the packages failed (log: $VENV/setup-packages.log)" >&2
+    exit 1
+  fi
   echo "$want" > "$STAMP"
 fi
 

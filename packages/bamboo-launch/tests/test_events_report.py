@@ -22,7 +22,7 @@ from bamboo.launch.events import (
     event_to_dict,
     read_events,
 )
-from bamboo.launch.report import Prices, ReportError, compute_report, compute_timeline, plot_report
+from bamboo.launch.report import Prices, ReportError, compute_report, compute_timeline, format_report, plot_report
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -240,3 +240,41 @@ def test_timeline_conserves_random_runs(events: list, bins: int) -> None:
     assert sum(timeline.nodes) * width == pytest.approx(report.node_hours * 3600, rel=1e-9, abs=1e-6)
     assert sum(timeline.throughput) * width == pytest.approx(report.samples, rel=1e-9)
     assert report.avg_nodes == pytest.approx(report.node_hours * 3600 / 1000)
+
+
+def test_the_report_accounts_for_where_the_time_went() -> None:
+    from bamboo.launch.events import Failover, Reconfiguration, Restore, TimeAccount
+
+    start = 1_700_000_000.0
+    events = [
+        RunStart(t=0.0, job="j", unix_time=start, target_nodes=4, stages=2, pipelines=2),
+        Join(t=0.0, node="a", zone="z"),
+        *(Step(t=10.0 + k, step=k, samples=8, loss=1.0, nodes_active=4, duration_s=1.0) for k in range(1, 5)),
+        # step 5 was interrupted by a failover (its pause inside the step), written by two shadows
+        Failover(t=15.5, victim="b", shadow="a", stage=1, pause_s=0.5, caught_unix=start + 14.2,
+                 resumed_unix=start + 14.7),
+        Failover(t=15.6, victim="c", shadow="d", stage=0, pause_s=0.4, caught_unix=start + 14.3,
+                 resumed_unix=start + 14.7),
+        Step(t=15.5, step=5, samples=8, loss=1.0, nodes_active=4, duration_s=1.5),
+        Reconfiguration(t=17.5, reason="r", pipelines=1, stages=2, standby=0, bytes_moved=0, duration_s=2.0),
+        Step(t=18.5, step=6, samples=8, loss=1.0, nodes_active=2, duration_s=1.0),
+        Reconfiguration(t=21.5, reason="every holder lost", pipelines=1, stages=2, standby=0, bytes_moved=0,
+                        duration_s=3.0),
+        Restore(t=21.5, step=4, path="/c/step-4", lost_stages="0,1", discarded_steps=2),
+        *(Step(t=21.5 + k, step=4 + k, samples=8, loss=1.0, nodes_active=2, duration_s=1.0) for k in (1, 2, 3)),
+    ]
+    account = TimeAccount()
+    for event in events:
+        account.apply(event)
+    assert account.startup_s == 10.0  # the first step started at t=10
+    assert account.window_s == 24.5 - 10.0
+    assert account.step_s == 4 + 1.5 + 1 + 3
+    assert account.failover_s == 0.5  # the two shadows' pauses of one event count once
+    assert (account.reconfiguration_s, account.restore_s) == (2.0, 3.0)
+    assert account.step_share == (9.5 / 14.5)
+    assert account.lost_s == 24.5 - (9.5 - 2.0 - 0.5)  # steps 5 and 6 were trained again; the pause was lost
+    report = compute_report(events)
+    assert (report.startup_s, report.failover_s, report.restore_s) == (10.0, 0.5, 3.0)
+    assert report.to_dict()["step_share"] == account.step_share
+    text = format_report(report)
+    assert "time lost" in text and "restores 3.00 s" in text and "65.5% of the training window" in text

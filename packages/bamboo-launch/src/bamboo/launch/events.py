@@ -79,6 +79,7 @@ __all__ = [
     "RunEnd",
     "RunStart",
     "Step",
+    "TimeAccount",
     "event_from_dict",
     "event_to_dict",
     "iter_kind",
@@ -565,3 +566,89 @@ class EtcdEventFollower:
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
+
+
+@attrs.define
+class TimeAccount:
+    """Where a run's time went, folded from its records in ``t`` order with :meth:`apply`.
+
+    - ``startup_s``: from the run's start to the start of its first step (processes, imports, the
+      first layout, group building);
+    - ``window_s``: the training window, from the start of the first step to the end of the last;
+    - ``step_s``: the time the steps themselves took (their ``duration_s``; a step trained again after a
+      restore counts again, and a failover's pause counts inside the step it interrupted);
+    - ``step_share``: ``step_s / window_s``, the share of the window spent in steps;
+    - ``failover_s``: the failover pauses (from catching the failure to resuming on the merged schedule;
+      overlapping pauses of one event count once);
+    - ``reconfiguration_s`` / ``restore_s``: the reconfigurations (from the first holder at the barrier to
+      the new layout's first step), those that restarted from a checkpoint counted as restores;
+    - ``lost_s``: everything up to the last step that was not a step's first, useful run: start-up, the
+      gaps between steps, failover pauses and steps trained again.
+    """
+
+    start: float = 0.0
+    start_unix: float | None = None
+    first_step_start: float | None = None
+    last_step_end: float | None = None
+    step_s: float = 0.0
+    redone_s: float = 0.0
+    failover_s: float = 0.0
+    reconfiguration_s: float = 0.0
+    restore_s: float = 0.0
+    _last_reconfiguration: float = 0.0
+    _pauses: list[tuple[float, float]] = attrs.field(factory=list)
+    _steps_seen: set[int] = attrs.field(factory=set)
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, RunStart):
+            self.start, self.start_unix = event.t, event.unix_time  # unix_time is the wall clock at t=0
+        elif isinstance(event, Step):
+            begin = event.t - event.duration_s
+            if self.first_step_start is None:
+                self.first_step_start = begin
+            self.last_step_end = event.t if self.last_step_end is None else max(self.last_step_end, event.t)
+            self.step_s += event.duration_s
+            if event.step in self._steps_seen:
+                self.redone_s += event.duration_s
+            self._steps_seen.add(event.step)
+        elif isinstance(event, Failover):
+            if self.start_unix is not None and event.caught_unix is not None and event.resumed_unix is not None:
+                span = (event.caught_unix - self.start_unix, event.resumed_unix - self.start_unix)
+            else:  # an older record: the pause, ending about when it was written
+                span = (event.t - event.pause_s, event.t)
+            if not any(a <= span[1] and span[0] <= b for a, b in self._pauses):  # one event's pauses count once
+                self.failover_s += event.pause_s
+            self._pauses.append(span)
+        elif isinstance(event, Reconfiguration):
+            self.reconfiguration_s += event.duration_s
+            self._last_reconfiguration = event.duration_s
+        elif isinstance(event, Restore):  # written right after its reconfiguration: move it over
+            self.reconfiguration_s -= self._last_reconfiguration
+            self.restore_s += self._last_reconfiguration
+            self._last_reconfiguration = 0.0
+
+    @property
+    def startup_s(self) -> float:
+        return 0.0 if self.first_step_start is None else max(0.0, self.first_step_start - self.start)
+
+    @property
+    def window_s(self) -> float:
+        if self.first_step_start is None or self.last_step_end is None:
+            return 0.0
+        return max(0.0, self.last_step_end - self.first_step_start)
+
+    @property
+    def step_share(self) -> float | None:
+        return None if self.window_s <= 0 else min(1.0, self.step_s / self.window_s)
+
+    @property
+    def lost_s(self) -> float:
+        if self.last_step_end is None:
+            return 0.0
+        useful = self.step_s - self.redone_s - self.failover_s
+        return max(0.0, self.last_step_end - self.start - useful)
+
+    def summary(self) -> dict[str, float | None]:
+        return {"startup_s": self.startup_s, "window_s": self.window_s, "step_s": self.step_s,
+                "step_share": self.step_share, "failover_s": self.failover_s,
+                "reconfiguration_s": self.reconfiguration_s, "restore_s": self.restore_s, "lost_s": self.lost_s}

@@ -34,6 +34,7 @@ from bamboo.launch.events import (
     RunEnd,
     RunStart,
     Step,
+    TimeAccount,
     event_from_dict,
 )
 
@@ -134,11 +135,13 @@ class LiveState:
         self.finished = False
         self.now = 0.0
         self._steps: collections.deque[Step] = collections.deque(maxlen=window)
+        self.time = TimeAccount()
         self.recent: collections.deque[str] = collections.deque(maxlen=history)
 
     def apply(self, event: Event) -> None:
         """Fold one record into the state."""
         self.now = max(self.now, event.t)
+        self.time.apply(event)
         if isinstance(event, Step):
             self.step, self.loss, self.nodes_active = event.step, event.loss, event.nodes_active
             self._steps.append(event)
@@ -209,6 +212,7 @@ class LiveState:
             "reconfigurations": self.reconfigurations,
             "checkpoints": self.checkpoints,
             "restores": self.restores,
+            **self.time.summary(),
             "finished": self.finished,
             "recent": list(self.recent),
         }
@@ -243,6 +247,15 @@ def render_live(state: LiveState) -> Any:
         f"[bold]failovers[/] {state.failovers}",
         f"[bold]reconfigurations[/] {state.reconfigurations}",
         f"[bold]checkpoints[/] {state.checkpoints}" + (f" ({state.restores} restored)" if state.restores else ""),
+    )
+    time = state.time
+    share = "-" if time.step_share is None else f"{100 * time.step_share:.1f}%"
+    header.add_row(
+        f"[bold]in steps[/] {share}",
+        f"[bold]start-up[/] {time.startup_s:.1f}s",
+        f"[bold]failovers[/] {time.failover_s:.2f}s",
+        f"[bold]reconfig[/] {time.reconfiguration_s:.2f}s" + (f" [bold]restore[/] {time.restore_s:.2f}s"
+                                                              if time.restore_s else ""),
     )
     recent = "\n".join(state.recent) if state.recent else "(no events yet)"
     title = "bamboo" + (f" {state.job}" if state.job else "") + (" (finished)" if state.finished else "")

@@ -24,6 +24,14 @@ Definitions (all times are the log's ``t``, seconds since the run started):
     ``on_demand_nodes``: the hours that cluster needs for the same samples, at the on-demand price.
 - **value**: throughput per dollar-per-hour, ``throughput / (avg_nodes * spot_price)``, the paper's
   metric; ``on_demand_value`` is the same for the on-demand reference.
+- **where the time went** (:class:`bamboo.launch.events.TimeAccount`): ``startup_s`` (start to the first
+  step), ``step_share`` (the share of the training window, first step to last, spent in steps),
+  ``failover_s`` (failover pauses), ``reconfiguration_s`` and ``restore_s`` (reconfigurations, those that
+  restarted from a checkpoint apart), ``lost_s`` (everything up to the last step that was not useful step
+  time: start-up, gaps, pauses, steps trained again).
+
+The live view's ``samples/s`` is over its last steps, their own durations and the gaps between them; the
+report's ``throughput`` is over the whole run, start-up included. They differ by design.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from bamboo.launch.events import (
     RunEnd,
     RunStart,
     Step,
+    TimeAccount,
 )
 
 __all__ = [
@@ -122,6 +131,11 @@ class Report:
     reconfigurations: int
     bytes_moved: int
     reconfiguration_s: float
+    startup_s: float
+    step_share: float | None
+    failover_s: float
+    restore_s: float
+    lost_s: float
     checkpoints: int
     consecutive_failures: int
     restores: int
@@ -199,6 +213,9 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
     avg_nodes = node_seconds / duration_s if duration_s > 0 else 0.0
     pauses = [e.pause_s for e in ordered if isinstance(e, Failover)]
     reconfigs = [e for e in ordered if isinstance(e, Reconfiguration)]
+    account = TimeAccount()
+    for event in ordered:
+        account.apply(event)
     cost_spot = node_hours * prices.spot
     cost_per_hour = avg_nodes * prices.spot
     value = throughput / cost_per_hour if cost_per_hour > 0 else 0.0
@@ -231,7 +248,12 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
         max_pause_s=max(pauses) if pauses else None,
         reconfigurations=len(reconfigs),
         bytes_moved=sum(r.bytes_moved for r in reconfigs),
-        reconfiguration_s=sum(r.duration_s for r in reconfigs),
+        reconfiguration_s=account.reconfiguration_s,
+        startup_s=account.startup_s,
+        step_share=account.step_share,
+        failover_s=account.failover_s,
+        restore_s=account.restore_s,
+        lost_s=account.lost_s,
         checkpoints=sum(isinstance(e, Checkpoint) for e in ordered),
         consecutive_failures=sum(r.reason == "consecutive failure" for r in reconfigs),
         restores=sum(isinstance(e, Restore) for e in ordered),
@@ -266,6 +288,9 @@ def format_report(report: Report) -> str:
         f"  reconfigurations {report.reconfigurations} ({report.bytes_moved} bytes moved, "
         f"{report.reconfiguration_s:.3f} s; {report.consecutive_failures} after a consecutive failure)",
         f"  restores         {report.restores} from a checkpoint ({report.redone_steps} steps trained again)",
+        f"  time lost        {report.lost_s:.1f} s: start-up {report.startup_s:.1f} s, failover pauses "
+        f"{report.failover_s:.2f} s, reconfigurations {report.reconfiguration_s:.2f} s, restores "
+        f"{report.restore_s:.2f} s; steps {_share(report.step_share)} of the training window",
         f"  checkpoints      {report.checkpoints}",
         f"  cost (spot)      ${report.cost_spot:.4f} at ${report.spot_price:g}/h per node "
         f"(${report.cost_per_hour:.3f}/h)",
@@ -275,6 +300,10 @@ def format_report(report: Report) -> str:
         f"  value            {report.value:.4f} samples/s per $/h (on-demand {report.on_demand_value:.4f})",
     ]
     return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 @attrs.frozen

@@ -22,7 +22,14 @@ from bamboo.launch.events import (
     event_to_dict,
     read_events,
 )
-from bamboo.launch.report import Prices, ReportError, compute_report, compute_timeline, format_report, plot_report
+from bamboo.launch.report import (
+    Prices,
+    ReportError,
+    compute_report,
+    compute_timeline,
+    format_report,
+    plot_report,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

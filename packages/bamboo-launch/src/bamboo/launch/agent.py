@@ -292,6 +292,12 @@ class _Supervisor:
             return None
         return None if found is None else found.error
 
+    def handed_over(self) -> bool:
+        try:
+            return self.membership.get_decision(f"handover-{self.node}") is not None
+        except Exception:
+            return False
+
     def was_warm(self) -> bool:
         try:
             return read_record(WorkerWarm, self.membership.get_decision(f"warm-{self.node}")) is not None
@@ -420,6 +426,10 @@ def _supervise(supervisor: _Supervisor, noticed: threading.Event, window_s: floa
             return None, "this node was declared dead (its lease is gone)"
         code = worker.poll()
         if code is not None and supervisor.ended() is None:
+            if code == 0 and supervisor.handed_over():  # it left at a step boundary after its notice
+                say(f"node {node}: handed its stage over after the preemption notice; leaving")
+                supervisor.stop(leave=True)
+                return AGENT_PREEMPTED, ""
             if code == 0 and not supervisor.was_warm():
                 return None, (f"worker exited with status 0 without calling bamboo.launch.train_worker "
                               f"({' '.join(supervisor.spec.script)})")

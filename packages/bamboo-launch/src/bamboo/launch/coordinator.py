@@ -42,7 +42,7 @@ from typing import Any
 
 from bamboo.launch import timeouts
 from bamboo.launch.events import Preemption
-from bamboo.launch.notices import publish_failure_event
+from bamboo.launch.notices import publish_failure_event, published_events
 from bamboo.launch.records import Leader, Preempted
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
@@ -60,16 +60,6 @@ def read_layout(membership: Any) -> Any:
 
     found = membership.get_layout()
     return None if found is None else JobLayout.from_dict(found.value)
-
-
-def published_events(membership: Any, generation: int) -> dict[int, FailureEvent]:
-    """The failure events published for ``generation``, by epoch."""
-    prefix = membership.keys.decision(f"g{generation}-epoch-")
-    events = {}
-    for item in membership.kv.get_prefix(prefix):
-        event = FailureEvent.from_json(item.value)
-        events[event.epoch] = event
-    return events
 
 
 def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:

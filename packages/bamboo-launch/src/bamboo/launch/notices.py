@@ -27,7 +27,14 @@ from bamboo.launch import timeouts
 from bamboo.membership.kv import StoreError, StoreUnavailableError
 from bamboo.rc import FailureEvent
 
-__all__ = ["EtcdFailureNotices", "PatientKV", "epoch_decision", "publish_failure_event"]
+__all__ = [
+    "EtcdFailureNotices",
+    "PatientKV",
+    "epoch_decision",
+    "publish_failure_event",
+    "publish_next_event",
+    "published_events",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,30 @@ def publish_failure_event(membership: Any, generation: int, event: FailureEvent)
     """Write ``event`` first-writer-wins; returns (whether it won, the event that is now published)."""
     decision = membership.decide(epoch_decision(generation, event.epoch), json.loads(event.to_json()))
     return decision.won, FailureEvent.from_json(json.dumps(decision.value))
+
+
+def published_events(membership: Any, generation: int) -> dict[int, FailureEvent]:
+    """The failure events published for ``generation``, by epoch."""
+    events = {}
+    for item in membership.kv.get_prefix(membership.keys.decision(f"g{generation}-epoch-")):
+        event = FailureEvent.from_json(item.value)
+        events[event.epoch] = event
+    return events
+
+
+def publish_next_event(membership: Any, generation: int, ranks: list[int], *, handover: bool = False) -> FailureEvent:
+    """Publish ``ranks`` as the next epoch's event of ``generation`` (first writer wins; a lost race is retried
+    with the epoch after), unless an event of that generation already names them all. Returns the event."""
+    while True:
+        published = published_events(membership, generation)
+        covered = {rank for event in published.values() for rank in event.victims}
+        pending = sorted(set(ranks) - covered)
+        if not pending:
+            return next(event for _, event in sorted(published.items()) if set(ranks) & set(event.victims))
+        event = FailureEvent(max(published, default=0) + 1, pending, handover=handover)
+        won, written = publish_failure_event(membership, generation, event)
+        if won:
+            return written
 
 
 class PatientKV:

@@ -220,6 +220,8 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
             command += [flag, str(value)]
     if options.checkpoint_dir:
         command += ["--checkpoint-dir", str(Path(options.checkpoint_dir).resolve())]
+    if options.notice_s > 0:  # the market's SIGTERM comes this long before its kill
+        command += ["--notice-window", str(options.notice_s)]
     if options.script:
         command += ["--", str(Path(options.script[0]).resolve()), *options.script[1:]]
     elif "layers" in options.size:

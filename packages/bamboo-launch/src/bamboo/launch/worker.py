@@ -108,6 +108,24 @@ class _Run:
                                 self.spec.created_unix, guard=self.membership.guard)
         self.retired: list[Any] = []  # old executors stay referenced: their gloo groups must not be destroyed
         self.layers = self.spec.reconfig_layers()
+        self.notice_deadline: float | None = None  # this node's preemption deadline, once its agent was told
+        self._notice_watch = self.membership.watch_notices(self._on_notice)
+        found = self.kv.get(self.membership.keys.notice(self.node))
+        if found is not None:
+            self._on_notice_value(found.value)
+
+    def _on_notice(self, event: Any) -> None:
+        if event.value and event.key == self.membership.keys.notice(self.node):
+            self._on_notice_value(event.value)
+
+    def _on_notice_value(self, value: bytes) -> None:
+        from bamboo.membership.records import PreemptionNotice, decode_message
+
+        notice = decode_message(self.membership.keys.notice(self.node), value, PreemptionNotice)
+        if self.notice_deadline is None:
+            print(f"node {self.node}: preemption notice: the machine goes away at {notice.deadline:.1f} "
+                  f"(in {notice.deadline - time.time():.1f} s)", flush=True)
+            self.notice_deadline = float(notice.deadline)
 
     def ended(self) -> JobEnd | None:
         try:
@@ -146,7 +164,19 @@ class _Run:
                 raise RuntimeError(f"decision {name} not taken within {timeout:g} s")
             time.sleep(timeouts.DECISION_POLL_S)
 
+    def tell_runtime_of_notice(self, executor: Any, told: set[int]) -> None:
+        """Hand this node's preemption deadline to the runtime (once per executor): at the start of its next
+        step it hands its stage over after that step if the deadline leaves time, else it keeps going and
+        its death at the deadline is an ordinary failure."""
+        from bamboo.rc.records import NoticeRecord
+
+        if self.notice_deadline is None or id(executor) in told:
+            return
+        self.store.set(executor.coordinator.notice_key(), NoticeRecord(self.notice_deadline).to_json())
+        told.add(id(executor))
+
     def close(self) -> None:
+        self._notice_watch.cancel()
         self.log.close()
 
 
@@ -204,7 +234,7 @@ def train(context: WorkerContext, program: Program | None = None) -> dict[str, A
     from bamboo.launch.events import Failover, Reconfiguration, Step
     from bamboo.launch.example import example_program
     from bamboo.launch.reconfigure import log_restore
-    from bamboo.rc import ConsecutiveFailure
+    from bamboo.rc import ConsecutiveFailure, HandedOver
     from bamboo.rc.worker import exact_mode
 
     exact_mode()
@@ -228,6 +258,7 @@ def train(context: WorkerContext, program: Program | None = None) -> dict[str, A
     checkpointers: dict[int, Any] = {}
     losses: list[float] = []
     failovers: list[Any] = []
+    told: set[int] = set()  # the executors this node's preemption notice was handed to
     while True:
         generation = layout.generation
         ranks: dict[str, int] = layout.ranks
@@ -282,8 +313,13 @@ def train(context: WorkerContext, program: Program | None = None) -> dict[str, A
             if stop_step is not None and executor.step >= stop_step:
                 break
             step_started = time.perf_counter()
+            run.tell_runtime_of_notice(executor, told)
             try:
                 loss = float(engine.train_batch(data))
+            except HandedOver:  # a preemption notice: this node's stage went to its shadow after the step
+                _hand_over(run, layout, executor)
+                run.close()
+                return {"done": False, "handed_over": True}
             except ConsecutiveFailure as failure:
                 print(f"node {node}: {failure}", file=sys.stderr, flush=True)
                 executor.apply_replica_updates()
@@ -332,6 +368,22 @@ def train(context: WorkerContext, program: Program | None = None) -> dict[str, A
     run.membership.decide("end", JobEnd(steps=engine.executor.step, node=node).to_dict())
     run.close()
     return report
+
+
+def _hand_over(run: _Run, layout: Any, executor: Any) -> None:
+    """This node left at a step boundary after its preemption notice: publish the hand-over as the runtime's
+    next event (its neighbours wait for it at that boundary), the node's preemption, and tell its agent."""
+    from bamboo.launch.events import Preemption
+    from bamboo.launch.notices import publish_next_event
+
+    rank = layout.ranks[run.node]
+    event = publish_next_event(run.membership, layout.generation, [rank], handover=True)
+    notice = max(0.0, (run.notice_deadline or time.time()) - time.time())
+    run.log.write(Preemption(t=run.log.now(), node=run.node, zone=run.context.zone or "default", notice_s=notice))
+    run.membership.decide(f"handover-{run.node}", {"v": 1, "node": run.node, "step": executor.step,
+                                                   "generation": layout.generation, "epoch": event.epoch})
+    print(f"node {run.node}: handed stage {executor.stage} of pipeline {executor.pipeline} over to its shadow "
+          f"after step {executor.step} ({notice:.1f} s before the preemption)", flush=True)
 
 
 def _final_report(run: _Run, layout: Any, executor: Any, losses: list[float], failovers: list[Any],

@@ -61,3 +61,32 @@ def test_run_cli_names_the_line_of_a_malformed_trace(tmp_path, capsys: pytest.Ca
     assert main(["run", "--nodes", "4", "--stages", "2", "--pipelines", "2", "--preemptions", str(trace)]) == 2
     err = capsys.readouterr().err
     assert "bad.csv" in err and "5" in err and "Traceback" not in err
+
+
+def test_a_script_without_the_dash_dash_gets_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["run", "--nodes", "4", "--stages", "2", "train.py", "--lr", "3"])
+    assert caught.value.code == 2
+    assert "a training script goes after --, as in: bamboo-launch run [options] -- train.py --lr 3" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("diff", "verdict", "status"), [(0.0, "PASSED", 0), (0.356, "FAILED (0.356 > 1e-06)", 1)])
+def test_the_report_states_the_verdict_of_verify(tmp_path, capsys: pytest.CaptureFixture[str], diff: float,
+                                                 verdict: str, status: int) -> None:
+    import argparse
+
+    from bamboo.launch.cli import _finish_run
+    from bamboo.launch.events import EventLog, RunStart, Step
+    from bamboo.launch.run import RunResult
+
+    events = tmp_path / "events.jsonl"
+    with EventLog(events) as log:
+        log.write(RunStart(t=0.0, job="j", unix_time=1.0, target_nodes=2, stages=2, pipelines=1))
+        log.write(Step(t=1.0, step=1, samples=4, loss=1.0, nodes_active=2, duration_s=0.5))
+    result = RunResult(run_dir=tmp_path, events=events, reports={}, failed_ranks=(), failed_nodes=(), node_of_rank={},
+                       exit_codes={}, timed_out=False, seconds=1.0)
+    args = argparse.Namespace(plot=None, json=False)
+    code = _finish_run(args, None, result, lambda result, options: {"max_relative_diff": diff, "steps": 1})
+    assert code == status
+    assert f"verify           {verdict}" in capsys.readouterr().out

@@ -35,6 +35,10 @@ import attrs
 __all__ = ["build_parser", "main"]
 
 
+VERIFY_TOLERANCE = 1e-6
+"""``--verify`` fails above this relative difference from the fault-free single-process run."""
+
+
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
@@ -1024,9 +1028,11 @@ def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any
                                 for node, code in sorted(errors.items())}
     if verify is not None:
         comparison = verify(result, options)
-        extra["max_relative_diff"] = comparison["max_relative_diff"]
+        diff = comparison["max_relative_diff"]
+        extra["verify"] = "PASSED" if diff <= VERIFY_TOLERANCE else f"FAILED ({diff:.3g} > {VERIFY_TOLERANCE:g})"
+        extra["max_relative_diff"] = diff
         extra["compared_steps"] = comparison["steps"]
-        if comparison["max_relative_diff"] > 1e-6:
+        if diff > VERIFY_TOLERANCE:
             status = 1
     if result.timed_out:
         status = 1
@@ -1144,7 +1150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``bamboo-launch``; returns the exit status."""
     parser = build_parser()
     arguments, script = _split_script(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(arguments)
+    args, unknown = parser.parse_known_args(arguments)
+    if unknown:
+        hint = ""
+        if hasattr(args, "script") and any(word.endswith(".py") for word in unknown):
+            hint = (f"; a training script goes after --, as in: bamboo-launch {args.command} [options] -- "
+                    f"{' '.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if script:
         if not hasattr(args, "script"):
             parser.error(f"'{args.command}' takes no script after --, got {' '.join(script)!r}")

@@ -22,7 +22,7 @@ from bamboo.rc.failures import (
     StoreFailureNotices,
 )
 from bamboo.rc.layout import Layout
-from bamboo.rc.records import HandoverRecord, ProgressRecord, SuspicionRecord
+from bamboo.rc.records import CommitResult, HandoverRecord, ProgressRecord, SuspicionRecord
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
 from bamboo.schedule import merged_schedule, one_f_one_b, progress_at, validate_failover
@@ -296,3 +296,174 @@ def test_the_executor_abandons_the_iteration_on_a_consecutive_failure() -> None:
         executor._fail_over(FailureNoticed(FailureEvent(1, [1, 2])), [], 0)
     assert all(not p.grad.any() for piece in executor.slices.values() for p in piece.parameters)
     assert not executor.interpreter.inputs and executor.step == 0 and executor.schedule is executor.layouts[0]
+
+
+# --------------------------------------------------------------------------- a commit cut short
+# The commit that ends a step is an all-reduce over the pipeline; it is not atomic. In the failed
+# run of issue 13 (8 nodes, P=4, D=2; node 1 of pipeline 0 and node 2 of pipeline 1 killed together)
+# node 1 died during the commit of step 10: nodes 0 and 3 of pipeline 0 had completed it and gone on
+# into step 11, node 2's all-reduce failed at the end of its stream. Mixing node 2's finished stream
+# of step 10 with the others' progress in step 11 gave every survivor of both pipelines
+# "inconsistent cut: ... node 2 waits at 2SA1>3 (#7)".
+COMMIT_10 = CommitResult(10, 2.25, 7.5)
+COMMIT_9 = CommitResult(9, 3.0, 8.0)
+SPLIT_BY_THE_COMMIT = {  # (pipeline, node) -> what it published: (done, step, its last commit)
+    (0, 0): (2, 11, COMMIT_10),  # waiting in 0SA0>1, to the victim
+    (0, 2): (36, 10, COMMIT_9),  # its commit of step 10 failed: the end of its stream of step 10
+    (0, 3): (9, 11, COMMIT_10),  # waiting in 3RA0<2, for node 2
+    (1, 0): (24, 11, COMMIT_10),  # waiting in 0RG2<1
+    (1, 1): (26, 11, COMMIT_10),  # 1RG2<2, from the victim
+    (1, 3): (20, 11, COMMIT_10),  # 3RA3<2, from the victim
+}
+
+
+def _two_pipelines(published: dict[tuple[int, int], tuple[int, int, CommitResult | None]]) -> dict:
+    store, clock = FakeStore(), FakeClock()
+    layout, schedule = Layout(4, 2), one_f_one_b(4, 4, rc="eflb")
+    StoreFailureNotices(store, JOB).publish(FailureEvent(1, [layout.rank(1, 0), layout.rank(2, 1)]))
+    pending = {}
+    for (d, n), (done, step, commit) in published.items():
+        coordinator = FailoverCoordinator(store, JOB, layout, d, n, schedule,
+                                          StoreFailureNotices(store, JOB, clock), TIMEOUTS, clock)
+        event = coordinator.pending_event()
+        assert event is not None
+        pending[d, n] = coordinator.begin(event, done, step, last_commit=commit)
+    return pending
+
+
+def test_survivors_split_by_a_commit_the_victim_died_in_agree_on_the_next_step() -> None:
+    pending = _two_pipelines(SPLIT_BY_THE_COMMIT)
+    agreements = {key: p.poll() for key, p in pending.items()}
+    first = agreements[0, 0]
+    assert first is not None and first.victims == {0: frozenset({1}), 1: frozenset({2})}
+    split, other = first.plans[0], first.plans[1]
+    # node 2 finishes the commit of step 10 with the others' result and starts step 11 at its beginning
+    assert split.step == 11 and split.lagging == {2} and split.commit == COMMIT_10
+    assert split.cut == {0: 2, 2: 0, 3: 9}
+    assert other.step == 11 and other.lagging == frozenset() and other.commit is None
+    validate_failover(split.plan)
+    validate_failover(other.plan)
+    for key, agreement in agreements.items():  # every node of both pipelines derives the same plans
+        assert agreement is not None, key
+        for d in (0, 1):
+            mine = agreement.plans[d]
+            assert (mine.step, mine.cut, mine.lagging, mine.commit) == (
+                first.plans[d].step, first.plans[d].cut, first.plans[d].lagging, first.plans[d].commit)
+            assert mine.plan.remainder.streams == first.plans[d].plan.remainder.streams
+            assert pending[key].coordinator.recovering[d][1] == 11
+
+
+def test_a_commit_cut_short_in_a_remainder_settles_the_same_way() -> None:
+    # Node 1 died in step 4 and node 3 during the commit that ended step 4's remainder: node 2 had
+    # completed it, node 0 had not. Node 0 finishes it and both run step 5 on the merged schedule.
+    cluster = Cluster(6)
+    cluster.publish(1, [1])
+    first = progress_at(cluster.schedule, {1: 9})
+    pending = {n: cluster.nodes[n].begin(FailureEvent(1, [1]), first[n], step=4) for n in (0, 2, 3, 4, 5)}
+    plan = {n: p.poll() for n, p in pending.items()}[0].plans[0].plan  # type: ignore[union-attr]
+    assert all(cluster.nodes[n].recovering[0] == (plan, 4) for n in pending)
+    cluster.publish(2, [3])
+    ended = CommitResult(4, 1.5, 6.0)
+    remainder = len(plan.remainder.streams[0])
+    published = {0: (remainder, 4, None), 2: (0, 5, ended), 4: (3, 5, ended), 5: (1, 5, ended)}
+    again = {n: cluster.nodes[n].begin(FailureEvent(2, [3]), done, step, last_commit=commit)
+             for n, (done, step, commit) in published.items()}
+    settled = {n: p.poll() for n, p in again.items()}
+    for agreement in settled.values():
+        assert agreement is not None and agreement.victims == {0: frozenset({3})}
+        planned = agreement.plans[0]
+        assert planned.step == 5 and planned.lagging == {0} and planned.commit == ended
+        assert planned.cut == {0: 0, 2: 0, 4: 3, 5: 1}
+        assert planned.plan.schedule.streams == plan.steady.streams  # step 5 runs the merged schedule
+    validate_failover(settled[0].plans[0].plan)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("published", "message"),
+    [
+        ({**SPLIT_BY_THE_COMMIT, (0, 2): (30, 10, COMMIT_9)},
+         r"node 2 is in step 10 short of its commit while others are in step 11"),
+        ({**SPLIT_BY_THE_COMMIT, (0, 2): (36, 9, None)}, r"survivors of pipeline 0 are in steps \[9, 11\]"),
+        ({**SPLIT_BY_THE_COMMIT, (0, 3): (9, 11, COMMIT_9)},
+         r"publish no single result of the commit of step 10 for nodes \[2\]"),
+        ({**SPLIT_BY_THE_COMMIT, (0, 0): (2, 11, None)}, r"no single result of the commit of step 10"),
+    ],
+    ids=["not at the end of its stream", "two steps apart", "results disagree", "no result"],
+)
+def test_survivors_split_by_a_commit_without_a_consistent_result_are_a_clear_error(
+    published: dict[tuple[int, int], tuple[int, int, CommitResult | None]], message: str
+) -> None:
+    pending = _two_pipelines(published)
+    with pytest.raises(AgreementError, match=message):
+        pending[0, 0].poll()
+
+
+def test_the_executor_finishes_a_commit_the_others_completed_and_runs_the_remainder_in_the_next_step() -> None:
+    import torch
+    from bamboo.rc.config import load_config
+    from bamboo.rc.executor import StageExecutor
+    from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
+    from bamboo.rc.state import TrainableSlice, clip_coefficient
+    from bamboo.rc.verify import DEFAULT_CONFIG
+    from torch.distributed import HashStore
+
+    store, specs, config = HashStore(), gpt_layer_specs(GPTSize()), load_config(DEFAULT_CONFIG)
+    layout = Layout(4, 1)
+    executor = StageExecutor(specs, lm_loss, config, layout, 2, 0, store, "eflb",
+                             notices=StoreFailureNotices(store, JOB), job=JOB)  # built, not connected
+    executor.step = 7
+    interpreter = executor.interpreter
+    # Node 2 at the end of step 7, in its commit: stage 2 reduced, the replica sync of stage 3 received.
+    own, replica = executor.slices[2], executor.slices[3]
+    reference = TrainableSlice(specs, own.indices, config, 0)
+    grads = torch.linspace(-1.0, 1.0, own.numel())
+    own.load_flat_grads(grads)
+    interpreter._reduced[2] = torch.cat([grads, torch.tensor([0.0, 1.0])])
+    interpreter._to_step.append(2)
+    sync = torch.cat([torch.linspace(0.5, -0.5, replica.numel()), torch.tensor([3.0, 1.0])])
+    interpreter._received_syncs[3] = sync.clone()
+    interpreter.inputs[(2, 0)] = torch.ones(1)
+    # The victim, node 1, died during the commit's all-reduce; nodes 0 and 3 completed it (their
+    # result is published with their progress in step 8) and node 2's failed.
+    result = CommitResult(7, 40.0, 12.5)
+    victims = {1}
+    for n, done in ((0, 2), (3, 9)):
+        key = executor.coordinator.progress_key(0, victims, n)
+        store.set(key, ProgressRecord(done, 8, remainder=False, commit=result).to_json())
+    event = FailureEvent(1, [1])
+    StoreFailureNotices(store, JOB).publish(event)
+    stream = list(executor.schedule.streams[2])
+    ran: list[tuple[str, bool]] = []
+    calls = {"commit": 0}
+
+    def run(instruction, index, length, recovering):  # type: ignore[no-untyped-def]
+        ran.append((str(instruction), recovering))
+
+    def commit(hosted):  # type: ignore[no-untyped-def]
+        calls["commit"] += 1
+        if calls["commit"] == 1:
+            raise FailureNoticed(event)  # step 7's commit: cut short
+        return interpreter._apply_commit(hosted, CommitResult(8, 1.0, 4.0))  # step 8's commit
+
+    executor._run = run  # type: ignore[method-assign]
+    interpreter.commit = commit  # type: ignore[method-assign]
+    loss = executor.run_iteration()
+    # step 7 is committed with the published result, exactly as the others committed it
+    assert executor.step == 8 and ran == [(str(i), False) for i in stream]
+    assert loss == result.loss / (config.micro_batches * layout.pipelines) == interpreter.losses[-1]
+    reference.load_flat_grads(grads)
+    reference.apply_step(clip_coefficient(config.gradient_clipping, result.squared_norm))
+    assert torch.equal(own.flat_parameters(), reference.flat_parameters())
+    assert interpreter._replica_updates == {} and replica.steps == 1  # the replica stepped with the same clip
+    assert interpreter.last_commit == result and not interpreter.inputs
+    published = ProgressRecord.from_json(store.get(executor.coordinator.progress_key(0, victims, 2)))
+    assert published == ProgressRecord(len(stream), 7, remainder=False, commit=None)
+    record = executor.failovers[-1]
+    assert record.step == 8 and record.cut == {0: 2, 2: 0, 3: 9} and record.iteration_end is None
+    plan, step = executor.coordinator.recovering[0]
+    assert step == 8
+    # the next iteration (step 8) runs this node's remainder of the failover from its start
+    ran.clear()
+    executor.run_iteration()
+    assert ran == [(str(i), True) for i in plan.remainder.streams[2]] and ran
+    assert executor.step == 9 and executor.failovers[-1].iteration_end is not None

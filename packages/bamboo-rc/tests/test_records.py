@@ -7,6 +7,7 @@ import json
 import pytest
 from bamboo.rc.faults import KillRecord
 from bamboo.rc.records import (
+    CommitResult,
     FailoverRecord,
     FailureEvent,
     HandoverRecord,
@@ -24,6 +25,8 @@ RECORDS = [
     FailureEvent(3, [5, 2], handover=True),
     SuspicionRecord(1, 0, 4, "0AR"),
     ProgressRecord(17, 2, remainder=True),
+    ProgressRecord(0, 3, remainder=False, commit=CommitResult(2, 0.1 + 0.2, 1e-300)),
+    CommitResult(4, 12.25, 3.0),
     HandoverRecord(5, 1, 2, 7),
     NoticeRecord(1_700_000_060.5),
     KillRecord(3, 1_700_000_000.25, "1:0@1F2/1"),
@@ -59,8 +62,14 @@ def test_an_unknown_version_or_a_missing_key_is_rejected(record: object) -> None
          "failure event: key 'epoch' must be an integer >= 1, got 0"),
         (FailureEvent.from_dict, {"v": 1, "epoch": 1, "victims": [2], "handover": "no"},
          "failure event: key 'handover' must be true or false, got 'no'"),
-        (ProgressRecord.from_dict, {"v": 1, "done": -1, "step": 0, "remainder": False},
+        (ProgressRecord.from_dict, {"v": 1, "done": -1, "step": 0, "remainder": False, "commit": None},
          "progress: key 'done' must be an integer >= 0, got -1"),
+        (ProgressRecord.from_dict, {"v": 1, "done": 0, "step": 1, "remainder": False, "commit": [0, 1.0, 2.0]},
+         "progress: key 'commit': must be a JSON object, got list"),
+        (ProgressRecord.from_dict,
+         {"v": 1, "done": 0, "step": 1, "remainder": False, "commit": {"v": 1, "step": 0, "squared_norm": "big",
+                                                                        "loss": 2.0}},
+         "progress: key 'commit': key 'squared_norm' must be a number, got 'big'"),
         (NoticeRecord.from_dict, {"v": 1, "deadline": "soon"}, "preemption notice: key 'deadline' must be a number"),
         (FailoverRecord.from_dict, {**FAILOVER.to_dict(), "victims": {"zero": [1]}},
          "failover record: key 'victims' must be an object from pipelines to lists of nodes"),

@@ -16,7 +16,12 @@ and imports no torch, so it is tested in-process with a dictionary for a store. 
   this node's progress (a :class:`~bamboo.rc.records.ProgressRecord` under
   ``bamboo/<job>/progress/d<p>/v<victims>/n<node>``: keyed by the victims, so nodes that learn of
   the deaths in different epochs read the same agreement), waits for every survivor's, and
-  derives from the same facts the same consistent cut and ``failover_schedule`` on every node. A
+  derives from the same facts the same consistent cut and ``failover_schedule`` on every node.
+  The commit that ends a step is an all-reduce over the pipeline, and it is not atomic: a victim
+  that dies during it can leave some survivors done with it (and into the next step) and others
+  not. Each survivor publishes the result of its last commit with its progress, and those that
+  had not completed it finish it with that result (:attr:`PipelinePlan.lagging`) before the
+  failover's remainder, which then starts the next step for them. A
   further failure during the wait restarts the agreement with every victim so far; a victim
   without a live shadow is a :class:`~bamboo.rc.failures.ConsecutiveFailure`; survivors that
   disagree (some in a failover's remainder, some not) are an
@@ -47,7 +52,7 @@ from bamboo.rc.failures import (
 )
 from bamboo.rc.layout import Layout
 from bamboo.rc.ports import Clock, KeyValueStore, SystemClock
-from bamboo.rc.records import HandoverRecord, NoticeRecord, ProgressRecord
+from bamboo.rc.records import CommitResult, HandoverRecord, NoticeRecord, ProgressRecord
 from bamboo.rc.timeouts import STORE_POLL_S, CommTimeouts
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
 from bamboo.schedule import FailoverPlan, Schedule, check_victims, merged_schedule, placement_after
@@ -73,6 +78,12 @@ class PipelinePlan:
     side completed counted as completed on the other side too)."""
     step: int
     """The step in which the pipeline failed."""
+    lagging: frozenset[int] = frozenset()
+    """Survivors that had not completed the commit of step ``step - 1`` when the failure struck,
+    while the others had (the victim died during the commit's all-reduce). They finish it with
+    ``commit`` and then run their remainder from its start (``cut`` is 0 for them)."""
+    commit: CommitResult | None = None
+    """The result of the commit of step ``step - 1`` (None unless some survivors are ``lagging``)."""
 
 
 @attrs.frozen
@@ -160,10 +171,13 @@ class FailoverCoordinator:
 
     # --------------------------------------------------------------------------------- agreement
     def begin(
-        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None
+        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None,
+        last_commit: CommitResult | None = None,
     ) -> PendingFailover:
         """Start agreeing on `event`: this node had completed `done` instructions of its current
-        stream in step `step`. :meth:`PendingFailover.poll` finishes it (:meth:`agree` does both).
+        stream in step `step` (`done` is the stream's length while it waits in the commit), and
+        `last_commit` is the result of the last commit it completed (that of step `step - 1`).
+        :meth:`PendingFailover.poll` finishes it (:meth:`agree` does both).
 
         `on_event` is called after each event is applied (this one and any later one met on the
         way), before anything else happens: the caller rebuilds its groups there, so that a group
@@ -171,19 +185,20 @@ class FailoverCoordinator:
         whichever events a node learns of together.
         """
         in_remainder = self.recovering.get(self.pipeline, (None, -1))[1] == step
-        pending = PendingFailover(self, done, step, in_remainder, on_event)
+        pending = PendingFailover(self, done, step, in_remainder, on_event, last_commit)
         pending.absorb(event)
         return pending
 
     def agree(
-        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None
+        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None,
+        last_commit: CommitResult | None = None,
     ) -> Agreement:
         """Agree on `event` with the other survivors (blocking; see the module docstring and :meth:`begin`).
 
         Raises ConsecutiveFailure, or AgreementError when the survivors disagree or some did not
         publish their progress within the confirm timeout.
         """
-        pending = self.begin(event, done, step, on_event)
+        pending = self.begin(event, done, step, on_event, last_commit)
         epoch, deadline = self.epoch, self.clock.monotonic() + self.timeouts.confirm
         while True:
             agreement = pending.poll()
@@ -330,12 +345,14 @@ class PendingFailover:
         step: int,
         in_remainder: bool,
         on_event: Callable[[FailureEvent], None] | None,
+        last_commit: CommitResult | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.done = done
         self.step = step
         self.in_remainder = in_remainder
         self.on_event = on_event
+        self.last_commit = last_commit
         self.victims: dict[int, set[int]] = {}
         # The copies of lost stages are judged on the placements before this failover: when the
         # victims' deaths are confirmed in separate events, a first victim's stage has already
@@ -370,7 +387,7 @@ class PendingFailover:
             self.on_event(event)
         mine = self.victims.get(c.pipeline)
         if mine:
-            record = ProgressRecord(self.done, self.step, self.in_remainder)
+            record = ProgressRecord(self.done, self.step, self.in_remainder, self.last_commit)
             c.store.set(c.progress_key(c.pipeline, mine, c.node), record.to_json())
 
     def survivors(self, pipeline: int) -> list[int]:
@@ -406,14 +423,68 @@ class PendingFailover:
                 n: ProgressRecord.from_json(c.store.get(c.progress_key(pipeline, lost, n)))
                 for n in self.survivors(pipeline)
             }
+            progress, lagging, commit = self._settle_commit(pipeline, progress)
             recovering = self._agreed_recovering(pipeline, progress)
             done = {n: r.done for n, r in progress.items()}
-            plans[pipeline] = c.plan(pipeline, lost, done, recovering, max(r.step for r in progress.values()))
+            planned = c.plan(pipeline, lost, done, recovering, max(r.step for r in progress.values()))
+            plans[pipeline] = attrs.evolve(planned, lagging=lagging, commit=commit)
         for pipeline, planned in plans.items():
             c.recovering[pipeline] = (planned.plan, planned.step)
             c.layouts[pipeline] = planned.plan.steady
             c.placements[pipeline] = planned.plan.steady.placement
         return Agreement(c.epoch, {d: frozenset(v) for d, v in self.victims.items()}, plans)
+
+    def _settle_commit(
+        self, pipeline: int, progress: dict[int, ProgressRecord]
+    ) -> tuple[dict[int, ProgressRecord], frozenset[int], CommitResult | None]:
+        """The survivors' progress with the commit of the previous step settled: (progress, the
+        survivors that had not completed that commit, its result).
+
+        The commit of a step is an all-reduce over the pipeline, and a victim that dies during it
+        may have passed every contribution on to some survivors but not to others. Those that
+        completed it stepped their optimizers and went on into the next step; the others' all-reduce
+        failed (or they noticed the event first) while they waited in it, at the end of their
+        stream. Every contribution was in, so the result is the one the survivors that completed it
+        publish, and the step is committed: the laggards finish the commit with that result and
+        count as at the start of the next step (progress 0, in no remainder). Mixing the two steps'
+        progress in one cut would pair a full stream with a stream just begun.
+        """
+        steps = sorted({record.step for record in progress.values()})
+        if len(steps) == 1:
+            return progress, frozenset(), None
+        shown = {n: (r.done, r.step) for n, r in sorted(progress.items())}
+        step = steps[-1]
+        if steps != [step - 1, step]:
+            raise AgreementError(
+                f"survivors of pipeline {pipeline} are in steps {steps} (node: (done, step)): {shown}"
+            )
+        lagging = frozenset(n for n, record in progress.items() if record.step == step - 1)
+        for n in sorted(lagging):
+            if progress[n].done != self._stream_length(pipeline, n, progress[n]):
+                raise AgreementError(
+                    f"survivors of pipeline {pipeline}: node {n} is in step {step - 1} short of its commit while "
+                    f"others are in step {step} (node: (done, step)): {shown}"
+                )
+        results = {record.commit for n, record in progress.items() if n not in lagging}
+        result = next(iter(results)) if len(results) == 1 else None
+        if result is None or result.step != step - 1:
+            published = {n: r.commit for n, r in sorted(progress.items()) if n not in lagging}
+            raise AgreementError(
+                f"survivors of pipeline {pipeline} in step {step} publish no single result of the commit of step "
+                f"{step - 1} for nodes {sorted(lagging)} to finish it with: {published}"
+            )
+        settled = {n: ProgressRecord(0, step, False, result) if n in lagging else r for n, r in progress.items()}
+        return settled, lagging, result
+
+    def _stream_length(self, pipeline: int, node: int, record: ProgressRecord) -> int:
+        """The length of the stream `record` counts in: the remainder of the plan of its step, or
+        the schedule the pipeline ran before this failover."""
+        if record.remainder:
+            known = self.coordinator.recovering.get(pipeline)
+            if known is None or known[1] != record.step:
+                return -1  # no plan of that step is known here: it cannot be a finished remainder
+            return len(known[0].remainder.streams.get(node, ()))
+        return len(self.layouts_before[pipeline].streams.get(node, ()))
 
     def _agreed_recovering(self, pipeline: int, progress: dict[int, ProgressRecord]) -> bool:
         """Whether `pipeline`'s survivors were running a failover remainder (all of them, in the

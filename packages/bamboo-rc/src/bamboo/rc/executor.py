@@ -144,6 +144,9 @@ class StageExecutor:
         self.handovers: list[dict[str, Any]] = []
         self.failovers: list[FailoverRecord] = []
         self.iteration_times: list[tuple[float, float]] = []
+        self._resume: tuple[list[Instruction], int] | None = None
+        """(the remainder of a failover of the next step, its record's index): set when a failure
+        struck while this node waited in a commit that the other survivors had completed."""
 
     def connect(self) -> None:
         """Build the groups this node uses first, eagerly: neighbours at distance 1 and 2, collectives."""
@@ -241,22 +244,32 @@ class StageExecutor:
         index = 0
         recovering = False
         failover: int | None = None  # the record of the failover whose remainder this iteration runs
+        if self._resume is not None:  # agreed on while this node finished the previous step's commit
+            (stream, failover), recovering, self._resume = self._resume, True, None
+        step = self.step
         while True:
             try:
                 while index < len(stream):
                     self._run(stream[index], index, len(stream), recovering)
                     index += 1
                 loss = self.interpreter.commit(self.hosted)
-                self.iteration_times.append((started, self.clock.time()))
-                self._after_boundary(self.step - 1)
-                if failover is not None:
-                    self.failovers[failover] = self.failovers[failover].ended(self.clock.time(), self.kind_seconds)
-                return loss
             except (PeerFailure, FailureNoticed) as failure:
                 new_stream = self._fail_over(failure, stream, index)
-                if new_stream is not stream:  # our pipeline failed over: run the remainder
-                    stream, index, recovering = new_stream, 0, True
-                    failover = len(self.failovers) - 1
+                if self.step == step:
+                    if new_stream is not stream:  # our pipeline failed over: run the remainder
+                        stream, index, recovering = new_stream, 0, True
+                        failover = len(self.failovers) - 1
+                    continue
+                # The failure struck during this step's commit, which the other survivors had
+                # completed: the agreement finished it with their result, and the failover's
+                # remainder belongs to the next step.
+                self._resume = (new_stream, len(self.failovers) - 1)
+                loss = self.losses[-1]
+            self.iteration_times.append((started, self.clock.time()))
+            self._after_boundary(self.step - 1)
+            if failover is not None:
+                self.failovers[failover] = self.failovers[failover].ended(self.clock.time(), self.kind_seconds)
+            return loss
 
     def _run(self, instruction: Instruction, index: int, length: int, recovering: bool) -> None:
         if self.hook is not None:
@@ -357,7 +370,9 @@ class StageExecutor:
             raise failure
         hosted = self.hosted
         try:
-            agreement = self.coordinator.agree(event, done, self.step, on_event=self._after_event)
+            agreement = self.coordinator.agree(
+                event, done, self.step, on_event=self._after_event, last_commit=self.interpreter.last_commit
+            )
         except ConsecutiveFailure:
             self.interpreter.abandon_iteration()
             raise
@@ -367,6 +382,13 @@ class StageExecutor:
             if pipeline != self.pipeline:
                 self.interpreter.join_redone_allreduces(planned.plan, agreement.victims[pipeline], planned.step, hosted)
         own = agreement.plans.get(self.pipeline)
+        if own is not None and self.node in own.lagging:
+            # The victim died during the commit's all-reduce, which the other survivors completed:
+            # finish the commit with their result (the stages hosted in the step), then the
+            # remainder starts the next step.
+            assert own.commit is not None
+            self.interpreter.finish_commit(hosted, own.commit)
+            done = 0
         self.failovers.append(FailoverRecord(
             epoch=agreement.epoch, victims=agreement.victims, step=self.step, cut=None if own is None else own.cut,
             caught_at=caught, confirmed_at=confirmed, resumed_at=self.clock.time(), own_pipeline=own is not None,

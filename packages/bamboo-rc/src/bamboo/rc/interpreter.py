@@ -39,6 +39,7 @@ from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
+from bamboo.rc.records import CommitResult
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 from bamboo.schedule import FailoverPlan, Instruction, Kind
@@ -94,6 +95,8 @@ class StageInterpreter:
         self.stash = FrcStash()
         self.step = 0
         self.losses: list[float] = []
+        self.last_commit: CommitResult | None = None
+        """The result of the last commit this node completed (published with its progress after a failure)."""
         self.sync_bytes = 0
         self.kind_seconds: dict[str, float] = {}
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=8) if coordinator.watching else None
@@ -481,40 +484,66 @@ class StageInterpreter:
         Returns the step's mean loss over the global batch.
 
         This is the commit point: until it, no parameter has changed in this iteration, so a
-        failure before it leaves every survivor at the start-of-iteration state.
+        failure before it leaves every survivor at the start-of-iteration state. The all-reduce is
+        not atomic: when a victim dies during it, survivors that completed it have committed and
+        the others finish the commit with their result (:meth:`finish_commit`).
         """
         pipe = f"pipe-d{self.pipeline}"
         self._await_group_members(pipe)  # before anything changes: it may raise
+        for s in sorted(self._reducing):
+            self._wait_reduction(s)
+        squared, loss = self._commit_contribution(hosted)
+        norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
+        self.groups.allreduce(pipe, [norm_and_loss], "commit (global gradient norm and loss)", self._interrupter(pipe))
+        return self._apply_commit(hosted, CommitResult(self.step, float(norm_and_loss[0]), float(norm_and_loss[1])))
+
+    def _commit_contribution(self, hosted: Sequence[int]) -> tuple[float, float]:
+        """This node's part of the commit: the squared gradient norm of the `hosted` stages and the
+        loss (the last stage's). A victim's finished stage takes its gradients from its replica
+        sync. Changes nothing but those gradients, so it can run again."""
         last = self.layout.stages - 1
         squared = 0.0
         loss = 0.0
-        for s in sorted(self._reducing):
-            self._wait_reduction(s)
         for s in hosted:
             if s in self._reduced:
                 squared += self.slices[s].squared_grad_norm()
                 reduced_loss = float(self._reduced[s][-2])
             elif s in self._received_syncs:  # a victim's finished stage: its sync is the result
-                payload = self._received_syncs.pop(s)
+                payload = self._received_syncs[s]
                 self.slices[s].load_flat_grads(payload[:-2])
                 squared += self.slices[s].squared_grad_norm()
                 reduced_loss = float(payload[-2])
-                self._to_step.append(s)
             else:
                 raise RuntimeError(f"stage {s} ended the iteration without an all-reduce")
             if s == last:
                 loss = float(self._reduced[s][-2]) if s in self._reduced else reduced_loss
         if last in hosted and last in self._reduced:
             loss = sum(self.mb_losses.values()) if self.layout.pipelines == 1 else loss
-        norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
-        self.groups.allreduce(pipe, [norm_and_loss], "commit (global gradient norm and loss)", self._interrupter(pipe))
-        clip = clip_coefficient(self.config.gradient_clipping, float(norm_and_loss[0]))
-        for s in self._to_step:
+        return squared, loss
+
+    def finish_commit(self, hosted: Sequence[int], result: CommitResult) -> float:
+        """Finish this step's commit with `result`, the outcome of the commit's all-reduce that the
+        other survivors completed while this node's failed (a victim died during it). `hosted` are
+        the stages this node ran in the step. Returns the step's mean loss, as :meth:`commit`."""
+        if result.step != self.step:
+            raise RuntimeError(f"the result of the commit of step {result.step} cannot end step {self.step}")
+        return self._apply_commit(hosted, result)
+
+    def _apply_commit(self, hosted: Sequence[int], result: CommitResult) -> float:
+        """The optimizer steps of the `hosted` stages with the clip coefficient of `result`, the
+        replica updates, the step's loss; then the next iteration."""
+        clip = clip_coefficient(self.config.gradient_clipping, result.squared_norm)
+        finished = [s for s in hosted if s not in self._reduced and s in self._received_syncs]
+        for s in finished:
+            self.slices[s].load_flat_grads(self._received_syncs[s][:-2])
+        for s in [*self._to_step, *finished]:
             self.slices[s].apply_step(clip)
         for s, payload in self._received_syncs.items():
-            self._replica_updates[s] = (payload, clip)
-        mean_loss = float(norm_and_loss[1]) / self._global_microbatches()
+            if s not in finished:
+                self._replica_updates[s] = (payload, clip)
+        mean_loss = result.loss / self._global_microbatches()
         self.losses.append(mean_loss)
+        self.last_commit = result
         self.step += 1
         self.reset_iteration()
         return mean_loss

@@ -6,7 +6,7 @@ Every value that crosses a process boundary is one of these (the keys live under
 - :class:`FailureEvent` (``epoch/<e>``): the authority's confirmed failures that start an epoch;
 - :class:`SuspicionRecord` (``suspect/<e>/<reporter>/<peer>``): a worker saw a peer fail;
 - :class:`ProgressRecord` (``progress/d<p>/v<victims>/n<node>``): a survivor's progress, for the
-  agreement on the cut;
+  agreement on the cut, with the :class:`CommitResult` of its last commit;
 - :class:`HandoverRecord` (``handover/d<p>/<step>`` and ``handover_request/<rank>``): a node
   leaves at an iteration boundary after a preemption notice;
 - :class:`NoticeRecord` (``notice/<rank>``): the node will be preempted at a deadline;
@@ -29,6 +29,7 @@ from bamboo.reconfig import RecordError
 
 __all__ = [
     "RECORD_VERSION",
+    "CommitResult",
     "FailoverRecord",
     "FailureEvent",
     "HandoverRecord",
@@ -208,25 +209,54 @@ class SuspicionRecord(JsonRecord):
 
 
 @attrs.frozen
+class CommitResult(JsonRecord):
+    """The result of one commit (the all-reduce over the pipeline that ends a step): the sum of
+    the squared gradient norms of every stage and the summed loss of step ``step``."""
+
+    RECORD: ClassVar[str] = "commit result"
+
+    step: int = attrs.field(validator=_non_negative)
+    squared_norm: float = attrs.field(converter=float)
+    loss: float = attrs.field(converter=float)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": RECORD_VERSION, "step": self.step, "squared_norm": self.squared_norm, "loss": self.loss}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], what: str = RECORD) -> CommitResult:
+        read = RecordReader(what, data)
+        return cls(read.integer("step"), read.number("squared_norm"), read.number("loss"))
+
+
+@attrs.frozen
 class ProgressRecord(JsonRecord):
     """A survivor's progress when its pipeline failed: ``done`` instructions completed in step
     ``step``, counted in a failover's remainder when ``remainder`` (a second failure during the
-    recovery), else in its steady schedule."""
+    recovery), else in its steady schedule.
+
+    ``commit`` is the result of the last commit the survivor completed (that of step
+    ``step - 1``; None before its first): the commit's all-reduce is not atomic, so a victim that
+    dies during it can leave some survivors done with it (and into the next step) and others
+    not; those finish it with this result (:class:`bamboo.rc.coordinator.PipelinePlan`)."""
 
     RECORD: ClassVar[str] = "progress"
 
     done: int = attrs.field(validator=_non_negative)
     step: int = attrs.field(validator=_non_negative)
     remainder: bool = False
+    commit: CommitResult | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"v": RECORD_VERSION, "done": self.done, "step": self.step, "remainder": self.remainder}
+        return {"v": RECORD_VERSION, "done": self.done, "step": self.step, "remainder": self.remainder,
+                "commit": None if self.commit is None else self.commit.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ProgressRecord:
         read = RecordReader(cls.RECORD, data)
-        return cls(read.integer("done"), read.integer("step"), read.boolean("remainder"))
-
+        commit = read._get("commit")
+        if commit is not None:
+            commit = CommitResult.from_dict(commit, f"{cls.RECORD}: key 'commit'")
+        return cls(read.integer("done"), read.integer("step"), read.boolean("remainder"), commit)
 
 
 @attrs.frozen

@@ -1,0 +1,730 @@
+"""The checkpoint/restart baseline: what users run today, on the same emulated spot market as Bamboo.
+
+:func:`run_checkpoint_restart` trains the built-in example (the tiny GPT of ``bamboo-launch run``, the same
+DeepSpeed config, global batch and data order) with DeepSpeed's own ``PipelineEngine`` under torchrun's
+elastic agents, and replays the same preemption trace against it:
+
+- **one torchrun elastic agent per market node** (``python -m torch.distributed.run``, ``--nproc-per-node 1``),
+  started by :class:`bamboo.launch.market.ProcessCluster` as the leader of its own process group, so a
+  market kill (SIGKILL of the group) takes the agent and its worker, as a lost machine would;
+- **the rendezvous** is torchrun's ``c10d`` backend on a ``TCPStore`` hosted by this process, which the
+  market never preempts (as bamboo's etcd is not): ``--rdzv-conf is_host=0`` so that no agent hosts it;
+- **restarts**: ``--max-restarts`` (1000) and ``--monitor-interval`` (0.1 s). A worker that fails (its
+  gloo peer was killed) makes its agent restart the whole group; an agent that sees a node waiting (a
+  survivor that restarted, or a node the market added) restarts too. Every membership change therefore
+  restarts every worker, which loads the last DeepSpeed checkpoint and trains again the steps done since.
+  torchrun drops a killed node from the rendezvous when its keep-alive heartbeats stop
+  (``keep_alive_interval`` x ``keep_alive_max_attempt``, 1 s x 2 here; torchrun's defaults are 5 s x 3) and
+  closes a round ``last_call_timeout`` (1 s here; default 30 s) after it has its minimum of nodes. The
+  workers' gloo store is not the rendezvous store: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which
+  restarted workers on gloo read the previous round's addresses and fail (torch 2.13);
+- **too few nodes**: ``--nnodes MIN:MAX`` with ``MAX = P x D`` and ``MIN = P x min_pipelines``. With the
+  default ``min_pipelines=1`` the job **drops to fewer pipelines** when fewer than ``P x D`` nodes are
+  alive: ``D'`` pipelines (the most that fit and divide the global batch, :func:`usable_pipelines`) of
+  ``M x D / D'`` microbatches each, so the global batch stays the same, as bamboo keeps it; the nodes left
+  over idle until the next restart. With ``min_pipelines=D`` it **waits** for ``P x D`` nodes instead.
+  Nodes beyond ``P x D`` wait in torchrun's redundancy list and are taken in at the next restart;
+- **checkpoints** every ``K`` steps (DeepSpeed ``save_checkpoint``/``load_checkpoint``, synchronous, as
+  DeepSpeed writes them), ``K`` by Young's rule (:func:`checkpoint_interval`): ``sqrt(2 x checkpoint cost x
+  mean time between interruptions) / step time``, with the checkpoint cost and step time measured on the
+  job's first start and the mean time between interruptions from the trace (:func:`trace_interruptions`:
+  its kills and its later additions, since either restarts this system), or given.
+
+It writes the event-log schema of :mod:`bamboo.launch.events` (``run_start``, ``join``, ``preemption``,
+``step``, ``checkpoint``, ``restore`` with the steps trained again, ``run_end``), so
+:func:`bamboo.launch.report.compute_report` gives its throughput, node-hours, cost, value and redone steps
+exactly as for a bamboo run. A ``restore`` names every stage as lost: a restart discards the state of all
+of them. What each restart cost is measured per interruption (:class:`RestartCost`: from the kill or the
+addition to the restarted workers' first step, split into the agents' reaction and rendezvous, process
+start and imports, process group, engine, checkpoint load).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "BaselineError",
+    "BaselineHandles",
+    "BaselineSpec",
+    "CheckpointInterval",
+    "CheckpointRestartOptions",
+    "CheckpointRestartResult",
+    "Interruptions",
+    "RestartCost",
+    "checkpoint_interval",
+    "current_roles",
+    "restart_costs",
+    "run_checkpoint_restart",
+    "torchrun_command",
+    "trace_interruptions",
+    "usable_pipelines",
+]
+
+SPEC_ENV = "BAMBOO_BASELINE_SPEC"
+"""The environment variable naming the worker's :class:`BaselineSpec` file."""
+
+
+class BaselineError(RuntimeError):
+    """The baseline could not start or finish; the message says why."""
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _positive_int(_instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+def _optional_positive(_instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None:
+        _positive(_instance, attribute, value)
+
+
+def _optional_positive_int(_instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None:
+        _positive_int(_instance, attribute, value)
+
+
+# ---- pure parts: the interval rule, the trace's interruptions, the pipelines a world can run ----------------
+
+
+@attrs.frozen
+class CheckpointInterval:
+    """Every how many steps the baseline checkpoints, and how that was chosen.
+
+    ``rule`` is ``"young"`` (Young's rule from the measured inputs), ``"no interruptions"`` (the trace
+    has none: one checkpoint per ``steps``) or ``"given"``. ``period_s`` is Young's optimal period in
+    seconds, ``sqrt(2 x checkpoint_cost_s x mtbf_s)``.
+    """
+
+    steps: int = attrs.field(validator=_positive_int)
+    rule: str = attrs.field(validator=attrs.validators.in_(("young", "no interruptions", "given")))
+    checkpoint_cost_s: float | None = None
+    mtbf_s: float | None = None
+    step_time_s: float | None = None
+    period_s: float | None = None
+
+    def describe(self) -> str:
+        """One line: K and how it was chosen."""
+        if self.rule == "given":
+            return f"K = {self.steps} steps (given)"
+        cost = f"{self.checkpoint_cost_s:.3f} s" if self.checkpoint_cost_s is not None else "?"
+        step = f"{self.step_time_s:.3f} s" if self.step_time_s is not None else "?"
+        if self.rule == "no interruptions":
+            return (f"K = {self.steps} steps: the trace has no interruption, so one checkpoint per run "
+                    f"(measured checkpoint {cost}, step {step})")
+        return (f"K = {self.steps} steps by Young's rule: sqrt(2 x {cost} checkpoint x {self.mtbf_s:.1f} s "
+                f"between interruptions) = {self.period_s:.2f} s, / {step} per step")
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CheckpointInterval:
+        return cls(**dict(data))
+
+
+def checkpoint_interval(checkpoint_cost_s: float, mtbf_s: float | None, step_time_s: float,
+                        max_steps: int) -> CheckpointInterval:
+    """K by Young's rule: ``round(sqrt(2 x checkpoint_cost_s x mtbf_s) / step_time_s)``, within ``[1, max_steps]``.
+
+    ``mtbf_s`` is the mean time between interruptions in wall seconds (None: none expected, so ``K =
+    max_steps``). Young's first-order optimum minimises the expected time lost to checkpoints plus the
+    work redone after a failure (half an interval on average) when the checkpoint cost is small against
+    the mean time between failures; Daly's higher-order terms change it by under 5% while the cost is below
+    a tenth of it.
+    """
+    for name, value in (("checkpoint_cost_s", checkpoint_cost_s), ("step_time_s", step_time_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if mtbf_s is not None and not (math.isfinite(mtbf_s) and mtbf_s > 0):
+        raise ValueError(f"mtbf_s must be a finite number > 0 or None, got {mtbf_s!r}")
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+    if mtbf_s is None:
+        return CheckpointInterval(steps=max_steps, rule="no interruptions", checkpoint_cost_s=checkpoint_cost_s,
+                                  step_time_s=step_time_s)
+    period = math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
+    steps = min(max_steps, max(1, round(period / step_time_s)))
+    return CheckpointInterval(steps=steps, rule="young", checkpoint_cost_s=checkpoint_cost_s, mtbf_s=mtbf_s,
+                              step_time_s=step_time_s, period_s=period)
+
+
+@attrs.frozen
+class Interruptions:
+    """The membership changes of a market plan after its start: ``kills`` and ``joins`` (additions at t > 0),
+    over ``span_s`` wall seconds (the plan's last action); ``mtbf_s`` is ``span_s`` over their number (None
+    when there are none)."""
+
+    kills: int
+    joins: int
+    span_s: float
+
+    @property
+    def count(self) -> int:
+        return self.kills + self.joins
+
+    @property
+    def mtbf_s(self) -> float | None:
+        return self.span_s / self.count if self.count and self.span_s > 0 else None
+
+
+def trace_interruptions(plan: Sequence[Any]) -> Interruptions:
+    """What interrupts a checkpoint/restart job in ``plan`` (``MarketAction`` values of
+    :func:`bamboo.launch.market.plan_market`): every kill, and every addition after the start, since torchrun
+    restarts all workers for either."""
+    from bamboo.launch.market import ActionKind
+
+    kills = sum(action.kind is ActionKind.KILL for action in plan)
+    joins = sum(action.kind is ActionKind.ADD and action.at_s > 0 for action in plan)
+    return Interruptions(kills=kills, joins=joins, span_s=max((action.at_s for action in plan), default=0.0))
+
+
+def usable_pipelines(world: int, stages: int, pipelines: int, micro_batches: int, min_pipelines: int = 1) -> int:
+    """How many pipelines of ``stages`` a world of ``world`` nodes trains: the most, up to ``pipelines``, whose
+    number divides the global batch of ``micro_batches x pipelines`` microbatches (so each gets the same
+    share of it) and is at least ``min_pipelines``. ValueError when the world is too small."""
+    for name, value in (("world", world), ("stages", stages), ("pipelines", pipelines),
+                        ("micro_batches", micro_batches), ("min_pipelines", min_pipelines)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    total = micro_batches * pipelines
+    for count in range(min(pipelines, world // stages), min_pipelines - 1, -1):
+        if total % count == 0:
+            return count
+    raise ValueError(f"{world} nodes cannot train {min_pipelines} or more pipelines of {stages} stages that split "
+                     f"{total} microbatches evenly")
+
+
+# ---- what the worker reads ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BaselineSpec:
+    """The job every baseline worker runs (JSON in the file named by ``BAMBOO_BASELINE_SPEC``)."""
+
+    stages: int = attrs.field(validator=_positive_int)
+    pipelines: int = attrs.field(validator=_positive_int)
+    steps: int = attrs.field(validator=_positive_int)
+    size: dict[str, int]
+    seed: int
+    config: dict[str, Any]
+    run_dir: str
+    events: str
+    checkpoint_dir: str
+    start_unix: float
+    checkpoint_every: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    mtbf_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    measure_steps: int = attrs.field(default=3, validator=_positive_int)
+    min_pipelines: int = attrs.field(default=1, validator=_positive_int)
+    idle_poll_s: float = attrs.field(default=0.2, validator=_positive)
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> BaselineSpec:
+        return cls(**json.loads(text))
+
+
+# ---- the run ----------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CheckpointRestartOptions:
+    """A checkpoint/restart run: the cluster and trace (as ``bamboo-launch run`` reads them), the model, K.
+
+    Timeouts (seconds): ``timeout_s`` bounds the whole run; ``finish_grace_s`` is how long the agents may
+    take to exit once training is done; ``rdzv_last_call_s``, ``keep_alive_interval_s`` and
+    ``keep_alive_attempts`` are torchrun's ``last_call_timeout``, ``keep_alive_interval`` and
+    ``keep_alive_max_attempt`` (whole seconds, as torchrun reads them); ``monitor_interval_s`` is how often an
+    agent checks its worker and the waiting nodes. ``checkpoint_every`` None: K by Young's rule, with
+    ``mtbf_s`` (None: from the trace, :func:`trace_interruptions`) and a step time and checkpoint cost measured
+    over the first ``measure_steps`` steps.
+    """
+
+    nodes: int = attrs.field(validator=_positive_int)
+    stages: int = attrs.field(validator=_positive_int)
+    pipelines: int = attrs.field(validator=_positive_int)
+    steps: int = attrs.field(default=20, validator=_positive_int)
+    zones: tuple[str, ...] | None = None
+    preemptions: str | None = None
+    time_scale: float = attrs.field(default=60.0, validator=_positive)
+    hours: float = attrs.field(default=1.0, validator=_positive)
+    trace_seed: int = 0
+    allocation_delay_s: float = 0.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    mtbf_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    measure_steps: int = attrs.field(default=3, validator=_positive_int)
+    min_pipelines: int = attrs.field(default=1, validator=_positive_int)
+    run_dir: str | None = None
+    job: str | None = None
+    size: dict[str, int] = attrs.field(factory=lambda: {"layers": 4})
+    seed: int = 0
+    config: dict[str, Any] | None = None
+    """The DeepSpeed config (None: the built-in example's, ``EXAMPLE_CONFIG``)."""
+    timeout_s: float = attrs.field(default=900.0, validator=_positive)
+    finish_grace_s: float = attrs.field(default=30.0, validator=_positive)
+    rdzv_last_call_s: int = attrs.field(default=1, validator=_positive_int)
+    keep_alive_interval_s: int = attrs.field(default=1, validator=_positive_int)
+    keep_alive_attempts: int = attrs.field(default=2, validator=_positive_int)
+    monitor_interval_s: float = attrs.field(default=0.1, validator=_positive)
+    max_restarts: int = attrs.field(default=1000, validator=_positive_int)
+
+    def __attrs_post_init__(self) -> None:
+        if self.nodes < self.stages * self.pipelines:
+            raise ValueError(f"nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} stages "
+                             f"(needs at least {self.stages * self.pipelines})")
+        if self.min_pipelines > self.pipelines:
+            raise ValueError(f"min_pipelines {self.min_pipelines} is more than pipelines {self.pipelines}")
+        if self.measure_steps < 2:
+            raise ValueError(f"measure_steps must be >= 2 (the first step is warm-up), got {self.measure_steps}")
+        if self.size.get("layers", 4) + 2 < self.stages:
+            raise ValueError(f"stages {self.stages} is more than the example's {self.size.get('layers', 4) + 2} "
+                             f"layers")
+
+    def run_options(self) -> Any:
+        """The :class:`bamboo.launch.run.RunOptions` of the same cluster and trace (for ``initial_plan``)."""
+        from bamboo.launch.run import RunOptions
+
+        return RunOptions(nodes=self.nodes, stages=self.stages, pipelines=self.pipelines, steps=self.steps,
+                          zones=self.zones, preemptions=self.preemptions, time_scale=self.time_scale,
+                          hours=self.hours, trace_seed=self.trace_seed, allocation_delay_s=self.allocation_delay_s,
+                          redundancy="none", size=dict(self.size), seed=self.seed)
+
+
+@attrs.frozen
+class RestartCost:
+    """What one restart cost: from its interruption (a kill or an addition) at ``at_unix`` to the restarted
+    workers' first step.
+
+    The stamps are the restarted global rank 0's: its process start (the agents noticed, stopped their
+    workers and formed a new rendezvous), imports done, process group formed, engine built, checkpoint
+    loaded (``load_s`` of it), and its first step's start and end. ``redone_steps`` were trained again.
+    """
+
+    cause: str
+    node: str
+    at_unix: float
+    process_start_unix: float
+    imported_unix: float
+    group_unix: float
+    engine_unix: float
+    loaded_unix: float
+    load_s: float
+    loaded_step: int
+    redone_steps: int
+    first_step_start_unix: float
+    first_step_end_unix: float
+    world: int
+    pipelines: int
+    absorbed: tuple[str, ...] = ()
+    """Other interruptions (``"kill node3"``, ``"join node7"``) that this same restart took in."""
+
+    @property
+    def to_first_step_s(self) -> float:
+        """From the interruption to the start of the first step after the restart."""
+        return self.first_step_start_unix - self.at_unix
+
+    @property
+    def to_step_end_s(self) -> float:
+        """From the interruption to the end of the first step after the restart (the pause)."""
+        return self.first_step_end_unix - self.at_unix
+
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase: reaction and rendezvous, imports, group, engine, load, first step."""
+        return {"rendezvous": self.process_start_unix - self.at_unix,
+                "imports": self.imported_unix - self.process_start_unix,
+                "group": self.group_unix - self.imported_unix,
+                "engine": self.engine_unix - self.group_unix,
+                "load": self.loaded_unix - self.engine_unix,
+                "first step": self.first_step_end_unix - self.first_step_start_unix}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "to_first_step_s": self.to_first_step_s, "to_step_end_s": self.to_step_end_s}
+
+
+@attrs.frozen
+class CheckpointRestartResult:
+    """What a checkpoint/restart run left: its folders, the event log, K, and each interruption's cost.
+
+    ``restarts`` has one entry per restart that followed an interruption and reached a step (an
+    interruption after the last step has none). ``starts`` are the raw start records of global rank 0
+    (``RUN_DIR/baseline/starts.jsonl``). ``exit_codes`` are the agents' (negative: killed).
+    """
+
+    run_dir: Path
+    events: Path
+    checkpoint_dir: Path
+    interval: CheckpointInterval | None
+    interruptions: Interruptions
+    restarts: tuple[RestartCost, ...]
+    starts: tuple[dict[str, Any], ...]
+    steps_done: int
+    exit_codes: dict[str, int | None]
+    timed_out: bool
+    seconds: float
+    command: tuple[str, ...]
+
+
+@attrs.frozen
+class BaselineHandles:
+    """What a ``during`` callback of :func:`run_checkpoint_restart` can act on while the job trains.
+
+    ``kill(node)`` SIGKILLs a node's process group (agent and worker), logs its ``preemption`` and returns
+    the wall time of the kill; ``add(zone)`` starts a node (an agent that joins at the next round) and logs
+    its ``join``; ``alive()`` lists the nodes whose agent runs; ``steps()`` is the newest step in the log;
+    ``roles()`` maps each node of the newest world that has trained a step to its ``(stage, pipeline)``.
+    """
+
+    cluster: Any
+    events: Path
+    kill: Callable[[str], float]
+    add: Callable[[str], str]
+    alive: Callable[[], list[str]]
+    steps: Callable[[], int]
+    roles: Callable[[], dict[str, tuple[int, int]]]
+
+
+def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: int) -> list[str]:
+    """The ``torch.distributed.run`` command line of every node (one elastic agent, one worker)."""
+    conf = ",".join([
+        "is_host=0",  # the rendezvous store is the launcher's, never an agent's
+        f"join_timeout={max(1, math.ceil(options.timeout_s))}",
+        f"last_call_timeout={options.rdzv_last_call_s}",
+        f"keep_alive_interval={options.keep_alive_interval_s}",
+        f"keep_alive_max_attempt={options.keep_alive_attempts}",
+    ])
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", f"{options.stages * options.min_pipelines}:{options.stages * options.pipelines}",
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}",
+            "--rdzv-id", job, "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
+            "--max-restarts", str(options.max_restarts), "--monitor-interval", f"{options.monitor_interval_s:g}",
+            "-m", "bamboo.launch.baseline_worker"]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (read from ``/proc``), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found += frontier
+    return found
+
+
+def _machine_cluster(command: Callable[[str, str], Sequence[str]], **kwargs: Any) -> Any:
+    """A :class:`bamboo.launch.market.ProcessCluster` whose kill takes a node's whole process tree.
+
+    torchrun starts each worker in a session of its own, so a SIGKILL of the agent's process group would
+    leave the worker training. A lost machine loses both: :meth:`kill` SIGKILLs the process group of the
+    agent and of every descendant (the worker also dies with its agent, ``PR_SET_PDEATHSIG``, for any other
+    way the agent dies).
+    """
+    import signal
+
+    from bamboo.launch.market import ProcessCluster, kill_process_group
+
+    class MachineCluster(ProcessCluster):
+        def kill(self, node: str) -> None:
+            groups = set()
+            for pid in _descendants(self.processes[node].pid):
+                try:
+                    groups.add(os.getpgid(pid))
+                except ProcessLookupError:
+                    continue
+            super().kill(node)
+            for group in groups:
+                kill_process_group(group)
+
+        def close(self) -> None:
+            for node in self.alive():
+                for pid in _descendants(self.processes[node].pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+            super().close()
+
+    return MachineCluster(command, **kwargs)
+
+
+class _StartedClock:
+    """The market's clock, frozen until :meth:`start_now` (the first step), then monotonic from there: trace
+    time runs from the first training step, as in ``bamboo-launch run``."""
+
+    def __init__(self) -> None:
+        self._frozen_at: float | None = time.monotonic()
+        self._shift = 0.0
+
+    def now(self) -> float:
+        return self._frozen_at if self._frozen_at is not None else time.monotonic() - self._shift
+
+    def start_now(self) -> None:
+        if self._frozen_at is not None:
+            self._shift = time.monotonic() - self._frozen_at
+            self._frozen_at = None
+
+    def sleep(self, seconds: float, stop: threading.Event) -> None:
+        stop.wait(max(0.0, seconds))
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def current_roles(base: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
+    """Node -> ``(stage, pipeline)`` in the newest world that trained a step, from the files the workers
+    append to ``RUN_DIR/baseline`` (``roles.jsonl``, ``starts.jsonl``); empty before the first step."""
+    folder = Path(base)
+    starts = _read_lines(folder / "starts.jsonl")
+    if not starts:
+        return {}
+    world = max(starts, key=lambda start: start["process_start_unix"])["world_id"]
+    return {role["node"]: (role["stage"], role["pipeline"]) for role in _read_lines(folder / "roles.jsonl")
+            if role["world_id"] == world}
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        kept = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return " | ".join(kept[-lines:]) or "no output"
+
+
+def _worker_error(base: Path) -> str | None:
+    """The first line of a worker's setup error (``error-<rank>.txt``), if one was written."""
+    for path in sorted(base.glob("error-*.txt")):
+        lines = path.read_text(errors="replace").splitlines()
+        return f"{lines[0] if lines else 'unknown error'} (rank {path.stem.split('-', 1)[1]}; {path})"
+    return None
+
+
+def restart_costs(interruptions: Sequence[tuple[str, str, float]], starts: Sequence[dict[str, Any]]) -> list[RestartCost]:
+    """One cost per restart of global rank 0 that reached a step after an interruption.
+
+    A restart follows the interruptions since the previous start; its cost is counted from the first kill
+    among them (a kill always restarts the workers), else from the first addition (an addition restarts
+    them only while fewer than ``P x D`` nodes train). The others are listed in ``absorbed``.
+    """
+    costs = []
+    ordered = sorted(starts, key=lambda s: s["process_start_unix"])
+    previous = -math.inf
+    for start in ordered:
+        since = [change for change in interruptions if previous < change[2] < start["process_start_unix"]]
+        previous = start["process_start_unix"]
+        if not since:
+            continue
+        kills = [change for change in since if change[0] == "kill"]
+        cause, node, at = min(kills or since, key=lambda change: change[2])
+        costs.append(RestartCost(
+            cause=cause, node=node, at_unix=at, process_start_unix=start["process_start_unix"],
+            imported_unix=start["imported_unix"], group_unix=start["group_unix"], engine_unix=start["engine_unix"],
+            loaded_unix=start["loaded_unix"], load_s=start["load_s"], loaded_step=start["loaded_step"],
+            redone_steps=start["redone_steps"], first_step_start_unix=start["first_step_start_unix"],
+            first_step_end_unix=start["first_step_end_unix"], world=start["world"], pipelines=start["pipelines"],
+            absorbed=tuple(f"{c} {n}" for c, n, a in since if (c, n, a) != (cause, node, at))))
+    return costs
+
+
+def run_checkpoint_restart(
+    options: CheckpointRestartOptions,
+    *,
+    progress: Callable[[str], None] | None = None,
+    during: Callable[[BaselineHandles], None] | None = None,
+) -> CheckpointRestartResult:
+    """Run the checkpoint/restart baseline on the emulated market to the end (see the module docstring).
+
+    ``during``, if given, runs in a background thread once training has started (as in
+    :func:`bamboo.launch.run.run_cluster`). Raises :class:`BaselineError` when the job cannot start, or when
+    every agent exited before the last step.
+    """
+    import torch.distributed as dist
+    from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart, Step, read_events
+    from bamboo.launch.example import EXAMPLE_CONFIG
+    from bamboo.launch.market import ActionKind, ExecutedAction, SpotMarket
+    from bamboo.launch.run import initial_plan
+
+    say = progress or (lambda message: None)
+    started = time.monotonic()
+    plan = initial_plan(options.run_options())
+    initial = [action for action in plan if action.kind is ActionKind.ADD and action.at_s == 0]
+    if len(initial) < options.stages * options.pipelines:
+        raise BaselineError(f"the trace starts with {len(initial)} nodes; P={options.stages} x D={options.pipelines}"
+                            f" needs {options.stages * options.pipelines}")
+    interruptions = trace_interruptions(plan)
+    mtbf_s = options.mtbf_s if options.mtbf_s is not None else interruptions.mtbf_s
+    run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="bamboo-baseline-")).resolve()
+    base = run_dir / "baseline"
+    base.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    for stale in ("done", "interval.json", "starts.jsonl", "roles.jsonl", *(p.name for p in base.glob("error-*.txt"))):
+        (base / stale).unlink(missing_ok=True)
+    checkpoint_dir = Path(options.checkpoint_dir or run_dir / "checkpoints").resolve()
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    if any(checkpoint_dir.iterdir()):
+        raise BaselineError(f"checkpoint dir {checkpoint_dir} is not empty; a new run needs a fresh one")
+    events_path = run_dir / "events.jsonl"
+    events_path.unlink(missing_ok=True)
+    job = options.job or f"baseline-{uuid.uuid4().hex[:8]}"
+    start_unix = time.time()
+    config = dict(options.config if options.config is not None else EXAMPLE_CONFIG)
+    spec = BaselineSpec(stages=options.stages, pipelines=options.pipelines, steps=options.steps,
+                        size=dict(options.size), seed=options.seed, config=config, run_dir=str(run_dir),
+                        events=str(events_path), checkpoint_dir=str(checkpoint_dir), start_unix=start_unix,
+                        checkpoint_every=options.checkpoint_every, mtbf_s=mtbf_s,
+                        measure_steps=options.measure_steps, min_pipelines=options.min_pipelines)
+    spec_path = base / "spec.json"
+    spec_path.write_text(spec.to_json())
+    if options.checkpoint_every is not None:
+        say(f"checkpoints: {CheckpointInterval(steps=options.checkpoint_every, rule='given').describe()}")
+    else:
+        source = "given" if options.mtbf_s is not None else (
+            f"the trace: {interruptions.kills} kills and {interruptions.joins} later additions over "
+            f"{interruptions.span_s:.1f} s")
+        say(f"checkpoints: K by Young's rule once a step and a checkpoint are measured; mean time between "
+            f"interruptions {'none' if mtbf_s is None else f'{mtbf_s:.1f} s'} ({source})")
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=options.timeout_s))
+    command = torchrun_command(options, job, store.port)
+    log = EventLog(events_path, clock=time.time, start=start_unix)
+    log.write(RunStart(t=0.0, job=job, unix_time=start_unix, target_nodes=len(initial), stages=options.stages,
+                       pipelines=options.pipelines))
+    env = {**os.environ, SPEC_ENV: str(spec_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    cluster = _machine_cluster(lambda node, zone: command, env=env, log_dir=run_dir / "logs")
+    changes: list[tuple[str, str, float]] = []
+    changes_lock = threading.Lock()
+    training = threading.Event()
+
+    def note(cause: str, node: str, at: float) -> None:
+        if training.is_set():
+            with changes_lock:
+                changes.append((cause, node, at))
+
+    def record(executed: ExecutedAction) -> None:
+        zone = executed.action.zone
+        if executed.action.kind is ActionKind.KILL:
+            log.write(Preemption(t=log.now(), node=executed.live_node, zone=zone))
+            note("kill", executed.live_node, time.time())
+            say(f"market: killed {executed.live_node} ({zone})")
+        elif executed.action.kind is ActionKind.ADD:
+            log.write(Join(t=log.now(), node=executed.live_node, zone=zone))
+            note("join", executed.live_node, time.time())
+            if executed.action.at_s > 0:
+                say(f"market: started {executed.live_node} ({zone})")
+
+    def kill(node: str) -> float:
+        cluster.kill(node)
+        at = time.time()
+        log.write(Preemption(t=log.now(), node=node, zone=cluster.zones.get(node, "default")))
+        note("kill", node, at)
+        say(f"killed {node}")
+        return at
+
+    def add(zone: str) -> str:
+        node = cluster.add(zone)
+        log.write(Join(t=log.now(), node=node, zone=zone))
+        note("join", node, time.time())
+        return node
+
+    def newest_step() -> int:
+        return max((e.step for e in read_events(events_path) if isinstance(e, Step)), default=0)
+
+    clock = _StartedClock()
+    market = SpotMarket(plan, cluster, on_action=record, clock=clock)
+    deadline = started + options.timeout_s
+    timed_out = False
+    interval: CheckpointInterval | None = None
+    try:
+        say(f"starting {len(initial)} torchrun agents (job {job}, run dir {run_dir})")
+        market.run_due()
+        while not (base / "starts.jsonl").exists():
+            error = _worker_error(base)
+            if error is not None:
+                raise BaselineError(f"a worker cannot start: {error}")
+            if not cluster.alive():
+                raise BaselineError("every agent exited before the first step: " + "; ".join(
+                    f"{node}: {_tail(run_dir / 'logs' / (node + '.log'))}" for node in sorted(cluster.processes)))
+            if time.monotonic() > deadline:
+                raise BaselineError(f"no training step within the timeout of {options.timeout_s:g} s")
+            time.sleep(0.05)
+        training.set()
+        clock.start_now()
+        say("training started; replaying the trace")
+        market.start()
+        if during is not None:
+            handles = BaselineHandles(cluster=cluster, events=events_path, kill=kill, add=add, alive=cluster.alive,
+                                      steps=newest_step, roles=lambda: current_roles(base))
+            threading.Thread(target=during, args=(handles,), name="baseline-during", daemon=True).start()
+        done_at: float | None = None
+        while True:
+            if interval is None and (base / "interval.json").exists():
+                interval = CheckpointInterval.from_dict(json.loads((base / "interval.json").read_text()))
+                say(f"checkpoints: {interval.describe()}")
+            error = _worker_error(base)
+            if error is not None:
+                raise BaselineError(f"a worker failed: {error}")
+            alive = cluster.alive()
+            if (base / "done").exists():
+                done_at = done_at or time.monotonic()
+                if not alive or time.monotonic() - done_at > options.finish_grace_s:
+                    break
+            elif not alive:
+                raise BaselineError("every agent exited before the last step: " + "; ".join(
+                    f"{node}: {_tail(run_dir / 'logs' / (node + '.log'))}" for node in sorted(cluster.processes)))
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.1)
+    finally:
+        market.stop(timeout=5.0)
+        cluster.close()
+        steps_done = newest_step() if events_path.exists() else 0
+        log.write(RunEnd(t=log.now(), steps=steps_done))
+        log.close()
+        del store
+    if interval is None and (base / "interval.json").exists():
+        interval = CheckpointInterval.from_dict(json.loads((base / "interval.json").read_text()))
+    if interval is None and options.checkpoint_every is not None:
+        interval = CheckpointInterval(steps=options.checkpoint_every, rule="given")
+    starts = _read_lines(base / "starts.jsonl")
+    return CheckpointRestartResult(
+        run_dir=run_dir, events=events_path, checkpoint_dir=checkpoint_dir, interval=interval,
+        interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),
+        steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.processes.items()},
+        timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command))

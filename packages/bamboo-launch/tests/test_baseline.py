@@ -15,6 +15,7 @@ from bamboo.launch.baseline import (
     CheckpointInterval,
     CheckpointRestartOptions,
     checkpoint_interval,
+    peak_nodes,
     restart_costs,
     torchrun_command,
     trace_interruptions,
@@ -66,6 +67,8 @@ def test_interruptions_are_kills_and_later_additions_over_the_plan() -> None:
     assert (interruptions.kills, interruptions.joins, interruptions.span_s) == (2, 1, 30.0)
     assert interruptions.mtbf_s == 10.0
     assert trace_interruptions(plan[:4]).mtbf_s is None
+    assert peak_nodes(plan) == 4  # n5 starts after n1 left
+    assert peak_nodes([*plan, MarketAction(31.0, ActionKind.ADD, "n6", "a"), MarketAction(32.0, ActionKind.ADD, "n7", "a")]) == 5
 
 
 @pytest.mark.parametrize(
@@ -89,18 +92,20 @@ def test_usable_pipelines_refuse_a_world_below_the_minimum() -> None:
 
 def test_torchrun_command_is_an_elastic_agent_on_the_launchers_store() -> None:
     options = CheckpointRestartOptions(nodes=5, stages=2, pipelines=2, min_pipelines=1)
-    command = torchrun_command(options, "job-1", 4321)
+    command = torchrun_command(options, "job-1", 4321, 5)
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     flags = {command[i]: command[i + 1] for i in range(3, len(command) - 2) if command[i].startswith("--")}
-    assert flags["--nnodes"] == "2:4" and flags["--nproc-per-node"] == "1"
+    assert flags["--nnodes"] == "2:5" and flags["--nproc-per-node"] == "1"
     assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "127.0.0.1:4321"
     conf = dict(item.split("=") for item in flags["--rdzv-conf"].split(","))
     assert conf["is_host"] == "0" and conf["last_call_timeout"] == "1"
     assert conf["keep_alive_interval"] == "1" and conf["keep_alive_max_attempt"] == "2"
     assert flags["--max-restarts"] == "1000" and flags["--monitor-interval"] == "0.1"
     assert command[-2:] == ["-m", "bamboo.launch.baseline_worker"]
-    waits = torchrun_command(CheckpointRestartOptions(nodes=4, stages=2, pipelines=2, min_pipelines=2), "j", 1)
+    waits = torchrun_command(CheckpointRestartOptions(nodes=4, stages=2, pipelines=2, min_pipelines=2), "j", 1, 4)
     assert waits[waits.index("--nnodes") + 1] == "4:4"
+    with pytest.raises(ValueError, match="max_nodes 3 is fewer than the 4 nodes of 2 pipelines of 2 stages"):
+        torchrun_command(options, "j", 1, 3)
 
 
 @pytest.mark.parametrize(

@@ -18,12 +18,16 @@ elastic agents, and replays the same preemption trace against it:
   closes a round ``last_call_timeout`` (1 s here; default 30 s) after it has its minimum of nodes. The
   workers' gloo store is not the rendezvous store: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which
   restarted workers on gloo read the previous round's addresses and fail (torch 2.13);
-- **too few nodes**: ``--nnodes MIN:MAX`` with ``MAX = P x D`` and ``MIN = P x min_pipelines``. With the
-  default ``min_pipelines=1`` the job **drops to fewer pipelines** when fewer than ``P x D`` nodes are
-  alive: ``D'`` pipelines (the most that fit and divide the global batch, :func:`usable_pipelines`) of
-  ``M x D / D'`` microbatches each, so the global batch stays the same, as bamboo keeps it; the nodes left
-  over idle until the next restart. With ``min_pipelines=D`` it **waits** for ``P x D`` nodes instead.
-  Nodes beyond ``P x D`` wait in torchrun's redundancy list and are taken in at the next restart;
+- **too few nodes**: ``--nnodes MIN:MAX`` with ``MIN = P x min_pipelines``. With the default
+  ``min_pipelines=1`` the job **drops to fewer pipelines** when fewer than ``P x D`` nodes are alive: ``D'``
+  pipelines (the most that fit and divide the global batch, :func:`usable_pipelines`) of ``M x D / D'``
+  microbatches each, so the global batch stays the same, as bamboo keeps it; the nodes left over idle
+  until the next restart. With ``min_pipelines=D`` it **waits** for ``P x D`` nodes instead;
+- **more nodes than needed**: ``MAX`` is the most nodes the trace ever has alive at once
+  (:func:`peak_nodes`, at least ``P x D``), so every live node is in the world and the ones beyond
+  ``P x D`` idle. A smaller ``MAX`` does not work on torch 2.13: a node that is still in the rendezvous's
+  wait list when a round fills up to ``MAX`` stays there, every agent then sees a waiting node and restarts
+  its workers, and the job restarts over and over without training;
 - **checkpoints** every ``K`` steps (DeepSpeed ``save_checkpoint``/``load_checkpoint``, synchronous, as
   DeepSpeed writes them), ``K`` by Young's rule (:func:`checkpoint_interval`): ``sqrt(2 x checkpoint cost x
   mean time between interruptions) / step time``, with the checkpoint cost and step time measured on the
@@ -67,6 +71,7 @@ __all__ = [
     "RestartCost",
     "checkpoint_interval",
     "current_roles",
+    "peak_nodes",
     "restart_costs",
     "run_checkpoint_restart",
     "torchrun_command",
@@ -197,6 +202,20 @@ def trace_interruptions(plan: Sequence[Any]) -> Interruptions:
     return Interruptions(kills=kills, joins=joins, span_s=max((action.at_s for action in plan), default=0.0))
 
 
+def peak_nodes(plan: Sequence[Any]) -> int:
+    """The most nodes alive at once in ``plan`` (``MarketAction`` values, in execution order)."""
+    from bamboo.launch.market import ActionKind
+
+    alive = peak = 0
+    for action in plan:
+        if action.kind is ActionKind.ADD:
+            alive += 1
+            peak = max(peak, alive)
+        elif action.kind is ActionKind.KILL:
+            alive -= 1
+    return peak
+
+
 def usable_pipelines(world: int, stages: int, pipelines: int, micro_batches: int, min_pipelines: int = 1) -> int:
     """How many pipelines of ``stages`` a world of ``world`` nodes trains: the most, up to ``pipelines``, whose
     number divides the global batch of ``micro_batches x pipelines`` microbatches (so each gets the same
@@ -288,6 +307,8 @@ class CheckpointRestartOptions:
     keep_alive_attempts: int = attrs.field(default=2, validator=_positive_int)
     monitor_interval_s: float = attrs.field(default=0.1, validator=_positive)
     max_restarts: int = attrs.field(default=1000, validator=_positive_int)
+    max_nodes: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    """torchrun's ``--nnodes`` maximum (None: the trace's peak of live nodes, at least ``P x D``)."""
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < self.stages * self.pipelines:
@@ -404,8 +425,12 @@ class BaselineHandles:
     roles: Callable[[], dict[str, tuple[int, int]]]
 
 
-def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: int) -> list[str]:
-    """The ``torch.distributed.run`` command line of every node (one elastic agent, one worker)."""
+def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: int, max_nodes: int) -> list[str]:
+    """The ``torch.distributed.run`` command line of every node (one elastic agent, one worker), in a world of
+    ``P x min_pipelines`` to ``max_nodes`` nodes."""
+    if max_nodes < options.stages * options.pipelines:
+        raise ValueError(f"max_nodes {max_nodes} is fewer than the {options.stages * options.pipelines} nodes of "
+                         f"{options.pipelines} pipelines of {options.stages} stages")
     conf = ",".join([
         "is_host=0",  # the rendezvous store is the launcher's, never an agent's
         f"join_timeout={max(1, math.ceil(options.timeout_s))}",
@@ -414,7 +439,7 @@ def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: in
         f"keep_alive_max_attempt={options.keep_alive_attempts}",
     ])
     return [sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", f"{options.stages * options.min_pipelines}:{options.stages * options.pipelines}",
+            "--nnodes", f"{options.stages * options.min_pipelines}:{max_nodes}",
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}",
             "--rdzv-id", job, "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
             "--max-restarts", str(options.max_restarts), "--monitor-interval", f"{options.monitor_interval_s:g}",
@@ -619,7 +644,8 @@ def run_checkpoint_restart(
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=options.timeout_s))
-    command = torchrun_command(options, job, store.port)
+    max_nodes = options.max_nodes or max(options.stages * options.pipelines, peak_nodes(plan))
+    command = torchrun_command(options, job, store.port, max_nodes)
     log = EventLog(events_path, clock=time.time, start=start_unix)
     log.write(RunStart(t=0.0, job=job, unix_time=start_unix, target_nodes=len(initial), stages=options.stages,
                        pipelines=options.pipelines))
@@ -671,7 +697,8 @@ def run_checkpoint_restart(
     timed_out = False
     interval: CheckpointInterval | None = None
     try:
-        say(f"starting {len(initial)} torchrun agents (job {job}, run dir {run_dir})")
+        say(f"starting {len(initial)} torchrun agents (job {job}, --nnodes {options.stages * options.min_pipelines}:"
+            f"{max_nodes}, run dir {run_dir})")
         market.run_due()
         while not (base / "starts.jsonl").exists():
             error = _worker_error(base)

@@ -202,6 +202,7 @@ def ensure_spec(membership: Any, options: AgentOptions, say: Callable[[str], Non
             time.sleep(timeouts.SPEC_POLL_S)
             continue
         try:
+            refuse_used_checkpoint_dir(options.spec.get("checkpoint_dir"), bool(options.spec.get("resume")))
             say(f"writing the spec of job {options.job}: reading the model")
             fields = dict(options.spec)
             log = Path(options.run_dir) / "logs" / f"describe-{options.node}.log"
@@ -217,6 +218,20 @@ def ensure_spec(membership: Any, options: AgentOptions, say: Callable[[str], Non
             return (spec, True) if won else (JobSpec.from_json(stored.value), False)
         finally:
             kv.revoke_lease(lease)
+
+
+def refuse_used_checkpoint_dir(directory: str | None, resume: bool) -> None:
+    """A new job never overwrites the checkpoints of another run: a checkpoint directory that holds some is
+    refused unless the job resumes from them (:class:`AgentError`, one line)."""
+    if directory is None or resume:
+        return
+    from bamboo.launch.checkpoint import list_checkpoints
+
+    found = list_checkpoints(directory)
+    if found:
+        raise AgentError(f"--checkpoint-dir {directory} holds the checkpoints of another run (steps "
+                         f"{', '.join(str(step) for step, _ in found[:3])}{', ...' if len(found) > 3 else ''}): pass "
+                         "--resume to continue from the newest, or give an empty directory")
 
 
 class _Supervisor:

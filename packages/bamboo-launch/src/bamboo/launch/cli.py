@@ -737,7 +737,7 @@ AGENT_USAGE_LINE = (
 _SPEC_FLAGS = {
     "stages": "stages", "pipelines": "pipelines", "steps": "steps", "min_nodes": "min_nodes",
     "redundancy": "redundancy", "seed": "seed", "checkpoint_dir": "checkpoint_dir",
-    "checkpoint_every": "checkpoint_every", "ttl": "ttl", "grace": "grace_s",
+    "checkpoint_every": "checkpoint_every", "resume": "resume", "ttl": "ttl", "grace": "grace_s",
     "confirm_timeout": "confirm_timeout_s", "group_timeout": "group_timeout_s",
     "reconfigure_timeout": "reconfigure_timeout_s",
 }
@@ -781,6 +781,9 @@ def _add_agent(subparsers: argparse._SubParsersAction) -> None:
                      help="(spec) where asynchronous checkpoints go: storage every machine sees (default: none)")
     job.add_argument("--checkpoint-every", type=int, default=None,
                      help="(spec) steps between checkpoints (default: 10)")
+    job.add_argument("--resume", action="store_true", default=None,
+                     help="(spec) start from the newest good checkpoint in --checkpoint-dir (a job never "
+                     "overwrites another run's checkpoints: a directory that holds some needs --resume)")
     job.add_argument("--ttl", type=int, default=None,
                      help=f"(spec) lease TTL, seconds: a node silent this long is dead (default: "
                      f"{membership_timeouts.LEASE_TTL_S:g})")
@@ -939,6 +942,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                      help="write asynchronous checkpoints here (one shard per stage; default: none)")
     run.add_argument("--checkpoint-every", type=int, default=10,
                      help="steps between checkpoints (default: %(default)s)")
+    run.add_argument("--resume", action="store_true",
+                     help="start from the newest good checkpoint in --checkpoint-dir, e.g. with a larger --steps "
+                     "(a run never overwrites another run's checkpoints: a directory that holds some needs it)")
     run.add_argument("--etcd", type=_endpoints, default=None, metavar="URL",
                      help="external etcd endpoints host:port[,host:port] (default: start an embedded etcd)")
     run.add_argument("--etcd-user", default=None, help="external etcd: user name (with --etcd-password)")
@@ -992,7 +998,8 @@ def _run(args: argparse.Namespace) -> int:
             etcd_cert=args.etcd_cert, etcd_key=args.etcd_key, preemptions=args.preemptions,
             time_scale=args.time_scale, hours=args.hours, trace_seed=args.seed,
             allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every, run_dir=args.run_dir, events=args.events, job=args.job,
+            checkpoint_every=args.checkpoint_every, resume=args.resume, run_dir=args.run_dir, events=args.events,
+            job=args.job,
             redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
             grace_s=args.grace,
             reconfigure_timeout_s=args.reconfigure_timeout, timeout_s=args.timeout, live=not args.no_live,
@@ -1121,6 +1128,47 @@ def _watch(args: argparse.Namespace) -> int:
     return 130
 
 
+def _add_export(subparsers: argparse._SubParsersAction) -> None:
+    export = subparsers.add_parser(
+        "export",
+        help="write the trained model as one state dict, loadable into your layers in order",
+        usage="bamboo-launch export (RUN_DIR | --checkpoint-dir DIR [--step N]) -o MODEL.pt",
+        description=(
+            "Gather a finished run's final model (from RUN_DIR/out/rank*.pt), or a checkpoint's (the newest good "
+            "one in --checkpoint-dir, or --step N), into one state dict with the keys of "
+            "torch.nn.Sequential(*layers).state_dict(): load it with "
+            "torch.nn.Sequential(*[spec.build() for spec in layers]).load_state_dict(torch.load(MODEL.pt))."
+        ),
+    )
+    export.add_argument("run_dir", nargs="?", default=None, help="a run directory (bamboo-launch run --run-dir)")
+    export.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="export a checkpoint instead")
+    export.add_argument("--step", type=int, default=None, help="with --checkpoint-dir: this step's checkpoint "
+                        "(default: the newest good one)")
+    export.add_argument("-o", "--output", required=True, metavar="MODEL.pt", help="where the state dict goes")
+    export.set_defaults(handler=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from bamboo.launch.export import ExportError, export_checkpoint, export_run, save_state_dict
+
+    if (args.run_dir is None) == (args.checkpoint_dir is None):
+        _fail("give a run directory or --checkpoint-dir DIR (one of them)")
+    if args.step is not None and args.checkpoint_dir is None:
+        _fail("--step goes with --checkpoint-dir")
+    try:
+        if args.run_dir is not None:
+            state, source = export_run(args.run_dir), f"the final model of {args.run_dir}"
+        else:
+            step, state = export_checkpoint(args.checkpoint_dir, args.step)
+            source = f"the checkpoint of step {step} in {args.checkpoint_dir}"
+    except ExportError as error:
+        _fail(str(error))
+    path = save_state_dict(state, args.output)
+    layers = len({key.split(".", 1)[0] for key in state})
+    print(f"wrote {path}: {source}, {layers} layers, {len(state)} tensors")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to render ``--help`` in the README)."""
     parser = argparse.ArgumentParser(
@@ -1129,9 +1177,10 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True,
-                                       metavar="{agent,run,k8s,market,report,watch}")
+                                       metavar="{agent,run,export,k8s,market,report,watch}")
     _add_agent(subparsers)
     _add_run(subparsers)
+    _add_export(subparsers)
     _add_k8s(subparsers)
     _add_market(subparsers)
     _add_report(subparsers)

@@ -63,8 +63,13 @@ def read_layout(membership: Any) -> Any:
 
 
 def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:
-    """Generation 0 for the registered nodes (node -> zone): bamboo-reconfig's placement of them."""
-    from bamboo.reconfig import ClusterView, JobLayout, Node, plan_layout
+    """Generation 0 for the registered nodes (node -> zone): bamboo-reconfig's placement of them.
+
+    With ``spec.resume`` every stage starts from the newest good checkpoint in ``spec.checkpoint_dir``, at
+    its step, with the history the checkpoint recorded (RuntimeError when there is none).
+    """
+    from bamboo.launch.reconfigure import checkpoint_history, restore_point
+    from bamboo.reconfig import ClusterView, JobLayout, Node, RestorePoint, StartMode, plan_layout
 
     view = ClusterView(nodes=[Node(node, zone or "default", "standby") for node, zone in sorted(zones.items())],
                        target_stages=spec.stages, target_pipelines=spec.pipelines,
@@ -72,7 +77,13 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:
     plan = plan_layout(view)
     if plan.stages != spec.stages or not plan.owners:
         raise RuntimeError(f"{len(zones)} nodes cannot form a pipeline of {spec.stages} stages")
-    return JobLayout(generation=0, plan=plan, zones=zones)
+    if not spec.resume:
+        return JobLayout(generation=0, plan=plan, zones=zones)
+    step, path = restore_point(spec.checkpoint_dir, spec.stages, range(spec.stages))
+    history = [item for item in checkpoint_history(path) if item[0] < step] + [(step, len(plan.owners))]
+    return JobLayout(generation=0, plan=plan, start_step=step, mode=StartMode.CHECKPOINT, reason="resume",
+                     restore=RestorePoint(step, path, range(spec.stages)), barrier_step=step, history=history,
+                     zones=zones)
 
 
 def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, str], step: int,
@@ -213,7 +224,14 @@ class Coordinator:
             return
         if self.clock() - self._settle_from < timeouts.FIRST_LAYOUT_SETTLE_S:
             return
-        layout = first_layout(self.spec, zones)
+        try:
+            layout = first_layout(self.spec, zones)
+        except RuntimeError as error:  # --resume without a good checkpoint
+            from bamboo.launch.records import JobEnd
+
+            if self.membership.decide("end", JobEnd(steps=0, error=f"--resume: {error}", node=self.node).to_dict()).won:
+                self.say(f"the job cannot start: --resume: {error}")
+            return
         if self.membership.put_layout(layout.to_dict(), 0) is not None:
             self.say("first layout: " + "; ".join(f"pipeline {d}: {' '.join(row)}" for d, row in
                                                  enumerate(layout.owners))

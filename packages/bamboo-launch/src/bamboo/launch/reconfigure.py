@@ -45,10 +45,12 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "build_view",
+    "checkpoint_history",
     "log_restore",
     "next_history",
     "restore_point",
@@ -134,6 +136,20 @@ def restore_point(checkpoint_dir: str | None, stages: int, missing: Sequence[int
     except NoGoodCheckpointError as error:
         raise RuntimeError(f"every copy of stage(s) {lost} is gone and no checkpoint can replace them: {error}") from None
     return loaded.step, str(loaded.path)
+
+
+def checkpoint_history(folder: str) -> list[tuple[int, int]]:
+    """The run's ``(first step, pipelines)`` history stored with a checkpoint (every shard holds it)."""
+    from bamboo.launch.checkpoint import load_checkpoint
+
+    shard = next(iter(sorted(Path(folder).glob("stage-*.manifest.json"))), None)
+    if shard is None:
+        raise RuntimeError(f"checkpoint {folder} has no stage shard")
+    loaded = load_checkpoint(folder, [shard.name.removesuffix(".manifest.json")])
+    history = next(iter(loaded.shards.values())).get("history")
+    if history is None:
+        raise RuntimeError(f"checkpoint {folder} was written without the run's history (an older format)")
+    return [(int(first), int(pipelines)) for first, pipelines in history.tolist()]
 
 
 def restore_slices(layout: Any, slices: MutableMapping[int, Any]) -> int:

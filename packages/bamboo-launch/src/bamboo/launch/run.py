@@ -90,6 +90,8 @@ class RunOptions:
     notice_s: float = 0.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = attrs.field(default=10, validator=_positive)
+    resume: bool = False
+    """Start from the newest good checkpoint in ``checkpoint_dir`` (refused when it has none)."""
     confirm_timeout_s: float | None = None
     """The runtime's confirm timeout (None: bamboo-rc's default)."""
     group_timeout_s: float | None = None
@@ -116,6 +118,8 @@ class RunOptions:
             )
         if self.redundancy != "none" and self.stages < 2:
             raise ValueError(f"redundancy {self.redundancy!r} needs at least 2 stages, got {self.stages}")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir, the directory to resume from")
 
 
 @attrs.frozen
@@ -220,6 +224,8 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
             command += [flag, str(value)]
     if options.checkpoint_dir:
         command += ["--checkpoint-dir", str(Path(options.checkpoint_dir).resolve())]
+    if options.resume:
+        command += ["--resume"]
     if options.notice_s > 0:  # the market's SIGTERM comes this long before its kill
         command += ["--notice-window", str(options.notice_s)]
     if options.script:
@@ -303,6 +309,12 @@ def run_cluster(
     if len(initial) < options.stages * options.pipelines:
         raise RunError(f"the trace starts with {len(initial)} nodes; P={options.stages} x D={options.pipelines} "
                        f"needs {options.stages * options.pipelines}")
+    from bamboo.launch.agent import AgentError, refuse_used_checkpoint_dir
+
+    try:
+        refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
+    except AgentError as error:
+        raise RunError(str(error)) from None
     run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="bamboo-run-")).resolve()
     (run_dir / "out").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)

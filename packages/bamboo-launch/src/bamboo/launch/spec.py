@@ -101,6 +101,7 @@ FLAG_OF = {
     "seed": "--seed",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
+    "resume": "--resume",
     "ttl": "--ttl",
     "grace_s": "--grace",
     "confirm_timeout_s": "--confirm-timeout",
@@ -139,6 +140,8 @@ class JobSpec:
     seed: int = attrs.field(default=0, validator=_non_negative_int)
     checkpoint_dir: str | None = None
     checkpoint_every: int = attrs.field(default=10, validator=_positive_int)
+    resume: bool = False
+    """Start from the newest good checkpoint in ``checkpoint_dir`` (a run that ended, or was stopped)."""
     ttl: int = attrs.field(default=2, validator=_positive_int)
     grace_s: float = attrs.field(default=2.0, validator=_positive_number)
     confirm_timeout_s: float = attrs.field(default=60.0, validator=_positive_number)
@@ -150,6 +153,8 @@ class JobSpec:
             raise ValueError(f"redundancy {self.redundancy!r} needs at least 2 stages, got {self.stages}")
         if len(self.layers) < self.stages:
             raise ValueError(f"the model has {len(self.layers)} layers, fewer than the {self.stages} stages")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume needs a checkpoint_dir to resume from")
         if self.min_nodes and self.min_nodes < self.stages * self.pipelines:
             raise ValueError(f"min_nodes {self.min_nodes} is fewer than the {self.stages * self.pipelines} nodes "
                              f"of {self.pipelines} pipelines of {self.stages} stages")

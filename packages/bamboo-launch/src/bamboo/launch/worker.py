@@ -341,7 +341,8 @@ def train(context: WorkerContext, program: Program | None = None) -> dict[str, A
                                nodes_active=spec.stages * layout.pipelines - len(executor.dead),
                                duration_s=duration))
             if spec.checkpoint_dir is not None and executor.pipeline == 0:
-                _checkpoint(run, executor, checkpointers, torch)
+                _checkpoint(run, layout, executor, checkpointers, torch,
+                            final=executor.step >= spec.steps)
             if stop_step is None:
                 stop_step, stop_reason = _stop_step(run, layout, executor, ranks)
         if executor.step >= spec.steps and not consecutive:
@@ -417,10 +418,15 @@ def _final_report(run: _Run, layout: Any, executor: Any, losses: list[float], fa
     return report
 
 
-def _checkpoint(run: _Run, executor: Any, checkpointers: dict[int, Any], torch: Any) -> None:
-    """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too).
+def _checkpoint(run: _Run, layout: Any, executor: Any, checkpointers: dict[int, Any], torch: Any,
+                *, final: bool = False) -> None:
+    """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
+    ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
 
-    A shard commits only after a fenced write to etcd succeeded: a node declared dead writes no checkpoint.
+    A shard holds the stage's state (parameters, optimizer, scheduler, step), the global indices of its
+    layers (``layers``) and the run's ``history`` so far (the pipelines of each generation), which is what
+    ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
+    succeeded: a node declared dead writes no checkpoint.
     """
     from bamboo.launch.checkpoint import AsyncCheckpointer
     from bamboo.launch.events import Checkpoint
@@ -434,13 +440,20 @@ def _checkpoint(run: _Run, executor: Any, checkpointers: dict[int, Any], torch: 
     def may_commit(step: int, shard: str) -> None:  # raises (the shard is not committed) once fenced
         run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
 
+    def shard(stage: int) -> dict[str, Any]:
+        return {"state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8),
+                "layers": torch.tensor(list(executor.slices[stage].indices), dtype=torch.int64),
+                "history": torch.tensor([list(item) for item in layout.history], dtype=torch.int64)}
+
     for stage in executor.hosted:
         if stage not in checkpointers:
             checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
                                                      every_steps=spec.checkpoint_every, on_commit=committed,
                                                      before_commit=may_commit)
-        checkpointers[stage].maybe_save(executor.step, lambda stage=stage: {
-            "state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8)})
+        if final and executor.step % spec.checkpoint_every:
+            checkpointers[stage].save(executor.step, shard(stage))
+        else:
+            checkpointers[stage].maybe_save(executor.step, lambda stage=stage: shard(stage))
 
 
 def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> tuple[int | None, str]:

@@ -130,6 +130,7 @@ def test_report_numbers_by_hand() -> None:
     report = compute_report(sample_run())
     assert report.steps == 4 and report.samples == 40
     assert report.throughput == pytest.approx(40 / 3600)
+    assert report.window_throughput == pytest.approx(40 / 3600)  # the first step starts at the run's start
     # n0: 1 h, n1: 0.5 h, n2: 0.25 h.
     assert report.node_hours == pytest.approx(1.75)
     assert report.avg_nodes == pytest.approx(1.75)
@@ -285,3 +286,16 @@ def test_the_report_accounts_for_where_the_time_went() -> None:
     assert report.to_dict()["step_share"] == account.step_share
     text = format_report(report)
     assert "time lost" in text and "restores 3.00 s" in text and "65.5% of the training window" in text
+
+
+def test_report_labels_whole_run_and_training_window_throughput() -> None:
+    events = [
+        RunStart(t=0.0, job="j", unix_time=1.0, target_nodes=1, stages=1, pipelines=1),
+        Join(t=0.0, node="n0", zone="a"),
+        Step(t=12.0, step=1, samples=10, loss=1.0, nodes_active=1, duration_s=2.0),  # 10 s of start-up
+        Step(t=14.0, step=2, samples=10, loss=0.5, nodes_active=1, duration_s=2.0),
+    ]
+    report = compute_report(events)
+    assert report.throughput == pytest.approx(20 / 14) and report.window_throughput == pytest.approx(20 / 4)
+    text = format_report(report)
+    assert "1.429 samples/s over the run, start-up included (5.000 in the training window" in text

@@ -29,8 +29,11 @@ def _options(tmp_path: Path, name: str, steps: int, resume: bool = False) -> Run
 
 
 def test_a_finished_run_resumes_exactly_and_exports_its_model(tmp_path: Path) -> None:
-    first = run_cluster(_options(tmp_path, "first", 20))
+    lines: list[str] = []
+    first = run_cluster(_options(tmp_path, "first", 20), progress=lines.append)
     assert first.steps_done == 20 and not first.timed_out
+    progress = [line for line in lines if line.startswith("step ")]  # --no-live's lines, every 10 steps
+    assert progress and progress[-1].startswith("step 20  loss ") and " nodes 4 active" in progress[-1], lines
     with pytest.raises(RunError, match=r"holds the checkpoints of another run \(steps 20, 15, 10\): pass "
                                         r"--resume"):
         run_cluster(_options(tmp_path, "refused", 40))

@@ -20,7 +20,7 @@ from bamboo.launch.events import (
     RunStart,
     Step,
 )
-from bamboo.launch.live import EventFollower, LiveState, render_live
+from bamboo.launch.live import EventFollower, LiveState, ProgressLines, render_live
 from rich.console import Console
 
 
@@ -138,3 +138,18 @@ def test_watch_follows_until_the_run_ends(tmp_path: Path, capsys: pytest.Capture
 def test_watch_errors(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_progress_lines_every_n_steps() -> None:
+    state, lines, printed = LiveState(), ProgressLines(every=2), []
+    assert lines.line(state) is None  # no step yet
+    for step in range(7):
+        state.apply(Step(t=float(step + 1), step=step, samples=8, loss=1.0 / (step + 1), nodes_active=4,
+                         duration_s=1.0))
+        line = lines.line(state)
+        if line is not None:
+            printed.append(line)
+    assert [line.split()[1] for line in printed] == ["0", "2", "4", "6"]
+    assert printed[1].startswith("step 2  loss 0.3333  samples/s 8.0") and "nodes 4 active" in printed[1]
+    with pytest.raises(ValueError, match="every"):
+        ProgressLines(every=0)

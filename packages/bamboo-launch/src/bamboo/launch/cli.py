@@ -978,7 +978,11 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                      "%(default)s)")
     run.add_argument("--timeout", type=_positive_float, default=900.0,
                      help="seconds the whole run may take before every node is killed (default: %(default)s)")
-    run.add_argument("--no-live", action="store_true", help="no live view; print progress lines instead")
+    run.add_argument("--no-live", action="store_true",
+                     help="no live view; print a progress line (step, loss, samples/s, nodes) every "
+                     "--progress-every steps instead")
+    run.add_argument("--progress-every", type=int, default=10, metavar="N",
+                     help="with --no-live: steps between progress lines (default: %(default)s)")
     run.set_defaults(handler=_run, script=[])
 
 
@@ -1003,6 +1007,7 @@ def _run(args: argparse.Namespace) -> int:
             redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
             grace_s=args.grace,
             reconfigure_timeout_s=args.reconfigure_timeout, timeout_s=args.timeout, live=not args.no_live,
+            progress_every=args.progress_every,
             script=tuple(args.script),
         )
     except ValueError as error:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import attrs
 from bamboo.launch.events import (
     Checkpoint,
     Event,
@@ -38,7 +39,7 @@ from bamboo.launch.events import (
     event_from_dict,
 )
 
-__all__ = ["EventFollower", "LiveState", "describe_event", "render_live"]
+__all__ = ["EventFollower", "LiveState", "ProgressLines", "describe_event", "render_live"]
 
 
 class EventFollower:
@@ -216,6 +217,22 @@ class LiveState:
             "finished": self.finished,
             "recent": list(self.recent),
         }
+
+
+@attrs.define
+class ProgressLines:
+    """``--no-live``'s progress: a :meth:`LiveState.progress_line` each time the step crosses a multiple of ``every``."""
+
+    every: int = attrs.field(validator=attrs.validators.gt(0))
+    last: int | None = attrs.field(default=None, init=False)
+    """The step of the last line given."""
+
+    def line(self, state: LiveState) -> str | None:
+        """The line to print now, or None (no step yet, or still within the same ``every`` steps)."""
+        if state.step is None or (self.last is not None and state.step // self.every == self.last // self.every):
+            return None
+        self.last = state.step
+        return state.progress_line()
 
 
 def render_live(state: LiveState) -> Any:

@@ -107,6 +107,8 @@ class RunOptions:
     grace_s: float = 2.0
     timeout_s: float = attrs.field(default=timeouts.RUN_TIMEOUT_S, validator=_positive)
     live: bool = False
+    progress_every: int = attrs.field(default=10, validator=_positive)
+    """Without the live view, a progress line each time the step crosses a multiple of this."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
     """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""
 
@@ -368,7 +370,8 @@ def run_cluster(
 
             handles = RunHandles(etcd, cluster, membership, node_of_rank, preempt, events_path)
             threading.Thread(target=during, args=(handles,), name="bamboo-run-during", daemon=True).start()
-        timed_out = _wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say)
+        timed_out = _wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say,
+                              options.progress_every)
     finally:
         market.stop(timeout=timeouts.MARKET_STOP_S)
         cluster.close()
@@ -453,24 +456,26 @@ def _wait_first_step(recorder: _Recorder, cluster: Any, membership: Any, deadlin
 
 
 def _wait_end(cluster: Any, membership: Any, deadline: float, events: Path, live: bool,
-              say: Callable[[str], None]) -> bool:
+              say: Callable[[str], None], progress_every: int = 10) -> bool:
     """Wait until the job has ended and every agent has exited; True if the deadline came first."""
     def running() -> bool:
         return bool(cluster.alive())  # an agent exits once the job's end record is in etcd
 
     if not live:
-        last_steps = -1
-        from bamboo.launch.live import EventFollower, LiveState
+        from bamboo.launch.live import EventFollower, LiveState, ProgressLines
 
-        follower, state = EventFollower(events), LiveState()
+        follower, state, lines = EventFollower(events), LiveState(), ProgressLines(progress_every)
         while running():
             if time.monotonic() > deadline:
                 return True
             state.apply_all(follower.poll())
-            if state.step is not None and state.step // 10 != last_steps // 10:
-                last_steps = state.step
-                say(state.progress_line())
+            line = lines.line(state)
+            if line is not None:
+                say(line)
             time.sleep(timeouts.RUN_POLL_S)
+        state.apply_all(follower.poll())
+        if state.step is not None and state.step != lines.last:
+            say(state.progress_line())  # the last step too
         return False
     from bamboo.launch.live import EventFollower, LiveState, render_live
     from rich.console import Console

@@ -1,15 +1,22 @@
 """DeepSpeed config parsing for the bamboo runtime.
 
 A DeepSpeed user keeps their config file. This module reads the subset that bamboo supports
-(micro batch size, gradient accumulation, optimizer, scheduler, gradient clipping, bf16) into a
-frozen :class:`TrainingConfig`. Every key it does not support raises :class:`ConfigError` naming
-that key: nothing is silently ignored.
+(micro batch size, gradient accumulation, optimizer, scheduler, gradient clipping, bf16, and the
+monitors ``tensorboard``, ``csv_monitor`` and ``wandb``) into a frozen :class:`TrainingConfig`.
+
+Nothing is silently ignored:
+
+- keys that change nothing in bamboo (:data:`NO_EFFECT_KEYS`, a disabled ``fp16``, ZeRO stage 0)
+  are accepted with one :class:`ConfigWarning` each, naming the key;
+- every other key it does not support, and every enabled feature it does not have (``fp16``,
+  ZeRO stage 1 and above, the ``comet`` monitor), raises :class:`ConfigError` naming that key.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,8 +25,12 @@ import attrs
 import torch
 
 __all__ = [
+    "MONITORS",
+    "NO_EFFECT_KEYS",
     "SUPPORTED_KEYS",
     "ConfigError",
+    "ConfigWarning",
+    "MonitorConfig",
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainingConfig",
@@ -33,6 +44,24 @@ class ConfigError(ValueError):
     """A DeepSpeed config key or value that bamboo does not support (yet)."""
 
 
+class ConfigWarning(UserWarning):
+    """A DeepSpeed config key that bamboo accepts but that changes nothing in bamboo."""
+
+
+MONITORS: dict[str, tuple[str, ...]] = {
+    "tensorboard": ("enabled", "output_path", "job_name"),
+    "csv_monitor": ("enabled", "output_path", "job_name"),
+    "wandb": ("enabled", "group", "team", "project"),
+}
+"""DeepSpeed's monitor sections that bamboo honours, with the keys each takes (DeepSpeed's names)."""
+
+NO_EFFECT_KEYS: dict[str, str] = {
+    "steps_per_print": "bamboo prints no periodic DeepSpeed log lines",
+    "wall_clock_breakdown": "bamboo keeps its own per-instruction timings",
+    "zero_allow_untested_optimizer": "bamboo has no ZeRO",
+}
+"""Top-level keys accepted with a :class:`ConfigWarning` (they have no effect in bamboo), and why."""
+
 # Top-level keys bamboo understands. `train_batch_size` is only checked for consistency.
 SUPPORTED_KEYS: tuple[str, ...] = (
     "train_batch_size",
@@ -42,7 +71,11 @@ SUPPORTED_KEYS: tuple[str, ...] = (
     "scheduler",
     "gradient_clipping",
     "bf16",
+    *MONITORS,
 )
+
+# Keys that are read only to check that they enable nothing bamboo lacks (then they give a warning).
+_CHECKED_KEYS: tuple[str, ...] = (*NO_EFFECT_KEYS, "fp16", "zero_optimization", "comet")
 
 _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
@@ -56,10 +89,11 @@ _SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _check_keys(where: str, given: Iterable[str], allowed: Iterable[str]) -> None:
+def _check_keys(where: str, given: Iterable[str], allowed: Iterable[str], also: Iterable[str] = ()) -> None:
+    """ConfigError naming the first key of `given` outside `allowed` and `also` (the message lists `allowed`)."""
     allowed_set = set(allowed)
     for key in given:
-        if key not in allowed_set:
+        if key not in allowed_set and key not in also:
             raise ConfigError(
                 f"unsupported DeepSpeed config key {where}{key!r} (bamboo supports: {', '.join(sorted(allowed_set))})"
             )
@@ -92,6 +126,16 @@ def _finite_non_negative(_instance: object, attribute: attrs.Attribute, value: f
 
 
 @attrs.frozen
+class MonitorConfig:
+    """One enabled DeepSpeed monitor: ``kind`` (``tensorboard``, ``csv_monitor`` or ``wandb``) and its
+    settings under DeepSpeed's names (``output_path``, ``job_name``; ``group``, ``team``, ``project``
+    for wandb), with DeepSpeed's defaults filled in."""
+
+    kind: str = attrs.field(validator=attrs.validators.in_(tuple(MONITORS)))
+    settings: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+
+@attrs.frozen
 class TrainingConfig:
     """What bamboo takes from a DeepSpeed config."""
 
@@ -101,6 +145,8 @@ class TrainingConfig:
     scheduler: SchedulerConfig | None = None
     gradient_clipping: float = attrs.field(default=0.0, validator=_finite_non_negative)
     bf16: bool = False
+    monitors: tuple[MonitorConfig, ...] = attrs.field(default=(), converter=tuple)
+    """The enabled monitors (:mod:`bamboo.rc.monitor` writes them)."""
 
 
 def _as_int(key: str, value: object) -> int:
@@ -109,11 +155,86 @@ def _as_int(key: str, value: object) -> int:
     return value
 
 
+def _no_effect(key: str, why: str) -> None:
+    warnings.warn(f"DeepSpeed config key {key!r} has no effect in bamboo ({why})", ConfigWarning, stacklevel=3)
+
+
+def _section(key: str, value: object) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} must be a JSON object, got {value!r}")
+    return value
+
+
+def _enabled(key: str, section: Mapping[str, Any]) -> bool:
+    value = section.get("enabled", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}.enabled must be true or false, got {value!r}")
+    return value
+
+
+def _check_without_effect(config: Mapping[str, Any]) -> None:
+    """Warn about the keys that change nothing; ConfigError for enabled features bamboo lacks."""
+    for key, why in NO_EFFECT_KEYS.items():
+        if key in config:
+            _no_effect(key, why)
+    if "fp16" in config:
+        if _enabled("fp16", _section("fp16", config["fp16"])):
+            raise ConfigError(
+                "unsupported DeepSpeed config key 'fp16' with enabled true (bamboo trains in fp32 or, with "
+                "'bf16': {'enabled': true}, in bf16 autocast; it has no fp16 loss scaling)"
+            )
+        _no_effect("fp16", "it is disabled")
+    if "zero_optimization" in config:
+        zero = _section("zero_optimization", config["zero_optimization"])
+        stage = zero.get("stage", 0)
+        if stage != 0:
+            raise ConfigError(
+                f"unsupported DeepSpeed config key 'zero_optimization' with stage {stage!r} (bamboo keeps every "
+                "stage's optimizer state whole on its node and its shadow; only stage 0 is accepted)"
+            )
+        for offload in ("offload_optimizer", "offload_param"):
+            device = _section(f"zero_optimization.{offload}", zero.get(offload, {})).get("device", "none")
+            if device not in ("none", None):
+                raise ConfigError(
+                    f"unsupported DeepSpeed config key zero_optimization.{offload!r} with device {device!r} "
+                    "(bamboo has no ZeRO offload)"
+                )
+        _no_effect("zero_optimization", "stage 0 is no ZeRO")
+    if "comet" in config and _enabled("comet", _section("comet", config["comet"])):
+        raise ConfigError(
+            f"unsupported DeepSpeed config key 'comet' with enabled true (bamboo's monitors: {', '.join(MONITORS)})"
+        )
+
+
+def _monitors(config: Mapping[str, Any]) -> list[MonitorConfig]:
+    """The enabled monitor sections, checked, with DeepSpeed's defaults."""
+    defaults: dict[str, dict[str, Any]] = {
+        "tensorboard": {"output_path": "", "job_name": "DeepSpeedJobName"},
+        "csv_monitor": {"output_path": "", "job_name": "DeepSpeedJobName"},
+        "wandb": {"group": None, "team": None, "project": "deepspeed"},
+    }
+    found = []
+    for kind, keys in MONITORS.items():
+        if kind not in config:
+            continue
+        section = _section(kind, config[kind])
+        _check_keys(f"{kind}.", section, keys)
+        if not _enabled(kind, section):
+            continue
+        settings = {**defaults[kind], **{k: v for k, v in section.items() if k != "enabled"}}
+        for name, value in settings.items():
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{kind}.{name} must be a string, got {value!r}")
+        found.append(MonitorConfig(kind, settings))
+    return found
+
+
 def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> TrainingConfig:
     """Parse a DeepSpeed config dict or JSON file path into a :class:`TrainingConfig`.
 
     `pipelines` (the data-parallel degree D) is only used to check `train_batch_size`, which
-    must equal micro batch size × gradient accumulation steps × D when it is given.
+    must equal micro batch size × gradient accumulation steps × D when it is given. Keys that
+    change nothing in bamboo give one :class:`ConfigWarning` each.
     """
     if isinstance(config, (str, Path)):
         try:
@@ -122,7 +243,9 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
             raise ConfigError(f"cannot read DeepSpeed config {str(config)!r}: {exc}") from exc
     if not isinstance(config, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
-    _check_keys("", config, SUPPORTED_KEYS)
+    _check_keys("", config, SUPPORTED_KEYS, _CHECKED_KEYS)
+    _check_without_effect(config)
+    monitors = _monitors(config)
 
     if "train_micro_batch_size_per_gpu" not in config:
         raise ConfigError("the DeepSpeed config needs 'train_micro_batch_size_per_gpu'")
@@ -182,6 +305,7 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
         scheduler=scheduler,
         gradient_clipping=float(clip),
         bf16=bf16,
+        monitors=monitors,
     )
 
 

@@ -90,3 +90,27 @@ def test_the_report_states_the_verdict_of_verify(tmp_path, capsys: pytest.Captur
     code = _finish_run(args, None, result, lambda result, options: {"max_relative_diff": diff, "steps": 1})
     assert code == status
     assert f"verify           {verdict}" in capsys.readouterr().out
+
+
+def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from bamboo.launch.cli import _finish_run
+    from bamboo.launch.events import EventLog, RunStart, Step
+    from bamboo.launch.run import RunResult
+
+    events = tmp_path / "events.jsonl"
+    with EventLog(events) as log:
+        log.write(RunStart(t=0.0, job="j", unix_time=1.0, target_nodes=2, stages=2, pipelines=1))
+        log.write(Step(t=1.0, step=1, samples=4, loss=1.0, nodes_active=2, duration_s=0.5))
+    shape = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x4 and 5x7)"
+    result = RunResult(run_dir=tmp_path, events=events, reports={}, failed_ranks=(0, 1), failed_nodes=(),
+                       node_of_rank={}, exit_codes={"node0": 1, "node1": 1}, timed_out=False, seconds=1.0,
+                       job_error="every copy of stage(s) 0 is gone",
+                       worker_errors=(("node0", shape), ("node1.2", "RuntimeError: Connection reset by peer")))
+    assert _finish_run(argparse.Namespace(plot=None, json=False), None, result, None) == 1
+    out = capsys.readouterr().out
+    assert f"job error        every copy of stage(s) 0 is gone (the first worker error: node node0: {shape})" in out
+    assert f"worker errors    node0: {shape} (log {tmp_path / 'logs' / 'node0.log'})" in out
+    assert f"                 node1.2: RuntimeError: Connection reset by peer (log {tmp_path / 'logs' / 'node1.log'})" \
+        in out

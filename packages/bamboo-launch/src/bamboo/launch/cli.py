@@ -1031,12 +1031,19 @@ def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any
                              "failed_ranks": list(result.failed_ranks), "timed_out": result.timed_out}
     if result.consecutive:
         extra["consecutive_failure"] = result.consecutive
+    logs = result.run_dir / "logs"
     if result.job_error:
         extra["job_error"] = result.job_error
+        if result.worker_errors:  # the cause is most often the first worker's exception, not the lost copies
+            node, line = result.worker_errors[0]
+            extra["job_error"] += f" (the first worker error: node {node}: {line})"
         status = 1
+    if result.worker_errors:
+        extra["worker_errors"] = [f"{node}: {line} (log {logs / (node.split('.')[0] + '.log')})"
+                                  for node, line in result.worker_errors]
     errors = {node: code for node, code in result.exit_codes.items() if code is not None and code > 0}
     if errors:  # a worker's error, a lost lease, a script that never called train_worker (killed nodes are < 0)
-        extra["node_errors"] = {node: f"status {code}, log {result.run_dir / 'logs' / (node + '.log')}"
+        extra["node_errors"] = {node: f"status {code}, log {logs / (node + '.log')}"
                                 for node, code in sorted(errors.items())}
     if verify is not None:
         comparison = verify(result, options)
@@ -1055,7 +1062,10 @@ def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any
     else:
         print(format_report(report))
         for key, value in extra.items():
-            print(f"  {key.replace('_', ' '):<16} {value}")
+            rows = value if isinstance(value, list) and value else [value]
+            print(f"  {key.replace('_', ' '):<16} {rows[0]}")
+            for row in rows[1:]:
+                print(f"  {'':<16} {row}")
         if args.plot:
             print(f"  plot             {args.plot}")
     return status

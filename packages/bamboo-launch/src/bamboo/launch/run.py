@@ -144,6 +144,8 @@ class RunResult:
     timed_out: bool
     seconds: float
     job_error: str | None = None
+    worker_errors: tuple[tuple[str, str], ...] = ()
+    """``(node, last exception line)`` of every worker that failed with an exception, the earliest first."""
 
     @property
     def consecutive(self) -> str | None:
@@ -353,6 +355,7 @@ def run_cluster(
     failed_ranks: tuple[int, ...] = ()
     failed_nodes: tuple[str, ...] = ()
     job_error: str | None = None
+    worker_errors: tuple[tuple[str, str], ...] = ()
     try:
         say(f"starting {len(initial)} agents")
         market.run_due()  # the initial nodes start now; the rest of the plan waits for the first step
@@ -378,6 +381,7 @@ def run_cluster(
         recorder.stop()
         try:
             failed_ranks, failed_nodes, job_error = _failures(membership)
+            worker_errors = _worker_errors(membership)
             _save_records(membership, run_dir)
         except Exception as error:  # etcd gone: the run's figures still come from the event log
             say(f"could not read the job's failures from etcd: {error}")
@@ -395,7 +399,8 @@ def run_cluster(
     codes = {node: process.returncode for node, process in cluster.processes.items()}
     return RunResult(run_dir=run_dir, events=events_path, reports=_load_reports(run_dir / "out"),
                      failed_ranks=failed_ranks, failed_nodes=failed_nodes, node_of_rank=node_of_rank,
-                     exit_codes=codes, timed_out=timed_out, seconds=time.monotonic() - started, job_error=job_error)
+                     exit_codes=codes, timed_out=timed_out, seconds=time.monotonic() - started, job_error=job_error,
+                     worker_errors=worker_errors)
 
 
 class _TrainingClock:
@@ -510,6 +515,15 @@ def _failures(membership: Any) -> tuple[tuple[int, ...], tuple[str, ...], str | 
              for item in membership.kv.get_prefix(membership.keys.failures)}
     end = read_record(JobEnd, membership.get_decision("end"))
     return tuple(sorted(ranks)), tuple(sorted(nodes)), None if end is None else end.error
+
+
+def _worker_errors(membership: Any) -> tuple[tuple[str, str], ...]:
+    """``(node, last exception line)`` of the workers that published an error, the earliest first."""
+    from bamboo.launch.records import WorkerError
+
+    errors = [WorkerError.from_dict(json.loads(item.value))
+              for item in membership.kv.get_prefix(membership.keys.decision("error-"))]
+    return tuple((error.node, error.error) for error in sorted(errors, key=lambda error: error.at))
 
 
 def _save_records(membership: Any, run_dir: Path) -> None:

@@ -357,16 +357,18 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     else:
         if until == "trace-end":
             raise _UsageError("--until trace-end needs --trace (synthetic runs go until completion)")
-        spec = SyntheticSpec(
-            preemption_probability=args.probability, desired_nodes=profile.desired_nodes,
-            zones=args.zones, bulk_mean=args.bulk_mean,
-        )
         title = (f"{profile.name}, synthetic p={args.probability:g}, {args.runs} run(s) from seed {args.seed}, "
                  "until completion")
         total = args.runs * len(strategies)
         with _progress(console) as progress:
             task = progress.add_task("simulating", total=total)
             for strategy in strategies:
+                # Each strategy asks the market for its own cluster (the profile's, with or without redundancy).
+                spec = SyntheticSpec(
+                    preemption_probability=args.probability,
+                    desired_nodes=profile.desired_nodes_for(redundancy=strategy is Strategy.BAMBOO),
+                    zones=args.zones, bulk_mean=args.bulk_mean,
+                )
                 for i in range(args.runs):
                     seed = args.seed + i
                     events = SyntheticTraceGenerator(spec, seed).events(until_s=_MAX_SYNTHETIC_HOURS * 3600.0)

@@ -27,6 +27,14 @@ inputs like this (``system_view`` builds that ``ClusterView``):
 building its reasons (the simulator asks it at every event). The tests check all three on random clusters
 (hypothesis), and ``simulate_run(..., check_policy=True)`` checks every placement and decision of a run
 against bamboo-reconfig itself.
+
+Pure data parallelism (P = 1), which bamboo-reconfig does not plan (it needs P >= 2): every node is one
+replica of the whole model, and the replicas form one ring, each node's shadow being its ring successor (it
+also computes its predecessor's share of the global batch). The same rules carry over with the ring of
+replicas in place of a pipeline's ring of stages: `plan_replica_ring` chooses and orders the replicas so that
+ring neighbours sit in different zones wherever the zone counts allow (bamboo-reconfig's placement rule for
+one ring of D slots), `is_consecutive_replica_failure` is the consecutive failure (a replica lost next to a
+lost one), and `reconfigures` holds unchanged (it depends on P only through ``usable // P``).
 """
 
 from __future__ import annotations
@@ -46,8 +54,10 @@ __all__ = [
     "ZONE_BLIND_NAME",
     "decision",
     "is_consecutive_failure",
+    "is_consecutive_replica_failure",
     "node_name",
     "plan_placement",
+    "plan_replica_ring",
     "reconfigures",
     "system_view",
     "zone_name",
@@ -247,6 +257,45 @@ def plan_placement(usable: Sequence[tuple[int, int, int]], stages: int, pipeline
     return owners
 
 
+def plan_replica_ring(usable: Sequence[tuple[int, int, int]], pipelines: int) -> list[list[int]]:
+    """P = 1: the owners grid (``owners[d] == [node]``) of ``min(pipelines, len(usable))`` replicas in one ring.
+
+    `usable` holds ``(node, zone, held)`` for every live registered node, `held` being 0 for a replica of the
+    current layout and `NOT_A_HOLDER` otherwise. Replica d's shadow is replica ``(d + 1) % D`` (its ring
+    successor). bamboo-reconfig's placement rule for one ring of D slots, applied to the ring of replicas:
+    the nodes run are the D smallest (added same-zone pairs, not a holder, id) as in `plan_placement`, and
+    the ring interleaves the zones, most common first (ties by zone index): ring positions 0, 2, 4, ...
+    then 1, 3, 5, ..., each zone's nodes in id order (one zone: id order). That reaches the fewest same-zone neighbour pairs a
+    ring with these zone counts can have, ``sum(max(0, 2 * count - D))``. Every replica holds the same
+    state, so a position carries no state of its own: holders are preferred only over nodes that would
+    have to fetch the model.
+    """
+    ring = min(pipelines, len(usable))
+    if ring == 0:
+        return []
+    ranked = sorted([(zone, held == NOT_A_HOLDER, node) for node, zone, held in usable])
+    marginal = _marginal_pairs(1, ring, len(ranked))
+    keys: list[tuple[int, bool, int, int]] = []
+    previous, count = None, 0
+    for zone, fetches, node in ranked:
+        if zone != previous:
+            previous, count = zone, 0
+        keys.append((marginal[count], fetches, node, zone))
+        count += 1
+    keys.sort()
+    nodes_of: dict[int, list[int]] = {}
+    for _pairs, _fetches, node, zone in keys[:ring]:
+        nodes_of.setdefault(zone, []).append(node)
+    order = sorted(nodes_of, key=lambda zone: (-len(nodes_of[zone]), zone))
+    sequence = [node for zone in order for node in sorted(nodes_of[zone])]
+    # One zone has nothing to keep apart: the ring is in id order.
+    positions = [*range(0, ring, 2), *range(1, ring, 2)] if len(order) > 1 else list(range(ring))
+    owners: list[list[int]] = [[] for _ in range(ring)]
+    for position, node in zip(positions, sequence, strict=True):
+        owners[position] = [node]
+    return owners
+
+
 @functools.lru_cache(maxsize=64)
 def _cost_levels(stages: int) -> dict[int, tuple[tuple[int, ...] | None, ...]]:
     """For each held stage (and `NOT_A_HOLDER`), the new stages grouped by layers to fetch, fewest first.
@@ -325,6 +374,18 @@ def is_consecutive_failure(dead: Collection[tuple[int, int]], pipeline: int, sta
     return (pipeline, (stage - 1) % stages) in dead or (pipeline, (stage + 1) % stages) in dead
 
 
+def is_consecutive_replica_failure(dead: Collection[tuple[int, int]], pipeline: int, pipelines: int) -> bool:
+    """P = 1: whether losing replica `pipeline` of a ring of `pipelines` replicas is a consecutive failure.
+
+    It is when a ring neighbour is already lost (`dead` holds ``(replica, 0)`` slots): the lost replica's
+    shadow (its successor) is gone, or it was itself the shadow of its lost predecessor. A lone replica has
+    no shadow, so losing it is always one.
+    """
+    if pipelines < 2:
+        return True
+    return ((pipeline - 1) % pipelines, 0) in dead or ((pipeline + 1) % pipelines, 0) in dead
+
+
 def decision(
     dead: Collection[tuple[int, int]],
     layout_pipelines: int,
@@ -341,7 +402,11 @@ def decision(
     neighbour (one more failure would be fatal), when a shadow carries a lost stage and a node waits, when
     the waiting nodes let more pipelines run, or after any failover (rebuild redundancy, listed after every
     other reason, the consecutive failure's included); a whole layout carries on unless more pipelines can run.
+    bamboo-reconfig decides for P >= 2 only; with ``stages < 2`` this raises ValueError (`reconfigures` and
+    `is_consecutive_replica_failure` cover P = 1).
     """
+    if stages < 2:
+        raise ValueError(f"bamboo-reconfig decides for pipelines of at least 2 stages, got {stages}")
     if not dead:
         if waiting and min(target_pipelines, usable // stages) > layout_pipelines:
             return When.NEXT_STEP_BOUNDARY, _NEW_PIPELINE

@@ -2,7 +2,9 @@
 
 A profile gives the step time per (stages, pipelines), the samples per step, the desired cluster
 (pipelines x stages), prices, the timing constants of failover and restarts, the job size and the
-on-demand reference. The shipped profiles live in ``bamboo/bench/profiles/*.json``; the launcher
+on-demand reference. Optionally it gives the cluster and step times of the strategies that keep no
+redundant copy (``without_redundancy``), e.g. a pure data-parallel (P = 1) profile whose Bamboo cluster
+is over-provisioned 1.5x. The shipped profiles live in ``bamboo/bench/profiles/*.json``; the launcher
 writes measured ones in the same format. The format is documented in the package README.
 """
 
@@ -67,15 +69,29 @@ def _step_times(value: object) -> dict[tuple[int, int], float]:
     raise TypeError(f"step_time_ms must be a dict, got {type(value).__name__}")
 
 
+def _optional_step_times(value: object) -> dict[tuple[int, int], float] | None:
+    return None if value is None else _step_times(value)
+
+
+def _optional_positive_int(_instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
 @attrs.frozen
 class ModelProfile:
     """What the simulator knows about one model on one kind of machine.
 
     `step_time_ms[(stages, pipelines)]` is the time of one training step (one global batch of
-    `samples_per_step` samples) on `pipelines` data-parallel pipelines of depth `stages`. The
-    desired spot cluster is `pipelines` x `stages` nodes. `step_time_scale` multiplies every step
-    time (a profile states why it is not 1.0). `job_samples` is the training job's size: a run
+    `samples_per_step` samples) on `pipelines` data-parallel pipelines of depth `stages`, with Bamboo's
+    redundancy. The desired spot cluster is `pipelines` x `stages` nodes. `step_time_scale` multiplies
+    every step time (a profile states why it is not 1.0). `job_samples` is the training job's size: a run
     "until completion" ends when that many samples are trained.
+
+    The strategies that keep no redundant copy (checkpoint/restart, sample dropping) run on
+    `pipelines_without_redundancy` pipelines (default `pipelines`) with `step_time_ms_without_redundancy`
+    (default `step_time_ms`). With ``stages == 1`` (pure data parallelism) every node is one replica and
+    its shadow is its ring successor, so a profile needs ``pipelines >= 2``.
     """
 
     name: str
@@ -92,34 +108,69 @@ class ModelProfile:
     step_time_scale: float = attrs.field(default=1.0, validator=_positive)
     description: str = ""
     notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    pipelines_without_redundancy: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    step_time_ms_without_redundancy: dict[tuple[int, int], float] | None = attrs.field(
+        default=None, converter=_optional_step_times
+    )
 
     def __attrs_post_init__(self) -> None:
-        for d in range(1, self.pipelines + 1):
-            if (self.stages, d) not in self.step_time_ms:
-                known = sorted(self.step_time_ms)
-                raise ValueError(
-                    f"profile {self.name!r}: no step time for stages={self.stages}, pipelines={d}; has {known}"
-                )
-        for key, ms in self.step_time_ms.items():
-            if not ms > 0:
-                raise ValueError(f"profile {self.name!r}: step time for {key} must be > 0, got {ms!r}")
+        if self.stages == 1 and self.pipelines < 2:
+            raise ValueError(
+                f"profile {self.name!r}: a pure data-parallel profile (stages=1) needs pipelines >= 2, because each "
+                f"replica's shadow is its ring successor; got pipelines={self.pipelines}"
+            )
+        tables = [("step_time_ms", self.step_time_ms, self.pipelines)]
+        if self.step_time_ms_without_redundancy is not None or self.pipelines_without_redundancy is not None:
+            tables.append(("without_redundancy.step_time_ms", self._table(redundancy=False),
+                           self.pipelines_for(redundancy=False)))
+        for where, table, pipelines in tables:
+            for d in range(1, pipelines + 1):
+                if (self.stages, d) not in table:
+                    raise ValueError(
+                        f"profile {self.name!r}: {where} has no step time for stages={self.stages}, pipelines={d}; "
+                        f"has {sorted(table)}"
+                    )
+            for key, ms in table.items():
+                if not ms > 0:
+                    raise ValueError(f"profile {self.name!r}: {where} step time for {key} must be > 0, got {ms!r}")
+
+    def _table(self, redundancy: bool) -> dict[tuple[int, int], float]:
+        if not redundancy and self.step_time_ms_without_redundancy is not None:
+            return self.step_time_ms_without_redundancy
+        return self.step_time_ms
+
+    def pipelines_for(self, redundancy: bool = True) -> int:
+        """The desired pipelines of a strategy with Bamboo's redundancy, or of one without it."""
+        if not redundancy and self.pipelines_without_redundancy is not None:
+            return self.pipelines_without_redundancy
+        return self.pipelines
 
     @property
     def desired_nodes(self) -> int:
-        """The desired spot cluster size, pipelines x stages."""
+        """The desired spot cluster size, pipelines x stages (Bamboo's, with redundancy)."""
         return self.pipelines * self.stages
 
-    def step_time_s(self, pipelines: int, stages: int | None = None) -> float:
-        """Seconds per step with `pipelines` pipelines of `stages` stages (default: the profile's depth)."""
+    def desired_nodes_for(self, redundancy: bool = True) -> int:
+        """The desired spot cluster size of a strategy with Bamboo's redundancy, or of one without it."""
+        return self.pipelines_for(redundancy) * self.stages
+
+    def step_time_s(self, pipelines: int, stages: int | None = None, redundancy: bool = True) -> float:
+        """Seconds per step with `pipelines` pipelines of `stages` stages (default: the profile's depth).
+
+        `redundancy` False gives the step time of the strategies that keep no redundant copy.
+        """
         key = (self.stages if stages is None else stages, pipelines)
         try:
-            return self.step_time_ms[key] * self.step_time_scale / 1000.0
+            return self._table(redundancy)[key] * self.step_time_scale / 1000.0
         except KeyError:
-            raise KeyError(f"profile {self.name!r} has no step time for stages={key[0]}, pipelines={key[1]}") from None
+            which = "" if redundancy else " without redundancy"
+            raise KeyError(
+                f"profile {self.name!r} has no step time{which} for stages={key[0]}, pipelines={key[1]}"
+            ) from None
 
-    def samples_per_second(self, pipelines: int) -> float:
+    def samples_per_second(self, pipelines: int, redundancy: bool = True) -> float:
         """Fault-free throughput with `pipelines` pipelines."""
-        return self.samples_per_step / self.step_time_s(pipelines)
+        return self.samples_per_step / self.step_time_s(pipelines, redundancy=redundancy)
 
     @property
     def on_demand_cost_per_hour(self) -> float:
@@ -143,15 +194,21 @@ class ModelProfile:
         try:
             if document.get("format") != 1:
                 raise ProfileError(f"{source}: 'format' must be 1, got {document.get('format')!r}")
-            entries = need(document, "step_time_ms", "")
-            if not isinstance(entries, list) or not entries:
-                raise ProfileError(f"{source}: 'step_time_ms' must be a non-empty list of {{stages, pipelines, ms}}")
-            step_times: dict[tuple[int, int], float] = {}
-            for i, entry in enumerate(entries):
-                try:
-                    step_times[(int(entry["stages"]), int(entry["pipelines"]))] = float(entry["ms"])
-                except (KeyError, TypeError, ValueError):
-                    raise ProfileError(f"{source}: step_time_ms[{i}] = {entry!r} needs stages, pipelines, ms") from None
+            step_times = _read_step_times(need(document, "step_time_ms", ""), "step_time_ms", source)
+            plain = document.get("without_redundancy")
+            plain_pipelines: int | None = None
+            plain_step_times: dict[tuple[int, int], float] | None = None
+            if plain is not None:
+                if not isinstance(plain, dict):
+                    raise ProfileError(f"{source}: 'without_redundancy' must be an object, got {plain!r}")
+                unknown_plain = set(plain) - {"pipelines", "step_time_ms"}
+                if unknown_plain:
+                    raise ProfileError(f"{source}: unknown without_redundancy keys {sorted(unknown_plain)}; "
+                                       "known: ['pipelines', 'step_time_ms']")
+                if "pipelines" in plain:
+                    plain_pipelines = int(plain["pipelines"])
+                if "step_time_ms" in plain:
+                    plain_step_times = _read_step_times(plain["step_time_ms"], "without_redundancy.step_time_ms", source)
             prices = need(document, "prices", "")
             on_demand = need(document, "on_demand", "")
             timing_doc = document.get("timing", {})
@@ -174,6 +231,8 @@ class ModelProfile:
                 timing=Timing(**{k: float(v) for k, v in timing_doc.items()}),
                 description=str(document.get("description", "")),
                 notes=tuple(str(n) for n in document.get("notes", [])),
+                pipelines_without_redundancy=plain_pipelines,
+                step_time_ms_without_redundancy=plain_step_times,
             )
         except ProfileError:
             raise
@@ -182,16 +241,14 @@ class ModelProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document for this profile (round-trips through `from_dict`)."""
-        return {
+        document: dict[str, Any] = {
             "format": 1,
             "name": self.name,
             "description": self.description,
             "stages": self.stages,
             "pipelines": self.pipelines,
             "samples_per_step": self.samples_per_step,
-            "step_time_ms": [
-                {"stages": s, "pipelines": d, "ms": ms} for (s, d), ms in sorted(self.step_time_ms.items())
-            ],
+            "step_time_ms": _step_time_entries(self.step_time_ms),
             "step_time_scale": self.step_time_scale,
             "prices": {
                 "spot_per_node_hour": self.spot_price_per_node_hour,
@@ -202,6 +259,34 @@ class ModelProfile:
             "timing": attrs.asdict(self.timing),
             "notes": list(self.notes),
         }
+        plain: dict[str, Any] = {}
+        if self.pipelines_without_redundancy is not None:
+            plain["pipelines"] = self.pipelines_without_redundancy
+        if self.step_time_ms_without_redundancy is not None:
+            plain["step_time_ms"] = _step_time_entries(self.step_time_ms_without_redundancy)
+        if plain:
+            document["without_redundancy"] = plain
+        return document
+
+
+def _read_step_times(entries: object, where: str, source: str) -> dict[tuple[int, int], float]:
+    if not isinstance(entries, list) or not entries:
+        raise ProfileError(f"{source}: '{where}' must be a non-empty list of {{stages, pipelines, ms}}")
+    step_times: dict[tuple[int, int], float] = {}
+    for i, entry in enumerate(entries):
+        try:
+            key = (int(entry["stages"]), int(entry["pipelines"]))
+            ms = float(entry["ms"])
+        except (KeyError, TypeError, ValueError):
+            raise ProfileError(f"{source}: {where}[{i}] = {entry!r} needs stages, pipelines, ms") from None
+        if key in step_times:
+            raise ProfileError(f"{source}: {where}[{i}] repeats stages={key[0]}, pipelines={key[1]}")
+        step_times[key] = ms
+    return step_times
+
+
+def _step_time_entries(table: dict[tuple[int, int], float]) -> list[dict[str, Any]]:
+    return [{"stages": s, "pipelines": d, "ms": ms} for (s, d), ms in sorted(table.items())]
 
 
 def builtin_profiles() -> list[str]:

@@ -13,6 +13,12 @@ configuration its throughput is constant, so no per-step events are needed. Stra
   after any failover, to rebuild redundancy, and when the waiting nodes let more pipelines run. Every
   layout is the planner's: depth P, ``min(D, usable // P)`` pipelines, the fewest same-zone neighbours,
   holders kept at their stages, the rest on standby.
+- Pure data parallelism (a profile with P = 1): every node is one replica, and the replicas form one ring;
+  a replica's shadow is its ring successor, which also computes its share (eager: overbatching). Losing a
+  replica whose ring neighbours are alive is a failover like any other (the pause, then the rebuild at the
+  step boundary); losing one next to a lost one is the consecutive failure (fatal): the job re-forms after a
+  global rendezvous, and rolls back to the checkpoint only if no replica is left. The ring is placed by
+  ``policy.plan_replica_ring`` (bamboo-reconfig plans P >= 2 only).
 - ``checkpoint``: every preemption of a working node restarts the job (global rendezvous plus
   `restart_s`) from the last checkpoint; new nodes that allow another pipeline trigger a restart
   after a fresh checkpoint (no rollback).
@@ -20,6 +26,9 @@ configuration its throughput is constant, so no per-step events are needed. Stra
   go on) until a reconfiguration re-forms pipelines (placed by the same planner); when no pipeline is
   left it re-forms after a global rendezvous, rolling back only if some stage lost every copy.
 - ``on-demand``: the profile's on-demand cluster, never preempted, at on-demand prices.
+
+The strategies without redundancy (checkpoint, sample dropping) run on the profile's cluster without
+redundancy (``ModelProfile.pipelines_for(redundancy=False)`` and its step times), Bamboo on the profile's own.
 
 Outputs per run (`RunResult`) and averaged over seeds (`average_results`).
 """
@@ -37,7 +46,9 @@ from bamboo.bench.policy import (
     NOT_A_HOLDER,
     decision,
     is_consecutive_failure,
+    is_consecutive_replica_failure,
     plan_placement,
+    plan_replica_ring,
     reconfigures,
     system_view,
 )
@@ -239,8 +250,9 @@ class _Run:
             )
         self.timing = profile.timing
         self.stages = profile.stages
-        self.max_pipelines = profile.pipelines
-        self.step_s = [0.0] + [profile.step_time_s(d) for d in range(1, profile.pipelines + 1)]
+        redundancy = strategy is Strategy.BAMBOO
+        self.max_pipelines = profile.pipelines_for(redundancy)
+        self.step_s = [0.0] + [profile.step_time_s(d, redundancy=redundancy) for d in range(1, self.max_pipelines + 1)]
         self.target = target_samples
         self.until_s = until_s
         self.record = record
@@ -381,7 +393,10 @@ class _Run:
             self.push(self.t + self.step_duration(), _EV_DECIDE, self.version)
 
     def every_stage_has_a_copy(self) -> bool:
-        """Whether every stage still exists somewhere (its own node or, for Bamboo, its shadow)."""
+        """Whether every stage still exists somewhere (its own node or, for Bamboo, its shadow).
+
+        With P = 1 every replica holds the whole model, so it exists while any replica is alive.
+        """
         stages = self.stages
         dead = self.dead
         shadows = self.strategy is Strategy.BAMBOO
@@ -405,9 +420,9 @@ class _Run:
     def placement(self, members: list[int]) -> list[list[int]]:
         """The new layout's owners grid for the live registered `members` (no pipeline: an empty grid)."""
         stages = self.stages
-        if self.strategy is Strategy.CHECKPOINT or stages < 2:
+        if self.strategy is Strategy.CHECKPOINT:
             # Checkpoint/restart restarts every process from the checkpoint, so where a node ran before
-            # does not matter; one-stage pipelines have no neighbours to keep apart.
+            # does not matter.
             order = sorted(members)
             return [order[d * stages:(d + 1) * stages] for d in range(min(self.max_pipelines, len(order) // stages))]
         zone_aware = self.policy.zone_aware
@@ -417,6 +432,8 @@ class _Run:
             (node, zone_of[node] if zone_aware else 0, slot_of[node][1] if node in slot_of else NOT_A_HOLDER)
             for node in members
         ]
+        if stages == 1:
+            return plan_replica_ring(usable, self.max_pipelines)
         owners = plan_placement(usable, stages, self.max_pipelines)
         if self.check_policy:
             self.check_plan(members, owners)
@@ -570,7 +587,10 @@ class _Run:
 
     def bamboo_failure(self, d: int, s: int) -> None:
         stages = self.stages
-        fatal = stages == 1 or is_consecutive_failure(self.dead, d, s, stages)
+        if stages == 1:
+            fatal = is_consecutive_replica_failure(self.dead, d, len(self.owners))
+        else:
+            fatal = is_consecutive_failure(self.dead, d, s, stages)
         self.dead.add((d, s))
         if self.check_policy:
             waiting = len(self.ready)

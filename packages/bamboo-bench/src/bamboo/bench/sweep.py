@@ -70,14 +70,19 @@ def sweep(
     chunk: int = 50,
     progress: Callable[[int], None] | None = None,
 ) -> list[SweepRow]:
-    """Run `runs` seeds per probability on the synthetic model (desired size from the profile), until completion."""
+    """Run `runs` seeds per probability on the synthetic model, until completion.
+
+    The synthetic cluster's desired size is the strategy's: Bamboo's cluster for ``bamboo``, the profile's
+    cluster without redundancy for the others (``ModelProfile.desired_nodes_for``).
+    """
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     if not probabilities:
         raise ValueError("sweep needs at least one probability")
     policy = policy or Policy()
+    desired = profile.desired_nodes_for(redundancy=strategy is Strategy.BAMBOO)
     specs = {
-        p: SyntheticSpec(preemption_probability=p, desired_nodes=profile.desired_nodes, zones=zones, bulk_mean=bulk_mean)
+        p: SyntheticSpec(preemption_probability=p, desired_nodes=desired, zones=zones, bulk_mean=bulk_mean)
         for p in probabilities
     }
     jobs = []

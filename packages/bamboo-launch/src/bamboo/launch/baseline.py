@@ -404,6 +404,8 @@ class CheckpointRestartResult:
     timed_out: bool
     seconds: float
     command: tuple[str, ...]
+    stopped: bool = False
+    """The ``during`` callback ended the run before its last step (``BaselineHandles.stop``)."""
 
 
 @attrs.frozen
@@ -413,7 +415,8 @@ class BaselineHandles:
     ``kill(node)`` SIGKILLs a node's process group (agent and worker), logs its ``preemption`` and returns
     the wall time of the kill; ``add(zone)`` starts a node (an agent that joins at the next round) and logs
     its ``join``; ``alive()`` lists the nodes whose agent runs; ``steps()`` is the newest step in the log;
-    ``roles()`` maps each node of the newest world that has trained a step to its ``(stage, pipeline)``.
+    ``roles()`` maps each node of the newest world that has trained a step to its ``(stage, pipeline)``;
+    ``stop()`` ends the run now, before its last step (every node is killed; the result says ``stopped``).
     """
 
     cluster: Any
@@ -423,6 +426,7 @@ class BaselineHandles:
     alive: Callable[[], list[str]]
     steps: Callable[[], int]
     roles: Callable[[], dict[str, tuple[int, int]]]
+    stop: Callable[[], None]
 
 
 def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: int, max_nodes: int) -> list[str]:
@@ -693,6 +697,7 @@ def run_checkpoint_restart(
 
     clock = _StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
+    stop = threading.Event()
     deadline = started + options.timeout_s
     timed_out = False
     interval: CheckpointInterval | None = None
@@ -716,13 +721,16 @@ def run_checkpoint_restart(
         market.start()
         if during is not None:
             handles = BaselineHandles(cluster=cluster, events=events_path, kill=kill, add=add, alive=cluster.alive,
-                                      steps=newest_step, roles=lambda: current_roles(base))
+                                      steps=newest_step, roles=lambda: current_roles(base), stop=stop.set)
             threading.Thread(target=during, args=(handles,), name="baseline-during", daemon=True).start()
         done_at: float | None = None
         while True:
             if interval is None and (base / "interval.json").exists():
                 interval = CheckpointInterval.from_dict(json.loads((base / "interval.json").read_text()))
                 say(f"checkpoints: {interval.describe()}")
+            if stop.is_set():
+                say("stopped before the last step")
+                break
             error = _worker_error(base)
             if error is not None:
                 raise BaselineError(f"a worker failed: {error}")
@@ -754,4 +762,4 @@ def run_checkpoint_restart(
         run_dir=run_dir, events=events_path, checkpoint_dir=checkpoint_dir, interval=interval,
         interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),
         steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.processes.items()},
-        timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command))
+        timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command), stopped=stop.is_set())

@@ -1062,7 +1062,7 @@ def _finish_run(args: argparse.Namespace, options: Any, result: Any, verify: Any
     else:
         print(format_report(report))
         for key, value in extra.items():
-            rows = value if isinstance(value, list) and value else [value]
+            rows = value if key == "worker_errors" else [value]  # one line per worker error
             print(f"  {key.replace('_', ' '):<16} {rows[0]}")
             for row in rows[1:]:
                 print(f"  {'':<16} {row}")

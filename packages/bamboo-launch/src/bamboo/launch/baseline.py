@@ -5,8 +5,10 @@ DeepSpeed config, global batch and data order) with DeepSpeed's own ``PipelineEn
 elastic agents, and replays the same preemption trace against it:
 
 - **one torchrun elastic agent per market node** (``python -m torch.distributed.run``, ``--nproc-per-node 1``),
-  started by :class:`bamboo.launch.market.ProcessCluster` as the leader of its own process group, so a
-  market kill (SIGKILL of the group) takes the agent and its worker, as a lost machine would;
+  started by a :class:`bamboo.launch.market.ProcessCluster` as the leader of its own process group. torchrun
+  starts its worker in a session of its own, so this cluster's kill SIGKILLs the process groups of the agent
+  and of all its descendants (and the worker asks Linux to kill it when its agent dies): a market kill takes
+  the agent and its worker, as a lost machine would;
 - **the rendezvous** is torchrun's ``c10d`` backend on a ``TCPStore`` hosted by this process, which the
   market never preempts (as bamboo's etcd is not): ``--rdzv-conf is_host=0`` so that no agent hosts it;
 - **restarts**: ``--max-restarts`` (1000) and ``--monitor-interval`` (0.1 s). A worker that fails (its
@@ -29,7 +31,8 @@ elastic agents, and replays the same preemption trace against it:
   wait list when a round fills up to ``MAX`` stays there, every agent then sees a waiting node and restarts
   its workers, and the job restarts over and over without training;
 - **checkpoints** every ``K`` steps (DeepSpeed ``save_checkpoint``/``load_checkpoint``, synchronous, as
-  DeepSpeed writes them), ``K`` by Young's rule (:func:`checkpoint_interval`): ``sqrt(2 x checkpoint cost x
+  DeepSpeed writes them, in ``checkpoint_dir``; its ``latest`` is written by global rank 0 after a barrier,
+  atomically, so it never names a checkpoint a killed node left half written), ``K`` by Young's rule (:func:`checkpoint_interval`): ``sqrt(2 x checkpoint cost x
   mean time between interruptions) / step time``, with the checkpoint cost and step time measured on the
   job's first start and the mean time between interruptions from the trace (:func:`trace_interruptions`:
   its kills and its later additions, since either restarts this system), or given.

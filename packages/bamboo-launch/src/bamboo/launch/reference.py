@@ -4,7 +4,9 @@
 same global batch at every step, accumulated per pipeline as the run's layouts grouped it (``history``:
 ``(first step, pipelines)`` of every generation) and the shares added in pipeline order, which is how
 the data-parallel all-reduce associates them. So a run that changed the number of pipelines mid-way is
-compared with the same sums, associated the same way, and an exact run matches bit for bit.
+compared with the same sums, associated the same way, and an exact run matches bit for bit. Each layer's
+forward runs under the generator that :mod:`bamboo.rc.rng` derives from (seed, step, global microbatch
+index, layer index), as in the workers, so a model with dropout draws the same masks here as there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def train_reference_program(
     """
     import torch
     from bamboo.rc import load_config
+    from bamboo.rc.rng import global_microbatch
     from bamboo.rc.state import TrainableSlice, clip_coefficient
 
     first_d = int(history[0][1])
@@ -48,9 +51,10 @@ def train_reference_program(
         for pipeline in range(pipelines):
             whole.zero_grads()
             for k in range(per_pipeline):
-                inputs, labels = microbatch(step, pipeline * per_pipeline + k)
+                index = global_microbatch(pipeline, per_pipeline, k)
+                inputs, labels = microbatch(step, index)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=base.bf16):
-                    outputs = whole.layers(inputs)
+                    outputs = whole.forward(inputs, step=step, microbatch=index)  # bamboo.rc.rng's generators
                 (loss_fn(outputs, labels) / global_microbatches).backward()
             share = whole.flat_grads()
             summed = share if summed is None else summed + share

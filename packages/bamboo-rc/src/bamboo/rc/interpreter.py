@@ -40,6 +40,7 @@ from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult
+from bamboo.rc.rng import global_microbatch
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 from bamboo.schedule import FailoverPlan, Instruction, Kind
@@ -259,8 +260,9 @@ class StageInterpreter:
 
     def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
         self._apply_replica_update(stage)
+        microbatch = global_microbatch(self.pipeline, self.config.micro_batches, k)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
-            y = self.slices[stage].layers(x)
+            y = self.slices[stage].forward(x, step=self.step, microbatch=microbatch)  # F, FR, BR's FR: same masks
         if stage == self.layout.stages - 1:
             return self.loss_fn(y, self._microbatches[k][1]) / self._global_microbatches()
         self._output_meta[stage] = (y.shape, y.dtype)

@@ -1,7 +1,8 @@
 """Layers and stages: the example model, the cost of each layer, and the split into stages.
 
 The example model is a GPT-style byte-level decoder defined as DeepSpeed `LayerSpec`s: the layer
-list is `[ByteEmbedding, DecoderBlock × n_layers, LMHead]`.
+list is `[ByteEmbedding, DecoderBlock × n_layers, LMHead]`, with optional dropout
+(:attr:`GPTSize.dropout`; its masks come from :mod:`bamboo.rc.rng`, so they are exact too).
 
 Stages own contiguous layer ranges, the *stage bounds*. There is one split function for the
 whole system, bamboo-reconfig's :func:`bamboo.reconfig.split_layers` (it balances compute and
@@ -50,6 +51,11 @@ def _positive(_instance: object, attribute: attrs.Attribute, value: int) -> None
         raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
 
 
+def _probability(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1), got {value!r}")
+
+
 @attrs.frozen
 class GPTSize:
     """The size of the example decoder, from tiny upwards."""
@@ -58,6 +64,8 @@ class GPTSize:
     width: int = attrs.field(default=64, validator=_positive)
     heads: int = attrs.field(default=4, validator=_positive)
     sequence: int = attrs.field(default=32, validator=_positive)
+    dropout: float = attrs.field(default=0.0, converter=float, validator=_probability)
+    """Dropout probability after the embedding, the attention and the MLP (GPT-2's places); 0 = none."""
 
     def __attrs_post_init__(self) -> None:
         if self.width % self.heads:
@@ -67,22 +75,24 @@ class GPTSize:
 class ByteEmbedding(nn.Module):
     """Token (byte) plus learned position embedding: int64 [b, t] -> float [b, t, width]."""
 
-    def __init__(self, width: int, sequence: int) -> None:
+    def __init__(self, width: int, sequence: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.tokens = nn.Embedding(VOCAB_SIZE, width)
         self.positions = nn.Embedding(sequence, width)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tokens(tokens) + self.positions(positions)[None]
+        return self.dropout(self.tokens(tokens) + self.positions(positions)[None])
 
 
 class DecoderBlock(nn.Module):
     """Pre-norm causal self-attention and MLP block: [b, t, width] -> [b, t, width]."""
 
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
+        self.dropout = nn.Dropout(dropout)
         self.norm1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
@@ -96,10 +106,10 @@ class DecoderBlock(nn.Module):
         q, k, v = (z.view(b, t, self.heads, w // self.heads).transpose(1, 2) for z in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(w // self.heads)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        attention = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        attention = self.dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1))
         y = (attention @ v).transpose(1, 2).reshape(b, t, w)
-        x = x + self.proj(y)
-        return x + self.down(functional.gelu(self.up(self.norm2(x))))
+        x = x + self.dropout(self.proj(y))
+        return x + self.dropout(self.down(functional.gelu(self.up(self.norm2(x)))))
 
 
 class LMHead(nn.Module):
@@ -124,8 +134,8 @@ def gpt_layer_specs(size: GPTSize) -> list[Any]:
     from deepspeed.pipe import LayerSpec
 
     return [
-        LayerSpec(ByteEmbedding, size.width, size.sequence),
-        *(LayerSpec(DecoderBlock, size.width, size.heads) for _ in range(size.layers)),
+        LayerSpec(ByteEmbedding, size.width, size.sequence, size.dropout),
+        *(LayerSpec(DecoderBlock, size.width, size.heads, size.dropout) for _ in range(size.layers)),
         LayerSpec(LMHead, size.width),
     ]
 

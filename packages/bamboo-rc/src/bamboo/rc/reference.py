@@ -2,7 +2,9 @@
 
 It trains the whole model in one process on the same global batches, with the same loss scaling
 (each microbatch's loss divided by the number of microbatches in the global batch), the same
-global-norm clipping and the same optimizer and scheduler math as the pipeline. `verify` compares
+global-norm clipping and the same optimizer and scheduler math as the pipeline, and each layer's
+forward under the same generator as in the pipeline (:mod:`bamboo.rc.rng`: seeded from the seed,
+the step, the microbatch's global index and the layer's index). `verify` compares
 the pipeline's parameters against it.
 """
 
@@ -15,6 +17,7 @@ import attrs
 import torch
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.rng import global_microbatch
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 
 __all__ = ["ReferenceResult", "train_reference"]
@@ -50,9 +53,10 @@ def train_reference(
             # as the data-parallel all-reduce does: the same sums, associated the same way.
             whole.zero_grads()
             for k in range(config.micro_batches):
-                batch = sampler.microbatch(step, pipeline * config.micro_batches + k)
+                index = global_microbatch(pipeline, config.micro_batches, k)
+                batch = sampler.microbatch(step, index)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                    logits = whole.layers(batch.tokens)
+                    logits = whole.forward(batch.tokens, step=step, microbatch=index)
                 loss = loss_fn(logits, batch.labels)
                 (loss / global_microbatches).backward()
                 total += float(loss.detach())

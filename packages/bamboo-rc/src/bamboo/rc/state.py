@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from bamboo.rc.config import TrainingConfig, build_optimizer, build_scheduler
 from bamboo.rc.model import build_layers
+from bamboo.rc.rng import run_layers
 from torch import nn
 
 __all__ = ["TrainableSlice", "clip_coefficient"]
@@ -38,11 +39,17 @@ class TrainableSlice:
 
     def __init__(self, specs: Sequence[Any], indices: range, config: TrainingConfig, seed: int) -> None:
         self.indices = indices
+        self.seed = seed
         self.layers: nn.Sequential = build_layers(specs, indices, seed)
         self.parameters: list[nn.Parameter] = [p for p in self.layers.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, self.parameters)
         self.scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.steps = 0
+
+    def forward(self, x: Any, *, step: int, microbatch: int) -> Any:
+        """The slice's layers on `x`, each under its own generator seeded from (seed, `step`, global
+        `microbatch` index, layer index): :func:`bamboo.rc.rng.run_layers`."""
+        return run_layers(self.layers, self.indices, x, seed=self.seed, step=step, microbatch=microbatch)
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.parameters)

@@ -11,6 +11,10 @@
   one agent process per node, plus the live view; :func:`compare_with_reference` checks a run against a
   fault-free single-process run (:mod:`bamboo.launch.reference`);
 - :mod:`bamboo.launch.script`: :func:`train_worker`, the one call of a user training script;
+- :mod:`bamboo.launch.export`: a run's final model, or a checkpoint, as one state dict (``bamboo-launch export``);
+- :mod:`bamboo.launch.baseline`: :func:`run_checkpoint_restart`, the checkpoint/restart system users run today
+  (torchrun elastic agents and DeepSpeed's PipelineEngine, checkpoints every K steps by Young's rule) on the
+  same emulated market, for comparisons measured in the same run;
 - :mod:`bamboo.launch.spec` (the job's spec, a worker's context, a program), :mod:`bamboo.launch.records`
   (the decisions in etcd), :mod:`bamboo.launch.timeouts` (every timeout): shared types;
 - :mod:`bamboo.launch.events`: the event log (typed records; JSON lines, or etcd on a cluster);
@@ -21,12 +25,18 @@
   clock, real process-group kills);
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
 - :mod:`bamboo.launch.live`: the live progress view, folded from an event log as it grows;
-- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``agent``, ``run``, ``k8s render|validate``,
-  ``market``, ``report``, ``watch``).
+- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``agent``, ``run``, ``export``,
+  ``k8s render|validate``, ``market``, ``report``, ``watch``).
 
 Importing this package does not import torch or matplotlib; the functions that need them do.
 """
 
+from bamboo.launch.baseline import (
+    CheckpointRestartOptions,
+    CheckpointRestartResult,
+    checkpoint_interval,
+    run_checkpoint_restart,
+)
 from bamboo.launch.checkpoint import (
     AsyncCheckpointer,
     CheckpointError,
@@ -52,6 +62,7 @@ from bamboo.launch.events import (
     Step,
     read_events,
 )
+from bamboo.launch.export import ExportError, export_checkpoint, export_run, save_state_dict
 from bamboo.launch.k8s import K8sConfig, ManifestValidationError, render_manifests, validate_manifests
 from bamboo.launch.live import EventFollower, LiveState, render_live
 from bamboo.launch.market import (
@@ -84,10 +95,13 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointRestartOptions",
+    "CheckpointRestartResult",
     "Event",
     "EventFollower",
     "EventLog",
     "EventLogError",
+    "ExportError",
     "Failover",
     "JobSpec",
     "Join",
@@ -118,8 +132,11 @@ __all__ = [
     "WorkerContext",
     "assign_zones",
     "build_view",
+    "checkpoint_interval",
     "compare_with_reference",
     "compute_report",
+    "export_checkpoint",
+    "export_run",
     "format_report",
     "kill_process_group",
     "load_checkpoint",
@@ -129,7 +146,9 @@ __all__ = [
     "read_events",
     "render_live",
     "render_manifests",
+    "run_checkpoint_restart",
     "run_cluster",
+    "save_state_dict",
     "train_reference_history",
     "train_reference_program",
     "train_worker",

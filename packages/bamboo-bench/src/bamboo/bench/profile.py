@@ -5,7 +5,10 @@ A profile gives the step time per (stages, pipelines), the samples per step, the
 on-demand reference. Optionally it gives the cluster and step times of the strategies that keep no
 redundant copy (``without_redundancy``), e.g. a pure data-parallel (P = 1) profile whose Bamboo cluster
 is over-provisioned 1.5x. The shipped profiles live in ``bamboo/bench/profiles/*.json``; the launcher
-writes measured ones in the same format. The format is documented in the package README.
+writes measured ones in the same format (``bamboo-launch measure``, ``bamboo-bench compare``): they add the
+cost of a synchronous checkpoint (``timing.checkpoint_s``), the on-demand cluster's start-up
+(``on_demand.startup_s``) and how checkpoint/restart treats a joining node (``checkpoint_restart_on_join``);
+profiles without those keys load as before. The format is documented in the package README.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ModelProfile", "ProfileError", "Timing", "builtin_profiles", "load_profile"]
+__all__ = ["JOIN_RESTARTS", "ModelProfile", "ProfileError", "Timing", "builtin_profiles", "load_profile"]
+
+JOIN_RESTARTS = ("new-pipeline", "every-join")
+"""How checkpoint/restart reacts to a node that joins (``ModelProfile.checkpoint_restart_on_join``):
+``new-pipeline`` (the paper's simulator) restarts, after a fresh checkpoint, only when the waiting nodes let
+another pipeline run; ``every-join`` (torchrun's elastic agents: an agent that sees a node waiting restarts its
+workers) restarts every worker from the last checkpoint whenever a node joins, without a fresh checkpoint."""
 
 
 class ProfileError(ValueError):
@@ -50,7 +59,11 @@ class Timing:
       (paper: 1.5), until the next reconfiguration.
     - `restart_s`: cost of a checkpoint/restart restart: new processes, imports, framework set-up
       and the checkpoint load, on top of `global_rendezvous_s`.
-    - `checkpoint_interval_s`: time between periodic checkpoints (used to roll back).
+    - `checkpoint_interval_s`: time between periodic checkpoints (used to roll back), in time spent
+      training (a checkpoint's own `checkpoint_s` included).
+    - `checkpoint_s`: how long each periodic checkpoint stops training (a synchronous write; 0 for an
+      asynchronous one). Training runs `1 - checkpoint_s / checkpoint_interval_s` as fast as its steps
+      alone would.
     """
 
     instance_creation_s: float = attrs.field(default=45.0, validator=_non_negative)
@@ -61,6 +74,19 @@ class Timing:
     fallback_slowdown: float = attrs.field(default=1.5, validator=_positive)
     restart_s: float = attrs.field(default=0.0, validator=_non_negative)
     checkpoint_interval_s: float = attrs.field(default=1800.0, validator=_positive)
+    checkpoint_s: float = attrs.field(default=0.0, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.checkpoint_s < self.checkpoint_interval_s:
+            raise ValueError(
+                f"checkpoint_s ({self.checkpoint_s!r}) must be less than checkpoint_interval_s "
+                f"({self.checkpoint_interval_s!r}): a checkpoint is part of the interval between checkpoints"
+            )
+
+    @property
+    def checkpoint_share(self) -> float:
+        """The share of training time that periodic checkpoints take (`checkpoint_s / checkpoint_interval_s`)."""
+        return self.checkpoint_s / self.checkpoint_interval_s
 
 
 def _step_times(value: object) -> dict[tuple[int, int], float]:
@@ -92,6 +118,9 @@ class ModelProfile:
     `pipelines_without_redundancy` pipelines (default `pipelines`) with `step_time_ms_without_redundancy`
     (default `step_time_ms`). With ``stages == 1`` (pure data parallelism) every node is one replica and
     its shadow is its ring successor, so a profile needs ``pipelines >= 2``.
+
+    `on_demand_startup_s` is how long the on-demand cluster takes to its first step (it is billed meanwhile;
+    0: from the start). `checkpoint_restart_on_join` is one of `JOIN_RESTARTS`.
     """
 
     name: str
@@ -111,6 +140,10 @@ class ModelProfile:
     pipelines_without_redundancy: int | None = attrs.field(default=None, validator=_optional_positive_int)
     step_time_ms_without_redundancy: dict[tuple[int, int], float] | None = attrs.field(
         default=None, converter=_optional_step_times
+    )
+    on_demand_startup_s: float = attrs.field(default=0.0, validator=_non_negative)
+    checkpoint_restart_on_join: str = attrs.field(
+        default="new-pipeline", validator=attrs.validators.in_(JOIN_RESTARTS)
     )
 
     def __attrs_post_init__(self) -> None:
@@ -211,6 +244,14 @@ class ModelProfile:
                     plain_step_times = _read_step_times(plain["step_time_ms"], "without_redundancy.step_time_ms", source)
             prices = need(document, "prices", "")
             on_demand = need(document, "on_demand", "")
+            unknown_on_demand = set(on_demand) - {"nodes", "samples_per_second", "startup_s"}
+            if unknown_on_demand:
+                raise ProfileError(f"{source}: unknown on_demand keys {sorted(unknown_on_demand)}; "
+                                   "known: ['nodes', 'samples_per_second', 'startup_s']")
+            on_join = document.get("checkpoint_restart_on_join", "new-pipeline")
+            if on_join not in JOIN_RESTARTS:
+                raise ProfileError(f"{source}: 'checkpoint_restart_on_join' must be one of {list(JOIN_RESTARTS)}, "
+                                   f"got {on_join!r}")
             timing_doc = document.get("timing", {})
             known_timing = {f.name for f in attrs.fields(Timing)}
             unknown = set(timing_doc) - known_timing
@@ -233,6 +274,8 @@ class ModelProfile:
                 notes=tuple(str(n) for n in document.get("notes", [])),
                 pipelines_without_redundancy=plain_pipelines,
                 step_time_ms_without_redundancy=plain_step_times,
+                on_demand_startup_s=float(on_demand.get("startup_s", 0.0)),
+                checkpoint_restart_on_join=on_join,
             )
         except ProfileError:
             raise
@@ -259,6 +302,10 @@ class ModelProfile:
             "timing": attrs.asdict(self.timing),
             "notes": list(self.notes),
         }
+        if self.on_demand_startup_s:
+            document["on_demand"]["startup_s"] = self.on_demand_startup_s
+        if self.checkpoint_restart_on_join != "new-pipeline":
+            document["checkpoint_restart_on_join"] = self.checkpoint_restart_on_join
         plain: dict[str, Any] = {}
         if self.pipelines_without_redundancy is not None:
             plain["pipelines"] = self.pipelines_without_redundancy

@@ -21,11 +21,17 @@ configuration its throughput is constant, so no per-step events are needed. Stra
   ``policy.plan_replica_ring`` (bamboo-reconfig plans P >= 2 only).
 - ``checkpoint``: every preemption of a working node restarts the job (global rendezvous plus
   `restart_s`) from the last checkpoint; new nodes that allow another pipeline trigger a restart
-  after a fresh checkpoint (no rollback).
+  after a fresh checkpoint (no rollback). With a profile's ``checkpoint_restart_on_join`` of
+  ``every-join`` (torchrun's elastic agents), every node that joins restarts the job from the last
+  checkpoint instead, whether or not it allows another pipeline.
 - ``sample-dropping``: a pipeline that loses a node drops out (its samples are dropped, the others
   go on) until a reconfiguration re-forms pipelines (placed by the same planner); when no pipeline is
   left it re-forms after a global rendezvous, rolling back only if some stage lost every copy.
-- ``on-demand``: the profile's on-demand cluster, never preempted, at on-demand prices.
+- ``on-demand``: the profile's on-demand cluster, never preempted, at on-demand prices; it trains from
+  ``on_demand_startup_s`` on (0 by default) and is billed from the start.
+
+Periodic checkpoints that stop training (``timing.checkpoint_s``) slow every spot strategy's progress by
+the share of training time they take, ``checkpoint_s / checkpoint_interval_s``.
 
 The strategies without redundancy (checkpoint, sample dropping) run on the profile's cluster without
 redundancy (``ModelProfile.pipelines_for(redundancy=False)`` and its step times), Bamboo on the profile's own.
@@ -253,6 +259,11 @@ class _Run:
         redundancy = strategy is Strategy.BAMBOO
         self.max_pipelines = profile.pipelines_for(redundancy)
         self.step_s = [0.0] + [profile.step_time_s(d, redundancy=redundancy) for d in range(1, self.max_pipelines + 1)]
+        # Synchronous checkpoints take this share of the time spent training.
+        self.progress_factor = 1.0 - self.timing.checkpoint_share
+        self.restart_on_every_join = (
+            strategy is Strategy.CHECKPOINT and profile.checkpoint_restart_on_join == "every-join"
+        )
         self.target = target_samples
         self.until_s = until_s
         self.record = record
@@ -317,8 +328,8 @@ class _Run:
         step = self.step_duration()
         if self.strategy is Strategy.SAMPLE_DROPPING:
             working = self.pipelines - len(self.broken)
-            return self.profile.samples_per_step * working / self.pipelines / step
-        return self.profile.samples_per_step / step
+            return self.profile.samples_per_step * working / self.pipelines / step * self.progress_factor
+        return self.profile.samples_per_step / step * self.progress_factor
 
     def advance(self, when: float) -> None:
         dt = when - self.t
@@ -532,7 +543,11 @@ class _Run:
             if len(self.ready) + len(self.slot_of) >= self.stages:
                 self.start_pause(self.global_restart_s(), forms=True)
         elif self.phase == _RUNNING:
-            if self.strategy is Strategy.CHECKPOINT:
+            if self.restart_on_every_join:
+                # torchrun's agents restart every worker when a node waits: back to the last checkpoint.
+                self.rollback()
+                self.start_pause(self.global_restart_s(), forms=True)
+            elif self.strategy is Strategy.CHECKPOINT:
                 if self.should_reconfigure():
                     self.checkpoint_now()
                     self.start_pause(self.global_restart_s(), forms=True)
@@ -730,18 +745,25 @@ class _Run:
 
 
 def _on_demand_result(profile: ModelProfile, target_samples: float, until_s: float, record: bool) -> RunResult:
-    throughput = profile.on_demand_samples_per_second
-    end = min(target_samples / throughput, until_s)
+    rate = profile.on_demand_samples_per_second
+    startup = profile.on_demand_startup_s
+    end = min(startup + target_samples / rate, until_s)
+    samples = max(0.0, end - startup) * rate
+    throughput = samples / end if end > 0 else 0.0
     cost = profile.on_demand_cost_per_hour
     timeline = None
     if record:
         nodes = profile.on_demand_nodes
-        timeline = Timeline(np.array([0.0, end]), np.array([nodes, nodes]), np.array([throughput, throughput]))
+        if startup > 0 and end > startup:
+            timeline = Timeline(np.array([0.0, startup, end]), np.array([nodes, nodes, nodes]), np.array([0.0, rate, rate]))
+        else:
+            timeline = Timeline(np.array([0.0, end]), np.array([nodes, nodes]),
+                                np.array([rate if startup == 0 else 0.0] * 2))
     return RunResult(
         strategy=Strategy.ON_DEMAND,
-        completed=end * throughput >= target_samples,
+        completed=startup + target_samples / rate <= until_s,
         duration_h=end / 3600.0,
-        samples=end * throughput,
+        samples=samples,
         preemptions=0,
         interval_h=math.nan,
         lifetime_h=end / 3600.0,
@@ -751,7 +773,7 @@ def _on_demand_result(profile: ModelProfile, target_samples: float, until_s: flo
         throughput=throughput,
         cost_per_hour=cost,
         value=throughput / cost,
-        progress_share=1.0,
+        progress_share=max(0.0, end - startup) / end if end > 0 else 0.0,
         timeline=timeline,
     )
 

@@ -3,7 +3,9 @@
 - ``timing.checkpoint_s``: synchronous checkpoints take that share of training time;
 - ``checkpoint_restart_on_join``: ``every-join`` (torchrun's agents) restarts from the last checkpoint
   whenever a node joins, where ``new-pipeline`` restarts after a fresh checkpoint, and only for a pipeline;
-- ``on_demand.startup_s``: the on-demand cluster trains from then on and is billed from the start.
+- ``on_demand.startup_s``: the on-demand cluster trains from then on and is billed from the start;
+- ``timing.startup_s``: a measured cold start replaces the first start (instance creation and the first global
+  rendezvous) of the nodes present at time 0; every later start is unchanged.
 
 Old profiles (without the keys) load as before: every shipped profile round-trips with its defaults.
 """
@@ -81,6 +83,20 @@ def test_bamboo_and_other_joins_ignore_the_checkpoint_restart_key(tiny_profile: 
         assert _run(trace, every, strategy).samples == pytest.approx(_run(trace, tiny_profile, strategy).samples)
 
 
+def test_a_measured_startup_times_the_first_start_only(tiny_profile: ModelProfile) -> None:
+    profile = attrs.evolve(tiny_profile, timing=attrs.evolve(tiny_profile.timing, startup_s=30.0))
+    # Bamboo: the first layout at 30 s (not 10 + 5 + 3 = 18 s), then 10 samples/s until 1000.
+    assert _run(_trace([]), profile, Strategy.BAMBOO).samples == pytest.approx(970 * 10)
+    # Checkpoint/restart: first start at 30 s (not 35 s); n1 dies at 200 (170 s of training: the checkpoint
+    # after 100 s holds 1000 samples); the restart still takes the global rendezvous and restart_s (25 s).
+    result = _run(_trace([(200.0, "remove", 1)]), profile, Strategy.CHECKPOINT)
+    assert result.samples == pytest.approx(1000 + 775 * ONE_PIPELINE)
+    # A node added later still takes its instance creation (10 s): n8 at 300 is ready at 310, and
+    # new-pipeline restarts at once after a fresh checkpoint (310-335).
+    joined = _run(_trace([(200.0, "remove", 1), (300.0, "add", 8)]), profile, Strategy.CHECKPOINT)
+    assert joined.samples == pytest.approx(1000 + 85 * ONE_PIPELINE + 665 * 10)
+
+
 def test_on_demand_trains_after_its_startup(tiny_profile: ModelProfile) -> None:
     profile = attrs.evolve(tiny_profile, on_demand_startup_s=20.0)
     result = simulate_run(_trace([]), profile, Strategy.ON_DEMAND, until_s=1000.0, target_samples=math.inf,
@@ -97,16 +113,18 @@ def test_on_demand_trains_after_its_startup(tiny_profile: ModelProfile) -> None:
 
 def test_the_new_keys_round_trip_and_old_profiles_keep_their_defaults(tiny_profile: ModelProfile) -> None:
     measured = attrs.evolve(tiny_profile, on_demand_startup_s=12.5, checkpoint_restart_on_join="every-join",
-                            timing=attrs.evolve(tiny_profile.timing, checkpoint_s=0.25))
+                            timing=attrs.evolve(tiny_profile.timing, checkpoint_s=0.25, startup_s=17.0))
     document = measured.to_dict()
     assert document["on_demand"]["startup_s"] == 12.5
+    assert document["timing"]["startup_s"] == 17.0
     assert document["checkpoint_restart_on_join"] == "every-join"
     assert document["timing"]["checkpoint_s"] == 0.25
     assert ModelProfile.from_dict(document, "measured") == measured
     for name in builtin_profiles():
         profile = load_profile(name)
         assert (profile.on_demand_startup_s, profile.checkpoint_restart_on_join) == (0.0, "new-pipeline")
-        assert profile.timing.checkpoint_s == 0.0
+        assert profile.timing.checkpoint_s == 0.0 and profile.timing.startup_s is None
+        assert "startup_s" not in profile.to_dict()["timing"]
         assert "startup_s" not in profile.to_dict()["on_demand"]
         assert "checkpoint_restart_on_join" not in profile.to_dict()
 
@@ -119,6 +137,7 @@ def test_the_new_keys_round_trip_and_old_profiles_keep_their_defaults(tiny_profi
         ({"on_demand": {"nodes": 6, "samples_per_second": 12.0, "start": 3}},
          "unknown on_demand keys \\['start'\\]; known: \\['nodes', 'samples_per_second', 'startup_s'\\]"),
         ({"on_demand": {"nodes": 6, "samples_per_second": 12.0, "startup_s": -1}}, "on_demand_startup_s must be >= 0"),
+        ({"timing": {"startup_s": -2}}, "startup_s must be >= 0 or null, got -2.0"),
     ],
 )
 def test_bad_new_keys_name_the_file_and_the_key(tiny_profile: ModelProfile, change: dict, message: str) -> None:

@@ -64,6 +64,9 @@ class Timing:
     - `checkpoint_s`: how long each periodic checkpoint stops training (a synchronous write; 0 for an
       asynchronous one). Training runs `1 - checkpoint_s / checkpoint_interval_s` as fast as its steps
       alone would.
+    - `startup_s`: None (default), or the seconds from the run's start to its first layout of the nodes
+      present at the start, in place of their `instance_creation_s` and the first global rendezvous (a
+      measured profile's cold start: process start, imports, framework set-up). Later starts are unchanged.
     """
 
     instance_creation_s: float = attrs.field(default=45.0, validator=_non_negative)
@@ -75,8 +78,11 @@ class Timing:
     restart_s: float = attrs.field(default=0.0, validator=_non_negative)
     checkpoint_interval_s: float = attrs.field(default=1800.0, validator=_positive)
     checkpoint_s: float = attrs.field(default=0.0, validator=_non_negative)
+    startup_s: float | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
+        if self.startup_s is not None and not self.startup_s >= 0:
+            raise ValueError(f"startup_s must be >= 0 or null, got {self.startup_s!r}")
         if not self.checkpoint_s < self.checkpoint_interval_s:
             raise ValueError(
                 f"checkpoint_s ({self.checkpoint_s!r}) must be less than checkpoint_interval_s "
@@ -269,7 +275,7 @@ class ModelProfile:
                 on_demand_nodes=int(need(on_demand, "nodes", "on_demand.")),
                 on_demand_samples_per_second=float(need(on_demand, "samples_per_second", "on_demand.")),
                 job_samples=float(need(document, "job_samples", "")),
-                timing=Timing(**{k: float(v) for k, v in timing_doc.items()}),
+                timing=Timing(**{k: None if v is None and k == "startup_s" else float(v) for k, v in timing_doc.items()}),
                 description=str(document.get("description", "")),
                 notes=tuple(str(n) for n in document.get("notes", [])),
                 pipelines_without_redundancy=plain_pipelines,
@@ -299,7 +305,7 @@ class ModelProfile:
             },
             "on_demand": {"nodes": self.on_demand_nodes, "samples_per_second": self.on_demand_samples_per_second},
             "job_samples": self.job_samples,
-            "timing": attrs.asdict(self.timing),
+            "timing": {k: v for k, v in attrs.asdict(self.timing).items() if not (k == "startup_s" and v is None)},
             "notes": list(self.notes),
         }
         if self.on_demand_startup_s:

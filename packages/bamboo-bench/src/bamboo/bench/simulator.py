@@ -30,6 +30,10 @@ configuration its throughput is constant, so no per-step events are needed. Stra
 - ``on-demand``: the profile's on-demand cluster, never preempted, at on-demand prices; it trains from
   ``on_demand_startup_s`` on (0 by default) and is billed from the start.
 
+A profile's ``timing.startup_s`` (measured profiles set it) replaces the first start: the nodes present at
+time 0 are ready at once and the first layout forms ``startup_s`` after the start, instead of after
+`instance_creation_s` and the global rendezvous (which every later start still takes).
+
 Periodic checkpoints that stop training (``timing.checkpoint_s``) slow every spot strategy's progress by
 the share of training time they take, ``checkpoint_s / checkpoint_interval_s``.
 
@@ -264,6 +268,8 @@ class _Run:
         self.restart_on_every_join = (
             strategy is Strategy.CHECKPOINT and profile.checkpoint_restart_on_join == "every-join"
         )
+        # Whether a layout has formed yet (until then a profile's startup_s times the first start).
+        self.formed_once = False
         self.target = target_samples
         self.until_s = until_s
         self.record = record
@@ -467,6 +473,7 @@ class _Run:
             self.set_phase(_STOPPED)
             return
         self.reconfigurations += 1
+        self.formed_once = True
         self.owners = owners
         slot_of: dict[int, tuple[int, int]] = {}
         for d, row in enumerate(owners):
@@ -531,7 +538,8 @@ class _Run:
         self.start_of[node] = self.t
         self.state[node] = _CREATING
         self.allocated += 1
-        self.push(self.t + self.timing.instance_creation_s, _EV_READY, node)
+        at_start = self.timing.startup_s is not None and not self.formed_once and self.t == 0.0
+        self.push(self.t + (0.0 if at_start else self.timing.instance_creation_s), _EV_READY, node)
 
     def on_ready(self, node: int) -> None:
         if self.state.get(node) != _CREATING:
@@ -541,7 +549,9 @@ class _Run:
         self.ready.add(node)
         if self.phase == _STOPPED:
             if len(self.ready) + len(self.slot_of) >= self.stages:
-                self.start_pause(self.global_restart_s(), forms=True)
+                startup = self.timing.startup_s
+                first = startup is not None and not self.formed_once
+                self.start_pause(max(0.0, startup - self.t) if first else self.global_restart_s(), forms=True)
         elif self.phase == _RUNNING:
             if self.restart_on_every_join:
                 # torchrun's agents restart every worker when a node waits: back to the last checkpoint.

@@ -29,23 +29,26 @@ from bamboo.rc.records import FailoverRecord, RecordError
 from bamboo.rc.timeouts import CommTimeouts
 
 if TYPE_CHECKING:
-    from bamboo.rc.config import ConfigError, TrainingConfig, load_config
+    from bamboo.rc.config import ConfigError, ConfigWarning, MonitorConfig, TrainingConfig, load_config
     from bamboo.rc.engine import Engine, initialize
     from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
     from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
     from bamboo.rc.interpreter import StageInterpreter
     from bamboo.rc.model import layer_costs, stage_bounds
+    from bamboo.rc.monitor import StepInfo
     from bamboo.rc.transfer import export_stage_state, import_stage_state
 
 # Names whose modules import torch: loaded on first use, so that the failure records above (which an
 # agent process reads and writes) come without torch.
 _LAZY = {
-    "ConfigError": "config", "TrainingConfig": "config", "load_config": "config",
+    "ConfigError": "config", "ConfigWarning": "config", "MonitorConfig": "config", "TrainingConfig": "config",
+    "load_config": "config",
     "Engine": "engine", "initialize": "engine",
     "REDUNDANCY_MODES": "executor", "ExecutorHook": "executor", "StageExecutor": "executor",
     "FaultInjector": "faults", "KillPoint": "faults", "NoticePoint": "faults",
     "StageInterpreter": "interpreter",
     "layer_costs": "model", "stage_bounds": "model",
+    "StepInfo": "monitor",
     "export_stage_state": "transfer", "import_stage_state": "transfer",
 }
 
@@ -64,6 +67,7 @@ __all__ = [
     "AgreementError",
     "CommTimeouts",
     "ConfigError",
+    "ConfigWarning",
     "ConsecutiveFailure",
     "Engine",
     "ExecutorHook",
@@ -76,11 +80,13 @@ __all__ = [
     "HandedOver",
     "KillPoint",
     "Layout",
+    "MonitorConfig",
     "NoticePoint",
     "PeerFailure",
     "RecordError",
     "StageExecutor",
     "StageInterpreter",
+    "StepInfo",
     "StoreFailureNotices",
     "TrainingConfig",
     "export_stage_state",

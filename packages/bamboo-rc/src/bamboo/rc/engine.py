@@ -15,7 +15,10 @@ c10d store, such as bamboo-membership's etcd store.
 from __future__ import annotations
 
 import datetime
+import logging
+import math
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,40 +28,160 @@ from bamboo.rc.config import load_config
 from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
 from bamboo.rc.failures import FailureNotices
 from bamboo.rc.layout import Layout
+from bamboo.rc.monitor import EVAL_LOSS, StepInfo
 from bamboo.rc.timeouts import CommTimeouts
 from torch.distributed import Store, TCPStore
 
 __all__ = ["Engine", "initialize"]
 
+_log = logging.getLogger(__name__)
+
 
 class Engine:
-    """One node's training engine; `train_batch` runs one step (M microbatches) of its pipeline."""
+    """One node's training engine, under DeepSpeed's names: ``train_batch`` runs one step (M microbatches)
+    of its pipeline, ``eval_batch`` a forward-only pass, ``save_checkpoint``/``load_checkpoint`` its stages'
+    state. Every node calls each of them, in the same order, as with DeepSpeed."""
 
     def __init__(self, executor: StageExecutor) -> None:
-        self.executor = executor
+        from bamboo.rc.evaluation import ForwardOnlyPass
+        from bamboo.rc.monitor import Monitors
 
+        self.executor = executor
+        self.monitors = Monitors(executor.config.monitors)
+        self.last_step: StepInfo | None = None
+        """What the last ``train_batch`` did (its loss, learning rate and samples/s), on every node."""
+        self.last_eval_loss: float | None = None
+        """The last ``eval_batch``'s loss; None when a failure interrupted it."""
+        self._forward_only = ForwardOnlyPass(executor)
+        self._saves = 0
+
+    # ---------------------------------------------------------------------------------- DeepSpeed's views
     @property
     def global_steps(self) -> int:
         return self.executor.step
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained so far: steps × the global batch."""
+        return self.executor.step * self.train_batch_size()
+
+    def train_batch_size(self) -> int:
+        """The global batch in samples: micro batch size × M × D."""
+        config, layout = self.executor.config, self.executor.layout
+        return config.micro_batch_size * config.micro_batches * layout.pipelines
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.executor.config.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.executor.config.micro_batches
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each parameter group of this node's stage, for the next step."""
+        piece = self.executor.slices[min(self.executor.hosted)]
+        return [float(group["lr"]) for group in piece.optimizer.param_groups]
+
+    def is_first_stage(self) -> bool:
+        return 0 in self.executor.hosted
+
+    def is_last_stage(self) -> bool:
+        return self.executor.layout.stages - 1 in self.executor.hosted
+
+    def reports(self) -> bool:
+        """Whether this node reports the job's loss (writes the monitors): it hosts the last stage of
+        pipeline 0 (after a failover, the shadow that took that stage over). One node per job."""
+        return self.executor.pipeline == 0 and self.is_last_stage()
+
+    # ---------------------------------------------------------------------------------- training
+    def _read(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None, count: int,
+              what: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        if data_iter is None:
+            raise ValueError(
+                f"stage {self.executor.stage} hosts or shadows the first or last stage and needs a data_iter "
+                f"for {what}"
+            )
+        batches = {}
+        for k in range(count):
+            tokens, labels = next(data_iter)
+            batches[k] = (tokens, labels)
+        return batches
 
     def train_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Train on the next M microbatches; returns the step's mean loss over the global batch.
 
         Nodes that host or shadow the first or last stage read `(inputs, labels)` pairs from
-        `data_iter` (M per step), as DeepSpeed's first and last stages do.
+        `data_iter` (M per step), as DeepSpeed's first and last stages do. The reporting node
+        (:meth:`reports`) writes the step to the config's monitors.
         """
         executor = self.executor
         if executor.needs_data():
-            if data_iter is None:
-                raise ValueError(
-                    f"stage {executor.stage} hosts or shadows the first or last stage and needs a data_iter"
-                )
-            batches = {}
-            for k in range(executor.config.micro_batches):
-                tokens, labels = next(data_iter)
-                batches[k] = (tokens, labels)
-            executor.set_microbatches(batches)
-        return torch.tensor(executor.run_iteration())
+            executor.set_microbatches(self._read(data_iter, executor.config.micro_batches, "train_batch"))
+        lr = self.get_lr()[0]
+        started = time.perf_counter()
+        loss = executor.run_iteration()
+        seconds = time.perf_counter() - started
+        self.last_step = StepInfo(step=executor.step, loss=loss, lr=lr, samples=self.global_samples,
+                                  samples_per_second=self.train_batch_size() / seconds if seconds > 0 else math.inf)
+        if self.reports():
+            self.monitors.write(self.last_step.events())
+        return torch.tensor(loss)
+
+    def eval_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None, *,
+                   num_micro_batches: int | None = None) -> torch.Tensor:
+        """A forward-only pass through the pipeline over the next M microbatches (``num_micro_batches``
+        if given) of every pipeline; returns the mean loss over those M × D microbatches on every node.
+
+        As DeepSpeed's ``eval_batch``: the layers run in eval mode without gradients, and nodes that run the
+        first or the last stage read ``(inputs, labels)`` pairs from ``data_iter``. It changes no parameter,
+        optimizer state, step counter or replica, and draws no random number the next ``train_batch``
+        would see: that step is bit-identical to one without the evaluation. If a failure strikes, the
+        evaluation is given up on every node (the loss is NaN, :attr:`last_eval_loss` None, and a warning
+        says so) and the next ``train_batch`` handles the failure. The reporting node writes the loss to the
+        monitors (``Train/Samples/eval_loss``).
+        """
+        executor = self.executor
+        micro_batches = executor.config.micro_batches if num_micro_batches is None else num_micro_batches
+        if micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be at least 1, got {micro_batches}")
+        executor.apply_replica_updates()  # a taken-over stage runs on its replica: bring it up to date
+        batches = self._read(data_iter, micro_batches, "eval_batch") if self._forward_only.needs_data() else {}
+        loss = self._forward_only.run(batches, micro_batches)
+        self.last_eval_loss = loss
+        if loss is None:
+            _log.warning("eval_batch after step %d was given up: a node failed (the next train_batch handles it)",
+                         executor.step)
+            return torch.tensor(math.nan)
+        if self.reports():
+            self.monitors.write([(EVAL_LOSS, loss, self.global_samples)])
+        return torch.tensor(loss)
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True) -> bool:
+        """Save every stage's state under ``save_dir/<tag>/`` (``tag`` defaults to ``global_step<N>``, as
+        DeepSpeed's) and, with ``save_latest``, write ``tag`` to ``save_dir/latest`` once every stage is saved.
+
+        The nodes of pipeline 0 write the stages they host (``stage-<s>.pt``: the parameters, optimizer and
+        scheduler state and step of :class:`~bamboo.rc.state.TrainableSlice`, its layer indices and
+        ``client_state``); every node returns once every stage is on disk (True), or False with a warning
+        when a node failed before it wrote its stage (``latest`` is then left as it was). ``save_dir`` must
+        be a folder every node reads and writes (DeepSpeed's pipeline checkpoints ask the same).
+        """
+        from bamboo.rc import checkpoints
+
+        self._saves += 1
+        return checkpoints.save(self.executor, Path(save_dir), tag, client_state, save_latest, self._saves)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str],
+                        tag: str | None = None) -> tuple[str | None, dict[str, Any] | None]:
+        """Load the state of every stage this node builds (its own and its replica) from ``load_dir/<tag>/``
+        (``tag`` defaults to the content of ``load_dir/latest``); training then continues bit-identically to
+        the run that saved it. Returns ``(checkpoint folder, client_state)``, or ``(None, None)`` with a
+        warning when there is no ``latest`` file, as DeepSpeed's. The stage bounds must be those of the run
+        that saved it (the pipelines may differ)."""
+        from bamboo.rc import checkpoints
+
+        return checkpoints.load(self.executor, Path(load_dir), tag)
 
     def finish(self) -> None:
         """Complete outstanding sends and the last replica sync."""

@@ -1,0 +1,256 @@
+"""The engine under DeepSpeed's names: eval_batch, save_checkpoint/load_checkpoint and the monitors.
+
+Each test forks the nodes of a small pipeline (a TCPStore hosted by the test), with the example GPT at
+its smallest, in exact mode. (Not threads: two nodes in one process share torch's process-wide state,
+and their replicas are then not always bit-equal.)
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
+from bamboo.rc.engine import Engine, initialize
+from bamboo.rc.evaluation import forward_only_streams
+from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
+from bamboo.rc.monitor import EVAL_LOSS, LEARNING_RATE, SAMPLES_PER_SECOND, TRAIN_LOSS
+from bamboo.rc.timeouts import CommTimeouts
+from bamboo.schedule.engine import check_execution
+from torch.distributed import TCPStore
+
+SIZE = GPTSize(layers=2, width=16, heads=2, sequence=8)
+TIMEOUTS = CommTimeouts(group=30.0, build=30.0, confirm=10.0)
+
+
+@pytest.fixture(autouse=True)
+def _exact() -> Iterator[None]:
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.fixture(scope="module")
+def sampler() -> GlobalBatchSampler:
+    return GlobalBatchSampler(2, SIZE.sequence, seed=3)
+
+
+def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2, pipelines: int = 1,
+           job: str) -> dict[int, Any]:
+    """Fork one process per node, each running ``body(engine, rank)``; their results by rank.
+
+    The children are forked before the store exists (a fork while the store's thread holds a lock can
+    deadlock the child) and read its port from a pipe, as ``bamboo-rc verify`` does.
+    """
+    world = stages * pipelines
+    with tempfile.TemporaryDirectory(prefix="bamboo-engine-test-") as out:
+        reader, writer = os.pipe()
+        children = {}
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                code = 1
+                try:
+                    os.close(writer)
+                    port = int.from_bytes(os.read(reader, 8), "little")
+                    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+                    engine = initialize(gpt_layer_specs(SIZE), config, "eflb", loss_fn=lm_loss, stages=stages,
+                                        rank=rank, world_size=world, store=store, job=job, timeouts=TIMEOUTS)
+                    result = body(engine, rank)
+                    engine.finish()
+                    torch.save(result, Path(out) / f"{rank}.pt")
+                    code = 0
+                except BaseException:
+                    (Path(out) / f"{rank}.error").write_text(traceback.format_exc())
+                finally:
+                    os._exit(code)
+            children[pid] = rank
+        os.close(reader)
+        host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+        os.write(writer, host.port.to_bytes(8, "little") * world)
+        os.close(writer)
+        codes = {children[pid]: os.waitstatus_to_exitcode(status) for pid, status in
+                 (os.waitpid(pid, 0) for pid in children)}
+        del host
+        errors = {rank: (Path(out) / f"{rank}.error").read_text() for rank, code in codes.items() if code}
+        assert not errors, "\n".join(f"rank {rank}: {text}" for rank, text in errors.items())
+        return {rank: torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)}
+
+
+def _data(sampler: GlobalBatchSampler, engine: Engine, first_step: int = 0, offset: int = 0) -> Iterator[Any]:
+    """The pipeline's training data (``offset`` 1000: the evaluation data, other steps of the same corpus)."""
+    executor = engine.executor
+    return pipeline_data_iter(sampler, executor.pipeline, executor.config.micro_batches, first_step + offset)
+
+
+def _state(engine: Engine) -> dict[int, list[torch.Tensor]]:
+    """Every slice's parameters and optimizer state (the replica's too), copied."""
+    engine.executor.apply_replica_updates()
+    state = {}
+    for stage, piece in engine.executor.slices.items():
+        tensors = [p.detach().clone() for p in piece.parameters]
+        for value in piece.optimizer.state.values():
+            tensors.extend(value[key].clone() for key in sorted(value))
+        state[stage] = tensors
+    return state
+
+
+def _assert_identical(a: dict[int, Any], b: dict[int, Any]) -> None:
+    assert a.keys() == b.keys()
+    for rank in a:
+        for stage in a[rank]:
+            for x, y in zip(a[rank][stage], b[rank][stage], strict=True):
+                assert torch.equal(x, y), f"rank {rank} stage {stage} differs"
+
+
+def test_forward_only_streams_execute_for_every_placement() -> None:
+    for placement in [(0, 1, 2, 3), (0, 1, 1, 3), (3, 1, 2, 3), (0, 0, 2, 3), (0, 1), (0,)]:
+        streams = forward_only_streams(placement, 3)
+        check_execution(streams)  # no deadlock, every send meets its receive
+        for node, stream in streams.items():
+            forwards = [str(i) for i in stream if i.kind.name == "FORWARD"]
+            assert forwards == [f"{s}F{k}" for k in range(3) for s, n in enumerate(placement) if n == node]
+    assert [str(i) for i in forward_only_streams((0, 1, 1), 1)[1]] == ["1RA0<0", "1F0", "2F0"]
+    with pytest.raises(ValueError, match="at least 1 microbatch, got 0"):
+        forward_only_streams((0, 1), 0)
+
+
+def test_eval_batch_is_the_global_mean_and_the_next_step_is_bit_identical(
+    tiny_config: dict, sampler: GlobalBatchSampler
+) -> None:
+    def train(evaluate: bool) -> Callable[[Engine, int], Any]:
+        def body(engine: Engine, rank: int) -> Any:
+            data = _data(sampler, engine)
+            losses, evals = [], []
+            for _ in range(3):
+                losses.append(float(engine.train_batch(data)))
+                if evaluate:
+                    evals.append(float(engine.eval_batch(_data(sampler, engine, engine.global_steps, 1000))))
+            return {"state": _state(engine), "losses": losses, "evals": evals, "lr": engine.get_lr(),
+                    "steps": engine.global_steps}
+        return body
+
+    plain = _nodes(tiny_config, train(False), pipelines=2, job="eval-plain")
+    evaluated = _nodes(tiny_config, train(True), pipelines=2, job="eval-evaluated")
+    _assert_identical({r: v["state"] for r, v in plain.items()}, {r: v["state"] for r, v in evaluated.items()})
+    assert all(v["losses"] == plain[0]["losses"] and v["steps"] == 3 for v in evaluated.values())
+    evals = evaluated[0]["evals"]
+    assert all(v["evals"] == evals for v in evaluated.values())  # every node gets the loss
+    # The reference: the whole model, trained by the same steps, evaluated on the same 2 x M microbatches.
+    from bamboo.rc.config import load_config
+    from bamboo.rc.reference import train_reference
+    from bamboo.rc.state import TrainableSlice
+
+    config = load_config(tiny_config, pipelines=2)
+    specs = gpt_layer_specs(SIZE)
+    for steps, measured in ((1, evals[0]), (3, evals[2])):
+        trained = train_reference(specs, lm_loss, config, sampler, steps, 2, 0)
+        whole = TrainableSlice(specs, range(len(specs)), config, 0)
+        for layer, state in zip(whole.layers, trained.layer_states, strict=True):
+            layer.load_state_dict(state)
+        whole.layers.eval()
+        with torch.no_grad():
+            batches = [sampler.microbatch(steps + 1000, i) for i in range(2 * config.micro_batches)]
+            expected = sum(float(lm_loss(whole.layers(b.tokens), b.labels)) for b in batches) / len(batches)
+        assert measured == pytest.approx(expected, rel=1e-5)
+
+
+def test_save_at_k_then_train_equals_load_at_k_in_fresh_engines(
+    tiny_config: dict, sampler: GlobalBatchSampler, tmp_path: Path
+) -> None:
+    def save_and_go_on(engine: Engine, rank: int) -> Any:
+        data = _data(sampler, engine)
+        for _ in range(2):
+            engine.train_batch(data)
+        assert engine.save_checkpoint(tmp_path, client_state={"epoch": 7}) is True
+        for _ in range(2):
+            engine.train_batch(data)
+        return _state(engine)
+
+    def load_and_go_on(engine: Engine, rank: int) -> Any:
+        path, client = engine.load_checkpoint(tmp_path)
+        assert path == str(tmp_path / "global_step2") and client == {"epoch": 7} and engine.global_steps == 2
+        data = _data(sampler, engine, first_step=2)
+        for _ in range(2):
+            engine.train_batch(data)
+        return _state(engine)
+
+    saved = _nodes(tiny_config, save_and_go_on, job="ckpt-save")
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in (tmp_path / "global_step2").iterdir()) == ["stage-0.pt", "stage-1.pt"]
+    _assert_identical(saved, _nodes(tiny_config, load_and_go_on, job="ckpt-load"))
+    # D=2 loads the same checkpoint (the stage bounds are those of P=2)
+    _nodes(tiny_config, lambda engine, rank: engine.load_checkpoint(tmp_path, tag="global_step2"), pipelines=2,
+           job="ckpt-load-d2")
+
+
+def test_load_checkpoint_errors(tiny_config: dict, tmp_path: Path) -> None:
+    def body(engine: Engine, rank: int) -> Any:
+        assert engine.load_checkpoint(tmp_path / "empty") == (None, None)  # no latest: nothing, as DeepSpeed
+        with pytest.raises(FileNotFoundError, match=r"has no stage-\d\.pt \(this node builds stage \d\)"):
+            engine.load_checkpoint(tmp_path, tag="missing")
+        with pytest.raises(ValueError, match="a checkpoint tag is one folder name"):
+            engine.save_checkpoint(tmp_path, tag="a/b")
+        return True
+
+    assert _nodes(tiny_config, body, job="ckpt-errors") == {0: True, 1: True}
+
+
+def test_the_reporting_node_writes_tensorboard_and_csv(
+    tiny_config: dict, sampler: GlobalBatchSampler, tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = {**tiny_config, "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "t"},
+              "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "t"}}
+
+    def body(engine: Engine, rank: int) -> Any:
+        data = _data(sampler, engine)
+        losses = [float(engine.train_batch(data)) for _ in range(3)]
+        losses.append(float(engine.eval_batch(_data(sampler, engine, 3, 1000))))
+        return {"losses": losses, "reports": engine.reports(), "last": engine.last_step}
+
+    results = _nodes(config, body, job="monitors")
+    assert [r["reports"] for r in results.values()] == [False, True]  # the last stage of pipeline 0
+    losses = results[1]["losses"]
+    batch = tiny_config["train_micro_batch_size_per_gpu"] * tiny_config["gradient_accumulation_steps"]
+    files = list((tmp_path / "tb" / "t").glob("events.out.tfevents.*"))
+    assert len(files) == 1, files  # one writer per job
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars(TRAIN_LOSS)] == [
+        (batch * (i + 1), pytest.approx(loss)) for i, loss in enumerate(losses[:3])]
+    assert [e.step for e in events.Scalars(LEARNING_RATE)] == [batch, 2 * batch, 3 * batch]
+    assert events.Scalars(LEARNING_RATE)[0].value == pytest.approx(0.0)  # WarmupLR's first step runs at min lr
+    assert [(e.step, e.value) for e in events.Scalars(EVAL_LOSS)] == [(3 * batch, pytest.approx(losses[3]))]
+    assert len(events.Scalars(SAMPLES_PER_SECOND)) == 3 and events.Scalars(SAMPLES_PER_SECOND)[0].value > 0
+    with open(tmp_path / "csv" / "t" / "Train_Samples_train_loss.csv") as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0] == ["step", "train_loss"] and [int(r[0]) for r in rows[1:]] == [batch, 2 * batch, 3 * batch]
+    assert [float(r[1]) for r in rows[1:]] == pytest.approx(losses[:3])
+    last = results[1]["last"]
+    assert last.step == 3 and last.loss == pytest.approx(losses[2]) and last.samples == 3 * batch
+
+
+def test_wandb_without_the_package_is_a_clear_error(tiny_config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from bamboo.rc.config import ConfigError, load_config
+    from bamboo.rc.monitor import Monitors
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    config = load_config({**tiny_config, "wandb": {"enabled": True, "project": "p"}})
+    with pytest.raises(ConfigError, match=r"enables 'wandb', but the wandb package is not installed \(pip install wandb"):
+        Monitors(config.monitors)

@@ -29,6 +29,13 @@ and imports no torch, so it is tested in-process with a dictionary for a store. 
 - **hand-over events** (a node that left at an iteration boundary after a preemption notice:
   its pipeline switches to the merged schedule), the notice and hand-over keys
   (``notice/<rank>``, ``handover/d<p>/<step>``, ``handover_request/<rank>``);
+- **the ring of a P = 1 job** (pure data parallelism): every node holds the whole model and its
+  shadow is the next live pipeline (:meth:`~bamboo.rc.layout.Layout.ring_owners`). On a failure,
+  :meth:`FailoverCoordinator.agree_ring` publishes this node's step (a
+  :class:`~bamboo.rc.records.ProgressRecord` under ``bamboo/<job>/progress/ring/e<epoch>/n<rank>``),
+  waits for every live node's, and derives the same :class:`RingAgreement` on every node: the step
+  the survivors run, the laggards (nodes whose gradient all-reduce of the previous step failed while
+  others completed it) and the node that sends them that step's reduced gradients;
 - the **group barrier** (``ready/e<version>/<group>/<rank>``: a gloo group's first build in an
   epoch waits until every member is about to build it, noticing failures meanwhile) and the
   **finish barrier** (``finished/<rank>``).
@@ -40,6 +47,7 @@ groups.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 from bamboo.rc.failures import (
@@ -59,7 +67,15 @@ from bamboo.schedule import FailoverPlan, Schedule, check_victims, merged_schedu
 from bamboo.schedule.engine import counterpart
 from bamboo.schedule.failover import failover_schedule
 
-__all__ = ["Agreement", "FailoverCoordinator", "PendingFailover", "PipelinePlan", "handover_request_key"]
+__all__ = [
+    "Agreement",
+    "FailoverCoordinator",
+    "PendingFailover",
+    "PendingRingFailover",
+    "PipelinePlan",
+    "RingAgreement",
+    "handover_request_key",
+]
 
 
 def handover_request_key(job: str, rank: int) -> str:
@@ -95,6 +111,33 @@ class Agreement:
     """Pipeline -> the nodes that failed in it (in this failover)."""
     plans: dict[int, PipelinePlan]
     """Pipeline -> its failover (every pipeline in ``victims``)."""
+
+
+@attrs.frozen
+class RingAgreement:
+    """What every node of a P = 1 ring derived from the same facts once a failure was agreed on.
+
+    The reduced gradients of a step are a function of the step's parameters and data alone (every
+    share is reduced in its own slot and the slots are added in share order), so a node that completed
+    a step's all-reduce holds exactly what a redo would give: the laggards take it from ``source``
+    instead of anybody recomputing it.
+    """
+
+    epoch: int
+    victims: frozenset[int]
+    """Ranks that died (or left) in this failover."""
+    step: int
+    """The step every survivor runs once the laggards finished theirs: the latest step a survivor is in."""
+    lagging: frozenset[int] = frozenset()
+    """Survivors still in step ``step - 1``: its all-reduce failed on them while others completed it."""
+    source: int | None = None
+    """The survivor that sends the laggards the reduced gradients of step ``step - 1`` (None when none lags)."""
+    commit: CommitResult | None = None
+    """The result of step ``step - 1`` (squared norm, loss) as the survivors ahead published it (None when none lags)."""
+    owners: dict[int, int] = attrs.field(factory=dict)
+    """Share (pipeline) -> the live node that computes it from now on."""
+    progress: dict[int, int] = attrs.field(factory=dict)
+    """Live rank -> the instructions it had completed in its step (as published)."""
 
 
 class FailoverCoordinator:
@@ -198,7 +241,10 @@ class FailoverCoordinator:
         Raises ConsecutiveFailure, or AgreementError when the survivors disagree or some did not
         publish their progress within the confirm timeout.
         """
-        pending = self.begin(event, done, step, on_event, last_commit)
+        return self._settle(self.begin(event, done, step, on_event, last_commit))
+
+    def _settle(self, pending: PendingFailover | PendingRingFailover) -> Any:
+        """Poll `pending` until it agrees; the confirm timeout restarts with every later event."""
         epoch, deadline = self.epoch, self.clock.monotonic() + self.timeouts.confirm
         while True:
             agreement = pending.poll()
@@ -208,11 +254,70 @@ class FailoverCoordinator:
                 epoch, deadline = self.epoch, self.clock.monotonic() + self.timeouts.confirm
             elif self.clock.monotonic() > deadline:
                 pipeline, missing = pending.missing()
+                where = "the ring" if pipeline < 0 else f"pipeline {pipeline}"
                 raise AgreementError(
-                    f"survivors {missing} of pipeline {pipeline} did not publish their progress in epoch "
+                    f"survivors {missing} of {where} did not publish their progress in epoch "
                     f"{self.epoch} within {self.timeouts.confirm} s"
                 )
             self.clock.sleep(STORE_POLL_S)
+
+    # ------------------------------------------------------------------------------ P = 1: the ring
+    @property
+    def ring(self) -> bool:
+        """Whether this is a P = 1 job: the shadow of a node is the next live pipeline's node."""
+        return self.layout.stages == 1
+
+    @property
+    def live(self) -> list[int]:
+        """Global ranks not confirmed failed or gone."""
+        return [r for r in range(self.layout.world) if r not in self.dead]
+
+    def ring_owners(self) -> dict[int, int]:
+        """P = 1: share -> the live node that computes it (:meth:`bamboo.rc.layout.Layout.ring_owners`)."""
+        return self.layout.ring_owners(self.dead)
+
+    def ring_progress_key(self, epoch: int, rank: int) -> str:
+        return self._key("progress", "ring", f"e{epoch}", f"n{rank}")
+
+    def agree_ring(
+        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None,
+        last_commit: CommitResult | None = None,
+    ) -> RingAgreement:
+        """P = 1: agree on `event` with every live node (blocking).
+
+        This node is in step `step` (it committed `step` steps) and completed `done` instructions of
+        it; `last_commit` is the result of its last commit (that of step `step - 1`). Every live node
+        publishes the same under the current epoch; a later event restarts the wait (everyone
+        publishes again under the new epoch, so nodes that learn of deaths together or one by one
+        read the same records). Raises AgreementError when the survivors are more than one step
+        apart, disagree on the result of the step some of them completed, or did not publish within
+        the confirm timeout.
+        """
+        return self._settle(self.begin_ring(event, done, step, on_event, last_commit))
+
+    def begin_ring(
+        self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None,
+        last_commit: CommitResult | None = None,
+    ) -> PendingRingFailover:
+        """P = 1: start agreeing on `event` (:meth:`PendingRingFailover.poll` finishes it; :meth:`agree_ring`
+        does both)."""
+        if not self.ring:
+            raise RuntimeError(f"the ring agreement is for P = 1, this job has P = {self.layout.stages}")
+        pending = PendingRingFailover(self, done, step, on_event, last_commit)
+        pending.absorb(event)
+        return pending
+
+    def _apply_ring_deaths(self, ranks: Sequence[int]) -> set[int]:
+        """P = 1: mark `ranks` dead (their pipelines leave the placements); returns the newly dead."""
+        new_dead = set(ranks) - self.dead
+        self.dead |= new_dead
+        for rank in new_dead:
+            self.placements.pop(self.layout.position(rank)[1], None)
+        return new_dead
+
+    def ring_handover_announced(self, step: int) -> bool:
+        """P = 1: whether any live node announced that it leaves after step `step`."""
+        return any(self.store.check([self._key("handover", f"d{d}", step)]) for d in self.placements)
 
     def progress_key(self, pipeline: int, lost: set[int] | frozenset[int], node: int) -> str:
         return self._key("progress", f"d{pipeline}", "v" + "-".join(map(str, sorted(lost))), f"n{node}")
@@ -264,6 +369,9 @@ class FailoverCoordinator:
         if not event.handover:
             raise RuntimeError(f"a failure at an iteration boundary during a hand-over: {event}")
         self.epoch = event.epoch
+        if self.ring:  # P = 1: the leaver's share goes to its ring successor
+            self._apply_ring_deaths(event.victims)
+            return
         new_dead = set(event.victims) - self.dead
         self.dead |= new_dead
         leavers: dict[int, set[int]] = {}
@@ -506,3 +614,80 @@ class PendingFailover:
                 f"here is for step {None if known is None else known[1]}"
             )
         return True
+
+
+class PendingRingFailover:
+    """One P = 1 agreement in progress on one node (:meth:`FailoverCoordinator.agree_ring`).
+
+    :meth:`absorb` applies an event (deaths, or a hand-over: either way the node leaves the ring) and
+    publishes this node's progress under the new epoch; :meth:`poll` returns the
+    :class:`RingAgreement` once every live node published under the current epoch, and None while one
+    is missing (absorbing a later event if one arrived).
+    """
+
+    def __init__(
+        self,
+        coordinator: FailoverCoordinator,
+        done: int,
+        step: int,
+        on_event: Callable[[FailureEvent], None] | None,
+        last_commit: CommitResult | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.done = done
+        self.step = step
+        self.on_event = on_event
+        self.last_commit = last_commit
+        self.victims: set[int] = set()
+
+    def absorb(self, event: FailureEvent) -> None:
+        c = self.coordinator
+        c.epoch = event.epoch
+        self.victims |= c._apply_ring_deaths(event.victims)
+        if c.rank in c.dead:
+            raise RuntimeError(f"rank {c.rank} is confirmed dead in epoch {event.epoch}; it must leave the job")
+        if not c.live:
+            raise RuntimeError(f"every node is dead in epoch {event.epoch}")
+        if self.on_event is not None:
+            self.on_event(event)
+        record = ProgressRecord(self.done, self.step, False, self.last_commit)
+        c.store.set(c.ring_progress_key(c.epoch, c.rank), record.to_json())
+
+    def missing(self) -> tuple[int, list[int]]:
+        """(-1, the live nodes that did not publish under the current epoch yet)."""
+        c = self.coordinator
+        return -1, [r for r in c.live if not c.store.check([c.ring_progress_key(c.epoch, r)])]
+
+    def poll(self) -> RingAgreement | None:
+        c = self.coordinator
+        if not self.missing()[1]:
+            return self._decide()
+        later = c.pending_event()
+        if later is not None:
+            self.absorb(later)
+        return None
+
+    def _decide(self) -> RingAgreement:
+        c = self.coordinator
+        progress = {r: ProgressRecord.from_json(c.store.get(c.ring_progress_key(c.epoch, r))) for r in c.live}
+        shown = {r: record.step for r, record in sorted(progress.items())}
+        steps = sorted(set(shown.values()))
+        step = steps[-1]
+        agreement = RingAgreement(
+            c.epoch, frozenset(self.victims), step, owners=c.ring_owners(),
+            progress={r: record.done for r, record in sorted(progress.items())},
+        )
+        if len(steps) == 1:
+            return agreement
+        if steps != [step - 1, step]:
+            raise AgreementError(f"the survivors of the ring are in steps {steps} (rank: step): {shown}")
+        ahead = sorted(r for r, s in shown.items() if s == step)
+        results = {progress[r].commit for r in ahead}
+        result = next(iter(results)) if len(results) == 1 else None
+        if result is None or result.step != step - 1:
+            published = {r: progress[r].commit for r in ahead}
+            raise AgreementError(
+                f"the survivors of the ring in step {step} publish no single result of step {step - 1}: {published}"
+            )
+        lagging = frozenset(r for r, s in shown.items() if s == step - 1)
+        return attrs.evolve(agreement, lagging=lagging, source=ahead[0], commit=result)

@@ -13,6 +13,10 @@ iterations:
   redone all-reduces, the failover's remainder; and it keeps the record of each failover
   (:class:`~bamboo.rc.records.FailoverRecord`).
 
+With one stage (P = 1, pure data parallelism) and redundancy, the node is one of the shadow ring
+(:class:`~bamboo.rc.ring.RingNode`): it runs its share of the global batch and, on a failure, the
+shares the coordinator's :class:`~bamboo.rc.coordinator.RingAgreement` gives it.
+
 It has no fault-injection code: an optional :class:`ExecutorHook` is called at the start of each
 iteration and around each instruction (``verify``, ``soak`` and the chaos tests give it a
 :class:`~bamboo.rc.faults.FaultInjector`).
@@ -41,6 +45,7 @@ from bamboo.rc.model import check_stage_bounds, stage_slices
 from bamboo.rc.model import stage_bounds as planned_stage_bounds
 from bamboo.rc.ports import Clock, KeyValueStore, SystemClock
 from bamboo.rc.records import FailoverRecord
+from bamboo.rc.ring import MicrobatchSource, RingNode
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice
 from bamboo.rc.timeouts import FINISH_POLL_S, CommTimeouts
@@ -99,13 +104,18 @@ class StageExecutor:
         stage_bounds: Sequence[Sequence[int]] | None = None,
         hook: ExecutorHook | None = None,
         clock: Clock | None = None,
+        microbatch: MicrobatchSource | None = None,
     ) -> None:
         if redundancy not in REDUNDANCY_MODES:
             raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
         if not (0 <= stage < layout.stages and 0 <= pipeline < layout.pipelines):
             raise ValueError(f"stage {stage} pipeline {pipeline} is outside {layout}")
-        if redundancy != "none" and layout.stages < 2:
-            raise ValueError(f"redundancy {redundancy!r} needs at least 2 stages, got {layout.stages}")
+        ring = layout.stages == 1 and redundancy != "none"
+        if ring and microbatch is None:
+            raise ValueError(
+                f"redundancy {redundancy!r} with one stage (P = 1) needs microbatch=: the data as a function of "
+                "(step, global microbatch index), so that a shadow can compute its neighbour's microbatches"
+            )
         self.specs = specs
         self.loss_fn = loss_fn
         self.config = config
@@ -128,7 +138,7 @@ class StageExecutor:
             s: TrainableSlice(specs, indices, config, seed)
             for s, indices in stage_slices(self.stage_bounds, stage, redundancy).items()
         }
-        fault_free = one_f_one_b(layout.stages, config.micro_batches, rc=redundancy)
+        fault_free = one_f_one_b(layout.stages, config.micro_batches, rc="none" if ring else redundancy)
         self.coordinator = FailoverCoordinator(
             store, job, layout, pipeline, stage, fault_free, notices, self.timeouts, self.clock
         )
@@ -137,6 +147,13 @@ class StageExecutor:
         self.interpreter = StageInterpreter(
             self.slices, loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator
         )
+        self.ring: RingNode | None = None
+        """P = 1 with redundancy: this node of the shadow ring (see :mod:`bamboo.rc.ring`)."""
+        if ring:
+            self.ring = RingNode(
+                self.slices[0], loss_fn, config, layout, self.rank, self.groups, self.coordinator, self.interpreter,
+                redundancy, microbatch,
+            )
         self.leaving = False
         """True once this node announced that it hands its role over at the next boundary."""
         self.preemption_deadline: float | None = None
@@ -227,6 +244,8 @@ class StageExecutor:
 
     def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """This iteration's (tokens, labels) by microbatch index within the pipeline."""
+        if self.ring is not None:
+            self.ring.set_microbatches(microbatches)
         self.interpreter.set_microbatches(microbatches)
 
     def apply_replica_updates(self) -> None:
@@ -239,6 +258,8 @@ class StageExecutor:
         if self.hook is not None:
             self.hook.iteration_starting(self)
         self._check_notice()
+        if self.ring is not None:
+            return self._run_ring_iteration(self.ring)
         stream = list(self.schedule.streams[self.node])
         started = self.clock.time()
         index = 0
@@ -271,12 +292,63 @@ class StageExecutor:
                 self.failovers[failover] = self.failovers[failover].ended(self.clock.time(), self.kind_seconds)
             return loss
 
-    def _run(self, instruction: Instruction, index: int, length: int, recovering: bool) -> None:
+    def _run(self, instruction: Instruction, index: int, length: int, recovering: bool) -> float | None:
         if self.hook is not None:
             self.hook.before_instruction(self, instruction, index, length, recovering)
-        self.interpreter.execute(instruction)
+        result = self.ring.execute(instruction) if self.ring is not None else self.interpreter.execute(instruction)
         if self.hook is not None:
             self.hook.after_instruction(self, instruction, index, length, recovering)
+        return result
+
+    def _run_ring_iteration(self, ring: RingNode) -> float:
+        """P = 1: this step's stream on the ring, failing over (each failure agreed with every live
+        node) until the step commits. See :mod:`bamboo.rc.ring`."""
+        started = self.clock.time()
+        step = self.step
+        recovering = False
+        failover: int | None = None
+        loss: float | None = None
+        while loss is None:
+            stream = ring.stream(recovering)
+            try:
+                for index, instruction in enumerate(stream):
+                    loss = self._run(instruction, index, len(stream), recovering)
+            except (PeerFailure, FailureNoticed) as failure:
+                loss = self._fail_over_ring(ring, failure)
+                failover = len(self.failovers) - 1
+                recovering = self.step == step
+        self.iteration_times.append((started, self.clock.time()))
+        self._after_boundary(self.step - 1)
+        if failover is not None:
+            self.failovers[failover] = self.failovers[failover].ended(self.clock.time(), self.kind_seconds)
+        return loss
+
+    def _fail_over_ring(self, ring: RingNode, failure: PeerFailure | FailureNoticed) -> float | None:
+        """P = 1: agree on the failure with every live node, settle the laggards, take the victims'
+        shares over (the caller's next stream computes them). Returns the mean loss of the step this
+        node was lagging in and committed with the result another node sent (None otherwise).
+
+        A further failure during the agreement or the hand-back of the result starts it again."""
+        caught = self.clock.time()
+        while True:
+            event = failure.event if isinstance(failure, FailureNoticed) else self.coordinator.confirm(failure)
+            confirmed = self.clock.time()
+            step = self.step
+            try:
+                agreement = self.coordinator.agree_ring(
+                    event, ring.done, step, on_event=self._after_event, last_commit=self.interpreter.last_commit
+                )
+                ring.abandon_posted()
+                loss = ring.settle_laggards(agreement)
+            except (PeerFailure, FailureNoticed) as again:
+                failure = again
+                continue
+            self.failovers.append(FailoverRecord(
+                epoch=agreement.epoch, victims={v: (0,) for v in sorted(agreement.victims)}, step=step,
+                cut=dict(agreement.progress), caught_at=caught, confirmed_at=confirmed, resumed_at=self.clock.time(),
+                own_pipeline=True, kinds_before=self.kind_seconds,
+            ))
+            return loss
 
     def finish(self) -> None:
         """Apply the last replica updates and leave together (call after the last iteration).
@@ -293,7 +365,10 @@ class StageExecutor:
         while True:
             event = self.coordinator.pending_event()
             if event is not None:
-                self._fail_over(FailureNoticed(event), [], 0)
+                if self.ring is not None:  # a laggard may need this node's result of the last step
+                    self._fail_over_ring(self.ring, FailureNoticed(event))
+                else:
+                    self._fail_over(FailureNoticed(event), [], 0)
                 continue
             if self.coordinator.everyone_finished():
                 return
@@ -329,7 +404,8 @@ class StageExecutor:
         """After the commit of `step`: leave if handing over; take over if a neighbour leaves."""
         if self.leaving:
             raise HandedOver(f"rank {self.rank} handed its role over after step {step}")
-        if not self.coordinator.watching or not self.coordinator.handover_announced(step):
+        announced = self.coordinator.ring_handover_announced if self.ring is not None else self.coordinator.handover_announced
+        if not self.coordinator.watching or not announced(step):
             return
         started = self.clock.time()
         event = self.coordinator.await_handover(step)

@@ -204,8 +204,8 @@ def run_verify(
     for report in reports.values():
         pipeline = report["pipeline"]
         stash_peak = max(stash_peak, report["stash_peak_bytes"])
-        if stages - 1 in report["hosted"] and pipeline == 0:
-            losses = report["losses"]
+        if stages - 1 in report["hosted"] and (pipeline == 0 or (stages == 1 and not losses)):
+            losses = report["losses"]  # P = 1: pipeline 0's, or a survivor's (every node has them all)
         for stage, layers in report["slices"].items():
             if stage not in report["hosted"] and consecutive is None:
                 continue  # a replica: compared with its original below

@@ -1,0 +1,329 @@
+"""Pure data parallelism with redundancy (P = 1): one node of the shadow ring.
+
+With one stage there is no pipeline: each of the D nodes holds the whole model and trains its
+*share* of the global batch (pipeline ``d``'s M microbatches, global indices ``d·M .. d·M+M-1``).
+The redundant copy of a node's work is its ring successor, the next live pipeline
+(:meth:`bamboo.rc.layout.Layout.ring_shadow`; the launcher places consecutive pipelines in
+different zones). Every node's parameters are identical after every step, so the shadow's own copy
+is the victim's: what a failure loses is only the victim's gradients of the current step.
+
+- **Lazy** (``lflb``): nothing redundant runs while nobody fails. When a node dies mid-step, its
+  shadow computes the lost microbatches (the data is a function of ``(step, global index)``) and
+  joins the all-reduce in its place: it contributes the victim's share as well as its own.
+- **Eager, overbatching** (``eflb`` and ``efeb``: with no pipeline there is no stash, and the
+  forward and the backward of the neighbour's microbatches both run every step): each node also
+  computes the microbatches of the node it shadows, after posting its all-reduce (so the work
+  overlaps the communication), and keeps their gradients aside. On a failure the ready gradients
+  join the all-reduce: no recompute.
+
+**Exact whatever the membership.** The all-reduce carries one slot per share (D × the gradient,
+zeros in the slots a node does not compute, so each slot's sum is its one owner's value bit for
+bit), and every node adds the slots in share order: the same sums, associated the same way as the
+single-process reference, whichever node computed which share. The reduced gradients of a step are
+therefore a function of the step's parameters and data alone, which settles the all-reduce that a
+victim leaves half done (some survivors completed it, others did not): the laggards receive the
+result from a survivor that completed it (:class:`~bamboo.rc.coordinator.RingAgreement`), identical
+to what a redo would give, instead of anybody recomputing a step whose parameters are gone.
+
+The node's stream uses bamboo-schedule's instructions with *global* microbatch indices: ``0L<g>``,
+``0F<g>``, ``0B<g>`` for the shares it computes (its own, and those it took over), ``0AR`` (post the
+all-reduce), ``0FR<g>``/``0BR<g>`` for the eager copy of its neighbour's share, ``0OPT`` (wait for the
+all-reduce and step). Kill points name them (``--kill 0:1@0F5``: pipeline 1's second microbatch at
+M = 4).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bamboo.rc.comm import GroupTable
+from bamboo.rc.config import TrainingConfig
+from bamboo.rc.coordinator import FailoverCoordinator, RingAgreement
+from bamboo.rc.failures import FailureNoticed
+from bamboo.rc.layout import Layout
+from bamboo.rc.records import CommitResult
+from bamboo.rc.state import TrainableSlice, clip_coefficient
+from bamboo.schedule import Instruction, Kind
+
+__all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode"]
+
+MicrobatchSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+"""``(step, global microbatch index) -> (inputs, labels)``: the data, as a function of its position."""
+
+EAGER_MODES = ("eflb", "efeb")
+"""The redundancy modes that run the neighbour's microbatches every step (overbatching) when P = 1."""
+
+GROUP = "dp-s0"
+"""The gloo group of the all-reduce: every live node."""
+
+Share = tuple[torch.Tensor, list[float]]
+"""A share's gradients (flat, fp32) and the loss of each of its microbatches, in order."""
+
+
+class RingNode:
+    """One node of a P = 1 ring (see the module docstring): its shares, its all-reduce, its commit.
+
+    ``counters`` is the object whose ``step``, ``losses``, ``last_commit`` and ``kind_seconds`` are the
+    executor's (the interpreter's, so that every reader of the executor sees one step counter).
+    """
+
+    def __init__(
+        self,
+        piece: TrainableSlice,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        config: TrainingConfig,
+        layout: Layout,
+        rank: int,
+        groups: GroupTable,
+        coordinator: FailoverCoordinator,
+        counters: Any,
+        redundancy: str,
+        microbatch: MicrobatchSource | None,
+    ) -> None:
+        if layout.stages != 1:
+            raise ValueError(f"a ring node needs P = 1, got P = {layout.stages}")
+        self.piece = piece
+        self.loss_fn = loss_fn
+        self.config = config
+        self.layout = layout
+        self.rank = rank
+        self.groups = groups
+        self.coordinator = coordinator
+        self.counters = counters
+        self.eager = redundancy in EAGER_MODES
+        self.microbatch = microbatch
+        self.last_result: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        """(step, reduced gradients, every microbatch's loss) of the last step this node committed."""
+        self.abandoned: list[object] = []
+        """All-reduces given up after a failure, kept referenced (gloo may still write into them)."""
+        self.done = 0
+        """Instructions completed in the current step (published with the progress after a failure)."""
+        self._own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.reset_step()
+
+    # ----------------------------------------------------------------------------- state
+    def reset_step(self) -> None:
+        """Forget the current step's tensors (its shares, the eager copies, the posted all-reduce)."""
+        self.shares: dict[int, Share] = {}
+        """Share -> its gradients and losses, for the shares this node contributes this step."""
+        self.aside: dict[int, Share] = {}
+        """Eager: share -> the neighbour's gradients and losses, kept aside (not contributed)."""
+        self.posted: tuple[list[object], torch.Tensor, torch.Tensor, tuple[int, ...]] | None = None
+        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending_losses: dict[int, torch.Tensor] = {}
+        self._losses: dict[int, float] = {}
+        self.done = 0
+
+    def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This step's (inputs, labels) of the node's own share, by index within the share."""
+        self._own = microbatches
+
+    @property
+    def micro_batches(self) -> int:
+        return self.config.micro_batches
+
+    @property
+    def global_microbatches(self) -> int:
+        return self.micro_batches * self.layout.pipelines
+
+    def owned(self) -> tuple[int, ...]:
+        """The shares this node computes and contributes, in share order."""
+        return self.layout.ring_shares(self.rank, self.coordinator.dead)
+
+    def shadowed(self) -> tuple[int, ...]:
+        """The shares of the node this one shadows (eager: computed aside every step)."""
+        neighbour = self.layout.ring_shadowed(self.rank, self.coordinator.dead)
+        return () if neighbour is None else self.layout.ring_shares(neighbour, self.coordinator.dead)
+
+    # ----------------------------------------------------------------------------- the stream
+    def stream(self, recovering: bool) -> list[Instruction]:
+        """What is left of this step: every owned share not yet computed (an eager copy becomes the
+        contribution at once), the all-reduce, the eager copies (not in a failover's remainder), the
+        commit."""
+        for share in self.owned():
+            if share not in self.shares and share in self.aside:
+                self.shares[share] = self.aside.pop(share)
+        instructions: list[Instruction] = []
+        for share in self.owned():
+            if share not in self.shares:
+                for g in self._indices(share):
+                    instructions += [Instruction(Kind.LOAD, 0, g), Instruction(Kind.FORWARD, 0, g),
+                                     Instruction(Kind.BACKWARD, 0, g)]
+        instructions.append(Instruction(Kind.ALLREDUCE, 0))
+        if self.eager and not recovering:
+            for share in self.shadowed():
+                if share not in self.aside:
+                    for g in self._indices(share):
+                        instructions += [Instruction(Kind.FRC, 0, g), Instruction(Kind.BRC, 0, g)]
+        instructions.append(Instruction(Kind.OPTIMIZER, 0))
+        return instructions
+
+    def _indices(self, share: int) -> range:
+        return range(share * self.micro_batches, (share + 1) * self.micro_batches)
+
+    def execute(self, instruction: Instruction) -> float | None:
+        """Execute one instruction (its wall time goes to ``kind_seconds``); ``OPT`` returns the step's
+        mean loss."""
+        started = time.perf_counter()
+        result: float | None = None
+        kind, g = instruction.kind, instruction.microbatch
+        if kind is Kind.LOAD:
+            assert g is not None
+            self._load(g)
+        elif kind in (Kind.FORWARD, Kind.FRC):
+            assert g is not None
+            if kind is Kind.FRC:
+                self._load(g)
+            self._forward(g)
+        elif kind in (Kind.BACKWARD, Kind.BRC):
+            assert g is not None
+            self._backward(g, aside=kind is Kind.BRC)
+        elif kind is Kind.ALLREDUCE:
+            self._post()
+        elif kind is Kind.OPTIMIZER:
+            result = self._wait_and_commit()
+        else:
+            raise RuntimeError(f"{instruction}: not an instruction of a P = 1 ring")
+        self.done += 1
+        seconds = self.counters.kind_seconds
+        seconds[kind.value] = seconds.get(kind.value, 0.0) + time.perf_counter() - started
+        return result
+
+    # ----------------------------------------------------------------------------- compute
+    def _load(self, g: int) -> None:
+        share, k = divmod(g, self.micro_batches)
+        if share == self.layout.position(self.rank)[1] and k in self._own:
+            self._loaded[g] = self._own[k]
+        elif self.microbatch is not None:
+            self._loaded[g] = self.microbatch(self.counters.step, g)
+        else:
+            raise RuntimeError(
+                f"microbatch {g} belongs to pipeline {share}: computing another node's share needs the data as a "
+                f"function of (step, global index) (initialize(..., microbatch=...))"
+            )
+
+    def _forward(self, g: int) -> None:
+        if g % self.micro_batches == 0:  # the share's first microbatch: its gradients start from zero
+            self.piece.zero_grads()
+        tokens, labels = self._loaded.pop(g)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+            logits = self.piece.forward(tokens, step=self.counters.step, microbatch=g)
+        loss = self.loss_fn(logits, labels)
+        self._losses[g] = float(loss.detach())
+        self._pending_losses[g] = loss / self.global_microbatches
+
+    def _backward(self, g: int, aside: bool) -> None:
+        self._pending_losses.pop(g).backward()
+        share, k = divmod(g, self.micro_batches)
+        if k == self.micro_batches - 1:  # the share is complete: its gradients leave the buffers
+            done: Share = (self.piece.flat_grads(), [self._losses.pop(i) for i in self._indices(share)])
+            (self.aside if aside else self.shares)[share] = done
+
+    # ----------------------------------------------------------------------------- the all-reduce
+    def _post(self) -> None:
+        """Post the slotted all-reduce of this step's shares on the group of the live nodes."""
+        n = self.piece.numel()
+        d = self.layout.pipelines
+        flat = torch.zeros(d * n)
+        losses = torch.zeros(d * self.micro_batches, dtype=torch.float64)
+        owned = self.owned()
+        missing = [share for share in owned if share not in self.shares]
+        if missing:
+            raise RuntimeError(f"rank {self.rank} posts its all-reduce without shares {missing}")
+        for share in owned:
+            grads, share_losses = self.shares[share]
+            flat[share * n : (share + 1) * n] = grads
+            losses[share * self.micro_batches : (share + 1) * self.micro_batches] = torch.tensor(
+                share_losses, dtype=torch.float64
+            )
+        self._await_group()
+        works = self.groups.post_allreduce(GROUP, [flat, losses], "0AR")
+        self.posted = (works, flat, losses, self.groups.members[GROUP])
+
+    def _await_group(self) -> None:
+        """Before a group's first use in an epoch: wait until every member is about to build it,
+        raising FailureNoticed on any confirmed failure meanwhile."""
+        members = self.groups.members[GROUP]
+        if self.coordinator.watching and GROUP not in self.groups.groups and len(members) > 1:
+            self.coordinator.await_group(GROUP, self.groups.versions[GROUP], members)
+
+    def _interrupt(self) -> None:
+        event = self.coordinator.pending_event()
+        if event is not None and set(event.victims) & set(self.groups.members[GROUP]):
+            raise FailureNoticed(event)
+
+    def _wait_and_commit(self) -> float:
+        if self.posted is None:
+            raise RuntimeError(f"rank {self.rank}: the step's all-reduce was never posted")
+        works, flat, losses, _ = self.posted
+        self.groups.wait_collective(GROUP, works, "0OPT (the gradient all-reduce)", self._interrupt)
+        n = self.piece.numel()
+        summed = flat[0:n].clone()
+        for share in range(1, self.layout.pipelines):  # share order: the reference's association
+            summed = summed + flat[share * n : (share + 1) * n]
+        return self._commit(summed, losses)
+
+    def _commit(self, summed: torch.Tensor, losses: torch.Tensor) -> float:
+        """Step with the reduced gradients `summed` (the global batch's) and record the step."""
+        self.piece.load_flat_grads(summed)
+        squared = self.piece.squared_grad_norm()
+        self.piece.apply_step(clip_coefficient(self.config.gradient_clipping, squared))
+        total = 0.0
+        for value in losses.tolist():  # in global order, as the reference adds them
+            total += value
+        step = self.counters.step
+        self.last_result = (step, summed, losses)
+        self.counters.last_commit = CommitResult(step, squared, total)
+        mean = total / self.global_microbatches
+        self.counters.losses.append(mean)
+        self.counters.step = step + 1
+        self.reset_step()
+        return mean
+
+    # ----------------------------------------------------------------------------- failover
+    def abandon_posted(self) -> None:
+        """Give up the posted all-reduce (its group lost a member): it is posted again on the new group."""
+        if self.posted is not None:
+            self.abandoned.append(self.posted)
+            self.posted = None
+
+    def settle_laggards(self, agreement: RingAgreement) -> float | None:
+        """Every live node joins the broadcast of the last step's result from ``agreement.source``; a
+        laggard commits its step with it (returns that step's mean loss), the others check that it
+        equals their own (None)."""
+        if agreement.source is None:
+            return None
+        n = self.piece.numel()
+        lagging = self.rank in agreement.lagging
+        if not lagging and (self.last_result is None or self.last_result[0] != agreement.step - 1):
+            held = None if self.last_result is None else self.last_result[0]
+            raise RuntimeError(f"rank {self.rank} is in step {agreement.step} but holds the result of step {held}")
+        if lagging:
+            grads = torch.zeros(n)
+            losses = torch.zeros(self.global_microbatches, dtype=torch.float64)
+        else:
+            assert self.last_result is not None
+            grads, losses = self.last_result[1].clone(), self.last_result[2].clone()
+        self._await_group()
+        members = self.groups.members[GROUP]
+        root = members.index(agreement.source)
+        group = self.groups.group(GROUP)
+        what = f"the result of step {agreement.step - 1} from rank {agreement.source}"
+        try:
+            works = [group.broadcast(grads, root), group.broadcast(losses, root)]
+        except RuntimeError as exc:
+            raise self.groups.collective_failure(GROUP, what, exc) from exc
+        self.groups.wait_collective(GROUP, works, what, self._interrupt)
+        if not lagging:
+            assert self.last_result is not None
+            if not (torch.equal(grads, self.last_result[1]) and torch.equal(losses, self.last_result[2])):
+                raise RuntimeError(f"rank {self.rank}: {what} differs from its own result of that step")
+            return None
+        if self.counters.step != agreement.step - 1:
+            raise RuntimeError(f"rank {self.rank} in step {self.counters.step} cannot commit step {agreement.step - 1}")
+        self.abandon_posted()
+        return self._commit(grads, losses)
+

@@ -1,0 +1,194 @@
+"""P = 1 (pure data parallelism): the shadow ring's owners and the ring agreement, in-process.
+
+No processes, no sleeps: a dictionary for the store and a clock that only moves when slept on .
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from bamboo.rc.coordinator import FailoverCoordinator
+from bamboo.rc.failures import AgreementError, FailureEvent, StoreFailureNotices
+from bamboo.rc.layout import Layout
+from bamboo.rc.records import CommitResult, ProgressRecord
+from bamboo.rc.timeouts import CommTimeouts
+from bamboo.schedule import one_f_one_b
+
+JOB = "job"
+TIMEOUTS = CommTimeouts(group=5.0, build=5.0, confirm=2.0)
+
+
+class FakeStore:
+    """A c10d store's set/get/check over a dictionary."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.data for key in keys)
+
+
+class FakeClock:
+    """Time moves only when someone sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Ring:
+    """D coordinators of a P = 1 job over one fake store, and the authority that publishes events."""
+
+    def __init__(self, pipelines: int) -> None:
+        self.store = FakeStore()
+        self.clock = FakeClock()
+        self.layout = Layout(1, pipelines)
+        schedule = one_f_one_b(1, 4, rc="none")
+        self.authority = StoreFailureNotices(self.store, JOB)
+        self.nodes = {
+            d: FailoverCoordinator(self.store, JOB, self.layout, d, 0, schedule,
+                                   StoreFailureNotices(self.store, JOB, self.clock), TIMEOUTS, self.clock)
+            for d in range(pipelines)
+        }
+
+    def publish(self, epoch: int, victims: list[int], handover: bool = False) -> None:
+        self.authority.publish(FailureEvent(epoch, victims, handover))
+
+
+def test_a_dead_nodes_share_goes_to_the_next_live_node_of_the_ring() -> None:
+    layout = Layout(1, 4)
+    assert layout.ring_owners(set()) == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert layout.ring_owners({1}) == {0: 0, 1: 2, 2: 2, 3: 3}
+    assert layout.ring_owners({3}) == {0: 0, 1: 1, 2: 2, 3: 0}  # last to first
+    assert layout.ring_owners({1, 2}) == {0: 0, 1: 3, 2: 3, 3: 3}  # a node and its shadow: the next one
+    assert layout.ring_shares(3, {1, 2}) == (1, 2, 3)
+    assert layout.ring_shadow(0, {1, 2}) == 3 and layout.ring_shadowed(0, {1, 2}) == 3
+    assert layout.ring_shadow(2, set()) == 3 and layout.ring_shadowed(2, set()) == 1
+    assert layout.ring_shadow(0, {1, 2, 3}) is None and layout.ring_owners({1, 2, 3}) == dict.fromkeys(range(4), 0)
+    with pytest.raises(ValueError, match=r"every node of the 4 pipelines is dead"):
+        layout.ring_owner(0, {0, 1, 2, 3})
+    with pytest.raises(ValueError, match=r"P = 1 only, got P = 2"):
+        Layout(2, 2).ring_owners(set())
+
+
+@pytest.mark.parametrize("pipelines", [2, 3, 4, 5])
+def test_the_owners_depend_on_the_dead_alone_whatever_the_order_of_the_deaths(pipelines: int) -> None:
+    layout = Layout(1, pipelines)
+    for count in range(1, pipelines):
+        for dead in itertools.combinations(range(pipelines), count):
+            together = layout.ring_owners(set(dead))
+            for order in itertools.permutations(dead):
+                owners = {share: share for share in range(pipelines)}  # one by one: each victim's shares move on
+                gone: set[int] = set()
+                for victim in order:
+                    gone.add(victim)
+                    shadow = layout.ring_shadow(victim, gone)  # the next live node after the victim
+                    owners = {share: shadow if owner == victim else owner for share, owner in owners.items()}
+                assert owners == together, (dead, order)
+            assert set(together.values()) == set(range(pipelines)) - set(dead)
+
+
+def test_survivors_in_one_step_agree_without_laggards_and_every_share_has_an_owner() -> None:
+    ring = Ring(4)
+    ring.publish(1, [2])
+    seen: list[tuple[int, dict[int, tuple[int, ...]]]] = []
+    pending = {
+        d: ring.nodes[d].begin_ring(FailureEvent(1, [2]), 10 + d, 3,
+                                    on_event=lambda _e, d=d: seen.append((d, dict(ring.nodes[d].placements))))
+        for d in (0, 1)
+    }
+    assert pending[0].poll() is None and pending[0].missing() == (-1, [3])
+    pending[3] = ring.nodes[3].begin_ring(FailureEvent(1, [2]), 13, 3)
+    for d, p in pending.items():
+        agreement = p.poll()
+        assert agreement is not None, d
+        assert agreement.epoch == 1 and agreement.victims == {2} and agreement.step == 3
+        assert agreement.lagging == frozenset() and agreement.source is None and agreement.commit is None
+        assert agreement.owners == {0: 0, 1: 1, 2: 3, 3: 3}
+        assert agreement.progress == {0: 10, 1: 11, 3: 13}
+        assert ring.nodes[d].dead == {2} and sorted(ring.nodes[d].placements) == [0, 1, 3]
+    assert seen == [(0, {0: (0,), 1: (0,), 3: (0,)}), (1, {0: (0,), 1: (0,), 3: (0,)})]  # groups rebuilt per event
+    assert ProgressRecord.from_json(ring.store.get(ring.nodes[0].ring_progress_key(1, 3))) == ProgressRecord(13, 3)
+
+
+def test_laggards_of_an_all_reduce_the_victim_left_half_done_take_the_result_from_a_node_ahead() -> None:
+    ring = Ring(4)
+    result = CommitResult(4, 2.5, 17.0)
+    ring.publish(1, [0])
+    pending = {
+        1: ring.nodes[1].begin_ring(FailureEvent(1, [0]), 14, 4, last_commit=CommitResult(3, 1.0, 2.0)),
+        2: ring.nodes[2].begin_ring(FailureEvent(1, [0]), 3, 5, last_commit=result),  # completed step 4
+        3: ring.nodes[3].begin_ring(FailureEvent(1, [0]), 0, 5, last_commit=result),
+    }
+    agreements = {d: p.poll() for d, p in pending.items()}
+    for agreement in agreements.values():
+        assert agreement is not None
+        assert agreement.step == 5 and agreement.lagging == {1} and agreement.source == 2
+        assert agreement.commit == result and agreement.owners == {0: 1, 1: 1, 2: 2, 3: 3}
+
+
+def test_survivors_two_steps_apart_or_with_different_results_are_a_clear_error() -> None:
+    ring = Ring(3)
+    ring.nodes[1].begin_ring(FailureEvent(1, [0]), 0, 3, last_commit=CommitResult(2, 1.0, 1.0))
+    with pytest.raises(AgreementError, match=r"the survivors of the ring are in steps \[1, 3\]"):
+        ring.nodes[2].agree_ring(FailureEvent(1, [0]), 0, 1)
+
+    ring = Ring(4)
+    ring.nodes[1].begin_ring(FailureEvent(1, [0]), 0, 3, last_commit=CommitResult(2, 1.0, 1.0))
+    ring.nodes[2].begin_ring(FailureEvent(1, [0]), 0, 3, last_commit=CommitResult(2, 1.5, 1.0))
+    with pytest.raises(AgreementError, match=r"publish no single result of step 2"):
+        ring.nodes[3].agree_ring(FailureEvent(1, [0]), 5, 2)
+
+
+def test_nodes_that_learn_of_two_deaths_together_or_one_by_one_agree_under_the_last_epoch() -> None:
+    ring = Ring(5)
+    ring.publish(1, [1])
+    early = {d: ring.nodes[d].begin_ring(FailureEvent(1, [1]), 0, 2) for d in (0, 3)}
+    ring.publish(2, [2])
+    late = ring.nodes[4].begin_ring(FailureEvent(1, [1]), 0, 2)  # learns of both while it agrees
+    assert late.poll() is None  # absorbs epoch 2 and publishes under it
+    for d, p in early.items():
+        assert p.poll() is None, d  # node 2 never publishes under epoch 1: they absorb epoch 2
+    for p in [*early.values(), late]:
+        agreement = p.poll()
+        assert agreement is not None and agreement.epoch == 2 and agreement.victims == {1, 2}
+        assert agreement.owners == {0: 0, 1: 3, 2: 3, 3: 3, 4: 4}
+
+
+def test_a_leaver_handed_over_at_a_boundary_leaves_the_ring() -> None:
+    ring = Ring(3)
+    ring.nodes[1].announce_handover(4)
+    assert ring.nodes[0].ring_handover_announced(4) and not ring.nodes[0].ring_handover_announced(5)
+    ring.nodes[0].apply_handover(FailureEvent(1, [1], handover=True))
+    assert ring.nodes[0].dead == {1} and sorted(ring.nodes[0].placements) == [0, 2]
+    assert ring.nodes[0].ring_owners() == {0: 0, 1: 2, 2: 2}
+
+
+def test_a_node_that_never_publishes_times_the_ring_agreement_out_on_the_injected_clock() -> None:
+    ring = Ring(3)
+    with pytest.raises(AgreementError, match=r"survivors \[2\] of the ring did not publish their progress in epoch 1"):
+        ring.nodes[0].agree_ring(FailureEvent(1, [1]), 0, 1)
+    assert TIMEOUTS.confirm < ring.clock.now < TIMEOUTS.confirm + 0.01
+
+
+def test_the_ring_agreement_refuses_a_pipeline_with_stages() -> None:
+    store, clock = FakeStore(), FakeClock()
+    coordinator = FailoverCoordinator(store, JOB, Layout(2, 2), 0, 0, one_f_one_b(2, 4, rc="eflb"),
+                                      StoreFailureNotices(store, JOB, clock), TIMEOUTS, clock)
+    with pytest.raises(RuntimeError, match=r"the ring agreement is for P = 1, this job has P = 2"):
+        coordinator.begin_ring(FailureEvent(1, [1]), 0, 0)

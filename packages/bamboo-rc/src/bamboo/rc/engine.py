@@ -214,6 +214,7 @@ def initialize(
     notices: FailureNotices | None = None,
     stage_bounds: Sequence[Sequence[int]] | None = None,
     hook: ExecutorHook | None = None,
+    microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
@@ -226,6 +227,12 @@ def initialize(
     `hook` is called around every instruction (fault injection for `verify`:
     :class:`bamboo.rc.faults.FaultInjector`). `train_batch` raises `HandedOver` on a node that
     handed its role to its shadow after a notice: that process should exit.
+
+    With one stage (``stages=1``: pure data parallelism) and redundancy, the shadow of a node is the next
+    pipeline's node (see ``bamboo.rc.ring``), which computes the microbatches of a node that fails (lazy,
+    ``lflb``) or every step (eager, ``eflb``/``efeb``): it needs ``microbatch(step, global index) ->
+    (inputs, labels)``, the data as a function of its position in the global batch (pipeline d's share is
+    global microbatches ``d*M .. d*M+M-1`` of every step).
     """
     if redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
@@ -256,7 +263,7 @@ def initialize(
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
-        hook=hook,
+        hook=hook, microbatch=microbatch,
     )
     executor.connect()
     return Engine(executor)

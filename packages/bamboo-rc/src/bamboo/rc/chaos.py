@@ -9,6 +9,11 @@ that long) or in a later step (a random index into its merged schedule). Every p
 point may not fire (its node may be in a failover's remainder by then, or the remainder may be
 shorter than its index), so these runs do not require every kill point to fire; the results say
 which did (``VerifyResult.unfired_kills``).
+
+With one stage (P = 1, D pipelines: the shadow ring of :mod:`bamboo.rc.ring`) a plan kills one node,
+or two different nodes (neighbours in the ring too: the next live node takes both shares over), at
+random indices of their fault-free streams; with ``second_failures`` a first node, then another one
+during the recovery or in a later step. At least one node always survives.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import random
 from collections.abc import Callable
 
 from bamboo.rc.faults import KillPoint
+from bamboo.rc.ring import fault_free_ring_stream
 from bamboo.rc.timeouts import CHAOS_BUILD_S, CHAOS_CONFIRM_S, CHAOS_DEADLINE_S, CHAOS_GROUP_S, CommTimeouts
 from bamboo.rc.verify import DEFAULT_CONFIG, VerifyResult, run_verify
 from bamboo.schedule import Schedule, merged_schedule, one_f_one_b
@@ -25,10 +31,14 @@ __all__ = ["random_kill_points", "run_chaos"]
 
 
 def random_kill_points(
-    seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", second_failures: bool = False
+    seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", second_failures: bool = False,
+    pipelines: int = 1,
 ) -> list[tuple[KillPoint, ...]]:
-    """`count` seeded kill plans for a P=`stages`, D=1 pipeline (see the module docstring)."""
+    """`count` seeded kill plans for a P=`stages` pipeline (D=1), or for a ring of `pipelines` nodes
+    when `stages` is 1 (see the module docstring)."""
     rng = random.Random(seed)
+    if stages == 1:
+        return [_ring_plan(rng, pipelines, steps, redundancy, second_failures) for _ in range(count)]
     schedule = one_f_one_b(stages, DEFAULT_CONFIG["gradient_accumulation_steps"], rc=redundancy)
     if second_failures:
         if stages < 4 or steps < 2:
@@ -62,19 +72,45 @@ def _second_failure(rng: random.Random, schedule: Schedule, stages: int, steps: 
     return (kill, again)
 
 
+def _ring_plan(
+    rng: random.Random, pipelines: int, steps: int, redundancy: str, second_failures: bool
+) -> tuple[KillPoint, ...]:
+    if pipelines < 2:
+        raise ValueError(f"kills in a P = 1 ring need at least 2 pipelines (one survives), got {pipelines}")
+    micro_batches = DEFAULT_CONFIG["gradient_accumulation_steps"]
+
+    def point(pipeline: int, step: int, in_recovery: bool = False) -> KillPoint:
+        length = len(fault_free_ring_stream(pipeline, pipelines, micro_batches, redundancy))
+        return KillPoint(0, pipeline, str(rng.randrange(length)), step, in_recovery=in_recovery)
+
+    first, second = rng.sample(range(pipelines), 2)
+    if second_failures:
+        if steps < 2 or pipelines < 3:
+            raise ValueError(f"a second failure in a ring needs 2 steps and 3 pipelines, got {steps} and {pipelines}")
+        step = rng.randrange(steps - 1)
+        if rng.random() < 0.5:  # during the recovery: an index into the remainder, which may be shorter
+            return (point(first, step), point(second, step, in_recovery=True))
+        return (point(first, step), point(second, rng.randrange(step + 1, steps)))
+    step = rng.randrange(steps)
+    if pipelines >= 3 and rng.random() < 0.5:
+        return tuple(point(v, step) for v in sorted((first, second)))
+    return (point(first, step),)
+
+
 def run_chaos(
     plans: list[tuple[KillPoint, ...]],
     stages: int,
     steps: int,
     redundancy: str = "eflb",
     on_result: Callable[[tuple[KillPoint, ...], VerifyResult], None] | None = None,
+    pipelines: int = 1,
 ) -> list[tuple[tuple[KillPoint, ...], VerifyResult]]:
-    """Run every plan through verify; returns (plan, result) pairs."""
+    """Run every plan through verify (P=`stages`, D=`pipelines`); returns (plan, result) pairs."""
     timeouts = CommTimeouts(group=CHAOS_GROUP_S, build=CHAOS_BUILD_S, confirm=CHAOS_CONFIRM_S)
     outcomes = []
     for plan in plans:
-        result = run_verify(stages, 1, steps, redundancy, timeouts=timeouts, deadline_s=CHAOS_DEADLINE_S, kills=plan,
-                            kills_must_fire=False)
+        result = run_verify(stages, pipelines, steps, redundancy, timeouts=timeouts, deadline_s=CHAOS_DEADLINE_S,
+                            kills=plan, kills_must_fire=False)
         outcomes.append((plan, result))
         if on_result is not None:
             on_result(plan, result)

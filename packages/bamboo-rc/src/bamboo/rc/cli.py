@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from bamboo.rc.timeouts import BUILD_S, CONFIRM_S, GROUP_S, NOTICE_LEAD_S, VERIFY_DEADLINE_S
+
+if TYPE_CHECKING:
+    from bamboo.rc.records import FailoverRecord
+    from bamboo.rc.verify import VerifyResult
 
 __all__ = ["main"]
 
@@ -107,13 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak.add_argument("--runs", type=_positive_int, default=200, help="number of kill points (default 200)")
     soak.add_argument("--seed", type=int, default=0, help="seed of the kill points (default 0)")
-    soak.add_argument("--stages", type=_positive_int, default=4, help="pipeline depth P (default 4)")
+    soak.add_argument("--stages", type=_positive_int, default=4,
+                      help="pipeline depth P (default 4); 1 is pure data parallelism, whose shadows form a ring "
+                           "over the pipelines")
+    soak.add_argument("--pipelines", type=_positive_int, default=None,
+                      help="data-parallel pipelines D (default 1, or 4 with --stages 1)")
     soak.add_argument("--steps", type=_positive_int, default=3, help="training steps per run (default 3)")
     soak.add_argument("--redundancy", choices=("lflb", "eflb", "efeb"), default="eflb",
                       help="redundancy mode (default eflb)")
     soak.add_argument("--second-failures", action="store_true",
                       help="every kill point is a first victim and then a second, non-adjacent one after the "
-                           "failover: during the recovery of the same step, or in a later step (needs P >= 4)")
+                           "failover: during the recovery of the same step, or in a later step (needs P >= 4, "
+                           "or P = 1 and D >= 3)")
     return parser
 
 
@@ -213,7 +223,7 @@ def _verify(args: argparse.Namespace) -> int:
         if failover.cut is None or repr((failover.step, victims)) in shown:
             continue
         shown.add(repr((failover.step, victims)))
-        console.print(f"failover in step {failover.step}: victims {victims}, cut {failover.cut}")
+        console.print(f"failover in step {failover.step}: victims {victims}, cut {failover.cut}{_pause(result, failover)}")
     if result.consecutive:
         console.print(f"ConsecutiveFailure: {result.consecutive}")
         console.print(f"survivors compared with the reference after {result.compared_at_step} steps "
@@ -228,12 +238,17 @@ def _soak(args: argparse.Namespace) -> int:
     from bamboo.rc.chaos import random_kill_points, run_chaos
     from rich.progress import Progress
 
-    if args.stages < 3:
-        raise ValueError(f"--stages {args.stages}: soak needs at least 3 stages")
-    plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy, args.second_failures)
+    if args.stages == 2:
+        raise ValueError(f"--stages {args.stages}: soak needs 1 stage (a ring of pipelines) or at least 3 stages")
+    pipelines = args.pipelines or (4 if args.stages == 1 else 1)
+    if args.stages > 1 and pipelines != 1:
+        raise ValueError(f"--pipelines {pipelines}: soak runs one pipeline of {args.stages} stages")
+    plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy, args.second_failures,
+                               pipelines=pipelines)
     with Progress() as progress:
         task = progress.add_task("kill points", total=len(plans))
-        outcomes = run_chaos(plans, args.stages, args.steps, args.redundancy, on_result=lambda *_: progress.advance(task))
+        outcomes = run_chaos(plans, args.stages, args.steps, args.redundancy, on_result=lambda *_: progress.advance(task),
+                             pipelines=pipelines)
     passed = sum(1 for _, result in outcomes if result.passed)
     for kills, result in outcomes:
         if not result.passed:
@@ -245,6 +260,21 @@ def _soak(args: argparse.Namespace) -> int:
     total = sum(len(kills) for kills, _ in outcomes)
     print(f"soak: {total - unfired}/{total} kill points fired")
     return 0 if passed == len(outcomes) else 1
+
+
+def _pause(result: VerifyResult, failover: FailoverRecord) -> str:
+    """The failover's pause as the survivors saw it: from the kill to the last survivor resuming, and
+    to the last survivor ending the failed step ('' when the kill time is not known)."""
+    stages = len(result.stage_bounds)
+    victims = [pipeline * stages + node for pipeline, nodes in failover.victims.items() for node in nodes]
+    killed = [result.kill_times[rank] for rank in victims if rank in result.kill_times]
+    same = [f for f in result.failovers if f.epoch == failover.epoch and f.own_pipeline]
+    if not killed or not same:
+        return ""
+    resumed = max(f.resumed_at for f in same) - min(killed)
+    ended = [f.iteration_end for f in same if f.iteration_end is not None]
+    end = f", {1e3 * (max(ended) - min(killed)):.0f} ms to the end of the failed step" if ended else ""
+    return f"; pause {1e3 * resumed:.0f} ms from the kill until every survivor resumed{end}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,7 +48,7 @@ from bamboo.rc.records import CommitResult
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 from bamboo.schedule import Instruction, Kind
 
-__all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode"]
+__all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode", "fault_free_ring_stream", "share_instructions"]
 
 MicrobatchSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 """``(step, global microbatch index) -> (inputs, labels)``: the data, as a function of its position."""
@@ -61,6 +61,30 @@ GROUP = "dp-s0"
 
 Share = tuple[torch.Tensor, list[float]]
 """A share's gradients (flat, fp32) and the loss of each of its microbatches, in order."""
+
+
+def share_instructions(share: int, micro_batches: int, aside: bool = False) -> list[Instruction]:
+    """The instructions that compute one share: ``L``/``F``/``B`` per microbatch (``FR``/``BR`` when it is
+    the eager copy of a neighbour's share, kept aside), with global microbatch indices."""
+    instructions: list[Instruction] = []
+    for g in range(share * micro_batches, (share + 1) * micro_batches):
+        if aside:
+            instructions += [Instruction(Kind.FRC, 0, g), Instruction(Kind.BRC, 0, g)]
+        else:
+            instructions += [Instruction(Kind.LOAD, 0, g), Instruction(Kind.FORWARD, 0, g),
+                             Instruction(Kind.BACKWARD, 0, g)]
+    return instructions
+
+
+def fault_free_ring_stream(pipeline: int, pipelines: int, micro_batches: int, redundancy: str) -> list[Instruction]:
+    """Node `pipeline`'s stream in a step without failures: its share, ``AR``, the eager copy of its
+    ring predecessor's share (eager modes, D > 1), ``OPT``."""
+    stream = share_instructions(pipeline, micro_batches)
+    stream.append(Instruction(Kind.ALLREDUCE, 0))
+    if redundancy in EAGER_MODES and pipelines > 1:
+        stream += share_instructions((pipeline - 1) % pipelines, micro_batches, aside=True)
+    stream.append(Instruction(Kind.OPTIMIZER, 0))
+    return stream
 
 
 class RingNode:
@@ -149,15 +173,12 @@ class RingNode:
         instructions: list[Instruction] = []
         for share in self.owned():
             if share not in self.shares:
-                for g in self._indices(share):
-                    instructions += [Instruction(Kind.LOAD, 0, g), Instruction(Kind.FORWARD, 0, g),
-                                     Instruction(Kind.BACKWARD, 0, g)]
+                instructions += share_instructions(share, self.micro_batches)
         instructions.append(Instruction(Kind.ALLREDUCE, 0))
         if self.eager and not recovering:
             for share in self.shadowed():
                 if share not in self.aside:
-                    for g in self._indices(share):
-                        instructions += [Instruction(Kind.FRC, 0, g), Instruction(Kind.BRC, 0, g)]
+                    instructions += share_instructions(share, self.micro_batches, aside=True)
         instructions.append(Instruction(Kind.OPTIMIZER, 0))
         return instructions
 

@@ -66,6 +66,12 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     exact_mode()
     config = load_config(spec.config, pipelines=spec.layout.pipelines)
     store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_seconds(spec.timeouts.build))
+    sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
+
+    def microbatch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = sampler.microbatch(step, index)
+        return batch.tokens, batch.labels
+
     engine = initialize(
         gpt_layer_specs(spec.size), spec.config, spec.redundancy, loss_fn=lm_loss,
         stages=spec.layout.stages, rank=spec.layout.rank(spec.stage, spec.pipeline), world_size=spec.layout.world,
@@ -73,9 +79,9 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None,
         stage_bounds=spec.stage_bounds,
         hook=FaultInjector.for_node(spec.stage, spec.pipeline, spec.kills, spec.notice_points),
+        microbatch=microbatch,
     )
     executor = engine.executor
-    sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
     data = pipeline_data_iter(sampler, spec.pipeline, config.micro_batches)
     started = time.perf_counter()
     consecutive: str | None = None

@@ -20,6 +20,14 @@ elastic agents, and replays the same preemption trace against it:
   closes a round ``last_call_timeout`` (1 s here; default 30 s) after it has its minimum of nodes. The
   workers' gloo store is not the rendezvous store: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which
   restarted workers on gloo read the previous round's addresses and fail (torch 2.13);
+- **a failed rendezvous restarts the job**: a node killed inside a rendezvous round, after the round closed
+  and before it wrote its rank information, makes every other agent wait for that information until the
+  store's ``read_timeout`` (``rdzv_read_timeout_s``, 15 s here; torchrun's default is 60 s) and then fail,
+  and an agent that fails closes the rendezvous for every other one, so every agent exits. As a cluster's
+  job controller would (a Kubernetes ``PyTorchJob`` restarting its pods, a scheduler requeueing the job), the
+  launcher then starts a fresh agent on every machine the market has not taken, on a new rendezvous
+  (``<job>-<n>``), up to ``max_job_restarts`` times; the workers load the last checkpoint as after any
+  restart, and the restart's cost (:class:`RestartCost`) counts from the kill;
 - **too few nodes**: ``--nnodes MIN:MAX`` with ``MIN = P x min_pipelines``. With the default
   ``min_pipelines=1`` the job **drops to fewer pipelines** when fewer than ``P x D`` nodes are alive: ``D'``
   pipelines (the most that fit and divide the global batch, :func:`usable_pipelines`) of ``M x D / D'``
@@ -312,6 +320,11 @@ class CheckpointRestartOptions:
     max_restarts: int = attrs.field(default=1000, validator=_positive_int)
     max_nodes: int | None = attrs.field(default=None, validator=_optional_positive_int)
     """torchrun's ``--nnodes`` maximum (None: the trace's peak of live nodes, at least ``P x D``)."""
+    rdzv_read_timeout_s: int = attrs.field(default=15, validator=_positive_int)
+    """torchrun's c10d rendezvous ``read_timeout``: how long an agent waits on the rendezvous store (for the
+    rank information of a round's nodes) before it fails; torchrun's default is 60 s."""
+    max_job_restarts: int = attrs.field(default=100, validator=_positive_int)
+    """How many times the launcher restarts the whole job after every agent exited before the last step."""
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < self.stages * self.pipelines:
@@ -409,6 +422,8 @@ class CheckpointRestartResult:
     command: tuple[str, ...]
     stopped: bool = False
     """The ``during`` callback ended the run before its last step (``BaselineHandles.stop``)."""
+    job_restarts: int = 0
+    """How many times every agent exited before the last step and the launcher restarted the job."""
 
 
 @attrs.frozen
@@ -434,7 +449,7 @@ class BaselineHandles:
 
 def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: int, max_nodes: int) -> list[str]:
     """The ``torch.distributed.run`` command line of every node (one elastic agent, one worker), in a world of
-    ``P x min_pipelines`` to ``max_nodes`` nodes."""
+    ``P x min_pipelines`` to ``max_nodes`` nodes; ``job`` is the rendezvous id."""
     if max_nodes < options.stages * options.pipelines:
         raise ValueError(f"max_nodes {max_nodes} is fewer than the {options.stages * options.pipelines} nodes of "
                          f"{options.pipelines} pipelines of {options.stages} stages")
@@ -444,6 +459,7 @@ def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: in
         f"last_call_timeout={options.rdzv_last_call_s}",
         f"keep_alive_interval={options.keep_alive_interval_s}",
         f"keep_alive_max_attempt={options.keep_alive_attempts}",
+        f"read_timeout={options.rdzv_read_timeout_s}",
     ])
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", f"{options.stages * options.min_pipelines}:{max_nodes}",
@@ -485,7 +501,13 @@ def _machine_cluster(command: Callable[[str, str], Sequence[str]], **kwargs: Any
     from bamboo.launch.market import ProcessCluster, kill_process_group
 
     class MachineCluster(ProcessCluster):
+        """Also knows which machines the market took (``taken``), and can start a machine's agent again."""
+
+        taken: set[str]
+
         def kill(self, node: str) -> None:
+            with self._lock:
+                self.taken.add(node)
             groups = set()
             for pid in _descendants(self.processes[node].pid):
                 try:
@@ -505,7 +527,37 @@ def _machine_cluster(command: Callable[[str, str], Sequence[str]], **kwargs: Any
                         continue
             super().close()
 
-    return MachineCluster(command, **kwargs)
+        def machines(self) -> dict[str, str]:
+            """Node -> zone of every machine started and not taken by the market (its agent may have exited)."""
+            with self._lock:
+                return {node: zone for node, zone in self.zones.items() if node not in self.taken}
+
+        def restart_agent(self, node: str) -> bool:
+            """Start ``node``'s agent again on its machine (its log goes on); False if the machine was taken."""
+            import subprocess
+
+            with self._lock:
+                if self._closed or node in self.taken:
+                    return False
+                if self.processes[node].poll() is None:
+                    raise RuntimeError(f"node {node}'s agent is still running")
+                zone = self.zones[node]
+                env = {**self._env, "BAMBOO_NODE_ID": node, "BAMBOO_ZONE": zone}
+                output: Any = subprocess.DEVNULL
+                if self._log_dir is not None:
+                    old = self._logs.pop(node, None)
+                    if old is not None:
+                        old.close()
+                    output = open(self._log_dir / f"{node}.log", "ab")  # noqa: SIM115
+                    self._logs[node] = output
+                self.processes[node] = subprocess.Popen(
+                    list(self._command(node, zone)), env=env, stdin=subprocess.DEVNULL, stdout=output,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+            return True
+
+    cluster = MachineCluster(command, **kwargs)
+    cluster.taken = set()
+    return cluster
 
 
 class _StartedClock:
@@ -653,13 +705,22 @@ def run_checkpoint_restart(
                           timeout=datetime.timedelta(seconds=options.timeout_s))
     max_nodes = options.max_nodes or max(options.stages * options.pipelines, peak_nodes(plan))
     command = torchrun_command(options, job, store.port, max_nodes)
+    # A job restart starts its agents on a new rendezvous id; an agent started on an older one (a node the
+    # market added while the job restarted) is started again on the new one once it has exited.
+    current = {"rendezvous": job, "command": command}
+    started_on: dict[str, str] = {}
+
+    def node_command(node: str, zone: str) -> list[str]:
+        started_on[node] = current["rendezvous"]
+        return current["command"]
+
     log = EventLog(events_path, clock=time.time, start=start_unix)
     log.write(RunStart(t=0.0, job=job, unix_time=start_unix, target_nodes=len(initial), stages=options.stages,
                        pipelines=options.pipelines))
     env = {**os.environ, SPEC_ENV: str(spec_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": "1"}
-    cluster = _machine_cluster(lambda node, zone: command, env=env, log_dir=run_dir / "logs")
+    cluster = _machine_cluster(node_command, env=env, log_dir=run_dir / "logs")
     changes: list[tuple[str, str, float]] = []
     changes_lock = threading.Lock()
     training = threading.Event()
@@ -703,6 +764,7 @@ def run_checkpoint_restart(
     stop = threading.Event()
     deadline = started + options.timeout_s
     timed_out = False
+    job_restarts = 0
     interval: CheckpointInterval | None = None
     try:
         say(f"starting {len(initial)} torchrun agents (job {job}, --nnodes {options.stages * options.min_pipelines}:"
@@ -743,8 +805,24 @@ def run_checkpoint_restart(
                 if not alive or time.monotonic() - done_at > options.finish_grace_s:
                     break
             elif not alive:
-                raise BaselineError("every agent exited before the last step: " + "; ".join(
-                    f"{node}: {_tail(run_dir / 'logs' / (node + '.log'))}" for node in sorted(cluster.processes)))
+                machines = cluster.machines()
+                why = "; ".join(f"{node}: {_tail(run_dir / 'logs' / (node + '.log'), 1)}" for node in sorted(machines))
+                if job_restarts >= options.max_job_restarts:
+                    raise BaselineError(f"every agent exited before the last step, {job_restarts} job restarts "
+                                        f"already: {why}")
+                job_restarts += 1
+                current["rendezvous"] = f"{job}-{job_restarts}"
+                current["command"] = torchrun_command(options, current["rendezvous"], store.port, max_nodes)
+                say(f"every torchrun agent exited before the last step ({why}); restarting the job on "
+                    f"{len(machines)} machines, rendezvous {current['rendezvous']}")
+                for node in sorted(machines):
+                    cluster.restart_agent(node)
+            else:
+                for node in sorted(cluster.machines()):
+                    if started_on.get(node) != current["rendezvous"] and cluster.processes[node].poll() is not None:
+                        say(f"{node}'s agent was started on an older rendezvous; starting it on "
+                            f"{current['rendezvous']}")
+                        cluster.restart_agent(node)
             if time.monotonic() > deadline:
                 timed_out = True
                 break
@@ -765,4 +843,5 @@ def run_checkpoint_restart(
         run_dir=run_dir, events=events_path, checkpoint_dir=checkpoint_dir, interval=interval,
         interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),
         steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.processes.items()},
-        timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command), stopped=stop.is_set())
+        timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command), stopped=stop.is_set(),
+        job_restarts=job_restarts)

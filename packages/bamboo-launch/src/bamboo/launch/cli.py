@@ -16,7 +16,10 @@ Subcommands (each one works end to end):
 - ``bamboo-launch market``: the emulated spot market, replaying a preemption trace against one
   process per node (see ``bamboo.launch.market``);
 - ``bamboo-launch watch (EVENTS.jsonl | --etcd URL --job J)``: the live progress view of a run, following
-  its event log.
+  its event log;
+- ``bamboo-launch measure {bamboo,checkpoint,on-demand}``: one system of a comparison on the emulated market
+  (bamboo, the checkpoint/restart baseline, or on-demand nodes), its report and its measured profile (see
+  ``bamboo.launch.measure``; ``bamboo-bench compare`` runs it once per system).
 
 Bad input prints one line, ``bamboo-launch: error: ...``, and exits with status 2.
 """
@@ -1184,6 +1187,113 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_measure(subparsers: argparse._SubParsersAction) -> None:
+    from bamboo.launch.measure import SYSTEMS
+    from bamboo.launch.report import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
+
+    measure = subparsers.add_parser(
+        "measure",
+        help="run one system of a comparison (bamboo, checkpoint, on-demand) and write its measured profile",
+        usage=("bamboo-launch measure {bamboo,checkpoint,on-demand} --nodes N --stages P --pipelines D "
+               "[--preemptions FILE|synthetic:RATE] [--time-scale X] (--steps S | --duration SECONDS) "
+               "[--run-dir DIR] [--json] [options] [-- SCRIPT ARGS...]"),
+        description=(
+            "Train the built-in example (or, for bamboo and on-demand, your script) with one system on the "
+            "emulated spot market, print its report and write its measured profile (RUN_DIR/profile.json, "
+            "bamboo-bench's format: step time per pipeline count, start-up, failover pause, reconfiguration, "
+            "restart and checkpoint costs; bamboo-bench simulate --model takes it). bamboo: bamboo-launch run with "
+            "eager redundant computation on the trace's nodes. checkpoint: torchrun elastic agents and DeepSpeed's "
+            "PipelineEngine on the same model, global batch and data order, DeepSpeed checkpoints every K steps "
+            "(K by Young's rule), every membership change restarting the workers from the last checkpoint, and "
+            "fewer pipelines while nodes are short. on-demand: bamboo-launch run without redundancy and without "
+            "preemptions on P x D nodes, priced at --on-demand-price. The run ends after --steps, or --duration "
+            "wall seconds after its first step (every node is then stopped; trace time runs from the first step)."
+        ),
+    )
+    measure.add_argument("system", choices=SYSTEMS, help="the system to run")
+    measure.add_argument("--nodes", type=int, required=True, help="initial spot cluster size; synthetic traces keep "
+                         "about this many nodes (on-demand runs P x D)")
+    measure.add_argument("--stages", type=int, required=True, help="pipeline depth P")
+    measure.add_argument("--pipelines", type=int, required=True, help="data-parallel pipelines D")
+    length = measure.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, default=None, help="train this many steps")
+    length.add_argument("--duration", type=_positive_float, default=None, metavar="SECONDS",
+                        help="train this many wall seconds after the first step, then stop every node")
+    measure.add_argument("--preemptions", default=None, metavar="FILE|synthetic:RATE",
+                         help="preemption trace (as bamboo-launch run; not used by on-demand; default: none)")
+    measure.add_argument("--time-scale", type=_positive_float, default=60.0,
+                         help="trace seconds per wall second (default: %(default)s)")
+    measure.add_argument("--hours", type=_positive_float, default=1.0,
+                         help="synthetic only: trace length in hours (default: %(default)s)")
+    measure.add_argument("--seed", type=int, default=0, help="synthetic only: the trace's seed (default: %(default)s)")
+    measure.add_argument("--zones", type=_zones, default=None, help="zone names, comma separated (default: the "
+                         "trace's own; synthetic: 3 zones)")
+    measure.add_argument("--layers", type=int, default=4, help="decoder blocks of the built-in example GPT "
+                         "(default: %(default)s)")
+    measure.add_argument("--checkpoint-every", type=int, default=10, help="bamboo: steps between its asynchronous "
+                         "checkpoints (the baseline chooses K itself; default: %(default)s)")
+    measure.add_argument("--ttl", type=int, default=10, help="bamboo: node lease TTL, seconds (default: %(default)s)")
+    measure.add_argument("--grace", type=_positive_float, default=10.0,
+                         help="bamboo: seconds an unresponsive node has before it is declared failed (a killed "
+                         "node's closed connections are seen at once; default: %(default)s)")
+    measure.add_argument("--timeout", type=_positive_float, default=1800.0,
+                         help="seconds the whole run may take (default: %(default)s)")
+    measure.add_argument("--run-dir", required=True, help="where the run's files go (logs, events.jsonl, "
+                         "profile.json)")
+    measure.add_argument("--spot-price", type=_positive_float, default=DEFAULT_SPOT_PRICE,
+                         help="$/h per spot node (default: %(default)s)")
+    measure.add_argument("--on-demand-price", type=_positive_float, default=DEFAULT_ON_DEMAND_PRICE,
+                         help="$/h per on-demand node (default: %(default)s)")
+    measure.add_argument("--json", action="store_true", help="print the result as one JSON object: system, "
+                         "report, measurements, profile (its path), timeline, and the baseline's K and restarts")
+    measure.set_defaults(handler=_measure, script=[])
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from bamboo.launch.measure import MeasureError, MeasureOptions, run_measured
+
+    for name in ("nodes", "stages", "pipelines", "layers", "checkpoint_every", "ttl"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.steps is not None and args.steps < 1:
+        _fail(f"--steps must be >= 1, got {args.steps}")
+    if not args.script and args.layers + 2 < args.stages:
+        _fail(f"--stages {args.stages} is more than the example's {args.layers + 2} layers (raise --layers)")
+    try:
+        options = MeasureOptions(
+            system=args.system, nodes=args.nodes, stages=args.stages, pipelines=args.pipelines, run_dir=args.run_dir,
+            steps=args.steps, duration_s=args.duration, preemptions=args.preemptions, time_scale=args.time_scale,
+            hours=args.hours, trace_seed=args.seed, zones=args.zones, layers=args.layers, script=tuple(args.script),
+            checkpoint_every=args.checkpoint_every, ttl=args.ttl, grace_s=args.grace, timeout_s=args.timeout,
+            spot_price=args.spot_price, on_demand_price=args.on_demand_price)
+    except ValueError as error:
+        _fail(str(error))
+
+    def say(line: str) -> None:
+        print(f"bamboo-launch measure {args.system}: {line}", file=sys.stderr, flush=True)
+
+    try:
+        result = run_measured(options, progress=say)
+    except MeasureError as error:
+        _fail(str(error))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from bamboo.launch.report import Report, format_report
+
+    print(format_report(Report(**result["report"])))
+    measured = result["measurements"]
+    print(f"  profile          {result['profile']}")
+    print("  step time        " + ", ".join(f"{1000 * s:.1f} ms with {d} pipeline(s)"
+                                             for d, s in measured["step_time_s"].items()))
+    if result.get("checkpoint_interval"):
+        print(f"  checkpoints      {result['checkpoint_interval']['describe']}")
+    for restart in result.get("restarts", []):
+        print(f"  restart          after the {restart['cause']} of {restart['node']}: {restart['to_first_step_s']:.2f} s "
+              f"to the first step, {restart['redone_steps']} steps trained again")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used to render ``--help`` in the README)."""
     parser = argparse.ArgumentParser(
@@ -1192,7 +1302,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True,
-                                       metavar="{agent,run,export,k8s,market,report,watch}")
+                                       metavar="{agent,run,export,k8s,market,report,watch,measure}")
     _add_agent(subparsers)
     _add_run(subparsers)
     _add_export(subparsers)
@@ -1200,6 +1310,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_market(subparsers)
     _add_report(subparsers)
     _add_watch(subparsers)
+    _add_measure(subparsers)
     return parser
 
 

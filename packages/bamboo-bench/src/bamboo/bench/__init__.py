@@ -10,6 +10,8 @@
   bamboo strategy runs the system's policy (bamboo-reconfig's ``decide`` and ``plan_layout``, on
   integers in `bamboo.bench.policy`); ``check_policy=True`` checks each run against bamboo-reconfig
   itself (`PolicyMismatch`).
+- `PaperTable` / `load_table` / `reproduce` (in `bamboo.bench.paper`): the paper's tables as JSON data
+  (``table6``, ``dp``), reproduced on the synthetic model and compared figure by figure (`Reproduction`).
 - `plot_runs` (in `bamboo.bench.plot`, imported lazily because it loads matplotlib): Figure-12
   style panels. The CLI is `bamboo-bench` (`bamboo.bench.cli:main`).
 """
@@ -24,6 +26,14 @@ from bamboo.bench.loaders import (
     load_skypilot_counts,
     load_trace,
     write_generic_csv,
+)
+from bamboo.bench.paper import (
+    PaperTable,
+    PaperTableError,
+    Reproduction,
+    builtin_tables,
+    load_table,
+    reproduce,
 )
 from bamboo.bench.profile import ModelProfile, ProfileError, Timing, builtin_profiles, load_profile
 from bamboo.bench.simulator import (
@@ -45,9 +55,12 @@ __all__ = [
     "AveragedResult",
     "EventKind",
     "ModelProfile",
+    "PaperTable",
+    "PaperTableError",
     "Policy",
     "PolicyMismatch",
     "ProfileError",
+    "Reproduction",
     "RunResult",
     "Strategy",
     "SweepRow",
@@ -61,6 +74,7 @@ __all__ = [
     "TraceSummary",
     "average_results",
     "builtin_profiles",
+    "builtin_tables",
     "generate_trace",
     "load_count_csv",
     "load_count_curve",
@@ -69,7 +83,9 @@ __all__ = [
     "load_generic_csv",
     "load_profile",
     "load_skypilot_counts",
+    "load_table",
     "load_trace",
+    "reproduce",
     "simulate_run",
     "simulate_synthetic",
     "sweep",

@@ -5,6 +5,7 @@ Subcommands:
 - ``simulate``: compare strategies on one real trace (``--trace``) or on synthetic runs
   (``--synthetic``), print a table (or JSON lines with ``--json``), optionally plot (``--plot``).
 - ``sweep``: the paper's Table 6: many synthetic runs per preemption probability, until completion.
+- ``paper``: reproduce one of the paper's tables (``table6``, ``dp``) and print simulated against published.
 - ``trace summary`` / ``trace synthesize``: summarise trace files; write a synthetic trace as CSV.
 
 Bad input prints one line ``bamboo-bench: error: ...`` and exits with status 2.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import attrs
 from bamboo.bench.loaders import TraceFormatError, load_skypilot_counts, load_trace, write_generic_csv
+from bamboo.bench.paper_report import add_paper_arguments, run_paper_command
 from bamboo.bench.profile import ModelProfile, ProfileError, builtin_profiles, load_profile
 from bamboo.bench.simulator import (
     AveragedResult,
@@ -224,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synthetic_arguments(sweep_parser)
     _add_model_arguments(sweep_parser, default="bert-table6")
     sweep_parser.add_argument("--json", action="store_true", help="print one JSON object per probability")
+
+    paper = commands.add_parser(
+        "paper",
+        help="reproduce one of the paper's tables and print simulated against published, with relative errors",
+        description="Run the table's cells (models, strategies, preemption probabilities) on the synthetic model "
+        "until completion, as sweep does, and print each beside the paper's figure with the relative error and "
+        "whether it is within the table's tolerance; then the table's aggregate ratios.",
+    )
+    add_paper_arguments(paper)
+    _add_synthetic_arguments(paper)
+    paper.add_argument("--no-zone-aware", action="store_true", help="the ablation of zone-aware placement")
 
     trace = commands.add_parser("trace", help="summarise trace files or write a synthetic trace")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
@@ -475,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_simulate(args, console)
         if args.command == "sweep":
             return _cmd_sweep(args, console)
+        if args.command == "paper":
+            _check_bulk(args)
+            return run_paper_command(args, console, _stdout_console())
         return _cmd_trace(args, console)
     except (_UsageError, TraceFormatError, ProfileError, PolicyMismatch, ValueError, KeyError, OSError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)

@@ -12,10 +12,14 @@
   itself (`PolicyMismatch`).
 - `PaperTable` / `load_table` / `reproduce` (in `bamboo.bench.paper`): the paper's tables as JSON data
   (``table6``, ``dp``), reproduced on the synthetic model and compared figure by figure (`Reproduction`).
+- `run_compare` / `CompareOptions` / `Comparison` (in `bamboo.bench.compare`): the measured comparison of
+  bamboo, checkpoint/restart and on-demand (each system run by ``bamboo-launch measure`` in a subprocess),
+  each run predicted by the simulator from the profile it measured.
 - `plot_runs` (in `bamboo.bench.plot`, imported lazily because it loads matplotlib): Figure-12
   style panels. The CLI is `bamboo-bench` (`bamboo.bench.cli:main`).
 """
 
+from bamboo.bench.compare import CompareError, CompareOptions, Comparison, SystemResult, run_compare
 from bamboo.bench.loaders import (
     TraceFormatError,
     load_count_csv,
@@ -53,6 +57,9 @@ from bamboo.bench.trace import EventKind, Trace, TraceEvent, TraceSummary
 
 __all__ = [
     "AveragedResult",
+    "CompareError",
+    "CompareOptions",
+    "Comparison",
     "EventKind",
     "ModelProfile",
     "PaperTable",
@@ -66,6 +73,7 @@ __all__ = [
     "SweepRow",
     "SyntheticSpec",
     "SyntheticTraceGenerator",
+    "SystemResult",
     "Timeline",
     "Timing",
     "Trace",
@@ -86,6 +94,7 @@ __all__ = [
     "load_table",
     "load_trace",
     "reproduce",
+    "run_compare",
     "simulate_run",
     "simulate_synthetic",
     "sweep",

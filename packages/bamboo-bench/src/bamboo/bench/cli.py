@@ -6,6 +6,8 @@ Subcommands:
   (``--synthetic``), print a table (or JSON lines with ``--json``), optionally plot (``--plot``).
 - ``sweep``: the paper's Table 6: many synthetic runs per preemption probability, until completion.
 - ``paper``: reproduce one of the paper's tables (``table6``, ``dp``) and print simulated against published.
+- ``compare``: measure Bamboo, checkpoint/restart and on-demand on one replayed trace (each through
+  ``bamboo-launch measure``, a subprocess) and check the simulator against each run (``bamboo.bench.compare``).
 - ``trace summary`` / ``trace synthesize``: summarise trace files; write a synthetic trace as CSV.
 
 Bad input prints one line ``bamboo-bench: error: ...`` and exits with status 2.
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+from bamboo.bench.compare_cli import add_compare_parser, run_compare_command
 from bamboo.bench.loaders import TraceFormatError, load_skypilot_counts, load_trace, write_generic_csv
 from bamboo.bench.paper_report import add_paper_arguments, run_paper_command
 from bamboo.bench.profile import ModelProfile, ProfileError, builtin_profiles, load_profile
@@ -237,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_paper_arguments(paper)
     _add_synthetic_arguments(paper)
     paper.add_argument("--no-zone-aware", action="store_true", help="the ablation of zone-aware placement")
+
+    add_compare_parser(commands)
 
     trace = commands.add_parser("trace", help="summarise trace files or write a synthetic trace")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
@@ -481,7 +486,15 @@ def _cmd_trace(args: argparse.Namespace, console: Console) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``bamboo-bench``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] = []
+    if "--" in words:  # compare's training script: everything after --
+        split = words.index("--")
+        words, script = words[:split], words[split + 1:]
+    args = parser.parse_args(words)
+    if script and args.command != "compare":
+        parser.error(f"only compare takes a script after --, got {' '.join(script)!r}")
+    args.script = script
     console = Console(stderr=True)
     try:
         if args.command == "simulate":
@@ -491,6 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "paper":
             _check_bulk(args)
             return run_paper_command(args, console, _stdout_console())
+        if args.command == "compare":
+            return run_compare_command(args, console, _stdout_console())
         return _cmd_trace(args, console)
     except (_UsageError, TraceFormatError, ProfileError, PolicyMismatch, ValueError, KeyError, OSError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)

@@ -1,0 +1,577 @@
+"""``bamboo-bench compare``: Bamboo against checkpoint/restart and on-demand, measured on one replayed trace.
+
+Each system trains the same model on the same market, one after the other, through ``bamboo-launch measure
+SYSTEM`` in a process of its own (bamboo-bench never imports bamboo-launch, which sits above it):
+
+- ``bamboo``: bamboo-launch on the emulated spot market;
+- ``checkpoint``: torchrun elastic agents (one per node, their rendezvous on a store the market never
+  preempts) training DeepSpeed's ``PipelineEngine`` on the same model, global batch and data order, with
+  DeepSpeed checkpoints every K steps (Young's rule); every membership change restarts the workers from the
+  last checkpoint, and with fewer than P x D nodes it drops to fewer pipelines;
+- ``on-demand``: the same model on P x D nodes, no preemptions, priced at on-demand rates.
+
+The trace (a file in any bamboo-bench format, or ``synthetic:RATE``) is written once as ``OUT/trace.csv``
+(generic CSV; with ``--duration`` cut to the trace time the runs replay) and every system replays that file
+at ``--time-scale``; trace time runs from each system's first step.
+
+Every run writes a **measured profile** (``OUT/profiles/<system>.json``, bamboo-bench's format): step time per
+pipeline count, start-up, failover pause, reconfiguration, restart and checkpoint costs. The simulator then
+replays each run with its own profile on the same trace, as that system's market saw it
+(``OUT/sim/<system>.csv``: the trace compressed by the time scale, its events after the start delayed by the
+run's measured start-up), and the measured and predicted throughput and value are printed side by side with
+the error; the exact ``bamboo-bench simulate`` command of each prediction is printed too. With ``--long-run
+FILE`` the same profiles, at full scale (as many pipelines as the trace's peak of nodes holds), are simulated
+on FILE uncompressed: the long-run picture.
+
+:func:`run_compare` does it all and returns a :class:`Comparison`; the CLI prints it, as a table or JSON,
+and draws it (:func:`plot_comparison`, the four panels of the paper's Figure 12 with the three systems, the
+simulator's predictions dotted).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from bamboo.bench.loaders import load_trace, write_generic_csv
+from bamboo.bench.profile import ModelProfile, load_profile
+from bamboo.bench.simulator import Policy, RunResult, Strategy, simulate_run
+from bamboo.bench.synthetic import SyntheticSpec, generate_trace
+from bamboo.bench.trace import EventKind, Trace, TraceEvent
+
+__all__ = [
+    "SYSTEMS",
+    "CompareError",
+    "CompareOptions",
+    "Comparison",
+    "LongRun",
+    "SystemResult",
+    "full_scale_profile",
+    "parse_systems",
+    "plot_comparison",
+    "prepare_trace",
+    "run_compare",
+    "simulation_trace",
+]
+
+SYSTEMS = ("bamboo", "checkpoint", "on-demand")
+"""The systems ``compare`` runs, in the order it runs them."""
+
+_STRATEGY = {"bamboo": Strategy.BAMBOO, "checkpoint": Strategy.CHECKPOINT, "on-demand": Strategy.ON_DEMAND}
+
+
+class CompareError(ValueError):
+    """Bad input, or a system whose run failed; the message names the value or the run's log."""
+
+
+def parse_systems(text: str) -> tuple[str, ...]:
+    """``bamboo,checkpoint,on-demand`` (any non-empty subset, any order) as a tuple in run order."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise CompareError(f"--systems needs at least one of {', '.join(SYSTEMS)}, got {text!r}")
+    for name in names:
+        if name not in SYSTEMS:
+            raise CompareError(f"unknown system {name!r} in --systems; choose from {', '.join(SYSTEMS)}")
+    return tuple(name for name in SYSTEMS if name in names)
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise CompareError(f"--{attribute.name.replace('_s', '').replace('_', '-')} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class CompareOptions:
+    """What ``bamboo-bench compare`` takes (see its ``--help``). Exactly one of ``steps`` and ``duration_s``."""
+
+    preemptions: str
+    nodes: int
+    stages: int
+    pipelines: int
+    out: Path = attrs.field(converter=Path)
+    steps: int | None = attrs.field(default=None, validator=_positive)
+    duration_s: float | None = attrs.field(default=None, validator=_positive)
+    systems: tuple[str, ...] = SYSTEMS
+    time_scale: float = attrs.field(default=60.0, validator=_positive)
+    hours: float | None = attrs.field(default=None, validator=_positive)
+    """synthetic: the trace's hours (default: the duration's trace time, or 1 h with --steps)."""
+    seed: int = 0
+    zones: tuple[str, ...] | None = None
+    spot_price: float = attrs.field(default=0.918, validator=_positive)
+    on_demand_price: float = attrs.field(default=3.06, validator=_positive)
+    layers: int = 4
+    script: tuple[str, ...] = ()
+    timeout_s: float = attrs.field(default=1800.0, validator=_positive)
+    long_run: Path | None = None
+    long_run_nodes: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.steps is None) == (self.duration_s is None):
+            raise CompareError("give --steps S or --duration SECONDS (one of them)")
+        if self.stages < 1 or self.pipelines < 1:
+            raise CompareError(f"--stages and --pipelines must be >= 1, got {self.stages} and {self.pipelines}")
+        if self.nodes < self.stages:
+            raise CompareError(f"--nodes {self.nodes} is too few for one pipeline of {self.stages} stages "
+                               f"(--stages {self.stages})")
+        if self.nodes < self.stages * self.pipelines:
+            raise CompareError(f"--nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} "
+                               f"stages (needs at least {self.stages * self.pipelines})")
+        if not self.systems:
+            raise CompareError(f"--systems needs at least one of {', '.join(SYSTEMS)}")
+        if self.script and "checkpoint" in self.systems:
+            raise CompareError("the checkpoint/restart baseline trains the built-in example only: give no script, "
+                               "or --systems without checkpoint")
+        if self.long_run_nodes is not None and self.long_run_nodes < self.stages:
+            raise CompareError(f"--long-run-nodes {self.long_run_nodes} is too few for one pipeline of "
+                               f"{self.stages} stages")
+
+    @property
+    def trace_hours(self) -> float:
+        if self.hours is not None:
+            return self.hours
+        if self.duration_s is not None:
+            return self.duration_s * self.time_scale / 3600.0
+        return 1.0
+
+
+# ---- the trace ------------------------------------------------------------------------------------------------
+
+
+def _zoned(trace: Trace, zones: Sequence[str]) -> Trace:
+    """A trace whose nodes are spread round-robin over ``zones`` in order of first appearance (as
+    ``bamboo-launch run --zones`` does for a trace with one zone)."""
+    cycle = itertools.cycle(zones)
+    zone_of: dict[str, str] = {}
+    events = []
+    for event in trace.events():
+        if event.node not in zone_of:
+            zone_of[event.node] = next(cycle)
+        events.append(TraceEvent(event.time_s, event.kind, event.node, zone_of[event.node]))
+    return Trace.from_events(trace.name, events, duration_s=trace.duration_s)
+
+
+def prepare_trace(options: CompareOptions) -> Trace:
+    """The trace every system replays: the file (a malformed one raises ``TraceFormatError`` naming the file
+    and line) or the synthetic model, zoned by ``zones``, cut to the duration's trace time."""
+    text = options.preemptions
+    if text.startswith("synthetic:"):
+        rate_text = text.split(":", 1)[1]
+        try:
+            rate = float(rate_text)
+        except ValueError:
+            raise CompareError(f"--preemptions synthetic:RATE needs a number RATE in [0, 1], got {rate_text!r}") from None
+        if not 0.0 <= rate <= 1.0:
+            raise CompareError(f"--preemptions synthetic:RATE needs RATE in [0, 1], got {rate_text!r}")
+        spec = SyntheticSpec(preemption_probability=rate, desired_nodes=options.nodes,
+                             zones=len(options.zones) if options.zones else 3)
+        trace = generate_trace(spec, options.trace_hours, options.seed)
+        if options.zones:
+            names = dict(zip(trace.zone_names, options.zones, strict=False))
+            trace = Trace.from_events(trace.name, [TraceEvent(e.time_s, e.kind, e.node, names[e.zone])
+                                                   for e in trace.events()], duration_s=trace.duration_s)
+    else:
+        path = Path(text)
+        if not path.exists():
+            raise CompareError(f"--preemptions {text}: no such file (give a trace file or synthetic:RATE)")
+        trace = load_trace(path)
+        if options.zones:
+            if len(set(trace.zone_names)) > 1:
+                raise CompareError(f"the trace {text} already has zones {sorted(set(trace.zone_names))}; --zones is "
+                                   "for traces without zones")
+            trace = _zoned(trace, options.zones)
+    if options.duration_s is not None:
+        end = options.duration_s * options.time_scale
+        if end < trace.duration_s:
+            trace = trace.slice(0.0, end)
+    at_start = trace.alive_at_start()
+    need = options.stages * options.pipelines
+    if at_start < need:
+        raise CompareError(f"the trace {text} starts with {at_start} nodes; {options.pipelines} pipelines of "
+                           f"{options.stages} stages need {need}")
+    return trace
+
+
+def simulation_trace(trace: Trace, time_scale: float, market_start_s: float, end_s: float | None) -> Trace:
+    """The trace as one system's market replayed it, in wall seconds from the run's start: compressed by
+    ``time_scale``, the events after the start delayed by ``market_start_s`` (the market starts at the first
+    step), and the window ending at ``end_s`` (None: the trace's end)."""
+    events = [TraceEvent(e.time_s / time_scale + (market_start_s if e.time_s > 0 else 0.0), e.kind, e.node, e.zone)
+              for e in trace.events()]
+    duration = end_s if end_s is not None else market_start_s + trace.duration_s / time_scale
+    return Trace.from_events(f"{trace.name} as replayed", events, duration_s=max(duration, events[-1].time_s))
+
+
+# ---- results ----------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SystemResult:
+    """One measured run, and the simulator's prediction of it."""
+
+    system: str
+    throughput: float
+    node_hours: float
+    avg_nodes: float
+    cost: float
+    cost_per_hour: float
+    value: float
+    redone_steps: int
+    lost_s: float
+    steps: int
+    duration_s: float
+    price: float
+    profile: Path
+    run_dir: Path
+    simulate_command: tuple[str, ...]
+    predicted: RunResult
+    measured: Mapping[str, Any] = attrs.field(repr=False)
+    timeline: Mapping[str, Any] = attrs.field(repr=False)
+
+    @property
+    def throughput_error(self) -> float:
+        """(predicted - measured) / measured."""
+        return _error(self.predicted.throughput, self.throughput)
+
+    @property
+    def value_error(self) -> float:
+        return _error(self.predicted.value, self.value)
+
+
+def _error(predicted: float, measured: float) -> float:
+    if measured == 0:
+        return 0.0 if predicted == 0 else math.inf
+    return (predicted - measured) / measured
+
+
+@attrs.frozen
+class LongRun:
+    """The measured profiles at full scale, simulated on the long-run trace uncompressed."""
+
+    trace: str
+    nodes: int
+    pipelines: int
+    hours: float
+    results: dict[str, RunResult]
+    profiles: dict[str, Path]
+    notes: tuple[str, ...]
+
+
+@attrs.frozen
+class Comparison:
+    """Everything ``compare`` measured and predicted."""
+
+    options: CompareOptions
+    trace: Trace
+    results: dict[str, SystemResult]
+    long_run: LongRun | None
+
+    def ratio(self, system: str, against: str, key: str) -> float | None:
+        """``system``'s ``key`` (throughput or value) over ``against``'s; None when either is missing."""
+        if system not in self.results or against not in self.results:
+            return None
+        base = getattr(self.results[against], key)
+        return math.inf if base == 0 else getattr(self.results[system], key) / base
+
+    def records(self) -> list[dict[str, Any]]:
+        """One JSON-ready object per system: the ``--json`` contract."""
+        out = []
+        for name, result in self.results.items():
+            record: dict[str, Any] = {
+                "system": name, "throughput": result.throughput, "node_hours": result.node_hours, "cost": result.cost,
+                "value": result.value, "redone_steps": result.redone_steps, "lost_s": result.lost_s,
+                "steps": result.steps, "duration_s": result.duration_s, "avg_nodes": result.avg_nodes,
+                "price_per_node_hour": result.price,
+                "vs_checkpoint": _ratios(self, name, "checkpoint"), "vs_on_demand": _ratios(self, name, "on-demand"),
+                "predicted_throughput": result.predicted.throughput, "predicted_value": result.predicted.value,
+                "throughput_error": result.throughput_error, "value_error": result.value_error,
+                "profile": str(result.profile), "run_dir": str(result.run_dir),
+                "simulate_command": " ".join(result.simulate_command),
+            }
+            if name == "checkpoint":
+                record["checkpoint_interval"] = result.measured.get("checkpoint_interval")
+                record["restarts"] = len(result.measured.get("restarts", []))
+                record["job_restarts"] = result.measured.get("job_restarts", 0)
+            if self.long_run is not None and name in self.long_run.results:
+                run = self.long_run.results[name]
+                record["long_run"] = {"throughput": run.throughput, "value": run.value, "nodes": run.nodes,
+                                      "cost_per_hour": run.cost_per_hour, "hours": run.duration_h}
+            out.append(record)
+        return out
+
+
+def _ratios(comparison: Comparison, system: str, against: str) -> dict[str, float | None] | None:
+    if against not in comparison.results:
+        return None
+    return {"throughput": comparison.ratio(system, against, "throughput"),
+            "value": comparison.ratio(system, against, "value")}
+
+
+# ---- running the systems -------------------------------------------------------------------------------------
+
+
+def _launch_available() -> bool:
+    try:
+        return importlib.util.find_spec("bamboo.launch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _measure_command(options: CompareOptions, system: str, trace_file: Path, run_dir: Path) -> list[str]:
+    command = [sys.executable, "-m", "bamboo.launch", "measure", system, "--nodes", str(options.nodes),
+               "--stages", str(options.stages), "--pipelines", str(options.pipelines),
+               "--preemptions", str(trace_file), "--time-scale", f"{options.time_scale:g}",
+               "--run-dir", str(run_dir), "--spot-price", f"{options.spot_price:g}",
+               "--on-demand-price", f"{options.on_demand_price:g}", "--layers", str(options.layers),
+               "--timeout", f"{options.timeout_s:g}", "--json"]
+    command += ["--steps", str(options.steps)] if options.steps is not None else ["--duration", f"{options.duration_s:g}"]
+    if options.script and system != "checkpoint":
+        command += ["--", *options.script]
+    return command
+
+
+class _Follower:
+    """Copies a run's stderr to its log file and keeps its last line (for the progress display)."""
+
+    def __init__(self, stream: Any, log: Path) -> None:
+        self.last = ""
+        self._log = log.open("w", encoding="utf-8")
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            self._log.write(line)
+            self._log.flush()
+            if line.strip():
+                self.last = line.strip()
+
+    def close(self) -> None:
+        self._thread.join(5.0)
+        self._log.close()
+
+
+def _run_system(options: CompareOptions, system: str, index: int, trace_file: Path,
+                status: Callable[[str], None]) -> dict[str, Any]:
+    run_dir = options.out / "runs" / system
+    log = options.out / "runs" / f"{system}.log"
+    command = _measure_command(options, system, trace_file, run_dir)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               stdin=subprocess.DEVNULL)
+    follower = _Follower(process.stderr, log)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    label = f"{system} ({index} of {len(options.systems)})"
+    try:
+        while process.poll() is None:
+            elapsed = time.monotonic() - started
+            status(f"running {label}: {int(elapsed // 60)}m{int(elapsed % 60):02d}s elapsed"
+                   + (f"; {follower.last.split(': ', 1)[-1][:90]}" if follower.last else ""))
+            time.sleep(0.5)
+    except BaseException:
+        process.kill()
+        raise
+    reader.join(10.0)
+    follower.close()
+    if process.returncode != 0:
+        raise CompareError(f"the {system} run failed (exit status {process.returncode}): {follower.last} "
+                           f"(its log: {log})")
+    try:
+        return json.loads(output[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise CompareError(f"the {system} run printed no result (its log: {log})") from None
+
+
+def _predict(options: CompareOptions, system: str, trace: Trace, measured: Mapping[str, Any],
+             profile_path: Path) -> tuple[RunResult, tuple[str, ...], Path]:
+    """The simulator's prediction of one run, and the ``bamboo-bench simulate`` command that gives it."""
+    profile = load_profile(profile_path)
+    market_start = float(measured["measurements"]["market_start_s"])
+    end = market_start + options.duration_s if options.duration_s is not None else None
+    if system == "on-demand":
+        nodes = [TraceEvent(0.0, EventKind.ADD, f"node{i}", "on-demand") for i in range(profile.on_demand_nodes)]
+        replayed = Trace.from_events("on-demand", nodes, duration_s=end if end is not None else 1.0)
+    else:
+        replayed = simulation_trace(trace, options.time_scale, market_start, end)
+    sim_file = options.out / "sim" / f"{system}.csv"
+    sim_file.parent.mkdir(parents=True, exist_ok=True)
+    write_generic_csv(replayed, sim_file)
+    until = "trace-end" if end is not None else "completion"
+    result = simulate_run(replayed, profile, _STRATEGY[system], policy=Policy(),
+                          target_samples=math.inf if end is not None else None,
+                          until_s=end, record=True)
+    command = ("bamboo-bench", "simulate", "--trace", str(sim_file), "--model", str(profile_path),
+               "--strategy", system, "--until", until)
+    return result, command, sim_file
+
+
+def full_scale_profile(profile: ModelProfile, pipelines: int, trace: Trace | None, name: str) -> ModelProfile:
+    """``profile`` at ``pipelines`` pipelines of the same depth: each pipeline keeps its share of the global batch
+    (``samples_per_step`` grows by ``pipelines / D``), so a step with all of them takes the measured D-pipeline
+    step time, and with ``d`` of them ``pipelines / d`` times that (the global batch stays; pipeline fill is
+    not modelled); on-demand runs ``pipelines`` pipelines at the same rate per pipeline. The timing constants
+    stay as measured, except the interval between synchronous checkpoints (``checkpoint_s > 0``), which Young's
+    rule sets again for ``trace``'s mean time between interruptions (its kills and later additions)."""
+    base_d = profile.pipelines
+    step = profile.step_time_s(base_d) * 1000.0
+    factor = pipelines / base_d
+    table = {(profile.stages, d): step * pipelines / d for d in range(1, pipelines + 1)}
+    timing = profile.timing
+    notes = [f"{profile.name} at full scale: {pipelines} pipelines of {profile.stages} (measured with {base_d}); "
+             f"step with d pipelines = {step:.1f} ms x {pipelines}/d; samples per step x{factor:g}"]
+    if trace is not None and timing.checkpoint_s > 0:
+        summary = trace.summary()
+        interruptions = summary.preemptions + max(0, summary.adds - trace.alive_at_start())
+        if interruptions:
+            mtbf = trace.duration_s / interruptions
+            period = math.sqrt(2.0 * timing.checkpoint_s * mtbf)
+            timing = attrs.evolve(timing, checkpoint_interval_s=max(period, step / 1000.0) + timing.checkpoint_s)
+            notes.append(f"checkpoint interval by Young's rule on the long trace: sqrt(2 x {timing.checkpoint_s:.3f} s "
+                         f"x {mtbf:.0f} s between interruptions) = {period:.1f} s")
+    return attrs.evolve(
+        profile, name=name, pipelines=pipelines, samples_per_step=profile.samples_per_step * factor,
+        step_time_ms=table, on_demand_nodes=profile.stages * pipelines,
+        on_demand_samples_per_second=profile.on_demand_samples_per_second * factor,
+        job_samples=1e15, timing=timing, notes=(*profile.notes, *notes),
+    )
+
+
+def _long_run(options: CompareOptions, profiles: Mapping[str, Path]) -> LongRun:
+    assert options.long_run is not None
+    trace = load_trace(options.long_run)
+    summary = trace.summary()
+    nodes = options.long_run_nodes or summary.max_alive
+    pipelines = max(1, nodes // options.stages)
+    results: dict[str, RunResult] = {}
+    written: dict[str, Path] = {}
+    notes = [f"the profiles measured here at {pipelines} pipelines of {options.stages} ({pipelines * options.stages} "
+             f"nodes) on {trace.name} ({summary.duration_h:.2f} h, peak {summary.max_alive} nodes), uncompressed",
+             "instance creation is the measured process start; a cloud VM's boot time (the paper's 45 s) is not in it"]
+    for system, path in profiles.items():
+        profile = full_scale_profile(load_profile(path), pipelines, trace, f"{system}-full-scale")
+        target = options.out / "profiles" / f"{system}-full-scale.json"
+        target.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+        written[system] = target
+        results[system] = simulate_run(trace, profile, _STRATEGY[system], policy=Policy(), target_samples=math.inf,
+                                       until_s=trace.duration_s, record=True)
+    return LongRun(trace=str(options.long_run), nodes=pipelines * options.stages, pipelines=pipelines,
+                   hours=summary.duration_h, results=results, profiles=written, notes=tuple(notes))
+
+
+def run_compare(options: CompareOptions, status: Callable[[str], None] | None = None) -> Comparison:
+    """Run every system of ``options`` on the same trace, measure each, and predict each with the simulator."""
+    say = status or (lambda line: None)
+    if not _launch_available():
+        raise CompareError("compare runs the systems with bamboo-launch, which is not installed here: "
+                           "pip install packages/bamboo-launch (with its dependencies)")
+    trace = prepare_trace(options)
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "runs").mkdir(exist_ok=True)
+    (options.out / "profiles").mkdir(exist_ok=True)
+    trace_file = options.out / "trace.csv"
+    write_generic_csv(trace, trace_file)
+    results: dict[str, SystemResult] = {}
+    for index, system in enumerate(options.systems, start=1):
+        measured = _run_system(options, system, index, trace_file, say)
+        profile_path = options.out / "profiles" / f"{system}.json"
+        profile_path.write_text(Path(measured["profile"]).read_text())
+        load_profile(profile_path)  # a measured profile that does not load is a bug: say so here
+        predicted, command, _ = _predict(options, system, trace, measured, profile_path)
+        report = measured["report"]
+        price = float(measured["price_per_node_hour"])
+        results[system] = SystemResult(
+            system=system, throughput=report["throughput"], node_hours=report["node_hours"],
+            avg_nodes=report["avg_nodes"], cost=report["node_hours"] * price,
+            cost_per_hour=report["avg_nodes"] * price, value=report["value"], redone_steps=report["redone_steps"],
+            lost_s=report["lost_s"], steps=report["steps"], duration_s=report["duration_s"], price=price,
+            profile=profile_path, run_dir=Path(measured["run_dir"]), simulate_command=command, predicted=predicted,
+            measured=measured, timeline=measured["timeline"])
+        say(f"{system} done: {report['steps']} steps, {report['throughput']:.2f} samples/s")
+    long_run = None
+    if options.long_run is not None:
+        long_run = _long_run(options, {name: result.profile for name, result in results.items()})
+    return Comparison(options=options, trace=trace, results=results, long_run=long_run)
+
+
+def default_out() -> Path:
+    """A fresh folder for a comparison's files."""
+    return Path(tempfile.mkdtemp(prefix="bamboo-compare-"))
+
+
+# ---- the figure ----------------------------------------------------------------------------------------------
+
+_COLOURS = {"bamboo": "tab:green", "checkpoint": "tab:red", "on-demand": "tab:gray"}
+
+
+def plot_comparison(comparison: Comparison, out: Path | str) -> Path:
+    """Four panels over each run's wall time (the paper's Figure 12): nodes, throughput, cost and value, one
+    colour per system; measured solid, the simulator's prediction dotted; kills as red ticks on the top panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from bamboo.bench.plot import binned_mean
+
+    figure, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    for name, result in comparison.results.items():
+        colour = _COLOURS[name]
+        timeline = result.timeline
+        times = np.asarray(timeline["times"], dtype=float)
+        width = times[1] - times[0] if len(times) > 1 else result.duration_s
+        minutes = (times + width / 2) / 60.0
+        nodes = np.asarray(timeline["nodes"], dtype=float)
+        rate = np.asarray(timeline["throughput"], dtype=float)
+        cost = nodes * result.price
+        value = np.divide(rate, cost, out=np.zeros_like(rate), where=cost > 0)
+        axes[0].step(times / 60.0, nodes, where="post", color=colour, label=f"{name} nodes (mean {result.avg_nodes:.2f})")
+        axes[1].plot(minutes, rate, color=colour, label=f"{name} (mean {result.throughput:.2f})")
+        axes[2].plot(minutes, cost, color=colour, label=f"{name} (mean {result.cost_per_hour:.2f})")
+        axes[3].plot(minutes, value, color=colour, label=f"{name} (mean {result.value:.2f})")
+        if name == "bamboo":
+            for index, t in enumerate(timeline.get("preemptions", [])):
+                axes[0].axvline(t / 60.0, color="tab:red", alpha=0.4, linewidth=0.8,
+                                label="preemption (bamboo run)" if index == 0 else None)
+        simulated = result.predicted.timeline
+        if simulated is not None and result.duration_s > 0:
+            end = max(float(simulated.time_s[-1]), result.predicted.duration_h * 3600.0)
+            hours, sim_rate = binned_mean(simulated.time_s, simulated.rate, end, len(times) or 60)
+            _, sim_nodes = binned_mean(simulated.time_s, simulated.nodes, end, len(times) or 60)
+            sim_cost = sim_nodes * result.price
+            sim_value = np.divide(sim_rate, sim_cost, out=np.zeros_like(sim_rate), where=sim_cost > 0)
+            axes[1].plot(hours * 60.0, sim_rate, color=colour, linestyle=":", linewidth=1.2,
+                         label=f"{name} simulated (mean {result.predicted.throughput:.2f})")
+            axes[3].plot(hours * 60.0, sim_value, color=colour, linestyle=":", linewidth=1.2,
+                         label=f"{name} simulated (mean {result.predicted.value:.2f})")
+    axes[0].set_ylabel("# instances")
+    axes[1].set_ylabel("throughput\n(samples/s)")
+    axes[2].set_ylabel("cost ($/h)")
+    axes[3].set_ylabel("value\n(samples/s per $/h)")
+    axes[3].set_xlabel("time since the run's start (minutes)")
+    for axis in axes:
+        axis.grid(True, alpha=0.3)
+        axis.legend(loc="best", fontsize="x-small")
+        axis.set_ylim(bottom=0)
+    options = comparison.options
+    length = f"{options.steps} steps" if options.steps is not None else f"{options.duration_s:g} s"
+    axes[0].set_title(f"measured: {options.preemptions} at x{options.time_scale:g}, P={options.stages}, "
+                      f"D={options.pipelines}, {length} (dotted: simulated with the measured profiles)", fontsize=9)
+    figure.tight_layout()
+    path = Path(out)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

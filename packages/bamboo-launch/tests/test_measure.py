@@ -1,0 +1,112 @@
+"""bamboo.launch.measure on hand-built event logs: each constant of a measured profile, computed by hand.
+
+The profile it writes is loaded by ``bamboo.bench.load_profile`` (the format's own validation) and keeps
+the measured values.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bamboo.bench.profile import load_profile
+from bamboo.launch.baseline import RestartCost
+from bamboo.launch.events import Checkpoint, Failover, Join, Preemption, Reconfiguration, RunStart, Step
+from bamboo.launch.measure import MeasureError, MeasureOptions, measure_events, profile_document
+
+UNIX = 1_000_000.0
+
+
+def _steps(times: list[float], nodes: int = 4, first: int = 1) -> list[Step]:
+    return [Step(t=t, step=first + i, samples=8, loss=1.0, nodes_active=nodes, duration_s=0.1)
+            for i, t in enumerate(times)]
+
+
+def _bamboo_events() -> list:
+    """Start at 0, first step ends at 2.0 (start-up 1.9); steps every 0.1 s; a kill at 2.55 whose failover
+    stretches step 6's interval (2.5 -> 2.8: 0.2 s extra), one slower step after it (0.15 s), and the
+    reconfiguration in the next interval (2.95 -> 3.45: 0.4 s extra); then 0.1 s steps. A node joins at 3.0."""
+    times = [2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.8, 2.95, 3.45, 3.55, 3.65, 3.75]
+    events: list = [RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2)]
+    events += _steps(times)
+    events += [
+        Preemption(t=2.55, node="node3", zone="a"),
+        Failover(t=2.8, victim="node3", shadow="node2", stage=1, pause_s=0.2, step_end_unix=UNIX + 2.8),
+        Join(t=3.0, node="node9", zone="b"),
+        Reconfiguration(t=3.2, reason="rebuild", pipelines=2, stages=2, standby=0, bytes_moved=1, duration_s=0.4),
+    ]
+    return events
+
+
+def test_bamboo_constants_by_hand() -> None:
+    measured = measure_events(_bamboo_events(), "bamboo", warm_unix={"node9": UNIX + 4.5}, checkpoint_every=20)
+    assert measured.startup_s == pytest.approx(1.9)
+    assert measured.market_start_s == pytest.approx(2.0)
+    # Clean intervals: the 4 from 2.1 to 2.5 (the first, 2.0->2.1, is the warm-up) and the 3 from 3.45 to 3.75.
+    assert measured.step_time_s == {2: pytest.approx(0.1)}
+    assert measured.step_intervals == {2: 7}
+    assert measured.failover_pause_s == pytest.approx(0.2)
+    assert measured.fallback_slowdown == pytest.approx(1.5)
+    assert measured.reconfiguration_s == pytest.approx(0.4)
+    assert measured.instance_creation_s == pytest.approx(1.5)
+    assert measured.steps == 12 and measured.samples == 96
+    assert measured.counts["failovers"] == 1 and measured.counts["joins"] == 1
+
+
+def test_bamboo_profile_loads_with_the_measured_values(tmp_path) -> None:
+    measured = measure_events(_bamboo_events(), "bamboo", warm_unix={"node9": UNIX + 4.5}, checkpoint_every=20)
+    document = profile_document(measured, name="measured-bamboo", spot_price=1.0, on_demand_price=3.0)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    profile = load_profile(path)
+    assert profile.step_time_s(2) == pytest.approx(0.1)
+    assert profile.step_time_s(1) == pytest.approx(0.1)  # not trained: the nearest measured count
+    assert profile.timing.failover_pause_s == pytest.approx(0.2)
+    assert profile.timing.reconfiguration_s == pytest.approx(0.4)
+    assert profile.timing.startup_s == pytest.approx(1.9)
+    assert profile.timing.checkpoint_interval_s == pytest.approx(20 * 0.1)
+    assert profile.on_demand_samples_per_second == pytest.approx(80.0)
+    assert any("fallback_slowdown: 1.500 measured" in note for note in profile.notes)
+
+
+def _restart(cause: str, node: str, to_first_step_s: float) -> RestartCost:
+    at = UNIX + 1.0
+    return RestartCost(cause=cause, node=node, at_unix=at, process_start_unix=at + 1, imported_unix=at + 2,
+                       group_unix=at + 3, engine_unix=at + 4, loaded_unix=at + 4, load_s=0.0, loaded_step=1,
+                       redone_steps=1, first_step_start_unix=at + to_first_step_s,
+                       first_step_end_unix=at + to_first_step_s + 0.1, world=4, pipelines=2)
+
+
+def test_checkpoint_restarts_and_checkpoint_cost(tmp_path) -> None:
+    """Checkpoint intervals cost 0.3 s more; a kill's restart 5 s, a join's 7 s (so instance creation 2 s)."""
+    times = [1.0, 1.1, 1.2, 1.3, 1.7, 1.8, 1.9, 2.0]
+    events: list = [RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2)]
+    events += _steps(times)
+    events.append(Checkpoint(t=1.5, step=4, path="c", bytes=1, duration_s=0.3))
+    restarts = [_restart("kill", "node1", 5.0), _restart("join", "node5", 7.0)]
+    measured = measure_events(events, "checkpoint", restarts=restarts, checkpoint_every=3)
+    assert measured.checkpoint_s == pytest.approx(0.3)
+    document = profile_document(measured, name="measured-checkpoint", spot_price=1.0, on_demand_price=3.0)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    profile = load_profile(path)
+    assert profile.timing.restart_s == pytest.approx(5.0)
+    assert profile.timing.instance_creation_s == pytest.approx(2.0)
+    assert profile.timing.checkpoint_s == pytest.approx(0.3)
+    assert profile.timing.checkpoint_interval_s == pytest.approx(3 * 0.1 + 0.3)
+    assert document["checkpoint_restart_on_join"] == "every-join"
+
+
+def test_too_few_steps_is_a_clear_error() -> None:
+    events = [RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2), *_steps([1.0, 1.1])]
+    with pytest.raises(MeasureError, match="trained 2 step"):
+        measure_events(events, "bamboo")
+
+
+def test_options_errors_name_the_values() -> None:
+    with pytest.raises(ValueError, match="--nodes 1 is too few for one pipeline of 2 stages"):
+        MeasureOptions(system="bamboo", nodes=1, stages=2, pipelines=1, run_dir="r", steps=5)
+    with pytest.raises(ValueError, match="--steps or --duration"):
+        MeasureOptions(system="bamboo", nodes=4, stages=2, pipelines=1, run_dir="r")
+    with pytest.raises(ValueError, match="system"):
+        MeasureOptions(system="spot", nodes=4, stages=2, pipelines=1, run_dir="r", steps=5)

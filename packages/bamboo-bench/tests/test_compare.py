@@ -1,0 +1,140 @@
+"""``bamboo-bench compare`` without running any system: its errors (unknown system, too few nodes for one
+pipeline, a malformed trace) through the CLI and their messages, the trace each system's market replays,
+the simulated trace of a run, the profile at full scale, and the ``--json`` records on hand-made results.
+
+The end-to-end run (the three systems measured, the profiles' round trip) is tests/e2e/test_compare_e2e.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import attrs
+import pytest
+from bamboo.bench.cli import main
+from bamboo.bench.compare import (
+    CompareError,
+    CompareOptions,
+    Comparison,
+    SystemResult,
+    full_scale_profile,
+    parse_systems,
+    prepare_trace,
+    simulation_trace,
+)
+from bamboo.bench.profile import ModelProfile
+from bamboo.bench.simulator import Policy, Strategy, simulate_run
+from bamboo.bench.trace import EventKind, Trace, TraceEvent
+
+
+def _options(tmp_path: Path, **changes: object) -> CompareOptions:
+    values: dict[str, object] = {"preemptions": "synthetic:0.33", "nodes": 4, "stages": 2, "pipelines": 2,
+                                 "out": tmp_path / "out", "duration_s": 30.0}
+    values.update(changes)
+    return CompareOptions(**values)  # type: ignore[arg-type]
+
+
+def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_system_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = _cli_error(capsys, ["compare", "--preemptions", "synthetic:0.33", "--nodes", "4", "--stages", "2",
+                              "--pipelines", "2", "--steps", "5", "--systems", "bamboo,spot", "--out", str(tmp_path)])
+    assert "bamboo-bench: error: unknown system 'spot' in --systems; choose from bamboo, checkpoint, on-demand" in err
+
+
+def test_too_few_nodes_for_one_pipeline(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = _cli_error(capsys, ["compare", "--preemptions", "synthetic:0.33", "--nodes", "3", "--stages", "4",
+                              "--pipelines", "1", "--steps", "5", "--out", str(tmp_path)])
+    assert "bamboo-bench: error: --nodes 3 is too few for one pipeline of 4 stages (--stages 4)" in err
+    err = _cli_error(capsys, ["compare", "--preemptions", "synthetic:0.33", "--nodes", "4", "--stages", "2",
+                              "--pipelines", "3", "--steps", "5", "--out", str(tmp_path)])
+    assert "--nodes 4 cannot hold 3 pipelines of 2 stages (needs at least 6)" in err
+
+
+def test_malformed_trace_names_file_and_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "bad.csv"
+    trace.write_text("time_s,event,node,zone\n0,add,node1,a\nsoon,remove,node1,a\n")
+    err = _cli_error(capsys, ["compare", "--preemptions", str(trace), "--nodes", "4", "--stages", "2",
+                              "--pipelines", "1", "--steps", "5", "--out", str(tmp_path / "out")])
+    assert f"bamboo-bench: error: {trace}:3:" in err
+    assert not (tmp_path / "out" / "runs").exists()  # nothing ran
+
+
+def test_other_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(CompareError, match="needs a number RATE in \\[0, 1\\], got 'often'"):
+        prepare_trace(_options(tmp_path, preemptions="synthetic:often"))
+    with pytest.raises(CompareError, match="no such file"):
+        prepare_trace(_options(tmp_path, preemptions=str(tmp_path / "missing.csv")))
+    with pytest.raises(CompareError, match="give --steps S or --duration SECONDS"):
+        _options(tmp_path, steps=5)
+    with pytest.raises(CompareError, match="trains the built-in example only"):
+        _options(tmp_path, script=("train.py",))
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", "x.csv", "--", "train.py"])
+    assert "only compare takes a script after --, got 'train.py'" in capsys.readouterr().err
+
+
+def test_systems_run_in_a_fixed_order() -> None:
+    assert parse_systems("on-demand, bamboo") == ("bamboo", "on-demand")
+    with pytest.raises(CompareError, match="at least one"):
+        parse_systems(" , ")
+
+
+def test_trace_too_small_for_the_pipelines(tmp_path: Path) -> None:
+    trace = tmp_path / "two.csv"
+    trace.write_text("time_s,event,node,zone\n0,add,n1,a\n0,add,n2,b\n")
+    with pytest.raises(CompareError, match="starts with 2 nodes; 2 pipelines of 2 stages need 4"):
+        prepare_trace(_options(tmp_path, preemptions=str(trace)))
+
+
+def test_duration_cuts_the_trace_to_its_trace_time(tmp_path: Path) -> None:
+    trace = prepare_trace(_options(tmp_path, nodes=8, duration_s=30.0, time_scale=120.0, seed=0))
+    assert trace.duration_s == pytest.approx(3600.0)  # 30 wall s at 120x
+    assert trace.alive_at_start() >= 8
+
+
+def test_simulation_trace_compresses_and_delays_after_the_start() -> None:
+    events = [TraceEvent(0.0, EventKind.ADD, "n1", "a"), TraceEvent(0.0, EventKind.ADD, "n2", "a"),
+              TraceEvent(600.0, EventKind.REMOVE, "n2", "a")]
+    trace = Trace.from_events("t", events, duration_s=1200.0)
+    replayed = simulation_trace(trace, 60.0, 5.0, None)
+    assert [e.time_s for e in replayed.events()] == [0.0, 0.0, 15.0]  # 600 / 60 + 5
+    assert replayed.duration_s == pytest.approx(25.0)
+    assert simulation_trace(trace, 60.0, 5.0, 12.0).duration_s == pytest.approx(15.0)  # the last event's time
+
+
+def test_full_scale_profile_keeps_the_rate_per_pipeline(tiny_profile: ModelProfile) -> None:
+    big = full_scale_profile(tiny_profile, 8, None, "big")
+    assert big.pipelines == 8 and big.samples_per_step == pytest.approx(40)
+    assert big.step_time_s(8) == pytest.approx(1.0)  # the measured 2-pipeline step, each pipeline its share
+    assert big.step_time_s(4) == pytest.approx(2.0)
+    assert big.on_demand_nodes == 32 and big.on_demand_samples_per_second == pytest.approx(48.0)
+
+
+def test_records_carry_the_contract_keys_and_ratios(tmp_path: Path, tiny_profile: ModelProfile) -> None:
+    trace = Trace.from_events("t", [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)],
+                              duration_s=100.0)
+    predicted = simulate_run(trace, tiny_profile, Strategy.BAMBOO, policy=Policy(), target_samples=math.inf,
+                             until_s=100.0)
+
+    def result(system: str, throughput: float, value: float) -> SystemResult:
+        return SystemResult(system=system, throughput=throughput, node_hours=0.1, avg_nodes=4.0, cost=0.1,
+                            cost_per_hour=4.0, value=value, redone_steps=2, lost_s=3.0, steps=10, duration_s=90.0,
+                            price=1.0, profile=tmp_path / f"{system}.json", run_dir=tmp_path, simulate_command=("x",),
+                            predicted=predicted, measured={}, timeline={})
+
+    results = {"bamboo": result("bamboo", 8.0, 2.0), "checkpoint": result("checkpoint", 2.0, 0.5),
+               "on-demand": result("on-demand", 10.0, 1.0)}
+    comparison = Comparison(options=_options(tmp_path), trace=trace, results=results, long_run=None)
+    records = comparison.records()
+    assert [r["system"] for r in records] == ["bamboo", "checkpoint", "on-demand"]
+    for record in records:
+        assert {"system", "throughput", "node_hours", "cost", "value", "redone_steps", "lost_s"} <= set(record)
+    assert records[0]["vs_checkpoint"] == {"throughput": 4.0, "value": 4.0}
+    assert records[0]["vs_on_demand"] == {"throughput": 0.8, "value": 2.0}
+    assert records[0]["throughput_error"] == pytest.approx((predicted.throughput - 8.0) / 8.0)
+    assert attrs.evolve(results["bamboo"], throughput=predicted.throughput).throughput_error == 0.0

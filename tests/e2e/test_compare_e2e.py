@@ -1,0 +1,76 @@
+"""``bamboo-bench compare`` end to end: a small comparison (4 nodes, P=2, D=2, 15 s after each first step, a
+scripted kill 4 s in) runs bamboo, checkpoint/restart and on-demand through ``bamboo-launch measure``, and
+prints one JSON record per system; each run's measured profile loads, and ``bamboo-bench simulate`` with it on
+the run's simulated trace gives the prediction that compare printed (the profile round trip).
+
+About two minutes on the 2-core machine (three systems, each starting its processes); marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bamboo.bench.profile import load_profile
+
+pytestmark = pytest.mark.slow
+
+KEYS = {"system", "throughput", "node_hours", "cost", "value", "redone_steps", "lost_s"}
+
+
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "bamboo.bench.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, check=False)
+
+
+def test_small_compare_records_and_profile_round_trip(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time_s,event,node,zone\n" + "".join(f"0,add,node{i},{'ab'[i % 2]}\n" for i in range(4))
+                     + "4,remove,node3,b\n")
+    out = tmp_path / "compare"
+    result = _bench("compare", "--preemptions", str(trace), "--time-scale", "1", "--nodes", "4", "--stages", "2",
+                    "--pipelines", "2", "--duration", "15", "--layers", "2", "--json", "--out", str(out),
+                    "--plot", str(tmp_path / "compare.png"), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads(result.stdout)
+    assert [r["system"] for r in records] == ["bamboo", "checkpoint", "on-demand"]
+    by_system = {r["system"]: r for r in records}
+    for record in records:
+        assert set(record) >= KEYS, record
+        assert record["throughput"] > 0 and record["node_hours"] > 0 and record["cost"] > 0
+        price = record["price_per_node_hour"]
+        assert record["cost"] == pytest.approx(record["node_hours"] * price)
+        assert record["value"] == pytest.approx(record["throughput"] / (record["avg_nodes"] * price), rel=1e-3)
+    assert by_system["checkpoint"]["vs_checkpoint"]["throughput"] == pytest.approx(1.0)
+    assert by_system["bamboo"]["vs_on_demand"]["value"] == pytest.approx(
+        by_system["bamboo"]["value"] / by_system["on-demand"]["value"])
+    # on-demand is priced at on-demand rates, the others at spot rates
+    assert by_system["on-demand"]["price_per_node_hour"] == pytest.approx(3.06)
+    assert by_system["bamboo"]["price_per_node_hour"] == pytest.approx(0.918)
+    # the kill: bamboo fails over; checkpoint/restart restarts from its last checkpoint
+    assert by_system["checkpoint"]["restarts"] >= 1
+    assert (tmp_path / "compare.png").stat().st_size > 0
+
+    for system, record in by_system.items():
+        profile = load_profile(record["profile"])  # the measured profile loads in bamboo-bench's format
+        assert profile.stages == 2 and profile.pipelines == 2
+        assert profile.step_time_s(2) > 0
+        words = record["simulate_command"].split()
+        assert words[:2] == ["bamboo-bench", "simulate"]
+        simulated = _bench(*words[2:], "--json", timeout=120)
+        assert simulated.returncode == 0, simulated.stderr
+        predicted = json.loads(simulated.stdout.splitlines()[0])
+        assert predicted["strategy"] == system
+        assert predicted["throughput"] == pytest.approx(record["predicted_throughput"], rel=1e-4)
+        assert predicted["value"] == pytest.approx(record["predicted_value"], rel=1e-4)
+        assert math.isfinite(record["throughput_error"])
+    bamboo_profile = load_profile(by_system["bamboo"]["profile"])
+    assert bamboo_profile.timing.failover_pause_s >= 0
+    checkpoint_profile = load_profile(by_system["checkpoint"]["profile"])
+    assert checkpoint_profile.timing.restart_s > 0

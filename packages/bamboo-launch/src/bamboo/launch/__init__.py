@@ -11,6 +11,7 @@
   one agent process per node, plus the live view; :func:`compare_with_reference` checks a run against a
   fault-free single-process run (:mod:`bamboo.launch.reference`);
 - :mod:`bamboo.launch.script`: :func:`train_worker`, the one call of a user training script;
+  :mod:`bamboo.launch.hooks`: its ``on_step`` and ``evaluate`` hooks (:class:`TrainingHooks`, :class:`Evaluation`);
 - :mod:`bamboo.launch.export`: a run's final model, or a checkpoint, as one state dict (``bamboo-launch export``);
 - :mod:`bamboo.launch.baseline`: :func:`run_checkpoint_restart`, the checkpoint/restart system users run today
   (torchrun elastic agents and DeepSpeed's PipelineEngine, checkpoints every K steps by Young's rule) on the
@@ -63,6 +64,7 @@ from bamboo.launch.events import (
     read_events,
 )
 from bamboo.launch.export import ExportError, export_checkpoint, export_run, save_state_dict
+from bamboo.launch.hooks import Evaluation, TrainingHooks
 from bamboo.launch.k8s import K8sConfig, ManifestValidationError, render_manifests, validate_manifests
 from bamboo.launch.live import EventFollower, LiveState, render_live
 from bamboo.launch.market import (
@@ -97,6 +99,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointRestartOptions",
     "CheckpointRestartResult",
+    "Evaluation",
     "Event",
     "EventFollower",
     "EventLog",
@@ -129,6 +132,7 @@ __all__ = [
     "ScriptError",
     "SpotMarket",
     "Step",
+    "TrainingHooks",
     "WorkerContext",
     "assign_zones",
     "build_view",

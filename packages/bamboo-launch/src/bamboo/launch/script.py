@@ -21,6 +21,10 @@ A script describes its model, loss and data, and calls :func:`train_worker` once
   keeps the result exact through failovers and reconfigurations (and what ``--verify`` replays).
 - ``config``: a DeepSpeed config (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
   ``optimizer``, ``scheduler``, ``gradient_clipping``); default: the built-in example's.
+- optional hooks (:mod:`bamboo.launch.hooks`): ``on_step(info)``, called once per step with a
+  :class:`bamboo.rc.StepInfo` (step, loss, learning rate, samples/s, eval loss), and
+  ``evaluate=(fn, every_n_steps)``, a forward-only pass through the pipelines over ``fn(step, index)``
+  every N steps (``engine.eval_batch``).
 
 The launcher runs the same command line (``python SCRIPT ARGS``) in three modes, chosen by the
 environment variable ``BAMBOO_SCRIPT_MODE``; :func:`train_worker` does what the mode says and never
@@ -41,7 +45,10 @@ returns (it ends the process with ``os._exit``):
   ``BAMBOO_SCRIPT_OUT`` (steps, per-generation pipelines, seed, config); its final layer states go to
   the file the request names; exit 0.
 
-Outside ``bamboo-launch run`` (no ``BAMBOO_SCRIPT_MODE``), :func:`train_worker` raises ``RuntimeError``.
+Outside ``bamboo-launch run`` (no ``BAMBOO_SCRIPT_MODE``), :func:`train_worker` raises ``RuntimeError``. A script
+that calls ``bamboo.rc.initialize`` itself (the library's front door, for torchrun) is told by that call to call
+:func:`train_worker` instead: ``initialize`` refuses to run where ``BAMBOO_SCRIPT_MODE`` is set, and
+:func:`train_worker` removes the variable before the launcher's own code calls it.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bamboo.launch import timeouts
+from bamboo.launch.hooks import Evaluation, TrainingHooks
 from bamboo.launch.spec import ENV_CONTEXT, Program
 
 __all__ = [
@@ -107,20 +115,33 @@ def train_worker(
     microbatch: Callable[[int, int], tuple[Any, Any]],
     *,
     config: Mapping[str, Any] | None = None,
+    on_step: Callable[[Any], object] | None = None,
+    evaluate: tuple[Callable[[int, int], tuple[Any, Any]], int] | Evaluation | None = None,
 ) -> NoReturn:
-    """The entry point of a training script: describe, train or replay, as the launcher asks; never returns."""
+    """The entry point of a training script: describe, train or replay, as the launcher asks; never returns.
+
+    ``on_step(info)`` is called once per step with a :class:`bamboo.rc.StepInfo` (step, loss, learning rate,
+    samples/s, and the evaluation's loss when one ran); ``evaluate=(fn, every_n_steps)`` runs a forward-only
+    pass through the pipelines over ``fn(step, index)`` after every ``every_n_steps``-th step (see
+    :mod:`bamboo.launch.hooks`). Neither runs in the ``describe`` and ``reference`` modes.
+    """
     mode = os.environ.get(ENV_MODE)
     if mode is None:
         raise RuntimeError(f"{ENTRY_POINT} runs under `bamboo-launch run ... -- SCRIPT` ({ENV_MODE} is not set)")
     if mode not in MODES:
         raise RuntimeError(f"{ENV_MODE} must be one of {', '.join(MODES)}, got {mode!r}")
+    # From here on the launcher's own code runs: bamboo.rc.initialize refuses to run where the variable is set,
+    # which is how a script that calls it instead of this entry point is told so.
+    del os.environ[ENV_MODE]
     if mode == "worker":
         from bamboo.launch.worker import run_worker
 
-        run_worker(Program(layers=layers, loss_fn=loss_fn, microbatch=microbatch, config=config))
+        run_worker(Program(layers=layers, loss_fn=loss_fn, microbatch=microbatch, config=config),
+                   TrainingHooks(on_step=on_step, evaluate=evaluate))
     code = 1
     try:
         program = Program(layers=layers, loss_fn=loss_fn, microbatch=microbatch, config=config)
+        TrainingHooks(on_step=on_step, evaluate=evaluate)  # a bad hook fails here, before any worker starts
         if mode == "describe":
             _describe(program, Path(_required(ENV_OUT)), int(_required(ENV_PIPELINES)))
         else:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.launch import timeouts
+from bamboo.launch.hooks import TrainingHooks, run_step_hooks
 from bamboo.launch.records import (
     BarrierReady,
     JobEnd,
@@ -227,9 +228,12 @@ def _failover_records(executor: Any, seen: int) -> list[tuple[int, Any]]:
     return records
 
 
-def train(context: WorkerContext, program: Program | None = None) -> dict[str, Any]:
+def train(context: WorkerContext, program: Program | None = None, hooks: TrainingHooks | None = None) -> dict[str, Any]:
     """Train ``program`` (default: the built-in example) as ``context.node`` through every layout it has a
-    role in; returns the final report (``{"done": False}`` when the job ended without needing this node)."""
+    role in; returns the final report (``{"done": False}`` when the job ended without needing this node).
+
+    ``hooks`` (a script's ``on_step`` and ``evaluate``, :mod:`bamboo.launch.hooks`) run after every step
+    that completes, once its records and checkpoint are written."""
     import torch
     from bamboo.launch.events import Failover, Reconfiguration, Step
     from bamboo.launch.example import example_program
@@ -343,6 +347,8 @@ def train(context: WorkerContext, program: Program | None = None) -> dict[str, A
             if spec.checkpoint_dir is not None and executor.pipeline == 0:
                 _checkpoint(run, layout, executor, checkpointers, torch,
                             final=executor.step >= spec.steps)
+            if hooks is not None:
+                run_step_hooks(engine, hooks)
             if stop_step is None:
                 stop_step, stop_reason = _stop_step(run, layout, executor, ranks)
         if executor.step >= spec.steps and not consecutive:
@@ -751,17 +757,18 @@ def main(argv: list[str] | None = None) -> None:
     run_worker(None)
 
 
-def run_worker(program: Program | None) -> None:
+def run_worker(program: Program | None, hooks: TrainingHooks | None = None) -> None:
     """Train as the worker the environment describes, then end the process (``os._exit``).
 
-    ``program`` is a user script's (None: the built-in example's). Failures are published before the exit.
+    ``program`` is a user script's (None: the built-in example's), ``hooks`` its ``on_step``/``evaluate``.
+    Failures are published before the exit.
     """
     code = WORKER_DONE
     context: WorkerContext | None = None
     _die_with_agent()
     try:
         context = WorkerContext.from_environment()
-        train(context, program)
+        train(context, program, hooks)
     except BaseException as error:
         traceback.print_exc()
         code = WORKER_ERROR

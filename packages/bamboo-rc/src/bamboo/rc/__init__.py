@@ -4,7 +4,8 @@ A stage executor that interprets `bamboo.schedule` instruction streams over torc
 (gloo groups under versioned store prefixes), with replica layers, eager FRC with a CPU stash,
 exact replica sync, lazy BRC and failover at any instruction. Each node builds exactly the stage
 bounds it is given (by default bamboo-reconfig's split, :func:`bamboo.rc.model.stage_bounds`).
-`initialize` is the DeepSpeed-compatible front door; `bamboo-rc verify` checks an install end to
+`initialize` is the DeepSpeed-compatible front door (`PipelineModule`: DeepSpeed's, as a description
+that needs no process group); `bamboo-rc verify` checks an install end to
 end.
 
 Importing ``bamboo.rc`` does not import torch: the failure records, the failover coordinator and the
@@ -25,6 +26,7 @@ from bamboo.rc.failures import (
     StoreFailureNotices,
 )
 from bamboo.rc.layout import Layout
+from bamboo.rc.pipe import PipelineModule
 from bamboo.rc.records import FailoverRecord, RecordError
 from bamboo.rc.timeouts import CommTimeouts
 
@@ -83,6 +85,7 @@ __all__ = [
     "MonitorConfig",
     "NoticePoint",
     "PeerFailure",
+    "PipelineModule",
     "RecordError",
     "StageExecutor",
     "StageInterpreter",

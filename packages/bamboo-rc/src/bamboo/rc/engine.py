@@ -36,6 +36,10 @@ __all__ = ["Engine", "initialize"]
 
 _log = logging.getLogger(__name__)
 
+LAUNCHER_SCRIPT_MODE = "BAMBOO_SCRIPT_MODE"
+"""Set by ``bamboo-launch run`` in the processes of a user script (bamboo-launch's ``ENV_MODE``): such a script
+must call ``bamboo.launch.train_worker``, and :func:`initialize` says so."""
+
 
 class Engine:
     """One node's training engine, under DeepSpeed's names: ``train_batch`` runs one step (M microbatches)
@@ -218,6 +222,11 @@ def initialize(
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
+    `model` is DeepSpeed's ``PipelineModule`` (built after ``deepspeed.init_distributed``, as DeepSpeed needs),
+    :class:`bamboo.rc.PipelineModule` (the same arguments, no process group needed), or a list of LayerSpecs.
+    Under ``bamboo-launch run`` (``BAMBOO_SCRIPT_MODE`` set) it raises a RuntimeError that names
+    ``bamboo.launch.train_worker``, the call such scripts make instead.
+
     `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`. The layers are cut into `stages`
     contiguous ranges, `stage_bounds` (``[(start, end), ...]``, one per stage; default
     :func:`bamboo.rc.model.stage_bounds`, bamboo-reconfig's split by parameter count), and this
@@ -234,6 +243,13 @@ def initialize(
     (inputs, labels)``, the data as a function of its position in the global batch (pipeline d's share is
     global microbatches ``d*M .. d*M+M-1`` of every step).
     """
+    if os.environ.get(LAUNCHER_SCRIPT_MODE):
+        raise RuntimeError(
+            "bamboo.rc.initialize cannot run under `bamboo-launch run`: the launcher runs scripts that call "
+            "bamboo.launch.train_worker(layers=..., loss_fn=..., microbatch=..., config=...) instead of initialize "
+            "and a train_batch loop (see bamboo-launch's README); to run this script as it is, start it with "
+            "torchrun: BAMBOO_STAGES=<P> torchrun --nproc_per_node <P*D> SCRIPT"
+        )
     if redundancy not in REDUNDANCY_MODES:
         raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
     if hasattr(model, "_layer_specs"):

@@ -1,0 +1,104 @@
+"""A training script's hooks into the worker loop: a callback after every step, and evaluation every N steps.
+
+:func:`bamboo.launch.train_worker` takes them as ``on_step=`` and ``evaluate=(fn, every_n_steps)``:
+
+- ``on_step(info)`` is called once per step of the job, by the node that reports the job's loss (the host of
+  the last stage of pipeline 0; its shadow after a failover), with a :class:`bamboo.rc.StepInfo`: the step
+  (steps done, 1 after the first), its mean loss over the global batch, the learning rate its update used,
+  the global batch's samples per second of that step, the samples trained so far, and ``eval_loss`` when an
+  evaluation ran right after the step (None otherwise, or when a failure interrupted it). A step redone after
+  a restore from a checkpoint is reported again.
+- ``evaluate=(fn, every_n_steps)``: after every ``every_n_steps``-th step, every node runs
+  ``engine.eval_batch``: a forward-only pass through the pipelines (eval mode, no gradients), over the
+  microbatches ``fn(step, index)`` for ``index = 0 .. M*D-1`` (the same indices as a training step's global
+  batch; pipeline d evaluates ``d*M .. d*M+M-1``). ``fn`` returns ``(inputs, labels)`` as ``microbatch`` does;
+  a fixed validation set simply ignores ``step``. The evaluation changes nothing the training sees: the run's
+  parameters are those of a run without it. Its loss reaches ``on_step`` and the config's monitors
+  (``Train/Samples/eval_loss``).
+
+The hooks run in the worker processes; an exception in one is a worker error, which the launcher reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from bamboo.rc.monitor import StepInfo
+
+__all__ = ["Evaluation", "TrainingHooks", "evaluation_batches", "run_step_hooks"]
+
+
+def _callable(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not callable(value):
+        raise TypeError(f"{attribute.name} must be callable, got {type(value).__name__}: {value!r}")
+
+
+def _callable_or_none(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None:
+        _callable(instance, attribute, value)
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen
+class Evaluation:
+    """Evaluate on ``microbatch(step, index)`` after every ``every_n_steps``-th training step."""
+
+    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=_callable)
+    every_n_steps: int = attrs.field(validator=_positive_int)
+
+    @classmethod
+    def from_argument(cls, value: object) -> Evaluation | None:
+        """``train_worker``'s ``evaluate=``: None, an :class:`Evaluation`, or a pair ``(fn, every_n_steps)``."""
+        if value is None or isinstance(value, Evaluation):
+            return value
+        if not isinstance(value, tuple | list) or len(value) != 2:
+            raise TypeError(f"evaluate must be a pair (fn, every_n_steps), got {value!r}")
+        return cls(value[0], value[1])
+
+    def due(self, step: int) -> bool:
+        """Whether an evaluation runs after training step ``step`` (steps done, 1 after the first)."""
+        return step > 0 and step % self.every_n_steps == 0
+
+
+@attrs.frozen
+class TrainingHooks:
+    """What a script hooks into the worker loop (see the module docstring); both optional."""
+
+    on_step: Callable[[StepInfo], object] | None = attrs.field(default=None, validator=_callable_or_none)
+    evaluate: Evaluation | None = attrs.field(default=None, converter=Evaluation.from_argument)
+
+
+def evaluation_batches(evaluation: Evaluation, step: int, pipeline: int, micro_batches: int) -> Iterator[Any]:
+    """Pipeline ``pipeline``'s share of the evaluation after step ``step``: ``fn(step, pipeline*M + k)``,
+    ``k = 0 .. M-1``."""
+    return (evaluation.microbatch(step, pipeline * micro_batches + k) for k in range(micro_batches))
+
+
+def run_step_hooks(engine: Any, hooks: TrainingHooks) -> StepInfo:
+    """After ``engine.train_batch``: evaluate if due (every node), then call ``on_step`` (the reporting node);
+    returns the step's :class:`~bamboo.rc.StepInfo` with its ``eval_loss``.
+
+    Every node of the job calls this after the same steps, as it calls ``train_batch``: the evaluation is a
+    collective pass through the pipelines.
+    """
+    info = engine.last_step
+    if info is None:
+        raise RuntimeError("run_step_hooks needs a step: call engine.train_batch first")
+    evaluation = hooks.evaluate
+    if evaluation is not None and evaluation.due(info.step):
+        executor = engine.executor
+        batches = evaluation_batches(evaluation, info.step, executor.pipeline,
+                                     engine.gradient_accumulation_steps())
+        engine.eval_batch(batches)
+        info = attrs.evolve(info, eval_loss=engine.last_eval_loss)
+    if hooks.on_step is not None and engine.reports():
+        hooks.on_step(info)
+    return info

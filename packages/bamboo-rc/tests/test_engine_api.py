@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import math
 import os
 import tempfile
 import traceback
@@ -21,13 +22,16 @@ import torch
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
 from bamboo.rc.engine import Engine, initialize
 from bamboo.rc.evaluation import forward_only_streams
+from bamboo.rc.failures import StoreFailureNotices
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.monitor import EVAL_LOSS, LEARNING_RATE, SAMPLES_PER_SECOND, TRAIN_LOSS
+from bamboo.rc.records import FailureEvent
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.schedule.engine import check_execution
 from torch.distributed import TCPStore
 
 SIZE = GPTSize(layers=2, width=16, heads=2, sequence=8)
+VICTIM_EXIT = 9
 TIMEOUTS = CommTimeouts(group=30.0, build=30.0, confirm=10.0)
 
 
@@ -47,11 +51,13 @@ def sampler() -> GlobalBatchSampler:
 
 
 def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2, pipelines: int = 1,
-           job: str) -> dict[int, Any]:
+           job: str, victims: tuple[int, ...] = ()) -> dict[int, Any]:
     """Fork one process per node, each running ``body(engine, rank)``; their results by rank.
 
     The children are forked before the store exists (a fork while the store's thread holds a lock can
-    deadlock the child) and read its port from a pipe, as ``bamboo-rc verify`` does.
+    deadlock the child) and read its port from a pipe, as ``bamboo-rc verify`` does. With ``victims``, the
+    nodes learn of failures through the store and this process is the failure authority: it publishes
+    the death of each victim (which must die) as the next epoch's event.
     """
     world = stages * pipelines
     with tempfile.TemporaryDirectory(prefix="bamboo-engine-test-") as out:
@@ -65,8 +71,10 @@ def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2,
                     os.close(writer)
                     port = int.from_bytes(os.read(reader, 8), "little")
                     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+                    notices = StoreFailureNotices(store, job) if victims else None
                     engine = initialize(gpt_layer_specs(SIZE), config, "eflb", loss_fn=lm_loss, stages=stages,
-                                        rank=rank, world_size=world, store=store, job=job, timeouts=TIMEOUTS)
+                                        rank=rank, world_size=world, store=store, job=job, timeouts=TIMEOUTS,
+                                        notices=notices)
                     result = body(engine, rank)
                     engine.finish()
                     torch.save(result, Path(out) / f"{rank}.pt")
@@ -80,12 +88,20 @@ def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2,
         host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
         os.write(writer, host.port.to_bytes(8, "little") * world)
         os.close(writer)
-        codes = {children[pid]: os.waitstatus_to_exitcode(status) for pid, status in
-                 (os.waitpid(pid, 0) for pid in children)}
+        codes: dict[int, int] = {}
+        while len(codes) < world:
+            pid, status = os.waitpid(-1, 0)
+            rank = children[pid]
+            codes[rank] = os.waitstatus_to_exitcode(status)
+            if rank in victims:
+                StoreFailureNotices(host, job).publish(FailureEvent(sum(r in codes for r in victims), [rank]))  # epoch n: n-th death
         del host
-        errors = {rank: (Path(out) / f"{rank}.error").read_text() for rank, code in codes.items() if code}
+        errors = {rank: (Path(out) / f"{rank}.error").read_text() for rank, code in codes.items()
+                  if code and rank not in victims}
         assert not errors, "\n".join(f"rank {rank}: {text}" for rank, text in errors.items())
-        return {rank: torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)}
+        assert all(codes[rank] == VICTIM_EXIT for rank in victims), codes
+        return {rank: torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)
+                if rank not in victims}
 
 
 def _data(sampler: GlobalBatchSampler, engine: Engine, first_step: int = 0, offset: int = 0) -> Iterator[Any]:
@@ -164,6 +180,38 @@ def test_eval_batch_is_the_global_mean_and_the_next_step_is_bit_identical(
             batches = [sampler.microbatch(steps + 1000, i) for i in range(2 * config.micro_batches)]
             expected = sum(float(lm_loss(whole.layers(b.tokens), b.labels)) for b in batches) / len(batches)
         assert measured == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_node_killed_during_eval_batch_gives_the_evaluation_up_and_training_fails_over(
+    tiny_config: dict, sampler: GlobalBatchSampler
+) -> None:
+    """Node 1 dies in the forward of its first evaluation microbatch: node 0 gets NaN (no hang), its next
+    train_batch fails over (it runs both stages), and its next evaluation and its training match a run
+    without the failure."""
+
+    def body(engine: Engine, rank: int, die: bool) -> Any:
+        data = _data(sampler, engine)
+        losses = [float(engine.train_batch(data)) for _ in range(2)]
+        if die and rank == 1:  # dies in an eval-mode forward of its stage: inside the evaluation
+            engine.executor.slices[1].layers[0].register_forward_hook(
+                lambda module, *_: os._exit(VICTIM_EXIT) if not module.training else None)
+        first = float(engine.eval_batch(_data(sampler, engine, 2, 1000)))
+        losses.append(float(engine.train_batch(data)))
+        second = float(engine.eval_batch(_data(sampler, engine, 3, 1000)))
+        losses.append(float(engine.train_batch(data)))
+        return {"first": first, "second": second, "losses": losses, "state": _state(engine),
+                "failovers": len(engine.executor.failovers), "hosted": engine.executor.hosted}
+
+    clean = _nodes(tiny_config, lambda engine, rank: body(engine, rank, False), job="eval-clean")
+    failed = _nodes(tiny_config, lambda engine, rank: body(engine, rank, True), job="eval-kill", victims=(1,))
+    survivor = failed[0]
+    assert math.isnan(survivor["first"]) and survivor["failovers"] == 1 and survivor["hosted"] == (0, 1)
+    assert survivor["second"] == pytest.approx(clean[0]["second"], rel=1e-6)
+    assert survivor["losses"] == pytest.approx(clean[0]["losses"], rel=1e-6)
+    expected = {0: clean[0]["state"][0], 1: clean[1]["state"][1]}
+    for stage, tensors in expected.items():
+        for mine, theirs in zip(survivor["state"][stage], tensors, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0.0)
 
 
 def test_save_at_k_then_train_equals_load_at_k_in_fresh_engines(

@@ -16,7 +16,10 @@ The script gives ``bamboo.launch.train_worker`` three things, as a DeepSpeed pip
   reconfigures to a different number of pipelines, sees the very same samples.
 
 The task: points in ``--features`` dimensions, labelled by which of ``--classes`` fixed random
-directions they point to most (a "teacher" drawn from ``--data-seed``).
+directions they point to most (a "teacher" drawn from ``--data-seed``). Each residual block ends with
+dropout (``--dropout``, 0.1 by default): bamboo runs every layer's forward under a generator seeded
+from (seed, step, microbatch, layer), so the masks are the same on every copy of a layer, through
+failovers and reconfigurations, and in the ``--verify`` reference; the run stays exact.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ class InputProjection(nn.Module):
 class ResidualBlock(nn.Module):
     """Pre-norm residual MLP block: width -> width."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, dropout: float) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(functional.gelu(self.up(self.norm(x))))
+        return x + self.dropout(self.down(functional.gelu(self.up(self.norm(x)))))
 
 
 class ClassifierHead(nn.Module):
@@ -72,6 +76,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--classes", type=int, default=4, help="classes (default: %(default)s)")
     parser.add_argument("--width", type=int, default=64, help="hidden width (default: %(default)s)")
     parser.add_argument("--blocks", type=int, default=4, help="residual blocks (default: %(default)s)")
+    parser.add_argument("--dropout", type=float, default=0.1, help="dropout probability in each block "
+                        "(default: %(default)s)")
     parser.add_argument("--micro-batch", type=int, default=16, help="samples per microbatch (default: %(default)s)")
     parser.add_argument("--data-seed", type=int, default=1234, help="seed of the task and the samples "
                         "(default: %(default)s)")
@@ -89,7 +95,7 @@ def main() -> None:
 
     layers = [
         LayerSpec(InputProjection, args.features, args.width),
-        *(LayerSpec(ResidualBlock, args.width) for _ in range(args.blocks)),
+        *(LayerSpec(ResidualBlock, args.width, args.dropout) for _ in range(args.blocks)),
         LayerSpec(ClassifierHead, args.width, args.classes),
     ]
     config = {

@@ -188,3 +188,18 @@ def test_paper_command_errors_are_one_line(argv: list[str], words: str, capsys) 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("bamboo-bench: error:") and words in err
+
+
+def test_paper_command_checkpoint_settings_apply_to_every_model(capsys) -> None:
+    def ratios(*extra: str) -> dict[str, float]:
+        assert main(["paper", "dp", "--runs", "2", "--workers", "1", "--json", *extra]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        on_demand = {row["simulated"] for row in rows if row.get("strategy") == "on-demand"}
+        assert on_demand == {295.38, 174.55, 4.8265, 3.5652}  # the reference never depends on them
+        return {row["metric"]: row["simulated"] for row in rows if row["kind"] == "ratio"}
+
+    shipped = ratios()
+    longer = ratios("--checkpoint-interval", "3600")
+    # Same seeds, same traces: a longer interval loses more work per checkpoint/restart restart.
+    assert longer["throughput"] > shipped["throughput"] and longer["value"] > shipped["value"]
+    assert ratios("--restart-s", "300")["throughput"] > shipped["throughput"]

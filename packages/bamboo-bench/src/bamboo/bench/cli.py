@@ -238,6 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
         "whether it is within the table's tolerance; then the table's aggregate ratios.",
     )
     add_paper_arguments(paper)
+    paper.add_argument(
+        "--checkpoint-interval", type=_positive_float, metavar="S",
+        help="seconds between periodic checkpoints, for every model of the table (default: each profile's "
+        "checkpoint_interval_s)",
+    )
+    paper.add_argument(
+        "--restart-s", type=_non_negative_float, metavar="S",
+        help="cost in seconds of one checkpoint/restart restart on top of the global rendezvous, for every model "
+        "of the table (default: each profile's restart_s)",
+    )
     _add_synthetic_arguments(paper)
     paper.add_argument("--no-zone-aware", action="store_true", help="the ablation of zone-aware placement")
 

@@ -3,8 +3,9 @@
 The command runs `bamboo.bench.paper.reproduce` and prints one row per (model, probability) with each
 strategy's metrics as ``simulated / paper (relative error)`` (only the simulated value where the paper's
 figure is not available here), then the table's aggregate ratios, then where the figures come from and
-which figures are checked. ``--json`` prints one object per cell and per ratio instead. ``--strict`` makes
-the exit status 1 when a checked figure is outside its tolerance.
+which figures are checked. ``--checkpoint-interval`` and ``--restart-s`` change those two settings on every
+profile of the table (a checkpoint/restart column depends on them). ``--json`` prints one object per cell
+and per ratio instead. ``--strict`` makes the exit status 1 when a checked figure is outside its tolerance.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 
+import attrs
 from bamboo.bench.paper import (
+    PaperTable,
     Reproduction,
     builtin_tables,
     cell_text,
@@ -21,6 +24,7 @@ from bamboo.bench.paper import (
     load_table,
     reproduce,
 )
+from bamboo.bench.profile import ModelProfile, load_profile
 from bamboo.bench.simulator import Policy
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -86,6 +90,24 @@ def render(reproduction: Reproduction, console: Console) -> None:
     console.print(f"checked {reproduction.checked} figure(s) ({checked or 'none'}): {verdict}", soft_wrap=True)
 
 
+def _profiles(
+    table: PaperTable, checkpoint_interval_s: float | None, restart_s: float | None
+) -> dict[str, ModelProfile]:
+    """The table's profiles with the checkpoint interval and restart cost given on the command line, if any."""
+    changes: dict[str, float] = {}
+    if checkpoint_interval_s is not None:
+        changes["checkpoint_interval_s"] = checkpoint_interval_s
+    if restart_s is not None:
+        changes["restart_s"] = restart_s
+    if not changes:
+        return {}
+    profiles = {}
+    for model in table.models:
+        profile = load_profile(model)
+        profiles[model] = attrs.evolve(profile, timing=attrs.evolve(profile.timing, **changes))
+    return profiles
+
+
 def run_paper_command(args: argparse.Namespace, console: Console, out: Console) -> int:
     """Run ``bamboo-bench paper``: progress on `console` (stderr), the report on `out` (stdout)."""
     if args.runs < 1:
@@ -93,6 +115,7 @@ def run_paper_command(args: argparse.Namespace, console: Console, out: Console) 
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     table = load_table(args.table)
+    profiles = _profiles(table, getattr(args, "checkpoint_interval", None), getattr(args, "restart_s", None))
     spot = [s for s in table.strategies if s.value != "on-demand"]
     total = args.runs * len(table.probabilities) * len(table.models) * len(spot)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -100,7 +123,8 @@ def run_paper_command(args: argparse.Namespace, console: Console, out: Console) 
         task = progress.add_task(f"paper {table.key}", total=total)
         reproduction = reproduce(
             table, args.runs, workers=args.workers, zones=args.zones, bulk_mean=args.bulk_mean,
-            policy=Policy(zone_aware=not args.no_zone_aware), progress=lambda n: progress.advance(task, n),
+            policy=Policy(zone_aware=not args.no_zone_aware), profiles=profiles,
+            progress=lambda n: progress.advance(task, n),
         )
     if args.json:
         for item in (*reproduction.cells, *reproduction.ratios):

@@ -22,6 +22,7 @@ from bamboo.bench.compare import (
     parse_systems,
     prepare_trace,
     simulation_trace,
+    window_figures,
 )
 from bamboo.bench.profile import ModelProfile
 from bamboo.bench.simulator import Policy, Strategy, simulate_run
@@ -138,3 +139,12 @@ def test_records_carry_the_contract_keys_and_ratios(tmp_path: Path, tiny_profile
     assert records[0]["vs_on_demand"] == {"throughput": 0.8, "value": 2.0}
     assert records[0]["throughput_error"] == pytest.approx((predicted.throughput - 8.0) / 8.0)
     assert attrs.evolve(results["bamboo"], throughput=predicted.throughput).throughput_error == 0.0
+
+
+def test_a_run_stopped_while_restarting_is_charged_its_whole_window() -> None:
+    """Stopped 90 s after its first step (which ended 30 s in), having trained 672 samples until 35 s: the
+    window is 120 s, the 85 s after the last step are lost beside the report's 30 s."""
+    report = {"training_s": 35.0, "samples": 672, "lost_s": 30.0}
+    window, throughput, lost = window_figures(report, 30.0, 90.0)
+    assert (window, throughput, lost) == (120.0, pytest.approx(5.6), 115.0)
+    assert window_figures(report, 30.0, None) == (35.0, pytest.approx(19.2), 30.0)  # --steps: the report's

@@ -64,6 +64,7 @@ __all__ = [
     "prepare_trace",
     "run_compare",
     "simulation_trace",
+    "window_figures",
 ]
 
 SYSTEMS = ("bamboo", "checkpoint", "on-demand")
@@ -303,6 +304,7 @@ class Comparison:
                 record["checkpoint_interval"] = result.measured.get("checkpoint_interval")
                 record["restarts"] = len(result.measured.get("restarts", []))
                 record["job_restarts"] = result.measured.get("job_restarts", 0)
+                record["interruptions"] = result.measured.get("interruptions")
             if self.long_run is not None and name in self.long_run.results:
                 run = self.long_run.results[name]
                 record["long_run"] = {"throughput": run.throughput, "value": run.value, "nodes": run.nodes,
@@ -493,18 +495,39 @@ def run_compare(options: CompareOptions, status: Callable[[str], None] | None = 
         predicted, command, _ = _predict(options, system, trace, measured, profile_path)
         report = measured["report"]
         price = float(measured["price_per_node_hour"])
+        window_s, throughput, lost_s = window_figures(report, float(measured["measurements"]["market_start_s"]),
+                                                      options.duration_s)
+        cost_per_hour = report["avg_nodes"] * price
         results[system] = SystemResult(
-            system=system, throughput=report["throughput"], node_hours=report["node_hours"],
-            avg_nodes=report["avg_nodes"], cost=report["node_hours"] * price,
-            cost_per_hour=report["avg_nodes"] * price, value=report["value"], redone_steps=report["redone_steps"],
-            lost_s=report["lost_s"], steps=report["steps"], duration_s=report["duration_s"], price=price,
+            system=system, throughput=throughput, node_hours=report["node_hours"],
+            avg_nodes=report["avg_nodes"], cost=report["node_hours"] * price, cost_per_hour=cost_per_hour,
+            value=throughput / cost_per_hour if cost_per_hour > 0 else 0.0, redone_steps=report["redone_steps"],
+            lost_s=lost_s, steps=report["steps"], duration_s=window_s, price=price,
             profile=profile_path, run_dir=Path(measured["run_dir"]), simulate_command=command, predicted=predicted,
             measured=measured, timeline=measured["timeline"])
-        say(f"{system} done: {report['steps']} steps, {report['throughput']:.2f} samples/s")
+        say(f"{system} done: {report['steps']} steps, {throughput:.2f} samples/s")
     long_run = None
     if options.long_run is not None:
         long_run = _long_run(options, {name: result.profile for name, result in results.items()})
     return Comparison(options=options, trace=trace, results=results, long_run=long_run)
+
+
+def window_figures(report: Mapping[str, Any], market_start_s: float,
+                   duration_s: float | None) -> tuple[float, float, float]:
+    """A measured run's window, throughput and time lost, as the simulator counts them: ``(window_s,
+    throughput, lost_s)``.
+
+    With ``--duration`` every system is stopped ``duration_s`` after its first step, so its window is
+    ``market_start_s + duration_s`` from its start, whether or not it was training then: a checkpoint/restart
+    run stopped in the middle of a restart paid for that time and trained nothing in it. Throughput is the
+    samples over the window, and the time after the last step counts as lost, beside the report's own lost
+    time (start-up, failovers, reconfigurations, restores, redone steps). With ``--steps`` the window ends at
+    the last step and the report's figures stand.
+    """
+    training_s = float(report["training_s"])
+    window_s = training_s if duration_s is None else max(training_s, market_start_s + duration_s)
+    throughput = float(report["samples"]) / window_s
+    return window_s, throughput, float(report["lost_s"]) + (window_s - training_s)
 
 
 def default_out() -> Path:

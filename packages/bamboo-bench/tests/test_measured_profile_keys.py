@@ -76,6 +76,16 @@ def test_every_join_restarts_even_when_no_pipeline_is_added(tiny_profile: ModelP
     assert every.reconfigurations == new_pipeline.reconfigurations + 1
 
 
+def test_every_join_during_a_restart_starts_it_over(tiny_profile: ModelProfile) -> None:
+    # n1 dies at 200 (restart 200-225); n8, added at 205, is ready at 215, inside that restart.
+    trace = _trace([(200.0, "remove", 1), (205.0, "add", 8)])
+    every = _run(trace, attrs.evolve(tiny_profile, checkpoint_restart_on_join="every-join"), Strategy.CHECKPOINT)
+    # every-join: torchrun's agents restart the workers again for the waiting node: 215-240, then two pipelines.
+    assert every.samples == pytest.approx(1000 + 760 * 10)
+    # new-pipeline: the restart under way takes the new node in: two pipelines from 225.
+    assert _run(trace, tiny_profile, Strategy.CHECKPOINT).samples == pytest.approx(1000 + 775 * 10)
+
+
 def test_bamboo_and_other_joins_ignore_the_checkpoint_restart_key(tiny_profile: ModelProfile) -> None:
     trace = _trace([(200.0, "remove", 1), (300.0, "add", 8)])
     every = attrs.evolve(tiny_profile, checkpoint_restart_on_join="every-join")

@@ -22,7 +22,8 @@ configuration its throughput is constant, so no per-step events are needed. Stra
 - ``checkpoint``: every preemption of a working node restarts the job (global rendezvous plus
   `restart_s`) from the last checkpoint; new nodes that allow another pipeline trigger a restart
   after a fresh checkpoint (no rollback). With a profile's ``checkpoint_restart_on_join`` of
-  ``every-join`` (torchrun's elastic agents), every node that joins restarts the job from the last
+  ``every-join`` (torchrun's elastic agents), every node that joins (also while a restart is under way, which
+  then starts over) restarts the job from the last
   checkpoint instead, whether or not it allows another pipeline.
 - ``sample-dropping``: a pipeline that loses a node drops out (its samples are dropped, the others
   go on) until a reconfiguration re-forms pipelines (placed by the same planner); when no pipeline is
@@ -552,6 +553,9 @@ class _Run:
                 startup = self.timing.startup_s
                 first = startup is not None and not self.formed_once
                 self.start_pause(max(0.0, startup - self.t) if first else self.global_restart_s(), forms=True)
+        elif self.phase == _PAUSED and self.pause_forms and self.restart_on_every_join:
+            # torchrun: a node that arrives while the workers restart waits, and its agent restarts them again.
+            self.start_pause(self.pause_length, forms=True)
         elif self.phase == _RUNNING:
             if self.restart_on_every_join:
                 # torchrun's agents restart every worker when a node waits: back to the last checkpoint.

@@ -63,7 +63,7 @@ def test_small_compare_records_and_profile_round_trip(tmp_path: Path) -> None:
         assert profile.step_time_s(2) > 0
         words = record["simulate_command"].split()
         assert words[:2] == ["bamboo-bench", "simulate"]
-        simulated = _bench(*words[2:], "--json", timeout=120)
+        simulated = _bench(*words[1:], "--json", timeout=120)
         assert simulated.returncode == 0, simulated.stderr
         predicted = json.loads(simulated.stdout.splitlines()[0])
         assert predicted["strategy"] == system

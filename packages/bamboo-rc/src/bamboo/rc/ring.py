@@ -42,7 +42,7 @@ import torch
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator, RingAgreement
-from bamboo.rc.failures import FailureNoticed
+from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult
 from bamboo.rc.state import TrainableSlice, clip_coefficient
@@ -125,6 +125,9 @@ class RingNode:
         """All-reduces given up after a failure, kept referenced (gloo may still write into them)."""
         self.done = 0
         """Instructions completed in the current step (published with the progress after a failure)."""
+        self.unbuilt: tuple[int, PeerFailure] | None = None
+        """(the group's version, the failure) when the first build of the all-reduce's group failed:
+        raised by the next all-reduce of that version (a later epoch builds a new group)."""
         self._own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset_step()
 
@@ -260,6 +263,11 @@ class RingNode:
             losses[share * self.micro_batches : (share + 1) * self.micro_batches] = torch.tensor(
                 share_losses, dtype=torch.float64
             )
+        if self.unbuilt is not None:
+            version, failure = self.unbuilt
+            self.unbuilt = None
+            if version == self.groups.versions[GROUP] and GROUP not in self.groups.groups:
+                raise failure
         self._await_group()
         works = self.groups.post_allreduce(GROUP, [flat, losses], "0AR")
         self.posted = (works, flat, losses, self.groups.members[GROUP])

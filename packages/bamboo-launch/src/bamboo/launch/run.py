@@ -118,8 +118,6 @@ class RunOptions:
                 f"--nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} stages "
                 f"(needs at least {self.stages * self.pipelines})"
             )
-        if self.redundancy != "none" and self.stages < 2:
-            raise ValueError(f"redundancy {self.redundancy!r} needs at least 2 stages, got {self.stages}")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir, the directory to resume from")
 

@@ -149,8 +149,6 @@ class JobSpec:
     reconfigure_timeout_s: float = attrs.field(default=120.0, validator=_positive_number)
 
     def __attrs_post_init__(self) -> None:
-        if self.redundancy != "none" and self.stages < 2:
-            raise ValueError(f"redundancy {self.redundancy!r} needs at least 2 stages, got {self.stages}")
         if len(self.layers) < self.stages:
             raise ValueError(f"the model has {len(self.layers)} layers, fewer than the {self.stages} stages")
         if self.resume and self.checkpoint_dir is None:

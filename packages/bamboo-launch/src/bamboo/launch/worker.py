@@ -216,16 +216,28 @@ def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_s
         step += 1
 
 
-def _failover_records(executor: Any, seen: int) -> list[tuple[int, Any]]:
-    """``(victim stage, failover record)`` of the failovers in which this node took a victim's stage, since
-    ``seen``."""
+def _failover_records(executor: Any, seen: int) -> list[tuple[int, int, Any]]:
+    """``(victim rank, victim stage, failover record)`` of the failovers in which this node took a victim's
+    stage (P = 1: a victim's share of the batch, as the ring's owner of it), since ``seen``."""
     records = []
-    stages = executor.layout.stages
+    layout = executor.layout
     for failover in executor.failovers[seen:]:
+        if layout.stages == 1:
+            records += [(victim, 0, failover) for victim in failover.victims
+                        if layout.ring_owner(victim, executor.dead) == executor.rank]
+            continue
         for victim in failover.victims.get(executor.pipeline, ()):
-            if (victim - 1) % stages == executor.stage:
-                records.append((victim, failover))
+            if (victim - 1) % layout.stages == executor.stage:
+                records.append((layout.rank(victim, executor.pipeline), victim, failover))
     return records
+
+
+def _reports_the_job(executor: Any) -> bool:
+    """Whether this node writes the job's steps and checkpoints: pipeline 0's (P = 1: the first live node,
+    every node holding the whole model)."""
+    if executor.layout.stages == 1:
+        return executor.rank == min(r for r in range(executor.layout.world) if r not in executor.dead)
+    return bool(executor.pipeline == 0)
 
 
 def train(context: WorkerContext, program: Program | None = None, hooks: TrainingHooks | None = None) -> dict[str, Any]:
@@ -332,19 +344,18 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
             duration = time.perf_counter() - step_started
             losses.append(loss)
             node_of_rank = layout.node_of_rank
-            for victim, failover in _failover_records(executor, seen_failovers):
-                victim_rank = executor.layout.rank(victim, executor.pipeline)
+            for victim_rank, victim, failover in _failover_records(executor, seen_failovers):
                 log.write(Failover(t=log.now(), victim=node_of_rank.get(victim_rank, str(victim_rank)),
                                    shadow=node, stage=victim, pause_s=failover.pause_s,
                                    caught_unix=failover.caught_at, resumed_unix=failover.resumed_at,
                                    step_end_unix=failover.iteration_end))
             failovers.extend(executor.failovers[seen_failovers:])
             seen_failovers = len(executor.failovers)
-            if executor.pipeline == 0 and spec.stages - 1 in executor.hosted:
+            if _reports_the_job(executor) and spec.stages - 1 in executor.hosted:
                 log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
                                nodes_active=spec.stages * layout.pipelines - len(executor.dead),
                                duration_s=duration))
-            if spec.checkpoint_dir is not None and executor.pipeline == 0:
+            if spec.checkpoint_dir is not None and _reports_the_job(executor):
                 _checkpoint(run, layout, executor, checkpointers, torch,
                             final=executor.step >= spec.steps)
             if hooks is not None:
@@ -527,7 +538,7 @@ def _start_engine(run: _Run, layout: Any, old: Any, store: Any) -> Any:
         list(run.program.layers), config, spec.redundancy, loss_fn=run.program.loss_fn, stages=spec.stages,
         rank=ranks[run.node], world_size=spec.stages * layout.pipelines, store=store, seed=spec.seed, job=job,
         timeouts=run.timeouts, notices=notices if spec.redundancy != "none" else None,
-        stage_bounds=layout.stage_bounds,
+        stage_bounds=layout.stage_bounds, microbatch=run.program.microbatch,
     )
     _receive_state(run, layout, old, engine.executor, store)
     engine.executor.step = layout.start_step

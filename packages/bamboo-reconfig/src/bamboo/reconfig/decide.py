@@ -22,6 +22,11 @@ holds, in this order (``Decision.reasons``; ``Decision.reason`` is the first):
   ``consecutive-failure`` too, and it alone turns a failover that nothing else calls for into a
   reconfiguration.
 
+With one stage (P = 1) a pipeline is one node and its shadow is the next pipeline's node, which holds
+the same parameters: a lost node is a failover (``rebuild redundancy after a failover``, the next step
+boundary drops its pipeline and keeps the global batch) as long as one node survives; only the loss of
+every node is a ``consecutive-failure``.
+
 Otherwise ``all-pipelines-whole``: carry on. With no layout yet, the decision is to configure now
 (``no-layout``).
 """
@@ -131,13 +136,17 @@ def decide(view: ClusterView) -> Decision:
         if not lost:
             continue
         lost_in[pipeline] = lost
-        pairs = [stage for stage in lost if dead[(stage - 1) % stages]]
+        if stages == 1:  # the shadow ring over the pipelines: fatal only when no node is left
+            every_node_lost = all(states[owners[0]] is NodeState.PREEMPTED for owners in layout.owners)
+            pairs = [0] if every_node_lost else []
+        else:
+            pairs = [stage for stage in lost if dead[(stage - 1) % stages]]
         if pairs:
             fatal[pipeline] = pairs
             continue
         degraded[pipeline] = lost
         survivors = [stage for stage in range(stages) if not dead[stage]]
-        if all(dead[(stage - 1) % stages] or dead[(stage + 1) % stages] for stage in survivors):
+        if stages > 1 and all(dead[(stage - 1) % stages] or dead[(stage + 1) % stages] for stage in survivors):
             fragile.append(pipeline)
 
     # Every pipeline with a preempted owner failed over (its shadows took over what they could).
@@ -147,6 +156,10 @@ def decide(view: ClusterView) -> Decision:
             f"pipeline {p}: stage(s) {_join(lost)} lost" for p, lost in lost_in.items()
         ) + " (a taken-over stage and its successor have no shadow)"
 
+    if fatal and stages == 1:
+        return Decision(When.NOW, [Reason.CONSECUTIVE_FAILURE, Reason.REBUILD_REDUNDANCY],
+                        f"consecutive failure: every node of the {layout.num_pipelines} data-parallel pipelines lost; "
+                        + rebuild, sorted(lost_in))
     if fatal:
         parts = [
             f"pipeline {p}: " + ", ".join(f"stage {s} and its shadow stage {(s - 1) % stages}" for s in stages_lost)

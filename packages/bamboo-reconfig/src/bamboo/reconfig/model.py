@@ -7,6 +7,10 @@ because the launcher writes the first decision into etcd as JSON and every other
 Layout convention (DESIGN.md, "Placement"): the node at stage ``s`` of a pipeline also holds the replica
 of stage ``(s + 1) mod P``. So the *shadow* of stage ``s`` is the node at stage ``(s - 1) mod P`` of the
 same pipeline, and a node holds the state (parameters and optimizer state) of two stages.
+
+With one stage (P = 1, pure data parallelism) every node holds the whole model and the redundant copy
+of a node's work is the next pipeline's node (the runtime's shadow ring, ``bamboo.rc.ring``), so
+``Layout.shadow`` names the node itself and ``decide`` judges losses over the ring of pipelines.
 """
 
 from __future__ import annotations
@@ -193,8 +197,6 @@ class Layout:
     same_zone_neighbours: int = attrs.field(validator=_non_negative_int, default=0)
 
     def __attrs_post_init__(self) -> None:
-        if self.stages < 2:
-            raise LayoutError(f"a layout needs at least 2 stages (a stage's shadow is another node), got {self.stages}")
         if len(self.layers) < self.stages:
             raise LayoutError(f"{self.stages} stages need at least {self.stages} layers, got {len(self.layers)}")
         if len(self.stage_layers) != self.stages:
@@ -383,8 +385,6 @@ class ClusterView:
         duplicates = sorted(node for node, count in counts.items() if count > 1)
         if duplicates:
             raise ValueError(f"duplicate node id(s): {', '.join(duplicates)}")
-        if self.target_stages < 2:
-            raise ValueError(f"P (stages) must be at least 2 so every stage has a shadow, got {self.target_stages}")
         if not self.layers:
             raise ValueError("the model has no layers")
         if self.target_stages > len(self.layers):

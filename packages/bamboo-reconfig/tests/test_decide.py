@@ -141,3 +141,20 @@ def test_every_reason_that_holds_is_listed_in_order(build, healthy) -> None:
                                 Reason.NEW_PIPELINE, Reason.REBUILD_REDUNDANCY)
     assert decision.pipelines == (0, 1)
     assert "pipeline 0: stage(s) 0, 2 lost; pipeline 1: stage(s) 1 lost" in decision.detail
+
+
+def test_p1_a_lost_node_is_a_failover_and_only_losing_every_node_is_consecutive(build) -> None:
+    nodes = build.zoned_nodes(3, "abc")
+    view = ClusterView(nodes=nodes, target_stages=1, target_pipelines=3, global_batch=12,
+                       layers=build.uniform_layers(4))
+    layout = plan_layout(view)
+    assert (layout.stages, layout.num_pipelines, layout.microbatches) == (1, 3, (4, 4, 4))
+    one = build.view_after(layout, build.with_states(nodes, {layout.owner(1, 0): "preempted"}))
+    decision = decide(one)
+    assert (decision.when, decision.reasons) == (When.NEXT_STEP_BOUNDARY, (Reason.REBUILD_REDUNDANCY,))
+    rebuilt = plan_layout(one)
+    assert (rebuilt.num_pipelines, rebuilt.microbatches) == (2, (6, 6))  # the global batch is kept
+    two = build.with_states(nodes, {layout.owner(0, 0): "preempted", layout.owner(1, 0): "preempted"})
+    assert decide(build.view_after(layout, two)).when is When.NEXT_STEP_BOUNDARY  # ring neighbours: one is left
+    every = build.with_states(nodes, {row[0]: "preempted" for row in layout.owners})
+    assert decide(build.view_after(layout, every)).reason is Reason.CONSECUTIVE_FAILURE

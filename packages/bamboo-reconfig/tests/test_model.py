@@ -39,7 +39,6 @@ def test_a_node_with_two_roles_prints_the_grid_with_it_marked() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"stages": 1, "stage_layers": [(0, 4)], "owners": [["a"], ["c"]]}, "at least 2 stages"),
         ({"stage_layers": [(0, 1), (2, 4)]}, "stage 1 has layers \\[2, 4\\)"),
         ({"stage_layers": [(0, 2), (2, 3)]}, "end at layer 3 but the model has 4"),
         ({"microbatches": [2, 0]}, "pipeline 1 has microbatch share 0"),
@@ -50,6 +49,12 @@ def test_a_node_with_two_roles_prints_the_grid_with_it_marked() -> None:
 def test_layout_validation_names_the_bad_value(overrides, message: str) -> None:
     with pytest.raises(LayoutError, match=message):
         small_layout(**overrides)
+
+
+def test_a_one_stage_layout_is_pure_data_parallelism() -> None:
+    layout = small_layout(stages=1, stage_layers=[(0, 4)], owners=[["a"], ["c"]])
+    assert (layout.num_pipelines, layout.global_batch) == (2, 4)
+    assert Layout.from_dict(layout.to_dict()) == layout
 
 
 def test_layout_json_checks_the_shadow_convention() -> None:

@@ -97,6 +97,30 @@ def test_checkpoint_restarts_and_checkpoint_cost(tmp_path) -> None:
     assert document["checkpoint_restart_on_join"] == "every-join"
 
 
+def test_a_restart_counts_from_the_last_interruption_before_its_workers_started(tmp_path) -> None:
+    """Killed at 1.5, another kill at 3.0 and a join at 5.0 before the workers' process start (at 6.0, first
+    step at 9.0): the restart took the join's; a kill at 7.0, after the start, did not restart it."""
+    times = [1.0, 1.1, 1.2, 1.3, 9.1, 9.2, 9.3, 9.4]
+    events: list = [RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2)]
+    events += _steps(times)
+    events += [Preemption(t=1.5, node="node1", zone="a"), Preemption(t=3.0, node="node2", zone="a"),
+               Join(t=5.0, node="node5", zone="b"), Preemption(t=7.0, node="node5", zone="b")]
+    at = UNIX + 1.5
+    restart = RestartCost(cause="kill", node="node1", at_unix=at, process_start_unix=UNIX + 6.0,
+                          imported_unix=UNIX + 7.0, group_unix=UNIX + 7.5, engine_unix=UNIX + 8.5,
+                          loaded_unix=UNIX + 8.9, load_s=0.1, loaded_step=1, redone_steps=3,
+                          first_step_start_unix=UNIX + 9.0, first_step_end_unix=UNIX + 9.1, world=3, pipelines=1)
+    measured = measure_events(events, "checkpoint", restarts=[restart], checkpoint_every=3)
+    assert measured.restart_s is None
+    assert measured.join_restart_s == pytest.approx(4.0)  # 9.0 - 5.0, not 7.5 from the first kill
+    document = profile_document(measured, name="measured-checkpoint", spot_price=1.0, on_demand_price=3.0)
+    assert document["timing"]["restart_s"] == pytest.approx(4.0)
+    assert document["timing"]["instance_creation_s"] == 0.0
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    assert load_profile(path).timing.restart_s == pytest.approx(4.0)
+
+
 def test_too_few_steps_is_a_clear_error() -> None:
     events = [RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2), *_steps([1.0, 1.1])]
     with pytest.raises(MeasureError, match="trained 2 step"):

@@ -31,9 +31,12 @@ How each constant is measured (``t`` are the event log's; an *interval* is the t
   record less the step time at its new pipeline count (``local_rendezvous_s`` is 0: the whole cost is here);
 - **instance creation** (bamboo): from a node's ``join`` to its worker's ``warm-<node>`` record (model
   built, ready for a role), for the nodes that joined after the start;
-- **restart** (checkpoint): from a kill to the first step of the restarted workers (``RestartCost``), for
-  restarts that followed a kill; a join's restart costs ``instance_creation_s`` more: the mean of the
-  join restarts less that of the kill restarts (``checkpoint_restart_on_join`` is ``every-join``);
+- **restart** (checkpoint): from the last interruption (kill or join) before the restarted workers' process
+  start to their first step (``RestartCost``): the simulator starts a restart over at every interruption
+  during it, so a restart counted from an earlier kill it took in would count those over again; restarts
+  whose last interruption was a kill give ``restart_s``, and a join's restart costs ``instance_creation_s``
+  more: the mean of the join restarts less that of the kill restarts (``checkpoint_restart_on_join`` is
+  ``every-join``);
 - **checkpoint cost** (``timing.checkpoint_s``): the interval holding a checkpoint, less the step time; the
   interval between checkpoints is K (or bamboo's ``--checkpoint-every``) steps plus that cost.
 
@@ -226,8 +229,16 @@ def measure_events(
     if warm_unix:
         for join in (e for e in ordered if isinstance(e, Join) and e.t > 0.5 and e.node in warm_unix):
             creation.append(max(0.0, warm_unix[join.node] - (start.unix_time + join.t)))
-    kill_restarts = [r.to_first_step_s for r in restarts if r.cause == "kill"]
-    join_restarts = [r.to_first_step_s for r in restarts if r.cause == "join"]
+    changes = sorted([(start.unix_time + e.t, "kill") for e in ordered if isinstance(e, Preemption)]
+                     + [(start.unix_time + e.t, "join") for e in ordered if isinstance(e, Join) and e.t > 0.5])
+    kill_restarts: list[float] = []
+    join_restarts: list[float] = []
+    for restart in restarts:
+        # The last interruption before the restarted workers started (later ones did not restart them).
+        before = [change for change in changes if change[0] <= restart.process_start_unix]
+        at, cause = max(before) if before else (restart.at_unix, restart.cause)
+        at, cause = max((at, cause), (restart.at_unix, restart.cause))
+        (kill_restarts if cause == "kill" else join_restarts).append(restart.first_step_start_unix - at)
     first = steps[0]
     counts = {
         "steps": len(seen), "step_records": len(steps),
@@ -302,18 +313,23 @@ def profile_document(
         timing["restart_s"] = 0.0
     elif measured.system == "checkpoint":
         restart = measured.restart_s
-        if restart is None:
+        if restart is None and measured.join_restart_s is not None:
+            restart = measured.join_restart_s
+            notes.append(f"restart_s: {restart:.3f}, the restarts after a join (no restart whose last interruption "
+                         "was a kill reached a step; a join's restart is taken to cost the same)")
+        elif restart is None:
             restart = measured.startup_s
             notes.append(f"restart_s: no restart after a kill reached a step in this run; {restart:.3f}, the cold "
                          "start (process start, imports, group, engine)")
         else:
-            notes.append(f"restart_s: {restart:.3f} measured (from a kill to the restarted workers' first step, "
-                         f"mean of {measured.counts.get('restarts_after_kills', 0)})")
+            notes.append(f"restart_s: {restart:.3f} measured (from the last kill before the restarted workers' start "
+                         f"to their first step, mean of {measured.counts.get('restarts_after_kills', 0)})")
         timing["restart_s"] = restart
         creation = 0.0 if measured.join_restart_s is None else max(0.0, measured.join_restart_s - restart)
         timing["instance_creation_s"] = creation
-        if measured.join_restart_s is None:
-            notes.append("instance_creation_s: no restart after a join reached a step in this run; 0")
+        if measured.join_restart_s is None or measured.restart_s is None:
+            notes.append("instance_creation_s: no restart after a join and one after a kill both reached a step in "
+                         "this run; 0")
         else:
             notes.append(f"instance_creation_s: {creation:.3f}, a join's restart ({measured.join_restart_s:.3f}, "
                          f"mean of {measured.counts.get('restarts_after_joins', 0)}) less a kill's")

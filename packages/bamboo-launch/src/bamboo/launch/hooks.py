@@ -3,7 +3,7 @@
 :func:`bamboo.launch.train_worker` takes them as ``on_step=`` and ``evaluate=(fn, every_n_steps)``:
 
 - ``on_step(info)`` is called once per step of the job, by the node that reports the job's loss (the host of
-  the last stage of pipeline 0; its shadow after a failover), with a :class:`bamboo.rc.StepInfo`: the step
+  the last stage of pipeline 0, its shadow after a failover; with one stage, the first live node), with a :class:`bamboo.rc.StepInfo`: the step
   (steps done, 1 after the first), its mean loss over the global batch, the learning rate its update used,
   the global batch's samples per second of that step, the samples trained so far, and ``eval_loss`` when an
   evaluation ran right after the step (None otherwise, or when a failure interrupted it). A step redone after

@@ -93,8 +93,12 @@ class Engine:
 
     def reports(self) -> bool:
         """Whether this node reports the job's loss (writes the monitors): it hosts the last stage of
-        pipeline 0 (after a failover, the shadow that took that stage over). One node per job."""
-        return self.executor.pipeline == 0 and self.is_last_stage()
+        pipeline 0 (after a failover, the shadow that took that stage over); with one stage (every node
+        holds the whole model), the first live node. One node per job."""
+        executor = self.executor
+        if executor.layout.stages == 1:
+            return executor.rank == min(r for r in range(executor.layout.world) if r not in executor.dead)
+        return executor.pipeline == 0 and self.is_last_stage()
 
     # ---------------------------------------------------------------------------------- training
     def _read(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None, count: int,

@@ -15,9 +15,10 @@ The engine writes, as DeepSpeed's pipeline engine does, ``Train/Samples/train_lo
 ``Train/Samples/eval_loss``, each against the number of samples trained so far (steps × the global
 batch); bamboo adds ``Train/Samples/samples_per_second`` (the step's samples over its wall time).
 Only the node that holds the job's loss writes (the host of the last stage of pipeline 0, which is
-its shadow after a failover): one writer per job, not per node. Writers are opened on first use, so
-a node that never reports creates no file; a node that takes reporting over opens its own (TensorBoard
-reads every event file of a folder; the CSV files are appended to).
+its shadow after a failover; with one stage, the first live node): one writer per job, not per node.
+Writers are opened on first use, so a node that never reports creates no file; a node that takes
+reporting over opens its own (TensorBoard reads every event file of a folder; the CSV files are appended
+to).
 
 Nothing here imports torch or a monitoring library until a monitor is written to.
 """

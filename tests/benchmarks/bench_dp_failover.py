@@ -335,7 +335,8 @@ def torchft_replica(args: argparse.Namespace) -> None:
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=load_state_dict,
                       state_dict=state_dict, replica_id=f"replica{group}", store_addr="127.0.0.1",
                       store_port=store.port, rank=0, world_size=1, lighthouse_addr=args.torchft_lighthouse,
-                      hostname="127.0.0.1", timeout=timeout, quorum_timeout=datetime.timedelta(seconds=60))
+                      hostname="127.0.0.1", timeout=timeout, quorum_timeout=datetime.timedelta(seconds=60),
+                      init_sync=False)  # every group starts from the same seeded weights: no healing at step 0
     ddp = DistributedDataParallel(manager, replica.module) if args.torchft_allreduce == "ddp" else None
     records = work / "steps.jsonl"
     # A fault-free start: every group's Manager heartbeats before the first quorum, so the Lighthouse's first
@@ -573,6 +574,7 @@ def torchrun_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         replica.save_layers(work / "final.pt")
     dist.destroy_process_group()
+    _append_record(records, {"rank": rank, "done": args.steps, "restart": restart})
 
 
 def torchrun_kill(args: argparse.Namespace, index: int, references: References, say: Log,
@@ -598,13 +600,28 @@ def torchrun_kill(args: argparse.Namespace, index: int, references: References, 
                              start_new_session=True)
 
     def records() -> list[dict[str, Any]]:
-        return _read_records(work / "steps.jsonl")
+        return [x for x in _read_records(work / "steps.jsonl") if "step" in x]
+
+    def finish() -> None:
+        """Wait for every worker to finish the last step; then for the agent (noted when it hangs at exit)."""
+        def done() -> bool:
+            if agent.poll() is not None and agent.returncode != 0:
+                raise RuntimeError(f"torchrun exited with {agent.returncode}: {_last_line(work / 'torchrun.log')}")
+            ranks = {x["rank"] for x in _read_records(work / "steps.jsonl") if x.get("done") == steps}
+            return len(ranks) == replicas or agent.poll() == 0
+
+        _wait(done, args.kill_timeout, f"torchrun's {replicas} workers finishing step {steps - 1}", poll_s=0.1)
+        try:
+            agent.wait(timeout=30.0)
+            row["agent_exit"] = agent.returncode
+        except subprocess.TimeoutExpired:
+            row["agent_exit"] = "did not exit 30 s after its workers finished (killed)"
+        if not (work / "final.pt").exists():
+            raise RuntimeError(f"no final.pt: {_last_line(work / 'torchrun.log')}")
 
     try:
         if not kill:
-            agent.wait(timeout=args.kill_timeout)
-            if agent.returncode != 0:
-                raise RuntimeError(f"torchrun exited with {agent.returncode}: {_last_line(work / 'torchrun.log')}")
+            finish()
             row.update({"max_rel_diff": references.max_relative_diff(work / "final.pt", steps), "outcome": "ran"})
             say(f"torchrun without a kill: {steps} steps, max rel diff {row['max_rel_diff']:.3e}")
             return row
@@ -626,12 +643,7 @@ def torchrun_kill(args: argparse.Namespace, index: int, references: References, 
         at = time.time()
         os.kill(pid, signal.SIGKILL)
         row["at"] = at
-        try:
-            agent.wait(timeout=args.kill_timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError("torchrun did not finish after the kill") from None
-        if agent.returncode != 0:
-            raise RuntimeError(f"torchrun exited with {agent.returncode}: {_last_line(work / 'torchrun.log')}")
+        finish()
         every = records()
         after = [x for x in every if x["restart"] > 0]
         if not after:
@@ -695,6 +707,10 @@ def print_table(systems: Sequence[dict[str, Any]], args: argparse.Namespace) -> 
         if system.get("status", "ran") != "ran":
             print(f"{system['system']:<36} {system['status']}")
             continue
+        if not system["rows"]:
+            print(f"{system['system']:<36} no kill measured: all {summary['failed']} runs failed (below); its run "
+                  f"without a kill: max rel diff {summary['fault_free_diff']:.1e}")
+            continue
         kills = f"{summary['kills']}" + (f"+{summary['failed']}!" if summary["failed"] else "")
         a_ratio = summary["a50"] / base["a50"] if base["a50"] > 0 else math.nan
         b_ratio = summary["b50"] / base["b50"] if base["b50"] > 0 else math.nan
@@ -708,6 +724,9 @@ def print_table(systems: Sequence[dict[str, Any]], args: argparse.Namespace) -> 
     for system in systems:
         for error in system.get("errors", []):
             print(f"  {system['system']}: {error}")
+        hung = [row["agent_exit"] for row in system["rows"] if row.get("agent_exit", 0) != 0]
+        if hung:
+            print(f"  {system['system']}: the torchrun agent, after its workers finished: {hung}")
         short = [row.get("short_steps", 0) for row in system["rows"] if "short_steps" in row]
         if short:
             print(f"  {system['system']}: steps committed without the killed group's share, per kill: {short} "

@@ -27,3 +27,17 @@ def test_seeded_second_failures_after_a_failover_match_the_reference() -> None:
     # recovery fires only when the remainder is that long
     later = sum(1 for plan in plans if plan[1].step > plan[0].step)
     assert sum(1 for _, result in outcomes if len(result.killed) == 2) >= later
+
+
+@pytest.mark.parametrize("redundancy", ["lflb", "eflb"])
+def test_seeded_kill_points_in_a_p1_ring_match_the_reference(redundancy: str) -> None:
+    """P = 1, D = 4: one node or two (neighbours included), then a second failure in the recovery or
+    in a later step; every run bit-equal to the reference."""
+    plans = random_kill_points(seed=2028, count=6, stages=1, steps=3, redundancy=redundancy, pipelines=4)
+    plans += random_kill_points(seed=2029, count=4, stages=1, steps=3, redundancy=redundancy, second_failures=True,
+                                pipelines=4)
+    assert len(set(plans)) == len(plans)
+    outcomes = run_chaos(plans, 1, 3, redundancy, pipelines=4)
+    failures = [(plan, result) for plan, result in outcomes if not result.passed or result.max_relative_diff != 0.0]
+    assert not failures, failures[:3]
+    assert any(len(result.killed) == 2 for _, result in outcomes)

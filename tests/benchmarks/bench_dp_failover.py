@@ -56,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -382,6 +383,14 @@ def _torchft_probe(python: Path) -> str | None:
     return None
 
 
+def _tidy(args: argparse.Namespace, row: dict[str, Any], work: Path) -> None:
+    """Remove a run's folder (logs, checkpoints, final states: megabytes) when it was measured, unless
+    `--keep-work`; a failed run's folder stays, named in its row."""
+    if row.get("outcome") == "ran" and not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+        row.pop("work", None)
+
+
 def _last_line(path: Path) -> str:
     try:
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -517,6 +526,7 @@ def torchft_kill(args: argparse.Namespace, index: int, references: References, s
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        _tidy(args, row, work)
     return row
 
 
@@ -530,7 +540,8 @@ def torchft_kills(args: argparse.Namespace, variant: str, references: References
     outcomes = [torchft_kill(args, index, references, say) for index in range(args.kills)]
     return {"system": name, "status": "ran", "fault_free_diff": control.get("max_rel_diff", math.nan),
             "rows": [row for row in outcomes if row.get("outcome") == "ran"],
-            "errors": [f"kill {i + 1}: {row['outcome']}" for i, row in enumerate(outcomes) if row.get("outcome") != "ran"],
+            "errors": [f"kill {i + 1}: {row['outcome']} (logs: {row.get('work')})" for i, row in enumerate(outcomes)
+                       if row.get("outcome") != "ran"],
             "heartbeat_ms": args.torchft_heartbeat_ms}
 
 
@@ -667,6 +678,7 @@ def torchrun_kill(args: argparse.Namespace, index: int, references: References, 
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
         log.close()
+        _tidy(args, row, work)
     return row
 
 
@@ -676,7 +688,8 @@ def torchrun_kills(args: argparse.Namespace, references: References, say: Log) -
     return {"system": f"torchrun restart, ckpt every {args.ckpt_every}", "status": "ran",
             "fault_free_diff": control.get("max_rel_diff", math.nan),
             "rows": [row for row in outcomes if row.get("outcome") == "ran"],
-            "errors": [f"kill {i + 1}: {row['outcome']}" for i, row in enumerate(outcomes) if row.get("outcome") != "ran"]}
+            "errors": [f"kill {i + 1}: {row['outcome']} (logs: {row.get('work')})" for i, row in enumerate(outcomes)
+                       if row.get("outcome") != "ran"]}
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
@@ -761,6 +774,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 120)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("torchft", "torchrun"), help="baselines to leave out")
     parser.add_argument("--json", type=Path, default=None, help="also write every measurement to this JSON file")
+    parser.add_argument("--keep-work", action="store_true",
+                        help="keep every baseline run's folder under the temporary directory (default: only failed "
+                             "runs' folders are kept, and named)")
     parser.add_argument("--worker", choices=("torchft-lighthouse", "torchft-replica", "torchrun-worker"),
                         default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)

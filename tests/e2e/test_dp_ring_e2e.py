@@ -1,10 +1,12 @@
 """End to end: pure data parallelism (P = 1) with redundancy in `bamboo-launch run`, and a kill.
 
-3 nodes (P=1, D=3, lazy redundancy): once training runs, the test SIGKILLs the node of pipeline 1. Its
-ring successor (pipeline 2's node) computes the lost microbatches from ``microbatch(step, index)`` and
+3 nodes (P=1, D=3, lazy redundancy, a checkpoint every 5 steps): once training runs, the test SIGKILLs the
+node of pipeline 0, the node that wrote the steps and checkpoints. Its ring successor (pipeline 1's node)
+computes the lost microbatches from ``microbatch(step, index)`` and
 contributes them to the step's all-reduce, so the step commits with the whole global batch; at the next
-step boundary the job reconfigures to 2 pipelines with the global batch kept. The result must be
-bit-equal (0.0) to a fault-free single-process run of the same batches.
+step boundary the job reconfigures to 2 pipelines with the global batch kept, and the first live node
+goes on writing the steps and checkpoints. The result must be bit-equal (0.0) to a fault-free
+single-process run of the same batches.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bamboo.launch.events import Failover, Preemption, Reconfiguration, Step, read_events
+from bamboo.launch.events import Checkpoint, Failover, Preemption, Reconfiguration, Step, read_events
 from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -22,26 +24,29 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def test_a_killed_data_parallel_node_s_shadow_takes_its_share_and_the_run_is_exact(tmp_path: Path) -> None:
     killed: list[str] = []
 
-    def kill_pipeline_1(handles: RunHandles) -> None:
+    def kill_pipeline_0(handles: RunHandles) -> None:
         deadline = time.monotonic() + 120.0
         while max((e.step for e in read_events(handles.events) if isinstance(e, Step)), default=0) < 5:
             assert time.monotonic() < deadline, "training never reached step 5"
             time.sleep(0.02)
-        node = handles.node_of_rank[1]
+        node = handles.node_of_rank[0]
         handles.cluster.kill(node)
         killed.append(node)
 
     options = RunOptions(nodes=3, stages=1, pipelines=3, steps=20, zones=("a", "b", "c"), time_scale=1.0,
-                         redundancy="lflb", run_dir=str(tmp_path / "run"), timeout_s=200.0, group_timeout_s=20.0)
-    result = run_cluster(options, during=kill_pipeline_1)
+                         redundancy="lflb", run_dir=str(tmp_path / "run"), timeout_s=200.0, group_timeout_s=20.0,
+                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5)
+    result = run_cluster(options, during=kill_pipeline_0)
     events = read_events(result.events)
     assert len(killed) == 1 and not result.timed_out, result
     assert {e.node for e in events if isinstance(e, Preemption)} == set(killed)
     failovers = [e for e in events if isinstance(e, Failover)]
     assert [f.victim for f in failovers] == killed, failovers
-    assert failovers[0].shadow == result.node_of_rank[2]  # the ring successor
+    assert failovers[0].shadow == result.node_of_rank[1]  # the ring successor
     assert any(e.pipelines == 2 for e in events if isinstance(e, Reconfiguration)), events
     assert result.steps_done == 20
+    assert max(e.step for e in events if isinstance(e, Step)) == 20  # a survivor took the steps over
+    assert {e.step for e in events if isinstance(e, Checkpoint)} >= {10, 15, 20}
     comparison = compare_with_reference(result, options)
     assert comparison["steps"] == 20
     assert comparison["max_relative_diff"] == 0.0, comparison

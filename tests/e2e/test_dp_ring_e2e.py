@@ -6,7 +6,9 @@ computes the lost microbatches from ``microbatch(step, index)`` and
 contributes them to the step's all-reduce, so the step commits with the whole global batch; at the next
 step boundary the job reconfigures to 2 pipelines with the global batch kept, and the first live node
 goes on writing the steps and checkpoints. The result must be bit-equal (0.0) to a fault-free
-single-process run of the same batches.
+single-process run of the same batches. The run is then resumed from its last checkpoint for 5 more
+steps (the checkpoint was written by the 2-pipeline layout; the resumed run has 3 pipelines again),
+bit-equal as well.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 from bamboo.launch.events import Checkpoint, Failover, Preemption, Reconfiguration, Step, read_events
 from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
@@ -49,4 +52,12 @@ def test_a_killed_data_parallel_node_s_shadow_takes_its_share_and_the_run_is_exa
     assert {e.step for e in events if isinstance(e, Checkpoint)} >= {10, 15, 20}
     comparison = compare_with_reference(result, options)
     assert comparison["steps"] == 20
+    assert comparison["max_relative_diff"] == 0.0, comparison
+
+    resumed_options = attrs.evolve(options, steps=25, resume=True, run_dir=str(tmp_path / "resumed"))
+    resumed = run_cluster(resumed_options)
+    steps = sorted(e.step for e in read_events(resumed.events) if isinstance(e, Step))
+    assert steps == list(range(21, 26)) and resumed.steps_done == 25, steps
+    comparison = compare_with_reference(resumed, resumed_options)
+    assert comparison["steps"] == 25
     assert comparison["max_relative_diff"] == 0.0, comparison

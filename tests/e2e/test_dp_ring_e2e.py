@@ -14,6 +14,7 @@ bit-equal as well.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -60,4 +61,25 @@ def test_a_killed_data_parallel_node_s_shadow_takes_its_share_and_the_run_is_exa
     assert steps == list(range(21, 26)) and resumed.steps_done == 25, steps
     comparison = compare_with_reference(resumed, resumed_options)
     assert comparison["steps"] == 25
+    assert comparison["max_relative_diff"] == 0.0, comparison
+
+
+def test_a_data_parallel_node_with_notice_hands_its_share_over_at_a_step_boundary(
+    tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
+) -> None:
+    """The trace removes node1 (pipeline 1) with 3 s of notice: it hands its share over to its ring
+    successor after a step and leaves, no failover; the job goes on with 2 pipelines, exact."""
+    trace = write_trace(3, [(4000, "remove", "node2")])  # trace node2 is the launcher's node1
+    options = RunOptions(nodes=3, stages=1, pipelines=3, steps=80, zones=("a", "b", "c"), time_scale=1.0,
+                         redundancy="eflb", preemptions=trace, notice_s=3.0, run_dir=str(tmp_path / "run"),
+                         timeout_s=200.0)
+    result = run_cluster(options)
+    events = read_events(result.events)
+    assert not [e for e in events if isinstance(e, Failover)], "a notice of 3 s must not end in a failover"
+    [left] = [e for e in events if isinstance(e, Preemption)]
+    assert left.node == "node1" and left.notice_s > 0.5, left
+    assert any(e.pipelines == 2 for e in events if isinstance(e, Reconfiguration)), events
+    assert "handed stage 0 of pipeline 1 over to its shadow" in (result.run_dir / "logs" / "node1.log").read_text()
+    assert not result.timed_out and result.steps_done == 80
+    comparison = compare_with_reference(result, options)
     assert comparison["max_relative_diff"] == 0.0, comparison

@@ -158,3 +158,19 @@ def test_p1_a_lost_node_is_a_failover_and_only_losing_every_node_is_consecutive(
     assert decide(build.view_after(layout, two)).when is When.NEXT_STEP_BOUNDARY  # ring neighbours: one is left
     every = build.with_states(nodes, {row[0]: "preempted" for row in layout.owners})
     assert decide(build.view_after(layout, every)).reason is Reason.CONSECUTIVE_FAILURE
+
+
+@pytest.mark.parametrize(("zones", "pipelines", "expected"), [("aabbcc", 6, 0), ("aaaabb", 6, 2), ("aabb", 4, 0)])
+def test_p1_the_shadow_ring_over_the_pipelines_is_zone_aware(
+    build, zones: str, pipelines: int, expected: int
+) -> None:
+    """With one stage, pipeline d's shadow is pipeline d + 1's node: consecutive pipelines sit in different zones."""
+    nodes = [build.zoned_nodes(1, zone, prefix=f"n{i}")[0] for i, zone in enumerate(zones)]
+    view = ClusterView(nodes=nodes, target_stages=1, target_pipelines=pipelines, global_batch=12,
+                       layers=build.uniform_layers(4))
+    layout = plan_layout(view)
+    zone_of = {node.id: node.zone for node in nodes}
+    ring = [zone_of[row[0]] for row in layout.owners]
+    same = sum(1 for d in range(len(ring)) if ring[d] == ring[(d + 1) % len(ring)])
+    assert len(ring) == pipelines
+    assert same == expected == layout.same_zone_neighbours  # the fewest possible: max(0, 2 * 4 - 6) for "aaaabb"

@@ -94,16 +94,25 @@ def plan_layout(view: ClusterView) -> Layout:
     def preference(node: Node) -> tuple[int, int]:
         return (0 if holdings.get(node.id) else 1, _STATE_RANK[node.state])
 
-    chosen = choose_nodes(usable, rings, stages, preference) if rings else []
+    # With one stage (P = 1) the shadow ring runs over the pipelines (pipeline d's shadow is pipeline d + 1's
+    # node), so the ring to keep zone-diverse is the D pipelines' nodes: one ring of D slots.
+    shadow_ring = stages == 1 and rings > 1
+    ring_count, ring_length = (1, rings) if shadow_ring else (rings, stages)
+    chosen = choose_nodes(usable, ring_count, ring_length, preference) if rings else []
     chosen_ids = {node.id for node in chosen}
     standby = tuple(node.id for node in sorted(usable, key=lambda n: (preference(n), n.id))
                     if node.id not in chosen_ids)
     need = _needed_layers(bounds, stages)
     missing_bytes = _missing_bytes_table(view.layers, need, holdings)
-    ring_zones = _arrange_rings(chosen, rings, stages, holdings, missing_bytes)
+    if shadow_ring:
+        pipeline_ring = ring_arrangements(Counter(node.zone for node in chosen), rings)[0]
+        ring_zones = [(zone,) for zone in pipeline_ring]
+        conflicts = same_zone_pairs(pipeline_ring)
+    else:
+        ring_zones = _arrange_rings(chosen, rings, stages, holdings, missing_bytes)
+        conflicts = sum(same_zone_pairs(zones) for zones in ring_zones)
     owners = _assign_slots(chosen, ring_zones, holdings, missing_bytes)
-    conflicts = sum(same_zone_pairs(zones) for zones in ring_zones)
-    bound = minimum_same_zone_pairs(Counter(node.zone for node in chosen), rings, stages)
+    bound = minimum_same_zone_pairs(Counter(node.zone for node in chosen), ring_count, ring_length)
     if conflicts != bound:  # pragma: no cover - guarded by the brute-force tests
         raise AssertionError(f"placement has {conflicts} same-zone pairs, the minimum is {bound}")
     return Layout(

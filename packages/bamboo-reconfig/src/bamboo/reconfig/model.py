@@ -184,7 +184,8 @@ class Layout:
     ``owners[d][(s - 1) % P]`` (see the module docstring). ``stage_layers[s]`` is the half-open range of
     layer indices of stage ``s``. ``microbatches[d]`` is pipeline ``d``'s share of the global batch.
     ``same_zone_neighbours`` counts the pairs of consecutive stages (last to first included) whose owners
-    share a zone. A layout may have no pipeline at all (too few usable nodes); everyone then waits in
+    share a zone; with one stage (P = 1) it counts the consecutive pipelines (last to first included) whose
+    nodes share a zone, the shadow ring of pure data parallelism. A layout may have no pipeline at all (too few usable nodes); everyone then waits in
     ``standby``.
     """
 

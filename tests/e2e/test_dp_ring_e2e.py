@@ -13,6 +13,7 @@ bit-equal as well.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +80,9 @@ def test_a_data_parallel_node_with_notice_hands_its_share_over_at_a_step_boundar
     [left] = [e for e in events if isinstance(e, Preemption)]
     assert left.node == "node1" and left.notice_s > 0.5, left
     assert any(e.pipelines == 2 for e in events if isinstance(e, Reconfiguration)), events
-    assert "handed stage 0 of pipeline 1 over to its shadow" in (result.run_dir / "logs" / "node1.log").read_text()
+    # which pipeline node1 runs is the zone-aware ring's choice (consecutive pipelines in different zones)
+    log = (result.run_dir / "logs" / "node1.log").read_text()
+    assert re.search(r"handed stage 0 of pipeline \d over to its shadow", log), log
     assert not result.timed_out and result.steps_done == 80
     comparison = compare_with_reference(result, options)
     assert comparison["max_relative_diff"] == 0.0, comparison

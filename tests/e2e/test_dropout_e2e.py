@@ -50,3 +50,4 @@ def test_a_dropout_model_survives_a_kill_and_a_joiner_bit_exactly(
     assert "node4" in finishers and "node1" not in finishers  # the joiner trained to the end
     logs = "".join(path.read_text() for path in (run_dir / "logs").glob("*.log"))
     assert "RandomnessWarning" not in logs
+    assert (run_dir / "reference.log").exists()  # the script trained the --verify reference itself

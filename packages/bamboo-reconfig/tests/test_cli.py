@@ -87,3 +87,17 @@ def test_console_script_exits_non_zero_without_traceback(tmp_path: Path) -> None
     assert "Traceback" not in completed.stderr
     assert completed.stderr.strip() == "bamboo-reconfig: error: unknown node state 'gone' (expected one of: " \
         "active, standby, joining, preempted)"
+
+
+def test_plan_with_one_stage_puts_ring_neighbours_in_different_zones(tmp_path: Path, capsys) -> None:
+    nodes = write_nodes(tmp_path / "nodes.json", nodes_json(6, "aabbcc"))
+    assert main(["plan", "--nodes", str(nodes), "--stages", "1", "--pipelines", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: 6 pipeline(s) x 1 stages" in out
+    assert "same-zone neighbours: 0" in out
+
+
+def test_plan_with_zero_stages_is_a_one_line_error(tmp_path: Path, capsys) -> None:
+    nodes = write_nodes(tmp_path / "nodes.json", nodes_json(3))
+    assert main(["plan", "--nodes", str(nodes), "--stages", "0", "--pipelines", "1"]) == 2
+    assert "--stages must be at least 1" in capsys.readouterr().err

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help='JSON list of {"id", "zone", "state"}; state is one of active, standby, joining, '
                       "preempted")
     plan.add_argument("--stages", required=True, type=int, metavar="P",
-                      help="pipeline depth P (an upper bound: lowered only when fewer than P nodes are usable)")
+                      help="pipeline depth P (an upper bound: lowered only when fewer than P nodes are usable); 1 is pure "
+                      "data parallelism, each pipeline's shadow the next pipeline's node")
     plan.add_argument("--pipelines", required=True, type=int, metavar="D",
                       help="target number of data-parallel pipelines D (an upper bound)")
     plan.add_argument("--old", type=Path, metavar="LAYOUT.json",
@@ -100,8 +101,9 @@ def _layers(spec: str | None, old: Layout | None) -> tuple[LayerSpec, ...]:
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Build the view from the arguments and plan; returns the JSON-ready result."""
-    if args.stages < 2:
-        raise CliError(f"--stages must be at least 2 (every stage needs a shadow), got {args.stages}")
+    if args.stages < 1:
+        raise CliError(f"--stages must be at least 1 (1: pure data parallelism, the shadow ring over the "
+                       f"pipelines), got {args.stages}")
     if args.pipelines < 1:
         raise CliError(f"--pipelines must be at least 1, got {args.pipelines}")
     nodes = parse_nodes(_read_json(args.nodes, "node file"))

@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+from bamboo.bench.argtypes import non_negative_float as _non_negative_float
+from bamboo.bench.argtypes import positive_float as _positive_float
+from bamboo.bench.argtypes import positive_int as _positive_int
 from bamboo.bench.compare_cli import add_compare_parser, run_compare_command
 from bamboo.bench.loaders import TraceFormatError, load_skypilot_counts, load_trace, write_generic_csv
 from bamboo.bench.paper_report import add_paper_arguments, run_paper_command
@@ -80,36 +83,6 @@ def _strategies(text: str) -> list[Strategy]:
     if not values:
         raise argparse.ArgumentTypeError(f"no strategy in {text!r}")
     return list(dict.fromkeys(values))
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, default: str) -> None:

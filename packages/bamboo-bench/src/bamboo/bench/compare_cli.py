@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from bamboo.bench.argtypes import positive_float as _positive_float
+from bamboo.bench.argtypes import positive_int as _positive_int
 from bamboo.bench.compare import (
     CompareOptions,
     Comparison,
@@ -28,26 +30,6 @@ from rich.console import Console
 from rich.table import Table
 
 __all__ = ["add_compare_parser", "run_compare_command"]
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def _zones(text: str) -> tuple[str, ...]:

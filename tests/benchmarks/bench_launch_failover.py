@@ -52,6 +52,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import Log, percentile
+from _bench_common import wait_for as _wait
+
 ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
@@ -60,37 +64,6 @@ PHASES = (0.1, 0.3, 0.5, 0.7, 0.9)
 """Where in a step the kills land: this fraction of the recent step time after a step ended."""
 GOAL_P50_S = 0.25
 GOAL_P99_S = 1.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between closest ranks."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-class Log:
-    """Progress lines with the seconds since the benchmark started."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:7.1f}s] {message}", flush=True)
-
-
-def _wait(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"{what} did not happen within {timeout_s:g} s")
 
 
 class EventWatch:

@@ -32,7 +32,6 @@ from bamboo.reconfig.placement import (
     ring_arrangements,
     same_zone_pairs,
 )
-from scipy.optimize import linear_sum_assignment
 
 #: Rings whose arrangement search would score more candidate slots than this use the canonical one only.
 ARRANGEMENT_SEARCH_BUDGET = 200_000
@@ -206,6 +205,9 @@ def _assign_slots(
         if all(not holdings.get(node.id) for node in nodes):
             order = list(range(len(nodes)))
         else:
+            # imported here: scipy.optimize takes 0.4 s to import, paid by every agent and worker otherwise
+            from scipy.optimize import linear_sum_assignment
+
             cost = np.array([[row[stage] for _ring, stage in slots] for row in rows], dtype=np.float64)
             node_index, slot_index = linear_sum_assignment(cost)
             order = [0] * len(slots)

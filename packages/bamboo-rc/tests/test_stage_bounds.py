@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from bamboo.rc.config import load_config
 from bamboo.rc.executor import StageExecutor
 from bamboo.rc.layout import Layout
@@ -77,6 +78,27 @@ def test_layer_costs_count_fp32_parameters_and_adam_state() -> None:
     assert stage_bounds(specs, 4) == split_layers(costs, 4)
     memory = max(node_state_bytes(costs, stage_bounds(specs, 3)))
     assert stage_bounds(specs, 3, memory) == split_layers(costs, 3, memory)
+
+
+class _RandomlyInitialised(torch.nn.Module):
+    """A layer whose constructor draws from every kind of random fill the meta-device count skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(5, 7))
+        torch.nn.init.trunc_normal_(self.weight)
+        torch.nn.init.kaiming_normal_(self.weight)
+        self.weight.data.log_normal_().exponential_().cauchy_().geometric_(0.5)
+        self.embedding = torch.nn.Embedding(11, 3)
+
+
+def test_layer_costs_count_layers_with_random_fills_on_meta_without_drawing_random_numbers() -> None:
+    from deepspeed.pipe import LayerSpec as DeepSpeedLayerSpec
+
+    state = torch.random.get_rng_state()
+    (cost,) = layer_costs([DeepSpeedLayerSpec(_RandomlyInitialised)])
+    assert torch.equal(torch.random.get_rng_state(), state)  # built on the meta device: nothing drawn
+    assert cost.param_bytes == 4 * sum(p.numel() for p in _RandomlyInitialised().parameters()) == 4 * (35 + 33)
 
 
 def _executor(stage: int, bounds: tuple[tuple[int, int], ...] | None = None) -> StageExecutor:

@@ -25,6 +25,7 @@ from bamboo.reconfig import LayerSpec as LayerCost
 from bamboo.reconfig import split_layers
 from torch import nn
 from torch.nn import functional
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "ByteEmbedding",
@@ -147,6 +148,29 @@ def _layer_spec(spec: Any, index: int) -> Any:
     return spec
 
 
+class _SkipRandomFillOnMeta(TorchFunctionMode):
+    """Random fills of meta tensors (``normal_``, ``log_normal_``, ...) return the tensor untouched.
+
+    A meta tensor has no values, so such a fill only returns it as it is; but torch's meta kernels for these
+    ops are Python functions whose first call imports ``torch._dynamo``, a second of CPU for a process that
+    only counts parameters (the agent's ``describe`` child, on the critical path of every job start).
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _RANDOM_FILLS:  # Tensor.normal_(...) or torch.nn.init.normal_(tensor=...)
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+#: The in-place random fills whose meta kernels import ``torch._dynamo`` (torch 2.13); each keeps its
+#: tensor's shape, dtype and strides.
+_RANDOM_FILLS = frozenset({"normal_", "log_normal_", "exponential_", "cauchy_", "geometric_", "erfinv_"})
+
+
 def layer_costs(specs: Sequence[Any]) -> list[LayerCost]:
     """bamboo-reconfig's cost of each layer: its parameters in fp32 (4 bytes each), Adam's state
     (8 bytes each), and a compute cost equal to its parameter count.
@@ -158,7 +182,7 @@ def layer_costs(specs: Sequence[Any]) -> list[LayerCost]:
     for index, spec in enumerate(specs):
         spec = _layer_spec(spec, index)
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _SkipRandomFillOnMeta():
                 module = spec.build()
         except Exception:  # a layer whose constructor needs real tensors
             with torch.random.fork_rng(devices=[]):

@@ -11,6 +11,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 help:
 	@echo "make setup   create .venv and install torch, deepspeed, etcd and every package (idempotent)"
 	@echo "make test    setup, ruff, the import contracts (lint-imports), then pytest over every package and tests/"
+	@echo "             in two xdist lanes (cluster tests one at a time; PYTEST_ARGS='-n 0' runs it in one process)"
 	@echo "make demo    setup, then run the project's main job"
 	@echo "make proto   regenerate the gRPC/protobuf stubs from proto/"
 	@echo "make bench   run the benchmarks (slow; they print ratios against baselines measured in the same run)"
@@ -23,7 +24,7 @@ lint: setup
 	$(VENV)/bin/lint-imports --no-cache
 
 test: setup lint
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc
 

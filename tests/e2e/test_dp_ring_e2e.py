@@ -40,7 +40,7 @@ def test_a_killed_data_parallel_node_s_shadow_takes_its_share_and_the_run_is_exa
 
     options = RunOptions(nodes=3, stages=1, pipelines=3, steps=20, zones=("a", "b", "c"), time_scale=1.0,
                          redundancy="lflb", run_dir=str(tmp_path / "run"), timeout_s=200.0, group_timeout_s=20.0,
-                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5)
+                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5, size={"layers": 2})
     result = run_cluster(options, during=kill_pipeline_0)
     events = read_events(result.events)
     assert len(killed) == 1 and not result.timed_out, result
@@ -73,7 +73,7 @@ def test_a_data_parallel_node_with_notice_hands_its_share_over_at_a_step_boundar
     trace = write_trace(3, [(4000, "remove", "node2")])  # trace node2 is the launcher's node1
     options = RunOptions(nodes=3, stages=1, pipelines=3, steps=80, zones=("a", "b", "c"), time_scale=1.0,
                          redundancy="eflb", preemptions=trace, notice_s=3.0, run_dir=str(tmp_path / "run"),
-                         timeout_s=200.0)
+                         timeout_s=200.0, size={"layers": 2})
     result = run_cluster(options)
     events = read_events(result.events)
     assert not [e for e in events if isinstance(e, Failover)], "a notice of 3 s must not end in a failover"

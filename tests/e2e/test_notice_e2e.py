@@ -24,7 +24,8 @@ def test_a_node_with_notice_hands_over_at_a_step_boundary_and_nothing_is_lost(
 ) -> None:
     trace = write_trace(4, [(4000, "remove", "node2")])  # trace node2 is the launcher's node1
     options = RunOptions(nodes=4, stages=2, pipelines=2, steps=120, zones=("a", "b", "c"), time_scale=1.0,
-                         preemptions=trace, notice_s=3.0, run_dir=str(tmp_path / "run"), timeout_s=240.0)
+                         preemptions=trace, notice_s=3.0, run_dir=str(tmp_path / "run"), timeout_s=240.0,
+                         size={"layers": 2})
     result = run_cluster(options)
     events = read_events(result.events)
     assert not [e for e in events if isinstance(e, Failover)], "a notice of 3 s must not end in a failover"

@@ -61,7 +61,7 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
     options = RunOptions(
         nodes=4, stages=2, pipelines=2, steps=200, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
-        group_timeout_s=20.0,
+        group_timeout_s=20.0, size={"layers": 2},
     )
     result = run_cluster(options, during=kill_a_source_of_generation_1)
     events = read_events(result.events)
@@ -100,7 +100,7 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
     options = RunOptions(
         nodes=5, stages=3, pipelines=1, steps=60, zones=("a", "b", "c"), time_scale=1.0,
         run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5,
-        confirm_timeout_s=30.0, timeout_s=200.0, group_timeout_s=20.0,
+        confirm_timeout_s=30.0, timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2},
     )
     result = run_cluster(options, during=kill_stage_1_then_its_shadow)
     events = read_events(result.events)
@@ -143,7 +143,7 @@ def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_r
     options = RunOptions(
         nodes=4, stages=2, pipelines=2, steps=200, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
-        group_timeout_s=20.0,
+        group_timeout_s=20.0, size={"layers": 2},
     )
     result = run_cluster(options, during=kill_a_source_mid_transfer)
     events = read_events(result.events)

@@ -51,6 +51,7 @@ def _options(tmp_path: Path) -> RunOptions:
         confirm_timeout_s=30.0,
         timeout_s=200.0,
         group_timeout_s=20.0,
+        size={"layers": 2},
     )
 
 

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(300)
 def _options(tmp_path: Path, name: str, steps: int, resume: bool = False) -> RunOptions:
     return RunOptions(nodes=4, stages=2, pipelines=2, steps=steps, zones=("a", "b", "c"),
                       checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5, resume=resume,
-                      run_dir=str(tmp_path / name), timeout_s=200.0)
+                      run_dir=str(tmp_path / name), timeout_s=200.0,
+                      size={"layers": 2})
 
 
 def test_a_finished_run_resumes_exactly_and_exports_its_model(tmp_path: Path) -> None:
@@ -50,7 +51,7 @@ def test_a_finished_run_resumes_exactly_and_exports_its_model(tmp_path: Path) ->
     from_run, from_checkpoint = tmp_path / "run.pt", tmp_path / "checkpoint.pt"
     assert main(["export", str(tmp_path / "resumed"), "-o", str(from_run)]) == 0
     assert main(["export", "--checkpoint-dir", str(tmp_path / "checkpoints"), "-o", str(from_checkpoint)]) == 0
-    model = torch.nn.Sequential(*[spec.build() for spec in gpt_layer_specs(GPTSize())])
+    model = torch.nn.Sequential(*[spec.build() for spec in gpt_layer_specs(GPTSize(layers=2))])
     model.load_state_dict(torch.load(from_run))  # strict: every key of every layer, and nothing else
     state, checkpointed = torch.load(from_run), torch.load(from_checkpoint)
     assert state.keys() == checkpointed.keys()

@@ -37,7 +37,8 @@ def test_two_pipelines_lose_a_node_each_at_the_same_instant_and_stay_exact(tmp_p
         killed.extend(pair)
 
     options = RunOptions(nodes=8, stages=4, pipelines=2, steps=60, zones=("a", "b", "c"), time_scale=1.0,
-                         run_dir=str(tmp_path / "run"), timeout_s=240.0, group_timeout_s=20.0)
+                         run_dir=str(tmp_path / "run"), timeout_s=240.0, group_timeout_s=20.0,
+                         size={"layers": 2})
     result = run_cluster(options, during=kill_two_at_once)
     events = read_events(result.events)
     assert len(killed) == 2 and not result.timed_out

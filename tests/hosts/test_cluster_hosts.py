@@ -62,7 +62,7 @@ class HostCluster:
             command = [sys.executable, "-m", "bamboo.launch", "agent", "--job", self.job, "--etcd", self.etcd.endpoint,
                        "--node", node, "--zone", zone, "--host", host.address, "--port", "0",
                        "--token-file", str(self.token), "--run-dir", str(self.tmp / node),
-                       "--stages", str(STAGES), "--pipelines", str(PIPELINES), "--steps", str(self.steps),
+                       "--stages", str(STAGES), "--pipelines", str(PIPELINES), "--steps", str(self.steps), "--layers", "2",
                        "--min-nodes", str(len(ZONES)), "--ttl", str(TTL_S), "--grace", str(GRACE_S),
                        "--group-timeout", "30", "--confirm-timeout", "30"]
             if self.checkpoints is not None:

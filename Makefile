@@ -24,7 +24,7 @@ lint: setup
 	$(VENV)/bin/lint-imports --no-cache
 
 test: setup lint
-	@$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n 2 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc
 

@@ -1,31 +1,56 @@
 """Test-suite wide settings: the two lanes of ``make test``.
 
-``make test`` runs pytest with two xdist workers (``-n 2 --dist loadgroup``). Every test that starts an
-emulated cluster (``tests/e2e``, ``tests/hosts``) joins the ``clusters`` group, so those run one after
+``make test`` runs pytest with two xdist workers (``-n 2``) under :class:`ClusterLane` scheduling. Every test
+that starts a cluster of agents and workers (``CLUSTER_TESTS``) is one work unit, so those run one after
 another on one worker: two clusters side by side on the 2-core machine would starve each other's lease
-keep-alives (a 2 s TTL) and turn a slow machine into false failures. Every other test is spread over both
-workers, filling the CPU that a cluster test leaves idle (its waits for leases, its single-process phases).
-A plain ``pytest`` (no ``-n``) ignores the group and runs everything in one process, as before.
+keep-alives (a 2 s TTL) and turn a slow machine into false failures. Every other test is its own unit,
+spread over both workers, filling the CPU that a cluster test leaves idle (its waits for leases, its
+single-process phases). A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
+
+(xdist's own ``--dist loadgroup`` would do this with a marker, but xdist 3.8 tags the group onto a test id
+that pytest 9.2 no longer reads; the scheduler below needs no marker.)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-CLUSTER_DIRECTORIES = ("tests/e2e", "tests/hosts")
+#: The tests that start a cluster of agents and workers (etcd leases of 2 to 3 s, real kills), as paths
+#: from the repository root: a directory or a file.
+CLUSTER_TESTS = (
+    "tests/e2e",
+    "tests/hosts",
+    "packages/bamboo-launch/tests/test_baseline.py",
+    "packages/bamboo-launch/tests/test_hooks.py",
+    "packages/bamboo-launch/tests/test_manifests_run.py",
+    "packages/bamboo-launch/tests/test_script_e2e.py",
+)
+
+
+def is_cluster_test(path: str) -> bool:
+    """Whether the test file ``path`` (relative to the repository root, ``/``-separated) starts clusters."""
+    return any(path == cluster or path.startswith(cluster + "/") for cluster in CLUSTER_TESTS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put the cluster tests in the ``clusters`` group, and first: xdist hands out work in collection order,
-    so the long lane starts at once instead of after every short test."""
+    """The cluster tests first: the scheduler hands work out in collection order, so the long lane starts
+    at once instead of after every short test."""
     root = Path(str(config.rootpath))
-    clusters = []
-    for item in items:
-        path = Path(str(item.path)).resolve()
-        if any(path.is_relative_to(root / directory) for directory in CLUSTER_DIRECTORIES):
-            item.add_marker(pytest.mark.xdist_group("clusters"))
-            clusters.append(item)
+    clusters = [item for item in items
+                if is_cluster_test(Path(str(item.path)).resolve().relative_to(root).as_posix())]
     grouped = set(clusters)
     items[:] = clusters + [item for item in items if item not in grouped]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's load-scope scheduling with one scope for every cluster test, and one per test otherwise."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterLane(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "clusters" if is_cluster_test(nodeid.split("::", 1)[0]) else nodeid
+
+    return ClusterLane(config, log)

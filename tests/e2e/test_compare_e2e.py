@@ -1,9 +1,9 @@
-"""``bamboo-bench compare`` end to end: a small comparison (4 nodes, P=2, D=2, 10 s after each first step, a
-scripted kill 3 s in) runs bamboo, checkpoint/restart and on-demand through ``bamboo-launch measure``, and
+"""``bamboo-bench compare`` end to end: a small comparison (4 nodes, P=2, D=2, 6 s after each first step, a
+scripted kill 2 s in) runs bamboo, checkpoint/restart and on-demand through ``bamboo-launch measure``, and
 prints one JSON record per system; each run's measured profile loads, and ``bamboo-bench simulate`` with it on
 the run's simulated trace gives the prediction that compare printed (the profile round trip).
 
-85 s on the 2-core machine under the heavy-run lock (three systems, each starting its processes); marked slow.
+About 65 s on the 2-core machine (three systems, each starting its processes); marked slow.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 def test_small_compare_records_and_profile_round_trip(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,event,node,zone\n" + "".join(f"0,add,node{i},{'ab'[i % 2]}\n" for i in range(4))
-                     + "3,remove,node3,b\n")
+                     + "2,remove,node3,b\n")
     out = tmp_path / "compare"
     result = _bench("compare", "--preemptions", str(trace), "--time-scale", "1", "--nodes", "4", "--stages", "2",
-                    "--pipelines", "2", "--duration", "10", "--layers", "2", "--json", "--out", str(out),
+                    "--pipelines", "2", "--duration", "6", "--layers", "2", "--json", "--out", str(out),
                     "--plot", str(tmp_path / "compare.png"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads(result.stdout)

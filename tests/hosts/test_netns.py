@@ -299,6 +299,7 @@ def test_kill_all_leaves_no_process_in_the_host(host_network: HostNetwork) -> No
                       "    time.sleep(600)\n"],
                      stdout=subprocess.PIPE, text=True)
     daemon_pid = int(LineReader(daemon).next())
+    daemon.wait(timeout=REPLY_DEADLINE_S)  # its launcher exits after the fork: reaped, it is no process of a's
     bystander = b.popen(["sleep", "600"])
     deadline = time.monotonic() + REPLY_DEADLINE_S
     while len(a.pids()) < 4:  # sh, two sleeps, the daemon

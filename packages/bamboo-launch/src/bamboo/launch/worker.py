@@ -805,11 +805,14 @@ def _die_with_agent() -> None:
 
 
 def _spec_of(context: WorkerContext) -> JobSpec:
+    """The job's spec, read as the worker's store reads everything: an etcd outage (or an etcd too loaded to
+    answer) pauses the read for up to ``ETCD_OUTAGE_S`` instead of failing the worker at its start."""
+    from bamboo.launch.notices import PatientKV
     from bamboo.membership import EtcdKV, MembershipStore
 
     kv = EtcdKV(context.etcd.options())
     try:
-        return read_spec(MembershipStore(kv, context.job))
+        return read_spec(MembershipStore(PatientKV(kv), context.job))  # type: ignore[arg-type]
     finally:
         kv.close()
 

@@ -1,0 +1,38 @@
+"""A worker's start rides out an etcd that is down: its first read (the job's spec) waits instead of failing.
+
+Before, only the reads after the start went through the patient store: one refused connection at the start
+killed the worker, and its peers then waited out the gloo group timeout for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from bamboo.launch.spec import EtcdAccess, JobSpec, WorkerContext
+from bamboo.launch.worker import _spec_of
+from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+
+
+def test_the_spec_read_at_a_worker_start_waits_for_a_restarting_etcd(tmp_path: Path) -> None:
+    server = EmbeddedEtcd(tmp_path / "etcd").start()
+    try:
+        spec = JobSpec(job="patient", stages=2, pipelines=1, steps=1, micro_batches=2, created_unix=1.0,
+                       layers=[{"param_bytes": 4, "optimizer_bytes": 8, "compute_cost": 1.0}] * 2, config={})
+        kv = EtcdKV(EtcdOptions(endpoints=(server.endpoint,)))
+        kv.put(MembershipStore(kv, "patient").keys.root + "spec", spec.to_json().encode())
+        kv.close()
+        context = WorkerContext(job="patient", node="node0", zone="a", agent_address="127.0.0.1:1",
+                                etcd=EtcdAccess(endpoints=(server.endpoint,)), run_dir=str(tmp_path / "run"))
+        server.kill()
+        read: dict[str, object] = {}
+        reader = threading.Thread(target=lambda: read.update(spec=_spec_of(context)), daemon=True)
+        reader.start()
+        time.sleep(1.0)  # the reader is retrying against a dead etcd by now
+        assert reader.is_alive(), f"the read gave up while etcd was down: {read}"
+        server.start()
+        reader.join(timeout=30.0)
+        assert read.get("spec") == spec
+    finally:
+        server.close()

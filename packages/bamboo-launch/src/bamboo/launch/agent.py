@@ -373,7 +373,9 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
     kv = EtcdKV(options.etcd.options())
     membership = MembershipStore(kv, options.job)
     try:
-        spec, wrote = ensure_spec(membership, options, say)
+        # An agent may start before etcd answers (a pod scheduled first, a loaded machine): agreeing on the
+        # spec waits out ETCD_OUTAGE_S of unavailability instead of exiting.
+        spec, wrote = ensure_spec(MembershipStore(PatientKV(kv), options.job), options, say)  # type: ignore[arg-type]
         zone = options.zone or (zone_of_k8s_node(options.k8s_node) if options.k8s_node else "")
         noticed = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: noticed.set())

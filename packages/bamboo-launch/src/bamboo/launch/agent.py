@@ -366,6 +366,7 @@ def _kill(worker: subprocess.Popen[bytes]) -> None:
 
 def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -> int:
     """Run the agent to the end of the job (see the module docstring); returns the exit status."""
+    from bamboo.launch.notices import PatientKV
     from bamboo.membership import EtcdKV, MembershipStore
 
     say = say or (lambda line: print(f"bamboo-launch agent: {line}", flush=True))

@@ -18,11 +18,13 @@ from typing import Any
 
 import pytest
 
-#: The tests that start a cluster of agents and workers (etcd leases of 2 to 3 s, real kills), as paths
-#: from the repository root: a directory or a file.
+#: The tests whose verdict depends on other processes answering in time: clusters of agents and workers
+#: (etcd leases of 2 to 3 s, real kills), and the membership agent's real processes (probe timeouts of
+#: 0.25 s). Paths from the repository root: a directory or a file.
 CLUSTER_TESTS = (
     "tests/e2e",
     "tests/hosts",
+    "packages/bamboo-membership/tests/test_agent.py",
     "packages/bamboo-launch/tests/test_baseline.py",
     "packages/bamboo-launch/tests/test_hooks.py",
     "packages/bamboo-launch/tests/test_manifests_run.py",

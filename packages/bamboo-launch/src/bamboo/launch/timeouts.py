@@ -41,7 +41,8 @@ RECONFIGURE_TIMEOUT_S = 120.0
 abandoned and decided again (``--reconfigure-timeout``). A node that dies meanwhile is noticed sooner."""
 
 ETCD_OUTAGE_S = 30.0
-"""How long a worker's etcd calls are retried while etcd is unreachable before the error is raised."""
+"""How long a worker's etcd calls, and an agent's agreement on the job's spec at its start, are retried while
+etcd is unreachable (or too loaded to answer) before the error is raised."""
 
 ETCD_RETRY_S = 0.1
 """The pause between two tries of an etcd call while etcd is unreachable."""

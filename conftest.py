@@ -5,7 +5,9 @@ that starts a cluster of agents and workers (``CLUSTER_TESTS``) is one work unit
 another on one worker: two clusters side by side on the 2-core machine would starve each other's lease
 keep-alives (a 2 s TTL) and turn a slow machine into false failures. Every other test is its own unit,
 spread over both workers, filling the CPU that a cluster test leaves idle (its waits for leases, its
-single-process phases). A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
+single-process phases); a worker running those lowers its priority (`BACKGROUND_NICE`), so a cluster test
+keeps most of the CPU when both lanes want it. A plain ``pytest`` (no ``-n``) runs everything in one
+process, as before.
 
 (xdist's own ``--dist loadgroup`` would do this with a marker, but xdist 3.8 tags the group onto a test id
 that pytest 9.2 no longer reads; the scheduler below needs no marker.)
@@ -13,6 +15,7 @@ that pytest 9.2 no longer reads; the scheduler below needs no marker.)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +40,28 @@ def is_cluster_test(path: str) -> bool:
     return any(path == cluster or path.startswith(cluster + "/") for cluster in CLUSTER_TESTS)
 
 
+#: The niceness of the worker that runs the other tests: in a burst (a cluster's workers all importing torch
+#: at once) the cluster lane gets about three quarters of the CPU, and the other lane what is left.
+BACKGROUND_NICE = 5
+
+
+def _relative(item: pytest.Item) -> str:
+    return Path(str(item.path)).resolve().relative_to(Path(str(item.config.rootpath))).as_posix()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under xdist, a worker that runs a test outside the cluster lane lowers its priority (and that of
+    every process it starts) to `BACKGROUND_NICE`, once: the cluster tests keep the CPU their 2 s leases need."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not is_cluster_test(_relative(item)):
+        current = os.nice(0)
+        if current < BACKGROUND_NICE:
+            os.nice(BACKGROUND_NICE - current)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cluster tests first: the scheduler hands work out in collection order, so the long lane starts
     at once instead of after every short test."""
-    root = Path(str(config.rootpath))
-    clusters = [item for item in items
-                if is_cluster_test(Path(str(item.path)).resolve().relative_to(root).as_posix())]
+    clusters = [item for item in items if is_cluster_test(_relative(item))]
     grouped = set(clusters)
     items[:] = clusters + [item for item in items if item not in grouped]
 

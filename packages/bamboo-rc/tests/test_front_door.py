@@ -123,7 +123,7 @@ def test_torchrun_launch_of_the_readme_trains_two_stages(tmp_path: Path) -> None
     env.pop("BAMBOO_SCRIPT_MODE", None)
     process = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(script)],
+         "--master_port", str(port), "--log-dir", str(tmp_path / "torchelastic"), str(script)],
         env=env, capture_output=True, text=True, timeout=150, check=False)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     reports = sorted(re.findall(r"rank (\d+) loss (\S+)", process.stdout))

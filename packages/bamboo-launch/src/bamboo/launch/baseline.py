@@ -712,7 +712,8 @@ def run_checkpoint_restart(
 
     def node_command(node: str, zone: str) -> list[str]:
         started_on[node] = current["rendezvous"]
-        return current["command"]
+        command = current["command"]  # torchrun's own logs go under the run, not into a /tmp/torchelastic_* dir
+        return [*command[:-2], "--log-dir", str(run_dir / "torchelastic" / node), *command[-2:]]
 
     log = EventLog(events_path, clock=time.time, start=start_unix)
     log.write(RunStart(t=0.0, job=job, unix_time=start_unix, target_nodes=len(initial), stages=options.stages,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 from bamboo.rc.config import load_config
@@ -21,6 +23,7 @@ from bamboo.reconfig import InfeasibleSplit, LayerSpec, node_state_bytes, split_
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import HashStore
+from torch.overrides import _get_current_function_mode_stack
 
 
 @st.composite
@@ -81,7 +84,11 @@ def test_layer_costs_count_fp32_parameters_and_adam_state() -> None:
 
 
 class _RandomlyInitialised(torch.nn.Module):
-    """A layer whose constructor draws from every kind of random fill the meta-device count skips."""
+    """A layer whose constructor draws from every kind of random fill the meta-device count skips; it records
+    the device it was built on, and the torch function modes it was built under."""
+
+    built_on: typing.ClassVar[list[str]] = []
+    modes: typing.ClassVar[list[str]] = []
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,15 +97,35 @@ class _RandomlyInitialised(torch.nn.Module):
         torch.nn.init.kaiming_normal_(self.weight)
         self.weight.data.log_normal_().exponential_().cauchy_().geometric_(0.5)
         self.embedding = torch.nn.Embedding(11, 3)
+        type(self).built_on.append(self.weight.device.type)
+        type(self).modes.extend(type(mode).__name__ for mode in _get_current_function_mode_stack())
 
 
-def test_layer_costs_count_layers_with_random_fills_on_meta_without_drawing_random_numbers() -> None:
+def test_layer_costs_count_layers_with_random_fills_on_the_meta_device() -> None:
     from deepspeed.pipe import LayerSpec as DeepSpeedLayerSpec
 
-    state = torch.random.get_rng_state()
+    _RandomlyInitialised.built_on.clear()
+    _RandomlyInitialised.modes.clear()
     (cost,) = layer_costs([DeepSpeedLayerSpec(_RandomlyInitialised)])
-    assert torch.equal(torch.random.get_rng_state(), state)  # built on the meta device: nothing drawn
+    assert _RandomlyInitialised.built_on == ["meta"]  # counted on meta: no fall-back to a real build on the CPU
+    assert "_SkipRandomFillOnMeta" in _RandomlyInitialised.modes
     assert cost.param_bytes == 4 * sum(p.numel() for p in _RandomlyInitialised().parameters()) == 4 * (35 + 33)
+
+
+def test_random_fills_of_meta_tensors_are_skipped_and_others_run() -> None:
+    from bamboo.rc.model import _SkipRandomFillOnMeta
+
+    def normal_(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a random fill of a meta tensor ran")
+
+    meta, real = torch.empty(3, device="meta"), torch.zeros(3)
+    mode = _SkipRandomFillOnMeta()
+    assert mode.__torch_function__(normal_, (), (meta,)) is meta
+    assert mode.__torch_function__(normal_, (), (), {"tensor": meta}) is meta  # torch.nn.init's keyword form
+    with pytest.raises(AssertionError, match="ran"):
+        mode.__torch_function__(normal_, (), (real,))
+    with _SkipRandomFillOnMeta():
+        assert torch.equal(real.clone().fill_(2.0), torch.full((3,), 2.0))  # anything else runs as usual
 
 
 def _executor(stage: int, bounds: tuple[tuple[int, int], ...] | None = None) -> StageExecutor:

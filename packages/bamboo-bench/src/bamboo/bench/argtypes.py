@@ -6,12 +6,16 @@ import argparse
 import math
 
 
-def positive_float(text: str) -> float:
-    """A finite number above 0."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0."""
+    value = _number(text)
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return value
@@ -19,10 +23,7 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     """A finite number of at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not value >= 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
     return value

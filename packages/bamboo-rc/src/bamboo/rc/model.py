@@ -148,6 +148,11 @@ def _layer_spec(spec: Any, index: int) -> Any:
     return spec
 
 
+#: The in-place ops whose meta kernels import ``torch._dynamo`` (torch 2.13): the random fills, and ``erfinv_``,
+#: which ``torch.nn.init.trunc_normal_`` applies. Each keeps its tensor's shape, dtype and strides.
+_RANDOM_FILLS = frozenset({"normal_", "log_normal_", "exponential_", "cauchy_", "geometric_", "erfinv_"})
+
+
 class _SkipRandomFillOnMeta(TorchFunctionMode):
     """Random fills of meta tensors (``normal_``, ``log_normal_``, ...) return the tensor untouched.
 
@@ -164,11 +169,6 @@ class _SkipRandomFillOnMeta(TorchFunctionMode):
             if isinstance(target, torch.Tensor) and target.is_meta:
                 return target
         return func(*args, **kwargs)
-
-
-#: The in-place random fills whose meta kernels import ``torch._dynamo`` (torch 2.13); each keeps its
-#: tensor's shape, dtype and strides.
-_RANDOM_FILLS = frozenset({"normal_", "log_normal_", "exponential_", "cauchy_", "geometric_", "erfinv_"})
 
 
 def layer_costs(specs: Sequence[Any]) -> list[LayerCost]:

@@ -33,19 +33,9 @@ __all__ = ["WorkerSpec", "exact_mode", "run_worker", "worker_main"]
 
 
 def exact_mode() -> None:
-    """One intra-op thread and deterministic algorithms: the same math gives the same bits.
-
-    This is ``torch.use_deterministic_algorithms(True)`` without its import of ``torch._inductor.config``
-    (about 800 modules, a second of CPU in every worker). Inductor's own flag is set the way that config reads
-    it, ``TORCHINDUCTOR_DETERMINISTIC=1``, or directly when inductor is already loaded, so code that a script
-    compiles later is deterministic too.
-    """
+    """One intra-op thread and deterministic algorithms: the same math gives the same bits."""
     torch.set_num_threads(1)
-    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
-    inductor_config = sys.modules.get("torch._inductor.config")
-    if inductor_config is not None:
-        inductor_config.deterministic = True  # type: ignore[attr-defined]
-    torch._C._set_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True)
 
 
 @attrs.frozen

@@ -11,8 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
-from bamboo.launch.coordinator import Coordinator, first_layout, published_events, read_layout, restart_layout
+from bamboo.launch.coordinator import (
+    Coordinator,
+    first_layout,
+    published_events,
+    read_layout,
+    redo_start_layout,
+    restart_layout,
+)
 from bamboo.launch.records import JobEnd, read_record
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
@@ -192,3 +200,34 @@ def test_restart_layout_restores_every_stage_on_the_warm_nodes(tmp_path: Path) -
     assert restart.restore is not None and restart.restore.lost_stages == (0, 1) and restart.start_step == 5
     assert restart.global_batch == lost.global_batch and restart.micro_batches == 8
     assert restart.history == ((0, 2), (5, 1))
+
+
+def test_redo_start_layout_repeats_an_abandoned_first_start_on_the_nodes_left(tmp_path: Path) -> None:
+    spec = _spec("j")
+    zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a", "n4": "b"}
+    lost = first_layout(spec, zones)
+    assert lost.generation == 0 and lost.pipelines == 2
+    assert redo_start_layout(spec, lost, ["n0"], zones) is None  # one node: no pipeline
+    redo = redo_start_layout(spec, lost, ["n0", "n2", "n3", "n4"], zones)
+    assert redo is not None and redo.generation == 1 and redo.pipelines == 2 and "n1" not in redo.ranks
+    assert redo.mode is lost.mode and redo.restore is None and redo.start_step == 0
+    assert redo.base_generation == 0 and redo.attempt == 1 and redo.survivors == ()
+    assert redo.reason == "a node lost before the first step" and redo.history == ((0, 2),)
+    three = redo_start_layout(spec, lost, ["n0", "n2", "n3"], zones)  # one pipeline keeps the global batch
+    assert three is not None and three.pipelines == 1 and three.global_batch == lost.global_batch
+    again = redo_start_layout(spec, redo, ["n0", "n3", "n4", "n2"], zones)  # the redo lost a node too
+    assert again is not None and again.generation == 2 and again.base_generation == 0 and again.attempt == 2
+    # a restart of every stage from a checkpoint is redone from the same checkpoint
+    restart = restart_layout(spec, lost, ["w1", "w2"], {"w1": "a", "w2": "b"}, 5, str(tmp_path))
+    assert restart is not None
+    redone = redo_start_layout(spec, restart, ["w1", "w3"], {"w1": "a", "w3": "c"})
+    assert redone is not None and redone.restore == restart.restore and redone.start_step == 5
+    assert redone.history == restart.history and redone.generation == restart.generation + 1
+
+
+def test_redo_start_layout_refuses_a_start_that_holders_decide(tmp_path: Path) -> None:
+    spec = _spec("j")
+    lost = attrs.evolve(first_layout(spec, {"n0": "a", "n1": "b"}), survivors=("n0",), base_generation=0,
+                        generation=1)
+    with pytest.raises(ValueError, match=r"starts from the state of \['n0'\]"):
+        redo_start_layout(spec, lost, ["n0", "n1"], {"n0": "a", "n1": "b"})

@@ -23,6 +23,11 @@ outcome, decision ``g<G>-outcome`` of the attempt's generation G:
 
 Because no node trains a step of an attempt before the outcome is ``go``, and ``go`` needs every
 node up, either every node of the attempt trains it or none does.
+
+The first layout (generation 0) starts as an attempt too. No node holds state at it, so when it is
+abandoned (a node lost while the workers build their first groups) its nodes redo the same start on the
+nodes registered now, as the next generation (``redo_start_layout`` in :mod:`bamboo.launch.coordinator`);
+so does a restart of every stage from a checkpoint.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from bamboo.membership.kv import StoreError
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
-__all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "restart_layout"]
+__all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "redo_start_layout", "restart_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -86,26 +86,64 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:
                      zones=zones)
 
 
+def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global_batch: int) -> Any:
+    """bamboo-reconfig's placement of ``nodes``, none of which holds state, keeping ``global_batch``
+    microbatches; None when they cannot form a pipeline of ``spec.stages`` or split the global batch."""
+    from bamboo.reconfig import ClusterView, Node, plan_layout
+
+    if len(nodes) < spec.stages:
+        return None
+    view = ClusterView(nodes=[Node(node, zones.get(node) or "default", "standby") for node in nodes],
+                       target_stages=spec.stages, target_pipelines=spec.pipelines,
+                       global_batch=global_batch, layers=spec.reconfig_layers())
+    plan = plan_layout(view)
+    if plan.stages != spec.stages or not plan.owners or global_batch % len(plan.owners):
+        return None
+    return plan
+
+
 def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, str], step: int,
                    path: str) -> Any:
     """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
     every stage restored from the checkpoint of ``step`` at ``path``; None when they cannot form a pipeline."""
     from bamboo.launch.reconfigure import next_history
-    from bamboo.reconfig import ClusterView, JobLayout, Node, RestorePoint, StartMode, plan_layout
+    from bamboo.reconfig import JobLayout, RestorePoint, StartMode
 
-    if len(warm) < spec.stages:
-        return None
-    view = ClusterView(nodes=[Node(node, zones.get(node) or "default", "standby") for node in warm],
-                       target_stages=spec.stages, target_pipelines=spec.pipelines,
-                       global_batch=lost.global_batch, layers=spec.reconfig_layers())
-    plan = plan_layout(view)
-    if plan.stages != spec.stages or not plan.owners or lost.global_batch % len(plan.owners):
+    plan = _place_afresh(spec, warm, zones, lost.global_batch)
+    if plan is None:
         return None
     return JobLayout(generation=lost.generation + 1, plan=plan, start_step=step, mode=StartMode.CHECKPOINT,
                      reason="every holder lost", restore=RestorePoint(step, path, range(spec.stages)),
                      barrier_step=lost.start_step, barrier_unix=time.time(), base_generation=lost.generation,
                      survivors=(), history=next_history(lost.history, step, len(plan.owners)),
                      zones={node: zones.get(node, "default") for node in warm})
+
+
+def redo_start_layout(spec: JobSpec, lost: Any, nodes: list[str], zones: dict[str, str]) -> Any:
+    """The layout that redoes the start of ``lost`` on ``nodes``; None when they cannot form a pipeline.
+
+    ``lost`` is a ``JobLayout`` whose start was abandoned before its first step (a node of it was lost while
+    the workers built their groups) and that no node's state went into (``lost.survivors`` is empty: the
+    first layout, or a restart of every stage from a checkpoint). Its start is repeated as it was (the same
+    step, mode and restore point) with the nodes there are now: the next generation, one more attempt of the
+    same barrier.
+    """
+    from bamboo.launch.reconfigure import next_history
+    from bamboo.reconfig import JobLayout
+
+    if lost.survivors:
+        raise ValueError(f"generation {lost.generation} starts from the state of {list(lost.survivors)}: its "
+                         "holders decide the next attempt")
+    plan = _place_afresh(spec, nodes, zones, lost.global_batch)
+    if plan is None:
+        return None
+    return JobLayout(generation=lost.generation + 1, plan=plan, start_step=lost.start_step, mode=lost.mode,
+                     reason="a node lost before the first step", restore=lost.restore,
+                     barrier_step=lost.barrier_step, barrier_unix=time.time(),
+                     base_generation=lost.generation if lost.base_generation is None else lost.base_generation,
+                     attempt=lost.attempt + 1, survivors=(),
+                     history=next_history(lost.history, lost.start_step, len(plan.owners)),
+                     zones={node: zones.get(node, "default") for node in nodes})
 
 
 class Coordinator:

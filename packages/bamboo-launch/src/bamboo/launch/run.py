@@ -295,10 +295,12 @@ def run_cluster(
     *,
     progress: Callable[[str], None] | None = None,
     during: Callable[[RunHandles], None] | None = None,
+    at_start: Callable[[RunHandles], None] | None = None,
 ) -> RunResult:
     """Run the emulated cluster to the end (see the module docstring); returns what it left.
 
-    ``during``, if given, runs in a background thread once training has started.
+    ``during``, if given, runs in a background thread once training has started; ``at_start`` as soon as the
+    initial agents are started (no layout yet: its handles' ``node_of_rank`` is empty).
     """
     from bamboo.launch.events import RunEnd, read_events
     from bamboo.launch.market import ActionKind, ExecutedAction, ProcessCluster, SpotMarket
@@ -357,7 +359,10 @@ def run_cluster(
     try:
         say(f"starting {len(initial)} agents")
         market.run_due()  # the initial nodes start now; the rest of the plan waits for the first step
-        layout = _wait_first_step(recorder, cluster, membership, started + options.timeout_s, run_dir / "logs")
+        if at_start is not None:
+            handles = RunHandles(etcd, cluster, membership, {}, _preempter(cluster, say), events_path)
+            threading.Thread(target=at_start, args=(handles,), name="bamboo-run-at-start", daemon=True).start()
+        layout = _wait_first_step(recorder, cluster, membership, started + options.timeout_s, run_dir / "logs", say)
         node_of_rank = dict(layout.node_of_rank)
         say("layout: " + "; ".join(f"pipeline {d}: {' '.join(row)}" for d, row in enumerate(layout.owners))
             + (f"; standby: {' '.join(layout.standby)}" if layout.standby else ""))
@@ -365,11 +370,7 @@ def run_cluster(
         say("training started; replaying the trace")
         market.start()
         if during is not None:
-            def preempt(node: str) -> None:
-                cluster.kill(node)
-                say(f"killed {node} ({cluster.zones.get(node, 'unknown')})")
-
-            handles = RunHandles(etcd, cluster, membership, node_of_rank, preempt, events_path)
+            handles = RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say), events_path)
             threading.Thread(target=during, args=(handles,), name="bamboo-run-during", daemon=True).start()
         timed_out = _wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say,
                               options.progress_every)
@@ -399,6 +400,15 @@ def run_cluster(
                      failed_ranks=failed_ranks, failed_nodes=failed_nodes, node_of_rank=node_of_rank,
                      exit_codes=codes, timed_out=timed_out, seconds=time.monotonic() - started, job_error=job_error,
                      worker_errors=worker_errors)
+
+
+def _preempter(cluster: Any, say: Callable[[str], None]) -> Callable[[str], None]:
+    """A ``RunHandles.preempt``: SIGKILL the node's agent and worker, and say so."""
+    def preempt(node: str) -> None:
+        cluster.kill(node)
+        say(f"killed {node} ({cluster.zones.get(node, 'unknown')})")
+
+    return preempt
 
 
 class _TrainingClock:
@@ -433,11 +443,13 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _wait_first_step(recorder: _Recorder, cluster: Any, membership: Any, deadline: float, log_dir: Path) -> Any:
-    """The first layout, once a training step was recorded; RunError when the job cannot start."""
+def _wait_first_step(recorder: _Recorder, cluster: Any, membership: Any, deadline: float, log_dir: Path,
+                     say: Callable[[str], None]) -> Any:
+    """The layout that trains, once a training step was recorded; RunError when the job cannot start."""
     from bamboo.launch.coordinator import read_layout
     from bamboo.launch.records import JobEnd, WorkerError, read_record
 
+    reported: set[str] = set()
     while True:
         if recorder.steps:
             return read_layout(membership)
@@ -448,11 +460,18 @@ def _wait_first_step(recorder: _Recorder, cluster: Any, membership: Any, deadlin
         end = read_record(JobEnd, membership.get_decision("end"))
         if end is not None and end.error is not None:
             raise RunError(f"the job ended before its first step: {end.error}")
-        dead = sorted(node for node, process in cluster.processes.items() if process.poll() is not None)
-        if dead:
+        exited = {node: process.returncode for node, process in cluster.processes.items()
+                  if process.poll() is not None}
+        # An agent killed by a signal is a lost node: the start is redone without it. One that exited by itself
+        # failed (bad flags, a crash): that is the run's error, as is every agent gone.
+        failed = sorted(node for node, code in exited.items() if code >= 0 or len(exited) == len(cluster.processes))
+        if failed:
             raise RunError("before the first step, " + "; ".join(
-                f"node {node} exited with status {cluster.processes[node].returncode}: "
-                f"{_last_line(log_dir / (node + '.log'))} (log: {log_dir / (node + '.log')})" for node in dead))
+                f"node {node} exited with status {exited[node]}: "
+                f"{_last_line(log_dir / (node + '.log'))} (log: {log_dir / (node + '.log')})" for node in failed))
+        for node in sorted(set(exited) - reported):
+            say(f"node {node} was lost before the first step (signal {-exited[node]}); the start goes on without it")
+            reported.add(node)
         if time.monotonic() > deadline:
             raise RunError("no training step before the run's timeout")
         time.sleep(timeouts.RUN_POLL_S)

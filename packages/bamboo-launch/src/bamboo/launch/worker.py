@@ -58,6 +58,7 @@ from bamboo.launch.records import (
     read_record,
 )
 from bamboo.launch.spec import WORKER_DONE, WORKER_ERROR, JobSpec, Program, WorkerContext
+from bamboo.membership.kv import StoreError
 
 __all__ = ["TRANSFER_PAUSE_ENV", "JobCannotContinue", "main", "pipeline_batches", "train"]
 
@@ -278,34 +279,33 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
     while True:
         generation = layout.generation
         ranks: dict[str, int] = layout.ranks
-        if generation == 0:
-            engine = _start_engine(run, layout, None, run.store)
-        else:
-            engine = _attempt(run, layout, old)
-            if engine is _ABANDONED:
-                if ready_record is None:  # a joiner: it holds nothing, it follows the next attempt's layout
-                    layout = _next_attempt_layout(run, layout)
-                    if node not in layout.ranks:
-                        layout = run.wait_role(layout.generation)
-                        if layout is None:
-                            break
-                    continue
-                attempt = layout.attempt + 1
-                run.membership.decide(f"{_prefix(base.generation, attempt)}ready-{node}", ready_record.to_dict())
-                survivors = list(layout.survivors)
-                layout = _next_layout(run, base, lambda records, s=survivors: [n for n in s if n in records],
-                                      attempt, layout.reason)
-                continue
-            if node not in ranks:  # a source that leaves for standby: its transfers are done
-                # Freeing the groups here would block until their pending work times out (gloo's destructor
-                # waits; 60 s after a kill), so they stay referenced until the process exits.
-                _UNTIL_EXIT.append(old)
-                old, ready_record = None, None
-                print(f"node {node}: on standby after generation {generation}", flush=True)
-                layout = run.wait_role(generation)
+        # Every start, the first layout's included, is one attempt (bamboo.launch.attempt): a node lost before
+        # the attempt is up makes every node abandon it, and the start is redone without that node.
+        engine = _attempt(run, layout, old)
+        if engine is _ABANDONED:
+            if ready_record is None:  # it holds nothing (a joiner, or any node of a fresh start): it follows
+                layout = _next_attempt_layout(run, layout)
+                if layout is not None and node not in layout.ranks:
+                    layout = run.wait_role(layout.generation)
                 if layout is None:
                     break
                 continue
+            attempt = layout.attempt + 1
+            run.membership.decide(f"{_prefix(base.generation, attempt)}ready-{node}", ready_record.to_dict())
+            survivors = list(layout.survivors)
+            layout = _next_layout(run, base, lambda records, s=survivors: [n for n in s if n in records],
+                                  attempt, layout.reason)
+            continue
+        if node not in ranks:  # a source that leaves for standby: its transfers are done
+            # Freeing the groups here would block until their pending work times out (gloo's destructor
+            # waits; 60 s after a kill), so they stay referenced until the process exits.
+            _UNTIL_EXIT.append(old)
+            old, ready_record = None, None
+            print(f"node {node}: on standby after generation {generation}", flush=True)
+            layout = run.wait_role(generation)
+            if layout is None:
+                break
+            continue
         rank = ranks[node]
         executor = engine.executor
         if generation > 0 and rank == min(ranks.values()):  # one record per reconfiguration, once all are up
@@ -583,13 +583,57 @@ def _publish_layout(run: _Run, layout: Any) -> None:
 
 
 def _next_attempt_layout(run: _Run, layout: Any) -> Any:
-    """For a joiner whose attempt was abandoned: the layout the holders decide next."""
+    """For a node that held no state in the abandoned attempt ``layout``: the next attempt's layout (None once
+    the job has ended).
+
+    When nodes held state at the barrier it starts from (``layout.survivors``), they decide the next layout.
+    A start that no node's state goes into (no survivors: the first layout, or the coordinator's restart of
+    every stage from a checkpoint) is redone by whichever of its nodes decides first, on the nodes registered
+    now: no step of it was trained, so nothing is lost.
+    """
     from bamboo.reconfig import JobLayout
 
-    name = f"{_prefix(int(layout.base_generation), layout.attempt + 1)}next"
-    value = JobLayout.from_dict(run.wait_decision(name, run.timeouts.build))
+    root = layout.generation if layout.base_generation is None else int(layout.base_generation)
+    name = f"{_prefix(root, layout.attempt + 1)}next"
+    if layout.survivors:
+        value = JobLayout.from_dict(run.wait_decision(name, run.timeouts.build))
+    else:
+        value = _redo_start(run, layout, name)
+        if value is None:
+            return None
     _publish_layout(run, value)
     return value
+
+
+def _redo_start(run: _Run, lost: Any, name: str) -> Any:
+    """Decide (first writer wins, as decision ``name``) the layout that redoes the abandoned start ``lost`` on
+    the nodes registered now (as the first layout does), waiting while they are too few for one pipeline;
+    None once the job ended."""
+    from bamboo.launch.coordinator import redo_start_layout
+    from bamboo.reconfig import JobLayout
+
+    next_say = 0.0
+    while True:
+        if run.ended() is not None:
+            return None
+        try:
+            existing = run.membership.get_decision(name)
+            if existing is not None:
+                return JobLayout.from_dict(existing.value)
+            records = run.membership.list_nodes(skip_malformed=True)
+        except StoreError:  # etcd restarting
+            time.sleep(timeouts.WORKER_POLL_S)
+            continue
+        zones = {**lost.zones, **{node: record.zone for node, record in records.items()}}
+        planned = redo_start_layout(run.spec, lost, sorted(records), zones)
+        if planned is not None:
+            return JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)
+        if time.monotonic() >= next_say:
+            print(f"node {run.node}: generation {lost.generation} was abandoned before its first step and the "
+                  f"{len(records)} nodes left cannot form a pipeline of {run.spec.stages} stages; waiting for "
+                  "more nodes", flush=True)
+            next_say = time.monotonic() + timeouts.NODE_SHORTAGE_SAY_S
+        time.sleep(timeouts.WORKER_POLL_S)
 
 
 def _next_layout(run: _Run, base: Any, expected: Any, attempt: int, reason: str) -> Any:

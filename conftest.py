@@ -6,8 +6,10 @@ another on one worker: two clusters side by side on the 2-core machine would sta
 keep-alives (a 2 s TTL) and turn a slow machine into false failures. Every other test is its own unit,
 spread over both workers, filling the CPU that a cluster test leaves idle (its waits for leases, its
 single-process phases); a worker running those lowers its priority (`BACKGROUND_NICE`), so a cluster test
-keeps most of the CPU when both lanes want it. A plain ``pytest`` (no ``-n``) runs everything in one
-process, as before.
+keeps most of the CPU when both lanes want it. The tests in ``BACKGROUND_PROCESS_TESTS`` start processes
+as well but do not depend on answers in time: they come last in the other lane, once its short tests are
+done, which shortens the cluster lane (the suite's critical path). A plain ``pytest`` (no ``-n``) runs
+everything in one process, as before.
 
 (xdist's own ``--dist loadgroup`` would do this with a marker, but xdist 3.8 tags the group onto a test id
 that pytest 9.2 no longer reads; the scheduler below needs no marker.)
@@ -35,9 +37,23 @@ CLUSTER_TESTS = (
 )
 
 
+#: Tests that start processes too but whose verdict does not hang on a lease or a probe answering in time
+#: (they check records and exit statuses, not how many failures the run saw): they run in the other lane,
+#: lowered in priority like every test there, after its short tests, so that the cluster lane is shorter.
+#: ``bamboo-bench compare`` (three systems one after another) and the checkpoint/restart baseline (torchrun).
+BACKGROUND_PROCESS_TESTS = (
+    "tests/e2e/test_compare_e2e.py",
+    "packages/bamboo-launch/tests/test_baseline.py",
+)
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == root or path.startswith(root + "/") for root in roots)
+
+
 def is_cluster_test(path: str) -> bool:
-    """Whether the test file ``path`` (relative to the repository root, ``/``-separated) starts clusters."""
-    return any(path == cluster or path.startswith(cluster + "/") for cluster in CLUSTER_TESTS)
+    """Whether the test file ``path`` (relative to the repository root, ``/``-separated) runs in the cluster lane."""
+    return _under(path, CLUSTER_TESTS) and not _under(path, BACKGROUND_PROCESS_TESTS)
 
 
 #: The niceness of the worker that runs the other tests: in a burst (a cluster's workers all importing torch
@@ -60,10 +76,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cluster tests first: the scheduler hands work out in collection order, so the long lane starts
-    at once instead of after every short test."""
-    clusters = [item for item in items if is_cluster_test(_relative(item))]
-    grouped = set(clusters)
-    items[:] = clusters + [item for item in items if item not in grouped]
+    at once instead of after every short test; the background process tests last."""
+    paths = {item: _relative(item) for item in items}
+    clusters = [item for item in items if is_cluster_test(paths[item])]
+    last = [item for item in items if _under(paths[item], BACKGROUND_PROCESS_TESTS)]
+    grouped = set(clusters) | set(last)
+    items[:] = clusters + [item for item in items if item not in grouped] + last
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

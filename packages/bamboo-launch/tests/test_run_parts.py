@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 import pytest
-from bamboo.launch.cli import main
+from bamboo.launch.cli import agent_spec_fields, build_parser, main
 from bamboo.launch.market import ActionKind
-from bamboo.launch.run import RunOptions, agent_command, initial_plan
+from bamboo.launch.run import RunOptions, agent_command, initial_plan, run_spec_fields
 
 
 def test_initial_plan_without_preemptions_spreads_nodes_over_zones() -> None:
@@ -31,6 +31,26 @@ def test_every_agent_of_a_run_gets_the_same_job_flags(tmp_path) -> None:
     assert flags(first)["--layers"] == "3" and flags(first)["--confirm-timeout"] == "9.0"
     assert flags(first)["--checkpoint-dir"] == str((tmp_path / "ck").resolve())
     assert "--group-timeout" not in first  # not given: the runtime's default
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"checkpoint_dir": "ck", "resume": True, "checkpoint_every": 3, "size": {"layers": 3}},
+    {"confirm_timeout_s": 9.0, "group_timeout_s": 20, "ttl": 3, "grace_s": 1.5, "seed": 4, "redundancy": "lflb"},
+    {"script": ("train.py", "--lr", "1e-3"), "reconfigure_timeout_s": 30},
+])
+def test_the_spec_the_launcher_writes_is_the_one_its_agents_flags_give(tmp_path, monkeypatch, changes) -> None:
+    """`bamboo-launch run` writes the job's spec itself; every agent checks its flags against it, so the
+    two must agree field by field (a difference would make every agent refuse to start)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    options = RunOptions(nodes=5, stages=2, pipelines=2, steps=7, **changes)
+    command = agent_command(options, "j", ("127.0.0.1:1",), tmp_path, 5, "node0", "a")[3:]
+    flags, script = (command[:command.index("--")], command[command.index("--") + 1:]) if "--" in command \
+        else (command, [])
+    parsed = build_parser().parse_args(flags)
+    parsed.script = script or None  # as bamboo-launch's main hands the words after -- over
+    assert agent_spec_fields(parsed) == run_spec_fields(options, 5)
 
 
 def test_run_options_refuse_too_few_nodes() -> None:

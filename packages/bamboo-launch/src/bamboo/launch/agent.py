@@ -62,7 +62,9 @@ __all__ = [
     "MAX_WORKER_FAILURES",
     "AgentError",
     "AgentOptions",
+    "describe_model",
     "ensure_spec",
+    "new_spec",
     "run_agent",
     "worker_command",
     "zone_of_k8s_node",
@@ -150,8 +152,13 @@ def zone_of_k8s_node(name: str) -> str:
     return str(node.get("metadata", {}).get("labels", {}).get("topology.kubernetes.io/zone", ""))
 
 
-def _describe(options: AgentOptions, fields: Mapping[str, Any], log: Path) -> dict[str, Any]:
-    """The model's description, read in a child process: ``{"layers", "config", "micro_batches"}``."""
+def describe_model(fields: Mapping[str, Any], log: Path, *, in_process: bool = False) -> dict[str, Any]:
+    """The model's description for the job's spec fields ``fields``: ``{"layers", "config", "micro_batches"}``.
+
+    A script is run in ``describe`` mode in a child process (its output goes to ``log``). The built-in
+    example is described in a child process too, so that an agent never imports torch, unless
+    ``in_process`` (the emulated cluster's launcher, which imports torch anyway).
+    """
     from bamboo.launch.script import ScriptError, describe_script
 
     pipelines = int(fields["pipelines"])
@@ -162,8 +169,12 @@ def _describe(options: AgentOptions, fields: Mapping[str, Any], log: Path) -> di
                                    timeout_s=timeouts.SCRIPT_DESCRIBE_TIMEOUT_S)
         except ScriptError as error:
             raise AgentError(str(error)) from None
-    out = log.with_suffix(".json")
     layers = int(fields.get("size", {}).get("layers", 4))
+    if in_process:
+        from bamboo.launch.example import EXAMPLE_CONFIG, describe_program, example_program
+
+        return describe_program(example_program({"layers": layers}, dict(EXAMPLE_CONFIG), 0), pipelines)
+    out = log.with_suffix(".json")
     with open(log, "wb") as sink:
         done = subprocess.run([sys.executable, "-m", "bamboo.launch.example", "--layers", str(layers),
                                "--pipelines", str(pipelines), "--out", str(out)],
@@ -172,6 +183,15 @@ def _describe(options: AgentOptions, fields: Mapping[str, Any], log: Path) -> di
     if done.returncode != 0:
         raise AgentError(f"the built-in example could not be described (status {done.returncode}, log: {log})")
     return json.loads(out.read_text())
+
+
+def new_spec(job: str, fields: Mapping[str, Any], description: Mapping[str, Any]) -> JobSpec:
+    """The spec of a new job from its fields and its model's description (:class:`AgentError` when invalid)."""
+    try:
+        return JobSpec(job=job, layers=description["layers"], config=description["config"],
+                       micro_batches=int(description["micro_batches"]), created_unix=time.time(), **fields)
+    except (TypeError, ValueError) as error:
+        raise AgentError(str(error)) from None
 
 
 def ensure_spec(membership: Any, options: AgentOptions, say: Callable[[str], None]) -> tuple[JobSpec, bool]:
@@ -207,13 +227,7 @@ def ensure_spec(membership: Any, options: AgentOptions, say: Callable[[str], Non
             fields = dict(options.spec)
             log = Path(options.run_dir) / "logs" / f"describe-{options.node}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            description = _describe(options, fields, log)
-            try:
-                spec = JobSpec(job=options.job, layers=description["layers"], config=description["config"],
-                               micro_batches=int(description["micro_batches"]), created_unix=time.time(),
-                               **fields)
-            except (TypeError, ValueError) as error:
-                raise AgentError(str(error)) from None
+            spec = new_spec(options.job, fields, describe_model(fields, log))
             won, stored = kv.create(key, spec.to_json().encode())
             return (spec, True) if won else (JobSpec.from_json(stored.value), False)
         finally:

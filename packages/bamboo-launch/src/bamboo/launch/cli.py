@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 import attrs
 
-__all__ = ["build_parser", "main"]
+__all__ = ["agent_spec_fields", "build_parser", "main"]
 
 
 VERIFY_TOLERANCE = 1e-6
@@ -853,6 +853,18 @@ def _add_agent(subparsers: argparse._SubParsersAction) -> None:
     agent.set_defaults(handler=_agent, script=[])
 
 
+def agent_spec_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The job-spec fields that ``bamboo-launch agent``'s parsed flags ``args`` give (field -> value)."""
+    spec = {field: getattr(args, dest) for dest, field in _SPEC_FLAGS.items() if getattr(args, dest) is not None}
+    if args.checkpoint_dir is not None:
+        spec["checkpoint_dir"] = str(Path(args.checkpoint_dir).resolve())
+    if args.script:
+        spec["script"] = tuple(args.script)
+    if args.layers is not None:
+        spec["size"] = {"layers": args.layers}
+    return spec
+
+
 def _agent(args: argparse.Namespace) -> int:
     import os
     import socket
@@ -871,13 +883,7 @@ def _agent(args: argparse.Namespace) -> int:
     if args.script and not Path(args.script[0]).is_file():
         _fail(f"script {args.script[0]!r} not found" if not Path(args.script[0]).exists()
               else f"script {args.script[0]!r} is not a file")
-    spec = {field: getattr(args, dest) for dest, field in _SPEC_FLAGS.items() if getattr(args, dest) is not None}
-    if args.checkpoint_dir is not None:
-        spec["checkpoint_dir"] = str(Path(args.checkpoint_dir).resolve())
-    if args.script:
-        spec["script"] = tuple(args.script)
-    if args.layers is not None:
-        spec["size"] = {"layers": args.layers}
+    spec = agent_spec_fields(args)
     endpoints = tuple(endpoint for group in args.etcd for endpoint in group)
     try:
         options = AgentOptions(

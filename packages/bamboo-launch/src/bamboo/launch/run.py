@@ -45,6 +45,7 @@ __all__ = [
     "initial_plan",
     "load_preemptions",
     "run_cluster",
+    "run_spec_fields",
 ]
 
 
@@ -237,6 +238,52 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
     return command
 
 
+def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
+    """The job-spec fields that :func:`agent_command` gives every agent, as the agent's flags parse them
+    (field -> value): what the launcher writes as the job's spec before it starts the agents."""
+    fields: dict[str, Any] = {
+        "stages": options.stages, "pipelines": options.pipelines, "steps": options.steps, "min_nodes": min_nodes,
+        "redundancy": options.redundancy, "seed": options.seed, "ttl": options.ttl, "grace_s": float(options.grace_s),
+        "reconfigure_timeout_s": float(options.reconfigure_timeout_s), "checkpoint_every": options.checkpoint_every,
+    }
+    if options.resume:
+        fields["resume"] = True
+    if options.confirm_timeout_s is not None:
+        fields["confirm_timeout_s"] = float(options.confirm_timeout_s)
+    if options.group_timeout_s is not None:
+        fields["group_timeout_s"] = float(options.group_timeout_s)
+    if options.checkpoint_dir:
+        fields["checkpoint_dir"] = str(Path(options.checkpoint_dir).resolve())
+    if options.script:
+        fields["script"] = (str(Path(options.script[0]).resolve()), *options.script[1:])
+    elif "layers" in options.size:
+        fields["size"] = {"layers": int(options.size["layers"])}
+    return fields
+
+
+def _write_spec(kv: Any, membership: Any, job: str, options: RunOptions, min_nodes: int, run_dir: Path,
+                say: Callable[[str], None]) -> None:
+    """Write the job's spec (and its ``run_start`` record) before any agent starts, so that no agent has to
+    read the model: the launcher describes it (the built-in example in this process), as the first agent of
+    a job started by hand would. The agents check their flags against it as against any stored spec."""
+    from bamboo.launch.agent import AgentError, describe_model, new_spec
+    from bamboo.launch.events import EtcdEventLog, RunStart
+
+    fields = run_spec_fields(options, min_nodes)
+    say("reading the model")
+    try:
+        spec = new_spec(job, fields, describe_model(fields, run_dir / "logs" / "describe.log", in_process=True))
+    except AgentError as error:
+        raise RunError(str(error)) from None
+    won, _ = kv.create(membership.keys.root + "spec", spec.to_json().encode())
+    if not won:
+        raise RunError(f"job {job} already exists in etcd; use a new --job")
+    events = EtcdEventLog(kv, job, "launcher", spec.created_unix)
+    events.write(RunStart(t=events.now(), job=job, unix_time=spec.created_unix,
+                          target_nodes=spec.first_layout_nodes, stages=spec.stages, pipelines=spec.pipelines))
+    events.close()
+
+
 @attrs.frozen
 class RunHandles:
     """What a ``during`` callback of :func:`run_cluster` can act on while the job trains."""
@@ -336,6 +383,13 @@ def run_cluster(
             etcd.close()
         raise RunError(f"job {job} already exists in etcd; use a new --job")
     say(f"etcd at {','.join(endpoints)} ({'embedded' if etcd else 'external'}); job {job}; run dir {run_dir}")
+    try:
+        _write_spec(kv, membership, job, options, len(initial), run_dir, say)
+    except RunError:
+        kv.close()
+        if etcd is not None:
+            etcd.close()
+        raise
 
     def record(executed: ExecutedAction) -> None:
         if executed.action.kind is ActionKind.KILL:

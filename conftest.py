@@ -56,9 +56,14 @@ def is_cluster_test(path: str) -> bool:
     return _under(path, CLUSTER_TESTS) and not _under(path, BACKGROUND_PROCESS_TESTS)
 
 
-#: The niceness of the worker that runs the other tests: in a burst (a cluster's workers all importing torch
-#: at once) the cluster lane gets about three quarters of the CPU, and the other lane what is left.
-BACKGROUND_NICE = 5
+#: The niceness of the worker that runs the other tests, and of the processes it starts. A cluster's agents
+#: and etcd run at 0 and its workers at 5 (`bamboo.launch.agent.WORKER_NICENESS`): in a burst (a cluster's
+#: workers all importing torch at once) the cluster lane gets most of the CPU, and its agents more still.
+BACKGROUND_NICE = 10
+
+#: The niceness of a background process test (`BACKGROUND_PROCESS_TESTS`): it runs on what the cluster lane
+#: leaves idle, and slows that lane as little as it can.
+BACKGROUND_PROCESS_NICE = 15
 
 
 def _relative(item: pytest.Item) -> str:
@@ -67,11 +72,14 @@ def _relative(item: pytest.Item) -> str:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, a worker that runs a test outside the cluster lane lowers its priority (and that of
-    every process it starts) to `BACKGROUND_NICE`, once: the cluster tests keep the CPU their 2 s leases need."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not is_cluster_test(_relative(item)):
+    every process it starts) to `BACKGROUND_NICE`, or `BACKGROUND_PROCESS_NICE` for a background process test:
+    the cluster tests keep the CPU their 2 s leases need."""
+    path = _relative(item)
+    if os.environ.get("PYTEST_XDIST_WORKER") and not is_cluster_test(path):
+        wanted = BACKGROUND_PROCESS_NICE if _under(path, BACKGROUND_PROCESS_TESTS) else BACKGROUND_NICE
         current = os.nice(0)
-        if current < BACKGROUND_NICE:
-            os.nice(BACKGROUND_NICE - current)
+        if current < wanted:
+            os.nice(wanted - current)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

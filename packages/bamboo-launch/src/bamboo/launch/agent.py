@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,7 @@ from bamboo.launch.spec import (
 __all__ = [
     "AGENT_PREEMPTED",
     "MAX_WORKER_FAILURES",
+    "WORKER_NICENESS",
     "AgentError",
     "AgentOptions",
     "describe_model",
@@ -70,6 +72,11 @@ __all__ = [
     "zone_of_k8s_node",
 ]
 
+WORKER_NICENESS = 5
+"""How much lower than its agent's the worker's CPU priority is (niceness added with ``nice``). A worker can
+keep every core busy (a data loader; the emulated cluster's workers on a small machine), and the agent must
+still refresh its lease every TTL/3 and answer probes within 0.25 s: a starved agent loses its lease and is
+declared dead while it is alive. With the CPU otherwise idle, the worker runs at full speed."""
 MAX_WORKER_FAILURES = 3
 """Worker failures in a row (without the job ending) after which an agent gives up."""
 AGENT_PREEMPTED = 3
@@ -304,6 +311,9 @@ class _Supervisor:
         command, variables = worker_command(self.spec, path, self.node)
         if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
             variables["BAMBOO_GLOO_HOST"] = self.options.host
+        nice = shutil.which("nice")
+        if nice is not None and WORKER_NICENESS > 0:
+            command = [nice, "-n", str(WORKER_NICENESS), *command]
         self.say(f"node {self.node}: spawning its worker")
         # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.
         return subprocess.Popen(command, env={**os.environ, **variables}, stdin=subprocess.DEVNULL)

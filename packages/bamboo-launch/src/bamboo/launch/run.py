@@ -457,10 +457,12 @@ def run_cluster(
 
 
 def _preempter(cluster: Any, say: Callable[[str], None]) -> Callable[[str], None]:
-    """A ``RunHandles.preempt``: SIGKILL the node's agent and worker, and say so."""
+    """A ``RunHandles.preempt``: SIGKILL the node's agent and worker, and say so. ``node`` is an emulated
+    node (``node2``) or one of its agent's incarnations (``node2.2``, after it came back as a fresh node)."""
     def preempt(node: str) -> None:
-        cluster.kill(node)
-        say(f"killed {node} ({cluster.zones.get(node, 'unknown')})")
+        process = node if node in cluster.processes else node.rsplit(".", 1)[0]
+        cluster.kill(process)
+        say(f"killed {node} ({cluster.zones.get(process, 'unknown')})")
 
     return preempt
 

@@ -552,7 +552,7 @@ def _machine_cluster(command: Callable[[str, str], Sequence[str]], **kwargs: Any
                     self._logs[node] = output
                 self.processes[node] = subprocess.Popen(
                     list(self._command(node, zone)), env=env, stdin=subprocess.DEVNULL, stdout=output,
-                    stderr=subprocess.STDOUT, start_new_session=True)
+                    stderr=subprocess.STDOUT, process_group=0)  # in the launcher's session, as ProcessCluster
             return True
 
     cluster = MachineCluster(command, **kwargs)

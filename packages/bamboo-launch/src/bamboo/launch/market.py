@@ -367,9 +367,12 @@ class ProcessCluster:
     """:class:`MarketActions` on real processes: one per node, each leading its own process group.
 
     ``command(node, zone)`` gives the argv of a node (for the launcher: ``bamboo-launch agent ...``).
-    Each process gets ``BAMBOO_NODE_ID`` and ``BAMBOO_ZONE`` in its environment, starts with
-    ``start_new_session=True`` (so everything it spawns shares its process group unless it opts
-    out), and writes stdout and stderr to ``log_dir/<node>.log`` if ``log_dir`` is given.
+    Each process gets ``BAMBOO_NODE_ID`` and ``BAMBOO_ZONE`` in its environment, leads a new process
+    group (``process_group=0``: everything it spawns shares the group unless it opts out), and writes
+    stdout and stderr to ``log_dir/<node>.log`` if ``log_dir`` is given. The nodes stay in the
+    launcher's session: with the kernel's autogroup scheduling, a new session per node would give each
+    node as much CPU as the launcher and everything else it shares a machine with, whatever their
+    priorities; in one session a lower-priority launcher (``nice``) runs lower-priority nodes.
 
     - ``kill`` sends SIGKILL to the whole group, then reaps the leader;
     - ``notify`` sends ``notice_signal`` (SIGTERM) to the leader only: the agent turns it into a
@@ -424,14 +427,14 @@ class ProcessCluster:
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                process_group=0,
             )
             self.zones[node] = zone
         return node
 
     def kill(self, node: str) -> None:
         process = self.processes[node]
-        # The leader's pid is the group id (start_new_session); it stays reserved until reaped.
+        # The leader's pid is the group id (process_group=0); it stays reserved until reaped.
         kill_process_group(process.pid)
         process.wait(self._reap_timeout_s)
         log = self._logs.pop(node, None)

@@ -6,14 +6,17 @@
    dir in the run dir, stopped on exit), or an external cluster (endpoints, auth and TLS passed through);
 2. the emulated spot market (:mod:`bamboo.launch.market`): for each node of the trace it starts one
    ``bamboo-launch agent`` process (the very command a cluster's machines run, see
-   :mod:`bamboo.launch.agent`), leader of its own process group, and replays the trace's kills (SIGKILL
+   :mod:`bamboo.launch.agent`), leader of its own process group in the launcher's session, and replays the trace's kills (SIGKILL
    of the whole group) and additions, compressed by ``time_scale``. Trace time runs from the first
    training step. Every agent gets the same flags; ``--min-nodes`` is the trace's initial count, so the
    first layout places all of them;
 3. the live view and a local mirror of the job's event log (etcd -> ``RUN_DIR/events.jsonl``).
 
-Everything job-wide (the spec, the first layout, failure confirmation and publication, reconfigurations,
-checkpoint restores, the job's end) is done by the agents through etcd, exactly as on a cluster. The run
+The launcher writes the job's spec before the agents start (it reads the model itself, so that the job's
+start does not wait for an agent's ``describe`` child), as a first agent started by hand would; the agents
+check their flags against it. Everything else job-wide (the first layout, failure confirmation and
+publication, reconfigurations, checkpoint restores, the job's end) is done by the agents through etcd,
+exactly as on a cluster. The run
 ends when the job's end record is in etcd and every agent has exited, or at ``timeout_s``.
 :func:`compare_with_reference` checks the workers' final parameters against a fault-free
 single-process run of the same steps.

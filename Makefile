@@ -4,7 +4,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export DS_ACCELERATOR := cpu
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
-export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: setup test lint demo proto bench clean help
 

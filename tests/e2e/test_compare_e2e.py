@@ -3,7 +3,8 @@ scripted kill 2 s in) runs bamboo, checkpoint/restart and on-demand through ``ba
 prints one JSON record per system; each run's measured profile loads, and ``bamboo-bench simulate`` with it on
 the run's simulated trace gives the prediction that compare printed (the profile round trip).
 
-68 s on the 2-core machine in a `make test` run (three systems, each starting its processes); marked slow.
+88 s on the 2-core machine in a `make test` run (three systems, each starting its processes; it runs last in
+the short-test lane at nice 15, see the root conftest.py; 68 s when it ran in the cluster lane); marked slow.
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ class _Supervisor:
         if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
             variables["BAMBOO_GLOO_HOST"] = self.options.host
         nice = shutil.which("nice")
-        if nice is not None and WORKER_NICENESS > 0:
+        if nice is not None:
             command = [nice, "-n", str(WORKER_NICENESS), *command]
         self.say(f"node {self.node}: spawning its worker")
         # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.

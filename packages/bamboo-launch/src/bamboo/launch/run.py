@@ -211,39 +211,39 @@ def initial_plan(options: RunOptions) -> tuple[Any, ...]:
 
 def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_dir: Path, min_nodes: int,
                   node: str, zone: str) -> list[str]:
-    """The ``bamboo-launch agent`` command line of one emulated node (the same flags for every node)."""
+    """The ``bamboo-launch agent`` command line of one emulated node (the same flags for every node): its job
+    flags are :func:`run_spec_fields` written as flags, so they match the spec the launcher writes."""
+    from bamboo.launch.spec import FLAG_OF
+
     command = [sys.executable, "-m", "bamboo.launch", "agent", "--job", job, "--node", node, "--zone", zone,
-               "--host", "127.0.0.1", "--port", "0", "--run-dir", str(run_dir),
-               "--stages", str(options.stages), "--pipelines", str(options.pipelines),
-               "--steps", str(options.steps), "--min-nodes", str(min_nodes),
-               "--redundancy", options.redundancy, "--seed", str(options.seed),
-               "--ttl", str(options.ttl), "--grace", str(options.grace_s),
-               "--reconfigure-timeout", str(options.reconfigure_timeout_s),
-               "--checkpoint-every", str(options.checkpoint_every)]
+               "--host", "127.0.0.1", "--port", "0", "--run-dir", str(run_dir)]
+    script: tuple[str, ...] = ()
+    for field, value in run_spec_fields(options, min_nodes).items():
+        if field == "script":
+            script = value
+        elif field == "size":
+            command += ["--layers", str(value["layers"])]
+        elif field == "resume":
+            command += ["--resume"]
+        else:
+            command += [FLAG_OF[field], str(value)]
     for endpoint in endpoints:
         command += ["--etcd", endpoint]
-    for flag, value in (("--etcd-user", options.etcd_user), ("--etcd-password", options.etcd_password),
-                        ("--etcd-ca", options.etcd_ca), ("--etcd-cert", options.etcd_cert),
-                        ("--etcd-key", options.etcd_key), ("--confirm-timeout", options.confirm_timeout_s),
-                        ("--group-timeout", options.group_timeout_s)):
-        if value is not None:
-            command += [flag, str(value)]
-    if options.checkpoint_dir:
-        command += ["--checkpoint-dir", str(Path(options.checkpoint_dir).resolve())]
-    if options.resume:
-        command += ["--resume"]
+    for flag, secret in (("--etcd-user", options.etcd_user), ("--etcd-password", options.etcd_password),
+                         ("--etcd-ca", options.etcd_ca), ("--etcd-cert", options.etcd_cert),
+                         ("--etcd-key", options.etcd_key)):
+        if secret is not None:
+            command += [flag, secret]
     if options.notice_s > 0:  # the market's SIGTERM comes this long before its kill
         command += ["--notice-window", str(options.notice_s)]
-    if options.script:
-        command += ["--", str(Path(options.script[0]).resolve()), *options.script[1:]]
-    elif "layers" in options.size:
-        command += ["--layers", str(options.size["layers"])]
+    if script:
+        command += ["--", *script]
     return command
 
 
 def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
-    """The job-spec fields that :func:`agent_command` gives every agent, as the agent's flags parse them
-    (field -> value): what the launcher writes as the job's spec before it starts the agents."""
+    """The job-spec fields of a run (field -> value, as an agent's flags parse them): what the launcher writes
+    as the job's spec before it starts the agents, and what :func:`agent_command` passes each agent."""
     fields: dict[str, Any] = {
         "stages": options.stages, "pipelines": options.pipelines, "steps": options.steps, "min_nodes": min_nodes,
         "redundancy": options.redundancy, "seed": options.seed, "ttl": options.ttl, "grace_s": float(options.grace_s),

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 import torch
+from bamboo.rc.optim import SGD, Adam, Optimizer, WarmupSchedule
 
 __all__ = [
     "MONITORS",
@@ -309,30 +310,26 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
     )
 
 
-def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """Build the torch optimizer with the same math DeepSpeed's config names.
+def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> Optimizer:
+    """Build the optimizer with the same math DeepSpeed's config names (:mod:`bamboo.rc.optim`: torch.optim's
+    single-tensor math, bit for bit, without importing torch._dynamo).
 
-    DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is false. Every optimizer is built with
-    `foreach=False` so the original and its replica run the very same kernels.
+    DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is false. The weight decay defaults are torch's:
+    0.01 for AdamW, 0 for Adam and SGD.
     """
     params = dict(config.params)
     params.pop("torch_adam", None)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
-    if config.type == "adam":
-        adam_w_mode = bool(params.pop("adam_w_mode", True))
-        params.setdefault("weight_decay", 0.01 if adam_w_mode else 0.0)
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-        return cls(parameters, foreach=False, **params)
-    if config.type == "adamw":
-        return torch.optim.AdamW(parameters, foreach=False, **params)
-    return torch.optim.SGD(parameters, foreach=False, **params)
+    if config.type in ("adam", "adamw"):
+        decoupled = config.type == "adamw" or bool(params.pop("adam_w_mode", True))
+        params.setdefault("weight_decay", 0.01 if decoupled else 0.0)
+        return Adam(parameters, decoupled_weight_decay=decoupled, **params)
+    return SGD(parameters, **params)
 
 
-def build_scheduler(
-    config: SchedulerConfig | None, optimizer: torch.optim.Optimizer
-) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """Build DeepSpeed's WarmupLR / WarmupDecayLR as a torch scheduler that sets absolute LRs.
+def build_scheduler(config: SchedulerConfig | None, optimizer: Optimizer) -> WarmupSchedule | None:
+    """Build DeepSpeed's WarmupLR / WarmupDecayLR as a schedule that sets absolute LRs.
 
     It follows DeepSpeed's formulas exactly, including that the first optimizer step runs at
     `warmup_min_lr` (DeepSpeed's scheduler starts at iteration -1): step i uses iteration i-1,
@@ -361,8 +358,4 @@ def build_scheduler(
     def absolute_lr(step: int) -> float:
         return low if step == 0 else low + (high - low) * gamma(step - 1)
 
-    for group in optimizer.param_groups:
-        group["lr"] = absolute_lr(0)
-        group["initial_lr"] = 1.0
-    # LambdaLR multiplies initial_lr (1.0) by the lambda, so the lambda is the absolute LR.
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, absolute_lr)
+    return WarmupSchedule(optimizer, absolute_lr)

@@ -33,9 +33,18 @@ __all__ = ["WorkerSpec", "exact_mode", "run_worker", "worker_main"]
 
 
 def exact_mode() -> None:
-    """One intra-op thread and deterministic algorithms: the same math gives the same bits."""
+    """One intra-op thread and deterministic algorithms: the same math gives the same bits.
+
+    ``torch.use_deterministic_algorithms(True)`` sets the same flag of the eager kernels, and also inductor's
+    ``deterministic`` option, whose import imports ``torch._dynamo``: 1.2 s of CPU in every worker, for a
+    compiler nothing here runs. So the eager flag is set alone (the public call where torch lacks the private one).
+    """
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    set_eager_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_eager_flag is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        set_eager_flag(True)
 
 
 @attrs.frozen

@@ -504,7 +504,7 @@ class NodeAgent:
         self.detector.report_peer_failure(node, reason, reporter=self.node_id)
 
     def notify(self, deadline: float, source: str) -> bool:
-        """This node will be preempted by `deadline` (unix seconds): publish the notice, mark the record.
+        """This node will be preempted by `deadline` (unix seconds): mark the record, then publish the notice.
 
         Returns False when etcd could not be reached, or this node is fenced (the lease path will still
         catch the departure).
@@ -514,9 +514,10 @@ class NodeAgent:
             self.notice_deadline = deadline
         self._noticed.set()
         try:
-            self.membership.publish_notice(notice)
+            # The record first: whoever sees the notice then finds the node PREEMPTING.
             if self.registration is not None:
                 self.registration.update(state=NodeState.NODE_STATE_PREEMPTING)
+            self.membership.publish_notice(notice)
         except StoreError as exc:
             log.error("agent %s: could not publish the preemption notice: %s", self.node_id, exc)
             return False

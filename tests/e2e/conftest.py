@@ -48,3 +48,34 @@ def _wait_for_layout(handles: Any, generation: int, deadline_s: float) -> Any:
 def wait_for_layout() -> Callable[[Any, int, float], Any]:
     """``wait_for_layout(handles, generation, deadline_s)``: see `_wait_for_layout`."""
     return _wait_for_layout
+
+
+def _events_so_far(handles: Any) -> list[Any]:
+    from bamboo.launch.events import read_events
+
+    try:
+        return read_events(handles.events)
+    except Exception:  # the mirror is being written (a partial last line): read again next time
+        return []
+
+
+def finish_once(handles: Any, played_out: Callable[[list[Any]], bool], *, steps_after: int = 5,
+                deadline_s: float = 150.0) -> None:
+    """Ask the job to finish (``bamboo-launch finish``) once ``played_out(events)`` holds for its event log and
+    ``steps_after`` more steps have trained: a scenario ends when it has played out, not after filler steps
+    sized for the slowest machine (the job still ends two steps after that, at a boundary all nodes reach)."""
+    deadline = time.monotonic() + deadline_s
+    while not played_out(_events_so_far(handles)):
+        assert time.monotonic() < deadline, "the scenario never played out"
+        time.sleep(0.05)
+    target = handles.step() + steps_after
+    while handles.step() < target:
+        assert time.monotonic() < deadline, f"the job never reached step {target} after the scenario"
+        time.sleep(0.05)
+    handles.finish()
+
+
+@pytest.fixture
+def finish_when() -> Callable[..., None]:
+    """``finish_when(handles, played_out, steps_after=5)``: see `finish_once`."""
+    return finish_once

@@ -110,3 +110,32 @@ def test_python_dash_m_bamboo_launch_is_the_command() -> None:
     done = subprocess.run([sys.executable, "-m", "bamboo.launch", "agent", "--help"], capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0 and "bamboo-launch agent --job J" in done.stdout
+
+
+def test_finish_asks_a_job_once_and_refuses_a_job_that_does_not_exist(
+    etcd: EmbeddedEtcd, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bamboo.launch.finish import finish_requested
+    from bamboo.launch.records import JobEnd
+    from bamboo.membership import MembershipStore
+
+    assert main(["finish", "--etcd", etcd.endpoint, "--job", "nobody"]) == 2
+    assert "has no job 'nobody'" in capsys.readouterr().err
+    assert main(["finish", "--job", "x"]) == 2
+    assert "give the job's --etcd URL and --job name" in capsys.readouterr().err
+    _write_spec(etcd, "to-finish")
+    assert main(["finish", "--etcd", etcd.endpoint, "--job", "to-finish", "--by", "alice"]) == 0
+    assert "asked job to-finish to finish at its next step boundary" in capsys.readouterr().out
+    assert main(["finish", "--etcd", etcd.endpoint, "--job", "to-finish", "--by", "bob"]) == 0
+    assert "was asked to finish already, by alice" in capsys.readouterr().out
+    kv = EtcdKV(EtcdOptions(endpoints=(etcd.endpoint,)))
+    try:
+        membership = MembershipStore(kv, "to-finish")
+        request = finish_requested(membership)
+        assert request is not None and request.by == "alice"
+        _write_spec(etcd, "ended")
+        MembershipStore(kv, "ended").decide("end", JobEnd(steps=12, node="n0").to_dict())
+    finally:
+        kv.close()
+    assert main(["finish", "--etcd", etcd.endpoint, "--job", "ended"]) == 0
+    assert "has ended already, after 12 steps" in capsys.readouterr().out

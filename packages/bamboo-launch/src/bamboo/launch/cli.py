@@ -449,10 +449,11 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_etcd_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--etcd", type=_endpoints, default=None, metavar="URL",
-                        help="read the job's event log from etcd (host:port[,host:port]) instead of a file")
-    parser.add_argument("--job", default=None, help="with --etcd: the job's name")
+def _add_etcd_source(parser: argparse.ArgumentParser,
+                     etcd_help: str = "read the job's event log from etcd (host:port[,host:port]) instead of a file",
+                     job_help: str = "with --etcd: the job's name") -> None:
+    parser.add_argument("--etcd", type=_endpoints, default=None, metavar="URL", help=etcd_help)
+    parser.add_argument("--job", default=None, help=job_help)
     parser.add_argument("--etcd-user", default=None, help="etcd user name (with --etcd-password)")
     parser.add_argument("--etcd-password", default=None, help="etcd password")
     parser.add_argument("--etcd-ca", default=None, help="PEM CA of the etcd server (enables TLS)")
@@ -1152,6 +1153,62 @@ def _watch(args: argparse.Namespace) -> int:
     return 130
 
 
+def _add_finish(subparsers: argparse._SubParsersAction) -> None:
+    finish = subparsers.add_parser(
+        "finish",
+        help="end a running job early, at a step boundary, with a final checkpoint",
+        usage="bamboo-launch finish --etcd URL --job J [--by NAME]",
+        description=(
+            "Ask a running job to end before its last step. The job's lowest live rank sees the request "
+            "after its next step and every node stops two steps later, at a step all of them finish; they "
+            "write their final checkpoint (with --checkpoint-dir) and the job ends as it does at its last "
+            "step, each agent exiting 0. A request while the job reconfigures takes effect once the new "
+            "layout trains. Asking twice keeps the first request. Exit status: 0 asked (or the job had "
+            "ended already), 2 bad input or no such job."
+        ),
+    )
+    _add_etcd_source(finish, etcd_help="the job's etcd (host:port[,host:port]); required",
+                     job_help="the job's name; required")
+    finish.add_argument("--by", default=None,
+                        help="who asks, written in the job's records (default: the user name)")
+    finish.set_defaults(handler=_finish)
+
+
+def _finish(args: argparse.Namespace) -> int:
+    import getpass
+
+    from bamboo.launch.finish import request_finish
+    from bamboo.launch.records import JobEnd, RecordError, read_record
+    from bamboo.membership import MembershipStore, StoreError
+
+    if args.etcd is None or args.job is None:
+        _fail("give the job's --etcd URL and --job name")
+    kv = _etcd_kv(args)
+    try:
+        membership = MembershipStore(kv, args.job)
+        if kv.get(membership.keys.root + "spec") is None:
+            _fail(f"etcd at {','.join(args.etcd)} has no job {args.job!r}")
+        ended = read_record(JobEnd, membership.get_decision("end"))
+        if ended is not None:
+            print(f"job {args.job} has ended already, after {ended.steps} steps")
+            return 0
+        try:
+            asker = args.by or getpass.getuser()
+        except (KeyError, OSError):  # no user name in the environment or the password database
+            asker = "bamboo-launch finish"
+        request = request_finish(membership, asker)
+    except (StoreError, RecordError) as error:
+        _fail(str(error))
+    finally:
+        kv.close()
+    if request.by == asker:
+        print(f"asked job {args.job} to finish at its next step boundary (it stops two steps after its "
+              "lowest live rank sees the request)")
+    else:
+        print(f"job {args.job} was asked to finish already, by {request.by}")
+    return 0
+
+
 def _add_export(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
         "export",
@@ -1308,7 +1365,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True,
-                                       metavar="{agent,run,export,k8s,market,report,watch,measure}")
+                                       metavar="{agent,run,export,k8s,market,report,watch,finish,measure}")
     _add_agent(subparsers)
     _add_run(subparsers)
     _add_export(subparsers)
@@ -1316,6 +1373,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_market(subparsers)
     _add_report(subparsers)
     _add_watch(subparsers)
+    _add_finish(subparsers)
     _add_measure(subparsers)
     return parser
 

@@ -6,6 +6,7 @@ Decisions live under ``/bamboo/<job>/decisions/<name>`` and are written first-wr
 | name | record | written by |
 |---|---|---|
 | ``g<g>-stop`` | :class:`StopDecision` | the lowest live rank of generation g: the step it stops at and why |
+| ``finish`` | :class:`FinishRequest` | ``bamboo-launch finish`` (or a test): end the job early, at a step boundary |
 | ``g<g>-ready-<node>``, ``g<g>-a<k>-ready-<node>`` | :class:`BarrierReady` | each holder at the barrier of g (attempt k) |
 | ``g<g>-next``, ``g<g>-a<k>-next`` | :class:`bamboo.reconfig.JobLayout` | the first holder to see every holder ready |
 | ``g<G>-up-<node>`` | :class:`NodeUp` | each node of attempt G once its part is done |
@@ -34,9 +35,11 @@ import attrs
 from bamboo.reconfig import RecordError
 
 __all__ = [
+    "FINISH_DECISION",
     "RECORD_VERSION",
     "AttemptOutcome",
     "BarrierReady",
+    "FinishRequest",
     "JobEnd",
     "Leader",
     "NodeUp",
@@ -49,6 +52,9 @@ __all__ = [
 ]
 
 RECORD_VERSION = 1
+
+#: The decision that holds a :class:`FinishRequest`.
+FINISH_DECISION = "finish"
 R = TypeVar("R")
 
 
@@ -123,11 +129,24 @@ def read_record(cls: type[R], found: Any) -> R | None:
 
 @attrs.frozen
 class StopDecision(_Record):
-    """Generation g stops at ``step`` (a step boundary) and reconfigures, for ``reason``."""
+    """Generation g stops at ``step`` (a step boundary) and reconfigures, for ``reason``; or, with
+    ``finish``, the job ends there (a :class:`FinishRequest`)."""
 
     NAME: ClassVar[str] = "stop decision"
     step: int = attrs.field(validator=_non_negative_int)
     reason: str = attrs.field(validator=_string)
+    finish: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+
+@attrs.frozen
+class FinishRequest(_Record):
+    """Someone asked the job to end before its last step: at the first step boundary every node can still
+    reach (two steps after the lowest live rank sees the request), with a final checkpoint."""
+
+    NAME: ClassVar[str] = "finish request"
+    by: str = attrs.field(validator=_string)
+    """Who asked (a user name, ``bamboo-launch finish``, a test)."""
+    unix: float = attrs.field(validator=_finite)
 
 
 @attrs.frozen

@@ -297,6 +297,10 @@ class RunHandles:
     node_of_rank: dict[int, str]
     preempt: Callable[[str], None]
     events: Path
+    finish: Callable[[], None]
+    """Ask the job to end at its next step boundary (:func:`bamboo.launch.finish.request_finish`)."""
+    step: Callable[[], int]
+    """The last step in the job's event log so far (0 before the first)."""
 
 
 class _Recorder:
@@ -310,6 +314,7 @@ class _Recorder:
         self._log = EventLog(path)
         self._stop = threading.Event()
         self.steps = 0
+        self.last_step = 0
         self.error: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="bamboo-run-recorder", daemon=True)
         self._thread.start()
@@ -321,6 +326,7 @@ class _Recorder:
             self._log.write(event)
             if isinstance(event, Step):
                 self.steps += 1
+                self.last_step = max(self.last_step, event.step)
 
     def _run(self) -> None:
         while not self._stop.wait(timeouts.RUN_POLL_S):
@@ -416,8 +422,18 @@ def run_cluster(
     try:
         say(f"starting {len(initial)} agents")
         market.run_due()  # the initial nodes start now; the rest of the plan waits for the first step
+        def finish() -> None:
+            from bamboo.launch.finish import request_finish
+
+            request_finish(membership, "bamboo-launch run")
+            say("asked the job to finish at its next step boundary")
+
+        def handles_of(node_of_rank: dict[int, str]) -> RunHandles:
+            return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say), events_path,
+                              finish, lambda: recorder.last_step)
+
         if at_start is not None:
-            handles = RunHandles(etcd, cluster, membership, {}, _preempter(cluster, say), events_path)
+            handles = handles_of({})
             threading.Thread(target=at_start, args=(handles,), name="bamboo-run-at-start", daemon=True).start()
         layout = _wait_first_step(recorder, cluster, membership, started + options.timeout_s, run_dir / "logs", say)
         node_of_rank = dict(layout.node_of_rank)
@@ -427,7 +443,7 @@ def run_cluster(
         say("training started; replaying the trace")
         market.start()
         if during is not None:
-            handles = RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say), events_path)
+            handles = handles_of(node_of_rank)
             threading.Thread(target=during, args=(handles,), name="bamboo-run-during", daemon=True).start()
         timed_out = _wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say,
                               options.progress_every)

@@ -23,7 +23,9 @@ worker
   as an attempt (:mod:`bamboo.launch.attempt`), which is abandoned and decided again if a node it
   needs dies meanwhile; state moves by bamboo-reconfig's transfer plan, round by round;
 - a worker left out of a new layout goes back to waiting for a role in the same process;
-- after the last step, writes its final state to ``<run dir>/out/rank<R>.pt`` and the job's end record.
+- after the last step, or at the boundary where the job was asked to end (``bamboo-launch finish``,
+  :mod:`bamboo.launch.finish`), writes its final checkpoint, its final state to ``<run dir>/out/rank<R>.pt``
+  and the job's end record.
 
 Every write to etcd is fenced by the agent's registration: once the node is declared dead it cannot
 write a step, a checkpoint, a layout or an event of the job any more.
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.launch import timeouts
+from bamboo.launch.finish import finish_requested
 from bamboo.launch.hooks import TrainingHooks, run_step_hooks
 from bamboo.launch.records import (
     BarrierReady,
@@ -324,6 +327,7 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
         seen_failovers = 0
         stop_step: int | None = None
         stop_reason = "step boundary"
+        finishing = False  # the stop is the job's end (a FinishRequest), not a reconfiguration
         consecutive = False
         while executor.step < spec.steps:
             if stop_step is not None and executor.step >= stop_step:
@@ -357,12 +361,12 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
                                duration_s=duration))
             if spec.checkpoint_dir is not None and _reports_the_job(executor):
                 _checkpoint(run, layout, executor, checkpointers, torch,
-                            final=executor.step >= spec.steps)
+                            final=executor.step >= spec.steps or (finishing and executor.step >= stop_step))
             if hooks is not None:
                 run_step_hooks(engine, hooks)
             if stop_step is None:
-                stop_step, stop_reason = _stop_step(run, layout, executor, ranks)
-        if executor.step >= spec.steps and not consecutive:
+                stop_step, stop_reason, finishing = _stop_step(run, layout, executor, ranks)
+        if (executor.step >= spec.steps or finishing) and not consecutive:
             engine.finish()
             break
         # ---- the barrier: this generation ends at executor.step ----------------------------------
@@ -473,31 +477,47 @@ def _checkpoint(run: _Run, layout: Any, executor: Any, checkpointers: dict[int, 
             checkpointers[stage].maybe_save(executor.step, lambda stage=stage: shard(stage))
 
 
-def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> tuple[int | None, str]:
-    """The step this generation stops at and why, once decided (first writer wins); the lowest live rank
-    proposes it."""
+def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> tuple[int | None, str, bool]:
+    """The step this generation stops at, why, and whether the job ends there, once decided (first writer
+    wins); the lowest live rank proposes it: the job's end when someone asked for it (a
+    :class:`FinishRequest`), else a reconfiguration when :func:`bamboo.reconfig.decide` wants one."""
     name = f"g{layout.generation}-stop"
     evaluator = min((r for r in ranks.values() if r not in executor.dead), default=min(ranks.values()))
     if executor.rank == evaluator and executor.step + 2 <= run.spec.steps:
-        from bamboo.reconfig import When, decide
-
-        view = _view(run, layout, executor)
-        if view is not None:
-            decision = decide(view)  # after a failover: "rebuild redundancy after a failover", at least
-            reason = ", ".join(r.value for r in decision.reasons)
-            if decision.when is not When.CARRY_ON:
-                try:
-                    run.membership.decide(name, StopDecision(executor.step + 2, reason).to_dict())
-                except Exception as error:  # etcd restarting: propose again after the next step
-                    print(f"node {run.node}: could not propose a reconfiguration: {error}", file=sys.stderr)
-                    return None, ""
+        try:
+            proposal = _finish_proposal(run, executor) or _reconfiguration_proposal(run, layout, executor)
+            if proposal is not None:
+                run.membership.decide(name, proposal.to_dict())
+        except Exception as error:  # etcd restarting: propose again after the next step
+            print(f"node {run.node}: could not propose a stop: {error}", file=sys.stderr)
+            return None, "", False
     try:
         found = read_record(StopDecision, run.membership.get_decision(name))
     except Exception:
-        return None, ""
+        return None, "", False
     if found is None:
-        return None, ""
-    return found.step, found.reason
+        return None, "", False
+    return found.step, found.reason, found.finish
+
+
+def _finish_proposal(run: _Run, executor: Any) -> StopDecision | None:
+    """The job's end two steps from now, when someone asked for it (each peer sees the decision by then)."""
+    request = finish_requested(run.membership)
+    if request is None:
+        return None
+    return StopDecision(executor.step + 2, f"finish requested by {request.by or 'someone'}", finish=True)
+
+
+def _reconfiguration_proposal(run: _Run, layout: Any, executor: Any) -> StopDecision | None:
+    from bamboo.reconfig import When, decide
+
+    view = _view(run, layout, executor)
+    if view is None:
+        return None
+    decision = decide(view)  # after a failover: "rebuild redundancy after a failover", at least
+    if decision.when is When.CARRY_ON:
+        return None
+    return StopDecision(executor.step + 2, ", ".join(r.value for r in decision.reasons))
 
 
 def _view(run: _Run, layout: Any, executor: Any) -> Any:

@@ -7,7 +7,8 @@ in etcd and kills, at once, a node that the layout names as a transfer source, s
 the attempt. The survivors must notice (the source's lease expires, or a gloo error),
 abandon generation 1, decide again without it (generation 2, another surviving copy as the source)
 (the two survivors and the two spares: two pipelines again, the survivors sending the joiners their stages)
-and finish with parameters within 1e-6 of a fault-free run.
+and finish with parameters within 1e-6 of a fault-free run. Each test asks the job to finish
+(`bamboo-launch finish`) once its scenario has played out, and compares the steps done.
 
 The second test kills the *only* holder of a stage: 5 nodes, P=3, D=1 (two on standby), checkpoints every
 5 steps. The test kills the node of stage 1; its shadow (the node of stage 0) takes the stage over, and
@@ -41,9 +42,13 @@ def _kill_node1_once_the_spares_are_warm(handles: RunHandles) -> None:
     handles.preempt("node1")
 
 
+def _reconfigured(events: list[Any]) -> bool:
+    return any(isinstance(e, Reconfiguration) for e in events)
+
+
 def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
     tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
-    wait_for_layout: Callable[..., Any],
+    wait_for_layout: Callable[..., Any], finish_when: Callable[..., None],
 ) -> None:
     trace = write_trace(4, [(300, "add", "node5"), (600, "add", "node6")])
     killed: list[str] = []
@@ -57,9 +62,10 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
         assert sources, f"generation 1 moves no stage state: {layout}"
         killed.append(sources[0])
         handles.preempt(sources[0])
+        finish_when(handles, _reconfigured)  # the redone start trained: the job may end
 
     options = RunOptions(
-        nodes=4, stages=2, pipelines=2, steps=200, zones=("a", "b", "c"), time_scale=1.0,
+        nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
         group_timeout_s=20.0, size={"layers": 2},
     )
@@ -75,14 +81,14 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
     assert not result.timed_out
     finishers = {report["node"] for report in result.reports.values()}
     assert killed[0] not in finishers and all(result.exit_codes[node] == 0 for node in finishers), result.exit_codes
-    assert result.steps_done == 200
+    assert result.steps_done < 1000  # finished once the scenario played out
     comparison = compare_with_reference(result, options)
-    assert comparison["steps"] == 200
+    assert comparison["steps"] == result.steps_done
     assert comparison["max_relative_diff"] <= TOLERANCE
 
 
 def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restores_the_checkpoint(
-    tmp_path: Path, wait_for_layout: Callable[..., Any]
+    tmp_path: Path, wait_for_layout: Callable[..., Any], finish_when: Callable[..., None],
 ) -> None:
     killed: list[str] = []
 
@@ -96,9 +102,10 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
         wait_for_layout(handles, 1, 120.0)
         killed.append(handles.node_of_rank[0])  # the shadow that took stage 1 over: its only holder
         handles.preempt(handles.node_of_rank[0])
+        finish_when(handles, lambda events: any(isinstance(e, Restore) for e in events))
 
     options = RunOptions(
-        nodes=5, stages=3, pipelines=1, steps=60, zones=("a", "b", "c"), time_scale=1.0,
+        nodes=5, stages=3, pipelines=1, steps=300, zones=("a", "b", "c"), time_scale=1.0,
         run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5,
         confirm_timeout_s=30.0, timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2},
     )
@@ -111,15 +118,15 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
     restores = [e for e in events if isinstance(e, Restore)]
     assert len(restores) == 1 and restores[0].lost_stages == "1", restores
     assert not result.timed_out
-    assert result.steps_done == 60
+    assert result.steps_done < 300  # finished once the checkpoint was restored and trained on
     comparison = compare_with_reference(result, options)
-    assert comparison["steps"] == 60
+    assert comparison["steps"] == result.steps_done
     assert comparison["max_relative_diff"] <= TOLERANCE
 
 
 def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_redone(
     tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
-    monkeypatch: pytest.MonkeyPatch, wait_for_layout: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch, wait_for_layout: Callable[..., Any], finish_when: Callable[..., None],
 ) -> None:
     """As the first test, but the source dies once the transfer group is formed (a test hook pauses every
     member there for 0.5 s): the receivers' gloo calls fail on its closed connection, before its lease expires."""
@@ -139,9 +146,10 @@ def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_r
             time.sleep(0.01)
         killed.append(source)
         handles.preempt(source)
+        finish_when(handles, _reconfigured)
 
     options = RunOptions(
-        nodes=4, stages=2, pipelines=2, steps=200, zones=("a", "b", "c"), time_scale=1.0,
+        nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
         group_timeout_s=20.0, size={"layers": 2},
     )
@@ -152,5 +160,5 @@ def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_r
     assert reconfigurations and reconfigurations[0].attempts >= 2, reconfigurations
     logs = "".join(path.read_text() for path in (result.run_dir / "logs").glob("node*.log"))
     assert "generation 1 abandoned" in logs and "could not start its part" in logs
-    assert not result.timed_out and result.steps_done == 200
+    assert not result.timed_out and result.steps_done < 1000
     assert compare_with_reference(result, options)["max_relative_diff"] <= TOLERANCE

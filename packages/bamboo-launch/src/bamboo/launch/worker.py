@@ -485,12 +485,21 @@ def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> 
     evaluator = min((r for r in ranks.values() if r not in executor.dead), default=min(ranks.values()))
     if executor.rank == evaluator and executor.step + 2 <= run.spec.steps:
         try:
-            proposal = _finish_proposal(run, executor) or _reconfiguration_proposal(run, layout, executor)
-            if proposal is not None:
-                run.membership.decide(name, proposal.to_dict())
-        except Exception as error:  # etcd restarting: propose again after the next step
-            print(f"node {run.node}: could not propose a stop: {error}", file=sys.stderr)
+            request = finish_requested(run.membership)
+        except Exception as error:  # etcd restarting: look again after the next step
+            print(f"node {run.node}: could not read the job's finish request: {error}", file=sys.stderr)
             return None, "", False
+        if request is not None:  # each peer reads the decision within the two steps
+            proposal = StopDecision(executor.step + 2, f"finish requested by {request.by or 'someone'}",
+                                    finish=True)
+        else:
+            proposal = _reconfiguration_proposal(run, layout, executor)
+        if proposal is not None:
+            try:
+                run.membership.decide(name, proposal.to_dict())
+            except Exception as error:  # etcd restarting: propose again after the next step
+                print(f"node {run.node}: could not propose a stop: {error}", file=sys.stderr)
+                return None, "", False
     try:
         found = read_record(StopDecision, run.membership.get_decision(name))
     except Exception:
@@ -498,14 +507,6 @@ def _stop_step(run: _Run, layout: Any, executor: Any, ranks: dict[str, int]) -> 
     if found is None:
         return None, "", False
     return found.step, found.reason, found.finish
-
-
-def _finish_proposal(run: _Run, executor: Any) -> StopDecision | None:
-    """The job's end two steps from now, when someone asked for it (each peer sees the decision by then)."""
-    request = finish_requested(run.membership)
-    if request is None:
-        return None
-    return StopDecision(executor.step + 2, f"finish requested by {request.by or 'someone'}", finish=True)
 
 
 def _reconfiguration_proposal(run: _Run, layout: Any, executor: Any) -> StopDecision | None:

@@ -75,10 +75,6 @@ class Optimizer:
         self.param_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
                              for group, saved in zip(self.param_groups, saved_groups, strict=True)]
 
-    def zero_grad(self) -> None:
-        for p in self._parameters():
-            p.grad = None
-
     def step(self) -> None:
         raise NotImplementedError
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from bamboo.launch.events import Failover, Preemption, Reconfiguration, read_events
+from bamboo.launch.events import Failover, Preemption, Reconfiguration, Step, read_events
 from bamboo.launch.run import RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +40,9 @@ def test_a_node_with_notice_hands_over_at_a_step_boundary_and_nothing_is_lost(
     logs = (result.run_dir / "logs" / "node1.log").read_text()
     assert "handed stage 1 of pipeline 0 over to its shadow" in logs
     # it ended where it was asked to, well before its 1000 steps, every node at the same step
-    assert not result.timed_out and 20 < result.steps_done < 1000
+    assert not result.timed_out and result.steps_done < 1000
+    rebuilt = next(e for e in events if isinstance(e, Reconfiguration))
+    assert sum(isinstance(e, Step) and e.t > rebuilt.t for e in events) >= 5  # it trained on after the rebuild
     assert {report["steps_done"] for report in result.reports.values()} == {result.steps_done}
     comparison = compare_with_reference(result, options)
     assert comparison["steps"] == result.steps_done

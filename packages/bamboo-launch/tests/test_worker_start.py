@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from pathlib import Path
 
+import pytest
+from bamboo.launch import notices
 from bamboo.launch.spec import EtcdAccess, JobSpec, WorkerContext
 from bamboo.launch.worker import _spec_of
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 
 
-def test_the_spec_read_at_a_worker_start_waits_for_a_restarting_etcd(tmp_path: Path) -> None:
+def test_the_spec_read_at_a_worker_start_waits_for_a_restarting_etcd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    retrying = threading.Event()  # set when the patient store sleeps before a retry: etcd refused a call
+
+    def sleep_before_retry(seconds: float) -> None:
+        retrying.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(notices, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep_before_retry))
     server = EmbeddedEtcd(tmp_path / "etcd").start()
     try:
         spec = JobSpec(job="patient", stages=2, pipelines=1, steps=1, micro_batches=2, created_unix=1.0,
@@ -29,7 +41,7 @@ def test_the_spec_read_at_a_worker_start_waits_for_a_restarting_etcd(tmp_path: P
         read: dict[str, object] = {}
         reader = threading.Thread(target=lambda: read.update(spec=_spec_of(context)), daemon=True)
         reader.start()
-        time.sleep(1.0)  # the reader is retrying against a dead etcd by now
+        assert retrying.wait(30.0), f"the read never retried against the dead etcd: {read}"
         assert reader.is_alive(), f"the read gave up while etcd was down: {read}"
         server.start()
         reader.join(timeout=30.0)

@@ -1196,12 +1196,12 @@ def _finish(args: argparse.Namespace) -> int:
             asker = args.by or getpass.getuser()
         except (KeyError, OSError):  # no user name in the environment or the password database
             asker = "bamboo-launch finish"
-        request = request_finish(membership, asker)
+        request, asked = request_finish(membership, asker)
     except (StoreError, RecordError) as error:
         _fail(str(error))
     finally:
         kv.close()
-    if request.by == asker:
+    if asked:
         print(f"asked job {args.job} to finish at its next step boundary (it stops two steps after its "
               "lowest live rank sees the request)")
     else:

@@ -19,11 +19,11 @@ from bamboo.launch.records import FINISH_DECISION, FinishRequest, read_record
 __all__ = ["finish_requested", "request_finish"]
 
 
-def request_finish(membership: Any, by: str) -> FinishRequest:
+def request_finish(membership: Any, by: str) -> tuple[FinishRequest, bool]:
     """Ask job ``membership.job`` to end at the next step boundary every node can reach; returns the request
-    that stands (an earlier one, if someone asked first)."""
+    that stands and whether it is this one (False: someone asked first)."""
     decision = membership.decide(FINISH_DECISION, FinishRequest(by=by, unix=time.time()).to_dict())
-    return FinishRequest.from_dict(decision.value)
+    return FinishRequest.from_dict(decision.value), decision.won
 
 
 def finish_requested(membership: Any) -> FinishRequest | None:

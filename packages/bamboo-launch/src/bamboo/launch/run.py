@@ -313,8 +313,7 @@ class _Recorder:
         self._follower = EtcdEventFollower(kv, job)
         self._log = EventLog(path)
         self._stop = threading.Event()
-        self.steps = 0
-        self.last_step = 0
+        self.last_step = 0  # the highest step recorded (0 before the first)
         self.error: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="bamboo-run-recorder", daemon=True)
         self._thread.start()
@@ -325,7 +324,6 @@ class _Recorder:
         for event in self._follower.poll():
             self._log.write(event)
             if isinstance(event, Step):
-                self.steps += 1
                 self.last_step = max(self.last_step, event.step)
 
     def _run(self) -> None:
@@ -419,19 +417,20 @@ def run_cluster(
     failed_nodes: tuple[str, ...] = ()
     job_error: str | None = None
     worker_errors: tuple[tuple[str, str], ...] = ()
+
+    def finish() -> None:
+        from bamboo.launch.finish import request_finish
+
+        request_finish(membership, "bamboo-launch run")
+        say("asked the job to finish at its next step boundary")
+
+    def handles_of(node_of_rank: dict[int, str]) -> RunHandles:
+        return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say), events_path,
+                          finish, lambda: recorder.last_step)
+
     try:
         say(f"starting {len(initial)} agents")
         market.run_due()  # the initial nodes start now; the rest of the plan waits for the first step
-        def finish() -> None:
-            from bamboo.launch.finish import request_finish
-
-            request_finish(membership, "bamboo-launch run")
-            say("asked the job to finish at its next step boundary")
-
-        def handles_of(node_of_rank: dict[int, str]) -> RunHandles:
-            return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say), events_path,
-                              finish, lambda: recorder.last_step)
-
         if at_start is not None:
             handles = handles_of({})
             threading.Thread(target=at_start, args=(handles,), name="bamboo-run-at-start", daemon=True).start()
@@ -526,7 +525,7 @@ def _wait_first_step(recorder: _Recorder, cluster: Any, membership: Any, deadlin
 
     reported: set[str] = set()
     while True:
-        if recorder.steps:
+        if recorder.last_step:
             return read_layout(membership)
         for item in membership.kv.get_prefix(membership.keys.decision("error-")):
             error = WorkerError.from_dict(json.loads(item.value))

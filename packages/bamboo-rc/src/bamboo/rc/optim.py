@@ -39,7 +39,6 @@ class Optimizer:
         params = list(params)
         if any(not isinstance(p, torch.Tensor) for p in params):
             raise TypeError(f"{type(self).__name__} takes tensors, got {sorted({type(p).__name__ for p in params})}")
-        self.defaults = dict(defaults)
         self.param_groups: list[dict[str, Any]] = [{"params": params, **defaults}]
         self.state: dict[torch.Tensor, dict[str, Any]] = {}
 

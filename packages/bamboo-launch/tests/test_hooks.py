@@ -35,6 +35,7 @@ class _Engine:
     reporting: bool
     executor: _Executor = attrs.field(factory=lambda: _Executor(1))
     evaluated: list[list[Any]] = attrs.field(factory=list)
+    by_index: list[Any] = attrs.field(factory=list)
     last_eval_loss: float | None = None
 
     def gradient_accumulation_steps(self) -> int:
@@ -43,8 +44,9 @@ class _Engine:
     def reports(self) -> bool:
         return self.reporting
 
-    def eval_batch(self, data_iter: Any) -> None:
+    def eval_batch(self, data_iter: Any, *, microbatch: Any) -> None:
         self.evaluated.append(list(data_iter))
+        self.by_index.append(microbatch(5))  # what a P = 1 node that took over share 2 (M = 2) would ask
         self.last_eval_loss = 0.25
 
 
@@ -57,6 +59,7 @@ def test_evaluation_runs_every_n_steps_on_the_pipelines_share_and_on_step_gets_i
         assert info == called[-1]
     assert [info.eval_loss for info in called] == [None, 0.25]
     assert engine.evaluated == [[(2, 2), (2, 3)]]  # pipeline 1 of M=2: global microbatches 2 and 3 of step 2
+    assert engine.by_index == [(2, 5)]  # a taken-over share's data: the same function, by global index
     assert called[-1] == StepInfo(step=2, loss=1.5, lr=0.1, samples_per_second=40.0, samples=24, eval_loss=0.25)
 
 

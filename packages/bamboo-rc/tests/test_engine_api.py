@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import itertools
 import math
 import os
 import tempfile
@@ -51,13 +52,14 @@ def sampler() -> GlobalBatchSampler:
 
 
 def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2, pipelines: int = 1,
-           job: str, victims: tuple[int, ...] = ()) -> dict[int, Any]:
+           job: str, victims: tuple[int, ...] = (), sampler: GlobalBatchSampler | None = None) -> dict[int, Any]:
     """Fork one process per node, each running ``body(engine, rank)``; their results by rank.
 
     The children are forked before the store exists (a fork while the store's thread holds a lock can
     deadlock the child) and read its port from a pipe, as ``bamboo-rc verify`` does. With ``victims``, the
     nodes learn of failures through the store and this process is the failure authority: it publishes
-    the death of each victim (which must die) as the next epoch's event.
+    the death of each victim (which must die) as the next epoch's event. With ``sampler``, the engines get
+    ``microbatch=`` from it (what a ring of one-stage nodes needs).
     """
     world = stages * pipelines
     with tempfile.TemporaryDirectory(prefix="bamboo-engine-test-") as out:
@@ -74,7 +76,7 @@ def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2,
                     notices = StoreFailureNotices(store, job) if victims else None
                     engine = initialize(gpt_layer_specs(SIZE), config, "eflb", loss_fn=lm_loss, stages=stages,
                                         rank=rank, world_size=world, store=store, job=job, timeouts=TIMEOUTS,
-                                        notices=notices)
+                                        notices=notices, microbatch=_microbatch(sampler))
                     result = body(engine, rank)
                     engine.finish()
                     torch.save(result, Path(out) / f"{rank}.pt")
@@ -102,6 +104,17 @@ def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2,
         assert all(codes[rank] == VICTIM_EXIT for rank in victims), codes
         return {rank: torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)
                 if rank not in victims}
+
+
+def _microbatch(sampler: GlobalBatchSampler | None) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The data as a function of (step, global index), as ``initialize(microbatch=)`` takes it."""
+    if sampler is None:
+        return None
+
+    def microbatch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = sampler.microbatch(step, index)
+        return batch.tokens, batch.labels
+    return microbatch
 
 
 def _data(sampler: GlobalBatchSampler, engine: Engine, first_step: int = 0, offset: int = 0) -> Iterator[Any]:
@@ -302,3 +315,57 @@ def test_wandb_without_the_package_is_a_clear_error(tiny_config: dict, monkeypat
     config = load_config({**tiny_config, "wandb": {"enabled": True, "project": "p"}})
     with pytest.raises(ConfigError, match=r"enables 'wandb', but the wandb package is not installed \(pip install wandb"):
         Monitors(config.monitors)
+
+
+def test_p1_eval_batch_after_a_failover_covers_the_taken_over_share_given_its_data(
+    tiny_config: dict, sampler: GlobalBatchSampler
+) -> None:
+    """One stage, D = 3 (the shadow ring). Node 2 dies in its first evaluation: the others get NaN (no
+    hang), and their next train_batch fails over (node 0, its shadow, takes its share). The next
+    evaluation, given the data by global index, covers all 3 shares and equals a run without the failure;
+    without it, it is the mean over the two survivors' shares (not that sum over 3 shares: the count of
+    microbatches is reduced with the losses). Training stays bit-equal."""
+
+    def own_share_loss_sum(engine: Engine, step: int) -> float:
+        layers = engine.executor.slices[0].layers
+        layers.eval()
+        with torch.no_grad(), torch.random.fork_rng():
+            total = sum(float(lm_loss(layers(tokens), labels))
+                        for tokens, labels in itertools.islice(_data(sampler, engine, step, 1000), 4))
+        layers.train()
+        return total
+
+    def body(engine: Engine, rank: int, die: bool) -> Any:
+        data = _data(sampler, engine)
+        losses = [float(engine.train_batch(data)) for _ in range(2)]
+        if die and rank == 2:
+            engine.executor.slices[0].layers[0].register_forward_hook(
+                lambda module, *_: os._exit(VICTIM_EXIT) if not module.training else None)
+        first = float(engine.eval_batch(_data(sampler, engine, 2, 1000)))
+        losses.append(float(engine.train_batch(data)))
+        given = _microbatch(sampler)
+        assert given is not None
+        engine.eval_batch(_data(sampler, engine, 3, 1000), microbatch=lambda index: given(3 + 1000, index))
+        whole = engine.last_eval_loss  # a float (the returned tensor is float32)
+        engine.eval_batch(_data(sampler, engine, 3, 1000))
+        without = engine.last_eval_loss
+        own = own_share_loss_sum(engine, 3)
+        losses.append(float(engine.train_batch(data)))
+        return {"first": first, "whole": whole, "without": without, "own": own, "losses": losses,
+                "state": _state(engine), "failovers": len(engine.executor.failovers)}
+
+    clean = _nodes(tiny_config, lambda engine, rank: body(engine, rank, False), stages=1, pipelines=3,
+                   job="p1-eval-clean", sampler=sampler)
+    assert not math.isnan(clean[0]["first"]) and all(v["failovers"] == 0 for v in clean.values())
+    assert all(v["whole"] == v["without"] == clean[0]["whole"] for v in clean.values())
+    assert clean[0]["whole"] == pytest.approx(sum(v["own"] for v in clean.values()) / 12, rel=1e-12)
+    failed = _nodes(tiny_config, lambda engine, rank: body(engine, rank, True), stages=1, pipelines=3,
+                    job="p1-eval-kill", victims=(2,), sampler=sampler)
+    assert sorted(failed) == [0, 1]
+    survivors_mean = (clean[0]["own"] + clean[1]["own"]) / 8
+    for survivor in failed.values():
+        assert math.isnan(survivor["first"]) and survivor["failovers"] == 1
+        assert survivor["whole"] == pytest.approx(clean[0]["whole"], rel=1e-12)
+        assert survivor["without"] == pytest.approx(survivors_mean, rel=1e-12)
+        assert survivor["losses"] == clean[0]["losses"]
+        _assert_identical({0: survivor["state"]}, {0: clean[0]["state"]})

@@ -97,7 +97,9 @@ def run_step_hooks(engine: Any, hooks: TrainingHooks) -> StepInfo:
         executor = engine.executor
         batches = evaluation_batches(evaluation, info.step, executor.pipeline,
                                      engine.gradient_accumulation_steps())
-        engine.eval_batch(batches)
+        step = info.step
+        # P = 1: a node that took over a failed node's share evaluates that share too, by global index.
+        engine.eval_batch(batches, microbatch=lambda index: evaluation.microbatch(step, index))
         info = attrs.evolve(info, eval_loss=engine.last_eval_loss)
     if hooks.on_step is not None and engine.reports():
         hooks.on_step(info)

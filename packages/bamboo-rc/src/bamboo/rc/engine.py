@@ -135,9 +135,15 @@ class Engine:
         return torch.tensor(loss)
 
     def eval_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None, *,
-                   num_micro_batches: int | None = None) -> torch.Tensor:
+                   num_micro_batches: int | None = None,
+                   microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """A forward-only pass through the pipeline over the next M microbatches (``num_micro_batches``
         if given) of every pipeline; returns the mean loss over those M × D microbatches on every node.
+
+        With one stage (P = 1), a node that took over a failed node's share (after a failover, until the
+        next rebuild) evaluates that share too when ``microbatch(global index) -> (inputs, labels)`` gives
+        the evaluation's data by position (share d's microbatch k is ``d*M + k``); without it, that share is
+        left out, the loss is the mean over the microbatches evaluated, and a warning says so.
 
         As DeepSpeed's ``eval_batch``: the layers run in eval mode without gradients, and nodes that run the
         first or the last stage read ``(inputs, labels)`` pairs from ``data_iter``. It changes no parameter,
@@ -153,7 +159,12 @@ class Engine:
             raise ValueError(f"num_micro_batches must be at least 1, got {micro_batches}")
         executor.apply_replica_updates()  # a taken-over stage runs on its replica: bring it up to date
         batches = self._read(data_iter, micro_batches, "eval_batch") if self._forward_only.needs_data() else {}
-        loss = self._forward_only.run(batches, micro_batches)
+        skipped = () if microbatch is not None else self._forward_only.taken_over_shares()
+        if skipped:
+            _log.warning("eval_batch after step %d leaves out the taken-over share(s) %s: no microbatch= gives "
+                         "their evaluation data (the loss is the mean over the other shares)",
+                         executor.step, list(skipped))
+        loss = self._forward_only.run(batches, micro_batches, microbatch)
         self.last_eval_loss = loss
         if loss is None:
             _log.warning("eval_batch after step %d was given up: a node failed (the next train_batch handles it)",

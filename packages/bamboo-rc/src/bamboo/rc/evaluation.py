@@ -2,7 +2,10 @@
 
 An evaluation runs the current placement of every pipeline forward only (no backward, no
 redundancy, no optimizer) over M microbatches per pipeline, and returns the mean loss over the
-global batch of M × D microbatches on every node. It changes nothing a training step reads:
+global batch of M × D microbatches on every node. (With P = 1, after a failover and until the rebuild,
+a node that took over a failed node's share evaluates that share too when it is given the data as a
+function of the global index; otherwise the mean is over the shares evaluated: the sum of the losses
+and the count of microbatches are reduced together.) It changes nothing a training step reads:
 
 - the layers run under ``torch.no_grad()`` in eval mode (dropout off, as DeepSpeed's ``eval_batch``),
   with the random number generators forked and restored, and are put back in their mode after;
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +45,10 @@ from bamboo.schedule import Instruction, Kind
 if TYPE_CHECKING:
     from bamboo.rc.executor import StageExecutor
 
-__all__ = ["ForwardOnlyPass", "forward_only_streams"]
+__all__ = ["ForwardOnlyPass", "ShareSource", "forward_only_streams"]
+
+ShareSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+"""The evaluation's data as a function of the global microbatch index: ``(inputs, labels)``."""
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
 _MAX_DIMS = 6
@@ -106,10 +112,15 @@ class ForwardOnlyPass:
         return 0 in hosted or self.executor.layout.stages - 1 in hosted
 
     # ---------------------------------------------------------------------------------- run
-    def run(self, batches: dict[int, tuple[torch.Tensor, torch.Tensor]], microbatches: int) -> float | None:
+    def run(self, batches: dict[int, tuple[torch.Tensor, torch.Tensor]], microbatches: int,
+            share_source: ShareSource | None = None) -> float | None:
         """Evaluate ``microbatches`` microbatches per pipeline (``batches``: this node's, by index within the
-        pipeline, when it runs the first or the last stage); the mean loss over the global batch, or None
-        when a failure interrupted it."""
+        pipeline, when it runs the first or the last stage); the mean loss over the microbatches evaluated, or
+        None when a failure interrupted it.
+
+        A P = 1 node that has taken over failed nodes' shares (see :mod:`bamboo.rc.ring`) evaluates them too
+        when ``share_source`` gives their data (global index ``share*microbatches + k``); without it those
+        shares are left out, and the mean is over the others."""
         executor = self.executor
         self.count += 1
         if not self._agree_to_start():
@@ -119,7 +130,7 @@ class ForwardOnlyPass:
                             {r: executor.layout.name(r) for r in range(executor.layout.world)})
         groups.set_members(0, executor.layout.group_members(executor.placements))
         try:
-            loss = self._run(groups, batches, microbatches)
+            loss = self._run(groups, batches, microbatches, share_source)
         except FailureNoticed:
             self.interrupted.append(groups)
             return None
@@ -160,22 +171,39 @@ class ForwardOnlyPass:
             raise RuntimeError(f"eval_batch: the nodes are at different steps (rank: epoch:step {theirs})")
         return all(value == mine for value in theirs.values())
 
+    def taken_over_shares(self) -> tuple[int, ...]:
+        """P = 1: the shares of failed nodes this node computes now (none before a failover, or with P > 1)."""
+        ring = self.executor.ring
+        if ring is None:
+            return ()
+        return tuple(share for share in ring.owned() if share != self.executor.pipeline)
+
     def _run(self, groups: GroupTable, batches: dict[int, tuple[torch.Tensor, torch.Tensor]],
-             microbatches: int) -> float:
+             microbatches: int, share_source: ShareSource | None) -> float:
         executor = self.executor
         stream = forward_only_streams(self.placement, microbatches)[executor.node]
         layers = {s: executor.slices[s].layers for s in self.hosted()}
-        total = 0.0
+        last = executor.layout.stages - 1
+        total, count = 0.0, 0
         with self._evaluation_mode(list(layers.values())):
             outputs: dict[tuple[int, int], torch.Tensor] = {}
             for instruction in stream:
                 total += self._execute(groups, instruction, layers, batches, outputs)
-        last = executor.layout.stages - 1
-        result = torch.tensor([total if last in layers else 0.0], dtype=torch.float64)
+            if last in layers:
+                count = microbatches
+            if share_source is not None:
+                for share in self.taken_over_shares():  # P = 1: the whole model is layers[0]
+                    for k in range(microbatches):
+                        inputs, labels = share_source(share * microbatches + k)
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=executor.config.bf16):
+                            total += float(executor.loss_fn(layers[0](inputs), labels))
+                        count += 1
+        # The loss sum and the microbatch count travel together, so the mean is over what was evaluated.
+        result = torch.tensor([total, float(count)], dtype=torch.float64)
         if last in layers:
             self._allreduce(groups, f"dp-s{last}", result)
         self._allreduce(groups, f"pipe-d{executor.pipeline}", result)
-        return float(result[0]) / (microbatches * executor.layout.pipelines)
+        return float(result[0]) / float(result[1])
 
     @contextlib.contextmanager
     def _evaluation_mode(self, modules: Sequence[torch.nn.Module]) -> Iterator[None]:

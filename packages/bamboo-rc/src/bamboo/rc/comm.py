@@ -180,6 +180,31 @@ class GroupTable:
         except RuntimeError as exc:
             raise self.collective_failure(group, instruction, exc) from exc
 
+    def post_all_to_all(self, group: str, out: torch.Tensor, data: torch.Tensor, out_sizes: Sequence[int],
+                        in_sizes: Sequence[int], instruction: str) -> list[object]:
+        """Start sending consecutive pieces of `data` (`in_sizes[i]` elements to the group's i-th member)
+        and receiving into `out` (`out_sizes[i]` from the i-th); returns the works (none for one member)."""
+        if len(self.members[group]) < 2:
+            out.copy_(data)
+            return []
+        pg = self.group(group)
+        try:
+            return [pg.alltoall_base(out, data, list(out_sizes), list(in_sizes))]
+        except RuntimeError as exc:
+            raise self.collective_failure(group, instruction, exc) from exc
+
+    def post_all_gather(self, group: str, out: torch.Tensor, tensor: torch.Tensor, instruction: str) -> list[object]:
+        """Start gathering every member's `tensor` (equal sizes) into consecutive pieces of `out`, in member
+        order; returns the works (none for one member)."""
+        if len(self.members[group]) < 2:
+            out.copy_(tensor)
+            return []
+        pg = self.group(group)
+        try:
+            return [pg._allgather_base(out, tensor)]
+        except RuntimeError as exc:
+            raise self.collective_failure(group, instruction, exc) from exc
+
     def wait_collective(
         self, group: str, works: Sequence[object], instruction: str, interrupt: Callable[[], None] | None = None
     ) -> None:

@@ -16,19 +16,27 @@ is the victim's: what a failure loses is only the victim's gradients of the curr
   overlaps the communication), and keeps their gradients aside. On a failure the ready gradients
   join the all-reduce: no recompute.
 
-**Exact whatever the membership.** The all-reduce carries one slot per share (D × the gradient,
-zeros in the slots a node does not compute, so each slot's sum is its one owner's value bit for
-bit), and every node adds the slots in share order: the same sums, associated the same way as the
-single-process reference, whichever node computed which share. The reduced gradients of a step are
-therefore a function of the step's parameters and data alone, which settles the all-reduce that a
-victim leaves half done (some survivors completed it, others did not): the laggards receive the
+**Exact whatever the membership.** Floating-point addition is not associative, so the step's
+gradients must be added in one fixed order, the single-process reference's: share 0, then share 1,
+and so on, whichever node computed which share. The reduction does it in two phases, with the
+bytes of an ordinary all-reduce (about twice the gradient per node, whatever D):
+
+1. an all-to-all (posted by ``0AR``, so that the eager copies overlap it): the flat gradients are cut
+   into one chunk per live node, and each node receives its chunk of every share's gradients;
+2. at ``0OPT``, each node adds its chunk's shares in share order, and an all-gather gives every node
+   every added chunk.
+
+Element by element these are the reference's sums, associated the same way. (The losses, a few
+numbers per microbatch, are summed in one slot per microbatch, zeros elsewhere.) The reduced
+gradients of a step are therefore a function of the step's parameters and data alone, which settles
+the reduction that a victim leaves half done (some survivors completed it, others did not): the laggards receive the
 result from a survivor that completed it (:class:`~bamboo.rc.coordinator.RingAgreement`), identical
 to what a redo would give, instead of anybody recomputing a step whose parameters are gone.
 
 The node's stream uses bamboo-schedule's instructions with *global* microbatch indices: ``0L<g>``,
 ``0F<g>``, ``0B<g>`` for the shares it computes (its own, and those it took over), ``0AR`` (post the
-all-reduce), ``0FR<g>``/``0BR<g>`` for the eager copy of its neighbour's share, ``0OPT`` (wait for the
-all-reduce and step). Kill points name them (``--kill 0:1@0F5``: pipeline 1's second microbatch at
+reduction's all-to-all), ``0FR<g>``/``0BR<g>`` for the eager copy of its neighbour's share, ``0OPT``
+(finish the reduction and step). Kill points name them (``--kill 0:1@0F5``: pipeline 1's second microbatch at
 M = 4).
 """
 
@@ -61,6 +69,20 @@ GROUP = "dp-s0"
 
 Share = tuple[torch.Tensor, list[float]]
 """A share's gradients (flat, fp32) and the loss of each of its microbatches, in order."""
+
+
+class _Reduction:
+    """One posted reduction of a step's gradients: the group's members, the shares each computes, each
+    member's chunk of the flat gradients, the works in flight and every tensor they read or write (kept
+    referenced while gloo may touch them)."""
+
+    def __init__(self, members: tuple[int, ...], shares_of: dict[int, tuple[int, ...]],
+                 bounds: list[tuple[int, int]], works: list[object], tensors: list[torch.Tensor]) -> None:
+        self.members = members
+        self.shares_of = shares_of
+        self.bounds = bounds
+        self.works = works
+        self.tensors = tensors
 
 
 def share_instructions(share: int, micro_batches: int, aside: bool = False) -> list[Instruction]:
@@ -138,7 +160,7 @@ class RingNode:
         """Share -> its gradients and losses, for the shares this node contributes this step."""
         self.aside: dict[int, Share] = {}
         """Eager: share -> the neighbour's gradients and losses, kept aside (not contributed)."""
-        self.posted: tuple[list[object], torch.Tensor, torch.Tensor, tuple[int, ...]] | None = None
+        self.posted: _Reduction | None = None
         self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending_losses: dict[int, torch.Tensor] = {}
         self._losses: dict[int, float] = {}
@@ -246,22 +268,37 @@ class RingNode:
             done: Share = (self.piece.flat_grads(), [self._losses.pop(i) for i in self._indices(share)])
             (self.aside if aside else self.shares)[share] = done
 
-    # ----------------------------------------------------------------------------- the all-reduce
+    # ----------------------------------------------------------------------------- the reduction
     def _post(self) -> None:
-        """Post the slotted all-reduce of this step's shares on the group of the live nodes."""
+        """Post the first phase of this step's reduction on the group of the live nodes: each member
+        receives its chunk of every share's gradients (and the losses are summed in slots)."""
         n = self.piece.numel()
         d = self.layout.pipelines
-        flat = torch.zeros(d * n)
-        losses = torch.zeros(d * self.micro_batches, dtype=torch.float64)
+        members = self.groups.members[GROUP]
+        owners = self.layout.ring_owners(frozenset(range(d)) - set(members))
+        shares_of = {m: tuple(s for s in range(d) if owners[s] == m) for m in members}
         owned = self.owned()
+        if shares_of[self.rank] != owned:
+            raise RuntimeError(
+                f"rank {self.rank} computes shares {list(owned)}, but its all-reduce group {list(members)} gives it "
+                f"{list(shares_of[self.rank])}"
+            )
         missing = [share for share in owned if share not in self.shares]
         if missing:
             raise RuntimeError(f"rank {self.rank} posts its all-reduce without shares {missing}")
+        size = len(members)
+        bounds = [(j * n // size, (j + 1) * n // size) for j in range(size)]
+        me = members.index(self.rank)
+        chunk = bounds[me][1] - bounds[me][0]
+        if len(owned) == 1:  # the chunks in member order are the gradients as they are
+            sent = self.shares[owned[0]][0]
+        else:
+            sent = torch.cat([self.shares[share][0][start:end] for start, end in bounds for share in owned])
+        received = torch.empty(d * chunk)
+        losses = torch.zeros(d * self.micro_batches, dtype=torch.float64)
         for share in owned:
-            grads, share_losses = self.shares[share]
-            flat[share * n : (share + 1) * n] = grads
             losses[share * self.micro_batches : (share + 1) * self.micro_batches] = torch.tensor(
-                share_losses, dtype=torch.float64
+                self.shares[share][1], dtype=torch.float64
             )
         if self.unbuilt is not None:
             version, failure = self.unbuilt
@@ -269,8 +306,12 @@ class RingNode:
             if version == self.groups.versions[GROUP] and GROUP not in self.groups.groups:
                 raise failure
         self._await_group()
-        works = self.groups.post_allreduce(GROUP, [flat, losses], "0AR")
-        self.posted = (works, flat, losses, self.groups.members[GROUP])
+        works = self.groups.post_all_to_all(
+            GROUP, received, sent, [len(shares_of[m]) * chunk for m in members],
+            [len(owned) * (end - start) for start, end in bounds], "0AR",
+        )
+        works += self.groups.post_allreduce(GROUP, [losses], "0AR")
+        self.posted = _Reduction(members, shares_of, bounds, works, [sent, received, losses])
 
     def _await_group(self) -> None:
         """Before a group's first use in an epoch: wait until every member is about to build it,
@@ -285,14 +326,36 @@ class RingNode:
             raise FailureNoticed(event)
 
     def _wait_and_commit(self) -> float:
-        if self.posted is None:
+        """The second phase: add this member's chunk of every share in share order, gather the chunks
+        from every member, and step."""
+        posted = self.posted
+        if posted is None:
             raise RuntimeError(f"rank {self.rank}: the step's all-reduce was never posted")
-        works, flat, losses, _ = self.posted
-        self.groups.wait_collective(GROUP, works, "0OPT (the gradient all-reduce)", self._interrupt)
-        n = self.piece.numel()
-        summed = flat[0:n].clone()
+        self.groups.wait_collective(GROUP, posted.works, "0OPT (the gradient exchange)", self._interrupt)
+        _sent, received, losses = posted.tensors
+        me = posted.members.index(self.rank)
+        chunk = posted.bounds[me][1] - posted.bounds[me][0]
+        by_share: dict[int, torch.Tensor] = {}
+        offset = 0
+        for member in posted.members:
+            for share in posted.shares_of[member]:
+                by_share[share] = received[offset : offset + chunk]
+                offset += chunk
+        widest = max(end - start for start, end in posted.bounds)
+        padded = torch.zeros(widest)
+        mine = padded[:chunk]
+        mine.copy_(by_share[0])
         for share in range(1, self.layout.pipelines):  # share order: the reference's association
-            summed = summed + flat[share * n : (share + 1) * n]
+            mine.add_(by_share[share])  # element by element the same rounding as `mine + ...`
+        gathered = torch.empty(widest * len(posted.members))
+        posted.tensors += [padded, gathered]  # referenced until the step commits or is abandoned
+        works = self.groups.post_all_gather(GROUP, gathered, padded, "0OPT")
+        self.groups.wait_collective(GROUP, works, "0OPT (the gradient all-gather)", self._interrupt)
+        if all(end - start == widest for start, end in posted.bounds):
+            summed = gathered
+        else:
+            parts = gathered.split(widest)
+            summed = torch.cat([part[: end - start] for part, (start, end) in zip(parts, posted.bounds, strict=True)])
         return self._commit(summed, losses)
 
     def _commit(self, summed: torch.Tensor, losses: torch.Tensor) -> float:

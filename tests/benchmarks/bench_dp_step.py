@@ -1,0 +1,105 @@
+"""Benchmark: the fault-free step of pure data parallelism (P = 1) with exact redundancy, against a plain
+all-reduce, same run.
+
+Run: `flock /tmp/bamboo-heavy.lock .venv/bin/python tests/benchmarks/bench_dp_step.py` (`--help` for the flags).
+Not collected by pytest. Ratios are printed, not asserted.
+
+For each D in `--replicas`, `bamboo.rc.verify.run_verify` trains the example decoder with P = 1 and D
+replicas (one process each, `--steps` steps, one microbatch per replica and step, SGD) as:
+1. `none` (the baseline): no redundancy, so the step ends with one all-reduce of the gradients, as DDP's;
+2. `lflb`: the shadow ring, lazy. Its step ends with the exact reduction (`bamboo.rc.ring`: an all-to-all of
+   gradient chunks, each node adds its chunk's shares in share order, an all-gather), which adds the shares in
+   one fixed order whichever node computed them;
+3. `eflb`: the same, plus the eager copy of the neighbour's share every step (overbatching).
+
+The variants run interleaved, `--repeats` times. Each prints the median step time (the steps after the
+first two of every run, pooled over the repeats) and its ratio against (1) in the same run. Every run of (2)
+and (3) is checked bit-equal (0.0) against the single-process reference; (1)'s difference is printed (its
+all-reduce adds the replicas' gradients in gloo's order, so with D > 2 it is not exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import Log
+from bamboo.rc.model import GPTSize
+from bamboo.rc.verify import run_verify
+
+MODES = ("none", "lflb", "eflb")
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+}
+
+
+def _replicas(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--replicas takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 2 for v in values):
+        raise argparse.ArgumentTypeError(f"every replica count must be at least 2, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=_replicas, default=[2, 3, 4],
+                        help="data-parallel replicas D, comma separated (default 2,3,4)")
+    parser.add_argument("--width", type=_positive, default=512,
+                        help="model width (default 512: 4 blocks, about 13 M parameters)")
+    parser.add_argument("--steps", type=_positive, default=12, help="steps per run (default 12; the first 2 are "
+                        "left out of the median)")
+    parser.add_argument("--repeats", type=_positive, default=2, help="interleaved runs per variant (default 2)")
+    args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error(f"--steps must be at least 3 (the first 2 are left out), got {args.steps}")
+    log = Log()
+    size = GPTSize(layers=4, width=args.width, heads=4, sequence=16)
+    times: dict[tuple[int, str], list[float]] = {}
+    diffs: dict[tuple[int, str], list[float]] = {}
+    failed: list[str] = []
+    for replicas in args.replicas:
+        for repeat in range(args.repeats):
+            for mode in MODES:
+                result = run_verify(1, replicas, args.steps, mode, size=size, config=CONFIG)
+                steps = sorted(end - start for start, end in result.timings[0]["iteration_times"][2:])
+                times.setdefault((replicas, mode), []).extend(steps)
+                diffs.setdefault((replicas, mode), []).append(result.max_relative_diff)
+                # The plain all-reduce adds in gloo's order, not the reference's: not exact, and not asked to be.
+                if mode != "none" and not (result.passed and result.max_relative_diff == 0.0):
+                    failed.append(f"D={replicas} {mode} repeat {repeat + 1}: max rel diff {result.max_relative_diff}")
+                log(f"D={replicas} {mode:5} repeat {repeat + 1}/{args.repeats}: median step "
+                    f"{statistics.median(steps) * 1e3:.1f} ms, max rel diff {result.max_relative_diff:.1e}")
+    print(f"\nP = 1, the example decoder at width {args.width} (4 blocks), one microbatch per replica and step, "
+          f"SGD; median step time over {args.repeats} interleaved runs of {args.steps} steps (the first 2 left out)")
+    print(f"{'D':>3} {'mode':6} {'median ms':>10} {'vs none':>8} {'max rel diff':>13}")
+    for replicas in args.replicas:
+        base = statistics.median(times[(replicas, "none")])
+        for mode in MODES:
+            median = statistics.median(times[(replicas, mode)])
+            print(f"{replicas:>3} {mode:6} {median * 1e3:>10.1f} {median / base:>7.2f}x "
+                  f"{max(diffs[(replicas, mode)]):>13.1e}")
+    for line in failed:
+        print(f"NOT EXACT: {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

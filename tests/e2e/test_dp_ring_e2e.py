@@ -9,6 +9,9 @@ goes on writing the steps and checkpoints. The result must be bit-equal (0.0) to
 single-process run of the same batches. The run is then resumed from its last checkpoint for 5 more
 steps (the checkpoint was written by the 2-pipeline layout; the resumed run has 3 pipelines again),
 bit-equal as well.
+
+The other tests: a node with a preemption notice hands its share over at a step boundary (no failover), and
+losing every working node at once restarts the job on standby nodes from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from bamboo.launch.events import Checkpoint, Failover, Preemption, Reconfiguration, Step, read_events
+from bamboo.launch.events import Checkpoint, Failover, Preemption, Reconfiguration, Restore, Step, read_events
 from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -88,5 +91,51 @@ def test_a_data_parallel_node_with_notice_hands_its_share_over_at_a_step_boundar
     assert re.search(r"handed stage 0 of pipeline \d over to its shadow", log), log
     assert not result.timed_out and result.steps_done < 600
     comparison = compare_with_reference(result, options)
+    assert comparison["steps"] == result.steps_done
+    assert comparison["max_relative_diff"] == 0.0, comparison
+
+
+def test_every_data_parallel_node_lost_restores_the_last_checkpoint_on_standby_nodes(
+    tmp_path: Path, finish_when: Callable[..., None],
+) -> None:
+    """4 nodes, P=1, D=2 (2 on standby), a checkpoint every 5 steps: once checkpoint 10 is written and two
+    more steps are done, both working nodes are killed together. No node holds the model any more, so the
+    coordinator restarts on the standby nodes from the newest checkpoint; the steps done after it are trained
+    again (the restore record counts them), and the result is bit-equal to a fault-free run."""
+    options = RunOptions(nodes=4, stages=1, pipelines=2, steps=300, zones=("a", "b", "c"), time_scale=1.0,
+                         redundancy="lflb", run_dir=str(tmp_path / "run"), timeout_s=200.0, group_timeout_s=20.0,
+                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5, size={"layers": 2})
+    killed: list[str] = []
+
+    def kill_every_worker(handles: RunHandles) -> None:
+        deadline = time.monotonic() + 120.0
+        while True:
+            events = read_events(handles.events)
+            done = max((e.step for e in events if isinstance(e, Step)), default=0)
+            if done >= 12 and any(isinstance(e, Checkpoint) and e.step == 10 for e in events):
+                break
+            assert time.monotonic() < deadline, "training never reached step 12 with checkpoint 10"
+            time.sleep(0.02)
+        killed.extend(handles.node_of_rank[rank] for rank in (0, 1))
+        for node in killed:
+            handles.preempt(node)
+        finish_when(handles, lambda events: any(isinstance(e, Restore) for e in events))
+
+    result = run_cluster(options, during=kill_every_worker)
+    events = read_events(result.events)
+    assert not result.timed_out, result
+    assert {e.node for e in events if isinstance(e, Preemption)} == set(killed)
+    [restore] = [e for e in events if isinstance(e, Restore)]
+    assert restore.lost_stages == "0" and restore.step >= 10
+    assert [(r.reason, r.pipelines) for r in events if isinstance(r, Reconfiguration)][-1:] == [
+        ("every holder lost", 2)]
+    numbers = [e.step for e in events if isinstance(e, Step)]
+    twice = sorted(n for n in set(numbers) if numbers.count(n) == 2)
+    if restore.step == 10:
+        assert restore.discarded_steps >= 2  # steps 11 and 12 at least were done before the kill
+    assert twice == list(range(restore.step + 1, restore.step + restore.discarded_steps + 1))
+    assert sorted(set(numbers)) == list(range(1, result.steps_done + 1))
+    comparison = compare_with_reference(result, options)
+    assert comparison["history"] == [[0, 2], [restore.step, 2]]
     assert comparison["steps"] == result.steps_done
     assert comparison["max_relative_diff"] == 0.0, comparison

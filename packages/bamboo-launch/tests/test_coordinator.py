@@ -20,7 +20,9 @@ from bamboo.launch.coordinator import (
     read_layout,
     redo_start_layout,
     restart_layout,
+    steps_reached,
 )
+from bamboo.launch.events import Checkpoint, Step
 from bamboo.launch.records import JobEnd, read_record
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
@@ -200,6 +202,26 @@ def test_restart_layout_restores_every_stage_on_the_warm_nodes(tmp_path: Path) -
     assert restart.restore is not None and restart.restore.lost_stages == (0, 1) and restart.start_step == 5
     assert restart.global_batch == lost.global_batch and restart.micro_batches == 8
     assert restart.history == ((0, 2), (5, 1))
+
+
+def test_the_steps_a_lost_generation_reached_are_its_step_records_after_its_barrier(tmp_path: Path) -> None:
+    spec = _spec("j")
+    created = 1000.0
+    first = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+
+    def step(t: float, number: int) -> Step:
+        return Step(t=t, step=number, samples=8, loss=1.0, nodes_active=4, duration_s=0.1)
+
+    assert steps_reached([], first, created) == 0  # no record: its start step
+    events = [step(1.0, 1), step(2.0, 2), Checkpoint(t=2.1, step=2, path="p", bytes=1, duration_s=0.1), step(3.0, 3)]
+    assert steps_reached(events, first, created) == 3  # the first layout has no barrier: every record counts
+    # generation 1 restarted from step 2 at t = 10 (barrier_unix 1010): the earlier step 3 was not its own
+    restarted = restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path), reached=3)
+    assert restarted is not None and restarted.barrier_step == 3  # step 3 is trained again
+    restarted = attrs.evolve(restarted, barrier_unix=created + 10.0)
+    assert steps_reached(events, restarted, created) == 2  # nothing after its barrier: its start step
+    assert steps_reached([*events, step(11.0, 3), step(12.0, 4)], restarted, created) == 4
+    assert restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path)).barrier_step == 0
 
 
 def test_redo_start_layout_repeats_an_abandoned_first_start_on_the_nodes_left(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from bamboo.launch import timeouts
@@ -49,7 +49,8 @@ from bamboo.membership.kv import StoreError
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
-__all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "redo_start_layout", "restart_layout"]
+__all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "redo_start_layout", "restart_layout",
+           "steps_reached"]
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +103,25 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global
     return plan
 
 
+def steps_reached(events: Iterable[Any], lost: Any, created_unix: float) -> int:
+    """The last step generation ``lost`` (a ``JobLayout``) completed, from the job's event log: the highest
+    ``step`` record written after its barrier (``lost.start_step`` when it recorded none).
+
+    The log's ``t`` counts from ``created_unix``; a generation's steps all come after its barrier, those
+    of earlier generations before it (up to the writers' clock skew)."""
+    from bamboo.launch.events import Step
+
+    since = 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
+    return max((e.step for e in events if isinstance(e, Step) and e.t >= since), default=lost.start_step)
+
+
 def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, str], step: int,
-                   path: str) -> Any:
+                   path: str, reached: int | None = None) -> Any:
     """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
-    every stage restored from the checkpoint of ``step`` at ``path``; None when they cannot form a pipeline."""
+    every stage restored from the checkpoint of ``step`` at ``path``; None when they cannot form a pipeline.
+
+    ``reached`` is the last step ``lost`` completed (:func:`steps_reached`; default its start step): the
+    steps after the checkpoint up to it are trained again (the ``restore`` record's ``discarded_steps``)."""
     from bamboo.launch.reconfigure import next_history
     from bamboo.reconfig import JobLayout, RestorePoint, StartMode
 
@@ -114,7 +130,8 @@ def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, s
         return None
     return JobLayout(generation=lost.generation + 1, plan=plan, start_step=step, mode=StartMode.CHECKPOINT,
                      reason="every holder lost", restore=RestorePoint(step, path, range(spec.stages)),
-                     barrier_step=lost.start_step, barrier_unix=time.time(), base_generation=lost.generation,
+                     barrier_step=lost.start_step if reached is None else max(lost.start_step, reached),
+                     barrier_unix=time.time(), base_generation=lost.generation,
                      survivors=(), history=next_history(lost.history, step, len(plan.owners)),
                      zones={node: zones.get(node, "default") for node in warm})
 
@@ -296,13 +313,27 @@ class Coordinator:
                 self.say(f"the job cannot go on: {message}")
             return
         restart = restart_layout(self.spec, layout, warm_standby(self.membership, registered),
-                                 {n: r.zone for n, r in registered.items()}, step, path)
+                                 {n: r.zone for n, r in registered.items()}, step, path,
+                                 reached=self._steps_reached(layout))
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
         current = self.membership.get_layout()
         if current is not None and self.membership.put_layout(restart.to_dict(), current.revision) is not None:
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
+
+    def _steps_reached(self, lost: Any) -> int:
+        """:func:`steps_reached` from the job's event log in etcd (``lost.start_step`` if it cannot be read:
+        the figure only says how many steps are trained again)."""
+        from bamboo.launch.events import EventLogError, read_etcd_events
+
+        try:
+            events = read_etcd_events(self.membership.kv, self.spec.job)
+        except (EventLogError, StoreError) as error:
+            log.warning("the steps generation %d reached are unknown (%s): counted from its start step %d",
+                        lost.generation, error, lost.start_step)
+            return lost.start_step
+        return steps_reached(events, lost, self.spec.created_unix)
 
     def _failure_reports(self) -> dict[str, FailureReport]:
         reports: dict[str, FailureReport] = {}

@@ -28,16 +28,17 @@ bytes of an ordinary all-reduce (about twice the gradient per node, whatever D):
 
 Element by element these are the reference's sums, associated the same way. (The losses, a few
 numbers per microbatch, are summed in one slot per microbatch, zeros elsewhere.) The reduced
-gradients of a step are therefore a function of the step's parameters and data alone, which settles
-the reduction that a victim leaves half done (some survivors completed it, others did not): the laggards receive the
-result from a survivor that completed it (:class:`~bamboo.rc.coordinator.RingAgreement`), identical
-to what a redo would give, instead of anybody recomputing a step whose parameters are gone.
+gradients of a step are therefore a function of the step's parameters and data alone, which
+settles the reduction that a victim leaves half done (some survivors completed it, others did
+not): the laggards receive the result from a survivor that completed it
+(:class:`~bamboo.rc.coordinator.RingAgreement`), identical to what a redo would give, instead of
+anybody recomputing a step whose parameters are gone.
 
 The node's stream uses bamboo-schedule's instructions with *global* microbatch indices: ``0L<g>``,
 ``0F<g>``, ``0B<g>`` for the shares it computes (its own, and those it took over), ``0AR`` (post the
 reduction's all-to-all), ``0FR<g>``/``0BR<g>`` for the eager copy of its neighbour's share, ``0OPT``
-(finish the reduction and step). Kill points name them (``--kill 0:1@0F5``: pipeline 1's second microbatch at
-M = 4).
+(finish the reduction and step). Kill points name them (``--kill 0:1@0F5``: pipeline 1's second
+microbatch at M = 4).
 """
 
 from __future__ import annotations

@@ -193,18 +193,6 @@ class GroupTable:
         except RuntimeError as exc:
             raise self.collective_failure(group, instruction, exc) from exc
 
-    def post_all_gather(self, group: str, out: torch.Tensor, tensor: torch.Tensor, instruction: str) -> list[object]:
-        """Start gathering every member's `tensor` (equal sizes) into consecutive pieces of `out`, in member
-        order; returns the works (none for one member)."""
-        if len(self.members[group]) < 2:
-            out.copy_(tensor)
-            return []
-        pg = self.group(group)
-        try:
-            return [pg._allgather_base(out, tensor)]
-        except RuntimeError as exc:
-            raise self.collective_failure(group, instruction, exc) from exc
-
     def wait_collective(
         self, group: str, works: Sequence[object], instruction: str, interrupt: Callable[[], None] | None = None
     ) -> None:

@@ -23,8 +23,8 @@ bytes of an ordinary all-reduce (about twice the gradient per node, whatever D):
 
 1. an all-to-all (posted by ``0AR``, so that the eager copies overlap it): the flat gradients are cut
    into one chunk per live node, and each node receives its chunk of every share's gradients;
-2. at ``0OPT``, each node adds its chunk's shares in share order, and an all-gather gives every node
-   every added chunk.
+2. at ``0OPT``, each node adds its chunk's shares in share order and sends the sum to every other
+   node (a second all-to-all: every node hears from every node directly).
 
 Element by element these are the reference's sums, associated the same way. (The losses, a few
 numbers per microbatch, are summed in one slot per microbatch, zeros elsewhere.) The reduced
@@ -327,8 +327,8 @@ class RingNode:
             raise FailureNoticed(event)
 
     def _wait_and_commit(self) -> float:
-        """The second phase: add this member's chunk of every share in share order, gather the chunks
-        from every member, and step."""
+        """The second phase: add this member's chunk of every share in share order, send the sum to every
+        member (and receive theirs), and step."""
         posted = self.posted
         if posted is None:
             raise RuntimeError(f"rank {self.rank}: the step's all-reduce was never posted")
@@ -342,21 +342,18 @@ class RingNode:
             for share in posted.shares_of[member]:
                 by_share[share] = received[offset : offset + chunk]
                 offset += chunk
-        widest = max(end - start for start, end in posted.bounds)
-        padded = torch.zeros(widest)
-        mine = padded[:chunk]
-        mine.copy_(by_share[0])
+        mine = by_share[0].clone()
         for share in range(1, self.layout.pipelines):  # share order: the reference's association
             mine.add_(by_share[share])  # element by element the same rounding as `mine + ...`
-        gathered = torch.empty(widest * len(posted.members))
-        posted.tensors += [padded, gathered]  # referenced until the step commits or is abandoned
-        works = self.groups.post_all_gather(GROUP, gathered, padded, "0OPT")
-        self.groups.wait_collective(GROUP, works, "0OPT (the gradient all-gather)", self._interrupt)
-        if all(end - start == widest for start, end in posted.bounds):
-            summed = gathered
-        else:
-            parts = gathered.split(widest)
-            summed = torch.cat([part[: end - start] for part, (start, end) in zip(parts, posted.bounds, strict=True)])
+        # Every member sends its sum straight to every other (an all-to-all, not gloo's ring all-gather,
+        # in which a member that gave the step up would leave the next one waiting on it until the group's
+        # timeout, and freeing that group would block as long).
+        sizes = [end - start for start, end in posted.bounds]
+        copies = mine.repeat(len(posted.members))
+        summed = torch.empty(self.piece.numel())
+        posted.tensors += [copies, summed]  # referenced until the step commits or is abandoned
+        works = self.groups.post_all_to_all(GROUP, summed, copies, sizes, [chunk] * len(sizes), "0OPT")
+        self.groups.wait_collective(GROUP, works, "0OPT (the sums' exchange)", self._interrupt)
         return self._commit(summed, losses)
 
     def _commit(self, summed: torch.Tensor, losses: torch.Tensor) -> float:

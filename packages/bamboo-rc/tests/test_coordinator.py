@@ -235,6 +235,28 @@ def test_a_collective_failure_in_the_group_table_names_the_other_members() -> No
     assert failure.peers == (1, 7) and failure.instruction == "1AR"
 
 
+def test_a_group_retired_by_a_membership_change_is_never_freed() -> None:
+    """A failure may leave an operation pending on it, and gloo's destructor would wait for it until the
+    group's timeout: the table keeps one more reference than anyone holds, to the end of the process."""
+    from bamboo.rc.comm import GroupTable
+
+    class Group:  # stands for a built gloo group
+        pass
+
+    table = GroupTable(FakeStore(), JOB, 4, TIMEOUTS, {})  # type: ignore[arg-type]
+    table.set_members(0, {"dp-s1": [1, 4, 7], "pipe-d1": [3, 4]})
+    kept, gone = Group(), Group()
+    table.groups.update({"dp-s1": kept, "pipe-d1": gone})  # type: ignore[dict-item]
+    before = sys.getrefcount(kept)
+    table.set_members(1, {"dp-s1": [1, 4], "pipe-d1": [3, 4]})  # rank 7 died: dp-s1 is retired
+    assert table.retired == [kept] and table.groups == {"pipe-d1": gone}
+    table.retired.clear()
+    assert sys.getrefcount(kept) == before  # the table's own reference is gone, the leaked one is not
+    before_gone = sys.getrefcount(gone)
+    table.never_free_all()  # an interrupted evaluation's table: every group it holds
+    assert sys.getrefcount(gone) == before_gone + 1
+
+
 def test_the_group_barrier_notices_a_failure_while_it_waits() -> None:
     cluster = Cluster(4)
     cluster.nodes[1].announce_group("p2p-0-1", 1)

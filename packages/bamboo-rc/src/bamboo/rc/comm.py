@@ -19,6 +19,7 @@ Timeouts (all configurable through :class:`CommTimeouts`; defaults and meaning i
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import socket
@@ -41,6 +42,7 @@ __all__ = [
     "build_gloo_group",
     "chunk_views",
     "gloo_device",
+    "never_free",
     "wait_works",
 ]
 
@@ -72,6 +74,13 @@ def build_gloo_group(store: Store, prefix: str, rank: int, size: int, timeout: f
     options._devices = [gloo_device()]
     options._threads = 1
     return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
+
+
+def never_free(group: object) -> None:
+    """Keep `group` (a gloo group that may hold an operation a failure left pending) alive until the process
+    ends, even through the interpreter's shutdown: gloo's destructor would wait for that operation until the
+    group's timeout. The reference is leaked on purpose; the process's end reclaims it."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def chunk_views(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -124,6 +133,12 @@ class GroupTable:
         group = self.groups.pop(name, None)
         if group is not None:
             self.retired.append(group)
+            never_free(group)  # a failure may have left an operation pending on it
+
+    def never_free_all(self) -> None:
+        """:func:`never_free` every group of this table (one given up after a failure)."""
+        for group in [*self.groups.values(), *self.retired]:
+            never_free(group)
 
     def build_all(self) -> None:
         for name in sorted(self.members):

@@ -133,9 +133,11 @@ class ForwardOnlyPass:
             loss = self._run(groups, batches, microbatches, share_source)
         except FailureNoticed:
             self.interrupted.append(groups)
+            groups.never_free_all()
             return None
         except PeerFailure as failure:
             self.interrupted.append(groups)
+            groups.never_free_all()
             if not executor.coordinator.watching:
                 raise
             executor.coordinator.confirm(failure)  # the suspects go to the detector; raises if not confirmed

@@ -70,11 +70,6 @@ class WorkerSpec:
     notice_points: tuple[NoticePoint, ...] = ()
 
 
-_UNTIL_EXIT: list[Any] = []
-"""Engines kept referenced until ``os._exit``: freeing a gloo group whose operation a failure left pending
-blocks until the group's timeout (its destructor waits for the work)."""
-
-
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train as node (spec.stage, spec.pipeline); returns the report also written to disk."""
     exact_mode()
@@ -95,7 +90,6 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         hook=FaultInjector.for_node(spec.stage, spec.pipeline, spec.kills, spec.notice_points),
         microbatch=microbatch,
     )
-    _UNTIL_EXIT.append(engine)
     executor = engine.executor
     data = pipeline_data_iter(sampler, spec.pipeline, config.micro_batches)
     started = time.perf_counter()

@@ -136,8 +136,9 @@ class GroupTable:
             never_free(group)  # a failure may have left an operation pending on it
 
     def never_free_all(self) -> None:
-        """:func:`never_free` every group of this table (one given up after a failure)."""
-        for group in [*self.groups.values(), *self.retired]:
+        """:func:`never_free` every current group of this table (one given up after a failure; the retired
+        ones are already)."""
+        for group in self.groups.values():
             never_free(group)
 
     def build_all(self) -> None:

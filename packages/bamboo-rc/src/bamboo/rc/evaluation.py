@@ -24,9 +24,10 @@ confirmed failure is pending, or arrives at any point of the evaluation, or the 
 the same epoch, every node gives the evaluation up (:meth:`ForwardOnlyPass.run` returns None) and
 the next ``train_batch`` handles the failure as one that struck between two steps. A P2P or
 collective failure is reported to the failure detector first (it is confirmed, or raised when it is
-not, as in training). The groups of an interrupted evaluation stay referenced until the process
-ends (gloo blocks when a group with a stuck operation is freed); those of a finished one are freed
-at the next evaluation's barrier, once every member is known to be done with them.
+not, as in training). The groups of an interrupted evaluation are never freed
+(:func:`bamboo.rc.comm.never_free`: gloo blocks when a group with a stuck operation is freed); those
+of a finished one are freed at the next evaluation's barrier, once every member is known to be done
+with them.
 """
 
 from __future__ import annotations
@@ -92,8 +93,6 @@ class ForwardOnlyPass:
         self.executor = executor
         self.count = 0
         """Evaluations started (every node starts the same ones, so the count names them job-wide)."""
-        self.interrupted: list[GroupTable] = []
-        """The groups of interrupted evaluations: referenced until the process ends."""
         self._finished: GroupTable | None = None
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -132,11 +131,9 @@ class ForwardOnlyPass:
         try:
             loss = self._run(groups, batches, microbatches, share_source)
         except FailureNoticed:
-            self.interrupted.append(groups)
             groups.never_free_all()
             return None
         except PeerFailure as failure:
-            self.interrupted.append(groups)
             groups.never_free_all()
             if not executor.coordinator.watching:
                 raise

@@ -345,9 +345,9 @@ class RingNode:
         mine = by_share[0].clone()
         for share in range(1, self.layout.pipelines):  # share order: the reference's association
             mine.add_(by_share[share])  # element by element the same rounding as `mine + ...`
-        # Every member sends its sum straight to every other (an all-to-all, not gloo's ring all-gather,
-        # in which a member that gave the step up would leave the next one waiting on it until the group's
-        # timeout, and freeing that group would block as long).
+        # Every member sends its sum straight to every other (an all-to-all). gloo's ring all-gather, in
+        # which each member forwards the others' sums, left members waiting until the group's timeout more
+        # often after a failure (a member that gave the step up forwards nothing); see comm.never_free.
         sizes = [end - start for start, end in posted.bounds]
         copies = mine.repeat(len(posted.members))
         summed = torch.empty(self.piece.numel())

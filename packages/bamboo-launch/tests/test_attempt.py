@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import weakref
 from typing import Any
 
 import attrs
@@ -151,6 +152,42 @@ def test_start_thread_reports_its_result() -> None:
     part = StartThread(lambda: 42, name="test-result")
     assert part.join(30)
     assert part.progress() == (True, None) and part.result == 42
+
+
+def test_start_thread_drops_its_work_once_done() -> None:
+    """The work's closure holds the previous layout's executor in the launcher: it must not outlive the work."""
+
+    class State:
+        pass
+
+    state = State()
+    held = weakref.ref(state)
+    part = StartThread(lambda state=state: 42, name="test-drop")
+    del state
+    assert part.join(30)
+    part.thread.join(30)
+    assert held() is None and part.result == 42
+
+
+def test_an_abandoned_start_hands_its_result_to_the_cleanup_now_or_when_it_ends() -> None:
+    cleaned: list[Any] = []
+    finished = StartThread(lambda: "engine 1", name="test-abandon-done")
+    assert finished.join(30)
+    finished.abandon(cleaned.append)  # already done: cleaned up at once, not kept
+    assert cleaned == ["engine 1"] and finished.result is None
+
+    release = threading.Event()
+    running = StartThread(lambda: release.wait(30) and "engine 2", name="test-abandon-running")
+    running.abandon(cleaned.append)  # still starting: cleaned up by its thread when it ends
+    assert cleaned == ["engine 1"]
+    release.set()
+    assert running.join(30)
+    assert cleaned == ["engine 1", "engine 2"] and running.result is None
+
+    failed = StartThread(lambda: 1 / 0, name="test-abandon-failed")
+    failed.abandon(cleaned.append)  # no result: nothing to clean up
+    assert failed.join(30) and isinstance(failed.progress()[1], ZeroDivisionError)
+    assert cleaned == ["engine 1", "engine 2"]
 
 
 # ---- the redone decision (bamboo.launch.worker._plan_next) ---------------------------------------------------

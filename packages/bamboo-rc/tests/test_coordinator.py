@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from bamboo.rc.coordinator import FailoverCoordinator, handover_request_key
 from bamboo.rc.failures import (
     AgreementError,
@@ -235,26 +236,77 @@ def test_a_collective_failure_in_the_group_table_names_the_other_members() -> No
     assert failure.peers == (1, 7) and failure.instruction == "1AR"
 
 
-def test_a_group_retired_by_a_membership_change_is_never_freed() -> None:
-    """A failure may leave an operation pending on it, and gloo's destructor would wait for it until the
-    group's timeout: the table keeps one more reference than anyone holds, to the end of the process."""
+def test_a_retired_group_is_kept_until_the_operations_posted_on_it_have_finished() -> None:
+    """A failure may leave an operation pending on a retired group, and gloo's destructor would wait for it
+    until the group's timeout: the table keeps one more reference than anyone holds while any operation
+    posted on the group is unfinished, and gives it back at a later membership change once they are done."""
+    from bamboo.rc import comm
     from bamboo.rc.comm import GroupTable
 
-    class Group:  # stands for a built gloo group
-        pass
+    class Work:
+        def __init__(self) -> None:
+            self.done = False
 
+        def is_completed(self) -> bool:
+            return self.done
+
+    class Group:  # stands for a built gloo group: allreduce posts a work
+        def __init__(self) -> None:
+            self.posted: list[Work] = []
+
+        def allreduce(self, _tensors: object) -> Work:
+            self.posted.append(Work())
+            return self.posted[-1]
+
+    kept_before = comm.kept_groups()
     table = GroupTable(FakeStore(), JOB, 4, TIMEOUTS, {})  # type: ignore[arg-type]
     table.set_members(0, {"dp-s1": [1, 4, 7], "pipe-d1": [3, 4]})
-    kept, gone = Group(), Group()
-    table.groups.update({"dp-s1": kept, "pipe-d1": gone})  # type: ignore[dict-item]
-    before = sys.getrefcount(kept)
+    stuck, idle = Group(), Group()
+    table.groups.update({"dp-s1": stuck, "pipe-d1": idle})  # type: ignore[dict-item]
+    table.post_allreduce("dp-s1", [torch.zeros(2)], "1AR")
+    before = sys.getrefcount(stuck)
     table.set_members(1, {"dp-s1": [1, 4], "pipe-d1": [3, 4]})  # rank 7 died: dp-s1 is retired
-    assert table.retired == [kept] and table.groups == {"pipe-d1": gone}
-    table.retired.clear()
-    assert sys.getrefcount(kept) == before  # the table's own reference is gone, the leaked one is not
-    before_gone = sys.getrefcount(gone)
-    table.never_free_all()  # an interrupted evaluation's table: every group it holds
-    assert sys.getrefcount(gone) == before_gone + 1
+    assert table.groups == {"pipe-d1": idle} and "dp-s1" not in table.works
+    assert sys.getrefcount(stuck) == before + 1  # the table's reference went; the keeper holds two, one leaked
+    assert comm.kept_groups() == kept_before + 1
+    table.set_members(2, {"dp-s1": [1, 4], "pipe-d1": [3, 4]})  # a later change: the allreduce still waits
+    assert comm.release_settled() == kept_before + 1 and sys.getrefcount(stuck) == before + 1
+    stuck.posted[0].done = True  # it failed or timed out
+    assert comm.release_settled() == kept_before
+    assert sys.getrefcount(stuck) == before - 1  # only this test's own references are left
+
+    before_idle = sys.getrefcount(idle)
+    table.release()  # an interrupted evaluation's table, or a finished layout's: nothing pending on it
+    assert table.groups == {} and comm.kept_groups() == kept_before
+    assert sys.getrefcount(idle) == before_idle - 1  # freed at once
+
+
+def test_the_posted_operations_of_a_group_are_pruned_once_finished() -> None:
+    from bamboo.rc.comm import _PRUNE_AT, GroupTable
+
+    class Work:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    class Group:
+        def __init__(self) -> None:
+            self.count = 0
+
+        def allreduce(self, _tensors: object) -> Work:
+            self.count += 1
+            return Work(done=self.count % 2 == 0)  # every other one is still running
+
+    table = GroupTable(FakeStore(), JOB, 4, TIMEOUTS, {})  # type: ignore[arg-type]
+    table.set_members(0, {"dp-s1": [1, 4]})
+    table.groups["dp-s1"] = Group()  # type: ignore[assignment]
+    for _ in range(4 * _PRUNE_AT):
+        table.post_allreduce("dp-s1", [torch.zeros(1)], "1AR")
+    posted = table.works["dp-s1"]
+    assert len(posted) < 4 * _PRUNE_AT  # pruned on the way
+    assert sum(not work.is_completed() for work in posted) == 2 * _PRUNE_AT  # every unfinished one is still there
 
 
 def test_the_group_barrier_notices_a_failure_while_it_waits() -> None:

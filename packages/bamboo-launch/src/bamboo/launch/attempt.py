@@ -15,8 +15,8 @@ outcome, decision ``g<G>-outcome`` of the attempt's generation G:
   has left the membership (its lease expired: within the lease TTL, ``--ttl``, of its death, plus
   one poll), or when the attempt has not come up within ``--reconfigure-timeout`` seconds;
 - everyone follows the outcome that won. On ``abort`` each node abandons its thread (its store
-  raises at the next call, its groups stay referenced until the process exits, so no gloo
-  destructor blocks), and the nodes that hold stage state at the barrier redo the layout decision
+  raises at the next call; a thread blocked on a dead peer ends at the group's timeout, off the
+  training thread, and an engine it started is let go like any ended layout's), and the nodes that hold stage state at the barrier redo the layout decision
   with the membership as it now is, under the attempt's own key, as generation G+1 (see
   ``bamboo.launch.worker``). A node killed after the outcome ``go`` is an ordinary failure of the new
   generation (the runtime fails over).
@@ -120,23 +120,49 @@ class AbandonableStore(dist.Store):
 
 
 class StartThread:
-    """``work()`` in a daemon thread; :meth:`progress` says whether it finished and how."""
+    """``work()`` in a daemon thread; :meth:`progress` says whether it finished and how.
+
+    The thread drops ``work`` (and what its closure holds) once it returns. An attempt given up hands its
+    result to :meth:`abandon`'s ``cleanup``, at once or when the work ends (in the thread that has it), so
+    that a thread still blocked on a dead peer keeps nothing alive after it ends."""
 
     def __init__(self, work: Callable[[], Any], name: str) -> None:
         self.result: Any = None
         self.error: BaseException | None = None
         self._done = threading.Event()
-        self._work = work
+        self._work: Callable[[], Any] | None = work
+        self._lock = threading.Lock()
+        self._cleanup: Callable[[Any], None] | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        result: Any = None
         try:
-            self.result = self._work()
+            assert self._work is not None
+            result = self._work()
         except BaseException as error:  # reported through progress(); an abandoned thread's error is dropped
             self.error = error
         finally:
-            self._done.set()
+            self._work = None
+            try:
+                with self._lock:
+                    cleanup = self._cleanup
+                    if cleanup is None:
+                        self.result = result
+                if cleanup is not None and result is not None:
+                    cleanup(result)
+            finally:
+                self._done.set()
+
+    def abandon(self, cleanup: Callable[[Any], None]) -> None:
+        """The attempt was given up: ``cleanup(result)`` is called with the work's result (not None), now if
+        it has finished, else when it does; the result is not kept."""
+        with self._lock:
+            self._cleanup = cleanup
+            result, self.result = self.result, None
+        if result is not None:
+            cleanup(result)
 
     def progress(self) -> tuple[bool, BaseException | None]:
         return self._done.is_set(), self.error

@@ -99,8 +99,8 @@ ATTEMPT_STORE_POLL_MAX_S = 0.02
 """Longest pause between reads of an attempt's abandonable c10d store while it waits for a key."""
 
 ABANDONED_JOIN_S = 2.0
-"""How long a node waits for the thread of an abandoned attempt to end (one blocked on a dead peer never
-does; it is left behind, referenced until the process exits)."""
+"""How long a node waits for the thread of an abandoned attempt to end (one blocked on a dead peer does not;
+it is left behind, and ends at the group's timeout, freeing what it holds)."""
 
 RUN_POLL_S = 0.1
 """How often ``bamboo-launch run`` mirrors the event log and checks its agents."""

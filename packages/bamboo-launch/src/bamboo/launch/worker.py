@@ -69,9 +69,6 @@ TRANSFER_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_TRANSFER_PAUSE_S"
 """Test hook: seconds every member of a reconfiguration's transfer group waits once the group is formed,
 after publishing decision ``g<G>-transfer-group-<node>`` (so that a test can kill a node mid-transfer)."""
 
-_UNTIL_EXIT: list[Any] = []  # objects that must not be freed before ``os._exit`` (their gloo groups)
-
-
 class JobCannotContinue(RuntimeError):
     """The job cannot go on (say, every copy of a stage is gone and there is no checkpoint): the worker
     ends the job with this error."""
@@ -111,7 +108,6 @@ class _Run:
         self.agent = AgentClient(context.agent_address, name=f"worker-{self.node}", **_agent_auth(context))
         self.log = EtcdEventLog(self.membership.kv, context.job, f"{self.node}.worker.{os.getpid()}",
                                 self.spec.created_unix, guard=self.membership.guard)
-        self.retired: list[Any] = []  # old executors stay referenced: their gloo groups must not be destroyed
         self.layers = self.spec.reconfig_layers()
         self.notice_deadline: float | None = None  # this node's preemption deadline, once its agent was told
         self._notice_watch = self.membership.watch_notices(self._on_notice)
@@ -300,9 +296,7 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
                                   attempt, layout.reason)
             continue
         if node not in ranks:  # a source that leaves for standby: its transfers are done
-            # Freeing the groups here would block until their pending work times out (gloo's destructor
-            # waits; 60 s after a kill), so they stay referenced until the process exits.
-            _UNTIL_EXIT.append(old)
+            _release_executor(old)
             old, ready_record = None, None
             print(f"node {node}: on standby after generation {generation}", flush=True)
             layout = run.wait_role(generation)
@@ -318,8 +312,8 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
                                       duration_s=max(0.0, time.time() - float(layout.barrier_unix or time.time())),
                                       attempts=layout.attempt + 1))
             log_restore(log, layout)
-        if old is not None:
-            run.retired.append(old)
+        if old is not None:  # the new layout holds this node's state now
+            _release_executor(old)
         ready_record = None
         old = None
         data = pipeline_batches(program.microbatch, executor.pipeline, layout.micro_batches, executor.step)
@@ -545,6 +539,16 @@ def _prefix(generation: int, attempt: int) -> str:
     return f"g{generation}-" if attempt == 0 else f"g{generation}-a{attempt}-"
 
 
+def _release_executor(old: Any) -> None:
+    """Let the executor of a layout that ended go (its state is in the next layout's, or handed over): its
+    groups are freed once their operations have finished, its failure notices stop watching, and its
+    tensors are freed with it. Keeping it would hold, per membership change, a copy of this node's stages
+    and optimizer state, and every group's sockets and threads."""
+    old.release()
+    if old.notices is not None:
+        old.notices.close()
+
+
 def _start_engine(run: _Run, layout: Any, old: Any, store: Any) -> Any:
     """This node's engine for ``layout``, with its stage state (from ``old``, peers or a checkpoint) in place."""
     from bamboo.launch.notices import EtcdFailureNotices
@@ -552,13 +556,13 @@ def _start_engine(run: _Run, layout: Any, old: Any, store: Any) -> Any:
 
     spec, ranks = run.spec, layout.ranks
     job = f"{spec.job}-g{layout.generation}"
-    notices = EtcdFailureNotices(run.membership, layout.generation, run.agent, layout.node_of_rank)
-    run.retired.append(notices)
+    notices = (EtcdFailureNotices(run.membership, layout.generation, run.agent, layout.node_of_rank)
+               if spec.redundancy != "none" else None)
     config = {**spec.config, "gradient_accumulation_steps": layout.micro_batches}
     engine = initialize(
         list(run.program.layers), config, spec.redundancy, loss_fn=run.program.loss_fn, stages=spec.stages,
         rank=ranks[run.node], world_size=spec.stages * layout.pipelines, store=store, seed=spec.seed, job=job,
-        timeouts=run.timeouts, notices=notices if spec.redundancy != "none" else None,
+        timeouts=run.timeouts, notices=notices,
         stage_bounds=layout.stage_bounds, microbatch=run.program.microbatch,
     )
     _receive_state(run, layout, old, engine.executor, store)
@@ -591,8 +595,9 @@ def _attempt(run: _Run, layout: Any, old: Any) -> Any:
         return part.result
     print(f"node {run.node}: generation {generation} abandoned: {outcome.reason}", flush=True)
     store.abandon()
-    part.join(timeouts.ABANDONED_JOIN_S)  # a thread blocked in gloo on a dead peer stays blocked: its objects are never freed
-    run.retired.append((store, part))
+    part.abandon(lambda engine: _release_executor(engine.executor))  # an engine started for nothing goes
+    # A thread blocked in gloo on a dead peer stays blocked until the group's timeout; what it holds goes then.
+    part.join(timeouts.ABANDONED_JOIN_S)
     return _ABANDONED
 
 
@@ -786,7 +791,7 @@ def _run_transfers(run: _Run, layout: Any, old: Any, executor: Any | None, store
     on each other.
     """
     from bamboo.launch.reconfigure import transfer_participants
-    from bamboo.rc.comm import build_gloo_group
+    from bamboo.rc.comm import build_gloo_group, keep_until_settled
     from bamboo.rc.transfer import export_stage_state, import_stage_state
 
     plan = layout.transfers
@@ -795,7 +800,9 @@ def _run_transfers(run: _Run, layout: Any, old: Any, executor: Any | None, store
     members = transfer_participants(plan)
     group = build_gloo_group(store, f"bamboo/{run.spec.job}/g{layout.generation}/transfer/",
                              members.index(run.node), len(members), run.timeouts.group)
-    run.retired.append(group)
+    # Transfers are synchronous: the group is freed at the next membership change (a thread still blocked on a
+    # dead peer holds it until its operation times out, and frees it there, off the training thread).
+    keep_until_settled(group)
     pause_s = float(os.environ.get(TRANSFER_PAUSE_ENV, "0") or 0)
     if pause_s > 0:  # test hook: the group is formed, no byte has moved yet
         run.membership.decide(f"g{layout.generation}-transfer-group-{run.node}", {"pause_s": pause_s})

@@ -23,6 +23,7 @@ import ctypes
 import datetime
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -42,7 +43,9 @@ __all__ = [
     "build_gloo_group",
     "chunk_views",
     "gloo_device",
-    "never_free",
+    "keep_until_settled",
+    "kept_groups",
+    "release_settled",
     "wait_works",
 ]
 
@@ -50,6 +53,8 @@ CHUNK_BYTES = 1 << 20
 # gloo tags are 32-bit: a message tag is `base × MAX_CHUNKS + chunk`, so one message holds at most
 # MAX_CHUNKS chunks (256 MiB of data). Callers split larger payloads into several messages.
 MAX_CHUNKS = 256
+# A group's list of posted operations is pruned of finished ones when it reaches this length.
+_PRUNE_AT = 256
 
 
 GLOO_HOST_ENV = "BAMBOO_GLOO_HOST"
@@ -76,11 +81,57 @@ def build_gloo_group(store: Store, prefix: str, rank: int, size: int, timeout: f
     return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
 
 
-def never_free(group: object) -> None:
-    """Keep `group` (a gloo group that may hold an operation a failure left pending) alive until the process
-    ends, even through the interpreter's shutdown: gloo's destructor would wait for that operation until the
-    group's timeout. The reference is leaked on purpose; the process's end reclaims it."""
+class _Kept:
+    """A group kept alive by :func:`keep_until_settled`, with the operations it may still be running."""
+
+    __slots__ = ("group", "works")
+
+    def __init__(self, group: object, works: list[object]) -> None:
+        self.group = group
+        self.works = works
+
+    def settled(self) -> bool:
+        self.works = [work for work in self.works if not work.is_completed()]  # type: ignore[attr-defined]
+        return not self.works
+
+
+_KEPT: list[_Kept] = []
+_KEPT_LOCK = threading.Lock()  # a launcher may release an abandoned start's groups from its thread
+
+
+def keep_until_settled(group: object, works: Iterable[object] = ()) -> None:
+    """Keep `group` (a gloo group given up after a failure) alive until every one of `works`, the collectives
+    posted on it, has finished.
+
+    A failure can leave a collective pending on a group its survivors have given up (a peer that abandoned
+    the step never sends its part). gloo's destructor waits for every queued collective, so freeing the
+    group then would block until the group's timeout. The reference is leaked on purpose, through the
+    interpreter's shutdown too; :func:`release_settled` gives it back once the works have all finished
+    (by the group's timeout at the latest): freeing the group then returns at once, and closes its
+    sockets and threads. (A pending P2P operation does not hold the destructor: its work holds the
+    connection until the work's last reference goes.)"""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    with _KEPT_LOCK:
+        _KEPT.append(_Kept(group, list(works)))
+
+
+def release_settled() -> int:
+    """Free the kept groups whose operations have all finished (see :func:`keep_until_settled`); returns
+    how many groups stay kept. Cheap: it is called at every membership change."""
+    global _KEPT
+    with _KEPT_LOCK:
+        settled = [kept for kept in _KEPT if kept.settled()]
+        _KEPT = [kept for kept in _KEPT if kept.works]
+        still = len(_KEPT)
+    for kept in settled:  # outside the lock: a group's destructor joins its threads
+        group, kept.group = kept.group, None
+        ctypes.pythonapi.Py_DecRef(ctypes.py_object(group))
+    return still
+
+
+def kept_groups() -> int:
+    """How many groups :func:`keep_until_settled` keeps now."""
+    return len(_KEPT)
 
 
 def chunk_views(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -100,7 +151,8 @@ class GroupTable:
 
     `set_members(epoch, members)` maps group names to ordered global ranks. A group whose
     membership is unchanged keeps its gloo group (messages in flight on it stay deliverable); a
-    group whose membership changed is retired (kept referenced, off the critical path) and rebuilt
+    group whose membership changed is retired (kept alive until the operations posted on it have finished,
+    off the critical path: :func:`keep_until_settled`) and rebuilt
     on first use under the new prefix `bamboo/<job>/e<epoch>/<name>/`, so no prefix is ever reused.
     `build_all()` builds, in sorted name order, every group this rank belongs to: all processes
     follow the same order, so it cannot deadlock.
@@ -115,7 +167,8 @@ class GroupTable:
         self.members: dict[str, tuple[int, ...]] = {}
         self.versions: dict[str, int] = {}
         self.groups: dict[str, ProcessGroupGloo] = {}
-        self.retired: list[ProcessGroupGloo] = []
+        self.works: dict[str, list[object]] = {}  # per group: the operations posted on it (finished ones pruned)
+        self._prune_at: dict[str, int] = {}
 
     def set_members(self, epoch: int, members: dict[str, Sequence[int]]) -> None:
         for name in list(self.members):
@@ -128,18 +181,32 @@ class GroupTable:
                 self._retire(name)
                 self.members[name] = ranks
                 self.versions[name] = epoch
+        release_settled()  # the groups retired earlier whose operations have finished since
 
     def _retire(self, name: str) -> None:
         group = self.groups.pop(name, None)
+        works = self.works.pop(name, [])
+        self._prune_at.pop(name, None)
         if group is not None:
-            self.retired.append(group)
-            never_free(group)  # a failure may have left an operation pending on it
+            keep_until_settled(group, works)  # a failure may have left an operation pending on it
 
-    def never_free_all(self) -> None:
-        """:func:`never_free` every current group of this table (one given up after a failure; the retired
-        ones are already)."""
-        for group in self.groups.values():
-            never_free(group)
+    def release(self) -> None:
+        """Give up every group of this table (an interrupted evaluation's, or a finished layout's): each is
+        freed once the operations posted on it have finished (:func:`keep_until_settled`)."""
+        for name in list(self.groups):
+            self._retire(name)
+        release_settled()
+
+    def _posted(self, name: str, works: list[object]) -> list[object]:
+        """Note `works`, collectives just posted on group `name` (the table hands them over with the group
+        when it is retired); returns them. P2P operations are not noted: gloo runs them outside the work
+        queue its destructor waits for, and a pending one ends when the last reference to its work goes."""
+        posted = self.works.setdefault(name, [])
+        if len(posted) >= self._prune_at.get(name, _PRUNE_AT):
+            posted[:] = [work for work in posted if not work.is_completed()]  # type: ignore[attr-defined]
+            self._prune_at[name] = max(_PRUNE_AT, 2 * len(posted))  # many in flight: prune less often
+        posted.extend(works)
+        return works
 
     def build_all(self) -> None:
         for name in sorted(self.members):
@@ -192,7 +259,7 @@ class GroupTable:
             return []
         pg = self.group(group)
         try:
-            return [pg.allreduce([tensor]) for tensor in tensors]
+            return self._posted(group, [pg.allreduce([tensor]) for tensor in tensors])
         except RuntimeError as exc:
             raise self.collective_failure(group, instruction, exc) from exc
 
@@ -205,7 +272,16 @@ class GroupTable:
             return []
         pg = self.group(group)
         try:
-            return [pg.alltoall_base(out, data, list(out_sizes), list(in_sizes))]
+            return self._posted(group, [pg.alltoall_base(out, data, list(out_sizes), list(in_sizes))])
+        except RuntimeError as exc:
+            raise self.collective_failure(group, instruction, exc) from exc
+
+    def post_broadcast(self, group: str, tensors: Sequence[torch.Tensor], root: int, instruction: str) -> list[object]:
+        """Start broadcasting `tensors` in place from global rank `root` over `group`; returns the works."""
+        pg = self.group(group)
+        index = self.group_rank(group, root)
+        try:
+            return self._posted(group, [pg.broadcast(tensor, index) for tensor in tensors])
         except RuntimeError as exc:
             raise self.collective_failure(group, instruction, exc) from exc
 

@@ -24,10 +24,10 @@ confirmed failure is pending, or arrives at any point of the evaluation, or the 
 the same epoch, every node gives the evaluation up (:meth:`ForwardOnlyPass.run` returns None) and
 the next ``train_batch`` handles the failure as one that struck between two steps. A P2P or
 collective failure is reported to the failure detector first (it is confirmed, or raised when it is
-not, as in training). The groups of an interrupted evaluation are never freed
-(:func:`bamboo.rc.comm.never_free`: gloo blocks when a group with a stuck operation is freed); those
-of a finished one are freed at the next evaluation's barrier, once every member is known to be done
-with them.
+not, as in training). The groups of an interrupted evaluation are freed only once
+the operations posted on them have finished (:func:`bamboo.rc.comm.keep_until_settled`: gloo blocks
+when a group with a stuck operation is freed); those of a finished one are freed at the next
+evaluation's barrier, once every member is known to be done with them.
 """
 
 from __future__ import annotations
@@ -131,10 +131,10 @@ class ForwardOnlyPass:
         try:
             loss = self._run(groups, batches, microbatches, share_source)
         except FailureNoticed:
-            groups.never_free_all()
+            groups.release()
             return None
         except PeerFailure as failure:
-            groups.never_free_all()
+            groups.release()
             if not executor.coordinator.watching:
                 raise
             executor.coordinator.confirm(failure)  # the suspects go to the detector; raises if not confirmed

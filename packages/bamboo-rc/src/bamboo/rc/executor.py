@@ -385,6 +385,14 @@ class StageExecutor:
                 raise RuntimeError(f"not every live rank of {live} finished within {self.timeouts.build} s")
             self.clock.sleep(FINISH_POLL_S)
 
+    def release(self) -> None:
+        """Let this executor go (a layout that ended; its state was handed to the next one): its gloo groups
+        are freed once the operations posted on them have finished (:func:`bamboo.rc.comm.keep_until_settled`),
+        and its idle waiting threads end. The failure notices it was given are the caller's to close. Drop
+        every reference to it after: its tensors are freed with it."""
+        self.groups.release()
+        self.interpreter.close()
+
     # ----------------------------------------------------------------------------- hand-over
     def _check_notice(self) -> None:
         """At the start of an iteration: act on a preemption notice for this node.

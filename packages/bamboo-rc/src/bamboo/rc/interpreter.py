@@ -111,6 +111,11 @@ class StageInterpreter:
         self.reset_iteration()
 
     # ----------------------------------------------------------------------------- state
+    def close(self) -> None:
+        """End the idle threads that wait on transfers (one still waiting ends with its transfer)."""
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False)
+
     def reset_iteration(self) -> None:
         """Forget every tensor of the current iteration (the stash too)."""
         self.inputs: dict[Key, torch.Tensor] = {}

@@ -144,8 +144,9 @@ class RingNode:
         self.microbatch = microbatch
         self.last_result: tuple[int, torch.Tensor, torch.Tensor] | None = None
         """(step, reduced gradients, every microbatch's loss) of the last step this node committed."""
-        self.abandoned: list[object] = []
-        """All-reduces given up after a failure, kept referenced (gloo may still write into them)."""
+        self.abandoned: list[_Reduction] = []
+        """Reductions given up after a failure, kept referenced while gloo may still write into them (until
+        their works have finished: pruned at the next one given up)."""
         self.done = 0
         """Instructions completed in the current step (published with the progress after a failure)."""
         self.unbuilt: tuple[int, PeerFailure] | None = None
@@ -347,12 +348,13 @@ class RingNode:
             mine.add_(by_share[share])  # element by element the same rounding as `mine + ...`
         # Every member sends its sum straight to every other (an all-to-all). gloo's ring all-gather, in
         # which each member forwards the others' sums, left members waiting until the group's timeout more
-        # often after a failure (a member that gave the step up forwards nothing); see comm.never_free.
+        # often after a failure (a member that gave the step up forwards nothing); see comm.keep_until_settled.
         sizes = [end - start for start, end in posted.bounds]
         copies = mine.repeat(len(posted.members))
         summed = torch.empty(self.piece.numel())
         posted.tensors += [copies, summed]  # referenced until the step commits or is abandoned
         works = self.groups.post_all_to_all(GROUP, summed, copies, sizes, [chunk] * len(sizes), "0OPT")
+        posted.works += works
         self.groups.wait_collective(GROUP, works, "0OPT (the sums' exchange)", self._interrupt)
         return self._commit(summed, losses)
 
@@ -376,6 +378,8 @@ class RingNode:
     # ----------------------------------------------------------------------------- failover
     def abandon_posted(self) -> None:
         """Give up the posted all-reduce (its group lost a member): it is posted again on the new group."""
+        self.abandoned = [reduction for reduction in self.abandoned  # those gloo is done with go
+                          if not all(work.is_completed() for work in reduction.works)]  # type: ignore[attr-defined]
         if self.posted is not None:
             self.abandoned.append(self.posted)
             self.posted = None
@@ -398,14 +402,8 @@ class RingNode:
             assert self.last_result is not None
             grads, losses = self.last_result[1].clone(), self.last_result[2].clone()
         self._await_group()
-        members = self.groups.members[GROUP]
-        root = members.index(agreement.source)
-        group = self.groups.group(GROUP)
         what = f"the result of step {agreement.step - 1} from rank {agreement.source}"
-        try:
-            works = [group.broadcast(grads, root), group.broadcast(losses, root)]
-        except RuntimeError as exc:
-            raise self.groups.collective_failure(GROUP, what, exc) from exc
+        works = self.groups.post_broadcast(GROUP, [grads, losses], agreement.source, what)
         self.groups.wait_collective(GROUP, works, what, self._interrupt)
         if not lagging:
             assert self.last_result is not None

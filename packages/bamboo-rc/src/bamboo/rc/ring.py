@@ -74,8 +74,7 @@ Share = tuple[torch.Tensor, list[float]]
 
 class _Reduction:
     """One posted reduction of a step's gradients: the group's members, the shares each computes, each
-    member's chunk of the flat gradients, the works in flight and every tensor they read or write (kept
-    referenced while gloo may touch them)."""
+    member's chunk of the flat gradients, the first phase's works and its tensors (sent, received, losses)."""
 
     def __init__(self, members: tuple[int, ...], shares_of: dict[int, tuple[int, ...]],
                  bounds: list[tuple[int, int]], works: list[object], tensors: list[torch.Tensor]) -> None:
@@ -144,9 +143,6 @@ class RingNode:
         self.microbatch = microbatch
         self.last_result: tuple[int, torch.Tensor, torch.Tensor] | None = None
         """(step, reduced gradients, every microbatch's loss) of the last step this node committed."""
-        self.abandoned: list[_Reduction] = []
-        """Reductions given up after a failure, kept referenced while gloo may still write into them (until
-        their works have finished: pruned at the next one given up)."""
         self.done = 0
         """Instructions completed in the current step (published with the progress after a failure)."""
         self.unbuilt: tuple[int, PeerFailure] | None = None
@@ -352,9 +348,7 @@ class RingNode:
         sizes = [end - start for start, end in posted.bounds]
         copies = mine.repeat(len(posted.members))
         summed = torch.empty(self.piece.numel())
-        posted.tensors += [copies, summed]  # referenced until the step commits or is abandoned
         works = self.groups.post_all_to_all(GROUP, summed, copies, sizes, [chunk] * len(sizes), "0OPT")
-        posted.works += works
         self.groups.wait_collective(GROUP, works, "0OPT (the sums' exchange)", self._interrupt)
         return self._commit(summed, losses)
 
@@ -378,11 +372,9 @@ class RingNode:
     # ----------------------------------------------------------------------------- failover
     def abandon_posted(self) -> None:
         """Give up the posted all-reduce (its group lost a member): it is posted again on the new group."""
-        self.abandoned = [reduction for reduction in self.abandoned  # those gloo is done with go
-                          if not all(work.is_completed() for work in reduction.works)]  # type: ignore[attr-defined]
-        if self.posted is not None:
-            self.abandoned.append(self.posted)
-            self.posted = None
+        # gloo's works hold the tensors they read and write, and the group table keeps the works of a
+        # retired group until they have finished, so nothing here needs to outlive the reduction.
+        self.posted = None
 
     def settle_laggards(self, agreement: RingAgreement) -> float | None:
         """Every live node joins the broadcast of the last step's result from ``agreement.source``; a

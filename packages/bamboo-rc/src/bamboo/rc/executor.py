@@ -490,5 +490,6 @@ class StageExecutor:
             return stream  # our pipeline lost nobody: resume where we were (same stream, same index)
         if own.cut[self.node] > done:
             self.interpreter.execute(stream[done])  # the interrupted transfer: its partner completed it
+        self.interpreter.forget_transfers_with(agreement.victims[self.pipeline])
         self.interpreter.apply_replica_updates()
         return list(own.plan.remainder.streams[self.node])

@@ -8,7 +8,10 @@ schedule"):
 - `L`, `F`, `B`, `SA`/`RA`, `SG`/`RG`: the pipeline itself. Sends and receives wait for
   completion; while one waits, a confirmed failure event raises
   :class:`~bamboo.rc.failures.FailureNoticed` and the transfer stays posted, so the same
-  instruction of the failover schedule resumes it instead of posting it again.
+  instruction of the failover schedule resumes it instead of posting it again. One whose peer was
+  a victim is dropped once the failover is agreed (:meth:`StageInterpreter.forget_transfers_with`),
+  and the commit refuses a step that still leaves one posted: it would pair with the next step's
+  transfer of the same text.
 - `FR`, `SO`, `SI`, `BR`: redundant work on the replica, with the FRC stash kept in
   :class:`~bamboo.rc.stash.FrcStash`.
 - `AR`: posts the data-parallel all-reduce of the stage's gradients (and the loss); its result is
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -101,7 +104,8 @@ class StageInterpreter:
         self.sync_bytes = 0
         self.kind_seconds: dict[str, float] = {}
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=8) if coordinator.watching else None
-        self._pending: dict[str, tuple[object, torch.Tensor | None]] = {}
+        self._pending: dict[str, tuple[int, object, torch.Tensor | None]] = {}
+        """Transfers a confirmed failure interrupted: instruction text -> (peer node, handle, buffer)."""
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
@@ -164,7 +168,7 @@ class StageInterpreter:
         """
         key = str(instruction)
         if key in self._pending:
-            handle, buffer = self._pending.pop(key)
+            _, handle, buffer = self._pending.pop(key)
         else:
             works, buffer = post()
             handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
@@ -182,10 +186,20 @@ class StageInterpreter:
             except concurrent.futures.TimeoutError:
                 event = self.coordinator.pending_event()
                 if event is not None:
-                    self._pending[key] = (handle, buffer)
+                    assert instruction.peer is not None
+                    self._pending[key] = (instruction.peer, handle, buffer)
                     raise FailureNoticed(event) from None
             except RuntimeError as exc:
                 raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
+
+    def forget_transfers_with(self, victims: Collection[int]) -> list[str]:
+        """Drop the interrupted transfers whose peer is one of `victims` (nodes of this pipeline that a
+        failover removed); returns their instruction texts. The failover schedule never resumes them: they
+        only fail, and they would keep their buffers to the end of this executor."""
+        dropped = [key for key, (peer, _, _) in self._pending.items() if peer in victims]
+        for key in dropped:
+            del self._pending[key]
+        return dropped
 
     def _interrupter(self, group: str) -> Callable[[], None]:
         """While blocked in a collective on `group`: raise FailureNoticed if a confirmed failure
@@ -539,6 +553,14 @@ class StageInterpreter:
     def _apply_commit(self, hosted: Sequence[int], result: CommitResult) -> float:
         """The optimizer steps of the `hosted` stages with the clip coefficient of `result`, the
         replica updates, the step's loss; then the next iteration."""
+        if self._pending:
+            # A transfer with a live peer that the step ended without: the failover schedule should have
+            # resumed it. Left posted, it would pair with the next step's transfer of the same text (a stale
+            # send would deliver this step's tensor), so stop rather than train on.
+            raise RuntimeError(
+                f"step {self.step} of node {self.node} (pipeline {self.pipeline}) ended with transfers still posted: "
+                f"{sorted(self._pending)}; the failover schedule did not resume them"
+            )
         clip = clip_coefficient(self.config.gradient_clipping, result.squared_norm)
         finished = [s for s in hosted if s not in self._reduced and s in self._received_syncs]
         for s in finished:

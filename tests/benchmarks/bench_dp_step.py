@@ -8,8 +8,8 @@ For each D in `--replicas`, `bamboo.rc.verify.run_verify` trains the example dec
 replicas (one process each, `--steps` steps, one microbatch per replica and step, SGD) as:
 1. `none` (the baseline): no redundancy, so the step ends with one all-reduce of the gradients, as DDP's;
 2. `lflb`: the shadow ring, lazy. Its step ends with the exact reduction (`bamboo.rc.ring`: an all-to-all of
-   gradient chunks, each node adds its chunk's shares in share order, an all-gather), which adds the shares in
-   one fixed order whichever node computed them;
+   gradient chunks, each node adds its chunk's shares in share order, a second all-to-all of the sums), which
+   adds the shares in one fixed order whichever node computed them;
 3. `eflb`: the same, plus the eager copy of the neighbour's share every step (overbatching).
 
 The variants run interleaved, `--repeats` times. Each prints the median step time (the steps after the

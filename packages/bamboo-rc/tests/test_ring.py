@@ -1,4 +1,4 @@
-"""P = 1 (pure data parallelism): the shadow ring's owners and the ring agreement, in-process.
+"""P = 1 (pure data parallelism): the shadow ring's owners, the ring agreement and the reduction's buffers, in-process.
 
 No processes, no sleeps: a dictionary for the store and a clock that only moves when slept on .
 """
@@ -12,6 +12,7 @@ from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import AgreementError, FailureEvent, StoreFailureNotices
 from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult, ProgressRecord
+from bamboo.rc.ring import RingNode
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.schedule import one_f_one_b
 
@@ -192,3 +193,15 @@ def test_the_ring_agreement_refuses_a_pipeline_with_stages() -> None:
                                       StoreFailureNotices(store, JOB, clock), TIMEOUTS, clock)
     with pytest.raises(RuntimeError, match=r"the ring agreement is for P = 1, this job has P = 2"):
         coordinator.begin_ring(FailureEvent(1, [1]), 0, 0)
+
+
+def test_the_reduction_reuses_its_buffers_until_a_reduction_is_given_up() -> None:
+    ring = Ring(2)
+    node = RingNode(None, None, None, ring.layout, 0, None, ring.nodes[0], None, "lflb", None)  # type: ignore[arg-type]
+    received = node._buffer("received", 8)
+    assert node._buffer("received", 8) is received  # the next step's reduction writes into the same tensor
+    assert node._buffer("summed-1", 8) is not node._buffer("summed-0", 8)  # the last step's result stays whole
+    assert node._buffer("received", 12) is not received  # another size (fewer members): a new buffer
+    in_flight = node._buffer("received", 12)
+    node.abandon_posted()  # a given-up all-to-all may still write into `in_flight`
+    assert node._buffer("received", 12) is not in_flight

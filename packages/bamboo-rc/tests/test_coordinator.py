@@ -492,7 +492,7 @@ def test_the_executor_finishes_a_commit_the_others_completed_and_runs_the_remain
     reference = TrainableSlice(specs, own.indices, config, 0)
     grads = torch.linspace(-1.0, 1.0, own.numel())
     own.load_flat_grads(grads)
-    interpreter._reduced[2] = torch.cat([grads, torch.tensor([0.0, 1.0])])
+    interpreter._reduced[2] = (grads, torch.tensor([0.0, 1.0]))
     interpreter._to_step.append(2)
     sync = torch.cat([torch.linspace(0.5, -0.5, replica.numel()), torch.tensor([3.0, 1.0])])
     interpreter._received_syncs[3] = sync.clone()

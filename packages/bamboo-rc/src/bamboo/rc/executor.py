@@ -145,7 +145,8 @@ class StageExecutor:
         self.groups = GroupTable(store, job, self.rank, self.timeouts, {r: layout.name(r) for r in range(layout.world)})  # type: ignore[arg-type]
         self._rebuild_groups()
         self.interpreter = StageInterpreter(
-            self.slices, loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator
+            self.slices, loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator,
+            keeps_contributions=redundancy != "none",
         )
         self.ring: RingNode | None = None
         """P = 1 with redundancy: this node of the shadow ring (see :mod:`bamboo.rc.ring`)."""

@@ -11,12 +11,14 @@ schedule"):
   instruction of the failover schedule resumes it instead of posting it again. One whose peer was
   a victim is dropped once the failover is agreed (:meth:`StageInterpreter.forget_transfers_with`),
   and the commit refuses a step that still leaves one posted: it would pair with the next step's
-  transfer of the same text.
+  transfer of the same text. A replica sync larger than one message (256 MiB) goes in several, and
+  resumes at the message it stopped at.
 - `FR`, `SO`, `SI`, `BR`: redundant work on the replica, with the FRC stash kept in
   :class:`~bamboo.rc.stash.FrcStash`.
 - `AR`: posts the data-parallel all-reduce of the stage's gradients (and the loss); its result is
   awaited where it is needed (collectives of different groups never wait on each other in stream
-  order).
+  order). With redundancy it keeps a copy of what it contributed, for a redo or a repost after a
+  failure; without, a failure ends the run and no copy is made.
 - `OPT`, `SY`, `RY`: the step is recorded, and applied at the commit (:meth:`commit`: one small
   all-reduce over the pipeline of the squared gradient norm and the loss, then every hosted
   stage steps with the global clip coefficient). `RY` receives the owner's reduced gradients; the
@@ -86,6 +88,7 @@ class StageInterpreter:
         pipeline: int,
         groups: GroupTable,
         coordinator: FailoverCoordinator,
+        keeps_contributions: bool = True,
     ) -> None:
         self.slices = slices
         self.loss_fn = loss_fn
@@ -96,6 +99,10 @@ class StageInterpreter:
         self.rank = layout.rank(node, pipeline)
         self.groups = groups
         self.coordinator = coordinator
+        self.keeps_contributions = keeps_contributions
+        """Whether each all-reduce keeps a copy of what it contributed, to be redone or posted again after a
+        failure. Only with redundancy: without, a failure ends the run, and the copy would cost a fresh
+        gradient-sized tensor every step."""
         self.stash = FrcStash()
         self.step = 0
         self.losses: list[float] = []
@@ -106,6 +113,9 @@ class StageInterpreter:
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=8) if coordinator.watching else None
         self._pending: dict[str, tuple[int, object, torch.Tensor | None]] = {}
         """Transfers a confirmed failure interrupted: instruction text -> (peer node, handle, buffer)."""
+        self._segmented: dict[str, tuple[int, torch.Tensor, int]] = {}
+        """Payloads sent in several messages that a failure interrupted: instruction text -> (peer node, the
+        payload, the segment to resume at)."""
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
@@ -130,7 +140,8 @@ class StageInterpreter:
         self.red_outputs: dict[Key, torch.Tensor] = {}
         self.local_outputs: dict[Key, torch.Tensor] = {}
         self.mb_losses: dict[int, float] = {}
-        self._reduced: dict[int, torch.Tensor] = {}
+        self._reduced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Stage -> its reduced gradients and [the reduced loss as fp32, the stage's step number after this one]."""
         self._reducing: dict[int, Posted] = {}
         self._to_step: list[int] = []
         self._received_syncs: dict[int, torch.Tensor] = {}
@@ -196,9 +207,11 @@ class StageInterpreter:
         """Drop the interrupted transfers whose peer is one of `victims` (nodes of this pipeline that a
         failover removed); returns their instruction texts. The failover schedule never resumes them: they
         only fail, and they would keep their buffers to the end of this executor."""
-        dropped = [key for key, (peer, _, _) in self._pending.items() if peer in victims]
+        dropped = sorted({key for key, (peer, _, _) in [*self._pending.items(), *self._segmented.items()]
+                          if peer in victims})
         for key in dropped:
-            del self._pending[key]
+            self._pending.pop(key, None)
+            self._segmented.pop(key, None)
         return dropped
 
     def _interrupter(self, group: str) -> Callable[[], None]:
@@ -399,7 +412,7 @@ class StageInterpreter:
         last = s == self.layout.stages - 1
         loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
         flat = piece.flat_grads()
-        contribution = (self.step, flat.clone(), loss.clone())
+        contribution = (self.step, flat.clone(), loss.clone()) if self.keeps_contributions else (self.step, None, None)
         group = f"dp-s{s}"
         self._await_group_members(group)
         works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
@@ -421,11 +434,11 @@ class StageInterpreter:
         del self._reducing[s]
         piece = self.slices[s]
         piece.load_flat_grads(flat)
-        if self.layout.pipelines > 1:  # kept in case a lost peer's shadow redoes this all-reduce
+        if self.layout.pipelines > 1 and self.keeps_contributions:  # in case a lost peer's shadow redoes it
             self._contributions[(s, contribution[0])] = (contribution[1], contribution[2])
             for key in [k for k in self._contributions if k[1] < contribution[0] - 1]:
                 del self._contributions[key]
-        self._reduced[s] = torch.cat([flat, loss.float(), torch.tensor([float(piece.steps + 1)])])
+        self._reduced[s] = (flat, torch.cat([loss.float(), torch.tensor([float(piece.steps + 1)])]))
 
     def wait_posted_allreduces(self) -> None:
         """Wait until every posted data-parallel all-reduce completed (so the peers completed it too)."""
@@ -441,10 +454,8 @@ class StageInterpreter:
         assert instruction.peer is not None
         s = instruction.stage
         self._wait_reduction(s)
-        payload = self._reduced[s]
         shadow = self._peer_rank(instruction.peer)
-        for segment, piece in enumerate(_segments(payload)):
-            self._send(instruction, piece, shadow, _tag(_TAG_SYNC, s, segment))
+        payload = self._transfer_segments(instruction, lambda: torch.cat(self._reduced[s]), shadow, s)
         self.sync_bytes += payload.numel() * payload.element_size()
 
     def _sync_recv(self, instruction: Instruction) -> None:
@@ -453,12 +464,33 @@ class StageInterpreter:
         s = instruction.stage
         self._apply_replica_update(s)  # lflb never runs the replica: apply the last update now
         owner = self._peer_rank(instruction.peer)
-        payload = torch.empty(self.slices[s].numel() + 2)
+        self._received_syncs[s] = self._transfer_segments(
+            instruction, lambda: torch.empty(self.slices[s].numel() + 2), owner, s, receive=True
+        )
+
+    def _transfer_segments(self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int, stage: int,
+                       receive: bool = False) -> torch.Tensor:
+        """Send (or receive into) the payload `make()` gives, one message per segment; returns the payload.
+
+        A payload over one message's limit (256 MiB) goes in several. A confirmed failure can interrupt
+        it after some segments went: the payload and the first unfinished segment are kept under the
+        instruction's text, so the failover schedule's same instruction resumes it there (the interrupted
+        segment's transfer is still posted), and never sends or receives a segment twice."""
+        key = str(instruction)
+        assert instruction.peer is not None
+        _, payload, start = self._segmented.pop(key, (instruction.peer, None, 0))
+        if payload is None:
+            payload = make()
         for segment, piece in enumerate(_segments(payload)):
-            received = self._recv(instruction, piece, owner, _tag(_TAG_SYNC, s, segment))
-            if received is not piece:  # resumed after a failover: the data is in the first buffer
-                piece.copy_(received)
-        self._received_syncs[s] = payload
+            if segment < start:
+                continue
+            self._segmented[key] = (instruction.peer, payload, segment)
+            if receive:
+                self._recv(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
+            else:
+                self._send(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
+        del self._segmented[key]
+        return payload
 
     def _apply_replica_update(self, stage: int) -> None:
         """Apply the owner's step of the last iteration to the replica of `stage` (identical math)."""
@@ -528,7 +560,7 @@ class StageInterpreter:
         for s in hosted:
             if s in self._reduced:
                 squared += self.slices[s].squared_grad_norm()
-                reduced_loss = float(self._reduced[s][-2])
+                reduced_loss = float(self._reduced[s][1][0])
             elif s in self._received_syncs:  # a victim's finished stage: its sync is the result
                 payload = self._received_syncs[s]
                 self.slices[s].load_flat_grads(payload[:-2])
@@ -537,7 +569,7 @@ class StageInterpreter:
             else:
                 raise RuntimeError(f"stage {s} ended the iteration without an all-reduce")
             if s == last:
-                loss = float(self._reduced[s][-2]) if s in self._reduced else reduced_loss
+                loss = float(self._reduced[s][1][0]) if s in self._reduced else reduced_loss
         if last in hosted and last in self._reduced:
             loss = sum(self.mb_losses.values()) if self.layout.pipelines == 1 else loss
         return squared, loss
@@ -553,13 +585,13 @@ class StageInterpreter:
     def _apply_commit(self, hosted: Sequence[int], result: CommitResult) -> float:
         """The optimizer steps of the `hosted` stages with the clip coefficient of `result`, the
         replica updates, the step's loss; then the next iteration."""
-        if self._pending:
+        if self._pending or self._segmented:
             # A transfer with a live peer that the step ended without: the failover schedule should have
             # resumed it. Left posted, it would pair with the next step's transfer of the same text (a stale
             # send would deliver this step's tensor), so stop rather than train on.
             raise RuntimeError(
                 f"step {self.step} of node {self.node} (pipeline {self.pipeline}) ended with transfers still posted: "
-                f"{sorted(self._pending)}; the failover schedule did not resume them"
+                f"{sorted({*self._pending, *self._segmented})}; the failover schedule did not resume them"
             )
         clip = clip_coefficient(self.config.gradient_clipping, result.squared_norm)
         finished = [s for s in hosted if s not in self._reduced and s in self._received_syncs]
@@ -589,6 +621,9 @@ class StageInterpreter:
     def _post_again(self, stage: int, contribution: Any) -> None:
         group = f"dp-s{stage}"
         _, flat, loss = contribution
+        if flat is None or loss is None:
+            raise RuntimeError(f"stage {stage}: an all-reduce must be posted again, but its contribution was not kept "
+                               f"(keeps_contributions is off: redundancy none)")
         fresh_flat, fresh_loss = flat.clone(), loss.clone()
         self._announce_group(group)
         works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{stage}AR (again)")

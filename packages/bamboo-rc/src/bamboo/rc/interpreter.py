@@ -468,8 +468,9 @@ class StageInterpreter:
             instruction, lambda: torch.empty(self.slices[s].numel() + 2), owner, s, receive=True
         )
 
-    def _transfer_segments(self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int, stage: int,
-                       receive: bool = False) -> torch.Tensor:
+    def _transfer_segments(
+        self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int, stage: int, receive: bool = False
+    ) -> torch.Tensor:
         """Send (or receive into) the payload `make()` gives, one message per segment; returns the payload.
 
         A payload over one message's limit (256 MiB) goes in several. A confirmed failure can interrupt

@@ -120,6 +120,8 @@ class StageInterpreter:
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
         self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._flat_buffers: dict[int, torch.Tensor] = {}
+        """Without redundancy: stage -> the buffer its flat gradients are gathered into, step after step."""
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self.reset_iteration()
@@ -411,12 +413,21 @@ class StageInterpreter:
         piece = self.slices[s]
         last = s == self.layout.stages - 1
         loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
-        flat = piece.flat_grads()
+        # Without redundancy nothing outlives the step's all-reduce (a failure ends the run), so the flat
+        # gradients reuse one buffer per stage: a fresh one costs its page faults again every step.
+        flat = piece.flat_grads(out=None if self.keeps_contributions else self._flat_buffer(s))
         contribution = (self.step, flat.clone(), loss.clone()) if self.keeps_contributions else (self.step, None, None)
         group = f"dp-s{s}"
         self._await_group_members(group)
         works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
         self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
+
+    def _flat_buffer(self, stage: int) -> torch.Tensor:
+        numel = self.slices[stage].numel()
+        held = self._flat_buffers.get(stage)
+        if held is None or held.numel() != numel:
+            held = self._flat_buffers[stage] = torch.empty(numel)
+        return held
 
     def _wait_reduction(self, s: int) -> None:
         """Finish stage s's all-reduce: load the reduced gradients, record the result.

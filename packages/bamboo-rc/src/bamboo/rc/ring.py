@@ -150,7 +150,8 @@ class RingNode:
         raised by the next all-reduce of that version (a later epoch builds a new group)."""
         self._own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch: dict[str, torch.Tensor] = {}
-        """The reduction's gradient-sized buffers, reused from step to step (see :meth:`_buffer`)."""
+        """The gradient-sized buffers of the shares and the reduction, reused from step to step (see
+        :meth:`_buffer`)."""
         self.reset_step()
 
     # ----------------------------------------------------------------------------- state
@@ -265,7 +266,8 @@ class RingNode:
         self._pending_losses.pop(g).backward()
         share, k = divmod(g, self.micro_batches)
         if k == self.micro_batches - 1:  # the share is complete: its gradients leave the buffers
-            done: Share = (self.piece.flat_grads(), [self._losses.pop(i) for i in self._indices(share)])
+            grads = self.piece.flat_grads(out=self._buffer(f"share-{share}", self.piece.numel()))
+            done: Share = (grads, [self._losses.pop(i) for i in self._indices(share)])
             (self.aside if aside else self.shares)[share] = done
 
     # ----------------------------------------------------------------------------- the reduction

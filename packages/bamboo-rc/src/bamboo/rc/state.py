@@ -58,9 +58,13 @@ class TrainableSlice:
         for p in self.parameters:
             p.grad = torch.zeros_like(p)
 
-    def flat_grads(self) -> torch.Tensor:
-        """All gradients concatenated (fp32 on CPU), a copy."""
-        return torch.cat([p.grad.reshape(-1) for p in self.parameters]) if self.parameters else torch.zeros(0)
+    def flat_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All gradients concatenated (fp32 on CPU), a copy: written into `out` (of :meth:`numel` elements)
+        when given, so that a caller can reuse one buffer from step to step."""
+        if not self.parameters:
+            return torch.zeros(0)
+        grads = [p.grad.reshape(-1) for p in self.parameters]
+        return torch.cat(grads) if out is None else torch.cat(grads, out=out)
 
     def load_flat_grads(self, flat: torch.Tensor) -> None:
         offset = 0

@@ -423,6 +423,7 @@ class StageInterpreter:
         self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
 
     def _flat_buffer(self, stage: int) -> torch.Tensor:
+        """The buffer stage `stage`'s flat gradients are gathered into, the same tensor from step to step."""
         numel = self.slices[stage].numel()
         held = self._flat_buffers.get(stage)
         if held is None or held.numel() != numel:

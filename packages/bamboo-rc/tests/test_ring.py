@@ -198,10 +198,10 @@ def test_the_ring_agreement_refuses_a_pipeline_with_stages() -> None:
 def test_the_reduction_reuses_its_buffers_until_a_reduction_is_given_up() -> None:
     ring = Ring(2)
     node = RingNode(None, None, None, ring.layout, 0, None, ring.nodes[0], None, "lflb", None)  # type: ignore[arg-type]
-    received = node._buffer("received", 8)
-    assert node._buffer("received", 8) is received  # the next step's reduction writes into the same tensor
-    assert node._buffer("summed-1", 8) is not node._buffer("summed-0", 8)  # the last step's result stays whole
-    assert node._buffer("received", 12) is not received  # another size (fewer members): a new buffer
-    in_flight = node._buffer("received", 12)
+    received = node._scratch.get("received", 8)
+    assert node._scratch.get("received", 8) is received  # the next step's reduction writes into the same tensor
+    assert node._scratch.get("summed-1", 8) is not node._scratch.get("summed-0", 8)  # the last step's result stays whole
+    assert node._scratch.get("received", 12) is not received  # another size (fewer members): a new buffer
+    in_flight = node._scratch.get("received", 12)
     node.abandon_posted()  # a given-up all-to-all may still write into `in_flight`
-    assert node._buffer("received", 12) is not in_flight
+    assert node._scratch.get("received", 12) is not in_flight

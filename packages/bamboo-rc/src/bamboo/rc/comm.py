@@ -119,9 +119,12 @@ def release_settled() -> int:
     """Free the kept groups whose operations have all finished (see :func:`keep_until_settled`); returns
     how many groups stay kept. Cheap: it is called at every membership change."""
     global _KEPT
+    settled: list[_Kept] = []
+    unsettled: list[_Kept] = []
     with _KEPT_LOCK:
-        settled = [kept for kept in _KEPT if kept.settled()]
-        _KEPT = [kept for kept in _KEPT if kept.works]
+        for kept in _KEPT:
+            (settled if kept.settled() else unsettled).append(kept)
+        _KEPT = unsettled
         still = len(_KEPT)
     for kept in settled:  # outside the lock: a group's destructor joins its threads
         group, kept.group = kept.group, None

@@ -47,7 +47,7 @@ from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.stash import FrcStash
-from bamboo.rc.state import TrainableSlice, clip_coefficient
+from bamboo.rc.state import ReusedBuffers, TrainableSlice, clip_coefficient
 from bamboo.schedule import FailoverPlan, Instruction, Kind
 
 __all__ = ["StageInterpreter"]
@@ -120,8 +120,8 @@ class StageInterpreter:
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
         self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._flat_buffers: dict[int, torch.Tensor] = {}
-        """Without redundancy: stage -> the buffer its flat gradients are gathered into, step after step."""
+        self._flat_buffers = ReusedBuffers()
+        """Without redundancy: by stage, the buffer its flat gradients are gathered into, step after step."""
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self.reset_iteration()
@@ -415,20 +415,12 @@ class StageInterpreter:
         loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
         # Without redundancy nothing outlives the step's all-reduce (a failure ends the run), so the flat
         # gradients reuse one buffer per stage: a fresh one costs its page faults again every step.
-        flat = piece.flat_grads(out=None if self.keeps_contributions else self._flat_buffer(s))
+        flat = piece.flat_grads(out=None if self.keeps_contributions else self._flat_buffers.get(s, piece.numel()))
         contribution = (self.step, flat.clone(), loss.clone()) if self.keeps_contributions else (self.step, None, None)
         group = f"dp-s{s}"
         self._await_group_members(group)
         works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
         self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
-
-    def _flat_buffer(self, stage: int) -> torch.Tensor:
-        """The buffer stage `stage`'s flat gradients are gathered into, the same tensor from step to step."""
-        numel = self.slices[stage].numel()
-        held = self._flat_buffers.get(stage)
-        if held is None or held.numel() != numel:
-            held = self._flat_buffers[stage] = torch.empty(numel)
-        return held
 
     def _wait_reduction(self, s: int) -> None:
         """Finish stage s's all-reduce: load the reduced gradients, record the result.

@@ -54,7 +54,7 @@ from bamboo.rc.coordinator import FailoverCoordinator, RingAgreement
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult
-from bamboo.rc.state import TrainableSlice, clip_coefficient
+from bamboo.rc.state import ReusedBuffers, TrainableSlice, clip_coefficient
 from bamboo.schedule import Instruction, Kind
 
 __all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode", "fault_free_ring_stream", "share_instructions"]
@@ -149,9 +149,11 @@ class RingNode:
         """(the group's version, the failure) when the first build of the all-reduce's group failed:
         raised by the next all-reduce of that version (a later epoch builds a new group)."""
         self._own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._scratch: dict[str, torch.Tensor] = {}
-        """The gradient-sized buffers of the shares and the reduction, reused from step to step (see
-        :meth:`_buffer`)."""
+        self._scratch = ReusedBuffers()
+        """The gradient-sized buffers of the shares and the reduction, reused from step to step. From one
+        fault-free step to the next, every operation posted on one has finished before it is used again;
+        :meth:`abandon_posted` drops them all, since a given-up operation may still write into its buffer.
+        The share buffers are only ever sent from."""
         self.reset_step()
 
     # ----------------------------------------------------------------------------- state
@@ -266,25 +268,11 @@ class RingNode:
         self._pending_losses.pop(g).backward()
         share, k = divmod(g, self.micro_batches)
         if k == self.micro_batches - 1:  # the share is complete: its gradients leave the buffers
-            grads = self.piece.flat_grads(out=self._buffer(f"share-{share}", self.piece.numel()))
+            grads = self.piece.flat_grads(out=self._scratch.get(f"share-{share}", self.piece.numel()))
             done: Share = (grads, [self._losses.pop(i) for i in self._indices(share)])
             (self.aside if aside else self.shares)[share] = done
 
     # ----------------------------------------------------------------------------- the reduction
-    def _buffer(self, name: str, numel: int) -> torch.Tensor:
-        """The reduction's buffer `name` of `numel` fp32 elements, the same tensor from step to step.
-
-        A fresh gradient-sized tensor each step costs its page faults again (the allocator hands large
-        blocks back to the system when they are freed): about 20 ms per 13 M parameters on a 2-core
-        machine here, several times a step. Reuse is safe while every operation posted on a buffer has
-        finished before it is posted again, which holds from one fault-free step to the next;
-        :meth:`abandon_posted` drops them all, since a given-up operation may still write into its
-        buffer."""
-        held = self._scratch.get(name)
-        if held is None or held.numel() != numel:
-            held = self._scratch[name] = torch.empty(numel)
-        return held
-
     def _post(self) -> None:
         """Post the first phase of this step's reduction on the group of the live nodes: each member
         receives its chunk of every share's gradients (and the losses are summed in slots)."""
@@ -310,8 +298,8 @@ class RingNode:
             sent = self.shares[owned[0]][0]
         else:
             pieces = [self.shares[share][0][start:end] for start, end in bounds for share in owned]
-            sent = torch.cat(pieces, out=self._buffer("sent", len(owned) * n))
-        received = self._buffer("received", d * chunk)
+            sent = torch.cat(pieces, out=self._scratch.get("sent", len(owned) * n))
+        received = self._scratch.get("received", d * chunk)
         losses = torch.zeros(d * self.micro_batches, dtype=torch.float64)
         for share in owned:
             losses[share * self.micro_batches : (share + 1) * self.micro_batches] = torch.tensor(
@@ -362,7 +350,7 @@ class RingNode:
         # which each member forwards the others' sums, left members waiting until the group's timeout more
         # often after a failure (a member that gave the step up forwards nothing); see comm.keep_until_settled.
         size = len(posted.members)
-        copies = self._buffer("copies", size * chunk)  # the sum, once for each member
+        copies = self._scratch.get("copies", size * chunk)  # the sum, once for each member
         mine = copies[:chunk]
         mine.copy_(by_share[0])
         for share in range(1, self.layout.pipelines):  # share order: the reference's association
@@ -372,7 +360,7 @@ class RingNode:
         sizes = [end - start for start, end in posted.bounds]
         # Two buffers by step parity: the last step's result stays whole (last_result) while this one's
         # arrives, for a laggard of that step to take (settle_laggards).
-        summed = self._buffer(f"summed-{self.counters.step % 2}", self.piece.numel())
+        summed = self._scratch.get(f"summed-{self.counters.step % 2}", self.piece.numel())
         works = self.groups.post_all_to_all(GROUP, summed, copies, sizes, [chunk] * len(sizes), "0OPT")
         self.groups.wait_collective(GROUP, works, "0OPT (the sums' exchange)", self._interrupt)
         return self._commit(summed, losses)
@@ -401,7 +389,7 @@ class RingNode:
         # retired group until they have finished, so nothing here needs to outlive the reduction. The
         # reused buffers are dropped: a given-up operation may still write into them.
         self.posted = None
-        self._scratch = {}
+        self._scratch.drop()
 
     def settle_laggards(self, agreement: RingAgreement) -> float | None:
         """Every live node joins the broadcast of the last step's result from ``agreement.source``; a

@@ -20,7 +20,29 @@ from bamboo.rc.model import build_layers
 from bamboo.rc.rng import run_layers
 from torch import nn
 
-__all__ = ["TrainableSlice", "clip_coefficient"]
+__all__ = ["ReusedBuffers", "TrainableSlice", "clip_coefficient"]
+
+
+class ReusedBuffers:
+    """fp32 buffers by key, the same tensor each time while its size stays.
+
+    A fresh gradient-sized tensor costs its page faults again every time: the allocator hands blocks that
+    large back to the system when they are freed (about 21 ms per 13 M parameters on a 2-core machine here).
+    The caller asks for a buffer again only once every operation posted on it has finished, and calls
+    :meth:`drop` when one it gave up may still write into them."""
+
+    def __init__(self) -> None:
+        self._held: dict[object, torch.Tensor] = {}
+
+    def get(self, key: object, numel: int) -> torch.Tensor:
+        held = self._held.get(key)
+        if held is None or held.numel() != numel:
+            held = self._held[key] = torch.empty(numel)
+        return held
+
+    def drop(self) -> None:
+        """Forget every buffer (those still referenced elsewhere live on); the next :meth:`get` allocates."""
+        self._held = {}
 
 
 def clip_coefficient(max_norm: float, squared_norm: float) -> float:

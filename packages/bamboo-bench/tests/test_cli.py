@@ -73,6 +73,7 @@ def test_trace_summary_and_synthesize(traces_dir: Path, tmp_path: Path, capsys) 
         (["simulate", "--trace", "/no/such.csv"], "/no/such.csv: no such file"),
         (["simulate", "--synthetic", "--model", "gpt3"], "unknown model profile 'gpt3'"),
         (["simulate", "--synthetic", "--until", "trace-end"], "--until trace-end needs --trace"),
+        (["simulate", "--synthetic", "--hold", "trace"], "--hold trace needs --trace"),
         (["sweep", "--bulk-mean", "0.5", "--runs", "1"], "--bulk-mean must be >= 1, got 0.5"),
     ],
 )

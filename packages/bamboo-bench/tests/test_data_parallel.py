@@ -18,7 +18,7 @@ import attrs
 import pytest
 from bamboo.bench.policy import NOT_A_HOLDER, is_consecutive_replica_failure, plan_replica_ring, reconfigures
 from bamboo.bench.profile import ModelProfile, ProfileError, Timing, load_profile
-from bamboo.bench.simulator import Policy, Strategy, simulate_run
+from bamboo.bench.simulator import Policy, Strategy, holding_at_most, simulate_run
 from bamboo.bench.sweep import sweep
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
 from hypothesis import given, settings
@@ -239,3 +239,35 @@ def test_inconsistent_data_parallel_profiles_name_the_problem(tmp_path: Path, ch
         load_profile(path)
     assert str(caught.value).startswith(f"{path}: ")
     assert words in str(caught.value)
+
+
+# ------------------------------------------------------------------- holding a trace's instances
+def test_holding_at_most_takes_new_instances_only_below_the_desired_size() -> None:
+    events = [(0.0, True, 0, 0), (0.0, True, 1, 0), (0.0, True, 2, 0), (10.0, False, 2, 0), (20.0, False, 0, 0),
+              (30.0, True, 3, 0), (40.0, True, 4, 0), (50.0, False, 1, 0)]
+    # 2 is declined (its removal dropped), 0's loss makes room for 3, 4 is declined, 1 leaves.
+    assert list(holding_at_most(events, 2)) == [(0.0, True, 0, 0), (0.0, True, 1, 0), (20.0, False, 0, 0),
+                                                (30.0, True, 3, 0), (50.0, False, 1, 0)]
+    assert list(holding_at_most(events, 5)) == events
+    with pytest.raises(ValueError, match="desired_nodes must be >= 1, got 0"):
+        list(holding_at_most(events, 0))
+
+
+def test_a_strategy_holding_its_desired_cluster_pays_only_for_it(dp: ModelProfile) -> None:
+    # Checkpointing wants 2 replicas (the cluster without redundancy), Bamboo 4; the trace offers 6 at once.
+    small = attrs.evolve(dp, pipelines_without_redundancy=2, step_time_ms_without_redundancy={
+        (1, d): 2000.0 / d for d in range(1, 3)})
+    trace = cluster("aaaaaa", [(600, 0), (700, 5)])
+    held = {s: simulate_run(trace, small, s, policy=Policy(zone_aware=False), target_samples=math.inf,
+                            until_s=trace.duration_s, desired_nodes=small.desired_nodes_for(s is Strategy.BAMBOO))
+            for s in (Strategy.BAMBOO, Strategy.CHECKPOINT)}
+    every = run(trace, small, Strategy.CHECKPOINT)
+    # Every node of the trace: 6 nodes to 600 s, 5 to 700 s, 4 after; holding 2: both until n0 goes at 600.
+    assert every.nodes == pytest.approx((6 * 600 + 5 * 100 + 4 * 300) / 1000)
+    assert held[Strategy.CHECKPOINT].nodes == pytest.approx((2 * 600 + 1 * 400) / 1000)
+    assert held[Strategy.CHECKPOINT].preemptions == 1
+    # Bamboo holds n0..n3: it loses n0 at 600 and n5's removal is not its own.
+    assert held[Strategy.BAMBOO].nodes == pytest.approx((4 * 600 + 3 * 400) / 1000)
+    assert held[Strategy.BAMBOO].preemptions == 1
+    # Holding fewer nodes changes what is billed, not what is trained while they are the same nodes.
+    assert held[Strategy.CHECKPOINT].value > every.value

@@ -48,6 +48,7 @@ from bamboo.bench.simulator import (
     Strategy,
     Timeline,
     average_results,
+    holding_at_most,
     simulate_run,
     simulate_synthetic,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "builtin_profiles",
     "builtin_tables",
     "generate_trace",
+    "holding_at_most",
     "load_count_csv",
     "load_count_curve",
     "load_ec2_events",

@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace, completion with --synthetic)",
     )
     simulate.add_argument(
+        "--hold", choices=("desired", "trace"), default="desired",
+        help="with --trace, which of the trace's instances a strategy holds (and pays for): 'desired', at most "
+        "the cluster it asks for (the profile's pipelines x stages, with or without redundancy; a declined "
+        "instance is never taken later), as in the synthetic model; 'trace', every one, as the published "
+        "simulator and the emulated cluster do (default desired; the two differ only when the trace has more "
+        "nodes alive than a strategy wants)",
+    )
+    simulate.add_argument(
         "--strategy", type=_strategies, default=[Strategy.BAMBOO, Strategy.CHECKPOINT, Strategy.ON_DEMAND],
         help="comma-separated strategies: bamboo, checkpoint, on-demand, sample-dropping "
         "(default bamboo,checkpoint,on-demand)",
@@ -346,18 +354,23 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     trace: Trace | None = None
     if args.trace:
         trace = _load_trace(args)
-        title = f"{profile.name} on {trace.name} ({trace.duration_s / 3600:.2f} h, until {until})"
+        held = "each its desired cluster" if args.hold == "desired" else "every node of the trace"
+        title = f"{profile.name} on {trace.name} ({trace.duration_s / 3600:.2f} h, until {until}, holding {held})"
         for strategy in strategies:
             run = simulate_run(
                 trace, profile, strategy, policy=policy,
                 target_samples=math.inf if until == "trace-end" else None,
                 until_s=trace.duration_s if until == "trace-end" else None,
                 record=args.plot is not None, check_policy=args.check_policy and strategy is Strategy.BAMBOO,
+                desired_nodes=(profile.desired_nodes_for(redundancy=strategy is Strategy.BAMBOO)
+                               if args.hold == "desired" else None),
             )
             runs_by_strategy[strategy].append(run)
     else:
         if until == "trace-end":
             raise _UsageError("--until trace-end needs --trace (synthetic runs go until completion)")
+        if args.hold == "trace":
+            raise _UsageError("--hold trace needs --trace (a synthetic cluster always asks for its desired size)")
         title = (f"{profile.name}, synthetic p={args.probability:g}, {args.runs} run(s) from seed {args.seed}, "
                  "until completion")
         total = args.runs * len(strategies)

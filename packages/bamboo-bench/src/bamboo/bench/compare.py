@@ -417,7 +417,7 @@ def _predict(options: CompareOptions, system: str, trace: Trace, measured: Mappi
                           target_samples=math.inf if end is not None else None,
                           until_s=end, record=True)
     command = ("bamboo-bench", "simulate", "--trace", str(sim_file), "--model", str(profile_path),
-               "--strategy", system, "--until", until)
+               "--strategy", system, "--until", until, "--hold", "trace")
     return result, command, sim_file
 
 

@@ -35,6 +35,14 @@ A profile's ``timing.startup_s`` (measured profiles set it) replaces the first s
 time 0 are ready at once and the first layout forms ``startup_s`` after the start, instead of after
 `instance_creation_s` and the global rendezvous (which every later start still takes).
 
+How many of a trace's instances a strategy holds: by default every one (the published simulator's replay,
+and what the emulated cluster does). With ``desired_nodes`` (``simulate --trace --hold desired``), a
+strategy asks the market for its own cluster only, as in the synthetic model: it takes a trace's new
+instance only while it holds fewer than `desired_nodes`, and never the declined ones later (a replacement
+is the trace's next new instance). This matters where the strategies want clusters of different sizes
+(the pure data-parallel profiles): without it, a strategy that wants 20 nodes is billed for every node
+of a 32-node trace.
+
 Periodic checkpoints that stop training (``timing.checkpoint_s``) slow every spot strategy's progress by
 the share of training time they take, ``checkpoint_s / checkpoint_interval_s``.
 
@@ -76,6 +84,7 @@ __all__ = [
     "Strategy",
     "Timeline",
     "average_results",
+    "holding_at_most",
     "run_many",
     "simulate_run",
     "simulate_synthetic",
@@ -796,6 +805,28 @@ def _trace_events(trace: Trace) -> Iterator[tuple[float, bool, int, int]]:
     return iter(zip(trace.time_s.tolist(), trace.is_add.tolist(), trace.node.tolist(), trace.zone.tolist(), strict=True))
 
 
+def holding_at_most(
+    events: Iterable[tuple[float, bool, int, int]], desired_nodes: int
+) -> Iterator[tuple[float, bool, int, int]]:
+    """The events of the instances a cluster that wants `desired_nodes` takes from `events`.
+
+    A new instance is taken only while fewer than `desired_nodes` are held; a declined instance is never
+    taken later, and its removal is dropped.
+    """
+    if desired_nodes < 1:
+        raise ValueError(f"desired_nodes must be >= 1, got {desired_nodes!r}")
+    held: set[int] = set()
+    for event in events:
+        _, is_add, node, _ = event
+        if is_add:
+            if len(held) < desired_nodes:
+                held.add(node)
+                yield event
+        elif node in held:
+            held.discard(node)
+            yield event
+
+
 def simulate_run(
     source: Trace | Iterable[tuple[float, bool, int, int]],
     profile: ModelProfile,
@@ -806,12 +837,15 @@ def simulate_run(
     until_s: float | None = None,
     record: bool = False,
     check_policy: bool = False,
+    desired_nodes: int | None = None,
 ) -> RunResult:
     """Simulate one run of `strategy` on `source` until `target_samples` are trained or `until_s` passes.
 
     `source` is a `Trace` or an iterable of (time_s, is_add, node id, zone index) in time order
     (e.g. `SyntheticTraceGenerator.events()`). `target_samples` defaults to the profile's
     `job_samples`; `until_s` defaults to no limit. With `record`, the result carries a `Timeline`.
+    `desired_nodes` None: the strategy holds every instance of `source`; a number: at most that many
+    (`holding_at_most`; e.g. ``profile.desired_nodes_for(redundancy=...)``, the cluster the strategy asks for).
     With `check_policy` (bamboo only; slow), every placement and decision is also computed by
     bamboo-reconfig's ``plan_layout`` and ``decide`` on the same state, and a difference raises
     `PolicyMismatch`.
@@ -825,6 +859,8 @@ def simulate_run(
     if strategy is Strategy.ON_DEMAND:
         return _on_demand_result(profile, target, limit, record)
     events = _trace_events(source) if isinstance(source, Trace) else iter(source)
+    if desired_nodes is not None:
+        events = holding_at_most(events, desired_nodes)
     return _Run(profile, strategy, policy or Policy(), target, limit, record, check_policy).run(events)
 
 

@@ -224,6 +224,25 @@ def test_the_steps_a_lost_generation_reached_are_its_step_records_after_its_barr
     assert restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path)).barrier_step == 0
 
 
+def test_records_that_name_their_generation_are_counted_whatever_the_writers_clocks(tmp_path: Path) -> None:
+    spec = _spec("j")
+    created = 1000.0
+    first = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    restarted = restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path), reached=5)
+    assert restarted is not None and restarted.generation == 1
+    restarted = attrs.evolve(restarted, barrier_unix=created + 10.0)
+
+    def step(t: float, number: int, generation: int) -> Step:
+        return Step(t=t, step=number, samples=8, loss=1.0, nodes_active=2, duration_s=0.1, generation=generation)
+
+    # Generation 0's step 5 was written by a clock running ahead (after the barrier by the log's t), and
+    # generation 1's step 4 by one running behind (before it): by time, 5; by generation, 4.
+    skewed = [step(3.0, 3, 0), step(11.0, 5, 0), step(9.0, 3, 1), step(9.5, 4, 1)]
+    assert steps_reached(skewed, restarted, created) == 4
+    assert steps_reached(skewed, first, created) == 5
+    assert steps_reached(skewed[:2], restarted, created) == 2  # none of its own: its start step
+
+
 def test_redo_start_layout_repeats_an_abandoned_first_start_on_the_nodes_left(tmp_path: Path) -> None:
     spec = _spec("j")
     zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a", "n4": "b"}

@@ -105,14 +105,20 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global
 
 def steps_reached(events: Iterable[Any], lost: Any, created_unix: float) -> int:
     """The last step generation ``lost`` (a ``JobLayout``) completed, from the job's event log: the highest
-    ``step`` record written after its barrier (``lost.start_step`` when it recorded none).
+    ``step`` record of that generation (``lost.start_step`` when it recorded none).
 
-    The log's ``t`` counts from ``created_unix``; a generation's steps all come after its barrier, those
-    of earlier generations before it (up to the writers' clock skew)."""
+    A record that names its ``generation`` is judged by it. One that names none (written before records
+    carried it) counts if it was written after the generation's barrier: the log's ``t`` counts from
+    ``created_unix``, so that test is only as good as the writers' clocks, whose skew can move a record
+    across the barrier."""
     from bamboo.launch.events import Step
 
     since = 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
-    return max((e.step for e in events if isinstance(e, Step) and e.t >= since), default=lost.start_step)
+
+    def its_own(record: Step) -> bool:
+        return record.generation == lost.generation if record.generation is not None else record.t >= since
+
+    return max((e.step for e in events if isinstance(e, Step) and its_own(e)), default=lost.start_step)
 
 
 def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, str], step: int,

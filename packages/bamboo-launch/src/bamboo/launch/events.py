@@ -27,7 +27,8 @@ and the kind's own keys:
   (int, steps done since that checkpoint, trained again): every copy of some stage was gone, so
   every node restarted from the last good checkpoint;
 - ``step``: ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
-  ``nodes_active`` (int), ``duration_s`` (float, the step's own time);
+  ``nodes_active`` (int), ``duration_s`` (float, the step's own time), and, optionally, ``generation``
+  (int, the layout generation that trained it; the DeepSpeed baseline writes none);
 - ``run_end``: ``steps`` (int): the run finished; nodes still alive stop being billed here.
 
 Unknown keys are rejected, so a typo in a writer fails at once instead of silently vanishing
@@ -238,6 +239,7 @@ class Step:
     loss: float = attrs.field(validator=_finite)
     nodes_active: int = attrs.field(validator=_non_negative_int)
     duration_s: float = attrs.field(validator=_non_negative_time)
+    generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative_int))
 
 
 @attrs.frozen

@@ -352,7 +352,7 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
             if _reports_the_job(executor) and spec.stages - 1 in executor.hosted:
                 log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
                                nodes_active=spec.stages * layout.pipelines - len(executor.dead),
-                               duration_s=duration))
+                               duration_s=duration, generation=generation))
             if spec.checkpoint_dir is not None and _reports_the_job(executor):
                 _checkpoint(run, layout, executor, checkpointers, torch,
                             final=executor.step >= spec.steps or (finishing and executor.step >= stop_step))

@@ -141,6 +141,14 @@ def _check_restored_run(tmp_path: Path, corrupt: bool,
     numbers = [e.step for e in events if isinstance(e, Step)]
     twice = sorted(n for n in set(numbers) if numbers.count(n) == 2)
     assert twice == list(range(restore.step + 1, restore.step + restore.discarded_steps + 1))
+    # Each step record names the generation that trained it: a step trained again, a later one.
+    first_generation: dict[int, int] = {}
+    for record in (e for e in events if isinstance(e, Step)):
+        assert record.generation is not None
+        if record.step in first_generation:
+            assert record.generation > first_generation[record.step], record
+        else:
+            first_generation[record.step] = record.generation
     final = result.steps_done
     assert restore.step + restore.discarded_steps < final < options.steps  # finished where the test asked
     assert sorted(set(numbers)) == list(range(1, final + 1))

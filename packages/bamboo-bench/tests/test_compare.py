@@ -7,6 +7,7 @@ The end-to-end run (the three systems measured, the profiles' round trip) is tes
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -18,15 +19,19 @@ from bamboo.bench.compare import (
     CompareOptions,
     Comparison,
     SystemResult,
+    _long_run,
     full_scale_profile,
     parse_systems,
     prepare_trace,
     simulation_trace,
     window_figures,
 )
+from bamboo.bench.compare_cli import print_comparison
+from bamboo.bench.loaders import load_trace, write_generic_csv
 from bamboo.bench.profile import ModelProfile
 from bamboo.bench.simulator import Policy, Strategy, simulate_run
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
+from rich.console import Console
 
 
 def _options(tmp_path: Path, **changes: object) -> CompareOptions:
@@ -148,3 +153,30 @@ def test_a_run_stopped_while_restarting_is_charged_its_whole_window() -> None:
     window, throughput, lost = window_figures(report, 30.0, 90.0)
     assert (window, throughput, lost) == (120.0, pytest.approx(5.6), 115.0)
     assert window_figures(report, 30.0, None) == (35.0, pytest.approx(19.2), 30.0)  # --steps: the report's
+
+
+def test_the_long_run_command_reproduces_the_long_run(tmp_path: Path, tiny_profile: ModelProfile,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # 6 nodes at the peak make one pipeline of 4 at full scale: the trace has 2 nodes more than it wants, so
+    # the printed command must hold every node of the trace, as the long run does.
+    events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(6)]
+    events.append(TraceEvent(1800.0, EventKind.REMOVE, "n0", "a"))
+    trace_file = tmp_path / "long.csv"
+    write_generic_csv(Trace.from_events("long", events, duration_s=3600.0), trace_file)
+    profile_file = tmp_path / "bamboo.json"
+    profile_file.write_text(json.dumps(tiny_profile.to_dict()))
+    options = _options(tmp_path, stages=4, pipelines=1, long_run=trace_file)
+    (options.out / "profiles").mkdir(parents=True)  # run_compare makes it before the runs
+    long_run = _long_run(options, {"bamboo": profile_file})
+    assert long_run.pipelines == 1 and long_run.results["bamboo"].nodes == pytest.approx(5.5)
+    comparison = Comparison(options=options, trace=load_trace(trace_file), results={}, long_run=long_run)
+    console = Console(width=400, record=True)
+    print_comparison(comparison, console)
+    command = next(line for line in console.export_text().splitlines() if line.startswith("long run bamboo:"))
+    words = command.split(": ", 1)[1].split()
+    assert words[:2] == ["bamboo-bench", "simulate"] and words[-2:] == ["--hold", "trace"]
+    capsys.readouterr()
+    assert main([*words[1:], "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["nodes"] == pytest.approx(5.5)
+    assert printed["throughput"] == pytest.approx(long_run.results["bamboo"].throughput)

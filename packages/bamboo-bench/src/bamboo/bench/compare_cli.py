@@ -213,7 +213,7 @@ def print_comparison(comparison: Comparison, out: Console, plot: Path | None = N
             out.print(f"  {note}")
         for name, path in long_run.profiles.items():
             out.print(f"long run {name}: bamboo-bench simulate --trace {long_run.trace} --model {path} "
-                      f"--strategy {name}")
+                      f"--strategy {name} --hold trace")
     else:
         out.print("the long-run picture: add --long-run FILE (e.g. the paper's EC2 p3 trace, "
                   "../shared/traces/bamboo/p3-trace.csv) to simulate these profiles at full scale on it, uncompressed")

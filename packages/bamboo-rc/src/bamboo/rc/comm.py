@@ -41,6 +41,7 @@ __all__ = [
     "GroupTable",
     "PeerFailure",
     "build_gloo_group",
+    "check_message_size",
     "chunk_views",
     "gloo_device",
     "keep_until_settled",
@@ -143,6 +144,21 @@ def chunk_views(flat: torch.Tensor) -> list[torch.Tensor]:
     return list(flat.split(per_chunk)) if flat.numel() else [flat]
 
 
+def check_message_size(tensor: torch.Tensor, instruction: str) -> None:
+    """Raise ValueError, naming the instruction and the tensor, when `tensor` is over what one message carries
+    (:data:`MAX_CHUNKS` chunks of :data:`CHUNK_BYTES`: 256 MiB). Checked before any chunk is posted, so a
+    message that cannot go posts nothing."""
+    nbytes = tensor.numel() * tensor.element_size()
+    limit = MAX_CHUNKS * CHUNK_BYTES
+    if nbytes > limit:
+        raise ValueError(
+            f"{instruction}: a message of {nbytes / 2**20:.1f} MiB (a {tuple(tensor.shape)} {tensor.dtype} tensor) is "
+            f"over the {limit / 2**20:g} MiB one message between two stages carries. An activation and its gradient "
+            f"grow with the micro-batch size and the sequence length: lower the micro-batch size (the global batch "
+            f"is kept with more microbatches per step)"
+        )
+
+
 def _chunk_tag(tag: int, index: int) -> int:
     if index >= MAX_CHUNKS:
         raise ValueError(f"message with tag {tag} needs more than {MAX_CHUNKS} chunks of {CHUNK_BYTES} bytes")
@@ -234,6 +250,7 @@ class GroupTable:
 
     def post_send(self, group: str, tensor: torch.Tensor, peer: int, tag: int, instruction: str) -> list[object]:
         """Post the chunked send of `tensor` to global rank `peer`; returns the works."""
+        check_message_size(tensor, instruction)
         pg = self.group(group)
         flat = tensor.detach().contiguous().view(-1)
         dst = self.group_rank(group, peer)
@@ -244,6 +261,7 @@ class GroupTable:
 
     def post_recv(self, group: str, out: torch.Tensor, peer: int, tag: int, instruction: str) -> list[object]:
         """Post the chunked receive of `out` (contiguous) from global rank `peer`; returns the works."""
+        check_message_size(out, instruction)
         pg = self.group(group)
         src = self.group_rank(group, peer)
         try:

@@ -19,7 +19,6 @@ from bamboo.rc.failures import FailureNoticed
 from bamboo.rc.interpreter import StageInterpreter
 from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult, FailureEvent
-from bamboo.rc.timeouts import CommTimeouts
 from bamboo.rc.verify import DEFAULT_CONFIG
 from bamboo.schedule import Instruction
 
@@ -206,36 +205,3 @@ def test_a_segmented_sync_with_a_victim_is_dropped_whole(interpreter: StageInter
     interrupt_at(interpreter, "2SY>0", SYNC_TAGS[2])
     assert interpreter.forget_transfers_with({0}) == ["2SY>0"]
     interpreter.finish_commit([], CommitResult(0, 0.0, 0.0))  # nothing left posted
-
-
-def test_a_message_over_the_limit_is_refused_before_any_chunk_is_posted(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bamboo.rc import comm
-    from bamboo.rc.comm import GroupTable
-
-    class Group:  # stands for a built gloo group: records what is posted
-        def __init__(self) -> None:
-            self.posted: list[int] = []
-
-        def send(self, _tensors: object, _dst: int, tag: int) -> object:
-            self.posted.append(tag)
-            return object()
-
-        recv = send
-
-    monkeypatch.setattr(comm, "CHUNK_BYTES", 16)
-    monkeypatch.setattr(comm, "MAX_CHUNKS", 2)
-    table = GroupTable(None, "job", 0, CommTimeouts(), {})  # type: ignore[arg-type]
-    table.set_members(0, {"p2p-0-1": [0, 1]})
-    group = Group()
-    table.groups["p2p-0-1"] = group  # type: ignore[assignment]
-    fits = torch.zeros(8)  # 32 bytes: two chunks
-    assert len(table.post_send("p2p-0-1", fits, 1, 5, "0SA3")) == 2
-    assert len(table.post_recv("p2p-0-1", fits, 1, 5, "1RA3")) == 2
-    posted = len(group.posted)
-    over = torch.zeros(3, 3)  # 36 bytes: three chunks
-    message = r"0SA3: a message of 0\.0 MiB \(a \(3, 3\) torch.float32 tensor\) is over the 3\.05176e-05 MiB one"
-    with pytest.raises(ValueError, match=message):
-        table.post_send("p2p-0-1", over, 1, 6, "0SA3")
-    with pytest.raises(ValueError, match="1RA3: a message of"):
-        table.post_recv("p2p-0-1", over, 1, 6, "1RA3")
-    assert len(group.posted) == posted  # nothing of either was posted

@@ -41,7 +41,6 @@ __all__ = [
     "GroupTable",
     "PeerFailure",
     "build_gloo_group",
-    "check_message_size",
     "chunk_views",
     "gloo_device",
     "keep_until_settled",
@@ -51,8 +50,12 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 20
-# gloo tags are 32-bit: a message tag is `base × MAX_CHUNKS + chunk`, so one message holds at most
-# MAX_CHUNKS chunks (256 MiB of data). Callers split larger payloads into several messages.
+# The gloo tags of one message: chunk i goes under `tag × MAX_CHUNKS + i mod MAX_CHUNKS` (tags are 32-bit, so
+# a message cannot have one per chunk). A message of more chunks reuses its tags in turn, which is safe
+# because gloo pairs the sends and receives of one tag between two ranks first in, first out: each side
+# queues them per tag in the order they were posted, over one TCP stream, so chunk i + MAX_CHUNKS lands
+# where it belongs, after chunk i. (Replica syncs still go in messages of at most MAX_CHUNKS chunks,
+# 256 MiB, each of which a failover resumes on its own: StageInterpreter._transfer_segments.)
 MAX_CHUNKS = 256
 # A group's list of posted operations is pruned of finished ones when it reaches this length.
 _PRUNE_AT = 256
@@ -144,25 +147,10 @@ def chunk_views(flat: torch.Tensor) -> list[torch.Tensor]:
     return list(flat.split(per_chunk)) if flat.numel() else [flat]
 
 
-def check_message_size(tensor: torch.Tensor, instruction: str) -> None:
-    """Raise ValueError, naming the instruction and the tensor, when `tensor` is over what one message carries
-    (:data:`MAX_CHUNKS` chunks of :data:`CHUNK_BYTES`: 256 MiB). Checked before any chunk is posted, so a
-    message that cannot go posts nothing."""
-    nbytes = tensor.numel() * tensor.element_size()
-    limit = MAX_CHUNKS * CHUNK_BYTES
-    if nbytes > limit:
-        raise ValueError(
-            f"{instruction}: a message of {nbytes / 2**20:.1f} MiB (a {tuple(tensor.shape)} {tensor.dtype} tensor) is "
-            f"over the {limit / 2**20:g} MiB one message between two stages carries. An activation and its gradient "
-            f"grow with the micro-batch size and the sequence length: lower the micro-batch size (the global batch "
-            f"is kept with more microbatches per step)"
-        )
-
-
 def _chunk_tag(tag: int, index: int) -> int:
-    if index >= MAX_CHUNKS:
-        raise ValueError(f"message with tag {tag} needs more than {MAX_CHUNKS} chunks of {CHUNK_BYTES} bytes")
-    return tag * MAX_CHUNKS + index
+    """The gloo tag of chunk `index` of the message tagged `tag`: chunks past :data:`MAX_CHUNKS` reuse the
+    message's tags in turn (see :data:`MAX_CHUNKS`)."""
+    return tag * MAX_CHUNKS + index % MAX_CHUNKS
 
 
 class GroupTable:
@@ -250,7 +238,6 @@ class GroupTable:
 
     def post_send(self, group: str, tensor: torch.Tensor, peer: int, tag: int, instruction: str) -> list[object]:
         """Post the chunked send of `tensor` to global rank `peer`; returns the works."""
-        check_message_size(tensor, instruction)
         pg = self.group(group)
         flat = tensor.detach().contiguous().view(-1)
         dst = self.group_rank(group, peer)
@@ -261,7 +248,6 @@ class GroupTable:
 
     def post_recv(self, group: str, out: torch.Tensor, peer: int, tag: int, instruction: str) -> list[object]:
         """Post the chunked receive of `out` (contiguous) from global rank `peer`; returns the works."""
-        check_message_size(out, instruction)
         pg = self.group(group)
         src = self.group_rank(group, peer)
         try:

@@ -11,8 +11,8 @@ schedule"):
   instruction of the failover schedule resumes it instead of posting it again. One whose peer was
   a victim is dropped once the failover is agreed (:meth:`StageInterpreter.forget_transfers_with`),
   and the commit refuses a step that still leaves one posted: it would pair with the next step's
-  transfer of the same text. A replica sync larger than one message (256 MiB) goes in several, and
-  resumes at the message it stopped at.
+  transfer of the same text. A replica sync over 256 MiB goes in messages of 256 MiB, one after the
+  other, and resumes at the message it stopped at.
 - `FR`, `SO`, `SI`, `BR`: redundant work on the replica, with the FRC stash kept in
   :class:`~bamboo.rc.stash.FrcStash`.
 - `AR`: posts the data-parallel all-reduce of the stage's gradients (and the loss); its result is
@@ -477,7 +477,8 @@ class StageInterpreter:
     ) -> torch.Tensor:
         """Send (or receive into) the payload `make()` gives, one message per segment; returns the payload.
 
-        A payload over one message's limit (256 MiB) goes in several. A confirmed failure can interrupt
+        A payload over MAX_CHUNKS chunks (256 MiB) goes in messages of that size, one after the other, so that
+        no more than one message's chunks are posted at a time. A confirmed failure can interrupt
         it after some segments went: the payload and the first unfinished segment are kept under the
         instruction's text, so the failover schedule's same instruction resumes it there (the interrupted
         segment's transfer is still posted), and never sends or receives a segment twice."""

@@ -41,3 +41,15 @@ def test_seeded_kill_points_in_a_p1_ring_match_the_reference(redundancy: str) ->
     failures = [(plan, result) for plan, result in outcomes if not result.passed or result.max_relative_diff != 0.0]
     assert not failures, failures[:3]
     assert any(len(result.killed) == 2 for _, result in outcomes)
+
+
+def test_seeded_kill_points_over_two_pipelines_match_the_reference() -> None:
+    """P = 4, D = 2: victims in either pipeline or in both (each fails over on its own while the
+    data-parallel all-reduces go on), then second failures in the same or the other pipeline."""
+    plans = random_kill_points(seed=2030, count=4, stages=4, steps=3, pipelines=2)
+    plans += random_kill_points(seed=2031, count=3, stages=4, steps=3, second_failures=True, pipelines=2)
+    assert any(len({kill.pipeline for kill in plan}) == 2 for plan in plans)
+    outcomes = run_chaos(plans, 4, 3, pipelines=2)
+    failures = [(plan, result) for plan, result in outcomes if not result.passed]
+    assert not failures, failures[:3]
+    assert any(len({rank // 4 for rank in result.killed}) == 2 for _, result in outcomes)  # both pipelines lost one

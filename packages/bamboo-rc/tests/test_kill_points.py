@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import pytest
 from bamboo.rc.cli import _kill_points
@@ -32,3 +33,33 @@ def test_a_recovery_kill_point_fires_only_in_a_failover_remainder() -> None:
     assert not recovery.matches(2, b2, 5, 10, recovering=True)
     by_index = KillPoint(3, 0, "-1", step=1, in_recovery=True)
     assert by_index.matches(1, b2, 3, 4, recovering=True) and not by_index.matches(1, b2, 2, 4, recovering=True)
+
+
+def test_seeded_plans_of_one_pipeline_are_the_same_as_before_several_pipelines() -> None:
+    """A soak's seed names its kill points: the plans for D = 1 are those the notes' soak figures came from."""
+    from bamboo.rc.chaos import random_kill_points
+
+    def plans(*args: object, **kwargs: object) -> list[list[str]]:
+        return [[str(kill) for kill in plan] for plan in random_kill_points(*args, **kwargs)]  # type: ignore[arg-type]
+
+    assert plans(5, 4, 4, 3, "eflb", True) == [
+        ["2:0@29/0", "0:0@15/1"], ["1:0@30/1", "3:0@24/2"], ["1:0@26/0", "3:0@24/0/recovery"],
+        ["1:0@28/0", "3:0@0/0/recovery"]]
+    assert plans(0, 4, 4, 3, "eflb", False) == [["1:0@25/1", "3:0@19/1"], ["2:0@13/1"], ["1:0@16/2", "3:0@9/2"],
+                                                ["0:0@21/1"]]
+
+
+@pytest.mark.parametrize("second_failures", [False, True])
+def test_plans_over_several_pipelines_kill_in_any_pipeline_and_never_two_neighbours_of_one(
+    second_failures: bool,
+) -> None:
+    from bamboo.rc.chaos import random_kill_points
+
+    stages, pipelines = 4, 3
+    plans = random_kill_points(11, 200, stages, 3, "eflb", second_failures, pipelines=pipelines)
+    assert {kill.pipeline for plan in plans for kill in plan} == set(range(pipelines))
+    assert any(len({kill.pipeline for kill in plan}) == 2 for plan in plans)  # victims in two pipelines
+    for plan in plans:
+        for a, b in itertools.pairwise(plan):
+            if a.pipeline == b.pipeline:  # one pipeline: never the same stage or ring neighbours
+                assert (a.stage - b.stage) % stages not in (0, 1, stages - 1), plan

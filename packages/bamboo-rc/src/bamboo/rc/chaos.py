@@ -10,6 +10,12 @@ point may not fire (its node may be in a failover's remainder by then, or the re
 shorter than its index), so these runs do not require every kill point to fire; the results say
 which did (``VerifyResult.unfired_kills``).
 
+With D > 1 pipelines of P stages, each victim is in a random pipeline: two victims in one pipeline are
+not adjacent in its shadow ring, victims in different pipelines may be at any stages (each pipeline fails
+over on its own, and the data-parallel all-reduces go on without the victims). A second failure in another
+pipeline than the first fires during the recovery (an index into the remainder, if that node runs one) or
+in a later step (an index into its fault-free stream: that pipeline has not failed over).
+
 With one stage (P = 1, D pipelines: the shadow ring of :mod:`bamboo.rc.ring`) a plan kills one node,
 or two different nodes (neighbours in the ring too: the next live node takes both shares over), at
 random indices of their fault-free streams; with ``second_failures`` a first node, then another one
@@ -34,41 +40,61 @@ def random_kill_points(
     seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", second_failures: bool = False,
     pipelines: int = 1,
 ) -> list[tuple[KillPoint, ...]]:
-    """`count` seeded kill plans for a P=`stages` pipeline (D=1), or for a ring of `pipelines` nodes
-    when `stages` is 1 (see the module docstring)."""
+    """`count` seeded kill plans for D=`pipelines` pipelines of P=`stages` stages, or for a ring of `pipelines`
+    nodes when `stages` is 1 (see the module docstring)."""
     rng = random.Random(seed)
     if stages == 1:
         return [_ring_plan(rng, pipelines, steps, redundancy, second_failures) for _ in range(count)]
     schedule = one_f_one_b(stages, DEFAULT_CONFIG["gradient_accumulation_steps"], rc=redundancy)
+    pick = _pipeline_picker(rng, pipelines)
     if second_failures:
         if stages < 4 or steps < 2:
             raise ValueError(f"a second failure needs at least 4 stages and 2 steps, got {stages} and {steps}")
-        return [_second_failure(rng, schedule, stages, steps) for _ in range(count)]
+        return [_second_failure(rng, schedule, stages, steps, pick) for _ in range(count)]
     plans = []
     for _ in range(count):
         step = rng.randrange(steps)
-        first = rng.randrange(stages)
+        first = (rng.randrange(stages), pick())
         victims = [first]
-        if stages >= 4 and rng.random() < 0.5:
-            others = [s for s in range(stages) if (s - first) % stages not in (0, 1, stages - 1)]
-            victims.append(rng.choice(others))
+        if (stages >= 4 or pipelines > 1) and rng.random() < 0.5:
+            pipeline = pick()
+            if pipeline != first[1]:
+                victims.append((rng.randrange(stages), pipeline))
+            elif stages >= 4:
+                victims.append((rng.choice(_not_adjacent(first[0], stages)), pipeline))
         plan = tuple(
-            KillPoint(v, 0, str(rng.randrange(len(schedule.streams[v]))), step) for v in sorted(victims)
+            KillPoint(v, p, str(rng.randrange(len(schedule.streams[v]))), step) for v, p in sorted(victims)
         )
         plans.append(plan)
     return plans
 
 
-def _second_failure(rng: random.Random, schedule: Schedule, stages: int, steps: int) -> tuple[KillPoint, ...]:
-    first = rng.randrange(stages)
-    second = rng.choice([s for s in range(stages) if (s - first) % stages not in (0, 1, stages - 1)])
+def _pipeline_picker(rng: random.Random, pipelines: int) -> Callable[[], int]:
+    """A random pipeline each call; with one pipeline always 0, drawing nothing (so D = 1 plans stay what
+    they were for a seed before D > 1 existed)."""
+    if pipelines < 1:
+        raise ValueError(f"pipelines must be >= 1, got {pipelines}")
+    return (lambda: rng.randrange(pipelines)) if pipelines > 1 else (lambda: 0)
+
+
+def _not_adjacent(stage: int, stages: int) -> list[int]:
+    """The stages of a pipeline that are neither `stage` nor its neighbours in the shadow ring."""
+    return [s for s in range(stages) if (s - stage) % stages not in (0, 1, stages - 1)]
+
+
+def _second_failure(
+    rng: random.Random, schedule: Schedule, stages: int, steps: int, pick: Callable[[], int]
+) -> tuple[KillPoint, ...]:
+    first, pipeline = rng.randrange(stages), pick()
+    other = pick()
+    second = rng.choice(_not_adjacent(first, stages)) if other == pipeline else rng.randrange(stages)
     step = rng.randrange(steps - 1)
-    kill = KillPoint(first, 0, str(rng.randrange(len(schedule.streams[first]))), step)
+    kill = KillPoint(first, pipeline, str(rng.randrange(len(schedule.streams[first]))), step)
     if rng.random() < 0.5:  # during the recovery: the remainder is at most the whole stream
-        again = KillPoint(second, 0, str(rng.randrange(len(schedule.streams[second]))), step, in_recovery=True)
+        again = KillPoint(second, other, str(rng.randrange(len(schedule.streams[second]))), step, in_recovery=True)
     else:
-        merged = merged_schedule(schedule, [first]).streams[second]
-        again = KillPoint(second, 0, str(rng.randrange(len(merged))), rng.randrange(step + 1, steps))
+        later = merged_schedule(schedule, [first]).streams[second] if other == pipeline else schedule.streams[second]
+        again = KillPoint(second, other, str(rng.randrange(len(later))), rng.randrange(step + 1, steps))
     return (kill, again)
 
 

@@ -241,8 +241,6 @@ def _soak(args: argparse.Namespace) -> int:
     if args.stages == 2:
         raise ValueError(f"--stages {args.stages}: soak needs 1 stage (a ring of pipelines) or at least 3 stages")
     pipelines = args.pipelines or (4 if args.stages == 1 else 1)
-    if args.stages > 1 and pipelines != 1:
-        raise ValueError(f"--pipelines {pipelines}: soak runs one pipeline of {args.stages} stages")
     plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy, args.second_failures,
                                pipelines=pipelines)
     with Progress() as progress:

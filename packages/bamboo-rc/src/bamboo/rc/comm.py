@@ -19,6 +19,7 @@ Timeouts (all configurable through :class:`CommTimeouts`; defaults and meaning i
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import datetime
 import os
@@ -45,6 +46,7 @@ __all__ = [
     "gloo_device",
     "keep_until_settled",
     "kept_groups",
+    "own_client",
     "release_settled",
     "wait_works",
 ]
@@ -83,6 +85,26 @@ def build_gloo_group(store: Store, prefix: str, rank: int, size: int, timeout: f
     options._devices = [gloo_device()]
     options._threads = 1
     return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
+
+
+def own_client(store: Store) -> Store:
+    """A client of `store` that a background thread can block in without holding up the others: a
+    TCPStore client runs one request at a time, so a build waiting in it for a member's address would
+    stall every other user of the client (the failover agreement among them) until the member came or
+    the wait timed out. `store.clone()` where the store has one (TCPStore: a new connection); a store
+    without one (ours in Python, whose waits poll and hold no lock) is shared as it is."""
+    try:
+        return store.clone()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return store
+
+
+def _build_into(future: concurrent.futures.Future[ProcessGroupGloo], arguments: tuple[Store, str, int, int, float]) -> None:
+    """Build a gloo group in a background thread (:meth:`GroupTable.start_builds`); the outcome goes to `future`."""
+    try:
+        future.set_result(build_gloo_group(*arguments))
+    except BaseException as exc:  # the waiter gets it
+        future.set_exception(exc)
 
 
 class _Kept:
@@ -163,6 +185,12 @@ class GroupTable:
     on first use under the new prefix `bamboo/<job>/e<epoch>/<name>/`, so no prefix is ever reused.
     `build_all()` builds, in sorted name order, every group this rank belongs to: all processes
     follow the same order, so it cannot deadlock.
+
+    `start_builds()` starts building, each in a thread of its own, every group of this rank that is
+    not built yet (after a membership change: every member starts them when it applies the change,
+    so no build waits for a member that is blocked somewhere else, whatever order the members use
+    the groups in). A use of such a group waits for its build (:meth:`wait_built`, which polls an
+    interrupt, so a member that died before it joined is noticed instead of waited for).
     """
 
     def __init__(self, store: Store, job: str, rank: int, timeouts: CommTimeouts, names: dict[int, str]) -> None:
@@ -176,6 +204,8 @@ class GroupTable:
         self.groups: dict[str, ProcessGroupGloo] = {}
         self.works: dict[str, list[object]] = {}  # per group: the operations posted on it (finished ones pruned)
         self._prune_at: dict[str, int] = {}
+        self.building: dict[str, concurrent.futures.Future[ProcessGroupGloo]] = {}
+        """The groups being built in the background (:meth:`start_builds`), by name."""
 
     def set_members(self, epoch: int, members: dict[str, Sequence[int]]) -> None:
         for name in list(self.members):
@@ -191,6 +221,7 @@ class GroupTable:
         release_settled()  # the groups retired earlier whose operations have finished since
 
     def _retire(self, name: str) -> None:
+        self.building.pop(name, None)  # a build in flight ends on its own (by the group timeout at the latest)
         group = self.groups.pop(name, None)
         works = self.works.pop(name, [])
         self._prune_at.pop(name, None)
@@ -202,6 +233,7 @@ class GroupTable:
         freed once the operations posted on it have finished (:func:`keep_until_settled`)."""
         for name in list(self.groups):
             self._retire(name)
+        self.building.clear()
         release_settled()
 
     def _posted(self, name: str, works: list[object]) -> list[object]:
@@ -220,13 +252,53 @@ class GroupTable:
             if self.rank in self.members[name] and len(self.members[name]) > 1:
                 self.group(name)
 
+    def _build_arguments(self, name: str) -> tuple[Store, str, int, int, float]:
+        ranks = self.members[name]
+        prefix = f"bamboo/{self.job}/e{self.versions[name]}/{name}/"
+        return self.store, prefix, ranks.index(self.rank), len(ranks), self.timeouts.group
+
+    def start_builds(self) -> list[str]:
+        """Start building, in the background, every group of this rank (with another member) that is
+        neither built nor being built; returns their names."""
+        started = []
+        for name in sorted(self.members):
+            ranks = self.members[name]
+            if self.rank not in ranks or len(ranks) < 2 or name in self.groups or name in self.building:
+                continue
+            future: concurrent.futures.Future[ProcessGroupGloo] = concurrent.futures.Future()
+            # The arguments are taken now: a later membership change must not alter what the thread builds.
+            store, *rest = self._build_arguments(name)
+            arguments = (own_client(store), *rest)
+            threading.Thread(target=_build_into, args=(future, arguments), name=f"bamboo-build-{name}", daemon=True).start()
+            self.building[name] = future
+            started.append(name)
+        return started
+
+    def wait_built(self, name: str, instruction: str, interrupt: Callable[[], None] | None = None) -> None:
+        """If group `name` is being built in the background, wait until it is, calling `interrupt` every
+        `timeouts.poll` seconds (it may raise); a failed build raises a PeerFailure naming the other members."""
+        future = self.building.get(name)
+        if future is None:
+            return
+        while not future.done():
+            concurrent.futures.wait([future], timeout=self.timeouts.poll)
+            if interrupt is not None and not future.done():
+                interrupt()
+        del self.building[name]
+        failure = future.exception()
+        if failure is not None:
+            raise self.collective_failure(name, instruction, failure) from failure
+        self.groups[name] = future.result()
+
     def group(self, name: str) -> ProcessGroupGloo:
-        """The gloo group `name` of the current membership, built on first use."""
+        """The gloo group `name` of the current membership, built on first use (or awaited, when its
+        build was started in the background)."""
         group = self.groups.get(name)
         if group is None:
-            ranks = self.members[name]
-            prefix = f"bamboo/{self.job}/e{self.versions[name]}/{name}/"
-            group = build_gloo_group(self.store, prefix, ranks.index(self.rank), len(ranks), self.timeouts.group)
+            if name in self.building:
+                self.wait_built(name, f"the build of {name}")
+                return self.groups[name]
+            group = build_gloo_group(*self._build_arguments(name))
             self.groups[name] = group
         return group
 

@@ -435,8 +435,18 @@ class StageExecutor:
 
     def _after_event(self, event: FailureEvent) -> None:
         """The groups of the new epoch (a group whose membership `event` changed gets its epoch as
-        its version); after a hand-over, the all-reduces posted on a group a leaver was in, again."""
+        its version), whose builds start now in the background; after a hand-over, the all-reduces
+        posted on a group a leaver was in, again.
+
+        Every member of a changed group applies the event, and starts that build then, before anything
+        that can block. So a node that uses the group first waits only until its other members have
+        noticed the event, never until they reach their own first use of it: two nodes that use two
+        new groups in opposite orders (two pipelines' schedules place their all-reduces differently)
+        would otherwise each sit in a build the other never joins.
+        """
         self._rebuild_groups()
+        if self.ring is None:  # P = 1 keeps its own first-use barrier (bamboo.rc.ring)
+            self.groups.start_builds()
         if event.handover:
             self.interpreter.repost_changed_allreduces()
 

@@ -229,30 +229,41 @@ class StageInterpreter:
         return interrupt
 
     def _needs_barrier(self, group: str) -> bool:
-        """Whether using `group` builds it first (its first use in an epoch) with others."""
-        return self.coordinator.watching and group not in self.groups.groups and len(self.groups.members[group]) > 1
+        """Whether using `group` builds it first (its first use in an epoch) with others, in the
+        foreground (a group whose build started in the background is awaited instead)."""
+        return (
+            self.coordinator.watching
+            and group not in self.groups.groups
+            and group not in self.groups.building
+            and len(self.groups.members[group]) > 1
+        )
 
-    def _announce_group(self, group: str) -> None:
-        """Tell the other members that this node is about to build `group` (paths that build a group
-        inside the failover itself only announce it)."""
-        if self._needs_barrier(group):
+    def _announce_group(self, group: str, interrupt: Callable[[], None] | None = None) -> None:
+        """Inside the failover itself, before `group`'s first use in the epoch: tell the other members
+        that this node is about to build it, or wait for its build in the background (calling
+        `interrupt`, which may raise)."""
+        if group in self.groups.building:
+            self.groups.wait_built(group, f"the build of {group}", interrupt)
+        elif self._needs_barrier(group):
             self.coordinator.announce_group(group, self.groups.versions[group])
 
-    def _await_group_members(self, group: str) -> None:
-        """Before building `group`: wait until every member is about to build it too, raising
-        FailureNoticed on any confirmed failure meanwhile (a member may die before it gets there,
-        and a gloo build would only time out)."""
-        if self._needs_barrier(group):
+    def _await_group_members(self, group: str, instruction: str) -> None:
+        """Before `group`'s first use in the epoch, raising FailureNoticed on any confirmed failure
+        meanwhile: wait for its build in the background, or (none started) until every member is about
+        to build it too (a member may die before it gets there, and a gloo build would only time out)."""
+        if group in self.groups.building:
+            self.groups.wait_built(group, instruction, self.coordinator.raise_if_noticed)
+        elif self._needs_barrier(group):
             self.coordinator.await_group(group, self.groups.versions[group], self.groups.members[group])
 
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
-        self._await_group_members(group)
+        self._await_group_members(group, str(instruction))
         self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
 
     def _recv(self, instruction: Instruction, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         group = self._group_for(peer)
-        self._await_group_members(group)
+        self._await_group_members(group, str(instruction))
         out = self._transfer(
             instruction, peer, lambda: (self.groups.post_recv(group, buffer, peer, tag, str(instruction)), buffer)
         )
@@ -418,7 +429,7 @@ class StageInterpreter:
         flat = piece.flat_grads(out=None if self.keeps_contributions else self._flat_buffers.get(s, piece.numel()))
         contribution = (self.step, flat.clone(), loss.clone()) if self.keeps_contributions else (self.step, None, None)
         group = f"dp-s{s}"
-        self._await_group_members(group)
+        self._await_group_members(group, str(instruction))
         works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
         self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
 
@@ -548,7 +559,7 @@ class StageInterpreter:
         the others finish the commit with their result (:meth:`finish_commit`).
         """
         pipe = f"pipe-d{self.pipeline}"
-        self._await_group_members(pipe)  # before anything changes: it may raise
+        self._await_group_members(pipe, "commit")  # before anything changes: it may raise
         for s in sorted(self._reducing):
             self._wait_reduction(s)
         squared, loss = self._commit_contribution(hosted)
@@ -666,7 +677,7 @@ class StageInterpreter:
                 contribution = self._contributions.get((v, step))
                 if contribution is not None:
                     flat, loss = contribution
-                    self._announce_group(group)
+                    self._announce_group(group, self._interrupter(group))
                     self.groups.allreduce(
                         group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
                     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from bamboo.rc.chaos import random_kill_points, run_chaos
+from bamboo.rc.faults import KillPoint
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +54,22 @@ def test_seeded_kill_points_over_two_pipelines_match_the_reference() -> None:
     failures = [(plan, result) for plan, result in outcomes if not result.passed]
     assert not failures, failures[:3]
     assert any(len({rank // 4 for rank in result.killed}) == 2 for _, result in outcomes)  # both pipelines lost one
+
+
+# Two plans that deadlocked before the builds of an event's changed groups started in the background
+# (P = 4, D = 2; KillPoint(stage, pipeline, instruction index, step)):
+# - stage 1 dies in both pipelines, in steps 0 and 2: both stage-0 nodes then host stages 0 and 1, and
+#   use the new dp-s1 and the old dp-s0 in opposite orders (every run failed);
+# - a stage-0 death in pipeline 1, then a stage-2 death in pipeline 0: a build waiting in the shared
+#   store client for a member held up the failover agreement (1 run in 5).
+TWO_PIPELINE_REGRESSIONS = [
+    (KillPoint(1, 0, "0", 0), KillPoint(1, 1, "14", 2)),
+    (KillPoint(0, 1, "31", 0), KillPoint(2, 0, "17", 1)),
+]
+
+
+def test_failures_in_both_pipelines_that_once_deadlocked_match_the_reference() -> None:
+    outcomes = run_chaos(TWO_PIPELINE_REGRESSIONS * 2, 4, 3, pipelines=2)
+    failures = [(plan, result) for plan, result in outcomes if not result.passed]
+    assert not failures, failures[:3]
+    assert all(len(result.killed) == 2 for _, result in outcomes)

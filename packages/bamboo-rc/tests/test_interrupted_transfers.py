@@ -47,6 +47,7 @@ class FakeGroups:
         self.timeouts = SimpleNamespace(poll=0.01)
         self.groups: dict[str, object] = {"p2p-0-1": object(), "p2p-1-2": object()}
         self.members = {"p2p-0-1": (0, 1), "p2p-1-2": (1, 2)}
+        self.building: dict[str, object] = {}  # no build in the background
         self.posted: list[tuple[str, HeldWork]] = []
         self.sent: list[tuple[int, torch.Tensor]] = []
         """(tag, a copy of the tensor) of every send posted."""

@@ -1,0 +1,155 @@
+"""Group builds started in the background when a membership change is applied (`GroupTable.start_builds`).
+
+Real gloo groups over a real TCPStore, with the ranks as threads of this process (each with its own
+store client, as separate processes would have). No test sleeps for a fixed time: each waits for an
+outcome, bounded by the group timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from bamboo.rc.comm import CommTimeouts, GroupTable, own_client
+from bamboo.rc.failures import PeerFailure
+from torch.distributed import TCPStore
+
+pytestmark = pytest.mark.slow
+
+STORE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+
+
+def _client(store: TCPStore) -> TCPStore:
+    return TCPStore("127.0.0.1", store.port, is_master=False, timeout=STORE_TIMEOUT)
+
+
+def _table(store: TCPStore, rank: int, group_timeout: float = 30.0) -> GroupTable:
+    return GroupTable(_client(store), "job", rank, CommTimeouts(group=group_timeout, poll=0.05), {})
+
+
+def _run_ranks(bodies: list[Callable[[], object]], limit: float = 60.0) -> list[object]:
+    """Run each body in a thread of its own; their results (an exception is a result too)."""
+    results: list[object] = [None] * len(bodies)
+
+    def run(index: int) -> None:
+        try:
+            results[index] = bodies[index]()
+        except BaseException as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(limit)
+    assert not any(thread.is_alive() for thread in threads), "a rank is still blocked"
+    return results
+
+
+def test_two_members_that_use_two_new_groups_in_opposite_orders_both_get_them(store: TCPStore) -> None:
+    """Rank 0 uses group a first, rank 1 group b first: built in the foreground on first use, each would
+    wait in its build for the other; started in the background, both builds complete."""
+    members = {"a": [0, 1], "b": [0, 1]}
+
+    def rank(me: int, order: list[str]) -> list[float]:
+        table = _table(store, me)
+        table.set_members(3, members)
+        assert table.start_builds() == ["a", "b"]
+        posted = {}
+        for name in order:  # as a stream posts all-reduces: first use of the group, then on
+            table.wait_built(name, f"first use of {name}")
+            tensor = torch.tensor([float(me + 1)])
+            posted[name] = (tensor, table.post_allreduce(name, [tensor], f"sum over {name}"))
+        for name in order:
+            tensor, works = posted[name]
+            table.wait_collective(name, works, f"sum over {name}")
+        assert not table.building and set(table.groups) == {"a", "b"}
+        return [float(posted[name][0][0]) for name in order]
+
+    assert _run_ranks([lambda: rank(0, ["a", "b"]), lambda: rank(1, ["b", "a"])]) == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def test_a_build_waiting_for_a_member_leaves_the_store_client_free_and_can_be_interrupted(store: TCPStore) -> None:
+    """The member never comes. Meanwhile the table's store client still answers at once (the build
+    waits on a client of its own), and a wait for the build gives way to its interrupt, leaving the
+    build in flight; a membership change then drops it."""
+    table = _table(store, 0, group_timeout=10.0)
+    table.set_members(1, {"pair": [0, 1]})
+    table.start_builds()
+    future = table.building["pair"]
+    table.store.set("progress", "published")  # would queue behind the build's wait on a shared client
+    assert table.store.get("progress") == b"published"
+    assert not future.done()
+
+    class Noticed(Exception):
+        pass
+
+    def interrupt() -> None:
+        raise Noticed
+
+    with pytest.raises(Noticed):
+        table.wait_built("pair", "1AR", interrupt)
+    assert table.building["pair"] is future  # still building: a later use waits for the same build
+    table.set_members(2, {})
+    assert not table.building and "pair" not in table.groups
+
+
+def test_a_failed_build_raises_a_peer_failure_naming_the_other_members(store: TCPStore) -> None:
+    table = _table(store, 0, group_timeout=1.0)
+    table.set_members(1, {"dp-s0": [0, 4, 8]})
+    table.start_builds()
+    with pytest.raises(PeerFailure) as raised:
+        table.wait_built("dp-s0", "0AR")
+    assert raised.value.peers == (4, 8) and raised.value.instruction == "0AR"
+    assert "dp-s0" not in table.building and "dp-s0" not in table.groups
+
+
+def test_a_build_keeps_the_membership_it_started_with(store: TCPStore) -> None:
+    """Rank 0 starts building g as (0, 1) in epoch 1; epoch 2 makes it (0, 2) before rank 1 comes. The
+    first build is dropped (it gives up on its own: nobody joins it), and the second is built under
+    the new epoch's prefix with rank 2."""
+    first = _table(store, 0, group_timeout=2.0)
+    first.set_members(1, {"g": [0, 1]})
+    first.start_builds()
+    stale = first.building["g"]
+    first.set_members(2, {"g": [0, 2]})
+    assert not first.building
+    first.start_builds()
+
+    def rank0() -> float:
+        first.wait_built("g", "use of g")
+        tensor = torch.tensor([1.0])
+        first.allreduce("g", [tensor], "sum")
+        return float(tensor[0])
+
+    def rank2() -> float:
+        table = _table(store, 2)
+        table.set_members(2, {"g": [0, 2]})
+        table.start_builds()
+        tensor = torch.tensor([5.0])
+        table.allreduce("g", [tensor], "sum")  # group() waits for the build in flight
+        return float(tensor[0])
+
+    assert _run_ranks([rank0, rank2]) == [6.0, 6.0]
+    assert stale.exception(timeout=30) is not None
+
+
+def test_own_client_is_a_new_connection_for_a_tcp_store_and_the_store_itself_otherwise(store: TCPStore) -> None:
+    client = own_client(store)
+    assert client is not store
+    client.set("written by the clone", "1")
+    assert store.get("written by the clone") == b"1"
+
+    class PythonStore(torch.distributed.Store):
+        pass
+
+    python_store = PythonStore()
+    assert own_client(python_store) is python_store

@@ -153,3 +153,13 @@ def test_own_client_is_a_new_connection_for_a_tcp_store_and_the_store_itself_oth
 
     python_store = PythonStore()
     assert own_client(python_store) is python_store
+
+
+def test_only_the_groups_an_epoch_changed_are_started_when_asked(store: TCPStore) -> None:
+    table = _table(store, 0, group_timeout=1.0)
+    table.set_members(0, {"p2p-0-5": [0, 5], "dp-s0": [0, 4]})
+    table.set_members(1, {"p2p-0-5": [0, 5], "dp-s0": [0, 7]})  # epoch 1 changed dp-s0 only
+    assert table.versions == {"p2p-0-5": 0, "dp-s0": 1}
+    assert table.start_builds(changed_in=1) == ["dp-s0"]
+    assert table.start_builds(changed_in=1) == []  # already in flight
+    assert table.start_builds() == ["p2p-0-5"]  # unchanged and unused: only when every group is asked for

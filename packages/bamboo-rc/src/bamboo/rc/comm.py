@@ -186,8 +186,8 @@ class GroupTable:
     `build_all()` builds, in sorted name order, every group this rank belongs to: all processes
     follow the same order, so it cannot deadlock.
 
-    `start_builds()` starts building, each in a thread of its own, every group of this rank that is
-    not built yet (after a membership change: every member starts them when it applies the change,
+    `start_builds(epoch)` starts building, each in a thread of its own, every group of this rank whose
+    membership changed in `epoch` (after a membership change: every member starts them when it applies the change,
     so no build waits for a member that is blocked somewhere else, whatever order the members use
     the groups in). A use of such a group waits for its build (:meth:`wait_built`, which polls an
     interrupt, so a member that died before it joined is noticed instead of waited for).
@@ -257,13 +257,17 @@ class GroupTable:
         prefix = f"bamboo/{self.job}/e{self.versions[name]}/{name}/"
         return self.store, prefix, ranks.index(self.rank), len(ranks), self.timeouts.group
 
-    def start_builds(self) -> list[str]:
+    def start_builds(self, changed_in: int | None = None) -> list[str]:
         """Start building, in the background, every group of this rank (with another member) that is
-        neither built nor being built; returns their names."""
+        neither built nor being built, or only those whose membership changed in epoch `changed_in`
+        (one that never changed and was never used, such as a P2P pair of distant stages, is left to
+        its first use); returns their names."""
         started = []
         for name in sorted(self.members):
             ranks = self.members[name]
             if self.rank not in ranks or len(ranks) < 2 or name in self.groups or name in self.building:
+                continue
+            if changed_in is not None and self.versions[name] != changed_in:
                 continue
             future: concurrent.futures.Future[ProcessGroupGloo] = concurrent.futures.Future()
             # The arguments are taken now: a later membership change must not alter what the thread builds.

@@ -446,7 +446,7 @@ class StageExecutor:
         """
         self._rebuild_groups()
         if self.ring is None:  # P = 1 keeps its own first-use barrier (bamboo.rc.ring)
-            self.groups.start_builds()
+            self.groups.start_builds(changed_in=self.coordinator.epoch)
         if event.handover:
             self.interpreter.repost_changed_allreduces()
 

@@ -38,9 +38,10 @@ __all__ = [
 GROUP_S = 60.0
 """The gloo timeout of every group (``CommTimeouts.group``). It bounds a send, receive or
 collective whose peer is alive but stuck (a dead peer is noticed within tens of milliseconds
-anyway), and the wait in the store for a group's members before its first build in an epoch.
-When it fires, gloo raises and the operation becomes a :class:`~bamboo.rc.PeerFailure`; the
-build wait gives up and lets the gloo build time out on its own."""
+anyway), a group's build (the ones an event changed start in the background when the event is
+applied), and the wait in the store for a group's members before a first build on first use. When it
+fires, gloo raises and the operation (or the first use of a group whose build failed) becomes a
+:class:`~bamboo.rc.PeerFailure`; the store wait gives up and lets the gloo build time out on its own."""
 
 BUILD_S = 120.0
 """``CommTimeouts.build``: how long building a group, or a c10d store client's connection and

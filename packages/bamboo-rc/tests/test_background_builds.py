@@ -8,8 +8,9 @@ outcome, bounded by the group timeout.
 from __future__ import annotations
 
 import datetime
+import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -20,6 +21,19 @@ from torch.distributed import TCPStore
 pytestmark = pytest.mark.slow
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@pytest.fixture(autouse=True)
+def no_build_outlives_its_test() -> Iterator[None]:
+    """Let every build thread of a test end (each gives up by its group timeout, a few seconds here) and
+    free the test's groups in this process: a gloo group or store client left to the garbage collector
+    could otherwise be freed in a child that a later test forks (verify forks its workers), where its
+    destructor would join threads the child does not have, and abort it."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("bamboo-build-"):
+            thread.join(60)
+    gc.collect()
 
 
 @pytest.fixture
@@ -81,7 +95,7 @@ def test_a_build_waiting_for_a_member_leaves_the_store_client_free_and_can_be_in
     """The member never comes. Meanwhile the table's store client still answers at once (the build
     waits on a client of its own), and a wait for the build gives way to its interrupt, leaving the
     build in flight; a membership change then drops it."""
-    table = _table(store, 0, group_timeout=10.0)
+    table = _table(store, 0, group_timeout=3.0)
     table.set_members(1, {"pair": [0, 1]})
     table.start_builds()
     future = table.building["pair"]

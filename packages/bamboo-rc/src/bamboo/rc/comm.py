@@ -103,8 +103,8 @@ def _build_into(future: concurrent.futures.Future[ProcessGroupGloo], arguments: 
     """Build a gloo group in a background thread (:meth:`GroupTable.start_builds`); the outcome goes to `future`."""
     try:
         future.set_result(build_gloo_group(*arguments))
-    except BaseException as exc:  # the waiter gets it
-        future.set_exception(exc)
+    except BaseException as exc:  # the waiter gets it, without this frame (which would make a cycle with `future`)
+        future.set_exception(exc.with_traceback(None))
 
 
 class _Kept:

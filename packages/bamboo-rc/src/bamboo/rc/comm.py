@@ -252,10 +252,11 @@ class GroupTable:
             if self.rank in self.members[name] and len(self.members[name]) > 1:
                 self.group(name)
 
-    def _build_arguments(self, name: str) -> tuple[Store, str, int, int, float]:
+    def _build_arguments(self, name: str, store: Store) -> tuple[Store, str, int, int, float]:
+        """The arguments of :func:`build_gloo_group` for group `name` of the current membership, over `store`."""
         ranks = self.members[name]
         prefix = f"bamboo/{self.job}/e{self.versions[name]}/{name}/"
-        return self.store, prefix, ranks.index(self.rank), len(ranks), self.timeouts.group
+        return store, prefix, ranks.index(self.rank), len(ranks), self.timeouts.group
 
     def start_builds(self, changed_in: int | None = None) -> list[str]:
         """Start building, in the background, every group of this rank (with another member) that is
@@ -271,8 +272,7 @@ class GroupTable:
                 continue
             future: concurrent.futures.Future[ProcessGroupGloo] = concurrent.futures.Future()
             # The arguments are taken now: a later membership change must not alter what the thread builds.
-            store, *rest = self._build_arguments(name)
-            arguments = (own_client(store), *rest)
+            arguments = self._build_arguments(name, own_client(self.store))
             threading.Thread(target=_build_into, args=(future, arguments), name=f"bamboo-build-{name}", daemon=True).start()
             self.building[name] = future
             started.append(name)
@@ -302,7 +302,7 @@ class GroupTable:
             if name in self.building:
                 self.wait_built(name, f"the build of {name}")
                 return self.groups[name]
-            group = build_gloo_group(*self._build_arguments(name))
+            group = build_gloo_group(*self._build_arguments(name, self.store))
             self.groups[name] = group
         return group
 

@@ -229,14 +229,9 @@ class StageInterpreter:
         return interrupt
 
     def _needs_barrier(self, group: str) -> bool:
-        """Whether using `group` builds it first (its first use in an epoch) with others, in the
-        foreground (a group whose build started in the background is awaited instead)."""
-        return (
-            self.coordinator.watching
-            and group not in self.groups.groups
-            and group not in self.groups.building
-            and len(self.groups.members[group]) > 1
-        )
+        """Whether using `group` builds it first (its first use in an epoch) with others (callers check
+        for a build in the background first)."""
+        return self.coordinator.watching and group not in self.groups.groups and len(self.groups.members[group]) > 1
 
     def _announce_group(self, group: str, interrupt: Callable[[], None] | None = None) -> None:
         """Inside the failover itself, before `group`'s first use in the epoch: tell the other members

@@ -1,9 +1,11 @@
-"""TrainableSlice's flat gradients: a fresh copy, or written into a buffer the caller reuses."""
+"""TrainableSlice's gradient handling: flat gradients (a fresh copy, or written into a buffer the caller
+reuses), loading them back, zeroing in place, and the squared norm in pieces."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from bamboo.rc import load_config
+from bamboo.rc import load_config, state
 from bamboo.rc.model import GPTSize, gpt_layer_specs
 from bamboo.rc.state import TrainableSlice
 from bamboo.rc.verify import DEFAULT_CONFIG
@@ -23,3 +25,47 @@ def test_flat_gradients_into_a_reused_buffer_equal_a_fresh_copy_and_alias_nothin
         assert torch.equal(into, fresh)
     buffer.zero_()  # the gradients are copied, not viewed
     assert torch.equal(piece.flat_grads(), fresh)
+
+
+def _slice() -> TrainableSlice:
+    return TrainableSlice(gpt_layer_specs(GPTSize(layers=1, width=16, heads=2, sequence=8)), range(3),
+                          load_config(DEFAULT_CONFIG), 0)
+
+
+def test_loading_flat_gradients_copies_them_into_the_gradients_the_slice_already_has() -> None:
+    piece = _slice()
+    piece.zero_grads()
+    held = [p.grad for p in piece.parameters]
+    flat = torch.randn(piece.numel(), generator=torch.Generator().manual_seed(5))
+    piece.load_flat_grads(flat)
+    assert all(p.grad is g for p, g in zip(piece.parameters, held, strict=True))
+    assert torch.equal(piece.flat_grads(), flat)
+    flat.zero_()  # the caller may reuse its buffer at once
+    assert not torch.equal(piece.flat_grads(), flat)
+    piece.zero_grads()  # in place, too
+    assert all(p.grad is g and not g.any() for p, g in zip(piece.parameters, held, strict=True))
+
+
+def test_loading_a_gradient_buffer_of_the_wrong_size_names_both_sizes() -> None:
+    piece = _slice()
+    with pytest.raises(ValueError, match=f"has {piece.numel() + 1} elements, the slice needs {piece.numel()}"):
+        piece.load_flat_grads(torch.zeros(piece.numel() + 1))
+
+
+@pytest.mark.parametrize("piece_entries", [7, 1 << 20])
+def test_the_squared_norm_adds_each_piece_in_order_in_float64(monkeypatch: pytest.MonkeyPatch,
+                                                               piece_entries: int) -> None:
+    monkeypatch.setattr(state, "NORM_PIECE", piece_entries)
+    piece = _slice()
+    generator = torch.Generator().manual_seed(11)
+    for p in piece.parameters:
+        p.grad = torch.randn(p.shape, generator=generator) * 1e3
+    expected = torch.zeros((), dtype=torch.float64)
+    for p in piece.parameters:  # the definition, written out: pieces of piece_entries, in parameter order
+        for chunk in p.grad.reshape(-1).double().split(piece_entries):
+            expected += (chunk * chunk).sum()
+    assert max(p.numel() for p in piece.parameters) > 7  # the small pieces do cut gradients
+    assert piece.squared_grad_norm() == float(expected)
+    assert piece.squared_grad_norm() == float(expected)  # the reused scratch changes nothing
+    assert piece.squared_grad_norm() == pytest.approx(sum(float(p.grad.double().pow(2).sum()) for p in piece.parameters),
+                                                      rel=1e-12)

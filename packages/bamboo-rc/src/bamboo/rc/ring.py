@@ -352,8 +352,12 @@ class RingNode:
         size = len(posted.members)
         copies = self._scratch.get("copies", size * chunk)  # the sum, once for each member
         mine = copies[:chunk]
-        mine.copy_(by_share[0])
-        for share in range(1, self.layout.pipelines):  # share order: the reference's association
+        d = self.layout.pipelines
+        if d == 1:
+            mine.copy_(by_share[0])
+        else:  # share order, the reference's association: ((share 0 + share 1) + share 2) + ...
+            torch.add(by_share[0], by_share[1], out=mine)
+        for share in range(2, d):
             mine.add_(by_share[share])  # element by element the same rounding as `mine + ...`
         for j in range(1, size):
             copies[j * chunk : (j + 1) * chunk].copy_(mine)

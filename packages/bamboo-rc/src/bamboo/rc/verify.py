@@ -250,7 +250,8 @@ def run_verify(
         kill_times={rank: record.at for rank, record in kill_records.items()},
         left=left,
         timings={
-            rank: {"iteration_times": r["iteration_times"], "hosted": r["hosted"], "stage": r["stage"],
+            rank: {"iteration_times": r["iteration_times"], "kind_seconds": r["kind_seconds"], "hosted": r["hosted"],
+                   "stage": r["stage"],
                    "pipeline": r["pipeline"], "failovers": [FailoverRecord.from_dict(f) for f in r["failovers"]]}
             for rank, r in reports.items()
         },

@@ -118,6 +118,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "sync_bytes": executor.sync_bytes,
         "failovers": [failover.to_dict() for failover in executor.failovers],
         "iteration_times": executor.iteration_times,
+        "kind_seconds": dict(executor.kind_seconds),
         "consecutive": consecutive,
         "seconds": time.perf_counter() - started,
     }

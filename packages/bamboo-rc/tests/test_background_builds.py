@@ -11,11 +11,14 @@ import datetime
 import gc
 import threading
 from collections.abc import Callable, Iterator
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
 from bamboo.rc.comm import CommTimeouts, GroupTable, own_client
-from bamboo.rc.failures import PeerFailure
+from bamboo.rc.failures import FailureNoticed, PeerFailure
+from bamboo.rc.interpreter import StageInterpreter
+from bamboo.rc.records import FailureEvent
 from torch.distributed import TCPStore
 
 pytestmark = pytest.mark.slow
@@ -177,3 +180,38 @@ def test_only_the_groups_an_epoch_changed_are_started_when_asked(store: TCPStore
     assert table.start_builds(changed_in=1) == ["dp-s0"]
     assert table.start_builds(changed_in=1) == []  # already in flight
     assert table.start_builds() == ["p2p-0-5"]  # unchanged and unused: only when every group is asked for
+
+
+class _AnnouncedThenDied:
+    """The coordinator of a node whose peer announced a group and died before it joined the build: its
+    barrier passes, and the peer's failure is confirmed once this node's build is under way."""
+
+    watching = True
+
+    def __init__(self, table: GroupTable) -> None:
+        self.table = table
+        self.barriers: list[tuple[str, int, tuple[int, ...]]] = []
+
+    def await_group(self, group: str, version: int, members: tuple[int, ...]) -> None:
+        self.barriers.append((group, version, tuple(members)))
+
+    def raise_if_noticed(self) -> None:
+        if self.table.building:  # the build is waiting for the dead peer: its failure is confirmed now
+            raise FailureNoticed(FailureEvent(epoch=2, victims=(1,)))
+
+
+def test_a_first_use_build_gives_way_to_a_failure_confirmed_after_the_barrier(store: TCPStore) -> None:
+    """A group no event changed is built on its first use, after the store barrier. The peer dies after
+    the barrier, before it joins: the build runs in the background, so the confirmed failure is noticed.
+    Built in the foreground, it would sit in gloo until the group timeout and fail there instead."""
+    table = _table(store, 0, group_timeout=3.0)
+    table.set_members(1, {"p2p-0-1": [0, 1]})
+    node = SimpleNamespace(groups=table)
+    node.coordinator = _AnnouncedThenDied(table)
+    node._needs_barrier = MethodType(StageInterpreter._needs_barrier, node)
+    with pytest.raises(FailureNoticed, match=r"ranks \[1\]"):
+        StageInterpreter._await_group_members(node, "p2p-0-1", "1SA0>0")
+    assert node.coordinator.barriers == [("p2p-0-1", 1, (0, 1))]
+    assert "p2p-0-1" in table.building  # left in flight: the membership change that follows drops it
+    table.set_members(2, {})
+    assert not table.building

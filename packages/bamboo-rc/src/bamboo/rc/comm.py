@@ -270,13 +270,20 @@ class GroupTable:
                 continue
             if changed_in is not None and self.versions[name] != changed_in:
                 continue
-            future: concurrent.futures.Future[ProcessGroupGloo] = concurrent.futures.Future()
-            # The arguments are taken now: a later membership change must not alter what the thread builds.
-            arguments = self._build_arguments(name, own_client(self.store))
-            threading.Thread(target=_build_into, args=(future, arguments), name=f"bamboo-build-{name}", daemon=True).start()
-            self.building[name] = future
+            self.start_build(name)
             started.append(name)
         return started
+
+    def start_build(self, name: str) -> None:
+        """Start building group `name` in a background thread, over a store client of its own, unless it
+        is built or being built already (:meth:`wait_built` waits for it)."""
+        if name in self.groups or name in self.building:
+            return
+        future: concurrent.futures.Future[ProcessGroupGloo] = concurrent.futures.Future()
+        # The arguments are taken now: a later membership change must not alter what the thread builds.
+        arguments = self._build_arguments(name, own_client(self.store))
+        threading.Thread(target=_build_into, args=(future, arguments), name=f"bamboo-build-{name}", daemon=True).start()
+        self.building[name] = future
 
     def wait_built(self, name: str, instruction: str, interrupt: Callable[[], None] | None = None) -> None:
         """If group `name` is being built in the background, wait until it is, calling `interrupt` every

@@ -245,11 +245,14 @@ class StageInterpreter:
     def _await_group_members(self, group: str, instruction: str) -> None:
         """Before `group`'s first use in the epoch, raising FailureNoticed on any confirmed failure
         meanwhile: wait for its build in the background, or (none started) until every member is about
-        to build it too (a member may die before it gets there, and a gloo build would only time out)."""
+        to build it too (a member may die before it gets there, and a gloo build would only time out),
+        then build it in the background and wait for that (a member may also die after it announced the
+        build and before it joined it)."""
+        if group not in self.groups.building and self._needs_barrier(group):
+            self.coordinator.await_group(group, self.groups.versions[group], self.groups.members[group])
+            self.groups.start_build(group)
         if group in self.groups.building:
             self.groups.wait_built(group, instruction, self.coordinator.raise_if_noticed)
-        elif self._needs_barrier(group):
-            self.coordinator.await_group(group, self.groups.versions[group], self.groups.members[group])
 
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)

@@ -445,7 +445,7 @@ class StageExecutor:
         would otherwise each sit in a build the other never joins.
         """
         self._rebuild_groups()
-        if self.ring is None:  # P = 1 keeps its own first-use barrier (bamboo.rc.ring)
+        if self.ring is None:  # P = 1 builds its one group at its first use (RingNode._await_group): no cycle
             self.groups.start_builds(changed_in=self.coordinator.epoch)
         if event.handover:
             self.interpreter.repost_changed_allreduces()

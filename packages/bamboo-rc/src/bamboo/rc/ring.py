@@ -319,11 +319,15 @@ class RingNode:
         self.posted = _Reduction(members, shares_of, bounds, works, [sent, received, losses])
 
     def _await_group(self) -> None:
-        """Before a group's first use in an epoch: wait until every member is about to build it,
-        raising FailureNoticed on any confirmed failure meanwhile."""
+        """Before a group's first use in an epoch: wait until every member is about to build it, then for
+        its build, which runs in the background; raises FailureNoticed on any confirmed failure
+        meanwhile (a member may die before it announces the build, or after, before it joins it)."""
         members = self.groups.members[GROUP]
         if self.coordinator.watching and GROUP not in self.groups.groups and len(members) > 1:
-            self.coordinator.await_group(GROUP, self.groups.versions[GROUP], members)
+            if GROUP not in self.groups.building:
+                self.coordinator.await_group(GROUP, self.groups.versions[GROUP], members)
+                self.groups.start_build(GROUP)
+            self.groups.wait_built(GROUP, f"the build of {GROUP}", self.coordinator.raise_if_noticed)
 
     def _interrupt(self) -> None:
         event = self.coordinator.pending_event()

@@ -16,6 +16,10 @@ The variants run interleaved, `--repeats` times. Each prints the median step tim
 first two of every run, pooled over the repeats) and its ratio against (1) in the same run. Every run of (2)
 and (3) is checked bit-equal (0.0) against the single-process reference; (1)'s difference is printed (its
 all-reduce adds the replicas' gradients in gloo's order, so with D > 2 it is not exact).
+
+Where the time goes: rank 0's mean seconds per step in the compute instructions (`L`, `F`, `B`, and the
+eager copies' `FR`, `BR`), from `verify`'s per-kind timings, and the mean step time less that (the
+reduction, waiting for the peers, and the optimizer step), both over every step of every run.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from bamboo.rc.model import GPTSize
 from bamboo.rc.verify import run_verify
 
 MODES = ("none", "lflb", "eflb")
+COMPUTE_KINDS = ("L", "F", "B", "FR", "BR")
 CONFIG = {
     "train_micro_batch_size_per_gpu": 1,
     "gradient_accumulation_steps": 1,
@@ -74,12 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     size = GPTSize(layers=4, width=args.width, heads=4, sequence=16)
     times: dict[tuple[int, str], list[float]] = {}
     diffs: dict[tuple[int, str], list[float]] = {}
+    split: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (compute, whole) seconds of each run
     failed: list[str] = []
     for replicas in args.replicas:
         for repeat in range(args.repeats):
             for mode in MODES:
                 result = run_verify(1, replicas, args.steps, mode, size=size, config=CONFIG)
-                steps = sorted(end - start for start, end in result.timings[0]["iteration_times"][2:])
+                rank0 = result.timings[0]
+                steps = sorted(end - start for start, end in rank0["iteration_times"][2:])
+                compute = sum(rank0["kind_seconds"].get(kind, 0.0) for kind in COMPUTE_KINDS)
+                whole = sum(end - start for start, end in rank0["iteration_times"])
+                split.setdefault((replicas, mode), []).append((compute, whole))
                 times.setdefault((replicas, mode), []).extend(steps)
                 diffs.setdefault((replicas, mode), []).append(result.max_relative_diff)
                 # The plain all-reduce adds in gloo's order, not the reference's: not exact, and not asked to be.
@@ -89,13 +99,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"{statistics.median(steps) * 1e3:.1f} ms, max rel diff {result.max_relative_diff:.1e}")
     print(f"\nP = 1, the example decoder at width {args.width} (4 blocks), one microbatch per replica and step, "
           f"SGD; median step time over {args.repeats} interleaved runs of {args.steps} steps (the first 2 left out)")
-    print(f"{'D':>3} {'mode':6} {'median ms':>10} {'vs none':>8} {'max rel diff':>13}")
+    print(f"{'D':>3} {'mode':6} {'median ms':>10} {'vs none':>8} {'max rel diff':>13} {'compute ms':>11} "
+          f"{'other ms':>9}")
     for replicas in args.replicas:
         base = statistics.median(times[(replicas, "none")])
         for mode in MODES:
             median = statistics.median(times[(replicas, mode)])
+            runs = split[(replicas, mode)]
+            compute = sum(c for c, _ in runs) / (args.steps * len(runs))
+            other = sum(w for _, w in runs) / (args.steps * len(runs)) - compute
             print(f"{replicas:>3} {mode:6} {median * 1e3:>10.1f} {median / base:>7.2f}x "
-                  f"{max(diffs[(replicas, mode)]):>13.1e}")
+                  f"{max(diffs[(replicas, mode)]):>13.1e} {compute * 1e3:>11.1f} {other * 1e3:>9.1f}")
     for line in failed:
         print(f"NOT EXACT: {line}")
     return 1 if failed else 0

@@ -149,6 +149,9 @@ class RingNode:
         """(the group's version, the failure) when the first build of the all-reduce's group failed:
         raised by the next all-reduce of that version (a later epoch builds a new group)."""
         self._own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grads_zero = False
+        """Whether the slice's gradients are all zero (set by a zeroing or a commit, cleared by a backward),
+        so that a step's first share does not zero them a second time after the commit did."""
         self._scratch = ReusedBuffers()
         """The gradient-sized buffers of the shares and the reduction, reused from step to step. From one
         fault-free step to the next, every operation posted on one has finished before it is used again;
@@ -255,8 +258,9 @@ class RingNode:
             )
 
     def _forward(self, g: int) -> None:
-        if g % self.micro_batches == 0:  # the share's first microbatch: its gradients start from zero
+        if g % self.micro_batches == 0 and not self._grads_zero:  # a share's gradients start from zero
             self.piece.zero_grads()
+            self._grads_zero = True
         tokens, labels = self._loaded.pop(g)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
             logits = self.piece.forward(tokens, step=self.counters.step, microbatch=g)
@@ -265,6 +269,7 @@ class RingNode:
         self._pending_losses[g] = loss / self.global_microbatches
 
     def _backward(self, g: int, aside: bool) -> None:
+        self._grads_zero = False
         self._pending_losses.pop(g).backward()
         share, k = divmod(g, self.micro_batches)
         if k == self.micro_batches - 1:  # the share is complete: its gradients leave the buffers
@@ -378,6 +383,7 @@ class RingNode:
         self.piece.load_flat_grads(summed)
         squared = self.piece.squared_grad_norm()
         self.piece.apply_step(clip_coefficient(self.config.gradient_clipping, squared))
+        self._grads_zero = True  # apply_step zeroes them: the next step's first share need not again
         total = 0.0
         for value in losses.tolist():  # in global order, as the reference adds them
             total += value

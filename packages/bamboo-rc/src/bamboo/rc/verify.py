@@ -80,6 +80,9 @@ class VerifyResult:
     kill_times: dict[int, float] = attrs.field(factory=dict)
     left: tuple[int, ...] = ()
     timings: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    """Per rank: ``iteration_times`` ((start, end) of every step), ``kind_seconds`` (seconds spent in each
+    instruction kind, summed over the run, by the kind's code), ``hosted``, ``stage``, ``pipeline`` and
+    ``failovers``."""
     stage_bounds: tuple[tuple[int, int], ...] = ()
     """The layer range of every stage, as every worker built it."""
     unfired_kills: tuple[str, ...] = ()
@@ -250,9 +253,9 @@ def run_verify(
         kill_times={rank: record.at for rank, record in kill_records.items()},
         left=left,
         timings={
-            rank: {"iteration_times": r["iteration_times"], "kind_seconds": r["kind_seconds"], "hosted": r["hosted"],
-                   "stage": r["stage"],
-                   "pipeline": r["pipeline"], "failovers": [FailoverRecord.from_dict(f) for f in r["failovers"]]}
+            rank: {"iteration_times": r["iteration_times"], "kind_seconds": r["kind_seconds"],
+                   "hosted": r["hosted"], "stage": r["stage"], "pipeline": r["pipeline"],
+                   "failovers": [FailoverRecord.from_dict(f) for f in r["failovers"]]}
             for rank, r in reports.items()
         },
         stage_bounds=bounds,

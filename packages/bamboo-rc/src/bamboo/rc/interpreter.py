@@ -425,7 +425,12 @@ class StageInterpreter:
         # Without redundancy nothing outlives the step's all-reduce (a failure ends the run), so the flat
         # gradients reuse one buffer per stage: a fresh one costs its page faults again every step.
         flat = piece.flat_grads(out=None if self.keeps_contributions else self._flat_buffers.get(s, piece.numel()))
-        contribution = (self.step, flat.clone(), loss.clone()) if self.keeps_contributions else (self.step, None, None)
+        if not self.keeps_contributions:
+            contribution: tuple[int, torch.Tensor | None, torch.Tensor | None] = (self.step, None, None)
+        elif self.layout.pipelines == 1:  # a group of one: the all-reduce leaves `flat` as it is, so it is its own copy
+            contribution = (self.step, flat, loss)
+        else:  # the all-reduce sums into `flat`: the contribution is kept apart, for a shadow's redo
+            contribution = (self.step, flat.clone(), loss.clone())
         group = f"dp-s{s}"
         self._await_group_members(group, str(instruction))
         works = self.groups.post_allreduce(group, [flat, loss], str(instruction))

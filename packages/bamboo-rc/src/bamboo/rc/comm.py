@@ -285,6 +285,17 @@ class GroupTable:
         threading.Thread(target=_build_into, args=(future, arguments), name=f"bamboo-build-{name}", daemon=True).start()
         self.building[name] = future
 
+    def build_after_barrier(self, name: str, instruction: str, barrier: Callable[[], None],
+                            interrupt: Callable[[], None] | None = None) -> None:
+        """Before group `name`'s first use in an epoch: unless it is built or being built already, call
+        `barrier` (it returns once every member is about to build the group) and start the build in the
+        background; then wait for the build, calling `interrupt` meanwhile (:meth:`wait_built`), so that a
+        member that dies after the barrier and before it joins is noticed instead of waited for."""
+        if name not in self.groups and name not in self.building:
+            barrier()
+            self.start_build(name)
+        self.wait_built(name, instruction, interrupt)
+
     def wait_built(self, name: str, instruction: str, interrupt: Callable[[], None] | None = None) -> None:
         """If group `name` is being built in the background, wait until it is, calling `interrupt` every
         `timeouts.poll` seconds (it may raise); a failed build raises a PeerFailure naming the other members."""

@@ -248,11 +248,11 @@ class StageInterpreter:
         to build it too (a member may die before it gets there, and a gloo build would only time out),
         then build it in the background and wait for that (a member may also die after it announced the
         build and before it joined it)."""
-        if group not in self.groups.building and self._needs_barrier(group):
-            self.coordinator.await_group(group, self.groups.versions[group], self.groups.members[group])
-            self.groups.start_build(group)
-        if group in self.groups.building:
-            self.groups.wait_built(group, instruction, self.coordinator.raise_if_noticed)
+        if group in self.groups.building or self._needs_barrier(group):
+            version, members = self.groups.versions[group], self.groups.members[group]
+            self.groups.build_after_barrier(group, instruction,
+                                            lambda: self.coordinator.await_group(group, version, members),
+                                            self.coordinator.raise_if_noticed)
 
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)

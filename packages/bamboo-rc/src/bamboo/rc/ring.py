@@ -329,10 +329,10 @@ class RingNode:
         meanwhile (a member may die before it announces the build, or after, before it joins it)."""
         members = self.groups.members[GROUP]
         if self.coordinator.watching and GROUP not in self.groups.groups and len(members) > 1:
-            if GROUP not in self.groups.building:
-                self.coordinator.await_group(GROUP, self.groups.versions[GROUP], members)
-                self.groups.start_build(GROUP)
-            self.groups.wait_built(GROUP, f"the build of {GROUP}", self.coordinator.raise_if_noticed)
+            version = self.groups.versions[GROUP]
+            self.groups.build_after_barrier(GROUP, f"the build of {GROUP}",
+                                            lambda: self.coordinator.await_group(GROUP, version, members),
+                                            self.coordinator.raise_if_noticed)
 
     def _interrupt(self) -> None:
         event = self.coordinator.pending_event()

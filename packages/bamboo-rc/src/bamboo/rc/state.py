@@ -59,6 +59,11 @@ def clip_coefficient(max_norm: float, squared_norm: float) -> float:
     return min(1.0, max_norm / (math.sqrt(squared_norm) + 1e-6))
 
 
+def _reusable_grad(p: nn.Parameter, dtype: torch.dtype) -> bool:
+    """Whether `p` holds a gradient of its own shape in `dtype`, which can be written in place."""
+    return p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == dtype
+
+
 class TrainableSlice:
     """Layers `indices` of `specs`, with their own optimizer and scheduler."""
 
@@ -85,10 +90,10 @@ class TrainableSlice:
         gradient tensor (:meth:`flat_grads` copies, :meth:`load_flat_grads` copies in), so it is reused
         from step to step instead of costing a fresh allocation."""
         for p in self.parameters:
-            if p.grad is None or p.grad.shape != p.shape or p.grad.dtype != p.dtype:
-                p.grad = torch.zeros_like(p)
-            else:
+            if _reusable_grad(p, p.dtype):
                 p.grad.zero_()
+            else:
+                p.grad = torch.zeros_like(p)
 
     def flat_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """All gradients concatenated (fp32 on CPU), a copy: written into `out` (of :meth:`numel` elements)
@@ -107,10 +112,10 @@ class TrainableSlice:
         for p in self.parameters:
             n = p.numel()
             piece = flat[offset : offset + n].view_as(p)
-            if p.grad is None or p.grad.shape != p.shape or p.grad.dtype != piece.dtype:
-                p.grad = piece.clone()
-            else:
+            if _reusable_grad(p, piece.dtype):
                 p.grad.copy_(piece)
+            else:
+                p.grad = piece.clone()
             offset += n
 
     def squared_grad_norm(self) -> float:

@@ -16,9 +16,12 @@ from types import MethodType, SimpleNamespace
 import pytest
 import torch
 from bamboo.rc.comm import CommTimeouts, GroupTable, own_client
+from bamboo.rc.config import load_config
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.interpreter import StageInterpreter
+from bamboo.rc.layout import Layout
 from bamboo.rc.records import FailureEvent
+from bamboo.rc.verify import DEFAULT_CONFIG
 from torch.distributed import TCPStore
 
 pytestmark = pytest.mark.slow
@@ -209,9 +212,100 @@ def test_a_first_use_build_gives_way_to_a_failure_confirmed_after_the_barrier(st
     node = SimpleNamespace(groups=table)
     node.coordinator = _AnnouncedThenDied(table)
     node._needs_barrier = MethodType(StageInterpreter._needs_barrier, node)
+    node._poll = MethodType(StageInterpreter._poll, node)
+    node._post_built = MethodType(StageInterpreter._post_built, node)
+    node._reducing = {}
     with pytest.raises(FailureNoticed, match=r"ranks \[1\]"):
         StageInterpreter._await_group_members(node, "p2p-0-1", "1SA0>0")
     assert node.coordinator.barriers == [("p2p-0-1", 1, (0, 1))]
     assert "p2p-0-1" in table.building  # left in flight: the membership change that follows drops it
     table.set_members(2, {})
     assert not table.building
+
+
+class _WatchingCoordinator:
+    """The coordinator of a node after a hand-over: no failure confirmed until `confirmed` is set."""
+
+    watching = True
+
+    def __init__(self) -> None:
+        self.confirmed: FailureEvent | None = None
+        self.announced: list[tuple[str, int]] = []
+
+    def pending_event(self) -> FailureEvent | None:
+        return self.confirmed
+
+    def raise_if_noticed(self) -> None:
+        if self.confirmed is not None:
+            raise FailureNoticed(self.confirmed)
+
+    def announce_group(self, group: str, version: int) -> None:
+        self.announced.append((group, version))
+
+
+def _interpreter(table: GroupTable, node: int, pipeline: int) -> StageInterpreter:
+    """A node of stage `node` in pipeline `pipeline` (2 × 2 layout) over `table`; its slices are never used here."""
+    return StageInterpreter({}, lambda *_: torch.zeros(()), load_config(DEFAULT_CONFIG), Layout(2, 2), node, pipeline,
+                            table, _WatchingCoordinator())  # type: ignore[arg-type]
+
+
+def _pending_allreduce(interpreter: StageInterpreter, stage: int, value: float, members: tuple[int, ...]) -> None:
+    """As if stage `stage`'s all-reduce of step 5 had been posted on the group of `members` (with redundancy:
+    the contribution kept apart)."""
+    flat, loss = torch.full((3,), value), torch.tensor([value], dtype=torch.float64)
+    interpreter._reducing[stage] = ([], flat, loss, (5, flat.clone(), loss.clone()), members)
+
+
+def test_an_allreduce_posted_again_after_a_hand_over_never_blocks_the_event_and_gives_way_to_a_failure(
+    store: TCPStore,
+) -> None:
+    """A hand-over changes dp-s0 from (0, 2) to (0, 3), and rank 3 dies before it joins the build. Applying the
+    event returns at once, the all-reduce waiting for the build; where its result is needed, the wait gives way
+    to the confirmed failure, and the all-reduce is still waiting to be posted. Before, the repost waited for
+    the build inside the event's application, with nothing to notice the failure, until the group timeout."""
+    table = _table(store, 0, group_timeout=3.0)
+    table.set_members(1, {"dp-s0": [0, 2]})
+    node = _interpreter(table, 0, 0)
+    try:
+        _pending_allreduce(node, 0, 1.0, (0, 2))
+        table.set_members(2, {"dp-s0": [0, 3]})  # what the executor does when it applies the hand-over
+        table.start_builds(changed_in=2)
+        node.repost_changed_allreduces()
+        works, flat, _, contribution, members = node._reducing[0]
+        assert works is None and members == (0, 3)  # waiting for its group
+        assert flat is not contribution[1] and torch.equal(flat, contribution[1])  # the kept contribution, copied
+        assert "dp-s0" in table.building and not table.building["dp-s0"].done()
+        node.coordinator.confirmed = FailureEvent(epoch=3, victims=(3,))  # type: ignore[attr-defined]
+        with pytest.raises(FailureNoticed, match=r"ranks \[3\]"):
+            node._wait_reduction(0)
+        assert node._reducing[0][0] is None  # still to be posted: the failover decides what becomes of it
+    finally:
+        node.close()
+        table.set_members(3, {})
+
+
+def test_allreduces_posted_again_after_a_hand_over_are_posted_once_built_and_sum_the_kept_contributions(
+    store: TCPStore,
+) -> None:
+    """Both members of the rebuilt dp-s1 post again what they had contributed; each posts without blocking as
+    soon as its build is done, and the sum is that of the kept contributions, not of the all-reduced tensors."""
+
+    def rank(me: int, pipeline: int, value: float) -> list[float]:
+        table = _table(store, me)
+        table.set_members(1, {"dp-s1": [me, 9]})
+        node = _interpreter(table, 1, pipeline)
+        try:
+            _pending_allreduce(node, 1, value, (me, 9))
+            node._reducing[1][1].fill_(-100.0)  # a half-done all-reduce scribbled on it: the repost must not use it
+            table.set_members(2, {"dp-s1": [1, 3]})
+            table.start_builds(changed_in=2)
+            node.repost_changed_allreduces()
+            while node._reducing[1][0] is None:  # as the stream's next instructions and waits do
+                node._post_built()
+            node.wait_posted_allreduces()
+            return node._reducing[1][1].tolist()
+        finally:
+            node.close()
+            table.release()
+
+    assert _run_ranks([lambda: rank(1, 0, 1.0), lambda: rank(3, 1, 2.0)]) == [[3.0] * 3, [3.0] * 3]

@@ -436,7 +436,8 @@ class StageExecutor:
     def _after_event(self, event: FailureEvent) -> None:
         """The groups of the new epoch (a group whose membership `event` changed gets its epoch as
         its version), whose builds start now in the background; after a hand-over, the all-reduces
-        posted on a group a leaver was in, again.
+        posted on a group a leaver was in are posted again, each once its group is built (nothing here
+        waits for a build: a member that dies before it joins one is noticed where the result is needed).
 
         Every member of a changed group applies the event, and starts that build then, before anything
         that can block. So a node that uses the group first waits only until its other members have

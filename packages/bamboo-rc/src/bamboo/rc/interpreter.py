@@ -71,8 +71,10 @@ def _segments(flat: torch.Tensor) -> list[torch.Tensor]:
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 
 Key = tuple[int, int]
-Posted = tuple[list[object], torch.Tensor, torch.Tensor, Any, tuple[int, ...]]
-"""A posted all-reduce: (works, gradients, loss, (step, gradients, loss) as contributed, members)."""
+Posted = tuple[list[object] | None, torch.Tensor, torch.Tensor, Any, tuple[int, ...]]
+"""A posted all-reduce: (works, gradients, loss, (step, gradients, loss) as contributed, members). Works of None:
+to be posted again on the group of `members`, once its build in the background is done
+(:meth:`StageInterpreter.repost_changed_allreduces`)."""
 
 
 class StageInterpreter:
@@ -197,6 +199,7 @@ class StageInterpreter:
                 handle.result(timeout=self.groups.timeouts.poll)
                 return buffer
             except concurrent.futures.TimeoutError:
+                self._post_built()
                 event = self.coordinator.pending_event()
                 if event is not None:
                     assert instruction.peer is not None
@@ -222,6 +225,7 @@ class StageInterpreter:
         event is noticed again at the next blocking point), so it is never posted twice."""
 
         def interrupt() -> None:
+            self._post_built()
             event = self.coordinator.pending_event()
             if event is not None and set(event.victims) & set(self.groups.members[group]):
                 raise FailureNoticed(event)
@@ -252,7 +256,14 @@ class StageInterpreter:
             version, members = self.groups.versions[group], self.groups.members[group]
             self.groups.build_after_barrier(group, instruction,
                                             lambda: self.coordinator.await_group(group, version, members),
-                                            self.coordinator.raise_if_noticed)
+                                            self._poll)
+
+    def _poll(self) -> None:
+        """Called every `timeouts.poll` seconds while this node waits: post the all-reduces whose rebuilt
+        group is now built (:meth:`repost_changed_allreduces`), and raise FailureNoticed on a confirmed
+        failure."""
+        self._post_built()
+        self.coordinator.raise_if_noticed()
 
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
@@ -272,6 +283,7 @@ class StageInterpreter:
     def execute(self, instruction: Instruction) -> None:
         """Execute one instruction (its wall time is added to :attr:`kind_seconds`)."""
         started = time.perf_counter()
+        self._post_built()
         self._handlers[instruction.kind](self, instruction)
         code = instruction.kind.value
         self.kind_seconds[code] = self.kind_seconds.get(code, 0.0) + time.perf_counter() - started
@@ -446,9 +458,11 @@ class StageInterpreter:
         """
         if s not in self._reducing:
             return
+        self._post_deferred(self._poll)
         works, flat, loss, contribution, _members = self._reducing[s]
+        assert works is not None
         group = f"dp-s{s}"
-        self.groups.wait_collective(group, works, f"{s}AR", self.coordinator.raise_if_noticed)
+        self.groups.wait_collective(group, works, f"{s}AR", self._poll)
         del self._reducing[s]
         piece = self.slices[s]
         piece.load_flat_grads(flat)
@@ -460,8 +474,10 @@ class StageInterpreter:
 
     def wait_posted_allreduces(self) -> None:
         """Wait until every posted data-parallel all-reduce completed (so the peers completed it too)."""
+        self._post_deferred()
         for s in sorted(self._reducing):
             works, _, _, _, _ = self._reducing[s]
+            assert works is not None
             self.groups.wait_collective(f"dp-s{s}", works, f"{s}AR")
 
     def _optimizer(self, instruction: Instruction) -> None:
@@ -632,22 +648,64 @@ class StageInterpreter:
     # ----------------------------------------------------------------------------- after failures
     def repost_changed_allreduces(self) -> None:
         """Post again, on the rebuilt group, every pending all-reduce whose group's membership
-        changed (a member left at an iteration boundary)."""
+        changed (a member left at an iteration boundary).
+
+        This runs while the event is applied, where nothing may block: each is posted once its group's
+        build in the background is done, at this node's next instruction or wait, and at the latest
+        where its result is needed, which waits for the build and gives way to a confirmed failure
+        meanwhile (a member that died before it joined the build)."""
         for stage, (_, _, _, contribution, members) in list(self._reducing.items()):
             group = f"dp-s{stage}"
             if members != self.groups.members[group]:
                 self._post_again(stage, contribution)
 
     def _post_again(self, stage: int, contribution: Any) -> None:
+        """Post stage `stage`'s all-reduce again, with the contribution it had, on the group of the current
+        membership: now if the group is built, else once its build in the background is done (started
+        here if no membership change started it)."""
         group = f"dp-s{stage}"
         _, flat, loss = contribution
         if flat is None or loss is None:
             raise RuntimeError(f"stage {stage}: an all-reduce must be posted again, but its contribution was not kept "
                                f"(keeps_contributions is off: redundancy none)")
-        fresh_flat, fresh_loss = flat.clone(), loss.clone()
-        self._announce_group(group)
-        works = self.groups.post_allreduce(group, [fresh_flat, fresh_loss], f"{stage}AR (again)")
-        self._reducing[stage] = (works, fresh_flat, fresh_loss, contribution, self.groups.members[group])
+        if group not in self.groups.groups and group not in self.groups.building and len(self.groups.members[group]) > 1:
+            self._announce_group(group)  # the store barrier the other members wait at before they build it
+            self.groups.start_build(group)
+        self._reducing[stage] = (None, flat.clone(), loss.clone(), contribution, self.groups.members[group])
+        self._post_built()
+
+    def _post_built(self) -> None:
+        """Post each all-reduce waiting to be posted again whose group is built by now; never blocks."""
+        for stage, (works, _, _, _, members) in sorted(self._reducing.items()):
+            group = f"dp-s{stage}"
+            if works is not None or members != self.groups.members.get(group):
+                continue  # posted, or its group changed again: the event that changed it posts it again
+            future = self.groups.building.get(group)
+            built = group in self.groups.groups or (future is not None and future.done() and future.exception() is None)
+            if built or len(members) < 2:  # a failed build is raised where the result is needed
+                self._post_deferred_one(stage)
+
+    def _post_deferred(self, interrupt: Callable[[], None] | None = None) -> None:
+        """Post every all-reduce waiting to be posted again, in stage order, waiting for its group's build
+        (calling `interrupt`, which may raise: those not posted yet stay waiting)."""
+        for stage in sorted(self._reducing):
+            if self._reducing[stage][0] is None:
+                group = f"dp-s{stage}"
+                if self._reducing[stage][4] != self.groups.members.get(group):
+                    raise RuntimeError(
+                        f"stage {stage}: an all-reduce waits to be posted again on {group} as "
+                        f"{list(self._reducing[stage][4])}, but the group is {list(self.groups.members.get(group, ()))} now "
+                        f"and no failover posted it again"
+                    )
+                self.groups.wait_built(group, f"{stage}AR (again)", interrupt)
+                self._post_deferred_one(stage)
+
+    def _post_deferred_one(self, stage: int) -> None:
+        group = f"dp-s{stage}"
+        works, flat, loss, contribution, members = self._reducing[stage]
+        assert works is None
+        posted = self.groups.post_allreduce(group, [flat, loss], f"{stage}AR (again)")
+        self._reducing[stage] = (posted, flat, loss, contribution, members)
 
     def join_redone_allreduces(self, plan: FailoverPlan, lost: set[int] | frozenset[int], step: int,
                                hosted: Sequence[int]) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from bamboo.rc import load_config, state
 from bamboo.rc.model import GPTSize, gpt_layer_specs
-from bamboo.rc.state import TrainableSlice
+from bamboo.rc.state import SpareBuffers, TrainableSlice
 from bamboo.rc.verify import DEFAULT_CONFIG
 
 
@@ -69,3 +69,27 @@ def test_the_squared_norm_adds_each_piece_in_order_in_float64(monkeypatch: pytes
     assert piece.squared_grad_norm() == float(expected)  # the reused scratch changes nothing
     assert piece.squared_grad_norm() == pytest.approx(sum(float(p.grad.double().pow(2).sum()) for p in piece.parameters),
                                                       rel=1e-12)
+
+
+def test_spare_buffers_hand_back_what_was_given_back_of_the_right_size_and_fresh_ones_otherwise() -> None:
+    spares = SpareBuffers()
+    first = spares.take(0, 6)
+    assert first.numel() == 6 and spares.take(0, 6) is not first  # nothing given back yet: fresh
+    spares.give_back(0, first)
+    spares.give_back(0, first)  # twice: held once
+    assert spares.held(0) == 1 and spares.held(1) == 0
+    assert spares.take(1, 6) is not first  # another key
+    assert spares.take(0, 6) is first and spares.held(0) == 0
+    spares.give_back(0, first)
+    other = spares.take(0, 7)  # the slice changed size: the spare of 6 is let go, a fresh one of 7
+    assert other is not first and other.numel() == 7 and spares.held(0) == 0
+
+
+def test_spare_buffers_hold_at_most_per_key_spares() -> None:
+    spares = SpareBuffers()
+    given = [torch.empty(3) for _ in range(SpareBuffers.PER_KEY + 2)]
+    for buffer in given:
+        spares.give_back("s", buffer)
+    assert spares.held("s") == SpareBuffers.PER_KEY
+    taken = {id(spares.take("s", 3)) for _ in range(SpareBuffers.PER_KEY)}
+    assert taken == {id(buffer) for buffer in given[: SpareBuffers.PER_KEY]}

@@ -47,7 +47,7 @@ from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.stash import FrcStash
-from bamboo.rc.state import ReusedBuffers, TrainableSlice, clip_coefficient
+from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice, clip_coefficient
 from bamboo.schedule import FailoverPlan, Instruction, Kind
 
 __all__ = ["StageInterpreter"]
@@ -124,6 +124,11 @@ class StageInterpreter:
         self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._flat_buffers = ReusedBuffers()
         """Without redundancy: by stage, the buffer its flat gradients are gathered into, step after step."""
+        self._spare_grads = SpareBuffers()
+        """With redundancy: by stage, gradient-sized buffers free again (an all-reduce's that completed, a
+        contribution no longer kept), for the next step's flat gradients and contribution."""
+        self._sync_buffers = ReusedBuffers()
+        """By ("out" or "in", stage): the payload of the stage's replica sync, sent or received, step after step."""
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self.reset_iteration()
@@ -144,6 +149,9 @@ class StageInterpreter:
         self.red_outputs: dict[Key, torch.Tensor] = {}
         self.local_outputs: dict[Key, torch.Tensor] = {}
         self.mb_losses: dict[int, float] = {}
+        for s, (flat, _) in getattr(self, "_reduced", {}).items():
+            if self.keeps_contributions:  # its all-reduce completed: nothing writes into it any more
+                self._spare_grads.give_back(s, flat)
         self._reduced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """Stage -> its reduced gradients and [the reduced loss as fp32, the stage's step number after this one]."""
         self._reducing: dict[int, Posted] = {}
@@ -155,6 +163,7 @@ class StageInterpreter:
         """Back to the start-of-iteration state: partial gradients and stashes discarded."""
         for piece in self.slices.values():
             piece.zero_grads()
+        self._sync_buffers.drop()  # a receive given up with the iteration may still be posted on one
         self.reset_iteration()
 
     def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -217,6 +226,8 @@ class StageInterpreter:
         for key in dropped:
             self._pending.pop(key, None)
             self._segmented.pop(key, None)
+        if dropped:  # a dropped receive may still be posted on its buffer
+            self._sync_buffers.drop()
         return dropped
 
     def _interrupter(self, group: str) -> Callable[[], None]:
@@ -434,15 +445,18 @@ class StageInterpreter:
         piece = self.slices[s]
         last = s == self.layout.stages - 1
         loss = torch.tensor([sum(self.mb_losses.values()) if last else 0.0], dtype=torch.float64)
-        # Without redundancy nothing outlives the step's all-reduce (a failure ends the run), so the flat
-        # gradients reuse one buffer per stage: a fresh one costs its page faults again every step.
-        flat = piece.flat_grads(out=None if self.keeps_contributions else self._flat_buffers.get(s, piece.numel()))
+        # A fresh gradient-sized tensor costs its page faults again every step, so the flat gradients go into
+        # a reused buffer: without redundancy nothing outlives the step's all-reduce (a failure ends the run),
+        # so one per stage; with redundancy one whose all-reduce completed, or a contribution no longer kept.
+        n = piece.numel()
+        flat = piece.flat_grads(out=self._spare_grads.take(s, n) if self.keeps_contributions
+                                else self._flat_buffers.get(s, n))
         if not self.keeps_contributions:
             contribution: tuple[int, torch.Tensor | None, torch.Tensor | None] = (self.step, None, None)
         elif self.layout.pipelines == 1:  # a group of one: the all-reduce leaves `flat` as it is, so it is its own copy
             contribution = (self.step, flat, loss)
         else:  # the all-reduce sums into `flat`: the contribution is kept apart, for a shadow's redo
-            contribution = (self.step, flat.clone(), loss.clone())
+            contribution = (self.step, self._spare_grads.take(s, n).copy_(flat), loss.clone())
         group = f"dp-s{s}"
         self._await_group_members(group, str(instruction))
         works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
@@ -469,7 +483,8 @@ class StageInterpreter:
         if self.layout.pipelines > 1 and self.keeps_contributions:  # in case a lost peer's shadow redoes it
             self._contributions[(s, contribution[0])] = (contribution[1], contribution[2])
             for key in [k for k in self._contributions if k[1] < contribution[0] - 1]:
-                del self._contributions[key]
+                kept, _ = self._contributions.pop(key)
+                self._spare_grads.give_back(key[0], kept)  # never posted: redos and reposts send copies
         self._reduced[s] = (flat, torch.cat([loss.float(), torch.tensor([float(piece.steps + 1)])]))
 
     def wait_posted_allreduces(self) -> None:
@@ -489,7 +504,11 @@ class StageInterpreter:
         s = instruction.stage
         self._wait_reduction(s)
         shadow = self._peer_rank(instruction.peer)
-        payload = self._transfer_segments(instruction, lambda: torch.cat(self._reduced[s]), shadow, s)
+        # Reused: a send only reads its payload, and one left posted never outlives the step (the commit refuses it).
+        payload = self._transfer_segments(
+            instruction, lambda: torch.cat(self._reduced[s], out=self._sync_buffers.get(("out", s), self._sync_size(s))),
+            shadow, s,
+        )
         self.sync_bytes += payload.numel() * payload.element_size()
 
     def _sync_recv(self, instruction: Instruction) -> None:
@@ -498,9 +517,14 @@ class StageInterpreter:
         s = instruction.stage
         self._apply_replica_update(s)  # lflb never runs the replica: apply the last update now
         owner = self._peer_rank(instruction.peer)
+        # Reused: the last update, applied just now, was the only other user of the buffer.
         self._received_syncs[s] = self._transfer_segments(
-            instruction, lambda: torch.empty(self.slices[s].numel() + 2), owner, s, receive=True
+            instruction, lambda: self._sync_buffers.get(("in", s), self._sync_size(s)), owner, s, receive=True
         )
+
+    def _sync_size(self, s: int) -> int:
+        """Elements of stage s's replica sync: its gradients, the reduced loss and the step number."""
+        return self.slices[s].numel() + 2
 
     def _transfer_segments(
         self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int, stage: int, receive: bool = False

@@ -20,7 +20,7 @@ from bamboo.rc.model import build_layers
 from bamboo.rc.rng import run_layers
 from torch import nn
 
-__all__ = ["NORM_PIECE", "ReusedBuffers", "TrainableSlice", "clip_coefficient"]
+__all__ = ["NORM_PIECE", "ReusedBuffers", "SpareBuffers", "TrainableSlice", "clip_coefficient"]
 
 NORM_PIECE = 1 << 20
 """Entries per piece of :meth:`TrainableSlice.squared_grad_norm` (8 MiB of float64 scratch at most)."""
@@ -46,6 +46,39 @@ class ReusedBuffers:
     def drop(self) -> None:
         """Forget every buffer (those still referenced elsewhere live on); the next :meth:`get` allocates."""
         self._held = {}
+
+
+class SpareBuffers:
+    """fp32 buffers handed back by their user once nothing reads or writes them any more, by key; :meth:`take`
+    hands one of the right size out again, or a fresh one.
+
+    For buffers whose lifetime is not one step: a gradient buffer an all-reduce sums into is free only once
+    that all-reduce completed (a failure may leave it pending on a retired group, still writing), and a
+    contribution kept for a shadow's redo only once it is no longer kept. At most :attr:`PER_KEY` spares
+    are held per key; more are let go."""
+
+    PER_KEY = 2
+
+    def __init__(self) -> None:
+        self._spare: dict[object, list[torch.Tensor]] = {}
+
+    def take(self, key: object, numel: int) -> torch.Tensor:
+        spares = self._spare.get(key, [])
+        while spares:
+            spare = spares.pop()
+            if spare.numel() == numel:
+                return spare
+        return torch.empty(numel)
+
+    def give_back(self, key: object, buffer: torch.Tensor) -> None:
+        """`buffer` is free: nothing posted on it is pending, and its user holds no reference it will use."""
+        spares = self._spare.setdefault(key, [])
+        if len(spares) < self.PER_KEY and all(spare is not buffer for spare in spares):
+            spares.append(buffer)
+
+    def held(self, key: object) -> int:
+        """How many spares are held for `key`."""
+        return len(self._spare.get(key, []))
 
 
 def clip_coefficient(max_norm: float, squared_norm: float) -> float:

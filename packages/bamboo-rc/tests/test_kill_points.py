@@ -63,3 +63,30 @@ def test_plans_over_several_pipelines_kill_in_any_pipeline_and_never_two_neighbo
         for a, b in itertools.pairwise(plan):
             if a.pipeline == b.pipeline:  # one pipeline: never the same stage or ring neighbours
                 assert (a.stage - b.stage) % stages not in (0, 1, stages - 1), plan
+
+
+@pytest.mark.parametrize(("stages", "pipelines"), [(4, 2), (3, 3), (1, 3)])
+def test_hand_over_plans_kill_another_pipeline_no_earlier_than_the_notice_step(stages: int, pipelines: int) -> None:
+    from bamboo.rc.chaos import HANDOVER_LEAD_S, random_handover_plans
+
+    steps = 4
+    plans = random_handover_plans(3, 200, stages, steps, "lflb", pipelines)
+    assert plans == random_handover_plans(3, 200, stages, steps, "lflb", pipelines)  # the seed names them
+    assert len(set(plans)) > 100
+    for notice, kill in plans:
+        assert notice.pipeline != kill.pipeline and 1 <= notice.step <= steps - 2 <= steps - 1
+        assert notice.step <= kill.step < steps and notice.lead_s == HANDOVER_LEAD_S
+        assert 0 <= notice.stage < stages and 0 <= kill.stage < stages and int(kill.instruction) >= 0
+    assert {notice.step for notice, _ in plans} == {1, 2}
+    assert {kill.pipeline for _, kill in plans} == set(range(pipelines))
+
+
+def test_hand_over_plans_refuse_what_cannot_mix_a_hand_over_and_a_failure() -> None:
+    from bamboo.rc.chaos import random_handover_plans
+
+    with pytest.raises(ValueError, match="at least 3 steps, got 2"):
+        random_handover_plans(0, 1, 4, 2, pipelines=2)
+    with pytest.raises(ValueError, match="at least 2 pipelines with P = 4, got 1"):
+        random_handover_plans(0, 1, 4, 3, pipelines=1)
+    with pytest.raises(ValueError, match="at least 3 pipelines with P = 1, got 2"):
+        random_handover_plans(0, 1, 1, 3, pipelines=2)

@@ -20,6 +20,13 @@ With one stage (P = 1, D pipelines: the shadow ring of :mod:`bamboo.rc.ring`) a 
 or two different nodes (neighbours in the ring too: the next live node takes both shares over), at
 random indices of their fault-free streams; with ``second_failures`` a first node, then another one
 during the recovery or in a later step. At least one node always survives.
+
+`random_handover_plans` mixes a planned hand-over with a failure: a random node is told at the start of
+a random step (from step 1, so that an iteration time is known, and before the last) that it will be
+preempted in 60 s, which leaves time to hand its role over at the step's end; a node of another
+pipeline (of the ring, with P = 1) dies at a random instruction of the same step or a later one. The
+pipelines do not keep in step, so the failure may be confirmed before the leaver has gone, while it is
+leaving, or after.
 """
 
 from __future__ import annotations
@@ -27,13 +34,16 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from bamboo.rc.faults import KillPoint
+from bamboo.rc.faults import KillPoint, NoticePoint
 from bamboo.rc.ring import fault_free_ring_stream
 from bamboo.rc.timeouts import CHAOS_BUILD_S, CHAOS_CONFIRM_S, CHAOS_DEADLINE_S, CHAOS_GROUP_S, CommTimeouts
 from bamboo.rc.verify import DEFAULT_CONFIG, VerifyResult, run_verify
 from bamboo.schedule import Schedule, merged_schedule, one_f_one_b
 
-__all__ = ["random_kill_points", "run_chaos"]
+__all__ = ["random_handover_plans", "random_kill_points", "run_chaos"]
+
+HANDOVER_LEAD_S = 60.0
+"""Seconds between a chaos notice and its deadline: ample time to hand over after the step it comes in."""
 
 
 def random_kill_points(
@@ -123,6 +133,33 @@ def _ring_plan(
     return (point(first, step),)
 
 
+def random_handover_plans(
+    seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", pipelines: int = 2
+) -> list[tuple[NoticePoint, KillPoint]]:
+    """`count` seeded (notice, kill) pairs for D=`pipelines` pipelines of P=`stages` stages, or a ring of
+    `pipelines` nodes when `stages` is 1 (see the module docstring)."""
+    if steps < 3:
+        raise ValueError(f"a hand-over between a first and a last step needs at least 3 steps, got {steps}")
+    if pipelines < (3 if stages == 1 else 2):
+        raise ValueError(f"a hand-over and a failure in another pipeline need at least {3 if stages == 1 else 2} "
+                         f"pipelines with P = {stages}, got {pipelines}")
+    rng = random.Random(seed)
+    micro_batches = DEFAULT_CONFIG["gradient_accumulation_steps"]
+    schedule = one_f_one_b(stages, micro_batches, rc=redundancy) if stages > 1 else None
+    plans = []
+    for _ in range(count):
+        leaver, victim = rng.sample(range(pipelines), 2)
+        notice = NoticePoint(rng.randrange(stages), leaver, rng.randrange(1, steps - 1), lead_s=HANDOVER_LEAD_S)
+        stage = rng.randrange(stages)
+        if schedule is not None:
+            length = len(schedule.streams[stage])
+        else:
+            length = len(fault_free_ring_stream(victim, pipelines, micro_batches, redundancy))
+        kill = KillPoint(stage, victim, str(rng.randrange(length)), rng.randrange(notice.step, steps))
+        plans.append((notice, kill))
+    return plans
+
+
 def run_chaos(
     plans: list[tuple[KillPoint, ...]],
     stages: int,
@@ -130,13 +167,17 @@ def run_chaos(
     redundancy: str = "eflb",
     on_result: Callable[[tuple[KillPoint, ...], VerifyResult], None] | None = None,
     pipelines: int = 1,
+    notices: list[tuple[NoticePoint, ...]] | None = None,
 ) -> list[tuple[tuple[KillPoint, ...], VerifyResult]]:
-    """Run every plan through verify (P=`stages`, D=`pipelines`); returns (plan, result) pairs."""
+    """Run every plan through verify (P=`stages`, D=`pipelines`), with `notices[i]` given during plan i when
+    given; returns (plan, result) pairs."""
+    if notices is not None and len(notices) != len(plans):
+        raise ValueError(f"{len(notices)} sets of notices for {len(plans)} kill plans")
     timeouts = CommTimeouts(group=CHAOS_GROUP_S, build=CHAOS_BUILD_S, confirm=CHAOS_CONFIRM_S)
     outcomes = []
-    for plan in plans:
+    for index, plan in enumerate(plans):
         result = run_verify(stages, pipelines, steps, redundancy, timeouts=timeouts, deadline_s=CHAOS_DEADLINE_S,
-                            kills=plan, kills_must_fire=False)
+                            kills=plan, kills_must_fire=False, notice_points=notices[index] if notices else ())
         outcomes.append((plan, result))
         if on_result is not None:
             on_result(plan, result)

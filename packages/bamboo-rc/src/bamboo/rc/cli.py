@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from bamboo.rc.timeouts import BUILD_S, CONFIRM_S, GROUP_S, NOTICE_LEAD_S, VERIFY_DEADLINE_S
 
 if TYPE_CHECKING:
+    from bamboo.rc.faults import KillPoint, NoticePoint
     from bamboo.rc.records import FailoverRecord
     from bamboo.rc.verify import VerifyResult
 
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--steps", type=_positive_int, default=3, help="training steps per run (default 3)")
     soak.add_argument("--redundancy", choices=("lflb", "eflb", "efeb"), default="eflb",
                       help="redundancy mode (default eflb)")
+    soak.add_argument("--notices", action="store_true",
+                      help="every run also gives a node of another pipeline (ring node, with P = 1) a preemption "
+                           "notice with time to hand over, from step 1 on, and the kill comes in that step or a later "
+                           "one, so hand-overs and failures mix (needs D >= 2, or D >= 3 with P = 1, and --steps >= 3; "
+                           "not with --second-failures)")
     soak.add_argument("--second-failures", action="store_true",
                       help="every kill point is a first victim and then a second, non-adjacent one after the "
                            "failover: during the recovery of the same step, or in a later step (needs P >= 4, "
@@ -235,28 +241,42 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from bamboo.rc.chaos import random_kill_points, run_chaos
+    from bamboo.rc.chaos import random_handover_plans, random_kill_points, run_chaos
     from rich.progress import Progress
 
     if args.stages == 2:
         raise ValueError(f"--stages {args.stages}: soak needs 1 stage (a ring of pipelines) or at least 3 stages")
-    pipelines = args.pipelines or (4 if args.stages == 1 else 1)
-    plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy, args.second_failures,
-                               pipelines=pipelines)
+    pipelines = args.pipelines or (4 if args.stages == 1 else (2 if args.notices else 1))
+    notices: list[tuple[NoticePoint, ...]] | None = None
+    if args.notices:
+        if args.second_failures:
+            raise ValueError("--notices and --second-failures do not go together: a run mixes one hand-over and one kill")
+        pairs = random_handover_plans(args.seed, args.runs, args.stages, args.steps, args.redundancy, pipelines)
+        plans: list[tuple[KillPoint, ...]] = [(kill,) for _, kill in pairs]
+        notices = [(notice,) for notice, _ in pairs]
+    else:
+        plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy,
+                                   args.second_failures, pipelines=pipelines)
     with Progress() as progress:
         task = progress.add_task("kill points", total=len(plans))
         outcomes = run_chaos(plans, args.stages, args.steps, args.redundancy, on_result=lambda *_: progress.advance(task),
-                             pipelines=pipelines)
+                             pipelines=pipelines, notices=notices)
     passed = sum(1 for _, result in outcomes if result.passed)
-    for kills, result in outcomes:
+    for index, (kills, result) in enumerate(outcomes):
         if not result.passed:
-            print(f"FAIL {kills}: max relative {result.max_relative_diff:.3e}, exit codes {result.worker_exit_codes}")
+            given = f" with {notices[index][0]}" if notices else ""
+            print(f"FAIL {kills}{given}: max relative {result.max_relative_diff:.3e}, "
+                  f"exit codes {result.worker_exit_codes}")
     print(f"soak: {passed}/{len(outcomes)} kill points matched the reference ({100.0 * passed / len(outcomes):.1f}%)")
     killed_two = sum(1 for _, result in outcomes if len(result.killed) >= 2)
     print(f"soak: {killed_two}/{len(outcomes)} runs killed two nodes (a kill point fires only if its node reaches it)")
     unfired = sum(len(result.unfired_kills) for _, result in outcomes)
     total = sum(len(kills) for kills, _ in outcomes)
     print(f"soak: {total - unfired}/{total} kill points fired")
+    if notices:
+        handed = sum(1 for _, result in outcomes if result.left)
+        print(f"soak: {handed}/{len(outcomes)} notices ended in a hand-over (a node killed first, or one whose notice "
+              f"came too late, fails over instead)")
     return 0 if passed == len(outcomes) else 1
 
 

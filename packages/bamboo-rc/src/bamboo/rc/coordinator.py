@@ -397,15 +397,37 @@ class FailoverCoordinator:
         """Tell the others (and the authority) that this node leaves after step `step`."""
         record = HandoverRecord(self.rank, self.pipeline, self.node, step).to_json()
         self.store.set(self._key("handover", f"d{self.pipeline}", step), record)
+        self.store.set(self._key("handover", "any", step), "1")
         self.store.set(handover_request_key(self.job, self.rank), record)
+
+    def handover_anywhere(self, step: int) -> bool:
+        """Whether any node announced that it leaves after step `step` (one store check)."""
+        return self.store.check([self._key("handover", "any", step)])
+
+    def mark_passed(self, step: int) -> None:
+        """Tell a leaver that this node committed step `step` (only after a step a node leaves after)."""
+        self.store.set(self._key("passed", step, self.rank), "1")
+
+    def everyone_passed(self, step: int) -> bool:
+        """Whether every live rank committed step `step` (:meth:`mark_passed`)."""
+        live = [r for r in range(self.layout.world) if r not in self.dead]
+        return self.store.check([self._key("passed", step, r) for r in live])
 
     def handover_announced(self, step: int) -> bool:
         """Whether a node of this pipeline announced that it leaves after step `step`."""
         return self.store.check([self._key("handover", f"d{self.pipeline}", step)])
 
+    def handover_leavers(self, step: int) -> set[int]:
+        """The ranks that announced that they leave after step `step`: of this pipeline, or (P = 1) of
+        any live pipeline of the ring."""
+        pipelines = list(self.placements) if self.ring else [self.pipeline]
+        keys = [self._key("handover", f"d{d}", step) for d in pipelines]
+        return {HandoverRecord.from_json(self.store.get(key)).rank for key in keys if self.store.check([key])}
+
     def await_handover(self, step: int) -> FailureEvent:
-        """The hand-over event of the next epoch (the authority publishes it once the leaver left);
-        RuntimeError when it is not published within the confirm timeout."""
+        """The event of the next epoch, once published, while waiting for the hand-over announced
+        after step `step` (the authority publishes it once the leaver left): the hand-over, or a failure
+        confirmed before it. RuntimeError when nothing is published within the confirm timeout."""
         event = self.notices.wait(self.epoch + 1, self.timeouts.confirm) if self.notices is not None else None
         if event is None:
             raise RuntimeError(f"the hand-over announced after step {step} was never confirmed")

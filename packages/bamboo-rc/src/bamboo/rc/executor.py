@@ -157,6 +157,9 @@ class StageExecutor:
             )
         self.leaving = False
         """True once this node announced that it hands its role over at the next boundary."""
+        self.leave_by = float("inf")
+        """When a leaver stops waiting for the others to pass its last step (wall clock): its notice's
+        deadline less the time it kept for the step."""
         self.preemption_deadline: float | None = None
         """The deadline of a preemption notice this node could not hand over for (wall clock)."""
         self.handovers: list[dict[str, Any]] = []
@@ -413,21 +416,83 @@ class StageExecutor:
         fault_free = self.schedule.placement == tuple(range(self.layout.stages))
         if self.redundancy != "none" and fault_free and self.clock.time() + needed < deadline:
             self.leaving = True
+            self.leave_by = deadline - needed
             self.coordinator.announce_handover(self.step)
         else:
             self.preemption_deadline = deadline
 
     def _after_boundary(self, step: int) -> None:
-        """After the commit of `step`: leave if handing over; take over if a neighbour leaves."""
+        """After the commit of `step`: leave if handing over; take over if a neighbour leaves.
+
+        After a step that a node leaves after, every node tells the leaver that it passed the step, and the
+        leaver leaves only once every live node has (:meth:`_leave_after`)."""
         if self.leaving:
+            self._leave_after(step)
             raise HandedOver(f"rank {self.rank} handed its role over after step {step}")
+        if not self.coordinator.watching or not self.coordinator.handover_anywhere(step):
+            return
+        self.coordinator.mark_passed(step)
         announced = self.coordinator.ring_handover_announced if self.ring is not None else self.coordinator.handover_announced
-        if not self.coordinator.watching or not announced(step):
+        if not announced(step):
             return
         started = self.clock.time()
-        event = self.coordinator.await_handover(step)
-        self._apply_handover(event)
+        leavers = self.coordinator.handover_leavers(step)
+        while not leavers <= self.coordinator.dead:
+            event = self.coordinator.await_handover(step)
+            if event.handover:
+                self._apply_handover(event)
+            else:
+                self._fail_over_at_handover(event, step, leavers)
         self.handovers.append({"step": step, "epoch": self.epoch, "seconds": self.clock.time() - started})
+
+    def _leave_after(self, step: int) -> None:
+        """A leaver, after the commit of its last step `step`: wait until every live node has committed it
+        too, taking part meanwhile in the failover of any other pipeline, as a node at the end of training
+        does (:meth:`finish`). A node of another pipeline that dies before its shadow got its replica sync
+        of `step` has that step's all-reduces redone with its shadow's recomputed gradients, and the redo
+        needs this node's contribution: it leaves with it.
+
+        It stops waiting at :attr:`leave_by`, and at once on a failure in its own pipeline, which its
+        pipeline's other nodes do not handle (see :meth:`_fail_over_at_handover`)."""
+        self.coordinator.mark_passed(step)
+        while not self.coordinator.everyone_passed(step) and self.clock.time() < self.leave_by:
+            event = self.coordinator.pending_event()
+            if event is None:
+                self.clock.sleep(FINISH_POLL_S)
+            elif self.ring is not None:
+                self._fail_over_ring(self.ring, FailureNoticed(event))
+            elif any(self.layout.position(v)[1] == self.pipeline for v in event.victims) and not event.handover:
+                return
+            else:
+                self._fail_over(FailureNoticed(event), [], 0)
+
+    def _fail_over_at_handover(self, event: FailureEvent, step: int, leavers: set[int]) -> None:
+        """A failure confirmed while this node waits at the boundary after step `step` for the hand-over
+        of `leavers`, agreed on here as between two steps (the hand-over, when it comes during the
+        agreement, is applied there):
+
+        - a node of another pipeline died (that pipeline may have run ahead into the next step, or be
+          finishing this one): this node joins the agreement, and any redo of an all-reduce;
+        - a leaver itself died instead of leaving (with any other node of this pipeline that died with
+          it): this pipeline fails over at the start of the next step, which then runs the remainder;
+        - with P = 1, every live node takes part, as always.
+
+        A node of this pipeline that dies while a leaver of it is still there is not handled: the
+        failover would wait for the leaver's progress, which never comes."""
+        if self.ring is not None:
+            self._fail_over_ring(self.ring, FailureNoticed(event))
+            return
+        own = {v for v in event.victims if self.layout.position(v)[1] == self.pipeline}
+        staying = leavers - set(event.victims) - self.coordinator.dead
+        if own and staying:
+            raise RuntimeError(
+                f"rank(s) {sorted(own)} of pipeline {self.pipeline} failed at the boundary after step {step}, where "
+                f"rank(s) {sorted(staying)} of the same pipeline hand over: a failure in a pipeline during its own "
+                f"hand-over is not handled"
+            )
+        stream = self._fail_over(FailureNoticed(event), [], 0)
+        if own:  # the next step starts with this pipeline's failover remainder
+            self._resume = (stream, len(self.failovers) - 1)
 
     def _apply_handover(self, event: FailureEvent) -> None:
         self.coordinator.apply_handover(event)

@@ -268,8 +268,10 @@ def _soak(args: argparse.Namespace) -> int:
             print(f"FAIL {kills}{given}: max relative {result.max_relative_diff:.3e}, "
                   f"exit codes {result.worker_exit_codes}")
     print(f"soak: {passed}/{len(outcomes)} kill points matched the reference ({100.0 * passed / len(outcomes):.1f}%)")
-    killed_two = sum(1 for _, result in outcomes if len(result.killed) >= 2)
-    print(f"soak: {killed_two}/{len(outcomes)} runs killed two nodes (a kill point fires only if its node reaches it)")
+    if not notices:  # with notices, every run kills one node
+        killed_two = sum(1 for _, result in outcomes if len(result.killed) >= 2)
+        print(f"soak: {killed_two}/{len(outcomes)} runs killed two nodes (a kill point fires only if its node "
+              f"reaches it)")
     unfired = sum(len(result.unfired_kills) for _, result in outcomes)
     total = sum(len(kills) for kills, _ in outcomes)
     print(f"soak: {total - unfired}/{total} kill points fired")

@@ -214,6 +214,7 @@ def test_a_first_use_build_gives_way_to_a_failure_confirmed_after_the_barrier(st
     node._needs_barrier = MethodType(StageInterpreter._needs_barrier, node)
     node._poll = MethodType(StageInterpreter._poll, node)
     node._post_built = MethodType(StageInterpreter._post_built, node)
+    node._post_waiting = MethodType(StageInterpreter._post_waiting, node)
     node._reducing = {}
     with pytest.raises(FailureNoticed, match=r"ranks \[1\]"):
         StageInterpreter._await_group_members(node, "p2p-0-1", "1SA0>0")

@@ -296,6 +296,11 @@ class GroupTable:
             self.start_build(name)
         self.wait_built(name, instruction, interrupt)
 
+    def ready(self, name: str) -> bool:
+        """Whether group `name` can be used without waiting: built, or its build in the background ended well."""
+        future = self.building.get(name)
+        return name in self.groups or (future is not None and future.done() and future.exception() is None)
+
     def wait_built(self, name: str, instruction: str, interrupt: Callable[[], None] | None = None) -> None:
         """If group `name` is being built in the background, wait until it is, calling `interrupt` every
         `timeouts.poll` seconds (it may raise); a failed build raises a PeerFailure naming the other members."""

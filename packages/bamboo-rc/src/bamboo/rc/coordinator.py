@@ -317,7 +317,7 @@ class FailoverCoordinator:
 
     def ring_handover_announced(self, step: int) -> bool:
         """P = 1: whether any live node announced that it leaves after step `step`."""
-        return any(self.store.check([self._key("handover", f"d{d}", step)]) for d in self.placements)
+        return bool(self.handover_leavers(step))
 
     def progress_key(self, pipeline: int, lost: set[int] | frozenset[int], node: int) -> str:
         return self._key("progress", f"d{pipeline}", "v" + "-".join(map(str, sorted(lost))), f"n{node}")
@@ -410,12 +410,11 @@ class FailoverCoordinator:
 
     def everyone_passed(self, step: int) -> bool:
         """Whether every live rank committed step `step` (:meth:`mark_passed`)."""
-        live = [r for r in range(self.layout.world) if r not in self.dead]
-        return self.store.check([self._key("passed", step, r) for r in live])
+        return self._every_live_rank_wrote("passed", step)
 
     def handover_announced(self, step: int) -> bool:
         """Whether a node of this pipeline announced that it leaves after step `step`."""
-        return self.store.check([self._key("handover", f"d{self.pipeline}", step)])
+        return bool(self.handover_leavers(step))
 
     def handover_leavers(self, step: int) -> set[int]:
         """The ranks that announced that they leave after step `step`: of this pipeline, or (P = 1) of
@@ -455,8 +454,12 @@ class FailoverCoordinator:
 
     def everyone_finished(self) -> bool:
         """Whether every live rank announced that it finished."""
+        return self._every_live_rank_wrote("finished")
+
+    def _every_live_rank_wrote(self, *parts: object) -> bool:
+        """Whether the key `parts`/<rank> exists for every live rank (one store check)."""
         live = [r for r in range(self.layout.world) if r not in self.dead]
-        return self.store.check([self._key("finished", r) for r in live])
+        return self.store.check([self._key(*parts, r) for r in live])
 
 
 class PendingFailover:

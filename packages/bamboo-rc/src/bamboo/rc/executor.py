@@ -377,10 +377,7 @@ class StageExecutor:
         while True:
             event = self.coordinator.pending_event()
             if event is not None:
-                if self.ring is not None:  # a laggard may need this node's result of the last step
-                    self._fail_over_ring(self.ring, FailureNoticed(event))
-                else:
-                    self._fail_over(FailureNoticed(event), [], 0)
+                self._agree_between_steps(event)
                 continue
             if self.coordinator.everyone_finished():
                 return
@@ -388,6 +385,16 @@ class StageExecutor:
                 live = [r for r in range(self.layout.world) if r not in self.dead]
                 raise RuntimeError(f"not every live rank of {live} finished within {self.timeouts.build} s")
             self.clock.sleep(FINISH_POLL_S)
+
+    def _agree_between_steps(self, event: FailureEvent) -> list[Instruction]:
+        """Agree on `event` at a step boundary (this node's stream not begun): with P > 1 the failover
+        agreement with done = 0, returning this pipeline's remainder for the next step (an empty stream when
+        this pipeline lost nobody); with P = 1 the ring's agreement, where a laggard may need this node's
+        result of the last step (returns an empty stream)."""
+        if self.ring is not None:
+            self._fail_over_ring(self.ring, FailureNoticed(event))
+            return []
+        return self._fail_over(FailureNoticed(event), [], 0)
 
     def release(self) -> None:
         """Let this executor go (a layout that ended; its state was handed to the next one): its gloo groups
@@ -432,11 +439,10 @@ class StageExecutor:
         if not self.coordinator.watching or not self.coordinator.handover_anywhere(step):
             return
         self.coordinator.mark_passed(step)
-        announced = self.coordinator.ring_handover_announced if self.ring is not None else self.coordinator.handover_announced
-        if not announced(step):
+        leavers = self.coordinator.handover_leavers(step)  # of this pipeline (P = 1: of the ring)
+        if not leavers:
             return
         started = self.clock.time()
-        leavers = self.coordinator.handover_leavers(step)
         while not leavers <= self.coordinator.dead:
             event = self.coordinator.await_handover(step)
             if event.handover:
@@ -459,12 +465,12 @@ class StageExecutor:
             event = self.coordinator.pending_event()
             if event is None:
                 self.clock.sleep(FINISH_POLL_S)
-            elif self.ring is not None:
-                self._fail_over_ring(self.ring, FailureNoticed(event))
-            elif any(self.layout.position(v)[1] == self.pipeline for v in event.victims) and not event.handover:
+            elif self.ring is None and not event.handover and any(
+                self.layout.position(v)[1] == self.pipeline for v in event.victims
+            ):
                 return
             else:
-                self._fail_over(FailureNoticed(event), [], 0)
+                self._agree_between_steps(event)
 
     def _fail_over_at_handover(self, event: FailureEvent, step: int, leavers: set[int]) -> None:
         """A failure confirmed while this node waits at the boundary after step `step` for the hand-over
@@ -479,10 +485,7 @@ class StageExecutor:
 
         A node of this pipeline that dies while a leaver of it is still there is not handled: the
         failover would wait for the leaver's progress, which never comes."""
-        if self.ring is not None:
-            self._fail_over_ring(self.ring, FailureNoticed(event))
-            return
-        own = {v for v in event.victims if self.layout.position(v)[1] == self.pipeline}
+        own = {v for v in event.victims if self.layout.position(v)[1] == self.pipeline} if self.ring is None else set()
         staying = leavers - set(event.victims) - self.coordinator.dead
         if own and staying:
             raise RuntimeError(
@@ -490,7 +493,7 @@ class StageExecutor:
                 f"rank(s) {sorted(staying)} of the same pipeline hand over: a failure in a pipeline during its own "
                 f"hand-over is not handled"
             )
-        stream = self._fail_over(FailureNoticed(event), [], 0)
+        stream = self._agree_between_steps(event)
         if own:  # the next step starts with this pipeline's failover remainder
             self._resume = (stream, len(self.failovers) - 1)
 

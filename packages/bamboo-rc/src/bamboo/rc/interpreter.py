@@ -131,6 +131,7 @@ class StageInterpreter:
         """By ("out" or "in", stage): the payload of the stage's replica sync, sent or received, step after step."""
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self._reduced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset_iteration()
 
     # ----------------------------------------------------------------------------- state
@@ -149,10 +150,10 @@ class StageInterpreter:
         self.red_outputs: dict[Key, torch.Tensor] = {}
         self.local_outputs: dict[Key, torch.Tensor] = {}
         self.mb_losses: dict[int, float] = {}
-        for s, (flat, _) in getattr(self, "_reduced", {}).items():
-            if self.keeps_contributions:  # its all-reduce completed: nothing writes into it any more
+        if self.keeps_contributions:  # each all-reduce in `_reduced` completed: nothing writes into its buffer
+            for s, (flat, _) in self._reduced.items():
                 self._spare_grads.give_back(s, flat)
-        self._reduced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._reduced = {}
         """Stage -> its reduced gradients and [the reduced loss as fp32, the stage's step number after this one]."""
         self._reducing: dict[int, Posted] = {}
         self._to_step: list[int] = []
@@ -472,7 +473,7 @@ class StageInterpreter:
         """
         if s not in self._reducing:
             return
-        self._post_deferred(self._poll)
+        self._post_waiting(block=True, interrupt=self._poll)
         works, flat, loss, contribution, _members = self._reducing[s]
         assert works is not None
         group = f"dp-s{s}"
@@ -489,7 +490,7 @@ class StageInterpreter:
 
     def wait_posted_allreduces(self) -> None:
         """Wait until every posted data-parallel all-reduce completed (so the peers completed it too)."""
-        self._post_deferred()
+        self._post_waiting(block=True)
         for s in sorted(self._reducing):
             works, _, _, _, _ = self._reducing[s]
             assert works is not None
@@ -699,37 +700,33 @@ class StageInterpreter:
         self._post_built()
 
     def _post_built(self) -> None:
-        """Post each all-reduce waiting to be posted again whose group is built by now; never blocks."""
-        for stage, (works, _, _, _, members) in sorted(self._reducing.items()):
-            group = f"dp-s{stage}"
-            if works is not None or members != self.groups.members.get(group):
-                continue  # posted, or its group changed again: the event that changed it posts it again
-            future = self.groups.building.get(group)
-            built = group in self.groups.groups or (future is not None and future.done() and future.exception() is None)
-            if built or len(members) < 2:  # a failed build is raised where the result is needed
-                self._post_deferred_one(stage)
+        """Post each all-reduce waiting to be posted again whose group is ready by now; never blocks."""
+        self._post_waiting(block=False)
 
-    def _post_deferred(self, interrupt: Callable[[], None] | None = None) -> None:
-        """Post every all-reduce waiting to be posted again, in stage order, waiting for its group's build
-        (calling `interrupt`, which may raise: those not posted yet stay waiting)."""
+    def _post_waiting(self, block: bool, interrupt: Callable[[], None] | None = None) -> None:
+        """Post, in stage order, the all-reduces waiting to be posted again on their rebuilt group: those
+        whose group is ready, or (`block`) each after waiting for its build. One whose group changed again
+        is left to the event that changed it, which posts it again; where the result is needed (`block`),
+        such a one is an error. A blocking wait calls `interrupt`, which may raise: those not posted yet
+        stay waiting."""
         for stage in sorted(self._reducing):
-            if self._reducing[stage][0] is None:
-                group = f"dp-s{stage}"
-                if self._reducing[stage][4] != self.groups.members.get(group):
-                    raise RuntimeError(
-                        f"stage {stage}: an all-reduce waits to be posted again on {group} as "
-                        f"{list(self._reducing[stage][4])}, but the group is {list(self.groups.members.get(group, ()))} now "
-                        f"and no failover posted it again"
-                    )
+            works, flat, loss, contribution, members = self._reducing[stage]
+            if works is not None:
+                continue
+            group = f"dp-s{stage}"
+            if members != self.groups.members.get(group):
+                if not block:
+                    continue
+                raise RuntimeError(
+                    f"stage {stage}: an all-reduce waits to be posted again on {group} as {list(members)}, but the "
+                    f"group is {list(self.groups.members.get(group, ()))} now and no failover posted it again"
+                )
+            if block:
                 self.groups.wait_built(group, f"{stage}AR (again)", interrupt)
-                self._post_deferred_one(stage)
-
-    def _post_deferred_one(self, stage: int) -> None:
-        group = f"dp-s{stage}"
-        works, flat, loss, contribution, members = self._reducing[stage]
-        assert works is None
-        posted = self.groups.post_allreduce(group, [flat, loss], f"{stage}AR (again)")
-        self._reducing[stage] = (posted, flat, loss, contribution, members)
+            elif len(members) > 1 and not self.groups.ready(group):  # a failed build is raised when blocking
+                continue
+            posted = self.groups.post_allreduce(group, [flat, loss], f"{stage}AR (again)")
+            self._reducing[stage] = (posted, flat, loss, contribution, members)
 
     def join_redone_allreduces(self, plan: FailoverPlan, lost: set[int] | frozenset[int], step: int,
                                hosted: Sequence[int]) -> None:

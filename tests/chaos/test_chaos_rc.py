@@ -97,3 +97,29 @@ def test_seeded_hand_overs_mixed_with_failures_match_the_reference(stages: int, 
     assert all(result.left == ((notice.pipeline * stages + notice.stage),) for (notice, _), (_, result)
                in zip(pairs, outcomes, strict=True))
     assert all(result.killed for _, result in outcomes)
+
+
+# A kill in the leaver's own pipeline (issue 18's follow-up; before, its pipeline's nodes stopped with an error
+# naming both). This plan failed 2 times in 3 before the fix of PendingFailover.absorb: rank 6 handed over after
+# step 1, rank 4 of its pipeline died at the start of step 2, and the nodes of pipeline 0 that met both events in
+# one agreement waited for the leaver's progress until the confirm timeout.
+SAME_PIPELINE_REGRESSION = (NoticePoint(2, 1, 1, lead_s=60.0), KillPoint(0, 1, "0", 2))
+
+
+def test_seeded_failures_in_the_leavers_own_pipeline_match_the_reference() -> None:
+    stages, pipelines = 4, 2
+    pairs = [*random_handover_plans(2034, 5, stages, 3, pipelines=pipelines, same_pipeline=True),
+             SAME_PIPELINE_REGRESSION]
+    outcomes = run_chaos([(kill,) for _, kill in pairs], stages, 3, pipelines=pipelines,
+                         notices=[(notice,) for notice, _ in pairs])
+    failures = [(pair, result) for pair, (_, result) in zip(pairs, outcomes, strict=True)
+                if not result.passed or result.max_relative_diff != 0.0]
+    assert not failures, failures[:3]
+    assert all(result.killed for _, result in outcomes)
+    for (notice, kill), (_, result) in zip(pairs, outcomes, strict=True):
+        leaver = (notice.pipeline * stages + notice.stage,)
+        if kill.step == notice.step:  # the failure came first: the leaver withdrew and stayed
+            assert (result.left, result.withdrawn) == ((), leaver), (notice, kill)
+        else:  # the leaver had gone: its pipeline's merged schedule failed over
+            assert (result.left, result.withdrawn) == (leaver, ()), (notice, kill)
+    assert {kill.step == notice.step for notice, kill in pairs} == {True, False}  # both kinds are covered

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bamboo.rc.coordinator import FailoverCoordinator, handover_request_key
+from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import (
     AgreementError,
     ConsecutiveFailure,
@@ -46,6 +46,13 @@ class FakeStore:
 
     def check(self, keys: list[str]) -> bool:
         return all(key in self.data for key in keys)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        expected, desired = (v.encode() if isinstance(v, str) else v for v in (expected_value, desired_value))
+        current = self.data.get(key)
+        if current == expected or (current is None and not expected):
+            self.data[key] = desired
+        return self.data.get(key, expected)
 
 
 class FakeClock:
@@ -323,9 +330,9 @@ def test_a_hand_over_switches_the_pipeline_to_the_merged_schedule() -> None:
     cluster = Cluster(4)
     leaver = cluster.nodes[2]
     leaver.announce_handover(3)
-    assert cluster.nodes[1].handover_announced(3) and not cluster.nodes[1].handover_announced(2)
-    assert HandoverRecord.from_json(cluster.store.get(handover_request_key(JOB, 2))) == HandoverRecord(2, 0, 2, 3)
-    cluster.publish(1, [2], handover=True)
+    assert cluster.nodes[1].handover_leavers(3) == {2} and not cluster.nodes[1].handover_announced(2)
+    assert HandoverRecord.from_json(cluster.store.get(f"bamboo/{JOB}/handover/d0/3/2")) == HandoverRecord(2, 0, 2, 3)
+    assert leaver.claim_handover() == FailureEvent(1, [2], handover=True)  # the leaver publishes its own event
     shadow = cluster.nodes[1]
     shadow.apply_handover(shadow.await_handover(3))
     assert shadow.epoch == 1 and shadow.dead == {2}
@@ -334,6 +341,56 @@ def test_a_hand_over_switches_the_pipeline_to_the_merged_schedule() -> None:
     assert agreement.victims == {} and agreement.plans == {}  # nothing lost, nothing to agree on
     with pytest.raises(RuntimeError, match="a failure at an iteration boundary during a hand-over"):
         shadow.apply_handover(FailureEvent(2, [3]))
+
+
+def test_a_failure_after_a_hand_over_met_in_the_same_agreement_is_judged_on_the_merged_schedule() -> None:
+    """P = 4, D = 2: rank 6 (node 2 of pipeline 1) hands over (epoch 1), then rank 4 (node 0 of pipeline 1)
+    dies in the next step (epoch 2). A node of pipeline 0 meets both in one agreement: it must not wait
+    for the leaver's progress, and it derives pipeline 1's plan from the merged schedule, as pipeline 1's
+    survivors do. (Before, it judged pipeline 1 on the schedule from before the hand-over and waited for
+    node 2 until the confirm timeout.)"""
+    store, clock, layout = FakeStore(), FakeClock(), Layout(4, 2)
+    schedule = one_f_one_b(4, 4, rc="eflb")
+
+    def node(pipeline: int, n: int) -> FailoverCoordinator:
+        return FailoverCoordinator(store, JOB, layout, pipeline, n, schedule, StoreFailureNotices(store, JOB, clock),
+                                   TIMEOUTS, clock)
+
+    authority = StoreFailureNotices(store, JOB)
+    authority.publish(FailureEvent(1, [6], handover=True))
+    authority.publish(FailureEvent(2, [4]))
+    other = node(0, 0)
+    pending_other = other.begin(FailureEvent(1, [6], handover=True), 7, step=2)
+    assert pending_other.poll() is None  # absorbs epoch 2
+    assert other.epoch == 2 and pending_other.missing() == (1, [1, 3])  # not node 2: it left
+    survivors = {n: node(1, n) for n in (1, 3)}
+    pending = {}
+    for n, coordinator in survivors.items():  # they applied the hand-over at the boundary, then lost node 0
+        coordinator.apply_handover(FailureEvent(1, [6], handover=True))
+        pending[n] = coordinator.begin(FailureEvent(2, [4]), 0, step=2)
+    agreements = [pending_other.poll(), *(p.poll() for p in pending.values())]
+    plans = []
+    for agreement in agreements:
+        assert agreement is not None and agreement.epoch == 2 and agreement.victims == {1: frozenset({0})}
+        plans.append(agreement.plans[1].plan)
+    assert all(plan.steady.placement == (3, 1, 1, 3) for plan in plans)  # stage 2 on node 1, stage 0 on node 3
+    assert all(plan.remainder.streams == plans[0].remainder.streams for plan in plans)
+    assert other.placements[1] == (3, 1, 1, 3) and other.dead == {4, 6}
+
+
+def test_a_leaver_claims_the_next_epoch_first_writer_wins_and_a_withdrawn_hand_over_is_not_waited_for() -> None:
+    cluster = Cluster(4)
+    leaver, other = cluster.nodes[2], cluster.nodes[0]
+    leaver.announce_handover(3)
+    assert cluster.authority.publish_next([3]) == FailureEvent(1, [3])  # a failure confirmed first
+    assert leaver.claim_handover() == FailureEvent(1, [3])  # lost: the leaver applies the failure first
+    leaver.cancel_handover(3)  # its pipeline lost a node: it stays
+    assert other.handover_leavers(3) == set() and not other.handover_announced(3)
+    other.announce_handover(5)
+    other.epoch = 1
+    assert other.claim_handover() == FailureEvent(2, [0], handover=True)
+    assert cluster.authority.publish_next([1], after=1) == FailureEvent(3, [1])  # the next free epoch
+    assert other.claim_handover() == FailureEvent(2, [0], handover=True)  # claimed once, read again
 
 
 def test_the_coordinator_and_its_modules_import_without_torch() -> None:
@@ -558,9 +615,10 @@ def _executor_at_handover_boundary(node: int, store: object) -> object:
     executor = StageExecutor(gpt_layer_specs(GPTSize()), lm_loss, load_config(DEFAULT_CONFIG), Layout(4, 2), node, 1,
                              store, "eflb", notices=StoreFailureNotices(store, JOB), job=JOB, timeouts=TIMEOUTS)
     executor.step = 4  # step 3 committed
-    executor._after_event = lambda event: None  # type: ignore[method-assign]  # no groups to build here
+    executor._rebuild_groups = lambda: None  # type: ignore[method-assign]  # no groups to build here
+    executor.groups.start_builds = lambda changed_in: None  # type: ignore[attr-defined]
     executor.interpreter.last_commit = CommitResult(3, 1.0, 2.0)
-    store.set(f"bamboo/{JOB}/handover/d1/3", HandoverRecord(6, 1, 2, 3).to_json())  # type: ignore[attr-defined]
+    store.set(f"bamboo/{JOB}/handover/d1/3/6", HandoverRecord(6, 1, 2, 3).to_json())  # type: ignore[attr-defined]
     store.set(f"bamboo/{JOB}/handover/any/3", "1")  # type: ignore[attr-defined]  # as rank 6's announce_handover
     return executor
 
@@ -605,14 +663,92 @@ def test_a_leaver_that_died_instead_of_leaving_fails_its_pipeline_over_at_the_st
     assert any(i.stage == 2 for i in stream)  # this node, the shadow, runs the leaver's stage too
 
 
-def test_a_failure_in_the_pipeline_of_a_leaver_still_there_is_refused_with_both_named() -> None:
+def test_a_failure_in_the_pipeline_of_a_leaver_still_there_is_agreed_on_and_the_withdrawn_leaver_not_waited_for() -> None:
+    """Node 0 of pipeline 1 (rank 4) dies at the boundary before rank 6 has left: rank 6 withdraws its
+    hand-over (it writes the mark before its progress), and pipeline 1 fails over at the start of step 4
+    with rank 6 as a survivor. (Before, the waiting nodes stopped with an error naming both.)"""
     from torch.distributed import HashStore
 
     store = HashStore()
     executor = _executor_at_handover_boundary(1, store)
-    StoreFailureNotices(store, JOB).publish(FailureEvent(1, [4]))  # node 0 of pipeline 1 died, rank 6 has not left
-    with pytest.raises(RuntimeError, match=r"rank\(s\) \[4\] of pipeline 1 .* rank\(s\) \[6\] of the same pipeline"):
-        executor._after_boundary(3)  # type: ignore[attr-defined]
+    StoreFailureNotices(store, JOB).publish(FailureEvent(1, [4]))
+
+    withdrawn: list[bool] = []
+
+    def others_when_published(key: str, value: str | bytes) -> None:  # rank 6 withdraws during the agreement
+        store.set(key, value)
+        if "/progress/" in key and not withdrawn:
+            withdrawn.append(True)
+            store.set(f"bamboo/{JOB}/handover_cancelled/3/6", "1")  # as rank 6's _withdraw_handover
+            _publish_progress(executor, 1, {0}, [2, 3], 4)
+
+    executor.coordinator.store = StoreWithHook(store, others_when_published)  # type: ignore[attr-defined]
+    executor._after_boundary(3)  # type: ignore[attr-defined]
+    assert executor.dead == {4} and executor.handovers == []  # type: ignore[attr-defined]
+    (record,) = executor.failovers  # type: ignore[attr-defined]
+    assert record.own_pipeline and record.step == 4 and record.cut == {1: 0, 2: 0, 3: 0}
+    stream, index = executor._resume  # type: ignore[attr-defined]
+    plan, step = executor.coordinator.recovering[1]  # type: ignore[attr-defined]
+    assert step == 4 and index == 0 and stream == list(plan.remainder.streams[1])
+    assert plan.steady.placement == (3, 1, 2, 3)  # stage 0 moved to its shadow; node 2, the leaver, stays
+
+
+def _leaver_at_handover_boundary(store: object) -> object:
+    """Rank 6 itself, after the commit of step 3, with a notice whose deadline is far off."""
+    from bamboo.rc.records import NoticeRecord
+
+    executor = _executor_at_handover_boundary(2, store)
+    executor.leaving, executor.handover_step = True, 3  # type: ignore[attr-defined]
+    store.set(f"bamboo/{JOB}/notice/6", NoticeRecord(4.0e9).to_json())  # type: ignore[attr-defined]
+    return executor
+
+
+def test_a_leaver_whose_pipeline_fails_before_its_hand_over_is_published_withdraws_and_stays() -> None:
+    """Every node passed step 3, but node 0 of rank 6's own pipeline died and its failure took epoch 1
+    just before rank 6 claimed it for its hand-over: rank 6 applies the failure, withdraws (the mark is
+    written before its progress), takes part as a survivor, and stays; its notice becomes a deadline."""
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    executor = _leaver_at_handover_boundary(store)
+    for rank in range(8):
+        store.set(f"bamboo/{JOB}/passed/3/{rank}", "1")
+    published: list[str] = []
+
+    def progress_when_published(key: str, value: str | bytes) -> None:  # the others publish after rank 6
+        store.set(key, value)
+        if "/progress/" in key and not published:
+            published.append(key)
+            assert store.check([f"bamboo/{JOB}/handover_cancelled/3/6"])  # the mark came first
+            _publish_progress(executor, 1, {0}, [1, 3], 4)
+
+    executor.coordinator.store = StoreWithHook(store, progress_when_published)  # type: ignore[attr-defined]
+    everyone_passed = executor.coordinator.everyone_passed  # type: ignore[attr-defined]
+
+    def passed_then_failure(step: int) -> bool:  # the failure is published between the check and the claim
+        StoreFailureNotices(store, JOB).publish(FailureEvent(1, [4]))
+        return everyone_passed(step)
+
+    executor.coordinator.everyone_passed = passed_then_failure  # type: ignore[attr-defined]
+    executor._after_boundary(3)  # type: ignore[attr-defined]  # no HandedOver: it stays
+    assert not executor.leaving and executor.preemption_deadline == 4.0e9  # type: ignore[attr-defined]
+    assert executor.dead == {4} and published  # type: ignore[attr-defined]
+    assert executor._resume is not None and executor._resume[1] == 0  # type: ignore[attr-defined]
+    assert StoreFailureNotices(store, JOB).poll(1) == FailureEvent(1, [4])  # the claim did not overwrite it
+    assert StoreFailureNotices(store, JOB).poll(2) is None
+
+
+class StoreWithHook:
+    """A store whose `set` goes through `on_set` (to act when a key is written); the rest is the inner store's."""
+
+    def __init__(self, inner: object, on_set: Callable[[str, str | bytes], None]) -> None:
+        self.inner, self.on_set = inner, on_set
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.on_set(key, value)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
 
 
 def test_a_leaver_waits_until_every_live_node_passed_its_last_step_and_joins_a_failover_meanwhile() -> None:
@@ -623,8 +759,7 @@ def test_a_leaver_waits_until_every_live_node_passed_its_last_step_and_joins_a_f
     from torch.distributed import HashStore
 
     store = HashStore()
-    executor = _executor_at_handover_boundary(2, store)
-    executor.leaving = True  # type: ignore[attr-defined]
+    executor = _leaver_at_handover_boundary(store)
     StoreFailureNotices(store, JOB).publish(FailureEvent(1, [0]))
     _publish_progress(executor, 0, {0}, [1, 2, 3], 4)
     waited: list[int] = []
@@ -640,6 +775,7 @@ def test_a_leaver_waits_until_every_live_node_passed_its_last_step_and_joins_a_f
     assert executor.dead == {0} and [r.own_pipeline for r in executor.failovers] == [False]  # type: ignore[attr-defined]
     assert len(waited) == 6  # ranks 1 to 5 and 7, one per poll: rank 0 died, rank 6 is the leaver
     assert store.check([f"bamboo/{JOB}/passed/3/6"])
+    assert StoreFailureNotices(store, JOB).poll(2) == FailureEvent(2, [6], handover=True)  # published by the leaver
 
 
 def test_every_node_tells_a_leaver_it_passed_the_step_and_nobody_writes_when_no_one_leaves() -> None:

@@ -81,6 +81,22 @@ def test_hand_over_plans_kill_another_pipeline_no_earlier_than_the_notice_step(s
     assert {kill.pipeline for _, kill in plans} == set(range(pipelines))
 
 
+def test_same_pipeline_hand_over_plans_kill_the_leavers_pipeline_in_its_last_step_or_not_adjacent_later() -> None:
+    from bamboo.rc.chaos import random_handover_plans
+
+    stages, pipelines, steps = 4, 2, 4
+    plans = random_handover_plans(5, 200, stages, steps, "eflb", pipelines, same_pipeline=True)
+    assert plans == random_handover_plans(5, 200, stages, steps, "eflb", pipelines, same_pipeline=True)
+    for notice, kill in plans:
+        assert notice.pipeline == kill.pipeline and notice.stage != kill.stage and int(kill.instruction) >= 0
+        assert 1 <= notice.step <= steps - 2 and notice.step <= kill.step < steps
+        if kill.step > notice.step:  # after the hand-over: never the leaver's ring neighbours
+            assert (kill.stage - notice.stage) % stages not in (1, stages - 1), (notice, kill)
+    later = sum(1 for notice, kill in plans if kill.step > notice.step)
+    assert 50 < later < 150  # about half of each kind
+    assert {kill.pipeline for _, kill in plans} == set(range(pipelines))
+
+
 def test_hand_over_plans_refuse_what_cannot_mix_a_hand_over_and_a_failure() -> None:
     from bamboo.rc.chaos import random_handover_plans
 
@@ -90,3 +106,5 @@ def test_hand_over_plans_refuse_what_cannot_mix_a_hand_over_and_a_failure() -> N
         random_handover_plans(0, 1, 4, 3, pipelines=1)
     with pytest.raises(ValueError, match="at least 3 pipelines with P = 1, got 2"):
         random_handover_plans(0, 1, 1, 3, pipelines=2)
+    with pytest.raises(ValueError, match="own pipeline needs at least 3 stages, got 1"):
+        random_handover_plans(0, 1, 1, 3, pipelines=3, same_pipeline=True)

@@ -5,7 +5,9 @@
 (the next runtime epoch and the global ranks that died). Here:
 
 - the elected coordinator of the job (:mod:`bamboo.launch.coordinator`) publishes each event as the
-  first-writer-wins decision ``g<generation>-epoch-<epoch>`` in etcd;
+  first-writer-wins decision ``g<generation>-epoch-<epoch>`` in etcd, and a worker that leaves after a
+  preemption notice publishes its hand-over the same way (:meth:`EtcdFailureNotices.claim`): a failure
+  published first takes the epoch, and the leaver applies it before it may try again;
 - :class:`EtcdFailureNotices`, in each worker, watches those decisions (so a poll costs no request:
   the runtime polls while it waits on every transfer) and forwards each suspicion to the node's agent
   over gRPC (``AgentClient.report_peer_failure``), whose failure detector probes the suspect. A
@@ -189,6 +191,13 @@ class EtcdFailureNotices:
             with self._cond:
                 if epoch not in self._events:
                     self._cond.wait(min(remaining, timeouts.NOTICE_DIRECT_READ_S))
+
+    def claim(self, event: FailureEvent) -> FailureEvent:
+        """Publish ``event`` (this node's hand-over) as decision ``g<generation>-epoch-<epoch>`` unless an event
+        holds that epoch already (first writer wins); returns the event that holds it now."""
+        _, written = publish_failure_event(self.membership, self.generation, event)
+        self._store(epoch_decision(self.generation, event.epoch), written.to_json().encode())
+        return written
 
     def close(self) -> None:
         if self._watch is not None:

@@ -26,7 +26,9 @@ a random step (from step 1, so that an iteration time is known, and before the l
 preempted in 60 s, which leaves time to hand its role over at the step's end; a node of another
 pipeline (of the ring, with P = 1) dies at a random instruction of the same step or a later one. The
 pipelines do not keep in step, so the failure may be confirmed before the leaver has gone, while it is
-leaving, or after.
+leaving, or after. With ``same_pipeline`` the node killed is in the leaver's own pipeline: in the leaver's
+last step (its pipeline fails over with the leaver still there: it withdraws its hand-over and stays), or
+after the hand-over, in the merged schedule, at a stage not adjacent to the leaver's.
 """
 
 from __future__ import annotations
@@ -134,13 +136,18 @@ def _ring_plan(
 
 
 def random_handover_plans(
-    seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", pipelines: int = 2
+    seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", pipelines: int = 2,
+    same_pipeline: bool = False,
 ) -> list[tuple[NoticePoint, KillPoint]]:
     """`count` seeded (notice, kill) pairs for D=`pipelines` pipelines of P=`stages` stages, or a ring of
-    `pipelines` nodes when `stages` is 1 (see the module docstring)."""
+    `pipelines` nodes when `stages` is 1 (see the module docstring); with `same_pipeline` (P >= 3), the kill
+    is in the leaver's own pipeline."""
     if steps < 3:
         raise ValueError(f"a hand-over between a first and a last step needs at least 3 steps, got {steps}")
-    if pipelines < (3 if stages == 1 else 2):
+    if same_pipeline:
+        if stages < 3:
+            raise ValueError(f"a kill in the leaver's own pipeline needs at least 3 stages, got {stages}")
+    elif pipelines < (3 if stages == 1 else 2):
         raise ValueError(f"a hand-over and a failure in another pipeline need at least {3 if stages == 1 else 2} "
                          f"pipelines with P = {stages}, got {pipelines}")
     rng = random.Random(seed)
@@ -148,6 +155,10 @@ def random_handover_plans(
     schedule = one_f_one_b(stages, micro_batches, rc=redundancy) if stages > 1 else None
     plans = []
     for _ in range(count):
+        if same_pipeline:
+            assert schedule is not None
+            plans.append(_same_pipeline_plan(rng, schedule, stages, steps, pipelines))
+            continue
         leaver, victim = rng.sample(range(pipelines), 2)
         notice = NoticePoint(rng.randrange(stages), leaver, rng.randrange(1, steps - 1), lead_s=HANDOVER_LEAD_S)
         stage = rng.randrange(stages)
@@ -158,6 +169,24 @@ def random_handover_plans(
         kill = KillPoint(stage, victim, str(rng.randrange(length)), rng.randrange(notice.step, steps))
         plans.append((notice, kill))
     return plans
+
+
+def _same_pipeline_plan(
+    rng: random.Random, schedule: Schedule, stages: int, steps: int, pipelines: int
+) -> tuple[NoticePoint, KillPoint]:
+    """A notice to a node and a kill of another node of its pipeline: in the leaver's last step (the pipeline
+    fails over with the leaver still there, so it withdraws and stays), or, half the time when P >= 4, in a
+    later step, after the hand-over, at a stage not adjacent to the leaver's (the merged schedule's
+    failover)."""
+    pipeline, leaver = rng.randrange(pipelines), rng.randrange(stages)
+    notice = NoticePoint(leaver, pipeline, rng.randrange(1, steps - 1), lead_s=HANDOVER_LEAD_S)
+    later = _not_adjacent(leaver, stages)
+    if later and rng.random() < 0.5:
+        stage = rng.choice(later)
+        stream = merged_schedule(schedule, [leaver]).streams[stage]
+        return notice, KillPoint(stage, pipeline, str(rng.randrange(len(stream))), rng.randrange(notice.step + 1, steps))
+    stage = rng.choice([s for s in range(stages) if s != leaver])
+    return notice, KillPoint(stage, pipeline, str(rng.randrange(len(schedule.streams[stage]))), notice.step)
 
 
 def run_chaos(

@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "notice with time to hand over, from step 1 on, and the kill comes in that step or a later "
                            "one, so hand-overs and failures mix (needs D >= 2, or D >= 3 with P = 1, and --steps >= 3; "
                            "not with --second-failures)")
+    soak.add_argument("--same-pipeline", action="store_true",
+                      help="with --notices (P >= 3): the node killed is in the leaver's own pipeline, in the "
+                           "leaver's last step (the leaver withdraws its hand-over and stays) or, with P >= 4, "
+                           "after the hand-over at a stage not adjacent to the leaver's (default: another pipeline)")
     soak.add_argument("--second-failures", action="store_true",
                       help="every kill point is a first victim and then a second, non-adjacent one after the "
                            "failover: during the recovery of the same step, or in a later step (needs P >= 4, "
@@ -251,9 +255,12 @@ def _soak(args: argparse.Namespace) -> int:
     if args.notices:
         if args.second_failures:
             raise ValueError("--notices and --second-failures do not go together: a run mixes one hand-over and one kill")
-        pairs = random_handover_plans(args.seed, args.runs, args.stages, args.steps, args.redundancy, pipelines)
+        pairs = random_handover_plans(args.seed, args.runs, args.stages, args.steps, args.redundancy, pipelines,
+                                      same_pipeline=args.same_pipeline)
         plans: list[tuple[KillPoint, ...]] = [(kill,) for _, kill in pairs]
         notices = [(notice,) for notice, _ in pairs]
+    elif args.same_pipeline:
+        raise ValueError("--same-pipeline places the kill relative to a leaver: it needs --notices")
     else:
         plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy,
                                    args.second_failures, pipelines=pipelines)
@@ -277,8 +284,10 @@ def _soak(args: argparse.Namespace) -> int:
     print(f"soak: {total - unfired}/{total} kill points fired")
     if notices:
         handed = sum(1 for _, result in outcomes if result.left)
-        print(f"soak: {handed}/{len(outcomes)} notices ended in a hand-over (a node killed first, or one whose notice "
-              f"came too late, fails over instead)")
+        withdrawn = sum(1 for _, result in outcomes if result.withdrawn)
+        print(f"soak: {handed}/{len(outcomes)} notices ended in a hand-over, {withdrawn} in a hand-over withdrawn "
+              f"(a failure in the leaver's pipeline came first: it stayed); a node killed first, or one whose notice "
+              f"came too late, fails over instead")
     return 0 if passed == len(outcomes) else 1
 
 

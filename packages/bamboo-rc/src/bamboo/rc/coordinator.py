@@ -28,7 +28,12 @@ and imports no torch, so it is tested in-process with a dictionary for a store. 
   :class:`~bamboo.rc.failures.AgreementError`;
 - **hand-over events** (a node that left at an iteration boundary after a preemption notice:
   its pipeline switches to the merged schedule), the notice and hand-over keys
-  (``notice/<rank>``, ``handover/d<p>/<step>``, ``handover_request/<rank>``);
+  (``notice/<rank>``, ``handover/d<p>/<step>/<rank>``, ``handover/any/<step>``,
+  ``handover_cancelled/<step>/<rank>``, ``passed/<step>/<rank>``). The leaver publishes its own
+  hand-over event, first writer wins, as the epoch after the last event it applied
+  (:meth:`FailoverCoordinator.claim_handover`): a failure published first takes that epoch, and the
+  leaver handles it before it can leave. So every node sees a leaver's departure and any failure in
+  the same order;
 - **the ring of a P = 1 job** (pure data parallelism): every node holds the whole model and its
   shadow is the next live pipeline (:meth:`~bamboo.rc.layout.Layout.ring_owners`). On a failure,
   :meth:`FailoverCoordinator.agree_ring` publishes this node's step (a
@@ -74,14 +79,7 @@ __all__ = [
     "PendingRingFailover",
     "PipelinePlan",
     "RingAgreement",
-    "handover_request_key",
 ]
-
-
-def handover_request_key(job: str, rank: int) -> str:
-    """Where a node that leaves after a preemption notice asks the authority to publish its
-    hand-over (a :class:`~bamboo.rc.records.HandoverRecord`)."""
-    return f"bamboo/{job}/handover_request/{rank}"
 
 
 @attrs.frozen
@@ -394,11 +392,25 @@ class FailoverCoordinator:
         return NoticeRecord.from_json(self.store.get(key)).deadline
 
     def announce_handover(self, step: int) -> None:
-        """Tell the others (and the authority) that this node leaves after step `step`."""
+        """Tell the others that this node leaves after step `step`."""
         record = HandoverRecord(self.rank, self.pipeline, self.node, step).to_json()
-        self.store.set(self._key("handover", f"d{self.pipeline}", step), record)
+        self.store.set(self._key("handover", f"d{self.pipeline}", step, self.rank), record)
         self.store.set(self._key("handover", "any", step), "1")
-        self.store.set(handover_request_key(self.job, self.rank), record)
+
+    def cancel_handover(self, step: int) -> None:
+        """Withdraw this node's hand-over after step `step` (a failure in its pipeline came first: it stays).
+
+        Written before this node publishes its progress in that failure's agreement, so every node that
+        completes the agreement reads the hand-over as withdrawn."""
+        self.store.set(self._key("handover_cancelled", step, self.rank), "1")
+
+    def claim_handover(self) -> FailureEvent:
+        """Publish this node's hand-over as the event of the epoch after the last one it applied, first
+        writer wins; returns the event that now starts that epoch: this hand-over, or an event published
+        first (which this node applies before it may try again)."""
+        if self.notices is None:
+            raise RuntimeError("a hand-over needs failure notices to publish its event")
+        return self.notices.claim(FailureEvent(self.epoch + 1, [self.rank], handover=True))
 
     def handover_anywhere(self, step: int) -> bool:
         """Whether any node announced that it leaves after step `step` (one store check)."""
@@ -413,15 +425,22 @@ class FailoverCoordinator:
         return self._every_live_rank_wrote("passed", step)
 
     def handover_announced(self, step: int) -> bool:
-        """Whether a node of this pipeline announced that it leaves after step `step`."""
+        """Whether a node of this pipeline announced that it leaves after step `step` (and did not withdraw)."""
         return bool(self.handover_leavers(step))
 
     def handover_leavers(self, step: int) -> set[int]:
-        """The ranks that announced that they leave after step `step`: of this pipeline, or (P = 1) of
-        any live pipeline of the ring."""
+        """The ranks that announced that they leave after step `step` and did not withdraw: of this
+        pipeline, or (P = 1) of any live pipeline of the ring. Two store checks per rank looked at."""
         pipelines = list(self.placements) if self.ring else [self.pipeline]
-        keys = [self._key("handover", f"d{d}", step) for d in pipelines]
-        return {HandoverRecord.from_json(self.store.get(key)).rank for key in keys if self.store.check([key])}
+        leavers = set()
+        for d in pipelines:
+            for node in range(self.layout.stages):
+                rank = self.layout.rank(node, d)
+                if self.store.check([self._key("handover", f"d{d}", step, rank)]) and not self.store.check(
+                    [self._key("handover_cancelled", step, rank)]
+                ):
+                    leavers.add(rank)
+        return leavers
 
     def await_handover(self, step: int) -> FailureEvent:
         """The event of the next epoch, once published, while waiting for the hand-over announced
@@ -499,6 +518,9 @@ class PendingFailover:
         c = self.coordinator
         if event.handover:
             c.apply_handover(event)
+            # The leavers' pipelines run the merged schedule from here on: a later failure there (in this
+            # agreement) is judged on it, and the leavers are no survivors to wait for.
+            self.layouts_before.update({d: s for d, s in c.layouts.items() if d not in self.victims})
             if self.on_event is not None:
                 self.on_event(event)
             return

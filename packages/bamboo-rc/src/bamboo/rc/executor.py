@@ -156,7 +156,10 @@ class StageExecutor:
                 redundancy, microbatch,
             )
         self.leaving = False
-        """True once this node announced that it hands its role over at the next boundary."""
+        """True once this node announced that it hands its role over at the next boundary (until it
+        withdraws: :meth:`_withdraw_handover`)."""
+        self.handover_step: int | None = None
+        """The step after which this node announced it would leave."""
         self.leave_by = float("inf")
         """When a leaver stops waiting for the others to pass its last step (wall clock): its notice's
         deadline less the time it kept for the step."""
@@ -424,6 +427,7 @@ class StageExecutor:
         if self.redundancy != "none" and fault_free and self.clock.time() + needed < deadline:
             self.leaving = True
             self.leave_by = deadline - needed
+            self.handover_step = self.step
             self.coordinator.announce_handover(self.step)
         else:
             self.preemption_deadline = deadline
@@ -432,45 +436,64 @@ class StageExecutor:
         """After the commit of `step`: leave if handing over; take over if a neighbour leaves.
 
         After a step that a node leaves after, every node tells the leaver that it passed the step, and the
-        leaver leaves only once every live node has (:meth:`_leave_after`)."""
+        leaver leaves only once every live node has (:meth:`_leave_after`). The leavers are read again after
+        every event: one that withdrew (a failure in its pipeline came first) is no longer waited for."""
         if self.leaving:
-            self._leave_after(step)
-            raise HandedOver(f"rank {self.rank} handed its role over after step {step}")
+            if self._leave_after(step):
+                raise HandedOver(f"rank {self.rank} handed its role over after step {step}")
+            return  # withdrawn: a failure in this pipeline came first, and this node stays
         if not self.coordinator.watching or not self.coordinator.handover_anywhere(step):
             return
         self.coordinator.mark_passed(step)
-        leavers = self.coordinator.handover_leavers(step)  # of this pipeline (P = 1: of the ring)
-        if not leavers:
-            return
-        started = self.clock.time()
-        while not leavers <= self.coordinator.dead:
+        started, handed = self.clock.time(), False
+        while leavers := self.coordinator.handover_leavers(step) - self.coordinator.dead:  # this pipeline's (P = 1: the ring's)
             event = self.coordinator.await_handover(step)
             if event.handover:
                 self._apply_handover(event)
+                handed = True
             else:
                 self._fail_over_at_handover(event, step, leavers)
-        self.handovers.append({"step": step, "epoch": self.epoch, "seconds": self.clock.time() - started})
+        if handed:
+            self.handovers.append({"step": step, "epoch": self.epoch, "seconds": self.clock.time() - started})
 
-    def _leave_after(self, step: int) -> None:
+    def _leave_after(self, step: int) -> bool:
         """A leaver, after the commit of its last step `step`: wait until every live node has committed it
-        too, taking part meanwhile in the failover of any other pipeline, as a node at the end of training
-        does (:meth:`finish`). A node of another pipeline that dies before its shadow got its replica sync
-        of `step` has that step's all-reduces redone with its shadow's recomputed gradients, and the redo
-        needs this node's contribution: it leaves with it.
+        too, taking part meanwhile in every failover, as a node at the end of training does (:meth:`finish`).
+        A node of another pipeline that dies before its shadow got its replica sync of `step` has that step's
+        all-reduces redone with its shadow's recomputed gradients, and the redo needs this node's
+        contribution: it leaves with it. It stops waiting at :attr:`leave_by`.
 
-        It stops waiting at :attr:`leave_by`, and at once on a failure in its own pipeline, which its
-        pipeline's other nodes do not handle (see :meth:`_fail_over_at_handover`)."""
+        Then it publishes its hand-over as the next epoch's event, first writer wins
+        (:meth:`~bamboo.rc.coordinator.FailoverCoordinator.claim_handover`); an event published first is
+        applied here, and it tries again. Returns True once its hand-over is published (it leaves), False
+        when a failure in its own pipeline came first: it withdrew (:meth:`_withdraw_handover`) and stays,
+        and the next step starts with its pipeline's failover remainder."""
         self.coordinator.mark_passed(step)
-        while not self.coordinator.everyone_passed(step) and self.clock.time() < self.leave_by:
+        while self.leaving:
             event = self.coordinator.pending_event()
             if event is None:
-                self.clock.sleep(FINISH_POLL_S)
-            elif self.ring is None and not event.handover and any(
-                self.layout.position(v)[1] == self.pipeline for v in event.victims
-            ):
-                return
-            else:
-                self._agree_between_steps(event)
+                if not self.coordinator.everyone_passed(step) and self.clock.time() < self.leave_by:
+                    self.clock.sleep(FINISH_POLL_S)
+                    continue
+                event = self.coordinator.claim_handover()
+                if event.handover and self.rank in event.victims:
+                    return True
+            stream = self._agree_between_steps(event)
+            if not self.leaving and self.ring is None:
+                self._resume = (stream, len(self.failovers) - 1)
+        return False
+
+    def _withdraw_handover(self) -> None:
+        """A failure in this node's pipeline (P > 1) was published before its hand-over: it stays, as a
+        survivor of that failover (its shadow may be the victim, or be about to host a victim's stage), and
+        its notice becomes a deadline: if it is still there then, it is an ordinary failure. Called when the
+        event is applied, before this node publishes its progress in the agreement, so every node that
+        completes the agreement reads the hand-over as withdrawn."""
+        assert self.handover_step is not None
+        self.coordinator.cancel_handover(self.handover_step)
+        self.leaving = False
+        self.leave_by = float("inf")
+        self.preemption_deadline = self.coordinator.notice_deadline()
 
     def _fail_over_at_handover(self, event: FailureEvent, step: int, leavers: set[int]) -> None:
         """A failure confirmed while this node waits at the boundary after step `step` for the hand-over
@@ -479,20 +502,12 @@ class StageExecutor:
 
         - a node of another pipeline died (that pipeline may have run ahead into the next step, or be
           finishing this one): this node joins the agreement, and any redo of an all-reduce;
-        - a leaver itself died instead of leaving (with any other node of this pipeline that died with
-          it): this pipeline fails over at the start of the next step, which then runs the remainder;
-        - with P = 1, every live node takes part, as always.
-
-        A node of this pipeline that dies while a leaver of it is still there is not handled: the
-        failover would wait for the leaver's progress, which never comes."""
-        own = {v for v in event.victims if self.layout.position(v)[1] == self.pipeline} if self.ring is None else set()
-        staying = leavers - set(event.victims) - self.coordinator.dead
-        if own and staying:
-            raise RuntimeError(
-                f"rank(s) {sorted(own)} of pipeline {self.pipeline} failed at the boundary after step {step}, where "
-                f"rank(s) {sorted(staying)} of the same pipeline hand over: a failure in a pipeline during its own "
-                f"hand-over is not handled"
-            )
+        - a node of this pipeline died: a leaver itself (instead of leaving), or another node, published
+          before the leaver's hand-over; a leaver still there withdraws its hand-over when it applies the
+          event and takes part as a survivor. Either way this pipeline fails over at the start of the
+          next step, which then runs the remainder;
+        - with P = 1, every live node takes part, as always."""
+        own = self.ring is None and any(self.layout.position(v)[1] == self.pipeline for v in event.victims)
         stream = self._agree_between_steps(event)
         if own:  # the next step starts with this pipeline's failover remainder
             self._resume = (stream, len(self.failovers) - 1)
@@ -512,7 +527,13 @@ class StageExecutor:
         noticed the event, never until they reach their own first use of it: two nodes that use two
         new groups in opposite orders (two pipelines' schedules place their all-reduces differently)
         would otherwise each sit in a build the other never joins.
+
+        A leaver whose pipeline lost a node withdraws its hand-over here, before it publishes its progress.
         """
+        if self.leaving and self.ring is None and not event.handover and any(
+            self.layout.position(v)[1] == self.pipeline for v in event.victims
+        ):
+            self._withdraw_handover()
         self._rebuild_groups()
         if self.ring is None:  # P = 1 builds its one group at its first use (RingNode._await_group): no cycle
             self.groups.start_builds(changed_in=self.coordinator.epoch)

@@ -12,7 +12,9 @@ suspects), and every survivor acts on the same published event, so all derive th
 :class:`StoreFailureNotices` implements the interface over any key-value store (a c10d store),
 under `bamboo/<job>/epoch/<e>` (the event that starts epoch e, a :class:`FailureEvent`) and
 `bamboo/<job>/suspect/<e>/<reporter>/<peer>` (a :class:`~bamboo.rc.records.SuspicionRecord`).
-This module does not import torch.
+Events are written first writer wins (:meth:`FailureNotices.claim`): a node that leaves after a
+preemption notice publishes its own hand-over, and a failure confirmed at the same time takes the
+next free epoch. This module does not import torch.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class FailureNotices(Protocol):
 
     def wait(self, epoch: int, timeout: float) -> FailureEvent | None:
         """Block up to `timeout` seconds for the event that starts epoch `epoch`."""
+
+    def claim(self, event: FailureEvent) -> FailureEvent:
+        """Publish `event` (a node's own hand-over) as the event that starts `event.epoch` unless one was
+        published first; returns the event that starts that epoch now (never blocks for long)."""
 
 
 class FailureNoticed(Exception):
@@ -155,5 +161,19 @@ class StoreFailureNotices:
             self.clock.sleep(EVENT_POLL_S)
 
     def publish(self, event: FailureEvent) -> None:
-        """Publish a confirmed event (the authority's side)."""
+        """Publish a confirmed event (the authority's side; tests that play the authority)."""
         self.store.set(self._event_key(event.epoch), event.to_json())
+
+    def claim(self, event: FailureEvent) -> FailureEvent:
+        """First writer wins at `event.epoch` (a leaver's hand-over against the authority's failures)."""
+        return FailureEvent.from_json(self.store.compare_set(self._event_key(event.epoch), "", event.to_json()))
+
+    def publish_next(self, victims: Sequence[int], after: int = 0) -> FailureEvent:
+        """Publish a confirmed failure of `victims` as the first epoch after `after` that no event holds yet
+        (first writer wins: a leaver may have claimed an epoch for its hand-over); returns the event."""
+        epoch = after + 1
+        while True:
+            event = FailureEvent(epoch, list(victims))
+            if self.claim(event) == event:
+                return event
+            epoch += 1

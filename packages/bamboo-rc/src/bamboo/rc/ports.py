@@ -27,6 +27,10 @@ class KeyValueStore(Protocol):
     def check(self, keys: list[str]) -> bool:
         """Whether every key exists (never blocks)."""
 
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """Write ``desired_value`` if ``key`` holds ``expected_value``, or is absent and ``expected_value`` is
+        empty (first writer wins); returns what ``key`` holds afterwards."""
+
 
 class Clock(Protocol):
     """Time, as the failover logic sees it."""

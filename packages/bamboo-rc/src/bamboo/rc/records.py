@@ -3,12 +3,13 @@
 Every value that crosses a process boundary is one of these (the keys live under
 ``bamboo/<job>/`` of the c10d store; see :mod:`bamboo.rc.coordinator`):
 
-- :class:`FailureEvent` (``epoch/<e>``): the authority's confirmed failures that start an epoch;
+- :class:`FailureEvent` (``epoch/<e>``): the event that starts an epoch, written first writer wins:
+  the authority's confirmed failures, or a leaver's own hand-over;
 - :class:`SuspicionRecord` (``suspect/<e>/<reporter>/<peer>``): a worker saw a peer fail;
 - :class:`ProgressRecord` (``progress/d<p>/v<victims>/n<node>``): a survivor's progress, for the
   agreement on the cut, with the :class:`CommitResult` of its last commit;
-- :class:`HandoverRecord` (``handover/d<p>/<step>`` and ``handover_request/<rank>``): a node
-  leaves at an iteration boundary after a preemption notice;
+- :class:`HandoverRecord` (``handover/d<p>/<step>/<rank>``): a node leaves at an iteration
+  boundary after a preemption notice (``handover_cancelled/<step>/<rank>`` withdraws it);
 - :class:`NoticeRecord` (``notice/<rank>``): the node will be preempted at a deadline;
 - :class:`FailoverRecord`: what one failover did and when (``StageExecutor.failovers``; verify's
   workers hand them to their parent).

@@ -26,10 +26,9 @@ from typing import Any
 import attrs
 import torch
 from bamboo.rc.config import load_config
-from bamboo.rc.coordinator import handover_request_key
 from bamboo.rc.data import GlobalBatchSampler, stdlib_corpus
 from bamboo.rc.executor import REDUNDANCY_MODES
-from bamboo.rc.failures import FailureEvent, StoreFailureNotices
+from bamboo.rc.failures import StoreFailureNotices
 from bamboo.rc.faults import KillPoint, KillRecord, NoticePoint, killed_key, reached_key
 from bamboo.rc.layout import Layout
 from bamboo.rc.model import GPTSize, check_stage_bounds, gpt_layer_specs, lm_loss, stage_bounds
@@ -79,6 +78,9 @@ class VerifyResult:
     compared_at_step: int = 0
     kill_times: dict[int, float] = attrs.field(factory=dict)
     left: tuple[int, ...] = ()
+    """Ranks that handed their role over after a preemption notice and left."""
+    withdrawn: tuple[int, ...] = ()
+    """Ranks that announced a hand-over and withdrew it (a failure in their pipeline came first) and stayed."""
     timings: dict[int, dict[str, Any]] = attrs.field(factory=dict)
     """Per rank: ``iteration_times`` ((start, end) of every step), ``kind_seconds`` (seconds spent in each
     instruction kind, summed over the run, by the kind's code), ``hosted``, ``stage``, ``pipeline`` and
@@ -195,6 +197,7 @@ def run_verify(
     # A consecutive failure leaves survivors at the start of an iteration: compare with that step.
     compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
     left = tuple(sorted(rank for rank, r in reports.items() if r["left"]))
+    withdrawn = tuple(sorted(rank for rank, r in reports.items() if r.get("withdrew")))
     reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
         training.micro_batch_size, size.sequence, seed=seed), compared_at, pipelines, seed)
     max_rel = max_abs = max_replica = 0.0
@@ -252,6 +255,7 @@ def run_verify(
         compared_at_step=compared_at,
         kill_times={rank: record.at for rank, record in kill_records.items()},
         left=left,
+        withdrawn=withdrawn,
         timings={
             rank: {"iteration_times": r["iteration_times"], "kind_seconds": r["kind_seconds"],
                    "hosted": r["hosted"], "stage": r["stage"], "pipeline": r["pipeline"],
@@ -293,11 +297,7 @@ def _wait_children(
         if pid not in children:
             continue
         codes[children[pid]] = os.waitstatus_to_exitcode(status)
-        rank = children[pid]
-        if codes[rank] == 0 and notices.store.check([handover_request_key(notices.job, rank)]):
-            epoch += 1  # it left after a preemption notice: its shadow takes over at the boundary
-            notices.publish(FailureEvent(epoch, [rank], handover=True))
-            continue
+        # A child that left after a preemption notice published its own hand-over event (first writer wins).
         if codes[children[pid]] < 0:
             dead = [children[pid]]
             batch_end = time.monotonic() + VERIFY_BATCH_WINDOW_S
@@ -314,6 +314,5 @@ def _wait_children(
                 hold_end = time.monotonic() + VERIFY_HOLD_LIMIT_S
                 while key is not None and not notices.store.check([key]) and time.monotonic() < hold_end:
                     time.sleep(VERIFY_WAIT_POLL_S)
-            epoch += 1
-            notices.publish(FailureEvent(epoch, dead))
+            epoch = notices.publish_next(dead, after=epoch).epoch
     return codes

@@ -111,6 +111,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "slices": {} if left else {s: [layer.state_dict() for layer in p.layers] for s, p in executor.slices.items()},
         "replica_stage": None if left else executor.replica_stage,
         "left": left,
+        "withdrew": executor.handover_step is not None and not left,
         "handovers": executor.handovers,
         "losses": executor.losses,
         "steps_done": executor.step,

@@ -387,8 +387,9 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
 
 
 def _hand_over(run: _Run, layout: Any, executor: Any) -> None:
-    """This node left at a step boundary after its preemption notice: publish the hand-over as the runtime's
-    next event (its neighbours wait for it at that boundary), the node's preemption, and tell its agent."""
+    """This node left at a step boundary after its preemption notice: record the hand-over's event (the executor
+    already published it, first writer wins, before it left; ``publish_next_event`` finds it, and publishes it
+    only if it is missing), the node's preemption, and tell its agent."""
     from bamboo.launch.events import Preemption
     from bamboo.launch.notices import publish_next_event
 

@@ -444,7 +444,7 @@ class FailoverCoordinator:
 
     def await_handover(self, step: int) -> FailureEvent:
         """The event of the next epoch, once published, while waiting for the hand-over announced
-        after step `step` (the authority publishes it once the leaver left): the hand-over, or a failure
+        after step `step` (the leaver publishes it just before it leaves): the hand-over, or a failure
         confirmed before it. RuntimeError when nothing is published within the confirm timeout."""
         event = self.notices.wait(self.epoch + 1, self.timeouts.confirm) if self.notices is not None else None
         if event is None:

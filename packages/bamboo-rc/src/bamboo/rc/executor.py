@@ -507,10 +507,16 @@ class StageExecutor:
           event and takes part as a survivor. Either way this pipeline fails over at the start of the
           next step, which then runs the remainder;
         - with P = 1, every live node takes part, as always."""
-        own = self.ring is None and any(self.layout.position(v)[1] == self.pipeline for v in event.victims)
+        own = self._fails_own_pipeline(event)
         stream = self._agree_between_steps(event)
         if own:  # the next step starts with this pipeline's failover remainder
             self._resume = (stream, len(self.failovers) - 1)
+
+    def _fails_own_pipeline(self, event: FailureEvent) -> bool:
+        """Whether `event` is a failure (not a hand-over) of a node of this node's pipeline (P > 1)."""
+        return self.ring is None and not event.handover and any(
+            self.layout.position(v)[1] == self.pipeline for v in event.victims
+        )
 
     def _apply_handover(self, event: FailureEvent) -> None:
         self.coordinator.apply_handover(event)
@@ -530,9 +536,7 @@ class StageExecutor:
 
         A leaver whose pipeline lost a node withdraws its hand-over here, before it publishes its progress.
         """
-        if self.leaving and self.ring is None and not event.handover and any(
-            self.layout.position(v)[1] == self.pipeline for v in event.victims
-        ):
+        if self.leaving and self._fails_own_pipeline(event):
             self._withdraw_handover()
         self._rebuild_groups()
         if self.ring is None:  # P = 1 builds its one group at its first use (RingNode._await_group): no cycle

@@ -125,6 +125,15 @@ class EtcdKV:
         self._watches: WatchStream | None = None
 
     @property
+    def client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        """The etcd client library's client in use (replaced when etcd forgot our auth token)."""
+        return self._client
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def where(self) -> str:
         return ", ".join(self.options.endpoints)
 
@@ -178,7 +187,7 @@ class EtcdKV:
             return StoreError(f"etcd at {where} refused {what}: {code}: {detail}")
         return StoreError(f"etcd at {where} failed {what}: {type(exc).__name__}: {exc}")
 
-    def _reauthenticate(self, stale: pyetcd.MultiEndpointEtcd3Client) -> None:
+    def reauthenticate(self, stale: pyetcd.MultiEndpointEtcd3Client) -> None:
         """Replace `stale` by a freshly authenticated client (etcd forgets its tokens on restart)."""
         with self._lock:
             if self._client is not stale:
@@ -202,7 +211,7 @@ class EtcdKV:
                     and "token" in (exc.details() or "")
                 )
                 if stale_token:
-                    self._reauthenticate(client)
+                    self.reauthenticate(client)
                     continue
                 raise self._translate(exc, what) from exc
             except (etcd_exceptions.Etcd3Exception, ValueError) as exc:
@@ -219,7 +228,7 @@ class EtcdKV:
         resp = self._call(f"get prefix {prefix}", lambda: self._client.get_prefix_response(prefix))
         return [key_value(kv) for kv in resp.kvs]
 
-    def _range(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
+    def range_at(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` (at `revision`, default now) and the revision read at.
 
         Raises `RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet.
@@ -356,7 +365,7 @@ class EtcdKV:
         watch.start()
         return watch
 
-    def _watch_stream(self) -> WatchStream:
+    def watch_stream(self) -> WatchStream:
         """The one stream every watch of this client shares (made on first use)."""
         with self._lock:
             if self._watches is None:

@@ -17,6 +17,7 @@ import attrs
 from bamboo.membership import timeouts
 
 __all__ = [
+    "EtcdConnection",
     "EtcdOptions",
     "EventKind",
     "FencedError",
@@ -142,6 +143,7 @@ class WatchEvent:
     `relisted` marks an event made up by a relist after etcd compacted past the watch's revision: a PUT
     carries the key's current value and mod revision; a DELETE carries the relist's revision (or the
     re-created key's create revision), an upper bound of when the key went away.
+    A PUT also carries the key's `create_revision` and `lease` (0 on a DELETE).
     """
 
     kind: EventKind
@@ -150,6 +152,8 @@ class WatchEvent:
     revision: int
     prev_value: bytes | None = None
     relisted: bool = False
+    create_revision: int = 0
+    lease: int = 0
 
 
 class WatchHandle(Protocol):
@@ -230,3 +234,26 @@ class RevisionOutOfRange(Exception):
     def __init__(self, compacted: bool, detail: str) -> None:
         self.compacted = compacted
         super().__init__(detail)
+
+
+class EtcdConnection(Protocol):
+    """What the stream modules (`bamboo.membership.watch`, `bamboo.membership.streams`) use of an `EtcdKV`,
+    so that they need not import it: its options, its current etcd client and whether it is closed, its
+    ranged read at a revision, re-authentication, and its shared watch stream."""
+
+    options: EtcdOptions
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def client(self) -> Any: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def range_at(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]: ...
+
+    def reauthenticate(self, stale: Any) -> None: ...
+
+    def watch_stream(self) -> Any: ...

@@ -18,14 +18,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
-from bamboo.membership.kv_base import StoreUnavailableError
+from bamboo.membership.kv_base import EtcdConnection, StoreUnavailableError
 from pyetcd import etcdrpc
-
-if TYPE_CHECKING:
-    from bamboo.membership.kv import EtcdKV
 
 __all__ = ["Deadline", "KeepAliveStream", "request_iterator"]
 
@@ -88,7 +85,7 @@ class KeepAliveStream:
     since its last use (etcd restarted) is reopened once, at once, before the error is raised.
     """
 
-    def __init__(self, kv: EtcdKV) -> None:
+    def __init__(self, kv: EtcdConnection) -> None:
         self._kv = kv
         self._lock = threading.Lock()
         self._client: Any = None
@@ -103,7 +100,7 @@ class KeepAliveStream:
         (the caller translates it) when etcd does not answer."""
         with self._lock:
             for attempt in (0, 1):
-                fresh = self._call is None or self._client is not self._kv._client
+                fresh = self._call is None or self._client is not self._kv.client
                 if fresh:
                     self._open()
                 timed_out = threading.Event()
@@ -136,7 +133,7 @@ class KeepAliveStream:
 
     def _open(self) -> None:
         self._drop()
-        client = self._kv._client
+        client = self._kv.client
         self._requests = queue.Queue()
         stub = etcdrpc.LeaseStub(client.channel)
         self._call = stub.LeaseKeepAlive(request_iterator(self._requests), credentials=client.call_credentials,

@@ -33,11 +33,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from bamboo.membership import timeouts
 from bamboo.membership.kv_base import (
+    EtcdConnection,
     EventKind,
     KeyValue,
     RevisionOutOfRange,
@@ -52,9 +53,6 @@ from pyetcd import exceptions as etcd_exceptions
 from pyetcd import utils as etcd_utils
 from pyetcd.etcdrpc import kv_pb2
 
-if TYPE_CHECKING:
-    from bamboo.membership.kv import EtcdKV
-
 __all__ = ["PrefixWatch", "WatchStream"]
 
 log = logging.getLogger(__name__)
@@ -66,7 +64,7 @@ class WatchStream:
     Its thread runs while at least one watch wants a server-side watch; `streams` counts the streams opened.
     """
 
-    def __init__(self, kv: EtcdKV) -> None:
+    def __init__(self, kv: EtcdConnection) -> None:
         self._kv = kv
         self._cond = threading.Condition()
         self._active: list[PrefixWatch] = []  # the watches that want a server-side watch now
@@ -152,7 +150,7 @@ class WatchStream:
         call.cancel()
 
     def _open(self) -> Any:
-        client = self._kv._client
+        client = self._kv.client
         stub = etcdrpc.WatchStub(client.channel)
         requests: queue.Queue[Any] = queue.Queue()
         call = stub.Watch(request_iterator(requests), credentials=client.call_credentials, metadata=client.metadata)
@@ -167,9 +165,9 @@ class WatchStream:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._kv._closed and not self._active:
+                while not self._closed and not self._kv.closed and not self._active:
                     self._cond.wait()
-                if self._closed or self._kv._closed:
+                if self._closed or self._kv.closed:
                     return
             error = "the watch stream ended"
             try:
@@ -182,7 +180,7 @@ class WatchStream:
                 error = f"{exc.code()}: {exc.details()}" if hasattr(exc, "code") else str(exc)
             self._broken(error)
             with self._cond:
-                if self._closed or self._kv._closed:
+                if self._closed or self._kv.closed:
                     return
                 if self._active:
                     self._cond.wait(self._kv.options.watch_retry_interval)
@@ -199,7 +197,7 @@ class WatchStream:
             self._to_create.clear()
         for watch in affected:
             watch.last_error = error
-        if affected and not self._closed and not self._kv._closed:
+        if affected and not self._closed and not self._kv.closed:
             log.debug("watch stream broke (%s); %d watches resume on a new one", error, len(affected))
 
     def _on_response(self, response: Any) -> None:
@@ -249,7 +247,7 @@ class PrefixWatch:
     """
 
     def __init__(
-        self, kv: EtcdKV, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None
+        self, kv: EtcdConnection, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None
     ) -> None:
         self._kv = kv
         self.prefix = prefix
@@ -287,7 +285,7 @@ class PrefixWatch:
                 log.debug("watch %s: initial list failed (%s); retrying", self.prefix, exc)
                 time.sleep(self._kv.options.watch_retry_interval)
         self._thread.start()
-        self._kv._watch_stream().submit(self)
+        self._kv.watch_stream().submit(self)
         if not self._created.wait(max(0.0, deadline - time.monotonic())):
             self.cancel()
             raise self._start_failed(bound)
@@ -301,7 +299,7 @@ class PrefixWatch:
 
     def _load_snapshot(self) -> None:
         if self._start_revision is None:
-            kvs, revision = self._kv._range(self.prefix)
+            kvs, revision = self._kv.range_at(self.prefix)
             self._snapshot = {kv.key: kv for kv in kvs}
             self._next_revision = revision + 1
             return
@@ -310,13 +308,13 @@ class PrefixWatch:
             self._snapshot = {}
             return
         try:
-            kvs, _ = self._kv._range(self.prefix, self._start_revision - 1)
+            kvs, _ = self._kv.range_at(self.prefix, self._start_revision - 1)
         except RevisionOutOfRange as exc:
             if exc.compacted:
                 # The stream will be told it is compacted and relist; deletions before then cannot be known.
                 self._snapshot = None
                 return
-            kvs, _ = self._kv._range(self.prefix)  # a start in the future: what exists now precedes it
+            kvs, _ = self._kv.range_at(self.prefix)  # a start in the future: what exists now precedes it
         self._snapshot = {kv.key: kv for kv in kvs}
 
     def create_request(self) -> Any:
@@ -356,18 +354,18 @@ class PrefixWatch:
         self.last_error = f"etcd cancelled the watch: {reason}"
         log.warning("watch %s: %s", self.prefix, self.last_error)
         if self._kv.options.user is not None:
-            stale = self._kv._client
-            self._kv._reauthenticate(stale)  # a stale token makes etcd refuse the watch
-            self._kv._watch_stream().reconnect()
+            stale = self._kv.client
+            self._kv.reauthenticate(stale)  # a stale token makes etcd refuse the watch
+            self._kv.watch_stream().reconnect()
         self._cancelled.wait(self._kv.options.watch_retry_interval)
         self._resubmit()
 
     def _resubmit(self) -> None:
-        if not self._cancelled.is_set() and not self._kv._closed:
-            self._kv._watch_stream().submit(self)
+        if not self._cancelled.is_set() and not self._kv.closed:
+            self._kv.watch_stream().submit(self)
 
     def _relist_until_done(self) -> None:
-        while not self._cancelled.is_set() and not self._kv._closed:
+        while not self._cancelled.is_set() and not self._kv.closed:
             try:
                 self._relist()
                 return
@@ -391,7 +389,8 @@ class PrefixWatch:
                 if self._snapshot is not None:
                     self._snapshot.pop(key, None)
             else:
-                event = WatchEvent(EventKind.PUT, key, bytes(raw.kv.value), revision, prev)
+                event = WatchEvent(EventKind.PUT, key, bytes(raw.kv.value), revision, prev,
+                                   create_revision=int(raw.kv.create_revision), lease=int(raw.kv.lease))
                 if self._snapshot is not None:
                     self._snapshot[key] = key_value(raw.kv)
             self._safe_callback(event)
@@ -400,7 +399,7 @@ class PrefixWatch:
 
     def _relist(self) -> None:
         """Reconcile the snapshot with the prefix as it is now, deliver the difference, resume after it."""
-        kvs, revision = self._kv._range(self.prefix)
+        kvs, revision = self._kv.range_at(self.prefix)
         current = {kv.key: kv for kv in kvs}
         old = self._snapshot
         events: list[WatchEvent] = []
@@ -420,7 +419,8 @@ class PrefixWatch:
                 continue  # unchanged since it was delivered (or since before the watch started)
             before = old.get(key)
             prev = before.value if before is not None and before.create_revision == now.create_revision else None
-            events.append(WatchEvent(EventKind.PUT, key, now.value, now.mod_revision, prev, relisted=True))
+            events.append(WatchEvent(EventKind.PUT, key, now.value, now.mod_revision, prev, relisted=True,
+                                     create_revision=now.create_revision, lease=now.lease))
         events.sort(key=lambda e: (e.revision, e.kind is EventKind.PUT, e.key))
         log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d changes delivered",
                     self.prefix, revision, self._next_revision, len(events))
@@ -440,7 +440,7 @@ class PrefixWatch:
 
     def cancel(self) -> None:
         self._cancelled.set()
-        self._kv._watch_stream().withdraw(self)
+        self._kv.watch_stream().withdraw(self)
         self._inbox.put(None)
         if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)

@@ -270,13 +270,15 @@ class _Supervisor:
     def start(self, announce: bool, wrote_spec: bool) -> None:
         from bamboo.launch.coordinator import Coordinator
         from bamboo.launch.events import EtcdEventLog, Join, RunStart
-        from bamboo.membership import DetectorConfig, NodeAgent
+        from bamboo.membership import DetectorConfig, NodeAgent, WatchedKey
 
         options, spec = self.options, self.spec
+        # Only the elected coordinator's detector follows every node record (bamboo.membership.detector).
         self.agent = NodeAgent(self.membership, self.node, zone=self.zone, host=options.host, port=options.port,
                                ttl=spec.ttl, tls=_tls(options), detector_config=DetectorConfig(grace_period=spec.grace_s),
-                               notice_window=options.notice_window_s, **_agent_auth(options))
+                               notice_window=options.notice_window_s, watch_all_nodes=False, **_agent_auth(options))
         self.agent.start()
+        self.end = WatchedKey(self.membership.kv, self.membership.keys.decision("end"))
         self.fenced = self.membership.fenced(self.agent.registration)
         self.say(f"node {self.node} ({self.zone or 'no zone'}) registered; agent at {self.agent.address}")
         self.events = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.agent.{os.getpid()}", spec.created_unix,
@@ -318,10 +320,14 @@ class _Supervisor:
         # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.
         return subprocess.Popen(command, env={**os.environ, **variables}, stdin=subprocess.DEVNULL)
 
-    def ended(self) -> JobEnd | None:
+    def ended(self, *, fresh: bool = False) -> JobEnd | None:
+        """The job's end record, once written (followed by a watch: no request; ``fresh`` reads etcd now)."""
         try:
-            return read_record(JobEnd, self.membership.get_decision("end"))
-        except Exception:  # etcd restarting
+            if fresh:
+                return read_record(JobEnd, self.membership.get_decision("end"))
+            found = self.end.value
+            return None if found is None else JobEnd.from_dict(json.loads(found.value))
+        except Exception:  # etcd restarting, or a record this reader cannot read: the job's writer decides
             return None
 
     def worker_error(self) -> str | None:
@@ -345,6 +351,7 @@ class _Supervisor:
 
     def stop(self, *, leave: bool) -> None:
         self.coordinator.stop()
+        self.end.close()
         self.events.close()
         if leave:
             self.agent.stop(leave=True)
@@ -467,7 +474,7 @@ def _supervise(supervisor: _Supervisor, noticed: threading.Event, window_s: floa
             _kill(worker)
             return None, "this node was declared dead (its lease is gone)"
         code = worker.poll()
-        if code is not None and supervisor.ended() is None:
+        if code is not None and supervisor.ended(fresh=True) is None:
             if code == 0 and supervisor.handed_over():  # it left at a step boundary after its notice
                 say(f"node {node}: handed its stage over after the preemption notice; leaving")
                 supervisor.stop(leave=True)
@@ -477,7 +484,7 @@ def _supervise(supervisor: _Supervisor, noticed: threading.Event, window_s: floa
                               f"({' '.join(supervisor.spec.script)})")
             if code == 0:
                 time.sleep(timeouts.AGENT_POLL_S)  # it wrote the job's end just before it exited
-                if supervisor.ended() is not None:
+                if supervisor.ended(fresh=True) is not None:
                     continue
             return None, f"worker exited with status {code}"
         time.sleep(timeouts.AGENT_POLL_S)

@@ -60,6 +60,7 @@ from bamboo.launch.records import (
     WorkerWarm,
     read_record,
 )
+from bamboo.launch.roles import RoleWatch
 from bamboo.launch.spec import WORKER_DONE, WORKER_ERROR, JobSpec, Program, WorkerContext
 from bamboo.membership.kv import StoreError
 
@@ -110,6 +111,7 @@ class _Run:
                                 self.spec.created_unix, guard=self.membership.guard)
         self.layers = self.spec.reconfig_layers()
         self.notice_deadline: float | None = None  # this node's preemption deadline, once its agent was told
+        self.roles = RoleWatch(self.membership, self.node)  # the layout and the job's end, watched
         self._notice_watch = self.membership.watch_notices(self._on_notice)
         found = self.kv.get(self.membership.keys.notice(self.node))
         if found is not None:
@@ -129,28 +131,12 @@ class _Run:
             self.notice_deadline = float(notice.deadline)
 
     def ended(self) -> JobEnd | None:
-        try:
-            return read_record(JobEnd, self.membership.get_decision("end"))
-        except Exception:  # etcd restarting
-            return None
-
-    def layout(self) -> Any:
-        from bamboo.launch.coordinator import read_layout
-
-        return read_layout(self.membership)
+        return self.roles.ended()
 
     def wait_role(self, after: int) -> Any:
-        """The first layout of generation > ``after`` that places this node; None once the job has ended."""
-        while True:
-            if self.ended() is not None:
-                return None
-            try:
-                layout = self.layout()
-            except Exception:  # etcd restarting
-                layout = None
-            if layout is not None and layout.generation > after and self.node in layout.ranks:
-                return layout
-            time.sleep(timeouts.WORKER_POLL_S)
+        """The first layout of generation > ``after`` that places this node; None once the job has ended.
+        It sleeps until the layout or the job's end changes (:class:`bamboo.launch.roles.RoleWatch`)."""
+        return self.roles.wait_role(after)
 
     def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -178,6 +164,7 @@ class _Run:
 
     def close(self) -> None:
         self._notice_watch.cancel()
+        self.roles.close()
         self.log.close()
 
 

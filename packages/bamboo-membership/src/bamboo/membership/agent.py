@@ -444,8 +444,12 @@ class NodeAgent:
         self._broadcast(pb.ClusterEvent(preemption=notice))
 
     def stop(self, *, leave: bool = True, grace: float = timeouts.SERVER_STOP_GRACE_S) -> None:
-        """Stop serving. `leave=True` marks the record LEFT and revokes the lease (not a failure)."""
+        """Stop serving. `leave=True` marks the record LEFT and revokes the lease (not a failure), then closes
+        the port; `leave=False` vanishes as a crash would: the port closes first (probes are refused from then
+        on), and the lease is left to expire."""
         self._stopping.set()
+        if not leave and self._server is not None:
+            self._server.stop(0)
         if self._notice_watch is not None:
             self._notice_watch.cancel()
         if self.detector is not None:

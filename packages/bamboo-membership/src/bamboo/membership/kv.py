@@ -374,9 +374,13 @@ class EtcdKV:
 
     def status(self) -> EtcdStatus:
         """The version, revision and database size of the etcd member this client reaches."""
-        resp = self._call("status", lambda: self._client.status())
-        return EtcdStatus(version=str(resp.version), revision=int(resp.header.revision),
-                          db_size=int(resp.db_size))
+        def status() -> Any:
+            client = self._client
+            return client.maintenancestub.Status(etcdrpc.StatusRequest(), self.options.timeout,
+                                                 credentials=client.call_credentials, metadata=client.metadata)
+
+        resp = self._call("status", status)
+        return EtcdStatus(version=str(resp.version), revision=int(resp.header.revision), db_size=int(resp.dbSize))
 
     def defragment(self) -> None:
         """Give the space that compaction freed in etcd's database file back to the file system."""

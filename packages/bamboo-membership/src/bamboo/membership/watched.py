@@ -21,7 +21,8 @@ __all__ = ["WatchedKey"]
 class WatchedKey:
     """The latest value of `key` (None while it does not exist), kept by a watch; see the module docstring.
 
-    `changes` counts the changes seen since the first read. Close it with `close()`.
+    `changes` counts the changes seen since the first read; `revision` is the etcd revision of the last
+    change applied (of the first read, before any). Close it with `close()`.
     """
 
     def __init__(self, kv: KeyValueStore, key: str,
@@ -30,8 +31,14 @@ class WatchedKey:
         self._cond = threading.Condition()
         self._on_change = on_change
         self.changes = 0
-        revision = kv.revision()
-        self._value = kv.get(key)
+        range_at = getattr(kv, "range_at", None)  # one request for the value and its revision (EtcdKV)
+        if range_at is not None:
+            found, revision = range_at(key)
+            self._value = next((item for item in found if item.key == key), None)
+        else:
+            revision = kv.revision()
+            self._value = kv.get(key)
+        self.revision = revision
         # A change between the revision and the read comes again through the watch: the last one wins.
         self._watch = kv.watch_prefix(key, self._on_event, start_revision=revision + 1)
 
@@ -57,6 +64,7 @@ class WatchedKey:
             if self._value is not None and event.revision <= self._value.mod_revision:
                 return  # from before the value the first read saw (the watch starts at the revision before it)
             self._value = value
+            self.revision = event.revision
             self.changes += 1
             self._cond.notify_all()
         if self._on_change is not None:

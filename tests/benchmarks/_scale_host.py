@@ -2,7 +2,7 @@
 
 Run by bench_scale.py (``python _scale_host.py``), never by hand. Each node here is what ``bamboo-launch agent``
 runs, made of the same classes: a ``NodeAgent`` (gRPC service, lease-held record, failure detector that does not
-follow every node record), its ``EtcdEventLog`` (a ``join`` record), the job's ``Coordinator`` (elected through
+follow the membership), its ``EtcdEventLog`` (a ``join`` record), the job's ``Coordinator`` (elected through
 etcd), and the supervisor's watch of the job's end; plus a *stub worker*: it publishes ``warm-<node>``, waits for
 a role with the worker's own ``RoleWatch``, learns failure events with the worker's own ``EtcdFailureNotices``,
 keeps a TCP connection to the next stage of its pipeline (as gloo would: when a peer dies, the connection breaks
@@ -47,13 +47,25 @@ from bamboo.membership import DetectorConfig, EtcdKV, EtcdOptions, MembershipSto
 from bamboo.rc import FailureEvent
 
 _out_lock = threading.Lock()
+_pending: list[dict[str, Any]] = []
 
 
 def emit(**record: Any) -> None:
-    line = json.dumps(record)
+    """Report ``record`` to bench_scale.py; records are written every 20 ms by one thread (their ``t`` is taken
+    when they happen), so that reporting does not delay what is measured."""
     with _out_lock:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
+        _pending.append(record)
+
+
+def _write_out() -> None:
+    while True:
+        time.sleep(0.02)
+        with _out_lock:
+            records = list(_pending)
+            _pending.clear()
+        if records:
+            sys.stdout.write("".join(json.dumps(record) + "\n" for record in records))
+            sys.stdout.flush()
 
 
 class TimedNotices(EtcdFailureNotices):
@@ -86,7 +98,7 @@ class SimNode:
         self.stop_step: int | None = None
         self.dead_ranks: set[int] = set()
         self.peers: list[socket.socket] = []
-        self.agent = NodeAgent(host.store, node, zone=zone, ttl=host.spec.ttl, watch_all_nodes=False,
+        self.agent = NodeAgent(host.store, node, zone=zone, ttl=host.spec.ttl, follow_membership=False,
                                detector_config=DetectorConfig(grace_period=host.spec.grace_s),
                                progress=lambda: self.step).bind()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -99,6 +111,7 @@ class SimNode:
         spec = self.host.spec
         emit(ev="registering", node=self.node, t=time.monotonic())
         self.agent.start()
+        emit(ev="registered", node=self.node, t=time.monotonic())
         self.fenced = self.host.store.fenced(self.agent.registration)
         pid = os.getpid()
         self.events = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.agent.{pid}", spec.created_unix,
@@ -110,6 +123,7 @@ class SimNode:
                                 guard=self.fenced.guard)
         self.fenced.decide(f"warm-{self.node}", WorkerWarm(self.node, time.time()).to_dict())
         self.roles = RoleWatch(self.fenced, self.node)
+        emit(ev="started", node=self.node, t=time.monotonic())
         threading.Thread(target=self._follow_roles, name=f"stub-{self.node}", daemon=True).start()
 
     def _follow_roles(self) -> None:
@@ -161,6 +175,9 @@ class SimNode:
         notices, layout = self.notices, self.layout
         if not self.alive or notices is None or layout is None or peer not in layout.ranks:
             return
+        if self.stop_step is not None and self.step >= self.stop_step:
+            return  # at the barrier the old generation's connections close on purpose (groups are released)
+        emit(ev="suspect", node=self.node, peer=peer, t=time.monotonic())
         notices.suspect(0, self.rank or 0, layout.ranks[peer], "recv")
 
     def failure_seen(self, generation: int, event: FailureEvent) -> None:
@@ -385,7 +402,34 @@ class Host:
                 "threads": threading.active_count(), "t": time.monotonic()}
 
 
+def _trace() -> None:
+    import bamboo.launch.coordinator as c
+    orig = c.Coordinator._publish_events
+    def traced(self, layout, reports):
+        t = time.monotonic()
+        emit(ev="trace", what="publish_events start", t=t)
+        out = orig(self, layout, reports)
+        emit(ev="trace", what="publish_events end", t=time.monotonic())
+        return out
+    c.Coordinator._publish_events = traced
+    import bamboo.membership.detector as d
+    orig2 = d.FailureDetector.probe_all
+    def traced2(self, nodes, reason, **kw):
+        t = time.monotonic()
+        out = orig2(self, nodes, reason, **kw)
+        emit(ev="trace", what=f"probe_all {len(list(nodes))} took {1e3*(time.monotonic()-t):.1f} ms", t=t)
+        return out
+    d.FailureDetector.probe_all = traced2
+    orig3 = d.FailureDetector._emit
+    def traced3(self, report):
+        if self.following:
+            emit(ev="trace", what=f"leader detector emit {report.node}", t=time.monotonic())
+        return orig3(self, report)
+    d.FailureDetector._emit = traced3
+
+
 def main() -> None:
+    _trace()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--etcd", action="append", required=True)
     parser.add_argument("--job", required=True)
@@ -393,6 +437,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, required=True)
     args = parser.parse_args()
     import scipy.optimize  # noqa: F401  the planner's, imported once here as a warm worker would have it
+    threading.Thread(target=_write_out, name="stub-out", daemon=True).start()
     host = Host(args)
     emit(ev="prepared", ports={node: sim.port for node, sim in host.nodes.items()}, pid=os.getpid())
     for line in sys.stdin:
@@ -410,6 +455,7 @@ def main() -> None:
             emit(ev="stats", **host.stats())
         elif name == "quit":
             break
+    time.sleep(0.05)  # the last records out
     sys.stdout.flush()
     os._exit(0)
 

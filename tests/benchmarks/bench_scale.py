@@ -130,9 +130,10 @@ class Hosts:
                     proc.wait()
 
 
-def spread(values: list[float]) -> dict[str, float | None]:
+def spread(values: list[float]) -> dict[str, float]:
+    """p50, p99 and max of ``values`` (NaN when there are none: written null in the JSON)."""
     if not values:
-        return {"p50": None, "p99": None, "max": None}
+        return {"p50": math.nan, "p99": math.nan, "max": math.nan}
     return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values)}
 
 
@@ -200,7 +201,7 @@ class Run:
         n = self.n
         self.hosts.wait(lambda: len(self._roles(0)) >= n or bool(self.hosts.select("exited")), self.args.deadline_s * 4)
         roles = self._roles(0)
-        first = min(e["t"] for e in self.hosts.select("registering"))
+        first = min((e["t"] for e in self.hosts.select("registering")), default=math.nan)
         latencies = [t - first for t in roles.values()]
         self.lost += n - len(roles)
         self.checks.update(layout_expected=n, layout_read_by=len(roles))
@@ -208,6 +209,10 @@ class Run:
         found = self.store.get_layout()
         self.layout_bytes = len(json.dumps(found.value)) if found else 0
         startup = spread(latencies)
+        registered = max((e["t"] for e in self.hosts.select("registered")), default=math.nan) - first
+        started = max((e["t"] for e in self.hosts.select("started")), default=math.nan) - first
+        self.say(f"start-up: the last node registered {registered:.2f} s after the first, the last stub started "
+                 f"{started:.2f} s after it")
         self.say(f"start-up: every node read the first layout ({self.layout_bytes} B) {startup['max']:.2f} s after "
                  f"the first registration (p50 {startup['p50']:.2f} s)")
         return {"startup_p50_s": startup["p50"], "startup_p99_s": startup["p99"], "startup_max_s": startup["max"],
@@ -276,7 +281,16 @@ class Run:
         self.checks["failure_expected"] = self.checks.get("failure_expected", 0) + len(receivers)
         self.checks["failure_seen_by"] = self.checks.get("failure_seen_by", 0) + sum(
             1 for node in receivers if node in when)
-        first = min(e["t"] for e in kills)
+        first = min((e["t"] for e in kills), default=math.nan)
+        suspects = self.hosts.select("suspect", since)
+        reports = [r for r in self.store.failures(0).values() if r.node in victims]
+        offset = time.time() - time.monotonic()
+        self.say("  kill -> first neighbour report {:.1f} ms -> confirmed {:.1f} ms -> first node saw it {:.1f} ms".format(
+            1e3 * (min((e["t"] for e in suspects), default=math.nan) - first),
+            1e3 * (max((r.detected_at for r in reports), default=math.nan) - offset - first),
+            1e3 * (min(when.values(), default=math.nan) - first)))
+        for e in self.hosts.select("trace", since):
+            self.say(f"    {1e3 * (e['t'] - first):7.1f} ms {e['what']}")
         return first, {node: t for node, t in when.items() if node in receivers}
 
     def _failures(self) -> dict[str, Any]:
@@ -304,7 +318,7 @@ class Run:
                 "failure_1pct_nodes": count, "failure_1pct_p50_s": many["p50"], "failure_1pct_p99_s": many["p99"],
                 "failure_1pct_max_s": many["max"], "baseline_put_watch_p50_s": base["p50"],
                 "baseline_put_watch_p99_s": base["p99"],
-                "failure_p50_over_baseline": one["p50"] / base["p50"] if base["p50"] else None}
+                "failure_p50_over_baseline": one["p50"] / base["p50"]}
 
     def _baseline(self) -> list[float]:
         """One put of a failure event (naming a node already dead) and its delivery to every live node."""
@@ -327,7 +341,8 @@ class Run:
         if not decided or decided[0]["step"] is None:
             self.say(f"reconfiguration: no stop was decided ({decided})")
             self.lost += self.n - len(self.dead)
-            return {"reconfigure_p50_s": None, "reconfigure_p99_s": None, "reconfigure_max_s": None}
+            return {"reconfigure_p50_s": math.nan, "reconfigure_p99_s": math.nan, "reconfigure_max_s": math.nan,
+                    "reconfigure_planned_s": math.nan}
         boundary = self.t0 + decided[0]["step"] * self.args.step_s
         live = [node for node in self.layout_ranks if node not in self.dead]
         self.hosts.wait(lambda: len(self._roles(1)) >= len(live), self.args.deadline_s + 3 * self.args.step_s)
@@ -337,13 +352,13 @@ class Run:
         result = spread([roles[node] - boundary for node in live if node in roles])
         planned = self.hosts.select("planned", since)
         found = self.store.get_layout()
-        planned_s = planned[0]["t"] - boundary if planned else None
+        planned_s = planned[0]["t"] - boundary if planned else math.nan
         if planned:
             self.say(f"barrier: every holder's record {planned[0]['all_ready'] - boundary:.3f} s after the boundary, "
                      f"the next layout written {planned_s:.3f} s after it")
         self.say(f"reconfiguration at the step boundary of step {decided[0]['step']}: every live node read its new "
                  f"role within {result['max']:.2f} s (p50 {result['p50']:.2f} s; the next layout was written "
-                 f"{planned_s or math.nan:.2f} s after the boundary); layout {len(json.dumps(found.value)) if found else 0} B")
+                 f"{planned_s:.2f} s after the boundary); layout {len(json.dumps(found.value)) if found else 0} B")
         return {"reconfigure_p50_s": result["p50"], "reconfigure_p99_s": result["p99"],
                 "reconfigure_max_s": result["max"], "reconfigure_planned_s": planned_s}
 
@@ -359,7 +374,7 @@ class Run:
 
 def _table(results: list[dict[str, Any]]) -> str:
     def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
+        return "-" if value is None or math.isnan(value) else f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
 
     rows = [("agents (processes x per process)", lambda r: f"{r['agents']} ({r['processes']} x {r['agents_per_process']})"),
             ("start-up to layout, p50 / p99 / max", lambda r: f"{ms(r['startup_p50_s'])} / {ms(r['startup_p99_s'])} / {ms(r['startup_max_s'])}"),
@@ -421,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     if args.json:
         for result in results:
-            print(json.dumps(result))
+            print(json.dumps({key: None if isinstance(value, float) and math.isnan(value) else value
+                              for key, value in result.items()}))
     else:
         print(_table(results))
     return 0 if all(r["lost_events"] == 0 and r["crashes"] == 0 for r in results) else 1

@@ -33,7 +33,7 @@ LAYER = {"param_bytes": 400, "optimizer_bytes": 800, "compute_cost": 100.0}
 
 
 class FakeDetector:
-    """What the coordinator asks of a detector: its listeners, to follow the node records while elected (the
+    """What the coordinator asks of a detector: its listeners, to follow the membership while elected (the
     records it knows then are the registered ones: read here from etcd, so that a round sees a registration
     at once), and sweeps."""
 
@@ -41,7 +41,7 @@ class FakeDetector:
         self.sweeps: list[tuple[list[str], str]] = []
         self.confirm_on_sweep: list[str] = []
         self.membership: MembershipStore | None = None
-        self.following: list[int | None] = []  # the since_revision of each follow_nodes
+        self.following: list[int | None] = []  # the since_revision of each follow_membership
 
     def subscribe(self, listener: Any) -> None:
         pass
@@ -49,17 +49,17 @@ class FakeDetector:
     def subscribe_membership(self, listener: Any) -> None:
         pass
 
-    def follow_nodes(self, since_revision: int | None = None) -> None:
+    def follow_membership(self, since_revision: int | None = None) -> None:
         self.following.append(since_revision)
 
-    def unfollow_nodes(self) -> None:
+    def unfollow_membership(self) -> None:
         self.following.append(-1)
 
     def known_nodes(self) -> dict[str, Any]:
         assert self.membership is not None
         return self.membership.list_nodes() if self.following and self.following[-1] != -1 else {}
 
-    def probe_all(self, nodes: list[str], reason: str) -> None:
+    def probe_all(self, nodes: list[str], reason: str, **options: Any) -> None:
         self.sweeps.append((sorted(nodes), reason))
         assert self.membership is not None
         for node in self.confirm_on_sweep:  # the sweep found these dead too
@@ -133,7 +133,7 @@ def test_the_first_layout_is_written_as_soon_as_min_nodes_registered(membership:
     spec = _spec(membership.keys.job, min_nodes=4)
     coordinator, agent, _ = _coordinator(membership, "n0", "a", spec)
     assert coordinator.round() and read_layout(membership) is None  # 1 of 4 registered
-    assert agent.detector.following == [None]  # elected: it follows the node records (from now: no one held it)
+    assert agent.detector.following == [None]  # elected: it follows the membership (from now: no one held it)
     agents = [FakeAgent(membership, f"n{i}", zone) for i, zone in ((1, "b"), (2, "c"))]
     assert coordinator.round() and read_layout(membership) is None  # 3 of 4
     agents.append(FakeAgent(membership, "n3", "a"))

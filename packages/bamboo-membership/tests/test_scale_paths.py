@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import threading
 
+from bamboo.membership.agent import NodeAgent
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
 from bamboo.membership.kv import EtcdKV, EventKind, WatchEvent
-from bamboo.membership.records import NodeFailed, NodeRecord, NodeState
+from bamboo.membership.probing import connect_probe
+from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.membership.store import MembershipStore
 from bamboo.membership.watched import WatchedKey
 
@@ -64,6 +66,24 @@ def test_lease_refreshes_go_over_one_stream_and_a_gone_lease_reads_zero(kv: Etcd
     assert kv.refresh_lease(leases[1]) > 0
 
 
+def test_refreshes_that_wait_for_a_batch_in_flight_go_out_together_in_the_next(kv: EtcdKV, wait_until) -> None:
+    leases = [kv.grant_lease(5) for _ in range(20)]
+    assert kv.refresh_lease(leases[0]) > 0
+    stream = kv._keepalive
+    ttls: list[int] = []
+    with stream._lock:  # a batch in flight: every caller meanwhile waits for the next one
+        threads = [threading.Thread(target=lambda lease=lease: ttls.append(kv.refresh_lease(lease)))
+                   for lease in leases]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(stream._waiting) == len(leases), timeout=20, message="every caller waiting")
+        batches = stream.batches
+    for thread in threads:
+        thread.join(30)
+    assert len(ttls) == 20 and all(ttl > 0 for ttl in ttls)
+    assert stream.batches == batches + 1  # twenty refreshes, one batch
+
+
 def test_a_watched_key_is_read_once_then_followed(kv: EtcdKV, job: str) -> None:
     key = f"/bamboo/{job}/decisions/end"
     kv.put(key, b"first")
@@ -85,16 +105,21 @@ def test_a_watched_key_is_read_once_then_followed(kv: EtcdKV, job: str) -> None:
 def test_a_detector_that_follows_no_node_reads_the_suspects_record_to_probe_it(store: MembershipStore) -> None:
     victim = store.register(NodeRecord(id="victim", address="127.0.0.1", agent_port=9, incarnation=1), ttl=5)
     detector = FailureDetector(store, "d1", lambda record, timeout: REFUSED, DetectorConfig(),
-                               watch_all_nodes=False)
+                               follow_membership=False)
     seen: list[NodeFailed] = []
     detector.subscribe(seen.append)
     detector.start(probe_loop=False)
     try:
-        assert not detector.following_nodes and detector.known_nodes() == {}
+        assert not detector.following and detector.known_nodes() == {}
         detector.report_peer_failure("victim", "send failed")
         detector.tick()
         assert [(e.node, e.path) for e in seen] == [("victim", "neighbour_report")]
         assert detector.probes_sent == 1
+        # a failure another detector confirmed is not watched for here: the follower (the coordinator) sees it
+        store.report_failure(FailureReport(node="elsewhere", epoch=0, detected_by="d2"))
+        detector.report_peer_failure("victim", "send failed again")  # already declared: nothing more
+        detector.tick()
+        assert [e.node for e in seen] == ["victim"] and detector.probes_sent == 1
     finally:
         detector.stop()
         victim.stop_keepalive()
@@ -111,18 +136,30 @@ def test_a_detector_that_starts_following_from_a_past_revision_declares_an_expir
     left.update(state=NodeState.NODE_STATE_LEFT)
     left.leave()
     detector = FailureDetector(store, "d1", lambda record, timeout: REFUSED, DetectorConfig(),
-                               watch_all_nodes=False)
+                               follow_membership=False)
     seen: list[NodeFailed] = []
     changed = threading.Event()
     detector.subscribe(seen.append)
     detector.subscribe_membership(changed.set)
     detector.start(probe_loop=False)
     try:
-        detector.follow_nodes(since_revision=since)
+        detector.follow_membership(since_revision=since)
         wait_until(lambda: seen, timeout=20, message="the expiry before the follow to be declared")
         assert [(e.node, e.path) for e in seen] == [("gone", "lease_expiry")]  # the one that left is no failure
-        assert changed.is_set() and detector.following_nodes
-        detector.unfollow_nodes()
-        assert not detector.following_nodes and detector.known_nodes() == {}
+        assert changed.is_set() and detector.following
+        detector.unfollow_membership()
+        assert not detector.following and detector.known_nodes() == {}
     finally:
         detector.stop()
+
+
+def test_a_connect_probe_tells_a_closed_port_from_an_open_one(store: MembershipStore) -> None:
+    agent = NodeAgent(store, "live", follow_membership=False).start()
+    try:
+        record = agent.record
+        alive = connect_probe(record, 1.0)
+        assert (alive.outcome, alive.incarnation) == (ProbeOutcome.ALIVE, record.incarnation)
+        agent.stop(leave=False, grace=0)  # vanishes as a crash would: the port closes first
+        assert connect_probe(record, 1.0).outcome is ProbeOutcome.REFUSED
+    finally:
+        agent.stop(leave=True, grace=0)

@@ -47,6 +47,7 @@ from bamboo.launch.notices import publish_failure_event, published_events
 from bamboo.launch.records import Leader, Preempted
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
+from bamboo.membership.probing import connect_probe
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
@@ -179,7 +180,8 @@ class Coordinator:
 
     It reads nothing per round that grows with the job: the leader key, the layout and the job's end are
     followed by watches (:class:`bamboo.membership.WatchedKey`), and while elected its detector follows
-    the node records (the one agent of the job that does), which is the membership it places and checks.
+    the membership (the one agent of the job that does: every node record and failure report), which is
+    what it places, checks and publishes.
     Rounds run when something changed (a failure confirmed, the membership, the layout, the leader key),
     and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S` in case a change was missed.
     """
@@ -219,9 +221,9 @@ class Coordinator:
     def start(self) -> Coordinator:
         from bamboo.membership import WatchedKey
 
-        if self.agent.detector is not None:
-            self.agent.detector.subscribe(lambda _event: self.wake())
-            self.agent.detector.subscribe_membership(self.wake)
+        if self.agent.detector is not None:  # only the elected one acts on these
+            self.agent.detector.subscribe(lambda _event: self.leader and self.wake())
+            self.agent.detector.subscribe_membership(lambda: self.leader and self.wake())
         self._leader_key = WatchedKey(self.membership.kv, self._key, on_change=self._on_leader_change)
         self._thread.start()
         return self
@@ -267,14 +269,14 @@ class Coordinator:
         return self.leader
 
     def _take_up(self) -> None:
-        """Elected: follow the node records (from when the last coordinator's key went, so that an expiry in
+        """Elected: follow the membership (from when the last coordinator's key went, so that an expiry in
         between is declared), the layout and the job's end."""
         from bamboo.membership import WatchedKey
 
         if self._layout_key is not None:
             return
         if self.agent.detector is not None:
-            self.agent.detector.follow_nodes(since_revision=self._vacated_at)
+            self.agent.detector.follow_membership(since_revision=self._vacated_at)
         self._layout_key = WatchedKey(self.membership.kv, self.membership.keys.layout, on_change=lambda _: self.wake())
         self._end_key = WatchedKey(self.membership.kv, self.membership.keys.decision("end"),
                                    on_change=lambda _: self.wake())
@@ -284,8 +286,8 @@ class Coordinator:
             if watched is not None:
                 watched.close()
         self._layout_key = self._end_key = None
-        if self.agent.detector is not None and hasattr(self.agent.detector, "unfollow_nodes"):
-            self.agent.detector.unfollow_nodes()
+        if self.agent.detector is not None:
+            self.agent.detector.unfollow_membership()
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -438,7 +440,8 @@ class Coordinator:
                 return reports
             swept = _sweep(layout, pending, reports, self.node)
             if self.agent.detector is not None and swept:  # kills that landed together: confirm them first
-                self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout")
+                self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
+                                              prober=connect_probe)  # a connect: it only looks for the dead
                 reports = self._failure_reports()
                 pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
             epoch = max(published, default=0) + 1

@@ -55,8 +55,11 @@ job's end, the membership and the failure reports are all watched, and a change 
 dead coordinator's lease is revoked, its key goes, and another agent takes over within milliseconds): this
 only bounds the effect of a missed wake-up, at no cost (the watched values are read without a request)."""
 
-AGENT_POLL_S = 0.1
-"""How often an agent checks its worker, its lease and the job's end."""
+AGENT_POLL_S = 1.0
+"""The longest an agent sleeps between two looks at its lease and its preemption deadline. Its worker's exit,
+the job's end and SIGTERM wake it at once (they are waited on, not polled), so an idle agent wakes once a
+second; a lease lost under it (the node was declared dead and is fenced) is acted on within this. Also how
+often a worker checks that its agent (its parent) is still there."""
 
 SPEC_WAIT_S = 600.0
 """How long an agent waits for another agent to write the job's spec (``--spec-timeout``)."""

@@ -209,8 +209,9 @@ class NodeAgent:
     and `tls` (with a `ca`: mutual TLS) authenticate callers; binding a
     non-loopback `host` with neither raises ValueError unless `insecure=True`. `membership` is the store
     fenced by this node's registration (after `start()`): every write the agent makes goes through it.
-    `watch_all_nodes=False` makes its detector read a node's record only when it probes it, instead of
-    watching every node record of the job (see `bamboo.membership.detector`: at scale, one agent follows).
+    `follow_membership=False` makes its detector read a node's record only when it probes it, instead of
+    watching every node record and failure report of the job (`bamboo.membership.detector`: at scale, one
+    agent follows).
     """
 
     def __init__(
@@ -233,7 +234,7 @@ class NodeAgent:
         notice_window: float = timeouts.NOTICE_WINDOW_S,
         stream_poll: float = timeouts.STREAM_POLL_S,
         max_workers: int = 8,
-        watch_all_nodes: bool = True,
+        follow_membership: bool = True,
     ) -> None:
         if token is not None and (not token or any(c.isspace() for c in token)):
             raise ValueError("NodeAgent: the job token must be a non-empty word without spaces")
@@ -267,7 +268,7 @@ class NodeAgent:
         self.detector: FailureDetector | None = None
         if run_detector:
             self.detector = FailureDetector(store, node_id, self.prober(), detector_config,
-                                            watch_all_nodes=watch_all_nodes)
+                                            follow_membership=follow_membership)
         self._subscribers: list[queue.Queue[pb.ClusterEvent | None]] = []
         self._notice_watch: WatchHandle | None = None
         self._stopping = threading.Event()

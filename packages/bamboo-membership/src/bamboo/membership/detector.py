@@ -29,15 +29,16 @@ lease-based view (`list_nodes`) without waiting for its TTL, and its fenced writ
 A detector whose own store is fenced (`store.fenced(registration)`) and whose node was declared dead
 writes nothing: its reports raise `FencedError`, which it logs and drops.
 
-**Following the node records, or not.** A detector made with `watch_all_nodes=True` (the default) lists
-every node record at start and watches them all: it sees every lease expire, and keeps every node's
-address at hand. That is one watch event per node change for each such detector, so a job of N agents
-that all followed would carry N x N events (a thousand agents registering: a million). So at scale only
-one agent follows (bamboo-launch's elected coordinator: `follow_nodes(since_revision)`, from the revision
-at which the previous coordinator's key went, so no expiry in between is missed); the others read the
-record of a node only when they must probe it (`MembershipStore.get_node`, one read per suspicion), and
-learn of lease expiries from the failure reports like everyone else. `subscribe_membership(listener)`
-calls `listener()` after each change of the node records this detector follows.
+**Following the membership, or not.** A detector made with `follow_membership=True` (the default) lists
+every node record at start and watches them all, and every failure report: it sees every lease expire,
+keeps every node's address at hand, and emits every failure, whoever confirmed it. That is one watch event
+per change for each such detector, so a job of N agents that all followed would carry N x N events (a
+thousand agents registering: a million). So at scale only one agent follows (bamboo-launch's elected
+coordinator: `follow_membership(since_revision)`, from the revision at which the previous coordinator's
+key went, so that no expiry in between is missed). The others read the record of a node only when they
+must probe it (`MembershipStore.get_node`, one read per suspicion), and emit only the failures they
+confirm themselves or find already reported when they write theirs (first writer wins).
+`subscribe_membership(listener)` calls `listener()` after each change of the node records followed.
 
 Time: all grace and probe scheduling reads the injected `clock` (monotonic seconds), so unit tests drive
 `tick()` with a fake clock and a fake prober; `start()` runs `tick()` on a background thread. Defaults
@@ -98,7 +99,7 @@ class FailureDetector:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        watch_all_nodes: bool = True,
+        follow_membership: bool = True,
     ) -> None:
         self.store = store
         self.detector_id = detector_id
@@ -116,8 +117,8 @@ class FailureDetector:
         self._listeners: list[Callable[[NodeFailed], None]] = []
         self._membership_listeners: list[Callable[[], None]] = []
         self._watches: list[WatchHandle] = []
-        self._node_watch: WatchHandle | None = None
-        self._watch_all_nodes = watch_all_nodes
+        self._following: list[WatchHandle] = []  # the watches of the node records and the failure reports
+        self._follow_at_start = follow_membership
         self.probes_sent = 0
         """Probes this detector has sent (suspects and sweeps), for the benchmarks."""
         self._epoch = 0
@@ -159,27 +160,30 @@ class FailureDetector:
             self._membership_listeners.append(listener)
 
     @property
-    def following_nodes(self) -> bool:
-        """Whether this detector watches every node record now."""
-        return self._node_watch is not None
+    def following(self) -> bool:
+        """Whether this detector follows the membership now (every node record and failure report)."""
+        return bool(self._following)
 
-    def follow_nodes(self, since_revision: int | None = None) -> None:
-        """Watch every node record from now on (a no-op when already following): list them, then watch from
-        `since_revision` (default: the revision of the list), so that a node whose lease expired since then is
-        declared too (its deletion is replayed)."""
-        if self._node_watch is not None:
+    def follow_membership(self, since_revision: int | None = None) -> None:
+        """Follow every node record and failure report from now on (a no-op when already following): list the
+        records and this epoch's reports, then watch from `since_revision` (default: the revision of the list),
+        so that a node whose lease expired since then is declared too (its deletion is replayed)."""
+        if self._following:
             return
         revision = self.store.kv.revision()
         records = self.store.list_nodes(skip_malformed=True)
         with self._lock:
             self._nodes.update(records)
         start = revision + 1 if since_revision is None else min(since_revision, revision + 1)
-        self._node_watch = self.store.watch_nodes(self._on_node_event, start_revision=start)
+        self._following = [self.store.watch_nodes(self._on_node_event, start_revision=start),
+                           self.store.watch_failures(self._on_failure_event, start_revision=revision + 1)]
+        for item in self.store.kv.get_prefix(self.store.keys.failures_in(self._epoch)):
+            self._on_failure_event(WatchEvent(EventKind.PUT, item.key, item.value, item.mod_revision))
 
-    def unfollow_nodes(self) -> None:
-        """Stop watching every node record (the records known so far are forgotten)."""
-        watch, self._node_watch = self._node_watch, None
-        if watch is not None:
+    def unfollow_membership(self) -> None:
+        """Stop following the membership (the records known so far are forgotten)."""
+        watches, self._following = self._following, []
+        for watch in watches:
             watch.cancel()
         with self._lock:
             self._nodes.clear()
@@ -188,7 +192,7 @@ class FailureDetector:
         """`node`'s record: the followed one, or read from etcd now (None: it has none, or etcd is unreachable)."""
         with self._lock:
             record = self._nodes.get(node)
-        if record is not None or self._node_watch is not None:
+        if record is not None or self._following:
             return record
         try:
             return self.store.get_node(node)
@@ -204,14 +208,17 @@ class FailureDetector:
         with self._lock:
             return dict(self._nodes)
 
-    def probe_all(self, nodes: Iterable[str], reason: str, *, max_parallel: int = 64) -> SweepResult:
+    def probe_all(self, nodes: Iterable[str], reason: str, *, max_parallel: int = 64,
+                  prober: Prober | None = None) -> SweepResult:
         """Probe `nodes` concurrently (one probe each, `probe_timeout`), and confirm the dead ones at once.
 
         Refused probes and answers from another incarnation are declared failed (path `probe_sweep`);
         nodes that answer are left alone; nodes whose probe times out become suspects (their grace period
         starts now), since slow is not dead. `reason` says why the sweep ran (it goes into the failure
-        reports). Returns what was found; blocks for about one probe timeout.
+        reports). `prober` replaces this detector's own for the sweep (e.g. `probing.connect_probe`, which
+        only looks for the dead). Returns what was found; blocks for about one probe timeout.
         """
+        probe = prober or self.prober
         if max_parallel < 1:
             raise ValueError(f"probe_all: max_parallel must be >= 1, got {max_parallel!r}")
         wanted = sorted(set(nodes))
@@ -226,7 +233,7 @@ class FailureDetector:
         if with_port:
             with futures.ThreadPoolExecutor(max_workers=min(max_parallel, len(with_port)),
                                             thread_name_prefix=f"bamboo-sweep-{self.detector_id}") as pool:
-                running = {n: pool.submit(self.prober, r, self.config.probe_timeout) for n, r in with_port.items()}
+                running = {n: pool.submit(probe, r, self.config.probe_timeout) for n, r in with_port.items()}
                 self.probes_sent += len(running)
                 for node, future in running.items():
                     try:
@@ -272,14 +279,14 @@ class FailureDetector:
             self._epoch = self.store.epoch()[0]
         except MalformedValueError as exc:
             log.error("%s; declaring failures in epoch 0", exc)
-        if self._watch_all_nodes:
+        self._watches.append(self.store.watch_epoch(self._on_epoch, start_revision=revision + 1))
+        if self._follow_at_start:
             for record in self.store.list_nodes(skip_malformed=True).values():
                 self._nodes[record.id] = record
-            self._node_watch = self.store.watch_nodes(self._on_node_event, start_revision=revision + 1)
-        self._watches.append(self.store.watch_epoch(self._on_epoch, start_revision=revision + 1))
-        self._watches.append(self.store.watch_failures(self._on_failure_event, start_revision=revision + 1))
-        for item in kv.get_prefix(self.store.keys.failures_in(self._epoch)):
-            self._on_failure_event(WatchEvent(EventKind.PUT, item.key, item.value, item.mod_revision))
+            self._following = [self.store.watch_nodes(self._on_node_event, start_revision=revision + 1),
+                               self.store.watch_failures(self._on_failure_event, start_revision=revision + 1)]
+            for item in kv.get_prefix(self.store.keys.failures_in(self._epoch)):
+                self._on_failure_event(WatchEvent(EventKind.PUT, item.key, item.value, item.mod_revision))
         if probe_loop:
             self._thread = threading.Thread(target=self._loop, name=f"bamboo-detector-{self.detector_id}",
                                             daemon=True)
@@ -293,7 +300,7 @@ class FailureDetector:
         for watch in self._watches:
             watch.cancel()
         self._watches.clear()
-        self.unfollow_nodes()
+        self.unfollow_membership()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)
 

@@ -357,11 +357,13 @@ class EtcdKV:
     # -- watches ---------------------------------------------------------------------------------
 
     def watch_prefix(
-        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None
+        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None, *,
+        snapshot: list[KeyValue] | None = None,
     ) -> PrefixWatch:
         """Watch `prefix` (see `PrefixWatch`). Raises `StoreUnavailableError` if the watch cannot be set up
-        within `options.watch_start_timeout`."""
-        watch = PrefixWatch(self, prefix, callback, start_revision)
+        within `options.watch_start_timeout`. `snapshot`, with `start_revision`, is what the caller read of the
+        prefix at `start_revision - 1` (`range_at`): the watch then does not read it again."""
+        watch = PrefixWatch(self, prefix, callback, start_revision, snapshot=snapshot)
         watch.start()
         return watch
 

@@ -77,58 +77,103 @@ class Deadline:
                 action()
 
 
+class _Refresh:
+    """One caller's refresh, waiting for its batch."""
+
+    def __init__(self, lease_id: int) -> None:
+        self.lease_id = lease_id
+        self.done = threading.Event()
+        self.ttl = 0
+        self.error: BaseException | None = None
+
+
 class KeepAliveStream:
     """Every lease refresh of one `EtcdKV` on one long-lived `LeaseKeepAlive` stream.
 
-    Refreshes are sent one at a time (a lock), each answered before the next is sent; a refresh that gets no
-    answer within the RPC timeout cancels the stream and raises `StoreUnavailableError`. A stream that broke
-    since its last use (etcd restarted) is reopened once, at once, before the error is raised.
+    Refreshes are sent in batches: a caller that finds no batch in flight sends every refresh waiting at that
+    moment (its own and those of the other threads of the process, e.g. many agents sharing one client), then
+    reads one answer for each and hands each caller the answer for its lease; callers that come meanwhile wait
+    for the next batch. A batch that gets no answer within the RPC timeout cancels the stream and raises
+    `StoreUnavailableError` to its callers. A stream that broke since its last use (etcd restarted) is
+    reopened once, at once, before the error is raised.
     """
 
     def __init__(self, kv: EtcdConnection) -> None:
         self._kv = kv
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one batch at a time
+        self._waiting_lock = threading.Lock()
+        self._waiting: list[_Refresh] = []
         self._client: Any = None
         self._call: Any = None
         self._requests: queue.Queue[Any] | None = None
         self._deadline: Deadline | None = None
         self.streams = 0
         """How many streams were opened (1 while etcd stays up)."""
+        self.batches = 0
+        """How many batches were sent."""
 
     def refresh(self, lease_id: int) -> int:
         """Refresh `lease_id`; its remaining TTL in seconds, 0 when it is gone. Raises `grpc.RpcError`
-        (the caller translates it) when etcd does not answer."""
+        (the caller translates it) or `StoreUnavailableError` when etcd does not answer."""
+        mine = _Refresh(lease_id)
+        with self._waiting_lock:
+            self._waiting.append(mine)
         with self._lock:
-            for attempt in (0, 1):
-                fresh = self._call is None or self._client is not self._kv.client
-                if fresh:
-                    self._open()
-                timed_out = threading.Event()
-                call = self._call
-
-                def expire(call: Any = call, timed_out: threading.Event = timed_out) -> None:
-                    timed_out.set()
-                    call.cancel()
-
-                assert self._requests is not None and self._deadline is not None
-                self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
-                self._deadline.arm(self._kv.options.timeout, expire)
+            if not mine.done.is_set():
+                with self._waiting_lock:
+                    batch, self._waiting = self._waiting, []
                 try:
-                    response = next(call)
-                except (grpc.RpcError, StopIteration) as exc:
-                    self._drop()
-                    if timed_out.is_set():
-                        raise StoreUnavailableError(
-                            f"etcd at {self._kv.where} did not answer a lease refresh within "
-                            f"{self._kv.options.timeout} s") from exc
-                    if attempt == 0 and not fresh:
-                        continue  # the stream broke while idle (etcd restarted): one fresh try
-                    if isinstance(exc, StopIteration):
-                        raise StoreUnavailableError(f"etcd at {self._kv.where} ended the keepalive stream") from None
+                    answers = self._send(batch)
+                except BaseException as error:
+                    for waiter in batch:
+                        waiter.error = error
+                        waiter.done.set()
                     raise
-                finally:
-                    self._deadline.disarm()
-                return max(0, int(response.TTL))
+                for waiter in batch:
+                    waiter.ttl = answers.get(waiter.lease_id, 0)
+                    waiter.done.set()
+        if mine.error is not None:
+            raise mine.error
+        return mine.ttl
+
+    def _send(self, batch: list[_Refresh]) -> dict[int, int]:
+        """Send one refresh per lease of `batch` and read the answers: lease id -> remaining TTL (0: gone)."""
+        leases = list(dict.fromkeys(waiter.lease_id for waiter in batch))
+        for attempt in (0, 1):
+            fresh = self._call is None or self._client is not self._kv.client
+            if fresh:
+                self._open()
+            timed_out = threading.Event()
+            call = self._call
+
+            def expire(call: Any = call, timed_out: threading.Event = timed_out) -> None:
+                timed_out.set()
+                call.cancel()
+
+            assert self._requests is not None and self._deadline is not None
+            for lease in leases:
+                self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease))
+            self.batches += 1
+            self._deadline.arm(self._kv.options.timeout, expire)
+            answers: dict[int, int] = {}
+            try:
+                while not answers.keys() >= set(leases):
+                    response = next(call)
+                    answers[int(response.ID)] = max(0, int(response.TTL))
+            except (grpc.RpcError, StopIteration) as exc:
+                self._drop()
+                if timed_out.is_set():
+                    raise StoreUnavailableError(
+                        f"etcd at {self._kv.where} did not answer a lease refresh within "
+                        f"{self._kv.options.timeout} s") from exc
+                if attempt == 0 and not fresh:
+                    continue  # the stream broke while idle (etcd restarted): one fresh try
+                if isinstance(exc, StopIteration):
+                    raise StoreUnavailableError(f"etcd at {self._kv.where} ended the keepalive stream") from None
+                raise
+            finally:
+                self._deadline.disarm()
+            return answers
         raise AssertionError("unreachable")
 
     def _open(self) -> None:

@@ -6,9 +6,10 @@ any number of watches on a stream, each answered under its own watch id. An agen
 stream and one reading thread however many keys it watches; one stream per watch cost each agent a
 thread that gRPC wakes ten times a second, and etcd one stream per watch.
 
-- **Creation.** Creations are sent one at a time and matched to etcd's `created` answers in order (etcd
-  answers the creations of a stream in the order they were sent). A creation that gets no answer within
-  the RPC timeout counts in the watch's `create_timeouts` and breaks the stream, which is then re-created.
+- **Creation.** Creations are sent as they come, without waiting for the answers to the earlier ones, and
+  matched to etcd's `created` answers in order (etcd answers the creations of a stream in the order it
+  received them, one answer each, a refused one included). A creation that gets no answer within the RPC
+  timeout counts in the watch's `create_timeouts` and breaks the stream, which is then re-created.
 - **Resume.** When the stream breaks (etcd restarted, the network cut, a creation unanswered), every
   watch is created again on a new stream from the revision after the last one it delivered, so nothing
   is lost or delivered twice.
@@ -70,7 +71,7 @@ class WatchStream:
         self._active: list[PrefixWatch] = []  # the watches that want a server-side watch now
         self._by_id: dict[int, PrefixWatch] = {}  # created on the current stream, by etcd's watch id
         self._to_create: collections.deque[PrefixWatch] = collections.deque()
-        self._creating: PrefixWatch | None = None
+        self._creating: collections.deque[PrefixWatch] = collections.deque()  # sent, not yet answered
         self._requests: queue.Queue[Any] | None = None
         self._call: Any = None
         self._thread: threading.Thread | None = None
@@ -87,7 +88,7 @@ class WatchStream:
                 return
             if watch not in self._active:
                 self._active.append(watch)
-            pending = watch in self._to_create or watch is self._creating or watch in self._by_id.values()
+            pending = watch in self._to_create or watch in self._creating or watch in self._by_id.values()
             if self._requests is not None and not pending:
                 self._to_create.append(watch)
                 self._send_next_create()
@@ -131,18 +132,28 @@ class WatchStream:
     # -- the stream -----------------------------------------------------------------------------
 
     def _send_next_create(self) -> None:
-        """Send the next creation, when none is awaiting its answer (called with the lock held)."""
-        if self._creating is not None or not self._to_create or self._requests is None:
+        """Send every creation waiting to be sent (called with the lock held); the oldest one awaiting its
+        answer is the one the deadline watches."""
+        if self._requests is None:
             return
-        watch = self._to_create.popleft()
-        self._creating = watch
-        self._requests.put(watch.create_request())
+        while self._to_create:
+            watch = self._to_create.popleft()
+            self._creating.append(watch)
+            self._requests.put(watch.create_request())
+        self._arm()
+
+    def _arm(self) -> None:
+        """Watch the oldest creation in flight for its answer (called with the lock held)."""
         assert self._deadline is not None
-        self._deadline.arm(self._kv.options.timeout, lambda call=self._call, w=watch: self._create_timed_out(call, w))
+        if not self._creating:
+            self._deadline.disarm()
+            return
+        head = self._creating[0]
+        self._deadline.arm(self._kv.options.timeout, lambda call=self._call, w=head: self._create_timed_out(call, w))
 
     def _create_timed_out(self, call: Any, watch: PrefixWatch) -> None:
         with self._cond:
-            if self._call is not call or self._creating is not watch:
+            if self._call is not call or not self._creating or self._creating[0] is not watch:
                 return
             watch.create_timeouts += 1
             watch.last_error = f"no answer to the watch request within {self._kv.options.timeout} s"
@@ -157,7 +168,7 @@ class WatchStream:
         with self._cond:
             self._requests, self._call = requests, call
             self._to_create = collections.deque(self._active)
-            self._creating = None
+            self._creating = collections.deque()
             self._send_next_create()
         self.streams += 1
         return call
@@ -192,7 +203,7 @@ class WatchStream:
             if self._requests is not None:
                 self._requests.put(None)
             affected = list(self._active)
-            self._requests, self._call, self._creating = None, None, None
+            self._requests, self._call, self._creating = None, None, collections.deque()
             self._by_id.clear()
             self._to_create.clear()
         for watch in affected:
@@ -204,9 +215,8 @@ class WatchStream:
         watch_id = int(response.watch_id)
         if response.created:
             with self._cond:
-                watch, self._creating = self._creating, None
-                if self._deadline is not None:
-                    self._deadline.disarm()
+                watch = self._creating.popleft() if self._creating else None
+                self._arm()
                 failed = bool(response.canceled) or watch_id < 0
                 if watch is not None and not failed:
                     if watch in self._active:
@@ -217,7 +227,6 @@ class WatchStream:
                         watch = None
                 elif watch is not None and watch in self._active:
                     self._active.remove(watch)  # it asks again once it has handled the refusal
-                self._send_next_create()
             if watch is not None:
                 watch.post(("canceled", response.cancel_reason) if failed else ("created",))
             if not response.events and not response.compact_revision:
@@ -247,8 +256,12 @@ class PrefixWatch:
     """
 
     def __init__(
-        self, kv: EtcdConnection, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None
+        self, kv: EtcdConnection, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None,
+        *, snapshot: list[KeyValue] | None = None,
     ) -> None:
+        if snapshot is not None and start_revision is None:
+            raise ValueError(f"watch of {prefix}: a snapshot goes with the revision after it (start_revision)")
+        self._given = snapshot
         self._kv = kv
         self.prefix = prefix
         self._range_end = etcd_utils.prefix_range_end(prefix.encode())
@@ -298,6 +311,10 @@ class PrefixWatch:
         )
 
     def _load_snapshot(self) -> None:
+        if self._given is not None and self._start_revision is not None:
+            self._snapshot = {kv.key: kv for kv in self._given}
+            self._next_revision = self._start_revision
+            return
         if self._start_revision is None:
             kvs, revision = self._kv.range_at(self.prefix)
             self._snapshot = {kv.key: kv for kv in kvs}

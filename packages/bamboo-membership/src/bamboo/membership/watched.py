@@ -35,9 +35,11 @@ class WatchedKey:
         if range_at is not None:
             found, revision = range_at(key)
             self._value = next((item for item in found if item.key == key), None)
-        else:
-            revision = kv.revision()
-            self._value = kv.get(key)
+            self.revision = revision
+            self._watch = kv.watch_prefix(key, self._on_event, start_revision=revision + 1, snapshot=found)
+            return
+        revision = kv.revision()
+        self._value = kv.get(key)
         self.revision = revision
         # A change between the revision and the read comes again through the watch: the last one wins.
         self._watch = kv.watch_prefix(key, self._on_event, start_revision=revision + 1)

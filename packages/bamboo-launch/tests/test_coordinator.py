@@ -22,7 +22,7 @@ from bamboo.launch.coordinator import (
     restart_layout,
     steps_reached,
 )
-from bamboo.launch.events import Checkpoint, Step
+from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.records import JobEnd, read_record
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
@@ -200,10 +200,32 @@ def test_a_layout_nobody_holds_ends_the_job_without_a_checkpoint(membership: Mem
     coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
     layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})  # none of them registered
     membership.put_layout(layout.to_dict(), 0)
+    log = EtcdEventLog(membership.kv, spec.job, "n3.worker.1", spec.created_unix)
+    log.write(Step(t=5.0, step=3, samples=8, loss=1.0, nodes_active=4, duration_s=0.1, generation=0))
+    assert log.flush()  # it trained: its state is lost with its nodes
     coordinator.round()
     end = read_record(JobEnd, membership.get_decision("end"))
     assert end is not None and end.error is not None
     assert "every node of generation 0 is gone" in end.error and "writes no checkpoints" in end.error
+
+
+def test_a_layout_that_trained_nothing_and_nobody_holds_is_started_again_on_warm_nodes(
+    membership: MembershipStore,
+) -> None:
+    spec = _spec(membership.keys.job)
+    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})  # lost while it started
+    membership.put_layout(layout.to_dict(), 0)
+    coordinator.round()
+    assert membership.get_decision("end") is None and read_layout(membership) == layout  # nothing lost: it waits
+    for node, zone in (("s9", "a"), ("w1", "b"), ("w2", "c"), ("w3", "a")):
+        if node != "s9":
+            FakeAgent(membership, node, zone)
+        membership.decide(f"warm-{node}", {"node": node, "at": 1.0})
+    coordinator.round()
+    redo = read_layout(membership)
+    assert redo is not None and redo.generation == 1 and sorted(redo.ranks) == ["s9", "w1", "w2", "w3"]
+    assert redo.reason == "a node lost before the first step" and membership.get_decision("end") is None
 
 
 def test_restart_layout_restores_every_stage_on_the_warm_nodes(tmp_path: Path) -> None:

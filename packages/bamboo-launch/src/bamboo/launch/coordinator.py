@@ -25,9 +25,10 @@ carries on where the old one stopped. Its duties:
   on standby for a reconfiguration.
 - **A layout nobody holds any more.** The workers themselves move from one layout to the next at a
   barrier. When every node of the current layout (its owners and the holders it came from) is gone, no
-  worker is left to do it: the coordinator then writes the next generation itself, restarting every
-  stage from the newest good checkpoint on the warm standby nodes (as soon as they can form a pipeline),
-  or, without a checkpoint, ends the job with the error.
+  worker is left to do it: the coordinator then writes the next generation itself: when the layout
+  trained no step (its nodes were lost while it started), it redoes its start on the warm standby nodes
+  (nothing is lost); otherwise it restarts every stage from the newest good checkpoint on them (as soon
+  as they can form a pipeline), or, without a checkpoint, ends the job with the error.
 
 Every write goes through the agent's fenced store: a coordinator that was declared dead (its lease is
 gone) cannot write anything more.
@@ -365,6 +366,15 @@ class Coordinator:
         registered = self._registered()
         if any(node in registered for node in (*layout.ranks, *layout.survivors)):
             return
+        if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
+            zones = {**layout.zones, **{n: r.zone for n, r in registered.items()}}
+            redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
+            current = self._layout_key.value if self._layout_key is not None else None
+            if redo is not None and current is not None and self.membership.put_layout(
+                    redo.to_dict(), current.mod_revision) is not None:
+                self.say(f"every node of generation {layout.generation} is gone before its first step: its start "
+                         f"is redone on {', '.join(redo.ranks)}")
+            return  # (or not enough warm nodes for one pipeline yet: wait for more)
         stages = list(range(self.spec.stages))
         try:
             step, path = restore_point(self.spec.checkpoint_dir, self.spec.stages, stages)
@@ -383,6 +393,16 @@ class Coordinator:
         if current is not None and self.membership.put_layout(restart.to_dict(), current.mod_revision) is not None:
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
+
+    def _trained_none(self, layout: Any) -> bool:
+        """Whether ``layout`` trained no step (its event log has no step record of it); False when unknown."""
+        from bamboo.launch.events import EventLogError, read_etcd_events
+
+        try:
+            events = read_etcd_events(self.membership.kv, self.spec.job)
+        except (EventLogError, StoreError):
+            return False
+        return steps_reached(events, layout, self.spec.created_unix) <= layout.start_step
 
     def _steps_reached(self, lost: Any) -> int:
         """:func:`steps_reached` from the job's event log in etcd (``lost.start_step`` if it cannot be read:

@@ -34,6 +34,7 @@ CLUSTER_TESTS = (
     "packages/bamboo-launch/tests/test_hooks.py",
     "packages/bamboo-launch/tests/test_manifests_run.py",
     "packages/bamboo-launch/tests/test_script_e2e.py",
+    "tests/test_bench_scale.py",
 )
 
 

@@ -180,11 +180,20 @@ class Run:
         result: dict[str, Any] = {"agents": n, "processes": len(groups), "agents_per_process": args.per_process,
                                   "stages": self.stages, "pipelines": self.pipelines, "step_s": args.step_s}
         result.update(self._startup())
+        if not any(rank is not None for rank in self.layout_ranks.values()):
+            raise RuntimeError(f"no node read a first layout within {self.args.deadline_s * 4:g} s; "
+                               f"{len(self.store.failures(0))} nodes were declared dead meanwhile, e.g. "
+                               f"{next(iter(self.store.failures(0).values()), None)}")
         time.sleep(args.settle_s)
         result.update(self._steady())
         result.update(self._failures())
         result.update(self._reconfiguration())
         result.update(self._database(result["revisions_per_hour"]))
+        killed = set(getattr(self, "dead", set()))
+        false = [r for r in self.store.failures(0).values() if r.node not in killed]
+        result["false_failures"] = len(false)  # nodes declared dead that the benchmark did not kill
+        if false:
+            self.say(f"{len(false)} live nodes were declared dead, e.g. {false[0].node}: {false[0].reason}")
         result["lost_events"] = self.lost
         result["crashes"] = len(self.hosts.select("error")) + sum(
             1 for e in self.hosts.select("exited") if e["code"] != 0)

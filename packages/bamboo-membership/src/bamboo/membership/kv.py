@@ -141,9 +141,11 @@ class EtcdKV:
         opts = self.options
         backoff_ms = int(opts.reconnect_backoff_max * 1000)
         first_ms = min(int(opts.reconnect_backoff_min * 1000), backoff_ms)
+        # Not grpc.min_reconnect_backoff_ms: gRPC also takes it as the deadline of one connection attempt, and
+        # at 0.1 s a loaded etcd that answers its HTTP/2 handshake later fails every connection ("connection
+        # attempt timed out before receiving SETTINGS frame"); the attempt keeps gRPC's own 20 s bound.
         grpc_options = [
             ("grpc.initial_reconnect_backoff_ms", first_ms),
-            ("grpc.min_reconnect_backoff_ms", first_ms),
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
         ]
         creds = None

@@ -5,7 +5,8 @@ Eager FRC runs the successor's forward on the shadow in the bubbles. While it ru
 (stage, microbatch) of that FRC. The schedule's `SO` (:meth:`FrcStash.swap_out`) then moves those
 tensors into the separate swap store:
 - on CUDA, into pinned host memory, copied on a side stream;
-- on CPU, as a copy into the store (the live activation is released).
+- on CPU, as the tensor itself: it is already in host memory, so the store keeps a reference and nothing is
+  copied (autograd never changes a saved tensor in place).
 
 `SI` (:meth:`FrcStash.swap_in`) brings them back to the device before BRC. The bytes in the store
 are accounted, now and at the peak. The replica's own weights are never stashed: they stay
@@ -84,13 +85,17 @@ class FrcStash:
             yield
 
     def put_input(self, key: Key, tensor: torch.Tensor) -> None:
-        """lflb: stash only the replica's input (a copy) for a later FRC."""
-        copy = tensor.detach().to("cpu", copy=True)
-        self.inputs[key] = copy
-        self._account(key, copy)
+        """lflb: stash only the replica's input for a later FRC (a host copy of a device tensor; a host tensor as
+        it is, since nothing writes into a forward's output)."""
+        kept = tensor.detach()
+        if kept.device.type != "cpu":
+            kept = kept.to("cpu", copy=True)
+        self.inputs[key] = kept
+        self._account(key, kept)
 
     def swap_out(self, key: Key) -> None:
-        """Move the saved tensors of `key` into the swap store (a copy; the live ones are released)."""
+        """Move the saved tensors of `key` into the swap store (a copy of a device tensor, released on the device;
+        a host tensor as it is)."""
         live = self._live.pop(key, [])
         stored = []
         for tensor in live:
@@ -104,7 +109,7 @@ class FrcStash:
                     copy.copy_(tensor, non_blocking=True)
                     tensor.record_stream(stream)  # type: ignore[arg-type]
             else:
-                copy = tensor.detach().clone()
+                copy = tensor.detach()
             stored.append(copy)
             self._account(key, copy)
         self._stored[key] = stored

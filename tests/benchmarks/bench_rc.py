@@ -8,11 +8,17 @@ for M of 4 and 8, as:
 1. DeepSpeed's `PipelineEngine` (the baseline; gloo on CPU);
 2. bamboo `none`, 3. `lflb`, 4. `eflb`, 5. `efeb`.
 
-Every variant is two forked worker processes (one per stage, one intra-op thread each, so each
-stage owns a core of this 2-core machine and the bubbles are real idle time). The variants run
-interleaved, `--repeats` times, and each prints the median time per iteration, its overhead
-against (1) measured in the same run, the FRC stash bytes, the peak RSS of its workers, and, for
-bamboo, where the time went per instruction kind (FRC compute, stash copies, sync).
+Every variant is two forked worker processes (one per stage, one intra-op thread each, each pinned to its own
+core with `--pin`, the default: what a GPU per node gives, and the bubbles are real idle time). The variants run
+interleaved, `--repeats` times, and each prints the median time per iteration, its overhead against (1) measured
+in the same run, the FRC stash bytes, the peak RSS of its workers, and, for bamboo, where the time went per
+instruction kind (FRC compute, stash copies, sync, the commit) and what the step spent outside every instruction
+(the interpreter's own time: the loop, the data, the hooks).
+
+Then the simulator's prediction: the per-instruction costs measured in this run (each stage's forward, backward
+and FRC per microbatch, a message, the replica sync, the commit) become a `bamboo.schedule.Costs`, and each mode's
+schedule (the one the runtime ran) is simulated with them: the predicted time per iteration against the measured
+one, and `overhead_bound_pct`, the least overhead any placement of that mode's redundant work could have had.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter, stdlib_corpus
 from bamboo.rc.engine import initialize
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.worker import exact_mode
+from bamboo.schedule import Costs, StageCost, one_f_one_b, simulate
 from torch.distributed import TCPStore
 
 VARIANTS = ("deepspeed", "none", "lflb", "eflb", "efeb")
@@ -81,12 +88,43 @@ def _deepspeed_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any
     return {"times": times, "stash": 0, "rss": _peak_rss_mib(), "kinds": {}}
 
 
+def _link_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The link between the two pinned workers: the round trip of an empty message and of one activation."""
+    from bamboo.rc.comm import build_gloo_group
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    group = build_gloo_group(store, "probe", rank, 2, 60.0)
+    activation = torch.ones(config["train_micro_batch_size_per_gpu"], size.sequence, size.width)
+    empty = torch.ones(1)
+    result = {}
+    for name, tensor in (("latency_ms", empty), ("activation_ms", activation)):
+        rounds = []
+        for _ in range(steps * 4 + 2):
+            started = time.perf_counter()
+            if rank == 0:
+                group.send([tensor], 1, 0).wait()
+                group.recv([tensor], 1, 0).wait()
+            else:
+                group.recv([tensor], 0, 0).wait()
+                group.send([tensor], 0, 0).wait()
+            rounds.append((time.perf_counter() - started) / 2)
+        result[name] = statistics.median(rounds[2:]) * 1e3
+    result["activation_mb"] = activation.numel() * activation.element_size() / 2**20
+    return {"times": [0.0], "stash": 0, "rss": _peak_rss_mib(), "kinds": {}, "link": result}
+
+
 def _uniform_bounds(layer_count: int, stages: int) -> tuple[tuple[int, int], ...]:
     """DeepSpeed's "uniform" partition as stage bounds, so both engines run the very same layers per stage."""
     from deepspeed.runtime.utils import partition_uniform
 
     parts = partition_uniform(layer_count, stages)
     return tuple(itertools.pairwise(parts))
+
+
+def _pin(rank: int) -> None:
+    """This worker on its own core (rank modulo the cores), as a GPU per node would give it its own device."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
 def _bamboo_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int, mode: str) -> dict[str, Any]:
@@ -106,11 +144,14 @@ def _bamboo_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], 
         times.append(time.perf_counter() - started)
     engine.finish()
     kinds = {kind: seconds / max(1, steps - 1) for kind, seconds in engine.executor.kind_seconds.items()}
+    counts: dict[str, int] = {}
+    for instruction in engine.executor.schedule.streams[engine.executor.node]:
+        counts[instruction.kind.value] = counts.get(instruction.kind.value, 0) + 1
     return {"times": times, "stash": engine.executor.stash.peak_bytes, "rss": _peak_rss_mib(), "kinds": kinds,
-            "sync_bytes": engine.executor.sync_bytes / steps}
+            "counts": counts, "sync_bytes": engine.executor.sync_bytes / steps}
 
 
-def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int, pin: bool = True) -> list[dict[str, Any]]:
     """Fork the two workers of one variant; returns their reports."""
     with tempfile.TemporaryDirectory(prefix="bamboo-bench-") as out:
         # Fork before the store (and its thread) exists; the workers read the port from a pipe.
@@ -124,8 +165,12 @@ def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int)
                     os.close(port_writer)
                     port = int.from_bytes(os.read(port_reader, 8), "little")
                     exact_mode()
+                    if pin:
+                        _pin(rank)
                     if variant == "deepspeed":
                         report = _deepspeed_worker(rank, port, size, config, steps)
+                    elif variant == "link":
+                        report = _link_worker(rank, port, size, config, steps)
                     else:
                         report = _bamboo_worker(rank, port, size, config, steps, variant)
                     Path(out, f"{rank}.json").write_text(json.dumps(report))
@@ -157,6 +202,89 @@ def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int)
         return [json.loads(Path(out, f"{rank}.json").read_text()) for rank in range(2)]
 
 
+def _per_instruction_ms(worker: dict[str, Any], kind: str) -> float:
+    """The mean time (ms) of one `kind` instruction of a step on this worker."""
+    count = worker["counts"].get(kind, 0)
+    return worker["kinds"].get(kind, 0.0) * 1e3 / count if count else 0.0
+
+
+def measured_costs(reports: dict[str, list[dict[str, Any]]], link: dict[str, float]) -> Costs:
+    """The cost model of this run: each stage's forward, backward and commit from `none`'s workers (stage s runs on
+    rank s), each stage's FRC from `eflb`'s shadow of it, the messages from the link probe, the replica sync's
+    transfer from its bytes at the probe's bandwidth. D = 1: the all-reduce takes nothing."""
+    none = reports["none"]
+    eflb = reports.get("eflb")
+    link_mb_per_ms = link["activation_mb"] / max(link["activation_ms"] - link["latency_ms"], 1e-6)
+    stages = []
+    for s in (0, 1):
+        frc = _per_instruction_ms(eflb[(s - 1) % 2], "FR") if eflb else None
+        sync_mb = (eflb or none)[s].get("sync_bytes", 0.0) / 2**20
+        stages.append(StageCost(
+            forward_ms=_per_instruction_ms(none[s], "F"), backward_ms=_per_instruction_ms(none[s], "B"),
+            frc_ms=frc or None, optimizer_ms=none[s]["kinds"].get("commit", 0.0) * 1e3,
+            activation_mb=link["activation_mb"], stash_mb=0.0, grad_mb=sync_mb, allreduce_ms=0.0,
+        ))
+    return Costs(default=stages[0], stages=tuple(stages), latency_ms=link["latency_ms"],
+                 link_gb_per_s=link_mb_per_ms)
+
+
+def predictions(costs: Costs, microbatches: int, variants: list[str]) -> dict[str, dict[str, float]]:
+    """Each bamboo variant's simulated time per iteration (the schedule the runtime ran: unit-cost placement) and
+    the least overhead its redundancy could have (`overhead_bound_pct`), for the measured costs."""
+    out = {}
+    for variant in variants:
+        if variant in ("deepspeed", "link"):
+            continue
+        result = simulate(one_f_one_b(2, microbatches, variant), costs)
+        out[variant] = {"ms_per_iteration": result.makespan, "overhead_bound_pct": result.overhead_bound_pct or 0.0}
+    return out
+
+
+def _report_variant(variant: str, workers_by_repeat: list[list[dict[str, Any]]], samples: list[float],
+                    base_ms: float | None, predicted: dict[str, float] | None) -> dict[str, Any]:
+    """One row: measured, predicted, overhead; where the time went (the slower worker per kind)."""
+    ms = statistics.median(samples) * 1e3
+    last = workers_by_repeat[-1]
+    kinds: dict[str, float] = {}
+    for worker in last:
+        for kind, seconds in worker["kinds"].items():
+            kinds[kind] = max(kinds.get(kind, 0.0), seconds * 1e3)
+    instructions = sum(v for k, v in kinds.items() if k not in ("commit", "replica_step"))
+    own = max(0.0, ms - instructions - kinds.get("commit", 0.0))
+    sync = kinds.get("SY", 0.0) + kinds.get("RY", 0.0) + kinds.get("replica_step", 0.0)
+    row = {"ms_per_iteration": ms, "samples_ms": [x * 1e3 for x in samples],
+           "overhead_vs_deepspeed_pct": (ms / base_ms - 1) * 100 if base_ms else None,
+           "stash_bytes": max(w["stash"] for w in last), "peak_rss_mib": max(w["rss"] for w in last),
+           "frc_ms": kinds.get("FR", 0.0), "swap_ms": kinds.get("SO", 0.0) + kinds.get("SI", 0.0),
+           "brc_ms": kinds.get("BR", 0.0), "sync_ms": sync, "commit_ms": kinds.get("commit", 0.0),
+           "interpreter_own_ms": own, "kind_ms": kinds}
+    if predicted is not None:
+        row["predicted_ms"] = predicted["ms_per_iteration"]
+        row["prediction_error_pct"] = (predicted["ms_per_iteration"] / ms - 1) * 100
+        row["overhead_bound_pct"] = predicted["overhead_bound_pct"]
+    return row
+
+
+def _print_table(m: int, rows: dict[str, dict[str, Any]]) -> None:
+    print(f"\nM={m}: time per iteration (median of repeats), overhead vs DeepSpeed PipelineEngine, simulator")
+    print(f"{'variant':<10} {'ms/iter':>8} {'vs DS':>7} {'sim ms':>7} {'sim err':>8} {'bound':>6} {'stash MiB':>9} "
+          f"{'FR':>6} {'SO+SI':>6} {'BR':>6} {'sync':>6} {'commit':>7} {'own':>6}")
+    for variant, row in rows.items():
+        versus = row["overhead_vs_deepspeed_pct"]
+        cells = [f"{row['ms_per_iteration']:>8.1f}", f"{versus:>+6.1f}%" if versus is not None else f"{'n/a':>7}"]
+        if "predicted_ms" in row:
+            cells += [f"{row['predicted_ms']:>7.1f}", f"{row['prediction_error_pct']:>+7.1f}%",
+                      f"{row['overhead_bound_pct']:>5.1f}%"]
+        else:
+            cells += [f"{'-':>7}", f"{'-':>8}", f"{'-':>6}"]
+        print(f"{variant:<10} {' '.join(cells)} {row['stash_bytes'] / 2**20:>9.2f} {row['frc_ms']:>6.1f} "
+              f"{row['swap_ms']:>6.1f} {row['brc_ms']:>6.1f} {row['sync_ms']:>6.1f} {row['commit_ms']:>7.1f} "
+              f"{row['interpreter_own_ms']:>6.1f}")
+    print("(ms per iteration; FR..commit: the slower worker's time in those instructions; own: the step's time "
+          "outside every instruction and the commit; bound: the least overhead that mode's redundancy could add "
+          "over `none` for the costs measured here)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8], help="values of M (default 4 8)")
@@ -168,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence", type=int, default=128, help="bytes per sample (default 128)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="samples per microbatch (default 4)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                        help="variants to run; deepspeed must be among them for the ratios (default all)")
+                        help="variants to run; deepspeed must be among them for the ratios, none (and eflb) for "
+                        "the simulator's costs (default all)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin each worker to its own core (default on)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.repeats < 1:
@@ -178,42 +309,32 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed  # noqa: F401  (imported once here, inherited by the forked workers)
 
     print(f"model {size}, micro batch {args.micro_batch_size}, P=2 D=1, {args.steps} steps "
-          f"(first is warm-up) x {args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} CPUs")
-    results: dict[str, Any] = {}
+          f"(first is warm-up) x {args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"{'each worker pinned to its own core' if args.pin else 'unpinned'}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    results: dict[str, Any] = {"load_average": os.getloadavg()[0], "pinned": args.pin}
     for m in args.micro_batches:
         config = _config(m, args.micro_batch_size)
+        link = run_variant("link", size, config, args.steps, args.pin)[0]["link"]
         samples: dict[str, list[float]] = {v: [] for v in args.variants}
-        reports: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
+        reports: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in args.variants}
         for repeat in range(args.repeats):
             for variant in args.variants:
-                workers = run_variant(variant, size, config, args.steps)
+                workers = run_variant(variant, size, config, args.steps, args.pin)
                 per_iteration = [max(a, b) for a, b in zip(workers[0]["times"][1:], workers[1]["times"][1:], strict=True)]
                 samples[variant].append(statistics.median(per_iteration))
                 reports[variant].append(workers)
                 print(f"  M={m} repeat {repeat + 1}/{args.repeats} {variant}: {samples[variant][-1] * 1e3:.1f} ms",
                       flush=True)
-        base = statistics.median(samples["deepspeed"]) if "deepspeed" in samples else None
-        print(f"\nM={m}: time per iteration (median of repeats), overhead vs DeepSpeed PipelineEngine")
-        print(f"{'variant':<10} {'ms/iter':>9} {'overhead':>9} {'stash MiB':>10} {'peak RSS MiB':>13} "
-              f"{'FR ms':>7} {'SO+SI ms':>9} {'BR ms':>7} {'sync ms':>8}")
-        results[str(m)] = {}
-        for variant in args.variants:
-            ms = statistics.median(samples[variant]) * 1e3
-            overhead = f"{(ms / (base * 1e3) - 1) * 100:+.1f}%" if base else "n/a"
-            last = reports[variant][-1]
-            stash = max(w["stash"] for w in last) / 2**20
-            rss = max(w["rss"] for w in last)
-            kinds: dict[str, float] = {}
-            for worker in last:
-                for kind, seconds in worker["kinds"].items():
-                    kinds[kind] = max(kinds.get(kind, 0.0), seconds * 1e3)
-            sync = kinds.get("SY", 0.0) + kinds.get("RY", 0.0) + kinds.get("replica_step", 0.0)
-            print(f"{variant:<10} {ms:>9.1f} {overhead:>9} {stash:>10.2f} {rss:>13.0f} {kinds.get('FR', 0.0):>7.1f} "
-                  f"{kinds.get('SO', 0.0) + kinds.get('SI', 0.0):>9.1f} {kinds.get('BR', 0.0):>7.1f} {sync:>8.1f}")
-            results[str(m)][variant] = {"ms_per_iteration": ms, "samples_ms": [s * 1e3 for s in samples[variant]],
-                                        "stash_bytes": max(w["stash"] for w in last), "peak_rss_mib": rss,
-                                        "kind_ms": kinds}
-        print()
+        predicted: dict[str, dict[str, float]] = {}
+        costs = None
+        if "none" in reports:
+            costs = measured_costs({v: r[-1] for v, r in reports.items() if v != "deepspeed"}, link)
+            predicted = predictions(costs, m, args.variants)
+        base = statistics.median(samples["deepspeed"]) * 1e3 if "deepspeed" in samples else None
+        rows = {v: _report_variant(v, reports[v], samples[v], base, predicted.get(v)) for v in args.variants}
+        _print_table(m, rows)
+        results[str(m)] = {"link": link, "costs": costs.to_dict() if costs else None, "variants": rows}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

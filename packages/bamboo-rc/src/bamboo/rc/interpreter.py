@@ -626,6 +626,13 @@ class StageInterpreter:
         not atomic: when a victim dies during it, survivors that completed it have committed and
         the others finish the commit with their result (:meth:`finish_commit`).
         """
+        started = time.perf_counter()
+        try:
+            return self._commit(hosted)
+        finally:
+            self.kind_seconds["commit"] = self.kind_seconds.get("commit", 0.0) + time.perf_counter() - started
+
+    def _commit(self, hosted: Sequence[int]) -> float:
         pipe = f"pipe-d{self.pipeline}"
         self._await_group_members(pipe, "commit")  # before anything changes: it may raise
         for s in sorted(self._reducing):

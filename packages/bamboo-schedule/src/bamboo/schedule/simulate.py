@@ -10,7 +10,7 @@ where each instruction takes the time the cost model gives it (milliseconds):
 - ``SO``/``SI``: ``stash_mb / swap_gb_per_s`` (``activation_mb`` of the previous stage in lflb), or nothing
   when ``swap_overlaps`` (the default): the copy runs beside the computation (a side stream on a GPU; on a CPU a
   tensor already in host memory needs no copy), so it takes no time from the node;
-- ``AR``: ``2 * grad_mb / link_gb_per_s`` (ring all-reduce);
+- ``AR``: ``2 * grad_mb / link_gb_per_s`` (ring all-reduce), or the stage's measured ``allreduce_ms``;
 - ``SY``/``RY``: with ``sync_overlaps`` (the default) the replica sync's send is posted and not waited for: the
   sender pays ``latency_ms``, the data lands ``latency_ms + grad_mb / link`` later, and the receive pays
   ``latency_ms`` once it is there (the replica's own optimizer step is applied at its next use, in a bubble of
@@ -64,6 +64,9 @@ class StageCost:
     activation_mb: float = attrs.field(default=1.0, validator=_positive)
     stash_mb: float = attrs.field(default=4.0, validator=_positive)
     grad_mb: float = attrs.field(default=16.0, validator=_positive)
+    allreduce_ms: float | None = attrs.field(default=None, validator=_optional)
+    """The data-parallel all-reduce's time, when measured (a group of one pipeline takes none); default: a ring
+    all-reduce of ``grad_mb``."""
 
     @property
     def frc(self) -> float:
@@ -195,7 +198,7 @@ class Costs:
                 (Kind.SEND_GRAD, latency + prev_act / link),
                 (Kind.SWAP_OUT, swapped),
                 (Kind.SWAP_IN, swapped),
-                (Kind.ALLREDUCE, 2 * c.grad_mb / link),
+                (Kind.ALLREDUCE, 2 * c.grad_mb / link if c.allreduce_ms is None else c.allreduce_ms),
                 (Kind.SYNC_SEND, sync),
                 (Kind.SYNC_RECV, sync),
             ):

@@ -30,7 +30,7 @@ CLUSTER_TESTS = (
     "tests/e2e",
     "tests/hosts",
     "packages/bamboo-membership/tests/test_agent.py",
-    "packages/bamboo-launch/tests/test_baseline.py",
+    "packages/bamboo-bench/tests/test_baseline.py",
     "packages/bamboo-launch/tests/test_hooks.py",
     "packages/bamboo-launch/tests/test_manifests_run.py",
     "packages/bamboo-launch/tests/test_script_e2e.py",

@@ -82,7 +82,7 @@ def test_report_json_and_plot(event_log: Path, tmp_path: Path, capsys: pytest.Ca
             "--on-demand-throughput and --on-demand-nodes go together",
         ),
         (["report", "{bad}"], "bad.jsonl:2: unknown kind 'jump'"),
-        (["report", "{log}", "--bins", "0"], "--bins must be >= 1, got 0"),
+        (["report", "{log}", "--bins", "0"], "argument --bins: '0' must be >= 1"),
         (["report", "{empty}"], "the event log is empty"),
         (
             ["report", "{log}", "--plot", "/no/such/dir/plot.png"],
@@ -100,7 +100,7 @@ def test_report_errors_are_one_line(
     args = [a.format(log=event_log, bad=bad, empty=empty) for a in args]
     assert main(args) == 2
     error = capsys.readouterr().err
-    assert message in error and error.startswith("bamboo-launch: error: ")
+    assert message in error and error.startswith(("bamboo-launch: error: ", "bamboo-launch report: error: "))
     assert len(error.strip().splitlines()) == 1
 
 

@@ -12,14 +12,15 @@
   itself (`PolicyMismatch`).
 - `PaperTable` / `load_table` / `reproduce` (in `bamboo.bench.paper`): the paper's tables as JSON data
   (``table6``, ``dp``), reproduced on the synthetic model and compared figure by figure (`Reproduction`).
-- `run_compare` / `CompareOptions` / `Comparison` (in `bamboo.bench.compare`): the measured comparison of
-  bamboo, checkpoint/restart and on-demand (each system run by ``bamboo-launch measure`` in a subprocess),
-  each run predicted by the simulator from the profile it measured.
+- `load_preemptions` (in `bamboo.bench.preemptions`): the one reader of ``--preemptions FILE|synthetic:RATE``
+  with ``--zones``, shared by bamboo-launch's and bamboo-bench's commands.
+- `bamboo.bench.measured` (``pip install bamboo-bench[measured]``, a layer above bamboo-launch, not imported
+  here): the measured comparison of bamboo, checkpoint/restart and on-demand (``bamboo-bench compare``), each
+  run predicted by the simulator from the profile it measured.
 - `plot_runs` (in `bamboo.bench.plot`, imported lazily because it loads matplotlib): Figure-12
   style panels. The CLI is `bamboo-bench` (`bamboo.bench.cli:main`).
 """
 
-from bamboo.bench.compare import CompareError, CompareOptions, Comparison, SystemResult, run_compare
 from bamboo.bench.loaders import (
     TraceFormatError,
     load_count_csv,
@@ -39,6 +40,7 @@ from bamboo.bench.paper import (
     load_table,
     reproduce,
 )
+from bamboo.bench.preemptions import PreemptionsError, load_preemptions
 from bamboo.bench.profile import ModelProfile, ProfileError, Timing, builtin_profiles, load_profile
 from bamboo.bench.simulator import (
     AveragedResult,
@@ -58,15 +60,13 @@ from bamboo.bench.trace import EventKind, Trace, TraceEvent, TraceSummary
 
 __all__ = [
     "AveragedResult",
-    "CompareError",
-    "CompareOptions",
-    "Comparison",
     "EventKind",
     "ModelProfile",
     "PaperTable",
     "PaperTableError",
     "Policy",
     "PolicyMismatch",
+    "PreemptionsError",
     "ProfileError",
     "Reproduction",
     "RunResult",
@@ -74,7 +74,6 @@ __all__ = [
     "SweepRow",
     "SyntheticSpec",
     "SyntheticTraceGenerator",
-    "SystemResult",
     "Timeline",
     "Timing",
     "Trace",
@@ -91,12 +90,12 @@ __all__ = [
     "load_ec2_events",
     "load_gcp_counts",
     "load_generic_csv",
+    "load_preemptions",
     "load_profile",
     "load_skypilot_counts",
     "load_table",
     "load_trace",
     "reproduce",
-    "run_compare",
     "simulate_run",
     "simulate_synthetic",
     "sweep",

@@ -5,7 +5,7 @@ A profile gives the step time per (stages, pipelines), the samples per step, the
 on-demand reference. Optionally it gives the cluster and step times of the strategies that keep no
 redundant copy (``without_redundancy``), e.g. a pure data-parallel (P = 1) profile whose Bamboo cluster
 is over-provisioned 1.5x. The shipped profiles live in ``bamboo/bench/profiles/*.json``; the launcher
-writes measured ones in the same format (``bamboo-launch measure``, ``bamboo-bench compare``): they add the
+writes measured ones in the same format (``bamboo-bench measure``, ``bamboo-bench compare``): they add the
 cost of a synchronous checkpoint (``timing.checkpoint_s``), the on-demand cluster's start-up
 (``on_demand.startup_s``) and how checkpoint/restart treats a joining node (``checkpoint_restart_on_join``);
 profiles without those keys load as before. The format is documented in the package README.

@@ -71,11 +71,11 @@ def test_only_the_reporting_node_calls_on_step_but_every_node_evaluates() -> Non
 
 
 def test_hooks_are_checked_with_the_offending_value() -> None:
-    with pytest.raises(ValueError, match="every_n_steps must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="'every_n_steps' must be >= 1: 0"):
         TrainingHooks(evaluate=(lambda step, index: None, 0))
     with pytest.raises(TypeError, match="evaluate must be a pair"):
         TrainingHooks(evaluate=print)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="on_step must be callable, got int: 3"):
+    with pytest.raises(TypeError, match=r"'on_step' must be callable \(got 3 that is a <class 'int'>\)"):
         TrainingHooks(on_step=3)  # type: ignore[arg-type]
     assert list(evaluation_batches(Evaluation(lambda step, index: (step, index), 1), 7, 0, 2)) == [(7, 0), (7, 1)]
 

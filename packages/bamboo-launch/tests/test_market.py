@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -276,5 +277,5 @@ def test_real_processes_whole_group_dies(fake_clock, proc_helpers, tmp_path: Pat
 
 def test_action_string_form() -> None:
     assert str(MarketAction(1.5, ActionKind.KILL, "node3", "us-east-1a")) == "kill node3@us-east-1a@1.5s"
-    with pytest.raises(ValueError, match="at_s must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=re.escape("'at_s' must be >= 0.0: -1")):
         MarketAction(-1, ActionKind.ADD, "n", "z")

@@ -97,11 +97,6 @@ def _kind_name(kind: Any) -> str:
     return str(name)
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 0.0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
 @attrs.frozen
 class MarketAction:
     """One scheduled action: at ``at_s`` wall seconds after the market starts, do ``kind`` to ``node``.
@@ -109,7 +104,7 @@ class MarketAction:
     ``node`` is the trace's node name; ``deadline_s`` (notices only) is the offset of its kill.
     """
 
-    at_s: float = attrs.field(validator=_non_negative)
+    at_s: float = attrs.field(validator=attrs.validators.ge(0.0))
     kind: ActionKind = attrs.field(validator=attrs.validators.instance_of(ActionKind))
     node: str = attrs.field(validator=attrs.validators.min_len(1))
     zone: str = attrs.field(validator=attrs.validators.min_len(1))

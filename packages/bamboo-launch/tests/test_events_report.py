@@ -34,16 +34,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def sample_run() -> list:
     """Two nodes for an hour, one preempted at 30 min and replaced; 4 steps of 10 samples."""
     return [
@@ -67,12 +57,12 @@ def sample_run() -> list:
     ]
 
 
-def test_round_trip_through_file(tmp_path: Path) -> None:
-    clock = FakeClock()
+def test_round_trip_through_file(tmp_path: Path, fake_clock) -> None:
+    clock = fake_clock
     path = tmp_path / "events.jsonl"
     with EventLog(path, clock=clock) as log:
         log.write_all(sample_run())
-        clock.now += 5.0
+        clock.advance(5.0)
         emitted = log.emit(Join, node="late", zone="a")
     assert emitted.t == 5.0
     events = read_events(path)

@@ -4,7 +4,7 @@ Every class here is frozen and validated on construction; a validation message n
 value. Every class has a stable JSON round trip (``to_dict``/``from_dict`` and ``to_json``/``from_json``),
 because the launcher writes the first decision into etcd as JSON and every other node reads it back.
 
-Layout convention (DESIGN.md, "Placement"): the node at stage ``s`` of a pipeline also holds the replica
+Layout convention (docs/architecture.md, "A step"): the node at stage ``s`` of a pipeline also holds the replica
 of stage ``(s + 1) mod P``. So the *shadow* of stage ``s`` is the node at stage ``(s - 1) mod P`` of the
 same pipeline, and a node holds the state (parameters and optimizer state) of two stages.
 

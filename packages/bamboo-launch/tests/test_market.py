@@ -8,12 +8,12 @@ from pathlib import Path
 
 import attrs
 import pytest
+from bamboo.bench.preemptions import assign_zones
 from bamboo.launch.market import (
     ActionKind,
     MarketAction,
     ProcessCluster,
     SpotMarket,
-    assign_zones,
     kill_process_group,
     plan_market,
 )

@@ -12,7 +12,13 @@ import attrs
 USAGE = 2
 """The exit status of a command given bad input."""
 
-__all__ = ["USAGE", "OneLineParser", "default_of", "non_negative_float", "non_negative_int", "positive_float", "positive_int", "zones"]
+__all__ = ["PREEMPTIONS_HELP", "USAGE", "OneLineParser", "default_of", "non_negative_float", "non_negative_int", "positive_float", "positive_int", "zones"]
+
+
+PREEMPTIONS_HELP = ("a trace file in any format bamboo-bench reads (the paper's EC2 CSV, a GCP log, SkyPilot JSON, "
+                    "a generic CSV), or synthetic:RATE, the paper's model at per-hour preemption probability RATE "
+                    "(e.g. synthetic:0.1) on about --nodes nodes")
+"""The ``--help`` of every command's ``--preemptions``."""
 
 
 class OneLineParser(argparse.ArgumentParser):

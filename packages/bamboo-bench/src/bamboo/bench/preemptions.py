@@ -25,15 +25,10 @@ from bamboo.bench.loaders import load_trace
 from bamboo.bench.synthetic import SyntheticSpec, generate_trace
 from bamboo.bench.trace import Trace, TraceEvent
 
-__all__ = ["DEFAULT_SYNTHETIC_ZONES", "PREEMPTIONS_HELP", "SYNTHETIC_PREFIX", "PreemptionsError", "assign_zones", "load_preemptions", "synthetic_rate"]
+__all__ = ["DEFAULT_SYNTHETIC_ZONES", "SYNTHETIC_PREFIX", "PreemptionsError", "assign_zones", "load_preemptions", "synthetic_rate"]
 
 SYNTHETIC_PREFIX = "synthetic:"
 """``synthetic:RATE`` names the paper's synthetic model instead of a file."""
-
-PREEMPTIONS_HELP = ("a trace file in any format bamboo-bench reads (the paper's EC2 CSV, a GCP log, SkyPilot JSON, "
-                    "a generic CSV), or synthetic:RATE, the paper's model at per-hour preemption probability RATE "
-                    "(e.g. synthetic:0.1) on about --nodes nodes")
-"""The ``--help`` of every command's ``--preemptions``."""
 
 DEFAULT_SYNTHETIC_ZONES = 3
 """The zones of a synthetic trace when no ``--zones`` names them."""

@@ -68,7 +68,6 @@ from bamboo.launch.market import (
     ProcessCluster,
     SpotMarket,
     StartedClock,
-    assign_zones,
     kill_process_group,
     plan_market,
 )
@@ -128,7 +127,6 @@ __all__ = [
     "Step",
     "TrainingHooks",
     "WorkerContext",
-    "assign_zones",
     "build_view",
     "compare_with_reference",
     "compute_report",

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import attrs
-from bamboo.bench.preemptions import assign_zones
 from bamboo.launch import timeouts
 
 __all__ = [
@@ -53,7 +52,6 @@ __all__ = [
     "SpotMarket",
     "StartedClock",
     "TraceEventLike",
-    "assign_zones",
     "kill_process_group",
     "plan_market",
 ]
@@ -124,7 +122,7 @@ def plan_market(
 ) -> tuple[MarketAction, ...]:
     """The actions that replay ``events`` compressed by ``time_scale``, in execution order.
 
-    ``zone_of`` (from :func:`assign_zones`) overrides the trace's zones. Raises ``ValueError``
+    ``zone_of`` (say :func:`bamboo.bench.preemptions.assign_zones`) overrides the trace's zones. Raises ``ValueError``
     naming the event if the trace removes a node that is not alive or adds one twice.
     """
     if not time_scale > 0:

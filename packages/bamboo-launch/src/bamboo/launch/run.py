@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from bamboo.bench.preemptions import load_preemptions
 from bamboo.launch import timeouts
 from bamboo.launch.market import ActionKind, MarketAction, StartedClock, plan_market
 from bamboo.launch.spec import DEFAULT_CHECKPOINT_EVERY, DEFAULT_STEPS, REDUNDANCY
@@ -162,6 +161,8 @@ class RunResult:
 
 def initial_plan(options: RunOptions) -> tuple[MarketAction, ...]:
     """The market plan: the trace's, or (without ``--preemptions``) ``nodes`` adds at t=0 over the zones."""
+    from bamboo.bench.preemptions import load_preemptions  # numpy and the loaders: the launcher's only
+
     if options.preemptions is None:
         zones = options.zones or ("zone-a", "zone-b", "zone-c")
         return tuple(

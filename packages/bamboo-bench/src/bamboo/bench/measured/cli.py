@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 
 from bamboo.bench import timeouts
-from bamboo.bench.argtypes import default_of, positive_float, positive_int, zones
+from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, positive_float, positive_int, zones
 from bamboo.bench.measured.compare import Comparison, default_out, run_compare
 from bamboo.bench.measured.figure import plot_comparison
 from bamboo.bench.measured.options import SYSTEMS, CompareOptions, MeasureOptions, parse_systems
 from bamboo.bench.measured.run import run_measured
-from bamboo.bench.preemptions import PREEMPTIONS_HELP
 from bamboo.launch.report import Report, format_report
 from rich.console import Console
 from rich.table import Table

@@ -12,10 +12,16 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from bamboo.bench.argtypes import default_of, non_negative_float, positive_float, positive_int, zones
-from bamboo.bench.preemptions import PREEMPTIONS_HELP, load_preemptions
-from bamboo.bench.trace import Trace
+from bamboo.bench.argtypes import (
+    PREEMPTIONS_HELP,
+    default_of,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    zones,
+)
 from bamboo.launch import timeouts
 from bamboo.launch.cli.common import fail
 from bamboo.launch.events import EventLog, Join, Preemption
@@ -30,6 +36,9 @@ from bamboo.launch.market import (
 from bamboo.launch.run import RunOptions
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    from bamboo.bench.trace import Trace
 
 __all__ = ["add_parser", "run"]
 
@@ -115,6 +124,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _load_trace(args: argparse.Namespace) -> Trace:
     """The trace named by --preemptions, zoned by --zones and sliced by --start/--end."""
+    from bamboo.bench.preemptions import load_preemptions  # numpy: not for the agents this CLI also starts
+
     trace = load_preemptions(args.preemptions, nodes=args.nodes, zones=args.zones, hours=args.hours, seed=args.seed)
     if args.start is not None or args.end is not None:
         start = args.start or 0.0

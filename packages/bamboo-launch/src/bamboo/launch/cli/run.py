@@ -11,8 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from bamboo.bench.argtypes import default_of, non_negative_float, positive_float, zones
-from bamboo.bench.preemptions import PREEMPTIONS_HELP
+from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
 from bamboo.launch.cli.common import endpoints, fail
 from bamboo.launch.events import read_events
 from bamboo.launch.example import DEFAULT_LAYERS

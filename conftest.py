@@ -75,18 +75,23 @@ CLUSTER_TESTS = (
     "tests/hosts",
     "packages/bamboo-membership/tests/test_agent.py",
     "packages/bamboo-bench/tests/test_baseline.py",
-    "packages/bamboo-launch/tests/test_hooks.py",
     "packages/bamboo-launch/tests/test_manifests_run.py",
     "packages/bamboo-launch/tests/test_script_e2e.py",
 )
 
 
 #: Tests that start clusters too but whose verdict does not hang on a lease or a probe answering in time
-#: (they check records and exit statuses, not how many failures the run saw): they run in the other lane,
-#: lowered in priority like every test there, after its short tests, so that the cluster lane is shorter.
-#: ``bamboo-bench compare`` (three systems one after another). The checkpoint/restart baseline's test is not
-#: one: how many survivors make torchrun's rendezvous in time decides its restart's world size.
-BACKGROUND_PROCESS_TESTS = ("tests/e2e/test_compare_e2e.py",)
+#: (they check records and exit statuses, not how many failures the run saw; runs without failures use 10 s
+#: leases): they run in the other lane, lowered in priority like every test there, after its short tests, so
+#: that the cluster lane (the suite's critical path) is shorter. ``bamboo-bench compare`` (three systems one
+#: after another), a resumed run and its export, the training hooks in a real run. The checkpoint/restart
+#: baseline's test is not one: how many survivors make torchrun's rendezvous in time decides its restart's
+#: world size.
+BACKGROUND_PROCESS_TESTS = (
+    "tests/e2e/test_compare_e2e.py",
+    "tests/e2e/test_resume_export_e2e.py",
+    "packages/bamboo-launch/tests/test_hooks.py",
+)
 
 
 def _under(path: str, roots: tuple[str, ...]) -> bool:

@@ -10,7 +10,8 @@ Bamboo against the systems users run instead, each one trained for real on the s
   (:func:`measure_events`) and makes them a simulator profile (:func:`measured_profile`);
 - :mod:`~bamboo.bench.measured.torchrun`: the checkpoint/restart baseline, torchrun elastic agents training
   DeepSpeed's ``PipelineEngine`` with checkpoints every K steps (:func:`run_checkpoint_restart`), its pure
-  parts in :mod:`~bamboo.bench.measured.baseline` and its worker in
+  parts in :mod:`~bamboo.bench.measured.baseline`, its machines in :mod:`~bamboo.bench.measured.machines` and its
+  worker in
   :mod:`~bamboo.bench.measured.baseline_worker`; the on-demand baseline is ``bamboo-launch run`` without
   redundancy or preemptions;
 - :mod:`~bamboo.bench.measured.options`: what the commands take; :mod:`~bamboo.bench.measured.cli`: the two

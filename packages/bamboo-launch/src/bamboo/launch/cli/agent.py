@@ -64,7 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "deadline passed. Without a script after --, it trains the built-in example (a tiny GPT)."
         ),
     )
-    job = agent.add_argument_group("the job (spec)")
+    _add_job_flags(agent.add_argument_group("the job (spec)"))
+    _add_machine_flags(agent)
+    _add_auth_and_etcd_flags(agent)
+    agent.set_defaults(handler=run, script=[])
+
+
+def _add_job_flags(job: argparse._ArgumentGroup) -> None:
     job.add_argument("--job", required=True, help="the job's name: its keys live under /bamboo/JOB/ in etcd")
     job.add_argument("--stages", type=int, default=None,
                      help="(spec) pipeline depth P; needed by the agent that creates the job")
@@ -104,6 +110,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     job.add_argument("--reconfigure-timeout", type=positive_float, default=None,
                      help=f"(spec) seconds a reconfiguration may take to start every node before it is abandoned "
                      f"and decided again (default: {_spec_default('reconfigure_timeout_s'):g})")
+
+
+def _add_machine_flags(agent: argparse.ArgumentParser) -> None:
     where = agent.add_argument_group("this machine")
     where.add_argument("--node", default=None,
                        help="this agent's unique id (default: $BAMBOO_NODE_ID, else the host name)")
@@ -135,6 +144,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--etcd-timeout", type=positive_float, default=timeouts.ETCD_OUTAGE_S, metavar="S",
                        help="seconds to wait for etcd to answer when the agent starts; it says at once that it "
                        "waits, and gives up after this with one line (default: %(default)s)")
+
+
+def _add_auth_and_etcd_flags(agent: argparse.ArgumentParser) -> None:
     auth = agent.add_argument_group("who may call this agent (required beyond loopback)")
     auth.add_argument("--token-file", default=None,
                       help="a file with the job's shared token: calls without it are refused")
@@ -156,7 +168,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     etcd.add_argument("--etcd-ca", default=None, help="PEM CA of the etcd server (enables TLS)")
     etcd.add_argument("--etcd-cert", default=None, help="PEM client certificate for etcd (with --etcd-key)")
     etcd.add_argument("--etcd-key", default=None, help="PEM client key for etcd")
-    agent.set_defaults(handler=run, script=[])
 
 
 def agent_spec_fields(args: argparse.Namespace) -> dict[str, Any]:

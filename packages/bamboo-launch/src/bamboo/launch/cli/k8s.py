@@ -49,6 +49,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=AGENT_ARGS_DOC,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_cluster_flags(command, defaults)
+    _add_etcd_flags(command, defaults)
+    _add_resource_flags(command, defaults)
+    _add_security_and_output_flags(command, defaults)
+    command.set_defaults(handler=render, script=[])
+
+    checker = k8s_commands.add_parser(
+        "validate",
+        help="validate YAML manifests against the Kubernetes schemas",
+        description="Validate every object in the given YAML files against the Kubernetes JSON schemas (strict).",
+    )
+    checker.add_argument("files", nargs="+", help="YAML files, several documents each allowed")
+    checker.add_argument(
+        "--kubernetes-version", default=KUBERNETES_VERSION, help="schema version (default: %(default)s)"
+    )
+    checker.set_defaults(handler=validate)
+
+
+def _add_cluster_flags(command: argparse.ArgumentParser, defaults: K8sConfig) -> None:
+    """The job and its cluster: name, image, shape, cloud and zones."""
     command.add_argument(
         "--job", default=defaults.job, help="job name: object names and etcd prefix (default: %(default)s)"
     )
@@ -94,6 +114,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="best-effort: spread over zones but run anyway when a zone has no capacity; strict: never skew by more "
         "than one (default: %(default)s)",
     )
+
+
+def _add_etcd_flags(command: argparse.ArgumentParser, defaults: K8sConfig) -> None:
+    """An external etcd, or the one to deploy."""
     command.add_argument(
         "--etcd",
         dest="etcd_endpoints",
@@ -123,6 +147,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.etcd_storage,
         help="etcd volume size per member (default: %(default)s)",
     )
+
+
+def _add_resource_flags(command: argparse.ArgumentParser, defaults: K8sConfig) -> None:
+    """What each agent's pod asks for."""
     command.add_argument("--cpu", default=defaults.cpu, help="CPU request per agent (default: %(default)s)")
     command.add_argument(
         "--memory", default=defaults.memory, help="memory request and limit per agent (default: %(default)s)"
@@ -144,6 +172,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds from SIGTERM (a preemption notice) to the kill; GKE spot gives non-system pods 15 s, "
         "EKS a 2-minute notice through its node drain (default: %(default)s)",
     )
+
+
+def _add_security_and_output_flags(command: argparse.ArgumentParser, defaults: K8sConfig) -> None:
+    """Checkpoints, who may call an agent, validation and the output."""
     command.add_argument(
         "--checkpoint-dir",
         default=defaults.checkpoint_dir,
@@ -183,18 +215,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="-",
         help="output: a YAML file, a directory (one file per object) or - for stdout (default: -)",
     )
-    command.set_defaults(handler=render, script=[])
-
-    checker = k8s_commands.add_parser(
-        "validate",
-        help="validate YAML manifests against the Kubernetes schemas",
-        description="Validate every object in the given YAML files against the Kubernetes JSON schemas (strict).",
-    )
-    checker.add_argument("files", nargs="+", help="YAML files, several documents each allowed")
-    checker.add_argument(
-        "--kubernetes-version", default=KUBERNETES_VERSION, help="schema version (default: %(default)s)"
-    )
-    checker.set_defaults(handler=validate)
 
 
 _FLAG_OF_FIELD = {"etcd_endpoints": "--etcd", "grace_period_s": "--grace-period"}

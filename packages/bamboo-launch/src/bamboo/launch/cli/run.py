@@ -80,6 +80,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--resume", action="store_true",
                      help="start from the newest good checkpoint in --checkpoint-dir, e.g. with a larger --steps "
                      "(a run never overwrites another run's checkpoints: a directory that holds some needs it)")
+    _add_etcd_flags(run)
+    _add_output_and_timing_flags(run)
+    run.set_defaults(handler=run_command, script=[])
+
+
+def _add_etcd_flags(run: argparse.ArgumentParser) -> None:
+    """An external etcd instead of the embedded one, with its auth and TLS."""
     run.add_argument("--etcd", type=endpoints, default=None, metavar="URL",
                      help="external etcd endpoints host:port[,host:port] (default: start an embedded etcd)")
     run.add_argument("--etcd-user", default=None, help="external etcd: user name (with --etcd-password)")
@@ -87,6 +94,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--etcd-ca", default=None, help="external etcd: PEM CA of the server (enables TLS)")
     run.add_argument("--etcd-cert", default=None, help="external etcd: PEM client certificate (with --etcd-key)")
     run.add_argument("--etcd-key", default=None, help="external etcd: PEM client key")
+
+
+def _add_output_and_timing_flags(run: argparse.ArgumentParser) -> None:
+    """The job's name and files, the report, the model, and the timeouts."""
     run.add_argument("--job", default=None, help="job name: etcd keys live under /bamboo/<job>/ (default: a "
                      "fresh random name)")
     run.add_argument("--run-dir", default=None, help="where the run's files go: RUN.json, out/, logs/<node>.log, "
@@ -119,7 +130,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      "--progress-every steps instead")
     run.add_argument("--progress-every", type=int, default=_default("progress_every"), metavar="N",
                      help="with --no-live: steps between progress lines (default: %(default)s)")
-    run.set_defaults(handler=run_command, script=[])
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -57,6 +57,7 @@ from bamboo.launch.spec import (
     JobSpec,
     WorkerContext,
 )
+from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = [
     "AGENT_PREEMPTED",
@@ -113,7 +114,7 @@ class AgentOptions:
     tls_server_name: str | None = None
     """The name peers check in this agent's certificate (one certificate for every pod of the job)."""
     insecure: bool = False
-    notice_window_s: float = 30.0
+    notice_window_s: float = membership_timeouts.NOTICE_WINDOW_S
     """Seconds from SIGTERM (a preemption notice) to the machine's end (``--notice-window``)."""
     preemption_notices: str = "none"
     """Also poll the cloud's metadata server for preemption notices: ``none``, ``aws`` or ``gce``."""

@@ -20,7 +20,10 @@ from typing import Any
 
 from bamboo.launch.spec import Program
 
-__all__ = ["EXAMPLE_CONFIG", "describe_program", "example_program", "main"]
+__all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "describe_program", "example_program", "main"]
+
+DEFAULT_LAYERS = 4
+"""The built-in example's decoder blocks when no ``--layers`` is given."""
 
 EXAMPLE_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bamboo.launch.example",
                                      description="Write the built-in example's description (layer costs, "
                                      "config, microbatches per pipeline) as JSON.")
-    parser.add_argument("--layers", type=int, default=4, help="decoder blocks (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="decoder blocks (default: %(default)s)")
     parser.add_argument("--pipelines", type=int, required=True, help="data-parallel pipelines D")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     args = parser.parse_args(argv)

@@ -1,17 +1,19 @@
-"""The single-process reference trainer.
+"""The single-process reference trainer: the one that every exactness check compares a run with.
 
 It trains the whole model in one process on the same global batches, with the same loss scaling
 (each microbatch's loss divided by the number of microbatches in the global batch), the same
 global-norm clipping and the same optimizer and scheduler math as the pipeline, and each layer's
 forward under the same generator as in the pipeline (:mod:`bamboo.rc.rng`: seeded from the seed,
-the step, the microbatch's global index and the layer's index). `verify` compares
-the pipeline's parameters against it.
+the step, the microbatch's global index and the layer's index). At each step the microbatch gradients
+are accumulated per pipeline and the shares added in pipeline order, which is how the data-parallel
+all-reduce associates them; a ``history`` of layouts (a run whose number of pipelines changed) is replayed
+with the same grouping, step by step. `verify` and bamboo-launch's ``--verify`` compare against it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 import torch
@@ -20,7 +22,11 @@ from bamboo.rc.data import GlobalBatchSampler
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 
-__all__ = ["ReferenceResult", "train_reference"]
+__all__ = ["Microbatches", "ReferenceResult", "train_reference"]
+
+Microbatches: TypeAlias = "GlobalBatchSampler | Callable[[int, int], tuple[Any, Any]]"
+"""Where the reference reads microbatch ``index`` of step ``step``: a sampler (its ``microbatch`` gives tokens and
+labels) or a function ``microbatch(step, index) -> (inputs, labels)``."""
 
 
 @attrs.frozen
@@ -31,33 +37,53 @@ class ReferenceResult:
     losses: list[float]
 
 
+def _reader(batches: Microbatches) -> Callable[[int, int], tuple[Any, Any]]:
+    if isinstance(batches, GlobalBatchSampler):
+        def read(step: int, index: int) -> tuple[Any, Any]:
+            batch = batches.microbatch(step, index)
+            return batch.tokens, batch.labels
+
+        return read
+    return batches
+
+
 def train_reference(
     specs: Sequence[Any],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
     config: TrainingConfig,
-    sampler: GlobalBatchSampler,
+    batches: Microbatches,
     steps: int,
     pipelines: int,
     seed: int,
+    *,
+    history: Sequence[Sequence[int]] = (),
 ) -> ReferenceResult:
-    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches."""
+    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches.
+
+    ``history`` lists ``(first step, pipelines)`` of every layout generation of a run whose number of pipelines
+    changed (empty: `pipelines` throughout); the global batch stays ``pipelines × M`` microbatches, each
+    generation's pipelines taking an equal share of it.
+    """
+    read = _reader(batches)
     whole = TrainableSlice(specs, range(len(specs)), config, seed)
     whole.zero_grads()
     global_microbatches = pipelines * config.micro_batches
     losses: list[float] = []
     for step in range(steps):
+        at_step = next((int(d) for first, d in reversed(history) if step >= int(first)), pipelines)
+        per_pipeline = global_microbatches // at_step
         total = 0.0
         summed: torch.Tensor | None = None
-        for pipeline in range(pipelines):
+        for pipeline in range(at_step):
             # Accumulate each pipeline's share on its own, then add the shares in pipeline order,
             # as the data-parallel all-reduce does: the same sums, associated the same way.
             whole.zero_grads()
-            for k in range(config.micro_batches):
-                index = global_microbatch(pipeline, config.micro_batches, k)
-                batch = sampler.microbatch(step, index)
+            for k in range(per_pipeline):
+                index = global_microbatch(pipeline, per_pipeline, k)
+                inputs, labels = read(step, index)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                    logits = whole.forward(batch.tokens, step=step, microbatch=index)
-                loss = loss_fn(logits, batch.labels)
+                    outputs = whole.forward(inputs, step=step, microbatch=index)
+                loss = loss_fn(outputs, labels)
                 (loss / global_microbatches).backward()
                 total += float(loss.detach())
             share = whole.flat_grads()

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
     verify.add_argument("--sequence", type=_positive_int, default=32, help="bytes per sample (default 32)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampler (default 0)")
+    verify.add_argument("--device", default=None,
+                        help="where the workers and the reference train: cpu, cuda (the workers spread over the GPUs "
+                             "by rank, several sharing a GPU when there are fewer GPUs), cuda:N or auto (default: "
+                             "$BAMBOO_DEVICE, else auto: a GPU when CUDA is present, else cpu)")
     verify.add_argument("--timeout", type=_positive_float, default=VERIFY_DEADLINE_S,
                         help=f"seconds before unfinished workers are killed and verify fails (default {VERIFY_DEADLINE_S:g})")
     verify.add_argument("--group-timeout", type=_positive_float, default=GROUP_S,
@@ -207,10 +211,11 @@ def _verify(args: argparse.Namespace) -> int:
             timeouts=CommTimeouts(group=args.group_timeout, build=args.build_timeout, confirm=args.confirm_timeout),
             notice_points=tuple(NoticePoint(stage, pipeline, step, args.notice_lead)
                                 for stage, pipeline, step in args.notice),
+            device=args.device,
         )
     failed = {rank: code for rank, code in result.worker_exit_codes.items() if code != 0 and rank not in result.killed}
     console.print(f"P={args.stages} D={args.pipelines} steps={args.steps} redundancy={args.redundancy} "
-                  f"({result.seconds:.1f} s)")
+                  f"device={result.device} ({result.seconds:.1f} s)")
     console.print(f"max parameter difference: {result.max_relative_diff:.3e} relative, "
                   f"{result.max_abs_diff:.3e} absolute (tolerance {RELATIVE_TOLERANCE:g} relative)")
     console.print(f"max replica-versus-original difference: {result.max_replica_diff:.3e} "

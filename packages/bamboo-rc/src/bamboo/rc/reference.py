@@ -17,6 +17,7 @@ import attrs
 import torch
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.device import autocast
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 
@@ -39,9 +40,12 @@ def train_reference(
     steps: int,
     pipelines: int,
     seed: int,
+    device: torch.device | None = None,
 ) -> ReferenceResult:
-    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches."""
-    whole = TrainableSlice(specs, range(len(specs)), config, seed)
+    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches, on `device`
+    (default the CPU; a GPU reference for a pipeline on GPUs). The layer states come back in host memory."""
+    device = device or torch.device("cpu")
+    whole = TrainableSlice(specs, range(len(specs)), config, seed, device)
     whole.zero_grads()
     global_microbatches = pipelines * config.micro_batches
     losses: list[float] = []
@@ -55,9 +59,10 @@ def train_reference(
             for k in range(config.micro_batches):
                 index = global_microbatch(pipeline, config.micro_batches, k)
                 batch = sampler.microbatch(step, index)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                    logits = whole.forward(batch.tokens, step=step, microbatch=index)
-                loss = loss_fn(logits, batch.labels)
+                tokens, labels = batch.tokens.to(device), batch.labels.to(device)
+                with autocast(device, config):
+                    logits = whole.forward(tokens, step=step, microbatch=index)
+                loss = loss_fn(logits, labels)
                 (loss / global_microbatches).backward()
                 total += float(loss.detach())
             share = whole.flat_grads()
@@ -66,4 +71,5 @@ def train_reference(
         whole.load_flat_grads(summed)
         losses.append(total / global_microbatches)
         whole.apply_step(clip_coefficient(config.gradient_clipping, whole.squared_grad_norm()))
-    return ReferenceResult([layer.state_dict() for layer in whole.layers], losses)
+    states = [{name: tensor.detach().cpu() for name, tensor in layer.state_dict().items()} for layer in whole.layers]
+    return ReferenceResult(states, losses)

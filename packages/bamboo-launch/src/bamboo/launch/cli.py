@@ -72,6 +72,13 @@ def _endpoints(text: str) -> tuple[str, ...]:
     return tuple(endpoints)
 
 
+def _device(text: str) -> str:
+    """A worker's device as bamboo-rc's ``initialize(device=)`` takes it (checked there against the GPUs present)."""
+    if text not in ("cpu", "cuda", "auto") and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or auto, got {text!r}")
+    return text
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -827,6 +834,7 @@ def _add_agent(subparsers: argparse._SubParsersAction) -> None:
                        "instance-action (IMDSv2) or GCE instance/preempted (default: none)")
     where.add_argument("--metadata-url", default=None,
                        help="base URL of the metadata server (default: the cloud's own)")
+    where.add_argument("--device", type=_device, default=None, help="where the worker computes: cpu, cuda (GPU LOCAL_RANK mod the GPUs; every emulated node of `run` shares GPU 0), cuda:N or auto (default: $BAMBOO_DEVICE, else auto: a GPU when CUDA is present, else cpu)")
     where.add_argument("--spec-timeout", type=_positive_float, default=None,
                        help=f"seconds to wait for another agent to write the job's spec (default: "
                        f"{timeouts.SPEC_WAIT_S:g})")
@@ -898,7 +906,7 @@ def _agent(args: argparse.Namespace) -> int:
             spec=spec, token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, insecure=args.insecure,
             notice_window_s=args.notice_window, preemption_notices=args.preemption_notices,
-            metadata_url=args.metadata_url,
+            metadata_url=args.metadata_url, device=args.device,
             **({"spec_timeout_s": args.spec_timeout} if args.spec_timeout is not None else {}),
         )
     except AgentError as error:
@@ -986,6 +994,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                      "abandoned and decided again (a node that dies meanwhile is noticed sooner: at once when a "
                      "transfer fails on its closed connection, otherwise when its lease expires, --ttl; default: "
                      "%(default)s)")
+    run.add_argument("--device", type=_device, default=None, help="where the worker computes: cpu, cuda (GPU LOCAL_RANK mod the GPUs; every emulated node of `run` shares GPU 0), cuda:N or auto (default: $BAMBOO_DEVICE, else auto: a GPU when CUDA is present, else cpu)")
     run.add_argument("--timeout", type=_positive_float, default=900.0,
                      help="seconds the whole run may take before every node is killed (default: %(default)s)")
     run.add_argument("--no-live", action="store_true",
@@ -1017,7 +1026,7 @@ def _run(args: argparse.Namespace) -> int:
             redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
             grace_s=args.grace,
             reconfigure_timeout_s=args.reconfigure_timeout, timeout_s=args.timeout, live=not args.no_live,
-            progress_every=args.progress_every,
+            progress_every=args.progress_every, device=args.device,
             script=tuple(args.script),
         )
     except ValueError as error:

@@ -299,15 +299,11 @@ def _soak(args: argparse.Namespace) -> int:
 def _pause(result: VerifyResult, failover: FailoverRecord) -> str:
     """The failover's pause as the survivors saw it: from the kill to the last survivor resuming, and
     to the last survivor ending the failed step ('' when the kill time is not known)."""
-    stages = len(result.stage_bounds)
-    victims = [pipeline * stages + node for pipeline, nodes in failover.victims.items() for node in nodes]
-    killed = [result.kill_times[rank] for rank in victims if rank in result.kill_times]
-    same = [f for f in result.failovers if f.epoch == failover.epoch and f.own_pipeline]
-    if not killed or not same:
+    pause = result.pause_seconds(failover)
+    if pause is None:
         return ""
-    resumed = max(f.resumed_at for f in same) - min(killed)
-    ended = [f.iteration_end for f in same if f.iteration_end is not None]
-    end = f", {1e3 * (max(ended) - min(killed)):.0f} ms to the end of the failed step" if ended else ""
+    resumed, ended = pause
+    end = f", {1e3 * ended:.0f} ms to the end of the failed step" if ended is not None else ""
     return f"; pause {1e3 * resumed:.0f} ms from the kill until every survivor resumed{end}"
 
 

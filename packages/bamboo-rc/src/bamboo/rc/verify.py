@@ -100,6 +100,19 @@ class VerifyResult:
     (the most the stash held on the GPU at once) and ``staged_bytes`` (message bytes copied between the GPU and
     host buffers)."""
 
+    def pause_seconds(self, failover: FailoverRecord) -> tuple[float, float | None] | None:
+        """The failover's pause as the survivors of its pipeline saw it: seconds from the kill to the last of them
+        resuming, and to the last of them ending the failed step (None when unknown); None when the kill time is
+        not known."""
+        stages = len(self.stage_bounds)
+        victims = [pipeline * stages + node for pipeline, nodes in failover.victims.items() for node in nodes]
+        killed = [self.kill_times[rank] for rank in victims if rank in self.kill_times]
+        same = [f for f in self.failovers if f.epoch == failover.epoch and f.own_pipeline]
+        if not killed or not same:
+            return None
+        ended = [f.iteration_end for f in same if f.iteration_end is not None]
+        return max(f.resumed_at for f in same) - min(killed), (max(ended) - min(killed)) if ended else None
+
     @property
     def passed(self) -> bool:
         """Survivors exited cleanly, parameters match within 1e-6 relative, replicas bit-equal,

@@ -84,6 +84,7 @@ def _member(rank: int, port: int, mode: str) -> dict[str, Any]:
     waited = time.monotonic() - started
     result: dict[str, Any] = {"outcome": outcome, "waited": waited}
     if event is not None:
+        coordinator.epoch = event.epoch  # as the failover's agreement does: the next event is the next epoch's
         groups.set_members(event.epoch, {"dp": tuple(r for r in range(3) if r not in event.victims)})
         result["kept"] = comm.kept_groups()
         again = staging.outbound(torch.full((1 << 16,), float(rank + 1)))
@@ -134,11 +135,15 @@ def _run(mode: str) -> dict[int, dict[str, Any]]:
         return {rank: json.loads((out / f"{rank}.json").read_text()) for rank in range(3) if rank != VICTIM}
 
 
-@pytest.mark.parametrize(("mode", "outcome"), [("stopped", "noticed"), ("killed", "confirmed")])
-def test_a_dead_peer_during_a_collective_releases_the_survivors_who_rebuild_without_it(mode: str, outcome: str) -> None:
+@pytest.mark.parametrize(("mode", "outcomes"), [
+    ("stopped", {"noticed"}),  # gloo cannot tell: only the confirmation releases the survivors
+    ("killed", {"confirmed", "noticed"}),  # gloo's error, then the confirmation; or the confirmation came first
+])
+def test_a_dead_peer_during_a_collective_releases_the_survivors_who_rebuild_without_it(mode: str,
+                                                                                       outcomes: set[str]) -> None:
     survivors = _run(mode)
     for rank, result in survivors.items():
-        assert result["outcome"] == outcome, (rank, result)
+        assert result["outcome"] in outcomes, (rank, result)
         assert result["waited"] < CONFIRM_S, (rank, result)  # released by the confirmation, not by a timeout
         assert result["version"] == 1  # the next epoch's group, without the victim
         assert result["sum"] == 1.0 + 2.0  # ranks 0 and 1 contribute rank + 1

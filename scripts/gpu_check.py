@@ -146,9 +146,10 @@ def bench(device: str, sizes: dict[str, Any], say: Callable[[str], None]) -> lis
             return [{"step": "overhead", "what": "bench_rc.py", "measured": f"error: {last}", "goal": "-", "ok": "NO"}]
         results = json.loads(out.read_text())
     rows: list[Row] = []
-    for m, variants in results.items():
-        rows += _overhead_rows(m, variants, sizes)
-        rows += _memory_rows(m, variants, device)
+    for m, measured in results.items():
+        if m.isdigit():  # one entry per M; the others describe the run
+            rows += _overhead_rows(m, measured["variants"], sizes)
+            rows += _memory_rows(m, measured["variants"], device)
     return rows
 
 
@@ -160,8 +161,8 @@ def _overhead_rows(m: str, variants: dict[str, Any], sizes: dict[str, Any]) -> l
             rows.append({"step": "overhead", "what": f"M={m} {variant}", "measured": f"cannot run here: {row['error']}",
                          "goal": "-", "ok": "-"})
             continue
-        against = row.get("overhead_vs_none")
-        measured = f"{row['ms_per_iteration']:.1f} ms/step" + (f", {against * 100:+.1f}% vs none" if against is not None
+        against = row["overhead_vs_none_pct"] / 100 if row.get("overhead_vs_none_pct") is not None else None
+        measured = f"{row['ms_per_iteration']:.1f} ms/step" + (f", {against:+.1%} vs none" if against is not None
                                                                   and variant != "none" else "")
         goal, ok = "-", "-"
         if variant == "eflb" and against is not None and none is not None:

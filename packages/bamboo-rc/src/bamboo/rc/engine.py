@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bamboo.rc.auto import AUTO, DEFAULT_PREEMPTIONS_PER_NODE_HOUR, choose_for_layers
 from bamboo.rc.config import load_config
 from bamboo.rc.device import resolve_device
 from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
@@ -31,6 +32,7 @@ from bamboo.rc.failures import FailureNotices
 from bamboo.rc.layout import Layout
 from bamboo.rc.monitor import EVAL_LOSS, StepInfo
 from bamboo.rc.timeouts import CommTimeouts
+from bamboo.schedule import RedundancyChoice
 from torch.distributed import Store, TCPStore
 
 __all__ = ["Engine", "initialize"]
@@ -47,11 +49,13 @@ class Engine:
     of its pipeline, ``eval_batch`` a forward-only pass, ``save_checkpoint``/``load_checkpoint`` its stages'
     state. Every node calls each of them, in the same order, as with DeepSpeed."""
 
-    def __init__(self, executor: StageExecutor) -> None:
+    def __init__(self, executor: StageExecutor, redundancy_choice: RedundancyChoice | None = None) -> None:
         from bamboo.rc.evaluation import ForwardOnlyPass
         from bamboo.rc.monitor import Monitors
 
         self.executor = executor
+        self.redundancy_choice = redundancy_choice
+        """With ``redundancy="auto"``: the mode chosen and every mode's estimate (``.reason`` says why)."""
         self.monitors = Monitors(executor.config.monitors)
         self.last_step: StepInfo | None = None
         """What the last ``train_batch`` did (its loss, learning rate and samples/s), on every node."""
@@ -223,6 +227,7 @@ def initialize(
     config: Mapping[str, Any] | str | Path,
     redundancy: str = "eflb",
     *,
+    preemptions_per_node_hour: float | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     stages: int | None = None,
     rank: int | None = None,
@@ -244,7 +249,9 @@ def initialize(
     Under ``bamboo-launch run`` (``BAMBOO_SCRIPT_MODE`` set) it raises a RuntimeError that names
     ``bamboo.launch.train_worker``, the call such scripts make instead.
 
-    `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`. The layers are cut into `stages`
+    `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`, or `auto`: the mode expected to lose the least
+    training per hour (:mod:`bamboo.rc.auto`) at `preemptions_per_node_hour` (default 0.1), which every rank
+    works out alike; ``engine.redundancy_choice.reason`` says which and why. The layers are cut into `stages`
     contiguous ranges, `stage_bounds` (``[(start, end), ...]``, one per stage; default
     :func:`bamboo.rc.model.stage_bounds`, bamboo-reconfig's split by parameter count), and this
     process builds exactly its stage's range and its replica's. Global rank r is stage
@@ -273,8 +280,8 @@ def initialize(
             "and a train_batch loop (see bamboo-launch's README); to run this script as it is, start it with "
             "torchrun: BAMBOO_STAGES=<P> torchrun --nproc_per_node <P*D> SCRIPT"
         )
-    if redundancy not in REDUNDANCY_MODES:
-        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+    if redundancy not in (*REDUNDANCY_MODES, AUTO):
+        raise ValueError(f"redundancy must be one of {', '.join((*REDUNDANCY_MODES, AUTO))}, got {redundancy!r}")
     if hasattr(model, "_layer_specs"):
         specs: Sequence[Any] = list(model._layer_specs)
         loss_fn = loss_fn or getattr(model, "loss_fn", None)
@@ -300,10 +307,32 @@ def initialize(
             host, _env_int("MASTER_PORT"), is_master=False, timeout=datetime.timedelta(seconds=timeouts.build)
         )
     stage, pipeline = layout.position(rank)
+    choice = None
+    if redundancy == AUTO:
+        redundancy, choice = _resolve_auto(specs, layout, training.micro_batches, stage_bounds,
+                                           preemptions_per_node_hour)
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
         hook=hook, microbatch=microbatch, device=place,
     )
     executor.connect()
-    return Engine(executor)
+    return Engine(executor, choice)
+
+
+def _resolve_auto(
+    specs: Sequence[Any], layout: Layout, micro_batches: int, bounds: Sequence[Sequence[int]] | None,
+    rate: float | None,
+) -> tuple[str, RedundancyChoice | None]:
+    """``auto``'s mode for this job. One stage (pure data parallelism) takes the lazy ring, which does no work
+    until a failure, whenever preemptions are expected and there is a second pipeline to hold the copy; the
+    schedule's model covers pipelines."""
+    rate = DEFAULT_PREEMPTIONS_PER_NODE_HOUR if rate is None else rate
+    if layout.stages == 1:
+        return ("lflb" if rate > 0 and layout.pipelines > 1 else "none"), None
+    from bamboo.rc.model import stage_bounds as default_bounds
+
+    bounds = bounds if bounds is not None else default_bounds(specs, layout.stages)
+    choice = choose_for_layers(specs, bounds, micro_batches, layout.stages * layout.pipelines, rate)
+    _log.info("redundancy auto: %s", choice.reason)
+    return choice.mode, choice

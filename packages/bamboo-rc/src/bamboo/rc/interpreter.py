@@ -64,6 +64,10 @@ def _tag(kind: int, stage: int, microbatch: int) -> int:
     return (kind * 128 + stage) * 4096 + microbatch
 
 
+def _never_posted() -> tuple[list[object], torch.Tensor | None]:
+    raise RuntimeError("a posted transfer was lost before it completed")
+
+
 def _segments(flat: torch.Tensor) -> list[torch.Tensor]:
     """Split a large 1-D payload into messages that each fit MAX_CHUNKS chunks."""
     per_message = max(1, MAX_CHUNKS * CHUNK_BYTES // flat.element_size())
@@ -125,6 +129,8 @@ class StageInterpreter:
         self._pending: dict[str, tuple[int, object, torch.Tensor | None]] = {}
         """Transfers a confirmed failure interrupted: instruction text -> (peer node, handle, buffer)."""
         self._segmented: dict[str, tuple[int, torch.Tensor, int]] = {}
+        self._posted_syncs: dict[str, Instruction] = {}
+        """Replica syncs posted and not yet waited for (their handles are in `_pending`): text -> instruction."""
         """Payloads sent in several messages that a failure interrupted: instruction text -> (peer node, the
         payload, the segment to resume at)."""
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -173,7 +179,10 @@ class StageInterpreter:
         """Back to the start-of-iteration state: partial gradients and stashes discarded."""
         for piece in self.slices.values():
             piece.zero_grads()
-        self._sync_buffers.drop()  # a receive given up with the iteration may still be posted on one
+        self._sync_buffers.drop()  # a transfer given up with the iteration may still be posted on one
+        for key in self._posted_syncs:  # the iteration's groups are built again: nothing will take them
+            self._pending.pop(key, None)
+        self._posted_syncs.clear()
         self.reset_iteration()
 
     def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -237,6 +246,7 @@ class StageInterpreter:
         for key in dropped:
             self._pending.pop(key, None)
             self._segmented.pop(key, None)
+            self._posted_syncs.pop(key, None)
         if dropped:  # a dropped receive may still be posted on its buffer
             self._sync_buffers.drop()
         return dropped
@@ -514,17 +524,35 @@ class StageInterpreter:
         self._to_step.append(instruction.stage)  # applied at the commit, with the global clip
 
     def _sync_send(self, instruction: Instruction) -> None:
-        """Send stage s's reduced gradients (and its loss and step number) to its shadow."""
+        """Post the send of stage s's reduced gradients (and its loss and step number) to its shadow, and go on.
+
+        The replica sync is a buffered send (`bamboo.schedule.BUFFERED_SENDS`): the shadow receives it at the end
+        of its own work, so waiting here would hold this node for nothing. It is completed before the commit
+        (:meth:`complete_posted_syncs`), which keeps its payload buffer alive until then."""
         assert instruction.peer is not None
         s = instruction.stage
         self._wait_reduction(s)
         shadow = self._peer_rank(instruction.peer)
-        # Reused: a send only reads its payload, and one left posted never outlives the step (the commit refuses it).
-        payload = self._transfer_segments(
-            instruction, lambda: torch.cat(self._reduced[s], out=self._sync_buffers.get(("out", s), self._sync_size(s))),
-            shadow, s,
-        )
+        payload = torch.cat(self._reduced[s], out=self._sync_buffers.get(("out", s), self._sync_size(s)))
+        group = self._group_for(shadow)
+        key = str(instruction)
+        self._await_group_members(group, key)
+        works: list[object] = []
+        for segment, piece in enumerate(_segments(payload)):
+            works += self.groups.post_send(group, piece, shadow, _tag(_TAG_SYNC, s, segment), key)
+        handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
+        self._pending[key] = (instruction.peer, handle, payload)
+        self._posted_syncs[key] = instruction
         self.sync_bytes += payload.numel() * payload.element_size()
+
+    def complete_posted_syncs(self) -> None:
+        """Wait until every replica sync this node posted was received, giving way to a confirmed failure
+        (the sync stays posted, and is waited for again at the next commit)."""
+        for key, instruction in list(self._posted_syncs.items()):
+            if key in self._pending:
+                assert instruction.peer is not None
+                self._transfer(instruction, self._peer_rank(instruction.peer), _never_posted)
+            del self._posted_syncs[key]
 
     def _sync_recv(self, instruction: Instruction) -> None:
         """Receive stage s's reduced gradients; the replica steps with them after the commit."""
@@ -533,24 +561,23 @@ class StageInterpreter:
         self._apply_replica_update(s)  # lflb never runs the replica: apply the last update now
         owner = self._peer_rank(instruction.peer)
         # Reused: the last update, applied just now, was the only other user of the buffer.
-        self._received_syncs[s] = self._transfer_segments(
-            instruction, lambda: self._sync_buffers.get(("in", s), self._sync_size(s)), owner, s, receive=True
+        self._received_syncs[s] = self._receive_segments(
+            instruction, lambda: self._sync_buffers.get(("in", s), self._sync_size(s)), owner, s
         )
 
     def _sync_size(self, s: int) -> int:
         """Elements of stage s's replica sync: its gradients, the reduced loss and the step number."""
         return self.slices[s].numel() + 2
 
-    def _transfer_segments(
-        self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int, stage: int, receive: bool = False
-    ) -> torch.Tensor:
-        """Send (or receive into) the payload `make()` gives, one message per segment; returns the payload.
+    def _receive_segments(self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int,
+                          stage: int) -> torch.Tensor:
+        """Receive into the payload `make()` gives, one message per segment; returns the payload.
 
-        A payload over MAX_CHUNKS chunks (256 MiB) goes in messages of that size, one after the other, so that
-        no more than one message's chunks are posted at a time. A confirmed failure can interrupt
-        it after some segments went: the payload and the first unfinished segment are kept under the
-        instruction's text, so the failover schedule's same instruction resumes it there (the interrupted
-        segment's transfer is still posted), and never sends or receives a segment twice."""
+        A payload over MAX_CHUNKS chunks (256 MiB) comes in messages of that size, one after the other, so that
+        no more than one message's chunks are posted at a time. A confirmed failure can interrupt it after some
+        segments came: the payload and the first unfinished segment are kept under the instruction's text, so the
+        failover schedule's same instruction resumes it there (the interrupted segment's receive is still posted),
+        and never receives a segment twice."""
         key = str(instruction)
         assert instruction.peer is not None
         _, payload, start = self._segmented.pop(key, (instruction.peer, None, 0))
@@ -560,10 +587,7 @@ class StageInterpreter:
             if segment < start:
                 continue
             self._segmented[key] = (instruction.peer, payload, segment)
-            if receive:
-                self._recv(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
-            else:
-                self._send(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
+            self._recv(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
         del self._segmented[key]
         return payload
 
@@ -616,10 +640,18 @@ class StageInterpreter:
         not atomic: when a victim dies during it, survivors that completed it have committed and
         the others finish the commit with their result (:meth:`finish_commit`).
         """
+        started = time.perf_counter()
+        try:
+            return self._commit(hosted)
+        finally:
+            self.kind_seconds["commit"] = self.kind_seconds.get("commit", 0.0) + time.perf_counter() - started
+
+    def _commit(self, hosted: Sequence[int]) -> float:
         pipe = f"pipe-d{self.pipeline}"
         self._await_group_members(pipe, "commit")  # before anything changes: it may raise
         for s in sorted(self._reducing):
             self._wait_reduction(s)
+        self.complete_posted_syncs()  # every shadow holds its stage's step before anyone commits it
         squared, loss = self._commit_contribution(hosted)
         norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
         self.groups.allreduce(pipe, [norm_and_loss], "commit (global gradient norm and loss)", self._interrupter(pipe))

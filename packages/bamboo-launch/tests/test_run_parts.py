@@ -53,6 +53,24 @@ def test_the_spec_the_launcher_writes_is_the_one_its_agents_flags_give(tmp_path,
     assert agent_spec_fields(parsed) == run_spec_fields(options, 5)
 
 
+def test_the_device_of_a_run_reaches_every_agent(tmp_path) -> None:
+    options = RunOptions(nodes=4, stages=2, pipelines=2, device="cuda:1")
+    command = agent_command(options, "j", ("127.0.0.1:1",), tmp_path, 4, "node0", "a")
+    assert command[command.index("--device") + 1] == "cuda:1"
+    assert build_parser().parse_args(command[3:]).device == "cuda:1"
+    assert "--device" not in agent_command(RunOptions(nodes=4, stages=2, pipelines=2), "j", ("127.0.0.1:1",),
+                                           tmp_path, 4, "node0", "a")
+
+
+@pytest.mark.parametrize("command", ["run", "agent"])
+def test_a_device_the_runtime_does_not_know_is_one_line(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--device", "gpu", *(["--job", "j", "--etcd", "127.0.0.1:1"] if command == "agent" else [])])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device: expected cpu, cuda, cuda:N or auto, got 'gpu'" in err and "Traceback" not in err
+
+
 def test_run_options_refuse_too_few_nodes() -> None:
     with pytest.raises(ValueError, match="--nodes 3 cannot hold 2 pipelines of 2 stages"):
         RunOptions(nodes=3, stages=2, pipelines=2)

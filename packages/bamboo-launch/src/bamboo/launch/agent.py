@@ -121,6 +121,8 @@ class AgentOptions:
     metadata_url: str | None = None
     """The metadata server's base URL (default: the cloud's own)."""
     spec_timeout_s: float = timeouts.SPEC_WAIT_S
+    device: str | None = None
+    """The worker's device (``--device``, given to it as ``BAMBOO_DEVICE``); None: its own default."""
 
     def __attrs_post_init__(self) -> None:
         if not self.node or "/" in self.node:
@@ -312,6 +314,8 @@ class _Supervisor:
         command, variables = worker_command(self.spec, path, self.node)
         if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
             variables["BAMBOO_GLOO_HOST"] = self.options.host
+        if self.options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it
+            variables["BAMBOO_DEVICE"] = self.options.device
         nice = shutil.which("nice")
         if nice is not None:
             command = [nice, "-n", str(WORKER_NICENESS), *command]

@@ -113,6 +113,8 @@ class RunOptions:
     live: bool = False
     progress_every: int = attrs.field(default=10, validator=_POSITIVE)
     """Without the live view, a progress line each time the step crosses a multiple of this."""
+    device: str | None = None
+    """Every worker's device (``--device``: ``cpu``, ``cuda``, ``cuda:N``, ``auto``); None: the workers' default."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
     """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""
 
@@ -201,6 +203,8 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
             command += [flag, secret]
     if options.notice_s > 0:  # the market's SIGTERM comes this long before its kill
         command += ["--notice-window", str(options.notice_s)]
+    if options.device is not None:
+        command += ["--device", options.device]
     if script:
         command += ["--", *script]
     return command

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from bamboo.rc.auto import AUTO, DEFAULT_PREEMPTIONS_PER_NODE_HOUR, choose_for_layers
 from bamboo.rc.config import load_config
+from bamboo.rc.device import resolve_device
 from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
 from bamboo.rc.failures import FailureNotices
 from bamboo.rc.layout import Layout
@@ -239,6 +240,7 @@ def initialize(
     stage_bounds: Sequence[Sequence[int]] | None = None,
     hook: ExecutorHook | None = None,
     microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    device: str | torch.device | None = None,
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
@@ -264,6 +266,12 @@ def initialize(
     ``lflb``) or every step (eager, ``eflb``/``efeb``): it needs ``microbatch(step, global index) ->
     (inputs, labels)``, the data as a function of its position in the global batch (pipeline d's share is
     global microbatches ``d*M .. d*M+M-1`` of every step).
+
+    `device` is where the layers, the replica, the optimizer state and the activations live: ``"cpu"``,
+    ``"cuda"``, ``"cuda:N"`` or a ``torch.device``; None reads ``BAMBOO_DEVICE``, and without it takes
+    ``cuda:LOCAL_RANK`` (modulo the GPUs present) when CUDA is present, else the CPU
+    (:func:`bamboo.rc.device.resolve_device`). Messages travel in host memory either way
+    (:mod:`bamboo.rc.transport`).
     """
     if os.environ.get(LAUNCHER_SCRIPT_MODE):
         raise RuntimeError(
@@ -290,6 +298,7 @@ def initialize(
     if world_size % stages:
         raise ValueError(f"WORLD_SIZE {world_size} is not a multiple of the {stages} stages")
     layout = Layout(stages, world_size // stages)
+    place = resolve_device(device)
     training = load_config(config, pipelines=layout.pipelines)
     timeouts = timeouts or CommTimeouts()
     if store is None:
@@ -305,7 +314,7 @@ def initialize(
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
-        hook=hook, microbatch=microbatch,
+        hook=hook, microbatch=microbatch, device=place,
     )
     executor.connect()
     return Engine(executor, choice)

@@ -42,12 +42,14 @@ import torch
 from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, GroupTable, wait_works
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator
+from bamboo.rc.device import RedundantStream, autocast, to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice, clip_coefficient
+from bamboo.rc.transport import HostStaging
 from bamboo.schedule import FailoverPlan, Instruction, Kind
 
 __all__ = ["StageInterpreter"]
@@ -95,6 +97,7 @@ class StageInterpreter:
         groups: GroupTable,
         coordinator: FailoverCoordinator,
         keeps_contributions: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         self.slices = slices
         self.loss_fn = loss_fn
@@ -109,6 +112,12 @@ class StageInterpreter:
         """Whether each all-reduce keeps a copy of what it contributed, to be redone or posted again after a
         failure. Only with redundancy: without, a failure ends the run, and the copy would cost a fresh
         gradient-sized tensor every step."""
+        self.device = device or torch.device("cpu")
+        """Where the slices, the activations and the gradients live (:mod:`bamboo.rc.device`); messages and
+        the all-reduced gradients are in host memory, staged by :attr:`staging`."""
+        self.staging = HostStaging(self.device)
+        self.redundant = RedundantStream(self.device)
+        """The second stream FRC and BRC run on, on a GPU."""
         self.stash = FrcStash()
         self.step = 0
         self.losses: list[float] = []
@@ -128,12 +137,12 @@ class StageInterpreter:
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
         self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._flat_buffers = ReusedBuffers()
+        self._flat_buffers = ReusedBuffers(self.device)
         """Without redundancy: by stage, the buffer its flat gradients are gathered into, step after step."""
-        self._spare_grads = SpareBuffers()
+        self._spare_grads = SpareBuffers(self.device)
         """With redundancy: by stage, gradient-sized buffers free again (an all-reduce's that completed, a
         contribution no longer kept), for the next step's flat gradients and contribution."""
-        self._sync_buffers = ReusedBuffers()
+        self._sync_buffers = ReusedBuffers(self.device)
         """By ("out" or "in", stage): the payload of the stage's replica sync, sent or received, step after step."""
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
@@ -177,8 +186,9 @@ class StageInterpreter:
         self.reset_iteration()
 
     def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """This iteration's (tokens, labels) by microbatch index within the pipeline."""
-        self._microbatches = microbatches
+        """This iteration's (tokens, labels) by microbatch index within the pipeline (put on the device)."""
+        self._microbatches = {k: (to_device(x, self.device), to_device(y, self.device))
+                              for k, (x, y) in microbatches.items()}
 
     def _peer_rank(self, node: int) -> int:
         return self.layout.rank(node, self.pipeline)
@@ -290,7 +300,8 @@ class StageInterpreter:
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
         self._await_group_members(group, str(instruction))
-        self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
+        self._transfer(instruction, peer, lambda: (
+            self.groups.post_send(group, self.staging.outbound(tensor), peer, tag, str(instruction)), None))
 
     def _recv(self, instruction: Instruction, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         group = self._group_for(peer)
@@ -324,7 +335,8 @@ class StageInterpreter:
             ndim = int(header[0])
             self._act_meta[peer] = (tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
         shape, dtype = self._act_meta[peer]
-        buffer = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_ACT, s, k))
+        received = self._recv(instruction, self.staging.inbound_buffer(shape, dtype), peer, _tag(_TAG_ACT, s, k))
+        buffer = self.staging.inbound(received)
         self.inputs[(s, k)] = buffer.requires_grad_(buffer.is_floating_point())
 
     def _stage_input(self, stage: int, k: int) -> torch.Tensor:
@@ -338,7 +350,7 @@ class StageInterpreter:
     def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
         self._apply_replica_update(stage)
         microbatch = global_microbatch(self.pipeline, self.config.micro_batches, k)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+        with autocast(self.device, self.config):
             y = self.slices[stage].forward(x, step=self.step, microbatch=microbatch)  # F, FR, BR's FR: same masks
         if stage == self.layout.stages - 1:
             return self.loss_fn(y, self._microbatches[k][1]) / self._global_microbatches()
@@ -374,7 +386,8 @@ class StageInterpreter:
         assert k is not None and instruction.peer is not None
         peer = self._peer_rank(instruction.peer)
         shape, dtype = self._output_meta[s]
-        self.out_grads[(s, k)] = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_GRAD, s, k))
+        received = self._recv(instruction, self.staging.inbound_buffer(shape, dtype), peer, _tag(_TAG_GRAD, s, k))
+        self.out_grads[(s, k)] = self.staging.inbound(received)
 
     def _output_grad(self, s: int, k: int) -> torch.Tensor | None:
         """The gradient w.r.t. stage s's output: received, or local when stage s+1 ran here."""
@@ -407,8 +420,8 @@ class StageInterpreter:
     def _replica_input(self, s: int, k: int) -> torch.Tensor:
         if s == 0:
             return self._microbatches[k][0]
-        if (s, k) in self.stash.inputs:  # lflb: the stashed input
-            return self.stash.inputs[(s, k)]
+        if (s, k) in self.stash.inputs:  # lflb: the stashed input (in host memory)
+            return to_device(self.stash.inputs[(s, k)], self.device)
         return self.local_outputs[(s - 1, k)]
 
     def _frc(self, instruction: Instruction) -> None:
@@ -420,7 +433,7 @@ class StageInterpreter:
             x = x.detach().requires_grad_()
         self._apply_replica_update(s)
         weights = {p.untyped_storage().data_ptr() for p in self.slices[s].parameters}
-        with self.stash.recording((s, k), skip=weights):
+        with self.redundant.run(), self.stash.recording((s, k), skip=weights):
             y = self._run_layers(s, k, x)
         if s == self.layout.stages - 1:
             self.mb_losses.setdefault(k, float(y.detach()) * self._global_microbatches())
@@ -446,7 +459,8 @@ class StageInterpreter:
             self._frc(instruction)
         output = self.red_outputs.pop((s, k))
         x = self.red_inputs.pop((s, k))
-        self._backward_from(s, k, output, x if s > 0 else None)
+        with self.redundant.run():
+            self._backward_from(s, k, output, x if s > 0 else None)
         self.stash.drop((s, k))
 
     def _allreduce(self, instruction: Instruction) -> None:

@@ -19,6 +19,7 @@ import attrs
 import torch
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.device import autocast
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.state import TrainableSlice, clip_coefficient
 
@@ -57,15 +58,18 @@ def train_reference(
     seed: int,
     *,
     history: Sequence[Sequence[int]] = (),
+    device: torch.device | None = None,
 ) -> ReferenceResult:
-    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches.
+    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches, on `device` (default
+    the CPU; a GPU reference for a pipeline on GPUs). The layer states come back in host memory.
 
     ``history`` lists ``(first step, pipelines)`` of every layout generation of a run whose number of pipelines
     changed (empty: `pipelines` throughout); the global batch stays ``pipelines × M`` microbatches, each
     generation's pipelines taking an equal share of it.
     """
+    device = device or torch.device("cpu")
     read = _reader(batches)
-    whole = TrainableSlice(specs, range(len(specs)), config, seed)
+    whole = TrainableSlice(specs, range(len(specs)), config, seed, device)
     whole.zero_grads()
     global_microbatches = pipelines * config.micro_batches
     losses: list[float] = []
@@ -81,9 +85,9 @@ def train_reference(
             for k in range(per_pipeline):
                 index = global_microbatch(pipeline, per_pipeline, k)
                 inputs, labels = read(step, index)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                    outputs = whole.forward(inputs, step=step, microbatch=index)
-                loss = loss_fn(outputs, labels)
+                with autocast(device, config):
+                    outputs = whole.forward(inputs.to(device), step=step, microbatch=index)
+                loss = loss_fn(outputs, labels.to(device))
                 (loss / global_microbatches).backward()
                 total += float(loss.detach())
             share = whole.flat_grads()
@@ -92,4 +96,5 @@ def train_reference(
         whole.load_flat_grads(summed)
         losses.append(total / global_microbatches)
         whole.apply_step(clip_coefficient(config.gradient_clipping, whole.squared_grad_norm()))
-    return ReferenceResult([layer.state_dict() for layer in whole.layers], losses)
+    states = [{name: tensor.detach().cpu() for name, tensor in layer.state_dict().items()} for layer in whole.layers]
+    return ReferenceResult(states, losses)

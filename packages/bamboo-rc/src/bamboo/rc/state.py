@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from bamboo.rc.config import TrainingConfig, build_optimizer, build_scheduler
+from bamboo.rc.device import host_empty
 from bamboo.rc.model import build_layers
 from bamboo.rc.rng import run_layers
 from torch import nn
@@ -32,15 +33,17 @@ class ReusedBuffers:
     A fresh gradient-sized tensor costs its page faults again every time: the allocator hands blocks that
     large back to the system when they are freed (about 21 ms per 13 M parameters on a 2-core machine here).
     The caller asks for a buffer again only once every operation posted on it has finished, and calls
-    :meth:`drop` when one it gave up may still write into them."""
+    :meth:`drop` when one it gave up may still write into them. They are host memory (what gloo sends and
+    receives), pinned when they face a GPU (``device``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._held: dict[object, torch.Tensor] = {}
+        self._device = device or torch.device("cpu")
 
     def get(self, key: object, numel: int) -> torch.Tensor:
         held = self._held.get(key)
         if held is None or held.numel() != numel:
-            held = self._held[key] = torch.empty(numel)
+            held = self._held[key] = host_empty((numel,), torch.float32, self._device)
         return held
 
     def drop(self) -> None:
@@ -55,12 +58,13 @@ class SpareBuffers:
     For buffers whose lifetime is not one step: a gradient buffer an all-reduce sums into is free only once
     that all-reduce completed (a failure may leave it pending on a retired group, still writing), and a
     contribution kept for a shadow's redo only once it is no longer kept. At most :attr:`PER_KEY` spares
-    are held per key; more are let go."""
+    are held per key; more are let go. Host memory, pinned when they face a GPU (``device``)."""
 
     PER_KEY = 2
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._spare: dict[object, list[torch.Tensor]] = {}
+        self._device = device or torch.device("cpu")
 
     def take(self, key: object, numel: int) -> torch.Tensor:
         spares = self._spare.get(key, [])
@@ -68,7 +72,7 @@ class SpareBuffers:
             spare = spares.pop()
             if spare.numel() == numel:
                 return spare
-        return torch.empty(numel)
+        return host_empty((numel,), torch.float32, self._device)
 
     def give_back(self, key: object, buffer: torch.Tensor) -> None:
         """`buffer` is free: nothing posted on it is pending, and its user holds no reference it will use."""
@@ -98,12 +102,20 @@ def _reusable_grad(p: nn.Parameter, dtype: torch.dtype) -> bool:
 
 
 class TrainableSlice:
-    """Layers `indices` of `specs`, with their own optimizer and scheduler."""
+    """Layers `indices` of `specs`, with their own optimizer and scheduler, on `device`.
 
-    def __init__(self, specs: Sequence[Any], indices: range, config: TrainingConfig, seed: int) -> None:
+    The layers are built on the CPU (under their seeds, so every copy starts bit-equal) and then moved to
+    `device`; the optimizer's state is made beside the parameters. Gradients come out of :meth:`flat_grads`
+    into host buffers and go back in through :meth:`load_flat_grads`, whatever the device."""
+
+    def __init__(self, specs: Sequence[Any], indices: range, config: TrainingConfig, seed: int,
+                 device: torch.device | None = None) -> None:
         self.indices = indices
         self.seed = seed
+        self.device = device or torch.device("cpu")
         self.layers: nn.Sequential = build_layers(specs, indices, seed)
+        if self.device.type != "cpu":
+            self.layers.to(self.device)
         self.parameters: list[nn.Parameter] = [p for p in self.layers.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, self.parameters)
         self.scheduler = build_scheduler(config.scheduler, self.optimizer)
@@ -129,18 +141,25 @@ class TrainableSlice:
                 p.grad = torch.zeros_like(p)
 
     def flat_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """All gradients concatenated (fp32 on CPU), a copy: written into `out` (of :meth:`numel` elements)
-        when given, so that a caller can reuse one buffer from step to step."""
+        """All gradients concatenated (fp32), a copy: written into `out` (of :meth:`numel` elements, on the
+        slice's device or in host memory) when given, so that a caller can reuse one buffer from step to step;
+        else on the slice's device."""
         if not self.parameters:
-            return torch.zeros(0)
+            return torch.zeros(0, device=self.device)
         grads = [p.grad.reshape(-1) for p in self.parameters]
-        return torch.cat(grads) if out is None else torch.cat(grads, out=out)
+        if out is None:
+            return torch.cat(grads)
+        if out.device == self.device:
+            return torch.cat(grads, out=out)
+        return out.copy_(torch.cat(grads))  # one copy off the device (into pinned memory: a fast one)
 
     def load_flat_grads(self, flat: torch.Tensor) -> None:
         """Set the gradients to `flat` (as :meth:`flat_grads` lays them out), copied: `flat` may be reused."""
         needed = self.numel()
         if needed != flat.numel():
             raise ValueError(f"gradient buffer has {flat.numel()} elements, the slice needs {needed}")
+        if flat.device != self.device:  # one copy onto the device, done when this returns (`flat` may be reused)
+            flat = flat.to(self.device)
         offset = 0
         for p in self.parameters:
             n = p.numel()
@@ -159,7 +178,7 @@ class TrainableSlice:
         gradient (``p.grad.double().pow(2).sum()``) allocated two float64 copies of it, which cost 83 ms per
         21 M parameters on one thread here, against 11 ms this way. The association is fixed by the piece
         size, so every node and the single-process reference get the same bits."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.parameters:
             for piece in p.grad.reshape(-1).split(NORM_PIECE):
                 scratch = self._norm_scratch(piece.numel())
@@ -170,7 +189,7 @@ class TrainableSlice:
     def _norm_scratch(self, numel: int) -> torch.Tensor:
         if self._norm_buffer is None:
             largest = max((p.numel() for p in self.parameters), default=0)
-            self._norm_buffer = torch.empty(min(largest, NORM_PIECE), dtype=torch.float64)
+            self._norm_buffer = torch.empty(min(largest, NORM_PIECE), dtype=torch.float64, device=self.device)
         return self._norm_buffer[:numel]
 
     def apply_step(self, clip: float) -> None:
@@ -202,7 +221,7 @@ class TrainableSlice:
         return buffer.getvalue()
 
     def load_state_bytes(self, data: bytes) -> None:
-        state = torch.load(io.BytesIO(data), weights_only=False)
+        state = torch.load(io.BytesIO(data), weights_only=False, map_location=self.device)
         self.layers.load_state_dict(state["layers"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:

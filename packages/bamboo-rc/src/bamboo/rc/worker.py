@@ -21,6 +21,7 @@ import attrs
 import torch
 from bamboo.rc.config import load_config
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
+from bamboo.rc.device import exact_kernels, peak_memory_bytes, resolve_device
 from bamboo.rc.engine import initialize
 from bamboo.rc.failures import ConsecutiveFailure, HandedOver, StoreFailureNotices
 from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
@@ -33,12 +34,14 @@ __all__ = ["WorkerSpec", "exact_mode", "run_worker", "worker_main"]
 
 
 def exact_mode() -> None:
-    """One intra-op thread and deterministic algorithms: the same math gives the same bits.
+    """One intra-op thread and deterministic algorithms: the same math gives the same bits (on a GPU too:
+    cuBLAS's fixed workspace is set before CUDA starts, :func:`bamboo.rc.device.exact_kernels`).
 
     ``torch.use_deterministic_algorithms(True)`` sets the same flag of the eager kernels, and also inductor's
     ``deterministic`` option, whose import imports ``torch._dynamo``: 1.2 s of CPU in every worker, for a
     compiler nothing here runs. So the eager flag is set alone (the public call where torch lacks the private one).
     """
+    exact_kernels()
     torch.set_num_threads(1)
     set_eager_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
     if set_eager_flag is None:
@@ -68,6 +71,9 @@ class WorkerSpec:
     timeouts: CommTimeouts = attrs.field(factory=CommTimeouts)
     kills: tuple[KillPoint, ...] = ()
     notice_points: tuple[NoticePoint, ...] = ()
+    device: str | None = None
+    """``initialize``'s device (None: ``BAMBOO_DEVICE``, else a GPU when CUDA is present); ``cuda`` without an
+    index is ``cuda:(rank mod GPUs)``."""
 
 
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
@@ -88,7 +94,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None,
         stage_bounds=spec.stage_bounds,
         hook=FaultInjector.for_node(spec.stage, spec.pipeline, spec.kills, spec.notice_points),
-        microbatch=microbatch,
+        microbatch=microbatch, device=resolve_device(spec.device, local_rank=spec.layout.rank(spec.stage, spec.pipeline)),
     )
     executor = engine.executor
     data = pipeline_data_iter(sampler, spec.pipeline, config.micro_batches)
@@ -108,7 +114,8 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "stage": spec.stage,
         "pipeline": spec.pipeline,
         "hosted": [] if left else list(executor.hosted),
-        "slices": {} if left else {s: [layer.state_dict() for layer in p.layers] for s, p in executor.slices.items()},
+        "slices": {} if left else {s: [{name: tensor.detach().cpu() for name, tensor in layer.state_dict().items()}
+                                       for layer in p.layers] for s, p in executor.slices.items()},
         "replica_stage": None if left else executor.replica_stage,
         "left": left,
         "withdrew": executor.handover_step is not None and not left,
@@ -116,6 +123,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "losses": executor.losses,
         "steps_done": executor.step,
         "stash_peak_bytes": executor.stash.peak_bytes,
+        "memory": {"device": str(executor.device), "device_peak_bytes": peak_memory_bytes(executor.device) or 0,
+                   "stash_swapped_bytes": executor.stash.swapped_bytes_total,
+                   "stash_device_peak_bytes": executor.stash.device_peak_bytes,
+                   "staged_bytes": executor.interpreter.staging.staged_bytes},
         "sync_bytes": executor.sync_bytes,
         "failovers": [failover.to_dict() for failover in executor.failovers],
         "iteration_times": executor.iteration_times,

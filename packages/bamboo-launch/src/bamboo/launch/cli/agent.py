@@ -22,7 +22,7 @@ from typing import Any
 from bamboo.bench.argtypes import default_of, positive_float
 from bamboo.launch import timeouts
 from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent
-from bamboo.launch.cli.common import endpoints, fail
+from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecError
 from bamboo.membership import EtcdKV, MembershipStore, StoreError, StoreUnavailableError
@@ -138,6 +138,7 @@ def _add_machine_flags(agent: argparse.ArgumentParser) -> None:
                        "instance-action (IMDSv2) or GCE instance/preempted (default: none)")
     where.add_argument("--metadata-url", default=None,
                        help="base URL of the metadata server (default: the cloud's own)")
+    where.add_argument("--device", type=device, default=None, help=DEVICE_HELP)
     where.add_argument("--spec-timeout", type=positive_float, default=None,
                        help="seconds to wait for another agent to write the job's spec (default: "
                        f"{default_of(AgentOptions, 'spec_timeout_s'):g})")
@@ -221,7 +222,7 @@ def _options(args: argparse.Namespace) -> AgentOptions:
             spec=agent_spec_fields(args), token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, insecure=args.insecure,
             notice_window_s=args.notice_window, preemption_notices=args.preemption_notices,
-            metadata_url=args.metadata_url,
+            metadata_url=args.metadata_url, device=args.device,
             **({"spec_timeout_s": args.spec_timeout} if args.spec_timeout is not None else {}),
         )
     except AgentError as error:

@@ -43,6 +43,17 @@ def error_line(error: BaseException) -> str:
     return message.strip().splitlines()[0] if message.strip() else type(error).__name__
 
 
+DEVICE_HELP = ("where the worker computes: cpu, cuda (GPU LOCAL_RANK mod the GPUs; every emulated node of `run` shares "
+               "GPU 0), cuda:N or auto (default: $BAMBOO_DEVICE, else auto: a GPU when CUDA is present, else cpu)")
+
+
+def device(text: str) -> str:
+    """A worker's device as bamboo-rc's ``initialize(device=)`` takes it (checked there against the GPUs present)."""
+    if text not in ("cpu", "cuda", "auto") and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or auto, got {text!r}")
+    return text
+
+
 def endpoints(text: str) -> tuple[str, ...]:
     """``host:port[,host:port...]`` (an ``http://`` prefix is dropped; TLS has its own flags)."""
     found = []

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
-from bamboo.launch.cli.common import endpoints, fail
+from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.events import read_events
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.report import compute_report, format_report, plot_report
@@ -123,6 +123,7 @@ def _add_output_and_timing_flags(run: argparse.ArgumentParser) -> None:
                      "abandoned and decided again (a node that dies meanwhile is noticed sooner: at once when a "
                      "transfer fails on its closed connection, otherwise when its lease expires, --ttl; default: "
                      "%(default)s)")
+    run.add_argument("--device", type=device, default=None, help=DEVICE_HELP)
     run.add_argument("--timeout", type=positive_float, default=_default("timeout_s"),
                      help="seconds the whole run may take before every node is killed (default: %(default)s)")
     run.add_argument("--no-live", action="store_true",
@@ -151,7 +152,7 @@ def run_command(args: argparse.Namespace) -> int:
             redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
             grace_s=args.grace,
             reconfigure_timeout_s=args.reconfigure_timeout, timeout_s=args.timeout, live=not args.no_live,
-            progress_every=args.progress_every,
+            progress_every=args.progress_every, device=args.device,
             script=tuple(args.script),
         )
     except ValueError as error:

@@ -6,7 +6,9 @@ same global batch at every step, accumulated per pipeline as the run's layouts g
 the data-parallel all-reduce associates them. So a run that changed the number of pipelines mid-way is
 compared with the same sums, associated the same way, and an exact run matches bit for bit. Each layer's
 forward runs under the generator that :mod:`bamboo.rc.rng` derives from (seed, step, global microbatch
-index, layer index), as in the workers, so a model with dropout draws the same masks here as there.
+index, layer index), as in the workers, so a model with dropout draws the same masks here as there. The
+step itself is bamboo-rc's :func:`bamboo.rc.reference.reference_step` (the run's precision and loss scale,
+tied weights summed).
 """
 
 from __future__ import annotations
@@ -35,32 +37,19 @@ def train_reference_program(
     data-parallel all-reduce associates them (bamboo-rc's ``train_reference`` does this for one fixed
     D). So a run that changed D mid-way is compared with the same sums, associated the same way.
     """
-    import torch
     from bamboo.rc import load_config
-    from bamboo.rc.rng import global_microbatch
-    from bamboo.rc.state import TrainableSlice, clip_coefficient
+    from bamboo.rc.data import bind_global_batch
+    from bamboo.rc.reference import reference_step
+    from bamboo.rc.state import TrainableSlice
 
     first_d = int(history[0][1])
     base = load_config(config, pipelines=first_d)
     global_microbatches = base.micro_batches * first_d
+    bind_global_batch(microbatch, global_microbatches, base.micro_batch_size)
     whole = TrainableSlice(specs, range(len(specs)), base, seed)
     for step in range(steps):
         pipelines = next(int(d) for first, d in reversed(history) if step >= int(first))
-        per_pipeline = global_microbatches // pipelines
-        summed: torch.Tensor | None = None
-        for pipeline in range(pipelines):
-            whole.zero_grads()
-            for k in range(per_pipeline):
-                index = global_microbatch(pipeline, per_pipeline, k)
-                inputs, labels = microbatch(step, index)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=base.bf16):
-                    outputs = whole.forward(inputs, step=step, microbatch=index)  # bamboo.rc.rng's generators
-                (loss_fn(outputs, labels) / global_microbatches).backward()
-            share = whole.flat_grads()
-            summed = share if summed is None else summed + share
-        assert summed is not None
-        whole.load_flat_grads(summed)
-        whole.apply_step(clip_coefficient(base.gradient_clipping, whole.squared_grad_norm()))
+        reference_step(whole, loss_fn, base, microbatch, step, pipelines, global_microbatches)
     return [layer.state_dict() for layer in whole.layers]
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from bamboo.rc.config import load_config
+from bamboo.rc.data import bind_global_batch
 from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
 from bamboo.rc.failures import FailureNotices
 from bamboo.rc.layout import Layout
@@ -291,6 +292,8 @@ def initialize(
             host, _env_int("MASTER_PORT"), is_master=False, timeout=datetime.timedelta(seconds=timeouts.build)
         )
     stage, pipeline = layout.position(rank)
+    if microbatch is not None:  # a data source whose order of samples depends on the global batch (TokenFile)
+        bind_global_batch(microbatch, training.micro_batches * layout.pipelines, training.micro_batch_size)
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,

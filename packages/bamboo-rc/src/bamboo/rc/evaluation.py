@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 from bamboo.rc.comm import GroupTable, wait_works
 from bamboo.rc.failures import FailureNoticed, PeerFailure
+from bamboo.rc.precision import autocast
 from bamboo.rc.timeouts import STORE_POLL_S
 from bamboo.schedule import Instruction, Kind
 
@@ -194,7 +195,7 @@ class ForwardOnlyPass:
                 for share in self.taken_over_shares():  # P = 1: the whole model is layers[0]
                     for k in range(microbatches):
                         inputs, labels = share_source(share * microbatches + k)
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=executor.config.bf16):
+                        with autocast(executor.config):
                             total += float(executor.loss_fn(layers[0](inputs), labels))
                         count += 1
         # The loss sum and the microbatch count travel together, so the mean is over what was evaluated.
@@ -233,7 +234,7 @@ class ForwardOnlyPass:
             outputs[(s - 1, k)] = self._recv(groups, executor.layout.rank(instruction.peer, executor.pipeline), s, k)
         elif instruction.kind is Kind.FORWARD:
             x = outputs.pop((s - 1, k))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=executor.config.bf16):
+            with autocast(executor.config):
                 y = layers[s](x)
             if s == executor.layout.stages - 1:
                 return float(executor.loss_fn(y, batches[k][1]))

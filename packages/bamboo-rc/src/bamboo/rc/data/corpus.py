@@ -1,4 +1,4 @@
-"""The example corpus and its deterministic sampler.
+"""The example corpus and its deterministic sampler (``bamboo-rc verify``'s and the built-in example's data).
 
 The corpus is the Python standard library's source text (`*.py` under
 `sysconfig.get_paths()["stdlib"]`), read as bytes in a fixed order (a depth-first walk with

@@ -35,6 +35,8 @@ class ReferenceResult:
 
     layer_states: list[dict[str, torch.Tensor]]
     losses: list[float]
+    loss_scale: dict[str, Any] | None = None
+    """With fp16: the loss-scale state after the last step (:meth:`bamboo.rc.precision.LossScale.to_dict`)."""
 
 
 def reference_step(whole: TrainableSlice, loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainingConfig,
@@ -88,4 +90,5 @@ def train_reference(
         bind_global_batch(microbatch, global_microbatches, config.micro_batch_size)
     losses = [reference_step(whole, loss_fn, config, microbatch, step, pipelines, global_microbatches)
               for step in range(steps)]
-    return ReferenceResult([layer.state_dict() for layer in whole.layers], losses)
+    return ReferenceResult([layer.state_dict() for layer in whole.layers], losses,
+                           None if whole.loss_scale is None else whole.loss_scale.to_dict())

@@ -26,12 +26,12 @@ from typing import Any
 import attrs
 import torch
 from bamboo.rc.config import load_config
-from bamboo.rc.data import GlobalBatchSampler, stdlib_corpus
+from bamboo.rc.data import stdlib_corpus
 from bamboo.rc.executor import REDUNDANCY_MODES
 from bamboo.rc.failures import StoreFailureNotices
 from bamboo.rc.faults import KillPoint, KillRecord, NoticePoint, killed_key, reached_key
 from bamboo.rc.layout import Layout
-from bamboo.rc.model import GPTSize, check_stage_bounds, gpt_layer_specs, lm_loss, stage_bounds
+from bamboo.rc.model import GPTSize, check_stage_bounds, stage_bounds
 from bamboo.rc.records import FailoverRecord
 from bamboo.rc.reference import train_reference
 from bamboo.rc.timeouts import (
@@ -42,7 +42,7 @@ from bamboo.rc.timeouts import (
     VERIFY_WAIT_POLL_S,
     CommTimeouts,
 )
-from bamboo.rc.worker import WorkerSpec, exact_mode, worker_main
+from bamboo.rc.worker import VerifyModel, WorkerSpec, exact_mode, example_model, worker_main
 from torch.distributed import TCPStore
 
 __all__ = ["DEFAULT_CONFIG", "RELATIVE_TOLERANCE", "VerifyResult", "run_verify"]
@@ -90,13 +90,16 @@ class VerifyResult:
     unfired_kills: tuple[str, ...] = ()
     """The kill points (as `--kill` writes them) whose node never reached them."""
     kills_must_fire: bool = True
+    loss_scales_match: bool = True
+    """fp16: every stage's and every replica's loss-scale state equals the reference's (trivially true without)."""
 
     @property
     def passed(self) -> bool:
-        """Survivors exited cleanly, parameters match within 1e-6 relative, replicas bit-equal,
-        no consecutive failure stopped the run, and every kill point fired (when they must)."""
+        """Survivors exited cleanly, parameters match within 1e-6 relative, replicas bit-equal, loss
+        scales equal, no consecutive failure stopped the run, and every kill point fired (when they must)."""
         return (
-            self.consecutive is None
+            self.loss_scales_match
+            and self.consecutive is None
             and all(code == 0 for rank, code in self.worker_exit_codes.items() if rank not in self.killed)
             and self.max_relative_diff <= RELATIVE_TOLERANCE
             and self.replicas_bit_equal
@@ -124,8 +127,12 @@ def run_verify(
     notice_points: tuple[NoticePoint, ...] = (),
     bounds: tuple[tuple[int, int], ...] | None = None,
     kills_must_fire: bool = True,
+    model: VerifyModel | None = None,
 ) -> VerifyResult:
     """Run the self-check and return what it measured (see the module docstring).
+
+    ``model`` trains a model of your own (layers, loss, ``microbatch(step, index)``; see
+    :class:`~bamboo.rc.worker.VerifyModel`) instead of the example GPT of ``size``.
 
     With `kills`, the chosen workers SIGKILL themselves at the chosen instructions. This parent
     process is then the failure authority: it sees each death through `waitpid` and publishes
@@ -142,7 +149,8 @@ def run_verify(
     config = dict(config or DEFAULT_CONFIG)
     training = load_config(config, pipelines=pipelines)
     layout = Layout(stages, pipelines)
-    specs = gpt_layer_specs(size)
+    program = model or example_model(size, training.micro_batch_size, seed)
+    specs = list(program.layers)
     bounds = check_stage_bounds(stage_bounds(specs, stages) if bounds is None else bounds, len(specs), stages)
     exact_mode()
     stdlib_corpus()  # read once here; the forked workers inherit it
@@ -160,7 +168,7 @@ def run_verify(
                 steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, stage_bounds=bounds,
                 seed=seed,
                 timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
-                notice_points=tuple(notice_points),
+                notice_points=tuple(notice_points), model=model,
             )
             pid = os.fork()
             if pid == 0:
@@ -198,10 +206,9 @@ def run_verify(
     compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
     left = tuple(sorted(rank for rank, r in reports.items() if r["left"]))
     withdrawn = tuple(sorted(rank for rank, r in reports.items() if r.get("withdrew")))
-    reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
-        training.micro_batch_size, size.sequence, seed=seed), compared_at, pipelines, seed)
+    reference = train_reference(specs, program.loss_fn, training, program.microbatch, compared_at, pipelines, seed)
     max_rel = max_abs = max_replica = 0.0
-    equal = True
+    equal = scales_match = True
     compared = 0
     losses: list[float] = []
     stash_peak = 0
@@ -215,6 +222,7 @@ def run_verify(
         for stage, layers in report["slices"].items():
             if stage not in report["hosted"] and consecutive is None:
                 continue  # a replica: compared with its original below
+            scales_match = scales_match and report["loss_scales"].get(stage) == reference.loss_scale  # fp16
             for offset, layer_state in enumerate(layers):
                 for name, tensor in layer_state.items():
                     rel, absolute = _relative(tensor, reference.layer_states[bounds[stage][0] + offset][name])
@@ -228,6 +236,7 @@ def run_verify(
                 equal = False  # the original is missing: nothing proves the replica exact
             continue
         original = owner["slices"][replica_stage]
+        scales_match = scales_match and report["loss_scales"].get(replica_stage) == owner["loss_scales"].get(replica_stage)
         for replica_layer, original_layer in zip(report["slices"][replica_stage], original, strict=True):
             for name, tensor in replica_layer.items():
                 compared += 1
@@ -265,6 +274,7 @@ def run_verify(
         stage_bounds=bounds,
         unfired_kills=unfired,
         kills_must_fire=kills_must_fire,
+        loss_scales_match=scales_match,
     )
 
 

@@ -86,6 +86,12 @@ class TokenEmbedding(nn.Module):
         self.dropout = dropout if dropout is not None else nn.Identity()
         self.register_buffer(CONFIG_BUFFER, torch.tensor(list(config_json), dtype=torch.uint8))
 
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        saved = state_dict.get(prefix + CONFIG_BUFFER)
+        if saved is not None:  # the saved config's JSON may be of another length (another transformers version)
+            self.hf_config = saved.detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.device.type == "cpu" and ids.numel():  # elsewhere the check would cost a device sync per microbatch
             low, high = int(ids.min()), int(ids.max())

@@ -238,13 +238,21 @@ def build_layers(specs: Sequence[Any], indices: range, seed: int) -> nn.Sequenti
     """Build layers `indices` of `specs`, each under its own seed (`seed`, layer index).
 
     Each spec must have a `.build()` method (a DeepSpeed LayerSpec): a ready module cannot be
-    built twice, and the shadow needs its own copy of its successor's layers. A spec with a
-    ``forward_fn`` (DeepSpeed's ``TiedLayerSpec``) runs as ``forward_fn(layer, x)``, as in DeepSpeed.
+    built twice, and the shadow needs its own copy of its successor's layers. The layers of a tie
+    (DeepSpeed's ``TiedLayerSpec``: a ``key``) are built under the seed of the tie's first layer, so
+    their copies of the tied weight start equal (:mod:`bamboo.rc.ties` keeps them equal); one with a
+    ``forward_fn`` runs as ``forward_fn(layer, x)``, as in DeepSpeed.
     """
+    first_of_tie: dict[str, int] = {}
+    for position, spec in enumerate(specs):
+        if getattr(spec, "key", None) is not None:
+            first_of_tie.setdefault(str(spec.key), position)
     layers = []
     for index in indices:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 100_003 + index)
+            # the copies of a tied layer are built under the seed of the tie's first layer: they start equal
+            key = getattr(specs[index], "key", None)
+            torch.manual_seed(seed * 100_003 + (first_of_tie[str(key)] if key is not None else index))
             spec = _layer_spec(specs[index], index)
             layer = spec.build()
         forward_fn = getattr(spec, "forward_fn", None)

@@ -92,6 +92,8 @@ class VerifyResult:
     kills_must_fire: bool = True
     loss_scales_match: bool = True
     """fp16: every stage's and every replica's loss-scale state equals the reference's (trivially true without)."""
+    loss_scale: dict[str, Any] | None = None
+    """fp16: the reference's loss-scale state after its last step."""
 
     @property
     def passed(self) -> bool:
@@ -275,6 +277,7 @@ def run_verify(
         unfired_kills=unfired,
         kills_must_fire=kills_must_fire,
         loss_scales_match=scales_match,
+        loss_scale=reference.loss_scale,
     )
 
 

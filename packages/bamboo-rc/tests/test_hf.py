@@ -77,6 +77,40 @@ def test_a_step_through_our_layers_is_the_models_own_loss_and_gradients(make: An
     assert all(torch.equal(grads[name], parameter.grad) for name, parameter in expected.items())
 
 
+@pytest.mark.parametrize("make", [_gpt2, _qwen2], ids=["gpt2", "qwen2"])
+def test_tied_copies_trained_apart_stay_the_one_weight_the_model_trains(make: Any) -> None:
+    """Three AdamW steps of the model itself (its one tied embedding) against bamboo's reference step of the
+    split model (two copies, their gradients summed): every weight bit-equal, both copies alike."""
+    from bamboo.rc import load_config
+    from bamboo.rc.config import build_optimizer
+    from bamboo.rc.reference import reference_step
+    from bamboo.rc.state import TrainableSlice
+    from bamboo.rc.ties import model_ties
+
+    model = transformers.AutoModelForCausalLM.from_config(make()).train()
+    layers, loss_fn = from_transformers(model)
+    assert model_ties(layers) == {"embeddings": [(0, "tokens.weight"), (len(layers) - 1, "out.weight")]}
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    whole = TrainableSlice(layers, range(len(layers)), config, seed=0)
+    optimizer = build_optimizer(config.optimizer, list(model.parameters()))
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(step))
+        return ids, torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+
+    for step in range(3):
+        ids, _ = batch(step, 0)
+        model.zero_grad()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        reference_step(whole, loss_fn, config, batch, step, 1, 1)
+    assert torch.equal(whole.layers[0].tokens.weight, whole.layers[-1].out.weight)
+    for spec, layer in zip(layers, whole.layers, strict=True):
+        for child, name in spec.hf_names.items():
+            for parameter_name, parameter in layer.get_submodule(child).named_parameters():
+                assert torch.equal(parameter, model.get_parameter(f"{name}.{parameter_name}")), (name, parameter_name)
+
+
 def test_a_config_or_a_local_folder_gives_the_same_layers_everywhere(tmp_path: Path) -> None:
     first, again = (from_transformers(_llama(), seed=4).layers for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first[1].build().state_dict().values(),

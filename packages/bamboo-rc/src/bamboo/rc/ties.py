@@ -37,20 +37,31 @@ Ties = dict[str, list[tuple[int, str]]]
 
 
 def model_ties(specs: Sequence[Any]) -> Ties:
-    """The ties of a model from its layer specs' ``key`` and ``tied_weight_attr`` (DeepSpeed's names), as
-    ``"<key>.<parameter name>"`` -> its copies (a spec may tie several of its parameters under one key).
+    """The ties of a model from its layer specs' ``key`` and ``tied_weight_attr`` (DeepSpeed's names): the
+    ``i``-th parameter named by every layer of a key are one tied weight, under the key (``"<key>.<i>"`` when
+    the layers name several). The copies may have different names in different layers (an embedding's
+    ``tokens.weight``, a head's ``out.weight``).
 
-    A key that only one layer has ties nothing and is left out.
+    A key that only one layer has ties nothing and is left out; layers of one key that name different
+    numbers of parameters are a ValueError.
     """
-    ties: Ties = {}
+    named: dict[str, list[tuple[int, list[str]]]] = {}
     for index, spec in enumerate(specs):
         key = getattr(spec, "key", None)
-        if key is None:
+        if key is not None:
+            names = getattr(spec, "tied_weight_attr", "weight")
+            named.setdefault(str(key), []).append((index, [names] if isinstance(names, str) else list(names)))
+    ties: Ties = {}
+    for key, layers in named.items():
+        counts = {len(names) for _, names in layers}
+        if len(counts) != 1:
+            raise ValueError(f"the layers tied under key {key!r} name different numbers of parameters: "
+                             + ", ".join(f"layer {index} {names}" for index, names in layers))
+        if len(layers) < 2:
             continue
-        names = getattr(spec, "tied_weight_attr", "weight")
-        for name in [names] if isinstance(names, str) else list(names):
-            ties.setdefault(f"{key}.{name}", []).append((index, str(name)))
-    return {key: members for key, members in ties.items() if len({index for index, _ in members}) > 1}
+        for i in range(counts.pop()):
+            ties[key if len(layers[0][1]) == 1 else f"{key}.{i}"] = [(index, names[i]) for index, names in layers]
+    return ties
 
 
 @attrs.frozen

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         datasets.disable_progress_bars()
         lines = text.decode(errors="replace").splitlines()
-        datasets.Dataset.from_dict({"input_ids": [list(line.encode()) + [10] for line in lines]}).save_to_disk(
+        datasets.Dataset.from_dict({"input_ids": [[*line.encode(), 10] for line in lines]}).save_to_disk(
             str(Path(folder) / "dataset"))
         dataset = TokenDataset(Path(folder) / "dataset", seq_len=args.seq_len, micro_batch=args.micro_batch,
                                global_microbatches=args.micro_batches, vocab_size=256)

@@ -106,10 +106,5 @@ class TokenDataset(PackedTokens):
                                 f"of {vocab_size}: train with the model's own tokenizer, or a model with a larger "
                                 "vocab_size")
             tokens = _pack(dataset, text_column, found, path)
-        self.path = path
         super().__init__(tokens, seq_len=seq_len, micro_batch=micro_batch, seed=seed, vocab_size=vocab_size,
-                         global_microbatches=global_microbatches, name=f"dataset {path}")
-
-    def __repr__(self) -> str:
-        return (f"TokenDataset({str(self.path)!r}, seq_len={self.seq_len}, micro_batch={self.micro_batch}, "
-                f"seed={self.seed}: {len(self.tokens)} tokens, {self.samples} samples)")
+                         global_microbatches=global_microbatches, name=f"dataset {path}", path=path)

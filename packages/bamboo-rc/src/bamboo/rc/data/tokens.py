@@ -49,7 +49,8 @@ class PackedTokens:
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch: int, seed: int = 0,
-                 vocab_size: int | None = None, global_microbatches: int | None = None, name: str = "tokens") -> None:
+                 vocab_size: int | None = None, global_microbatches: int | None = None, name: str = "tokens",
+                 path: Path | None = None) -> None:
         if seq_len < 1 or micro_batch < 1:
             raise DataError(f"seq_len and micro_batch must be >= 1, got seq_len={seq_len} micro_batch={micro_batch}")
         if seed < 0:
@@ -60,6 +61,8 @@ class PackedTokens:
         self.seed = seed
         self.vocab_size = vocab_size
         self.name = name
+        self.path = path
+        """The file or folder the tokens come from (None: an array given in memory)."""
         self.samples = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
         if self.samples < 1:
             raise DataError(f"{name} holds {len(tokens)} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
@@ -102,6 +105,11 @@ class PackedTokens:
             self._check_vocabulary(window, f"microbatch ({step}, {index})")
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
+    def __repr__(self) -> str:
+        where = f"{str(self.path)!r}, " if self.path is not None else ""
+        return (f"{type(self).__name__}({where}seq_len={self.seq_len}, micro_batch={self.micro_batch}, "
+                f"seed={self.seed}: {len(self.tokens)} tokens, {self.samples} samples)")
+
     def _check_vocabulary(self, tokens: Any, where: str) -> None:
         assert self.vocab_size is not None
         largest = int(tokens.max()) if len(tokens) else -1
@@ -133,14 +141,9 @@ class TokenFile(PackedTokens):
             raise DataError(f"token file {path} has {size} bytes, not a whole number of {dtype} tokens ({width} bytes "
                             f"each): is it {other}?")
         tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r") if size else np.zeros(0, TOKEN_DTYPES[dtype])
-        self.path = path
         self.dtype = dtype
         super().__init__(tokens, seq_len=seq_len, micro_batch=micro_batch, seed=seed, vocab_size=vocab_size,
-                         global_microbatches=global_microbatches, name=f"token file {path}")
-
-    def __repr__(self) -> str:
-        return (f"TokenFile({str(self.path)!r}, seq_len={self.seq_len}, micro_batch={self.micro_batch}, "
-                f"seed={self.seed}, dtype={self.dtype!r}: {len(self.tokens)} tokens, {self.samples} samples)")
+                         global_microbatches=global_microbatches, name=f"token file {path}", path=path)
 
 
 def write_token_file(tokens: Any, path: str | os.PathLike[str], dtype: str | None = None) -> Path:

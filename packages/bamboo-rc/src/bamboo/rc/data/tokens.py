@@ -68,6 +68,7 @@ class PackedTokens:
             raise DataError(f"{name} holds {len(tokens)} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
         if vocab_size is not None:
             self._check_vocabulary(tokens[:VOCAB_CHECK_TOKENS], "its first tokens")
+        self._offsets = np.arange(seq_len + 1, dtype=np.int64)
         self.order: SampleOrder | None = None
         if global_microbatches is not None:
             self.bind_global_batch(global_microbatches, micro_batch)
@@ -98,9 +99,8 @@ class PackedTokens:
 
     def __call__(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, labels)``, both int64 ``[micro_batch, seq_len]``: global microbatch ``index`` of ``step``."""
-        rows = [np.asarray(self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1])
-                for i in self.sample_ids(step, index)]
-        window = torch.from_numpy(np.stack(rows).astype(np.int64))
+        starts = self.sample_ids(step, index) * self.seq_len
+        window = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))  # one gather
         if self.vocab_size is not None:
             self._check_vocabulary(window, f"microbatch ({step}, {index})")
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()

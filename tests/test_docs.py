@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILURE_MODEL = ROOT / "docs" / "failure-model.md"
-TIMEOUT_MODULES = ("bamboo.membership.timeouts", "bamboo.rc.timeouts", "bamboo.launch.timeouts")
+TIMEOUT_MODULES = ("bamboo.membership.timeouts", "bamboo.schedule.timeouts", "bamboo.rc.timeouts", "bamboo.launch.timeouts")
 ROW = re.compile(r"^\| `(bamboo\.[a-z]+\.timeouts\.[A-Z0-9_]+)` \| `([0-9.]+) s` \| (.*?) \| (.+) \|$")
 
 

@@ -27,15 +27,14 @@ from bamboo.rc.device import (
     DEVICE_ENV,
     HostSwap,
     RedundantStream,
-    autocast,
     cuda_device_count,
-    forward_dtype,
     host_empty,
     resolve_device,
     to_device,
 )
 from bamboo.rc.engine import initialize
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
+from bamboo.rc.precision import autocast
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice
 from bamboo.rc.transport import HostStaging
@@ -137,13 +136,12 @@ def test_the_stash_keeps_the_saved_tensors_themselves_on_the_cpu_and_accounts_th
     assert stash.inputs[(2, 0)].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
-def test_forward_precision_is_decided_in_one_place() -> None:
+def test_forward_precision_is_decided_in_one_place_on_the_device_type() -> None:
     fp32 = load_config(dict(DEFAULT_CONFIG))
     bf16 = load_config({**DEFAULT_CONFIG, "bf16": {"enabled": True}})
-    assert forward_dtype(fp32) is None and forward_dtype(bf16) is torch.bfloat16
-    with autocast(CPU, bf16):
+    with autocast(bf16, CPU):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.bfloat16
-    with autocast(CPU, fp32):
+    with autocast(fp32, CPU):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.float32
 
 

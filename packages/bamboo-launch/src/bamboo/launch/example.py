@@ -53,13 +53,17 @@ def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> 
 def describe_program(program: Program, pipelines: int) -> dict[str, Any]:
     """The description of a program as the job's spec holds it: layer costs, config, microbatches per pipeline."""
     from bamboo.rc import load_config
+    from bamboo.rc.data import bind_global_batch
     from bamboo.rc.model import layer_costs
 
     config = program.config if program.config is not None else dict(EXAMPLE_CONFIG)
+    training = load_config(config, pipelines=pipelines)
+    # a data source that needs the global batch (a token file) says here, before any node starts, if it is too small
+    bind_global_batch(program.microbatch, training.micro_batches * pipelines, training.micro_batch_size)
     return {
         "layers": [layer.to_dict() for layer in layer_costs(program.layers)],
         "config": config,
-        "micro_batches": load_config(config, pipelines=pipelines).micro_batches,
+        "micro_batches": training.micro_batches,
     }
 
 

@@ -3,7 +3,8 @@
 :func:`train_reference_program` trains the whole model in one process for the run's steps with bamboo-rc's
 reference trainer (:func:`bamboo.rc.reference.train_reference`): the same global batch at every step,
 accumulated per pipeline as the run's layouts grouped it (``history``: ``(first step, pipelines)`` of every
-generation) and the shares added in pipeline order. So a run that changed the number of pipelines mid-way is
+generation) and the shares added in pipeline order, each step in the run's precision and loss scale, tied
+weights summed. So a run that changed the number of pipelines mid-way is
 compared with the same sums, associated the same way, and an exact run matches bit for bit.
 :func:`compare_reports` and :func:`compare_states` compare the workers' final layers with it.
 """

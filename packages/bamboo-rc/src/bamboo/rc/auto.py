@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bamboo.rc.model import layer_costs
+from bamboo.rc.timeouts import ASSUMED_STEP_S
 from bamboo.schedule import Costs, FailureModel, RedundancyChoice, StageCost, choose_redundancy
 
 __all__ = ["ASSUMED_STEP_S", "AUTO", "DEFAULT_PREEMPTIONS_PER_NODE_HOUR", "choose_for_layers"]
@@ -24,9 +25,6 @@ AUTO = "auto"
 DEFAULT_PREEMPTIONS_PER_NODE_HOUR = 0.1
 """The preemption rate assumed when none is given: the lowest of the rates the Bamboo paper measured on EC2 spot
 instances (10% to 33% of the nodes an hour)."""
-
-ASSUMED_STEP_S = 1.0
-"""The fault-free step assumed before one was measured (it sets how much a failure's recomputation costs)."""
 
 
 def choose_for_layers(

@@ -14,10 +14,8 @@ device is a GPU:
 
 On the CPU every one of these is the identity: no copy, no stream, no pinned memory.
 
-**Precision.** :func:`forward_dtype` is the one place that decides what the forward autocasts to (bf16 with
-DeepSpeed's ``bf16``, else fp32), and :func:`autocast` applies it on the device's type. fp16 with loss scaling
-(issue 35) is a second answer of :func:`forward_dtype` plus a loss scale around the backward; nothing else here
-changes for it.
+**Precision** is :mod:`bamboo.rc.precision`'s: its ``autocast(config, device)`` applies bf16 or fp16 on the
+device's type.
 
 **Fork safety.** Nothing here initializes CUDA until a tensor is put on a GPU: :func:`resolve_device` counts
 GPUs through NVML (``torch.cuda.device_count``), so ``verify``'s parent can resolve a device and still fork its
@@ -29,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
 
 import torch
 
@@ -38,10 +35,8 @@ __all__ = [
     "DEVICE_ENV",
     "HostSwap",
     "RedundantStream",
-    "autocast",
     "cuda_device_count",
     "exact_kernels",
-    "forward_dtype",
     "host_empty",
     "peak_memory_bytes",
     "resolve_device",
@@ -58,13 +53,6 @@ LOCAL_RANK_ENV = "LOCAL_RANK"
 CUBLAS_WORKSPACE = ":4096:8"
 """cuBLAS's workspace setting for deterministic results (``CUBLAS_WORKSPACE_CONFIG``), set by
 :func:`exact_kernels` before CUDA starts."""
-
-
-class _Precision(Protocol):
-    """The part of :class:`bamboo.rc.config.TrainingConfig` that decides the forward's precision."""
-
-    @property
-    def bf16(self) -> bool: ...
 
 
 def cuda_device_count() -> int:
@@ -130,19 +118,6 @@ def exact_kernels() -> None:
     (``CUBLAS_WORKSPACE_CONFIG``, kept when set). Deterministic algorithms themselves are
     :func:`bamboo.rc.worker.exact_mode`'s flag; on the CPU this changes nothing."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-
-
-# ---------------------------------------------------------------------------------- precision
-def forward_dtype(config: _Precision) -> torch.dtype | None:
-    """The dtype the forward autocasts to: bf16 when the config enables ``bf16``, else None (fp32, no autocast).
-    The one place the forward's precision is decided (fp16 with loss scaling goes here too)."""
-    return torch.bfloat16 if config.bf16 else None
-
-
-def autocast(device: torch.device, config: _Precision) -> torch.autocast:
-    """Autocast on ``device``'s type to :func:`forward_dtype` (disabled for fp32)."""
-    dtype = forward_dtype(config)
-    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 # ---------------------------------------------------------------------------------- memory

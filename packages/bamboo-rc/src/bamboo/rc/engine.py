@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from bamboo.rc.auto import AUTO, DEFAULT_PREEMPTIONS_PER_NODE_HOUR, choose_for_layers
 from bamboo.rc.config import load_config
+from bamboo.rc.data import bind_global_batch
 from bamboo.rc.device import resolve_device
 from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
 from bamboo.rc.failures import FailureNotices
@@ -311,6 +312,8 @@ def initialize(
     if redundancy == AUTO:
         redundancy, choice = _resolve_auto(specs, layout, training.micro_batches, stage_bounds,
                                            preemptions_per_node_hour)
+    if microbatch is not None:  # a data source whose order of samples depends on the global batch (TokenFile)
+        bind_global_batch(microbatch, training.micro_batches * layout.pipelines, training.micro_batch_size)
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,

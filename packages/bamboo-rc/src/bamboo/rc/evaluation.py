@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from bamboo.rc.comm import GroupTable, wait_works
-from bamboo.rc.device import autocast, to_device
+from bamboo.rc.device import to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
+from bamboo.rc.precision import autocast
 from bamboo.rc.timeouts import STORE_POLL_S
 from bamboo.schedule import Instruction, Kind
 
@@ -196,7 +197,7 @@ class ForwardOnlyPass:
                     for k in range(microbatches):
                         inputs, labels = share_source(share * microbatches + k)
                         inputs, labels = to_device(inputs, executor.device), to_device(labels, executor.device)
-                        with autocast(executor.device, executor.config):
+                        with autocast(executor.config, executor.device):
                             total += float(executor.loss_fn(layers[0](inputs), labels))
                         count += 1
         # The loss sum and the microbatch count travel together, so the mean is over what was evaluated.
@@ -237,7 +238,7 @@ class ForwardOnlyPass:
             outputs[(s - 1, k)] = self._recv(groups, executor.layout.rank(instruction.peer, executor.pipeline), s, k)
         elif instruction.kind is Kind.FORWARD:
             x = outputs.pop((s - 1, k))
-            with autocast(executor.device, executor.config):
+            with autocast(executor.config, executor.device):
                 y = layers[s](x)
             if s == executor.layout.stages - 1:
                 return float(executor.loss_fn(y, to_device(batches[k][1], executor.device)))

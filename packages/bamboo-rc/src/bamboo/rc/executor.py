@@ -48,6 +48,7 @@ from bamboo.rc.records import FailoverRecord
 from bamboo.rc.ring import MicrobatchSource, RingNode
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice
+from bamboo.rc.ties import tied_weights
 from bamboo.rc.timeouts import FINISH_POLL_S, CommTimeouts
 from bamboo.schedule import Instruction, RCMode, Schedule, one_f_one_b
 
@@ -151,6 +152,7 @@ class StageExecutor:
         self.interpreter = StageInterpreter(
             self.slices, loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator,
             keeps_contributions=redundancy != "none", device=self.device,
+            ties=tied_weights(specs) if not ring else None,
         )
         self.ring: RingNode | None = None
         """P = 1 with redundancy: this node of the shadow ring (see :mod:`bamboo.rc.ring`)."""

@@ -20,9 +20,11 @@ schedule"):
   order). With redundancy it keeps a copy of what it contributed, for a redo or a repost after a
   failure; without, a failure ends the run and no copy is made.
 - `OPT`, `SY`, `RY`: the step is recorded, and applied at the commit (:meth:`commit`: one small
-  all-reduce over the pipeline of the squared gradient norm and the loss, then every hosted
-  stage steps with the global clip coefficient). `RY` receives the owner's reduced gradients; the
-  replica steps with them right before its next use.
+  all-reduce over the pipeline of the squared gradient norm and the loss, preceded by one of the tied
+  weights' gradients when the model ties weights across stages (:mod:`bamboo.rc.ties`); then every
+  hosted stage steps with the global clip coefficient, or skips the step after an fp16 overflow
+  (:mod:`bamboo.rc.precision`)). `RY` receives the owner's reduced gradients; the replica steps with
+  them, and the same tied sums, right before its next use.
 
 All per-microbatch state is keyed by (stage, microbatch), so a node can host two stages after a
 failover. The gradient w.r.t. each stage input (what `SG` sends) is kept for the whole iteration
@@ -42,13 +44,15 @@ import torch
 from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, GroupTable, wait_works
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator
-from bamboo.rc.device import RedundantStream, autocast, to_device
+from bamboo.rc.device import RedundantStream, to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
+from bamboo.rc.precision import StepOutcome, autocast, backward, step_outcome
 from bamboo.rc.records import CommitResult
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.stash import FrcStash
-from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice, clip_coefficient
+from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice
+from bamboo.rc.ties import TiedWeights, squared_norm
 from bamboo.rc.transport import HostStaging
 from bamboo.schedule import FailoverPlan, Instruction, Kind
 
@@ -98,6 +102,7 @@ class StageInterpreter:
         coordinator: FailoverCoordinator,
         keeps_contributions: bool = True,
         device: torch.device | None = None,
+        ties: TiedWeights | None = None,
     ) -> None:
         self.slices = slices
         self.loss_fn = loss_fn
@@ -108,6 +113,8 @@ class StageInterpreter:
         self.rank = layout.rank(node, pipeline)
         self.groups = groups
         self.coordinator = coordinator
+        self.ties = ties or TiedWeights()
+        """The model's tied weights: their gradients are summed over the pipeline at the commit."""
         self.keeps_contributions = keeps_contributions
         """Whether each all-reduce keeps a copy of what it contributed, to be redone or posted again after a
         failure. Only with redundancy: without, a failure ends the run, and the copy would cost a fresh
@@ -135,7 +142,7 @@ class StageInterpreter:
         payload, the segment to resume at)."""
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
-        self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
+        self._replica_updates: dict[int, tuple[torch.Tensor, StepOutcome, dict[str, torch.Tensor]]] = {}
         self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._flat_buffers = ReusedBuffers(self.device)
         """Without redundancy: by stage, the buffer its flat gradients are gathered into, step after step."""
@@ -173,6 +180,8 @@ class StageInterpreter:
         self._reducing: dict[int, Posted] = {}
         self._to_step: list[int] = []
         self._received_syncs: dict[int, torch.Tensor] = {}
+        self._tie_sums: dict[str, torch.Tensor] | None = None
+        """The tied weights' gradients summed over the pipeline, once the commit's first all-reduce completed."""
         self.stash.clear()
 
     def abandon_iteration(self) -> None:
@@ -350,7 +359,7 @@ class StageInterpreter:
     def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
         self._apply_replica_update(stage)
         microbatch = global_microbatch(self.pipeline, self.config.micro_batches, k)
-        with autocast(self.device, self.config):
+        with autocast(self.config, self.device):
             y = self.slices[stage].forward(x, step=self.step, microbatch=microbatch)  # F, FR, BR's FR: same masks
         if stage == self.layout.stages - 1:
             return self.loss_fn(y, self._microbatches[k][1]) / self._global_microbatches()
@@ -400,7 +409,7 @@ class StageInterpreter:
     def _backward_from(self, s: int, k: int, output: torch.Tensor, x: torch.Tensor | None) -> None:
         grad = self._output_grad(s, k)
         if grad is None:
-            output.backward()
+            backward(output, self.slices[s].loss_scale)  # the loss, scaled with fp16
         else:
             torch.autograd.backward(output, grad)
         if s > 0 and x is not None:
@@ -597,13 +606,14 @@ class StageInterpreter:
         if update is None:
             return
         started = time.perf_counter()
-        payload, clip = update
+        payload, outcome, tie_sums = update
         replica = self.slices[stage]
         step = int(payload[-1].item())
         if step != replica.steps + 1:
             raise RuntimeError(f"replica sync of stage {stage} out of order: got step {step}, replica at {replica.steps}")
-        replica.load_flat_grads(payload[:-2])
-        replica.apply_step(clip)
+        if not outcome.overflow:
+            replica.load_flat_grads(payload[:-2])
+        replica.finish_step(outcome, tie_sums)
         self.kind_seconds["replica_step"] = self.kind_seconds.get("replica_step", 0.0) + time.perf_counter() - started
 
     def apply_replica_updates(self) -> None:
@@ -653,6 +663,10 @@ class StageInterpreter:
             self._wait_reduction(s)
         self.complete_posted_syncs()  # every shadow holds its stage's step before anyone commits it
         squared, loss = self._commit_contribution(hosted)
+        if self.ties:  # the tied copies' gradients summed over the pipeline (zeros from a node holding none)
+            tied = self.ties.contribution([self.slices[s].tied for s in sorted(hosted)])
+            self.groups.allreduce(pipe, [tied], "commit (tied weights' gradients)", self._interrupter(pipe))
+            self._tie_sums = self.ties.split(tied)
         norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
         self.groups.allreduce(pipe, [norm_and_loss], "commit (global gradient norm and loss)", self._interrupter(pipe))
         return self._apply_commit(hosted, CommitResult(self.step, float(norm_and_loss[0]), float(norm_and_loss[1])))
@@ -700,15 +714,22 @@ class StageInterpreter:
                 f"step {self.step} of node {self.node} (pipeline {self.pipeline}) ended with transfers still posted: "
                 f"{sorted({*self._pending, *self._segmented})}; the failover schedule did not resume them"
             )
-        clip = clip_coefficient(self.config.gradient_clipping, result.squared_norm)
+        if self.ties and self._tie_sums is None:
+            raise RuntimeError(f"the commit of step {self.step} ends without the sums of the tied weights' gradients")
+        tie_sums = self._tie_sums or {}
+        squared = result.squared_norm + squared_norm(tie_sums)  # a tied weight counts once
+        outcome = step_outcome(self.config.gradient_clipping, squared, next(iter(self.slices.values())).loss_scale,
+                               self.config.fp16)
         finished = [s for s in hosted if s not in self._reduced and s in self._received_syncs]
         for s in finished:
             self.slices[s].load_flat_grads(self._received_syncs[s][:-2])
         for s in [*self._to_step, *finished]:
-            self.slices[s].apply_step(clip)
+            self.slices[s].finish_step(outcome, tie_sums)
         for s, payload in self._received_syncs.items():
             if s not in finished:
-                self._replica_updates[s] = (payload, clip)
+                self._replica_updates[s] = (payload, outcome, tie_sums)
+        for piece in self.slices.values():  # replicas too: the scale is the same everywhere
+            piece.loss_scale = outcome.loss_scale
         mean_loss = result.loss / self._global_microbatches()
         self.losses.append(mean_loss)
         self.last_commit = result

@@ -51,11 +51,12 @@ import torch
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator, RingAgreement
-from bamboo.rc.device import autocast, to_device
+from bamboo.rc.device import to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
+from bamboo.rc.precision import autocast, backward
 from bamboo.rc.records import CommitResult
-from bamboo.rc.state import ReusedBuffers, TrainableSlice, clip_coefficient
+from bamboo.rc.state import ReusedBuffers, TrainableSlice
 from bamboo.schedule import Instruction, Kind
 
 __all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode", "fault_free_ring_stream", "share_instructions"]
@@ -267,7 +268,7 @@ class RingNode:
             self.piece.zero_grads()
             self._grads_zero = True
         tokens, labels = self._loaded.pop(g)
-        with autocast(self.device, self.config):
+        with autocast(self.config, self.device):
             logits = self.piece.forward(tokens, step=self.counters.step, microbatch=g)
         loss = self.loss_fn(logits, labels)
         self._losses[g] = float(loss.detach())
@@ -275,7 +276,7 @@ class RingNode:
 
     def _backward(self, g: int, aside: bool) -> None:
         self._grads_zero = False
-        self._pending_losses.pop(g).backward()
+        backward(self._pending_losses.pop(g), self.piece.loss_scale)
         share, k = divmod(g, self.micro_batches)
         if k == self.micro_batches - 1:  # the share is complete: its gradients leave the buffers
             grads = self.piece.flat_grads(out=self._scratch.get(f"share-{share}", self.piece.numel()))
@@ -386,9 +387,8 @@ class RingNode:
     def _commit(self, summed: torch.Tensor, losses: torch.Tensor) -> float:
         """Step with the reduced gradients `summed` (the global batch's) and record the step."""
         self.piece.load_flat_grads(summed)
-        squared = self.piece.squared_grad_norm()
-        self.piece.apply_step(clip_coefficient(self.config.gradient_clipping, squared))
-        self._grads_zero = True  # apply_step zeroes them: the next step's first share need not again
+        squared = self.piece.step_whole(self.config)  # tied copies summed; skipped after an fp16 overflow
+        self._grads_zero = True  # the step zeroes them: the next step's first share need not again
         total = 0.0
         for value in losses.tolist():  # in global order, as the reference adds them
             total += value

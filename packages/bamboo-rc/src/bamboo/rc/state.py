@@ -4,13 +4,14 @@ Both a stage and its replica on the shadow are :class:`TrainableSlice` objects b
 same layer specs, seeds and config, so they start bit-equal. The step (:meth:`apply_step`) takes
 the gradients and the global clip coefficient as inputs, so the shadow that receives the
 original's final gradients applies the identical optimizer and scheduler step and stays
-bit-equal. The same code runs the single-process reference.
+bit-equal. The same code runs the single-process reference. A slice also holds the copies of tied
+weights among its layers (:mod:`bamboo.rc.ties`) and, with fp16, the loss-scale state
+(:mod:`bamboo.rc.precision`), which is part of its state like the optimizer's.
 """
 
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,9 @@ import torch
 from bamboo.rc.config import TrainingConfig, build_optimizer, build_scheduler
 from bamboo.rc.device import host_empty
 from bamboo.rc.model import build_layers
+from bamboo.rc.precision import LossScale, StepOutcome, clip_coefficient, step_outcome
 from bamboo.rc.rng import run_layers
+from bamboo.rc.ties import local_sums, model_ties, slice_ties, squared_norm
 from torch import nn
 
 __all__ = ["NORM_PIECE", "ReusedBuffers", "SpareBuffers", "TrainableSlice", "clip_coefficient"]
@@ -85,17 +88,6 @@ class SpareBuffers:
         return len(self._spare.get(key, []))
 
 
-def clip_coefficient(max_norm: float, squared_norm: float) -> float:
-    """The factor that scales gradients with global squared norm `squared_norm` to `max_norm`.
-
-    The same formula as `torch.nn.utils.clip_grad_norm_`: `max_norm / (norm + 1e-6)`, at most 1.
-    A `max_norm` of 0 means no clipping.
-    """
-    if max_norm <= 0.0:
-        return 1.0
-    return min(1.0, max_norm / (math.sqrt(squared_norm) + 1e-6))
-
-
 def _reusable_grad(p: nn.Parameter, dtype: torch.dtype) -> bool:
     """Whether `p` holds a gradient of its own shape in `dtype`, which can be written in place."""
     return p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == dtype
@@ -120,6 +112,12 @@ class TrainableSlice:
         self.optimizer = build_optimizer(config.optimizer, self.parameters)
         self.scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.steps = 0
+        """Steps this slice went through, the skipped ones (an fp16 overflow) included: the job's step count."""
+        self.tied: dict[str, list[nn.Parameter]] = slice_ties(model_ties(specs), self.layers, indices)
+        """Tie key -> the copies of that tied weight among this slice's layers (:mod:`bamboo.rc.ties`)."""
+        self._untied = [p for p in self.parameters if not any(p is t for copies in self.tied.values() for t in copies)]
+        self.loss_scale: LossScale | None = config.fp16.initial() if config.fp16 is not None else None
+        """With fp16: the loss-scale state of the next step (the same on every node: :mod:`bamboo.rc.precision`)."""
         self._norm_buffer: torch.Tensor | None = None
 
     def forward(self, x: Any, *, step: int, microbatch: int) -> Any:
@@ -171,15 +169,16 @@ class TrainableSlice:
             offset += n
 
     def squared_grad_norm(self) -> float:
-        """Sum of squared gradient entries in float64: each parameter's gradient in pieces of
-        :data:`NORM_PIECE` entries, in order, each piece's sum of squares added to the total.
+        """Sum of squared gradient entries of the untied parameters in float64 (a tied weight counts once, from
+        the sum of its copies' gradients: :func:`bamboo.rc.ties.squared_norm`): each parameter's gradient in
+        pieces of :data:`NORM_PIECE` entries, in order, each piece's sum of squares added to the total.
 
         A piece is converted into one reused float64 buffer and squared in place there. Converting a whole
         gradient (``p.grad.double().pow(2).sum()``) allocated two float64 copies of it, which cost 83 ms per
         21 M parameters on one thread here, against 11 ms this way. The association is fixed by the piece
         size, so every node and the single-process reference get the same bits."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.parameters:
+        for p in self._untied:
             for piece in p.grad.reshape(-1).split(NORM_PIECE):
                 scratch = self._norm_scratch(piece.numel())
                 scratch.copy_(piece)
@@ -203,11 +202,40 @@ class TrainableSlice:
         self.steps += 1
         self.zero_grads()
 
+    def skip_step(self) -> None:
+        """A step skipped after an fp16 overflow (DeepSpeed's): no optimizer or scheduler step, gradients zeroed."""
+        self.steps += 1
+        self.zero_grads()
+
+    def finish_step(self, outcome: StepOutcome, tie_sums: dict[str, torch.Tensor]) -> None:
+        """End the step as ``outcome`` says: skipped on an overflow, else every tied copy's gradient set to its
+        tie's sum (``tie_sums``) and :meth:`apply_step` with the outcome's factor. The loss scale is the
+        caller's to set (on every slice of the node, replicas included)."""
+        if outcome.overflow:
+            self.skip_step()
+            return
+        for key, copies in self.tied.items():
+            for parameter in copies:
+                parameter.grad.copy_(tie_sums[key])
+        self.apply_step(outcome.factor)
+
+    def step_whole(self, config: TrainingConfig) -> float:
+        """The step of a slice that holds every copy of its tied weights (the single-process references; P = 1),
+        its gradients those of the global batch: the tied copies' gradients summed, the global norm (a tied
+        weight counted once), the step or, after an fp16 overflow, its skip, and the next loss scale. Returns
+        the (scaled) global squared norm."""
+        sums = local_sums(self.tied)
+        squared = self.squared_grad_norm() + squared_norm(sums)
+        outcome = step_outcome(config.gradient_clipping, squared, self.loss_scale, config.fp16)
+        self.finish_step(outcome, sums)
+        self.loss_scale = outcome.loss_scale
+        return squared
+
     def flat_parameters(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.parameters])
 
     def state_bytes(self) -> bytes:
-        """Parameters, optimizer, scheduler and step counter, serialised (torch.save)."""
+        """Parameters, optimizer, scheduler, step counter and loss scale, serialised (torch.save)."""
         buffer = io.BytesIO()
         torch.save(
             {
@@ -215,6 +243,7 @@ class TrainableSlice:
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "steps": self.steps,
+                "loss_scale": self.loss_scale.to_dict() if self.loss_scale is not None else None,
             },
             buffer,
         )
@@ -227,3 +256,5 @@ class TrainableSlice:
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+        if state.get("loss_scale") is not None and self.loss_scale is not None:
+            self.loss_scale = LossScale.from_dict(state["loss_scale"])

@@ -35,10 +35,17 @@ from bamboo.schedule.failover import failover_schedule, merged_schedule, progres
 from bamboo.schedule.generate import generate
 from bamboo.schedule.ir import RCMode
 from bamboo.schedule.simulate import Costs, simulate
+from bamboo.schedule.timeouts import (
+    CHECKPOINT_INTERVAL_S,
+    DETECT_S,
+    REBUILD_AFTER_S,
+    RECONFIGURE_S,
+    RESTORE_S,
+    SECONDS_PER_HOUR,
+)
 
 __all__ = ["FailureModel", "ModeEstimate", "RedundancyChoice", "choose_redundancy"]
 
-_HOUR_S = 3600.0
 _NON_NEGATIVE = validators.ge(0.0)
 
 
@@ -51,15 +58,15 @@ class FailureModel:
     """The preemption rate of one node: the market's, or the job's own history."""
     nodes: int = attrs.field(validator=validators.ge(1))
     """Nodes of the job (stages x pipelines)."""
-    detect_s: float = attrs.field(default=0.1, validator=_NON_NEGATIVE)
+    detect_s: float = attrs.field(default=DETECT_S, validator=_NON_NEGATIVE)
     """From a kill to every survivor of the pipeline knowing the confirmed failure."""
-    reconfigure_s: float = attrs.field(default=2.0, validator=_NON_NEGATIVE)
+    reconfigure_s: float = attrs.field(default=RECONFIGURE_S, validator=_NON_NEGATIVE)
     """The pause of the reconfiguration that rebuilds redundancy after a failover."""
-    rebuild_after_s: float = attrs.field(default=60.0, validator=_NON_NEGATIVE)
+    rebuild_after_s: float = attrs.field(default=REBUILD_AFTER_S, validator=_NON_NEGATIVE)
     """How long a pipeline runs its merged schedule before that reconfiguration (a replacement node's start)."""
-    restore_s: float = attrs.field(default=30.0, validator=_NON_NEGATIVE)
+    restore_s: float = attrs.field(default=RESTORE_S, validator=_NON_NEGATIVE)
     """A restart from the newest checkpoint, when a stage has no live copy."""
-    checkpoint_interval_s: float = attrs.field(default=600.0, validator=validators.gt(0.0))
+    checkpoint_interval_s: float = attrs.field(default=CHECKPOINT_INTERVAL_S, validator=validators.gt(0.0))
     """Time between checkpoints; a restore redoes half of it on average."""
 
     @property
@@ -148,7 +155,7 @@ def choose_redundancy(
     scale = step_s / plain
     rate = failures.preemptions_per_hour
     restore_loss = failures.restore_s + failures.checkpoint_interval_s / 2
-    consecutive = min(1.0, 2.0 * failures.preemptions_per_node_hour * failures.rebuild_after_s / _HOUR_S)
+    consecutive = min(1.0, 2.0 * failures.preemptions_per_node_hour * failures.rebuild_after_s / SECONDS_PER_HOUR)
     estimates = []
     for mode in candidates:
         rc = RCMode(mode)
@@ -161,8 +168,8 @@ def choose_redundancy(
             recovered = failures.detect_s + scale * extra + degraded + failures.reconfigure_s
             per_failure = (1 - consecutive) * recovered + consecutive * restore_loss
         mode_step = makespan * scale
-        expected_step = mode_step * (1.0 + rate * per_failure / _HOUR_S)  # failures' time spread over the steps
-        lost = _HOUR_S * (1.0 - step_s / expected_step)
+        expected_step = mode_step * (1.0 + rate * per_failure / SECONDS_PER_HOUR)  # failures' time spread over the steps
+        lost = SECONDS_PER_HOUR * (1.0 - step_s / expected_step)
         estimates.append(ModeEstimate(mode, mode_step, 100.0 * (mode_step / step_s - 1.0), per_failure, lost))
     best = min(estimates, key=lambda e: (e.lost_s_per_hour, candidates.index(e.mode)))
     ordered = (best, *[e for e in estimates if e is not best])

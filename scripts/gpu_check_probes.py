@@ -108,5 +108,6 @@ def transformers_difference(device: str) -> float:
         for layer in layers:
             module = layer.build() if hasattr(layer, "build") else layer
             x = module.to(place).eval()(x)
-        ours = float(loss_fn(x, tokens))
+        labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], dim=1)  # aligned: the next token
+        ours = float(loss_fn(x, labels))
     return abs(ours - theirs) / abs(theirs)

@@ -88,6 +88,7 @@ class FakeSlice:
 
     def __init__(self, numel: int) -> None:
         self._numel = numel
+        self.loss_scale = None  # fp32: no dynamic loss scale
 
     def numel(self) -> int:
         return self._numel

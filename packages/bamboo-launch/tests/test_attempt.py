@@ -190,7 +190,7 @@ def test_an_abandoned_start_hands_its_result_to_the_cleanup_now_or_when_it_ends(
     assert cleaned == ["engine 1", "engine 2"]
 
 
-# ---- the redone decision (bamboo.launch.worker._plan_next) ---------------------------------------------------
+# ---- the redone decision (bamboo.launch.barrier.plan_next) ---------------------------------------------------
 
 
 @attrs.frozen
@@ -255,7 +255,7 @@ def _ready(step: int, holds: list[int], at: float) -> Any:
 
 
 def _plan(run: _Run, base: Any, ready: dict[str, Any], attempt: int) -> Any:
-    from bamboo.launch.worker import _plan_next
+    from bamboo.launch.barrier import plan_next as _plan_next
 
     return _plan_next(run, base, ready, attempt, "test")  # type: ignore[arg-type]
 

@@ -93,6 +93,7 @@ class RunOptions:
     allocation_delay_s: float = 0.0
     notice_s: float = 0.0
     checkpoint_dir: str | None = None
+    """Where the job's checkpoints go (None: ``RUN_DIR/checkpoints``; a job never runs without them)."""
     checkpoint_every: int = attrs.field(default=10, validator=_positive)
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (refused when it has none)."""
@@ -122,8 +123,8 @@ class RunOptions:
                 f"--nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} stages "
                 f"(needs at least {self.stages * self.pipelines})"
             )
-        if self.resume and self.checkpoint_dir is None:
-            raise ValueError("--resume needs --checkpoint-dir, the directory to resume from")
+        if self.resume and self.checkpoint_dir is None and self.run_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir, or the --run-dir of the run to resume (its checkpoints)")
 
 
 @attrs.frozen
@@ -374,6 +375,12 @@ def run_cluster(
     except AgentError as error:
         raise RunError(str(error)) from None
     run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="bamboo-run-")).resolve()
+    if options.checkpoint_dir is None:  # a job never dies for want of a flag: it checkpoints into its run dir
+        options = attrs.evolve(options, checkpoint_dir=str(run_dir / "checkpoints"))
+        try:
+            refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
+        except AgentError as error:
+            raise RunError(f"{error} (the run dir's default checkpoint folder; give a new --run-dir)") from None
     (run_dir / "out").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     events_path = Path(options.events) if options.events else run_dir / "events.jsonl"
@@ -648,6 +655,8 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, 
     from bamboo.launch.reference import compare_reports, compare_states
     from bamboo.launch.spec import JobSpec
 
+    if result.job_error is not None:  # the job's own error, not the missing reports it left
+        raise RunError(f"the job ended with an error: {result.job_error}")
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
     spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())

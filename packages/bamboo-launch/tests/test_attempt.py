@@ -202,7 +202,9 @@ class _Kv:
     def __init__(self, run: _Run) -> None:
         self.run = run
 
-    def get_prefix(self, prefix: str) -> list[Any]:  # the warm records of the nodes alive
+    def get_prefix(self, prefix: str) -> list[Any]:  # the warm records of the nodes alive; no in-memory copies
+        if not prefix.startswith("/bamboo/j/decisions/warm-"):
+            return []
         return [_Item(f"/bamboo/j/decisions/warm-{node}") for node in self.run.zones]
 
 

@@ -202,6 +202,7 @@ def await_outcome(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     say: Callable[[str], None] = lambda line: None,
+    up_record: Callable[[], NodeUp] | None = None,
 ) -> Outcome:
     """Wait for the outcome of attempt ``generation``, writing it (first writer wins) when this node can tell.
 
@@ -209,7 +210,8 @@ def await_outcome(
     every node whose death breaks the attempt (the new owners and the transfer sources);
     ``progress()``: this node's own part, ``(finished, error)``. ``membership`` is a
     ``bamboo.membership.MembershipStore`` (``decide``, ``get_decision``, ``list_nodes``); an
-    unreachable etcd only delays the answer.
+    unreachable etcd only delays the answer. ``up_record()`` is this node's ``up`` record (default: its
+    name alone); the outcome records when it was written.
     """
     deadline = clock() + timeout_s
     published = False
@@ -225,7 +227,8 @@ def await_outcome(
             if error is not None:
                 verdict = (False, f"{node} could not start its part: {type(error).__name__}: {error}")
             elif finished and not published and node in new_owners:
-                membership.decide(up_name(generation, node), NodeUp(node).to_dict())
+                record = up_record() if up_record is not None else NodeUp(node)
+                membership.decide(up_name(generation, node), record.to_dict())
                 published = True
             if verdict is None:
                 records = membership.list_nodes(skip_malformed=True)
@@ -241,7 +244,7 @@ def await_outcome(
                 elif clock() > deadline:
                     verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
             if verdict is not None:
-                decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict).to_dict())
+                decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict, at=time.time()).to_dict())
                 if decision.won:
                     say(f"attempt of generation {generation}: {'go' if verdict[0] else 'abort'} ({verdict[1]})")
                 written = AttemptOutcome.from_dict(decision.value)

@@ -135,8 +135,8 @@ def next_layout(run: WorkerSession, base: Any, expected: Any, attempt: int, reas
 
 def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], attempt: int, reason: str) -> Any:
     """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
-    from bamboo.launch.reconfigure import build_view, next_history, restore_point, warm_standby
-    from bamboo.reconfig import JobLayout, RestorePoint, StartMode, TransferPlan, plan_layout, plan_transfers
+    from bamboo.launch.reconfigure import build_view, nearest_restore, next_history, warm_standby
+    from bamboo.reconfig import JobLayout, StartMode, TransferPlan, plan_layout, plan_transfers
 
     spec = run.spec
     records = run.membership.list_nodes(skip_malformed=True)
@@ -163,13 +163,13 @@ def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], att
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
     transfers = plan_transfers(base.plan, plan, held)
     mode, start, restore = StartMode.PEERS, step, None
-    if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a checkpoint
+    if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy
         missing = list(transfers.stages_without_copy)
         try:
-            start, path = restore_point(spec.checkpoint_dir, spec.stages, missing)
+            restore = nearest_restore(run.membership.kv, spec, missing, base.stage_bounds, records)
         except RuntimeError as error:
             raise JobCannotContinue(str(error)) from None
-        mode, restore = StartMode.CHECKPOINT, RestorePoint(start, path, missing)
+        mode, start = StartMode.CHECKPOINT, restore.step
         transfers = TransferPlan(rounds=(), bytes_moved=0, naive_bytes=transfers.naive_bytes)
     return JobLayout(
         generation=base.generation + 1 + attempt, plan=plan, start_step=start, mode=mode, reason=reason,

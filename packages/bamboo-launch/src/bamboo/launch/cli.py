@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import attrs
+from bamboo.launch.spec import MEMORY_COPY_EVERY
 
 __all__ = ["agent_spec_fields", "build_parser", "main"]
 
@@ -741,7 +742,8 @@ AGENT_USAGE_LINE = (
 _SPEC_FLAGS = {
     "stages": "stages", "pipelines": "pipelines", "steps": "steps", "min_nodes": "min_nodes",
     "redundancy": "redundancy", "seed": "seed", "checkpoint_dir": "checkpoint_dir",
-    "checkpoint_every": "checkpoint_every", "resume": "resume", "ttl": "ttl", "grace": "grace_s",
+    "checkpoint_every": "checkpoint_every", "memory_copy_every": "memory_copy_every", "resume": "resume",
+    "ttl": "ttl", "grace": "grace_s",
     "confirm_timeout": "confirm_timeout_s", "group_timeout": "group_timeout_s",
     "reconfigure_timeout": "reconfigure_timeout_s",
 }
@@ -785,6 +787,9 @@ def _add_agent(subparsers: argparse._SubParsersAction) -> None:
                      help="(spec) where asynchronous checkpoints go: storage every machine sees (default: none)")
     job.add_argument("--checkpoint-every", type=int, default=None,
                      help="(spec) steps between checkpoints (default: 10)")
+    job.add_argument("--memory-copy-every", type=int, default=None, metavar="N",
+                     help="(spec) steps between in-memory copies of every stage, kept by its holders and by "
+                     f"keepers in other zones, restored before any checkpoint (0: none; default: {MEMORY_COPY_EVERY})")
     job.add_argument("--resume", action="store_true", default=None,
                      help="(spec) start from the newest good checkpoint in --checkpoint-dir (a job never "
                      "overwrites another run's checkpoints: a directory that holds some needs --resume)")
@@ -949,9 +954,13 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--notice", type=_non_negative_float, default=0.0,
                      help="wall seconds of preemption notice (SIGTERM) before each kill (default: %(default)s)")
     run.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                     help="write asynchronous checkpoints here (one shard per stage; default: none)")
+                     help="write asynchronous checkpoints here (one shard per stage; default: RUN_DIR/checkpoints)")
     run.add_argument("--checkpoint-every", type=int, default=10,
                      help="steps between checkpoints (default: %(default)s)")
+    run.add_argument("--memory-copy-every", type=int, default=MEMORY_COPY_EVERY, metavar="N",
+                     help="steps between in-memory copies of every stage, kept by its holders and by keepers in "
+                     "other zones; a stage whose every live copy is lost is restored from them before any "
+                     "checkpoint (0: none; default: %(default)s)")
     run.add_argument("--resume", action="store_true",
                      help="start from the newest good checkpoint in --checkpoint-dir, e.g. with a larger --steps "
                      "(a run never overwrites another run's checkpoints: a directory that holds some needs it)")
@@ -1012,7 +1021,8 @@ def _run(args: argparse.Namespace) -> int:
             etcd_cert=args.etcd_cert, etcd_key=args.etcd_key, preemptions=args.preemptions,
             time_scale=args.time_scale, hours=args.hours, trace_seed=args.seed,
             allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every, resume=args.resume, run_dir=args.run_dir, events=args.events,
+            checkpoint_every=args.checkpoint_every, memory_copy_every=args.memory_copy_every, resume=args.resume,
+            run_dir=args.run_dir, events=args.events,
             job=args.job,
             redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
             grace_s=args.grace,

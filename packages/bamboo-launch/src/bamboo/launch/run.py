@@ -37,6 +37,7 @@ from typing import Any
 
 import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.spec import MEMORY_COPY_EVERY
 
 __all__ = [
     "RunError",
@@ -95,6 +96,8 @@ class RunOptions:
     checkpoint_dir: str | None = None
     """Where the job's checkpoints go (None: ``RUN_DIR/checkpoints``; a job never runs without them)."""
     checkpoint_every: int = attrs.field(default=10, validator=_positive)
+    memory_copy_every: int = attrs.field(default=MEMORY_COPY_EVERY, validator=attrs.validators.ge(0))
+    """Steps between in-memory copies of every stage (0: none)."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (refused when it has none)."""
     confirm_timeout_s: float | None = None
@@ -249,6 +252,7 @@ def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
         "stages": options.stages, "pipelines": options.pipelines, "steps": options.steps, "min_nodes": min_nodes,
         "redundancy": options.redundancy, "seed": options.seed, "ttl": options.ttl, "grace_s": float(options.grace_s),
         "reconfigure_timeout_s": float(options.reconfigure_timeout_s), "checkpoint_every": options.checkpoint_every,
+        "memory_copy_every": options.memory_copy_every,
     }
     if options.resume:
         fields["resume"] = True

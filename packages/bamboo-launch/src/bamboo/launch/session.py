@@ -63,6 +63,8 @@ class WorkerSession:
         self.log = EtcdEventLog(self.membership.kv, context.job, f"{self.node}.worker.{os.getpid()}",
                                 self.spec.created_unix, guard=self.membership.guard)
         self.layers = self.spec.reconfig_layers()
+        self.copies: Any = None
+        """This worker's in-memory copies (a :class:`bamboo.launch.copy_service.CopyService`; None: it keeps none)."""
         self.notice_deadline: float | None = None  # this node's preemption deadline, once its agent was told
         self._notice_watch = self.membership.watch_notices(self._on_notice)
         found = self.kv.get(self.membership.keys.notice(self.node))
@@ -110,19 +112,6 @@ class WorkerSession:
 
         return read_layout(self.membership)
 
-    def wait_role(self, after: int) -> Any:
-        """The first layout of generation > ``after`` that places this node; None once the job has ended."""
-        while True:
-            if self.ended() is not None:
-                return None
-            try:
-                layout = self.layout()
-            except Exception:  # etcd restarting
-                layout = None
-            if layout is not None and layout.generation > after and self.node in layout.ranks:
-                return layout
-            time.sleep(timeouts.WORKER_POLL_S)
-
     def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
@@ -150,6 +139,8 @@ class WorkerSession:
     def close(self) -> None:
         self._notice_watch.cancel()
         self._end_watch.cancel()
+        if self.copies is not None:
+            self.copies.close()
         self.log.close()
 
 

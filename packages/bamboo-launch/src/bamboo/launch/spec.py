@@ -32,6 +32,7 @@ __all__ = [
     "AGENT_JOB_FAILED",
     "AGENT_USAGE",
     "ENV_CONTEXT",
+    "MEMORY_COPY_EVERY",
     "SPEC_VERSION",
     "WORKER_DONE",
     "WORKER_ERROR",
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 SPEC_VERSION = 1
+MEMORY_COPY_EVERY = 1
+"""Default steps between in-memory copies of every stage (``--memory-copy-every``): a restore after every live
+copy of a stage is lost redoes at most this many steps less one."""
 ENV_CONTEXT = "BAMBOO_WORKER_CONTEXT"
 """The environment variable that names a worker's :class:`WorkerContext` file."""
 
@@ -101,6 +105,7 @@ FLAG_OF = {
     "seed": "--seed",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
+    "memory_copy_every": "--memory-copy-every",
     "resume": "--resume",
     "ttl": "--ttl",
     "grace_s": "--grace",
@@ -140,6 +145,8 @@ class JobSpec:
     seed: int = attrs.field(default=0, validator=_non_negative_int)
     checkpoint_dir: str | None = None
     checkpoint_every: int = attrs.field(default=10, validator=_positive_int)
+    memory_copy_every: int = attrs.field(default=MEMORY_COPY_EVERY, validator=_non_negative_int)
+    """Steps between in-memory copies of every stage (:mod:`bamboo.launch.memcopy`; 0: none)."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (a run that ended, or was stopped)."""
     ttl: int = attrs.field(default=2, validator=_positive_int)

@@ -13,6 +13,8 @@ __all__ = [
     "AGENT_POLL_S",
     "ATTEMPT_POLL_S",
     "ATTEMPT_STORE_POLL_MAX_S",
+    "COPY_INDEX_S",
+    "COPY_TRANSFER_S",
     "DECISION_POLL_S",
     "ETCD_OUTAGE_S",
     "ETCD_RETRY_S",
@@ -101,6 +103,14 @@ ATTEMPT_STORE_POLL_MAX_S = 0.02
 ABANDONED_JOIN_S = 2.0
 """How long a node waits for the thread of an abandoned attempt to end (one blocked on a dead peer does not;
 it is left behind, and ends at the group's timeout, freeing what it holds)."""
+
+COPY_TRANSFER_S = 10.0
+"""Deadline of one in-memory copy sent to a keeper, or fetched from one for a restore (connection and each
+read); a send that misses it is dropped (the next copy step sends again), a fetch tries the next keeper."""
+
+COPY_INDEX_S = 0.05
+"""Shortest pause between two updates of a node's index of in-memory copies in etcd (changes in between are
+published together)."""
 
 RUN_POLL_S = 0.1
 """How often ``bamboo-launch run`` mirrors the event log and checks its agents."""

@@ -7,9 +7,9 @@ takes both), with ``BAMBOO_WORKER_CONTEXT`` naming its :class:`~bamboo.launch.sp
 worker
 
 - reads the job's spec from etcd, builds its program (torch, DeepSpeed and the script are imported
-  now), and publishes ``warm-<node>``: from then on it is a *warm joiner*, and a reconfiguration that
-  brings it in only waits for the barrier and the state transfer;
-- waits for a role: a layout in etcd that places its node (generation 0, or a later one), or the
+  now), and publishes ``warm-<node>``: from then on it is a *warm joiner*;
+- waits for a role (:mod:`bamboo.launch.roles`): a layout in etcd that places its node (generation 0, or
+  a later one), a layout being prepared that does (it builds its part while the others train), or the
   job's end;
 - reaches the shared c10d store over etcd (`bamboo.membership.EtcdStore` under
   ``/bamboo/<job>/c10d/rc/``), so groups form and re-form with no store host to lose;
@@ -18,10 +18,12 @@ worker
   :class:`bamboo.launch.notices.EtcdFailureNotices` (suspicions go to its agent's failure detector);
 - writes ``step`` records (the host of the last stage of pipeline 0), ``failover`` records (the shadow
   that took a victim's stage) and ``reconfiguration`` records to the job's event log in etcd;
-- at a step boundary, when the lowest live rank decides so (:func:`bamboo.reconfig.decide`), or at
-  once after a consecutive failure, meets the other holders at a barrier and starts the next layout
-  as an attempt (:mod:`bamboo.launch.attempt`), which is abandoned and decided again if a node it
-  needs dies meanwhile; state moves by bamboo-reconfig's transfer plan, round by round;
+- when the lowest live rank decides a reconfiguration (:func:`bamboo.reconfig.decide`), builds its part of
+  the next layout while this one trains and switches to it at one step boundary (make before break,
+  :mod:`bamboo.launch.prepare`); after a consecutive failure, or when the next layout cannot be prepared,
+  meets the other holders at a barrier (:mod:`bamboo.launch.barrier`) and starts the next layout there.
+  Every start is an attempt (:mod:`bamboo.launch.attempt`), abandoned and decided again if a node it needs
+  dies meanwhile; state moves by bamboo-reconfig's transfer plan, round by round;
 - a worker left out of a new layout goes back to waiting for a role in the same process;
 - after the last step, or at the boundary where the job was asked to end (``bamboo-launch finish``,
   :mod:`bamboo.launch.finish`), writes its final checkpoint, its final state to ``<run dir>/out/rank<R>.pt``
@@ -44,53 +46,41 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
+import attrs
 from bamboo.launch import timeouts
-from bamboo.launch.barrier import next_attempt_layout, next_layout
-from bamboo.launch.hooks import TrainingHooks, run_step_hooks
+from bamboo.launch.barrier import next_attempt_layout, next_layout, publish_layout
+from bamboo.launch.generation import Ending, WorkerState, pipeline_batches, train_generation
+from bamboo.launch.hooks import TrainingHooks
+from bamboo.launch.prepare import Preparation, Prepared, close_prepared, finalize, switch_part
 from bamboo.launch.records import BarrierReady, JobEnd, WorkerError, WorkerWarm
+from bamboo.launch.roles import Role, wait_role
 from bamboo.launch.session import JobCannotContinue, WorkerSession, decision_prefix, fenced, read_spec
 from bamboo.launch.spec import WORKER_DONE, WORKER_ERROR, JobSpec, Program, WorkerContext
-from bamboo.launch.starting import ABANDONED, TRANSFER_PAUSE_ENV, release_executor, start_attempt
-from bamboo.launch.stop import decided_stop
+from bamboo.launch.starting import (
+    ABANDONED,
+    TRANSFER_PAUSE_ENV,
+    StartMarks,
+    follow_attempt,
+    release_executor,
+    start_attempt,
+)
+from bamboo.launch.worker_records import StartupClock
 
 __all__ = ["TRANSFER_PAUSE_ENV", "JobCannotContinue", "main", "pipeline_batches", "train"]
 
 
-def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_step: int) -> Iterator[Any]:
-    """DeepSpeed-style ``(inputs, labels)`` iterator of pipeline ``pipeline``: global microbatches
-    ``pipeline*M .. pipeline*M+M-1`` of every step from ``first_step`` on."""
-    step = first_step
-    while True:
-        for k in range(micro_batches):
-            yield microbatch(step, pipeline * micro_batches + k)
-        step += 1
+@attrs.define
+class _Holding:
+    """What this node holds between two generations: the executor it trained (``old``), the layout whose barrier
+    its state is from (``base``), what it published there (``ready``; None: not at a barrier yet), and when it
+    stopped training."""
 
-
-def _failover_records(executor: Any, seen: int) -> list[tuple[int, int, Any]]:
-    """``(victim rank, victim stage, failover record)`` of the failovers in which this node took a victim's
-    stage (P = 1: a victim's share of the batch, as the ring's owner of it), since ``seen``."""
-    records = []
-    layout = executor.layout
-    for failover in executor.failovers[seen:]:
-        if layout.stages == 1:
-            records += [(victim, 0, failover) for victim in failover.victims
-                        if layout.ring_owner(victim, executor.dead) == executor.rank]
-            continue
-        for victim in failover.victims.get(executor.pipeline, ()):
-            if (victim - 1) % layout.stages == executor.stage:
-                records.append((layout.rank(victim, executor.pipeline), victim, failover))
-    return records
-
-
-def _reports_the_job(executor: Any) -> bool:
-    """Whether this node writes the job's steps and checkpoints: pipeline 0's (P = 1: the first live node,
-    every node holding the whole model)."""
-    if executor.layout.stages == 1:
-        return executor.rank == min(r for r in range(executor.layout.world) if r not in executor.dead)
-    return bool(executor.pipeline == 0)
+    old: Any = None
+    base: Any = None
+    ready: BarrierReady | None = None
+    stopped: float | None = None
 
 
 def train(context: WorkerContext, program: Program | None = None, hooks: TrainingHooks | None = None) -> dict[str, Any]:
@@ -99,144 +89,173 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
 
     ``hooks`` (a script's ``on_step`` and ``evaluate``, :mod:`bamboo.launch.hooks`) run after every step
     that completes, once its records and checkpoint are written."""
-    import torch
-    from bamboo.launch.events import Failover, Reconfiguration, Step
+    clock = StartupClock()
+    import torch  # noqa: F401  (the imports phase of the start-up: torch, then the runtime)
     from bamboo.launch.example import example_program
-    from bamboo.launch.reconfigure import log_restore
-    from bamboo.rc import ConsecutiveFailure, HandedOver
     from bamboo.rc.worker import exact_mode
 
     exact_mode()
+    clock.imported = time.time()
     if program is None:
         spec = _spec_of(context)
         program = example_program(spec.size, spec.config, spec.seed)
     run = WorkerSession(context, program)
-    spec, node, log = run.spec, run.node, run.log
+    spec, node = run.spec, run.node
+    if spec.memory_copy_every:
+        from bamboo.launch.copy_service import CopyService
+
+        run.copies = CopyService(run)
     if len(program.layers) != len(spec.layers):
         raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the job's spec has "
                            f"{len(spec.layers)}: every process of the script must build the same model")
     run.membership.decide(f"warm-{node}", WorkerWarm(node, time.time()).to_dict())
-    layout = run.wait_role(-1)
-    if layout is None:
+    clock.warm = time.time()
+    state = WorkerState(startup=clock)
+    role = wait_role(run, -1)
+    clock.role = time.time()
+    try:
+        return _roles(run, state, hooks, role)
+    finally:
+        for writer in state.checkpointers.values():
+            writer.close()
         run.close()
-        return {"done": False}
-    old: Any = None  # the executor of the previous generation (the state this node holds)
-    base: Any = layout  # the layout whose barrier this node's state is from (holders only)
-    ready_record: BarrierReady | None = None  # what this node published at that barrier (None: holds nothing)
-    started = time.perf_counter()
-    checkpointers: dict[int, Any] = {}
-    losses: list[float] = []
-    failovers: list[Any] = []
-    told: set[int] = set()  # the executors this node's preemption notice was handed to
-    while True:
-        generation = layout.generation
-        ranks: dict[str, int] = layout.ranks
-        # Every start, the first layout's included, is one attempt (bamboo.launch.attempt): a node lost before
-        # the attempt is up makes every node abandon it, and the start is redone without that node.
-        engine = start_attempt(run, layout, old)
-        if engine is ABANDONED:
-            if ready_record is None:  # it holds nothing (a joiner, or any node of a fresh start): it follows
-                layout = next_attempt_layout(run, layout)
-                if layout is not None and node not in layout.ranks:
-                    layout = run.wait_role(layout.generation)
-                if layout is None:
-                    break
-                continue
-            attempt = layout.attempt + 1
-            run.membership.decide(f"{decision_prefix(base.generation, attempt)}ready-{node}", ready_record.to_dict())
-            survivors = list(layout.survivors)
-            layout = next_layout(run, base, lambda records, s=survivors: [n for n in s if n in records],
-                                  attempt, layout.reason)
+
+
+def _roles(run: WorkerSession, state: WorkerState, hooks: TrainingHooks | None, role: Role | None) -> dict[str, Any]:
+    """Every role this node takes from ``role`` on, to the job's end (see the module docstring)."""
+    holding = _Holding()
+    start: Any = role
+    while start is not None:
+        # a role found while holding nothing, or a holder's next start (a switch, or a layout from the barrier)
+        started = _start_role(run, start) if isinstance(start, Role) else _start_held(run, holding, start)
+        if started is ABANDONED:
+            start = _after_abandon(run, holding, start)
             continue
-        if node not in ranks:  # a source that leaves for standby: its transfers are done
-            release_executor(old)
-            old, ready_record = None, None
-            print(f"node {node}: on standby after generation {generation}", flush=True)
-            layout = run.wait_role(generation)
-            if layout is None:
-                break
+        engine, layout = started
+        if run.node not in layout.ranks:  # left out (a source whose transfers are done): standby
+            _release(holding)
+            print(f"node {run.node}: on standby after generation {layout.generation}", flush=True)
+            start = wait_role(run, layout.generation)
             continue
-        rank = ranks[node]
-        executor = engine.executor
-        if generation > 0 and rank == min(ranks.values()):  # one record per reconfiguration, once all are up
-            log.write(Reconfiguration(t=log.now(), reason=layout.reason, pipelines=layout.pipelines,
-                                      stages=spec.stages, standby=len(layout.standby),
-                                      bytes_moved=layout.transfers.bytes_moved,
-                                      duration_s=max(0.0, time.time() - float(layout.barrier_unix or time.time())),
-                                      attempts=layout.attempt + 1))
-            log_restore(log, layout)
-        if old is not None:  # the new layout holds this node's state now
-            release_executor(old)
-        ready_record = None
-        old = None
-        data = pipeline_batches(program.microbatch, executor.pipeline, layout.micro_batches, executor.step)
-        samples = executor.config.micro_batch_size * layout.micro_batches * layout.pipelines
-        seen_failovers = 0
-        stop_step: int | None = None
-        stop_reason = "step boundary"
-        finishing = False  # the stop is the job's end (a FinishRequest), not a reconfiguration
-        consecutive = False
-        while executor.step < spec.steps:
-            if stop_step is not None and executor.step >= stop_step:
-                break
-            step_started = time.perf_counter()
-            run.tell_runtime_of_notice(executor, told)
-            try:
-                loss = float(engine.train_batch(data))
-            except HandedOver:  # a preemption notice: this node's stage went to its shadow after the step
-                _hand_over(run, layout, executor)
-                run.close()
-                return {"done": False, "handed_over": True}
-            except ConsecutiveFailure as failure:
-                print(f"node {node}: {failure}", file=sys.stderr, flush=True)
-                executor.apply_replica_updates()
-                consecutive = True
-                break
-            duration = time.perf_counter() - step_started
-            losses.append(loss)
-            node_of_rank = layout.node_of_rank
-            for victim_rank, victim, failover in _failover_records(executor, seen_failovers):
-                log.write(Failover(t=log.now(), victim=node_of_rank.get(victim_rank, str(victim_rank)),
-                                   shadow=node, stage=victim, pause_s=failover.pause_s,
-                                   caught_unix=failover.caught_at, resumed_unix=failover.resumed_at,
-                                   step_end_unix=failover.iteration_end))
-            failovers.extend(executor.failovers[seen_failovers:])
-            seen_failovers = len(executor.failovers)
-            if _reports_the_job(executor) and spec.stages - 1 in executor.hosted:
-                log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
-                               nodes_active=spec.stages * layout.pipelines - len(executor.dead),
-                               duration_s=duration, generation=generation))
-            if spec.checkpoint_dir is not None and _reports_the_job(executor):
-                _checkpoint(run, layout, executor, checkpointers, torch,
-                            final=executor.step >= spec.steps or (finishing and executor.step >= stop_step))
-            if hooks is not None:
-                run_step_hooks(engine, hooks)
-            if stop_step is None:
-                stop_step, stop_reason, finishing = decided_stop(run, layout, executor, ranks)
-        if (executor.step >= spec.steps or finishing) and not consecutive:
-            engine.finish()
-            break
-        # ---- the barrier: this generation ends at executor.step ----------------------------------
-        executor.apply_replica_updates()
-        holds = sorted(s for s, piece in executor.slices.items() if piece.steps == executor.step)
-        ready_record = BarrierReady(step=executor.step, holds=holds, at=time.time())
-        run.membership.decide(f"g{generation}-ready-{node}", ready_record.to_dict())
-        print(f"node {node}: at the barrier of generation {generation}: step {executor.step}, holds stages {holds}",
-              flush=True)
-        dead = set(executor.dead)
-        base, old = layout, executor
-        layout = next_layout(run, base, lambda records, dead=dead, ranks=ranks: [
-            n for n, r in ranks.items() if r not in dead and n in records],
-            0, "consecutive failure" if consecutive else stop_reason)
-    for writer in checkpointers.values():
-        writer.close()
-    if layout is None or node not in layout.ranks:
-        run.close()
-        return {"done": False}
-    report = _final_report(run, layout, engine.executor, losses, failovers, started)
-    run.membership.decide("end", JobEnd(steps=engine.executor.step, node=node).to_dict())
-    run.close()
-    return report
+        _release(holding)
+        holding.base = layout
+        prepared = isinstance(start, Ending) or (isinstance(start, Role) and start.prepared is not None)
+        ending = train_generation(run, layout, engine, state, hooks, prepared=prepared)
+        if ending.kind == "handed-over":
+            _hand_over(run, layout, engine.executor)
+            return {"done": False, "handed_over": True}
+        if ending.kind == "done":
+            report = _final_report(run, layout, engine.executor, state.losses, state.failovers, state.started)
+            run.membership.decide("end", JobEnd(steps=engine.executor.step, node=run.node).to_dict())
+            return report
+        holding.old, holding.stopped = engine.executor, time.time()
+        start = ending if ending.kind == "switch" else _barrier(run, holding, ending.reason)
+    return {"done": False}
+
+
+def _start_role(run: WorkerSession, role: Role) -> Any:
+    """Start a role found while holding nothing: ``(engine, layout)``, or ABANDONED."""
+    if role.prepared is None:
+        engine = start_attempt(run, role.layout, None)
+        return engine if engine is ABANDONED else (engine, role.layout)
+    preparation = Preparation(run, role.prepared)  # a joiner: it builds now, its state comes at the switch
+    from bamboo.launch.attempt import StartThread
+
+    part = StartThread(lambda: switch_part(run, preparation, None, None), name=f"bamboo-join-g{role.prepared.layout.generation}")
+    result = follow_attempt(run, role.prepared.layout, part, preparation.store, preparation.marks)
+    if result is ABANDONED:
+        preparation.abandon()
+    return result
+
+
+def _start_held(run: WorkerSession, holding: _Holding, start: Any) -> Any:
+    """Start the next layout as a node that holds state: a switch to a prepared layout (``start`` an Ending),
+    or a layout decided at the barrier. ``(engine, layout)``, or ABANDONED."""
+    from bamboo.launch.attempt import AbandonableStore, StartThread
+
+    if not isinstance(start, Ending):
+        engine = start_attempt(run, start, holding.old, holding.stopped)
+        return engine if engine is ABANDONED else (engine, start)
+    stop = start.stop
+    assert stop is not None and stop.attempt is not None
+    preparation = start.preparation
+    prepared = preparation.prepared if preparation is not None else _prepared(run, holding.base, stop.attempt)
+    layout = finalize(prepared.layout, stop.step, stop.at)
+    publish_layout(run, layout)
+    holding.old.apply_replica_updates()  # the replicas this node sends or copies are at the switch's step
+    if preparation is None and run.node in prepared.needs():  # its part was not started at a boundary
+        preparation = Preparation(run, prepared)
+    if preparation is None:  # no part in it: it follows the outcome, then goes to standby
+        marks, store = StartMarks(stopped=holding.stopped), AbandonableStore(run.store)
+        part = StartThread(lambda: (None, layout), name=f"bamboo-follow-g{layout.generation}")
+    else:
+        marks, store = preparation.marks, preparation.store
+        marks.stopped = holding.stopped
+        part = StartThread(lambda: switch_part(run, preparation, holding.old, stop), name=f"bamboo-switch-g{layout.generation}")
+    result = follow_attempt(run, layout, part, store, marks)
+    if result is ABANDONED and preparation is not None:
+        preparation.abandon()
+    return result
+
+
+def _prepared(run: WorkerSession, base: Any, attempt: int) -> Prepared:
+    """Attempt ``attempt`` of the layout prepared during generation ``base``, read from etcd."""
+    from bamboo.launch.prepare import prepare_name
+    from bamboo.launch.records import PreparedLayout
+    from bamboo.reconfig import JobLayout
+
+    record = PreparedLayout.from_dict(run.wait_decision(prepare_name(base.generation, attempt), run.timeouts.build))
+    if record.layout is None:
+        raise RuntimeError(f"attempt {attempt} of generation {base.generation} was closed, yet the stop names it")
+    return Prepared(attempt, JobLayout.from_dict(record.layout), record.epoch)
+
+
+def _after_abandon(run: WorkerSession, holding: _Holding, start: Any) -> Any:
+    """The next start after an abandoned one: a holder decides again at the barrier; a node that holds nothing
+    follows the others' decision (or looks for a role again)."""
+    if holding.old is None:  # a joiner, or any node of a fresh start
+        if isinstance(start, Role) and start.prepared is not None:
+            return wait_role(run, start.prepared.layout.base_generation)
+        layout = next_attempt_layout(run, start.layout if isinstance(start, Role) else start)
+        if layout is None:
+            return None
+        return Role(layout=layout) if run.node in layout.ranks else wait_role(run, layout.generation)
+    if isinstance(start, Ending):  # a switch abandoned: the holders meet at the barrier
+        return _barrier(run, holding, start.reason)
+    attempt = start.attempt + 1
+    assert holding.ready is not None
+    run.membership.decide(f"{decision_prefix(holding.base.generation, attempt)}ready-{run.node}", holding.ready.to_dict())
+    survivors = list(start.survivors)
+    return next_layout(run, holding.base, lambda records, s=survivors: [n for n in s if n in records], attempt,
+                       start.reason)
+
+
+def _barrier(run: WorkerSession, holding: _Holding, reason: str) -> Any:
+    """Meet the other holders at the barrier of ``holding.base`` (the layout this node trained until it stopped):
+    close the layouts being prepared, publish what it holds, and decide the next layout with them."""
+    base, old = holding.base, holding.old
+    attempt, went = close_prepared(run.membership, base.generation, f"a node of generation {base.generation} went "
+                                   f"to the barrier ({reason})")
+    if went is not None:  # a prepared layout went ahead without this node: it goes to standby
+        _release(holding)
+        print(f"node {run.node}: generation {went.layout.generation} went ahead without it; on standby", flush=True)
+        return wait_role(run, went.layout.generation)
+    old.apply_replica_updates()
+    holds = sorted(s for s, piece in old.slices.items() if piece.steps == old.step)
+    holding.ready = BarrierReady(step=old.step, holds=holds, at=holding.stopped or time.time())
+    run.membership.decide(f"{decision_prefix(base.generation, attempt)}ready-{run.node}", holding.ready.to_dict())
+    print(f"node {run.node}: at the barrier of generation {base.generation} (attempt {attempt + 1}): step "
+          f"{old.step}, holds stages {holds}", flush=True)
+    dead, ranks = set(old.dead), base.ranks
+    return next_layout(run, base, lambda records: [n for n, r in ranks.items() if r not in dead and n in records],
+                       attempt, reason)
+
+
+def _release(holding: _Holding) -> None:
+    """The state this node held is in the new layout's executor (or handed over): let the old executor go."""
+    if holding.old is not None:
+        release_executor(holding.old)
+    holding.old, holding.ready, holding.stopped = None, None, None
 
 
 def _hand_over(run: WorkerSession, layout: Any, executor: Any) -> None:
@@ -285,44 +304,6 @@ def _final_report(run: WorkerSession, layout: Any, executor: Any, losses: list[f
     torch.save(report, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)  # the launcher reads this file: never a partial one
     return report
-
-
-def _checkpoint(run: WorkerSession, layout: Any, executor: Any, checkpointers: dict[int, Any], torch: Any,
-                *, final: bool = False) -> None:
-    """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
-    ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
-
-    A shard holds the stage's state (parameters, optimizer, scheduler, step), the global indices of its
-    layers (``layers``) and the run's ``history`` so far (the pipelines of each generation), which is what
-    ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
-    succeeded: a node declared dead writes no checkpoint.
-    """
-    from bamboo.launch.checkpoint import AsyncCheckpointer
-    from bamboo.launch.events import Checkpoint
-
-    spec, log = run.spec, run.log
-
-    def committed(info: Any) -> None:
-        log.write(Checkpoint(t=log.now(), step=info.step, path=str(info.path), bytes=info.bytes,
-                             duration_s=info.duration_s))
-
-    def may_commit(step: int, shard: str) -> None:  # raises (the shard is not committed) once fenced
-        run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
-
-    def shard(stage: int) -> dict[str, Any]:
-        return {"state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8),
-                "layers": torch.tensor(list(executor.slices[stage].indices), dtype=torch.int64),
-                "history": torch.tensor([list(item) for item in layout.history], dtype=torch.int64)}
-
-    for stage in executor.hosted:
-        if stage not in checkpointers:
-            checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
-                                                     every_steps=spec.checkpoint_every, on_commit=committed,
-                                                     before_commit=may_commit)
-        if final and executor.step % spec.checkpoint_every:
-            checkpointers[stage].save(executor.step, shard(stage))
-        else:
-            checkpointers[stage].maybe_save(executor.step, lambda stage=stage: shard(stage))
 
 
 def main(argv: list[str] | None = None) -> None:

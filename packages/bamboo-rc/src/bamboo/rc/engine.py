@@ -58,6 +58,9 @@ class Engine:
         """The last ``eval_batch``'s loss; None when a failure interrupted it."""
         self._forward_only = ForwardOnlyPass(executor)
         self._saves = 0
+        self.build_seconds: dict[str, float] = {}
+        """How long :func:`initialize` took to build this node's layers (``model``) and its first groups
+        (``groups``), in seconds."""
 
     # ---------------------------------------------------------------------------------- DeepSpeed's views
     @property
@@ -291,10 +294,14 @@ def initialize(
             host, _env_int("MASTER_PORT"), is_master=False, timeout=datetime.timedelta(seconds=timeouts.build)
         )
     stage, pipeline = layout.position(rank)
+    started = time.perf_counter()
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
         hook=hook, microbatch=microbatch,
     )
+    built = time.perf_counter()
     executor.connect()
-    return Engine(executor)
+    engine = Engine(executor)
+    engine.build_seconds = {"model": built - started, "groups": time.perf_counter() - built}
+    return engine

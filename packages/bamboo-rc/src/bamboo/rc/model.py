@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import torch
+from bamboo.rc.rng import RNG_LOCK
 from bamboo.reconfig import LayerSpec as LayerCost
 from bamboo.reconfig import split_layers
 from torch import nn
@@ -234,7 +235,7 @@ def build_layers(specs: Sequence[Any], indices: range, seed: int) -> nn.Sequenti
     """
     layers = []
     for index in indices:
-        with torch.random.fork_rng(devices=[]):
+        with RNG_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * 100_003 + index)
             layers.append(_layer_spec(specs[index], index).build())
     return nn.Sequential(*layers)

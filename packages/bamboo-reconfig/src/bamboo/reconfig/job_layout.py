@@ -60,22 +60,40 @@ def _node_ids(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _keepers(value: Mapping[Any, Iterable[str]]) -> dict[int, tuple[str, ...]]:
+    return {int(stage): tuple(str(node) for node in nodes) for stage, nodes in dict(value).items()}
+
+
 @attrs.frozen
 class RestorePoint:
-    """The checkpoint a generation restarts from: its step, its folder and the stages that forced it."""
+    """The copy of an earlier step a generation restarts from: its step, the stages that forced it, and where
+    every stage's state is: in the memory of live nodes (``memory``: stage -> the nodes that keep it at that
+    step, nearest first), or in the checkpoint folder ``path`` (disk, the last resort)."""
 
     step: int = attrs.field(validator=_non_negative_int)
     path: str = attrs.field(validator=attrs.validators.instance_of(str))
     lost_stages: tuple[int, ...] = attrs.field(converter=lambda v: tuple(sorted(int(s) for s in v)))
+    memory: dict[int, tuple[str, ...]] = attrs.field(factory=dict, converter=_keepers)
 
     def __attrs_post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("a restore point needs the checkpoint's folder, got an empty path")
+        if not self.path and not self.memory:
+            raise ValueError("a restore point needs the checkpoint's folder or in-memory copies, got neither")
         if not self.lost_stages:
             raise ValueError(f"a restore point names the stages that lost every copy, got none (step {self.step})")
+        empty = sorted(stage for stage, nodes in self.memory.items() if not nodes)
+        if empty:
+            raise ValueError(f"a restore from memory names the nodes that keep every stage; stage(s) {empty} have none")
+
+    @property
+    def source(self) -> str:
+        """``memory`` or ``disk``."""
+        return "memory" if self.memory else "disk"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "lost_stages": list(self.lost_stages)}
+        data: dict[str, Any] = {"step": self.step, "path": self.path, "lost_stages": list(self.lost_stages)}
+        if self.memory:
+            data["memory"] = {str(stage): list(nodes) for stage, nodes in sorted(self.memory.items())}
+        return data
 
 
 def _history(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
@@ -243,7 +261,7 @@ class JobLayout:
         restore = None
         if restore_data is not None:
             restore = _Reader("layout", data).parsed("restore", lambda d: RestorePoint(
-                step=d["step"], path=d["path"], lost_stages=d["lost_stages"]))
+                step=d["step"], path=d["path"], lost_stages=d["lost_stages"], memory=d.get("memory", {})))
         try:
             return cls(
                 generation=read.value("generation", int),

@@ -101,14 +101,9 @@ def train_generation(run: WorkerSession, layout: Any, engine: Any, state: Worker
         duration = time.perf_counter() - started
         seen = _after_step(run, layout, engine, state, hooks, loss, duration, seen, samples, boundary.stop)
         if first:
-            print(f"DEBUG node {run.node} gen {layout.generation} first step {duration:.3f}s kinds "
-                  f"{ {k: round(v, 3) for k, v in executor.kind_seconds.items()} }", flush=True)
             _first_step_records(run, layout, engine, state, duration, prepared=prepared)
         else:
             state.usual.append(duration)
-            if len(state.usual) < 3:
-                print(f"DEBUG node {run.node} step {duration:.3f}s kinds "
-                      f"{ {k: round(v, 3) for k, v in executor.kind_seconds.items()} }", flush=True)
         first = False
         boundary.after_step(executor)
     stop = boundary.stop

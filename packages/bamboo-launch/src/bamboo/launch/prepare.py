@@ -29,6 +29,7 @@ index, and no layout is prepared after it.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.launch.starting import StartMarks, build_engine, release_executor, transfer_group
 
 __all__ = [
+    "PREPARE_PAUSE_ENV",
     "Preparation",
     "Prepared",
     "PreparedScan",
@@ -52,6 +54,11 @@ __all__ = [
     "scan_prepared",
     "switch_part",
 ]
+
+
+PREPARE_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_PREPARE_PAUSE_S"
+"""Test hook: seconds every node of a prepared layout waits once its part is built, before it says so (the
+others train on meanwhile)."""
 
 
 def prepare_name(generation: int, attempt: int) -> str:
@@ -193,6 +200,9 @@ class Preparation:
         run, layout = self.run, self.layout
         engine = build_engine(run, layout, self.store) if run.node in layout.ranks else None
         group = transfer_group(run, layout, self.store)
+        pause_s = float(os.environ.get(PREPARE_PAUSE_ENV, "0") or 0)
+        if pause_s > 0:  # test hook: a slow joiner
+            time.sleep(pause_s)
         self.marks.built = time.time()
         run.membership.decide(built_name(layout.generation, run.node), NodeBuilt(run.node, self.marks.built).to_dict())
         return engine, group

@@ -172,8 +172,12 @@ def _window(events: Sequence[Event]) -> tuple[float, float, str]:
 
 
 def _node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple[float, float]]]:
-    """Each node's billed intervals ``[(join, leave)]``; raises on an impossible sequence."""
+    """Each node's billed intervals ``[(join, leave)]``; raises on an impossible sequence.
+
+    A node preempted without a ``join`` record is billed nothing: a machine killed right after it registered
+    may be confirmed dead before its agent's ``join`` record reached the log. Preempted twice is an error."""
     alive: dict[str, float] = {}
+    gone: set[str] = set()
     intervals: dict[str, list[tuple[float, float]]] = {}
     for event in events:
         if isinstance(event, Join):
@@ -184,9 +188,12 @@ def _node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple
                 )
             alive[event.node] = event.t
         elif isinstance(event, Preemption):
-            if event.node not in alive:
-                raise ReportError(f"node {event.node!r} is preempted at t={event.t:.3f} but never joined")
-            intervals.setdefault(event.node, []).append((alive.pop(event.node), event.t))
+            if event.node in gone and event.node not in alive:
+                raise ReportError(f"node {event.node!r} is preempted at t={event.t:.3f} again, and never joined "
+                                  "in between")
+            gone.add(event.node)
+            joined = alive.pop(event.node, event.t)
+            intervals.setdefault(event.node, []).append((joined, event.t))
     for node, joined in alive.items():
         intervals.setdefault(node, []).append((joined, max(joined, end)))
     return intervals

@@ -175,5 +175,7 @@ def test_report_counts_a_step_trained_again_once() -> None:
     text = format_report(report)
     assert (
         "1 after a consecutive failure" in text
-        and "restores         1 from a checkpoint (3 steps trained again)" in text
+        and "restores         1 (0 from a peer's memory, the rest from disk; max pause 5.000 s; 3 steps trained again)"
+        in text
     )
+    assert report.restore_max_s == 5.0 and report.reconfiguration_pause_p50_s is None  # the one pause was a restore

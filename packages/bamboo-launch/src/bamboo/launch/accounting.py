@@ -12,12 +12,14 @@ import statistics
 from typing import Any
 
 import attrs
-from bamboo.launch.event_records import Event, Failover, Reconfiguration, Restore, RunStart, Step
+from bamboo.launch.event_records import Event, Failover, Reconfiguration, Restore, RunStart, Startup, Step
 
-__all__ = ["PAUSE_PARTS", "TimeAccount"]
+__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount"]
 
 PAUSE_PARTS = ("decide_s", "barrier_s", "transfers_s", "group_builds_s", "first_step_s")
 """The parts of a reconfiguration's pause, in the ``reconfiguration`` record and the report."""
+STARTUP_PARTS = ("process_s", "imports_s", "model_s", "wait_s", "model_build_s", "group_build_s", "first_step_s")
+"""The phases of a worker's start, in the ``startup`` record and the report."""
 
 
 @attrs.define
@@ -34,8 +36,8 @@ class TimeAccount:
       overlapping pauses of one event count once);
     - ``reconfiguration_s`` / ``restore_s``: the reconfigurations' pauses (from the first node that stopped
       to the new layout's go, plus its first step's excess), those that restarted from a copy of an
-      earlier step counted as restores; ``pauses`` lists each reconfiguration's pause (restores included)
-      and ``parts_s`` sums their parts;
+      earlier step counted as restores; ``pauses`` lists each reconfiguration's pause (restores apart) and
+      ``parts_s`` sums the parts of all of them (restores included);
     - ``restores``: ``(pause, source)`` of each restore (``memory``, ``disk`` or ``memory+disk``);
     - ``lost_s``: everything up to the last step that was not a step's first, useful run: start-up, the
       gaps between steps, failover pauses and steps trained again.
@@ -55,7 +57,10 @@ class TimeAccount:
     """Reconfigurations prepared while the old layout trained (make before break)."""
     parts_s: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(PAUSE_PARTS, 0.0))
     restores: list[tuple[float, str]] = attrs.field(factory=list)
+    startups: list[Startup] = attrs.field(factory=list)
+    """The ``startup`` records of the workers that trained the first step (they set the job's start-up)."""
     _last_reconfiguration: float = 0.0
+    _first_step_end: float | None = None
     _failover_spans: list[tuple[float, float]] = attrs.field(factory=list)
     _steps_seen: set[int] = attrs.field(factory=set)
 
@@ -65,7 +70,7 @@ class TimeAccount:
         elif isinstance(event, Step):
             begin = event.t - event.duration_s
             if self.first_step_start is None:
-                self.first_step_start = begin
+                self.first_step_start, self._first_step_end = begin, event.t
             self.last_step_end = event.t if self.last_step_end is None else max(self.last_step_end, event.t)
             self.step_s += event.duration_s
             if event.step in self._steps_seen:
@@ -73,6 +78,8 @@ class TimeAccount:
             self._steps_seen.add(event.step)
         elif isinstance(event, Failover):
             self._failover(event)
+        elif isinstance(event, Startup) and self._of_first_step(event):
+            self.startups.append(event)
         elif isinstance(event, Reconfiguration):
             self.reconfiguration_s += event.duration_s
             self._last_reconfiguration = event.duration_s
@@ -84,8 +91,16 @@ class TimeAccount:
             pause = event.duration_s if event.duration_s is not None else self._last_reconfiguration
             self.reconfiguration_s -= self._last_reconfiguration
             self.restore_s += self._last_reconfiguration
+            if self.pauses and self._last_reconfiguration:
+                self.pauses.pop()
             self._last_reconfiguration = 0.0
             self.restores.append((pause, event.source or "disk"))
+
+    def _of_first_step(self, event: Startup) -> bool:
+        """Whether a worker's start ended with the job's first step (not a joiner's, later)."""
+        if self._first_step_end is None:
+            return True
+        return event.t - (event.first_step_s or 0.0) <= self._first_step_end
 
     def _failover(self, event: Failover) -> None:
         if self.start_unix is not None and event.caught_unix is not None and event.resumed_unix is not None:
@@ -124,6 +139,14 @@ class TimeAccount:
     @property
     def pause_max_s(self) -> float | None:
         return max(self.pauses) if self.pauses else None
+
+    def startup_parts(self) -> dict[str, float | None]:
+        """The median of each start-up phase over the workers of the first step (None: no record has it)."""
+        parts = {}
+        for part in STARTUP_PARTS:
+            values = [getattr(record, part) for record in self.startups if getattr(record, part) is not None]
+            parts[part] = statistics.median(values) if values else None
+        return parts
 
     def summary(self) -> dict[str, Any]:
         return {"startup_s": self.startup_s, "window_s": self.window_s, "step_s": self.step_s,

@@ -199,6 +199,7 @@ def await_outcome(
     timeout_s: float,
     *,
     poll_s: float = timeouts.ATTEMPT_POLL_S,
+    ready_poll_s: float = timeouts.ATTEMPT_READY_POLL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     say: Callable[[str], None] = lambda line: None,
@@ -211,7 +212,8 @@ def await_outcome(
     ``progress()``: this node's own part, ``(finished, error)``. ``membership`` is a
     ``bamboo.membership.MembershipStore`` (``decide``, ``get_decision``, ``list_nodes``); an
     unreachable etcd only delays the answer. ``up_record()`` is this node's ``up`` record (default: its
-    name alone); the outcome records when it was written.
+    name alone); the outcome records when it was written. It polls every ``poll_s`` while its own part runs,
+    every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited).
     """
     deadline = clock() + timeout_s
     published = False
@@ -251,4 +253,4 @@ def await_outcome(
                 return Outcome(go=written.go, reason=written.reason, won=decision.won)
         except StoreError as failure:  # etcd restarting: ask again
             say(f"attempt of generation {generation}: etcd unreadable ({failure}); asking again")
-        sleep(poll_s)
+        sleep(ready_poll_s if published or (node not in new_owners and progress()[0]) else poll_s)

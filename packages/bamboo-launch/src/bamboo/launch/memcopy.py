@@ -248,7 +248,7 @@ def choose_keepers(indexes: Mapping[str, CopyIndex], stage: int, sender: str, ho
     candidates = sorted((index for node, index in indexes.items() if node not in held),
                         key=lambda index: (index.zone == own, index.node in ranked, index.node))
     chosen: list[str] = []
-    zones: set[str] = set()
+    zones = {own}  # the sender's zone holds the sender's copy already
     for pass_ in (0, 1):
         for index in candidates:
             if len(chosen) == count:

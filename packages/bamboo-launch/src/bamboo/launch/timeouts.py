@@ -12,6 +12,7 @@ __all__ = [
     "ABANDONED_JOIN_S",
     "AGENT_POLL_S",
     "ATTEMPT_POLL_S",
+    "ATTEMPT_READY_POLL_S",
     "ATTEMPT_STORE_POLL_MAX_S",
     "COPY_INDEX_S",
     "COPY_TRANSFER_S",
@@ -96,6 +97,10 @@ DECISION_POLL_S = 0.02
 
 ATTEMPT_POLL_S = 0.2
 """How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership."""
+
+ATTEMPT_READY_POLL_S = 0.02
+"""How often a node of a reconfiguration attempt whose own part is done checks the outcome and the nodes up
+(the training of the new layout waits on it)."""
 
 ATTEMPT_STORE_POLL_MAX_S = 0.02
 """Longest pause between reads of an attempt's abandonable c10d store while it waits for a key."""

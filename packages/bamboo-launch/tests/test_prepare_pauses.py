@@ -27,7 +27,7 @@ def test_a_classic_pause_is_the_barrier_the_decision_the_builds_and_the_transfer
     assert pause.transfers_s == pytest.approx(1.5)
     assert pause.barrier_s == pytest.approx(6.2 - 1.0 - 2.5 - 1.5)
     assert pause.total_s == pytest.approx(6.5) and pause.first_step_s == 0.3
-    assert "6.50 s (decide 1.00, barrier 1.20, transfers 1.50, group builds 2.50, first step 0.30)" == pause.line()
+    assert pause.line() == "6.50 s (decide 1.00, barrier 1.20, transfers 1.50, group builds 2.50, first step 0.30)"
 
 
 def test_a_prepared_pause_counts_neither_the_plan_nor_the_builds_done_while_training() -> None:

@@ -24,8 +24,11 @@ For each run it prints the steps' share of the training window (first step to la
 reconfiguration's pause with its parts (decide, barrier, transfers, group builds, first step; ``prepared``
 when it was built while the old layout trained), each restore's pause and source (a peer's memory, or disk),
 the value (samples/s per $/h over the training window, at $0.918/h spot and $3.06/h on demand) against the
-on-demand run's, and whether the final parameters equal the fault-free run's (``--verify``). The goals of
-issue 34 close the table: reconfiguration pause p50 <= 0.5 s and max <= 2 s, a restore after every live copy
+on-demand run's, and whether the final parameters equal the fault-free run's (``--verify``). Then one
+reconfiguration (7 nodes, one on standby; the node of stage 1 of pipeline 0 killed at step 10, the standby node
+put in), before make before break (``BAMBOO_LAUNCH_BREAK_BEFORE_MAKE=1``: decided and built at the barrier)
+and after (prepared while training goes on), with each pause broken down. The goals of issue 34 close the
+table: reconfiguration pause p50 <= 0.5 s and max <= 2 s, a restore after every live copy
 of a stage is lost from a peer's memory in <= 1 s, and >= 85% of the window in steps.
 """
 
@@ -48,6 +51,7 @@ EC2_P3 = SHARED / "bamboo" / "p3-trace.csv"
 STAGES, PIPELINES = 3, 2
 SPOT_PRICE, ON_DEMAND_PRICE = 0.918, 3.06
 RUNS = ("heavy-synthetic", "synthetic-bulk", "skypilot-aws", "ec2-p3")
+ONE_NODES = STAGES * PIPELINES + 1
 GOAL_PAUSE_P50_S, GOAL_PAUSE_MAX_S, GOAL_RESTORE_S, GOAL_SHARE = 0.5, 2.0, 1.0, 0.85
 
 
@@ -189,6 +193,55 @@ def on_demand(steps: int, work: Path, timeout_s: float) -> dict[str, Any]:
             "step_share": report["step_share"], "startup_s": report["startup_s"], "value": value}
 
 
+def one_reconfiguration(work: Path, before: bool, timeout_s: float) -> dict[str, Any]:
+    """One reconfiguration, on 7 nodes (one on standby, warm): the node of stage 1 of pipeline 0 is killed at step
+    10, its shadow fails over, and the next layout puts the standby node in. ``before``: as before make before
+    break (the nodes stop at the barrier and decide and build there); else prepared while training goes on.
+    Returns its ``reconfiguration`` record and whether the run was exact."""
+    from bamboo.launch.events import Reconfiguration, read_events
+    from bamboo.launch.prepare import BREAK_BEFORE_MAKE_ENV
+    from bamboo.launch.run import RunOptions, compare_with_reference, run_cluster
+
+    name = f"one-reconfiguration-{'before' if before else 'after'}"
+    work.mkdir(parents=True, exist_ok=True)
+    trace = work / f"{name}.csv"
+    trace.write_text("".join(f"0,add,node{k}\n" for k in range(1, ONE_NODES + 1)))
+    options = RunOptions(nodes=ONE_NODES, stages=STAGES, pipelines=PIPELINES, steps=400, zones=("a", "b", "c"),
+                         time_scale=1.0, preemptions=str(trace), run_dir=str(work / name), timeout_s=timeout_s)
+
+    def scenario(handles: Any) -> None:
+        while handles.step() < 10 or handles.membership.get_decision(f"warm-node{ONE_NODES - 1}") is None:
+            time.sleep(0.05)
+        handles.preempt(handles.node_of_rank[1])
+        while not any(isinstance(e, Reconfiguration) for e in read_events(handles.events)):
+            time.sleep(0.05)
+        target = handles.step() + 5
+        while handles.step() < target:
+            time.sleep(0.05)
+        handles.finish()
+
+    os.environ[BREAK_BEFORE_MAKE_ENV] = "1" if before else "0"  # the agents' workers inherit it
+    try:
+        result = run_cluster(options, during=scenario)
+    finally:
+        os.environ.pop(BREAK_BEFORE_MAKE_ENV, None)
+    [record] = [e for e in read_events(result.events) if isinstance(e, Reconfiguration)][:1]
+    diff = compare_with_reference(result, options)["max_relative_diff"]
+    return {"mode": "before (barrier)" if before else "after (prepared)", "pause_s": record.duration_s,
+            "prepared": record.prepared, "decide_s": record.decide_s, "barrier_s": record.barrier_s,
+            "transfers_s": record.transfers_s, "group_builds_s": record.group_builds_s,
+            "first_step_s": record.first_step_s, "bytes_moved": record.bytes_moved, "max_relative_diff": diff}
+
+
+def print_one(items: list[dict[str, Any]]) -> None:
+    print("\none reconfiguration (P=3, D=2, a failover then a standby node put in), before and after:")
+    print("| mode | pause | decide | barrier | transfers | group builds | first step | exact |\n|---|---|---|---|---|---|---|---|")
+    for item in items:
+        print(f"| {item['mode']} | {item['pause_s']:.2f} s | {item['decide_s'] or 0:.2f} | {item['barrier_s'] or 0:.2f} | "
+              f"{item['transfers_s'] or 0:.2f} | {item['group_builds_s'] or 0:.2f} | {item['first_step_s'] or 0:.2f} | "
+              f"{'yes' if item['max_relative_diff'] <= 1e-6 else 'NO'} |")
+
+
 def _seconds(values: list[float]) -> str:
     return ", ".join(f"{v:.2f}" for v in values) or "-"
 
@@ -251,6 +304,8 @@ def main() -> None:
     parser.add_argument("--on-demand-steps", type=int, default=150, help="steps of the on-demand run (default 150)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each run may take (default 1800)")
     parser.add_argument("--work-dir", default=None, help="where the runs and traces go (default: a new temp dir)")
+    parser.add_argument("--one", type=int, default=1, help="repeats of the one-reconfiguration comparison, before "
+                        "and after make before break (0: none; default 1)")
     parser.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON here")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -265,10 +320,17 @@ def main() -> None:
         print(f"bench_churn: {name} ...", flush=True)
         results.append(measure(name, args.steps, work, args.timeout, reference["value"]))
         print_run(results[-1])
+    one = []
+    for repeat in range(args.one):
+        print(f"bench_churn: one reconfiguration, before and after ({repeat + 1} of {args.one}) ...", flush=True)
+        one += [one_reconfiguration(work / f"one-{repeat}", before, args.timeout) for before in (True, False)]
+    if one:
+        print_one(one)
     summary = goals(results)
     print_goals(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps({"on_demand": reference, "runs": results, "goals": summary}, indent=1))
+        Path(args.json).write_text(json.dumps({"on_demand": reference, "runs": results, "one_reconfiguration": one,
+                                               "goals": summary}, indent=1))
 
 
 if __name__ == "__main__":

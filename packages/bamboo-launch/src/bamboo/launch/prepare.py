@@ -41,6 +41,7 @@ from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.launch.starting import StartMarks, build_engine, release_executor, transfer_group
 
 __all__ = [
+    "BREAK_BEFORE_MAKE_ENV",
     "PREPARE_PAUSE_ENV",
     "Preparation",
     "Prepared",
@@ -59,6 +60,11 @@ __all__ = [
 PREPARE_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_PREPARE_PAUSE_S"
 """Test hook: seconds every node of a prepared layout waits once its part is built, before it says so (the
 others train on meanwhile)."""
+
+
+BREAK_BEFORE_MAKE_ENV = "BAMBOO_LAUNCH_BREAK_BEFORE_MAKE"
+"""Benchmark hook: when set to 1, no layout is prepared; every reconfiguration stops at the barrier and decides
+and builds there, as before make before break (the baseline ``bench_churn.py`` measures in the same run)."""
 
 
 def prepare_name(generation: int, attempt: int) -> str:

@@ -17,12 +17,14 @@ abandons one planned before a failure event it has seen since, and reads the sto
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 from bamboo.launch.finish import finish_requested
 from bamboo.launch.prepare import (
+    BREAK_BEFORE_MAKE_ENV,
     Preparation,
     PreparedScan,
     abandon_prepared,
@@ -117,6 +119,9 @@ class Boundary:
             return scan
         reason = _reconfiguration_reason(run, self.layout, executor)
         if reason is None:
+            return scan
+        if os.environ.get(BREAK_BEFORE_MAKE_ENV) == "1":  # the baseline of the benchmarks: decide at the barrier
+            run.membership.decide(name, StopDecision(step + 2, reason).to_dict())
             return scan
         try:
             planned = plan_prepared(run, self.layout, executor, scan.next_attempt, reason)

@@ -179,6 +179,9 @@ def _start_held(run: WorkerSession, holding: _Holding, start: Any) -> Any:
     stop = start.stop
     assert stop is not None and stop.attempt is not None
     preparation = start.preparation
+    if preparation is not None and preparation.prepared.attempt != stop.attempt:  # built for another attempt
+        preparation.abandon()
+        preparation = None
     prepared = preparation.prepared if preparation is not None else _prepared(run, holding.base, stop.attempt)
     layout = finalize(prepared.layout, stop.step, stop.at)
     publish_layout(run, layout)

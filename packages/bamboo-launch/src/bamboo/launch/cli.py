@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 
 import attrs
 from bamboo.launch.spec import MEMORY_COPY_EVERY
+from bamboo.launch.timeouts import RUN_TIMEOUT_S
 
 __all__ = ["agent_spec_fields", "build_parser", "main"]
 
@@ -995,7 +996,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                      "abandoned and decided again (a node that dies meanwhile is noticed sooner: at once when a "
                      "transfer fails on its closed connection, otherwise when its lease expires, --ttl; default: "
                      "%(default)s)")
-    run.add_argument("--timeout", type=_positive_float, default=900.0,
+    run.add_argument("--timeout", type=_positive_float, default=RUN_TIMEOUT_S,
                      help="seconds the whole run may take before every node is killed (default: %(default)s)")
     run.add_argument("--no-live", action="store_true",
                      help="no live view; print a progress line (step, loss, samples/s, nodes) every "

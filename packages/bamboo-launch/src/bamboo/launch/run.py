@@ -661,6 +661,9 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, 
 
     if result.job_error is not None:  # the job's own error, not the missing reports it left
         raise RunError(f"the job ended with an error: {result.job_error}")
+    if result.timed_out:
+        raise RunError(f"the run did not finish within --timeout {options.timeout_s:g} s (after {result.steps_done} "
+                       "steps): nothing to verify")
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
     spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())

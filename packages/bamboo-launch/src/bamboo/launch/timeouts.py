@@ -70,7 +70,7 @@ SPEC_WAIT_S = 600.0
 WORKER_EXIT_GRACE_S = 30.0
 """Once the job has ended, how long an agent waits for its worker to exit by itself before killing it."""
 
-RUN_TIMEOUT_S = 900.0
+RUN_TIMEOUT_S = 3600.0
 """How long ``bamboo-launch run`` may take in all before every node is killed (``--timeout``)."""
 
 SCRIPT_DESCRIBE_TIMEOUT_S = 300.0

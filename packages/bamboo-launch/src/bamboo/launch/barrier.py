@@ -166,7 +166,7 @@ def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], att
     if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy
         missing = list(transfers.stages_without_copy)
         try:
-            restore = nearest_restore(run.membership.kv, spec, missing, base.stage_bounds, records)
+            restore = nearest_restore(run.membership.kv, spec, missing, base.stage_bounds, records, base.history)
         except RuntimeError as error:
             raise JobCannotContinue(str(error)) from None
         mode, start = StartMode.CHECKPOINT, restore.step

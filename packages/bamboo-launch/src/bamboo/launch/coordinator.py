@@ -314,7 +314,7 @@ class Coordinator:
         stages = list(range(self.spec.stages))
         bounds = [tuple(bound) for bound in layout.stage_bounds]
         try:
-            point = nearest_restore(self.membership.kv, self.spec, stages, bounds, registered)
+            point = nearest_restore(self.membership.kv, self.spec, stages, bounds, registered, layout.history)
         except RuntimeError as error:
             message = f"every node of generation {layout.generation} is gone: {error}"
             if self.membership.decide("end", JobEnd(steps=layout.start_step, error=message,

@@ -29,6 +29,7 @@ from bamboo.launch.memcopy import (
     choose_keepers,
     copies_prefix,
     fetch_copy,
+    lineage,
     read_indexes,
     send_copy,
 )
@@ -42,6 +43,7 @@ class _Pending:
     stage: int
     layers: tuple[int, int]
     state: Any
+    lineage: str
     keepers_from: tuple[tuple[str, ...], tuple[str, ...]] | None
     """``(holders, placed)`` when this copy goes to keepers too (see :func:`memcopy.choose_keepers`)."""
 
@@ -77,22 +79,24 @@ class CopyService:
         the ones it hosts go to keepers too."""
         executor.apply_replica_updates()
         step, dead = executor.step, set(executor.dead)
+        line = lineage(layout.history, step)
         for stage, piece in executor.slices.items():
             if piece.steps != step:
                 continue
             keepers_from = None
             if sends and stage in executor.hosted:
                 keepers_from = (tuple(holders_of(layout, stage, dead)), tuple(layout.ranks))
-            pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop), piece.snapshot(), keepers_from)
+            pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop), piece.snapshot(), line,
+                               keepers_from)
             with self._wake:
                 self._pending[stage] = pending  # an older clone still waiting is replaced
                 self._wake.notify()
 
-    def load(self, stage: int, step: int, sources: tuple[str, ...], bounds: tuple[int, int]) -> bytes:
-        """The bytes of ``stage`` at ``step``: from this node's memory, or from the first of ``sources`` that
-        answers with a copy of the layer range ``bounds`` (RuntimeError when none does)."""
+    def load(self, stage: int, step: int, sources: tuple[str, ...], bounds: tuple[int, int], line: str) -> bytes:
+        """The bytes of ``stage`` at ``step`` of lineage ``line``: from this node's memory, or from the first of
+        ``sources`` that answers with such a copy of the layer range ``bounds`` (RuntimeError when none does)."""
         own = self.store.get(stage, step)
-        if own is not None and own.layers == bounds:
+        if own is not None and own.layers == bounds and own.lineage == line:
             return own.data
         indexes = read_indexes(self.run.membership.kv, self.run.spec.job)
         errors = []
@@ -104,9 +108,10 @@ class CopyService:
             except (OSError, RuntimeError) as error:
                 errors.append(f"{source}: {error}")
                 continue
-            if copy.layers == bounds:
+            if copy.layers == bounds and copy.lineage == line:
                 return copy.data
-            errors.append(f"{source}: its copy holds layers {copy.layers}, not {bounds}")
+            errors.append(f"{source}: its copy holds layers {copy.layers} of lineage {copy.lineage}, not {bounds} of "
+                          f"{line}")
         raise RuntimeError(f"no node could give stage {stage} at step {step} from memory ({'; '.join(errors) or 'none alive'})")
 
     def close(self) -> None:
@@ -139,7 +144,7 @@ class CopyService:
         from bamboo.rc.state import snapshot_bytes
 
         data = snapshot_bytes(item.state)
-        copy = Copy(item.stage, item.step, item.layers, data, hashlib.sha256(data).hexdigest())
+        copy = Copy(item.stage, item.step, item.layers, data, hashlib.sha256(data).hexdigest(), item.lineage)
         self.store.put(copy)
         if item.keepers_from is None:
             return

@@ -13,7 +13,11 @@ every stage has a copy in the memory of a live node (:func:`memory_restore`):
 Every worker serves the copies it keeps (:class:`CopyServer`: a TCP server on the worker's host, behind
 the job's agent token when there is one) and publishes what it keeps under ``/bamboo/<job>/copies/<node>``
 (a :class:`CopyIndex`, attached to its agent's lease: it goes when the node is declared dead). A node keeps
-the copies of its :data:`KEEP_STEPS` newest steps of each stage. A restore from memory names, for each stage,
+the copies of its :data:`KEEP_STEPS` newest steps of each stage. Each copy carries its *lineage*
+(:func:`lineage`: the pipelines of every generation that trained the steps before it): after a restore the
+steps after it are trained again, maybe grouped otherwise, so a copy of such a step from the abandoned
+timeline is no copy of the step the job has now, and a restore only takes copies of the job's own lineage
+(a newer copy of the same stage and step replaces an older one). A restore from memory names, for each stage,
 the nodes that keep it at the chosen step (:class:`bamboo.reconfig.RestorePoint`'s ``memory``); every node
 of the new layout loads each of its stages from its own memory when it keeps it, or fetches it from the
 first of them that answers (:func:`fetch_copy`), checking its SHA-256.
@@ -38,8 +42,8 @@ from typing import Any
 import attrs
 from bamboo.launch import timeouts
 
-__all__ = ["KEEPERS", "KEEP_STEPS", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
-           "fetch_copy", "memory_restore", "read_indexes", "send_copy"]
+__all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
+           "fetch_copy", "lineage", "memory_restore", "read_indexes", "send_copy"]
 
 KEEPERS = 2
 """How many keepers the host of a stage in pipeline 0 sends each copy to (besides its own)."""
@@ -49,6 +53,14 @@ _HEADER = struct.Struct("!I")
 _MAX_HEADER = 1 << 16
 
 
+def lineage(history: Iterable[Sequence[int]], step: int) -> str:
+    """What the state at ``step`` descends from: a digest of the ``(first step, pipelines)`` of every generation
+    of ``history`` (a ``JobLayout``'s) that trained steps before it. Two copies of one stage at one step with the
+    same lineage hold the same bits (training is exact)."""
+    before = [[int(first), int(pipelines)] for first, pipelines in history if int(first) < step]
+    return hashlib.sha256(json.dumps(before).encode()).hexdigest()[:16]
+
+
 def copies_prefix(job: str) -> str:
     """The etcd prefix of the nodes' :class:`CopyIndex` records."""
     return f"/bamboo/{job}/copies/"
@@ -56,18 +68,18 @@ def copies_prefix(job: str) -> str:
 
 @attrs.frozen
 class CopyIndex:
-    """What one node keeps in memory: ``copies`` (stage -> steps, each at the layer range ``layers[stage]``),
-    where it serves them (``address``, ``host:port``) and its zone."""
+    """What one node keeps in memory: ``copies`` (stage -> step -> lineage, each at the layer range
+    ``layers[stage]``), where it serves them (``address``, ``host:port``) and its zone."""
 
     node: str
     zone: str
     address: str
-    copies: dict[int, tuple[int, ...]] = attrs.field(factory=dict)
+    copies: dict[int, dict[int, str]] = attrs.field(factory=dict)
     layers: dict[int, tuple[int, int]] = attrs.field(factory=dict)
 
     def to_json(self) -> bytes:
-        return json.dumps({"v": 1, "node": self.node, "zone": self.zone, "address": self.address,
-                           "copies": {str(s): list(steps) for s, steps in sorted(self.copies.items())},
+        copies = {str(s): {str(k): line for k, line in sorted(steps.items())} for s, steps in sorted(self.copies.items())}
+        return json.dumps({"v": 1, "node": self.node, "zone": self.zone, "address": self.address, "copies": copies,
                            "layers": {str(s): list(r) for s, r in sorted(self.layers.items())}}).encode()
 
     @classmethod
@@ -76,19 +88,21 @@ class CopyIndex:
         if data.get("v") != 1:
             raise ValueError(f"copy index: unknown version {data.get('v')!r}")
         return cls(node=str(data["node"]), zone=str(data["zone"]), address=str(data["address"]),
-                   copies={int(s): tuple(int(k) for k in steps) for s, steps in data["copies"].items()},
+                   copies={int(s): {int(k): str(line) for k, line in steps.items()} for s, steps in data["copies"].items()},
                    layers={int(s): (int(r[0]), int(r[1])) for s, r in data["layers"].items()})
 
 
 @attrs.frozen
 class Copy:
-    """One stage's state at one step, as bytes, with their SHA-256 and the stage's layer range."""
+    """One stage's state at one step (of :func:`lineage` ``lineage``), as bytes, with their SHA-256 and the
+    stage's layer range."""
 
     stage: int
     step: int
     layers: tuple[int, int]
     data: bytes = attrs.field(repr=False)
     sha256: str
+    lineage: str
 
 
 class CopyStore:
@@ -112,15 +126,15 @@ class CopyStore:
         with self._lock:
             return self._copies.get((stage, step))
 
-    def index(self) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, int]]]:
-        """``(stage -> steps kept, stage -> layer range)``."""
+    def index(self) -> tuple[dict[int, dict[int, str]], dict[int, tuple[int, int]]]:
+        """``(stage -> step -> lineage of the copies kept, stage -> layer range)``."""
         with self._lock:
-            copies: dict[int, list[int]] = {}
+            copies: dict[int, dict[int, str]] = {}
             layers: dict[int, tuple[int, int]] = {}
-            for (stage, step), copy in self._copies.items():
-                copies.setdefault(stage, []).append(step)
+            for (stage, step), copy in sorted(self._copies.items()):
+                copies.setdefault(stage, {})[step] = copy.lineage
                 layers[stage] = copy.layers
-        return {stage: tuple(sorted(steps)) for stage, steps in copies.items()}, layers
+        return copies, layers
 
 
 def _send_message(sock: socket.socket, header: Mapping[str, Any], data: bytes = b"") -> None:
@@ -180,7 +194,7 @@ class CopyServer:
                     _send_message(sock, {"error": "the bytes do not match their SHA-256"})
                     return
                 self.store.put(Copy(int(header["stage"]), int(header["step"]), tuple(header["layers"]), data,
-                                    str(header["sha256"])))
+                                    str(header["sha256"]), str(header["lineage"])))
                 _send_message(sock, {"ok": True})
                 return
             copy = self.store.get(int(header["stage"]), int(header["step"]))
@@ -188,7 +202,7 @@ class CopyServer:
                 _send_message(sock, {"error": f"no copy of stage {header['stage']} at step {header['step']}"})
                 return
             _send_message(sock, {"ok": True, "bytes": len(copy.data), "sha256": copy.sha256,
-                                 "layers": list(copy.layers)}, copy.data)
+                                 "layers": list(copy.layers), "lineage": copy.lineage}, copy.data)
         except (OSError, ValueError, KeyError, ConnectionError):
             return  # a peer that died mid-request: nothing to answer
 
@@ -208,7 +222,8 @@ def send_copy(address: str, copy: Copy, token: str = "") -> None:
     """Send ``copy`` to the keeper at ``address``; raises OSError or RuntimeError when it is not kept."""
     with _connect(address) as sock:
         _send_message(sock, {"op": "put", "token": token, "stage": copy.stage, "step": copy.step,
-                             "layers": list(copy.layers), "bytes": len(copy.data), "sha256": copy.sha256}, copy.data)
+                             "layers": list(copy.layers), "bytes": len(copy.data), "sha256": copy.sha256,
+                             "lineage": copy.lineage}, copy.data)
         answer, _ = _receive_message(sock)
     if not answer.get("ok"):
         raise RuntimeError(f"{address} did not keep stage {copy.stage} at step {copy.step}: {answer.get('error')}")
@@ -223,7 +238,7 @@ def fetch_copy(address: str, stage: int, step: int, token: str = "") -> Copy:
         raise RuntimeError(f"{address}: {answer.get('error')}")
     if hashlib.sha256(data).hexdigest() != answer["sha256"]:
         raise RuntimeError(f"{address}: the copy of stage {stage} at step {step} does not match its SHA-256")
-    return Copy(stage, step, tuple(answer["layers"]), data, str(answer["sha256"]))
+    return Copy(stage, step, tuple(answer["layers"]), data, str(answer["sha256"]), str(answer["lineage"]))
 
 
 def read_indexes(kv: Any, job: str) -> dict[str, CopyIndex]:
@@ -259,10 +274,11 @@ def choose_keepers(indexes: Mapping[str, CopyIndex], stage: int, sender: str, ho
     return chosen
 
 
-def memory_restore(indexes: Mapping[str, CopyIndex], bounds: Sequence[Sequence[int]],
-                   alive: Iterable[str]) -> tuple[int, dict[int, tuple[str, ...]]] | None:
-    """The newest step at which every stage (of layer ranges ``bounds``) has a copy in the memory of an
-    ``alive`` node, and for each stage the nodes that keep it then; None when there is none."""
+def memory_restore(indexes: Mapping[str, CopyIndex], bounds: Sequence[Sequence[int]], alive: Iterable[str],
+                   history: Sequence[Sequence[int]]) -> tuple[int, dict[int, tuple[str, ...]]] | None:
+    """The newest step at which every stage (of layer ranges ``bounds``) has a copy of the job's lineage
+    (``history``: the ``JobLayout`` history of the generation that restores) in the memory of an ``alive``
+    node, and for each stage the nodes that keep it then; None when there is none."""
     live = set(alive)
     keepers: dict[tuple[int, int], list[str]] = {}
     for node, index in sorted(indexes.items()):
@@ -270,8 +286,9 @@ def memory_restore(indexes: Mapping[str, CopyIndex], bounds: Sequence[Sequence[i
             continue
         for stage, steps in index.copies.items():
             if stage < len(bounds) and tuple(index.layers.get(stage, ())) == tuple(bounds[stage]):
-                for step in steps:
-                    keepers.setdefault((stage, step), []).append(node)
+                for step, line in steps.items():
+                    if line == lineage(history, step):
+                        keepers.setdefault((stage, step), []).append(node)
     steps = sorted({step for _stage, step in keepers}, reverse=True)
     for step in steps:
         if all((stage, step) in keepers for stage in range(len(bounds))):

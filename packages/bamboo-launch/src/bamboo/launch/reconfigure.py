@@ -160,13 +160,16 @@ def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = 
     Raises ``CheckpointError`` (naming the file and why) if a shard no longer verifies, RuntimeError when no
     node can give a stage from memory.
     """
+    from bamboo.launch.memcopy import lineage
+
     restore = layout.restore
     if restore.memory:
         if copies is None:
             raise RuntimeError(f"generation {layout.generation} restores from memory, and this node keeps no copies")
         for stage, piece in slices.items():
             bounds = (piece.indices.start, piece.indices.stop)
-            piece.load_state_bytes(copies.load(stage, restore.step, restore.memory[stage], bounds))
+            piece.load_state_bytes(copies.load(stage, restore.step, restore.memory[stage], bounds,
+                                               lineage(layout.history, restore.step)))
         return int(restore.step)
     from bamboo.launch.checkpoint import load_checkpoint
 
@@ -180,9 +183,10 @@ def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = 
 
 
 def nearest_restore(kv: Any, spec: Any, missing: Sequence[int], bounds: Sequence[Sequence[int]],
-                    alive: Iterable[str]) -> Any:
+                    alive: Iterable[str], history: Sequence[Sequence[int]]) -> Any:
     """Where every stage restarts from when no live node holds ``missing`` at the current step: the newest step
-    at which every stage has an in-memory copy on an ``alive`` node (:mod:`bamboo.launch.memcopy`), or the
+    at which every stage has an in-memory copy of the job's lineage (``history``, the restoring generation's)
+    on an ``alive`` node (:mod:`bamboo.launch.memcopy`), or the
     newest good checkpoint of ``spec.checkpoint_dir`` when it is newer (disk is the last resort). Returns a
     :class:`bamboo.reconfig.RestorePoint`; RuntimeError naming what was lost, what was left and what would
     have saved the job when there is neither."""
@@ -192,7 +196,7 @@ def nearest_restore(kv: Any, spec: Any, missing: Sequence[int], bounds: Sequence
 
     live = set(alive)
     indexes = read_indexes(kv, spec.job)
-    found = memory_restore(indexes, bounds, live)
+    found = memory_restore(indexes, bounds, live, history)
     on_disk = list_checkpoints(spec.checkpoint_dir) if spec.checkpoint_dir else []
     if found is not None and (not on_disk or found[0] >= on_disk[0][0]):
         return RestorePoint(found[0], "", missing, memory=found[1])

@@ -38,7 +38,7 @@ class TimeAccount:
       to the new layout's go, plus its first step's excess), those that restarted from a copy of an
       earlier step counted as restores; ``pauses`` lists each reconfiguration's pause (restores apart) and
       ``parts_s`` sums the parts of all of them (restores included);
-    - ``restores``: ``(pause, source)`` of each restore (``memory``, ``disk`` or ``memory+disk``);
+    - ``restores``: ``(pause, source)`` of each restore (``memory``, ``disk`` or ``initial``);
     - ``lost_s``: everything up to the last step that was not a step's first, useful run: start-up, the
       gaps between steps, failover pauses and steps trained again.
     """

@@ -165,10 +165,7 @@ def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], att
     mode, start, restore = StartMode.PEERS, step, None
     if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy
         missing = list(transfers.stages_without_copy)
-        try:
-            restore = nearest_restore(run.membership.kv, spec, missing, base.stage_bounds, records, base.history)
-        except RuntimeError as error:
-            raise JobCannotContinue(str(error)) from None
+        restore = nearest_restore(run.membership.kv, spec, missing, base.stage_bounds, records, base.history)
         mode, start = StartMode.CHECKPOINT, restore.step
         transfers = TransferPlan(rounds=(), bytes_moved=0, naive_bytes=transfers.naive_bytes)
     return JobLayout(

@@ -27,10 +27,11 @@ and the kind's own keys:
   the new layout was ``prepared`` while the old one trained (make before break), its ``generation``;
 - ``checkpoint``: ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float);
 - ``restore``: ``step`` (int, the step training restarts from), ``path`` (str, the checkpoint's
-  folder, or ``memory`` when every stage came from a peer's memory), ``lost_stages`` (str, the stages no
+  folder, ``memory`` when every stage came from a peer's memory, ``initial`` when none was left), ``lost_stages`` (str, the stages no
   survivor held, comma separated), ``discarded_steps`` (int, steps done since that copy, trained
   again), and, optionally, ``source`` (``memory``: every stage from an in-memory copy on a live peer;
-  ``disk``; ``memory+disk``) and ``duration_s`` (float, the pause of the restore);
+  ``disk``; ``initial``: no copy of any step was left, the job started over from step 0) and
+  ``duration_s`` (float, the pause of the restore);
 - ``startup``: ``node`` (str) and the seconds of each phase of its worker's start (optional floats,
   absent for a phase the node did not go through): ``process_s`` (from the agent's spawn to the
   worker's first line of Python), ``imports_s`` (torch, DeepSpeed, the script), ``model_s`` (the
@@ -212,8 +213,9 @@ class Restore:
     lost_stages: str = attrs.field(validator=_stage_list)
     discarded_steps: int = attrs.field(validator=_non_negative_int)
     source: str | None = attrs.field(default=None, validator=attrs.validators.optional(
-        attrs.validators.in_(("memory", "disk", "memory+disk"))))
-    """Where the state came from: ``memory`` (in-memory copies on live peers), ``disk``, or both."""
+        attrs.validators.in_(("memory", "disk", "initial"))))
+    """Where the state came from: ``memory`` (in-memory copies on live peers), ``disk``, or ``initial`` (no copy
+    of any step was left: the job started over from its seeded initial state)."""
     duration_s: float | None = attrs.field(default=None, validator=_optional_time)
     """The restore's pause (its reconfiguration's)."""
 

@@ -97,7 +97,8 @@ def describe_event(event: Event) -> str:
             f"{'prepared while training, ' if event.prepared else ''}pause {_pause(event)}"
         )
     if isinstance(event, Restore):
-        where = {"memory": "a peer's memory", "disk": "disk"}.get(event.source or "disk", event.source or "disk")
+        where = {"memory": "a peer's memory", "disk": "disk", "initial": "the initial state (nothing was left)"}.get(
+            event.source or "disk", event.source or "disk")
         return (
             f"{event.t:8.1f}s  restore       step {event.step} from {where} (every live copy of stage "
             f"{event.lost_stages} lost), {event.discarded_steps} steps trained again"

@@ -155,7 +155,8 @@ def checkpoint_history(folder: str) -> list[tuple[int, int]]:
 def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = None) -> int:
     """Load every slice (stage -> ``TrainableSlice``) from the copy of an earlier step the layout (a
     ``JobLayout``) names: in-memory copies of live nodes (through ``copies``, this worker's
-    :class:`bamboo.launch.copy_service.CopyService`), or its checkpoint folder. Returns the step.
+    :class:`bamboo.launch.copy_service.CopyService`), or its checkpoint folder; nothing when it starts over
+    from the initial state (the slices are built from the seed). Returns the step.
 
     Raises ``CheckpointError`` (naming the file and why) if a shard no longer verifies, RuntimeError when no
     node can give a stage from memory.
@@ -163,6 +164,8 @@ def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = 
     from bamboo.launch.memcopy import lineage
 
     restore = layout.restore
+    if restore.initial:  # no copy of any step was left: the slices were built from the seed, the state of step 0
+        return 0
     if restore.memory:
         if copies is None:
             raise RuntimeError(f"generation {layout.generation} restores from memory, and this node keeps no copies")
@@ -184,12 +187,16 @@ def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = 
 
 def nearest_restore(kv: Any, spec: Any, missing: Sequence[int], bounds: Sequence[Sequence[int]],
                     alive: Iterable[str], history: Sequence[Sequence[int]]) -> Any:
-    """Where every stage restarts from when no live node holds ``missing`` at the current step: the newest step
-    at which every stage has an in-memory copy of the job's lineage (``history``, the restoring generation's)
-    on an ``alive`` node (:mod:`bamboo.launch.memcopy`), or the
-    newest good checkpoint of ``spec.checkpoint_dir`` when it is newer (disk is the last resort). Returns a
-    :class:`bamboo.reconfig.RestorePoint`; RuntimeError naming what was lost, what was left and what would
-    have saved the job when there is neither."""
+    """Where every stage restarts from when no live node holds ``missing`` at the current step (a
+    :class:`bamboo.reconfig.RestorePoint`), the nearest copy first:
+
+    1. the newest step at which every stage has an in-memory copy of the job's lineage (``history``, the
+       restoring generation's) on an ``alive`` node (:mod:`bamboo.launch.memcopy`);
+    2. the newest good checkpoint of ``spec.checkpoint_dir``, when it is newer (disk is the last resort);
+    3. when neither is left (every node lost before a copy reached a survivor and before the first checkpoint,
+       or a run without checkpoints), the job's seeded initial state: it starts over from step 0, exactly, and
+       says in its log what was lost and what would have saved more of it.
+    """
     from bamboo.launch.checkpoint import list_checkpoints
     from bamboo.launch.memcopy import memory_restore, read_indexes
     from bamboo.reconfig import RestorePoint
@@ -207,8 +214,10 @@ def nearest_restore(kv: Any, spec: Any, missing: Sequence[int], bounds: Sequence
             return RestorePoint(found[0], "", missing, memory=found[1])
         kept = "; ".join(f"{index.node} keeps stage(s) {sorted(index.copies)}" for index in indexes.values()
                          if index.copies and index.node in live) or "no live node keeps any"
-        raise RuntimeError(f"{error}; and no step has an in-memory copy of every stage on a live node ({kept}): "
-                           "a checkpoint on disk (--checkpoint-dir) would have saved it") from None
+        print(f"bamboo-launch restore: warning: {error}; and no step has an in-memory copy of every stage on a live "
+              f"node ({kept}): the job starts over from its initial state (a checkpoint on disk, --checkpoint-dir, "
+              "or a keeper that outlived the losses would have saved the steps done)", file=sys.stderr, flush=True)
+        return RestorePoint(0, "", missing, initial=True)
     if found is not None and found[0] >= step:
         return RestorePoint(found[0], "", missing, memory=found[1])
     return RestorePoint(step, path, missing)

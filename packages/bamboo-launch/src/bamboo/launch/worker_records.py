@@ -55,7 +55,7 @@ def reconfiguration_pause(membership: Any, layout: Any, first_step_s: float, usu
 def write_reconfiguration(log: Any, layout: Any, pause: PauseBreakdown, *, stages: int, prepared: bool,
                           restore_source: str | None) -> None:
     """Append the ``reconfiguration`` record of ``layout`` (and its ``restore`` record, when it restarted from a
-    copy of an earlier step, from ``restore_source``: ``memory``, ``disk`` or ``memory+disk``)."""
+    copy of an earlier step, from ``restore_source``: ``memory``, ``disk`` or ``initial``)."""
     log.write(Reconfiguration(t=log.now(), reason=layout.reason, pipelines=layout.pipelines, stages=stages,
                               standby=len(layout.standby), bytes_moved=layout.transfers.bytes_moved,
                               duration_s=pause.total_s, attempts=layout.attempt + 1, decide_s=pause.decide_s,
@@ -65,7 +65,7 @@ def write_reconfiguration(log: Any, layout: Any, pause: PauseBreakdown, *, stage
     if layout.restore is None:
         return
     step = layout.start_step
-    log.write(Restore(t=log.now(), step=step, path=layout.restore.path or "memory",
+    log.write(Restore(t=log.now(), step=step, path=layout.restore.path or layout.restore.source,
                       lost_stages=",".join(str(s) for s in layout.restore.lost_stages),
                       discarded_steps=max(0, layout.barrier_step - step), source=restore_source or "disk",
                       duration_s=pause.total_s))

@@ -23,7 +23,6 @@ from bamboo.launch.coordinator import (
     steps_reached,
 )
 from bamboo.launch.events import Checkpoint, Step
-from bamboo.launch.records import JobEnd, read_record
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 from bamboo.membership.records import FailureReport, NodeRecord, NodeState

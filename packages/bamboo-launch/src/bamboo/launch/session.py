@@ -24,7 +24,7 @@ __all__ = ["JobCannotContinue", "NotEnoughNodes", "WorkerSession", "agent_auth",
 
 
 class JobCannotContinue(RuntimeError):
-    """The job cannot go on (say, every copy of a stage is gone and there is no checkpoint): the worker
+    """The job cannot go on (say, no number of pipelines left can split its global batch): the worker
     ends the job with this error."""
 
 

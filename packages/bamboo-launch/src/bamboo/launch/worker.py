@@ -33,7 +33,7 @@ Every write to etcd is fenced by the agent's registration: once the node is decl
 write a step, a checkpoint, a layout or an event of the job any more.
 
 Exit status: 0 done (or the job ended without needing it); 1 an error (its last line is published as
-``error-<node>``; a job that cannot go on, such as a stage with no copy and no checkpoint, also ends the
+``error-<node>``; a job that cannot go on, such as a global batch no number of pipelines left can split, also ends the
 job with that error). The process ends with a flush and ``os._exit``: gloo's destructors can block on a
 dead peer.
 """

@@ -34,16 +34,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def sample_run() -> list:
     """Two nodes for an hour, one preempted at 30 min and replaced; 4 steps of 10 samples."""
     return [
@@ -67,12 +57,12 @@ def sample_run() -> list:
     ]
 
 
-def test_round_trip_through_file(tmp_path: Path) -> None:
-    clock = FakeClock()
+def test_round_trip_through_file(tmp_path: Path, fake_clock) -> None:
+    clock = fake_clock
     path = tmp_path / "events.jsonl"
     with EventLog(path, clock=clock) as log:
         log.write_all(sample_run())
-        clock.now += 5.0
+        clock.advance(5.0)
         emitted = log.emit(Join, node="late", zone="a")
     assert emitted.t == 5.0
     events = read_events(path)
@@ -87,12 +77,12 @@ def test_round_trip_through_file(tmp_path: Path) -> None:
         ('{"kind":"join","t":1,"node":"n0"}', "missing keys ['zone']"),
         ('{"kind":"join","t":1,"node":"n0","zone":"a","colour":"red"}', "unknown keys ['colour']"),
         ('{"kind":"teleport","t":1}', "unknown kind 'teleport'"),
-        ('{"kind":"step","t":-1,"step":0,"samples":1,"loss":1,"nodes_active":1,"duration_s":1}', "t must be"),
+        ('{"kind":"step","t":-1,"step":0,"samples":1,"loss":1,"nodes_active":1,"duration_s":1}', "'t' must be >= 0: -1"),
         (
             '{"kind":"step","t":1,"step":0,"samples":0,"loss":1,"nodes_active":1,"duration_s":1}',
-            "samples must",
+            "'samples' must be >= 1: 0",
         ),
-        ('{"kind":"failover","t":1,"victim":"a","shadow":"b","stage":0,"pause_s":NaN}', "pause_s must"),
+        ('{"kind":"failover","t":1,"victim":"a","shadow":"b","stage":0,"pause_s":NaN}', "'pause_s' must be >= 0: nan"),
         ('{"kind":"join","t":1,"node":"n0","zo', "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
     ],

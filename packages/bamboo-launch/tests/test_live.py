@@ -132,7 +132,7 @@ def test_watch_follows_until_the_run_ends(tmp_path: Path, capsys: pytest.Capture
     [
         (["watch", "missing.jsonl", "--once"], "cannot read missing.jsonl"),
         (["watch", "x.jsonl", "--json"], "--json needs --once"),
-        (["watch", "x.jsonl", "--window", "0"], "--window must be >= 1, got 0"),
+        (["watch", "x.jsonl", "--window", "0"], "argument --window: '0' must be >= 1"),
     ],
 )
 def test_watch_errors(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

@@ -58,6 +58,7 @@ from bamboo.launch.spec import (
     WorkerContext,
 )
 from bamboo.launch.worker_records import SPAWNED_ENV
+from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = [
     "AGENT_PREEMPTED",
@@ -114,13 +115,15 @@ class AgentOptions:
     tls_server_name: str | None = None
     """The name peers check in this agent's certificate (one certificate for every pod of the job)."""
     insecure: bool = False
-    notice_window_s: float = 30.0
+    notice_window_s: float = membership_timeouts.NOTICE_WINDOW_S
     """Seconds from SIGTERM (a preemption notice) to the machine's end (``--notice-window``)."""
     preemption_notices: str = "none"
     """Also poll the cloud's metadata server for preemption notices: ``none``, ``aws`` or ``gce``."""
     metadata_url: str | None = None
     """The metadata server's base URL (default: the cloud's own)."""
     spec_timeout_s: float = timeouts.SPEC_WAIT_S
+    device: str | None = None
+    """The worker's device (``--device``, given to it as ``BAMBOO_DEVICE``); None: its own default."""
 
     def __attrs_post_init__(self) -> None:
         if not self.node or "/" in self.node:
@@ -313,6 +316,8 @@ class _Supervisor:
         variables[SPAWNED_ENV] = repr(time.time())  # the worker's start-up record counts from here
         if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
             variables["BAMBOO_GLOO_HOST"] = self.options.host
+        if self.options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it
+            variables["BAMBOO_DEVICE"] = self.options.device
         nice = shutil.which("nice")
         if nice is not None:
             command = [nice, "-n", str(WORKER_NICENESS), *command]

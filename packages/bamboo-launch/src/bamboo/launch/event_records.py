@@ -71,29 +71,10 @@ __all__ = [
 ]
 
 
-def _non_negative_time(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
-
-
-def _optional_time(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None:
-        _non_negative_time(instance, attribute, value)
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+_V = attrs.validators
+_NON_NEGATIVE_TIME = _V.and_(_V.instance_of((int, float)), _V.ge(0), _V.lt(math.inf))
+_NON_NEGATIVE_INT = _V.and_(_V.instance_of(int), _V.ge(0))
+_POSITIVE_INT = _V.and_(_V.instance_of(int), _V.ge(1))
 
 
 def _non_empty_str(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -111,12 +92,12 @@ class RunStart:
     """The run began: the job's name, the wall-clock time of t=0 and the requested layout."""
 
     KIND: ClassVar[str] = "run_start"
-    t: float = attrs.field(validator=_non_negative_time)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     job: str = attrs.field(validator=_non_empty_str)
-    unix_time: float = attrs.field(validator=_non_negative_time)
-    target_nodes: int = attrs.field(validator=_positive_int)
-    stages: int = attrs.field(validator=_positive_int)
-    pipelines: int = attrs.field(validator=_positive_int)
+    unix_time: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    target_nodes: int = attrs.field(validator=_POSITIVE_INT)
+    stages: int = attrs.field(validator=_POSITIVE_INT)
+    pipelines: int = attrs.field(validator=_POSITIVE_INT)
 
 
 @attrs.frozen
@@ -124,7 +105,7 @@ class Join:
     """A node started (billing starts) and joined the cluster, as a worker or on standby."""
 
     KIND: ClassVar[str] = "join"
-    t: float = attrs.field(validator=_non_negative_time)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     node: str = attrs.field(validator=_non_empty_str)
     zone: str = attrs.field(validator=_non_empty_str)
 
@@ -134,10 +115,10 @@ class Preemption:
     """A node was killed by the (emulated or real) spot market; billing stops."""
 
     KIND: ClassVar[str] = "preemption"
-    t: float = attrs.field(validator=_non_negative_time)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     node: str = attrs.field(validator=_non_empty_str)
     zone: str = attrs.field(validator=_non_empty_str)
-    notice_s: float = attrs.field(default=0.0, validator=_non_negative_time)
+    notice_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE_TIME)
 
 
 @attrs.frozen
@@ -145,11 +126,11 @@ class Failover:
     """The shadow took over a victim's stage; ``pause_s`` is how long progress stopped."""
 
     KIND: ClassVar[str] = "failover"
-    t: float = attrs.field(validator=_non_negative_time)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     victim: str = attrs.field(validator=_non_empty_str)
     shadow: str = attrs.field(validator=_non_empty_str)
-    stage: int = attrs.field(validator=_non_negative_int)
-    pause_s: float = attrs.field(validator=_non_negative_time)
+    stage: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    pause_s: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     caught_unix: float | None = attrs.field(default=None)
     resumed_unix: float | None = attrs.field(default=None)
     step_end_unix: float | None = attrs.field(default=None)
@@ -161,23 +142,23 @@ class Reconfiguration:
     attempts."""
 
     KIND: ClassVar[str] = "reconfiguration"
-    t: float = attrs.field(validator=_non_negative_time)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     reason: str = attrs.field(validator=_non_empty_str)
-    pipelines: int = attrs.field(validator=_non_negative_int)
-    stages: int = attrs.field(validator=_positive_int)
-    standby: int = attrs.field(validator=_non_negative_int)
-    bytes_moved: int = attrs.field(validator=_non_negative_int)
-    duration_s: float = attrs.field(validator=_non_negative_time)
-    attempts: int = attrs.field(default=1, validator=_positive_int)
+    pipelines: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    stages: int = attrs.field(validator=_POSITIVE_INT)
+    standby: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    bytes_moved: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    duration_s: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    attempts: int = attrs.field(default=1, validator=_POSITIVE_INT)
     """Starts it took: more than 1 when a node died while it started and the decision was redone."""
-    decide_s: float | None = attrs.field(default=None, validator=_optional_time)
-    barrier_s: float | None = attrs.field(default=None, validator=_optional_time)
-    transfers_s: float | None = attrs.field(default=None, validator=_optional_time)
-    group_builds_s: float | None = attrs.field(default=None, validator=_optional_time)
-    first_step_s: float | None = attrs.field(default=None, validator=_optional_time)
+    decide_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    barrier_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    transfers_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    group_builds_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    first_step_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
     prepared: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     """The new layout was prepared while the old one trained (make before break): only the switch paused."""
-    generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative_int))
+    generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE_INT))
 
 
 @attrs.frozen
@@ -185,11 +166,11 @@ class Checkpoint:
     """A checkpoint of ``step`` was committed at ``path`` (``bytes`` on disk, ``duration_s`` to write)."""
 
     KIND: ClassVar[str] = "checkpoint"
-    t: float = attrs.field(validator=_non_negative_time)
-    step: int = attrs.field(validator=_non_negative_int)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     path: str = attrs.field(validator=_non_empty_str)
-    bytes: int = attrs.field(validator=_non_negative_int)
-    duration_s: float = attrs.field(validator=_non_negative_time)
+    bytes: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    duration_s: float = attrs.field(validator=_NON_NEGATIVE_TIME)
 
 
 def _stage_list(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -207,16 +188,16 @@ class Restore:
     """
 
     KIND: ClassVar[str] = "restore"
-    t: float = attrs.field(validator=_non_negative_time)
-    step: int = attrs.field(validator=_non_negative_int)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     path: str = attrs.field(validator=_non_empty_str)
     lost_stages: str = attrs.field(validator=_stage_list)
-    discarded_steps: int = attrs.field(validator=_non_negative_int)
+    discarded_steps: int = attrs.field(validator=_NON_NEGATIVE_INT)
     source: str | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.in_(("memory", "disk", "initial"))))
     """Where the state came from: ``memory`` (in-memory copies on live peers), ``disk``, or ``initial`` (no copy
     of any step was left: the job started over from its seeded initial state)."""
-    duration_s: float | None = attrs.field(default=None, validator=_optional_time)
+    duration_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
     """The restore's pause (its reconfiguration's)."""
 
 
@@ -225,15 +206,15 @@ class Startup:
     """How long each phase of a worker's start took (see the module docstring; None: not gone through)."""
 
     KIND: ClassVar[str] = "startup"
-    t: float = attrs.field(validator=_non_negative_time)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     node: str = attrs.field(validator=_non_empty_str)
-    process_s: float | None = attrs.field(default=None, validator=_optional_time)
-    imports_s: float | None = attrs.field(default=None, validator=_optional_time)
-    model_s: float | None = attrs.field(default=None, validator=_optional_time)
-    wait_s: float | None = attrs.field(default=None, validator=_optional_time)
-    model_build_s: float | None = attrs.field(default=None, validator=_optional_time)
-    group_build_s: float | None = attrs.field(default=None, validator=_optional_time)
-    first_step_s: float | None = attrs.field(default=None, validator=_optional_time)
+    process_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    imports_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    model_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    wait_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    model_build_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    group_build_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
+    first_step_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
 
 
 @attrs.frozen
@@ -241,13 +222,13 @@ class Step:
     """One optimizer step finished at ``t``: its global batch size and loss, and the nodes at work."""
 
     KIND: ClassVar[str] = "step"
-    t: float = attrs.field(validator=_non_negative_time)
-    step: int = attrs.field(validator=_non_negative_int)
-    samples: int = attrs.field(validator=_positive_int)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    samples: int = attrs.field(validator=_POSITIVE_INT)
     loss: float = attrs.field(validator=_finite)
-    nodes_active: int = attrs.field(validator=_non_negative_int)
-    duration_s: float = attrs.field(validator=_non_negative_time)
-    generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative_int))
+    nodes_active: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    duration_s: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE_INT))
 
 
 @attrs.frozen
@@ -255,8 +236,8 @@ class RunEnd:
     """The run finished after ``steps`` steps; nodes still alive stop being billed at ``t``."""
 
     KIND: ClassVar[str] = "run_end"
-    t: float = attrs.field(validator=_non_negative_time)
-    steps: int = attrs.field(validator=_non_negative_int)
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    steps: int = attrs.field(validator=_NON_NEGATIVE_INT)
 
 
 Event = RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Restore | Startup | Step | RunEnd

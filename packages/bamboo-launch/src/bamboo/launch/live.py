@@ -40,7 +40,10 @@ from bamboo.launch.events import (
     event_from_dict,
 )
 
-__all__ = ["EventFollower", "LiveState", "ProgressLines", "describe_event", "render_live"]
+__all__ = ["DEFAULT_WINDOW", "EventFollower", "LiveState", "ProgressLines", "describe_event", "render_live"]
+
+DEFAULT_WINDOW = 10
+"""How many recent steps the live view's samples/s figure averages over (``watch --window``)."""
 
 
 class EventFollower:
@@ -142,7 +145,7 @@ class LiveState:
     recent events (other than steps) are kept.
     """
 
-    def __init__(self, window: int = 10, history: int = 8) -> None:
+    def __init__(self, window: int = DEFAULT_WINDOW, history: int = 8) -> None:
         if window < 1 or history < 1:
             raise ValueError(f"window and history must be >= 1, got {window} and {history}")
         self.job = ""

@@ -62,9 +62,7 @@ FINISH_DECISION = "finish"
 R = TypeVar("R")
 
 
-def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"key {attribute.name!r} must be an integer >= 0, got {value!r}")
+_NON_NEGATIVE_INT = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0))
 
 
 def _finite(_instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -142,10 +140,10 @@ class StopDecision(_Record):
     ``finish``, the job ends there (a :class:`FinishRequest`)."""
 
     NAME: ClassVar[str] = "stop decision"
-    step: int = attrs.field(validator=_non_negative_int)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     reason: str = attrs.field(validator=_string)
     finish: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-    attempt: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative_int))
+    attempt: int | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE_INT))
     """The prepared attempt of the next layout to switch to at ``step`` (:mod:`bamboo.launch.prepare`);
     None: meet at the barrier and decide the next layout there."""
     at: float | None = attrs.field(default=None, validator=_optional_finite)
@@ -168,7 +166,7 @@ class BarrierReady(_Record):
     """A holder at the barrier: the step it is at, the stages whose state it holds at that step, and when."""
 
     NAME: ClassVar[str] = "barrier record"
-    step: int = attrs.field(validator=_non_negative_int)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     holds: tuple[int, ...] = attrs.field(converter=_stages)
     at: float = attrs.field(validator=_finite)
 
@@ -198,7 +196,7 @@ class PreparedLayout(_Record):
 
     NAME: ClassVar[str] = "prepared layout"
     layout: dict[str, Any] | None = attrs.field(default=None)
-    epoch: int = attrs.field(default=0, validator=_non_negative_int)
+    epoch: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     closed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
@@ -261,7 +259,7 @@ class JobEnd(_Record):
     """The job ended: after ``steps`` steps, or with ``error`` (it cannot go on)."""
 
     NAME: ClassVar[str] = "job end"
-    steps: int = attrs.field(validator=_non_negative_int)
+    steps: int = attrs.field(validator=_NON_NEGATIVE_INT)
     error: str | None = attrs.field(default=None, validator=_optional_string)
     node: str = attrs.field(default="", validator=_string)
     """The node that wrote it."""

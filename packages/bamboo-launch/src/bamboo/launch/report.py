@@ -63,6 +63,7 @@ from bamboo.launch.events import (
 )
 
 __all__ = [
+    "DEFAULT_BINS",
     "DEFAULT_ON_DEMAND_PRICE",
     "DEFAULT_SPOT_PRICE",
     "Prices",
@@ -79,29 +80,25 @@ DEFAULT_SPOT_PRICE = 0.918
 """$/h per GPU node on spot (EC2 p3, from the paper)."""
 DEFAULT_ON_DEMAND_PRICE = 3.06
 """$/h per GPU node on demand (EC2 p3, from the paper)."""
+DEFAULT_BINS = 60
+"""Time bins of a run's timeline and of its four-panel figure (``--bins``)."""
 
 
 class ReportError(ValueError):
     """The event log cannot give a report (no steps, a node preempted twice, ...)."""
 
 
-def _positive_price(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{attribute.name} must be a finite price > 0 ($/h), got {value!r}")
-
-
-def _optional_positive(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None and (not math.isfinite(value) or value <= 0):
-        raise ValueError(f"{attribute.name} must be > 0 or None, got {value!r}")
+_PRICE = attrs.validators.and_(attrs.validators.gt(0), attrs.validators.lt(math.inf))
+"""A finite price > 0 ($/h)."""
 
 
 @attrs.frozen
 class Prices:
     """Prices per GPU node and hour, and the optional measured on-demand reference."""
 
-    spot: float = attrs.field(default=DEFAULT_SPOT_PRICE, validator=_positive_price)
-    on_demand: float = attrs.field(default=DEFAULT_ON_DEMAND_PRICE, validator=_positive_price)
-    on_demand_throughput: float | None = attrs.field(default=None, validator=_optional_positive)
+    spot: float = attrs.field(default=DEFAULT_SPOT_PRICE, validator=_PRICE)
+    on_demand: float = attrs.field(default=DEFAULT_ON_DEMAND_PRICE, validator=_PRICE)
+    on_demand_throughput: float | None = attrs.field(default=None, validator=attrs.validators.optional(_PRICE))
     on_demand_nodes: int | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -386,7 +383,7 @@ class Timeline:
     preemption_times: tuple[float, ...]
 
 
-def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = 60) -> Timeline:
+def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = DEFAULT_BINS) -> Timeline:
     """Bin the run into ``bins`` equal windows: average alive nodes, throughput, $/h and value.
 
     A step's samples are spread evenly over ``[t - duration_s, t]`` (clipped to the window).
@@ -438,7 +435,7 @@ def plot_report(
     events: Sequence[Event],
     out: str | Path,
     prices: Prices | None = None,
-    bins: int = 60,
+    bins: int = DEFAULT_BINS,
 ) -> Path:
     """Write the four-panel figure (nodes, throughput, cost, value over time) to ``out`` (PNG).
 

@@ -21,6 +21,7 @@ __all__ = [
     "ETCD_RETRY_S",
     "FIRST_LAYOUT_SETTLE_S",
     "K8S_API_TIMEOUT_S",
+    "K8S_GRACE_PERIOD_S",
     "LEADER_POLL_S",
     "LIVE_REFRESH_S",
     "MARKET_STOP_S",
@@ -35,6 +36,7 @@ __all__ = [
     "SPEC_POLL_S",
     "SPEC_WAIT_S",
     "THREAD_JOIN_S",
+    "WATCH_POLL_S",
     "WORKER_EXIT_GRACE_S",
     "WORKER_POLL_S",
 ]
@@ -85,6 +87,10 @@ SPEC_POLL_S = 0.2
 K8S_API_TIMEOUT_S = 10.0
 """Deadline of the agent's one request to the Kubernetes API (its node's zone label, ``--k8s-node``)."""
 
+K8S_GRACE_PERIOD_S = 15
+"""The rendered pods' ``terminationGracePeriodSeconds`` (``k8s render --grace-period``): from SIGTERM (a
+preemption notice) to the kill. GKE spot gives non-system pods 15 s."""
+
 WORKER_POLL_S = 0.05
 """How often a worker without a role checks the layout and the job's end (and how often holders at a
 barrier that lack nodes for one pipeline try again)."""
@@ -119,6 +125,9 @@ published together)."""
 
 RUN_POLL_S = 0.1
 """How often ``bamboo-launch run`` mirrors the event log and checks its agents."""
+
+WATCH_POLL_S = 0.5
+"""How often ``bamboo-launch watch`` reads the event log again (``--interval``)."""
 
 LIVE_REFRESH_S = 0.25
 """How often the live view of ``bamboo-launch run`` is redrawn."""

@@ -51,9 +51,7 @@ class StartMode(enum.Enum):
     """Some stage lost every copy: every node loads the checkpoint named by the restore point."""
 
 
-def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+_NON_NEGATIVE_INT = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0))
 
 
 def _node_ids(value: Iterable[str]) -> tuple[str, ...]:
@@ -71,7 +69,7 @@ class RestorePoint:
     step, nearest first), in the checkpoint folder ``path`` (disk), or, with ``initial``, nowhere: no copy of
     any step is left, and the job starts over from its seeded initial state (step 0)."""
 
-    step: int = attrs.field(validator=_non_negative_int)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     path: str = attrs.field(validator=attrs.validators.instance_of(str))
     lost_stages: tuple[int, ...] = attrs.field(converter=lambda v: tuple(sorted(int(s) for s in v)))
     memory: dict[int, tuple[str, ...]] = attrs.field(factory=dict, converter=_keepers)
@@ -115,9 +113,9 @@ def _zones(value: Mapping[str, str]) -> dict[str, str]:
 class JobLayout:
     """Generation ``generation`` of a job: its placement (``plan``) and how it starts (see the module docstring)."""
 
-    generation: int = attrs.field(validator=_non_negative_int)
+    generation: int = attrs.field(validator=_NON_NEGATIVE_INT)
     plan: Layout = attrs.field(validator=attrs.validators.instance_of(Layout))
-    start_step: int = attrs.field(default=0, validator=_non_negative_int)
+    start_step: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     mode: StartMode = attrs.field(default=StartMode.FIRST, converter=StartMode)
     reason: str = attrs.field(default="first layout", validator=attrs.validators.instance_of(str))
     transfers: TransferPlan = attrs.field(
@@ -125,13 +123,13 @@ class JobLayout:
         validator=attrs.validators.instance_of(TransferPlan),
     )
     restore: RestorePoint | None = attrs.field(default=None)
-    barrier_step: int = attrs.field(default=0, validator=_non_negative_int)
+    barrier_step: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """The step at which the previous generation's holders met (the start step, unless restored)."""
     barrier_unix: float | None = attrs.field(default=None)
     """When the first holder reached that barrier (wall clock); None for the first layout."""
     base_generation: int | None = attrs.field(default=None)
     """The generation whose barrier this layout comes from; None for the first layout."""
-    attempt: int = attrs.field(default=0, validator=_non_negative_int)
+    attempt: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """How many starts of that barrier were abandoned before this one."""
     survivors: tuple[str, ...] = attrs.field(default=(), converter=_node_ids)
     """The nodes that held state at that barrier."""

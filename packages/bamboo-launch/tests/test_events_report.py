@@ -158,12 +158,19 @@ def test_prices_validation_names_the_value() -> None:
             [Join(t=0, node="n0", zone="a"), Join(t=1, node="n0", zone="a")],
             "already alive",
         ),
-        ([Preemption(t=1, node="ghost", zone="a")], "never joined"),
+        ([Join(t=0, node="n0", zone="a"), Preemption(t=1, node="n0", zone="a"), Preemption(t=2, node="n0", zone="a")],
+         "again, and never joined"),
     ],
 )
 def test_report_errors(events: list, message: str) -> None:
     with pytest.raises(ReportError, match=message):
         compute_report(events)
+
+
+def test_a_node_preempted_before_its_join_was_recorded_is_billed_nothing() -> None:
+    events = [*sample_run(), Preemption(t=10.0, node="ghost", zone="a")]
+    assert compute_report(events).node_hours == compute_report(sample_run()).node_hours
+    assert compute_report(events).preemptions == compute_report(sample_run()).preemptions + 1
 
 
 def test_timeline_conserves_node_seconds_and_samples() -> None:

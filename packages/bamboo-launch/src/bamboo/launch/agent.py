@@ -57,6 +57,7 @@ from bamboo.launch.spec import (
     JobSpec,
     WorkerContext,
 )
+from bamboo.launch.worker_records import SPAWNED_ENV
 from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = [
@@ -312,6 +313,7 @@ class _Supervisor:
         path = folder / f"{self.node}.json"
         self.context().write(path)
         command, variables = worker_command(self.spec, path, self.node)
+        variables[SPAWNED_ENV] = repr(time.time())  # the worker's start-up record counts from here
         if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
             variables["BAMBOO_GLOO_HOST"] = self.options.host
         if self.options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it
@@ -414,7 +416,9 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
         while True:
             node = options.node if incarnation == 1 else f"{options.node}.{incarnation}"
             supervisor = _Supervisor(options, spec, membership, node, zone, say)
-            supervisor.start(announce=incarnation == 1, wrote_spec=wrote and incarnation == 1)
+            # every incarnation joins (its old identity's preemption record stops that one's billing): a report must
+            # never meet the preemption of a node that never joined
+            supervisor.start(announce=True, wrote_spec=wrote and incarnation == 1)
             if noticed.is_set():
                 supervisor.agent.notify(time.time() + options.notice_window_s, "sigterm")
             status, why = _supervise(supervisor, noticed, options.notice_window_s)

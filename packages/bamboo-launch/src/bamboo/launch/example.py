@@ -20,7 +20,7 @@ from typing import Any
 
 from bamboo.launch.spec import Program
 
-__all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "describe_program", "example_program", "main"]
+__all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "ModuleSpec", "describe_program", "example_program", "main"]
 
 DEFAULT_LAYERS = 4
 """The built-in example's decoder blocks when no ``--layers`` is given."""
@@ -32,6 +32,20 @@ EXAMPLE_CONFIG: dict[str, Any] = {
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
     "gradient_clipping": 1.0,
 }
+
+
+class ModuleSpec:
+    """A layer to build: DeepSpeed's ``LayerSpec`` as the runtime uses it (a module class and its arguments,
+    ``build()``), without importing DeepSpeed, which costs every worker of the built-in example seconds of its
+    start (the layers, and so the weights, are the same)."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def build(self) -> Any:
+        return self.typename(*self.module_args, **self.module_kwargs)
 
 
 def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> Program:
@@ -47,7 +61,7 @@ def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> 
         batch = sampler.microbatch(step, index)
         return batch.tokens, batch.labels
 
-    return Program(layers=gpt_layer_specs(gpt), loss_fn=lm_loss, microbatch=microbatch, config=config)
+    return Program(layers=gpt_layer_specs(gpt, ModuleSpec), loss_fn=lm_loss, microbatch=microbatch, config=config)
 
 
 def describe_program(program: Program, pipelines: int) -> dict[str, Any]:

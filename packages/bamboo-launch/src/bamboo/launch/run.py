@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 from bamboo.launch import timeouts
 from bamboo.launch.market import ActionKind, MarketAction, StartedClock, plan_market
-from bamboo.launch.spec import DEFAULT_CHECKPOINT_EVERY, DEFAULT_STEPS, REDUNDANCY
+from bamboo.launch.spec import DEFAULT_CHECKPOINT_EVERY, DEFAULT_STEPS, MEMORY_COPY_EVERY, REDUNDANCY
 from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = [
@@ -93,7 +93,10 @@ class RunOptions:
     allocation_delay_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
     notice_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
     checkpoint_dir: str | None = None
+    """Where the job's checkpoints go (None: ``RUN_DIR/checkpoints``; a job never runs without them)."""
     checkpoint_every: int = attrs.field(default=DEFAULT_CHECKPOINT_EVERY, validator=_POSITIVE)
+    memory_copy_every: int = attrs.field(default=MEMORY_COPY_EVERY, validator=attrs.validators.ge(0))
+    """Steps between in-memory copies of every stage (0: none)."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (refused when it has none)."""
     confirm_timeout_s: float | None = None
@@ -124,8 +127,8 @@ class RunOptions:
                 f"--nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} stages "
                 f"(needs at least {self.stages * self.pipelines})"
             )
-        if self.resume and self.checkpoint_dir is None:
-            raise ValueError("--resume needs --checkpoint-dir, the directory to resume from")
+        if self.resume and self.checkpoint_dir is None and self.run_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir, or the --run-dir of the run to resume (its checkpoints)")
 
 
 @attrs.frozen
@@ -217,6 +220,7 @@ def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
         "stages": options.stages, "pipelines": options.pipelines, "steps": options.steps, "min_nodes": min_nodes,
         "redundancy": options.redundancy, "seed": options.seed, "ttl": options.ttl, "grace_s": float(options.grace_s),
         "reconfigure_timeout_s": float(options.reconfigure_timeout_s), "checkpoint_every": options.checkpoint_every,
+        "memory_copy_every": options.memory_copy_every,
     }
     if options.resume:
         fields["resume"] = True
@@ -343,6 +347,12 @@ def run_cluster(
     except AgentError as error:
         raise RunError(str(error)) from None
     run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="bamboo-run-")).resolve()
+    if options.checkpoint_dir is None:  # a job never dies for want of a flag: it checkpoints into its run dir
+        options = attrs.evolve(options, checkpoint_dir=str(run_dir / "checkpoints"))
+        try:
+            refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
+        except AgentError as error:
+            raise RunError(f"{error} (the run dir's default checkpoint folder; give a new --run-dir)") from None
     (run_dir / "out").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     events_path = Path(options.events) if options.events else run_dir / "events.jsonl"
@@ -593,6 +603,11 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, 
     from bamboo.launch.reference import compare_reports, compare_states
     from bamboo.launch.spec import JobSpec
 
+    if result.job_error is not None:  # the job's own error, not the missing reports it left
+        raise RunError(f"the job ended with an error: {result.job_error}")
+    if result.timed_out:
+        raise RunError(f"the run did not finish within --timeout {options.timeout_s:g} s (after {result.steps_done} "
+                       "steps): nothing to verify")
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
     spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_STEPS",
     "ENV_CONTEXT",
     "FLAG_OF",
+    "MEMORY_COPY_EVERY",
     "REDUNDANCY",
     "SPEC_VERSION",
     "WORKER_DONE",
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 SPEC_VERSION = 1
+MEMORY_COPY_EVERY = 1
+"""Default steps between in-memory copies of every stage (``--memory-copy-every``): a restore after every live
+copy of a stage is lost redoes at most this many steps less one."""
 DEFAULT_STEPS = 20
 """A job's training steps when no ``--steps`` is given (``bamboo-launch agent`` and ``run``)."""
 DEFAULT_CHECKPOINT_EVERY = 10
@@ -105,6 +109,7 @@ FLAG_OF = {
     "seed": "--seed",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
+    "memory_copy_every": "--memory-copy-every",
     "resume": "--resume",
     "ttl": "--ttl",
     "grace_s": "--grace",
@@ -144,6 +149,8 @@ class JobSpec:
     seed: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     checkpoint_dir: str | None = None
     checkpoint_every: int = attrs.field(default=DEFAULT_CHECKPOINT_EVERY, validator=_POSITIVE_INT)
+    memory_copy_every: int = attrs.field(default=MEMORY_COPY_EVERY, validator=_NON_NEGATIVE_INT)
+    """Steps between in-memory copies of every stage (:mod:`bamboo.launch.memcopy`; 0: none)."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (a run that ended, or was stopped)."""
     ttl: int = attrs.field(default=membership_timeouts.LEASE_TTL_S, validator=_POSITIVE_INT)

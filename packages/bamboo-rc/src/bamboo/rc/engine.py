@@ -64,6 +64,9 @@ class Engine:
         """The last ``eval_batch``'s loss; None when a failure interrupted it."""
         self._forward_only = ForwardOnlyPass(executor)
         self._saves = 0
+        self.build_seconds: dict[str, float] = {}
+        """How long :func:`initialize` took to build this node's layers (``model``) and its first groups
+        (``groups``), in seconds."""
 
     # ---------------------------------------------------------------------------------- DeepSpeed's views
     @property
@@ -314,13 +317,17 @@ def initialize(
                                            preemptions_per_node_hour)
     if microbatch is not None:  # a data source whose order of samples depends on the global batch (TokenFile)
         bind_global_batch(microbatch, training.micro_batches * layout.pipelines, training.micro_batch_size)
+    started = time.perf_counter()
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
         hook=hook, microbatch=microbatch, device=place,
     )
+    built = time.perf_counter()
     executor.connect()
-    return Engine(executor, choice)
+    engine = Engine(executor, choice)
+    engine.build_seconds = {"model": built - started, "groups": time.perf_counter() - built}
+    return engine
 
 
 def _resolve_auto(

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 import torch
+from bamboo.rc.rng import RNG_LOCK
 from bamboo.reconfig import LayerSpec as LayerCost
 from bamboo.reconfig import split_layers
 from torch import nn
@@ -132,14 +133,16 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def gpt_layer_specs(size: GPTSize) -> list[Any]:
-    """The example decoder as a list of DeepSpeed `LayerSpec`s."""
-    from deepspeed.pipe import LayerSpec
+def gpt_layer_specs(size: GPTSize, layer_spec: Any = None) -> list[Any]:
+    """The example decoder as a list of DeepSpeed `LayerSpec`s (or of ``layer_spec(module class, *args)``, any
+    class with DeepSpeed's constructor and ``build()``: importing DeepSpeed takes seconds of a worker's start)."""
+    if layer_spec is None:
+        from deepspeed.pipe import LayerSpec as layer_spec
 
     return [
-        LayerSpec(ByteEmbedding, size.width, size.sequence, size.dropout),
-        *(LayerSpec(DecoderBlock, size.width, size.heads, size.dropout) for _ in range(size.layers)),
-        LayerSpec(LMHead, size.width),
+        layer_spec(ByteEmbedding, size.width, size.sequence, size.dropout),
+        *(layer_spec(DecoderBlock, size.width, size.heads, size.dropout) for _ in range(size.layers)),
+        layer_spec(LMHead, size.width),
     ]
 
 
@@ -249,7 +252,7 @@ def build_layers(specs: Sequence[Any], indices: range, seed: int) -> nn.Sequenti
             first_of_tie.setdefault(str(spec.key), position)
     layers = []
     for index in indices:
-        with torch.random.fork_rng(devices=[]):
+        with RNG_LOCK, torch.random.fork_rng(devices=[]):
             # the copies of a tied layer are built under the seed of the tie's first layer: they start equal
             key = getattr(specs[index], "key", None)
             torch.manual_seed(seed * 100_003 + (first_of_tie[str(key)] if key is not None else index))

@@ -24,7 +24,7 @@ from bamboo.rc.rng import run_layers
 from bamboo.rc.ties import local_sums, model_ties, slice_ties, squared_norm
 from torch import nn
 
-__all__ = ["NORM_PIECE", "ReusedBuffers", "SpareBuffers", "TrainableSlice", "clip_coefficient"]
+__all__ = ["NORM_PIECE", "ReusedBuffers", "SpareBuffers", "TrainableSlice", "clip_coefficient", "snapshot_bytes"]
 
 NORM_PIECE = 1 << 20
 """Entries per piece of :meth:`TrainableSlice.squared_grad_norm` (8 MiB of float64 scratch at most)."""
@@ -234,20 +234,23 @@ class TrainableSlice:
     def flat_parameters(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.parameters])
 
+    def _state(self) -> dict[str, Any]:
+        return {
+            "layers": self.layers.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "steps": self.steps,
+            "loss_scale": self.loss_scale.to_dict() if self.loss_scale is not None else None,
+        }
+
     def state_bytes(self) -> bytes:
         """Parameters, optimizer, scheduler, step counter and loss scale, serialised (torch.save)."""
-        buffer = io.BytesIO()
-        torch.save(
-            {
-                "layers": self.layers.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "steps": self.steps,
-                "loss_scale": self.loss_scale.to_dict() if self.loss_scale is not None else None,
-            },
-            buffer,
-        )
-        return buffer.getvalue()
+        return snapshot_bytes(self._state())
+
+    def snapshot(self) -> dict[str, Any]:
+        """What :meth:`state_bytes` serialises, with every tensor cloned: a memory copy, cheap to take at a step
+        boundary; :func:`snapshot_bytes` serialises it later, in any thread."""
+        return _cloned(self._state())
 
     def load_state_bytes(self, data: bytes) -> None:
         state = torch.load(io.BytesIO(data), weights_only=False, map_location=self.device)
@@ -258,3 +261,20 @@ class TrainableSlice:
         self.steps = int(state["steps"])
         if state.get("loss_scale") is not None and self.loss_scale is not None:
             self.loss_scale = LossScale.from_dict(state["loss_scale"])
+
+
+def snapshot_bytes(state: dict[str, Any]) -> bytes:
+    """The bytes of a :meth:`TrainableSlice.snapshot`: ``load_state_bytes`` of them restores the state it was taken of."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(item) for item in value)
+    return value

@@ -58,22 +58,47 @@ def _node_ids(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _keepers(value: Mapping[Any, Iterable[str]]) -> dict[int, tuple[str, ...]]:
+    return {int(stage): tuple(str(node) for node in nodes) for stage, nodes in dict(value).items()}
+
+
 @attrs.frozen
 class RestorePoint:
-    """The checkpoint a generation restarts from: its step, its folder and the stages that forced it."""
+    """The copy of an earlier step a generation restarts from: its step, the stages that forced it, and where
+    every stage's state is: in the memory of live nodes (``memory``: stage -> the nodes that keep it at that
+    step, nearest first), in the checkpoint folder ``path`` (disk), or, with ``initial``, nowhere: no copy of
+    any step is left, and the job starts over from its seeded initial state (step 0)."""
 
     step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     path: str = attrs.field(validator=attrs.validators.instance_of(str))
     lost_stages: tuple[int, ...] = attrs.field(converter=lambda v: tuple(sorted(int(s) for s in v)))
+    memory: dict[int, tuple[str, ...]] = attrs.field(factory=dict, converter=_keepers)
+    initial: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("a restore point needs the checkpoint's folder, got an empty path")
+        if self.initial and (self.step or self.path or self.memory):
+            raise ValueError(f"a start over from the initial state is step 0 with no copy, got step {self.step}, "
+                             f"path {self.path!r} and {len(self.memory)} stage(s) in memory")
+        if not self.path and not self.memory and not self.initial:
+            raise ValueError("a restore point needs the checkpoint's folder or in-memory copies, got neither")
         if not self.lost_stages:
             raise ValueError(f"a restore point names the stages that lost every copy, got none (step {self.step})")
+        empty = sorted(stage for stage, nodes in self.memory.items() if not nodes)
+        if empty:
+            raise ValueError(f"a restore from memory names the nodes that keep every stage; stage(s) {empty} have none")
+
+    @property
+    def source(self) -> str:
+        """``memory``, ``disk`` or ``initial``."""
+        return "initial" if self.initial else "memory" if self.memory else "disk"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "lost_stages": list(self.lost_stages)}
+        data: dict[str, Any] = {"step": self.step, "path": self.path, "lost_stages": list(self.lost_stages)}
+        if self.memory:
+            data["memory"] = {str(stage): list(nodes) for stage, nodes in sorted(self.memory.items())}
+        if self.initial:
+            data["initial"] = True
+        return data
 
 
 def _history(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
@@ -241,7 +266,8 @@ class JobLayout:
         restore = None
         if restore_data is not None:
             restore = _Reader("layout", data).parsed("restore", lambda d: RestorePoint(
-                step=d["step"], path=d["path"], lost_stages=d["lost_stages"]))
+                step=d["step"], path=d["path"], lost_stages=d["lost_stages"], memory=d.get("memory", {}),
+                initial=d.get("initial", False)))
         try:
             return cls(
                 generation=read.value("generation", int),

@@ -91,6 +91,10 @@ def _add_job_flags(job: argparse._ArgumentGroup) -> None:
                      help="(spec) where asynchronous checkpoints go: storage every machine sees (default: none)")
     job.add_argument("--checkpoint-every", type=int, default=None,
                      help=f"(spec) steps between checkpoints (default: {_spec_default('checkpoint_every')})")
+    job.add_argument("--memory-copy-every", type=int, default=None, metavar="N",
+                     help="(spec) steps between in-memory copies of every stage, kept by its holders and by "
+                     "keepers in other zones, restored before any checkpoint (0: none; default: "
+                     f"{_spec_default('memory_copy_every')})")
     job.add_argument("--resume", action="store_true", default=None,
                      help="(spec) start from the newest good checkpoint in --checkpoint-dir (a job never "
                      "overwrites another run's checkpoints: a directory that holds some needs --resume)")

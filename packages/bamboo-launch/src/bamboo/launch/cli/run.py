@@ -74,9 +74,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--notice", type=non_negative_float, default=_default("notice_s"),
                      help="wall seconds of preemption notice (SIGTERM) before each kill (default: %(default)s)")
     run.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                     help="write asynchronous checkpoints here (one shard per stage; default: none)")
+                     help="write asynchronous checkpoints here (one shard per stage; default: RUN_DIR/checkpoints)")
     run.add_argument("--checkpoint-every", type=int, default=_default("checkpoint_every"),
                      help="steps between checkpoints (default: %(default)s)")
+    run.add_argument("--memory-copy-every", type=int, default=_default("memory_copy_every"), metavar="N",
+                     help="steps between in-memory copies of every stage, kept by its holders and by keepers in "
+                     "other zones; a stage whose every live copy is lost is restored from them before any "
+                     "checkpoint (0: none; default: %(default)s)")
     run.add_argument("--resume", action="store_true",
                      help="start from the newest good checkpoint in --checkpoint-dir, e.g. with a larger --steps "
                      "(a run never overwrites another run's checkpoints: a directory that holds some needs it)")
@@ -147,7 +151,7 @@ def run_command(args: argparse.Namespace) -> int:
             etcd_cert=args.etcd_cert, etcd_key=args.etcd_key, preemptions=args.preemptions,
             time_scale=args.time_scale, hours=args.hours, trace_seed=args.seed,
             allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every, resume=args.resume, run_dir=args.run_dir, events=args.events,
+            checkpoint_every=args.checkpoint_every, memory_copy_every=args.memory_copy_every, resume=args.resume, run_dir=args.run_dir, events=args.events,
             job=args.job,
             redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
             grace_s=args.grace,

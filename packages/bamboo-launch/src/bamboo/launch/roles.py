@@ -1,0 +1,49 @@
+"""How a worker without a role finds one: a layout in etcd that places it, or a layout being prepared that does.
+
+A warm worker (a joiner, or a node left out of the last layout) polls the job's layout and the layout being
+prepared during it (:mod:`bamboo.launch.prepare`). A layout that places it is a role: it starts it at once.
+A prepared layout that places it is a role too, before its switch: the worker builds its part while the
+others train, so that the switch does not wait for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+from bamboo.launch import timeouts
+from bamboo.launch.prepare import Prepared, scan_prepared
+from bamboo.launch.session import WorkerSession
+
+__all__ = ["Role", "wait_role"]
+
+
+@attrs.frozen
+class Role:
+    """A role found: a layout to start now (``layout``), or one being prepared (``prepared``)."""
+
+    layout: Any = None
+    prepared: Prepared | None = None
+
+
+def wait_role(run: WorkerSession, after: int) -> Role | None:
+    """The first role in a generation after ``after`` (see the module docstring); None once the job has ended."""
+    from bamboo.launch.coordinator import read_layout
+
+    cursor: dict[int, int] = {}  # generation -> prepared attempts before this index are known abandoned
+    while True:
+        if run.ended() is not None:
+            return None
+        try:
+            layout = read_layout(run.membership)
+            if layout is not None and layout.generation > after and run.node in layout.ranks:
+                return Role(layout=layout)
+            if layout is not None and layout.generation >= after:
+                scan = scan_prepared(run.membership, layout.generation, cursor.get(layout.generation, 0))
+                cursor[layout.generation] = scan.next_attempt
+                if scan.open is not None and run.node in scan.open.layout.ranks:
+                    return Role(prepared=scan.open)
+        except Exception:  # etcd restarting (or a record being replaced): look again
+            pass
+        time.sleep(timeouts.WORKER_POLL_S)

@@ -1,4 +1,5 @@
-"""Test-suite wide settings: the two lanes of ``make test``.
+"""Test-suite wide settings: the one test clock (:class:`FakeClock`, fixture ``fake_clock``) and the two lanes of
+``make test``.
 
 ``make test`` runs pytest with two xdist workers (``-n 2``) under :class:`ClusterLane` scheduling. Every test
 that starts a cluster of agents and workers (``CLUSTER_TESTS``) is one work unit, so those run one after
@@ -18,10 +19,53 @@ that pytest 9.2 no longer reads; the scheduler below needs no marker.)
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+class FakeClock:
+    """The test suite's one clock: time moves only when someone sleeps on it or a test advances it.
+
+    It reads as each clock of the code does: a callable (``EventLog``'s ``clock``, a detector's), the market's
+    :class:`bamboo.launch.market.Clock` (``now()``, ``sleep(seconds, stop)``), and bamboo-rc's ``Clock``
+    (``monotonic()``, ``time()``, ``sleep(seconds)``). ``t`` is its time in seconds; ``time()`` adds a Unix
+    epoch; ``sleeps`` lists every sleep asked of it.
+    """
+
+    EPOCH = 1_700_000_000.0
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def now(self) -> float:
+        return self.t
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def time(self) -> float:
+        return self.EPOCH + self.t
+
+    def advance(self, seconds: float) -> None:
+        """Move the time forward by ``seconds`` (as another process's work would take)."""
+        self.t += max(0.0, seconds)
+
+    def sleep(self, seconds: float, stop: threading.Event | None = None) -> None:
+        self.sleeps.append(seconds)
+        self.advance(seconds)
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    """A :class:`FakeClock` at ``t = 1000``."""
+    return FakeClock()
 
 #: The tests whose verdict depends on other processes answering in time: clusters of agents and workers
 #: (etcd leases of 2 to 3 s, real kills), and the membership agent's real processes (probe timeouts of
@@ -30,8 +74,7 @@ CLUSTER_TESTS = (
     "tests/e2e",
     "tests/hosts",
     "packages/bamboo-membership/tests/test_agent.py",
-    "packages/bamboo-launch/tests/test_baseline.py",
-    "packages/bamboo-launch/tests/test_hooks.py",
+    "packages/bamboo-bench/tests/test_baseline.py",
     "packages/bamboo-launch/tests/test_manifests_run.py",
     "packages/bamboo-launch/tests/test_script_e2e.py",
     "tests/test_bench_scale.py",
@@ -39,11 +82,17 @@ CLUSTER_TESTS = (
 
 
 #: Tests that start clusters too but whose verdict does not hang on a lease or a probe answering in time
-#: (they check records and exit statuses, not how many failures the run saw): they run in the other lane,
-#: lowered in priority like every test there, after its short tests, so that the cluster lane is shorter.
-#: ``bamboo-bench compare`` (three systems one after another). The checkpoint/restart baseline's test is not
-#: one: how many survivors make torchrun's rendezvous in time decides its restart's world size.
-BACKGROUND_PROCESS_TESTS = ("tests/e2e/test_compare_e2e.py",)
+#: (they check records and exit statuses, not how many failures the run saw; runs without failures use 10 s
+#: leases): they run in the other lane, lowered in priority like every test there, after its short tests, so
+#: that the cluster lane (the suite's critical path) is shorter. ``bamboo-bench compare`` (three systems one
+#: after another), a resumed run and its export, the training hooks in a real run. The checkpoint/restart
+#: baseline's test is not one: how many survivors make torchrun's rendezvous in time decides its restart's
+#: world size.
+BACKGROUND_PROCESS_TESTS = (
+    "tests/e2e/test_compare_e2e.py",
+    "tests/e2e/test_resume_export_e2e.py",
+    "packages/bamboo-launch/tests/test_hooks.py",
+)
 
 
 def _under(path: str, roots: tuple[str, ...]) -> bool:

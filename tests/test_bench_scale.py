@@ -20,7 +20,8 @@ BENCH = Path(__file__).resolve().parent / "benchmarks" / "bench_scale.py"
 @pytest.mark.slow
 def test_sixteen_agents_see_the_layout_the_failures_and_the_new_layout() -> None:
     done = subprocess.run([sys.executable, str(BENCH), "--agents", "16", "--kills", "1", "--steady-s", "2",
-                           "--settle-s", "1", "--pause-s", "0.5", "--json"],
+                           "--settle-s", "1", "--pause-s", "0.5", "--replay-hours", "0.02",
+                           "--json"],
                           capture_output=True, text=True, timeout=400, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no JSON from bench_scale.py (status {done.returncode}): {done.stderr[-2000:]}"

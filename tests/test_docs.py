@@ -1,9 +1,12 @@
 """The documents in docs/ say what the code does: the timeouts table matches every package's timeouts
-module, the failures said to be survived name tests that exist, and the README links the documents."""
+module, the failures said to be survived name tests that exist, the README links the documents, the
+benchmarks page is what the measured results render, and no README names a commit."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILURE_MODEL = ROOT / "docs" / "failure-model.md"
-TIMEOUT_MODULES = ("bamboo.membership.timeouts", "bamboo.rc.timeouts", "bamboo.launch.timeouts")
+TIMEOUT_MODULES = ("bamboo.membership.timeouts", "bamboo.schedule.timeouts", "bamboo.rc.timeouts", "bamboo.launch.timeouts")
 ROW = re.compile(r"^\| `(bamboo\.[a-z]+\.timeouts\.[A-Z0-9_]+)` \| `([0-9.]+) s` \| (.*?) \| (.+) \|$")
 
 
@@ -66,3 +69,45 @@ def test_the_readme_links_the_design_documents_in_the_repository() -> None:
         assert f"({document})" in readme, f"README.md does not link {document}"
         assert (ROOT / document).is_file()
     assert "../shared" not in readme.split("## Two commands", 1)[0], "the README must not send readers outside the repo"
+
+
+def _benchmarks_page() -> object:
+    spec = importlib.util.spec_from_file_location("benchmarks_page", ROOT / "scripts" / "benchmarks_page.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_benchmarks_page_is_what_the_results_render() -> None:
+    """docs/benchmarks.md is generated from docs/results/*.json (scripts/benchmarks_page.py): no hand-edited
+    figure, and no result file left out of the page."""
+    page = _benchmarks_page()
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == page.render(), (  # type: ignore[attr-defined]
+        "docs/benchmarks.md is out of date: run python scripts/benchmarks_page.py")
+
+
+def test_a_result_file_becomes_a_table_with_its_command(tmp_path: Path) -> None:
+    page = _benchmarks_page()
+    (tmp_path / "tests" / "benchmarks").mkdir(parents=True)
+    (tmp_path / "tests" / "benchmarks" / "bench_toy.py").write_text('"""Benchmark: a toy, against a baseline."""\n')
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    result = {"command": "python toy.py --json", "machine": "2 cores, load 0.4", "date": "2026-11-28",
+              "results": [{"system": "bamboo", "throughput": 12.34567}, {"system": "baseline", "throughput": 3.0}]}
+    (tmp_path / "docs" / "results" / "toy.json").write_text(json.dumps(result))
+    text = page.render(tmp_path)  # type: ignore[attr-defined]
+    assert "| [toy](#toy) | A toy, against a baseline. | 2026-11-28, 2 cores, load 0.4 |" in text
+    assert "python toy.py --json" in text and "| bamboo | 12.35 |" in text and "| baseline | 3 |" in text
+    assert "| [demo](#demo) |" in text and "not measured yet" in text
+    (tmp_path / "docs" / "results" / "toy.json").write_text(json.dumps({"command": "x"}))
+    with pytest.raises(ValueError, match="exactly the keys"):
+        page.render(tmp_path)  # type: ignore[attr-defined]
+
+
+def test_no_readme_names_a_commit_and_the_front_door_is_short() -> None:
+    readmes = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
+    for path in readmes:
+        hashes = re.findall(r"(?<![\w/.-])[0-9a-f]{7,40}(?![\w-])", path.read_text())
+        commits = [word for word in hashes if re.search(r"[a-f]", word) and re.search(r"[0-9]", word)]
+        assert not commits, f"{path.relative_to(ROOT)} names commits {commits}: say what, not when"
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 120, "README.md is a front door: 120 lines at most"

@@ -1,4 +1,4 @@
-"""Packaging checks: every package builds a wheel whose metadata keeps the dependency rules of DESIGN.md.
+"""Packaging checks: every package builds a wheel whose metadata keeps the dependency rules of docs/architecture.md.
 
 - `bamboo-schedule` and `bamboo-reconfig` are pure: no torch, grpcio or deepspeed.
 - `bamboo-membership` does not depend on torch (only through its optional `torch` extra).

@@ -8,9 +8,9 @@ a role with the worker's own ``RoleWatch``, learns failure events with the worke
 keeps a TCP connection to the next stage of its pipeline (as gloo would: when a peer dies, the connection breaks
 and the stub reports the peer to its agent, as the runtime does), counts steps on a shared clock (the host of the
 last stage of pipeline 0 writes the ``step`` records), and takes part in a reconfiguration at a step boundary: the
-lowest live rank proposes the stop with the worker's ``_reconfiguration_proposal`` (``bamboo.reconfig.decide``),
+lowest live rank proposes the stop with the worker's ``reconfiguration_reason`` (``bamboo.reconfig.decide``),
 every holder publishes what it holds, and the lowest live holder plans the next layout with the worker's
-``_plan_next`` and publishes it. The nodes of one process share one etcd client (one channel, one watch stream,
+``plan_next`` and publishes it. The nodes of one process share one etcd client (one channel, one watch stream,
 one keepalive stream), since a thousand Python processes do not fit two cores.
 
 A node "dies" in process, as a ``kill -9`` looks from outside: its port closes (probes are refused), its
@@ -36,13 +36,14 @@ from concurrent import futures
 from types import SimpleNamespace
 from typing import Any
 
+from bamboo.launch.barrier import plan_next, publish_layout
 from bamboo.launch.coordinator import Coordinator
 from bamboo.launch.events import EtcdEventLog, Join, Step
 from bamboo.launch.notices import EtcdFailureNotices
 from bamboo.launch.records import BarrierReady, StopDecision, WorkerWarm
-from bamboo.launch.roles import RoleWatch
+from bamboo.launch.role_watch import RoleWatch
 from bamboo.launch.spec import JobSpec
-from bamboo.launch.worker import _plan_next, _publish_layout, _reconfiguration_proposal
+from bamboo.launch.stop import reconfiguration_reason
 from bamboo.membership import DetectorConfig, EtcdKV, EtcdOptions, MembershipStore, NodeAgent, WatchedKey
 from bamboo.rc import FailureEvent
 
@@ -230,7 +231,8 @@ class SimNode:
             return
         run = SimpleNamespace(membership=self.fenced, layers=self.host.layers, spec=self.host.spec)
         executor = SimpleNamespace(step=self.step, dead=set(self.dead_ranks))
-        proposal = _reconfiguration_proposal(run, layout, executor)
+        reason = reconfiguration_reason(run, layout, executor)  # type: ignore[arg-type]
+        proposal = None if reason is None else StopDecision(self.step + 2, reason)  # met at the barrier
         decided = self.fenced.decide(f"g{layout.generation}-stop", proposal.to_dict()) if proposal else None
         emit(ev="stop_decided", node=self.node, t=time.monotonic(), proposed=proposal is not None,
              step=None if decided is None else decided.value["step"], generation=layout.generation)
@@ -281,11 +283,11 @@ class SimNode:
             watch.cancel()
         all_ready = time.monotonic()
         run = SimpleNamespace(membership=self.fenced, layers=self.host.layers, spec=self.host.spec)
-        planned = _plan_next(run, base, ready, 0, "bench: rebuild redundancy")
+        planned = plan_next(run, base, ready, 0, "bench: rebuild redundancy")
         value = self.fenced.decide(f"g{base.generation}-next", planned.to_dict()).value
         from bamboo.reconfig import JobLayout
 
-        _publish_layout(run, JobLayout.from_dict(value))
+        publish_layout(run, JobLayout.from_dict(value))
         emit(ev="planned", node=self.node, t=time.monotonic(), all_ready=all_ready, generation=planned.generation)
 
 

@@ -14,7 +14,7 @@ steps have passed, so it hits a healthy layout.
    rebuilt with the replacement. The pause is measured two ways from the kill (the wall time just before the
    signal), with the shadow's `failover` record: to its first instruction of the merged schedule
    (`resumed_unix`), and to the end of the failed step (`step_end_unix`).
-2. **checkpoint/restart** (`bamboo.launch.baseline.run_checkpoint_restart`): torchrun elastic agents
+2. **checkpoint/restart** (`bamboo.bench.measured.torchrun.run_checkpoint_restart`): torchrun elastic agents
    (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, which its restart on gloo needs), DeepSpeed's `PipelineEngine` on the
    same model, global batch and data order, DeepSpeed checkpoints every K steps (Young's rule, with the mean time
    between kills of the bamboo run above; its kills come no more often than that). Its pause: from the kill to the
@@ -192,7 +192,7 @@ def bamboo_kills(args: argparse.Namespace, say: Log) -> dict[str, Any]:
 
 
 def checkpoint_restart_kills(args: argparse.Namespace, mtbf_s: float | None, say: Log) -> dict[str, Any]:
-    from bamboo.launch.baseline import CheckpointRestartOptions, run_checkpoint_restart
+    from bamboo.bench.measured.torchrun import CheckpointRestartOptions, run_checkpoint_restart
     from bamboo.launch.events import Checkpoint, Step
 
     stages, pipelines = 2, 2

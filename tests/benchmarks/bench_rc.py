@@ -8,11 +8,22 @@ for M of 4 and 8, as:
 1. DeepSpeed's `PipelineEngine` (the baseline; gloo on CPU);
 2. bamboo `none`, 3. `lflb`, 4. `eflb`, 5. `efeb`.
 
-Every variant is two forked worker processes (one per stage, one intra-op thread each, so each
-stage owns a core of this 2-core machine and the bubbles are real idle time). The variants run
-interleaved, `--repeats` times, and each prints the median time per iteration, its overhead
-against (1) measured in the same run, the FRC stash bytes, the peak RSS of its workers, and, for
-bamboo, where the time went per instruction kind (FRC compute, stash copies, sync).
+Every variant is two forked worker processes (one per stage, one intra-op thread each, each pinned to its own
+core with `--pin`, the default: what a GPU per node gives, and the bubbles are real idle time). The variants run
+interleaved, `--repeats` times, and each prints the median time per iteration, its overhead against (1) measured
+in the same run, the FRC stash bytes, the peak RSS of its workers, and, for bamboo, where the time went per
+instruction kind (FRC compute, stash copies, sync, the commit) and what the step spent outside every instruction
+(the interpreter's own time: the loop, the data, the hooks), and its overhead against bamboo `none`.
+
+`--device cuda` runs both workers of every variant on the GPU (sharing it when there is one), and each prints
+its peak GPU memory and the stash's bytes swapped per step and held on the GPU at most. A variant that cannot
+run there (DeepSpeed's PipelineEngine with two ranks on one GPU) is reported with its first error line, and the
+others still run.
+
+Then the simulator's prediction: the per-instruction costs measured in this run (each stage's forward, backward
+and FRC per microbatch, a message, the replica sync, the commit) become a `bamboo.schedule.Costs`, and each mode's
+schedule (the one the runtime ran) is simulated with them: the predicted time per iteration against the measured
+one, and `overhead_bound_pct`, the least overhead any placement of that mode's redundant work could have had.
 """
 
 from __future__ import annotations
@@ -35,9 +46,11 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 
 import torch
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter, stdlib_corpus
+from bamboo.rc.device import peak_memory_bytes, resolve_device
 from bamboo.rc.engine import initialize
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.worker import exact_mode
+from bamboo.schedule import Costs, StageCost, one_f_one_b, simulate
 from torch.distributed import TCPStore
 
 VARIANTS = ("deepspeed", "none", "lflb", "eflb", "efeb")
@@ -59,11 +72,15 @@ def _config(micro_batches: int, micro_batch_size: int) -> dict[str, Any]:
     }
 
 
-def _deepspeed_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int) -> dict[str, Any]:
+def _deepspeed_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int,
+                      device: str) -> dict[str, Any]:
+    if device != "cpu":  # DeepSpeed picks its accelerator at import: a GPU one here (never in the parent)
+        os.environ["DS_ACCELERATOR"] = "cuda"
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+    local_rank = rank % max(1, torch.cuda.device_count()) if device != "cpu" else rank
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     specs = gpt_layer_specs(size)
@@ -78,7 +95,33 @@ def _deepspeed_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any
         started = time.perf_counter()
         engine.train_batch(data_iter=data)
         times.append(time.perf_counter() - started)
-    return {"times": times, "stash": 0, "rss": _peak_rss_mib(), "kinds": {}}
+    peak = torch.cuda.max_memory_allocated() if device != "cpu" else 0
+    return {"times": times, "stash": 0, "rss": _peak_rss_mib(), "kinds": {}, "device_peak": peak}
+
+
+def _link_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The link between the two pinned workers: the round trip of an empty message and of one activation."""
+    from bamboo.rc.comm import build_gloo_group
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    group = build_gloo_group(store, "probe", rank, 2, 60.0)
+    activation = torch.ones(config["train_micro_batch_size_per_gpu"], size.sequence, size.width)
+    empty = torch.ones(1)
+    result = {}
+    for name, tensor in (("latency_ms", empty), ("activation_ms", activation)):
+        rounds = []
+        for _ in range(steps * 4 + 2):
+            started = time.perf_counter()
+            if rank == 0:
+                group.send([tensor], 1, 0).wait()
+                group.recv([tensor], 1, 0).wait()
+            else:
+                group.recv([tensor], 0, 0).wait()
+                group.send([tensor], 0, 0).wait()
+            rounds.append((time.perf_counter() - started) / 2)
+        result[name] = statistics.median(rounds[2:]) * 1e3
+    result["activation_mb"] = activation.numel() * activation.element_size() / 2**20
+    return {"times": [0.0], "stash": 0, "rss": _peak_rss_mib(), "kinds": {}, "link": result}
 
 
 def _uniform_bounds(layer_count: int, stages: int) -> tuple[tuple[int, int], ...]:
@@ -89,11 +132,19 @@ def _uniform_bounds(layer_count: int, stages: int) -> tuple[tuple[int, int], ...
     return tuple(itertools.pairwise(parts))
 
 
-def _bamboo_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int, mode: str) -> dict[str, Any]:
+def _pin(rank: int) -> None:
+    """This worker on its own core (rank modulo the cores), as a GPU per node would give it its own device."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def _bamboo_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int, mode: str,
+                   device: str) -> dict[str, Any]:
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     specs = gpt_layer_specs(size)
     engine = initialize(specs, config, mode, loss_fn=lm_loss, stages=2, rank=rank, world_size=2, store=store,
-                        job=f"bench-{mode}", stage_bounds=_uniform_bounds(len(specs), 2))
+                        job=f"bench-{mode}", stage_bounds=_uniform_bounds(len(specs), 2),
+                        device=resolve_device(device, local_rank=rank))
     sampler = GlobalBatchSampler(config["train_micro_batch_size_per_gpu"], size.sequence)
     data = pipeline_data_iter(sampler, 0, config["gradient_accumulation_steps"])
     engine.executor.kind_seconds.clear()
@@ -106,12 +157,23 @@ def _bamboo_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], 
         times.append(time.perf_counter() - started)
     engine.finish()
     kinds = {kind: seconds / max(1, steps - 1) for kind, seconds in engine.executor.kind_seconds.items()}
-    return {"times": times, "stash": engine.executor.stash.peak_bytes, "rss": _peak_rss_mib(), "kinds": kinds,
-            "sync_bytes": engine.executor.sync_bytes / steps}
+    counts: dict[str, int] = {}
+    for instruction in engine.executor.schedule.streams[engine.executor.node]:
+        counts[instruction.kind.value] = counts.get(instruction.kind.value, 0) + 1
+    stash = engine.executor.stash
+    return {"times": times, "stash": stash.peak_bytes, "rss": _peak_rss_mib(), "kinds": kinds,
+            "counts": counts, "sync_bytes": engine.executor.sync_bytes / steps,
+            "device_peak": peak_memory_bytes(engine.executor.device) or 0,
+            "swapped_per_step": stash.swapped_bytes_total / steps, "stash_device_peak": stash.device_peak_bytes}
 
 
-def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int) -> list[dict[str, Any]]:
-    """Fork the two workers of one variant; returns their reports."""
+class VariantFailed(RuntimeError):
+    """A variant's workers failed (its first error line says why)."""
+
+
+def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int, pin: bool = True,
+                device: str = "cpu") -> list[dict[str, Any]]:
+    """Fork the two workers of one variant; returns their reports (VariantFailed when one fails)."""
     with tempfile.TemporaryDirectory(prefix="bamboo-bench-") as out:
         # Fork before the store (and its thread) exists; the workers read the port from a pipe.
         port_reader, port_writer = os.pipe()
@@ -124,13 +186,18 @@ def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int)
                     os.close(port_writer)
                     port = int.from_bytes(os.read(port_reader, 8), "little")
                     exact_mode()
+                    if pin:
+                        _pin(rank)
                     if variant == "deepspeed":
-                        report = _deepspeed_worker(rank, port, size, config, steps)
+                        report = _deepspeed_worker(rank, port, size, config, steps, device)
+                    elif variant == "link":
+                        report = _link_worker(rank, port, size, config, steps)
                     else:
-                        report = _bamboo_worker(rank, port, size, config, steps, variant)
+                        report = _bamboo_worker(rank, port, size, config, steps, variant, device)
                     Path(out, f"{rank}.json").write_text(json.dumps(report))
                 except BaseException as exc:  # report and die without running destructors
                     print(f"{variant} rank {rank}: {exc!r}", file=sys.stderr)
+                    Path(out, f"{rank}.error").write_text(f"{type(exc).__name__}: {exc}".splitlines()[0])
                     code = 1
                 finally:
                     sys.stdout.flush()
@@ -149,12 +216,131 @@ def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int)
             port = store.port
         os.write(port_writer, port.to_bytes(8, "little") * 2)
         os.close(port_writer)
-        for pid in pids:
-            _, status = os.waitpid(pid, 0)
-            if os.waitstatus_to_exitcode(status) != 0:
-                raise SystemExit(f"bench_rc: the {variant} workers failed")
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
         del store
+        if any(codes):
+            errors = sorted(path.read_text() for path in Path(out).glob("*.error"))
+            raise VariantFailed(errors[0] if errors else f"exit statuses {codes}")
         return [json.loads(Path(out, f"{rank}.json").read_text()) for rank in range(2)]
+
+
+def _per_instruction_ms(worker: dict[str, Any], kind: str) -> float:
+    """The mean time (ms) of one `kind` instruction of a step on this worker."""
+    count = worker["counts"].get(kind, 0)
+    return worker["kinds"].get(kind, 0.0) * 1e3 / count if count else 0.0
+
+
+def measured_costs(reports: dict[str, list[dict[str, Any]]], link: dict[str, float]) -> Costs:
+    """The cost model of this run: each stage's forward, backward and commit from `none`'s workers (stage s runs on
+    rank s), each stage's FRC from `eflb`'s shadow of it, the messages from the link probe, the replica sync's
+    transfer from its bytes at the probe's bandwidth. D = 1: the all-reduce takes nothing."""
+    none = reports["none"]
+    eflb = reports.get("eflb")
+    link_mb_per_ms = link["activation_mb"] / max(link["activation_ms"] - link["latency_ms"], 1e-6)
+    stages = []
+    for s in (0, 1):
+        frc = _per_instruction_ms(eflb[(s - 1) % 2], "FR") if eflb else None
+        sync_mb = (eflb or none)[s].get("sync_bytes", 0.0) / 2**20
+        stages.append(StageCost(
+            forward_ms=_per_instruction_ms(none[s], "F"), backward_ms=_per_instruction_ms(none[s], "B"),
+            frc_ms=frc or None, optimizer_ms=none[s]["kinds"].get("commit", 0.0) * 1e3,
+            activation_mb=link["activation_mb"], stash_mb=0.0, grad_mb=sync_mb, allreduce_ms=0.0,
+        ))
+    return Costs(default=stages[0], stages=tuple(stages), latency_ms=link["latency_ms"],
+                 link_gb_per_s=link_mb_per_ms)
+
+
+def predictions(costs: Costs, microbatches: int, variants: list[str]) -> dict[str, dict[str, float]]:
+    """Each bamboo variant's simulated time per iteration (the schedule the runtime ran: unit-cost placement) and
+    the least overhead its redundancy could have (`overhead_bound_pct`), for the measured costs."""
+    out = {}
+    for variant in variants:
+        if variant in ("deepspeed", "link"):
+            continue
+        result = simulate(one_f_one_b(2, microbatches, variant), costs)
+        out[variant] = {"ms_per_iteration": result.makespan, "overhead_bound_pct": result.overhead_bound_pct or 0.0}
+    return out
+
+
+def _report_variant(variant: str, workers_by_repeat: list[list[dict[str, Any]]], samples: list[float],
+                    base_ms: float | None, predicted: dict[str, float] | None, none_ms: float | None) -> dict[str, Any]:
+    """One row: measured, predicted, overhead; where the time went (the slower worker per kind)."""
+    ms = statistics.median(samples) * 1e3
+    last = workers_by_repeat[-1]
+    kinds: dict[str, float] = {}
+    for worker in last:
+        for kind, seconds in worker["kinds"].items():
+            kinds[kind] = max(kinds.get(kind, 0.0), seconds * 1e3)
+    instructions = sum(v for k, v in kinds.items() if k not in ("commit", "replica_step"))
+    own = max(0.0, ms - instructions - kinds.get("commit", 0.0))
+    sync = kinds.get("SY", 0.0) + kinds.get("RY", 0.0) + kinds.get("replica_step", 0.0)
+    row = {"ms_per_iteration": ms, "samples_ms": [x * 1e3 for x in samples],
+           "overhead_vs_deepspeed_pct": (ms / base_ms - 1) * 100 if base_ms else None,
+           "overhead_vs_none_pct": (ms / none_ms - 1) * 100 if none_ms else None,
+           "device_peak_bytes": max(w.get("device_peak", 0) for w in last),
+           "swapped_bytes_per_step": max(w.get("swapped_per_step", 0) for w in last),
+           "stash_device_peak_bytes": max(w.get("stash_device_peak", 0) for w in last),
+           "stash_bytes": max(w["stash"] for w in last), "peak_rss_mib": max(w["rss"] for w in last),
+           "frc_ms": kinds.get("FR", 0.0), "swap_ms": kinds.get("SO", 0.0) + kinds.get("SI", 0.0),
+           "brc_ms": kinds.get("BR", 0.0), "sync_ms": sync, "commit_ms": kinds.get("commit", 0.0),
+           "interpreter_own_ms": own, "kind_ms": kinds}
+    if predicted is not None:
+        row["predicted_ms"] = predicted["ms_per_iteration"]
+        row["prediction_error_pct"] = (predicted["ms_per_iteration"] / ms - 1) * 100
+        row["overhead_bound_pct"] = predicted["overhead_bound_pct"]
+    return row
+
+
+def _print_table(m: int, rows: dict[str, dict[str, Any]], device: str) -> None:
+    gpu = device != "cpu"
+    print(f"\nM={m}: time per iteration (median of repeats), overhead vs DeepSpeed PipelineEngine and vs none, "
+          f"simulator")
+    print(f"{'variant':<10} {'ms/iter':>8} {'vs DS':>7} {'vs none':>8} {'sim ms':>7} {'sim err':>8} {'bound':>6} "
+          f"{'stash MiB':>9} {'FR':>6} {'SO+SI':>6} {'BR':>6} {'sync':>6} {'commit':>7} {'own':>6}"
+          + (f" {'GPU peak MiB':>12} {'swap MiB/step':>13} {'stash on GPU MiB':>16}" if gpu else ""))
+    for variant, row in rows.items():
+        if "error" in row:
+            print(f"{variant:<10} cannot run here: {row['error']}")
+            continue
+        cells = [f"{row['ms_per_iteration']:>8.1f}"]
+        for key, width in (("overhead_vs_deepspeed_pct", 7), ("overhead_vs_none_pct", 8)):
+            cells.append(f"{row[key]:>+{width - 1}.1f}%" if row[key] is not None else f"{'n/a':>{width}}")
+        if "predicted_ms" in row:
+            cells += [f"{row['predicted_ms']:>7.1f}", f"{row['prediction_error_pct']:>+7.1f}%",
+                      f"{row['overhead_bound_pct']:>5.1f}%"]
+        else:
+            cells += [f"{'-':>7}", f"{'-':>8}", f"{'-':>6}"]
+        memory = (f" {row['device_peak_bytes'] / 2**20:>12.1f} {row['swapped_bytes_per_step'] / 2**20:>13.2f} "
+                  f"{row['stash_device_peak_bytes'] / 2**20:>16.2f}") if gpu else ""
+        print(f"{variant:<10} {' '.join(cells)} {row['stash_bytes'] / 2**20:>9.2f} {row['frc_ms']:>6.1f} "
+              f"{row['swap_ms']:>6.1f} {row['brc_ms']:>6.1f} {row['sync_ms']:>6.1f} {row['commit_ms']:>7.1f} "
+              f"{row['interpreter_own_ms']:>6.1f}{memory}")
+    print("(ms per iteration; FR..commit: the slower worker's time in those instructions; own: the step's time "
+          "outside every instruction and the commit; bound: the least overhead that mode's redundancy could add "
+          "over `none` for the costs measured here)")
+
+
+def _measure(args: argparse.Namespace, size: GPTSize, config: dict[str, Any], m: int) -> tuple[
+        dict[str, list[float]], dict[str, list[list[dict[str, Any]]]], dict[str, str]]:
+    """Every variant `--repeats` times, interleaved: each one's median time per iteration per repeat, its workers'
+    reports per repeat, and the first error of each variant that cannot run here (tried once)."""
+    samples: dict[str, list[float]] = {v: [] for v in args.variants}
+    reports: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in args.variants}
+    failed: dict[str, str] = {}
+    for repeat in range(args.repeats):
+        for variant in [v for v in args.variants if v not in failed]:
+            try:
+                workers = run_variant(variant, size, config, args.steps, args.pin, args.device)
+            except VariantFailed as exc:
+                failed[variant] = str(exc)
+                print(f"  M={m} {variant}: cannot run here: {exc}", flush=True)
+                continue
+            per_iteration = [max(a, b) for a, b in zip(workers[0]["times"][1:], workers[1]["times"][1:], strict=True)]
+            samples[variant].append(statistics.median(per_iteration))
+            reports[variant].append(workers)
+            print(f"  M={m} repeat {repeat + 1}/{args.repeats} {variant}: {samples[variant][-1] * 1e3:.1f} ms",
+                  flush=True)
+    return samples, reports, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,52 +354,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence", type=int, default=128, help="bytes per sample (default 128)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="samples per microbatch (default 4)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                        help="variants to run; deepspeed must be among them for the ratios (default all)")
+                        help="variants to run; deepspeed must be among them for the ratios, none (and eflb) for "
+                        "the simulator's costs (default all)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin each worker to its own core (default on)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda: the workers of every variant on the GPU (sharing one)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.repeats < 1:
         parser.error(f"--steps must be >= 2 and --repeats >= 1, got {args.steps} and {args.repeats}")
+    try:
+        kind = resolve_device(args.device).type  # counts GPUs without starting CUDA: the workers fork after
+    except ValueError as exc:
+        parser.error(str(exc))
     size = GPTSize(layers=args.layers, width=args.width, heads=args.heads, sequence=args.sequence)
     stdlib_corpus()
-    import deepspeed  # noqa: F401  (imported once here, inherited by the forked workers)
+    if kind == "cpu":  # on a GPU each DeepSpeed worker imports it with the GPU accelerator itself
+        import deepspeed  # noqa: F401  (imported once here, inherited by the forked workers)
 
     print(f"model {size}, micro batch {args.micro_batch_size}, P=2 D=1, {args.steps} steps "
-          f"(first is warm-up) x {args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} CPUs")
-    results: dict[str, Any] = {}
+          f"(first is warm-up) x {args.repeats} repeats, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"{'each worker pinned to its own core' if args.pin else 'unpinned'}, "
+          f"load average {os.getloadavg()[0]:.1f}, device {args.device}")
+    results: dict[str, Any] = {"load_average": os.getloadavg()[0], "pinned": args.pin, "device": args.device}
     for m in args.micro_batches:
         config = _config(m, args.micro_batch_size)
-        samples: dict[str, list[float]] = {v: [] for v in args.variants}
-        reports: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
-        for repeat in range(args.repeats):
-            for variant in args.variants:
-                workers = run_variant(variant, size, config, args.steps)
-                per_iteration = [max(a, b) for a, b in zip(workers[0]["times"][1:], workers[1]["times"][1:], strict=True)]
-                samples[variant].append(statistics.median(per_iteration))
-                reports[variant].append(workers)
-                print(f"  M={m} repeat {repeat + 1}/{args.repeats} {variant}: {samples[variant][-1] * 1e3:.1f} ms",
-                      flush=True)
-        base = statistics.median(samples["deepspeed"]) if "deepspeed" in samples else None
-        print(f"\nM={m}: time per iteration (median of repeats), overhead vs DeepSpeed PipelineEngine")
-        print(f"{'variant':<10} {'ms/iter':>9} {'overhead':>9} {'stash MiB':>10} {'peak RSS MiB':>13} "
-              f"{'FR ms':>7} {'SO+SI ms':>9} {'BR ms':>7} {'sync ms':>8}")
-        results[str(m)] = {}
-        for variant in args.variants:
-            ms = statistics.median(samples[variant]) * 1e3
-            overhead = f"{(ms / (base * 1e3) - 1) * 100:+.1f}%" if base else "n/a"
-            last = reports[variant][-1]
-            stash = max(w["stash"] for w in last) / 2**20
-            rss = max(w["rss"] for w in last)
-            kinds: dict[str, float] = {}
-            for worker in last:
-                for kind, seconds in worker["kinds"].items():
-                    kinds[kind] = max(kinds.get(kind, 0.0), seconds * 1e3)
-            sync = kinds.get("SY", 0.0) + kinds.get("RY", 0.0) + kinds.get("replica_step", 0.0)
-            print(f"{variant:<10} {ms:>9.1f} {overhead:>9} {stash:>10.2f} {rss:>13.0f} {kinds.get('FR', 0.0):>7.1f} "
-                  f"{kinds.get('SO', 0.0) + kinds.get('SI', 0.0):>9.1f} {kinds.get('BR', 0.0):>7.1f} {sync:>8.1f}")
-            results[str(m)][variant] = {"ms_per_iteration": ms, "samples_ms": [s * 1e3 for s in samples[variant]],
-                                        "stash_bytes": max(w["stash"] for w in last), "peak_rss_mib": rss,
-                                        "kind_ms": kinds}
-        print()
+        link = run_variant("link", size, config, args.steps, args.pin)[0]["link"]
+        samples, reports, failed = _measure(args, size, config, m)
+        ran = [v for v in args.variants if v not in failed]
+        predicted: dict[str, dict[str, float]] = {}
+        costs = None
+        if "none" in ran:
+            costs = measured_costs({v: reports[v][-1] for v in ran if v != "deepspeed"}, link)
+            predicted = predictions(costs, m, ran)
+        base = statistics.median(samples["deepspeed"]) * 1e3 if "deepspeed" in ran else None
+        none = statistics.median(samples["none"]) * 1e3 if "none" in ran else None
+        rows = {v: {"error": failed[v]} if v in failed else
+                _report_variant(v, reports[v], samples[v], base, predicted.get(v), none) for v in args.variants}
+        _print_table(m, rows, kind)
+        results[str(m)] = {"link": link, "costs": costs.to_dict() if costs else None, "variants": rows}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

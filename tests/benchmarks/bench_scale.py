@@ -373,10 +373,12 @@ class Run:
 
     def _database(self, revisions_per_hour: float) -> dict[str, Any]:
         started = self.kv.status()
-        result = database_after(self.kv, JOB, math.ceil(revisions_per_hour), 200, EVENTS_PER_WRITER)
+        hours = self.args.replay_hours
+        result = database_after(self.kv, JOB, math.ceil(revisions_per_hour * hours), 200, EVENTS_PER_WRITER)
         result["db_bytes_before_the_hour"] = started.db_size
+        result["replay_hours"] = hours
         self.say(f"etcd: {revisions_per_hour:.0f} revisions per hour; database {started.db_size / 1e6:.1f} MB, "
-                 f"{result['db_bytes_after_an_hour'] / 1e6:.1f} MB after an hour of them, "
+                 f"{result['db_bytes_after_an_hour'] / 1e6:.1f} MB after {hours:g} hour(s) of them, "
                  f"{result['db_bytes_after_compaction'] / 1e6:.1f} MB after compaction")
         return result
 
@@ -417,6 +419,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pause-s", type=float, default=1.0, help="pause after each failure trial, s")
     parser.add_argument("--deadline-s", type=float, default=30.0, help="how long a delivery may take before it counts "
                         "as lost")
+    parser.add_argument("--replay-hours", type=float, default=1.0,
+                        help="hours of the steady state's etcd writes replayed to size the database (the "
+                        "db_bytes_after_an_hour keys are after this many hours; default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object per run instead of the table")

@@ -1,6 +1,7 @@
 """Benchmark for bamboo-schedule (run directly; not collected by pytest).
 
     .venv/bin/python tests/benchmarks/bench_schedule.py [--stages 32] [--microbatches 256] [--repeat 3]
+    .venv/bin/python tests/benchmarks/bench_schedule.py --overhead [--json]
 
 1. Speed: generating, failing over, validating and simulating a P x M 1F1B/eflb schedule, phase by
    phase, with its ratio against the baseline measured in the same run: the same steps for the
@@ -10,11 +11,14 @@
 2. Figure 10 (paper): with a BERT-like cost profile on 8 stages, the bubble at stage i (no
    redundancy) against the FRC that node i runs for stage i+1, and the share of it hidden.
 3. The modes' time overhead per iteration against the same schedule without redundancy.
+4. With --overhead only: lflb's and eflb's overhead against its lower bound (`overhead_bound_pct`) over a grid
+   of P and M, with the built-in and the BERT-like costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Callable
@@ -131,12 +135,56 @@ def modes(microbatches: int = 32) -> None:
               f"-> ratio {ratio:.3f} (+{result.overhead_pct:.1f}%)")
 
 
+def overhead_against_bound() -> list[dict[str, Any]]:
+    """The placement's overhead and the least overhead any placement can have (`overhead_bound_pct`), for P in
+    {2, 4, 8, 16}, M in {P, 2P, 4P, 8P}, lflb and eflb, with the built-in and the BERT-like costs."""
+    rows: list[dict[str, Any]] = []
+    for profile in ("built-in", "bert_like"):
+        for stages in (2, 4, 8, 16):
+            costs = Costs() if profile == "built-in" else Costs.bert_like(stages)
+            for factor in (1, 2, 4, 8):
+                for rc in ("lflb", "eflb"):
+                    microbatches = stages * factor
+                    result = simulate(generate("1f1b", stages, microbatches, rc, costs.linearizer_cost()), costs)
+                    assert result.overhead_pct is not None and result.overhead_bound_pct is not None
+                    rows.append({"costs": profile, "stages": stages, "microbatches": microbatches, "rc": rc,
+                                 "overhead_pct": round(result.overhead_pct, 2),
+                                 "overhead_bound_pct": round(result.overhead_bound_pct, 2),
+                                 "points_above_bound": round(result.overhead_pct - result.overhead_bound_pct, 2)})
+    return rows
+
+
+def print_overheads(rows: list[dict[str, Any]]) -> None:
+    print("== overhead against the bound (simulated, 1f1b): overhead% / bound% ==")
+    for profile in ("built-in", "bert_like"):
+        for rc in ("lflb", "eflb"):
+            mine = [r for r in rows if r["costs"] == profile and r["rc"] == rc]
+            print(f"  {profile} {rc}:")
+            for stages in sorted({r["stages"] for r in mine}):
+                cells = [f"M={r['microbatches']:<3} {r['overhead_pct']:5.1f} / {r['overhead_bound_pct']:5.1f}"
+                         for r in mine if r["stages"] == stages]
+                print(f"    P={stages:<2} " + "   ".join(cells))
+            worst = max(mine, key=lambda r: r["points_above_bound"])
+            print(f"    most above the bound: {worst['points_above_bound']:.2f} points "
+                  f"(P={worst['stages']}, M={worst['microbatches']})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="bamboo-schedule benchmark (speed, Figure 10, mode overheads)")
     parser.add_argument("--stages", type=int, default=32, help="pipeline depth for the speed test (default 32)")
     parser.add_argument("--microbatches", type=int, default=256, help="microbatches for the speed test (default 256)")
     parser.add_argument("--repeat", type=int, default=3, help="cold end-to-end runs, fastest kept (default 3)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="only the overhead of lflb and eflb against its lower bound over a grid of P and M")
+    parser.add_argument("--json", action="store_true", help="with --overhead: print the rows as JSON")
     args = parser.parse_args()
+    if args.overhead:
+        rows = overhead_against_bound()
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print_overheads(rows)
+        return
     speed(args.stages, args.microbatches, args.repeat)
     figure_10()
     modes()

@@ -1,5 +1,5 @@
 """``bamboo-bench compare`` end to end: a small comparison (4 nodes, P=2, D=2, 6 s after each first step, a
-scripted kill 2 s in) runs bamboo, checkpoint/restart and on-demand through ``bamboo-launch measure``, and
+scripted kill 2 s in) runs bamboo, checkpoint/restart and on-demand through ``bamboo-bench measure``, and
 prints one JSON record per system; each run's measured profile loads, and ``bamboo-bench simulate`` with it on
 the run's simulated trace gives the prediction that compare printed (the profile round trip).
 

@@ -104,7 +104,8 @@ def test_every_data_parallel_node_lost_restores_the_last_checkpoint_on_standby_n
     again (the restore record counts them), and the result is bit-equal to a fault-free run."""
     options = RunOptions(nodes=4, stages=1, pipelines=2, steps=300, zones=("a", "b", "c"), time_scale=1.0,
                          redundancy="lflb", run_dir=str(tmp_path / "run"), timeout_s=200.0, group_timeout_s=20.0,
-                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5, size={"layers": 2})
+                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5, size={"layers": 2},
+                         memory_copy_every=0)  # no in-memory copies on the standby nodes: disk is the last resort
     killed: list[str] = []
 
     def kill_every_worker(handles: RunHandles) -> None:

@@ -107,6 +107,7 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
     options = RunOptions(
         nodes=5, stages=3, pipelines=1, steps=300, zones=("a", "b", "c"), time_scale=1.0,
         run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5,
+        memory_copy_every=0,  # no in-memory copies: the checkpoint on disk is the only copy left
         confirm_timeout_s=30.0, timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2},
     )
     result = run_cluster(options, during=kill_stage_1_then_its_shadow)

@@ -51,6 +51,7 @@ def _options(tmp_path: Path) -> RunOptions:
         run_dir=str(tmp_path / "run"),
         checkpoint_dir=str(tmp_path / "checkpoints"),
         checkpoint_every=EVERY,
+        memory_copy_every=0,  # no in-memory copies: this test is about the last resort, disk
         confirm_timeout_s=30.0,
         timeout_s=200.0,
         group_timeout_s=20.0,

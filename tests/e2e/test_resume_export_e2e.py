@@ -6,6 +6,9 @@ for a new run without ``--resume`` is refused (a run never overwrites another ru
 every stage from it, with the history it recorded) and must end exactly where a fault-free 40-step run
 ends. ``bamboo-launch export`` then writes one state dict, from the run directory and from the newest
 checkpoint, that loads into the model's layers in order.
+
+Nothing fails in these runs, so their leases are long (10 s, as `make demo`'s): the test runs beside the
+cluster tests, in the lane of short tests (the root conftest.py), where a starved agent must not lose its lease.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from bamboo.launch.events import Restore, Step, read_events
 from bamboo.launch.run import RunError, RunOptions, compare_with_reference, run_cluster
 from bamboo.rc.model import GPTSize, gpt_layer_specs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # three runs, in the lane of short tests at a low priority
 
 
 def _options(tmp_path: Path, name: str, steps: int, resume: bool = False) -> RunOptions:
     return RunOptions(nodes=4, stages=2, pipelines=2, steps=steps, zones=("a", "b", "c"),
                       checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5, resume=resume,
-                      run_dir=str(tmp_path / name), timeout_s=200.0,
+                      run_dir=str(tmp_path / name), timeout_s=400.0, ttl=10, grace_s=10.0,
                       size={"layers": 2})
 
 

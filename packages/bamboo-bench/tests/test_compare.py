@@ -14,20 +14,19 @@ from pathlib import Path
 import attrs
 import pytest
 from bamboo.bench.cli import main
-from bamboo.bench.compare import (
-    CompareError,
-    CompareOptions,
+from bamboo.bench.loaders import load_trace, write_generic_csv
+from bamboo.bench.measured.cli import print_comparison
+from bamboo.bench.measured.compare import (
     Comparison,
     SystemResult,
     _long_run,
     full_scale_profile,
-    parse_systems,
     prepare_trace,
     simulation_trace,
     window_figures,
 )
-from bamboo.bench.compare_cli import print_comparison
-from bamboo.bench.loaders import load_trace, write_generic_csv
+from bamboo.bench.measured.options import CompareError, CompareOptions, parse_systems
+from bamboo.bench.preemptions import PreemptionsError
 from bamboo.bench.profile import ModelProfile
 from bamboo.bench.simulator import Policy, Strategy, simulate_run
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
@@ -71,9 +70,9 @@ def test_malformed_trace_names_file_and_line(capsys: pytest.CaptureFixture[str],
 
 
 def test_other_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(CompareError, match="needs a number RATE in \\[0, 1\\], got 'often'"):
+    with pytest.raises(PreemptionsError, match="needs a number RATE in \\[0, 1\\], got 'often'"):
         prepare_trace(_options(tmp_path, preemptions="synthetic:often"))
-    with pytest.raises(CompareError, match="no such file"):
+    with pytest.raises(PreemptionsError, match="no such file"):
         prepare_trace(_options(tmp_path, preemptions=str(tmp_path / "missing.csv")))
     with pytest.raises(CompareError, match="give --steps S or --duration SECONDS"):
         _options(tmp_path, steps=5)
@@ -81,7 +80,7 @@ def test_other_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         _options(tmp_path, script=("train.py",))
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", "x.csv", "--", "train.py"])
-    assert "only compare takes a script after --, got 'train.py'" in capsys.readouterr().err
+    assert "only compare and measure take a script after --, got 'train.py'" in capsys.readouterr().err
 
 
 def test_systems_run_in_a_fixed_order() -> None:

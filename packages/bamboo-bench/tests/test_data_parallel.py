@@ -223,7 +223,7 @@ def test_data_parallel_profile_round_trips(tmp_path: Path) -> None:
          "without_redundancy.step_time_ms has no step time for stages=1, pipelines=3"),
         (lambda d: d["without_redundancy"].update(stages=1), "unknown without_redundancy keys ['stages']"),
         (lambda d: d.update(without_redundancy=[2]), "'without_redundancy' must be an object, got [2]"),
-        (lambda d: d["without_redundancy"].update(pipelines=0), "pipelines_without_redundancy must be > 0, got 0"),
+        (lambda d: d["without_redundancy"].update(pipelines=0), "'pipelines_without_redundancy' must be > 0: 0"),
         (lambda d: d["step_time_ms"].append({"stages": 1, "pipelines": 2, "ms": 9}),
          "step_time_ms[3] repeats stages=1, pipelines=2"),
         (lambda d: d["without_redundancy"]["step_time_ms"][0].update(ms=-1),

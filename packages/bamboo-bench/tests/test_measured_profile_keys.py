@@ -146,8 +146,8 @@ def test_the_new_keys_round_trip_and_old_profiles_keep_their_defaults(tiny_profi
          "'checkpoint_restart_on_join' must be one of \\['new-pipeline', 'every-join'\\], got 'sometimes'"),
         ({"on_demand": {"nodes": 6, "samples_per_second": 12.0, "start": 3}},
          "unknown on_demand keys \\['start'\\]; known: \\['nodes', 'samples_per_second', 'startup_s'\\]"),
-        ({"on_demand": {"nodes": 6, "samples_per_second": 12.0, "startup_s": -1}}, "on_demand_startup_s must be >= 0"),
-        ({"timing": {"startup_s": -2}}, "startup_s must be >= 0 or null, got -2.0"),
+        ({"on_demand": {"nodes": 6, "samples_per_second": 12.0, "startup_s": -1}}, "'on_demand_startup_s' must be >= 0: -1.0"),
+        ({"timing": {"startup_s": -2}}, "'startup_s' must be >= 0: -2.0"),
     ],
 )
 def test_bad_new_keys_name_the_file_and_the_key(tiny_profile: ModelProfile, change: dict, message: str) -> None:

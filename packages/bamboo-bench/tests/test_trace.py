@@ -60,7 +60,7 @@ def test_construction_errors_carry_the_offending_values() -> None:
         Trace("bad", [5.0, 1.0], [True, True], [0, 1], [0, 0], ["a", "b"], ["z"], 10)
     with pytest.raises(ValueError, match=re.escape("duration_s=1.0 is before the last event at 5.0")):
         Trace("bad", [5.0], [True], [0], [0], ["a"], ["z"], 1)
-    with pytest.raises(ValueError, match="time_s must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=re.escape("'time_s' must be >= 0.0: -1.0")):
         TraceEvent(-1, EventKind.ADD, "n", "z")
     with pytest.raises(ValueError, match="start_s=5, end_s=5"):
         small_trace().slice(5, 5)
@@ -105,7 +105,7 @@ def test_synthetic_bulks_stay_within_one_zone() -> None:
 def test_synthetic_spec_validation_names_the_value() -> None:
     with pytest.raises(ValueError, match=re.escape("preemption_probability must be in [0, 1], got 1.5")):
         SyntheticSpec(preemption_probability=1.5)
-    with pytest.raises(ValueError, match=re.escape("bulk_mean must be >= 1, got 0.5")):
+    with pytest.raises(ValueError, match=re.escape("'bulk_mean' must be >= 1: 0.5")):
         SyntheticSpec(preemption_probability=0.1, bulk_mean=0.5)
 
 

@@ -1,28 +1,13 @@
-"""Shared fixtures for bamboo-launch tests: a hand-driven clock and /proc helpers."""
+"""Shared fixtures for bamboo-launch tests: /proc helpers (the hand-driven clock is the root conftest's
+``fake_clock``)."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
 import pytest
-
-
-class FakeClock:
-    """A clock that only moves when slept on (or advanced by hand): deterministic market tests."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.time = start
-        self.sleeps: list[float] = []
-
-    def now(self) -> float:
-        return self.time
-
-    def sleep(self, seconds: float, stop: threading.Event) -> None:
-        self.sleeps.append(seconds)
-        self.time += max(0.0, seconds)
 
 
 def live_group_members(pgid: int) -> list[int]:
@@ -64,11 +49,6 @@ def wait_for(predicate, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
-
-
-@pytest.fixture
-def fake_clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

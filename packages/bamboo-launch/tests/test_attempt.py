@@ -190,7 +190,7 @@ def test_an_abandoned_start_hands_its_result_to_the_cleanup_now_or_when_it_ends(
     assert cleaned == ["engine 1", "engine 2"]
 
 
-# ---- the redone decision (bamboo.launch.worker._plan_next) ---------------------------------------------------
+# ---- the redone decision (bamboo.launch.barrier.plan_next) ---------------------------------------------------
 
 
 @attrs.frozen
@@ -202,7 +202,9 @@ class _Kv:
     def __init__(self, run: _Run) -> None:
         self.run = run
 
-    def get_prefix(self, prefix: str) -> list[Any]:  # the warm records of the nodes alive
+    def get_prefix(self, prefix: str) -> list[Any]:  # the warm records of the nodes alive; no in-memory copies
+        if not prefix.startswith("/bamboo/j/decisions/warm-"):
+            return []
         return [_Item(f"/bamboo/j/decisions/warm-{node}") for node in self.run.zones]
 
 
@@ -255,7 +257,7 @@ def _ready(step: int, holds: list[int], at: float) -> Any:
 
 
 def _plan(run: _Run, base: Any, ready: dict[str, Any], attempt: int) -> Any:
-    from bamboo.launch.worker import _plan_next
+    from bamboo.launch.barrier import plan_next as _plan_next
 
     return _plan_next(run, base, ready, attempt, "test")  # type: ignore[arg-type]
 
@@ -300,15 +302,22 @@ def test_the_transfer_plan_moves_whole_stages_round_by_round() -> None:
             assert stages and set(stages) <= {0, 1}
 
 
-def test_a_redone_decision_without_any_copy_of_a_stage_needs_a_checkpoint() -> None:
-    from bamboo.launch.worker import JobCannotContinue
+def test_a_redone_decision_without_any_copy_of_a_stage_starts_over_from_the_initial_state(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No live holder, no in-memory copy and no checkpoint: the job is not lost, it starts over from step 0 (its
+    seeded initial state, exactly), and the log says what was lost and what would have saved the steps done."""
+    from bamboo.reconfig import StartMode
 
     zones = {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}
     base = _base_layout(zones)
     holder = base.node_of_rank[2]  # only pipeline 1's stage 0 is left, holding stage 0 alone
     run = _Run({holder: zones[holder], "j1": "b", "j2": "c"})
-    with pytest.raises(JobCannotContinue, match=r"every copy of stage\(s\) 1 is gone and the run writes no checkpoints"):
-        _plan(run, base, {holder: _ready(7, [0], 1.0)}, 1)
+    layout = _plan(run, base, {holder: _ready(7, [0], 1.0)}, 1)
+    assert layout.mode is StartMode.CHECKPOINT and layout.start_step == 0 and layout.barrier_step == 7
+    assert layout.restore is not None and layout.restore.initial and layout.restore.source == "initial"
+    assert layout.history == ((0, layout.pipelines),)
+    assert "every copy of stage(s) 1 is gone and the run writes no checkpoints" in capsys.readouterr().err
 
 
 def test_a_holder_whose_lease_expired_after_the_barrier_is_no_source() -> None:

@@ -63,9 +63,8 @@ def test_malformed_trace_names_the_line(
     ("args", "message"),
     [
         (["--preemptions", "synthetic:often"], "synthetic:RATE needs a number RATE in [0, 1], got 'often'"),
-        (["--preemptions", "synthetic:1.5"], "preemption_probability must be in [0, 1], got 1.5"),
-        (["--preemptions", "synthetic:0.1", "--nodes", "0"], "--nodes must be >= 1, got 0"),
-        (["--preemptions", "{trace}", "--zones", "p,q"], "the trace already has zones ['east', 'west']"),
+        (["--preemptions", "synthetic:1.5"], "synthetic:RATE needs RATE in [0, 1], got '1.5'"),
+        (["--preemptions", "{trace}", "--zones", "p,q"], "already has zones ['east', 'west']; --zones is for traces without zones"),
         (["--preemptions", "{trace}", "--start", "50", "--end", "40"], "--end 40 must be after --start 50"),
         (["--preemptions", "{trace}"], "market needs the node's command after --"),
         (["--preemptions", "nowhere.csv"], "nowhere.csv: no such file"),
@@ -83,6 +82,12 @@ def test_bad_arguments_are_one_line(
     assert main(["market", *(a.format(trace=trace) for a in args)]) == 2
     error = capsys.readouterr().err
     assert message in error and len(error.strip().splitlines()) == 1, error
+
+
+def test_a_bad_flag_value_is_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["market", "--preemptions", "synthetic:0.1", "--nodes", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "argument --nodes: '0' must be >= 1" in error and len(error.strip().splitlines()) == 1, error
 
 
 def test_synthetic_with_named_zones_is_seeded(capsys: pytest.CaptureFixture[str]) -> None:

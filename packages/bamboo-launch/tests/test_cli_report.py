@@ -12,25 +12,17 @@ from bamboo.launch.cli import main
 from bamboo.launch.events import EventLog, Failover, Join, Preemption, RunEnd, RunStart, Step
 
 
-class StepClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def event_log(tmp_path: Path) -> Path:
+def event_log(tmp_path: Path, fake_clock) -> Path:
     """A log written the way the launcher writes it: EventLog.emit on a clock."""
-    clock = StepClock()
+    clock = fake_clock
     path = tmp_path / "events.jsonl"
     with EventLog(path, clock=clock) as log:
         log.emit(RunStart, job="cli", unix_time=1.7e9, target_nodes=4, stages=2, pipelines=2)
         for index in range(4):
             log.emit(Join, node=f"n{index}", zone="ab"[index % 2])
         for step in range(10):
-            clock.now += 36.0
+            clock.advance(36.0)
             log.emit(Step, step=step, samples=8, loss=1.0 / (step + 1), nodes_active=4, duration_s=36.0)
             if step == 4:
                 log.emit(Preemption, node="n3", zone="b", notice_s=0.0)
@@ -82,7 +74,7 @@ def test_report_json_and_plot(event_log: Path, tmp_path: Path, capsys: pytest.Ca
             "--on-demand-throughput and --on-demand-nodes go together",
         ),
         (["report", "{bad}"], "bad.jsonl:2: unknown kind 'jump'"),
-        (["report", "{log}", "--bins", "0"], "--bins must be >= 1, got 0"),
+        (["report", "{log}", "--bins", "0"], "argument --bins: '0' must be >= 1"),
         (["report", "{empty}"], "the event log is empty"),
         (
             ["report", "{log}", "--plot", "/no/such/dir/plot.png"],
@@ -100,7 +92,7 @@ def test_report_errors_are_one_line(
     args = [a.format(log=event_log, bad=bad, empty=empty) for a in args]
     assert main(args) == 2
     error = capsys.readouterr().err
-    assert message in error and error.startswith("bamboo-launch: error: ")
+    assert message in error and error.startswith(("bamboo-launch: error: ", "bamboo-launch report: error: "))
     assert len(error.strip().splitlines()) == 1
 
 
@@ -124,17 +116,18 @@ def test_console_script_runs(event_log: Path) -> None:
     assert result.returncode == 2 and "takes no script" in result.stderr
 
 
-def test_report_merges_logs_of_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    clock = StepClock()
+def test_report_merges_logs_of_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_clock) -> None:
+    clock = fake_clock
+    clock.t = 0.0
     market = EventLog(tmp_path / "market.jsonl", clock=clock, start=0.0)
     run = EventLog(tmp_path / "run.jsonl", clock=clock, start=0.0)
     run.emit(RunStart, job="merged", unix_time=0.0, target_nodes=2, stages=1, pipelines=2)
     market.emit(Join, node="n0", zone="a")
     market.emit(Join, node="n1", zone="b")
-    clock.now = 1800.0
+    clock.t = 1800.0
     run.emit(Step, step=0, samples=100, loss=1.0, nodes_active=2, duration_s=1800.0)
     market.emit(Preemption, node="n1", zone="b")
-    clock.now = 3600.0
+    clock.t = 3600.0
     run.emit(Step, step=1, samples=100, loss=0.5, nodes_active=1, duration_s=1800.0)
     run.emit(RunEnd, steps=2)
     market.close()

@@ -23,7 +23,6 @@ from bamboo.launch.coordinator import (
     steps_reached,
 )
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
-from bamboo.launch.records import JobEnd, read_record
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 from bamboo.membership.records import FailureReport, NodeRecord, NodeState
@@ -195,18 +194,27 @@ def test_a_new_coordinator_carries_on_without_publishing_twice(membership: Membe
     assert new_agent.detector.sweeps == []  # n0's pipeline holds only the new coordinator itself
 
 
-def test_a_layout_nobody_holds_ends_the_job_without_a_checkpoint(membership: MembershipStore) -> None:
+def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(membership: MembershipStore) -> None:
+    """Every node of the layout gone, no in-memory copy and no checkpoint: the job does not end; once warm nodes
+    can form a pipeline, the coordinator starts it over from its seeded initial state (step 0)."""
+    from bamboo.launch.coordinator import read_layout
+
     spec = _spec(membership.keys.job)
     coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
     layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})  # none of them registered
     membership.put_layout(layout.to_dict(), 0)
     log = EtcdEventLog(membership.kv, spec.job, "n3.worker.1", spec.created_unix)
     log.write(Step(t=5.0, step=3, samples=8, loss=1.0, nodes_active=4, duration_s=0.1, generation=0))
-    assert log.flush()  # it trained: its state is lost with its nodes
+    assert log.flush()  # it trained: its state is lost with its nodes (a layout that trained nothing is redone)
+    coordinator.round()  # s9 is the only node, and it is not warm: nothing to start on yet
+    assert membership.get_decision("end") is None and read_layout(membership).generation == 0
+    FakeAgent(membership, "s8", "b")
+    for node in ("s8", "s9"):
+        membership.decide(f"warm-{node}", {"v": 1, "node": node, "at": 1.0})
     coordinator.round()
-    end = read_record(JobEnd, membership.get_decision("end"))
-    assert end is not None and end.error is not None
-    assert "every node of generation 0 is gone" in end.error and "writes no checkpoints" in end.error
+    restart = read_layout(membership)
+    assert restart.generation == 1 and restart.start_step == 0 and set(restart.ranks) == {"s8", "s9"}
+    assert restart.restore is not None and restart.restore.initial and membership.get_decision("end") is None
 
 
 def test_a_layout_that_trained_nothing_and_nobody_holds_is_started_again_on_warm_nodes(

@@ -34,16 +34,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def sample_run() -> list:
     """Two nodes for an hour, one preempted at 30 min and replaced; 4 steps of 10 samples."""
     return [
@@ -67,12 +57,12 @@ def sample_run() -> list:
     ]
 
 
-def test_round_trip_through_file(tmp_path: Path) -> None:
-    clock = FakeClock()
+def test_round_trip_through_file(tmp_path: Path, fake_clock) -> None:
+    clock = fake_clock
     path = tmp_path / "events.jsonl"
     with EventLog(path, clock=clock) as log:
         log.write_all(sample_run())
-        clock.now += 5.0
+        clock.advance(5.0)
         emitted = log.emit(Join, node="late", zone="a")
     assert emitted.t == 5.0
     events = read_events(path)
@@ -87,12 +77,12 @@ def test_round_trip_through_file(tmp_path: Path) -> None:
         ('{"kind":"join","t":1,"node":"n0"}', "missing keys ['zone']"),
         ('{"kind":"join","t":1,"node":"n0","zone":"a","colour":"red"}', "unknown keys ['colour']"),
         ('{"kind":"teleport","t":1}', "unknown kind 'teleport'"),
-        ('{"kind":"step","t":-1,"step":0,"samples":1,"loss":1,"nodes_active":1,"duration_s":1}', "t must be"),
+        ('{"kind":"step","t":-1,"step":0,"samples":1,"loss":1,"nodes_active":1,"duration_s":1}', "'t' must be >= 0: -1"),
         (
             '{"kind":"step","t":1,"step":0,"samples":0,"loss":1,"nodes_active":1,"duration_s":1}',
-            "samples must",
+            "'samples' must be >= 1: 0",
         ),
-        ('{"kind":"failover","t":1,"victim":"a","shadow":"b","stage":0,"pause_s":NaN}', "pause_s must"),
+        ('{"kind":"failover","t":1,"victim":"a","shadow":"b","stage":0,"pause_s":NaN}', "'pause_s' must be >= 0: nan"),
         ('{"kind":"join","t":1,"node":"n0","zo', "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
     ],
@@ -168,12 +158,19 @@ def test_prices_validation_names_the_value() -> None:
             [Join(t=0, node="n0", zone="a"), Join(t=1, node="n0", zone="a")],
             "already alive",
         ),
-        ([Preemption(t=1, node="ghost", zone="a")], "never joined"),
+        ([Join(t=0, node="n0", zone="a"), Preemption(t=1, node="n0", zone="a"), Preemption(t=2, node="n0", zone="a")],
+         "again, and never joined"),
     ],
 )
 def test_report_errors(events: list, message: str) -> None:
     with pytest.raises(ReportError, match=message):
         compute_report(events)
+
+
+def test_a_node_preempted_before_its_join_was_recorded_is_billed_nothing() -> None:
+    events = [*sample_run(), Preemption(t=10.0, node="ghost", zone="a")]
+    assert compute_report(events).node_hours == compute_report(sample_run()).node_hours
+    assert compute_report(events).preemptions == compute_report(sample_run()).preemptions + 1
 
 
 def test_timeline_conserves_node_seconds_and_samples() -> None:

@@ -71,11 +71,11 @@ def test_only_the_reporting_node_calls_on_step_but_every_node_evaluates() -> Non
 
 
 def test_hooks_are_checked_with_the_offending_value() -> None:
-    with pytest.raises(ValueError, match="every_n_steps must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="'every_n_steps' must be >= 1: 0"):
         TrainingHooks(evaluate=(lambda step, index: None, 0))
     with pytest.raises(TypeError, match="evaluate must be a pair"):
         TrainingHooks(evaluate=print)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="on_step must be callable, got int: 3"):
+    with pytest.raises(TypeError, match=r"'on_step' must be callable \(got 3 that is a <class 'int'>\)"):
         TrainingHooks(on_step=3)  # type: ignore[arg-type]
     assert list(evaluation_batches(Evaluation(lambda step, index: (step, index), 1), 7, 0, 2)) == [(7, 0), (7, 1)]
 
@@ -148,8 +148,9 @@ def test_hooks_are_called_in_a_real_run_and_tensorboard_gets_an_event_file(tmp_p
     script.write_text(textwrap.dedent(HOOKED_SCRIPT))
     out = tmp_path / "out"
     out.mkdir()
+    # Nothing fails here: 10 s leases, so that the run is safe beside the cluster tests (the root conftest.py).
     options = RunOptions(nodes=2, stages=2, pipelines=1, steps=4, run_dir=str(tmp_path / "run"), time_scale=1.0,
-                         timeout_s=180.0, script=(str(script), str(out)))
+                         timeout_s=180.0, ttl=10, grace_s=10.0, script=(str(script), str(out)))
     result = run_cluster(options)
     assert result.steps_done == 4
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]

@@ -54,7 +54,7 @@ def test_state_folds_the_run() -> None:
         1, 1, 1, 1,
     )  # fmt: skip
     assert len(summary["recent"]) == 3
-    assert "reconfigure   join: D=2 P=2, 1 standby, 3.0 MiB in 0.50s" in summary["recent"][1]
+    assert "reconfigure   join: D=2 P=2, 1 standby, 3.0 MiB; pause 0.50s" in summary["recent"][1]
     assert not summary["finished"]
     state.apply(RunEnd(t=10.0, steps=3))
     assert state.finished and state.now == 10.0
@@ -67,7 +67,7 @@ def test_a_restore_is_counted_and_described() -> None:
     state.apply(Restore(t=9.5, step=2, path="/ck/step-2", lost_stages="0,1", discarded_steps=1))
     summary = state.summary()
     assert summary["restores"] == 1 and summary["checkpoints"] == 1
-    assert "restore       checkpoint of step 2 (every copy of stage 0,1 lost), 1 steps trained again" in (
+    assert "restore       step 2 from disk (every live copy of stage 0,1 lost), 1 steps trained again" in (
         summary["recent"][-1]
     )
     console = Console(record=True, width=120)
@@ -132,7 +132,7 @@ def test_watch_follows_until_the_run_ends(tmp_path: Path, capsys: pytest.Capture
     [
         (["watch", "missing.jsonl", "--once"], "cannot read missing.jsonl"),
         (["watch", "x.jsonl", "--json"], "--json needs --once"),
-        (["watch", "x.jsonl", "--window", "0"], "--window must be >= 1, got 0"),
+        (["watch", "x.jsonl", "--window", "0"], "argument --window: '0' must be >= 1"),
     ],
 )
 def test_watch_errors(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

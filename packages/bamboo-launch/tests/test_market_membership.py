@@ -58,7 +58,7 @@ def test_notice_and_kill_reach_etcd(tmp_path: Path, fake_clock, proc_helpers) ->
                     ready.read_text()
                 )
 
-                fake_clock.time += 5.0
+                fake_clock.advance(5.0)
                 market.run_due()  # the notice: SIGTERM to node1's agent
                 assert proc_helpers.wait(lambda: kv.get(store.keys.notice("node1")) is not None, 20)
                 assert proc_helpers.wait(
@@ -66,7 +66,7 @@ def test_notice_and_kill_reach_etcd(tmp_path: Path, fake_clock, proc_helpers) ->
                 )
                 assert cluster.processes["node1"].poll() is None  # noticed, not dead
 
-                fake_clock.time += 5.0
+                fake_clock.advance(5.0)
                 market.run_due()  # the kill: SIGKILL to node1's process group
                 assert cluster.processes["node1"].returncode == -9
                 assert proc_helpers.wait(lambda: "node1" not in store.list_nodes(), 20), "lease never expired"

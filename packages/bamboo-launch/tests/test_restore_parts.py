@@ -19,8 +19,10 @@ from bamboo.launch.events import (
     event_from_dict,
     read_events,
 )
-from bamboo.launch.reconfigure import log_restore, next_history, restore_point, restore_slices, stage_shards
+from bamboo.launch.pauses import PauseBreakdown
+from bamboo.launch.reconfigure import next_history, restore_point, restore_slices, stage_shards
 from bamboo.launch.report import compute_report, format_report
+from bamboo.launch.worker_records import write_reconfiguration
 from bamboo.reconfig import JobLayout, LayerSpec, Layout, RestorePoint, StartMode
 
 
@@ -121,16 +123,24 @@ def test_next_history_cuts_the_abandoned_generations() -> None:
 
 def test_restore_record_round_trip_and_validation(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
+    pause = PauseBreakdown(total_s=2.5, decide_s=0.5, barrier_s=1.0, transfers_s=0.75, group_builds_s=0.25,
+                           first_step_s=0.0)
     with EventLog(path) as log:
-        log_restore(log, _layout(7))  # no restore: nothing written
-        log_restore(log, _layout(10, "/ck/step-000000010", (1, 2), barrier_step=13))
-    [record] = read_events(path)
+        write_reconfiguration(log, _layout(7), pause, stages=3, prepared=False, restore_source=None)  # no restore
+        write_reconfiguration(log, _layout(10, "/ck/step-000000010", (1, 2), barrier_step=13), pause, stages=3,
+                              prepared=False, restore_source="disk")
+    first, second, record = read_events(path)
+    assert isinstance(first, Reconfiguration) and isinstance(second, Reconfiguration)
+    assert (first.duration_s, first.decide_s, first.barrier_s, first.transfers_s, first.group_builds_s) == (
+        2.5, 0.5, 1.0, 0.75, 0.25)
     assert isinstance(record, Restore)
-    assert (record.step, record.path, record.lost_stages, record.discarded_steps) == (
+    assert (record.step, record.path, record.lost_stages, record.discarded_steps, record.source, record.duration_s) == (
         10,
         "/ck/step-000000010",
         "1,2",
         3,
+        "disk",
+        2.5,
     )
     with pytest.raises(ValueError, match="lost_stages must be stage numbers separated by commas"):
         event_from_dict(
@@ -165,5 +175,7 @@ def test_report_counts_a_step_trained_again_once() -> None:
     text = format_report(report)
     assert (
         "1 after a consecutive failure" in text
-        and "restores         1 from a checkpoint (3 steps trained again)" in text
+        and "restores         1 (0 from a peer's memory, the rest from disk; max pause 5.000 s; 3 steps trained again)"
+        in text
     )
+    assert report.restore_max_s == 5.0 and report.reconfiguration_pause_p50_s is None  # the one pause was a restore

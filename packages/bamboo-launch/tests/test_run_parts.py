@@ -53,6 +53,23 @@ def test_the_spec_the_launcher_writes_is_the_one_its_agents_flags_give(tmp_path,
     assert agent_spec_fields(parsed) == run_spec_fields(options, 5)
 
 
+def test_the_device_of_a_run_reaches_every_agent(tmp_path) -> None:
+    options = RunOptions(nodes=4, stages=2, pipelines=2, device="cuda:1")
+    command = agent_command(options, "j", ("127.0.0.1:1",), tmp_path, 4, "node0", "a")
+    assert command[command.index("--device") + 1] == "cuda:1"
+    assert build_parser().parse_args(command[3:]).device == "cuda:1"
+    assert "--device" not in agent_command(RunOptions(nodes=4, stages=2, pipelines=2), "j", ("127.0.0.1:1",),
+                                           tmp_path, 4, "node0", "a")
+
+
+@pytest.mark.parametrize("command", ["run", "agent"])
+def test_a_device_the_runtime_does_not_know_is_one_line(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status = main([command, "--device", "gpu", *(["--job", "j", "--etcd", "127.0.0.1:1"] if command == "agent" else [])])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "argument --device: expected cpu, cuda, cuda:N or auto, got 'gpu'" in err and "Traceback" not in err
+
+
 def test_run_options_refuse_too_few_nodes() -> None:
     with pytest.raises(ValueError, match="--nodes 3 cannot hold 2 pipelines of 2 stages"):
         RunOptions(nodes=3, stages=2, pipelines=2)
@@ -84,9 +101,7 @@ def test_run_cli_names_the_line_of_a_malformed_trace(tmp_path, capsys: pytest.Ca
 
 
 def test_a_script_without_the_dash_dash_gets_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as caught:
-        main(["run", "--nodes", "4", "--stages", "2", "train.py", "--lr", "3"])
-    assert caught.value.code == 2
+    assert main(["run", "--nodes", "4", "--stages", "2", "train.py", "--lr", "3"]) == 2
     assert "a training script goes after --, as in: bamboo-launch run [options] -- train.py --lr 3" in \
         capsys.readouterr().err
 
@@ -96,7 +111,7 @@ def test_the_report_states_the_verdict_of_verify(tmp_path, capsys: pytest.Captur
                                                  verdict: str, status: int) -> None:
     import argparse
 
-    from bamboo.launch.cli import _finish_run
+    from bamboo.launch.cli.run import finish_run
     from bamboo.launch.events import EventLog, RunStart, Step
     from bamboo.launch.run import RunResult
 
@@ -107,7 +122,7 @@ def test_the_report_states_the_verdict_of_verify(tmp_path, capsys: pytest.Captur
     result = RunResult(run_dir=tmp_path, events=events, reports={}, failed_ranks=(), failed_nodes=(), node_of_rank={},
                        exit_codes={}, timed_out=False, seconds=1.0)
     args = argparse.Namespace(plot=None, json=False)
-    code = _finish_run(args, None, result, lambda result, options: {"max_relative_diff": diff, "steps": 1})
+    code = finish_run(args, None, result, lambda result, options: {"max_relative_diff": diff, "steps": 1})
     assert code == status
     assert f"verify           {verdict}" in capsys.readouterr().out
 
@@ -115,7 +130,7 @@ def test_the_report_states_the_verdict_of_verify(tmp_path, capsys: pytest.Captur
 def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from bamboo.launch.cli import _finish_run
+    from bamboo.launch.cli.run import finish_run
     from bamboo.launch.events import EventLog, RunStart, Step
     from bamboo.launch.run import RunResult
 
@@ -128,7 +143,7 @@ def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.C
                        node_of_rank={}, exit_codes={"node0": 1, "node1": 1}, timed_out=False, seconds=1.0,
                        job_error="every copy of stage(s) 0 is gone",
                        worker_errors=(("node0", shape), ("node1.2", "RuntimeError: Connection reset by peer")))
-    assert _finish_run(argparse.Namespace(plot=None, json=False), None, result, None) == 1
+    assert finish_run(argparse.Namespace(plot=None, json=False), None, result, None) == 1
     out = capsys.readouterr().out
     assert f"job error        every copy of stage(s) 0 is gone (the first worker error: node node0: {shape})" in out
     assert f"worker errors    node0: {shape} (log {tmp_path / 'logs' / 'node0.log'})" in out

@@ -42,7 +42,7 @@ RANK = textwrap.dedent(
         print(json.dumps({"group": name, "rank": rank, "sum": x.item()}), flush=True)
     if len(sys.argv) > 4:
         sys.stdin.readline()  # stay alive until the test kills us
-    # End like a worker does (DESIGN.md): flush, then os._exit. A normal interpreter exit destroys live gloo
+    # End like a worker does: flush, then os._exit. A normal interpreter exit destroys live gloo
     # and etcd client threads and can abort with "terminate called without an active exception".
     sys.stdout.flush()
     os._exit(0)

@@ -24,7 +24,7 @@ def test_supported_config_is_read(tiny_config: dict, tmp_path: Path) -> None:
     ("extra", "named"),
     [
         ({"zero_optimization": {"stage": 1}}, "'zero_optimization'"),
-        ({"fp16": {"enabled": True}}, "'fp16'"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.'fp16_master_weights_and_grads'"),
         ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}}}, "optimizer.params.'amsgrad'"),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1.0, "cycle": 3}}}, "scheduler.params.'cycle'"),
         ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.'immediate_grad_update'"),

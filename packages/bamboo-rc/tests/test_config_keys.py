@@ -53,7 +53,11 @@ def test_a_real_config_gives_one_line_per_key_and_trains_the_same(tiny_config: d
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"fp16": {"enabled": True}}, "unsupported DeepSpeed config key 'fp16' with enabled true"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "'fp16' and 'bf16' are both enabled: choose one"),
+        ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16: 'hysteresis' must be > 0: 0"),
+        ({"fp16": {"enabled": True, "loss_scale_window": 1.5}}, "fp16.loss_scale_window must be an integer, got 1.5"),
+        ({"fp16": {"enabled": True, "consecutive_hysteresis": 1}},
+         "fp16.consecutive_hysteresis must be true or false, got 1"),
         ({"fp16": {"enabled": "auto"}}, "fp16.enabled must be true or false, got 'auto'"),
         ({"zero_optimization": {"stage": 2, "overlap_comm": True}},
          "unsupported DeepSpeed config key 'zero_optimization' with stage 2"),

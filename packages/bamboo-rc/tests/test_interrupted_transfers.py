@@ -1,6 +1,6 @@
-"""Transfers a confirmed failure interrupts: kept for the failover schedule to resume (a payload sent in
-several messages from the message it stopped at), dropped when their peer was a victim, and never carried
-past the step's commit.
+"""Transfers a confirmed failure interrupts: kept for the failover schedule to resume (a payload received in
+several messages from the message it stopped at; a replica sync's send is posted whole and completed before the
+commit), dropped when their peer was a victim, and never carried past the step's commit.
 
 In-process, with a fake group table whose transfers complete only when the test says so and a fake
 coordinator that reports a confirmed failure while a transfer waits.
@@ -88,6 +88,7 @@ class FakeSlice:
 
     def __init__(self, numel: int) -> None:
         self._numel = numel
+        self.loss_scale = None  # fp32: no dynamic loss scale
 
     def numel(self) -> int:
         return self._numel
@@ -174,18 +175,31 @@ def two_float_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("bamboo.rc.interpreter.CHUNK_BYTES", 8)
 
 
+def complete_with_a_failure(interpreter: StageInterpreter) -> None:
+    """Wait for the posted replica syncs while a failure is confirmed: FailureNoticed, the syncs kept."""
+    interpreter.coordinator.event = FailureEvent(1, (0,))  # type: ignore[attr-defined]
+    with pytest.raises(FailureNoticed):
+        interpreter.complete_posted_syncs()
+    interpreter.coordinator.event = None  # type: ignore[attr-defined]
+
+
 @pytest.mark.usefixtures("two_float_messages")
-def test_a_segmented_sync_send_resumes_at_the_message_it_stopped_at(interpreter: StageInterpreter) -> None:
+def test_a_sync_send_is_posted_whole_and_completed_before_the_commit(interpreter: StageInterpreter) -> None:
+    """The replica sync is a buffered send: the instruction posts every message and returns while they wait;
+    the commit's wait for them gives way to a confirmed failure and keeps them, and each goes once."""
     groups: FakeGroups = interpreter.groups  # type: ignore[assignment]
+    groups.held.add(SYNC_TAGS[1])
     interpreter._reduced[2] = (torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([5.0, 6.0]))
-    interrupt_at(interpreter, "2SY>0", SYNC_TAGS[1])  # the first message went, the second waits
-    assert [tag for tag, _ in groups.sent] == SYNC_TAGS[:2]
+    interpreter.execute(Instruction.parse("2SY>0"))  # returns with the second message still held
+    assert [tag for tag, _ in groups.sent] == SYNC_TAGS
+    assert torch.equal(torch.cat([tensor for _, tensor in groups.sent]), torch.arange(1.0, 7.0))
+    complete_with_a_failure(interpreter)
     for _, work in groups.posted:
         work.release()
-    interpreter.execute(Instruction.parse("2SY>0"))  # the failover schedule's same instruction
-    assert [tag for tag, _ in groups.sent] == SYNC_TAGS  # each message once
-    assert torch.equal(torch.cat([tensor for _, tensor in groups.sent]), torch.arange(1.0, 7.0))
-    assert interpreter.forget_transfers_with({0}) == []  # nothing left behind
+    interpreter.complete_posted_syncs()
+    assert [tag for tag, _ in groups.sent] == SYNC_TAGS  # nothing posted twice
+    interpreter.finish_commit([], CommitResult(0, 0.0, 0.0))  # nothing left posted
+    assert interpreter.step == 1
 
 
 @pytest.mark.usefixtures("two_float_messages")
@@ -201,8 +215,12 @@ def test_a_segmented_sync_receive_resumes_into_the_same_payload(interpreter: Sta
 
 
 @pytest.mark.usefixtures("two_float_messages")
-def test_a_segmented_sync_with_a_victim_is_dropped_whole(interpreter: StageInterpreter) -> None:
+def test_a_posted_sync_to_a_victim_is_dropped_whole(interpreter: StageInterpreter) -> None:
+    interpreter.groups.held.add(SYNC_TAGS[2])  # type: ignore[attr-defined]
     interpreter._reduced[2] = (torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([5.0, 6.0]))
-    interrupt_at(interpreter, "2SY>0", SYNC_TAGS[2])
+    interpreter.execute(Instruction.parse("2SY>0"))
+    with pytest.raises(RuntimeError, match=r"transfers still posted: \['2SY>0'\]"):
+        interpreter.finish_commit([], CommitResult(0, 0.0, 0.0))
     assert interpreter.forget_transfers_with({0}) == ["2SY>0"]
-    interpreter.finish_commit([], CommitResult(0, 0.0, 0.0))  # nothing left posted
+    interpreter.complete_posted_syncs()  # nothing to wait for
+    interpreter.finish_commit([], CommitResult(0, 0.0, 0.0))

@@ -75,7 +75,7 @@ def test_nodes_and_views_reject_bad_input() -> None:
     layers = [LayerSpec(1, 1, 1.0)] * 3
     with pytest.raises(ValueError, match="P=4 is larger than the layer count 3"):
         ClusterView(nodes=[], target_stages=4, target_pipelines=1, global_batch=1, layers=layers)
-    with pytest.raises(ValueError, match=r"compute_cost must be a non-negative number, got -1\.0"):
+    with pytest.raises(ValueError, match=r"'compute_cost' must be >= 0: -1\.0"):
         LayerSpec(1, 1, -1.0)
 
 

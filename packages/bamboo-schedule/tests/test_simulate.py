@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 from bamboo.schedule import one_f_one_b
 from bamboo.schedule.simulate import Costs, StageCost, simulate
@@ -35,14 +36,33 @@ def test_link_latency_and_bandwidth_are_charged_per_message() -> None:
     assert simulate(one_f_one_b(2, 1), costs).makespan == pytest.approx(6.0 + 4.0)
 
 
-def test_swap_bandwidth_and_stash_sizes_feed_peak_stash() -> None:
-    costs = Costs.from_dict({**FREE_LINKS, "swap_gb_per_s": 2.0,
+@pytest.mark.parametrize(("overlaps", "node_time"), [(False, 4 * 5.0 / 2.0), (True, 0.0)])
+def test_swap_bandwidth_and_stash_sizes_feed_peak_stash(overlaps: bool, node_time: float) -> None:
+    """A swap takes stash / bandwidth from its node, or nothing when the copy runs beside the computation."""
+    costs = Costs.from_dict({**FREE_LINKS, "swap_gb_per_s": 2.0, "swap_overlaps": overlaps,
                              "default": {"optimizer_ms": 0.0, "grad_mb": 0.0, "stash_mb": 5.0}})
     result = simulate(one_f_one_b(3, 4, "eflb"), costs)
     assert result.peak_stash == pytest.approx({0: 20.0, 1: 20.0, 2: 20.0})
     swap_time = sum(result.timeline.end[0][i] - result.timeline.start[0][i]
                     for i, instr in enumerate(one_f_one_b(3, 4, "eflb").streams[0]) if instr.kind.value == "SO")
-    assert swap_time == pytest.approx(4 * 5.0 / 2.0)
+    assert swap_time == pytest.approx(node_time)
+
+
+def test_a_background_replica_sync_costs_the_sender_latency_and_lands_after_the_transfer() -> None:
+    """With sync_overlaps the sender of SY goes on after the latency; RY waits for the data's arrival."""
+    costs = Costs.from_dict({"latency_ms": 0.5, "link_gb_per_s": 1.0, "swap_gb_per_s": 1e9,
+                             "default": {"forward_ms": 1.0, "backward_ms": 2.0, "optimizer_ms": 0.0,
+                                         "activation_mb": 0.0, "grad_mb": 4.0}})
+    schedule = one_f_one_b(2, 1, "lflb")
+    timeline = simulate(schedule, costs).timeline
+    cells = {str(instr): (n, i) for n, stream in schedule.streams.items() for i, instr in enumerate(stream)}
+    n, i = cells["1SY>0"]
+    assert timeline.end[n][i] - timeline.start[n][i] == pytest.approx(0.5)
+    m, j = cells["1RY<1"]
+    assert timeline.start[m][j] >= timeline.start[n][i] + 0.5 + 4.0 - 1e-9
+    assert timeline.end[m][j] - timeline.start[m][j] == pytest.approx(0.5)
+    waited = simulate(schedule, attrs.evolve(costs, sync_overlaps=False)).timeline
+    assert waited.end[n][i] - waited.start[n][i] == pytest.approx(0.5 + 4.0)
 
 
 def test_overheads_order_as_in_the_paper() -> None:

@@ -12,61 +12,116 @@
   itself (`PolicyMismatch`).
 - `PaperTable` / `load_table` / `reproduce` (in `bamboo.bench.paper`): the paper's tables as JSON data
   (``table6``, ``dp``), reproduced on the synthetic model and compared figure by figure (`Reproduction`).
-- `run_compare` / `CompareOptions` / `Comparison` (in `bamboo.bench.compare`): the measured comparison of
-  bamboo, checkpoint/restart and on-demand (each system run by ``bamboo-launch measure`` in a subprocess),
-  each run predicted by the simulator from the profile it measured.
+- `load_preemptions` (in `bamboo.bench.preemptions`): the one reader of ``--preemptions FILE|synthetic:RATE``
+  with ``--zones``, shared by bamboo-launch's and bamboo-bench's commands.
+- `bamboo.bench.measured` (``pip install bamboo-bench[measured]``, a layer above bamboo-launch, not imported
+  here): the measured comparison of bamboo, checkpoint/restart and on-demand (``bamboo-bench compare``), each
+  run predicted by the simulator from the profile it measured.
 - `plot_runs` (in `bamboo.bench.plot`, imported lazily because it loads matplotlib): Figure-12
   style panels. The CLI is `bamboo-bench` (`bamboo.bench.cli:main`).
+
+Importing the package imports none of its modules: each name above is loaded on first use (``from
+bamboo.bench import Trace`` imports ``bamboo.bench.trace`` only), so bamboo-launch's agents and workers, which
+use the ``--preemptions`` reader and the argparse helpers, never load the simulator (scipy) they do not run.
 """
 
-from bamboo.bench.compare import CompareError, CompareOptions, Comparison, SystemResult, run_compare
-from bamboo.bench.loaders import (
-    TraceFormatError,
-    load_count_csv,
-    load_count_curve,
-    load_ec2_events,
-    load_gcp_counts,
-    load_generic_csv,
-    load_skypilot_counts,
-    load_trace,
-    write_generic_csv,
-)
-from bamboo.bench.paper import (
-    PaperTable,
-    PaperTableError,
-    Reproduction,
-    builtin_tables,
-    load_table,
-    reproduce,
-)
-from bamboo.bench.profile import ModelProfile, ProfileError, Timing, builtin_profiles, load_profile
-from bamboo.bench.simulator import (
-    AveragedResult,
-    Policy,
-    PolicyMismatch,
-    RunResult,
-    Strategy,
-    Timeline,
-    average_results,
-    holding_at_most,
-    simulate_run,
-    simulate_synthetic,
-)
-from bamboo.bench.sweep import SweepRow, sweep
-from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator, generate_trace
-from bamboo.bench.trace import EventKind, Trace, TraceEvent, TraceSummary
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bamboo.bench.loaders import (
+        TraceFormatError,
+        load_count_csv,
+        load_count_curve,
+        load_ec2_events,
+        load_gcp_counts,
+        load_generic_csv,
+        load_skypilot_counts,
+        load_trace,
+        write_generic_csv,
+    )
+    from bamboo.bench.paper import (
+        PaperTable,
+        PaperTableError,
+        Reproduction,
+        builtin_tables,
+        load_table,
+        reproduce,
+    )
+    from bamboo.bench.preemptions import PreemptionsError, load_preemptions
+    from bamboo.bench.profile import ModelProfile, ProfileError, Timing, builtin_profiles, load_profile
+    from bamboo.bench.simulator import (
+        AveragedResult,
+        Policy,
+        PolicyMismatch,
+        RunResult,
+        Strategy,
+        Timeline,
+        average_results,
+        holding_at_most,
+        simulate_run,
+        simulate_synthetic,
+    )
+    from bamboo.bench.sweep import SweepRow, sweep
+    from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator, generate_trace
+    from bamboo.bench.trace import EventKind, Trace, TraceEvent, TraceSummary
+
+_MODULE_OF = {
+    "AveragedResult": "simulator",
+    "EventKind": "trace",
+    "ModelProfile": "profile",
+    "PaperTable": "paper",
+    "PaperTableError": "paper",
+    "Policy": "simulator",
+    "PolicyMismatch": "simulator",
+    "PreemptionsError": "preemptions",
+    "ProfileError": "profile",
+    "Reproduction": "paper",
+    "RunResult": "simulator",
+    "Strategy": "simulator",
+    "SweepRow": "sweep",
+    "SyntheticSpec": "synthetic",
+    "SyntheticTraceGenerator": "synthetic",
+    "Timeline": "simulator",
+    "Timing": "profile",
+    "Trace": "trace",
+    "TraceEvent": "trace",
+    "TraceFormatError": "loaders",
+    "TraceSummary": "trace",
+    "average_results": "simulator",
+    "builtin_profiles": "profile",
+    "builtin_tables": "paper",
+    "generate_trace": "synthetic",
+    "holding_at_most": "simulator",
+    "load_count_csv": "loaders",
+    "load_count_curve": "loaders",
+    "load_ec2_events": "loaders",
+    "load_gcp_counts": "loaders",
+    "load_generic_csv": "loaders",
+    "load_preemptions": "preemptions",
+    "load_profile": "profile",
+    "load_skypilot_counts": "loaders",
+    "load_table": "paper",
+    "load_trace": "loaders",
+    "reproduce": "paper",
+    "simulate_run": "simulator",
+    "simulate_synthetic": "simulator",
+    "sweep": "sweep",
+    "write_generic_csv": "loaders",
+}
+"""Where each public name lives (loaded on first use)."""
 
 __all__ = [
     "AveragedResult",
-    "CompareError",
-    "CompareOptions",
-    "Comparison",
     "EventKind",
     "ModelProfile",
     "PaperTable",
     "PaperTableError",
     "Policy",
     "PolicyMismatch",
+    "PreemptionsError",
     "ProfileError",
     "Reproduction",
     "RunResult",
@@ -74,7 +129,6 @@ __all__ = [
     "SweepRow",
     "SyntheticSpec",
     "SyntheticTraceGenerator",
-    "SystemResult",
     "Timeline",
     "Timing",
     "Trace",
@@ -91,14 +145,23 @@ __all__ = [
     "load_ec2_events",
     "load_gcp_counts",
     "load_generic_csv",
+    "load_preemptions",
     "load_profile",
     "load_skypilot_counts",
     "load_table",
     "load_trace",
     "reproduce",
-    "run_compare",
     "simulate_run",
     "simulate_synthetic",
     "sweep",
     "write_generic_csv",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bamboo.bench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"bamboo.bench.{module}"), name)
+    globals()[name] = value
+    return value

@@ -7,7 +7,9 @@ Subcommands:
 - ``sweep``: the paper's Table 6: many synthetic runs per preemption probability, until completion.
 - ``paper``: reproduce one of the paper's tables (``table6``, ``dp``) and print simulated against published.
 - ``compare``: measure Bamboo, checkpoint/restart and on-demand on one replayed trace (each through
-  ``bamboo-launch measure``, a subprocess) and check the simulator against each run (``bamboo.bench.compare``).
+  ``bamboo-bench measure``, a subprocess) and check the simulator against each run; ``measure``: one system's
+  run and its measured profile. Both are the measured layer's (:mod:`bamboo.bench.measured.cli`, installed with
+  ``bamboo-bench[measured]``: they need bamboo-launch).
 - ``trace summary`` / ``trace synthesize``: summarise trace files; write a synthetic trace as CSV.
 
 Bad input prints one line ``bamboo-bench: error: ...`` and exits with status 2.
@@ -23,10 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+from bamboo.bench.argtypes import OneLineParser
 from bamboo.bench.argtypes import non_negative_float as _non_negative_float
 from bamboo.bench.argtypes import positive_float as _positive_float
 from bamboo.bench.argtypes import positive_int as _positive_int
-from bamboo.bench.compare_cli import add_compare_parser, run_compare_command
 from bamboo.bench.loaders import TraceFormatError, load_skypilot_counts, load_trace, write_generic_csv
 from bamboo.bench.paper_report import add_paper_arguments, run_paper_command
 from bamboo.bench.profile import ModelProfile, ProfileError, builtin_profiles, load_profile
@@ -123,7 +125,7 @@ def _add_synthetic_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``bamboo-bench``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="bamboo-bench",
         description="Spot traces and the trace-driven simulator: throughput, cost and value of training on spot.",
     )
@@ -232,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synthetic_arguments(paper)
     paper.add_argument("--no-zone-aware", action="store_true", help="the ablation of zone-aware placement")
 
-    add_compare_parser(commands)
+    _add_measured(commands)
 
     trace = commands.add_parser("trace", help="summarise trace files or write a synthetic trace")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
@@ -257,6 +259,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- helpers
+MEASURED_COMMANDS = ("compare", "measure")
+"""The subcommands of the measured layer (:mod:`bamboo.bench.measured`), above bamboo-launch."""
+
+MEASURED_MISSING = ("bamboo-bench {command} runs the systems with bamboo-launch, which is not installed here: "
+                    "pip install 'bamboo-bench[measured]' (or packages/bamboo-launch)")
+
+
+def _add_measured(commands: argparse._SubParsersAction) -> None:
+    """``compare`` and ``measure``: the measured layer's parsers, or, without bamboo-launch, commands that say
+    how to install it."""
+    try:
+        from bamboo.bench.measured.cli import add_parsers
+    except ImportError:
+        for name in MEASURED_COMMANDS:
+            stub = commands.add_parser(name, help="(needs bamboo-bench[measured])", add_help=False)
+            stub.add_argument("rest", nargs=argparse.REMAINDER)
+        return
+    add_parsers(commands)
+
+
+def _run_measured(args: argparse.Namespace, console: Console) -> int:
+    try:
+        from bamboo.bench.measured.cli import run_command
+    except ImportError:
+        raise _UsageError(MEASURED_MISSING.format(command=args.command)) from None
+    return run_command(args, console, _stdout_console())
+
+
 def _profile(args: argparse.Namespace) -> ModelProfile:
     profile = load_profile(args.model)
     changes = {}
@@ -484,12 +514,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
     script: list[str] = []
-    if "--" in words:  # compare's training script: everything after --
+    if "--" in words:  # compare's (or measure's) training script: everything after --
         split = words.index("--")
         words, script = words[:split], words[split + 1:]
     args = parser.parse_args(words)
-    if script and args.command != "compare":
-        parser.error(f"only compare takes a script after --, got {' '.join(script)!r}")
+    if script and args.command not in MEASURED_COMMANDS:
+        parser.error(f"only compare and measure take a script after --, got {' '.join(script)!r}")
     args.script = script
     console = Console(stderr=True)
     try:
@@ -500,10 +530,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "paper":
             _check_bulk(args)
             return run_paper_command(args, console, _stdout_console())
-        if args.command == "compare":
-            return run_compare_command(args, console, _stdout_console())
+        if args.command in MEASURED_COMMANDS:
+            return _run_measured(args, console)
         return _cmd_trace(args, console)
-    except (_UsageError, TraceFormatError, ProfileError, PolicyMismatch, ValueError, KeyError, OSError) as error:
+    except (_UsageError, TraceFormatError, ProfileError, PolicyMismatch, ValueError, KeyError, OSError,
+            RuntimeError) as error:  # RuntimeError: a measured run that failed (its message names its log)
         message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
         print(f"bamboo-bench: error: {message}", file=sys.stderr)
         return 2

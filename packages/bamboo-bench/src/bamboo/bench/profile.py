@@ -5,7 +5,7 @@ A profile gives the step time per (stages, pipelines), the samples per step, the
 on-demand reference. Optionally it gives the cluster and step times of the strategies that keep no
 redundant copy (``without_redundancy``), e.g. a pure data-parallel (P = 1) profile whose Bamboo cluster
 is over-provisioned 1.5x. The shipped profiles live in ``bamboo/bench/profiles/*.json``; the launcher
-writes measured ones in the same format (``bamboo-launch measure``, ``bamboo-bench compare``): they add the
+writes measured ones in the same format (``bamboo-bench measure``, ``bamboo-bench compare``): they add the
 cost of a synchronous checkpoint (``timing.checkpoint_s``), the on-demand cluster's start-up
 (``on_demand.startup_s``) and how checkpoint/restart treats a joining node (``checkpoint_restart_on_join``);
 profiles without those keys load as before. The format is documented in the package README.
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from bamboo.bench import timeouts
 
 __all__ = ["JOIN_RESTARTS", "ModelProfile", "ProfileError", "Timing", "builtin_profiles", "load_profile"]
 
@@ -33,14 +34,8 @@ class ProfileError(ValueError):
     """A profile file is missing, not JSON, or holds a bad value; the message names the file and the key."""
 
 
-def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _non_negative(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+_POSITIVE = attrs.validators.gt(0)
+_NON_NEGATIVE = attrs.validators.ge(0)
 
 
 @attrs.frozen
@@ -69,20 +64,18 @@ class Timing:
       measured profile's cold start: process start, imports, framework set-up). Later starts are unchanged.
     """
 
-    instance_creation_s: float = attrs.field(default=45.0, validator=_non_negative)
-    global_rendezvous_s: float = attrs.field(default=30.0, validator=_non_negative)
-    local_rendezvous_s: float = attrs.field(default=20.0, validator=_non_negative)
-    reconfiguration_s: float = attrs.field(default=0.0, validator=_non_negative)
-    failover_pause_s: float = attrs.field(default=0.0, validator=_non_negative)
-    fallback_slowdown: float = attrs.field(default=1.5, validator=_positive)
-    restart_s: float = attrs.field(default=0.0, validator=_non_negative)
-    checkpoint_interval_s: float = attrs.field(default=1800.0, validator=_positive)
-    checkpoint_s: float = attrs.field(default=0.0, validator=_non_negative)
-    startup_s: float | None = attrs.field(default=None)
+    instance_creation_s: float = attrs.field(default=timeouts.INSTANCE_CREATION_S, validator=_NON_NEGATIVE)
+    global_rendezvous_s: float = attrs.field(default=timeouts.GLOBAL_RENDEZVOUS_S, validator=_NON_NEGATIVE)
+    local_rendezvous_s: float = attrs.field(default=timeouts.LOCAL_RENDEZVOUS_S, validator=_NON_NEGATIVE)
+    reconfiguration_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
+    failover_pause_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
+    fallback_slowdown: float = attrs.field(default=1.5, validator=_POSITIVE)
+    restart_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
+    checkpoint_interval_s: float = attrs.field(default=timeouts.CHECKPOINT_INTERVAL_S, validator=_POSITIVE)
+    checkpoint_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
+    startup_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE))
 
     def __attrs_post_init__(self) -> None:
-        if self.startup_s is not None and not self.startup_s >= 0:
-            raise ValueError(f"startup_s must be >= 0 or null, got {self.startup_s!r}")
         if not self.checkpoint_s < self.checkpoint_interval_s:
             raise ValueError(
                 f"checkpoint_s ({self.checkpoint_s!r}) must be less than checkpoint_interval_s "
@@ -105,11 +98,6 @@ def _optional_step_times(value: object) -> dict[tuple[int, int], float] | None:
     return None if value is None else _step_times(value)
 
 
-def _optional_positive_int(_instance: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
 @attrs.frozen
 class ModelProfile:
     """What the simulator knows about one model on one kind of machine.
@@ -130,24 +118,24 @@ class ModelProfile:
     """
 
     name: str
-    stages: int = attrs.field(validator=_positive)
-    pipelines: int = attrs.field(validator=_positive)
-    samples_per_step: float = attrs.field(validator=_positive)
+    stages: int = attrs.field(validator=_POSITIVE)
+    pipelines: int = attrs.field(validator=_POSITIVE)
+    samples_per_step: float = attrs.field(validator=_POSITIVE)
     step_time_ms: dict[tuple[int, int], float] = attrs.field(converter=_step_times)
-    spot_price_per_node_hour: float = attrs.field(validator=_positive)
-    on_demand_price_per_node_hour: float = attrs.field(validator=_positive)
-    on_demand_nodes: int = attrs.field(validator=_positive)
-    on_demand_samples_per_second: float = attrs.field(validator=_positive)
-    job_samples: float = attrs.field(validator=_positive)
+    spot_price_per_node_hour: float = attrs.field(validator=_POSITIVE)
+    on_demand_price_per_node_hour: float = attrs.field(validator=_POSITIVE)
+    on_demand_nodes: int = attrs.field(validator=_POSITIVE)
+    on_demand_samples_per_second: float = attrs.field(validator=_POSITIVE)
+    job_samples: float = attrs.field(validator=_POSITIVE)
     timing: Timing = attrs.field(factory=Timing)
-    step_time_scale: float = attrs.field(default=1.0, validator=_positive)
+    step_time_scale: float = attrs.field(default=1.0, validator=_POSITIVE)
     description: str = ""
     notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    pipelines_without_redundancy: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    pipelines_without_redundancy: int | None = attrs.field(default=None, validator=attrs.validators.optional(_POSITIVE))
     step_time_ms_without_redundancy: dict[tuple[int, int], float] | None = attrs.field(
         default=None, converter=_optional_step_times
     )
-    on_demand_startup_s: float = attrs.field(default=0.0, validator=_non_negative)
+    on_demand_startup_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
     checkpoint_restart_on_join: str = attrs.field(
         default="new-pipeline", validator=attrs.validators.in_(JOIN_RESTARTS)
     )

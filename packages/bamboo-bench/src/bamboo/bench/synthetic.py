@@ -36,19 +36,14 @@ def _probability(_instance: object, attribute: attrs.Attribute, value: float) ->
         raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
 
 
-def _at_least_one(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
-
-
 @attrs.frozen
 class SyntheticSpec:
     """The parameters of the synthetic model (see the module docstring)."""
 
     preemption_probability: float = attrs.field(validator=_probability)
-    desired_nodes: int = attrs.field(default=48, validator=_at_least_one)
-    zones: int = attrs.field(default=3, validator=_at_least_one)
-    bulk_mean: float = attrs.field(default=1.0, validator=_at_least_one)
+    desired_nodes: int = attrs.field(default=48, validator=attrs.validators.ge(1))
+    zones: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    bulk_mean: float = attrs.field(default=1.0, validator=attrs.validators.ge(1))
     random_allocation: bool = True
     allocation_probability: float = attrs.field(default=0.5, validator=_probability)
 

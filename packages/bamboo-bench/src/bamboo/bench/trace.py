@@ -32,16 +32,11 @@ class EventKind(enum.Enum):
         return "+" if self is EventKind.ADD else "-"
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 0.0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
 @attrs.frozen
 class TraceEvent:
     """One spot-instance event: at `time_s` seconds from the trace start, `node` in `zone` is added or removed."""
 
-    time_s: float = attrs.field(converter=float, validator=_non_negative)
+    time_s: float = attrs.field(converter=float, validator=attrs.validators.ge(0.0))
     kind: EventKind = attrs.field(validator=attrs.validators.instance_of(EventKind))
     node: str = attrs.field(validator=attrs.validators.min_len(1))
     zone: str = attrs.field(validator=attrs.validators.min_len(1))

@@ -13,9 +13,6 @@
 - :mod:`bamboo.launch.script`: :func:`train_worker`, the one call of a user training script;
   :mod:`bamboo.launch.hooks`: its ``on_step`` and ``evaluate`` hooks (:class:`TrainingHooks`, :class:`Evaluation`);
 - :mod:`bamboo.launch.export`: a run's final model, or a checkpoint, as one state dict (``bamboo-launch export``);
-- :mod:`bamboo.launch.baseline`: :func:`run_checkpoint_restart`, the checkpoint/restart system users run today
-  (torchrun elastic agents and DeepSpeed's PipelineEngine, checkpoints every K steps by Young's rule) on the
-  same emulated market, for comparisons measured in the same run;
 - :mod:`bamboo.launch.spec` (the job's spec, a worker's context, a program), :mod:`bamboo.launch.records`
   (the decisions in etcd), :mod:`bamboo.launch.timeouts` (every timeout): shared types;
 - :mod:`bamboo.launch.events`: the event log (typed records; JSON lines, or etcd on a cluster);
@@ -26,18 +23,15 @@
   clock, real process-group kills);
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
 - :mod:`bamboo.launch.live`: the live progress view, folded from an event log as it grows;
-- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command (``agent``, ``run``, ``export``,
-  ``k8s render|validate``, ``market``, ``report``, ``watch``).
+- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command, one module per subcommand (``agent``, ``run``,
+  ``export``, ``k8s render|validate``, ``market``, ``report``, ``watch``, ``finish``).
+
+The measured experiments (``bamboo-bench compare``: bamboo against checkpoint/restart and on-demand) are a
+layer above this package, :mod:`bamboo.bench.measured`; this package never imports them.
 
 Importing this package does not import torch or matplotlib; the functions that need them do.
 """
 
-from bamboo.launch.baseline import (
-    CheckpointRestartOptions,
-    CheckpointRestartResult,
-    checkpoint_interval,
-    run_checkpoint_restart,
-)
 from bamboo.launch.checkpoint import (
     AsyncCheckpointer,
     CheckpointError,
@@ -73,7 +67,7 @@ from bamboo.launch.market import (
     MonotonicClock,
     ProcessCluster,
     SpotMarket,
-    assign_zones,
+    StartedClock,
     kill_process_group,
     plan_market,
 )
@@ -97,8 +91,6 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointInfo",
-    "CheckpointRestartOptions",
-    "CheckpointRestartResult",
     "Evaluation",
     "Event",
     "EventFollower",
@@ -131,12 +123,11 @@ __all__ = [
     "RunStart",
     "ScriptError",
     "SpotMarket",
+    "StartedClock",
     "Step",
     "TrainingHooks",
     "WorkerContext",
-    "assign_zones",
     "build_view",
-    "checkpoint_interval",
     "compare_with_reference",
     "compute_report",
     "export_checkpoint",
@@ -150,7 +141,6 @@ __all__ = [
     "read_events",
     "render_live",
     "render_manifests",
-    "run_checkpoint_restart",
     "run_cluster",
     "save_state_dict",
     "train_reference_history",

@@ -56,6 +56,8 @@ from bamboo.launch.spec import (
     JobSpec,
     WorkerContext,
 )
+from bamboo.launch.worker_records import SPAWNED_ENV
+from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = [
     "AGENT_PREEMPTED",
@@ -112,13 +114,15 @@ class AgentOptions:
     tls_server_name: str | None = None
     """The name peers check in this agent's certificate (one certificate for every pod of the job)."""
     insecure: bool = False
-    notice_window_s: float = 30.0
+    notice_window_s: float = membership_timeouts.NOTICE_WINDOW_S
     """Seconds from SIGTERM (a preemption notice) to the machine's end (``--notice-window``)."""
     preemption_notices: str = "none"
     """Also poll the cloud's metadata server for preemption notices: ``none``, ``aws`` or ``gce``."""
     metadata_url: str | None = None
     """The metadata server's base URL (default: the cloud's own)."""
     spec_timeout_s: float = timeouts.SPEC_WAIT_S
+    device: str | None = None
+    """The worker's device (``--device``, given to it as ``BAMBOO_DEVICE``); None: its own default."""
 
     def __attrs_post_init__(self) -> None:
         if not self.node or "/" in self.node:
@@ -309,8 +313,11 @@ class _Supervisor:
         path = folder / f"{self.node}.json"
         self.context().write(path)
         command, variables = worker_command(self.spec, path, self.node)
+        variables[SPAWNED_ENV] = repr(time.time())  # the worker's start-up record counts from here
         if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
             variables["BAMBOO_GLOO_HOST"] = self.options.host
+        if self.options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it
+            variables["BAMBOO_DEVICE"] = self.options.device
         nice = shutil.which("nice")
         if nice is not None:
             command = [nice, "-n", str(WORKER_NICENESS), *command]
@@ -414,7 +421,9 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
         while True:
             node = options.node if incarnation == 1 else f"{options.node}.{incarnation}"
             supervisor = _Supervisor(options, spec, membership, node, zone, say, wake)
-            supervisor.start(announce=incarnation == 1, wrote_spec=wrote and incarnation == 1)
+            # every incarnation joins (its old identity's preemption record stops that one's billing): a report must
+            # never meet the preemption of a node that never joined
+            supervisor.start(announce=True, wrote_spec=wrote and incarnation == 1)
             if noticed.is_set():
                 supervisor.agent.notify(time.time() + options.notice_window_s, "sigterm")
             status, why = _supervise(supervisor, noticed, options.notice_window_s)

@@ -199,9 +199,11 @@ def await_outcome(
     timeout_s: float,
     *,
     poll_s: float = timeouts.ATTEMPT_POLL_S,
+    ready_poll_s: float = timeouts.ATTEMPT_READY_POLL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     say: Callable[[str], None] = lambda line: None,
+    up_record: Callable[[], NodeUp] | None = None,
 ) -> Outcome:
     """Wait for the outcome of attempt ``generation``, writing it (first writer wins) when this node can tell.
 
@@ -209,7 +211,9 @@ def await_outcome(
     every node whose death breaks the attempt (the new owners and the transfer sources);
     ``progress()``: this node's own part, ``(finished, error)``. ``membership`` is a
     ``bamboo.membership.MembershipStore`` (``decide``, ``get_decision``, ``list_nodes``); an
-    unreachable etcd only delays the answer.
+    unreachable etcd only delays the answer. ``up_record()`` is this node's ``up`` record (default: its
+    name alone); the outcome records when it was written. It polls every ``poll_s`` while its own part runs,
+    every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited).
     """
     deadline = clock() + timeout_s
     published = False
@@ -225,7 +229,8 @@ def await_outcome(
             if error is not None:
                 verdict = (False, f"{node} could not start its part: {type(error).__name__}: {error}")
             elif finished and not published and node in new_owners:
-                membership.decide(up_name(generation, node), NodeUp(node).to_dict())
+                record = up_record() if up_record is not None else NodeUp(node)
+                membership.decide(up_name(generation, node), record.to_dict())
                 published = True
             if verdict is None:
                 records = membership.list_nodes(skip_malformed=True)
@@ -241,11 +246,11 @@ def await_outcome(
                 elif clock() > deadline:
                     verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
             if verdict is not None:
-                decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict).to_dict())
+                decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict, at=time.time()).to_dict())
                 if decision.won:
                     say(f"attempt of generation {generation}: {'go' if verdict[0] else 'abort'} ({verdict[1]})")
                 written = AttemptOutcome.from_dict(decision.value)
                 return Outcome(go=written.go, reason=written.reason, won=decision.won)
         except StoreError as failure:  # etcd restarting: ask again
             say(f"attempt of generation {generation}: etcd unreadable ({failure}); asking again")
-        sleep(poll_s)
+        sleep(ready_poll_s if published or (node not in new_owners and progress()[0]) else poll_s)

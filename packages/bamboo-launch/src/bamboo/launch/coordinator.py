@@ -125,12 +125,15 @@ def steps_reached(events: Iterable[Any], lost: Any, created_unix: float) -> int:
 
 
 def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, str], step: int,
-                   path: str, reached: int | None = None) -> Any:
+                   path: str, reached: int | None = None, memory: dict[int, tuple[str, ...]] | None = None,
+                   initial: bool = False) -> Any:
     """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
     every stage restored from the checkpoint of ``step`` at ``path``; None when they cannot form a pipeline.
 
     ``reached`` is the last step ``lost`` completed (:func:`steps_reached`; default its start step): the
-    steps after the checkpoint up to it are trained again (the ``restore`` record's ``discarded_steps``)."""
+    steps after the checkpoint up to it are trained again (the ``restore`` record's ``discarded_steps``).
+    ``memory`` (stage -> the live nodes that keep it at ``step``) restores from in-memory copies instead of
+    ``path``; ``initial`` starts over from the seeded initial state (step 0)."""
     from bamboo.launch.reconfigure import next_history
     from bamboo.reconfig import JobLayout, RestorePoint, StartMode
 
@@ -138,7 +141,8 @@ def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, s
     if plan is None:
         return None
     return JobLayout(generation=lost.generation + 1, plan=plan, start_step=step, mode=StartMode.CHECKPOINT,
-                     reason="every holder lost", restore=RestorePoint(step, path, range(spec.stages)),
+                     reason="every holder lost",
+                     restore=RestorePoint(step, path, range(spec.stages), memory=memory or {}, initial=initial),
                      barrier_step=lost.start_step if reached is None else max(lost.start_step, reached),
                      barrier_unix=time.time(), base_generation=lost.generation,
                      survivors=(), history=next_history(lost.history, step, len(plan.owners)),
@@ -357,8 +361,7 @@ class Coordinator:
 
     def _orphaned_layout(self) -> None:
         """Restart from the newest checkpoint when every holder of the current layout is gone."""
-        from bamboo.launch.reconfigure import restore_point, warm_standby
-        from bamboo.launch.records import JobEnd
+        from bamboo.launch.reconfigure import nearest_restore, warm_standby
 
         layout = self._layout()
         if layout is None or (self._end_key is not None and self._end_key.value is not None):
@@ -376,17 +379,12 @@ class Coordinator:
                          f"is redone on {', '.join(redo.ranks)}")
             return  # (or not enough warm nodes for one pipeline yet: wait for more)
         stages = list(range(self.spec.stages))
-        try:
-            step, path = restore_point(self.spec.checkpoint_dir, self.spec.stages, stages)
-        except RuntimeError as error:
-            message = f"every node of generation {layout.generation} is gone: {error}"
-            if self.membership.decide("end", JobEnd(steps=layout.start_step, error=message,
-                                                    node=self.node).to_dict()).won:
-                self.say(f"the job cannot go on: {message}")
-            return
+        bounds = [tuple(bound) for bound in layout.stage_bounds]
+        point = nearest_restore(self.membership.kv, self.spec, stages, bounds, registered, layout.history)
+        step = point.step
         restart = restart_layout(self.spec, layout, warm_standby(self.membership, registered),
-                                 {n: r.zone for n, r in registered.items()}, step, path,
-                                 reached=self._steps_reached(layout))
+                                 {n: r.zone for n, r in registered.items()}, step, point.path,
+                                 reached=self._steps_reached(layout), memory=point.memory, initial=point.initial)
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
         current = self._layout_key.value if self._layout_key is not None else None

@@ -1,38 +1,8 @@
-"""The launcher's JSON-lines event log: one typed, validated record per line.
+"""The launcher's JSON-lines event log: one typed, validated record per line (the records and their keys
+are in :mod:`bamboo.launch.event_records`).
 
-Every record is a JSON object on its own line with two common keys:
-
-- ``"kind"``: the record type (see the table below);
-- ``"t"``: seconds since the run started (float, >= 0, from a monotonic clock).
-
-and the kind's own keys:
-
-- ``run_start``: ``job`` (str), ``unix_time`` (float, wall clock at t=0), ``target_nodes``,
-  ``stages``, ``pipelines`` (int);
-- ``join``: ``node``, ``zone`` (str): a node started (billing starts) and joined, as a worker
-  or on standby;
-- ``preemption``: ``node``, ``zone`` (str), ``notice_s`` (float, seconds of notice, 0 if
-  none): the node was killed; billing stops;
-- ``failover``: ``victim``, ``shadow`` (str), ``stage`` (int), ``pause_s`` (float, seconds
-  the survivors could not make progress: from catching the failure to resuming on the merged
-  schedule), and, optionally, the wall-clock times (Unix seconds) at the shadow ``caught_unix``
-  (it caught the failure), ``resumed_unix`` (it ran the first instruction of the merged schedule)
-  and ``step_end_unix`` (the failed step committed);
-- ``reconfiguration``: ``reason`` (str), ``pipelines``, ``stages``, ``standby`` (int),
-  ``bytes_moved`` (int, bytes of layers transferred), ``duration_s`` (float), ``attempts`` (int,
-  optional, default 1: more when a node died while the new layout started and it was redone);
-- ``checkpoint``: ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float);
-- ``restore``: ``step`` (int, the checkpoint step training restarts from), ``path`` (str, its
-  folder), ``lost_stages`` (str, the stages no survivor held, comma separated), ``discarded_steps``
-  (int, steps done since that checkpoint, trained again): every copy of some stage was gone, so
-  every node restarted from the last good checkpoint;
-- ``step``: ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
-  ``nodes_active`` (int), ``duration_s`` (float, the step's own time), and, optionally, ``generation``
-  (int, the layout generation that trained it; the DeepSpeed baseline writes none);
-- ``run_end``: ``steps`` (int): the run finished; nodes still alive stop being billed here.
-
-Unknown keys are rejected, so a typo in a writer fails at once instead of silently vanishing
-from the report. :func:`read_events` names the file and line of any malformed record.
+:func:`read_events` names the file and line of any malformed record; :class:`EventLog` appends whole lines
+from any number of writers.
 
 **Events in etcd.** On a cluster there is no shared file: every agent and worker writes its records
 to etcd with :class:`EtcdEventLog`, one key per record under
@@ -50,17 +20,32 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.accounting import TimeAccount
+from bamboo.launch.event_records import (
+    EVENT_TYPES,
+    Checkpoint,
+    Event,
+    Failover,
+    Join,
+    Preemption,
+    Reconfiguration,
+    Restore,
+    RunEnd,
+    RunStart,
+    Startup,
+    Step,
+    event_from_dict,
+    event_to_dict,
+)
 from bamboo.membership.kv import FencedError, StoreError, StoreUnavailableError
 
 __all__ = [
@@ -79,6 +64,7 @@ __all__ = [
     "Restore",
     "RunEnd",
     "RunStart",
+    "Startup",
     "Step",
     "TimeAccount",
     "event_from_dict",
@@ -96,192 +82,6 @@ EVENTS_PER_WRITER = 20_000
 
 class EventLogError(ValueError):
     """A record that does not follow the event-log schema; the message names file and line."""
-
-
-def _non_negative_time(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _non_empty_str(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{attribute.name} must be a non-empty string, got {value!r}")
-
-
-def _finite(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be a finite number, got {value!r}")
-
-
-@attrs.frozen
-class RunStart:
-    """The run began: the job's name, the wall-clock time of t=0 and the requested layout."""
-
-    KIND: ClassVar[str] = "run_start"
-    t: float = attrs.field(validator=_non_negative_time)
-    job: str = attrs.field(validator=_non_empty_str)
-    unix_time: float = attrs.field(validator=_non_negative_time)
-    target_nodes: int = attrs.field(validator=_positive_int)
-    stages: int = attrs.field(validator=_positive_int)
-    pipelines: int = attrs.field(validator=_positive_int)
-
-
-@attrs.frozen
-class Join:
-    """A node started (billing starts) and joined the cluster, as a worker or on standby."""
-
-    KIND: ClassVar[str] = "join"
-    t: float = attrs.field(validator=_non_negative_time)
-    node: str = attrs.field(validator=_non_empty_str)
-    zone: str = attrs.field(validator=_non_empty_str)
-
-
-@attrs.frozen
-class Preemption:
-    """A node was killed by the (emulated or real) spot market; billing stops."""
-
-    KIND: ClassVar[str] = "preemption"
-    t: float = attrs.field(validator=_non_negative_time)
-    node: str = attrs.field(validator=_non_empty_str)
-    zone: str = attrs.field(validator=_non_empty_str)
-    notice_s: float = attrs.field(default=0.0, validator=_non_negative_time)
-
-
-@attrs.frozen
-class Failover:
-    """The shadow took over a victim's stage; ``pause_s`` is how long progress stopped."""
-
-    KIND: ClassVar[str] = "failover"
-    t: float = attrs.field(validator=_non_negative_time)
-    victim: str = attrs.field(validator=_non_empty_str)
-    shadow: str = attrs.field(validator=_non_empty_str)
-    stage: int = attrs.field(validator=_non_negative_int)
-    pause_s: float = attrs.field(validator=_non_negative_time)
-    caught_unix: float | None = attrs.field(default=None)
-    resumed_unix: float | None = attrs.field(default=None)
-    step_end_unix: float | None = attrs.field(default=None)
-
-
-@attrs.frozen
-class Reconfiguration:
-    """The pipelines were re-formed: the new layout, the bytes of layers moved, how long it took, in how many
-    attempts."""
-
-    KIND: ClassVar[str] = "reconfiguration"
-    t: float = attrs.field(validator=_non_negative_time)
-    reason: str = attrs.field(validator=_non_empty_str)
-    pipelines: int = attrs.field(validator=_non_negative_int)
-    stages: int = attrs.field(validator=_positive_int)
-    standby: int = attrs.field(validator=_non_negative_int)
-    bytes_moved: int = attrs.field(validator=_non_negative_int)
-    duration_s: float = attrs.field(validator=_non_negative_time)
-    attempts: int = attrs.field(default=1, validator=_positive_int)
-    """Starts it took: more than 1 when a node died while it started and the decision was redone."""
-
-
-@attrs.frozen
-class Checkpoint:
-    """A checkpoint of ``step`` was committed at ``path`` (``bytes`` on disk, ``duration_s`` to write)."""
-
-    KIND: ClassVar[str] = "checkpoint"
-    t: float = attrs.field(validator=_non_negative_time)
-    step: int = attrs.field(validator=_non_negative_int)
-    path: str = attrs.field(validator=_non_empty_str)
-    bytes: int = attrs.field(validator=_non_negative_int)
-    duration_s: float = attrs.field(validator=_non_negative_time)
-
-
-def _stage_list(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    parts = value.split(",") if isinstance(value, str) else []
-    if not parts or not all(part.isdigit() for part in parts):
-        raise ValueError(f"{attribute.name} must be stage numbers separated by commas, like '1,2', got {value!r}")
-
-
-@attrs.frozen
-class Restore:
-    """No survivor held some stage: every node restarted from the checkpoint of ``step`` at ``path``.
-
-    ``lost_stages`` are the stages whose every copy was gone (``"1"``, ``"1,2"``);
-    ``discarded_steps`` the steps done after that checkpoint, which are trained again.
-    """
-
-    KIND: ClassVar[str] = "restore"
-    t: float = attrs.field(validator=_non_negative_time)
-    step: int = attrs.field(validator=_non_negative_int)
-    path: str = attrs.field(validator=_non_empty_str)
-    lost_stages: str = attrs.field(validator=_stage_list)
-    discarded_steps: int = attrs.field(validator=_non_negative_int)
-
-
-@attrs.frozen
-class Step:
-    """One optimizer step finished at ``t``: its global batch size and loss, and the nodes at work."""
-
-    KIND: ClassVar[str] = "step"
-    t: float = attrs.field(validator=_non_negative_time)
-    step: int = attrs.field(validator=_non_negative_int)
-    samples: int = attrs.field(validator=_positive_int)
-    loss: float = attrs.field(validator=_finite)
-    nodes_active: int = attrs.field(validator=_non_negative_int)
-    duration_s: float = attrs.field(validator=_non_negative_time)
-    generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative_int))
-
-
-@attrs.frozen
-class RunEnd:
-    """The run finished after ``steps`` steps; nodes still alive stop being billed at ``t``."""
-
-    KIND: ClassVar[str] = "run_end"
-    t: float = attrs.field(validator=_non_negative_time)
-    steps: int = attrs.field(validator=_non_negative_int)
-
-
-Event = RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Restore | Step | RunEnd
-
-EVENT_TYPES: dict[str, type[Event]] = {
-    cls.KIND: cls
-    for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Restore, Step, RunEnd)
-}
-
-
-def event_to_dict(event: Event) -> dict[str, Any]:
-    """The JSON object of one record: ``kind`` first, then ``t``, then the kind's own keys."""
-    return {"kind": type(event).KIND, **attrs.asdict(event)}
-
-
-def event_from_dict(record: dict[str, Any]) -> Event:
-    """Parse one JSON object into its typed record; raises ``ValueError`` saying what is wrong."""
-    if not isinstance(record, dict):
-        raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
-    kind = record.get("kind")
-    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(EVENT_TYPES)}")
-    names = {f.name for f in attrs.fields(cls)}
-    fields = {k: v for k, v in record.items() if k != "kind"}
-    unknown = sorted(set(fields) - names)
-    if unknown:
-        raise ValueError(f"{kind} record has unknown keys {unknown}; allowed: {sorted(names)}")
-    required = {f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING}
-    missing = sorted(required - set(fields))
-    if missing:
-        raise ValueError(f"{kind} record is missing keys {missing}")
-    return cls(**fields)
 
 
 def read_events(path: str | os.PathLike[str]) -> list[Event]:
@@ -568,89 +368,3 @@ class EtcdEventFollower:
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-
-
-@attrs.define
-class TimeAccount:
-    """Where a run's time went, folded from its records in ``t`` order with :meth:`apply`.
-
-    - ``startup_s``: from the run's start to the start of its first step (processes, imports, the
-      first layout, group building);
-    - ``window_s``: the training window, from the start of the first step to the end of the last;
-    - ``step_s``: the time the steps themselves took (their ``duration_s``; a step trained again after a
-      restore counts again, and a failover's pause counts inside the step it interrupted);
-    - ``step_share``: ``step_s / window_s``, the share of the window spent in steps;
-    - ``failover_s``: the failover pauses (from catching the failure to resuming on the merged schedule;
-      overlapping pauses of one event count once);
-    - ``reconfiguration_s`` / ``restore_s``: the reconfigurations (from the first holder at the barrier to
-      the new layout's first step), those that restarted from a checkpoint counted as restores;
-    - ``lost_s``: everything up to the last step that was not a step's first, useful run: start-up, the
-      gaps between steps, failover pauses and steps trained again.
-    """
-
-    start: float = 0.0
-    start_unix: float | None = None
-    first_step_start: float | None = None
-    last_step_end: float | None = None
-    step_s: float = 0.0
-    redone_s: float = 0.0
-    failover_s: float = 0.0
-    reconfiguration_s: float = 0.0
-    restore_s: float = 0.0
-    _last_reconfiguration: float = 0.0
-    _pauses: list[tuple[float, float]] = attrs.field(factory=list)
-    _steps_seen: set[int] = attrs.field(factory=set)
-
-    def apply(self, event: Event) -> None:
-        if isinstance(event, RunStart):
-            self.start, self.start_unix = event.t, event.unix_time  # unix_time is the wall clock at t=0
-        elif isinstance(event, Step):
-            begin = event.t - event.duration_s
-            if self.first_step_start is None:
-                self.first_step_start = begin
-            self.last_step_end = event.t if self.last_step_end is None else max(self.last_step_end, event.t)
-            self.step_s += event.duration_s
-            if event.step in self._steps_seen:
-                self.redone_s += event.duration_s
-            self._steps_seen.add(event.step)
-        elif isinstance(event, Failover):
-            if self.start_unix is not None and event.caught_unix is not None and event.resumed_unix is not None:
-                span = (event.caught_unix - self.start_unix, event.resumed_unix - self.start_unix)
-            else:  # an older record: the pause, ending about when it was written
-                span = (event.t - event.pause_s, event.t)
-            if not any(a <= span[1] and span[0] <= b for a, b in self._pauses):  # one event's pauses count once
-                self.failover_s += event.pause_s
-            self._pauses.append(span)
-        elif isinstance(event, Reconfiguration):
-            self.reconfiguration_s += event.duration_s
-            self._last_reconfiguration = event.duration_s
-        elif isinstance(event, Restore):  # written right after its reconfiguration: move it over
-            self.reconfiguration_s -= self._last_reconfiguration
-            self.restore_s += self._last_reconfiguration
-            self._last_reconfiguration = 0.0
-
-    @property
-    def startup_s(self) -> float:
-        return 0.0 if self.first_step_start is None else max(0.0, self.first_step_start - self.start)
-
-    @property
-    def window_s(self) -> float:
-        if self.first_step_start is None or self.last_step_end is None:
-            return 0.0
-        return max(0.0, self.last_step_end - self.first_step_start)
-
-    @property
-    def step_share(self) -> float | None:
-        return None if self.window_s <= 0 else min(1.0, self.step_s / self.window_s)
-
-    @property
-    def lost_s(self) -> float:
-        if self.last_step_end is None:
-            return 0.0
-        useful = self.step_s - self.redone_s - self.failover_s
-        return max(0.0, self.last_step_end - self.start - useful)
-
-    def summary(self) -> dict[str, float | None]:
-        return {"startup_s": self.startup_s, "window_s": self.window_s, "step_s": self.step_s,
-                "step_share": self.step_share, "failover_s": self.failover_s,
-                "reconfiguration_s": self.reconfiguration_s, "restore_s": self.restore_s, "lost_s": self.lost_s}

@@ -20,7 +20,10 @@ from typing import Any
 
 from bamboo.launch.spec import Program
 
-__all__ = ["EXAMPLE_CONFIG", "describe_program", "example_program", "main"]
+__all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "ModuleSpec", "describe_program", "example_program", "main"]
+
+DEFAULT_LAYERS = 4
+"""The built-in example's decoder blocks when no ``--layers`` is given."""
 
 EXAMPLE_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
@@ -29,6 +32,20 @@ EXAMPLE_CONFIG: dict[str, Any] = {
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
     "gradient_clipping": 1.0,
 }
+
+
+class ModuleSpec:
+    """A layer to build: DeepSpeed's ``LayerSpec`` as the runtime uses it (a module class and its arguments,
+    ``build()``), without importing DeepSpeed, which costs every worker of the built-in example seconds of its
+    start (the layers, and so the weights, are the same)."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def build(self) -> Any:
+        return self.typename(*self.module_args, **self.module_kwargs)
 
 
 def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> Program:
@@ -44,19 +61,23 @@ def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> 
         batch = sampler.microbatch(step, index)
         return batch.tokens, batch.labels
 
-    return Program(layers=gpt_layer_specs(gpt), loss_fn=lm_loss, microbatch=microbatch, config=config)
+    return Program(layers=gpt_layer_specs(gpt, ModuleSpec), loss_fn=lm_loss, microbatch=microbatch, config=config)
 
 
 def describe_program(program: Program, pipelines: int) -> dict[str, Any]:
     """The description of a program as the job's spec holds it: layer costs, config, microbatches per pipeline."""
     from bamboo.rc import load_config
+    from bamboo.rc.data import bind_global_batch
     from bamboo.rc.model import layer_costs
 
     config = program.config if program.config is not None else dict(EXAMPLE_CONFIG)
+    training = load_config(config, pipelines=pipelines)
+    # a data source that needs the global batch (a token file) says here, before any node starts, if it is too small
+    bind_global_batch(program.microbatch, training.micro_batches * pipelines, training.micro_batch_size)
     return {
         "layers": [layer.to_dict() for layer in layer_costs(program.layers)],
         "config": config,
-        "micro_batches": load_config(config, pipelines=pipelines).micro_batches,
+        "micro_batches": training.micro_batches,
     }
 
 
@@ -64,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bamboo.launch.example",
                                      description="Write the built-in example's description (layer costs, "
                                      "config, microbatches per pipeline) as JSON.")
-    parser.add_argument("--layers", type=int, default=4, help="decoder blocks (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="decoder blocks (default: %(default)s)")
     parser.add_argument("--pipelines", type=int, required=True, help="data-parallel pipelines D")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     args = parser.parse_args(argv)

@@ -11,6 +11,11 @@ state dict whose keys are ``<layer index>.<parameter name>``, exactly the keys o
 
 Layers held by several workers (data-parallel copies, replicas) are bit-equal; the first one found is used.
 A layer that no worker or shard holds is an error naming it.
+
+A model split from ``transformers`` (``bamboo.rc.from_transformers``) can also be written as a
+``save_pretrained`` folder (:func:`export_hf`: ``config.json`` and ``model.safetensors``) that
+``AutoModelForCausalLM.from_pretrained`` loads; the export then reloads it and checks that its logits are
+bamboo's on a test batch.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ExportError", "export_checkpoint", "export_run", "save_state_dict"]
+__all__ = ["FORMATS", "ExportError", "export_checkpoint", "export_hf", "export_run", "save_state_dict"]
+
+FORMATS = ("bamboo", "hf")
+"""``--format``: one state dict of ``nn.Sequential``'s keys, or a Hugging Face ``save_pretrained`` folder."""
 
 
 class ExportError(ValueError):
@@ -107,3 +115,25 @@ def save_state_dict(state: Mapping[str, Any], out: str | os.PathLike[str]) -> Pa
     torch.save(dict(state), partial)
     os.replace(partial, path)
     return path
+
+
+def export_hf(state: Mapping[str, Any], out: str | os.PathLike[str]) -> tuple[Path, float]:
+    """Write ``state`` (a model split by ``bamboo.rc.from_transformers``) as a ``save_pretrained`` folder, reload it
+    with ``AutoModelForCausalLM.from_pretrained`` and compare its logits with bamboo's layers holding ``state``:
+    ``(the folder, the largest logit difference)``. ExportError for a model of another kind, or without the
+    ``transformers`` package."""
+    try:
+        from bamboo.rc.hf import compare_logits, save_pretrained
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        raise ExportError("--format hf needs the transformers package: pip install 'bamboo-rc[hf]'") from None
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ExportError(f"{folder} is a file; --format hf writes a folder (config.json, model.safetensors)")
+    try:
+        save_pretrained(state, folder)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
+    return folder, compare_logits(state, folder)

@@ -32,27 +32,15 @@ if TYPE_CHECKING:
 __all__ = ["Evaluation", "TrainingHooks", "evaluation_batches", "run_step_hooks"]
 
 
-def _callable(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not callable(value):
-        raise TypeError(f"{attribute.name} must be callable, got {type(value).__name__}: {value!r}")
-
-
-def _callable_or_none(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None:
-        _callable(instance, attribute, value)
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+_POSITIVE_INT = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(1))
 
 
 @attrs.frozen
 class Evaluation:
     """Evaluate on ``microbatch(step, index)`` after every ``every_n_steps``-th training step."""
 
-    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=_callable)
-    every_n_steps: int = attrs.field(validator=_positive_int)
+    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=attrs.validators.is_callable())
+    every_n_steps: int = attrs.field(validator=_POSITIVE_INT)
 
     @classmethod
     def from_argument(cls, value: object) -> Evaluation | None:
@@ -72,7 +60,7 @@ class Evaluation:
 class TrainingHooks:
     """What a script hooks into the worker loop (see the module docstring); both optional."""
 
-    on_step: Callable[[StepInfo], object] | None = attrs.field(default=None, validator=_callable_or_none)
+    on_step: Callable[[StepInfo], object] | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.is_callable()))
     evaluate: Evaluation | None = attrs.field(default=None, converter=Evaluation.from_argument)
 
 

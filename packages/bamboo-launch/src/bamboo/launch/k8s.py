@@ -55,6 +55,7 @@ from bamboo.launch.k8s_config import (
     AGENT_TLS_MOUNT,
     AGENT_TOKEN_MOUNT,
     CLOUDS,
+    KUBERNETES_VERSION,
     RUN_DIR,
     ZONE_SPREADS,
     K8sConfig,
@@ -67,6 +68,7 @@ __all__ = [
     "AGENT_TLS_MOUNT",
     "AGENT_TOKEN_MOUNT",
     "CLOUDS",
+    "KUBERNETES_VERSION",
     "RUN_DIR",
     "ZONE_SPREADS",
     "K8sConfig",
@@ -110,7 +112,7 @@ class ManifestValidationError(ValueError):
     """A manifest does not match the Kubernetes schema; the message names the object and field."""
 
 
-def validate_manifests(manifests: Sequence[dict[str, Any]], kubernetes_version: str = "1.30") -> None:
+def validate_manifests(manifests: Sequence[dict[str, Any]], kubernetes_version: str = KUBERNETES_VERSION) -> None:
     """Validate each manifest against the Kubernetes JSON schemas (strict: unknown fields fail).
 
     Uses ``kubernetes-validate``, which ships the schemas (no network). Raises

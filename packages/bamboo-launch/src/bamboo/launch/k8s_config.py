@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import attrs
+from bamboo.launch import timeouts
 
 __all__ = [
     "AGENT_ARGS_DOC",
@@ -16,6 +17,7 @@ __all__ = [
     "AGENT_TOKEN_MOUNT",
     "CLOUDS",
     "ETCD_TLS_MOUNT",
+    "KUBERNETES_VERSION",
     "RUN_DIR",
     "ZONE_SPREADS",
     "K8sConfig",
@@ -27,6 +29,8 @@ __all__ = [
 ]
 
 CLOUDS = ("eks", "gke", "none")
+KUBERNETES_VERSION = "1.30"
+"""The Kubernetes version whose schemas the manifests are validated against (``--kubernetes-version``)."""
 ZONE_SPREADS = ("best-effort", "strict")
 
 ETCD_TLS_MOUNT = "/etc/bamboo/etcd-tls"
@@ -81,19 +85,9 @@ def _quantity(instance: object, attribute: attrs.Attribute, value: str) -> None:
         )
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
-
-
-def _port(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ValueError(f"{attribute.name} must be a port in 1..65535, got {value!r}")
+_V = attrs.validators
+_WHOLE = _V.and_(_V.instance_of(int), _V.ge(1))
+_PORT = _V.and_(_V.instance_of(int), _V.ge(1), _V.le(65535))
 
 
 def _endpoints(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -120,10 +114,10 @@ class K8sConfig:
     job: str = attrs.field(default="bamboo", validator=_dns_label)
     namespace: str = attrs.field(default="default", validator=_dns_label)
     image: str = attrs.field(default="bamboo-launch:0.1.0", validator=attrs.validators.min_len(1))
-    nodes: int = attrs.field(default=8, validator=_positive)
-    stages: int = attrs.field(default=4, validator=_positive)
-    pipelines: int = attrs.field(default=2, validator=_positive)
-    steps: int = attrs.field(default=1000, validator=_positive)
+    nodes: int = attrs.field(default=8, validator=_WHOLE)
+    stages: int = attrs.field(default=4, validator=_WHOLE)
+    pipelines: int = attrs.field(default=2, validator=_WHOLE)
+    steps: int = attrs.field(default=1000, validator=_WHOLE)
     cloud: str = attrs.field(default="eks", validator=attrs.validators.in_(CLOUDS))
     zones: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_zones)
     zone_spread: str = attrs.field(default="best-effort", validator=attrs.validators.in_(ZONE_SPREADS))
@@ -137,9 +131,9 @@ class K8sConfig:
     etcd_storage: str = attrs.field(default="2Gi", validator=_quantity)
     cpu: str = attrs.field(default="4", validator=_quantity)
     memory: str = attrs.field(default="16Gi", validator=_quantity)
-    gpus_per_node: int = attrs.field(default=1, validator=_non_negative)
-    grpc_port: int = attrs.field(default=50051, validator=_port)
-    grace_period_s: int = attrs.field(default=15, validator=_positive)
+    gpus_per_node: int = attrs.field(default=1, validator=_V.and_(_V.instance_of(int), _V.ge(0)))
+    grpc_port: int = attrs.field(default=50051, validator=_PORT)
+    grace_period_s: int = attrs.field(default=timeouts.K8S_GRACE_PERIOD_S, validator=_WHOLE)
     checkpoint_dir: str = attrs.field(default="/checkpoints", validator=attrs.validators.min_len(1))
     checkpoint_claim: str | None = attrs.field(default=None, validator=_optional_dns_label)
     agent_token_secret: str | None = attrs.field(default=None, validator=_optional_dns_label)

@@ -36,12 +36,16 @@ from bamboo.launch.events import (
     Restore,
     RunEnd,
     RunStart,
+    Startup,
     Step,
     TimeAccount,
     event_from_dict,
 )
 
-__all__ = ["EventFollower", "LiveState", "LiveView", "ProgressLines", "describe_event", "render_live"]
+__all__ = ["DEFAULT_WINDOW", "EventFollower", "LiveState", "LiveView", "ProgressLines", "describe_event", "render_live"]
+
+DEFAULT_WINDOW = 10
+"""How many recent steps the live view's samples/s figure averages over (``watch --window``)."""
 
 
 class EventFollower:
@@ -94,13 +98,18 @@ def describe_event(event: Event) -> str:
     if isinstance(event, Reconfiguration):
         return (
             f"{event.t:8.1f}s  reconfigure   {event.reason}: D={event.pipelines} P={event.stages}, "
-            f"{event.standby} standby, {event.bytes_moved / 2**20:.1f} MiB in {event.duration_s:.2f}s"
+            f"{event.standby} standby, {event.bytes_moved / 2**20:.1f} MiB; "
+            f"{'prepared while training, ' if event.prepared else ''}pause {_pause(event)}"
         )
     if isinstance(event, Restore):
+        where = {"memory": "a peer's memory", "disk": "disk", "initial": "the initial state (nothing was left)"}.get(
+            event.source or "disk", event.source or "disk")
         return (
-            f"{event.t:8.1f}s  restore       checkpoint of step {event.step} (every copy of stage "
+            f"{event.t:8.1f}s  restore       step {event.step} from {where} (every live copy of stage "
             f"{event.lost_stages} lost), {event.discarded_steps} steps trained again"
         )
+    if isinstance(event, Startup):
+        return f"{event.t:8.1f}s  started       {event.node}: {_startup(event)}"
     if isinstance(event, Checkpoint):
         return f"{event.t:8.1f}s  checkpoint    step {event.step}, {event.bytes / 2**20:.1f} MiB in {event.duration_s:.2f}s"
     if isinstance(event, RunStart):
@@ -113,6 +122,24 @@ def describe_event(event: Event) -> str:
     return f"{event.t:8.1f}s  step          {event.step}"
 
 
+def _pause(event: Reconfiguration) -> str:
+    """``0.52s (decide 0.01, barrier 0.10, transfers 0.20, groups 0.00, first step 0.21)``, or the total alone
+    for a record written without its parts."""
+    if event.barrier_s is None:
+        return f"{event.duration_s:.2f}s"
+    return (f"{event.duration_s:.2f}s (decide {event.decide_s or 0:.2f}, barrier {event.barrier_s:.2f}, transfers "
+            f"{event.transfers_s or 0:.2f}, groups {event.group_builds_s or 0:.2f}, first step "
+            f"{event.first_step_s or 0:.2f})")
+
+
+def _startup(event: Startup) -> str:
+    """The phases of a worker's start that it went through, in order."""
+    phases = (("process", event.process_s), ("imports", event.imports_s), ("model", event.model_s),
+              ("waiting", event.wait_s), ("layers", event.model_build_s), ("groups", event.group_build_s),
+              ("first step", event.first_step_s))
+    return ", ".join(f"{name} {value:.2f}s" for name, value in phases if value is not None)
+
+
 class LiveState:
     """What the live view shows, folded from records with :meth:`apply`.
 
@@ -120,7 +147,7 @@ class LiveState:
     recent events (other than steps) are kept.
     """
 
-    def __init__(self, window: int = 10, history: int = 8) -> None:
+    def __init__(self, window: int = DEFAULT_WINDOW, history: int = 8) -> None:
         if window < 1 or history < 1:
             raise ValueError(f"window and history must be >= 1, got {window} and {history}")
         self.job = ""
@@ -269,6 +296,7 @@ def render_live(state: LiveState) -> Any:
     )
     time = state.time
     share = "-" if time.step_share is None else f"{100 * time.step_share:.1f}%"
+    p50, most = time.pause_p50_s, time.pause_max_s
     header.add_row(
         f"[bold]in steps[/] {share}",
         f"[bold]start-up[/] {time.startup_s:.1f}s",
@@ -276,6 +304,15 @@ def render_live(state: LiveState) -> Any:
         f"[bold]reconfig[/] {time.reconfiguration_s:.2f}s" + (f" [bold]restore[/] {time.restore_s:.2f}s"
                                                               if time.restore_s else ""),
     )
+    if p50 is not None and most is not None:
+        parts = time.parts_s
+        header.add_row(
+            f"[bold]pause p50[/] {p50:.2f}s [bold]max[/] {most:.2f}s",
+            f"[bold]prepared[/] {time.prepared}/{len(time.pauses)}",
+            f"[bold]decide[/] {parts['decide_s']:.2f}s [bold]barrier[/] {parts['barrier_s']:.2f}s",
+            f"[bold]transfers[/] {parts['transfers_s']:.2f}s [bold]groups[/] {parts['group_builds_s']:.2f}s "
+            f"[bold]first step[/] {parts['first_step_s']:.2f}s",
+        )
     recent = "\n".join(state.recent) if state.recent else "(no events yet)"
     title = "bamboo" + (f" {state.job}" if state.job else "") + (" (finished)" if state.finished else "")
     return Panel(Group(header, "", recent), title=title, expand=False)

@@ -50,8 +50,8 @@ __all__ = [
     "MonotonicClock",
     "ProcessCluster",
     "SpotMarket",
+    "StartedClock",
     "TraceEventLike",
-    "assign_zones",
     "kill_process_group",
     "plan_market",
 ]
@@ -95,11 +95,6 @@ def _kind_name(kind: Any) -> str:
     return str(name)
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 0.0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
 @attrs.frozen
 class MarketAction:
     """One scheduled action: at ``at_s`` wall seconds after the market starts, do ``kind`` to ``node``.
@@ -107,7 +102,7 @@ class MarketAction:
     ``node`` is the trace's node name; ``deadline_s`` (notices only) is the offset of its kill.
     """
 
-    at_s: float = attrs.field(validator=_non_negative)
+    at_s: float = attrs.field(validator=attrs.validators.ge(0.0))
     kind: ActionKind = attrs.field(validator=attrs.validators.instance_of(ActionKind))
     node: str = attrs.field(validator=attrs.validators.min_len(1))
     zone: str = attrs.field(validator=attrs.validators.min_len(1))
@@ -115,22 +110,6 @@ class MarketAction:
 
     def __str__(self) -> str:
         return f"{self.kind.value} {self.node}@{self.zone}@{self.at_s:g}s"
-
-
-def assign_zones(events: Iterable[TraceEventLike], zones: Sequence[str]) -> dict[str, str]:
-    """Map each trace node to one of ``zones``, round-robin in order of first appearance.
-
-    For traces that carry no zone of their own (the paper's EC2 CSV), ``--zones a,b,c`` spreads
-    the nodes evenly, so zone-aware placement and bulk losses have something to work with.
-    """
-    if not zones or any(not zone for zone in zones):
-        raise ValueError(f"zones must be a non-empty list of non-empty names, got {list(zones)!r}")
-    mapping: dict[str, str] = {}
-    cycle = itertools.cycle(zones)
-    for event in events:
-        if event.node not in mapping:
-            mapping[event.node] = next(cycle)
-    return mapping
 
 
 def plan_market(
@@ -143,7 +122,7 @@ def plan_market(
 ) -> tuple[MarketAction, ...]:
     """The actions that replay ``events`` compressed by ``time_scale``, in execution order.
 
-    ``zone_of`` (from :func:`assign_zones`) overrides the trace's zones. Raises ``ValueError``
+    ``zone_of`` (say :func:`bamboo.bench.preemptions.assign_zones`) overrides the trace's zones. Raises ``ValueError``
     naming the event if the trace removes a node that is not alive or adds one twice.
     """
     if not time_scale > 0:
@@ -218,6 +197,28 @@ class MonotonicClock:
 
     def sleep(self, seconds: float, stop: threading.Event) -> None:
         stop.wait(max(0.0, seconds))
+
+
+class StartedClock(MonotonicClock):
+    """The market's clock of an emulated run: frozen until :meth:`start_now`, then monotonic from that instant.
+
+    The initial nodes start at once (offset 0); every later action of the trace is timed from the first
+    training step, so the workers' start-up (imports, group building) is not compressed trace time and no
+    kill lands before training begins.
+    """
+
+    def __init__(self) -> None:
+        self._frozen_at: float | None = time.monotonic()
+        self._shift = 0.0
+
+    def now(self) -> float:
+        return self._frozen_at if self._frozen_at is not None else time.monotonic() - self._shift
+
+    def start_now(self) -> None:
+        """Start the clock (once; later calls change nothing)."""
+        if self._frozen_at is not None:
+            self._shift = time.monotonic() - self._frozen_at
+            self._frozen_at = None
 
 
 class MarketActions(Protocol):

@@ -51,7 +51,7 @@ from typing import Any
 __all__ = [
     "build_view",
     "checkpoint_history",
-    "log_restore",
+    "nearest_restore",
     "next_history",
     "restore_point",
     "restore_slices",
@@ -152,15 +152,31 @@ def checkpoint_history(folder: str) -> list[tuple[int, int]]:
     return [(int(first), int(pipelines)) for first, pipelines in history.tolist()]
 
 
-def restore_slices(layout: Any, slices: MutableMapping[int, Any]) -> int:
-    """Load every slice (stage -> ``TrainableSlice``) from the checkpoint the layout (a ``JobLayout``)
-    names; returns its step.
+def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = None) -> int:
+    """Load every slice (stage -> ``TrainableSlice``) from the copy of an earlier step the layout (a
+    ``JobLayout``) names: in-memory copies of live nodes (through ``copies``, this worker's
+    :class:`bamboo.launch.copy_service.CopyService`), or its checkpoint folder; nothing when it starts over
+    from the initial state (the slices are built from the seed). Returns the step.
 
-    Raises ``CheckpointError`` (naming the file and why) if a shard no longer verifies.
+    Raises ``CheckpointError`` (naming the file and why) if a shard no longer verifies, RuntimeError when no
+    node can give a stage from memory.
     """
+    from bamboo.launch.memcopy import lineage
+
+    restore = layout.restore
+    if restore.initial:  # no copy of any step was left: the slices were built from the seed, the state of step 0
+        return 0
+    if restore.memory:
+        if copies is None:
+            raise RuntimeError(f"generation {layout.generation} restores from memory, and this node keeps no copies")
+        for stage, piece in slices.items():
+            bounds = (piece.indices.start, piece.indices.stop)
+            piece.load_state_bytes(copies.load(stage, restore.step, restore.memory[stage], bounds,
+                                               lineage(layout.history, restore.step)))
+        return int(restore.step)
     from bamboo.launch.checkpoint import load_checkpoint
 
-    loaded = load_checkpoint(layout.restore.path, stage_shards(slices))
+    loaded = load_checkpoint(restore.path, stage_shards(slices))
     if loaded.step != layout.start_step:
         raise RuntimeError(f"checkpoint {loaded.path} is of step {loaded.step}, the layout restarts at "
                            f"{layout.start_step}")
@@ -169,16 +185,42 @@ def restore_slices(layout: Any, slices: MutableMapping[int, Any]) -> int:
     return loaded.step
 
 
-def log_restore(log: Any, layout: Any) -> None:
-    """Append a ``restore`` record to the event log if this layout (a ``JobLayout``) restarts from a checkpoint."""
-    if layout.restore is None:
-        return
-    from bamboo.launch.events import Restore
+def nearest_restore(kv: Any, spec: Any, missing: Sequence[int], bounds: Sequence[Sequence[int]],
+                    alive: Iterable[str], history: Sequence[Sequence[int]]) -> Any:
+    """Where every stage restarts from when no live node holds ``missing`` at the current step (a
+    :class:`bamboo.reconfig.RestorePoint`), the nearest copy first:
 
-    step = layout.start_step
-    log.write(Restore(t=log.now(), step=step, path=layout.restore.path,
-                      lost_stages=",".join(str(s) for s in layout.restore.lost_stages),
-                      discarded_steps=max(0, layout.barrier_step - step)))
+    1. the newest step at which every stage has an in-memory copy of the job's lineage (``history``, the
+       restoring generation's) on an ``alive`` node (:mod:`bamboo.launch.memcopy`);
+    2. the newest good checkpoint of ``spec.checkpoint_dir``, when it is newer (disk is the last resort);
+    3. when neither is left (every node lost before a copy reached a survivor and before the first checkpoint,
+       or a run without checkpoints), the job's seeded initial state: it starts over from step 0, exactly, and
+       says in its log what was lost and what would have saved more of it.
+    """
+    from bamboo.launch.checkpoint import list_checkpoints
+    from bamboo.launch.memcopy import memory_restore, read_indexes
+    from bamboo.reconfig import RestorePoint
+
+    live = set(alive)
+    indexes = read_indexes(kv, spec.job)
+    found = memory_restore(indexes, bounds, live, history)
+    on_disk = list_checkpoints(spec.checkpoint_dir) if spec.checkpoint_dir else []
+    if found is not None and (not on_disk or found[0] >= on_disk[0][0]):
+        return RestorePoint(found[0], "", missing, memory=found[1])
+    try:
+        step, path = restore_point(spec.checkpoint_dir, spec.stages, missing)
+    except RuntimeError as error:
+        if found is not None:
+            return RestorePoint(found[0], "", missing, memory=found[1])
+        kept = "; ".join(f"{index.node} keeps stage(s) {sorted(index.copies)}" for index in indexes.values()
+                         if index.copies and index.node in live) or "no live node keeps any"
+        print(f"bamboo-launch restore: warning: {error}; and no step has an in-memory copy of every stage on a live "
+              f"node ({kept}): the job starts over from its initial state (a checkpoint on disk, --checkpoint-dir, "
+              "or a keeper that outlived the losses would have saved the steps done)", file=sys.stderr, flush=True)
+        return RestorePoint(0, "", missing, initial=True)
+    if found is not None and found[0] >= step:
+        return RestorePoint(found[0], "", missing, memory=found[1])
+    return RestorePoint(step, path, missing)
 
 
 def next_history(history: Sequence[Sequence[int]], start_step: int, pipelines: int) -> list[tuple[int, int]]:

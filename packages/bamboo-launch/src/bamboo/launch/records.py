@@ -6,6 +6,8 @@ Decisions live under ``/bamboo/<job>/decisions/<name>`` and are written first-wr
 | name | record | written by |
 |---|---|---|
 | ``g<g>-stop`` | :class:`StopDecision` | the lowest live rank of generation g: the step it stops at and why |
+| ``g<g>-prepare``, ``g<g>-a<k>-prepare`` | :class:`PreparedLayout` | the lowest live rank of g: the next layout, prepared while g trains |
+| ``g<G>-built-<node>`` | :class:`NodeBuilt` | each node of a prepared layout G once its part is built |
 | ``finish`` | :class:`FinishRequest` | ``bamboo-launch finish`` (or a test): end the job early, at a step boundary |
 | ``g<g>-ready-<node>``, ``g<g>-a<k>-ready-<node>`` | :class:`BarrierReady` | each holder at the barrier of g (attempt k) |
 | ``g<g>-next``, ``g<g>-a<k>-next`` | :class:`bamboo.reconfig.JobLayout` | the first holder to see every holder ready |
@@ -42,8 +44,10 @@ __all__ = [
     "FinishRequest",
     "JobEnd",
     "Leader",
+    "NodeBuilt",
     "NodeUp",
     "Preempted",
+    "PreparedLayout",
     "RecordError",
     "StopDecision",
     "WorkerError",
@@ -58,14 +62,17 @@ FINISH_DECISION = "finish"
 R = TypeVar("R")
 
 
-def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"key {attribute.name!r} must be an integer >= 0, got {value!r}")
+_NON_NEGATIVE_INT = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0))
 
 
 def _finite(_instance: object, attribute: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"key {attribute.name!r} must be a finite number, got {value!r}")
+
+
+def _optional_finite(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None:
+        _finite(_instance, attribute, value)
 
 
 def _string(_instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -133,9 +140,14 @@ class StopDecision(_Record):
     ``finish``, the job ends there (a :class:`FinishRequest`)."""
 
     NAME: ClassVar[str] = "stop decision"
-    step: int = attrs.field(validator=_non_negative_int)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     reason: str = attrs.field(validator=_string)
     finish: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    attempt: int | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE_INT))
+    """The prepared attempt of the next layout to switch to at ``step`` (:mod:`bamboo.launch.prepare`);
+    None: meet at the barrier and decide the next layout there."""
+    at: float | None = attrs.field(default=None, validator=_optional_finite)
+    """When it was decided (wall clock)."""
 
 
 @attrs.frozen
@@ -154,17 +166,52 @@ class BarrierReady(_Record):
     """A holder at the barrier: the step it is at, the stages whose state it holds at that step, and when."""
 
     NAME: ClassVar[str] = "barrier record"
-    step: int = attrs.field(validator=_non_negative_int)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     holds: tuple[int, ...] = attrs.field(converter=_stages)
     at: float = attrs.field(validator=_finite)
 
 
 @attrs.frozen
 class NodeUp(_Record):
-    """A node of an attempt finished its part (engine built, state received or sent)."""
+    """A node of an attempt finished its part (engine built, state received or sent), and when each part of it
+    ended (wall clock; None for a part it did not have): ``stopped`` training the previous layout (a holder),
+    ``planned`` (it had the layout), ``built`` (its engine and groups), ``state`` (its stages' state in place),
+    ``at`` (it published this). :mod:`bamboo.launch.pauses` breaks the reconfiguration's pause down from them."""
 
     NAME: ClassVar[str] = "up record"
     node: str = attrs.field(validator=_node)
+    at: float | None = attrs.field(default=None, validator=_optional_finite)
+    stopped: float | None = attrs.field(default=None, validator=_optional_finite)
+    planned: float | None = attrs.field(default=None, validator=_optional_finite)
+    built: float | None = attrs.field(default=None, validator=_optional_finite)
+    state: float | None = attrs.field(default=None, validator=_optional_finite)
+
+
+@attrs.frozen
+class PreparedLayout(_Record):
+    """The next layout, decided while the current one trains (``g<g>-prepare``, ``g<g>-a<k>-prepare``): a
+    :class:`bamboo.reconfig.JobLayout` as a dict, planned when the current layout had seen ``epoch`` failure
+    events; or, with ``closed``, the mark that no layout may be prepared at this index any more (a node went to
+    the barrier)."""
+
+    NAME: ClassVar[str] = "prepared layout"
+    layout: dict[str, Any] | None = attrs.field(default=None)
+    epoch: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
+    closed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.closed != (self.layout is None):
+            raise ValueError(f"a prepared layout is either closed or holds a layout (closed={self.closed})")
+
+
+@attrs.frozen
+class NodeBuilt(_Record):
+    """A node of a prepared layout built its part (its engine and groups, its transfer group) while the current
+    layout trained (``g<G>-built-<node>``)."""
+
+    NAME: ClassVar[str] = "built record"
+    node: str = attrs.field(validator=_node)
+    at: float = attrs.field(validator=_finite)
 
 
 @attrs.frozen
@@ -174,6 +221,8 @@ class AttemptOutcome(_Record):
     NAME: ClassVar[str] = "attempt outcome"
     go: bool = attrs.field(validator=attrs.validators.instance_of(bool))
     reason: str = attrs.field(validator=_string)
+    at: float | None = attrs.field(default=None, validator=_optional_finite)
+    """When it was written (wall clock)."""
 
 
 @attrs.frozen
@@ -210,7 +259,7 @@ class JobEnd(_Record):
     """The job ended: after ``steps`` steps, or with ``error`` (it cannot go on)."""
 
     NAME: ClassVar[str] = "job end"
-    steps: int = attrs.field(validator=_non_negative_int)
+    steps: int = attrs.field(validator=_NON_NEGATIVE_INT)
     error: str | None = attrs.field(default=None, validator=_optional_string)
     node: str = attrs.field(default="", validator=_string)
     """The node that wrote it."""

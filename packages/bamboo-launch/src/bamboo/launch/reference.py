@@ -1,12 +1,12 @@
 """The fault-free single-process reference that ``--verify`` compares a run with.
 
-:func:`train_reference_program` trains the whole model in one process for the run's steps, with the
-same global batch at every step, accumulated per pipeline as the run's layouts grouped it (``history``:
-``(first step, pipelines)`` of every generation) and the shares added in pipeline order, which is how
-the data-parallel all-reduce associates them. So a run that changed the number of pipelines mid-way is
-compared with the same sums, associated the same way, and an exact run matches bit for bit. Each layer's
-forward runs under the generator that :mod:`bamboo.rc.rng` derives from (seed, step, global microbatch
-index, layer index), as in the workers, so a model with dropout draws the same masks here as there.
+:func:`train_reference_program` trains the whole model in one process for the run's steps with bamboo-rc's
+reference trainer (:func:`bamboo.rc.reference.train_reference`): the same global batch at every step,
+accumulated per pipeline as the run's layouts grouped it (``history``: ``(first step, pipelines)`` of every
+generation) and the shares added in pipeline order, each step in the run's precision and loss scale, tied
+weights summed. So a run that changed the number of pipelines mid-way is
+compared with the same sums, associated the same way, and an exact run matches bit for bit.
+:func:`compare_reports` and :func:`compare_states` compare the workers' final layers with it.
 """
 
 from __future__ import annotations
@@ -26,42 +26,16 @@ def train_reference_program(
     history: Sequence[Sequence[int]],
     steps: int,
 ) -> list[dict[str, Any]]:
-    """Single-process training of the whole model for ``steps`` steps, grouped as the run was.
-
-    ``microbatch(step, index)`` gives the ``(inputs, labels)`` at position ``index`` of the global
-    batch of ``step``. ``history`` lists ``(first step, pipelines)`` of every layout generation. The
-    global batch is the same at every step; at each step the microbatch gradients are accumulated per
-    pipeline of that step's layout and the shares added in pipeline order, which is how the
-    data-parallel all-reduce associates them (bamboo-rc's ``train_reference`` does this for one fixed
-    D). So a run that changed D mid-way is compared with the same sums, associated the same way.
-    """
-    import torch
+    """Single-process training of the whole model for ``steps`` steps, grouped as the run was (``history``:
+    ``(first step, pipelines)`` of every layout generation); ``microbatch(step, index)`` gives the ``(inputs,
+    labels)`` at position ``index`` of the global batch of ``step``. The final state dict of each layer."""
     from bamboo.rc import load_config
-    from bamboo.rc.rng import global_microbatch
-    from bamboo.rc.state import TrainableSlice, clip_coefficient
+    from bamboo.rc.reference import train_reference
 
-    first_d = int(history[0][1])
-    base = load_config(config, pipelines=first_d)
-    global_microbatches = base.micro_batches * first_d
-    whole = TrainableSlice(specs, range(len(specs)), base, seed)
-    for step in range(steps):
-        pipelines = next(int(d) for first, d in reversed(history) if step >= int(first))
-        per_pipeline = global_microbatches // pipelines
-        summed: torch.Tensor | None = None
-        for pipeline in range(pipelines):
-            whole.zero_grads()
-            for k in range(per_pipeline):
-                index = global_microbatch(pipeline, per_pipeline, k)
-                inputs, labels = microbatch(step, index)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=base.bf16):
-                    outputs = whole.forward(inputs, step=step, microbatch=index)  # bamboo.rc.rng's generators
-                (loss_fn(outputs, labels) / global_microbatches).backward()
-            share = whole.flat_grads()
-            summed = share if summed is None else summed + share
-        assert summed is not None
-        whole.load_flat_grads(summed)
-        whole.apply_step(clip_coefficient(base.gradient_clipping, whole.squared_grad_norm()))
-    return [layer.state_dict() for layer in whole.layers]
+    first = int(history[0][1])
+    trained = train_reference(specs, loss_fn, load_config(config, pipelines=first), microbatch, steps, first, seed,
+                              history=history)
+    return trained.layer_states
 
 
 def train_reference_history(

@@ -63,6 +63,7 @@ from bamboo.launch.events import (
 )
 
 __all__ = [
+    "DEFAULT_BINS",
     "DEFAULT_ON_DEMAND_PRICE",
     "DEFAULT_SPOT_PRICE",
     "Prices",
@@ -79,29 +80,25 @@ DEFAULT_SPOT_PRICE = 0.918
 """$/h per GPU node on spot (EC2 p3, from the paper)."""
 DEFAULT_ON_DEMAND_PRICE = 3.06
 """$/h per GPU node on demand (EC2 p3, from the paper)."""
+DEFAULT_BINS = 60
+"""Time bins of a run's timeline and of its four-panel figure (``--bins``)."""
 
 
 class ReportError(ValueError):
     """The event log cannot give a report (no steps, a node preempted twice, ...)."""
 
 
-def _positive_price(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{attribute.name} must be a finite price > 0 ($/h), got {value!r}")
-
-
-def _optional_positive(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None and (not math.isfinite(value) or value <= 0):
-        raise ValueError(f"{attribute.name} must be > 0 or None, got {value!r}")
+_PRICE = attrs.validators.and_(attrs.validators.gt(0), attrs.validators.lt(math.inf))
+"""A finite price > 0 ($/h)."""
 
 
 @attrs.frozen
 class Prices:
     """Prices per GPU node and hour, and the optional measured on-demand reference."""
 
-    spot: float = attrs.field(default=DEFAULT_SPOT_PRICE, validator=_positive_price)
-    on_demand: float = attrs.field(default=DEFAULT_ON_DEMAND_PRICE, validator=_positive_price)
-    on_demand_throughput: float | None = attrs.field(default=None, validator=_optional_positive)
+    spot: float = attrs.field(default=DEFAULT_SPOT_PRICE, validator=_PRICE)
+    on_demand: float = attrs.field(default=DEFAULT_ON_DEMAND_PRICE, validator=_PRICE)
+    on_demand_throughput: float | None = attrs.field(default=None, validator=attrs.validators.optional(_PRICE))
     on_demand_nodes: int | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -154,6 +151,23 @@ class Report:
     value: float
     on_demand_value: float
     saving: float
+    reconfiguration_pause_p50_s: float | None = None
+    reconfiguration_pause_max_s: float | None = None
+    prepared_reconfigurations: int = 0
+    pause_decide_s: float = 0.0
+    pause_barrier_s: float = 0.0
+    pause_transfers_s: float = 0.0
+    pause_group_builds_s: float = 0.0
+    pause_first_step_s: float = 0.0
+    restores_from_memory: int = 0
+    restore_max_s: float | None = None
+    startup_process_s: float | None = None
+    startup_imports_s: float | None = None
+    startup_model_s: float | None = None
+    startup_wait_s: float | None = None
+    startup_model_build_s: float | None = None
+    startup_group_build_s: float | None = None
+    startup_first_step_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as a flat JSON-ready dict."""
@@ -172,8 +186,12 @@ def _window(events: Sequence[Event]) -> tuple[float, float, str]:
 
 
 def _node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple[float, float]]]:
-    """Each node's billed intervals ``[(join, leave)]``; raises on an impossible sequence."""
+    """Each node's billed intervals ``[(join, leave)]``; raises on an impossible sequence.
+
+    A node preempted without a ``join`` record is billed nothing: a machine killed right after it registered
+    may be confirmed dead before its agent's ``join`` record reached the log. Preempted twice is an error."""
     alive: dict[str, float] = {}
+    gone: set[str] = set()
     intervals: dict[str, list[tuple[float, float]]] = {}
     for event in events:
         if isinstance(event, Join):
@@ -184,9 +202,12 @@ def _node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple
                 )
             alive[event.node] = event.t
         elif isinstance(event, Preemption):
-            if event.node not in alive:
-                raise ReportError(f"node {event.node!r} is preempted at t={event.t:.3f} but never joined")
-            intervals.setdefault(event.node, []).append((alive.pop(event.node), event.t))
+            if event.node in gone and event.node not in alive:
+                raise ReportError(f"node {event.node!r} is preempted at t={event.t:.3f} again, and never joined "
+                                  "in between")
+            gone.add(event.node)
+            joined = alive.pop(event.node, event.t)
+            intervals.setdefault(event.node, []).append((joined, event.t))
     for node, joined in alive.items():
         intervals.setdefault(node, []).append((joined, max(joined, end)))
     return intervals
@@ -273,7 +294,23 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
         value=value,
         on_demand_value=on_demand_value,
         saving=cost_on_demand / cost_spot if cost_spot > 0 else 0.0,
+        **_pauses_and_startup(account),
     )
+
+
+def _pauses_and_startup(account: TimeAccount) -> dict[str, Any]:
+    """The report's keys on reconfiguration pauses, restores and start-up phases (see :class:`TimeAccount`)."""
+    parts = account.parts_s
+    restores = [pause for pause, _source in account.restores]
+    return {
+        "reconfiguration_pause_p50_s": account.pause_p50_s, "reconfiguration_pause_max_s": account.pause_max_s,
+        "prepared_reconfigurations": account.prepared, "pause_decide_s": parts["decide_s"],
+        "pause_barrier_s": parts["barrier_s"], "pause_transfers_s": parts["transfers_s"],
+        "pause_group_builds_s": parts["group_builds_s"], "pause_first_step_s": parts["first_step_s"],
+        "restores_from_memory": sum(source == "memory" for _pause, source in account.restores),
+        "restore_max_s": max(restores) if restores else None,
+        **{f"startup_{part}": value for part, value in account.startup_parts().items()},
+    }
 
 
 def format_report(report: Report) -> str:
@@ -294,7 +331,14 @@ def format_report(report: Report) -> str:
         f"max {seconds(report.max_pause_s)})",
         f"  reconfigurations {report.reconfigurations} ({report.bytes_moved} bytes moved, "
         f"{report.reconfiguration_s:.3f} s; {report.consecutive_failures} after a consecutive failure)",
-        f"  restores         {report.restores} from a checkpoint ({report.redone_steps} steps trained again)",
+        f"  pauses           reconfigurations p50 {seconds(report.reconfiguration_pause_p50_s)}, max "
+        f"{seconds(report.reconfiguration_pause_max_s)} ({report.prepared_reconfigurations} prepared while training); "
+        f"in all: decide {report.pause_decide_s:.2f} s, barrier {report.pause_barrier_s:.2f} s, transfers "
+        f"{report.pause_transfers_s:.2f} s, group builds {report.pause_group_builds_s:.2f} s, first steps "
+        f"{report.pause_first_step_s:.2f} s",
+        f"  restores         {report.restores} ({report.restores_from_memory} from a peer's memory, the rest from "
+        f"disk; max pause {seconds(report.restore_max_s)}; {report.redone_steps} steps trained again)",
+        f"  start-up         {_startup(report)}",
         f"  time lost        {report.lost_s:.1f} s: start-up {report.startup_s:.1f} s, failover pauses "
         f"{report.failover_s:.2f} s, reconfigurations {report.reconfiguration_s:.2f} s, restores "
         f"{report.restore_s:.2f} s; steps {_share(report.step_share)} of the training window",
@@ -307,6 +351,16 @@ def format_report(report: Report) -> str:
         f"  value            {report.value:.4f} samples/s per $/h (on-demand {report.on_demand_value:.4f})",
     ]
     return "\n".join(lines)
+
+
+def _startup(report: Report) -> str:
+    """The median phases of the first workers' start (those a record gave)."""
+    phases = (("process", report.startup_process_s), ("imports", report.startup_imports_s),
+              ("model", report.startup_model_s), ("waiting", report.startup_wait_s),
+              ("layers", report.startup_model_build_s), ("groups", report.startup_group_build_s),
+              ("first step", report.startup_first_step_s))
+    shown = ", ".join(f"{name} {value:.2f} s" for name, value in phases if value is not None)
+    return f"{report.startup_s:.1f} s to the first step" + (f" (median per worker: {shown})" if shown else "")
 
 
 def _rate(value: float | None) -> str:
@@ -329,7 +383,7 @@ class Timeline:
     preemption_times: tuple[float, ...]
 
 
-def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = 60) -> Timeline:
+def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = DEFAULT_BINS) -> Timeline:
     """Bin the run into ``bins`` equal windows: average alive nodes, throughput, $/h and value.
 
     A step's samples are spread evenly over ``[t - duration_s, t]`` (clipped to the window).
@@ -381,7 +435,7 @@ def plot_report(
     events: Sequence[Event],
     out: str | Path,
     prices: Prices | None = None,
-    bins: int = 60,
+    bins: int = DEFAULT_BINS,
 ) -> Path:
     """Write the four-panel figure (nodes, throughput, cost, value over time) to ``out`` (PNG).
 

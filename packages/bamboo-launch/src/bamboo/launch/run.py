@@ -37,6 +37,9 @@ from typing import Any
 
 import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.market import ActionKind, MarketAction, StartedClock, plan_market
+from bamboo.launch.spec import DEFAULT_CHECKPOINT_EVERY, DEFAULT_STEPS, MEMORY_COPY_EVERY, REDUNDANCY
+from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = [
     "RunError",
@@ -46,7 +49,6 @@ __all__ = [
     "agent_command",
     "compare_with_reference",
     "initial_plan",
-    "load_preemptions",
     "run_cluster",
     "run_spec_fields",
 ]
@@ -56,9 +58,7 @@ class RunError(RuntimeError):
     """The run could not start or finish; the message says why."""
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+_POSITIVE = attrs.validators.gt(0)
 
 
 def _script_file(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -75,10 +75,10 @@ def _script_file(instance: object, attribute: attrs.Attribute, value: tuple[str,
 class RunOptions:
     """Everything ``bamboo-launch run`` takes (see ``bamboo-launch run --help``)."""
 
-    nodes: int = attrs.field(validator=_positive)
-    stages: int = attrs.field(validator=_positive)
-    pipelines: int = attrs.field(validator=_positive)
-    steps: int = attrs.field(default=20, validator=_positive)
+    nodes: int = attrs.field(default=8, validator=_POSITIVE)
+    stages: int = attrs.field(default=4, validator=_POSITIVE)
+    pipelines: int = attrs.field(default=2, validator=_POSITIVE)
+    steps: int = attrs.field(default=DEFAULT_STEPS, validator=_POSITIVE)
     zones: tuple[str, ...] | None = None
     etcd: tuple[str, ...] | None = None
     etcd_user: str | None = None
@@ -87,32 +87,37 @@ class RunOptions:
     etcd_cert: str | None = None
     etcd_key: str | None = None
     preemptions: str | None = None
-    time_scale: float = attrs.field(default=60.0, validator=_positive)
-    hours: float = attrs.field(default=1.0, validator=_positive)
+    time_scale: float = attrs.field(default=60.0, validator=_POSITIVE)
+    hours: float = attrs.field(default=1.0, validator=_POSITIVE)
     trace_seed: int = 0
-    allocation_delay_s: float = 0.0
-    notice_s: float = 0.0
+    allocation_delay_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
+    notice_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
     checkpoint_dir: str | None = None
-    checkpoint_every: int = attrs.field(default=10, validator=_positive)
+    """Where the job's checkpoints go (None: ``RUN_DIR/checkpoints``; a job never runs without them)."""
+    checkpoint_every: int = attrs.field(default=DEFAULT_CHECKPOINT_EVERY, validator=_POSITIVE)
+    memory_copy_every: int = attrs.field(default=MEMORY_COPY_EVERY, validator=attrs.validators.ge(0))
+    """Steps between in-memory copies of every stage (0: none)."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (refused when it has none)."""
     confirm_timeout_s: float | None = None
     """The runtime's confirm timeout (None: bamboo-rc's default)."""
     group_timeout_s: float | None = None
     """The runtime's gloo group timeout (None: bamboo-rc's default)."""
-    reconfigure_timeout_s: float = attrs.field(default=timeouts.RECONFIGURE_TIMEOUT_S, validator=_positive)
+    reconfigure_timeout_s: float = attrs.field(default=timeouts.RECONFIGURE_TIMEOUT_S, validator=_POSITIVE)
     run_dir: str | None = None
     events: str | None = None
     job: str | None = None
-    redundancy: str = "eflb"
+    redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
     size: dict[str, int] = attrs.field(factory=dict)
     seed: int = 0
-    ttl: int = 2
-    grace_s: float = 2.0
-    timeout_s: float = attrs.field(default=timeouts.RUN_TIMEOUT_S, validator=_positive)
+    ttl: int = attrs.field(default=membership_timeouts.LEASE_TTL_S, validator=_POSITIVE)
+    grace_s: float = attrs.field(default=membership_timeouts.GRACE_PERIOD_S, validator=_POSITIVE)
+    timeout_s: float = attrs.field(default=timeouts.RUN_TIMEOUT_S, validator=_POSITIVE)
     live: bool = False
-    progress_every: int = attrs.field(default=10, validator=_positive)
+    progress_every: int = attrs.field(default=10, validator=_POSITIVE)
     """Without the live view, a progress line each time the step crosses a multiple of this."""
+    device: str | None = None
+    """Every worker's device (``--device``: ``cpu``, ``cuda``, ``cuda:N``, ``auto``); None: the workers' default."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
     """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""
 
@@ -122,8 +127,8 @@ class RunOptions:
                 f"--nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} stages "
                 f"(needs at least {self.stages * self.pipelines})"
             )
-        if self.resume and self.checkpoint_dir is None:
-            raise ValueError("--resume needs --checkpoint-dir, the directory to resume from")
+        if self.resume and self.checkpoint_dir is None and self.run_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir, or the --run-dir of the run to resume (its checkpoints)")
 
 
 @attrs.frozen
@@ -159,54 +164,19 @@ class RunResult:
         return min((r["steps_done"] for r in self.reports.values()), default=0)
 
 
-def load_preemptions(
-    text: str, *, nodes: int, zones: Sequence[str] | None, hours: float, seed: int
-) -> tuple[Any, dict[str, str] | None]:
-    """The trace named by ``FILE|synthetic:RATE`` and the zone of each trace node (None: the trace's own).
-
-    A malformed file raises bamboo-bench's ``TraceFormatError`` (a ``ValueError``) naming the line.
-    """
-    from bamboo.launch.market import assign_zones
-
-    if text.startswith("synthetic:"):
-        from bamboo.bench.synthetic import SyntheticSpec, generate_trace
-
-        rate_text = text.split(":", 1)[1]
-        try:
-            rate = float(rate_text)
-        except ValueError:
-            raise ValueError(f"--preemptions synthetic:RATE needs a number RATE in [0, 1], got {rate_text!r}") from None
-        spec = SyntheticSpec(preemption_probability=rate, desired_nodes=nodes, zones=len(zones) if zones else 3)
-        trace = generate_trace(spec, hours, seed)
-        if not zones:
-            return trace, None
-        names = dict(zip(trace.zone_names, zones, strict=False))
-        return trace, {event.node: names[event.zone] for event in trace.events()}
-    from bamboo.bench.loaders import load_trace
-
-    trace = load_trace(text)
-    if not zones:
-        return trace, None
-    used = sorted({event.zone for event in trace.events()})
-    if len(used) > 1:
-        raise ValueError(f"the trace {text} already has zones {used}; --zones is for traces without zones")
-    return trace, assign_zones(trace.events(), zones)
-
-
-def initial_plan(options: RunOptions) -> tuple[Any, ...]:
+def initial_plan(options: RunOptions) -> tuple[MarketAction, ...]:
     """The market plan: the trace's, or (without ``--preemptions``) ``nodes`` adds at t=0 over the zones."""
-    from bamboo.launch.market import ActionKind, MarketAction, plan_market
+    from bamboo.bench.preemptions import load_preemptions  # numpy and the loaders: the launcher's only
 
     if options.preemptions is None:
         zones = options.zones or ("zone-a", "zone-b", "zone-c")
         return tuple(
             MarketAction(0.0, ActionKind.ADD, f"n{i}", zones[i % len(zones)]) for i in range(options.nodes)
         )
-    trace, zone_of = load_preemptions(
-        options.preemptions, nodes=options.nodes, zones=options.zones, hours=options.hours, seed=options.trace_seed
-    )
+    trace = load_preemptions(options.preemptions, nodes=options.nodes, zones=options.zones, hours=options.hours,
+                             seed=options.trace_seed)
     return plan_market(trace.events(), time_scale=options.time_scale, allocation_delay_s=options.allocation_delay_s,
-                       notice_s=options.notice_s, zone_of=zone_of)
+                       notice_s=options.notice_s)
 
 
 def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_dir: Path, min_nodes: int,
@@ -236,6 +206,8 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
             command += [flag, secret]
     if options.notice_s > 0:  # the market's SIGTERM comes this long before its kill
         command += ["--notice-window", str(options.notice_s)]
+    if options.device is not None:
+        command += ["--device", options.device]
     if script:
         command += ["--", *script]
     return command
@@ -248,6 +220,7 @@ def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
         "stages": options.stages, "pipelines": options.pipelines, "steps": options.steps, "min_nodes": min_nodes,
         "redundancy": options.redundancy, "seed": options.seed, "ttl": options.ttl, "grace_s": float(options.grace_s),
         "reconfigure_timeout_s": float(options.reconfigure_timeout_s), "checkpoint_every": options.checkpoint_every,
+        "memory_copy_every": options.memory_copy_every,
     }
     if options.resume:
         fields["resume"] = True
@@ -357,7 +330,7 @@ def run_cluster(
     initial agents are started (no layout yet: its handles' ``node_of_rank`` is empty).
     """
     from bamboo.launch.events import RunEnd, read_events
-    from bamboo.launch.market import ActionKind, ExecutedAction, ProcessCluster, SpotMarket
+    from bamboo.launch.market import ExecutedAction, ProcessCluster, SpotMarket
     from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 
     say = progress or (lambda message: None)
@@ -374,6 +347,12 @@ def run_cluster(
     except AgentError as error:
         raise RunError(str(error)) from None
     run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="bamboo-run-")).resolve()
+    if options.checkpoint_dir is None:  # a job never dies for want of a flag: it checkpoints into its run dir
+        options = attrs.evolve(options, checkpoint_dir=str(run_dir / "checkpoints"))
+        try:
+            refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
+        except AgentError as error:
+            raise RunError(f"{error} (the run dir's default checkpoint folder; give a new --run-dir)") from None
     (run_dir / "out").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     events_path = Path(options.events) if options.events else run_dir / "events.jsonl"
@@ -408,7 +387,7 @@ def run_cluster(
     cluster = ProcessCluster(lambda node, zone: agent_command(options, job, endpoints, run_dir, len(initial),
                                                               node, zone),
                              env=env, log_dir=run_dir / "logs")
-    clock = _TrainingClock()
+    clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
     recorder = _Recorder(kv, job, events_path)
     timed_out = False
@@ -483,30 +462,6 @@ def _preempter(cluster: Any, say: Callable[[str], None]) -> Callable[[str], None
         say(f"killed {node} ({cluster.zones.get(process, 'unknown')})")
 
     return preempt
-
-
-class _TrainingClock:
-    """The market's clock: frozen until :meth:`start_now`, then monotonic from that instant.
-
-    The initial nodes start at once (offset 0); every later action of the trace is timed from
-    the first training step, so worker start-up (imports, group building) is not compressed trace
-    time and no kill lands before training begins.
-    """
-
-    def __init__(self) -> None:
-        self._frozen_at: float | None = time.monotonic()
-        self._shift = 0.0
-
-    def now(self) -> float:
-        return self._frozen_at if self._frozen_at is not None else time.monotonic() - self._shift
-
-    def start_now(self) -> None:
-        if self._frozen_at is not None:
-            self._shift = time.monotonic() - self._frozen_at
-            self._frozen_at = None
-
-    def sleep(self, seconds: float, stop: Any) -> None:
-        stop.wait(max(0.0, seconds))
 
 
 def _last_line(path: Path) -> str:
@@ -643,6 +598,11 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, 
     from bamboo.launch.reference import compare_reports, compare_states
     from bamboo.launch.spec import JobSpec
 
+    if result.job_error is not None:  # the job's own error, not the missing reports it left
+        raise RunError(f"the job ended with an error: {result.job_error}")
+    if result.timed_out:
+        raise RunError(f"the run did not finish within --timeout {options.timeout_s:g} s (after {result.steps_done} "
+                       "steps): nothing to verify")
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
     spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())

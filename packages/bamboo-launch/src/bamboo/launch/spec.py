@@ -26,12 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from bamboo.launch import timeouts
+from bamboo.membership import timeouts as membership_timeouts
+from bamboo.rc import timeouts as rc_timeouts
 
 __all__ = [
     "AGENT_DONE",
     "AGENT_JOB_FAILED",
     "AGENT_USAGE",
+    "DEFAULT_CHECKPOINT_EVERY",
+    "DEFAULT_STEPS",
     "ENV_CONTEXT",
+    "FLAG_OF",
+    "MEMORY_COPY_EVERY",
+    "REDUNDANCY",
     "SPEC_VERSION",
     "WORKER_DONE",
     "WORKER_ERROR",
@@ -44,6 +52,13 @@ __all__ = [
 ]
 
 SPEC_VERSION = 1
+MEMORY_COPY_EVERY = 1
+"""Default steps between in-memory copies of every stage (``--memory-copy-every``): a restore after every live
+copy of a stage is lost redoes at most this many steps less one."""
+DEFAULT_STEPS = 20
+"""A job's training steps when no ``--steps`` is given (``bamboo-launch agent`` and ``run``)."""
+DEFAULT_CHECKPOINT_EVERY = 10
+"""Steps between two asynchronous checkpoints when no ``--checkpoint-every`` is given."""
 ENV_CONTEXT = "BAMBOO_WORKER_CONTEXT"
 """The environment variable that names a worker's :class:`WorkerContext` file."""
 
@@ -63,19 +78,11 @@ class SpecError(ValueError):
     """A spec or context that is malformed or of an unknown version; the message names the key."""
 
 
-def _positive_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
-
-
-def _positive_number(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{attribute.name} must be a number > 0, got {value!r}")
+_WHOLE = attrs.validators.instance_of(int)
+_POSITIVE_INT = attrs.validators.and_(_WHOLE, attrs.validators.ge(1))
+_NON_NEGATIVE_INT = attrs.validators.and_(_WHOLE, attrs.validators.ge(0))
+_POSITIVE_NUMBER = attrs.validators.and_(attrs.validators.instance_of((int, float)), attrs.validators.gt(0),
+                                         attrs.validators.lt(math.inf))
 
 
 def _job_name(_instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -88,6 +95,7 @@ def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
 
 
 REDUNDANCY = ("none", "lflb", "eflb", "efeb")
+"""The redundant computation modes (``--redundancy``): none, lazy (``lflb``) or eager (``eflb``, ``efeb``)."""
 
 # The fields of a spec that an agent's flags set, with the flag that sets each (for conflict messages).
 FLAG_OF = {
@@ -101,6 +109,7 @@ FLAG_OF = {
     "seed": "--seed",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
+    "memory_copy_every": "--memory-copy-every",
     "resume": "--resume",
     "ttl": "--ttl",
     "grace_s": "--grace",
@@ -121,32 +130,34 @@ class JobSpec:
     """
 
     job: str = attrs.field(validator=_job_name)
-    stages: int = attrs.field(validator=_positive_int)
-    pipelines: int = attrs.field(validator=_positive_int)
-    steps: int = attrs.field(validator=_positive_int)
+    stages: int = attrs.field(validator=_POSITIVE_INT)
+    pipelines: int = attrs.field(validator=_POSITIVE_INT)
     layers: tuple[dict[str, Any], ...] = attrs.field(converter=lambda v: tuple(_plain_json(x) for x in v))
     config: dict[str, Any] = attrs.field(converter=_plain_json)
-    micro_batches: int = attrs.field(validator=_positive_int)
+    micro_batches: int = attrs.field(validator=_POSITIVE_INT)
     """Microbatches per pipeline per step at ``pipelines`` pipelines (the global batch is ``micro_batches *
     pipelines`` microbatches, kept when the number of pipelines changes)."""
-    created_unix: float = attrs.field(validator=_positive_number)
-    min_nodes: int = attrs.field(default=0, validator=_non_negative_int)
+    created_unix: float = attrs.field(validator=_POSITIVE_NUMBER)
+    steps: int = attrs.field(default=DEFAULT_STEPS, validator=_POSITIVE_INT)
+    min_nodes: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """Registered nodes the first layout waits for (0: P x D)."""
     redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     """``SCRIPT ARGS`` of a user script (every worker runs ``python SCRIPT ARGS``); empty: the built-in example."""
     size: dict[str, int] = attrs.field(factory=dict, converter=_plain_json)
     """The built-in example's ``GPTSize`` keywords."""
-    seed: int = attrs.field(default=0, validator=_non_negative_int)
+    seed: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     checkpoint_dir: str | None = None
-    checkpoint_every: int = attrs.field(default=10, validator=_positive_int)
+    checkpoint_every: int = attrs.field(default=DEFAULT_CHECKPOINT_EVERY, validator=_POSITIVE_INT)
+    memory_copy_every: int = attrs.field(default=MEMORY_COPY_EVERY, validator=_NON_NEGATIVE_INT)
+    """Steps between in-memory copies of every stage (:mod:`bamboo.launch.memcopy`; 0: none)."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (a run that ended, or was stopped)."""
-    ttl: int = attrs.field(default=2, validator=_positive_int)
-    grace_s: float = attrs.field(default=2.0, validator=_positive_number)
-    confirm_timeout_s: float = attrs.field(default=60.0, validator=_positive_number)
-    group_timeout_s: float = attrs.field(default=60.0, validator=_positive_number)
-    reconfigure_timeout_s: float = attrs.field(default=120.0, validator=_positive_number)
+    ttl: int = attrs.field(default=membership_timeouts.LEASE_TTL_S, validator=_POSITIVE_INT)
+    grace_s: float = attrs.field(default=membership_timeouts.GRACE_PERIOD_S, validator=_POSITIVE_NUMBER)
+    confirm_timeout_s: float = attrs.field(default=rc_timeouts.CONFIRM_S, validator=_POSITIVE_NUMBER)
+    group_timeout_s: float = attrs.field(default=rc_timeouts.GROUP_S, validator=_POSITIVE_NUMBER)
+    reconfigure_timeout_s: float = attrs.field(default=timeouts.RECONFIGURE_TIMEOUT_S, validator=_POSITIVE_NUMBER)
 
     def __attrs_post_init__(self) -> None:
         if len(self.layers) < self.stages:
@@ -342,11 +353,6 @@ def _as_layers(value: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(layers)
 
 
-def _callable(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not callable(value):
-        raise TypeError(f"{attribute.name} must be callable, got {type(value).__name__}")
-
-
 def _as_config(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -360,6 +366,6 @@ class Program:
     """What a training script gives the launcher: its model, loss, data and DeepSpeed config."""
 
     layers: tuple[Any, ...] = attrs.field(converter=_as_layers)
-    loss_fn: Callable[[Any, Any], Any] = attrs.field(validator=_callable)
-    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=_callable)
+    loss_fn: Callable[[Any, Any], Any] = attrs.field(validator=attrs.validators.is_callable())
+    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=attrs.validators.is_callable())
     config: dict[str, Any] | None = attrs.field(default=None, converter=_as_config)

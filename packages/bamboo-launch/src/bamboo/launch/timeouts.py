@@ -12,11 +12,15 @@ __all__ = [
     "ABANDONED_JOIN_S",
     "AGENT_POLL_S",
     "ATTEMPT_POLL_S",
+    "ATTEMPT_READY_POLL_S",
     "ATTEMPT_STORE_POLL_MAX_S",
+    "COPY_INDEX_S",
+    "COPY_TRANSFER_S",
     "DECISION_POLL_S",
     "ETCD_OUTAGE_S",
     "ETCD_RETRY_S",
     "K8S_API_TIMEOUT_S",
+    "K8S_GRACE_PERIOD_S",
     "LEADER_POLL_S",
     "LIVE_REFRESH_S",
     "MARKET_STOP_S",
@@ -31,6 +35,7 @@ __all__ = [
     "SPEC_POLL_S",
     "SPEC_WAIT_S",
     "THREAD_JOIN_S",
+    "WATCH_POLL_S",
     "WORKER_EXIT_GRACE_S",
     "WORKER_POLL_S",
 ]
@@ -67,7 +72,7 @@ SPEC_WAIT_S = 600.0
 WORKER_EXIT_GRACE_S = 30.0
 """Once the job has ended, how long an agent waits for its worker to exit by itself before killing it."""
 
-RUN_TIMEOUT_S = 900.0
+RUN_TIMEOUT_S = 3600.0
 """How long ``bamboo-launch run`` may take in all before every node is killed (``--timeout``)."""
 
 SCRIPT_DESCRIBE_TIMEOUT_S = 300.0
@@ -82,6 +87,10 @@ SPEC_POLL_S = 0.2
 K8S_API_TIMEOUT_S = 10.0
 """Deadline of the agent's one request to the Kubernetes API (its node's zone label, ``--k8s-node``)."""
 
+K8S_GRACE_PERIOD_S = 15
+"""The rendered pods' ``terminationGracePeriodSeconds`` (``k8s render --grace-period``): from SIGTERM (a
+preemption notice) to the kill. GKE spot gives non-system pods 15 s."""
+
 WORKER_POLL_S = 0.05
 """How often a worker without a role checks the layout and the job's end (and how often holders at a
 barrier that lack nodes for one pipeline try again)."""
@@ -95,6 +104,10 @@ DECISION_POLL_S = 0.02
 ATTEMPT_POLL_S = 0.2
 """How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership."""
 
+ATTEMPT_READY_POLL_S = 0.02
+"""How often a node of a reconfiguration attempt whose own part is done checks the outcome and the nodes up
+(the training of the new layout waits on it)."""
+
 ATTEMPT_STORE_POLL_MAX_S = 0.02
 """Longest pause between reads of an attempt's abandonable c10d store while it waits for a key."""
 
@@ -102,8 +115,19 @@ ABANDONED_JOIN_S = 2.0
 """How long a node waits for the thread of an abandoned attempt to end (one blocked on a dead peer does not;
 it is left behind, and ends at the group's timeout, freeing what it holds)."""
 
+COPY_TRANSFER_S = 10.0
+"""Deadline of one in-memory copy sent to a keeper, or fetched from one for a restore (connection and each
+read); a send that misses it is dropped (the next copy step sends again), a fetch tries the next keeper."""
+
+COPY_INDEX_S = 0.05
+"""Shortest pause between two updates of a node's index of in-memory copies in etcd (changes in between are
+published together)."""
+
 RUN_POLL_S = 0.1
 """How often ``bamboo-launch run`` mirrors the event log and checks its agents."""
+
+WATCH_POLL_S = 0.5
+"""How often ``bamboo-launch watch`` reads the event log again (``--interval``)."""
 
 LIVE_REFRESH_S = 0.25
 """How often the live view of ``bamboo-launch run`` is redrawn."""

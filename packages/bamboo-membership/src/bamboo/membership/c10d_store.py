@@ -5,7 +5,7 @@ does, and `bamboo.membership.EtcdStore` only loads this module when first used.
 
 `EtcdStore(kv, prefix)` keeps every c10d key under `prefix` in etcd. Values are the opaque bytes that
 c10d and gloo write (addresses, counters as decimal text); they are c10d's payloads, not Bamboo records.
-A new group gets a new prefix (DESIGN.md: never reuse a prefix), e.g. `c10d_prefix(job, "epoch-3/dp-1")`,
+A new group gets a new prefix (a prefix is never reused), e.g. `c10d_prefix(job, "epoch-3/dp-1")`,
 and then, with no `init_process_group`:
 
     store = EtcdStore(kv, c10d_prefix("job", "epoch-3/pp-0"))

@@ -1,6 +1,6 @@
 """The membership store: nodes, epoch, failure reports, decisions and layout of one job, in etcd.
 
-Keys (DESIGN.md, "Wire and storage contracts"), all under `/bamboo/<job>/`:
+Keys (the job-wide records of docs/architecture.md, "The processes"), all under `/bamboo/<job>/`:
 
 | key | value | written |
 |---|---|---|

@@ -5,7 +5,8 @@ A stage executor that interprets `bamboo.schedule` instruction streams over torc
 exact replica sync, lazy BRC and failover at any instruction. Each node builds exactly the stage
 bounds it is given (by default bamboo-reconfig's split, :func:`bamboo.rc.model.stage_bounds`).
 `initialize` is the DeepSpeed-compatible front door (`PipelineModule`: DeepSpeed's, as a description
-that needs no process group); `bamboo-rc verify` checks an install end to
+that needs no process group); `from_transformers` splits a Hugging Face causal LM into its layers;
+`bamboo.rc.data` holds resumable token datasets; `bamboo-rc verify` checks an install end to
 end.
 
 Importing ``bamboo.rc`` does not import torch: the failure records, the failover coordinator and the
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from bamboo.rc.engine import Engine, initialize
     from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
     from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
+    from bamboo.rc.hf import from_transformers
     from bamboo.rc.interpreter import StageInterpreter
     from bamboo.rc.model import layer_costs, stage_bounds
     from bamboo.rc.monitor import StepInfo
@@ -48,6 +50,7 @@ _LAZY = {
     "Engine": "engine", "initialize": "engine",
     "REDUNDANCY_MODES": "executor", "ExecutorHook": "executor", "StageExecutor": "executor",
     "FaultInjector": "faults", "KillPoint": "faults", "NoticePoint": "faults",
+    "from_transformers": "hf",
     "StageInterpreter": "interpreter",
     "layer_costs": "model", "stage_bounds": "model",
     "StepInfo": "monitor",
@@ -93,6 +96,7 @@ __all__ = [
     "StoreFailureNotices",
     "TrainingConfig",
     "export_stage_state",
+    "from_transformers",
     "import_stage_state",
     "initialize",
     "layer_costs",

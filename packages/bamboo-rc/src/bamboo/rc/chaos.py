@@ -38,13 +38,20 @@ from collections.abc import Callable
 
 from bamboo.rc.faults import KillPoint, NoticePoint
 from bamboo.rc.ring import fault_free_ring_stream
-from bamboo.rc.timeouts import CHAOS_BUILD_S, CHAOS_CONFIRM_S, CHAOS_DEADLINE_S, CHAOS_GROUP_S, CommTimeouts
+from bamboo.rc.timeouts import (
+    CHAOS_BUILD_S,
+    CHAOS_CONFIRM_S,
+    CHAOS_DEADLINE_S,
+    CHAOS_GROUP_S,
+    NOTICE_LEAD_S,
+    CommTimeouts,
+)
 from bamboo.rc.verify import DEFAULT_CONFIG, VerifyResult, run_verify
 from bamboo.schedule import Schedule, merged_schedule, one_f_one_b
 
 __all__ = ["random_handover_plans", "random_kill_points", "run_chaos"]
 
-HANDOVER_LEAD_S = 60.0
+HANDOVER_LEAD_S = NOTICE_LEAD_S
 """Seconds between a chaos notice and its deadline: ample time to hand over after the step it comes in."""
 
 

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
     verify.add_argument("--sequence", type=_positive_int, default=32, help="bytes per sample (default 32)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampler (default 0)")
+    verify.add_argument("--device", default=None,
+                        help="where the workers and the reference train: cpu, cuda (the workers spread over the GPUs "
+                             "by rank, several sharing a GPU when there are fewer GPUs), cuda:N or auto (default: "
+                             "$BAMBOO_DEVICE, else auto: a GPU when CUDA is present, else cpu)")
     verify.add_argument("--timeout", type=_positive_float, default=VERIFY_DEADLINE_S,
                         help=f"seconds before unfinished workers are killed and verify fails (default {VERIFY_DEADLINE_S:g})")
     verify.add_argument("--group-timeout", type=_positive_float, default=GROUP_S,
@@ -207,10 +211,11 @@ def _verify(args: argparse.Namespace) -> int:
             timeouts=CommTimeouts(group=args.group_timeout, build=args.build_timeout, confirm=args.confirm_timeout),
             notice_points=tuple(NoticePoint(stage, pipeline, step, args.notice_lead)
                                 for stage, pipeline, step in args.notice),
+            device=args.device,
         )
     failed = {rank: code for rank, code in result.worker_exit_codes.items() if code != 0 and rank not in result.killed}
     console.print(f"P={args.stages} D={args.pipelines} steps={args.steps} redundancy={args.redundancy} "
-                  f"({result.seconds:.1f} s)")
+                  f"device={result.device} ({result.seconds:.1f} s)")
     console.print(f"max parameter difference: {result.max_relative_diff:.3e} relative, "
                   f"{result.max_abs_diff:.3e} absolute (tolerance {RELATIVE_TOLERANCE:g} relative)")
     console.print(f"max replica-versus-original difference: {result.max_replica_diff:.3e} "
@@ -294,15 +299,11 @@ def _soak(args: argparse.Namespace) -> int:
 def _pause(result: VerifyResult, failover: FailoverRecord) -> str:
     """The failover's pause as the survivors saw it: from the kill to the last survivor resuming, and
     to the last survivor ending the failed step ('' when the kill time is not known)."""
-    stages = len(result.stage_bounds)
-    victims = [pipeline * stages + node for pipeline, nodes in failover.victims.items() for node in nodes]
-    killed = [result.kill_times[rank] for rank in victims if rank in result.kill_times]
-    same = [f for f in result.failovers if f.epoch == failover.epoch and f.own_pipeline]
-    if not killed or not same:
+    pause = result.pause_seconds(failover)
+    if pause is None:
         return ""
-    resumed = max(f.resumed_at for f in same) - min(killed)
-    ended = [f.iteration_end for f in same if f.iteration_end is not None]
-    end = f", {1e3 * (max(ended) - min(killed)):.0f} ms to the end of the failed step" if ended else ""
+    resumed, ended = pause
+    end = f", {1e3 * ended:.0f} ms to the end of the failed step" if ended is not None else ""
     return f"; pause {1e3 * resumed:.0f} ms from the kill until every survivor resumed{end}"
 
 

@@ -57,7 +57,7 @@ CHUNK_BYTES = 1 << 20
 # because gloo pairs the sends and receives of one tag between two ranks first in, first out: each side
 # queues them per tag in the order they were posted, over one TCP stream, so chunk i + MAX_CHUNKS lands
 # where it belongs, after chunk i. (Replica syncs still go in messages of at most MAX_CHUNKS chunks,
-# 256 MiB, each of which a failover resumes on its own: StageInterpreter._transfer_segments.)
+# 256 MiB, each of which a failover resumes on its own: StageInterpreter._receive_segments; a sync send is posted whole.)
 MAX_CHUNKS = 256
 # A group's list of posted operations is pruned of finished ones when it reaches this length.
 _PRUNE_AT = 256

@@ -1,15 +1,17 @@
 """DeepSpeed config parsing for the bamboo runtime.
 
 A DeepSpeed user keeps their config file. This module reads the subset that bamboo supports
-(micro batch size, gradient accumulation, optimizer, scheduler, gradient clipping, bf16, and the
-monitors ``tensorboard``, ``csv_monitor`` and ``wandb``) into a frozen :class:`TrainingConfig`.
+(micro batch size, gradient accumulation, optimizer, scheduler, gradient clipping, bf16, fp16 with its
+loss scaling, and the monitors ``tensorboard``, ``csv_monitor`` and ``wandb``) into a frozen
+:class:`TrainingConfig`.
 
 Nothing is silently ignored:
 
 - keys that change nothing in bamboo (:data:`NO_EFFECT_KEYS`, a disabled ``fp16``, ZeRO stage 0)
   are accepted with one :class:`ConfigWarning` each, naming the key;
-- every other key it does not support, and every enabled feature it does not have (``fp16``,
-  ZeRO stage 1 and above, the ``comet`` monitor), raises :class:`ConfigError` naming that key.
+- every other key it does not support, and every enabled feature it does not have (ZeRO stage 1
+  and above, the ``comet`` monitor, ``fp16`` and ``bf16`` both enabled), raises :class:`ConfigError`
+  naming that key.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import attrs
 import torch
 from bamboo.rc.optim import SGD, Adam, Optimizer, WarmupSchedule
+from bamboo.rc.precision import LossScaleConfig
 
 __all__ = [
     "MONITORS",
@@ -72,11 +75,20 @@ SUPPORTED_KEYS: tuple[str, ...] = (
     "scheduler",
     "gradient_clipping",
     "bf16",
+    "fp16",
     *MONITORS,
 )
 
 # Keys that are read only to check that they enable nothing bamboo lacks (then they give a warning).
-_CHECKED_KEYS: tuple[str, ...] = (*NO_EFFECT_KEYS, "fp16", "zero_optimization", "comet")
+_CHECKED_KEYS: tuple[str, ...] = (*NO_EFFECT_KEYS, "zero_optimization", "comet")
+
+FP16_KEYS: dict[str, type | tuple[type, ...]] = {
+    "loss_scale": (int, float), "initial_scale_power": int, "loss_scale_window": int, "hysteresis": int,
+    "consecutive_hysteresis": bool, "min_loss_scale": (int, float),
+}
+"""The keys of DeepSpeed's ``fp16`` section that bamboo honours, with their JSON types (they are
+:class:`~bamboo.rc.precision.LossScaleConfig`'s fields), besides ``enabled`` and ``auto_cast`` (bamboo always
+autocasts over fp32 master weights)."""
 
 _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
@@ -148,6 +160,8 @@ class TrainingConfig:
     bf16: bool = False
     monitors: tuple[MonitorConfig, ...] = attrs.field(default=(), converter=tuple)
     """The enabled monitors (:mod:`bamboo.rc.monitor` writes them)."""
+    fp16: LossScaleConfig | None = None
+    """fp16 autocast with loss scaling (:mod:`bamboo.rc.precision`); None: fp32, or bf16 with :attr:`bf16`."""
 
 
 def _as_int(key: str, value: object) -> int:
@@ -178,13 +192,6 @@ def _check_without_effect(config: Mapping[str, Any]) -> None:
     for key, why in NO_EFFECT_KEYS.items():
         if key in config:
             _no_effect(key, why)
-    if "fp16" in config:
-        if _enabled("fp16", _section("fp16", config["fp16"])):
-            raise ConfigError(
-                "unsupported DeepSpeed config key 'fp16' with enabled true (bamboo trains in fp32 or, with "
-                "'bf16': {'enabled': true}, in bf16 autocast; it has no fp16 loss scaling)"
-            )
-        _no_effect("fp16", "it is disabled")
     if "zero_optimization" in config:
         zero = _section("zero_optimization", config["zero_optimization"])
         stage = zero.get("stage", 0)
@@ -295,6 +302,9 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
         raw = config["bf16"]
         _check_keys("bf16.", raw, ("enabled",))
         bf16 = bool(raw.get("enabled", False))
+    fp16 = _fp16(config)
+    if bf16 and fp16 is not None:
+        raise ConfigError("'fp16' and 'bf16' are both enabled: choose one (bf16 needs no loss scaling)")
 
     clip = config.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)):
@@ -307,7 +317,31 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
         gradient_clipping=float(clip),
         bf16=bf16,
         monitors=monitors,
+        fp16=fp16,
     )
+
+
+def _fp16(config: Mapping[str, Any]) -> LossScaleConfig | None:
+    """DeepSpeed's ``fp16`` section: None when absent or disabled (a disabled one gives a warning)."""
+    if "fp16" not in config:
+        return None
+    raw = _section("fp16", config["fp16"])
+    _check_keys("fp16.", raw, ("enabled", "auto_cast", *FP16_KEYS))
+    if not _enabled("fp16", raw):
+        _no_effect("fp16", "it is disabled")
+        return None
+    if not isinstance(raw.get("auto_cast", False), bool):
+        raise ConfigError(f"fp16.auto_cast must be true or false, got {raw['auto_cast']!r}")
+    values: dict[str, Any] = {key: raw[key] for key in FP16_KEYS if key in raw}
+    for key, value in values.items():
+        wanted = FP16_KEYS[key]
+        if isinstance(value, bool) != (wanted is bool) or not isinstance(value, wanted):
+            kind = {bool: "true or false", int: "an integer"}.get(wanted, "a number")  # type: ignore[call-overload]
+            raise ConfigError(f"fp16.{key} must be {kind}, got {value!r}")
+    try:
+        return LossScaleConfig(**values)
+    except ValueError as error:
+        raise ConfigError(f"fp16: {error}") from None
 
 
 def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> Optimizer:

@@ -24,12 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bamboo.rc.auto import AUTO, DEFAULT_PREEMPTIONS_PER_NODE_HOUR, choose_for_layers
 from bamboo.rc.config import load_config
+from bamboo.rc.data import bind_global_batch
+from bamboo.rc.device import resolve_device
 from bamboo.rc.executor import REDUNDANCY_MODES, ExecutorHook, StageExecutor
 from bamboo.rc.failures import FailureNotices
 from bamboo.rc.layout import Layout
 from bamboo.rc.monitor import EVAL_LOSS, StepInfo
 from bamboo.rc.timeouts import CommTimeouts
+from bamboo.schedule import RedundancyChoice
 from torch.distributed import Store, TCPStore
 
 __all__ = ["Engine", "initialize"]
@@ -46,11 +50,13 @@ class Engine:
     of its pipeline, ``eval_batch`` a forward-only pass, ``save_checkpoint``/``load_checkpoint`` its stages'
     state. Every node calls each of them, in the same order, as with DeepSpeed."""
 
-    def __init__(self, executor: StageExecutor) -> None:
+    def __init__(self, executor: StageExecutor, redundancy_choice: RedundancyChoice | None = None) -> None:
         from bamboo.rc.evaluation import ForwardOnlyPass
         from bamboo.rc.monitor import Monitors
 
         self.executor = executor
+        self.redundancy_choice = redundancy_choice
+        """With ``redundancy="auto"``: the mode chosen and every mode's estimate (``.reason`` says why)."""
         self.monitors = Monitors(executor.config.monitors)
         self.last_step: StepInfo | None = None
         """What the last ``train_batch`` did (its loss, learning rate and samples/s), on every node."""
@@ -58,6 +64,9 @@ class Engine:
         """The last ``eval_batch``'s loss; None when a failure interrupted it."""
         self._forward_only = ForwardOnlyPass(executor)
         self._saves = 0
+        self.build_seconds: dict[str, float] = {}
+        """How long :func:`initialize` took to build this node's layers (``model``) and its first groups
+        (``groups``), in seconds."""
 
     # ---------------------------------------------------------------------------------- DeepSpeed's views
     @property
@@ -222,6 +231,7 @@ def initialize(
     config: Mapping[str, Any] | str | Path,
     redundancy: str = "eflb",
     *,
+    preemptions_per_node_hour: float | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     stages: int | None = None,
     rank: int | None = None,
@@ -234,6 +244,7 @@ def initialize(
     stage_bounds: Sequence[Sequence[int]] | None = None,
     hook: ExecutorHook | None = None,
     microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    device: str | torch.device | None = None,
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
@@ -242,7 +253,9 @@ def initialize(
     Under ``bamboo-launch run`` (``BAMBOO_SCRIPT_MODE`` set) it raises a RuntimeError that names
     ``bamboo.launch.train_worker``, the call such scripts make instead.
 
-    `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`. The layers are cut into `stages`
+    `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`, or `auto`: the mode expected to lose the least
+    training per hour (:mod:`bamboo.rc.auto`) at `preemptions_per_node_hour` (default 0.1), which every rank
+    works out alike; ``engine.redundancy_choice.reason`` says which and why. The layers are cut into `stages`
     contiguous ranges, `stage_bounds` (``[(start, end), ...]``, one per stage; default
     :func:`bamboo.rc.model.stage_bounds`, bamboo-reconfig's split by parameter count), and this
     process builds exactly its stage's range and its replica's. Global rank r is stage
@@ -257,6 +270,12 @@ def initialize(
     ``lflb``) or every step (eager, ``eflb``/``efeb``): it needs ``microbatch(step, global index) ->
     (inputs, labels)``, the data as a function of its position in the global batch (pipeline d's share is
     global microbatches ``d*M .. d*M+M-1`` of every step).
+
+    `device` is where the layers, the replica, the optimizer state and the activations live: ``"cpu"``,
+    ``"cuda"``, ``"cuda:N"`` or a ``torch.device``; None reads ``BAMBOO_DEVICE``, and without it takes
+    ``cuda:LOCAL_RANK`` (modulo the GPUs present) when CUDA is present, else the CPU
+    (:func:`bamboo.rc.device.resolve_device`). Messages travel in host memory either way
+    (:mod:`bamboo.rc.transport`).
     """
     if os.environ.get(LAUNCHER_SCRIPT_MODE):
         raise RuntimeError(
@@ -265,8 +284,8 @@ def initialize(
             "and a train_batch loop (see bamboo-launch's README); to run this script as it is, start it with "
             "torchrun: BAMBOO_STAGES=<P> torchrun --nproc_per_node <P*D> SCRIPT"
         )
-    if redundancy not in REDUNDANCY_MODES:
-        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+    if redundancy not in (*REDUNDANCY_MODES, AUTO):
+        raise ValueError(f"redundancy must be one of {', '.join((*REDUNDANCY_MODES, AUTO))}, got {redundancy!r}")
     if hasattr(model, "_layer_specs"):
         specs: Sequence[Any] = list(model._layer_specs)
         loss_fn = loss_fn or getattr(model, "loss_fn", None)
@@ -283,6 +302,7 @@ def initialize(
     if world_size % stages:
         raise ValueError(f"WORLD_SIZE {world_size} is not a multiple of the {stages} stages")
     layout = Layout(stages, world_size // stages)
+    place = resolve_device(device)
     training = load_config(config, pipelines=layout.pipelines)
     timeouts = timeouts or CommTimeouts()
     if store is None:
@@ -291,10 +311,38 @@ def initialize(
             host, _env_int("MASTER_PORT"), is_master=False, timeout=datetime.timedelta(seconds=timeouts.build)
         )
     stage, pipeline = layout.position(rank)
+    choice = None
+    if redundancy == AUTO:
+        redundancy, choice = _resolve_auto(specs, layout, training.micro_batches, stage_bounds,
+                                           preemptions_per_node_hour)
+    if microbatch is not None:  # a data source whose order of samples depends on the global batch (TokenFile)
+        bind_global_batch(microbatch, training.micro_batches * layout.pipelines, training.micro_batch_size)
+    started = time.perf_counter()
     executor = StageExecutor(
         specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
-        hook=hook, microbatch=microbatch,
+        hook=hook, microbatch=microbatch, device=place,
     )
+    built = time.perf_counter()
     executor.connect()
-    return Engine(executor)
+    engine = Engine(executor, choice)
+    engine.build_seconds = {"model": built - started, "groups": time.perf_counter() - built}
+    return engine
+
+
+def _resolve_auto(
+    specs: Sequence[Any], layout: Layout, micro_batches: int, bounds: Sequence[Sequence[int]] | None,
+    rate: float | None,
+) -> tuple[str, RedundancyChoice | None]:
+    """``auto``'s mode for this job. One stage (pure data parallelism) takes the lazy ring, which does no work
+    until a failure, whenever preemptions are expected and there is a second pipeline to hold the copy; the
+    schedule's model covers pipelines."""
+    rate = DEFAULT_PREEMPTIONS_PER_NODE_HOUR if rate is None else rate
+    if layout.stages == 1:
+        return ("lflb" if rate > 0 and layout.pipelines > 1 else "none"), None
+    from bamboo.rc.model import stage_bounds as default_bounds
+
+    bounds = bounds if bounds is not None else default_bounds(specs, layout.stages)
+    choice = choose_for_layers(specs, bounds, micro_batches, layout.stages * layout.pipelines, rate)
+    _log.info("redundancy auto: %s", choice.reason)
+    return choice.mode, choice

@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from bamboo.rc.comm import GroupTable, wait_works
+from bamboo.rc.device import to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
+from bamboo.rc.precision import autocast
 from bamboo.rc.timeouts import STORE_POLL_S
 from bamboo.schedule import Instruction, Kind
 
@@ -194,7 +196,8 @@ class ForwardOnlyPass:
                 for share in self.taken_over_shares():  # P = 1: the whole model is layers[0]
                     for k in range(microbatches):
                         inputs, labels = share_source(share * microbatches + k)
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=executor.config.bf16):
+                        inputs, labels = to_device(inputs, executor.device), to_device(labels, executor.device)
+                        with autocast(executor.config, executor.device):
                             total += float(executor.loss_fn(layers[0](inputs), labels))
                         count += 1
         # The loss sum and the microbatch count travel together, so the mean is over what was evaluated.
@@ -207,7 +210,9 @@ class ForwardOnlyPass:
     @contextlib.contextmanager
     def _evaluation_mode(self, modules: Sequence[torch.nn.Module]) -> Iterator[None]:
         training = [module.training for module in modules]
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        device = self.executor.device
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 for module in modules:
@@ -227,16 +232,16 @@ class ForwardOnlyPass:
         if instruction.kind is Kind.LOAD:
             if k not in batches:
                 raise RuntimeError(f"eval {instruction}: microbatch {k} was not loaded")
-            outputs[(-1, k)] = batches[k][0]
+            outputs[(-1, k)] = to_device(batches[k][0], executor.device)
         elif instruction.kind is Kind.RECV_ACT:
             assert instruction.peer is not None
             outputs[(s - 1, k)] = self._recv(groups, executor.layout.rank(instruction.peer, executor.pipeline), s, k)
         elif instruction.kind is Kind.FORWARD:
             x = outputs.pop((s - 1, k))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=executor.config.bf16):
+            with autocast(executor.config, executor.device):
                 y = layers[s](x)
             if s == executor.layout.stages - 1:
-                return float(executor.loss_fn(y, batches[k][1]))
+                return float(executor.loss_fn(y, to_device(batches[k][1], executor.device)))
             outputs[(s, k)] = y
         elif instruction.kind is Kind.SEND_ACT:
             assert instruction.peer is not None
@@ -295,7 +300,7 @@ class ForwardOnlyPass:
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         what = f"eval {stage - 1}SA{k}"
         self._wait_transfer(name, groups.post_send(name, header, peer, _tag(_TAG_HEADER, stage, k), what), peer, what)
-        data = tensor.detach().contiguous()
+        data = self.executor.interpreter.staging.outbound(tensor).contiguous()
         self._wait_transfer(name, groups.post_send(name, data, peer, _tag(_TAG_ACT, stage, k), what), peer, what)
 
     def _recv(self, groups: GroupTable, peer: int, stage: int, k: int) -> torch.Tensor:
@@ -304,9 +309,10 @@ class ForwardOnlyPass:
         header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
         self._wait_transfer(name, groups.post_recv(name, header, peer, _tag(_TAG_HEADER, stage, k), what), peer, what)
         ndim = int(header[0])
-        buffer = torch.empty(tuple(int(v) for v in header[2 : 2 + ndim]), dtype=_DTYPES[int(header[1])])
+        staging = self.executor.interpreter.staging
+        buffer = staging.inbound_buffer(tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
         self._wait_transfer(name, groups.post_recv(name, buffer, peer, _tag(_TAG_ACT, stage, k), what), peer, what)
-        return buffer
+        return staging.inbound(buffer)
 
     def _allreduce(self, groups: GroupTable, name: str, tensor: torch.Tensor) -> None:
         if len(groups.members[name]) < 2:

@@ -48,6 +48,7 @@ from bamboo.rc.records import FailoverRecord
 from bamboo.rc.ring import MicrobatchSource, RingNode
 from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice
+from bamboo.rc.ties import tied_weights
 from bamboo.rc.timeouts import FINISH_POLL_S, CommTimeouts
 from bamboo.schedule import Instruction, RCMode, Schedule, one_f_one_b
 
@@ -84,7 +85,8 @@ class StageExecutor:
 
     ``stage_bounds`` are the layer ranges of every stage (default: :func:`bamboo.rc.model.stage_bounds`
     of ``specs``); the node builds exactly ``stage_bounds[stage]`` and, with redundancy, its
-    successor's range. Call :meth:`connect` before the first iteration (``initialize`` does).
+    successor's range, on ``device`` (default the CPU). Call :meth:`connect` before the first iteration
+    (``initialize`` does).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class StageExecutor:
         hook: ExecutorHook | None = None,
         clock: Clock | None = None,
         microbatch: MicrobatchSource | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if redundancy not in REDUNDANCY_MODES:
             raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
@@ -132,10 +135,12 @@ class StageExecutor:
         self.notices = notices
         self.hook = hook
         self.clock = clock or SystemClock()
+        self.device = device or torch.device("cpu")
+        """Where this node's layers, replica, optimizer state and activations live (:mod:`bamboo.rc.device`)."""
         bounds = planned_stage_bounds(specs, layout.stages) if stage_bounds is None else stage_bounds
         self.stage_bounds = check_stage_bounds(bounds, len(specs), layout.stages)
         self.slices: dict[int, TrainableSlice] = {
-            s: TrainableSlice(specs, indices, config, seed)
+            s: TrainableSlice(specs, indices, config, seed, self.device)
             for s, indices in stage_slices(self.stage_bounds, stage, redundancy).items()
         }
         fault_free = one_f_one_b(layout.stages, config.micro_batches, rc="none" if ring else redundancy)
@@ -146,14 +151,15 @@ class StageExecutor:
         self._rebuild_groups()
         self.interpreter = StageInterpreter(
             self.slices, loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator,
-            keeps_contributions=redundancy != "none",
+            keeps_contributions=redundancy != "none", device=self.device,
+            ties=tied_weights(specs) if not ring else None,
         )
         self.ring: RingNode | None = None
         """P = 1 with redundancy: this node of the shadow ring (see :mod:`bamboo.rc.ring`)."""
         if ring:
             self.ring = RingNode(
                 self.slices[0], loss_fn, config, layout, self.rank, self.groups, self.coordinator, self.interpreter,
-                redundancy, microbatch,
+                redundancy, microbatch, device=self.device,
             )
         self.leaving = False
         """True once this node announced that it hands its role over at the next boundary (until it

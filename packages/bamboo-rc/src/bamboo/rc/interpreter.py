@@ -20,9 +20,11 @@ schedule"):
   order). With redundancy it keeps a copy of what it contributed, for a redo or a repost after a
   failure; without, a failure ends the run and no copy is made.
 - `OPT`, `SY`, `RY`: the step is recorded, and applied at the commit (:meth:`commit`: one small
-  all-reduce over the pipeline of the squared gradient norm and the loss, then every hosted
-  stage steps with the global clip coefficient). `RY` receives the owner's reduced gradients; the
-  replica steps with them right before its next use.
+  all-reduce over the pipeline of the squared gradient norm and the loss, preceded by one of the tied
+  weights' gradients when the model ties weights across stages (:mod:`bamboo.rc.ties`); then every
+  hosted stage steps with the global clip coefficient, or skips the step after an fp16 overflow
+  (:mod:`bamboo.rc.precision`)). `RY` receives the owner's reduced gradients; the replica steps with
+  them, and the same tied sums, right before its next use.
 
 All per-microbatch state is keyed by (stage, microbatch), so a node can host two stages after a
 failover. The gradient w.r.t. each stage input (what `SG` sends) is kept for the whole iteration
@@ -42,12 +44,16 @@ import torch
 from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, GroupTable, wait_works
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator
+from bamboo.rc.device import RedundantStream, to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
+from bamboo.rc.precision import StepOutcome, autocast, backward, step_outcome
 from bamboo.rc.records import CommitResult
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.stash import FrcStash
-from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice, clip_coefficient
+from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice
+from bamboo.rc.ties import TiedWeights, squared_norm
+from bamboo.rc.transport import HostStaging
 from bamboo.schedule import FailoverPlan, Instruction, Kind
 
 __all__ = ["StageInterpreter"]
@@ -60,6 +66,10 @@ def _tag(kind: int, stage: int, microbatch: int) -> int:
     if not (stage < 128 and microbatch < 4096):
         raise ValueError(f"stage {stage} / microbatch {microbatch} do not fit the message tag (128 / 4096)")
     return (kind * 128 + stage) * 4096 + microbatch
+
+
+def _never_posted() -> tuple[list[object], torch.Tensor | None]:
+    raise RuntimeError("a posted transfer was lost before it completed")
 
 
 def _segments(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -91,6 +101,8 @@ class StageInterpreter:
         groups: GroupTable,
         coordinator: FailoverCoordinator,
         keeps_contributions: bool = True,
+        device: torch.device | None = None,
+        ties: TiedWeights | None = None,
     ) -> None:
         self.slices = slices
         self.loss_fn = loss_fn
@@ -101,10 +113,18 @@ class StageInterpreter:
         self.rank = layout.rank(node, pipeline)
         self.groups = groups
         self.coordinator = coordinator
+        self.ties = ties or TiedWeights()
+        """The model's tied weights: their gradients are summed over the pipeline at the commit."""
         self.keeps_contributions = keeps_contributions
         """Whether each all-reduce keeps a copy of what it contributed, to be redone or posted again after a
         failure. Only with redundancy: without, a failure ends the run, and the copy would cost a fresh
         gradient-sized tensor every step."""
+        self.device = device or torch.device("cpu")
+        """Where the slices, the activations and the gradients live (:mod:`bamboo.rc.device`); messages and
+        the all-reduced gradients are in host memory, staged by :attr:`staging`."""
+        self.staging = HostStaging(self.device)
+        self.redundant = RedundantStream(self.device)
+        """The second stream FRC and BRC run on, on a GPU."""
         self.stash = FrcStash()
         self.step = 0
         self.losses: list[float] = []
@@ -116,18 +136,20 @@ class StageInterpreter:
         self._pending: dict[str, tuple[int, object, torch.Tensor | None]] = {}
         """Transfers a confirmed failure interrupted: instruction text -> (peer node, handle, buffer)."""
         self._segmented: dict[str, tuple[int, torch.Tensor, int]] = {}
+        self._posted_syncs: dict[str, Instruction] = {}
+        """Replica syncs posted and not yet waited for (their handles are in `_pending`): text -> instruction."""
         """Payloads sent in several messages that a failure interrupted: instruction text -> (peer node, the
         payload, the segment to resume at)."""
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
-        self._replica_updates: dict[int, tuple[torch.Tensor, float]] = {}
+        self._replica_updates: dict[int, tuple[torch.Tensor, StepOutcome, dict[str, torch.Tensor]]] = {}
         self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._flat_buffers = ReusedBuffers()
+        self._flat_buffers = ReusedBuffers(self.device)
         """Without redundancy: by stage, the buffer its flat gradients are gathered into, step after step."""
-        self._spare_grads = SpareBuffers()
+        self._spare_grads = SpareBuffers(self.device)
         """With redundancy: by stage, gradient-sized buffers free again (an all-reduce's that completed, a
         contribution no longer kept), for the next step's flat gradients and contribution."""
-        self._sync_buffers = ReusedBuffers()
+        self._sync_buffers = ReusedBuffers(self.device)
         """By ("out" or "in", stage): the payload of the stage's replica sync, sent or received, step after step."""
         self._microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._output_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
@@ -158,18 +180,24 @@ class StageInterpreter:
         self._reducing: dict[int, Posted] = {}
         self._to_step: list[int] = []
         self._received_syncs: dict[int, torch.Tensor] = {}
+        self._tie_sums: dict[str, torch.Tensor] | None = None
+        """The tied weights' gradients summed over the pipeline, once the commit's first all-reduce completed."""
         self.stash.clear()
 
     def abandon_iteration(self) -> None:
         """Back to the start-of-iteration state: partial gradients and stashes discarded."""
         for piece in self.slices.values():
             piece.zero_grads()
-        self._sync_buffers.drop()  # a receive given up with the iteration may still be posted on one
+        self._sync_buffers.drop()  # a transfer given up with the iteration may still be posted on one
+        for key in self._posted_syncs:  # the iteration's groups are built again: nothing will take them
+            self._pending.pop(key, None)
+        self._posted_syncs.clear()
         self.reset_iteration()
 
     def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """This iteration's (tokens, labels) by microbatch index within the pipeline."""
-        self._microbatches = microbatches
+        """This iteration's (tokens, labels) by microbatch index within the pipeline (put on the device)."""
+        self._microbatches = {k: (to_device(x, self.device), to_device(y, self.device))
+                              for k, (x, y) in microbatches.items()}
 
     def _peer_rank(self, node: int) -> int:
         return self.layout.rank(node, self.pipeline)
@@ -227,6 +255,7 @@ class StageInterpreter:
         for key in dropped:
             self._pending.pop(key, None)
             self._segmented.pop(key, None)
+            self._posted_syncs.pop(key, None)
         if dropped:  # a dropped receive may still be posted on its buffer
             self._sync_buffers.drop()
         return dropped
@@ -280,7 +309,8 @@ class StageInterpreter:
     def _send(self, instruction: Instruction, tensor: torch.Tensor, peer: int, tag: int) -> None:
         group = self._group_for(peer)
         self._await_group_members(group, str(instruction))
-        self._transfer(instruction, peer, lambda: (self.groups.post_send(group, tensor, peer, tag, str(instruction)), None))
+        self._transfer(instruction, peer, lambda: (
+            self.groups.post_send(group, self.staging.outbound(tensor), peer, tag, str(instruction)), None))
 
     def _recv(self, instruction: Instruction, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         group = self._group_for(peer)
@@ -314,7 +344,8 @@ class StageInterpreter:
             ndim = int(header[0])
             self._act_meta[peer] = (tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
         shape, dtype = self._act_meta[peer]
-        buffer = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_ACT, s, k))
+        received = self._recv(instruction, self.staging.inbound_buffer(shape, dtype), peer, _tag(_TAG_ACT, s, k))
+        buffer = self.staging.inbound(received)
         self.inputs[(s, k)] = buffer.requires_grad_(buffer.is_floating_point())
 
     def _stage_input(self, stage: int, k: int) -> torch.Tensor:
@@ -328,7 +359,7 @@ class StageInterpreter:
     def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
         self._apply_replica_update(stage)
         microbatch = global_microbatch(self.pipeline, self.config.micro_batches, k)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+        with autocast(self.config, self.device):
             y = self.slices[stage].forward(x, step=self.step, microbatch=microbatch)  # F, FR, BR's FR: same masks
         if stage == self.layout.stages - 1:
             return self.loss_fn(y, self._microbatches[k][1]) / self._global_microbatches()
@@ -364,7 +395,8 @@ class StageInterpreter:
         assert k is not None and instruction.peer is not None
         peer = self._peer_rank(instruction.peer)
         shape, dtype = self._output_meta[s]
-        self.out_grads[(s, k)] = self._recv(instruction, torch.empty(shape, dtype=dtype), peer, _tag(_TAG_GRAD, s, k))
+        received = self._recv(instruction, self.staging.inbound_buffer(shape, dtype), peer, _tag(_TAG_GRAD, s, k))
+        self.out_grads[(s, k)] = self.staging.inbound(received)
 
     def _output_grad(self, s: int, k: int) -> torch.Tensor | None:
         """The gradient w.r.t. stage s's output: received, or local when stage s+1 ran here."""
@@ -377,7 +409,7 @@ class StageInterpreter:
     def _backward_from(self, s: int, k: int, output: torch.Tensor, x: torch.Tensor | None) -> None:
         grad = self._output_grad(s, k)
         if grad is None:
-            output.backward()
+            backward(output, self.slices[s].loss_scale)  # the loss, scaled with fp16
         else:
             torch.autograd.backward(output, grad)
         if s > 0 and x is not None:
@@ -397,8 +429,8 @@ class StageInterpreter:
     def _replica_input(self, s: int, k: int) -> torch.Tensor:
         if s == 0:
             return self._microbatches[k][0]
-        if (s, k) in self.stash.inputs:  # lflb: the stashed input
-            return self.stash.inputs[(s, k)]
+        if (s, k) in self.stash.inputs:  # lflb: the stashed input (in host memory)
+            return to_device(self.stash.inputs[(s, k)], self.device)
         return self.local_outputs[(s - 1, k)]
 
     def _frc(self, instruction: Instruction) -> None:
@@ -410,7 +442,7 @@ class StageInterpreter:
             x = x.detach().requires_grad_()
         self._apply_replica_update(s)
         weights = {p.untyped_storage().data_ptr() for p in self.slices[s].parameters}
-        with self.stash.recording((s, k), skip=weights):
+        with self.redundant.run(), self.stash.recording((s, k), skip=weights):
             y = self._run_layers(s, k, x)
         if s == self.layout.stages - 1:
             self.mb_losses.setdefault(k, float(y.detach()) * self._global_microbatches())
@@ -436,7 +468,8 @@ class StageInterpreter:
             self._frc(instruction)
         output = self.red_outputs.pop((s, k))
         x = self.red_inputs.pop((s, k))
-        self._backward_from(s, k, output, x if s > 0 else None)
+        with self.redundant.run():
+            self._backward_from(s, k, output, x if s > 0 else None)
         self.stash.drop((s, k))
 
     def _allreduce(self, instruction: Instruction) -> None:
@@ -500,17 +533,35 @@ class StageInterpreter:
         self._to_step.append(instruction.stage)  # applied at the commit, with the global clip
 
     def _sync_send(self, instruction: Instruction) -> None:
-        """Send stage s's reduced gradients (and its loss and step number) to its shadow."""
+        """Post the send of stage s's reduced gradients (and its loss and step number) to its shadow, and go on.
+
+        The replica sync is a buffered send (`bamboo.schedule.BUFFERED_SENDS`): the shadow receives it at the end
+        of its own work, so waiting here would hold this node for nothing. It is completed before the commit
+        (:meth:`complete_posted_syncs`), which keeps its payload buffer alive until then."""
         assert instruction.peer is not None
         s = instruction.stage
         self._wait_reduction(s)
         shadow = self._peer_rank(instruction.peer)
-        # Reused: a send only reads its payload, and one left posted never outlives the step (the commit refuses it).
-        payload = self._transfer_segments(
-            instruction, lambda: torch.cat(self._reduced[s], out=self._sync_buffers.get(("out", s), self._sync_size(s))),
-            shadow, s,
-        )
+        payload = torch.cat(self._reduced[s], out=self._sync_buffers.get(("out", s), self._sync_size(s)))
+        group = self._group_for(shadow)
+        key = str(instruction)
+        self._await_group_members(group, key)
+        works: list[object] = []
+        for segment, piece in enumerate(_segments(payload)):
+            works += self.groups.post_send(group, piece, shadow, _tag(_TAG_SYNC, s, segment), key)
+        handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
+        self._pending[key] = (instruction.peer, handle, payload)
+        self._posted_syncs[key] = instruction
         self.sync_bytes += payload.numel() * payload.element_size()
+
+    def complete_posted_syncs(self) -> None:
+        """Wait until every replica sync this node posted was received, giving way to a confirmed failure
+        (the sync stays posted, and is waited for again at the next commit)."""
+        for key, instruction in list(self._posted_syncs.items()):
+            if key in self._pending:
+                assert instruction.peer is not None
+                self._transfer(instruction, self._peer_rank(instruction.peer), _never_posted)
+            del self._posted_syncs[key]
 
     def _sync_recv(self, instruction: Instruction) -> None:
         """Receive stage s's reduced gradients; the replica steps with them after the commit."""
@@ -519,24 +570,23 @@ class StageInterpreter:
         self._apply_replica_update(s)  # lflb never runs the replica: apply the last update now
         owner = self._peer_rank(instruction.peer)
         # Reused: the last update, applied just now, was the only other user of the buffer.
-        self._received_syncs[s] = self._transfer_segments(
-            instruction, lambda: self._sync_buffers.get(("in", s), self._sync_size(s)), owner, s, receive=True
+        self._received_syncs[s] = self._receive_segments(
+            instruction, lambda: self._sync_buffers.get(("in", s), self._sync_size(s)), owner, s
         )
 
     def _sync_size(self, s: int) -> int:
         """Elements of stage s's replica sync: its gradients, the reduced loss and the step number."""
         return self.slices[s].numel() + 2
 
-    def _transfer_segments(
-        self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int, stage: int, receive: bool = False
-    ) -> torch.Tensor:
-        """Send (or receive into) the payload `make()` gives, one message per segment; returns the payload.
+    def _receive_segments(self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int,
+                          stage: int) -> torch.Tensor:
+        """Receive into the payload `make()` gives, one message per segment; returns the payload.
 
-        A payload over MAX_CHUNKS chunks (256 MiB) goes in messages of that size, one after the other, so that
-        no more than one message's chunks are posted at a time. A confirmed failure can interrupt
-        it after some segments went: the payload and the first unfinished segment are kept under the
-        instruction's text, so the failover schedule's same instruction resumes it there (the interrupted
-        segment's transfer is still posted), and never sends or receives a segment twice."""
+        A payload over MAX_CHUNKS chunks (256 MiB) comes in messages of that size, one after the other, so that
+        no more than one message's chunks are posted at a time. A confirmed failure can interrupt it after some
+        segments came: the payload and the first unfinished segment are kept under the instruction's text, so the
+        failover schedule's same instruction resumes it there (the interrupted segment's receive is still posted),
+        and never receives a segment twice."""
         key = str(instruction)
         assert instruction.peer is not None
         _, payload, start = self._segmented.pop(key, (instruction.peer, None, 0))
@@ -546,10 +596,7 @@ class StageInterpreter:
             if segment < start:
                 continue
             self._segmented[key] = (instruction.peer, payload, segment)
-            if receive:
-                self._recv(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
-            else:
-                self._send(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
+            self._recv(instruction, piece, peer, _tag(_TAG_SYNC, stage, segment))
         del self._segmented[key]
         return payload
 
@@ -559,13 +606,14 @@ class StageInterpreter:
         if update is None:
             return
         started = time.perf_counter()
-        payload, clip = update
+        payload, outcome, tie_sums = update
         replica = self.slices[stage]
         step = int(payload[-1].item())
         if step != replica.steps + 1:
             raise RuntimeError(f"replica sync of stage {stage} out of order: got step {step}, replica at {replica.steps}")
-        replica.load_flat_grads(payload[:-2])
-        replica.apply_step(clip)
+        if not outcome.overflow:
+            replica.load_flat_grads(payload[:-2])
+        replica.finish_step(outcome, tie_sums)
         self.kind_seconds["replica_step"] = self.kind_seconds.get("replica_step", 0.0) + time.perf_counter() - started
 
     def apply_replica_updates(self) -> None:
@@ -602,11 +650,23 @@ class StageInterpreter:
         not atomic: when a victim dies during it, survivors that completed it have committed and
         the others finish the commit with their result (:meth:`finish_commit`).
         """
+        started = time.perf_counter()
+        try:
+            return self._commit(hosted)
+        finally:
+            self.kind_seconds["commit"] = self.kind_seconds.get("commit", 0.0) + time.perf_counter() - started
+
+    def _commit(self, hosted: Sequence[int]) -> float:
         pipe = f"pipe-d{self.pipeline}"
         self._await_group_members(pipe, "commit")  # before anything changes: it may raise
         for s in sorted(self._reducing):
             self._wait_reduction(s)
+        self.complete_posted_syncs()  # every shadow holds its stage's step before anyone commits it
         squared, loss = self._commit_contribution(hosted)
+        if self.ties:  # the tied copies' gradients summed over the pipeline (zeros from a node holding none)
+            tied = self.ties.contribution([self.slices[s].tied for s in sorted(hosted)])
+            self.groups.allreduce(pipe, [tied], "commit (tied weights' gradients)", self._interrupter(pipe))
+            self._tie_sums = self.ties.split(tied)
         norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
         self.groups.allreduce(pipe, [norm_and_loss], "commit (global gradient norm and loss)", self._interrupter(pipe))
         return self._apply_commit(hosted, CommitResult(self.step, float(norm_and_loss[0]), float(norm_and_loss[1])))
@@ -654,15 +714,22 @@ class StageInterpreter:
                 f"step {self.step} of node {self.node} (pipeline {self.pipeline}) ended with transfers still posted: "
                 f"{sorted({*self._pending, *self._segmented})}; the failover schedule did not resume them"
             )
-        clip = clip_coefficient(self.config.gradient_clipping, result.squared_norm)
+        if self.ties and self._tie_sums is None:
+            raise RuntimeError(f"the commit of step {self.step} ends without the sums of the tied weights' gradients")
+        tie_sums = self._tie_sums or {}
+        squared = result.squared_norm + squared_norm(tie_sums)  # a tied weight counts once
+        outcome = step_outcome(self.config.gradient_clipping, squared, next(iter(self.slices.values())).loss_scale,
+                               self.config.fp16)
         finished = [s for s in hosted if s not in self._reduced and s in self._received_syncs]
         for s in finished:
             self.slices[s].load_flat_grads(self._received_syncs[s][:-2])
         for s in [*self._to_step, *finished]:
-            self.slices[s].apply_step(clip)
+            self.slices[s].finish_step(outcome, tie_sums)
         for s, payload in self._received_syncs.items():
             if s not in finished:
-                self._replica_updates[s] = (payload, clip)
+                self._replica_updates[s] = (payload, outcome, tie_sums)
+        for piece in self.slices.values():  # replicas too: the scale is the same everywhere
+            piece.loss_scale = outcome.loss_scale
         mean_loss = result.loss / self._global_microbatches()
         self.losses.append(mean_loss)
         self.last_commit = result

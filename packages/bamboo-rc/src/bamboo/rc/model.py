@@ -15,12 +15,14 @@ shadow and the single-process reference start from bit-identical weights whateve
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
+from bamboo.rc.rng import RNG_LOCK
 from bamboo.reconfig import LayerSpec as LayerCost
 from bamboo.reconfig import split_layers
 from torch import nn
@@ -35,6 +37,7 @@ __all__ = [
     "build_layers",
     "check_stage_bounds",
     "gpt_layer_specs",
+    "inspect_layer",
     "layer_costs",
     "lm_loss",
     "stage_bounds",
@@ -130,14 +133,16 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def gpt_layer_specs(size: GPTSize) -> list[Any]:
-    """The example decoder as a list of DeepSpeed `LayerSpec`s."""
-    from deepspeed.pipe import LayerSpec
+def gpt_layer_specs(size: GPTSize, layer_spec: Any = None) -> list[Any]:
+    """The example decoder as a list of DeepSpeed `LayerSpec`s (or of ``layer_spec(module class, *args)``, any
+    class with DeepSpeed's constructor and ``build()``: importing DeepSpeed takes seconds of a worker's start)."""
+    if layer_spec is None:
+        from deepspeed.pipe import LayerSpec as layer_spec
 
     return [
-        LayerSpec(ByteEmbedding, size.width, size.sequence, size.dropout),
-        *(LayerSpec(DecoderBlock, size.width, size.heads, size.dropout) for _ in range(size.layers)),
-        LayerSpec(LMHead, size.width),
+        layer_spec(ByteEmbedding, size.width, size.sequence, size.dropout),
+        *(layer_spec(DecoderBlock, size.width, size.heads, size.dropout) for _ in range(size.layers)),
+        layer_spec(LMHead, size.width),
     ]
 
 
@@ -180,16 +185,22 @@ def layer_costs(specs: Sequence[Any]) -> list[LayerCost]:
     """
     costs = []
     for index, spec in enumerate(specs):
-        spec = _layer_spec(spec, index)
-        try:
-            with torch.device("meta"), _SkipRandomFillOnMeta():
-                module = spec.build()
-        except Exception:  # a layer whose constructor needs real tensors
-            with torch.random.fork_rng(devices=[]):
-                module = spec.build()
-        params = sum(p.numel() for p in module.parameters())
+        params = sum(p.numel() for p in inspect_layer(spec, index).parameters())
         costs.append(LayerCost(param_bytes=4 * params, optimizer_bytes=8 * params, compute_cost=float(params)))
     return costs
+
+
+def inspect_layer(spec: Any, index: int) -> nn.Module:
+    """Layer ``index`` built to look at (its parameters' number and shapes), never to run: on the meta
+    device where it can be (no memory, no random numbers drawn), else on the CPU with the random state
+    restored afterwards."""
+    spec = _layer_spec(spec, index)
+    try:
+        with torch.device("meta"), _SkipRandomFillOnMeta():
+            return spec.build()
+    except Exception:  # a layer whose constructor needs real tensors
+        with torch.random.fork_rng(devices=[]):
+            return spec.build()
 
 
 def stage_bounds(specs: Sequence[Any], stages: int, node_memory_bytes: int | None = None) -> StageBounds:
@@ -230,11 +241,25 @@ def build_layers(specs: Sequence[Any], indices: range, seed: int) -> nn.Sequenti
     """Build layers `indices` of `specs`, each under its own seed (`seed`, layer index).
 
     Each spec must have a `.build()` method (a DeepSpeed LayerSpec): a ready module cannot be
-    built twice, and the shadow needs its own copy of its successor's layers.
+    built twice, and the shadow needs its own copy of its successor's layers. The layers of a tie
+    (DeepSpeed's ``TiedLayerSpec``: a ``key``) are built under the seed of the tie's first layer, so
+    their copies of the tied weight start equal (:mod:`bamboo.rc.ties` keeps them equal); one with a
+    ``forward_fn`` runs as ``forward_fn(layer, x)``, as in DeepSpeed.
     """
+    first_of_tie: dict[str, int] = {}
+    for position, spec in enumerate(specs):
+        if getattr(spec, "key", None) is not None:
+            first_of_tie.setdefault(str(spec.key), position)
     layers = []
     for index in indices:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 100_003 + index)
-            layers.append(_layer_spec(specs[index], index).build())
+        with RNG_LOCK, torch.random.fork_rng(devices=[]):
+            # the copies of a tied layer are built under the seed of the tie's first layer: they start equal
+            key = getattr(specs[index], "key", None)
+            torch.manual_seed(seed * 100_003 + (first_of_tie[str(key)] if key is not None else index))
+            spec = _layer_spec(specs[index], index)
+            layer = spec.build()
+        forward_fn = getattr(spec, "forward_fn", None)
+        if forward_fn is not None:  # DeepSpeed's TiedLayerSpec: the layer runs as forward_fn(layer, x)
+            layer.forward = functools.partial(forward_fn, layer)
+        layers.append(layer)
     return nn.Sequential(*layers)

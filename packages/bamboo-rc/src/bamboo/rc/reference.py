@@ -1,26 +1,39 @@
-"""The single-process reference trainer.
+"""The single-process reference trainer: the one that every exactness check compares a run with.
 
 It trains the whole model in one process on the same global batches, with the same loss scaling
 (each microbatch's loss divided by the number of microbatches in the global batch), the same
-global-norm clipping and the same optimizer and scheduler math as the pipeline, and each layer's
+global-norm clipping and the same optimizer and scheduler math as the pipeline, each layer's
 forward under the same generator as in the pipeline (:mod:`bamboo.rc.rng`: seeded from the seed,
-the step, the microbatch's global index and the layer's index). `verify` compares
-the pipeline's parameters against it.
+the step, the microbatch's global index and the layer's index), and the same precision: bf16 or
+fp16 autocast, fp16's loss scale, tied weights summed (:meth:`bamboo.rc.state.TrainableSlice.step_whole`).
+At each step the microbatch gradients are accumulated per pipeline and the shares added in pipeline order,
+which is how the data-parallel all-reduce associates them; a ``history`` of layouts (a run whose number of
+pipelines changed) is replayed with the same grouping, step by step. `verify` and bamboo-launch's ``--verify``
+compare against it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 import torch
 from bamboo.rc.config import TrainingConfig
-from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.data import GlobalBatchSampler, bind_global_batch
+from bamboo.rc.device import to_device
+from bamboo.rc.precision import autocast, backward
 from bamboo.rc.rng import global_microbatch
-from bamboo.rc.state import TrainableSlice, clip_coefficient
+from bamboo.rc.state import TrainableSlice
 
-__all__ = ["ReferenceResult", "train_reference"]
+__all__ = ["Microbatch", "Microbatches", "ReferenceResult", "reference_step", "train_reference"]
+
+Microbatch = Callable[[int, int], tuple[Any, Any]]
+"""``(step, global microbatch index) -> (inputs, labels)``."""
+
+Microbatches: TypeAlias = "GlobalBatchSampler | Microbatch"
+"""Where the reference reads microbatch ``index`` of step ``step``: a sampler (its ``microbatch`` gives tokens and
+labels) or a function ``microbatch(step, index) -> (inputs, labels)``."""
 
 
 @attrs.frozen
@@ -29,41 +42,74 @@ class ReferenceResult:
 
     layer_states: list[dict[str, torch.Tensor]]
     losses: list[float]
+    loss_scale: dict[str, Any] | None = None
+    """With fp16: the loss-scale state after the last step (:meth:`bamboo.rc.precision.LossScale.to_dict`)."""
+
+
+def reference_step(whole: TrainableSlice, loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainingConfig,
+                   microbatch: Microbatch, step: int, pipelines: int, global_microbatches: int) -> float:
+    """One step of the whole model on the global batch of ``step`` (``global_microbatches`` microbatches),
+    accumulated per pipeline of ``pipelines`` and the shares added in pipeline order, as the data-parallel
+    all-reduce associates them; returns the step's mean loss."""
+    per_pipeline = global_microbatches // pipelines
+    total = 0.0
+    summed: torch.Tensor | None = None
+    for pipeline in range(pipelines):
+        whole.zero_grads()
+        for k in range(per_pipeline):
+            index = global_microbatch(pipeline, per_pipeline, k)
+            inputs, labels = microbatch(step, index)
+            with autocast(config, whole.device):
+                outputs = whole.forward(to_device(inputs, whole.device), step=step, microbatch=index)
+            loss = loss_fn(outputs, to_device(labels, whole.device))
+            backward(loss / global_microbatches, whole.loss_scale)
+            total += float(loss.detach())
+        share = whole.flat_grads()
+        summed = share if summed is None else summed + share
+    assert summed is not None
+    whole.load_flat_grads(summed)
+    whole.step_whole(config)
+    return total / global_microbatches
+
+
+def _reader(data: Microbatches) -> Microbatch:
+    if isinstance(data, GlobalBatchSampler):
+        def read(step: int, index: int) -> tuple[Any, Any]:
+            batch = data.microbatch(step, index)
+            return batch.tokens, batch.labels
+
+        return read
+    return data
 
 
 def train_reference(
     specs: Sequence[Any],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
     config: TrainingConfig,
-    sampler: GlobalBatchSampler,
+    data: Microbatches,
     steps: int,
     pipelines: int,
     seed: int,
+    *,
+    history: Sequence[Sequence[int]] = (),
+    device: torch.device | None = None,
 ) -> ReferenceResult:
-    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches."""
-    whole = TrainableSlice(specs, range(len(specs)), config, seed)
+    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches of ``data``, on
+    `device` (default the CPU; a GPU reference for a pipeline on GPUs). The layer states come back in host memory.
+
+    ``history`` lists ``(first step, pipelines)`` of every layout generation of a run whose number of pipelines
+    changed (empty: `pipelines` throughout); the global batch stays ``pipelines × M`` microbatches, each
+    generation's pipelines taking an equal share of it.
+    """
+    whole = TrainableSlice(specs, range(len(specs)), config, seed, device or torch.device("cpu"))
     whole.zero_grads()
     global_microbatches = pipelines * config.micro_batches
-    losses: list[float] = []
+    microbatch = _reader(data)
+    if not isinstance(data, GlobalBatchSampler):
+        bind_global_batch(microbatch, global_microbatches, config.micro_batch_size)
+    losses = []
     for step in range(steps):
-        total = 0.0
-        summed: torch.Tensor | None = None
-        for pipeline in range(pipelines):
-            # Accumulate each pipeline's share on its own, then add the shares in pipeline order,
-            # as the data-parallel all-reduce does: the same sums, associated the same way.
-            whole.zero_grads()
-            for k in range(config.micro_batches):
-                index = global_microbatch(pipeline, config.micro_batches, k)
-                batch = sampler.microbatch(step, index)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                    logits = whole.forward(batch.tokens, step=step, microbatch=index)
-                loss = loss_fn(logits, batch.labels)
-                (loss / global_microbatches).backward()
-                total += float(loss.detach())
-            share = whole.flat_grads()
-            summed = share if summed is None else summed + share
-        assert summed is not None
-        whole.load_flat_grads(summed)
-        losses.append(total / global_microbatches)
-        whole.apply_step(clip_coefficient(config.gradient_clipping, whole.squared_grad_norm()))
-    return ReferenceResult([layer.state_dict() for layer in whole.layers], losses)
+        at_step = next((int(d) for first, d in reversed(history) if step >= int(first)), pipelines)
+        losses.append(reference_step(whole, loss_fn, config, microbatch, step, at_step, global_microbatches))
+    states = [{name: tensor.detach().cpu() for name, tensor in layer.state_dict().items()} for layer in whole.layers]
+    return ReferenceResult(states, losses, None if whole.loss_scale is None else whole.loss_scale.to_dict())

@@ -51,10 +51,12 @@ import torch
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator, RingAgreement
+from bamboo.rc.device import to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout
+from bamboo.rc.precision import autocast, backward
 from bamboo.rc.records import CommitResult
-from bamboo.rc.state import ReusedBuffers, TrainableSlice, clip_coefficient
+from bamboo.rc.state import ReusedBuffers, TrainableSlice
 from bamboo.schedule import Instruction, Kind
 
 __all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode", "fault_free_ring_stream", "share_instructions"]
@@ -128,6 +130,7 @@ class RingNode:
         counters: Any,
         redundancy: str,
         microbatch: MicrobatchSource | None,
+        device: torch.device | None = None,
     ) -> None:
         if layout.stages != 1:
             raise ValueError(f"a ring node needs P = 1, got P = {layout.stages}")
@@ -141,6 +144,8 @@ class RingNode:
         self.counters = counters
         self.eager = redundancy in EAGER_MODES
         self.microbatch = microbatch
+        self.device = device or torch.device("cpu")
+        """Where the model and the activations live; the reduction's buffers are in host memory."""
         self.last_result: tuple[int, torch.Tensor, torch.Tensor] | None = None
         """(step, reduced gradients, every microbatch's loss) of the last step this node committed."""
         self.done = 0
@@ -152,7 +157,7 @@ class RingNode:
         self._grads_zero = False
         """Whether the slice's gradients are all zero (set by a zeroing or a commit, cleared by a backward),
         so that a step's first share does not zero them a second time after the commit did."""
-        self._scratch = ReusedBuffers()
+        self._scratch = ReusedBuffers(self.device)
         """The gradient-sized buffers of the shares and the reduction, reused from step to step. From one
         fault-free step to the next, every operation posted on one has finished before it is used again;
         :meth:`abandon_posted` drops them all, since a given-up operation may still write into its buffer.
@@ -248,21 +253,22 @@ class RingNode:
     def _load(self, g: int) -> None:
         share, k = divmod(g, self.micro_batches)
         if share == self.layout.position(self.rank)[1] and k in self._own:
-            self._loaded[g] = self._own[k]
+            tokens, labels = self._own[k]
         elif self.microbatch is not None:
-            self._loaded[g] = self.microbatch(self.counters.step, g)
+            tokens, labels = self.microbatch(self.counters.step, g)
         else:
             raise RuntimeError(
                 f"microbatch {g} belongs to pipeline {share}: computing another node's share needs the data as a "
                 f"function of (step, global index) (initialize(..., microbatch=...))"
             )
+        self._loaded[g] = (to_device(tokens, self.device), to_device(labels, self.device))
 
     def _forward(self, g: int) -> None:
         if g % self.micro_batches == 0 and not self._grads_zero:  # a share's gradients start from zero
             self.piece.zero_grads()
             self._grads_zero = True
         tokens, labels = self._loaded.pop(g)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+        with autocast(self.config, self.device):
             logits = self.piece.forward(tokens, step=self.counters.step, microbatch=g)
         loss = self.loss_fn(logits, labels)
         self._losses[g] = float(loss.detach())
@@ -270,7 +276,7 @@ class RingNode:
 
     def _backward(self, g: int, aside: bool) -> None:
         self._grads_zero = False
-        self._pending_losses.pop(g).backward()
+        backward(self._pending_losses.pop(g), self.piece.loss_scale)
         share, k = divmod(g, self.micro_batches)
         if k == self.micro_batches - 1:  # the share is complete: its gradients leave the buffers
             grads = self.piece.flat_grads(out=self._scratch.get(f"share-{share}", self.piece.numel()))
@@ -381,9 +387,8 @@ class RingNode:
     def _commit(self, summed: torch.Tensor, losses: torch.Tensor) -> float:
         """Step with the reduced gradients `summed` (the global batch's) and record the step."""
         self.piece.load_flat_grads(summed)
-        squared = self.piece.squared_grad_norm()
-        self.piece.apply_step(clip_coefficient(self.config.gradient_clipping, squared))
-        self._grads_zero = True  # apply_step zeroes them: the next step's first share need not again
+        squared = self.piece.step_whole(self.config)  # tied copies summed; skipped after an fp16 overflow
+        self._grads_zero = True  # the step zeroes them: the next step's first share need not again
         total = 0.0
         for value in losses.tolist():  # in global order, as the reference adds them
             total += value

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import struct
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -54,12 +55,18 @@ import torch
 from torch import nn
 
 __all__ = [
+    "RNG_LOCK",
     "RandomnessWarning",
     "global_microbatch",
     "layer_rng",
     "layer_seed",
     "run_layers",
 ]
+
+RNG_LOCK = threading.RLock()
+"""Held while the process's default generators are seeded and drawn from (a layer's forward, a layer's
+build): the launcher builds the next layout's engine in a background thread while this one trains, and
+both seed the same global generators."""
 
 _DOMAIN = b"bamboo.rc.layer-rng.v1"
 _INT64 = (-(2**63), 2**63 - 1)
@@ -110,7 +117,7 @@ def layer_rng(
     is a CUDA device), restoring the generator states the caller had afterwards, even on an error."""
     seed = layer_seed(run_seed, step, microbatch, layer)
     cuda = _cuda_devices(device)
-    with torch.random.fork_rng(devices=cuda):
+    with RNG_LOCK, torch.random.fork_rng(devices=cuda):
         torch.random.default_generator.manual_seed(seed)
         for index in cuda:
             torch.cuda.default_generators[index].manual_seed(seed)

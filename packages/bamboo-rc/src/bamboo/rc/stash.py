@@ -3,13 +3,15 @@
 Eager FRC runs the successor's forward on the shadow in the bubbles. While it runs
 (:meth:`FrcStash.recording`), every tensor autograd saves for the backward is registered under the
 (stage, microbatch) of that FRC. The schedule's `SO` (:meth:`FrcStash.swap_out`) then moves those
-tensors into the separate swap store:
-- on CUDA, into pinned host memory, copied on a side stream;
-- on CPU, as a copy into the store (the live activation is released).
+tensors into the separate swap store, in host memory (:class:`bamboo.rc.device.HostSwap`):
+- on a GPU, into pinned host memory, copied on a side stream; the device copies are released;
+- on the CPU, where a tensor in host memory is its own swap: no copy.
 
 `SI` (:meth:`FrcStash.swap_in`) brings them back to the device before BRC. The bytes in the store
-are accounted, now and at the peak. The replica's own weights are never stashed: they stay
-where they are. In `lflb` the stash is only the replica's input (:meth:`FrcStash.put_input`).
+are accounted, now and at the peak, and so are the bytes the stash holds on a GPU
+(:attr:`FrcStash.device_peak_bytes`: recorded by an FRC and not swapped out yet, or swapped back in).
+The replica's own weights are never stashed: they stay where they are. In `lflb` the stash is only the
+replica's input (:meth:`FrcStash.put_input`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from bamboo.rc.device import HostSwap
 
 __all__ = ["FrcStash"]
 
@@ -45,12 +48,23 @@ class FrcStash:
         self.inputs: dict[Key, torch.Tensor] = {}
         self.peak_bytes = 0
         self.swapped_bytes_total = 0
-        self._side_stream: object | None = None
+        self.device_peak_bytes = 0
+        """The most bytes of saved tensors the stash held on a GPU at once (0 on the CPU)."""
+        self._swap = HostSwap()
 
     @property
     def bytes(self) -> int:
         """Bytes held in the swap store now."""
         return sum(self._bytes.values())
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of saved tensors the stash holds on a GPU now (live, not swapped out, or swapped back in)."""
+        return sum(t.numel() * t.element_size() for live in self._live.values() for t in live if t.device.type == "cuda")
+
+    def _note_device(self) -> None:
+        if any(device.type == "cuda" for device in self._device.values()):
+            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes)
 
     def _account(self, key: Key, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -82,41 +96,30 @@ class FrcStash:
         skipped = frozenset(skip)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, t, skipped), self._unpack):
             yield
+        self._note_device()
 
     def put_input(self, key: Key, tensor: torch.Tensor) -> None:
-        """lflb: stash only the replica's input (a copy) for a later FRC."""
-        copy = tensor.detach().to("cpu", copy=True)
-        self.inputs[key] = copy
-        self._account(key, copy)
+        """lflb: stash only the replica's input for a later FRC (in host memory: a pinned copy from a GPU, the
+        tensor itself on the CPU; its user brings it back to the device)."""
+        stored = self._swap.out(tensor.detach())
+        self.inputs[key] = stored
+        self._account(key, stored)
 
     def swap_out(self, key: Key) -> None:
-        """Move the saved tensors of `key` into the swap store (a copy; the live ones are released)."""
-        live = self._live.pop(key, [])
-        stored = []
-        for tensor in live:
-            if tensor.device.type == "cuda":
-                if self._side_stream is None:
-                    self._side_stream = torch.cuda.Stream()
-                stream = self._side_stream
-                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                stream.wait_stream(torch.cuda.current_stream(tensor.device))  # type: ignore[attr-defined]
-                with torch.cuda.stream(stream):  # type: ignore[arg-type]
-                    copy.copy_(tensor, non_blocking=True)
-                    tensor.record_stream(stream)  # type: ignore[arg-type]
-            else:
-                copy = tensor.detach().clone()
-            stored.append(copy)
-            self._account(key, copy)
+        """Move the saved tensors of `key` into the swap store, in host memory (from a GPU, a copy on a side
+        stream, and the device tensors are released; on the CPU, the tensors themselves)."""
+        stored = [self._swap.out(tensor) for tensor in self._live.pop(key, [])]
+        for tensor in stored:
+            self._account(key, tensor)
         self._stored[key] = stored
 
     def swap_in(self, key: Key) -> None:
-        """Bring the saved tensors of `key` back to their device (on CPU they are used in place)."""
+        """Bring the saved tensors of `key` back to their device (on the CPU they are used where they are)."""
         device = self._device.get(key)
         if key not in self._stored or device is None or device.type != "cuda":
             return
-        if self._side_stream is not None:
-            torch.cuda.current_stream(device).wait_stream(self._side_stream)  # type: ignore[arg-type]
-        self._live[key] = [t.to(device, non_blocking=True) for t in self._stored[key]]
+        self._live[key] = self._swap.back(self._stored[key], device)
+        self._note_device()
 
     def drop(self, key: Key) -> None:
         self._live.pop(key, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 
 __all__ = [
+    "ASSUMED_STEP_S",
     "BUILD_S",
     "CHAOS_BUILD_S",
     "CHAOS_CONFIRM_S",
@@ -134,3 +135,7 @@ CHAOS_CONFIRM_S = 15.0
 CHAOS_DEADLINE_S = 120.0
 """The verify deadline (``VERIFY_DEADLINE_S``) of each run of ``bamboo-rc soak`` and the chaos
 tests."""
+
+ASSUMED_STEP_S = 1.0
+"""The fault-free step `redundancy="auto"` assumes before one was measured (it sets how much a failure's
+recomputation costs against the fault-free price of each mode)."""

@@ -20,20 +20,23 @@ import os
 import signal
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-from bamboo.rc.config import load_config
-from bamboo.rc.data import GlobalBatchSampler, stdlib_corpus
+from bamboo.rc.config import TrainingConfig, load_config
+from bamboo.rc.data import stdlib_corpus
+from bamboo.rc.device import resolve_device
 from bamboo.rc.executor import REDUNDANCY_MODES
 from bamboo.rc.failures import StoreFailureNotices
 from bamboo.rc.faults import KillPoint, KillRecord, NoticePoint, killed_key, reached_key
 from bamboo.rc.layout import Layout
-from bamboo.rc.model import GPTSize, check_stage_bounds, gpt_layer_specs, lm_loss, stage_bounds
+from bamboo.rc.model import GPTSize, check_stage_bounds, stage_bounds
 from bamboo.rc.records import FailoverRecord
-from bamboo.rc.reference import train_reference
+from bamboo.rc.reference import ReferenceResult, train_reference
 from bamboo.rc.timeouts import (
     VERIFY_BATCH_WINDOW_S,
     VERIFY_DEADLINE_S,
@@ -42,7 +45,7 @@ from bamboo.rc.timeouts import (
     VERIFY_WAIT_POLL_S,
     CommTimeouts,
 )
-from bamboo.rc.worker import WorkerSpec, exact_mode, worker_main
+from bamboo.rc.worker import VerifyModel, WorkerSpec, exact_mode, example_model, worker_main
 from torch.distributed import TCPStore
 
 __all__ = ["DEFAULT_CONFIG", "RELATIVE_TOLERANCE", "VerifyResult", "run_verify"]
@@ -90,13 +93,38 @@ class VerifyResult:
     unfired_kills: tuple[str, ...] = ()
     """The kill points (as `--kill` writes them) whose node never reached them."""
     kills_must_fire: bool = True
+    device: str = "cpu"
+    """The device the workers and the reference trained on (``cuda`` for any GPU)."""
+    memory: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    """Per rank: ``device`` (the worker's), ``device_peak_bytes`` (the most it allocated on its GPU; 0 on the
+    CPU), ``stash_swapped_bytes`` (bytes the FRC stash swapped to host memory, in all), ``stash_device_peak_bytes``
+    (the most the stash held on the GPU at once) and ``staged_bytes`` (message bytes copied between the GPU and
+    host buffers)."""
+
+    def pause_seconds(self, failover: FailoverRecord) -> tuple[float, float | None] | None:
+        """The failover's pause as the survivors of its pipeline saw it: seconds from the kill to the last of them
+        resuming, and to the last of them ending the failed step (None when unknown); None when the kill time is
+        not known."""
+        stages = len(self.stage_bounds)
+        victims = [pipeline * stages + node for pipeline, nodes in failover.victims.items() for node in nodes]
+        killed = [self.kill_times[rank] for rank in victims if rank in self.kill_times]
+        same = [f for f in self.failovers if f.epoch == failover.epoch and f.own_pipeline]
+        if not killed or not same:
+            return None
+        ended = [f.iteration_end for f in same if f.iteration_end is not None]
+        return max(f.resumed_at for f in same) - min(killed), (max(ended) - min(killed)) if ended else None
+    loss_scales_match: bool = True
+    """fp16: every stage's and every replica's loss-scale state equals the reference's (trivially true without)."""
+    loss_scale: dict[str, Any] | None = None
+    """fp16: the reference's loss-scale state after its last step."""
 
     @property
     def passed(self) -> bool:
-        """Survivors exited cleanly, parameters match within 1e-6 relative, replicas bit-equal,
-        no consecutive failure stopped the run, and every kill point fired (when they must)."""
+        """Survivors exited cleanly, parameters match within 1e-6 relative, replicas bit-equal, loss
+        scales equal, no consecutive failure stopped the run, and every kill point fired (when they must)."""
         return (
-            self.consecutive is None
+            self.loss_scales_match
+            and self.consecutive is None
             and all(code == 0 for rank, code in self.worker_exit_codes.items() if rank not in self.killed)
             and self.max_relative_diff <= RELATIVE_TOLERANCE
             and self.replicas_bit_equal
@@ -124,14 +152,23 @@ def run_verify(
     notice_points: tuple[NoticePoint, ...] = (),
     bounds: tuple[tuple[int, int], ...] | None = None,
     kills_must_fire: bool = True,
+    device: str | None = None,
+    model: VerifyModel | None = None,
 ) -> VerifyResult:
     """Run the self-check and return what it measured (see the module docstring).
+
+    ``model`` trains a model of your own (layers, loss, ``microbatch(step, index)``; see
+    :class:`~bamboo.rc.worker.VerifyModel`) instead of the example GPT of ``size``.
 
     With `kills`, the chosen workers SIGKILL themselves at the chosen instructions. This parent
     process is then the failure authority: it sees each death through `waitpid` and publishes
     the confirmed failure with the next membership epoch in the store. A kill point that never
     fires fails the run unless `kills_must_fire` is False. `bounds` are the stage bounds
     (default: :func:`bamboo.rc.model.stage_bounds` of the model).
+
+    `device` is the workers' (:func:`bamboo.rc.device.resolve_device`; ``cuda`` spreads them over the GPUs
+    by rank, several to a GPU when there are fewer GPUs than workers); the reference trains on the same kind
+    of device, in a child process on a GPU (this process never starts CUDA, so it can fork again).
     """
     for kill in kills:
         if not (0 <= kill.stage < stages and 0 <= kill.pipeline < pipelines and 0 <= kill.step < steps):
@@ -142,8 +179,10 @@ def run_verify(
     config = dict(config or DEFAULT_CONFIG)
     training = load_config(config, pipelines=pipelines)
     layout = Layout(stages, pipelines)
-    specs = gpt_layer_specs(size)
+    program = model or example_model(size, training.micro_batch_size, seed)
+    specs = list(program.layers)
     bounds = check_stage_bounds(stage_bounds(specs, stages) if bounds is None else bounds, len(specs), stages)
+    kind = resolve_device(device).type  # a bad device is one line here, before anything forks
     exact_mode()
     stdlib_corpus()  # read once here; the forked workers inherit it
     started = time.perf_counter()
@@ -160,7 +199,7 @@ def run_verify(
                 steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, stage_bounds=bounds,
                 seed=seed,
                 timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
-                notice_points=tuple(notice_points),
+                notice_points=tuple(notice_points), device=device, model=model,
             )
             pid = os.fork()
             if pid == 0:
@@ -198,10 +237,10 @@ def run_verify(
     compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
     left = tuple(sorted(rank for rank, r in reports.items() if r["left"]))
     withdrawn = tuple(sorted(rank for rank, r in reports.items() if r.get("withdrew")))
-    reference = train_reference(specs, lm_loss, training, GlobalBatchSampler(
-        training.micro_batch_size, size.sequence, seed=seed), compared_at, pipelines, seed)
+    reference = _reference(kind, device, specs, program.loss_fn, training, program.microbatch, compared_at,
+                           pipelines, seed)
     max_rel = max_abs = max_replica = 0.0
-    equal = True
+    equal = scales_match = True
     compared = 0
     losses: list[float] = []
     stash_peak = 0
@@ -215,6 +254,7 @@ def run_verify(
         for stage, layers in report["slices"].items():
             if stage not in report["hosted"] and consecutive is None:
                 continue  # a replica: compared with its original below
+            scales_match = scales_match and report["loss_scales"].get(stage) == reference.loss_scale  # fp16
             for offset, layer_state in enumerate(layers):
                 for name, tensor in layer_state.items():
                     rel, absolute = _relative(tensor, reference.layer_states[bounds[stage][0] + offset][name])
@@ -228,6 +268,7 @@ def run_verify(
                 equal = False  # the original is missing: nothing proves the replica exact
             continue
         original = owner["slices"][replica_stage]
+        scales_match = scales_match and report["loss_scales"].get(replica_stage) == owner["loss_scales"].get(replica_stage)
         for replica_layer, original_layer in zip(report["slices"][replica_stage], original, strict=True):
             for name, tensor in replica_layer.items():
                 compared += 1
@@ -265,7 +306,39 @@ def run_verify(
         stage_bounds=bounds,
         unfired_kills=unfired,
         kills_must_fire=kills_must_fire,
+        device=kind,
+        memory={rank: r["memory"] for rank, r in reports.items()},
+        loss_scales_match=scales_match,
+        loss_scale=reference.loss_scale,
     )
+
+
+def _reference(kind: str, device: str | None, specs: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
+               training: TrainingConfig, microbatch: Callable[[int, int], tuple[Any, Any]], steps: int,
+               pipelines: int, seed: int) -> ReferenceResult:
+    """The single-process reference, on the workers' kind of device: here on the CPU; on a GPU in a forked child
+    (this process must not start CUDA: it forks the workers of the next run), which hands its result back
+    through a file."""
+    if kind != "cuda":
+        return train_reference(specs, loss_fn, training, microbatch, steps, pipelines, seed)
+    with tempfile.TemporaryDirectory(prefix="bamboo-reference-") as folder:
+        path = Path(folder) / "reference.pt"
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                result = train_reference(specs, loss_fn, training, microbatch, steps, pipelines, seed,
+                                         device=resolve_device(device, local_rank=0))
+                torch.save(attrs.asdict(result), path)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0 or not path.exists():
+            raise RuntimeError(f"the reference on {device or 'the GPU'} failed (exit status {os.waitstatus_to_exitcode(status)})")
+        return ReferenceResult(**torch.load(path, weights_only=False))
 
 
 def _wait_children(

@@ -2,7 +2,8 @@
 
 `verify` forks one of these per node. A worker connects to the c10d store hosted by its parent,
 runs with one intra-op thread and deterministic algorithms (so results are exact), trains the
-example model for the given steps with the verify's kill and notice points (a
+example model (or the :class:`VerifyModel` it is given: layers, loss and ``microbatch(step, index)``,
+inherited through the fork) for the given steps with the verify's kill and notice points (a
 :class:`~bamboo.rc.faults.FaultInjector` hook), writes its final state to `<out>/rank<r>.pt` (its
 failovers as :class:`~bamboo.rc.records.FailoverRecord` dictionaries) and ends with a flush and
 `os._exit` (never running gloo destructors that could block on a dead peer).
@@ -10,17 +11,20 @@ failovers as :class:`~bamboo.rc.records.FailoverRecord` dictionaries) and ends w
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 from bamboo.rc.config import load_config
-from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
+from bamboo.rc.data import GlobalBatchSampler
+from bamboo.rc.device import exact_kernels, peak_memory_bytes, resolve_device
 from bamboo.rc.engine import initialize
 from bamboo.rc.failures import ConsecutiveFailure, HandedOver, StoreFailureNotices
 from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
@@ -29,22 +33,35 @@ from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.timeouts import CommTimeouts
 from torch.distributed import TCPStore
 
-__all__ = ["WorkerSpec", "exact_mode", "run_worker", "worker_main"]
+__all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "run_worker", "worker_main"]
 
 
 def exact_mode() -> None:
-    """One intra-op thread and deterministic algorithms: the same math gives the same bits.
+    """One intra-op thread and deterministic algorithms: the same math gives the same bits (on a GPU too:
+    cuBLAS's fixed workspace is set before CUDA starts, :func:`bamboo.rc.device.exact_kernels`).
 
     ``torch.use_deterministic_algorithms(True)`` sets the same flag of the eager kernels, and also inductor's
     ``deterministic`` option, whose import imports ``torch._dynamo``: 1.2 s of CPU in every worker, for a
     compiler nothing here runs. So the eager flag is set alone (the public call where torch lacks the private one).
     """
+    exact_kernels()
     torch.set_num_threads(1)
     set_eager_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
     if set_eager_flag is None:
         torch.use_deterministic_algorithms(True)
     else:
         set_eager_flag(True)
+
+
+@attrs.frozen
+class VerifyModel:
+    """A model of your own for ``verify``: its layer specs, the loss of one microbatch, and the data as a
+    function of its position (``microbatch(step, global index) -> (inputs, labels)``). The workers are forked,
+    so anything (a ``transformers`` model, a memory-mapped token file) is inherited as it is."""
+
+    layers: Sequence[Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    microbatch: Callable[[int, int], tuple[Any, Any]]
 
 
 @attrs.frozen
@@ -68,6 +85,26 @@ class WorkerSpec:
     timeouts: CommTimeouts = attrs.field(factory=CommTimeouts)
     kills: tuple[KillPoint, ...] = ()
     notice_points: tuple[NoticePoint, ...] = ()
+    device: str | None = None
+    """``initialize``'s device (None: ``BAMBOO_DEVICE``, else a GPU when CUDA is present); ``cuda`` without an
+    index is ``cuda:(rank mod GPUs)``."""
+    model: VerifyModel | None = None
+    """A model of your own instead of the example GPT of ``size``."""
+
+    def program(self, micro_batch_size: int) -> VerifyModel:
+        """The model this worker trains: :attr:`model`, or the example GPT of :attr:`size` on its corpus."""
+        return self.model or example_model(self.size, micro_batch_size, self.seed)
+
+
+def example_model(size: GPTSize, micro_batch_size: int, seed: int) -> VerifyModel:
+    """The example GPT of ``size`` on the standard library's source (:class:`~bamboo.rc.data.GlobalBatchSampler`)."""
+    sampler = GlobalBatchSampler(micro_batch_size, size.sequence, seed=seed)
+
+    def microbatch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = sampler.microbatch(step, index)
+        return batch.tokens, batch.labels
+
+    return VerifyModel(gpt_layer_specs(size), lm_loss, microbatch)
 
 
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
@@ -75,23 +112,20 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     exact_mode()
     config = load_config(spec.config, pipelines=spec.layout.pipelines)
     store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_seconds(spec.timeouts.build))
-    sampler = GlobalBatchSampler(config.micro_batch_size, spec.size.sequence, seed=spec.seed)
-
-    def microbatch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = sampler.microbatch(step, index)
-        return batch.tokens, batch.labels
-
+    model = spec.program(config.micro_batch_size)
     engine = initialize(
-        gpt_layer_specs(spec.size), spec.config, spec.redundancy, loss_fn=lm_loss,
+        list(model.layers), spec.config, spec.redundancy, loss_fn=model.loss_fn,
         stages=spec.layout.stages, rank=spec.layout.rank(spec.stage, spec.pipeline), world_size=spec.layout.world,
         store=store, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
         notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None,
         stage_bounds=spec.stage_bounds,
         hook=FaultInjector.for_node(spec.stage, spec.pipeline, spec.kills, spec.notice_points),
-        microbatch=microbatch,
+        microbatch=model.microbatch,
+        device=resolve_device(spec.device, local_rank=spec.layout.rank(spec.stage, spec.pipeline)),
     )
     executor = engine.executor
-    data = pipeline_data_iter(sampler, spec.pipeline, config.micro_batches)
+    data = (model.microbatch(step, spec.pipeline * config.micro_batches + k)
+            for step in itertools.count() for k in range(config.micro_batches))
     started = time.perf_counter()
     consecutive: str | None = None
     left = False
@@ -108,7 +142,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "stage": spec.stage,
         "pipeline": spec.pipeline,
         "hosted": [] if left else list(executor.hosted),
-        "slices": {} if left else {s: [layer.state_dict() for layer in p.layers] for s, p in executor.slices.items()},
+        "slices": {} if left else {s: [{name: tensor.detach().cpu() for name, tensor in layer.state_dict().items()}
+                                       for layer in p.layers] for s, p in executor.slices.items()},
+        "loss_scales": {} if left else {s: None if p.loss_scale is None else p.loss_scale.to_dict()
+                                        for s, p in executor.slices.items()},
         "replica_stage": None if left else executor.replica_stage,
         "left": left,
         "withdrew": executor.handover_step is not None and not left,
@@ -116,6 +153,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "losses": executor.losses,
         "steps_done": executor.step,
         "stash_peak_bytes": executor.stash.peak_bytes,
+        "memory": {"device": str(executor.device), "device_peak_bytes": peak_memory_bytes(executor.device) or 0,
+                   "stash_swapped_bytes": executor.stash.swapped_bytes_total,
+                   "stash_device_peak_bytes": executor.stash.device_peak_bytes,
+                   "staged_bytes": executor.interpreter.staging.staged_bytes},
         "sync_bytes": executor.sync_bytes,
         "failovers": [failover.to_dict() for failover in executor.failovers],
         "iteration_times": executor.iteration_times,

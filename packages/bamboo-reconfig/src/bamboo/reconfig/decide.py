@@ -1,6 +1,6 @@
 """``decide(view)``: whether to reconfigure now, at the next step boundary, or carry on.
 
-The triggers (paper §5, DESIGN.md "Reconfiguration"), most urgent first; a decision lists every one that
+The triggers (paper §5; docs/architecture.md, "A reconfiguration"), most urgent first; a decision lists every one that
 holds, in this order (``Decision.reasons``; ``Decision.reason`` is the first):
 
 - ``consecutive-failure`` (now): a pipeline lost a node and its shadow (two consecutive stages, last to

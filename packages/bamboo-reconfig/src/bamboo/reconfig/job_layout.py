@@ -51,31 +51,54 @@ class StartMode(enum.Enum):
     """Some stage lost every copy: every node loads the checkpoint named by the restore point."""
 
 
-def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+_NON_NEGATIVE_INT = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0))
 
 
 def _node_ids(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _keepers(value: Mapping[Any, Iterable[str]]) -> dict[int, tuple[str, ...]]:
+    return {int(stage): tuple(str(node) for node in nodes) for stage, nodes in dict(value).items()}
+
+
 @attrs.frozen
 class RestorePoint:
-    """The checkpoint a generation restarts from: its step, its folder and the stages that forced it."""
+    """The copy of an earlier step a generation restarts from: its step, the stages that forced it, and where
+    every stage's state is: in the memory of live nodes (``memory``: stage -> the nodes that keep it at that
+    step, nearest first), in the checkpoint folder ``path`` (disk), or, with ``initial``, nowhere: no copy of
+    any step is left, and the job starts over from its seeded initial state (step 0)."""
 
-    step: int = attrs.field(validator=_non_negative_int)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     path: str = attrs.field(validator=attrs.validators.instance_of(str))
     lost_stages: tuple[int, ...] = attrs.field(converter=lambda v: tuple(sorted(int(s) for s in v)))
+    memory: dict[int, tuple[str, ...]] = attrs.field(factory=dict, converter=_keepers)
+    initial: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("a restore point needs the checkpoint's folder, got an empty path")
+        if self.initial and (self.step or self.path or self.memory):
+            raise ValueError(f"a start over from the initial state is step 0 with no copy, got step {self.step}, "
+                             f"path {self.path!r} and {len(self.memory)} stage(s) in memory")
+        if not self.path and not self.memory and not self.initial:
+            raise ValueError("a restore point needs the checkpoint's folder or in-memory copies, got neither")
         if not self.lost_stages:
             raise ValueError(f"a restore point names the stages that lost every copy, got none (step {self.step})")
+        empty = sorted(stage for stage, nodes in self.memory.items() if not nodes)
+        if empty:
+            raise ValueError(f"a restore from memory names the nodes that keep every stage; stage(s) {empty} have none")
+
+    @property
+    def source(self) -> str:
+        """``memory``, ``disk`` or ``initial``."""
+        return "initial" if self.initial else "memory" if self.memory else "disk"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "lost_stages": list(self.lost_stages)}
+        data: dict[str, Any] = {"step": self.step, "path": self.path, "lost_stages": list(self.lost_stages)}
+        if self.memory:
+            data["memory"] = {str(stage): list(nodes) for stage, nodes in sorted(self.memory.items())}
+        if self.initial:
+            data["initial"] = True
+        return data
 
 
 def _history(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
@@ -90,9 +113,9 @@ def _zones(value: Mapping[str, str]) -> dict[str, str]:
 class JobLayout:
     """Generation ``generation`` of a job: its placement (``plan``) and how it starts (see the module docstring)."""
 
-    generation: int = attrs.field(validator=_non_negative_int)
+    generation: int = attrs.field(validator=_NON_NEGATIVE_INT)
     plan: Layout = attrs.field(validator=attrs.validators.instance_of(Layout))
-    start_step: int = attrs.field(default=0, validator=_non_negative_int)
+    start_step: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     mode: StartMode = attrs.field(default=StartMode.FIRST, converter=StartMode)
     reason: str = attrs.field(default="first layout", validator=attrs.validators.instance_of(str))
     transfers: TransferPlan = attrs.field(
@@ -100,13 +123,13 @@ class JobLayout:
         validator=attrs.validators.instance_of(TransferPlan),
     )
     restore: RestorePoint | None = attrs.field(default=None)
-    barrier_step: int = attrs.field(default=0, validator=_non_negative_int)
+    barrier_step: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """The step at which the previous generation's holders met (the start step, unless restored)."""
     barrier_unix: float | None = attrs.field(default=None)
     """When the first holder reached that barrier (wall clock); None for the first layout."""
     base_generation: int | None = attrs.field(default=None)
     """The generation whose barrier this layout comes from; None for the first layout."""
-    attempt: int = attrs.field(default=0, validator=_non_negative_int)
+    attempt: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """How many starts of that barrier were abandoned before this one."""
     survivors: tuple[str, ...] = attrs.field(default=(), converter=_node_ids)
     """The nodes that held state at that barrier."""
@@ -243,7 +266,8 @@ class JobLayout:
         restore = None
         if restore_data is not None:
             restore = _Reader("layout", data).parsed("restore", lambda d: RestorePoint(
-                step=d["step"], path=d["path"], lost_stages=d["lost_stages"]))
+                step=d["step"], path=d["path"], lost_stages=d["lost_stages"], memory=d.get("memory", {}),
+                initial=d.get("initial", False)))
         try:
             return cls(
                 generation=read.value("generation", int),

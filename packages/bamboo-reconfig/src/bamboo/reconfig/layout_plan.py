@@ -1,6 +1,6 @@
 """``plan_layout(view)``: the new layout after a reconfiguration.
 
-The policy (paper §5, DESIGN.md "Reconfiguration"):
+The policy (paper §5; docs/architecture.md, "A reconfiguration"):
 
 1. Keep depth P first. P is only lowered when fewer than P nodes are usable; a smaller P is tried from
    the target down to 2 and must also fit node memory.

@@ -4,7 +4,7 @@ Every class here is frozen and validated on construction; a validation message n
 value. Every class has a stable JSON round trip (``to_dict``/``from_dict`` and ``to_json``/``from_json``),
 because the launcher writes the first decision into etcd as JSON and every other node reads it back.
 
-Layout convention (DESIGN.md, "Placement"): the node at stage ``s`` of a pipeline also holds the replica
+Layout convention (docs/architecture.md, "A step"): the node at stage ``s`` of a pipeline also holds the replica
 of stage ``(s + 1) mod P``. So the *shadow* of stage ``s`` is the node at stage ``(s - 1) mod P`` of the
 same pipeline, and a node holds the state (parameters and optimizer state) of two stages.
 
@@ -49,14 +49,9 @@ class NodeState(enum.Enum):
             raise ValueError(f"unknown node state {text!r} (expected one of: {accepted})") from None
 
 
-def _non_negative_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
-
-
-def _positive_int(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+_V = attrs.validators
+_NON_NEGATIVE_INT = _V.and_(_V.instance_of(int), _V.ge(0))
+_POSITIVE_INT = _V.and_(_V.instance_of(int), _V.ge(1))
 
 
 def _non_empty_str(_instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -76,8 +71,8 @@ def _require_keys(data: Mapping[str, Any], keys: Iterable[str], what: str) -> No
 class StageSlot:
     """One cell of the layout grid: stage ``stage`` of pipeline ``pipeline``."""
 
-    pipeline: int = attrs.field(validator=_non_negative_int)
-    stage: int = attrs.field(validator=_non_negative_int)
+    pipeline: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    stage: int = attrs.field(validator=_NON_NEGATIVE_INT)
 
     def __str__(self) -> str:
         return f"p{self.pipeline}s{self.stage}"
@@ -123,20 +118,16 @@ class Node:
         )
 
 
-def _non_negative_number(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{attribute.name} must be a non-negative number, got {value!r}")
-    if value == float("inf"):
-        raise ValueError(f"{attribute.name} must be finite, got {value!r}")
+_NON_NEGATIVE_NUMBER = _V.and_(_V.instance_of((int, float)), _V.ge(0), _V.lt(float("inf")))
 
 
 @attrs.frozen
 class LayerSpec:
     """One layer of the model: the bytes of its parameters and optimizer state, and its compute cost."""
 
-    param_bytes: int = attrs.field(validator=_non_negative_int)
-    optimizer_bytes: int = attrs.field(validator=_non_negative_int)
-    compute_cost: float = attrs.field(validator=_non_negative_number)
+    param_bytes: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    optimizer_bytes: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    compute_cost: float = attrs.field(validator=_NON_NEGATIVE_NUMBER)
 
     @property
     def state_bytes(self) -> int:
@@ -189,13 +180,13 @@ class Layout:
     ``standby``.
     """
 
-    stages: int = attrs.field(validator=_positive_int)
+    stages: int = attrs.field(validator=_POSITIVE_INT)
     layers: tuple[LayerSpec, ...] = attrs.field(converter=_to_layers)
     stage_layers: tuple[tuple[int, int], ...] = attrs.field(converter=_to_bounds)
     owners: tuple[tuple[str, ...], ...] = attrs.field(converter=_to_rows)
     microbatches: tuple[int, ...] = attrs.field(converter=tuple)
     standby: tuple[str, ...] = attrs.field(converter=tuple, default=())
-    same_zone_neighbours: int = attrs.field(validator=_non_negative_int, default=0)
+    same_zone_neighbours: int = attrs.field(validator=_NON_NEGATIVE_INT, default=0)
 
     def __attrs_post_init__(self) -> None:
         if len(self.layers) < self.stages:
@@ -374,9 +365,9 @@ class ClusterView:
     """
 
     nodes: tuple[Node, ...] = attrs.field(converter=_to_sorted_nodes)
-    target_stages: int = attrs.field(validator=_positive_int)
-    target_pipelines: int = attrs.field(validator=_positive_int)
-    global_batch: int = attrs.field(validator=_positive_int)
+    target_stages: int = attrs.field(validator=_POSITIVE_INT)
+    target_pipelines: int = attrs.field(validator=_POSITIVE_INT)
+    global_batch: int = attrs.field(validator=_POSITIVE_INT)
     layers: tuple[LayerSpec, ...] = attrs.field(converter=_to_layers)
     layout: Layout | None = attrs.field(default=None)
     node_memory_bytes: int | None = attrs.field(default=None)
@@ -391,7 +382,7 @@ class ClusterView:
         if self.target_stages > len(self.layers):
             raise ValueError(f"P={self.target_stages} is larger than the layer count {len(self.layers)}")
         if self.node_memory_bytes is not None:
-            _positive_int(self, attrs.fields(ClusterView).node_memory_bytes, self.node_memory_bytes)
+            _POSITIVE_INT(self, attrs.fields(ClusterView).node_memory_bytes, self.node_memory_bytes)
         if self.layout is not None:
             self._check_layout(self.layout)
 

@@ -3,7 +3,7 @@
 A node at stage ``s`` must hold the parameters and optimizer state of every layer of stage ``s`` and
 of stage ``(s + 1) mod P`` (its replica). Under the old layout a live node holds the same for its old
 stage: it is an owner, the shadow of the next stage, and a data-parallel peer of every node at its old
-stage (replica sync keeps all those copies exact, DESIGN.md "Replica sync"). So:
+stage (replica sync keeps all those copies exact: docs/architecture.md, "A step"). So:
 
 - a node fetches only the layers it does not already hold, which minimises the bytes moved: a layer a
   node holds never moves, and a layer it lacks must arrive at least once;

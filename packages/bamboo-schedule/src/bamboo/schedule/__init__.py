@@ -5,6 +5,7 @@ validates, simulates and draws per-node instruction streams. See the package REA
 "Executing a schedule", for the exact meaning of every instruction.
 """
 
+from bamboo.schedule.choose import FailureModel, ModeEstimate, RedundancyChoice, choose_redundancy
 from bamboo.schedule.engine import Deadlock, ExecutionError, Mismatch, Timeline, counterpart, execute
 from bamboo.schedule.export import chrome_trace, text_grid, time_grid
 from bamboo.schedule.failover import (
@@ -18,11 +19,12 @@ from bamboo.schedule.failover import (
     validate_failover,
 )
 from bamboo.schedule.generate import add_redundancy, generate, gpipe, one_f_one_b
-from bamboo.schedule.ir import COMM_KINDS, COMPUTE_KINDS, Instruction, Kind, RCMode, Schedule
+from bamboo.schedule.ir import BUFFERED_SENDS, COMM_KINDS, COMPUTE_KINDS, Instruction, Kind, RCMode, Schedule
 from bamboo.schedule.simulate import Costs, SimResult, StageCost, simulate
 from bamboo.schedule.validate import ScheduleError, validate
 
 __all__ = [
+    "BUFFERED_SENDS",
     "COMM_KINDS",
     "COMPUTE_KINDS",
     "ConsecutiveFailure",
@@ -30,10 +32,13 @@ __all__ = [
     "Deadlock",
     "ExecutionError",
     "FailoverPlan",
+    "FailureModel",
     "Instruction",
     "Kind",
     "Mismatch",
+    "ModeEstimate",
     "RCMode",
+    "RedundancyChoice",
     "Schedule",
     "ScheduleError",
     "SimResult",
@@ -41,6 +46,7 @@ __all__ = [
     "Timeline",
     "add_redundancy",
     "check_victims",
+    "choose_redundancy",
     "chrome_trace",
     "counterpart",
     "execute",

@@ -131,6 +131,7 @@ def _show(args: argparse.Namespace) -> tuple[int, str]:
         "makespan": _round(result.makespan),
         "baseline_makespan": _round(result.baseline_makespan),
         "overhead_pct": _round(result.overhead_pct),
+        "overhead_bound_pct": _round(result.overhead_bound_pct),
         "bubble_pct": _round(result.bubble_pct),
         "frc_hidden_pct": _round(result.frc_hidden_pct),
         "peak_stash": {str(n): _round(v) for n, v in result.peak_stash.items()},
@@ -214,7 +215,7 @@ def _show(args: argparse.Namespace) -> tuple[int, str]:
     if failure is not None:
         title += f", stages {out['victims']} failed at index {failure[1]} (failing iteration shown)"
     lines.append(title)
-    for key in ("makespan", "overhead_pct", "bubble_pct", "frc_hidden_pct", "fault_free_makespan",
+    for key in ("makespan", "overhead_pct", "overhead_bound_pct", "bubble_pct", "frc_hidden_pct", "fault_free_makespan",
                 "failing_iteration_slowdown_pct", "steady_makespan", "steady_overhead_pct", "placement_after"):
         if key in out:
             lines.append(f"  {key:32} {out[key]}")

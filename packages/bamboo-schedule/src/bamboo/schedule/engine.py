@@ -6,6 +6,11 @@ strictest blocking semantics (gloo's is looser: a small send may return before i
 posted), so streams that complete here complete under gloo too. Local instructions start as soon
 as their node is free. The result is each instruction's start and end time.
 
+The replica sync's send (``SY``, `BUFFERED_SENDS`) is the one exception: it is posted and not waited for. It
+costs its node its own duration and the node goes on; the data lands after the transfer time (a `StageTable`'s
+``buffered`` row, else the send's duration), and the receive (``RY``) starts once both its node and the data are
+there. `check_execution` follows the same rules.
+
 Errors are typed and carry where they happened, so the validator can mark the bad cell:
 `Deadlock` (some nodes wait forever; the blocked heads are given) and `Mismatch` (two nodes are at a
 send and a receive towards each other, but for different tensors, so FIFO matching would pair the
@@ -15,11 +20,11 @@ wrong tensors).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 from bamboo.schedule._gc import gc_paused
-from bamboo.schedule.ir import SENDS, Instruction, Kind, make
+from bamboo.schedule.ir import BUFFERED_SENDS, SENDS, Instruction, Kind, make
 
 __all__ = [
     "Deadlock",
@@ -30,6 +35,7 @@ __all__ = [
     "check_execution",
     "counterpart",
     "execute",
+    "posted_before",
 ]
 
 Cell = tuple[int, int]
@@ -54,6 +60,9 @@ class Mismatch(ExecutionError):
 
 _PAIR = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD, Kind.SYNC_SEND: Kind.SYNC_RECV}
 _PAIR.update({v: k for k, v in list(_PAIR.items())})
+_BUFFERED = BUFFERED_SENDS
+_BUFFERED_RECEIVES = frozenset(_PAIR[kind] for kind in BUFFERED_SENDS)
+_BUFFERED_ANY = _BUFFERED | _BUFFERED_RECEIVES
 _OFFSET = {Kind.SEND_ACT: 1, Kind.RECV_ACT: -1, Kind.SEND_GRAD: -1, Kind.RECV_GRAD: 1}
 
 
@@ -92,11 +101,18 @@ class StageTable:
     beyond a row's end is looked up through ``fallback`` (which may extend the rows).
     """
 
-    __slots__ = ("fallback", "rows")
+    __slots__ = ("buffered", "fallback", "rows")
 
-    def __init__(self, rows: Mapping[Kind, list[float]], fallback: Duration | None = None) -> None:
+    def __init__(
+        self,
+        rows: Mapping[Kind, list[float]],
+        fallback: Duration | None = None,
+        buffered: Mapping[Kind, list[float]] | None = None,
+    ) -> None:
         self.rows = rows
         self.fallback = fallback
+        self.buffered: Mapping[Kind, list[float]] = buffered or {}
+        """The transfer time (ms) per stage of `BUFFERED_SENDS` kinds, when it differs from the send's duration."""
 
     def __call__(self, node: int, instr: Instruction) -> float:
         row = self.rows[instr.kind]
@@ -128,15 +144,26 @@ def _no_stream(n: int, i: int, instr: Instruction, m: int) -> Deadlock:
     return Deadlock(f"node {n} instruction {i} ({instr}) talks to node {m}, which has no stream", [(n, i)])
 
 
+def posted_before(executed: Mapping[int, Sequence[Instruction]]) -> set[tuple[int, int]]:
+    """(receiver, stage) of the buffered sends in ``executed`` (completed prefixes) that no receive took yet."""
+    posted = {(i.peer, i.stage) for stream in executed.values() for i in stream if i.kind in _BUFFERED}
+    taken = {(n, i.stage) for n, stream in executed.items() for i in stream if i.kind in _BUFFERED_RECEIVES}
+    return {(peer, stage) for peer, stage in posted - taken if peer is not None}
+
+
 @gc_paused
-def check_execution(streams: Mapping[int, Sequence[Instruction]]) -> None:
+def check_execution(
+    streams: Mapping[int, Sequence[Instruction]], posted: Collection[tuple[int, int]] = ()
+) -> None:
     """`execute` without durations or a timeline: only raise `Deadlock` or `Mismatch` (the validator's use).
 
-    Nodes are visited in the same order as in `execute`, so the same error is raised.
+    ``posted`` are buffered sends already posted before these streams start ((receiver, stage), from
+    `posted_before`). Nodes are visited in the same order as in `execute`, so the same error is raised.
     """
     pos = dict.fromkeys(streams, 0)
     work = deque(streams)
     pair_kind, offset = _PAIR, _OFFSET
+    posted = set(posted)
     while work:
         n = work.popleft()
         stream = streams[n]
@@ -151,12 +178,23 @@ def check_execution(streams: Mapping[int, Sequence[Instruction]]) -> None:
             other_stream = streams.get(m)
             if other_stream is None:
                 raise _no_stream(n, i, instr, m)
+            kind = instr.kind
+            if kind in _BUFFERED:
+                posted.add((m, instr.stage))
+                work.append(m)
+                i += 1
+                continue
+            if kind in _BUFFERED_RECEIVES:
+                if (n, instr.stage) not in posted:
+                    break
+                posted.discard((n, instr.stage))
+                i += 1
+                continue
             j = pos[m]
             if j >= len(other_stream):
                 break
             other = other_stream[j]
-            kind = instr.kind
-            if other.peer != n or (kind in SENDS) == (other.kind in SENDS):
+            if other.peer != n or (kind in SENDS) == (other.kind in SENDS) or other.kind in _BUFFERED_ANY:
                 break
             if (
                 other.kind is not pair_kind[kind]
@@ -175,7 +213,8 @@ def check_execution(streams: Mapping[int, Sequence[Instruction]]) -> None:
 
 @gc_paused
 def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _zero) -> Timeline:
-    """Run ``streams`` with blocking rendezvous semantics; raise `Deadlock` or `Mismatch`."""
+    """Run ``streams`` with blocking rendezvous semantics (buffered replica-sync sends); raise `Deadlock` or
+    `Mismatch`."""
     nodes = list(streams)
     pos = dict.fromkeys(nodes, 0)
     free = dict.fromkeys(nodes, 0.0)
@@ -186,6 +225,9 @@ def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _
     work = deque(nodes)
     timed = duration is not _zero
     rows = duration.rows if isinstance(duration, StageTable) else None
+    transfers = duration.buffered if isinstance(duration, StageTable) else {}
+    # (receiver, stage) -> when a buffered send's data arrives there
+    arrivals: dict[tuple[int, int], float] = {}
     pair_kind, offset = _PAIR, _OFFSET
     while work:
         n = work.popleft()
@@ -197,6 +239,24 @@ def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _
         while i < length:
             instr = stream[i]
             m = instr.peer
+            if m is not None and instr.kind in _BUFFERED_ANY:
+                if instr.kind in _BUFFERED:  # post the send and go on; the data lands later
+                    row = transfers.get(instr.kind)
+                    transfer = row[instr.stage] if row is not None else duration(n, instr)
+                    arrivals[(m, instr.stage)] = t + transfer
+                    work.append(m)
+                    begin = t
+                else:
+                    arrived = arrivals.pop((n, instr.stage), None)
+                    if arrived is None:
+                        break  # the send is not posted yet: its node wakes this one
+                    begin = t if t >= arrived else arrived
+                starts[i] = begin
+                t = begin + duration(n, instr)
+                ends[i] = t
+                append((n, i))
+                i += 1
+                continue
             if m is None:
                 starts[i] = t
                 if rows is not None:
@@ -220,6 +280,8 @@ def execute(streams: Mapping[int, Sequence[Instruction]], duration: Duration = _
             kind = instr.kind
             if other.peer != n or (kind in SENDS) == (other.kind in SENDS):
                 break
+            if other.kind in _BUFFERED_ANY:
+                break  # the peer waits for a buffered message, which this node posts later
             if (
                 other.kind is not pair_kind[kind]
                 or other.stage != instr.stage + offset.get(kind, 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from bamboo.schedule.engine import Timeline
+from bamboo.schedule.engine import Timeline, counterpart
 from bamboo.schedule.ir import COMPUTE_KINDS, Instruction, Kind, Schedule
 
 __all__ = ["chrome_trace", "text_grid", "time_grid"]
@@ -119,23 +119,22 @@ def chrome_trace(schedule: Schedule, timeline: Timeline, time_unit_us: float = 1
                     },
                 }
             )
-    # flow arrows from each send to its receive (Perfetto draws them between the two tracks); the
-    # engine records a pair as two adjacent cells of its global order
-    order = timeline.order
+    # flow arrows from each send to its receive (Perfetto draws them between the two tracks)
+    received = {(n, instr): i for n, stream in schedule.streams.items() for i, instr in enumerate(stream)
+                if instr.is_comm and not instr.is_send}
     flow = 0
-    index = 0
-    while index + 1 < len(order):
-        (n, i), (m, j) = order[index], order[index + 1]
-        a, b = schedule.streams[n][i], schedule.streams[m][j]
-        if a.is_comm and b.is_comm and a.peer == m and b.peer == n and a.is_send != b.is_send:
-            (src, send), (dst, _recv) = ((n, a), (m, b)) if a.is_send else ((m, b), (n, a))
+    for n, stream in schedule.streams.items():
+        for i, send in enumerate(stream):
+            if not send.is_send:
+                continue
+            assert send.peer is not None
+            j = received.get((send.peer, counterpart(send, n)))
+            if j is None:
+                continue
             flow += 1
-            ts = timeline.end[n][i] * time_unit_us
-            events.append({"name": str(send), "cat": "message", "ph": "s", "id": flow, "pid": 0, "tid": src, "ts": ts})
-            events.append(
-                {"name": str(send), "cat": "message", "ph": "f", "bp": "e", "id": flow, "pid": 0, "tid": dst, "ts": ts}
-            )
-            index += 2
-        else:
-            index += 1
+            start_ts, end_ts = timeline.end[n][i] * time_unit_us, timeline.end[send.peer][j] * time_unit_us
+            events.append({"name": str(send), "cat": "message", "ph": "s", "id": flow, "pid": 0, "tid": n,
+                           "ts": start_ts})
+            events.append({"name": str(send), "cat": "message", "ph": "f", "bp": "e", "id": flow, "pid": 0,
+                           "tid": send.peer, "ts": end_ts})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

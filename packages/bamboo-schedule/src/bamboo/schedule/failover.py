@@ -61,17 +61,25 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 from bamboo.schedule._gc import gc_paused
+from bamboo.schedule._linearize import linearize
 from bamboo.schedule._tasks import (
     CostFn,
     KindStageCost,
     build_lanes,
     compute_order,
-    linearize,
     replica_lane,
     unit_cost,
 )
-from bamboo.schedule.engine import ExecutionError, StageTable, Timeline, check_execution, counterpart, execute
-from bamboo.schedule.ir import COMM_KINDS, Instruction, Kind, RCMode, Schedule, make
+from bamboo.schedule.engine import (
+    ExecutionError,
+    StageTable,
+    Timeline,
+    check_execution,
+    counterpart,
+    execute,
+    posted_before,
+)
+from bamboo.schedule.ir import BUFFERED_SENDS, COMM_KINDS, Instruction, Kind, RCMode, Schedule, make
 from bamboo.schedule.validate import (
     ScheduleError,
     _provides,
@@ -575,6 +583,9 @@ def _merge(
                 for lane in lanes[n]
             ]
 
+    # (receiver, stage) of replica syncs posted and not yet received: those sends are buffered (`BUFFERED_SENDS`)
+    posted = posted_before(executed)
+
     def satisfied(n: int, requires: tuple) -> bool:
         if not requires:
             return True
@@ -607,6 +618,14 @@ def _merge(
             if entry[1] and not satisfied(n, entry[1]):
                 continue
             m = instr.peer
+            if m is not None and instr.kind is Kind.SYNC_RECV:
+                if (n, instr.stage) not in posted:
+                    continue
+                posted.discard((n, instr.stage))
+                m = None
+            elif m is not None and instr.kind in BUFFERED_SENDS:
+                posted.add((m, instr.stage))
+                m = None
             if m is None:
                 out[n].append(instr)
                 if entry[2]:
@@ -715,7 +734,7 @@ def validate_failover(plan: FailoverPlan) -> None:
             if instr.peer is not None and instr.peer not in remainder.streams:
                 fail(f"node {n} {instr} talks to failed node {instr.peer}", [(n, split[n] + i)])
     try:
-        check_execution(remainder.streams)
+        check_execution(remainder.streams, posted_before(plan.executed))
     except ExecutionError as error:
         fail(str(error), [(n, split[n] + i) for n, i in error.cells])
     found = dependency_problem(full, P, M, rc)

@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import attrs
 from bamboo.schedule._gc import gc_paused
+from bamboo.schedule._linearize import busy_intervals, linearize
 from bamboo.schedule._tasks import (
     CostFn,
     Work,
     build_lanes,
     compute_order,
-    linearize,
     replica_lane,
     unit_cost,
 )
+from bamboo.schedule.fill import fill_idle
 from bamboo.schedule.ir import COMPUTE_KINDS, Kind, RCMode, Schedule
 
 __all__ = ["add_redundancy", "generate", "gpipe", "one_f_one_b"]
+
+_FILLED = (RCMode.LFLB, RCMode.EFLB)
+"""Modes whose redundant work is local to the shadow: placed into the plain schedule's idle time (`fill_idle`)."""
 
 
 def _check_shape(stages: int, microbatches: int) -> None:
@@ -49,9 +53,13 @@ def _mode(rc: RCMode | str) -> RCMode:
 
 
 def _build(lanes_of: dict[int, list[list[Work]]], schedule: Schedule, cost: CostFn) -> Schedule:
+    """Streams for the lanes; redundant work (any lane after a node's first) only where it delays nothing."""
     placement, P = schedule.placement, schedule.stages
     lanes = build_lanes(lanes_of, placement, P, cost)
-    return Schedule(P, schedule.microbatches, schedule.policy, schedule.rc, placement, linearize(lanes))
+    busy = None
+    if any(len(node_lanes) > 1 for node_lanes in lanes.values()):
+        busy = busy_intervals({n: node_lanes[:1] for n, node_lanes in lanes.items()})
+    return Schedule(P, schedule.microbatches, schedule.policy, schedule.rc, placement, linearize(lanes, busy))
 
 
 @gc_paused
@@ -60,6 +68,8 @@ def _fault_free(policy: str, stages: int, microbatches: int, rc: RCMode | str, c
     mode = _mode(rc)
     if mode is not RCMode.NONE and stages < 2:
         raise ValueError(f"redundancy needs at least 2 stages, got {stages}")
+    if mode in _FILLED:
+        return fill_idle(_fault_free(policy, stages, microbatches, RCMode.NONE, cost), mode, cost)
     lanes: dict[int, list[list[Work]]] = {}
     for s in range(stages):
         lanes[s] = [[*compute_order(policy, stages, microbatches, s), ("TAIL", s)]]
@@ -124,6 +134,8 @@ def add_redundancy(schedule: Schedule, rc: RCMode | str, cost: CostFn = unit_cos
         raise ValueError(f"redundancy needs at least 2 stages, got {schedule.stages}")
     if any(i.kind in COMPUTE_KINDS - {Kind.FORWARD, Kind.BACKWARD} for s in schedule.streams.values() for i in s):
         raise ValueError("add_redundancy needs a schedule without redundant work")
+    if mode in _FILLED:
+        return fill_idle(schedule, mode, cost)
     P, M = schedule.stages, schedule.microbatches
     lanes = {
         node: [_main_lane(schedule, node), replica_lane(schedule.policy, P, M, (node + 1) % P, mode)]

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import attrs
 
-__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "Instruction", "Kind", "RCMode", "Schedule"]
+__all__ = ["BUFFERED_SENDS", "COMM_KINDS", "COMPUTE_KINDS", "Instruction", "Kind", "RCMode", "Schedule"]
 
 
 class Kind(enum.Enum):
@@ -71,6 +71,9 @@ class Kind(enum.Enum):
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD, Kind.SYNC_SEND})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD, Kind.SYNC_RECV})
 COMM_KINDS = SENDS | RECVS
+BUFFERED_SENDS = frozenset({Kind.SYNC_SEND})
+"""Sends that are posted and not waited for: the replica sync. Its node goes on at once; the receive waits for the
+data. The runtime completes such a send before the step commits."""
 """Point-to-point kinds: they carry a ``peer`` node and pair up with one instruction on that node."""
 COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.FRC, Kind.BRC})
 PER_ITERATION = frozenset({Kind.ALLREDUCE, Kind.OPTIMIZER, Kind.SYNC_SEND, Kind.SYNC_RECV})

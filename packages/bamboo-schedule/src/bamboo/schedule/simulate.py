@@ -7,8 +7,14 @@ where each instruction takes the time the cost model gives it (milliseconds):
   ``brc_ms``/``optimizer_ms`` (FRC defaults to the forward, BRC to the backward);
 - activations and gradients: ``latency_ms + size / link_gb_per_s`` (sizes in MB, 1 GB/s = 1 MB/ms);
   the gradient w.r.t. a stage's input has the size of the previous stage's activation;
-- ``SO``/``SI``: ``stash_mb / swap_gb_per_s`` (``activation_mb`` of the previous stage in lflb);
-- ``AR``: ``2 * grad_mb / link_gb_per_s`` (ring all-reduce); ``SY``/``RY``: ``latency_ms + grad_mb / link``;
+- ``SO``/``SI``: ``stash_mb / swap_gb_per_s`` (``activation_mb`` of the previous stage in lflb), or nothing
+  when ``swap_overlaps`` (the default): the copy runs beside the computation (a side stream on a GPU; on a CPU a
+  tensor already in host memory needs no copy), so it takes no time from the node;
+- ``AR``: ``2 * grad_mb / link_gb_per_s`` (ring all-reduce), or the stage's measured ``allreduce_ms``;
+- ``SY``/``RY``: with ``sync_overlaps`` (the default) the replica sync's send is posted and not waited for: the
+  sender pays ``latency_ms``, the data lands ``latency_ms + grad_mb / link`` later, and the receive pays
+  ``latency_ms`` once it is there (the replica's own optimizer step is applied at its next use, in a bubble of
+  the next iteration); otherwise both sides pay ``latency_ms + grad_mb / link`` together;
 - ``L``: free.
 
 It reports the makespan, each node's bubble (``makespan - busy``), the share of FRC that fits in
@@ -29,6 +35,7 @@ from typing import Any
 import attrs
 from bamboo.schedule._gc import gc_paused
 from bamboo.schedule._tasks import KindStageCost
+from bamboo.schedule.bound import overhead_bound
 from bamboo.schedule.engine import StageTable, Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
 
@@ -57,6 +64,9 @@ class StageCost:
     activation_mb: float = attrs.field(default=1.0, validator=_positive)
     stash_mb: float = attrs.field(default=4.0, validator=_positive)
     grad_mb: float = attrs.field(default=16.0, validator=_positive)
+    allreduce_ms: float | None = attrs.field(default=None, validator=_optional)
+    """The data-parallel all-reduce's time, when measured (a group of one pipeline takes none); default: a ring
+    all-reduce of ``grad_mb``."""
 
     @property
     def frc(self) -> float:
@@ -68,7 +78,9 @@ class StageCost:
 
 
 _STAGE_KEYS = {f.name for f in attrs.fields(StageCost)}
-_TOP_KEYS = {"latency_ms", "link_gb_per_s", "swap_gb_per_s", "default", "stages"}
+_NUMBER_KEYS = ("latency_ms", "link_gb_per_s", "swap_gb_per_s")
+_FLAG_KEYS = ("swap_overlaps", "sync_overlaps")
+_TOP_KEYS = {*_NUMBER_KEYS, *_FLAG_KEYS, "default", "stages"}
 
 
 @attrs.frozen
@@ -80,6 +92,10 @@ class Costs:
     latency_ms: float = attrs.field(default=0.05, validator=_positive)
     link_gb_per_s: float = attrs.field(default=10.0, validator=_positive)
     swap_gb_per_s: float = attrs.field(default=12.0, validator=_positive)
+    swap_overlaps: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    """Swap-outs and swap-ins run beside the computation (a copy on a side stream, or none on a CPU)."""
+    sync_overlaps: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    """The replica sync's transfer runs in the background: its send is posted and not waited for."""
 
     def __attrs_post_init__(self) -> None:
         if self.link_gb_per_s == 0 or self.swap_gb_per_s == 0:
@@ -121,7 +137,7 @@ class Costs:
                 raise ValueError(f"unknown keys {sorted(bad)} in {where}; expected some of {sorted(_STAGE_KEYS)}")
             return StageCost(**obj)
 
-        top = {k: data[k] for k in ("latency_ms", "link_gb_per_s", "swap_gb_per_s") if k in data}
+        top = {k: data[k] for k in (*_NUMBER_KEYS, *_FLAG_KEYS) if k in data}
         default = stage(data.get("default", {}), "default")
         stages = data.get("stages", [])
         if not isinstance(stages, Sequence) or isinstance(stages, str):
@@ -147,6 +163,8 @@ class Costs:
             "latency_ms": self.latency_ms,
             "link_gb_per_s": self.link_gb_per_s,
             "swap_gb_per_s": self.swap_gb_per_s,
+            "swap_overlaps": self.swap_overlaps,
+            "sync_overlaps": self.sync_overlaps,
             "default": attrs.asdict(self.default),
             "stages": [attrs.asdict(s) for s in self.stages],
         }
@@ -159,11 +177,14 @@ class Costs:
         """
         link, swap, latency = self.link_gb_per_s, self.swap_gb_per_s, self.latency_ms
         rows: dict[Kind, list[float]] = {kind: [] for kind in Kind}
+        transfers: list[float] = []
 
         def fill(s: int) -> None:
             c = self.stage(s)
             prev_act = self.stage(s - 1).activation_mb if s > 0 else c.activation_mb
-            swapped = (prev_act if rc is RCMode.LFLB else c.stash_mb) / swap
+            swapped = 0.0 if self.swap_overlaps else (prev_act if rc is RCMode.LFLB else c.stash_mb) / swap
+            sync = latency if self.sync_overlaps else latency + c.grad_mb / link
+            transfers.append(latency + c.grad_mb / link)
             for kind, value in (
                 (Kind.FORWARD, c.forward_ms),
                 (Kind.BACKWARD, c.backward_ms),
@@ -177,9 +198,9 @@ class Costs:
                 (Kind.SEND_GRAD, latency + prev_act / link),
                 (Kind.SWAP_OUT, swapped),
                 (Kind.SWAP_IN, swapped),
-                (Kind.ALLREDUCE, 2 * c.grad_mb / link),
-                (Kind.SYNC_SEND, latency + c.grad_mb / link),
-                (Kind.SYNC_RECV, latency + c.grad_mb / link),
+                (Kind.ALLREDUCE, 2 * c.grad_mb / link if c.allreduce_ms is None else c.allreduce_ms),
+                (Kind.SYNC_SEND, sync),
+                (Kind.SYNC_RECV, sync),
             ):
                 rows[kind].append(value)
 
@@ -191,12 +212,19 @@ class Costs:
                 fill(len(rows[Kind.FORWARD]))
             return rows[instr.kind][instr.stage]
 
-        return StageTable(rows, beyond)
+        return StageTable(rows, beyond, {Kind.SYNC_SEND: transfers})
 
     def linearizer_cost(self) -> Callable[[Instruction], float]:
-        """Compute durations for the generators, so streams are ordered for these costs."""
+        """Durations for the generators, so streams are ordered (and redundant work placed) for these costs."""
         duration = self.duration(RCMode.EFLB)
-        return KindStageCost(lambda instr: 0.0 if instr.is_comm else duration(0, instr))
+        transfer = duration.buffered.get(Kind.SYNC_SEND)
+
+        def cost(instr: Instruction) -> float:
+            if instr.kind is Kind.SYNC_SEND and transfer is not None:
+                return transfer[instr.stage] if instr.stage < len(transfer) else duration(0, instr)
+            return duration(0, instr)
+
+        return KindStageCost(cost)
 
 
 @attrs.frozen
@@ -211,6 +239,8 @@ class SimResult:
     peak_stash: dict[int, float]
     baseline_makespan: float | None
     baseline_bubble: dict[int, float] | None
+    overhead_bound_pct: float | None = None
+    """The least overhead any placement of this mode's redundant work can have for these costs (`bound`)."""
 
     @property
     def bubble_pct(self) -> float:
@@ -292,11 +322,13 @@ def simulate(schedule: Schedule, costs: Costs | None = None, baseline: Schedule 
         from bamboo.schedule.generate import generate
 
         baseline = generate(schedule.policy, schedule.stages, schedule.microbatches, "none", costs.linearizer_cost())
-    base_makespan = base_bubble = None
+    base_makespan = base_bubble = bound = None
     if baseline is not None:
         base_timeline = execute(baseline.streams, costs.duration(baseline.rc, baseline.stages))
         base_makespan = base_timeline.makespan
         base_bubble = measure(baseline, base_timeline, costs)[1]
+        if baseline.rc is RCMode.NONE and baseline.placement == tuple(range(baseline.stages)):
+            bound = overhead_bound(baseline, base_timeline, schedule.rc, costs.duration(schedule.rc, schedule.stages))
     elif schedule.rc is RCMode.NONE:
-        base_makespan, base_bubble = timeline.makespan, bubble
-    return SimResult(timeline, timeline.makespan, busy, bubble, frc, peak, base_makespan, base_bubble)
+        base_makespan, base_bubble, bound = timeline.makespan, bubble, 0.0
+    return SimResult(timeline, timeline.makespan, busy, bubble, frc, peak, base_makespan, base_bubble, bound)

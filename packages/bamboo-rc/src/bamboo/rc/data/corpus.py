@@ -1,4 +1,4 @@
-"""The example corpus and its deterministic sampler.
+"""The example corpus and its deterministic sampler (``bamboo-rc verify``'s and the built-in example's data).
 
 The corpus is the Python standard library's source text (`*.py` under
 `sysconfig.get_paths()["stdlib"]`), read as bytes in a fixed order (a depth-first walk with
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -86,9 +86,11 @@ class GlobalBatchSampler:
 
 
 def pipeline_data_iter(
-    sampler: GlobalBatchSampler, pipeline: int, micro_batches: int, first_step: int = 0
+    data: GlobalBatchSampler | Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], pipeline: int,
+    micro_batches: int, first_step: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """DeepSpeed-style `(inputs, labels)` iterator for pipeline `pipeline` of D.
+    """DeepSpeed-style `(inputs, labels)` iterator for pipeline `pipeline` of D, over the example's sampler or any
+    ``microbatch(step, index)`` (a :class:`~bamboo.rc.data.TokenFile`, say).
 
     Pipeline d takes global microbatches `d*M .. d*M+M-1` of every step, so any D sees the same
     global batch of D*M microbatches.
@@ -96,6 +98,10 @@ def pipeline_data_iter(
     step = first_step
     while True:
         for k in range(micro_batches):
-            batch = sampler.microbatch(step, pipeline * micro_batches + k)
-            yield batch.tokens, batch.labels
+            index = pipeline * micro_batches + k
+            if isinstance(data, GlobalBatchSampler):
+                batch = data.microbatch(step, index)
+                yield batch.tokens, batch.labels
+            else:
+                yield data(step, index)
         step += 1

@@ -10,17 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from bamboo.launch.baseline import (
+from bamboo.bench.measured.baseline import (
     BaselineSpec,
     CheckpointInterval,
-    CheckpointRestartOptions,
     checkpoint_interval,
     peak_nodes,
     restart_costs,
-    torchrun_command,
     trace_interruptions,
     usable_pipelines,
 )
+from bamboo.bench.measured.torchrun import CheckpointRestartOptions, torchrun_command
 from bamboo.launch.market import ActionKind, MarketAction
 
 
@@ -101,7 +100,7 @@ def test_torchrun_command_is_an_elastic_agent_on_the_launchers_store() -> None:
     assert conf["is_host"] == "0" and conf["last_call_timeout"] == "1"
     assert conf["keep_alive_interval"] == "1" and conf["keep_alive_max_attempt"] == "2"
     assert flags["--max-restarts"] == "1000" and flags["--monitor-interval"] == "0.1"
-    assert command[-2:] == ["-m", "bamboo.launch.baseline_worker"]
+    assert command[-2:] == ["-m", "bamboo.bench.measured.baseline_worker"]
     waits = torchrun_command(CheckpointRestartOptions(nodes=4, stages=2, pipelines=2, min_pipelines=2), "j", 1, 4)
     assert waits[waits.index("--nnodes") + 1] == "4:4"
     with pytest.raises(ValueError, match="max_nodes 3 is fewer than the 4 nodes of 2 pipelines of 2 stages"):
@@ -114,7 +113,7 @@ def test_torchrun_command_is_an_elastic_agent_on_the_launchers_store() -> None:
         ({"nodes": 3}, "nodes 3 cannot hold 2 pipelines of 2 stages"),
         ({"min_pipelines": 3}, "min_pipelines 3 is more than pipelines 2"),
         ({"measure_steps": 1}, "measure_steps must be >= 2"),
-        ({"checkpoint_every": 0}, "checkpoint_every must be an integer >= 1, got 0"),
+        ({"checkpoint_every": 0}, "'checkpoint_every' must be > 0: 0"),
         ({"stages": 7, "nodes": 14}, "stages 7 is more than the example's 6 layers"),
     ],
 )
@@ -152,7 +151,7 @@ def test_each_restart_is_counted_from_its_first_kill() -> None:
 def test_a_kill_restarts_every_worker_from_the_last_checkpoint(tmp_path: Path) -> None:
     """4 nodes, P=2, D=2; node1 is killed 0.3 s into training; the job drops to one pipeline of 8 microbatches
     (3 nodes, one idle), restarts from its newest checkpoint and finishes every step."""
-    from bamboo.launch.baseline import run_checkpoint_restart
+    from bamboo.bench.measured.torchrun import run_checkpoint_restart
     from bamboo.launch.events import Checkpoint, Preemption, Restore, Step, read_events
     from bamboo.launch.report import compute_report
 

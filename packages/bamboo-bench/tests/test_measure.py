@@ -1,4 +1,4 @@
-"""bamboo.launch.measure on hand-built event logs: each constant of a measured profile, computed by hand.
+"""bamboo.bench.measured.measure on hand-built event logs: each constant of a measured profile, computed by hand.
 
 The profile it writes is loaded by ``bamboo.bench.load_profile`` (the format's own validation) and keeps
 the measured values.
@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from bamboo.bench.measured.baseline import RestartCost
+from bamboo.bench.measured.measure import measure_events, measured_profile
+from bamboo.bench.measured.options import MeasureError, MeasureOptions
 from bamboo.bench.profile import load_profile
-from bamboo.launch.baseline import RestartCost
 from bamboo.launch.events import Checkpoint, Failover, Join, Preemption, Reconfiguration, RunStart, Step
-from bamboo.launch.measure import MeasureError, MeasureOptions, measure_events, profile_document
 
 UNIX = 1_000_000.0
 
@@ -55,7 +56,7 @@ def test_bamboo_constants_by_hand() -> None:
 
 def test_bamboo_profile_loads_with_the_measured_values(tmp_path) -> None:
     measured = measure_events(_bamboo_events(), "bamboo", warm_unix={"node9": UNIX + 4.5}, checkpoint_every=20)
-    document = profile_document(measured, name="measured-bamboo", spot_price=1.0, on_demand_price=3.0)
+    document = measured_profile(measured, name="measured-bamboo", spot_price=1.0, on_demand_price=3.0).to_dict()
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(document))
     profile = load_profile(path)
@@ -86,7 +87,7 @@ def test_checkpoint_restarts_and_checkpoint_cost(tmp_path) -> None:
     restarts = [_restart("kill", "node1", 5.0), _restart("join", "node5", 7.0)]
     measured = measure_events(events, "checkpoint", restarts=restarts, checkpoint_every=3)
     assert measured.checkpoint_s == pytest.approx(0.3)
-    document = profile_document(measured, name="measured-checkpoint", spot_price=1.0, on_demand_price=3.0)
+    document = measured_profile(measured, name="measured-checkpoint", spot_price=1.0, on_demand_price=3.0).to_dict()
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(document))
     profile = load_profile(path)
@@ -113,7 +114,7 @@ def test_a_restart_counts_from_the_last_interruption_before_its_workers_started(
     measured = measure_events(events, "checkpoint", restarts=[restart], checkpoint_every=3)
     assert measured.restart_s is None
     assert measured.join_restart_s == pytest.approx(4.0)  # 9.0 - 5.0, not 7.5 from the first kill
-    document = profile_document(measured, name="measured-checkpoint", spot_price=1.0, on_demand_price=3.0)
+    document = measured_profile(measured, name="measured-checkpoint", spot_price=1.0, on_demand_price=3.0).to_dict()
     assert document["timing"]["restart_s"] == pytest.approx(4.0)
     assert document["timing"]["instance_creation_s"] == 0.0
     path = tmp_path / "profile.json"
@@ -130,7 +131,7 @@ def test_too_few_steps_is_a_clear_error() -> None:
 def test_options_errors_name_the_values() -> None:
     with pytest.raises(ValueError, match="--nodes 1 is too few for one pipeline of 2 stages"):
         MeasureOptions(system="bamboo", nodes=1, stages=2, pipelines=1, run_dir="r", steps=5)
-    with pytest.raises(ValueError, match="--steps or --duration"):
+    with pytest.raises(ValueError, match="--steps S or --duration SECONDS"):
         MeasureOptions(system="bamboo", nodes=4, stages=2, pipelines=1, run_dir="r")
     with pytest.raises(ValueError, match="system"):
         MeasureOptions(system="spot", nodes=4, stages=2, pipelines=1, run_dir="r", steps=5)

@@ -65,216 +65,49 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
+from bamboo.bench import timeouts
+from bamboo.bench.measured.baseline import (
+    SPEC_ENV,
+    BaselineSpec,
+    CheckpointInterval,
+    Interruptions,
+    RestartCost,
+    current_roles,
+    peak_nodes,
+    read_records,
+    restart_costs,
+    trace_interruptions,
+)
+from bamboo.bench.measured.machines import MachineCluster
+from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart, Step, read_events
+from bamboo.launch.example import DEFAULT_LAYERS, EXAMPLE_CONFIG
+from bamboo.launch.market import (
+    ActionKind,
+    ExecutedAction,
+    SpotMarket,
+    StartedClock,
+)
+from bamboo.launch.run import RunOptions, initial_plan
 
 __all__ = [
     "BaselineError",
     "BaselineHandles",
-    "BaselineSpec",
-    "CheckpointInterval",
     "CheckpointRestartOptions",
     "CheckpointRestartResult",
-    "Interruptions",
-    "RestartCost",
-    "checkpoint_interval",
-    "current_roles",
-    "peak_nodes",
-    "restart_costs",
     "run_checkpoint_restart",
     "torchrun_command",
-    "trace_interruptions",
-    "usable_pipelines",
 ]
 
-SPEC_ENV = "BAMBOO_BASELINE_SPEC"
-"""The environment variable naming the worker's :class:`BaselineSpec` file."""
+_WHOLE = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.gt(0))
 
 
 class BaselineError(RuntimeError):
     """The baseline could not start or finish; the message says why."""
-
-
-def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _positive_int(_instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _optional_positive(_instance: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None:
-        _positive(_instance, attribute, value)
-
-
-def _optional_positive_int(_instance: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None:
-        _positive_int(_instance, attribute, value)
-
-
-# ---- pure parts: the interval rule, the trace's interruptions, the pipelines a world can run ----------------
-
-
-@attrs.frozen
-class CheckpointInterval:
-    """Every how many steps the baseline checkpoints, and how that was chosen.
-
-    ``rule`` is ``"young"`` (Young's rule from the measured inputs), ``"no interruptions"`` (the trace
-    has none: one checkpoint per ``steps``) or ``"given"``. ``period_s`` is Young's optimal period in
-    seconds, ``sqrt(2 x checkpoint_cost_s x mtbf_s)``.
-    """
-
-    steps: int = attrs.field(validator=_positive_int)
-    rule: str = attrs.field(validator=attrs.validators.in_(("young", "no interruptions", "given")))
-    checkpoint_cost_s: float | None = None
-    mtbf_s: float | None = None
-    step_time_s: float | None = None
-    period_s: float | None = None
-
-    def describe(self) -> str:
-        """One line: K and how it was chosen."""
-        if self.rule == "given":
-            return f"K = {self.steps} steps (given)"
-        cost = f"{self.checkpoint_cost_s:.3f} s" if self.checkpoint_cost_s is not None else "?"
-        step = f"{self.step_time_s:.3f} s" if self.step_time_s is not None else "?"
-        if self.rule == "no interruptions":
-            return (f"K = {self.steps} steps: the trace has no interruption, so one checkpoint per run "
-                    f"(measured checkpoint {cost}, step {step})")
-        return (f"K = {self.steps} steps by Young's rule: sqrt(2 x {cost} checkpoint x {self.mtbf_s:.1f} s "
-                f"between interruptions) = {self.period_s:.2f} s, / {step} per step")
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CheckpointInterval:
-        return cls(**dict(data))
-
-
-def checkpoint_interval(checkpoint_cost_s: float, mtbf_s: float | None, step_time_s: float,
-                        max_steps: int) -> CheckpointInterval:
-    """K by Young's rule: ``round(sqrt(2 x checkpoint_cost_s x mtbf_s) / step_time_s)``, within ``[1, max_steps]``.
-
-    ``mtbf_s`` is the mean time between interruptions in wall seconds (None: none expected, so ``K =
-    max_steps``). Young's first-order optimum minimises the expected time lost to checkpoints plus the
-    work redone after a failure (half an interval on average) when the checkpoint cost is small against
-    the mean time between failures; Daly's higher-order terms change it by under 5% while the cost is below
-    a tenth of it.
-    """
-    for name, value in (("checkpoint_cost_s", checkpoint_cost_s), ("step_time_s", step_time_s)):
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    if mtbf_s is not None and not (math.isfinite(mtbf_s) and mtbf_s > 0):
-        raise ValueError(f"mtbf_s must be a finite number > 0 or None, got {mtbf_s!r}")
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
-    if mtbf_s is None:
-        return CheckpointInterval(steps=max_steps, rule="no interruptions", checkpoint_cost_s=checkpoint_cost_s,
-                                  step_time_s=step_time_s)
-    period = math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
-    steps = min(max_steps, max(1, round(period / step_time_s)))
-    return CheckpointInterval(steps=steps, rule="young", checkpoint_cost_s=checkpoint_cost_s, mtbf_s=mtbf_s,
-                              step_time_s=step_time_s, period_s=period)
-
-
-@attrs.frozen
-class Interruptions:
-    """The membership changes of a market plan after its start: ``kills`` and ``joins`` (additions at t > 0),
-    over ``span_s`` wall seconds (the plan's last action); ``mtbf_s`` is ``span_s`` over their number (None
-    when there are none)."""
-
-    kills: int
-    joins: int
-    span_s: float
-
-    @property
-    def count(self) -> int:
-        return self.kills + self.joins
-
-    @property
-    def mtbf_s(self) -> float | None:
-        return self.span_s / self.count if self.count and self.span_s > 0 else None
-
-
-def trace_interruptions(plan: Sequence[Any]) -> Interruptions:
-    """What interrupts a checkpoint/restart job in ``plan`` (``MarketAction`` values of
-    :func:`bamboo.launch.market.plan_market`): every kill, and every addition after the start, since torchrun
-    restarts all workers for either."""
-    from bamboo.launch.market import ActionKind
-
-    kills = sum(action.kind is ActionKind.KILL for action in plan)
-    joins = sum(action.kind is ActionKind.ADD and action.at_s > 0 for action in plan)
-    return Interruptions(kills=kills, joins=joins, span_s=max((action.at_s for action in plan), default=0.0))
-
-
-def peak_nodes(plan: Sequence[Any]) -> int:
-    """The most nodes alive at once in ``plan`` (``MarketAction`` values, in execution order)."""
-    from bamboo.launch.market import ActionKind
-
-    alive = peak = 0
-    for action in plan:
-        if action.kind is ActionKind.ADD:
-            alive += 1
-            peak = max(peak, alive)
-        elif action.kind is ActionKind.KILL:
-            alive -= 1
-    return peak
-
-
-def usable_pipelines(world: int, stages: int, pipelines: int, micro_batches: int, min_pipelines: int = 1) -> int:
-    """How many pipelines of ``stages`` a world of ``world`` nodes trains: the most, up to ``pipelines``, whose
-    number divides the global batch of ``micro_batches x pipelines`` microbatches (so each gets the same
-    share of it) and is at least ``min_pipelines``. ValueError when the world is too small."""
-    for name, value in (("world", world), ("stages", stages), ("pipelines", pipelines),
-                        ("micro_batches", micro_batches), ("min_pipelines", min_pipelines)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    total = micro_batches * pipelines
-    for count in range(min(pipelines, world // stages), min_pipelines - 1, -1):
-        if total % count == 0:
-            return count
-    raise ValueError(f"{world} nodes cannot train {min_pipelines} or more pipelines of {stages} stages that split "
-                     f"{total} microbatches evenly")
-
-
-# ---- what the worker reads ------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class BaselineSpec:
-    """The job every baseline worker runs (JSON in the file named by ``BAMBOO_BASELINE_SPEC``)."""
-
-    stages: int = attrs.field(validator=_positive_int)
-    pipelines: int = attrs.field(validator=_positive_int)
-    steps: int = attrs.field(validator=_positive_int)
-    size: dict[str, int]
-    seed: int
-    config: dict[str, Any]
-    run_dir: str
-    events: str
-    checkpoint_dir: str
-    start_unix: float
-    checkpoint_every: int | None = attrs.field(default=None, validator=_optional_positive_int)
-    mtbf_s: float | None = attrs.field(default=None, validator=_optional_positive)
-    measure_steps: int = attrs.field(default=3, validator=_positive_int)
-    min_pipelines: int = attrs.field(default=1, validator=_positive_int)
-    idle_poll_s: float = attrs.field(default=0.2, validator=_positive)
-
-    def to_json(self) -> str:
-        return json.dumps(attrs.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> BaselineSpec:
-        return cls(**json.loads(text))
-
-
-# ---- the run ----------------------------------------------------------------------------------------------------
 
 
 @attrs.frozen
@@ -290,40 +123,41 @@ class CheckpointRestartOptions:
     over the first ``measure_steps`` steps.
     """
 
-    nodes: int = attrs.field(validator=_positive_int)
-    stages: int = attrs.field(validator=_positive_int)
-    pipelines: int = attrs.field(validator=_positive_int)
-    steps: int = attrs.field(default=20, validator=_positive_int)
+    nodes: int = attrs.field(validator=_WHOLE)
+    stages: int = attrs.field(validator=_WHOLE)
+    pipelines: int = attrs.field(validator=_WHOLE)
+    steps: int = attrs.field(default=20, validator=_WHOLE)
     zones: tuple[str, ...] | None = None
     preemptions: str | None = None
-    time_scale: float = attrs.field(default=60.0, validator=_positive)
-    hours: float = attrs.field(default=1.0, validator=_positive)
+    time_scale: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    hours: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
     trace_seed: int = 0
     allocation_delay_s: float = 0.0
     checkpoint_dir: str | None = None
-    checkpoint_every: int | None = attrs.field(default=None, validator=_optional_positive_int)
-    mtbf_s: float | None = attrs.field(default=None, validator=_optional_positive)
-    measure_steps: int = attrs.field(default=3, validator=_positive_int)
-    min_pipelines: int = attrs.field(default=1, validator=_positive_int)
+    checkpoint_every: int | None = attrs.field(default=None, validator=attrs.validators.optional(_WHOLE))
+    mtbf_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
+    measure_steps: int = attrs.field(default=3, validator=_WHOLE)
+    min_pipelines: int = attrs.field(default=1, validator=_WHOLE)
     run_dir: str | None = None
     job: str | None = None
-    size: dict[str, int] = attrs.field(factory=lambda: {"layers": 4})
+    size: dict[str, int] = attrs.field(factory=lambda: {"layers": DEFAULT_LAYERS})
     seed: int = 0
     config: dict[str, Any] | None = None
     """The DeepSpeed config (None: the built-in example's, ``EXAMPLE_CONFIG``)."""
-    timeout_s: float = attrs.field(default=900.0, validator=_positive)
-    finish_grace_s: float = attrs.field(default=30.0, validator=_positive)
-    rdzv_last_call_s: int = attrs.field(default=1, validator=_positive_int)
-    keep_alive_interval_s: int = attrs.field(default=1, validator=_positive_int)
-    keep_alive_attempts: int = attrs.field(default=2, validator=_positive_int)
-    monitor_interval_s: float = attrs.field(default=0.1, validator=_positive)
-    max_restarts: int = attrs.field(default=1000, validator=_positive_int)
-    max_nodes: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    timeout_s: float = attrs.field(default=timeouts.BASELINE_TIMEOUT_S, validator=attrs.validators.gt(0))
+    finish_grace_s: float = attrs.field(default=timeouts.BASELINE_FINISH_GRACE_S, validator=attrs.validators.gt(0))
+    rdzv_last_call_s: int = attrs.field(default=timeouts.BASELINE_RDZV_LAST_CALL_S, validator=_WHOLE)
+    keep_alive_interval_s: int = attrs.field(default=timeouts.BASELINE_RDZV_KEEP_ALIVE_S, validator=_WHOLE)
+    keep_alive_attempts: int = attrs.field(default=2, validator=_WHOLE)
+    monitor_interval_s: float = attrs.field(default=timeouts.BASELINE_MONITOR_INTERVAL_S,
+                                            validator=attrs.validators.gt(0))
+    max_restarts: int = attrs.field(default=1000, validator=_WHOLE)
+    max_nodes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_WHOLE))
     """torchrun's ``--nnodes`` maximum (None: the trace's peak of live nodes, at least ``P x D``)."""
-    rdzv_read_timeout_s: int = attrs.field(default=15, validator=_positive_int)
+    rdzv_read_timeout_s: int = attrs.field(default=timeouts.BASELINE_RDZV_READ_TIMEOUT_S, validator=_WHOLE)
     """torchrun's c10d rendezvous ``read_timeout``: how long an agent waits on the rendezvous store (for the
     rank information of a round's nodes) before it fails; torchrun's default is 60 s."""
-    max_job_restarts: int = attrs.field(default=100, validator=_positive_int)
+    max_job_restarts: int = attrs.field(default=100, validator=_WHOLE)
     """How many times the launcher restarts the whole job after every agent exited before the last step."""
 
     def __attrs_post_init__(self) -> None:
@@ -334,69 +168,16 @@ class CheckpointRestartOptions:
             raise ValueError(f"min_pipelines {self.min_pipelines} is more than pipelines {self.pipelines}")
         if self.measure_steps < 2:
             raise ValueError(f"measure_steps must be >= 2 (the first step is warm-up), got {self.measure_steps}")
-        if self.size.get("layers", 4) + 2 < self.stages:
-            raise ValueError(f"stages {self.stages} is more than the example's {self.size.get('layers', 4) + 2} "
+        if self.size.get("layers", DEFAULT_LAYERS) + 2 < self.stages:
+            raise ValueError(f"stages {self.stages} is more than the example's {self.size.get('layers', DEFAULT_LAYERS) + 2} "
                              f"layers")
 
-    def run_options(self) -> Any:
+    def run_options(self) -> RunOptions:
         """The :class:`bamboo.launch.run.RunOptions` of the same cluster and trace (for ``initial_plan``)."""
-        from bamboo.launch.run import RunOptions
-
         return RunOptions(nodes=self.nodes, stages=self.stages, pipelines=self.pipelines, steps=self.steps,
                           zones=self.zones, preemptions=self.preemptions, time_scale=self.time_scale,
                           hours=self.hours, trace_seed=self.trace_seed, allocation_delay_s=self.allocation_delay_s,
                           redundancy="none", size=dict(self.size), seed=self.seed)
-
-
-@attrs.frozen
-class RestartCost:
-    """What one restart cost: from its interruption (a kill or an addition) at ``at_unix`` to the restarted
-    workers' first step.
-
-    The stamps are the restarted global rank 0's: its process start (the agents noticed, stopped their
-    workers and formed a new rendezvous), imports done, process group formed, engine built, checkpoint
-    loaded (``load_s`` of it), and its first step's start and end. ``redone_steps`` were trained again.
-    """
-
-    cause: str
-    node: str
-    at_unix: float
-    process_start_unix: float
-    imported_unix: float
-    group_unix: float
-    engine_unix: float
-    loaded_unix: float
-    load_s: float
-    loaded_step: int
-    redone_steps: int
-    first_step_start_unix: float
-    first_step_end_unix: float
-    world: int
-    pipelines: int
-    absorbed: tuple[str, ...] = ()
-    """Other interruptions (``"kill node3"``, ``"join node7"``) that this same restart took in."""
-
-    @property
-    def to_first_step_s(self) -> float:
-        """From the interruption to the start of the first step after the restart."""
-        return self.first_step_start_unix - self.at_unix
-
-    @property
-    def to_step_end_s(self) -> float:
-        """From the interruption to the end of the first step after the restart (the pause)."""
-        return self.first_step_end_unix - self.at_unix
-
-    def phases(self) -> dict[str, float]:
-        """Seconds of each phase: reaction and rendezvous, imports, group, engine, load, first step."""
-        return {"rendezvous": self.process_start_unix - self.at_unix,
-                "imports": self.imported_unix - self.process_start_unix,
-                "group": self.group_unix - self.imported_unix,
-                "engine": self.engine_unix - self.group_unix,
-                "load": self.loaded_unix - self.engine_unix,
-                "first step": self.first_step_end_unix - self.first_step_start_unix}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**attrs.asdict(self), "to_first_step_s": self.to_first_step_s, "to_step_end_s": self.to_step_end_s}
 
 
 @attrs.frozen
@@ -437,7 +218,7 @@ class BaselineHandles:
     ``stop()`` ends the run now, before its last step (every node is killed; the result says ``stopped``).
     """
 
-    cluster: Any
+    cluster: MachineCluster
     events: Path
     kill: Callable[[str], float]
     add: Callable[[str], str]
@@ -466,138 +247,7 @@ def torchrun_command(options: CheckpointRestartOptions, job: str, store_port: in
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}",
             "--rdzv-id", job, "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
             "--max-restarts", str(options.max_restarts), "--monitor-interval", f"{options.monitor_interval_s:g}",
-            "-m", "bamboo.launch.baseline_worker"]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (read from ``/proc``), children before grandchildren."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for parent in frontier for child in children.get(parent, [])]
-        found += frontier
-    return found
-
-
-def _machine_cluster(command: Callable[[str, str], Sequence[str]], **kwargs: Any) -> Any:
-    """A :class:`bamboo.launch.market.ProcessCluster` whose kill takes a node's whole process tree.
-
-    torchrun starts each worker in a session of its own, so a SIGKILL of the agent's process group would
-    leave the worker training. A lost machine loses both: :meth:`kill` SIGKILLs the process group of the
-    agent and of every descendant (the worker also dies with its agent, ``PR_SET_PDEATHSIG``, for any other
-    way the agent dies).
-    """
-    import signal
-
-    from bamboo.launch.market import ProcessCluster, kill_process_group
-
-    class MachineCluster(ProcessCluster):
-        """Also knows which machines the market took (``taken``), and can start a machine's agent again."""
-
-        taken: set[str]
-
-        def kill(self, node: str) -> None:
-            with self._lock:
-                self.taken.add(node)
-            groups = set()
-            for pid in _descendants(self.processes[node].pid):
-                try:
-                    groups.add(os.getpgid(pid))
-                except ProcessLookupError:
-                    continue
-            super().kill(node)
-            for group in groups:
-                kill_process_group(group)
-
-        def close(self) -> None:
-            for node in self.alive():
-                for pid in _descendants(self.processes[node].pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        continue
-            super().close()
-
-        def machines(self) -> dict[str, str]:
-            """Node -> zone of every machine started and not taken by the market (its agent may have exited)."""
-            with self._lock:
-                return {node: zone for node, zone in self.zones.items() if node not in self.taken}
-
-        def restart_agent(self, node: str) -> bool:
-            """Start ``node``'s agent again on its machine (its log goes on); False if the machine was taken."""
-            import subprocess
-
-            with self._lock:
-                if self._closed or node in self.taken:
-                    return False
-                if self.processes[node].poll() is None:
-                    raise RuntimeError(f"node {node}'s agent is still running")
-                zone = self.zones[node]
-                env = {**self._env, "BAMBOO_NODE_ID": node, "BAMBOO_ZONE": zone}
-                output: Any = subprocess.DEVNULL
-                if self._log_dir is not None:
-                    old = self._logs.pop(node, None)
-                    if old is not None:
-                        old.close()
-                    output = open(self._log_dir / f"{node}.log", "ab")  # noqa: SIM115
-                    self._logs[node] = output
-                self.processes[node] = subprocess.Popen(
-                    list(self._command(node, zone)), env=env, stdin=subprocess.DEVNULL, stdout=output,
-                    stderr=subprocess.STDOUT, process_group=0)  # in the launcher's session, as ProcessCluster
-            return True
-
-    cluster = MachineCluster(command, **kwargs)
-    cluster.taken = set()
-    return cluster
-
-
-class _StartedClock:
-    """The market's clock, frozen until :meth:`start_now` (the first step), then monotonic from there: trace
-    time runs from the first training step, as in ``bamboo-launch run``."""
-
-    def __init__(self) -> None:
-        self._frozen_at: float | None = time.monotonic()
-        self._shift = 0.0
-
-    def now(self) -> float:
-        return self._frozen_at if self._frozen_at is not None else time.monotonic() - self._shift
-
-    def start_now(self) -> None:
-        if self._frozen_at is not None:
-            self._shift = time.monotonic() - self._frozen_at
-            self._frozen_at = None
-
-    def sleep(self, seconds: float, stop: threading.Event) -> None:
-        stop.wait(max(0.0, seconds))
-
-
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def current_roles(base: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
-    """Node -> ``(stage, pipeline)`` in the newest world that trained a step, from the files the workers
-    append to ``RUN_DIR/baseline`` (``roles.jsonl``, ``starts.jsonl``); empty before the first step."""
-    folder = Path(base)
-    starts = _read_lines(folder / "starts.jsonl")
-    if not starts:
-        return {}
-    world = max(starts, key=lambda start: start["process_start_unix"])["world_id"]
-    return {role["node"]: (role["stage"], role["pipeline"]) for role in _read_lines(folder / "roles.jsonl")
-            if role["world_id"] == world}
+            "-m", "bamboo.bench.measured.baseline_worker"]
 
 
 def _tail(path: Path, lines: int = 3) -> str:
@@ -616,33 +266,6 @@ def _worker_error(base: Path) -> str | None:
     return None
 
 
-def restart_costs(interruptions: Sequence[tuple[str, str, float]], starts: Sequence[dict[str, Any]]) -> list[RestartCost]:
-    """One cost per restart of global rank 0 that reached a step after an interruption.
-
-    A restart follows the interruptions since the previous start; its cost is counted from the first kill
-    among them (a kill always restarts the workers), else from the first addition (an addition restarts
-    them only while fewer than ``P x D`` nodes train). The others are listed in ``absorbed``.
-    """
-    costs = []
-    ordered = sorted(starts, key=lambda s: s["process_start_unix"])
-    previous = -math.inf
-    for start in ordered:
-        since = [change for change in interruptions if previous < change[2] < start["process_start_unix"]]
-        previous = start["process_start_unix"]
-        if not since:
-            continue
-        kills = [change for change in since if change[0] == "kill"]
-        cause, node, at = min(kills or since, key=lambda change: change[2])
-        costs.append(RestartCost(
-            cause=cause, node=node, at_unix=at, process_start_unix=start["process_start_unix"],
-            imported_unix=start["imported_unix"], group_unix=start["group_unix"], engine_unix=start["engine_unix"],
-            loaded_unix=start["loaded_unix"], load_s=start["load_s"], loaded_step=start["loaded_step"],
-            redone_steps=start["redone_steps"], first_step_start_unix=start["first_step_start_unix"],
-            first_step_end_unix=start["first_step_end_unix"], world=start["world"], pipelines=start["pipelines"],
-            absorbed=tuple(f"{c} {n}" for c, n, a in since if (c, n, a) != (cause, node, at))))
-    return costs
-
-
 def run_checkpoint_restart(
     options: CheckpointRestartOptions,
     *,
@@ -655,11 +278,7 @@ def run_checkpoint_restart(
     :func:`bamboo.launch.run.run_cluster`). Raises :class:`BaselineError` when the job cannot start, or when
     every agent exited before the last step.
     """
-    import torch.distributed as dist
-    from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart, Step, read_events
-    from bamboo.launch.example import EXAMPLE_CONFIG
-    from bamboo.launch.market import ActionKind, ExecutedAction, SpotMarket
-    from bamboo.launch.run import initial_plan
+    import torch.distributed as dist  # the rendezvous store (the launcher's, never preempted)
 
     say = progress or (lambda message: None)
     started = time.monotonic()
@@ -721,7 +340,7 @@ def run_checkpoint_restart(
     env = {**os.environ, SPEC_ENV: str(spec_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": "1"}
-    cluster = _machine_cluster(node_command, env=env, log_dir=run_dir / "logs")
+    cluster = MachineCluster(node_command, env=env, log_dir=run_dir / "logs")
     changes: list[tuple[str, str, float]] = []
     changes_lock = threading.Lock()
     training = threading.Event()
@@ -760,7 +379,7 @@ def run_checkpoint_restart(
     def newest_step() -> int:
         return max((e.step for e in read_events(events_path) if isinstance(e, Step)), default=0)
 
-    clock = _StartedClock()
+    clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
     stop = threading.Event()
     deadline = started + options.timeout_s
@@ -839,7 +458,7 @@ def run_checkpoint_restart(
         interval = CheckpointInterval.from_dict(json.loads((base / "interval.json").read_text()))
     if interval is None and options.checkpoint_every is not None:
         interval = CheckpointInterval(steps=options.checkpoint_every, rule="given")
-    starts = _read_lines(base / "starts.jsonl")
+    starts = read_records(base / "starts.jsonl")
     return CheckpointRestartResult(
         run_dir=run_dir, events=events_path, checkpoint_dir=checkpoint_dir, interval=interval,
         interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),

@@ -1,11 +1,11 @@
 """The worker of the checkpoint/restart baseline: DeepSpeed's ``PipelineEngine`` under a torchrun elastic agent.
 
-``python -m bamboo.launch.baseline_worker`` is what each node's ``torch.distributed.run`` agent starts
-(:func:`bamboo.launch.baseline.run_checkpoint_restart` composes them). It reads its job from the JSON
-file named by ``BAMBOO_BASELINE_SPEC`` (a :class:`bamboo.launch.baseline.BaselineSpec`) and torchrun's
+``python -m bamboo.bench.measured.baseline_worker`` is what each node's ``torch.distributed.run`` agent starts
+(:func:`bamboo.bench.measured.torchrun.run_checkpoint_restart` composes them). It reads its job from the JSON
+file named by ``BAMBOO_BASELINE_SPEC`` (a :class:`bamboo.bench.measured.baseline.BaselineSpec`) and torchrun's
 ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, then:
 
-1. picks the pipelines this world can run (:func:`bamboo.launch.baseline.usable_pipelines`): ``D'``
+1. picks the pipelines this world can run (:func:`bamboo.bench.measured.baseline.usable_pipelines`): ``D'``
    pipelines of ``P`` stages, with ``M * D / D'`` microbatches each, so the global batch never changes.
    Ranks beyond ``P * D'`` have no role; they wait, idle, for the job's end or for the next restart;
 2. builds the built-in example's GPT (``gpt_layer_specs``) as a DeepSpeed ``PipelineModule`` cut with
@@ -19,7 +19,7 @@ file named by ``BAMBOO_BASELINE_SPEC`` (a :class:`bamboo.launch.baseline.Baselin
 4. saves a DeepSpeed checkpoint every ``K`` steps (``save_checkpoint`` without DeepSpeed's own
    ``latest``; after a barrier, global rank 0 writes ``latest`` atomically, so a node killed while it
    saves never leaves ``latest`` naming a partial checkpoint). On the job's first start, ``K`` is
-   chosen after a measured checkpoint (see :func:`bamboo.launch.baseline.checkpoint_interval`) and
+   chosen after a measured checkpoint (see :func:`bamboo.bench.measured.baseline.checkpoint_interval`) and
    kept in ``RUN_DIR/baseline/interval.json`` for every later restart.
 
 Global rank 0 appends the records of the event log (``step``, ``checkpoint``, ``restore``) and one line per
@@ -36,7 +36,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bamboo.bench.measured.baseline import BaselineSpec
 
 PROCESS_STARTED_UNIX = time.time()
 
@@ -63,7 +66,7 @@ def _append_line(path: Path, value: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def _idle(spec: Any, rank: int, world: int, training: int) -> int:
+def _idle(spec: BaselineSpec, rank: int, world: int, training: int) -> int:
     """A rank with no role in this world: wait for the job's end (or for the agent's next restart)."""
     print(f"baseline worker rank {rank}: idle ({world} nodes, {training} of them train)", flush=True)
     done = Path(spec.run_dir) / "baseline" / "done"
@@ -84,9 +87,9 @@ def _redone_steps(events: Path, loaded_step: int) -> int:
     return max(0, max(done, default=0) - loaded_step)
 
 
-def train(spec: Any) -> int:
+def train(spec: BaselineSpec) -> int:
     """Run this rank's part of the job (see the module docstring); the exit status."""
-    from bamboo.launch.baseline import checkpoint_interval, usable_pipelines
+    from bamboo.bench.measured.baseline import checkpoint_interval, usable_pipelines
     from bamboo.launch.events import Checkpoint, EventLog, Restore, Step
     from bamboo.launch.example import example_program
 
@@ -232,11 +235,11 @@ def _die_with_parent() -> None:
 
 
 def main() -> int:
-    from bamboo.launch.baseline import BaselineSpec
+    from bamboo.bench.measured.baseline import SPEC_ENV, BaselineSpec
 
     _die_with_parent()
 
-    spec = BaselineSpec.from_json(Path(os.environ["BAMBOO_BASELINE_SPEC"]).read_text())
+    spec = BaselineSpec.from_json(Path(os.environ[SPEC_ENV]).read_text())
     try:
         code = train(spec)
     except (RuntimeError, OSError, TimeoutError):

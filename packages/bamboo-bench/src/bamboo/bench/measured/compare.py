@@ -1,7 +1,7 @@
 """``bamboo-bench compare``: Bamboo against checkpoint/restart and on-demand, measured on one replayed trace.
 
-Each system trains the same model on the same market, one after the other, through ``bamboo-launch measure
-SYSTEM`` in a process of its own (bamboo-bench never imports bamboo-launch, which sits above it):
+Each system trains the same model on the same market, one after the other, through ``bamboo-bench measure
+SYSTEM`` (:mod:`bamboo.bench.measured.run`) in a process of its own:
 
 - ``bamboo``: bamboo-launch on the emulated spot market;
 - ``checkpoint``: torchrun elastic agents (one per node, their rendezvous on a store the market never
@@ -24,14 +24,12 @@ FILE`` the same profiles, at full scale (as many pipelines as the trace's peak o
 on FILE uncompressed: the long-run picture.
 
 :func:`run_compare` does it all and returns a :class:`Comparison`; the CLI prints it, as a table or JSON,
-and draws it (:func:`plot_comparison`, the four panels of the paper's Figure 12 with the three systems, the
-simulator's predictions dotted).
+and draws it (:func:`bamboo.bench.measured.figure.plot_comparison`, the four panels of the paper's Figure 12
+with the three systems, the simulator's predictions dotted).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import json
 import math
 import os
@@ -40,158 +38,42 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import attrs
 from bamboo.bench.loaders import load_trace, write_generic_csv
+from bamboo.bench.measured.options import CompareError, CompareOptions
+from bamboo.bench.preemptions import load_preemptions
 from bamboo.bench.profile import ModelProfile, load_profile
 from bamboo.bench.simulator import Policy, RunResult, Strategy, simulate_run
-from bamboo.bench.synthetic import SyntheticSpec, generate_trace
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
 
 __all__ = [
-    "SYSTEMS",
-    "CompareError",
-    "CompareOptions",
     "Comparison",
     "LongRun",
     "SystemResult",
+    "default_out",
     "full_scale_profile",
-    "parse_systems",
-    "plot_comparison",
     "prepare_trace",
     "run_compare",
     "simulation_trace",
     "window_figures",
 ]
 
-SYSTEMS = ("bamboo", "checkpoint", "on-demand")
-"""The systems ``compare`` runs, in the order it runs them."""
-
 _STRATEGY = {"bamboo": Strategy.BAMBOO, "checkpoint": Strategy.CHECKPOINT, "on-demand": Strategy.ON_DEMAND}
-
-
-class CompareError(ValueError):
-    """Bad input, or a system whose run failed; the message names the value or the run's log."""
-
-
-def parse_systems(text: str) -> tuple[str, ...]:
-    """``bamboo,checkpoint,on-demand`` (any non-empty subset, any order) as a tuple in run order."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names:
-        raise CompareError(f"--systems needs at least one of {', '.join(SYSTEMS)}, got {text!r}")
-    for name in names:
-        if name not in SYSTEMS:
-            raise CompareError(f"unknown system {name!r} in --systems; choose from {', '.join(SYSTEMS)}")
-    return tuple(name for name in SYSTEMS if name in names)
-
-
-def _positive(_instance: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise CompareError(f"--{attribute.name.replace('_s', '').replace('_', '-')} must be > 0, got {value!r}")
-
-
-@attrs.frozen
-class CompareOptions:
-    """What ``bamboo-bench compare`` takes (see its ``--help``). Exactly one of ``steps`` and ``duration_s``."""
-
-    preemptions: str
-    nodes: int
-    stages: int
-    pipelines: int
-    out: Path = attrs.field(converter=Path)
-    steps: int | None = attrs.field(default=None, validator=_positive)
-    duration_s: float | None = attrs.field(default=None, validator=_positive)
-    systems: tuple[str, ...] = SYSTEMS
-    time_scale: float = attrs.field(default=60.0, validator=_positive)
-    hours: float | None = attrs.field(default=None, validator=_positive)
-    """synthetic: the trace's hours (default: the duration's trace time, or 1 h with --steps)."""
-    seed: int = 0
-    zones: tuple[str, ...] | None = None
-    spot_price: float = attrs.field(default=0.918, validator=_positive)
-    on_demand_price: float = attrs.field(default=3.06, validator=_positive)
-    layers: int = 4
-    script: tuple[str, ...] = ()
-    timeout_s: float = attrs.field(default=1800.0, validator=_positive)
-    long_run: Path | None = None
-    long_run_nodes: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if (self.steps is None) == (self.duration_s is None):
-            raise CompareError("give --steps S or --duration SECONDS (one of them)")
-        if self.stages < 1 or self.pipelines < 1:
-            raise CompareError(f"--stages and --pipelines must be >= 1, got {self.stages} and {self.pipelines}")
-        if self.nodes < self.stages:
-            raise CompareError(f"--nodes {self.nodes} is too few for one pipeline of {self.stages} stages "
-                               f"(--stages {self.stages})")
-        if self.nodes < self.stages * self.pipelines:
-            raise CompareError(f"--nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} "
-                               f"stages (needs at least {self.stages * self.pipelines})")
-        if not self.systems:
-            raise CompareError(f"--systems needs at least one of {', '.join(SYSTEMS)}")
-        if self.script and "checkpoint" in self.systems:
-            raise CompareError("the checkpoint/restart baseline trains the built-in example only: give no script, "
-                               "or --systems without checkpoint")
-        if self.long_run_nodes is not None and self.long_run_nodes < self.stages:
-            raise CompareError(f"--long-run-nodes {self.long_run_nodes} is too few for one pipeline of "
-                               f"{self.stages} stages")
-
-    @property
-    def trace_hours(self) -> float:
-        if self.hours is not None:
-            return self.hours
-        if self.duration_s is not None:
-            return self.duration_s * self.time_scale / 3600.0
-        return 1.0
 
 
 # ---- the trace ------------------------------------------------------------------------------------------------
 
 
-def _zoned(trace: Trace, zones: Sequence[str]) -> Trace:
-    """A trace whose nodes are spread round-robin over ``zones`` in order of first appearance (as
-    ``bamboo-launch run --zones`` does for a trace with one zone)."""
-    cycle = itertools.cycle(zones)
-    zone_of: dict[str, str] = {}
-    events = []
-    for event in trace.events():
-        if event.node not in zone_of:
-            zone_of[event.node] = next(cycle)
-        events.append(TraceEvent(event.time_s, event.kind, event.node, zone_of[event.node]))
-    return Trace.from_events(trace.name, events, duration_s=trace.duration_s)
-
-
 def prepare_trace(options: CompareOptions) -> Trace:
     """The trace every system replays: the file (a malformed one raises ``TraceFormatError`` naming the file
-    and line) or the synthetic model, zoned by ``zones``, cut to the duration's trace time."""
-    text = options.preemptions
-    if text.startswith("synthetic:"):
-        rate_text = text.split(":", 1)[1]
-        try:
-            rate = float(rate_text)
-        except ValueError:
-            raise CompareError(f"--preemptions synthetic:RATE needs a number RATE in [0, 1], got {rate_text!r}") from None
-        if not 0.0 <= rate <= 1.0:
-            raise CompareError(f"--preemptions synthetic:RATE needs RATE in [0, 1], got {rate_text!r}")
-        spec = SyntheticSpec(preemption_probability=rate, desired_nodes=options.nodes,
-                             zones=len(options.zones) if options.zones else 3)
-        trace = generate_trace(spec, options.trace_hours, options.seed)
-        if options.zones:
-            names = dict(zip(trace.zone_names, options.zones, strict=False))
-            trace = Trace.from_events(trace.name, [TraceEvent(e.time_s, e.kind, e.node, names[e.zone])
-                                                   for e in trace.events()], duration_s=trace.duration_s)
-    else:
-        path = Path(text)
-        if not path.exists():
-            raise CompareError(f"--preemptions {text}: no such file (give a trace file or synthetic:RATE)")
-        trace = load_trace(path)
-        if options.zones:
-            if len(set(trace.zone_names)) > 1:
-                raise CompareError(f"the trace {text} already has zones {sorted(set(trace.zone_names))}; --zones is "
-                                   "for traces without zones")
-            trace = _zoned(trace, options.zones)
+    and line) or the synthetic model, zoned by ``zones`` (:func:`bamboo.bench.preemptions.load_preemptions`),
+    cut to the duration's trace time."""
+    trace = load_preemptions(options.preemptions, nodes=options.nodes, zones=options.zones,
+                             hours=options.trace_hours, seed=options.seed)
     if options.duration_s is not None:
         end = options.duration_s * options.time_scale
         if end < trace.duration_s:
@@ -199,8 +81,8 @@ def prepare_trace(options: CompareOptions) -> Trace:
     at_start = trace.alive_at_start()
     need = options.stages * options.pipelines
     if at_start < need:
-        raise CompareError(f"the trace {text} starts with {at_start} nodes; {options.pipelines} pipelines of "
-                           f"{options.stages} stages need {need}")
+        raise CompareError(f"the trace {options.preemptions} starts with {at_start} nodes; {options.pipelines} "
+                           f"pipelines of {options.stages} stages need {need}")
     return trace
 
 
@@ -323,15 +205,8 @@ def _ratios(comparison: Comparison, system: str, against: str) -> dict[str, floa
 # ---- running the systems -------------------------------------------------------------------------------------
 
 
-def _launch_available() -> bool:
-    try:
-        return importlib.util.find_spec("bamboo.launch") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _measure_command(options: CompareOptions, system: str, trace_file: Path, run_dir: Path) -> list[str]:
-    command = [sys.executable, "-m", "bamboo.launch", "measure", system, "--nodes", str(options.nodes),
+    command = [sys.executable, "-m", "bamboo.bench", "measure", system, "--nodes", str(options.nodes),
                "--stages", str(options.stages), "--pipelines", str(options.pipelines),
                "--preemptions", str(trace_file), "--time-scale", f"{options.time_scale:g}",
                "--run-dir", str(run_dir), "--spot-price", f"{options.spot_price:g}",
@@ -346,13 +221,13 @@ def _measure_command(options: CompareOptions, system: str, trace_file: Path, run
 class _Follower:
     """Copies a run's stderr to its log file and keeps its last line (for the progress display)."""
 
-    def __init__(self, stream: Any, log: Path) -> None:
+    def __init__(self, stream: IO[str], log: Path) -> None:
         self.last = ""
         self._log = log.open("w", encoding="utf-8")
         self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
         self._thread.start()
 
-    def _pump(self, stream: Any) -> None:
+    def _pump(self, stream: IO[str]) -> None:
         for line in stream:
             self._log.write(line)
             self._log.flush()
@@ -477,9 +352,6 @@ def _long_run(options: CompareOptions, profiles: Mapping[str, Path]) -> LongRun:
 def run_compare(options: CompareOptions, status: Callable[[str], None] | None = None) -> Comparison:
     """Run every system of ``options`` on the same trace, measure each, and predict each with the simulator."""
     say = status or (lambda line: None)
-    if not _launch_available():
-        raise CompareError("compare runs the systems with bamboo-launch, which is not installed here: "
-                           "pip install packages/bamboo-launch (with its dependencies)")
     trace = prepare_trace(options)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "runs").mkdir(exist_ok=True)
@@ -533,68 +405,3 @@ def window_figures(report: Mapping[str, Any], market_start_s: float,
 def default_out() -> Path:
     """A fresh folder for a comparison's files."""
     return Path(tempfile.mkdtemp(prefix="bamboo-compare-"))
-
-
-# ---- the figure ----------------------------------------------------------------------------------------------
-
-_COLOURS = {"bamboo": "tab:green", "checkpoint": "tab:red", "on-demand": "tab:gray"}
-
-
-def plot_comparison(comparison: Comparison, out: Path | str) -> Path:
-    """Four panels over each run's wall time (the paper's Figure 12): nodes, throughput, cost and value, one
-    colour per system; measured solid, the simulator's prediction dotted; kills as red ticks on the top panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from bamboo.bench.plot import binned_mean
-
-    figure, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    for name, result in comparison.results.items():
-        colour = _COLOURS[name]
-        timeline = result.timeline
-        times = np.asarray(timeline["times"], dtype=float)
-        width = times[1] - times[0] if len(times) > 1 else result.duration_s
-        minutes = (times + width / 2) / 60.0
-        nodes = np.asarray(timeline["nodes"], dtype=float)
-        rate = np.asarray(timeline["throughput"], dtype=float)
-        cost = nodes * result.price
-        value = np.divide(rate, cost, out=np.zeros_like(rate), where=cost > 0)
-        axes[0].step(times / 60.0, nodes, where="post", color=colour, label=f"{name} nodes (mean {result.avg_nodes:.2f})")
-        axes[1].plot(minutes, rate, color=colour, label=f"{name} (mean {result.throughput:.2f})")
-        axes[2].plot(minutes, cost, color=colour, label=f"{name} (mean {result.cost_per_hour:.2f})")
-        axes[3].plot(minutes, value, color=colour, label=f"{name} (mean {result.value:.2f})")
-        if name == "bamboo":
-            for index, t in enumerate(timeline.get("preemptions", [])):
-                axes[0].axvline(t / 60.0, color="tab:red", alpha=0.4, linewidth=0.8,
-                                label="preemption (bamboo run)" if index == 0 else None)
-        simulated = result.predicted.timeline
-        if simulated is not None and result.duration_s > 0:
-            end = max(float(simulated.time_s[-1]), result.predicted.duration_h * 3600.0)
-            hours, sim_rate = binned_mean(simulated.time_s, simulated.rate, end, len(times) or 60)
-            _, sim_nodes = binned_mean(simulated.time_s, simulated.nodes, end, len(times) or 60)
-            sim_cost = sim_nodes * result.price
-            sim_value = np.divide(sim_rate, sim_cost, out=np.zeros_like(sim_rate), where=sim_cost > 0)
-            axes[1].plot(hours * 60.0, sim_rate, color=colour, linestyle=":", linewidth=1.2,
-                         label=f"{name} simulated (mean {result.predicted.throughput:.2f})")
-            axes[3].plot(hours * 60.0, sim_value, color=colour, linestyle=":", linewidth=1.2,
-                         label=f"{name} simulated (mean {result.predicted.value:.2f})")
-    axes[0].set_ylabel("# instances")
-    axes[1].set_ylabel("throughput\n(samples/s)")
-    axes[2].set_ylabel("cost ($/h)")
-    axes[3].set_ylabel("value\n(samples/s per $/h)")
-    axes[3].set_xlabel("time since the run's start (minutes)")
-    for axis in axes:
-        axis.grid(True, alpha=0.3)
-        axis.legend(loc="best", fontsize="x-small")
-        axis.set_ylim(bottom=0)
-    options = comparison.options
-    length = f"{options.steps} steps" if options.steps is not None else f"{options.duration_s:g} s"
-    axes[0].set_title(f"measured: {options.preemptions} at x{options.time_scale:g}, P={options.stages}, "
-                      f"D={options.pipelines}, {length} (dotted: simulated with the measured profiles)", fontsize=9)
-    figure.tight_layout()
-    path = Path(out)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path

@@ -1,0 +1,182 @@
+"""``bamboo-bench measure SYSTEM``: one system of a comparison run to its end on the emulated market, measured.
+
+- ``bamboo``: ``bamboo-launch run`` (:func:`bamboo.launch.run.run_cluster`) with eager redundant computation on
+  the trace's nodes, its workers' ``warm`` records read while it trains (for the instance-creation cost);
+- ``checkpoint``: the checkpoint/restart baseline (:func:`bamboo.bench.measured.torchrun.run_checkpoint_restart`);
+- ``on-demand``: ``bamboo-launch run`` without redundancy and without preemptions on ``P x D`` nodes (the
+  cluster priced at on-demand rates).
+
+A run ends after ``steps`` steps, or ``duration_s`` wall seconds after its first step: every node is then
+stopped, as a budget's end would. :func:`run_measured` returns the JSON-ready result (the report, the
+measurements, the measured profile's path, the timeline) that ``bamboo-bench compare`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bamboo.bench import timeouts
+from bamboo.bench.measured.baseline import RestartCost
+from bamboo.bench.measured.measure import measure_events, measured_profile
+from bamboo.bench.measured.options import MeasureError, MeasureOptions
+from bamboo.bench.measured.torchrun import (
+    BaselineError,
+    BaselineHandles,
+    CheckpointRestartOptions,
+    run_checkpoint_restart,
+)
+from bamboo.launch.events import read_events
+from bamboo.launch.records import WorkerWarm
+from bamboo.launch.report import Prices, ReportError, compute_report, compute_timeline
+from bamboo.launch.run import RunError, RunHandles, RunOptions, run_cluster
+
+__all__ = ["run_measured"]
+
+
+class _Stopper:
+    """Ends a run ``duration_s`` after the market started (the ``during`` callback starts with the market)."""
+
+    def __init__(self, duration_s: float | None, say: Callable[[str], None]) -> None:
+        self.duration_s = duration_s
+        self.say = say
+        self.done = threading.Event()
+
+    def wait(self) -> bool:
+        """Sleep until the deadline (True) or until :meth:`cancel` (False)."""
+        if self.duration_s is None:
+            return False
+        return not self.done.wait(self.duration_s)
+
+    def cancel(self) -> None:
+        self.done.set()
+
+
+def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run ``options.system`` to its end and measure it; the JSON-ready result (``report``, ``measurements``,
+    ``profile``, ``timeline``, ...). Raises :class:`MeasureError` when the run fails."""
+    say = progress or (lambda line: None)
+    run_dir = Path(options.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stopper = _Stopper(options.duration_s, say)
+    extra: dict[str, Any] = {}
+    warm: dict[str, float] = {}
+    restarts: Sequence[RestartCost] = ()
+    checkpoint_every: int | None = None
+    started = time.monotonic()
+    try:
+        if options.system == "checkpoint":
+            events_path, restarts, checkpoint_every, extra = _run_checkpoint(options, run_dir, stopper, say)
+        else:
+            events_path, warm, extra = _run_bamboo(options, run_dir, stopper, say)
+            checkpoint_every = options.checkpoint_every if options.system == "bamboo" else None
+    finally:
+        stopper.cancel()
+    events = read_events(events_path)
+    price = options.on_demand_price if options.system == "on-demand" else options.spot_price
+    prices = Prices(spot=price, on_demand=options.on_demand_price)
+    try:
+        report = compute_report(events, prices)
+        timeline = compute_timeline(events, prices, options.bins)
+    except ReportError as error:
+        raise MeasureError(f"{options.system}: {error} (run dir {run_dir})") from None
+    measured = measure_events(events, options.system, warm_unix=warm, restarts=restarts,
+                              checkpoint_every=checkpoint_every)
+    profile = measured_profile(measured, name=f"measured-{options.system}", spot_price=options.spot_price,
+                               on_demand_price=options.on_demand_price)
+    profile_path = run_dir / "profile.json"
+    profile_path.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    return {
+        "system": options.system,
+        "run_dir": str(run_dir),
+        "events": str(events_path),
+        "profile": str(profile_path),
+        "seconds": time.monotonic() - started,
+        "price_per_node_hour": price,
+        "report": report.to_dict(),
+        "measurements": measured.to_dict(),
+        "timeline": {"times": list(timeline.times), "nodes": list(timeline.nodes),
+                     "throughput": list(timeline.throughput), "preemptions": list(timeline.preemption_times)},
+        **extra,
+    }
+
+
+def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
+                say: Callable[[str], None]) -> tuple[Path, dict[str, float], dict[str, Any]]:
+    on_demand = options.system == "on-demand"
+    run_options = RunOptions(
+        nodes=options.stages * options.pipelines if on_demand else options.nodes, stages=options.stages,
+        pipelines=options.pipelines, steps=options.max_steps, zones=options.zones,
+        preemptions=None if on_demand else options.preemptions, time_scale=options.time_scale, hours=options.hours,
+        trace_seed=options.trace_seed, checkpoint_dir=None if on_demand else str(run_dir / "checkpoints"),
+        checkpoint_every=options.checkpoint_every, run_dir=str(run_dir), job=None,
+        redundancy="none" if on_demand else "eflb", size={} if options.script else {"layers": options.layers},
+        ttl=options.ttl, grace_s=options.grace_s, timeout_s=options.timeout_s, live=False, progress_every=50,
+        script=options.script)
+    warm: dict[str, float] = {}
+    stopped = threading.Event()
+
+    def during(handles: RunHandles) -> None:
+        def poll() -> None:
+            try:
+                for item in handles.membership.kv.get_prefix(handles.membership.keys.decision("warm-")):
+                    record = WorkerWarm.from_dict(json.loads(item.value))
+                    warm.setdefault(record.node, record.at)
+            except Exception as error:  # etcd closing at the run's end
+                say(f"could not read the warm records: {error}")
+
+        def watch() -> None:
+            while not stopper.done.wait(timeouts.MEASURE_WARM_POLL_S):
+                poll()
+
+        threading.Thread(target=watch, name="measure-warm", daemon=True).start()
+        if stopper.wait():
+            poll()
+            say(f"{options.duration_s:g} s since the first step: stopping every node")
+            stopped.set()
+            handles.cluster.close()
+
+    try:
+        result = run_cluster(run_options, progress=say, during=during)
+    except RunError as error:
+        raise MeasureError(f"{options.system}: {error} (node logs: {run_dir / 'logs'})") from None
+    if result.job_error and not stopped.is_set():
+        raise MeasureError(f"{options.system}: the job failed: {result.job_error} (node logs: {run_dir / 'logs'})")
+    if result.timed_out:
+        raise MeasureError(f"{options.system}: the run did not end within {options.timeout_s:g} s "
+                           f"(node logs: {run_dir / 'logs'})")
+    return result.events, warm, {"stopped": stopped.is_set(), "warm_unix": warm}
+
+
+def _run_checkpoint(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
+                    say: Callable[[str], None]) -> tuple[Path, Sequence[RestartCost], int | None, dict[str, Any]]:
+    baseline = CheckpointRestartOptions(
+        nodes=options.nodes, stages=options.stages, pipelines=options.pipelines, steps=options.max_steps,
+        zones=options.zones, preemptions=options.preemptions, time_scale=options.time_scale, hours=options.hours,
+        trace_seed=options.trace_seed, run_dir=str(run_dir), size={"layers": options.layers},
+        timeout_s=options.timeout_s)
+
+    def during(handles: BaselineHandles) -> None:
+        if stopper.wait():
+            say(f"{options.duration_s:g} s since the first step: stopping every node")
+            handles.stop()
+
+    try:
+        result = run_checkpoint_restart(baseline, progress=say, during=during)
+    except BaselineError as error:
+        raise MeasureError(f"checkpoint: {error} (logs: {run_dir / 'logs'})") from None
+    if result.timed_out:
+        raise MeasureError(f"checkpoint: the run did not end within {options.timeout_s:g} s (logs: {run_dir / 'logs'})")
+    interval = result.interval
+    extra = {
+        "stopped": result.stopped,
+        "checkpoint_interval": None if interval is None else {**interval.to_dict(), "describe": interval.describe()},
+        "restarts": [r.to_dict() for r in result.restarts],
+        "job_restarts": result.job_restarts,
+        "interruptions": {"kills": result.interruptions.kills, "joins": result.interruptions.joins},
+    }
+    return result.events, result.restarts, None if interval is None else interval.steps, extra

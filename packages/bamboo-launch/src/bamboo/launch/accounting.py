@@ -1,0 +1,155 @@
+"""Where a run's time went, folded from its event log: the report's and the live view's time figures.
+
+:class:`TimeAccount` reads records in ``t`` order (:meth:`TimeAccount.apply`) and keeps the start-up, the
+training window and the steps' share of it, the failover pauses, and every reconfiguration's pause with its
+parts (decide, barrier, transfers, group builds, first step; :mod:`bamboo.launch.pauses` measures them) and
+every restore's pause and source.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import attrs
+from bamboo.launch.event_records import Event, Failover, Reconfiguration, Restore, RunStart, Startup, Step
+
+__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount"]
+
+PAUSE_PARTS = ("decide_s", "barrier_s", "transfers_s", "group_builds_s", "first_step_s")
+"""The parts of a reconfiguration's pause, in the ``reconfiguration`` record and the report."""
+STARTUP_PARTS = ("process_s", "imports_s", "model_s", "wait_s", "model_build_s", "group_build_s", "first_step_s")
+"""The phases of a worker's start, in the ``startup`` record and the report."""
+
+
+@attrs.define
+class TimeAccount:
+    """Where a run's time went, folded from its records in ``t`` order with :meth:`apply`.
+
+    - ``startup_s``: from the run's start to the start of its first step (processes, imports, the
+      first layout, group building);
+    - ``window_s``: the training window, from the start of the first step to the end of the last;
+    - ``step_s``: the time the steps themselves took (their ``duration_s``; a step trained again after a
+      restore counts again, and a failover's pause counts inside the step it interrupted);
+    - ``step_share``: ``step_s / window_s``, the share of the window spent in steps;
+    - ``failover_s``: the failover pauses (from catching the failure to resuming on the merged schedule;
+      overlapping pauses of one event count once);
+    - ``reconfiguration_s`` / ``restore_s``: the reconfigurations' pauses (from the first node that stopped
+      to the new layout's go, plus its first step's excess), those that restarted from a copy of an
+      earlier step counted as restores; ``pauses`` lists each reconfiguration's pause (restores apart) and
+      ``parts_s`` sums the parts of all of them (restores included);
+    - ``restores``: ``(pause, source)`` of each restore (``memory``, ``disk`` or ``initial``);
+    - ``lost_s``: everything up to the last step that was not a step's first, useful run: start-up, the
+      gaps between steps, failover pauses and steps trained again.
+    """
+
+    start: float = 0.0
+    start_unix: float | None = None
+    first_step_start: float | None = None
+    last_step_end: float | None = None
+    step_s: float = 0.0
+    redone_s: float = 0.0
+    failover_s: float = 0.0
+    reconfiguration_s: float = 0.0
+    restore_s: float = 0.0
+    pauses: list[float] = attrs.field(factory=list)
+    prepared: int = 0
+    """Reconfigurations prepared while the old layout trained (make before break)."""
+    parts_s: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(PAUSE_PARTS, 0.0))
+    restores: list[tuple[float, str]] = attrs.field(factory=list)
+    startups: list[Startup] = attrs.field(factory=list)
+    """The ``startup`` records of the workers that trained the first step (they set the job's start-up)."""
+    _last_reconfiguration: float = 0.0
+    _first_step_end: float | None = None
+    _failover_spans: list[tuple[float, float]] = attrs.field(factory=list)
+    _steps_seen: set[int] = attrs.field(factory=set)
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, RunStart):
+            self.start, self.start_unix = event.t, event.unix_time  # unix_time is the wall clock at t=0
+        elif isinstance(event, Step):
+            begin = event.t - event.duration_s
+            if self.first_step_start is None:
+                self.first_step_start, self._first_step_end = begin, event.t
+            self.last_step_end = event.t if self.last_step_end is None else max(self.last_step_end, event.t)
+            self.step_s += event.duration_s
+            if event.step in self._steps_seen:
+                self.redone_s += event.duration_s
+            self._steps_seen.add(event.step)
+        elif isinstance(event, Failover):
+            self._failover(event)
+        elif isinstance(event, Startup) and self._of_first_step(event):
+            self.startups.append(event)
+        elif isinstance(event, Reconfiguration):
+            self.reconfiguration_s += event.duration_s
+            self._last_reconfiguration = event.duration_s
+            self.pauses.append(event.duration_s)
+            self.prepared += event.prepared
+            for part in PAUSE_PARTS:
+                self.parts_s[part] += getattr(event, part) or 0.0
+        elif isinstance(event, Restore):  # written right after its reconfiguration: move it over
+            pause = event.duration_s if event.duration_s is not None else self._last_reconfiguration
+            self.reconfiguration_s -= self._last_reconfiguration
+            self.restore_s += self._last_reconfiguration
+            if self.pauses and self._last_reconfiguration:
+                self.pauses.pop()
+            self._last_reconfiguration = 0.0
+            self.restores.append((pause, event.source or "disk"))
+
+    def _of_first_step(self, event: Startup) -> bool:
+        """Whether a worker's start ended with the job's first step (not a joiner's, later)."""
+        if self._first_step_end is None:
+            return True
+        return event.t - (event.first_step_s or 0.0) <= self._first_step_end
+
+    def _failover(self, event: Failover) -> None:
+        if self.start_unix is not None and event.caught_unix is not None and event.resumed_unix is not None:
+            span = (event.caught_unix - self.start_unix, event.resumed_unix - self.start_unix)
+        else:  # an older record: the pause, ending about when it was written
+            span = (event.t - event.pause_s, event.t)
+        if not any(a <= span[1] and span[0] <= b for a, b in self._failover_spans):  # one event's pauses count once
+            self.failover_s += event.pause_s
+        self._failover_spans.append(span)
+
+    @property
+    def startup_s(self) -> float:
+        return 0.0 if self.first_step_start is None else max(0.0, self.first_step_start - self.start)
+
+    @property
+    def window_s(self) -> float:
+        if self.first_step_start is None or self.last_step_end is None:
+            return 0.0
+        return max(0.0, self.last_step_end - self.first_step_start)
+
+    @property
+    def step_share(self) -> float | None:
+        return None if self.window_s <= 0 else min(1.0, self.step_s / self.window_s)
+
+    @property
+    def lost_s(self) -> float:
+        if self.last_step_end is None:
+            return 0.0
+        useful = self.step_s - self.redone_s - self.failover_s
+        return max(0.0, self.last_step_end - self.start - useful)
+
+    @property
+    def pause_p50_s(self) -> float | None:
+        return statistics.median(self.pauses) if self.pauses else None
+
+    @property
+    def pause_max_s(self) -> float | None:
+        return max(self.pauses) if self.pauses else None
+
+    def startup_parts(self) -> dict[str, float | None]:
+        """The median of each start-up phase over the workers of the first step (None: no record has it)."""
+        parts = {}
+        for part in STARTUP_PARTS:
+            values = [getattr(record, part) for record in self.startups if getattr(record, part) is not None]
+            parts[part] = statistics.median(values) if values else None
+        return parts
+
+    def summary(self) -> dict[str, Any]:
+        return {"startup_s": self.startup_s, "window_s": self.window_s, "step_s": self.step_s,
+                "step_share": self.step_share, "failover_s": self.failover_s,
+                "reconfiguration_s": self.reconfiguration_s, "restore_s": self.restore_s, "lost_s": self.lost_s,
+                "reconfiguration_pause_p50_s": self.pause_p50_s, "reconfiguration_pause_max_s": self.pause_max_s}

@@ -1,0 +1,180 @@
+"""The barrier between two generations, and the decision of the next layout.
+
+At the barrier of generation g every holder publishes the stages it holds (``g<g>-ready-<node>``, a
+:class:`bamboo.launch.records.BarrierReady`); the first to see every expected holder plans the next layout
+(:func:`plan_next`: bamboo-reconfig's placement and transfer plan, or a restore) and writes it first
+writer wins (``g<g>-next``); everyone uses the winner's. A retry after an abandoned attempt k uses the
+names ``g<g>-a<k>-...`` and generation g+1+k. See :mod:`bamboo.launch.reconfigure`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bamboo.launch import timeouts
+from bamboo.launch.records import BarrierReady, read_record
+from bamboo.launch.session import JobCannotContinue, NotEnoughNodes, WorkerSession, decision_prefix
+from bamboo.membership.kv import StoreError
+
+__all__ = ["next_attempt_layout", "next_layout", "plan_next", "publish_layout"]
+
+
+def publish_layout(run: WorkerSession, layout: Any) -> None:
+    """Make ``layout`` the layout in etcd unless a later one is there (any node may do it: its writer may be dead)."""
+    current = run.membership.get_layout()
+    if current is not None and int(current.value.get("generation", 0)) < layout.generation:
+        run.membership.put_layout(layout.to_dict(), current.revision)
+
+
+def next_attempt_layout(run: WorkerSession, layout: Any) -> Any:
+    """For a node that held no state in the abandoned attempt ``layout``: the next attempt's layout (None once
+    the job has ended).
+
+    When nodes held state at the barrier it starts from (``layout.survivors``), they decide the next layout.
+    A start that no node's state goes into (no survivors: the first layout, or the coordinator's restart of
+    every stage from a checkpoint) is redone by whichever of its nodes decides first, on the nodes registered
+    now: no step of it was trained, so nothing is lost.
+    """
+    from bamboo.reconfig import JobLayout
+
+    root = layout.generation if layout.base_generation is None else int(layout.base_generation)
+    name = f"{decision_prefix(root, layout.attempt + 1)}next"
+    if layout.survivors:
+        value = JobLayout.from_dict(run.wait_decision(name, run.timeouts.build))
+    else:
+        value = _redo_start(run, layout, name)
+        if value is None:
+            return None
+    publish_layout(run, value)
+    return value
+
+
+def _redo_start(run: WorkerSession, lost: Any, name: str) -> Any:
+    """Decide (first writer wins, as decision ``name``) the layout that redoes the abandoned start ``lost`` on
+    the nodes registered now (as the first layout does), waiting while they are too few for one pipeline;
+    None once the job ended."""
+    from bamboo.launch.coordinator import redo_start_layout
+    from bamboo.reconfig import JobLayout
+
+    next_say = 0.0
+    while True:
+        if run.ended() is not None:
+            return None
+        try:
+            existing = run.membership.get_decision(name)
+            if existing is not None:
+                return JobLayout.from_dict(existing.value)
+            records = run.membership.list_nodes(skip_malformed=True)
+        except StoreError:  # etcd restarting
+            time.sleep(timeouts.WORKER_POLL_S)
+            continue
+        zones = {**lost.zones, **{node: record.zone for node, record in records.items()}}
+        planned = redo_start_layout(run.spec, lost, sorted(records), zones)
+        if planned is not None:
+            return JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)
+        if time.monotonic() >= next_say:
+            print(f"node {run.node}: generation {lost.generation} was abandoned before its first step and the "
+                  f"{len(records)} nodes left cannot form a pipeline of {run.spec.stages} stages; waiting for "
+                  "more nodes", flush=True)
+            next_say = time.monotonic() + timeouts.NODE_SHORTAGE_SAY_S
+        time.sleep(timeouts.WORKER_POLL_S)
+
+
+def next_layout(run: WorkerSession, base: Any, expected: Any, attempt: int, reason: str) -> Any:
+    """Wait for every expected holder at the barrier of ``base``, then the next layout (first writer wins).
+
+    ``expected(records)`` lists the nodes that must publish what they hold, given the registered nodes;
+    ``attempt`` counts the abandoned starts of this barrier so far (each retry has its own decision names).
+    """
+    from bamboo.reconfig import JobLayout
+
+    generation = base.generation
+    prefix = decision_prefix(generation, attempt)
+    name = f"{prefix}next"
+    # A survivor may reach the barrier only after its own confirmation wait or group timeout.
+    deadline = time.monotonic() + run.timeouts.build
+    next_say = 0.0
+    ready: dict[str, BarrierReady] = {}
+    value: JobLayout | None = None
+    while value is None:
+        existing = run.membership.get_decision(name)
+        if existing is not None:
+            value = JobLayout.from_dict(existing.value)
+            break
+        records = run.membership.list_nodes(skip_malformed=True)
+        waiting_for = expected(records)
+        for other in waiting_for:
+            if other not in ready:
+                found = read_record(BarrierReady, run.membership.get_decision(f"{prefix}ready-{other}"))
+                if found is not None:
+                    ready[other] = found
+        if all(other in ready for other in waiting_for):
+            try:
+                planned = plan_next(run, base, ready, attempt, reason)
+            except NotEnoughNodes as shortage:  # wait, holding the state, for the market to add machines
+                if time.monotonic() >= next_say:
+                    print(f"node {run.node}: at the barrier of generation {generation}: {shortage}; waiting for "
+                          "more nodes", flush=True)
+                    next_say = time.monotonic() + timeouts.NODE_SHORTAGE_SAY_S
+                deadline = time.monotonic() + run.timeouts.build
+                time.sleep(timeouts.WORKER_POLL_S)
+                continue
+            value = JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"survivors {sorted(set(waiting_for) - set(ready))} did not reach the barrier of "
+                               f"generation {generation}")
+        time.sleep(timeouts.DECISION_POLL_S)
+    publish_layout(run, value)
+    print(f"node {run.node}: generation {value.generation} starts at step {value.start_step} "
+          f"({value.mode.value}, attempt {attempt + 1}): ranks {value.ranks}, "
+          f"{len(value.transfers.transfers)} transfers of {value.transfers.bytes_moved} bytes", flush=True)
+    return value
+
+
+def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], attempt: int, reason: str) -> Any:
+    """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
+    from bamboo.launch.reconfigure import build_view, nearest_restore, next_history, warm_standby
+    from bamboo.reconfig import JobLayout, StartMode, TransferPlan, plan_layout, plan_transfers
+
+    spec = run.spec
+    records = run.membership.list_nodes(skip_malformed=True)
+    # a holder whose lease expired (or was revoked) since it published what it holds is dead: no transfer from it
+    ready = {node: record for node, record in ready.items() if node in records} or ready
+    # A consecutive failure can leave one pipeline committed at step k+1 while the broken one's
+    # survivors abandoned step k: the committed state already holds the whole global batch of k,
+    # so the next generation starts from the newest step, held by the nodes that reached it.
+    step = max(record.step for record in ready.values())
+    holdings = {node: record.holds for node, record in ready.items() if record.step == step}
+    dead = [node for node in base.ranks if node not in ready]
+    standby = [node for node in warm_standby(run.membership, records) if node not in base.ranks]
+    usable = sorted(set(ready) | set(standby))
+    zones = {**base.zones, **{n: record.zone for n, record in records.items()}}
+    view = build_view(base, zones, usable, dead, run.layers, spec.pipelines)
+    plan = plan_layout(view)
+    global_batch = base.global_batch
+    pipelines = len(plan.owners)
+    if plan.stages != spec.stages or pipelines == 0:
+        raise NotEnoughNodes(f"{len(usable)} nodes left cannot form a pipeline of {spec.stages} stages")
+    if global_batch % pipelines:
+        raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
+                                "pipelines")
+    held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
+    transfers = plan_transfers(base.plan, plan, held)
+    mode, start, restore = StartMode.PEERS, step, None
+    if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy
+        missing = list(transfers.stages_without_copy)
+        restore = nearest_restore(run.membership.kv, spec, missing, base.stage_bounds, records, base.history)
+        mode, start = StartMode.CHECKPOINT, restore.step
+        transfers = TransferPlan(rounds=(), bytes_moved=0, naive_bytes=transfers.naive_bytes)
+    return JobLayout(
+        generation=base.generation + 1 + attempt, plan=plan, start_step=start, mode=mode, reason=reason,
+        transfers=transfers, restore=restore, barrier_step=step,
+        # when the first holder reached the barrier (wall clock): the reconfiguration's duration counts from
+        # it, whichever node writes the record (the lowest rank may be a joiner that started later)
+        barrier_unix=min(record.at for record in ready.values()),
+        base_generation=base.generation, attempt=attempt, survivors=sorted(ready),
+        history=next_history(base.history, start, pipelines),
+        zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)},
+    )

@@ -1,0 +1,106 @@
+"""The ``bamboo-launch`` command line: one module per subcommand.
+
+- ``bamboo-launch agent --job J --etcd HOST:PORT ... [-- SCRIPT ARGS]``: one machine's agent, what every
+  machine of a cluster runs and what ``run`` starts per node (:mod:`bamboo.launch.cli.agent`);
+- ``bamboo-launch run [...] [-- SCRIPT ARGS]``: train the built-in example, or a user script that calls
+  ``bamboo.launch.train_worker``, on an emulated spot cluster (:mod:`bamboo.launch.cli.run`);
+- ``bamboo-launch export (RUN_DIR | --checkpoint-dir DIR) -o MODEL.pt``: the trained model as one state dict
+  (:mod:`bamboo.launch.cli.export`);
+- ``bamboo-launch k8s render`` / ``k8s validate FILE...``: Kubernetes manifests for EKS or GKE spot pools,
+  validated against the Kubernetes schemas (:mod:`bamboo.launch.cli.k8s`);
+- ``bamboo-launch market``: the emulated spot market against one process per node (:mod:`bamboo.launch.cli.market`);
+- ``bamboo-launch report (EVENTS.jsonl | --etcd URL --job J)``: a run's final report (:mod:`bamboo.launch.cli.report`);
+- ``bamboo-launch watch (EVENTS.jsonl | --etcd URL --job J)``: the live view of a run (:mod:`bamboo.launch.cli.watch`);
+- ``bamboo-launch finish --etcd URL --job J``: end a job early at a step boundary (:mod:`bamboo.launch.cli.finish`).
+
+Every flag's default comes from the options class it fills (``RunOptions``, ``AgentOptions``, ``JobSpec``,
+``K8sConfig``) or from a ``timeouts`` module. Bad input, and an etcd that does not answer, print one line,
+``bamboo-launch: error: ...``, and exit with status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from bamboo.bench.argtypes import USAGE, OneLineParser
+from bamboo.launch.cli import agent, export, finish, k8s, market, report, run, watch
+from bamboo.launch.cli.agent import agent_spec_fields
+from bamboo.launch.cli.common import CliError, error_line
+from bamboo.membership import StoreError
+
+__all__ = ["agent_spec_fields", "build_parser", "main"]
+
+TRACEBACK_ENV = "BAMBOO_TRACEBACK"
+"""Set (to anything) to see the traceback of an internal error instead of its one line."""
+
+COMMANDS = (agent, run, export, k8s, market, report, watch, finish)
+"""The subcommands' modules, in the order ``--help`` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used to render ``--help`` in the README)."""
+    parser = OneLineParser(
+        prog="bamboo-launch",
+        description="Bamboo's launcher: the agent every machine of a job runs, training runs on an emulated spot "
+        "cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True,
+                                       metavar="{agent,run,export,k8s,market,report,watch,finish}")
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        index = argv.index("--")
+        return argv[:index], argv[index + 1 :]
+    return argv, []
+
+
+def _parse(words: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    arguments, script = _split_script(words)
+    args, unknown = parser.parse_known_args(arguments)
+    if unknown:
+        hint = ""
+        if hasattr(args, "script") and any(word.endswith(".py") for word in unknown):
+            hint = (f"; a training script goes after --, as in: bamboo-launch {args.command} [options] -- "
+                    f"{' '.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if script:
+        if not hasattr(args, "script"):
+            parser.error(f"'{args.command}' takes no script after --, got {' '.join(script)!r}")
+        args.script = list(args.script or []) + script
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``bamboo-launch``; returns the exit status (``--help`` exits 0 through ``SystemExit``)."""
+    try:
+        args = _parse(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as done:  # a parse error (its one line is printed) returns its status; --help exits 0
+        if not done.code:
+            raise
+        return int(done.code)
+    try:
+        return int(args.handler(args))
+    except (CliError, ValueError, StoreError) as error:  # the library's errors carry their own context
+        print(f"bamboo-launch: error: {error_line(error)}", file=sys.stderr)
+        return USAGE
+    except OSError as error:  # an output path that cannot be written, a full disk
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"bamboo-launch: error: {where}{error.strerror or error}", file=sys.stderr)
+        return USAGE
+    except KeyboardInterrupt:
+        print("bamboo-launch: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # a bug: one line, and the traceback on request
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"bamboo-launch: internal error: {type(error).__name__}: {error} (a bug: please report it; "
+              f"{TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
+        return 1

@@ -1,0 +1,177 @@
+"""This worker's in-memory copies (:mod:`bamboo.launch.memcopy`): taken at step boundaries, kept, served, sent
+to keepers, and published.
+
+:meth:`CopyService.take` runs on the training thread at a copy step: it applies the pending replica updates
+and clones the state of every stage the node holds at that step (a memory copy, about a millisecond per
+stage of the built-in example). One background thread does the rest: it serialises each clone, keeps it,
+sends the ones of the stages this node writes (pipeline 0's host of each stage) to their keepers, and
+publishes the node's index in etcd. When the thread is behind, a newer clone of a stage replaces the one
+waiting, so training never waits for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+from bamboo.launch import timeouts
+from bamboo.launch.memcopy import (
+    Copy,
+    CopyIndex,
+    CopyServer,
+    CopyStore,
+    choose_keepers,
+    copies_prefix,
+    fetch_copy,
+    lineage,
+    read_indexes,
+    send_copy,
+)
+
+__all__ = ["CopyService", "holders_of"]
+
+
+@attrs.frozen
+class _Pending:
+    step: int
+    stage: int
+    layers: tuple[int, int]
+    state: Any
+    lineage: str
+    keepers_from: tuple[tuple[str, ...], tuple[str, ...]] | None
+    """``(holders, placed)`` when this copy goes to keepers too (see :func:`memcopy.choose_keepers`)."""
+
+
+def holders_of(layout: Any, stage: int, dead: set[int]) -> list[str]:
+    """The live nodes of ``layout`` (a ``JobLayout``) that hold ``stage``: its owners and their shadows."""
+    stages = layout.stages
+    holding = {stage, (stage - 1) % stages}
+    return [node for node, rank in layout.ranks.items() if rank % stages in holding and rank not in dead]
+
+
+class CopyService:
+    """The in-memory copies of one worker (see the module docstring). ``run`` is its
+    :class:`bamboo.launch.session.WorkerSession`."""
+
+    def __init__(self, run: Any) -> None:
+        context = run.context
+        self.run = run
+        self.node = run.node
+        self.zone = context.zone or "default"
+        self.token = Path(context.agent_token_file).read_text().strip() if context.agent_token_file else ""
+        self.store = CopyStore(on_change=self._changed)
+        self.server = CopyServer(self.store, os.environ.get("BAMBOO_GLOO_HOST") or "127.0.0.1", self.token)
+        self._pending: dict[int, _Pending] = {}
+        self._wake = threading.Condition()
+        self._dirty = True
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="bamboo-copies", daemon=True)
+        self._thread.start()
+
+    def take(self, executor: Any, layout: Any, *, sends: bool) -> None:
+        """Clone every stage ``executor`` holds at its current step (on the training thread); with ``sends``,
+        the ones it hosts go to keepers too."""
+        executor.apply_replica_updates()
+        step, dead = executor.step, set(executor.dead)
+        line = lineage(layout.history, step)
+        for stage, piece in executor.slices.items():
+            if piece.steps != step:
+                continue
+            keepers_from = None
+            if sends and stage in executor.hosted:
+                keepers_from = (tuple(holders_of(layout, stage, dead)), tuple(layout.ranks))
+            pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop), piece.snapshot(), line,
+                               keepers_from)
+            with self._wake:
+                self._pending[stage] = pending  # an older clone still waiting is replaced
+                self._wake.notify()
+
+    def load(self, stage: int, step: int, sources: tuple[str, ...], bounds: tuple[int, int], line: str) -> bytes:
+        """The bytes of ``stage`` at ``step`` of lineage ``line``: from this node's memory, or from the first of
+        ``sources`` that answers with such a copy of the layer range ``bounds`` (RuntimeError when none does)."""
+        own = self.store.get(stage, step)
+        if own is not None and own.layers == bounds and own.lineage == line:
+            return own.data
+        indexes = read_indexes(self.run.membership.kv, self.run.spec.job)
+        errors = []
+        for source in sources:
+            if source == self.node or source not in indexes:
+                continue
+            try:
+                copy = fetch_copy(indexes[source].address, stage, step, self.token)
+            except (OSError, RuntimeError) as error:
+                errors.append(f"{source}: {error}")
+                continue
+            if copy.layers == bounds and copy.lineage == line:
+                return copy.data
+            errors.append(f"{source}: its copy holds layers {copy.layers} of lineage {copy.lineage}, not {bounds} of "
+                          f"{line}")
+        raise RuntimeError(f"no node could give stage {stage} at step {step} from memory ({'; '.join(errors) or 'none alive'})")
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeouts.THREAD_JOIN_S)
+        self.server.close()
+
+    def _changed(self) -> None:
+        with self._wake:
+            self._dirty = True
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._dirty and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                pending = list(self._pending.values())
+                self._pending.clear()
+            for item in pending:
+                self._keep_and_send(item)
+            self._publish()
+            time.sleep(timeouts.COPY_INDEX_S)
+
+    def _keep_and_send(self, item: _Pending) -> None:
+        from bamboo.rc.state import snapshot_bytes
+
+        data = snapshot_bytes(item.state)
+        copy = Copy(item.stage, item.step, item.layers, data, hashlib.sha256(data).hexdigest(), item.lineage)
+        self.store.put(copy)
+        if item.keepers_from is None:
+            return
+        try:
+            indexes = read_indexes(self.run.membership.kv, self.run.spec.job)
+        except Exception as error:  # etcd restarting: this copy stays here only; the next one is sent
+            print(f"node {self.node}: could not read the keepers of stage {item.stage}: {error}", file=sys.stderr)
+            return
+        holders, placed = item.keepers_from
+        for keeper in choose_keepers(indexes, item.stage, self.node, holders, placed):
+            try:
+                send_copy(indexes[keeper].address, copy, self.token)
+            except (OSError, RuntimeError) as error:  # a keeper that died meanwhile: the next copy goes elsewhere
+                print(f"node {self.node}: the copy of stage {item.stage} at step {item.step} did not reach {keeper}: "
+                      f"{error}", file=sys.stderr, flush=True)
+
+    def _publish(self) -> None:
+        with self._wake:
+            if not self._dirty:
+                return
+            self._dirty = False
+        copies, layers = self.store.index()
+        index = CopyIndex(self.node, self.zone, self.server.address, copies, layers)
+        context, membership = self.run.context, self.run.membership
+        try:
+            membership.kv.put(copies_prefix(self.run.spec.job) + self.node, index.to_json(),
+                              lease=context.fence_lease or 0, guard=membership.guard)
+        except Exception as error:  # fenced (this node is dead to the others) or etcd gone: published later
+            print(f"node {self.node}: could not publish its in-memory copies: {error}", file=sys.stderr)
+            self._changed()

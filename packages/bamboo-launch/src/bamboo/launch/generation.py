@@ -1,0 +1,243 @@
+"""Training one generation on this node: its steps, their records, checkpoints and hooks, until its end.
+
+:func:`train_generation` runs the engine of one layout step by step. After each step it writes the records
+this node owes (its failovers; the job's ``step`` record and checkpoints as the host of the last stage of
+pipeline 0; the ``startup`` record after its first step; the ``reconfiguration`` record after the layout's
+first step, as its lowest rank) and asks :class:`bamboo.launch.stop.Boundary` what comes next. It returns
+how the generation ended for this node (:class:`Ending`): the job is done, the node handed its stage over
+after a preemption notice, the nodes meet at the barrier (a consecutive failure, a plain stop), or they
+switch to a layout prepared while this one trained.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+from bamboo.launch.hooks import TrainingHooks, run_step_hooks
+from bamboo.launch.prepare import Preparation, abandon_prepared, scan_prepared
+from bamboo.launch.records import StopDecision
+from bamboo.launch.session import WorkerSession
+from bamboo.launch.stop import Boundary
+from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
+
+__all__ = ["Ending", "WorkerState", "checkpoint", "failover_records", "pipeline_batches", "reports_the_job",
+           "train_generation"]
+
+USUAL_STEPS = 20
+"""How many recent steps (not first steps of a layout) a node keeps to tell a usual step's time."""
+
+
+@attrs.define
+class WorkerState:
+    """What a worker keeps across generations."""
+
+    startup: StartupClock
+    started: float = attrs.field(factory=time.perf_counter)
+    losses: list[float] = attrs.field(factory=list)
+    failovers: list[Any] = attrs.field(factory=list)
+    checkpointers: dict[int, Any] = attrs.field(factory=dict)
+    told: set[int] = attrs.field(factory=set)
+    """The executors this node's preemption notice was handed to."""
+    usual: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=USUAL_STEPS))
+    started_up: bool = False
+    """Whether this worker wrote its ``startup`` record."""
+
+
+@attrs.frozen
+class Ending:
+    """How a generation ended for this node: ``done`` (the job's last step, or a finish), ``handed-over``,
+    ``barrier`` (with ``consecutive`` and the ``reason``) or ``switch`` (to the prepared layout ``stop`` names,
+    with this node's ``preparation`` of it, if it has a part)."""
+
+    kind: str
+    reason: str = ""
+    consecutive: bool = False
+    stop: StopDecision | None = None
+    preparation: Preparation | None = None
+
+
+def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_step: int) -> Iterator[Any]:
+    """DeepSpeed-style ``(inputs, labels)`` iterator of pipeline ``pipeline``: global microbatches
+    ``pipeline*M .. pipeline*M+M-1`` of every step from ``first_step`` on."""
+    step = first_step
+    while True:
+        for k in range(micro_batches):
+            yield microbatch(step, pipeline * micro_batches + k)
+        step += 1
+
+
+def train_generation(run: WorkerSession, layout: Any, engine: Any, state: WorkerState,
+                     hooks: TrainingHooks | None, *, prepared: bool) -> Ending:
+    """Train ``layout`` (a ``JobLayout`` this node has a rank in) with ``engine`` until it ends for this node
+    (see the module docstring). ``prepared``: the layout was prepared while the previous one trained."""
+    from bamboo.rc import ConsecutiveFailure, HandedOver
+
+    spec, executor = run.spec, engine.executor
+    boundary = Boundary(run, layout)
+    data = pipeline_batches(run.program.microbatch, executor.pipeline, layout.micro_batches, executor.step)
+    samples = executor.config.micro_batch_size * layout.micro_batches * layout.pipelines
+    first = True
+    seen = len(executor.failovers)
+    while executor.step < spec.steps:
+        if boundary.stop is not None and executor.step >= boundary.stop.step:
+            break
+        started = time.perf_counter()
+        run.tell_runtime_of_notice(executor, state.told)
+        try:
+            loss = float(engine.train_batch(data))
+        except HandedOver:  # a preemption notice: this node's stage went to its shadow after the step
+            boundary.abandon()
+            return Ending("handed-over")
+        except ConsecutiveFailure as failure:
+            print(f"node {run.node}: {failure}", file=sys.stderr, flush=True)
+            executor.apply_replica_updates()
+            boundary.abandon()
+            return Ending("barrier", reason="consecutive failure", consecutive=True)
+        duration = time.perf_counter() - started
+        seen = _after_step(run, layout, engine, state, hooks, loss, duration, seen, samples, boundary.stop)
+        if first:
+            _first_step_records(run, layout, engine, state, duration, prepared=prepared)
+        else:
+            state.usual.append(duration)
+        first = False
+        boundary.after_step(executor)
+    stop = boundary.stop
+    if executor.step >= spec.steps or (stop is not None and stop.finish):
+        boundary.abandon()
+        _abandon_open(run, layout)
+        engine.finish()
+        return Ending("done")
+    assert stop is not None
+    if stop.attempt is not None:
+        return Ending("switch", reason=stop.reason, stop=stop, preparation=boundary.preparation)
+    boundary.abandon()
+    return Ending("barrier", reason=stop.reason)
+
+
+def _after_step(run: WorkerSession, layout: Any, engine: Any, state: WorkerState, hooks: TrainingHooks | None,
+                loss: float, duration: float, seen: int, samples: int, stop: StopDecision | None) -> int:
+    """The records, checkpoint and hooks of a step that completed; returns the failovers seen so far."""
+    import torch
+    from bamboo.launch.events import Failover, Step
+
+    spec, log, executor = run.spec, run.log, engine.executor
+    state.losses.append(loss)
+    node_of_rank = layout.node_of_rank
+    for victim_rank, victim, failover in failover_records(executor, seen):
+        log.write(Failover(t=log.now(), victim=node_of_rank.get(victim_rank, str(victim_rank)),
+                           shadow=run.node, stage=victim, pause_s=failover.pause_s,
+                           caught_unix=failover.caught_at, resumed_unix=failover.resumed_at,
+                           step_end_unix=failover.iteration_end))
+    state.failovers.extend(executor.failovers[seen:])
+    if reports_the_job(executor) and spec.stages - 1 in executor.hosted:
+        log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
+                       nodes_active=spec.stages * layout.pipelines - len(executor.dead),
+                       duration_s=duration, generation=layout.generation))
+    if spec.checkpoint_dir is not None and reports_the_job(executor):
+        finishing = stop is not None and stop.finish and executor.step >= stop.step
+        checkpoint(run, layout, executor, state.checkpointers, torch, final=executor.step >= spec.steps or finishing)
+    if run.copies is not None and executor.step % spec.memory_copy_every == 0:
+        run.copies.take(executor, layout, sends=reports_the_job(executor))
+    if hooks is not None:
+        run_step_hooks(engine, hooks)
+    return len(executor.failovers)
+
+
+def _first_step_records(run: WorkerSession, layout: Any, engine: Any, state: WorkerState, duration: float, *,
+                        prepared: bool) -> None:
+    """After a layout's first step on this node: its ``startup`` record (once per worker) and, as the layout's
+    lowest rank, the ``reconfiguration`` record that started it."""
+    log = run.log
+    if not state.started_up:
+        state.started_up = True
+        clock = state.startup
+        clock.model_build_s = engine.build_seconds.get("model")
+        clock.group_build_s = engine.build_seconds.get("groups")
+        log.write(clock.record(log, run.node, duration))
+    ranks = layout.ranks
+    if layout.generation == 0 or ranks[run.node] != min(ranks.values()):
+        return
+    pause = reconfiguration_pause(run.membership, layout, duration, list(state.usual))
+    source = None
+    if layout.restore is not None:
+        source = layout.restore.source
+    write_reconfiguration(log, layout, pause, stages=run.spec.stages, prepared=prepared, restore_source=source)
+    print(f"node {run.node}: generation {layout.generation} ({layout.reason}) paused training {pause.line()}",
+          flush=True)
+
+
+def _abandon_open(run: WorkerSession, layout: Any) -> None:
+    """The job ended: a layout still being prepared will never start (its joiners stop waiting for it)."""
+    try:
+        scan = scan_prepared(run.membership, layout.generation)
+        if scan.open is not None:
+            abandon_prepared(run.membership, scan.open, "the job ended")
+    except Exception as error:  # etcd gone: the joiners end with the job's end record
+        print(f"node {run.node}: could not abandon the layout being prepared: {error}", file=sys.stderr)
+
+
+def failover_records(executor: Any, seen: int) -> list[tuple[int, int, Any]]:
+    """``(victim rank, victim stage, failover record)`` of the failovers in which this node took a victim's
+    stage (P = 1: a victim's share of the batch, as the ring's owner of it), since ``seen``."""
+    records = []
+    layout = executor.layout
+    for failover in executor.failovers[seen:]:
+        if layout.stages == 1:
+            records += [(victim, 0, failover) for victim in failover.victims
+                        if layout.ring_owner(victim, executor.dead) == executor.rank]
+            continue
+        for victim in failover.victims.get(executor.pipeline, ()):
+            if (victim - 1) % layout.stages == executor.stage:
+                records.append((layout.rank(victim, executor.pipeline), victim, failover))
+    return records
+
+
+def reports_the_job(executor: Any) -> bool:
+    """Whether this node writes the job's steps and checkpoints: pipeline 0's (P = 1: the first live node,
+    every node holding the whole model)."""
+    if executor.layout.stages == 1:
+        return executor.rank == min(r for r in range(executor.layout.world) if r not in executor.dead)
+    return bool(executor.pipeline == 0)
+
+
+def checkpoint(run: WorkerSession, layout: Any, executor: Any, checkpointers: dict[int, Any], torch: Any,
+                *, final: bool = False) -> None:
+    """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
+    ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
+
+    A shard holds the stage's state (parameters, optimizer, scheduler, step), the global indices of its
+    layers (``layers``) and the run's ``history`` so far (the pipelines of each generation), which is what
+    ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
+    succeeded: a node declared dead writes no checkpoint.
+    """
+    from bamboo.launch.checkpoint import AsyncCheckpointer
+    from bamboo.launch.events import Checkpoint
+
+    spec, log = run.spec, run.log
+
+    def committed(info: Any) -> None:
+        log.write(Checkpoint(t=log.now(), step=info.step, path=str(info.path), bytes=info.bytes,
+                             duration_s=info.duration_s))
+
+    def may_commit(step: int, shard: str) -> None:  # raises (the shard is not committed) once fenced
+        run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
+
+    def shard(stage: int) -> dict[str, Any]:
+        return {"state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8),
+                "layers": torch.tensor(list(executor.slices[stage].indices), dtype=torch.int64),
+                "history": torch.tensor([list(item) for item in layout.history], dtype=torch.int64)}
+
+    for stage in executor.hosted:
+        if stage not in checkpointers:
+            checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
+                                                     every_steps=spec.checkpoint_every, on_commit=committed,
+                                                     before_commit=may_commit)
+        if final and executor.step % spec.checkpoint_every:
+            checkpointers[stage].save(executor.step, shard(stage))
+        else:
+            checkpointers[stage].maybe_save(executor.step, lambda stage=stage: shard(stage))

@@ -1,0 +1,296 @@
+"""In-memory copies of the job's state: a copy of every stage, at recent steps, in the memory of live nodes.
+
+Disk is the last resort of a restore. Before it, the planner of a restore looks for the newest step at which
+every stage has a copy in the memory of a live node (:func:`memory_restore`):
+
+- every node that holds a stage keeps its own copy of it (a snapshot, taken at the step boundary every
+  ``memory_copy_every`` steps: the tensors cloned, serialised later off the training thread);
+- the host of each stage in pipeline 0 (the node that writes the stage's disk checkpoints) also sends its
+  copy to :data:`KEEPERS` *keepers*: live nodes that do not hold the stage, in another zone than its own
+  where there is one, standby nodes first (Gemini's idea: a checkpoint in a peer's RAM, refreshed
+  asynchronously, here by a background thread).
+
+Every worker serves the copies it keeps (:class:`CopyServer`: a TCP server on the worker's host, behind
+the job's agent token when there is one) and publishes what it keeps under ``/bamboo/<job>/copies/<node>``
+(a :class:`CopyIndex`, attached to its agent's lease: it goes when the node is declared dead). A node keeps
+the copies of its :data:`KEEP_STEPS` newest steps of each stage. Each copy carries its *lineage*
+(:func:`lineage`: the pipelines of every generation that trained the steps before it): after a restore the
+steps after it are trained again, maybe grouped otherwise, so a copy of such a step from the abandoned
+timeline is no copy of the step the job has now, and a restore only takes copies of the job's own lineage
+(a newer copy of the same stage and step replaces an older one). A restore from memory names, for each stage,
+the nodes that keep it at the chosen step (:class:`bamboo.reconfig.RestorePoint`'s ``memory``); every node
+of the new layout loads each of its stages from its own memory when it keeps it, or fetches it from the
+first of them that answers (:func:`fetch_copy`), checking its SHA-256.
+
+A stage survives in memory as long as one of its holders or keepers lives; the job restores from memory as
+long as every stage does at one common step (see ``docs/failure-model.md``). This module never imports torch
+at import time: the agents' coordinator plans restores with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import socketserver
+import struct
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from bamboo.launch import timeouts
+
+__all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
+           "fetch_copy", "lineage", "memory_restore", "read_indexes", "send_copy"]
+
+KEEPERS = 2
+"""How many keepers the host of a stage in pipeline 0 sends each copy to (besides its own)."""
+KEEP_STEPS = 3
+"""How many of its newest steps of each stage a node keeps in memory."""
+_HEADER = struct.Struct("!I")
+_MAX_HEADER = 1 << 16
+
+
+def lineage(history: Iterable[Sequence[int]], step: int) -> str:
+    """What the state at ``step`` descends from: a digest of the ``(first step, pipelines)`` of every generation
+    of ``history`` (a ``JobLayout``'s) that trained steps before it. Two copies of one stage at one step with the
+    same lineage hold the same bits (training is exact)."""
+    before = [[int(first), int(pipelines)] for first, pipelines in history if int(first) < step]
+    return hashlib.sha256(json.dumps(before).encode()).hexdigest()[:16]
+
+
+def copies_prefix(job: str) -> str:
+    """The etcd prefix of the nodes' :class:`CopyIndex` records."""
+    return f"/bamboo/{job}/copies/"
+
+
+@attrs.frozen
+class CopyIndex:
+    """What one node keeps in memory: ``copies`` (stage -> step -> lineage, each at the layer range
+    ``layers[stage]``), where it serves them (``address``, ``host:port``) and its zone."""
+
+    node: str
+    zone: str
+    address: str
+    copies: dict[int, dict[int, str]] = attrs.field(factory=dict)
+    layers: dict[int, tuple[int, int]] = attrs.field(factory=dict)
+
+    def to_json(self) -> bytes:
+        copies = {str(s): {str(k): line for k, line in sorted(steps.items())} for s, steps in sorted(self.copies.items())}
+        return json.dumps({"v": 1, "node": self.node, "zone": self.zone, "address": self.address, "copies": copies,
+                           "layers": {str(s): list(r) for s, r in sorted(self.layers.items())}}).encode()
+
+    @classmethod
+    def from_json(cls, value: bytes) -> CopyIndex:
+        data = json.loads(value)
+        if data.get("v") != 1:
+            raise ValueError(f"copy index: unknown version {data.get('v')!r}")
+        return cls(node=str(data["node"]), zone=str(data["zone"]), address=str(data["address"]),
+                   copies={int(s): {int(k): str(line) for k, line in steps.items()} for s, steps in data["copies"].items()},
+                   layers={int(s): (int(r[0]), int(r[1])) for s, r in data["layers"].items()})
+
+
+@attrs.frozen
+class Copy:
+    """One stage's state at one step (of :func:`lineage` ``lineage``), as bytes, with their SHA-256 and the
+    stage's layer range."""
+
+    stage: int
+    step: int
+    layers: tuple[int, int]
+    data: bytes = attrs.field(repr=False)
+    sha256: str
+    lineage: str
+
+
+class CopyStore:
+    """The copies a node keeps: the :data:`KEEP_STEPS` newest steps of each stage (thread-safe)."""
+
+    def __init__(self, keep: int = KEEP_STEPS, on_change: Callable[[], None] = lambda: None) -> None:
+        self.keep = keep
+        self.on_change = on_change
+        self._copies: dict[tuple[int, int], Copy] = {}
+        self._lock = threading.Lock()
+
+    def put(self, copy: Copy) -> None:
+        with self._lock:
+            self._copies[(copy.stage, copy.step)] = copy
+            steps = sorted((step for stage, step in self._copies if stage == copy.stage), reverse=True)
+            for old in steps[self.keep:]:
+                del self._copies[(copy.stage, old)]
+        self.on_change()
+
+    def get(self, stage: int, step: int) -> Copy | None:
+        with self._lock:
+            return self._copies.get((stage, step))
+
+    def index(self) -> tuple[dict[int, dict[int, str]], dict[int, tuple[int, int]]]:
+        """``(stage -> step -> lineage of the copies kept, stage -> layer range)``."""
+        with self._lock:
+            copies: dict[int, dict[int, str]] = {}
+            layers: dict[int, tuple[int, int]] = {}
+            for (stage, step), copy in sorted(self._copies.items()):
+                copies.setdefault(stage, {})[step] = copy.lineage
+                layers[stage] = copy.layers
+        return copies, layers
+
+
+def _send_message(sock: socket.socket, header: Mapping[str, Any], data: bytes = b"") -> None:
+    encoded = json.dumps(dict(header)).encode()
+    sock.sendall(_HEADER.pack(len(encoded)) + encoded)
+    if data:
+        sock.sendall(data)
+
+
+def _receive_exactly(sock: Any, size: int) -> bytes:
+    chunks, got = [], 0
+    while got < size:
+        chunk = sock.recv(min(size - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"the connection closed after {got} of {size} bytes")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _receive_message(sock: Any) -> tuple[dict[str, Any], bytes]:
+    (size,) = _HEADER.unpack(_receive_exactly(sock, _HEADER.size))
+    if size > _MAX_HEADER:
+        raise ConnectionError(f"a header of {size} bytes is too long")
+    header = json.loads(_receive_exactly(sock, size))
+    return header, _receive_exactly(sock, int(header.get("bytes", 0)))
+
+
+class CopyServer:
+    """Serves a :class:`CopyStore` over TCP on ``host`` (port chosen by the system): ``put`` stores a copy a
+    peer sends, ``get`` answers one. Every request carries the job's ``token`` (empty: none is checked)."""
+
+    def __init__(self, store: CopyStore, host: str, token: str = "") -> None:
+        self.store = store
+        self.token = token
+        server = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                server._handle(self.request)
+
+        self._server = socketserver.ThreadingTCPServer((host, 0), Handler, bind_and_activate=True)
+        self._server.daemon_threads = True
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="bamboo-copy-server", daemon=True)
+        self._thread.start()
+
+    def _handle(self, sock: socket.socket) -> None:
+        sock.settimeout(timeouts.COPY_TRANSFER_S)
+        try:
+            header, data = _receive_message(sock)
+            if not hmac.compare_digest(str(header.get("token", "")), self.token):
+                _send_message(sock, {"error": "bad token"})
+                return
+            if header.get("op") == "put":
+                if hashlib.sha256(data).hexdigest() != header["sha256"]:
+                    _send_message(sock, {"error": "the bytes do not match their SHA-256"})
+                    return
+                self.store.put(Copy(int(header["stage"]), int(header["step"]), tuple(header["layers"]), data,
+                                    str(header["sha256"]), str(header["lineage"])))
+                _send_message(sock, {"ok": True})
+                return
+            copy = self.store.get(int(header["stage"]), int(header["step"]))
+            if copy is None:
+                _send_message(sock, {"error": f"no copy of stage {header['stage']} at step {header['step']}"})
+                return
+            _send_message(sock, {"ok": True, "bytes": len(copy.data), "sha256": copy.sha256,
+                                 "layers": list(copy.layers), "lineage": copy.lineage}, copy.data)
+        except (OSError, ValueError, KeyError, ConnectionError):
+            return  # a peer that died mid-request: nothing to answer
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeouts.COPY_TRANSFER_S)
+    sock.settimeout(timeouts.COPY_TRANSFER_S)
+    return sock
+
+
+def send_copy(address: str, copy: Copy, token: str = "") -> None:
+    """Send ``copy`` to the keeper at ``address``; raises OSError or RuntimeError when it is not kept."""
+    with _connect(address) as sock:
+        _send_message(sock, {"op": "put", "token": token, "stage": copy.stage, "step": copy.step,
+                             "layers": list(copy.layers), "bytes": len(copy.data), "sha256": copy.sha256,
+                             "lineage": copy.lineage}, copy.data)
+        answer, _ = _receive_message(sock)
+    if not answer.get("ok"):
+        raise RuntimeError(f"{address} did not keep stage {copy.stage} at step {copy.step}: {answer.get('error')}")
+
+
+def fetch_copy(address: str, stage: int, step: int, token: str = "") -> Copy:
+    """The copy of ``stage`` at ``step`` kept at ``address`` (RuntimeError or OSError when it cannot be had)."""
+    with _connect(address) as sock:
+        _send_message(sock, {"op": "get", "token": token, "stage": stage, "step": step})
+        answer, data = _receive_message(sock)
+    if not answer.get("ok"):
+        raise RuntimeError(f"{address}: {answer.get('error')}")
+    if hashlib.sha256(data).hexdigest() != answer["sha256"]:
+        raise RuntimeError(f"{address}: the copy of stage {stage} at step {step} does not match its SHA-256")
+    return Copy(stage, step, tuple(answer["layers"]), data, str(answer["sha256"]), str(answer["lineage"]))
+
+
+def read_indexes(kv: Any, job: str) -> dict[str, CopyIndex]:
+    """Every live node's :class:`CopyIndex` (a malformed one is skipped)."""
+    found = {}
+    for item in kv.get_prefix(copies_prefix(job)):
+        try:
+            index = CopyIndex.from_json(item.value)
+        except (ValueError, KeyError, TypeError):
+            continue
+        found[index.node] = index
+    return found
+
+
+def choose_keepers(indexes: Mapping[str, CopyIndex], stage: int, sender: str, holders: Iterable[str],
+                   placed: Iterable[str], count: int = KEEPERS) -> list[str]:
+    """The keepers of ``sender``'s copy of ``stage``: live nodes that do not hold it (``holders``), other zones
+    than the sender's first, nodes on standby (not ``placed``) before placed ones, each zone once before any
+    twice; by name among equals."""
+    held, ranked = set(holders) | {sender}, set(placed)
+    own = indexes[sender].zone if sender in indexes else ""
+    candidates = sorted((index for node, index in indexes.items() if node not in held),
+                        key=lambda index: (index.zone == own, index.node in ranked, index.node))
+    chosen: list[str] = []
+    zones = {own}  # the sender's zone holds the sender's copy already
+    for pass_ in (0, 1):
+        for index in candidates:
+            if len(chosen) == count:
+                return chosen
+            if index.node not in chosen and (pass_ == 1 or index.zone not in zones):
+                chosen.append(index.node)
+                zones.add(index.zone)
+    return chosen
+
+
+def memory_restore(indexes: Mapping[str, CopyIndex], bounds: Sequence[Sequence[int]], alive: Iterable[str],
+                   history: Sequence[Sequence[int]]) -> tuple[int, dict[int, tuple[str, ...]]] | None:
+    """The newest step at which every stage (of layer ranges ``bounds``) has a copy of the job's lineage
+    (``history``: the ``JobLayout`` history of the generation that restores) in the memory of an ``alive``
+    node, and for each stage the nodes that keep it then; None when there is none."""
+    live = set(alive)
+    keepers: dict[tuple[int, int], list[str]] = {}
+    for node, index in sorted(indexes.items()):
+        if node not in live:
+            continue
+        for stage, steps in index.copies.items():
+            if stage < len(bounds) and tuple(index.layers.get(stage, ())) == tuple(bounds[stage]):
+                for step, line in steps.items():
+                    if line == lineage(history, step):
+                        keepers.setdefault((stage, step), []).append(node)
+    steps = sorted({step for _stage, step in keepers}, reverse=True)
+    for step in steps:
+        if all((stage, step) in keepers for stage in range(len(bounds))):
+            return step, {stage: tuple(keepers[(stage, step)]) for stage in range(len(bounds))}
+    return None

@@ -1,0 +1,108 @@
+"""In-memory copies (bamboo.launch.memcopy): what a node keeps, the keepers it picks, the restore point it gives,
+and the copy server over real sockets (the job token, the SHA-256)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from bamboo.launch.memcopy import (
+    Copy,
+    CopyIndex,
+    CopyServer,
+    CopyStore,
+    choose_keepers,
+    fetch_copy,
+    lineage,
+    memory_restore,
+    send_copy,
+)
+
+BOUNDS = ((0, 2), (2, 4), (4, 6))
+HISTORY = ((0, 2), (5, 1))  # 2 pipelines from step 0, 1 from step 5
+
+
+def _copy(stage: int, step: int, data: bytes = b"state") -> Copy:
+    return Copy(stage, step, BOUNDS[stage], data, hashlib.sha256(data).hexdigest(), lineage(HISTORY, step))
+
+
+def test_a_store_keeps_the_newest_steps_of_each_stage_and_says_so() -> None:
+    changes: list[int] = []
+    store = CopyStore(keep=2, on_change=lambda: changes.append(1))
+    for step in (3, 5, 4, 6):
+        store.put(_copy(1, step))
+    store.put(_copy(0, 6))
+    copies, layers = store.index()
+    assert copies == {1: {5: lineage(HISTORY, 5), 6: lineage(HISTORY, 6)}, 0: {6: lineage(HISTORY, 6)}}
+    assert layers == {1: (2, 4), 0: (0, 2)}
+    assert store.get(1, 4) is None and store.get(1, 6) is not None and len(changes) == 5
+
+
+def test_an_index_round_trips_and_refuses_an_unknown_version() -> None:
+    index = CopyIndex("n1", "a", "127.0.0.1:5", {0: {4: "x", 5: "y"}, 2: {5: "y"}}, {0: (0, 2), 2: (4, 6)})
+    assert CopyIndex.from_json(index.to_json()) == index
+    with pytest.raises(ValueError, match="unknown version 2"):
+        CopyIndex.from_json(b'{"v": 2}')
+
+
+def _index(node: str, zone: str, copies: dict[int, tuple[int, ...]] | None = None,
+           history: tuple[tuple[int, int], ...] = HISTORY) -> CopyIndex:
+    copies = copies or {}
+    lineages = {stage: {step: lineage(history, step) for step in steps} for stage, steps in copies.items()}
+    return CopyIndex(node, zone, f"{node}:1", lineages, {stage: BOUNDS[stage] for stage in copies})
+
+
+def test_keepers_are_other_zones_and_standby_nodes_first_each_zone_once_before_twice() -> None:
+    indexes = {n: _index(n, z) for n, z in
+               [("w", "a"), ("h1", "b"), ("s1", "a"), ("s2", "b"), ("p1", "c"), ("p2", "b"), ("s3", "c")]}
+    # w (zone a) sends stage 1; h1 holds it; p1, p2 are placed (ranked) nodes; s* are on standby
+    chosen = choose_keepers(indexes, 1, "w", holders=["h1"], placed=["w", "h1", "p1", "p2"])
+    assert chosen == ["s2", "s3"]  # standby, other zones than a, one per zone
+    assert choose_keepers(indexes, 1, "w", holders=["h1"], placed=["w", "h1", "p1", "p2"], count=4) == [
+        "s2", "s3", "p1", "p2"]
+    lonely = {"w": _index("w", "a"), "s1": _index("s1", "a")}
+    assert choose_keepers(lonely, 1, "w", holders=[], placed=["w"]) == ["s1"]  # its own zone when it must
+
+
+def test_the_restore_point_is_the_newest_step_every_stage_has_on_a_live_node() -> None:
+    indexes = {
+        "a": _index("a", "a", {0: (7, 8), 1: (7, 8)}),
+        "b": _index("b", "b", {2: (7,)}),
+        "c": _index("c", "c", {2: (8,)}),  # dead: not in alive
+    }
+    assert memory_restore(indexes, BOUNDS, {"a", "b"}, HISTORY) == (7, {0: ("a",), 1: ("a",), 2: ("b",)})
+    assert memory_restore(indexes, BOUNDS, {"a", "b", "c"}, HISTORY) == (8, {0: ("a",), 1: ("a",), 2: ("c",)})
+    assert memory_restore(indexes, BOUNDS, {"a"}, HISTORY) is None
+    other_split = ((0, 3), (3, 4), (4, 6))  # copies of another split of the layers are no use
+    assert memory_restore(indexes, other_split, {"a", "b"}, HISTORY) is None
+
+
+def test_copies_of_an_abandoned_timeline_are_not_restored() -> None:
+    """The job restored step 6 and trains steps 7, 8 again with 2 pipelines where it had run 1: a copy of step 8
+    kept from before the restore is of another lineage, and the newest step restorable is the new timeline's 7."""
+    now = ((0, 2), (5, 1), (6, 2))
+    indexes = {"a": _index("a", "a", {0: (7,), 1: (7,), 2: (7,)}, history=now),
+               "old": _index("old", "b", {0: (8,), 1: (8,), 2: (8,)}, history=HISTORY)}
+    assert lineage(now, 6) == lineage(HISTORY, 6) and lineage(now, 8) != lineage(HISTORY, 8)
+    assert memory_restore(indexes, BOUNDS, {"a", "old"}, now) == (7, {0: ("a",), 1: ("a",), 2: ("a",)})
+    assert memory_restore(indexes, BOUNDS, {"a", "old"}, HISTORY)[0] == 8  # type: ignore[index]
+
+
+def test_a_copy_travels_to_a_keeper_and_back_with_the_job_token() -> None:
+    store = CopyStore()
+    server = CopyServer(store, "127.0.0.1", token="secret")
+    try:
+        copy = _copy(2, 9, b"x" * 3_000_000)
+        send_copy(server.address, copy, token="secret")
+        assert store.get(2, 9) == copy
+        assert fetch_copy(server.address, 2, 9, token="secret") == copy
+        with pytest.raises(RuntimeError, match="bad token"):
+            fetch_copy(server.address, 2, 9, token="wrong")
+        with pytest.raises(RuntimeError, match="no copy of stage 2 at step 8"):
+            fetch_copy(server.address, 2, 8, token="secret")
+        forged = Copy(1, 9, BOUNDS[1], b"data", hashlib.sha256(b"other").hexdigest(), lineage(HISTORY, 9))
+        with pytest.raises(RuntimeError, match="do not match their SHA-256"):
+            send_copy(server.address, forged, token="secret")
+        assert store.get(1, 9) is None
+    finally:
+        server.close()

@@ -1,0 +1,62 @@
+"""`--redundancy auto`'s model: each mode's expected loss per hour, and the mode it picks."""
+
+from __future__ import annotations
+
+import pytest
+from bamboo.schedule import Costs, FailureModel, choose_redundancy
+
+
+def _choice(stages: int, microbatches: int, rate: float) -> str:
+    return choose_redundancy(Costs(), stages, microbatches, 1.0, FailureModel(rate, 2 * stages)).mode
+
+
+def test_without_preemptions_no_redundancy_pays() -> None:
+    choice = choose_redundancy(Costs(), 4, 8, 1.0, FailureModel(0.0, 8))
+    assert choice.mode == "none"
+    assert choice.estimates[0].lost_s_per_hour == pytest.approx(0.0, abs=1e-9)
+    assert all(e.lost_s_per_hour > 0 for e in choice.estimates[1:])  # every redundant mode costs its overhead
+
+
+def test_a_low_rate_picks_the_cheap_mode_and_a_high_rate_the_eager_one() -> None:
+    """P = 4, M = 4: the bubbles hold every FRC, so eager FRC costs what lazy FRC costs when nothing fails and
+    less when something does."""
+    assert _choice(4, 4, 0.01) == "none"
+    assert _choice(4, 4, 1.0) == "eflb"
+
+
+def test_where_eager_frc_outgrows_the_bubbles_the_lazy_mode_pays() -> None:
+    """P = 4, M = 8: FRC overflows the bubbles, and a failure's extra recomputation costs lflb less than eflb's
+    overhead costs every step."""
+    assert _choice(4, 8, 0.01) == "none"
+    assert _choice(4, 8, 1.0) == "lflb"
+
+
+def test_the_choice_explains_itself_and_ranks_every_mode() -> None:
+    choice = choose_redundancy(Costs(), 4, 8, 2.0, FailureModel(1.0, 8))
+    assert choice.estimates[0].mode == choice.mode
+    assert sorted(e.mode for e in choice.estimates) == ["efeb", "eflb", "lflb", "none"]
+    assert choice.reason.startswith(f"{choice.mode}: least training lost per hour at 1 preemptions per node-hour")
+    losses = {e.mode: e.lost_s_per_hour for e in choice.estimates}
+    assert losses[choice.mode] == min(losses.values())
+    assert choice.as_dict()["estimates"][0]["mode"] == choice.mode  # type: ignore[index]
+    steps = {e.mode: e.step_s for e in choice.estimates}
+    assert steps["none"] == pytest.approx(2.0) and steps["efeb"] > steps["eflb"] >= steps["lflb"] > 2.0
+
+
+def test_one_stage_has_only_no_redundancy_to_choose() -> None:
+    assert choose_redundancy(Costs(), 1, 4, 1.0, FailureModel(5.0, 4)).mode == "none"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"preemptions_per_node_hour": -1.0, "nodes": 4}, "preemptions_per_node_hour"),
+    ({"preemptions_per_node_hour": 0.1, "nodes": 0}, "nodes"),
+    ({"preemptions_per_node_hour": 0.1, "nodes": 4, "checkpoint_interval_s": 0.0}, "checkpoint_interval_s"),
+])
+def test_bad_failure_models_are_named(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FailureModel(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_step_time_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="step_s must be > 0"):
+        choose_redundancy(Costs(), 4, 8, 0.0, FailureModel(0.1, 8))

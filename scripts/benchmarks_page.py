@@ -1,0 +1,168 @@
+"""Render ``docs/benchmarks.md`` from the measured results in ``docs/results/*.json``.
+
+Each result file is one benchmark's latest measured run, an object::
+
+    {"command": "<the exact command>", "machine": "<what it ran on, and the load>", "date": "YYYY-MM-DD",
+     "results": <what the benchmark printed with --json>}
+
+The page lists every benchmark of the repository (each ``tests/benchmarks/bench_*.py``, ``bamboo-bench compare``
+and ``make demo``'s run), measured or not: a benchmark without a result file says "not measured yet" with the
+command that measures it. Nothing on the page is typed by hand, so ``python scripts/benchmarks_page.py`` after
+saving a result file is the whole update; ``--check`` exits 1 when the committed page is not what this script
+renders (``tests/test_docs.py`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+KEYS = ("command", "machine", "date", "results")
+
+#: The benchmarks that are commands rather than files under tests/benchmarks: name -> (what it measures, the
+#: command that measures it and prints JSON).
+COMMANDS = {
+    "compare": ("Bamboo against checkpoint/restart (torchrun elastic agents, DeepSpeed) and on-demand, measured on "
+                "one replayed trace, each run predicted by the simulator from the profile it measured.",
+                "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c --time-scale 60 "
+                "--nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 --json"),
+    "demo": ("The main job of `make demo`: 8 emulated spot nodes, P = 4, D = 2, synthetic preemptions, failovers "
+             "and reconfigurations, checked bit for bit against a fault-free run.",
+             "bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps 500 --preemptions "
+             "synthetic:0.33 --hours 1.45 --seed 771 --time-scale 60 --ttl 10 --grace 10 --timeout 420 "
+             "--checkpoint-dir DIR --checkpoint-every 20 --no-live --verify --json"),
+}
+
+
+class ResultError(ValueError):
+    """A result file that does not follow the format; the message names the file."""
+
+
+def benchmarks(root: Path = ROOT) -> dict[str, tuple[str, str]]:
+    """Every benchmark of the repository: name -> (what it measures, the command that measures it)."""
+    found = {}
+    for path in sorted((root / "tests" / "benchmarks").glob("bench_*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        summary = " ".join(doc.split("\n\n", 1)[0].split())
+        for prefix in ("Benchmark: ", "Benchmark of ", "Benchmark for "):
+            summary = summary.removeprefix(prefix)
+        summary = summary[:1].upper() + summary[1:]
+        text = path.read_text()
+        json_flag = (" --json" if 'action="store_true", help="print only the JSON' in text
+                     else " --json OUT.json" if '"--json"' in text else "")
+        found[path.stem.removeprefix("bench_")] = (summary, f".venv/bin/python {path.relative_to(root)}{json_flag}")
+    return {**COMMANDS, **found}
+
+
+def load_results(folder: Path = RESULTS) -> dict[str, dict[str, Any]]:
+    """The result files, by benchmark name (the file's stem)."""
+    loaded = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            document = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ResultError(f"{path}: not JSON ({error.msg}, line {error.lineno})") from None
+        if not isinstance(document, dict) or set(document) != set(KEYS):
+            raise ResultError(f"{path}: a result is an object with exactly the keys {list(KEYS)}")
+        loaded[path.stem] = document
+    return loaded
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, Mapping | list):
+        return f"`{json.dumps(value, sort_keys=True)}`" if len(json.dumps(value)) <= 60 else "(see the JSON file)"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(key, "")) for key in columns) + " |" for row in rows]
+    return lines
+
+
+def render_results(results: Any) -> list[str]:
+    """A benchmark's ``results`` as Markdown tables: a list of objects is one table (a row each), an object is
+    a table of its plain keys followed by one table per key that holds a list of objects."""
+    if isinstance(results, list) and all(isinstance(row, Mapping) for row in results):
+        return _table(results)
+    if isinstance(results, Mapping):
+        plain = {key: value for key, value in results.items()
+                 if not (isinstance(value, list) and value and all(isinstance(row, Mapping) for row in value))}
+        lines = _table([{"key": key, "value": value} for key, value in plain.items()]) if plain else []
+        for key, value in results.items():
+            if key not in plain:
+                lines += ["", f"`{key}`:", "", *_table(value)]
+        return lines
+    return [f"`{json.dumps(results)}`"]
+
+
+def render(root: Path = ROOT) -> str:
+    """The whole page."""
+    known = benchmarks(root)
+    results = load_results(root / "docs" / "results")
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by scripts/benchmarks_page.py from docs/results/*.json: do not edit by hand. -->",
+        "",
+        "The latest measured figures of every benchmark in this repository, each with the command that measured it, "
+        "the machine and the date. A benchmark prints its ratio against a baseline measured in the same run. To "
+        "update a row: run the command, save what it printed with `--json` as `docs/results/NAME.json` (an object "
+        "with `command`, `machine`, `date` and `results`), then run `python scripts/benchmarks_page.py`.",
+        "",
+        "| benchmark | what it measures | measured |",
+        "|---|---|---|",
+    ]
+    for name, (summary, _) in known.items():
+        found = results.get(name)
+        when = f"{found['date']}, {found['machine']}" if found else "not measured yet"
+        lines.append(f"| [{name}](#{name}) | {_cell(summary)} | {_cell(when)} |")
+    for name, (summary, command) in known.items():
+        found = results.get(name)
+        lines += ["", f"## {name}", "", summary, ""]
+        if found is None:
+            lines += ["Not measured yet. The command:", "", "```", command, "```"]
+            continue
+        lines += [f"Measured on {found['date']}, {found['machine']}:", "", "```", found["command"], "```", "",
+                  *render_results(found["results"])]
+    unknown = sorted(set(results) - set(known))
+    if unknown:
+        raise ResultError(f"docs/results has results of no known benchmark: {unknown}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is not up to date")
+    args = parser.parse_args(argv)
+    try:
+        page = render()
+    except ResultError as error:
+        print(f"benchmarks_page: error: {error}", file=sys.stderr)
+        return 2
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != page:
+            print("benchmarks_page: docs/benchmarks.md is not what docs/results renders; run "
+                  "python scripts/benchmarks_page.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(page)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -77,6 +77,7 @@ CLUSTER_TESTS = (
     "packages/bamboo-bench/tests/test_baseline.py",
     "packages/bamboo-launch/tests/test_manifests_run.py",
     "packages/bamboo-launch/tests/test_script_e2e.py",
+    "tests/test_bench_scale.py",
 )
 
 

@@ -22,7 +22,7 @@ from bamboo.launch.coordinator import (
     restart_layout,
     steps_reached,
 )
-from bamboo.launch.events import Checkpoint, Step
+from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 from bamboo.membership.records import FailureReport, NodeRecord, NodeState
@@ -32,20 +32,33 @@ LAYER = {"param_bytes": 400, "optimizer_bytes": 800, "compute_cost": 100.0}
 
 
 class FakeDetector:
-    """What the coordinator asks of a detector: its listeners, the nodes it knows, and sweeps."""
+    """What the coordinator asks of a detector: its listeners, to follow the membership while elected (the
+    records it knows then are the registered ones: read here from etcd, so that a round sees a registration
+    at once), and sweeps."""
 
     def __init__(self) -> None:
         self.sweeps: list[tuple[list[str], str]] = []
         self.confirm_on_sweep: list[str] = []
         self.membership: MembershipStore | None = None
+        self.following: list[int | None] = []  # the since_revision of each follow_membership
 
     def subscribe(self, listener: Any) -> None:
         pass
 
-    def known_nodes(self) -> dict[str, Any]:
-        return {}
+    def subscribe_membership(self, listener: Any) -> None:
+        pass
 
-    def probe_all(self, nodes: list[str], reason: str) -> None:
+    def follow_membership(self, since_revision: int | None = None) -> None:
+        self.following.append(since_revision)
+
+    def unfollow_membership(self) -> None:
+        self.following.append(-1)
+
+    def known_nodes(self) -> dict[str, Any]:
+        assert self.membership is not None
+        return self.membership.list_nodes() if self.following and self.following[-1] != -1 else {}
+
+    def probe_all(self, nodes: list[str], reason: str, **options: Any) -> None:
         self.sweeps.append((sorted(nodes), reason))
         assert self.membership is not None
         for node in self.confirm_on_sweep:  # the sweep found these dead too
@@ -115,25 +128,22 @@ def test_one_agent_is_elected_and_another_takes_over_when_its_lease_goes(members
     assert not first.round() and not first.leader
 
 
-def test_the_first_layout_waits_for_min_nodes_and_for_registrations_to_settle(membership: MembershipStore) -> None:
-    clock = [100.0]
+def test_the_first_layout_is_written_as_soon_as_min_nodes_registered(membership: MembershipStore) -> None:
     spec = _spec(membership.keys.job, min_nodes=4)
-    coordinator, _, _ = _coordinator(membership, "n0", "a", spec, clock)
+    coordinator, agent, _ = _coordinator(membership, "n0", "a", spec)
     assert coordinator.round() and read_layout(membership) is None  # 1 of 4 registered
+    assert agent.detector.following == [None]  # elected: it follows the membership (from now: no one held it)
     agents = [FakeAgent(membership, f"n{i}", zone) for i, zone in ((1, "b"), (2, "c"))]
     assert coordinator.round() and read_layout(membership) is None  # 3 of 4
     agents.append(FakeAgent(membership, "n3", "a"))
     coordinator.round()
-    assert read_layout(membership) is None  # 4 of 4, but they just registered: settle first
-    clock[0] += 0.5
-    coordinator.round()
-    assert read_layout(membership) is None
-    clock[0] += 1.0
-    coordinator.round()
     layout = read_layout(membership)
     assert layout is not None and layout.generation == 0 and sorted(layout.ranks) == ["n0", "n1", "n2", "n3"]
     assert layout == first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
-    assert agents  # kept registered
+    late = FakeAgent(membership, "n4", "b")
+    coordinator.round()
+    assert read_layout(membership) == layout  # a node that registers later waits on standby
+    assert agents and late  # kept registered
 
 
 def test_confirmed_failures_of_ranked_nodes_are_published_once_with_what_the_sweep_finds(
@@ -146,18 +156,21 @@ def test_confirmed_failures_of_ranked_nodes_are_published_once_with_what_the_swe
     layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
     assert membership.put_layout(layout.to_dict(), 0) is not None
     ranks = layout.ranks
-    membership.report_failure(FailureReport(node="n1", epoch=0, reason="probe refused"))
-    agent.detector.confirm_on_sweep = ["n3"]  # killed at the same instant: found by the sweep
+    assert layout.owners == (("n0", "n1"), ("n3", "n2"))
+    membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
+    agent.detector.confirm_on_sweep = ["n2"]  # killed at the same instant: found by the sweep
     coordinator.round()
-    assert agent.detector.sweeps == [(["n2", "n3"], "swept after a confirmed failure in the layout")]
-    assert published_events(membership, 0) == {1: FailureEvent(1, sorted([ranks["n1"], ranks["n3"]]))}
+    # the sweep probes the victim's pipeline only (at most P nodes, whatever the job's size)
+    assert agent.detector.sweeps == [(["n2"], "swept after a confirmed failure in the layout")]
+    assert published_events(membership, 0) == {1: FailureEvent(1, sorted([ranks["n3"], ranks["n2"]]))}
     coordinator.round()  # nothing new: nothing published again
     assert list(published_events(membership, 0)) == [1]
     membership.report_failure(FailureReport(node="s4", epoch=0, reason="lease expired"))  # a standby node
-    membership.report_failure(FailureReport(node="n2", epoch=0, reason="probe refused"))
+    membership.report_failure(FailureReport(node="n1", epoch=0, reason="probe refused"))
     agent.detector.confirm_on_sweep = []
     coordinator.round()
-    assert published_events(membership, 0)[2] == FailureEvent(2, [ranks["n2"]])
+    assert published_events(membership, 0)[2] == FailureEvent(2, [ranks["n1"]])
+    assert len(agent.detector.sweeps) == 1  # n1's pipeline holds only the coordinator itself: nothing to sweep
     assert sorted(e.node for e in events.written) == ["n1", "n2", "n3", "s4"]  # one preemption record each
     assert {e.zone for e in events.written if e.node == "s4"} == {"b"}
 
@@ -178,7 +191,7 @@ def test_a_new_coordinator_carries_on_without_publishing_twice(membership: Membe
     events = published_events(membership, 0)
     assert [event.victims for _, event in sorted(events.items())] == [(layout.ranks["n2"],), (layout.ranks["n0"],)]
     assert [e.node for e in new_events.written] == ["n0"]  # n2's preemption was recorded by the old one
-    assert new_agent.detector.sweeps[0][0] == ["n3"]
+    assert new_agent.detector.sweeps == []  # n0's pipeline holds only the new coordinator itself
 
 
 def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(membership: MembershipStore) -> None:
@@ -190,6 +203,9 @@ def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(member
     coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
     layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})  # none of them registered
     membership.put_layout(layout.to_dict(), 0)
+    log = EtcdEventLog(membership.kv, spec.job, "n3.worker.1", spec.created_unix)
+    log.write(Step(t=5.0, step=3, samples=8, loss=1.0, nodes_active=4, duration_s=0.1, generation=0))
+    assert log.flush()  # it trained: its state is lost with its nodes (a layout that trained nothing is redone)
     coordinator.round()  # s9 is the only node, and it is not warm: nothing to start on yet
     assert membership.get_decision("end") is None and read_layout(membership).generation == 0
     FakeAgent(membership, "s8", "b")
@@ -199,6 +215,25 @@ def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(member
     restart = read_layout(membership)
     assert restart.generation == 1 and restart.start_step == 0 and set(restart.ranks) == {"s8", "s9"}
     assert restart.restore is not None and restart.restore.initial and membership.get_decision("end") is None
+
+
+def test_a_layout_that_trained_nothing_and_nobody_holds_is_started_again_on_warm_nodes(
+    membership: MembershipStore,
+) -> None:
+    spec = _spec(membership.keys.job)
+    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})  # lost while it started
+    membership.put_layout(layout.to_dict(), 0)
+    coordinator.round()
+    assert membership.get_decision("end") is None and read_layout(membership) == layout  # nothing lost: it waits
+    for node, zone in (("s9", "a"), ("w1", "b"), ("w2", "c"), ("w3", "a")):
+        if node != "s9":
+            FakeAgent(membership, node, zone)
+        membership.decide(f"warm-{node}", {"node": node, "at": 1.0})
+    coordinator.round()
+    redo = read_layout(membership)
+    assert redo is not None and redo.generation == 1 and sorted(redo.ranks) == ["s9", "w1", "w2", "w3"]
+    assert redo.reason == "a node lost before the first step" and membership.get_decision("end") is None
 
 
 def test_restart_layout_restores_every_stage_on_the_warm_nodes(tmp_path: Path) -> None:

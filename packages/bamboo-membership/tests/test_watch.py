@@ -176,7 +176,7 @@ def test_a_stuck_watch_creation_is_retried(proxy, kv: EtcdKV, job: str, monkeypa
     client = EtcdKV(EtcdOptions(endpoints=(proxy.endpoint,), timeout=0.3, watch_retry_interval=0.05,
                                 watch_start_timeout=60))
     client.revision()  # the connection to etcd is up...
-    monkeypatch.setattr(client, "_range", kv._range)
+    monkeypatch.setattr(client, "range_at", kv.range_at)
     seen = Recorder()
     watch = PrefixWatch(client, prefix, seen, None)
     proxy.stall()  # ...and then etcd stops answering on it

@@ -26,8 +26,7 @@ Every etcd write of an agent and of its worker is fenced by the agent's registra
 declared dead, nothing it writes reaches the job.
 
 Exit status: 0 the job ended; 1 the job cannot go on (its end record names the error), or the worker keeps
-failing; 2 bad input (a flag, or a conflict with the stored spec); 3 a preemption notice's deadline
-passed (the machine goes away).
+failing; 2 bad input (a flag, or a conflict with the stored spec); 3 a preemption notice's deadline passed.
 """
 
 from __future__ import annotations
@@ -263,8 +262,8 @@ class _Supervisor:
     """One incarnation of the agent: its registration, coordinator and worker."""
 
     def __init__(self, options: AgentOptions, spec: JobSpec, membership: Any, node: str, zone: str,
-                 say: Callable[[str], None]) -> None:
-        self.options = options
+                 say: Callable[[str], None], wake: threading.Event) -> None:
+        self.options, self.wake = options, wake  # wake: look again (the job's end, the worker's exit, SIGTERM)
         self.spec = spec
         self.membership = membership
         self.node = node
@@ -274,13 +273,16 @@ class _Supervisor:
     def start(self, announce: bool, wrote_spec: bool) -> None:
         from bamboo.launch.coordinator import Coordinator
         from bamboo.launch.events import EtcdEventLog, Join, RunStart
-        from bamboo.membership import DetectorConfig, NodeAgent
+        from bamboo.membership import DetectorConfig, NodeAgent, WatchedKey, preemption_hook
 
         options, spec = self.options, self.spec
+        # Only the elected coordinator's detector follows the membership (bamboo.membership.detector).
         self.agent = NodeAgent(self.membership, self.node, zone=self.zone, host=options.host, port=options.port,
                                ttl=spec.ttl, tls=_tls(options), detector_config=DetectorConfig(grace_period=spec.grace_s),
-                               notice_window=options.notice_window_s, **_agent_auth(options))
+                               notice_window=options.notice_window_s, follow_membership=False, **_agent_auth(options))
         self.agent.start()
+        end = self.membership.keys.decision("end")
+        self.end = WatchedKey(self.membership.kv, end, on_change=lambda _: self.wake.set())
         self.fenced = self.membership.fenced(self.agent.registration)
         self.say(f"node {self.node} ({self.zone or 'no zone'}) registered; agent at {self.agent.address}")
         self.events = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.agent.{os.getpid()}", spec.created_unix,
@@ -292,8 +294,6 @@ class _Supervisor:
         if announce:
             self.events.write(Join(t=self.events.now(), node=self.node, zone=self.zone or "default"))
         self.coordinator = Coordinator(self.fenced, self.agent, spec, self.events, say=self.say).start()
-        from bamboo.membership import preemption_hook
-
         hook = preemption_hook(options.preemption_notices, options.metadata_url)
         if hook is not None:  # the cloud's notice becomes this node's preemption notice, as SIGTERM does
             self.agent.watch_preemption_hook(hook)
@@ -325,10 +325,14 @@ class _Supervisor:
         # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.
         return subprocess.Popen(command, env={**os.environ, **variables}, stdin=subprocess.DEVNULL)
 
-    def ended(self) -> JobEnd | None:
+    def ended(self, *, fresh: bool = False) -> JobEnd | None:
+        """The job's end record, once written (followed by a watch: no request; ``fresh`` reads etcd now)."""
         try:
-            return read_record(JobEnd, self.membership.get_decision("end"))
-        except Exception:  # etcd restarting
+            if fresh:
+                return read_record(JobEnd, self.membership.get_decision("end"))
+            found = self.end.value
+            return None if found is None else JobEnd.from_dict(json.loads(found.value))
+        except Exception:  # etcd restarting, or a record this reader cannot read: the job's writer decides
             return None
 
     def worker_error(self) -> str | None:
@@ -352,6 +356,7 @@ class _Supervisor:
 
     def stop(self, *, leave: bool) -> None:
         self.coordinator.stop()
+        self.end.close()
         self.events.close()
         if leave:
             self.agent.stop(leave=True)
@@ -409,13 +414,13 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
         # spec waits out ETCD_OUTAGE_S of unavailability instead of exiting.
         spec, wrote = ensure_spec(MembershipStore(PatientKV(kv), options.job), options, say)  # type: ignore[arg-type]
         zone = options.zone or (zone_of_k8s_node(options.k8s_node) if options.k8s_node else "")
-        noticed = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: noticed.set())
+        noticed, wake = threading.Event(), threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: (noticed.set(), wake.set()))
         failures = 0
         incarnation = 1
         while True:
             node = options.node if incarnation == 1 else f"{options.node}.{incarnation}"
-            supervisor = _Supervisor(options, spec, membership, node, zone, say)
+            supervisor = _Supervisor(options, spec, membership, node, zone, say, wake)
             # every incarnation joins (its old identity's preemption record stops that one's billing): a report must
             # never meet the preemption of a node that never joined
             supervisor.start(announce=True, wrote_spec=wrote and incarnation == 1)
@@ -446,8 +451,10 @@ def _supervise(supervisor: _Supervisor, noticed: threading.Event, window_s: floa
     must come back as a fresh node."""
     say, node = supervisor.say, supervisor.node
     worker = supervisor.spawn()
+    threading.Thread(target=lambda: (worker.wait(), supervisor.wake.set()), daemon=True).start()
     deadline: float | None = None
     while True:
+        supervisor.wake.clear()
         end = supervisor.ended()
         if end is not None:
             try:
@@ -476,7 +483,7 @@ def _supervise(supervisor: _Supervisor, noticed: threading.Event, window_s: floa
             _kill(worker)
             return None, "this node was declared dead (its lease is gone)"
         code = worker.poll()
-        if code is not None and supervisor.ended() is None:
+        if code is not None and supervisor.ended(fresh=True) is None:
             if code == 0 and supervisor.handed_over():  # it left at a step boundary after its notice
                 say(f"node {node}: handed its stage over after the preemption notice; leaving")
                 supervisor.stop(leave=True)
@@ -486,10 +493,10 @@ def _supervise(supervisor: _Supervisor, noticed: threading.Event, window_s: floa
                               f"({' '.join(supervisor.spec.script)})")
             if code == 0:
                 time.sleep(timeouts.AGENT_POLL_S)  # it wrote the job's end just before it exited
-                if supervisor.ended() is not None:
+                if supervisor.ended(fresh=True) is not None:
                     continue
             return None, f"worker exited with status {code}"
-        time.sleep(timeouts.AGENT_POLL_S)
+        supervisor.wake.wait(timeouts.AGENT_POLL_S)  # no polling: the worker's exit and the job's end wake it
 
 
 def default_run_dir(job: str) -> str:

@@ -10,23 +10,25 @@ carries on where the old one stopped. Its duties:
 - **Publish confirmed failures at once.** Every agent's failure detector confirms failures (a refused
   probe after a neighbour's report, another incarnation, an expired lease) and writes one report per
   node to etcd; the coordinator reads them back. For each ranked node of the current layout whose
-  death is not yet in a published event, it first probes every other node of the layout in parallel
-  (so kills that landed together are confirmed together), then publishes one
+  death is not yet in a published event, it first probes the other nodes of the victims' pipelines in
+  parallel (so kills that landed together there, a consecutive failure among them, are confirmed
+  together: at most P probes per pipeline that lost a node, whatever the job's size), then publishes one
   :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
   ``g<generation>-epoch-<n>`` (:func:`bamboo.launch.notices.publish_failure_event`). A node confirmed
   later is a second failure, which the runtime survives. No batching window: the runtime acts within
   milliseconds of the confirmation.
 - **Preemption records.** Once per confirmed node (decision ``preempted-<node>``), a ``preemption``
   event for the report (billing stops).
-- **The first layout.** Once the job's spec asks for it (``min_nodes`` registered, P x D by default)
-  and no node has registered for :data:`~bamboo.launch.timeouts.FIRST_LAYOUT_SETTLE_S`, it places the
-  registered nodes with :func:`bamboo.reconfig.plan_layout` and writes generation 0 with
-  compare-and-swap (only when there is no layout yet).
+- **The first layout.** As soon as the job's spec asks for it (``min_nodes`` registered, P x D by
+  default), it places the registered nodes with :func:`bamboo.reconfig.plan_layout` and writes
+  generation 0 with compare-and-swap (only when there is no layout yet). Nodes that register later wait
+  on standby for a reconfiguration.
 - **A layout nobody holds any more.** The workers themselves move from one layout to the next at a
   barrier. When every node of the current layout (its owners and the holders it came from) is gone, no
-  worker is left to do it: the coordinator then writes the next generation itself, restarting every
-  stage from the newest good checkpoint on the warm standby nodes (as soon as they can form a pipeline),
-  or, without a checkpoint, ends the job with the error.
+  worker is left to do it: the coordinator then writes the next generation itself: when the layout
+  trained no step (its nodes were lost while it started), it redoes its start on the warm standby nodes
+  (nothing is lost); otherwise it restarts every stage from the newest good checkpoint on them (as soon
+  as they can form a pipeline), or, without a checkpoint, ends the job with the error.
 
 Every write goes through the agent's fenced store: a coordinator that was declared dead (its lease is
 gone) cannot write anything more.
@@ -46,6 +48,7 @@ from bamboo.launch.notices import publish_failure_event, published_events
 from bamboo.launch.records import Leader, Preempted
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
+from bamboo.membership.probing import connect_probe
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
@@ -179,6 +182,13 @@ class Coordinator:
     ``membership`` is the agent's fenced ``MembershipStore``; ``agent`` its ``NodeAgent`` (the lease the
     leader key is held by, and the failure detector); ``events`` its event log. ``clock`` is monotonic
     seconds (injected in tests).
+
+    It reads nothing per round that grows with the job: the leader key, the layout and the job's end are
+    followed by watches (:class:`bamboo.membership.WatchedKey`), and while elected its detector follows
+    the membership (the one agent of the job that does: every node record and failure report), which is
+    what it places, checks and publishes.
+    Rounds run when something changed (a failure confirmed, the membership, the layout, the leader key),
+    and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S` in case a change was missed.
     """
 
     def __init__(
@@ -206,13 +216,20 @@ class Coordinator:
         self._stop = threading.Event()
         self._preempted: set[str] = set()
         self._zones: dict[str, str] = {}
-        self._registered_count = -1
-        self._settle_from = 0.0
+        self._leader_key: Any = None  # a WatchedKey once started
+        self._vacated_at: int | None = None  # the revision at which the last holder's key went
+        self._layout_key: Any = None  # WatchedKeys of the layout and the job's end, while elected
+        self._end_key: Any = None
+        self._decoded: tuple[int, Any] = (0, None)  # the layout decoded at its mod revision
         self._thread = threading.Thread(target=self._loop, name=f"bamboo-coordinator-{self.node}", daemon=True)
 
     def start(self) -> Coordinator:
-        if self.agent.detector is not None:
-            self.agent.detector.subscribe(lambda _event: self.wake())
+        from bamboo.membership import WatchedKey
+
+        if self.agent.detector is not None:  # only the elected one acts on these
+            self.agent.detector.subscribe(lambda _event: self.leader and self.wake())
+            self.agent.detector.subscribe_membership(lambda: self.leader and self.wake())
+        self._leader_key = WatchedKey(self.membership.kv, self._key, on_change=self._on_leader_change)
         self._thread.start()
         return self
 
@@ -221,11 +238,19 @@ class Coordinator:
         self.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeouts.THREAD_JOIN_S)
+        if self._leader_key is not None:
+            self._leader_key.close()
+        self._step_down()
 
     def wake(self) -> None:
         with self._wake:
             self._woken = True
             self._wake.notify_all()
+
+    def _on_leader_change(self, found: Any) -> None:
+        if found is None and self._leader_key is not None:
+            self._vacated_at = self._leader_key.revision
+        self.wake()
 
     # ---- election -----------------------------------------------------------------------------------
 
@@ -235,7 +260,7 @@ class Coordinator:
         if registration is None or registration.lost.is_set():
             self.leader = False
             return False
-        found = self.membership.kv.get(self._key)
+        found = self._leader_key.value if self._leader_key is not None else self.membership.kv.get(self._key)
         if found is None:
             won, found = self.membership.kv.create(self._key, _encode(Leader(self.node, time.time())),
                                                    lease=registration.lease_id, guard=self.membership.guard)
@@ -248,16 +273,40 @@ class Coordinator:
             self.say(f"no longer the coordinator ({holder} is)")
         return self.leader
 
+    def _take_up(self) -> None:
+        """Elected: follow the membership (from when the last coordinator's key went, so that an expiry in
+        between is declared), the layout and the job's end."""
+        from bamboo.membership import WatchedKey
+
+        if self._layout_key is not None:
+            return
+        if self.agent.detector is not None:
+            self.agent.detector.follow_membership(since_revision=self._vacated_at)
+        self._layout_key = WatchedKey(self.membership.kv, self.membership.keys.layout, on_change=lambda _: self.wake())
+        self._end_key = WatchedKey(self.membership.kv, self.membership.keys.decision("end"),
+                                   on_change=lambda _: self.wake())
+
+    def _step_down(self) -> None:
+        for watched in (self._layout_key, self._end_key):
+            if watched is not None:
+                watched.close()
+        self._layout_key = self._end_key = None
+        if self.agent.detector is not None:
+            self.agent.detector.unfollow_membership()
+
     # ---- the loop -----------------------------------------------------------------------------------
 
     def round(self) -> bool:
         """One pass of the duties: campaign, and while elected, the first layout, failures, orphaned layouts.
 
-        Returns whether this agent is the coordinator. The background thread calls it whenever a failure is
-        confirmed, and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S`; tests call it directly.
+        Returns whether this agent is the coordinator. The background thread calls it whenever something
+        changed, and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S`; tests call it directly.
         """
         if not self._campaign():
+            if self._layout_key is not None:
+                self._step_down()
             return False
+        self._take_up()
         self._first_layout()
         self._publish_failures()
         self._orphaned_layout()
@@ -276,18 +325,26 @@ class Coordinator:
                     self._wake.wait(timeouts.LEADER_POLL_S)
                 self._woken = False
 
+    def _registered(self) -> dict[str, Any]:
+        """The registered nodes' records: those the detector follows (elected, it follows them all)."""
+        return dict(self.agent.detector.known_nodes()) if self.agent.detector is not None else {}
+
+    def _layout(self) -> Any:
+        """The current ``JobLayout`` (None before the first), from the watched key, decoded once per change."""
+        from bamboo.reconfig import JobLayout
+
+        found = self._layout_key.value if self._layout_key is not None else None
+        if found is None:
+            return None
+        if self._decoded[0] != found.mod_revision:
+            self._decoded = (found.mod_revision, JobLayout.from_json(found.value))
+        return self._decoded[1]
+
     def _first_layout(self) -> None:
-        if self.membership.get_layout() is not None:
+        if self._layout() is not None:
             return
-        nodes = self.membership.list_nodes(skip_malformed=True)
-        zones = {node: record.zone for node, record in nodes.items()}
+        zones = {node: record.zone for node, record in self._registered().items()}
         if len(zones) < self.spec.first_layout_nodes:
-            self._registered_count = -1
-            return
-        if len(zones) != self._registered_count:
-            self._registered_count, self._settle_from = len(zones), self.clock()
-            return
-        if self.clock() - self._settle_from < timeouts.FIRST_LAYOUT_SETTLE_S:
             return
         try:
             layout = first_layout(self.spec, zones)
@@ -306,12 +363,21 @@ class Coordinator:
         """Restart from the newest checkpoint when every holder of the current layout is gone."""
         from bamboo.launch.reconfigure import nearest_restore, warm_standby
 
-        layout = read_layout(self.membership)
-        if layout is None or self.membership.get_decision("end") is not None:
+        layout = self._layout()
+        if layout is None or (self._end_key is not None and self._end_key.value is not None):
             return
-        registered = self.membership.list_nodes(skip_malformed=True)
+        registered = self._registered()
         if any(node in registered for node in (*layout.ranks, *layout.survivors)):
             return
+        if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
+            zones = {**layout.zones, **{n: r.zone for n, r in registered.items()}}
+            redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
+            current = self._layout_key.value if self._layout_key is not None else None
+            if redo is not None and current is not None and self.membership.put_layout(
+                    redo.to_dict(), current.mod_revision) is not None:
+                self.say(f"every node of generation {layout.generation} is gone before its first step: its start "
+                         f"is redone on {', '.join(redo.ranks)}")
+            return  # (or not enough warm nodes for one pipeline yet: wait for more)
         stages = list(range(self.spec.stages))
         bounds = [tuple(bound) for bound in layout.stage_bounds]
         point = nearest_restore(self.membership.kv, self.spec, stages, bounds, registered, layout.history)
@@ -321,10 +387,20 @@ class Coordinator:
                                  reached=self._steps_reached(layout), memory=point.memory, initial=point.initial)
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
-        current = self.membership.get_layout()
-        if current is not None and self.membership.put_layout(restart.to_dict(), current.revision) is not None:
+        current = self._layout_key.value if self._layout_key is not None else None
+        if current is not None and self.membership.put_layout(restart.to_dict(), current.mod_revision) is not None:
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
+
+    def _trained_none(self, layout: Any) -> bool:
+        """Whether ``layout`` trained no step (its event log has no step record of it); False when unknown."""
+        from bamboo.launch.events import EventLogError, read_etcd_events
+
+        try:
+            events = read_etcd_events(self.membership.kv, self.spec.job)
+        except (EventLogError, StoreError):
+            return False
+        return steps_reached(events, layout, self.spec.created_unix) <= layout.start_step
 
     def _steps_reached(self, lost: Any) -> int:
         """:func:`steps_reached` from the job's event log in etcd (``lost.start_step`` if it cannot be read:
@@ -351,13 +427,14 @@ class Coordinator:
         return reports
 
     def _publish_failures(self) -> None:
+        """Publish the failure events of the layout first (the runtime waits for them), then the preemption
+        records of every confirmed node."""
         reports = self._failure_reports()
-        layout = read_layout(self.membership)
+        layout = self._layout()
         if layout is not None:
             self._zones.update(layout.zones)
-        known = dict(self.agent.detector.known_nodes()) if self.agent.detector else {}
-        known.update(self.membership.list_nodes(skip_malformed=True))
-        for node, record in known.items():  # remembered while they are alive: a dead node's record is gone
+            reports = self._publish_events(layout, reports)
+        for node, record in self._registered().items():  # remembered while they are alive: a dead node's record is gone
             if record.zone:
                 self._zones.setdefault(node, record.zone)
         for node, report in sorted(reports.items()):
@@ -369,18 +446,20 @@ class Coordinator:
                 self.events.write(Preemption(t=self.events.now(), node=node, zone=zone, notice_s=0.0))
                 self.say(f"confirmed failure of {node}: {report.reason}")
             self._preempted.add(node)
-        if layout is None:
-            return
+
+    def _publish_events(self, layout: Any, reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
+        """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known."""
         ranks = layout.ranks
         while True:
             published = published_events(self.membership, layout.generation)
             covered = {rank for event in published.values() for rank in event.victims}
             pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
             if not pending:
-                return
-            if self.agent.detector is not None:  # kills that landed together: confirm them all before publishing
-                self.agent.detector.probe_all([node for node in ranks if node not in reports and node != self.node],
-                                              "swept after a confirmed failure in the layout")
+                return reports
+            swept = _sweep(layout, pending, reports, self.node)
+            if self.agent.detector is not None and swept:  # kills that landed together: confirm them first
+                self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
+                                              prober=connect_probe)  # a connect: it only looks for the dead
                 reports = self._failure_reports()
                 pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
             epoch = max(published, default=0) + 1
@@ -390,6 +469,16 @@ class Coordinator:
                 victims = [layout.node_of_rank[rank] for rank in event.victims]
                 self.say(f"published the failure of {', '.join(victims)}: ranks {list(event.victims)} "
                          f"(generation {layout.generation}, runtime epoch {epoch})")
+
+
+def _sweep(layout: Any, pending: list[int], reports: dict[str, Any], own: str) -> list[str]:
+    """Whom to probe before publishing the failure of the ranks ``pending``: the other nodes of their
+    pipelines (a kill there is a consecutive failure, which must be known in the same event), not every
+    node of the layout, so that a sweep costs at most P probes per pipeline that lost a node."""
+    stages = layout.stages
+    pipelines = {rank // stages for rank in pending}
+    return sorted(node for node, rank in layout.ranks.items()
+                  if rank // stages in pipelines and node not in reports and node != own)
 
 
 def _encode(record: Any) -> bytes:

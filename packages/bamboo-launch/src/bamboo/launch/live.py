@@ -7,7 +7,9 @@ Three parts, so that the logic is tested without a terminal or a clock:
 - :class:`LiveState` folds records into what the view shows: step, loss, samples/s over the last
   steps, nodes active, on standby and joining, counts of preemptions, failovers,
   reconfigurations, checkpoints and restores, and the last events;
-- :func:`render_live` turns a state into a rich renderable; ``bamboo-launch watch`` refreshes it.
+- :func:`render_live` turns a state into a rich renderable; ``bamboo-launch watch`` refreshes it;
+- :class:`LiveView` keeps one on a console and draws it again only when a record arrived (what it shows
+  depends on the records alone), so that watching a run costs almost nothing between steps.
 
 *Joining* nodes are nodes that have joined (and not been preempted) but are neither at work in
 the last step nor on standby after the last reconfiguration: they wait for the next one.
@@ -40,7 +42,7 @@ from bamboo.launch.events import (
     event_from_dict,
 )
 
-__all__ = ["DEFAULT_WINDOW", "EventFollower", "LiveState", "ProgressLines", "describe_event", "render_live"]
+__all__ = ["DEFAULT_WINDOW", "EventFollower", "LiveState", "LiveView", "ProgressLines", "describe_event", "render_live"]
 
 DEFAULT_WINDOW = 10
 """How many recent steps the live view's samples/s figure averages over (``watch --window``)."""
@@ -314,3 +316,31 @@ def render_live(state: LiveState) -> Any:
     recent = "\n".join(state.recent) if state.recent else "(no events yet)"
     title = "bamboo" + (f" {state.job}" if state.job else "") + (" (finished)" if state.finished else "")
     return Panel(Group(header, "", recent), title=title, expand=False)
+
+
+class LiveView:
+    """The live view of the records ``poll`` returns (an :class:`EventFollower`'s), on ``console``: a context
+    manager; each :meth:`update` folds the new records in and redraws, only when there were some."""
+
+    def __init__(self, poll: Any, console: Any) -> None:
+        from rich.live import Live
+
+        self.state = LiveState()
+        self._poll = poll
+        self._live = Live(render_live(self.state), console=console, auto_refresh=False)
+
+    def __enter__(self) -> LiveView:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live.__exit__(*exc)
+
+    def update(self) -> bool:
+        """Fold in the records since the last call; True (and redrawn) when there were any."""
+        events = self._poll()
+        if not events:
+            return False
+        self.state.apply_all(events)
+        self._live.update(render_live(self.state), refresh=True)
+        return True

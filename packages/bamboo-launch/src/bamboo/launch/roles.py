@@ -1,14 +1,14 @@
 """How a worker without a role finds one: a layout in etcd that places it, or a layout being prepared that does.
 
-A warm worker (a joiner, or a node left out of the last layout) polls the job's layout and the layout being
-prepared during it (:mod:`bamboo.launch.prepare`). A layout that places it is a role: it starts it at once.
+A warm worker (a joiner, or a node left out of the last layout) follows the job's layout by a watch
+(:class:`bamboo.launch.role_watch.RoleWatch`) and looks for a layout being prepared during it
+(:mod:`bamboo.launch.prepare`) each time the layout changes, and every ``WORKER_POLL_S``. A layout that places it is a role: it starts it at once.
 A prepared layout that places it is a role too, before its switch: the worker builds its part while the
 others train, so that the switch does not wait for it.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import attrs
@@ -29,14 +29,13 @@ class Role:
 
 def wait_role(run: WorkerSession, after: int) -> Role | None:
     """The first role in a generation after ``after`` (see the module docstring); None once the job has ended."""
-    from bamboo.launch.coordinator import read_layout
-
     cursor: dict[int, int] = {}  # generation -> prepared attempts before this index are known abandoned
     while True:
+        seen = run.roles.changes()
         if run.ended() is not None:
             return None
         try:
-            layout = read_layout(run.membership)
+            layout = run.layout()
             if layout is not None and layout.generation > after and run.node in layout.ranks:
                 return Role(layout=layout)
             if layout is not None and layout.generation >= after:
@@ -46,4 +45,4 @@ def wait_role(run: WorkerSession, after: int) -> Role | None:
                     return Role(prepared=scan.open)
         except Exception:  # etcd restarting (or a record being replaced): look again
             pass
-        time.sleep(timeouts.WORKER_POLL_S)
+        run.roles.wait_change(seen, timeouts.WORKER_POLL_S)

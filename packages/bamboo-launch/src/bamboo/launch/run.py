@@ -528,21 +528,16 @@ def _wait_end(cluster: Any, membership: Any, deadline: float, events: Path, live
         if state.step is not None and state.step != lines.last:
             say(state.progress_line())  # the last step too
         return False
-    from bamboo.launch.live import EventFollower, LiveState, render_live
+    from bamboo.launch.live import EventFollower, LiveView
     from rich.console import Console
-    from rich.live import Live
 
-    follower = EventFollower(events)
-    state = LiveState()
-    with Live(render_live(state), refresh_per_second=4, console=Console(stderr=True)) as view:
+    with LiveView(EventFollower(events).poll, Console(stderr=True)) as view:  # redrawn when a record arrives
         while running():
             if time.monotonic() > deadline:
                 return True
-            state.apply_all(follower.poll())
-            view.update(render_live(state))
+            view.update()
             time.sleep(timeouts.LIVE_REFRESH_S)
-        state.apply_all(follower.poll())
-        view.update(render_live(state))
+        view.update()
     return False
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.launch import timeouts
-from bamboo.launch.records import JobEnd, RecordError, read_record
+from bamboo.launch.records import JobEnd, RecordError
+from bamboo.launch.role_watch import RoleWatch
 from bamboo.launch.spec import WORKER_ERROR, JobSpec, Program, WorkerContext
 
 __all__ = ["JobCannotContinue", "NotEnoughNodes", "WorkerSession", "agent_auth", "decision_prefix", "fenced",
@@ -71,6 +72,8 @@ class WorkerSession:
         if found is not None:
             self._on_notice_value(found.value)
         self._end_watch = self.kv.watch_prefix(self.membership.keys.decision("end"), self._on_end)
+        self.roles = RoleWatch(self.membership, self.node)
+        """The job's layout and end, followed by watches (no etcd read per look)."""
 
     def _on_end(self, event: Any) -> None:
         """A job that ended with an error needs nothing more of this worker: it exits at once, wherever it is
@@ -102,15 +105,10 @@ class WorkerSession:
             self.notice_deadline = float(notice.deadline)
 
     def ended(self) -> JobEnd | None:
-        try:
-            return read_record(JobEnd, self.membership.get_decision("end"))
-        except Exception:  # etcd restarting
-            return None
+        return self.roles.ended()
 
     def layout(self) -> Any:
-        from bamboo.launch.coordinator import read_layout
-
-        return read_layout(self.membership)
+        return self.roles.layout()
 
     def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -139,6 +137,7 @@ class WorkerSession:
     def close(self) -> None:
         self._notice_watch.cancel()
         self._end_watch.cancel()
+        self.roles.close()
         if self.copies is not None:
             self.copies.close()
         self.log.close()

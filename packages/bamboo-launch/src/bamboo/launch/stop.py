@@ -36,7 +36,7 @@ from bamboo.launch.prepare import (
 from bamboo.launch.records import PreparedLayout, StopDecision, read_record
 from bamboo.launch.session import NotEnoughNodes, WorkerSession
 
-__all__ = ["Boundary", "cluster_view"]
+__all__ = ["Boundary", "cluster_view", "reconfiguration_reason"]
 
 
 class Boundary:
@@ -117,7 +117,7 @@ class Boundary:
                 run.membership.decide(name, StopDecision(step + 2, scan.open.layout.reason, attempt=scan.open.attempt,
                                                          at=time.time()).to_dict())
             return scan
-        reason = _reconfiguration_reason(run, self.layout, executor)
+        reason = reconfiguration_reason(run, self.layout, executor)
         if reason is None:
             return scan
         if os.environ.get(BREAK_BEFORE_MAKE_ENV) == "1":  # the baseline of the benchmarks: decide at the barrier
@@ -146,7 +146,7 @@ class Boundary:
             self._said = line
 
 
-def _reconfiguration_reason(run: WorkerSession, layout: Any, executor: Any) -> str | None:
+def reconfiguration_reason(run: WorkerSession, layout: Any, executor: Any) -> str | None:
     """Why :func:`bamboo.reconfig.decide` wants a reconfiguration now (None: carry on)."""
     from bamboo.reconfig import When, decide
 

@@ -19,7 +19,6 @@ __all__ = [
     "DECISION_POLL_S",
     "ETCD_OUTAGE_S",
     "ETCD_RETRY_S",
-    "FIRST_LAYOUT_SETTLE_S",
     "K8S_API_TIMEOUT_S",
     "K8S_GRACE_PERIOD_S",
     "LEADER_POLL_S",
@@ -55,16 +54,17 @@ ETCD_RETRY_S = 0.1
 NOTICE_DIRECT_READ_S = 0.05
 """While a worker's watch of failure events is down (etcd restarting), how often a poll reads etcd directly."""
 
-FIRST_LAYOUT_SETTLE_S = 1.0
-"""Once enough nodes registered for the first layout, how long the coordinator waits for no new
-registration before it writes the layout (so nodes that start together are all placed)."""
+LEADER_POLL_S = 5.0
+"""How often an agent's coordinator runs a round when nothing woke it. The coordinator's key, the layout, the
+job's end, the membership and the failure reports are all watched, and a change wakes it at once (a confirmed
+dead coordinator's lease is revoked, its key goes, and another agent takes over within milliseconds): this
+only bounds the effect of a missed wake-up, at no cost (the watched values are read without a request)."""
 
-LEADER_POLL_S = 0.2
-"""How often an agent that is not the job's coordinator checks whether the coordinator's key is gone
-(a confirmed dead coordinator's lease is revoked at once, so it is taken over within this)."""
-
-AGENT_POLL_S = 0.1
-"""How often an agent checks its worker, its lease and the job's end."""
+AGENT_POLL_S = 1.0
+"""The longest an agent sleeps between two looks at its lease and its preemption deadline. Its worker's exit,
+the job's end and SIGTERM wake it at once (they are waited on, not polled), so an idle agent wakes once a
+second; a lease lost under it (the node was declared dead and is fenced) is acted on within this. Also how
+often a worker checks that its agent (its parent) is still there."""
 
 SPEC_WAIT_S = 600.0
 """How long an agent waits for another agent to write the job's spec (``--spec-timeout``)."""

@@ -3,7 +3,9 @@
 - `EtcdKV` / `KeyValueStore`: our small interface to etcd (the client library can be swapped);
   `EtcdOptions` carries endpoints, user/password auth, TLS files and timeouts. Writes can carry a
   `Guard` (the writer's registration), checked in the same transaction (`FencedError` when it fails);
-  watches resume after etcd restarts and relist after compaction, so no change is lost.
+  watches resume after etcd restarts and relist after compaction, so no change is lost; every watch of
+  a client shares one etcd stream, every lease refresh one keepalive stream. `WatchedKey`: one key read
+  once, then followed by a watch (no request per read).
 - `EmbeddedEtcd`: a real etcd on free loopback ports with its own data dir, stopped by PID,
   restartable on the same data dir (tests and the launcher use it).
 - `MembershipStore`: node records under leases kept alive in the background (`Registration`),
@@ -42,6 +44,7 @@ from bamboo.membership.embedded import EmbeddedEtcd, EtcdStartError
 from bamboo.membership.kv import (
     EtcdKV,
     EtcdOptions,
+    EtcdStatus,
     EventKind,
     FencedError,
     Guard,
@@ -60,6 +63,7 @@ from bamboo.membership.records import (
     PreemptionNotice,
 )
 from bamboo.membership.store import Decision, JobKeys, Layout, MembershipStore, Registration
+from bamboo.membership.watched import WatchedKey
 
 if TYPE_CHECKING:
     from bamboo.membership.c10d_store import EtcdStore, c10d_prefix
@@ -74,6 +78,7 @@ __all__ = [
     "EtcdKV",
     "EtcdOptions",
     "EtcdStartError",
+    "EtcdStatus",
     "EtcdStore",
     "EventKind",
     "FailureDetector",
@@ -102,6 +107,7 @@ __all__ = [
     "SweepResult",
     "TlsFiles",
     "WatchEvent",
+    "WatchedKey",
     "c10d_prefix",
     "load_token",
     "preemption_hook",

@@ -1,7 +1,7 @@
-"""`python -m bamboo.membership`: run one node's agent (see `bamboo.membership.agent.main`, `--help`)."""
+"""`python -m bamboo.membership`: run one node's agent (see `bamboo.membership.cli`, `--help`)."""
 
 import sys
 
-from bamboo.membership.agent import main
+from bamboo.membership.cli import main
 
 sys.exit(main())

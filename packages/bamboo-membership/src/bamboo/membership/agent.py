@@ -21,7 +21,8 @@ One `NodeAgent` runs on each node. It
 A probe that the target refuses for credentials (UNAUTHENTICATED, or a failed TLS handshake on a port that
 accepts connections) reads as DENIED: something alive is there, so it is never taken for a dead node.
 
-Run one as a process with `python -m bamboo.membership --help`.
+Run one as a process with `python -m bamboo.membership --help` (`bamboo.membership.cli`); who may call
+it is `bamboo.membership.auth`.
 
 Timeouts (seconds, defaults in `bamboo.membership.timeouts`): `ttl` (`LEASE_TTL_S`); `notice_window`
 (`NOTICE_WINDOW_S`); the hook's `interval` (`PREEMPTION_POLL_INTERVAL_S`); `stream_poll` (`STREAM_POLL_S`);
@@ -31,30 +32,30 @@ timings are in `DetectorConfig`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import hmac
-import ipaddress
-import json
 import logging
-import os
 import queue
 import signal
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
-import attrs
 import grpc
 from bamboo.membership import timeouts
-from bamboo.membership.cloud import PREEMPTION_NOTICE_KINDS, MetadataError, preemption_hook
-from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
-from bamboo.membership.kv import EtcdKV, EtcdOptions, EventKind, Guard, StoreError, WatchEvent, WatchHandle
+from bamboo.membership.auth import (
+    TOKEN_METADATA_KEY,
+    TlsFiles,
+    TokenCheck,
+    is_loopback,
+    load_token,
+    token_metadata,
+)
+from bamboo.membership.cloud import MetadataError
+from bamboo.membership.detector import DetectorConfig, FailureDetector
+from bamboo.membership.kv import EventKind, Guard, StoreError, WatchEvent, WatchHandle
+from bamboo.membership.probing import GrpcProber
 from bamboo.membership.records import (
     FailureReport,
     MalformedValueError,
@@ -68,113 +69,9 @@ from bamboo.membership.store import JobKeys, MembershipStore, Registration
 from bamboo.membership.v1 import membership_pb2 as pb
 from bamboo.membership.v1 import membership_pb2_grpc as pb_grpc
 
-__all__ = ["TOKEN_METADATA_KEY", "AgentClient", "GrpcProber", "NodeAgent", "TlsFiles", "load_token", "main"]
+__all__ = ["TOKEN_METADATA_KEY", "AgentClient", "GrpcProber", "NodeAgent", "TlsFiles", "load_token"]
 
 log = logging.getLogger(__name__)
-
-TOKEN_METADATA_KEY = "authorization"
-"""The call-metadata key that carries the job token, as `Bearer <token>`."""
-
-TOKEN_FILE_ENV = "BAMBOO_AGENT_TOKEN_FILE"
-"""Environment variable naming the job token file when `--token-file` is not given."""
-
-
-def _check_file(name: str, path: str) -> None:
-    if not Path(path).is_file():
-        raise ValueError(f"TlsFiles.{name}: no such file {path!r}")
-
-
-@attrs.frozen
-class TlsFiles:
-    """PEM files for the agent's TLS (e.g. mounted from a Kubernetes Secret).
-
-    The server presents `cert`/`key`. With `ca`, TLS is mutual: the server requires a client certificate
-    signed by `ca`, and clients (probes, `AgentClient`) verify the server against `ca` and present
-    `cert`/`key` themselves. Without `ca`, clients verify against `cert` and present nothing.
-    `server_name` overrides the name clients check in the server's certificate (one certificate can then
-    serve agents at any address, e.g. pod IPs).
-    """
-
-    cert: str = attrs.field(validator=lambda _, a, v: _check_file(a.name, v))
-    key: str = attrs.field(validator=lambda _, a, v: _check_file(a.name, v))
-    ca: str | None = attrs.field(default=None, validator=lambda _, a, v: v is None or _check_file(a.name, v))
-    server_name: str | None = None
-
-    @property
-    def mutual(self) -> bool:
-        """Whether clients must present a certificate (a CA is given)."""
-        return self.ca is not None
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        pair = [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())]
-        if self.ca is None:
-            return grpc.ssl_server_credentials(pair)
-        return grpc.ssl_server_credentials(pair, root_certificates=Path(self.ca).read_bytes(),
-                                           require_client_auth=True)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        if self.ca is None:
-            return grpc.ssl_channel_credentials(root_certificates=Path(self.cert).read_bytes())
-        return grpc.ssl_channel_credentials(root_certificates=Path(self.ca).read_bytes(),
-                                            private_key=Path(self.key).read_bytes(),
-                                            certificate_chain=Path(self.cert).read_bytes())
-
-    def channel_options(self) -> list[tuple[str, str]]:
-        return [] if self.server_name is None else [("grpc.ssl_target_name_override", self.server_name)]
-
-
-def load_token(path: str | os.PathLike[str]) -> str:
-    """The job token in `path` (surrounding whitespace stripped); ValueError naming the file if unusable."""
-    try:
-        token = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read the job token file {str(path)!r}: {exc}") from exc
-    if not token:
-        raise ValueError(f"the job token file {str(path)!r} is empty")
-    if any(c.isspace() for c in token) or not token.isprintable():
-        raise ValueError(f"the job token in {str(path)!r} must be one printable word without spaces")
-    return token
-
-
-def _token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return None if token is None else ((TOKEN_METADATA_KEY, f"Bearer {token}"),)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback address (or `localhost`); names other than `localhost` count as not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-class _TokenCheck(grpc.ServerInterceptor):
-    """Answers UNAUTHENTICATED to every call whose metadata lacks `authorization: Bearer <job token>`."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this agent requires the job token "
-                          f"('{TOKEN_METADATA_KEY}: Bearer <token>' in the call metadata)")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
-        given = ""
-        for key, value in details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value if isinstance(value, str) else value.decode(errors="replace")
-        if hmac.compare_digest(given.encode(), self._expected):
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
-        return self._deny_stream if handler.response_streaming else self._deny_unary
-
 
 def _report_of(event: NodeFailed) -> FailureReport:
     return FailureReport(
@@ -188,75 +85,12 @@ def _report_of(event: NodeFailed) -> FailureReport:
     )
 
 
-def _tcp_refused(host: str, port: int, timeout: float) -> bool | None:
-    """True: the connection is refused (nothing listens); False: something accepted it; None: no answer."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return None
-
-
-_DENIED_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
-
-
-class GrpcProber:
-    """Probes an agent over gRPC on a fresh channel each time, so an earlier failure cannot mask a recovery.
-
-    Outcomes: an answer is ALIVE; UNAUTHENTICATED (or PERMISSION_DENIED) is DENIED (alive, but it refused
-    our credentials); UNAVAILABLE is checked with a plain TCP connect: refused is REFUSED (the process is
-    gone), accepted is DENIED (e.g. a failed TLS handshake), no answer is TIMEOUT; anything else (a missed
-    deadline) is TIMEOUT. `credentials` enables TLS, `token` sends the job token, `channel_options` are
-    passed to the channel (e.g. `TlsFiles.channel_options()`).
-    """
-
-    def __init__(
-        self,
-        from_node: str = "",
-        credentials: grpc.ChannelCredentials | None = None,
-        *,
-        token: str | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self.from_node = from_node
-        self.credentials = credentials
-        self.metadata = _token_metadata(token)
-        self.channel_options = list(channel_options)
-
-    def __call__(self, record: NodeRecord, timeout: float) -> ProbeResult:
-        target = f"{record.address}:{record.agent_port}"
-        channel = (
-            grpc.secure_channel(target, self.credentials, options=self.channel_options)
-            if self.credentials is not None
-            else grpc.insecure_channel(target, options=self.channel_options)
-        )
-        try:
-            reply = pb_grpc.AgentStub(channel).Probe(pb.ProbeRequest(from_node=self.from_node), timeout=timeout,
-                                                     metadata=self.metadata)
-            return ProbeResult(ProbeOutcome.ALIVE, incarnation=reply.incarnation, progress=reply.progress)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            detail = f"{code}: {exc.details() if hasattr(exc, 'details') else exc}"
-            if code in _DENIED_CODES:
-                return ProbeResult(ProbeOutcome.DENIED, detail=detail)
-            if code == grpc.StatusCode.UNAVAILABLE:
-                refused = _tcp_refused(record.address, record.agent_port, timeout)
-                if refused:
-                    return ProbeResult(ProbeOutcome.REFUSED, detail=detail)
-                if refused is False:
-                    return ProbeResult(ProbeOutcome.DENIED, detail=f"{detail} (but the port accepts connections)")
-            return ProbeResult(ProbeOutcome.TIMEOUT, detail=detail)
-        finally:
-            channel.close()
-
-
 class _Servicer(pb_grpc.AgentServicer):
     def __init__(self, agent: NodeAgent) -> None:
         self.agent = agent
 
     def Probe(self, request: pb.ProbeRequest, context: grpc.ServicerContext) -> pb.ProbeResponse:
+        self.agent.probes_answered += 1
         record = self.agent.record
         registration = self.agent.registration
         return pb.ProbeResponse(
@@ -319,7 +153,7 @@ class AgentClient:
         self.address = address
         self.timeout = timeout
         self.name = name
-        self._metadata = _token_metadata(token)
+        self._metadata = token_metadata(token)
         options = list(channel_options)
         self._channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
                          else grpc.insecure_channel(address, options=options))
@@ -375,6 +209,9 @@ class NodeAgent:
     and `tls` (with a `ca`: mutual TLS) authenticate callers; binding a
     non-loopback `host` with neither raises ValueError unless `insecure=True`. `membership` is the store
     fenced by this node's registration (after `start()`): every write the agent makes goes through it.
+    `follow_membership=False` makes its detector read a node's record only when it probes it, instead of
+    watching every node record and failure report of the job (`bamboo.membership.detector`: at scale, one
+    agent follows).
     """
 
     def __init__(
@@ -397,6 +234,7 @@ class NodeAgent:
         notice_window: float = timeouts.NOTICE_WINDOW_S,
         stream_poll: float = timeouts.STREAM_POLL_S,
         max_workers: int = 8,
+        follow_membership: bool = True,
     ) -> None:
         if token is not None and (not token or any(c.isspace() for c in token)):
             raise ValueError("NodeAgent: the job token must be a non-empty word without spaces")
@@ -423,11 +261,14 @@ class NodeAgent:
         self.notice_window = notice_window
         self.stream_poll = stream_poll
         self._max_workers = max_workers
+        self.probes_answered = 0
+        """Probes this agent's service has answered, for the benchmarks."""
         self._server: grpc.Server | None = None
         self.registration: Registration | None = None
         self.detector: FailureDetector | None = None
         if run_detector:
-            self.detector = FailureDetector(store, node_id, self.prober(), detector_config)
+            self.detector = FailureDetector(store, node_id, self.prober(), detector_config,
+                                            follow_membership=follow_membership)
         self._subscribers: list[queue.Queue[pb.ClusterEvent | None]] = []
         self._notice_watch: WatchHandle | None = None
         self._stopping = threading.Event()
@@ -466,9 +307,12 @@ class NodeAgent:
         """How many Subscribe streams are open (workers listening for cluster events)."""
         return len(self._subscribers)
 
-    def start(self) -> NodeAgent:
-        """Bind the gRPC server, register the node, start the detector and the notice watch."""
-        interceptors = [_TokenCheck(self.token)] if self.token is not None else []
+    def bind(self) -> NodeAgent:
+        """Bind and start the gRPC server (its port is then `port`), without registering yet; `start` does it
+        when it was not done."""
+        if self._server is not None:
+            return self
+        interceptors = [TokenCheck(self.token)] if self.token is not None else []
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                         thread_name_prefix=f"bamboo-agent-{self.node_id}"),
                              interceptors=interceptors)
@@ -481,6 +325,11 @@ class NodeAgent:
         self.port = bound
         server.start()
         self._server = server
+        return self
+
+    def start(self) -> NodeAgent:
+        """Bind the gRPC server (unless `bind` did), register the node, start the detector and the notice watch."""
+        self.bind()
         record = NodeRecord(id=self.node_id, zone=self.zone, address=self.host, agent_port=self.port,
                             incarnation=self.incarnation, state=NodeState.NODE_STATE_JOINING)
         try:
@@ -596,8 +445,12 @@ class NodeAgent:
         self._broadcast(pb.ClusterEvent(preemption=notice))
 
     def stop(self, *, leave: bool = True, grace: float = timeouts.SERVER_STOP_GRACE_S) -> None:
-        """Stop serving. `leave=True` marks the record LEFT and revokes the lease (not a failure)."""
+        """Stop serving. `leave=True` marks the record LEFT and revokes the lease (not a failure), then closes
+        the port; `leave=False` vanishes as a crash would: the port closes first (probes are refused from then
+        on), and the lease is left to expire."""
         self._stopping.set()
+        if not leave and self._server is not None:
+            self._server.stop(0)
         if self._notice_watch is not None:
             self._notice_watch.cancel()
         if self.detector is not None:
@@ -611,126 +464,3 @@ class NodeAgent:
             subscriber.put(None)
         if self._server is not None:
             self._server.stop(grace).wait()
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bamboo.membership",
-        description="Run one node's Bamboo agent: gRPC Agent service, lease-held node record in etcd, "
-        "failure detector, preemption notices. Prints one JSON line {\"node\", \"address\", \"port\"} when ready. "
-        "Beyond loopback (--host) callers must authenticate: give --token-file, or mutual TLS (--tls-cert, "
-        "--tls-key and --tls-ca), or --insecure.",
-        epilog="Exit status: 0 after SIGINT (left on purpose) or at a preemption deadline; 2 on bad input or "
-        "when etcd cannot be reached at start; 3 when the node's lease expired or was revoked under it (it was "
-        "declared failed; start again with a higher --incarnation).",
-    )
-    parser.add_argument("--etcd", required=True, action="append",
-                        help="etcd client endpoint host:port (repeat for several)")
-    parser.add_argument("--job", required=True, help="job name: keys live under /bamboo/<job>/")
-    parser.add_argument("--node", required=True, help="this node's id (no '/')")
-    parser.add_argument("--zone", default="", help="availability zone of this node (default: none)")
-    parser.add_argument("--incarnation", type=int, default=1,
-                        help="incarnation of this node id; bump it when a new process takes the id (default 1)")
-    parser.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to (default loopback)")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port (default 0: a free port)")
-    parser.add_argument("--ttl", type=int, default=timeouts.LEASE_TTL_S,
-                        help=f"lease TTL in seconds (default {timeouts.LEASE_TTL_S})")
-    parser.add_argument("--grace", type=float, default=timeouts.GRACE_PERIOD_S,
-                        help="seconds a suspect must stay unresponsive before it is declared failed "
-                        f"(default {timeouts.GRACE_PERIOD_S:g})")
-    parser.add_argument("--probe-timeout", type=float, default=timeouts.PROBE_TIMEOUT_S,
-                        help=f"deadline of one probe, s (default {timeouts.PROBE_TIMEOUT_S:g})")
-    parser.add_argument("--probe-interval", type=float, default=timeouts.PROBE_INTERVAL_S,
-                        help=f"pause between two probes of a suspect, s (default {timeouts.PROBE_INTERVAL_S:g})")
-    parser.add_argument("--notice-window", type=float, default=timeouts.NOTICE_WINDOW_S,
-                        help="seconds from SIGTERM to the preemption deadline; the agent exits then "
-                        f"(default {timeouts.NOTICE_WINDOW_S:g})")
-    parser.add_argument("--preemption-notices", choices=PREEMPTION_NOTICE_KINDS, default="none",
-                        help="poll a cloud's metadata server for preemption notices: aws (IMDSv2 "
-                        "spot/instance-action) or gce (instance/preempted, hanging GET) (default none)")
-    parser.add_argument("--metadata-url", default=None,
-                        help="base URL of the metadata server (default the cloud's own: http://169.254.169.254 "
-                        "for aws, http://metadata.google.internal for gce)")
-    parser.add_argument("--preemption-poll-interval", type=float, default=timeouts.PREEMPTION_POLL_INTERVAL_S,
-                        help="seconds between two metadata polls "
-                        f"(default {timeouts.PREEMPTION_POLL_INTERVAL_S:g})")
-    parser.add_argument("--no-detector", action="store_true", help="do not run a failure detector in this agent")
-    parser.add_argument("--tls-cert", help="PEM certificate of this agent (enables TLS with --tls-key)")
-    parser.add_argument("--tls-key", help="PEM private key of this agent")
-    parser.add_argument("--tls-ca", help="PEM CA of the job: peers' certificates are checked against it, and "
-                        "callers must present a certificate it signed (mutual TLS)")
-    parser.add_argument("--tls-server-name", help="name to check in peers' certificates instead of their address")
-    parser.add_argument("--token-file",
-                        default=os.environ.get(TOKEN_FILE_ENV),
-                        help="file holding the job token (e.g. a mounted Secret): every call to this agent must "
-                        f"carry it, and this agent sends it to its peers (default ${TOKEN_FILE_ENV})")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow listening beyond loopback with neither a token nor mutual TLS: any process "
-                        "that reaches the port can then make this node leave")
-    parser.add_argument("--etcd-user", help="etcd user name (with --etcd-password)")
-    parser.add_argument("--etcd-password", help="etcd password")
-    parser.add_argument("--etcd-ca", help="PEM CA of the etcd server (enables TLS to etcd)")
-    parser.add_argument("--etcd-cert", help="PEM client certificate for etcd (with --etcd-key)")
-    parser.add_argument("--etcd-key", help="PEM client key for etcd")
-    parser.add_argument("--etcd-timeout", type=float, default=timeouts.ETCD_RPC_TIMEOUT_S,
-                        help=f"deadline of each etcd request, s (default {timeouts.ETCD_RPC_TIMEOUT_S:g})")
-    parser.add_argument("--watch-start-timeout", type=float, default=timeouts.WATCH_START_TIMEOUT_S,
-                        help="how long setting up an etcd watch is retried before giving up, s "
-                        f"(default {timeouts.WATCH_START_TIMEOUT_S:g})")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        options = EtcdOptions(endpoints=tuple(args.etcd), user=args.etcd_user, password=args.etcd_password,
-                              ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
-                              timeout=args.etcd_timeout, watch_start_timeout=args.watch_start_timeout)
-        config = DetectorConfig(grace_period=args.grace, probe_timeout=args.probe_timeout,
-                                probe_interval=args.probe_interval)
-        if (args.tls_cert is None) != (args.tls_key is None):
-            raise ValueError(f"--tls-cert and --tls-key go together (got cert={args.tls_cert!r}, key={args.tls_key!r})")
-        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name) if args.tls_cert else None
-        token = load_token(args.token_file) if args.token_file else None
-        hook = preemption_hook(args.preemption_notices, args.metadata_url)
-        if not args.preemption_poll_interval > 0:
-            raise ValueError(f"--preemption-poll-interval must be > 0, got {args.preemption_poll_interval!r}")
-        kv = EtcdKV(options)
-        agent = NodeAgent(MembershipStore(kv, args.job), args.node, zone=args.zone, incarnation=args.incarnation,
-                          host=args.host, port=args.port, ttl=args.ttl, tls=tls, token=token, insecure=args.insecure,
-                          detector_config=config, run_detector=not args.no_detector,
-                          notice_window=args.notice_window)
-        # The handler goes in before the node registers: a SIGTERM that arrives once the node is
-        # visible in etcd must become a preemption notice, never the default (silent) death.
-        agent.install_sigterm_handler()
-        agent.start()
-    except (ValueError, OSError, StoreError) as exc:
-        print(f"bamboo agent: error: {exc}", file=sys.stderr)
-        return 2
-    if hook is not None:
-        agent.watch_preemption_hook(hook, args.preemption_poll_interval)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(json.dumps({"node": args.node, "address": agent.host, "port": agent.port}), flush=True)
-    deadline: float | None = None
-    while not stop.wait(timeouts.MAIN_LOOP_POLL_S):
-        if agent.lease_lost.is_set():
-            print(f"bamboo agent: error: node {args.node} lost its lease and was declared failed; "
-                  "rejoin with a higher --incarnation", file=sys.stderr)
-            agent.stop(leave=False)
-            kv.close()
-            return 3
-        if agent.noticed.is_set() and deadline is None:
-            # The notice's own deadline: now + --notice-window after SIGTERM, the cloud's after a metadata notice.
-            due = agent.notice_deadline if agent.notice_deadline is not None else time.time() + args.notice_window
-            deadline = time.monotonic() + max(0.0, due - time.time())
-        if deadline is not None and time.monotonic() >= deadline:
-            # Preempted: vanish without leaving, as the machine would; the lease expiry reports it.
-            agent.stop(leave=False)
-            kv.close()
-            return 0
-    agent.stop(leave=True)
-    kv.close()
-    return 0

@@ -14,7 +14,8 @@ Three signals, one outcome:
   - a probe that times out is repeated every `probe_interval` until the node has been unresponsive
     for `grace_period` seconds since the report; then the failure is confirmed.
 - **Lease expiry.** The node's record disappears from etcd without having been marked LEFT: its
-  lease ran out (it stopped heartbeating for the TTL). Confirmed at once.
+  lease ran out (it stopped heartbeating for the TTL). Confirmed at once, by the detectors that follow
+  every node record (below).
 - **Sweep.** `probe_all(nodes)` probes many nodes at once (e.g. every node of the layout on the first
   confirmation, so kills that land together are found together): refused or another incarnation
   confirms at once; a timeout only makes the node a suspect, so its grace period starts.
@@ -28,6 +29,17 @@ lease-based view (`list_nodes`) without waiting for its TTL, and its fenced writ
 A detector whose own store is fenced (`store.fenced(registration)`) and whose node was declared dead
 writes nothing: its reports raise `FencedError`, which it logs and drops.
 
+**Following the membership, or not.** A detector made with `follow_membership=True` (the default) lists
+every node record at start and watches them all, and every failure report: it sees every lease expire,
+keeps every node's address at hand, and emits every failure, whoever confirmed it. That is one watch event
+per change for each such detector, so a job of N agents that all followed would carry N x N events (a
+thousand agents registering: a million). So at scale only one agent follows (bamboo-launch's elected
+coordinator: `follow_membership(since_revision)`, from the revision at which the previous coordinator's
+key went, so that no expiry in between is missed). The others read the record of a node only when they
+must probe it (`MembershipStore.get_node`, one read per suspicion), and emit only the failures they
+confirm themselves or find already reported when they write theirs (first writer wins).
+`subscribe_membership(listener)` calls `listener()` after each change of the node records followed.
+
 Time: all grace and probe scheduling reads the injected `clock` (monotonic seconds), so unit tests drive
 `tick()` with a fake clock and a fake prober; `start()` runs `tick()` on a background thread. Defaults
 come from `bamboo.membership.timeouts` (`GRACE_PERIOD_S`, `PROBE_TIMEOUT_S`, `PROBE_INTERVAL_S`).
@@ -35,17 +47,16 @@ come from `bamboo.membership.timeouts` (`GRACE_PERIOD_S`, `PROBE_TIMEOUT_S`, `PR
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Any
 
 import attrs
 from bamboo.membership import timeouts
 from bamboo.membership.kv import EventKind, FencedError, StoreError, WatchEvent, WatchHandle
+from bamboo.membership.probing import DetectorConfig, ProbeOutcome, Prober, ProbeResult, SweepResult
 from bamboo.membership.records import (
     DetectionPath,
     FailureReport,
@@ -60,70 +71,6 @@ from bamboo.membership.store import MembershipStore
 __all__ = ["DetectorConfig", "FailureDetector", "ProbeOutcome", "ProbeResult", "Prober", "SweepResult"]
 
 log = logging.getLogger(__name__)
-
-
-class ProbeOutcome(enum.Enum):
-    ALIVE = "alive"  # the agent answered
-    REFUSED = "refused"  # nothing listens: the process is gone
-    TIMEOUT = "timeout"  # no answer within the deadline: slow, stopped, or partitioned
-    DENIED = "denied"  # something listens but refused the prober's credentials: alive, identity unknown
-
-
-@attrs.frozen
-class ProbeResult:
-    outcome: ProbeOutcome
-    incarnation: int = 0
-    progress: int = 0
-    detail: str = ""
-
-
-Prober = Callable[[NodeRecord, float], ProbeResult]
-"""Probe a node's agent with a deadline in seconds. Must not raise; must return within about the deadline."""
-
-
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"DetectorConfig.{attribute.name} must be > 0, got {value!r}")
-
-
-@attrs.frozen
-class DetectorConfig:
-    """Timing of the probe path (seconds).
-
-    - `grace_period`: how long a suspect must stay unresponsive before it is declared failed; a node
-      stopped for less is only slow. Keep it at or below the lease TTL.
-    - `probe_timeout`: deadline of one gRPC probe.
-    - `probe_interval`: pause between two probes of the same suspect.
-    """
-
-    grace_period: float = attrs.field(default=timeouts.GRACE_PERIOD_S, validator=_positive)
-    probe_timeout: float = attrs.field(default=timeouts.PROBE_TIMEOUT_S, validator=_positive)
-    probe_interval: float = attrs.field(default=timeouts.PROBE_INTERVAL_S, validator=_positive)
-
-    def __attrs_post_init__(self) -> None:
-        if self.probe_timeout > self.grace_period:
-            raise ValueError(
-                f"DetectorConfig: probe_timeout {self.probe_timeout} must not exceed grace_period {self.grace_period}"
-            )
-
-
-@attrs.frozen
-class SweepResult:
-    """What `FailureDetector.probe_all` found, by node id (each tuple sorted).
-
-    - `confirmed`: refused, or answered by another incarnation: declared failed now;
-    - `alive`: answered by the registered incarnation (or refused only the prober's credentials);
-    - `slow`: no answer within the probe timeout (or no agent port to probe): now suspects, declared
-      only if they stay unresponsive for the grace period;
-    - `unknown`: no node record (never registered, or its lease already expired: the lease path decides);
-    - `already_failed`: declared failed in the current epoch before the sweep.
-    """
-
-    confirmed: tuple[str, ...] = ()
-    alive: tuple[str, ...] = ()
-    slow: tuple[str, ...] = ()
-    unknown: tuple[str, ...] = ()
-    already_failed: tuple[str, ...] = ()
 
 
 @attrs.define
@@ -152,6 +99,7 @@ class FailureDetector:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        follow_membership: bool = True,
     ) -> None:
         self.store = store
         self.detector_id = detector_id
@@ -167,7 +115,12 @@ class FailureDetector:
         self._unwritten: dict[str, tuple[NodeRecord, int, str, float]] = {}
         self._emitted: set[tuple[str, int]] = set()
         self._listeners: list[Callable[[NodeFailed], None]] = []
+        self._membership_listeners: list[Callable[[], None]] = []
         self._watches: list[WatchHandle] = []
+        self._following: list[WatchHandle] = []  # the watches of the node records and the failure reports
+        self._follow_at_start = follow_membership
+        self.probes_sent = 0
+        """Probes this detector has sent (suspects and sweeps), for the benchmarks."""
         self._epoch = 0
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -200,6 +153,53 @@ class FailureDetector:
             self._suspects[node] = _Suspicion(node, now, reason, reporter or self.detector_id, next_probe_at=now)
             self._wake.notify_all()
 
+    def subscribe_membership(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` after each change of the node records this detector follows (see the module
+        docstring); it runs on the watch's thread and must not block."""
+        with self._lock:
+            self._membership_listeners.append(listener)
+
+    @property
+    def following(self) -> bool:
+        """Whether this detector follows the membership now (every node record and failure report)."""
+        return bool(self._following)
+
+    def follow_membership(self, since_revision: int | None = None) -> None:
+        """Follow every node record and failure report from now on (a no-op when already following): list the
+        records and this epoch's reports, then watch from `since_revision` (default: the revision of the list),
+        so that a node whose lease expired since then is declared too (its deletion is replayed)."""
+        if self._following:
+            return
+        revision = self.store.kv.revision()
+        records = self.store.list_nodes(skip_malformed=True)
+        with self._lock:
+            self._nodes.update(records)
+        start = revision + 1 if since_revision is None else min(since_revision, revision + 1)
+        self._following = [self.store.watch_nodes(self._on_node_event, start_revision=start),
+                           self.store.watch_failures(self._on_failure_event, start_revision=revision + 1)]
+        for item in self.store.kv.get_prefix(self.store.keys.failures_in(self._epoch)):
+            self._on_failure_event(WatchEvent(EventKind.PUT, item.key, item.value, item.mod_revision))
+
+    def unfollow_membership(self) -> None:
+        """Stop following the membership (the records known so far are forgotten)."""
+        watches, self._following = self._following, []
+        for watch in watches:
+            watch.cancel()
+        with self._lock:
+            self._nodes.clear()
+
+    def _record_of(self, node: str) -> NodeRecord | None:
+        """`node`'s record: the followed one, or read from etcd now (None: it has none, or etcd is unreachable)."""
+        with self._lock:
+            record = self._nodes.get(node)
+        if record is not None or self._following:
+            return record
+        try:
+            return self.store.get_node(node)
+        except (StoreError, MalformedValueError) as exc:
+            log.warning("cannot read the record of %s: %s", node, exc)
+            return None
+
     def suspects(self) -> list[str]:
         with self._lock:
             return sorted(self._suspects)
@@ -208,21 +208,24 @@ class FailureDetector:
         with self._lock:
             return dict(self._nodes)
 
-    def probe_all(self, nodes: Iterable[str], reason: str, *, max_parallel: int = 64) -> SweepResult:
+    def probe_all(self, nodes: Iterable[str], reason: str, *, max_parallel: int = 64,
+                  prober: Prober | None = None) -> SweepResult:
         """Probe `nodes` concurrently (one probe each, `probe_timeout`), and confirm the dead ones at once.
 
         Refused probes and answers from another incarnation are declared failed (path `probe_sweep`);
         nodes that answer are left alone; nodes whose probe times out become suspects (their grace period
         starts now), since slow is not dead. `reason` says why the sweep ran (it goes into the failure
-        reports). Returns what was found; blocks for about one probe timeout.
+        reports). `prober` replaces this detector's own for the sweep (e.g. `probing.connect_probe`, which
+        only looks for the dead). Returns what was found; blocks for about one probe timeout.
         """
+        probe = prober or self.prober
         if max_parallel < 1:
             raise ValueError(f"probe_all: max_parallel must be >= 1, got {max_parallel!r}")
         wanted = sorted(set(nodes))
         with self._lock:
             epoch = self._epoch
             already = [n for n in wanted if (n, epoch) in self._emitted]
-            records = {n: self._nodes.get(n) for n in wanted if (n, epoch) not in self._emitted}
+        records = {n: self._record_of(n) for n in wanted if n not in already}
         unknown = sorted(n for n, record in records.items() if record is None)
         probed = {n: record for n, record in records.items() if record is not None}
         results: dict[str, ProbeResult] = {}
@@ -230,7 +233,8 @@ class FailureDetector:
         if with_port:
             with futures.ThreadPoolExecutor(max_workers=min(max_parallel, len(with_port)),
                                             thread_name_prefix=f"bamboo-sweep-{self.detector_id}") as pool:
-                running = {n: pool.submit(self.prober, r, self.config.probe_timeout) for n, r in with_port.items()}
+                running = {n: pool.submit(probe, r, self.config.probe_timeout) for n, r in with_port.items()}
+                self.probes_sent += len(running)
                 for node, future in running.items():
                     try:
                         results[node] = future.result()
@@ -275,13 +279,14 @@ class FailureDetector:
             self._epoch = self.store.epoch()[0]
         except MalformedValueError as exc:
             log.error("%s; declaring failures in epoch 0", exc)
-        for record in self.store.list_nodes(skip_malformed=True).values():
-            self._nodes[record.id] = record
         self._watches.append(self.store.watch_epoch(self._on_epoch, start_revision=revision + 1))
-        self._watches.append(self.store.watch_nodes(self._on_node_event, start_revision=revision + 1))
-        self._watches.append(self.store.watch_failures(self._on_failure_event, start_revision=revision + 1))
-        for item in kv.get_prefix(self.store.keys.failures_in(self._epoch)):
-            self._on_failure_event(WatchEvent(EventKind.PUT, item.key, item.value, item.mod_revision))
+        if self._follow_at_start:
+            for record in self.store.list_nodes(skip_malformed=True).values():
+                self._nodes[record.id] = record
+            self._following = [self.store.watch_nodes(self._on_node_event, start_revision=revision + 1),
+                               self.store.watch_failures(self._on_failure_event, start_revision=revision + 1)]
+            for item in kv.get_prefix(self.store.keys.failures_in(self._epoch)):
+                self._on_failure_event(WatchEvent(EventKind.PUT, item.key, item.value, item.mod_revision))
         if probe_loop:
             self._thread = threading.Thread(target=self._loop, name=f"bamboo-detector-{self.detector_id}",
                                             daemon=True)
@@ -295,6 +300,7 @@ class FailureDetector:
         for watch in self._watches:
             watch.cancel()
         self._watches.clear()
+        self.unfollow_membership()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)
 
@@ -313,8 +319,7 @@ class FailureDetector:
 
     def _probe(self, suspicion: _Suspicion) -> None:
         node = suspicion.node
-        with self._lock:
-            record = self._nodes.get(node)
+        record = self._record_of(node)
         if record is None:
             # Unknown or already gone: a lease expiry (already handled) or a node that never registered.
             log.warning("suspect %s has no node record; dropping the suspicion (lease expiry decides)", node)
@@ -322,6 +327,7 @@ class FailureDetector:
                 self._suspects.pop(node, None)
             return
         if record.agent_port:
+            self.probes_sent += 1
             result = self.prober(record, self.config.probe_timeout)
         else:
             result = ProbeResult(ProbeOutcome.TIMEOUT, detail="node has no agent port to probe")
@@ -371,6 +377,16 @@ class FailureDetector:
                 self._epoch = epoch
 
     def _on_node_event(self, event: WatchEvent) -> None:
+        self._node_changed(event)
+        with self._lock:
+            listeners = list(self._membership_listeners)
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("membership listener failed")
+
+    def _node_changed(self, event: WatchEvent) -> None:
         if event.kind is EventKind.PUT:
             try:
                 record = decode_message(event.key, event.value, NodeRecord)

@@ -12,44 +12,58 @@ membership store relies on:
   node record: its key, the create revision and the lease of its registration), checked in the same
   etcd transaction as the write. A writer whose record is gone (its lease revoked or expired) or was
   replaced by a newer registration gets `FencedError`, and nothing is written;
-- **watches that lose nothing**: each prefix watch has its own gRPC stream. After the stream breaks (etcd
-  restarted, the network cut) it resumes from the revision after the last one it delivered, so no event
-  is lost or delivered twice. If etcd compacted its history past that revision meanwhile, the watch
-  relists the prefix and reconciles it against its own snapshot (key -> last value seen), as Kubernetes
-  informers do: the callback gets synthetic PUT events (`relisted=True`) for keys that appeared or
-  changed, and DELETE events for keys that vanished, in revision order, then the watch resumes from the
-  relist's revision. A watch's first registration is retried within `watch_start_timeout`.
+- **watches that lose nothing** (`bamboo.membership.watch`): every watch of one client shares one gRPC
+  stream; after it breaks each resumes from the revision after the last one it delivered, and one whose
+  revision etcd compacted meanwhile relists its prefix and delivers the difference (`relisted=True`).
+  A watch's first registration is retried within `watch_start_timeout`;
+- **one keepalive stream**: every lease refresh of the client goes over one long-lived stream
+  (`bamboo.membership.streams`), not a stream per refresh.
+
+The value types, errors and the `KeyValueStore` protocol are in `bamboo.membership.kv_base` (re-exported
+here).
 
 Timeouts (seconds, in `EtcdOptions`, defaults in `bamboo.membership.timeouts`): `timeout` bounds every
 unary RPC and each attempt to create a watch (`ETCD_RPC_TIMEOUT_S`); `reconnect_backoff_min` and
-`reconnect_backoff_max` bound gRPC's reconnect backoff (`ETCD_RECONNECT_BACKOFF_MIN_S`, `..._MAX_S`); `watch_retry_interval` is the pause between attempts to
-re-create a broken watch (`WATCH_RETRY_INTERVAL_S`); `watch_start_timeout` bounds a watch's first
+`reconnect_backoff_max` bound gRPC's reconnect backoff (`ETCD_RECONNECT_BACKOFF_MIN_S`, `..._MAX_S`);
+`watch_retry_interval` is the pause between attempts to re-create a broken watch (`WATCH_RETRY_INTERVAL_S`); `watch_start_timeout` bounds a watch's first
 registration (`WATCH_START_TIMEOUT_S`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import threading
-import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 import attrs
 import grpc
 import pyetcd
-from bamboo.membership import timeouts
+from bamboo.membership.kv_base import (
+    EtcdOptions,
+    EventKind,
+    FencedError,
+    Guard,
+    KeyValue,
+    KeyValueStore,
+    RevisionOutOfRange,
+    StoreError,
+    StoreUnavailableError,
+    WatchEvent,
+    WatchHandle,
+    key_value,
+)
+from bamboo.membership.streams import KeepAliveStream
+from bamboo.membership.watch import PrefixWatch, WatchStream
 from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exceptions
 from pyetcd import transactions as etcd_txn
-from pyetcd import utils as etcd_utils
-from pyetcd.etcdrpc import kv_pb2
 
 __all__ = [
     "EtcdKV",
     "EtcdOptions",
+    "EtcdStatus",
     "EventKind",
     "FencedError",
     "Guard",
@@ -66,185 +80,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class StoreError(RuntimeError):
-    """An etcd request failed for a reason other than unavailability (e.g. permission denied)."""
-
-
-class StoreUnavailableError(StoreError):
-    """etcd could not be reached, or did not answer within the request timeout."""
-
-
-class FencedError(StoreError):
-    """A guarded write was refused: the writer's node record is gone or belongs to a newer registration.
-
-    The node was declared failed (its lease revoked or expired), or another process registered the same
-    id since. It must not write to the job again; a process that comes back rejoins as a fresh node.
-    """
-
-    def __init__(self, node: str, key: str, detail: str) -> None:
-        self.node = node
-        self.key = key
-        super().__init__(f"node {node!r} is fenced: the write to {key} was refused ({detail})")
-
-
-def _check_endpoint(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
-    if not value:
-        raise ValueError("EtcdOptions.endpoints must name at least one host:port")
-    for endpoint in value:
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"EtcdOptions.endpoints: {endpoint!r} is not host:port")
-
-
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"EtcdOptions.{attribute.name} must be > 0, got {value!r}")
-
-
 @attrs.frozen
-class EtcdOptions:
-    """How to reach etcd. User/password auth and TLS files are passed through to the client.
+class EtcdStatus:
+    """What `EtcdKV.status()` reports of the etcd member it reached: its version, the store's revision, and
+    the size of its database file (bytes; it shrinks only after a compaction and a defragmentation)."""
 
-    `ca_cert` alone gives server-verified TLS; add `cert_cert` and `cert_key` for client certificates.
-    Timeouts in seconds; see `bamboo.membership.timeouts` for what each bounds.
-    """
-
-    endpoints: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_endpoint)
-    user: str | None = None
-    password: str | None = attrs.field(default=None, repr=False)
-    ca_cert: str | None = None
-    cert_cert: str | None = None
-    cert_key: str | None = None
-    timeout: float = attrs.field(default=timeouts.ETCD_RPC_TIMEOUT_S, validator=_positive)
-    reconnect_backoff_min: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MIN_S, validator=_positive)
-    reconnect_backoff_max: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MAX_S, validator=_positive)
-    watch_retry_interval: float = attrs.field(default=timeouts.WATCH_RETRY_INTERVAL_S, validator=_positive)
-    watch_start_timeout: float = attrs.field(default=timeouts.WATCH_START_TIMEOUT_S, validator=_positive)
-
-    def __attrs_post_init__(self) -> None:
-        if (self.user is None) != (self.password is None):
-            raise ValueError(f"EtcdOptions: user and password go together (user={self.user!r}, password set: "
-                             f"{self.password is not None})")
-        if (self.cert_cert is None) != (self.cert_key is None):
-            raise ValueError(f"EtcdOptions: cert_cert and cert_key go together (cert_cert={self.cert_cert!r}, "
-                             f"cert_key={self.cert_key!r})")
-        if self.cert_cert is not None and self.ca_cert is None:
-            raise ValueError(f"EtcdOptions: a client certificate ({self.cert_cert!r}) needs ca_cert as well")
-
-
-@attrs.frozen
-class KeyValue:
-    """One key as read from etcd, with its revisions and lease (0 when it has none)."""
-
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    lease: int = 0
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"Guard.{attribute.name} must be a positive integer, got {value!r}")
-
-
-@attrs.frozen
-class Guard:
-    """What a guarded write checks in its transaction: the writer's node record still exists at `key`,
-    with the create revision and the lease of the writer's registration.
-
-    A revoked or expired lease deletes the record, and a new registration of the same id has a new lease
-    (and, once the old record is gone, a new create revision), so either makes the comparison fail.
-    `MembershipStore.register` returns a `Registration` whose `guard` is this.
-    """
-
-    node: str
-    key: str
-    create_revision: int = attrs.field(validator=_positive_int)
-    lease: int = attrs.field(validator=_positive_int)
-
-
-class EventKind(enum.Enum):
-    PUT = "put"
-    DELETE = "delete"
-
-
-@attrs.frozen
-class WatchEvent:
-    """A change under a watched prefix. `prev_value` is the value before the change, when known.
-
-    `relisted` marks an event made up by a relist after etcd compacted past the watch's revision: a PUT
-    carries the key's current value and mod revision; a DELETE carries the relist's revision (or the
-    re-created key's create revision), an upper bound of when the key went away.
-    """
-
-    kind: EventKind
-    key: str
-    value: bytes
+    version: str
     revision: int
-    prev_value: bytes | None = None
-    relisted: bool = False
-
-
-class WatchHandle(Protocol):
-    def cancel(self) -> None: ...
-
-
-@runtime_checkable
-class KeyValueStore(Protocol):
-    """The operations bamboo.membership needs. Keys are str, values bytes, revisions etcd's.
-
-    Writes take an optional `guard`: the write happens only if the guard holds, in the same transaction;
-    otherwise `FencedError` is raised and nothing is written.
-    """
-
-    def get(self, key: str) -> KeyValue | None: ...
-
-    def get_prefix(self, prefix: str) -> list[KeyValue]: ...
-
-    def put(self, key: str, value: bytes, lease: int = 0, *, guard: Guard | None = None) -> int:
-        """Write unconditionally (but for the guard); returns the new revision."""
-        ...
-
-    def create(self, key: str, value: bytes, lease: int = 0, *, guard: Guard | None = None) -> tuple[bool, KeyValue]:
-        """First writer wins: write only if the key does not exist (create revision 0).
-
-        Returns (True, what was written) or (False, what was already there).
-        """
-        ...
-
-    def compare_and_swap(
-        self, key: str, value: bytes, expected_mod_revision: int, *, guard: Guard | None = None
-    ) -> int | None:
-        """Write only if the key's mod revision is `expected_mod_revision` (0: the key must not exist).
-
-        Returns the new mod revision, or None when the comparison failed.
-        """
-        ...
-
-    def delete(self, key: str, *, guard: Guard | None = None) -> bool: ...
-
-    def delete_prefix(self, prefix: str) -> int: ...
-
-    def grant_lease(self, ttl: int) -> int: ...
-
-    def refresh_lease(self, lease_id: int) -> int:
-        """Keep a lease alive; returns its remaining TTL in seconds, 0 when it has expired."""
-        ...
-
-    def revoke_lease(self, lease_id: int) -> None: ...
-
-    def watch_prefix(
-        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None
-    ) -> WatchHandle:
-        """Call `callback` for every change under `prefix` from `start_revision` (default: now on)."""
-        ...
-
-    def revision(self) -> int:
-        """The store's current revision."""
-        ...
-
-    def close(self) -> None: ...
+    db_size: int
 
 
 _UNAVAILABLE = (
@@ -255,16 +98,6 @@ _UNAVAILABLE = (
     etcd_exceptions.WatchTimedOut,
 )
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
-
-
-def _kv(kv: Any) -> KeyValue:
-    return KeyValue(
-        key=kv.key.decode(),
-        value=bytes(kv.value),
-        create_revision=int(kv.create_revision),
-        mod_revision=int(kv.mod_revision),
-        lease=int(kv.lease),
-    )
 
 
 class _LeaseIs(etcd_txn.BaseCompare):
@@ -279,14 +112,6 @@ def _guard_compares(guard: Guard) -> list[Any]:
     return [etcd_txn.Create(guard.key) == guard.create_revision, _LeaseIs(guard.key) == guard.lease]
 
 
-class _RevisionOutOfRange(Exception):
-    """A read at a revision etcd no longer has (compacted) or does not have yet (future)."""
-
-    def __init__(self, compacted: bool, detail: str) -> None:
-        self.compacted = compacted
-        super().__init__(detail)
-
-
 class EtcdKV:
     """`KeyValueStore` over a real etcd v3 server, through `pyetcd`."""
 
@@ -296,6 +121,17 @@ class EtcdKV:
         self.reauthentications = 0
         self._client = self._connect()
         self._closed = False
+        self._keepalive = KeepAliveStream(self)
+        self._watches: WatchStream | None = None
+
+    @property
+    def client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        """The etcd client library's client in use (replaced when etcd forgot our auth token)."""
+        return self._client
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def where(self) -> str:
@@ -305,9 +141,11 @@ class EtcdKV:
         opts = self.options
         backoff_ms = int(opts.reconnect_backoff_max * 1000)
         first_ms = min(int(opts.reconnect_backoff_min * 1000), backoff_ms)
+        # Not grpc.min_reconnect_backoff_ms: gRPC also takes it as the deadline of one connection attempt, and
+        # at 0.1 s a loaded etcd that answers its HTTP/2 handshake later fails every connection ("connection
+        # attempt timed out before receiving SETTINGS frame"); the attempt keeps gRPC's own 20 s bound.
         grpc_options = [
             ("grpc.initial_reconnect_backoff_ms", first_ms),
-            ("grpc.min_reconnect_backoff_ms", first_ms),
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
         ]
         creds = None
@@ -351,7 +189,7 @@ class EtcdKV:
             return StoreError(f"etcd at {where} refused {what}: {code}: {detail}")
         return StoreError(f"etcd at {where} failed {what}: {type(exc).__name__}: {exc}")
 
-    def _reauthenticate(self, stale: pyetcd.MultiEndpointEtcd3Client) -> None:
+    def reauthenticate(self, stale: pyetcd.MultiEndpointEtcd3Client) -> None:
         """Replace `stale` by a freshly authenticated client (etcd forgets its tokens on restart)."""
         with self._lock:
             if self._client is not stale:
@@ -375,7 +213,7 @@ class EtcdKV:
                     and "token" in (exc.details() or "")
                 )
                 if stale_token:
-                    self._reauthenticate(client)
+                    self.reauthenticate(client)
                     continue
                 raise self._translate(exc, what) from exc
             except (etcd_exceptions.Etcd3Exception, ValueError) as exc:
@@ -386,16 +224,16 @@ class EtcdKV:
 
     def get(self, key: str) -> KeyValue | None:
         resp = self._call(f"get {key}", lambda: self._client.get_response(key))
-        return _kv(resp.kvs[0]) if resp.count else None
+        return key_value(resp.kvs[0]) if resp.count else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         resp = self._call(f"get prefix {prefix}", lambda: self._client.get_prefix_response(prefix))
-        return [_kv(kv) for kv in resp.kvs]
+        return [key_value(kv) for kv in resp.kvs]
 
-    def _range(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
+    def range_at(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` (at `revision`, default now) and the revision read at.
 
-        Raises `_RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet.
+        Raises `RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet.
         """
 
         def read() -> Any:
@@ -405,13 +243,13 @@ class EtcdKV:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
                     detail = exc.details() or ""
-                    return _RevisionOutOfRange("compacted" in detail, detail)
+                    return RevisionOutOfRange("compacted" in detail, detail)
                 raise
 
         resp = self._call(f"list {prefix}" + ("" if revision is None else f" at revision {revision}"), read)
-        if isinstance(resp, _RevisionOutOfRange):
+        if isinstance(resp, RevisionOutOfRange):
             raise resp
-        return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+        return [key_value(kv) for kv in resp.kvs], int(resp.header.revision)
 
     def revision(self) -> int:
         resp = self._call("status", lambda: self._client.get_response("/"))
@@ -508,8 +346,8 @@ class EtcdKV:
         return int(lease.id)
 
     def refresh_lease(self, lease_id: int) -> int:
-        responses = self._call(f"refresh lease {lease_id:x}", lambda: list(self._client.refresh_lease(lease_id)))
-        return max((int(r.TTL) for r in responses), default=0)
+        """Refresh on the client's one keepalive stream (`bamboo.membership.streams.KeepAliveStream`)."""
+        return self._call(f"refresh lease {lease_id:x}", lambda: self._keepalive.refresh(lease_id))
 
     def revoke_lease(self, lease_id: int) -> None:
         try:
@@ -521,16 +359,42 @@ class EtcdKV:
     # -- watches ---------------------------------------------------------------------------------
 
     def watch_prefix(
-        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None
+        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None, *,
+        snapshot: list[KeyValue] | None = None,
     ) -> PrefixWatch:
         """Watch `prefix` (see `PrefixWatch`). Raises `StoreUnavailableError` if the watch cannot be set up
-        within `options.watch_start_timeout`."""
-        watch = PrefixWatch(self, prefix, callback, start_revision)
+        within `options.watch_start_timeout`. `snapshot`, with `start_revision`, is what the caller read of the
+        prefix at `start_revision - 1` (`range_at`): the watch then does not read it again."""
+        watch = PrefixWatch(self, prefix, callback, start_revision, snapshot=snapshot)
         watch.start()
         return watch
 
+    def watch_stream(self) -> WatchStream:
+        """The one stream every watch of this client shares (made on first use)."""
+        with self._lock:
+            if self._watches is None:
+                self._watches = WatchStream(self)
+            return self._watches
+
+    def status(self) -> EtcdStatus:
+        """The version, revision and database size of the etcd member this client reaches."""
+        def status() -> Any:
+            client = self._client
+            return client.maintenancestub.Status(etcdrpc.StatusRequest(), self.options.timeout,
+                                                 credentials=client.call_credentials, metadata=client.metadata)
+
+        resp = self._call("status", status)
+        return EtcdStatus(version=str(resp.version), revision=int(resp.header.revision), db_size=int(resp.dbSize))
+
+    def defragment(self) -> None:
+        """Give the space that compaction freed in etcd's database file back to the file system."""
+        self._call("defragment", lambda: self._client.defragment())
+
     def close(self) -> None:
         self._closed = True
+        if self._watches is not None:
+            self._watches.close()
+        self._keepalive.close()
         with contextlib.suppress(Exception):
             self._client.close()
 
@@ -539,254 +403,3 @@ class EtcdKV:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class PrefixWatch:
-    """A prefix watch on its own gRPC stream that survives etcd restarts and compaction.
-
-    Callbacks run on one thread per watch, in revision order. An exception in a callback is logged and the
-    watch goes on. The watch keeps a snapshot of the keys under its prefix (key -> last `KeyValue` seen):
-    after a broken stream it resumes from the revision after the last one delivered; if etcd compacted
-    past that revision, it relists the prefix and delivers the difference against the snapshot as
-    synthetic events (`WatchEvent.relisted`), then resumes from the relist's revision.
-
-    Counters for tests and logs: `reconnects` (streams re-created after the first), `relists`,
-    `list_failures` (failed attempts at the starting list), `create_timeouts` (attempts to create the
-    stream that got no answer within the RPC timeout).
-    """
-
-    def __init__(
-        self, kv: EtcdKV, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None
-    ) -> None:
-        self._kv = kv
-        self.prefix = prefix
-        self._range_end = etcd_utils.prefix_range_end(prefix.encode())
-        self._callback = callback
-        self._start_revision = start_revision
-        self._next_revision = 0
-        self._snapshot: dict[str, KeyValue] | None = {}
-        self._needs_relist = False
-        self._lock = threading.Lock()
-        self._call: Any = None
-        self._cancelled = threading.Event()
-        self._created = threading.Event()
-        self._ever_created = False
-        self._last_error = "no attempt finished yet"
-        self._thread = threading.Thread(target=self._run, name=f"bamboo-watch{prefix}", daemon=True)
-        self.reconnects = 0
-        self.relists = 0
-        self.list_failures = 0
-        self.create_timeouts = 0
-
-    # -- start -----------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Read the starting snapshot and create the stream, retrying both within `watch_start_timeout`."""
-        bound = self._kv.options.watch_start_timeout
-        deadline = time.monotonic() + bound
-        while True:
-            try:
-                self._load_snapshot()
-                break
-            except StoreUnavailableError as exc:
-                self._last_error = str(exc)
-                self.list_failures += 1
-                if time.monotonic() + self._kv.options.watch_retry_interval >= deadline:
-                    raise self._start_failed(bound) from exc
-                log.debug("watch %s: initial list failed (%s); retrying", self.prefix, exc)
-                time.sleep(self._kv.options.watch_retry_interval)
-        self._thread.start()
-        if not self._created.wait(max(0.0, deadline - time.monotonic())):
-            self.cancel()
-            raise self._start_failed(bound)
-
-    def _start_failed(self, bound: float) -> StoreUnavailableError:
-        return StoreUnavailableError(
-            f"watch on {self.prefix} at etcd {self._kv.where} could not be set up within {bound} s "
-            f"(watch_start_timeout; each attempt bounded by the {self._kv.options.timeout} s RPC timeout); "
-            f"last error: {self._last_error}"
-        )
-
-    def _load_snapshot(self) -> None:
-        if self._start_revision is None:
-            kvs, revision = self._kv._range(self.prefix)
-            self._snapshot = {kv.key: kv for kv in kvs}
-            self._next_revision = revision + 1
-            return
-        self._next_revision = self._start_revision
-        if self._start_revision <= 1:
-            self._snapshot = {}
-            return
-        try:
-            kvs, _ = self._kv._range(self.prefix, self._start_revision - 1)
-        except _RevisionOutOfRange as exc:
-            if exc.compacted:
-                # The stream will be told it is compacted and relist; deletions before then cannot be known.
-                self._snapshot = None
-                return
-            kvs, _ = self._kv._range(self.prefix)  # a start in the future: what exists now precedes it
-        self._snapshot = {kv.key: kv for kv in kvs}
-
-    # -- the stream ------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        retry = self._kv.options.watch_retry_interval
-        while not self._cancelled.is_set() and not self._kv._closed:
-            if self._needs_relist:
-                try:
-                    self._relist()
-                except (StoreError, _RevisionOutOfRange) as exc:
-                    self._last_error = str(exc)
-                    log.debug("watch %s: relist failed (%s); retrying", self.prefix, exc)
-                    self._cancelled.wait(retry)
-                    continue
-            if self._stream_once() == "compacted":
-                self._needs_relist = True
-                continue
-            if self._cancelled.is_set() or self._kv._closed:
-                break
-            self._cancelled.wait(retry)
-        log.debug("watch %s ends", self.prefix)
-
-    def _stream_once(self) -> str:
-        """One watch stream from `_next_revision`: 'compacted', or 'broken' when it ended for another reason."""
-        client = self._kv._client
-        try:
-            stub = etcdrpc.WatchStub(client.channel)
-        except (etcd_exceptions.Etcd3Exception, ValueError) as exc:
-            self._last_error = f"no etcd endpoint: {exc}"
-            return "broken"
-        request = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-            key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision, prev_kv=True))
-        # One request, then the request side half-closes; etcd keeps the watch open until we cancel.
-        try:
-            call = stub.Watch(iter([request]), credentials=client.call_credentials, metadata=client.metadata)
-        except (ValueError, grpc.RpcError) as exc:  # the channel was closed under us
-            self._last_error = f"cannot open the watch stream: {exc}"
-            return "broken"
-        with self._lock:
-            self._call = call
-        if self._cancelled.is_set():
-            call.cancel()
-        created = threading.Event()
-        timed_out = threading.Event()
-
-        def create_timed_out() -> None:
-            if not created.is_set():
-                timed_out.set()
-                call.cancel()
-
-        timer = threading.Timer(self._kv.options.timeout, create_timed_out)
-        timer.daemon = True
-        timer.start()
-        try:
-            for response in call:
-                if response.created and not created.is_set():
-                    created.set()
-                    timer.cancel()
-                if response.compact_revision:
-                    log.warning("watch %s: etcd compacted its history to revision %d, past revision %d that the "
-                                "watch resumes from; relisting", self.prefix, response.compact_revision,
-                                self._next_revision)
-                    return "compacted"
-                if response.canceled:
-                    self._last_error = f"etcd cancelled the watch: {response.cancel_reason or 'no reason given'}"
-                    log.warning("watch %s: %s", self.prefix, self._last_error)
-                    if self._kv.options.user is not None:
-                        self._kv._reauthenticate(client)  # a stale token makes etcd refuse the watch
-                    return "broken"
-                if response.created:
-                    if self._ever_created:
-                        self.reconnects += 1
-                    self._ever_created = True
-                    self._created.set()
-                self._deliver(response.events)
-            self._last_error = "the watch stream ended"
-            return "broken"
-        except grpc.RpcError as exc:
-            if timed_out.is_set():
-                self.create_timeouts += 1
-                self._last_error = f"no answer to the watch request within {self._kv.options.timeout} s"
-                log.warning("watch %s: %s; retrying", self.prefix, self._last_error)
-            elif not self._cancelled.is_set() and not self._kv._closed:
-                self._last_error = f"{exc.code()}: {exc.details()}"
-                log.debug("watch %s: stream broke (%s); resuming from revision %d", self.prefix,
-                          self._last_error, self._next_revision)
-            return "broken"
-        finally:
-            timer.cancel()
-            call.cancel()
-            with self._lock:
-                self._call = None
-
-    def _deliver(self, raw_events: Any) -> None:
-        last = None
-        for raw in raw_events:
-            revision = int(raw.kv.mod_revision)
-            if revision < self._next_revision:
-                continue  # already delivered before a reconnect
-            last = revision if last is None else max(last, revision)
-            key = raw.kv.key.decode()
-            known = self._snapshot.get(key) if self._snapshot is not None else None
-            prev = bytes(raw.prev_kv.value) if raw.HasField("prev_kv") else (known.value if known else None)
-            if raw.type == kv_pb2.Event.DELETE:
-                event = WatchEvent(EventKind.DELETE, key, bytes(raw.kv.value), revision, prev)
-                if self._snapshot is not None:
-                    self._snapshot.pop(key, None)
-            else:
-                event = WatchEvent(EventKind.PUT, key, bytes(raw.kv.value), revision, prev)
-                if self._snapshot is not None:
-                    self._snapshot[key] = _kv(raw.kv)
-            self._safe_callback(event)
-        if last is not None:
-            self._next_revision = last + 1
-
-    def _relist(self) -> None:
-        """Reconcile the snapshot with the prefix as it is now, deliver the difference, resume after it."""
-        kvs, revision = self._kv._range(self.prefix)
-        current = {kv.key: kv for kv in kvs}
-        old = self._snapshot
-        events: list[WatchEvent] = []
-        if old is None:
-            log.warning("watch %s: the history before its start revision %d was compacted; keys deleted before "
-                        "the relist at %d cannot be reported", self.prefix, self._next_revision, revision)
-            old = {}
-        for key, before in old.items():
-            now = current.get(key)
-            if now is None:
-                events.append(WatchEvent(EventKind.DELETE, key, b"", revision, before.value, relisted=True))
-            elif now.create_revision != before.create_revision:  # deleted, then created again
-                events.append(WatchEvent(EventKind.DELETE, key, b"", now.create_revision, before.value,
-                                         relisted=True))
-        for key, now in current.items():
-            if now.mod_revision < self._next_revision:
-                continue  # unchanged since it was delivered (or since before the watch started)
-            before = old.get(key)
-            prev = before.value if before is not None and before.create_revision == now.create_revision else None
-            events.append(WatchEvent(EventKind.PUT, key, now.value, now.mod_revision, prev, relisted=True))
-        events.sort(key=lambda e: (e.revision, e.kind is EventKind.PUT, e.key))
-        log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d changes delivered",
-                    self.prefix, revision, self._next_revision, len(events))
-        self._snapshot = current
-        self._next_revision = revision + 1
-        self._needs_relist = False
-        self.relists += 1
-        for event in events:
-            self._safe_callback(event)
-
-    def _safe_callback(self, event: WatchEvent) -> None:
-        if self._cancelled.is_set():
-            return
-        try:
-            self._callback(event)
-        except Exception:
-            log.exception("watch callback for %s failed on %s", self.prefix, event)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
-        if threading.current_thread() is not self._thread and self._thread.is_alive():
-            self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)

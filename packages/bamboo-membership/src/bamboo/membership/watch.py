@@ -1,0 +1,463 @@
+"""Prefix watches that lose nothing, all of one etcd client's on one gRPC stream.
+
+`EtcdKV.watch_prefix` returns a `PrefixWatch`. Every watch of one `EtcdKV` shares that client's
+`WatchStream`, one bidirectional etcd `Watch` stream (as etcd's own Go client does): etcd multiplexes
+any number of watches on a stream, each answered under its own watch id. An agent then holds one
+stream and one reading thread however many keys it watches; one stream per watch cost each agent a
+thread that gRPC wakes ten times a second, and etcd one stream per watch.
+
+- **Creation.** Creations are sent as they come, without waiting for the answers to the earlier ones, and
+  matched to etcd's `created` answers in order (etcd answers the creations of a stream in the order it
+  received them, one answer each, a refused one included). A creation that gets no answer within the RPC
+  timeout counts in the watch's `create_timeouts` and breaks the stream, which is then re-created.
+- **Resume.** When the stream breaks (etcd restarted, the network cut, a creation unanswered), every
+  watch is created again on a new stream from the revision after the last one it delivered, so nothing
+  is lost or delivered twice.
+- **Relist.** When etcd compacted its history past that revision, the watch relists its prefix and
+  reconciles it with its snapshot (key -> last value seen), as Kubernetes informers do: synthetic PUT
+  events (`relisted=True`) for keys that appeared or changed, DELETE events for keys that vanished, in
+  revision order; then it resumes from the relist's revision.
+- **Delivery.** Each watch delivers its events to its callback on its own thread, in revision order (a
+  slow callback delays only its own watch); an exception in a callback is logged and the watch goes on.
+  Those threads wait on a queue without a timeout, so an idle watch costs no CPU.
+
+Timeouts (`EtcdOptions`): `timeout` bounds each creation; `watch_retry_interval` is the pause before a
+broken stream is re-created; `watch_start_timeout` bounds a watch's first registration (its starting
+list and its creation, retried), after which `start` raises `StoreUnavailableError` naming the prefix.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from bamboo.membership import timeouts
+from bamboo.membership.kv_base import (
+    EtcdConnection,
+    EventKind,
+    KeyValue,
+    RevisionOutOfRange,
+    StoreError,
+    StoreUnavailableError,
+    WatchEvent,
+    key_value,
+)
+from bamboo.membership.streams import Deadline, request_iterator
+from pyetcd import etcdrpc
+from pyetcd import exceptions as etcd_exceptions
+from pyetcd import utils as etcd_utils
+from pyetcd.etcdrpc import kv_pb2
+
+__all__ = ["PrefixWatch", "WatchStream"]
+
+log = logging.getLogger(__name__)
+
+
+class WatchStream:
+    """One etcd client's watch stream, shared by all of its `PrefixWatch`es (see the module docstring).
+
+    Its thread runs while at least one watch wants a server-side watch; `streams` counts the streams opened.
+    """
+
+    def __init__(self, kv: EtcdConnection) -> None:
+        self._kv = kv
+        self._cond = threading.Condition()
+        self._active: list[PrefixWatch] = []  # the watches that want a server-side watch now
+        self._by_id: dict[int, PrefixWatch] = {}  # created on the current stream, by etcd's watch id
+        self._to_create: collections.deque[PrefixWatch] = collections.deque()
+        self._creating: collections.deque[PrefixWatch] = collections.deque()  # sent, not yet answered
+        self._requests: queue.Queue[Any] | None = None
+        self._call: Any = None
+        self._thread: threading.Thread | None = None
+        self._deadline: Deadline | None = None
+        self._closed = False
+        self.streams = 0
+
+    # -- what the watches ask -------------------------------------------------------------------
+
+    def submit(self, watch: PrefixWatch) -> None:
+        """Create a server-side watch for `watch` from its next revision (on the stream, or on the next one)."""
+        with self._cond:
+            if self._closed:
+                return
+            if watch not in self._active:
+                self._active.append(watch)
+            pending = watch in self._to_create or watch in self._creating or watch in self._by_id.values()
+            if self._requests is not None and not pending:
+                self._to_create.append(watch)
+                self._send_next_create()
+            if self._thread is None:
+                self._deadline = Deadline(f"bamboo-watch-deadline-{id(self):x}")
+                self._thread = threading.Thread(target=self._run, name="bamboo-watch-stream", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def withdraw(self, watch: PrefixWatch, *, cancel: bool = True) -> None:
+        """Forget `watch`; with `cancel`, tell etcd to end its server-side watch (etcd ended it otherwise)."""
+        with self._cond:
+            if watch in self._active:
+                self._active.remove(watch)
+            if watch in self._to_create:
+                self._to_create.remove(watch)
+            for watch_id, owner in list(self._by_id.items()):
+                if owner is watch:
+                    del self._by_id[watch_id]
+                    if cancel and self._requests is not None:
+                        self._requests.put(etcdrpc.WatchRequest(
+                            cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
+            if not self._active and self._call is not None:
+                self._call.cancel()  # an idle stream would keep a thread that gRPC wakes ten times a second
+
+    def reconnect(self) -> None:
+        """Break the current stream, so that it is made again on the client's current channel."""
+        with self._cond:
+            if self._call is not None:
+                self._call.cancel()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            if self._call is not None:
+                self._call.cancel()
+            self._cond.notify_all()
+        if self._deadline is not None:
+            self._deadline.close()
+
+    # -- the stream -----------------------------------------------------------------------------
+
+    def _send_next_create(self) -> None:
+        """Send every creation waiting to be sent (called with the lock held); the oldest one awaiting its
+        answer is the one the deadline watches."""
+        if self._requests is None:
+            return
+        while self._to_create:
+            watch = self._to_create.popleft()
+            self._creating.append(watch)
+            self._requests.put(watch.create_request())
+        self._arm()
+
+    def _arm(self) -> None:
+        """Watch the oldest creation in flight for its answer (called with the lock held)."""
+        assert self._deadline is not None
+        if not self._creating:
+            self._deadline.disarm()
+            return
+        head = self._creating[0]
+        self._deadline.arm(self._kv.options.timeout, lambda call=self._call, w=head: self._create_timed_out(call, w))
+
+    def _create_timed_out(self, call: Any, watch: PrefixWatch) -> None:
+        with self._cond:
+            if self._call is not call or not self._creating or self._creating[0] is not watch:
+                return
+            watch.create_timeouts += 1
+            watch.last_error = f"no answer to the watch request within {self._kv.options.timeout} s"
+        log.warning("watch %s: %s; re-creating the stream", watch.prefix, watch.last_error)
+        call.cancel()
+
+    def _open(self) -> Any:
+        client = self._kv.client
+        stub = etcdrpc.WatchStub(client.channel)
+        requests: queue.Queue[Any] = queue.Queue()
+        call = stub.Watch(request_iterator(requests), credentials=client.call_credentials, metadata=client.metadata)
+        with self._cond:
+            self._requests, self._call = requests, call
+            self._to_create = collections.deque(self._active)
+            self._creating = collections.deque()
+            self._send_next_create()
+        self.streams += 1
+        return call
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._kv.closed and not self._active:
+                    self._cond.wait()
+                if self._closed or self._kv.closed:
+                    return
+            error = "the watch stream ended"
+            try:
+                call = self._open()
+                for response in call:
+                    self._on_response(response)
+            except (etcd_exceptions.Etcd3Exception, ValueError) as exc:  # no endpoint, or the channel closed
+                error = f"cannot open the watch stream: {exc}"
+            except grpc.RpcError as exc:
+                error = f"{exc.code()}: {exc.details()}" if hasattr(exc, "code") else str(exc)
+            self._broken(error)
+            with self._cond:
+                if self._closed or self._kv.closed:
+                    return
+                if self._active:
+                    self._cond.wait(self._kv.options.watch_retry_interval)
+
+    def _broken(self, error: str) -> None:
+        with self._cond:
+            if self._deadline is not None:
+                self._deadline.disarm()
+            if self._requests is not None:
+                self._requests.put(None)
+            affected = list(self._active)
+            self._requests, self._call, self._creating = None, None, collections.deque()
+            self._by_id.clear()
+            self._to_create.clear()
+        for watch in affected:
+            watch.last_error = error
+        if affected and not self._closed and not self._kv.closed:
+            log.debug("watch stream broke (%s); %d watches resume on a new one", error, len(affected))
+
+    def _on_response(self, response: Any) -> None:
+        watch_id = int(response.watch_id)
+        if response.created:
+            with self._cond:
+                watch = self._creating.popleft() if self._creating else None
+                self._arm()
+                failed = bool(response.canceled) or watch_id < 0
+                if watch is not None and not failed:
+                    if watch in self._active:
+                        self._by_id[watch_id] = watch
+                    elif self._requests is not None:  # withdrawn while its creation was in flight
+                        self._requests.put(etcdrpc.WatchRequest(
+                            cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
+                        watch = None
+                elif watch is not None and watch in self._active:
+                    self._active.remove(watch)  # it asks again once it has handled the refusal
+            if watch is not None:
+                watch.post(("canceled", response.cancel_reason) if failed else ("created",))
+            if not response.events and not response.compact_revision:
+                return
+        with self._cond:
+            watch = self._by_id.get(watch_id)
+            if watch is not None and (response.compact_revision or response.canceled):
+                del self._by_id[watch_id]  # etcd ended this server-side watch
+                if watch in self._active:
+                    self._active.remove(watch)
+        if watch is None:
+            return
+        if response.compact_revision:
+            watch.post(("compacted", int(response.compact_revision)))
+        elif response.canceled:
+            watch.post(("canceled", response.cancel_reason))
+        elif response.events:
+            watch.post(("events", list(response.events)))
+
+
+class PrefixWatch:
+    """A watch of every key under a prefix that survives etcd restarts and compaction (module docstring).
+
+    Counters for tests and logs: `reconnects` (creations after the first), `relists`, `list_failures`
+    (failed attempts at the starting list), `create_timeouts` (creations that got no answer within the RPC
+    timeout).
+    """
+
+    def __init__(
+        self, kv: EtcdConnection, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None,
+        *, snapshot: list[KeyValue] | None = None,
+    ) -> None:
+        if snapshot is not None and start_revision is None:
+            raise ValueError(f"watch of {prefix}: a snapshot goes with the revision after it (start_revision)")
+        self._given = snapshot
+        self._kv = kv
+        self.prefix = prefix
+        self._range_end = etcd_utils.prefix_range_end(prefix.encode())
+        self._callback = callback
+        self._start_revision = start_revision
+        self._next_revision = 0
+        self._snapshot: dict[str, KeyValue] | None = {}
+        self._inbox: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._cancelled = threading.Event()
+        self._created = threading.Event()
+        self._ever_created = False
+        self._thread = threading.Thread(target=self._dispatch, name=f"bamboo-watch{prefix}", daemon=True)
+        self.last_error = "no attempt finished yet"
+        self.reconnects = 0
+        self.relists = 0
+        self.list_failures = 0
+        self.create_timeouts = 0
+
+    # -- start -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Read the starting snapshot and create the watch, retrying both within `watch_start_timeout`."""
+        bound = self._kv.options.watch_start_timeout
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                self._load_snapshot()
+                break
+            except StoreUnavailableError as exc:
+                self.last_error = str(exc)
+                self.list_failures += 1
+                if time.monotonic() + self._kv.options.watch_retry_interval >= deadline:
+                    raise self._start_failed(bound) from exc
+                log.debug("watch %s: initial list failed (%s); retrying", self.prefix, exc)
+                time.sleep(self._kv.options.watch_retry_interval)
+        self._thread.start()
+        self._kv.watch_stream().submit(self)
+        if not self._created.wait(max(0.0, deadline - time.monotonic())):
+            self.cancel()
+            raise self._start_failed(bound)
+
+    def _start_failed(self, bound: float) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"watch on {self.prefix} at etcd {self._kv.where} could not be set up within {bound} s "
+            f"(watch_start_timeout; each attempt bounded by the {self._kv.options.timeout} s RPC timeout); "
+            f"last error: {self.last_error}"
+        )
+
+    def _load_snapshot(self) -> None:
+        if self._given is not None and self._start_revision is not None:
+            self._snapshot = {kv.key: kv for kv in self._given}
+            self._next_revision = self._start_revision
+            return
+        if self._start_revision is None:
+            kvs, revision = self._kv.range_at(self.prefix)
+            self._snapshot = {kv.key: kv for kv in kvs}
+            self._next_revision = revision + 1
+            return
+        self._next_revision = self._start_revision
+        if self._start_revision <= 1:
+            self._snapshot = {}
+            return
+        try:
+            kvs, _ = self._kv.range_at(self.prefix, self._start_revision - 1)
+        except RevisionOutOfRange as exc:
+            if exc.compacted:
+                # The stream will be told it is compacted and relist; deletions before then cannot be known.
+                self._snapshot = None
+                return
+            kvs, _ = self._kv.range_at(self.prefix)  # a start in the future: what exists now precedes it
+        self._snapshot = {kv.key: kv for kv in kvs}
+
+    def create_request(self) -> Any:
+        """The request that creates this watch's server-side watch, from the revision after the last delivered."""
+        return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+            key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision, prev_kv=True))
+
+    # -- delivery (this watch's own thread) --------------------------------------------------------
+
+    def post(self, item: tuple[Any, ...]) -> None:
+        """Hand what the stream received for this watch to its thread."""
+        self._inbox.put(item)
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is None or self._cancelled.is_set():
+                return
+            kind = item[0]
+            if kind == "created":
+                if self._ever_created:
+                    self.reconnects += 1
+                self._ever_created = True
+                self._created.set()
+            elif kind == "events":
+                self._deliver(item[1])
+            elif kind == "compacted":
+                log.warning("watch %s: etcd compacted its history to revision %d, past revision %d that the watch "
+                            "resumes from; relisting", self.prefix, item[1], self._next_revision)
+                self._relist_until_done()
+                self._resubmit()
+            elif kind == "canceled":
+                self._refused(str(item[1]) or "no reason given")
+
+    def _refused(self, reason: str) -> None:
+        """etcd refused or ended this watch for another reason than compaction: ask again after a pause."""
+        self.last_error = f"etcd cancelled the watch: {reason}"
+        log.warning("watch %s: %s", self.prefix, self.last_error)
+        if self._kv.options.user is not None:
+            stale = self._kv.client
+            self._kv.reauthenticate(stale)  # a stale token makes etcd refuse the watch
+            self._kv.watch_stream().reconnect()
+        self._cancelled.wait(self._kv.options.watch_retry_interval)
+        self._resubmit()
+
+    def _resubmit(self) -> None:
+        if not self._cancelled.is_set() and not self._kv.closed:
+            self._kv.watch_stream().submit(self)
+
+    def _relist_until_done(self) -> None:
+        while not self._cancelled.is_set() and not self._kv.closed:
+            try:
+                self._relist()
+                return
+            except (StoreError, RevisionOutOfRange) as exc:
+                self.last_error = str(exc)
+                log.debug("watch %s: relist failed (%s); retrying", self.prefix, exc)
+                self._cancelled.wait(self._kv.options.watch_retry_interval)
+
+    def _deliver(self, raw_events: Any) -> None:
+        last = None
+        for raw in raw_events:
+            revision = int(raw.kv.mod_revision)
+            if revision < self._next_revision:
+                continue  # already delivered before a reconnect
+            last = revision if last is None else max(last, revision)
+            key = raw.kv.key.decode()
+            known = self._snapshot.get(key) if self._snapshot is not None else None
+            prev = bytes(raw.prev_kv.value) if raw.HasField("prev_kv") else (known.value if known else None)
+            if raw.type == kv_pb2.Event.DELETE:
+                event = WatchEvent(EventKind.DELETE, key, bytes(raw.kv.value), revision, prev)
+                if self._snapshot is not None:
+                    self._snapshot.pop(key, None)
+            else:
+                event = WatchEvent(EventKind.PUT, key, bytes(raw.kv.value), revision, prev,
+                                   create_revision=int(raw.kv.create_revision), lease=int(raw.kv.lease))
+                if self._snapshot is not None:
+                    self._snapshot[key] = key_value(raw.kv)
+            self._safe_callback(event)
+        if last is not None:
+            self._next_revision = last + 1
+
+    def _relist(self) -> None:
+        """Reconcile the snapshot with the prefix as it is now, deliver the difference, resume after it."""
+        kvs, revision = self._kv.range_at(self.prefix)
+        current = {kv.key: kv for kv in kvs}
+        old = self._snapshot
+        events: list[WatchEvent] = []
+        if old is None:
+            log.warning("watch %s: the history before its start revision %d was compacted; keys deleted before "
+                        "the relist at %d cannot be reported", self.prefix, self._next_revision, revision)
+            old = {}
+        for key, before in old.items():
+            now = current.get(key)
+            if now is None:
+                events.append(WatchEvent(EventKind.DELETE, key, b"", revision, before.value, relisted=True))
+            elif now.create_revision != before.create_revision:  # deleted, then created again
+                events.append(WatchEvent(EventKind.DELETE, key, b"", now.create_revision, before.value,
+                                         relisted=True))
+        for key, now in current.items():
+            if now.mod_revision < self._next_revision:
+                continue  # unchanged since it was delivered (or since before the watch started)
+            before = old.get(key)
+            prev = before.value if before is not None and before.create_revision == now.create_revision else None
+            events.append(WatchEvent(EventKind.PUT, key, now.value, now.mod_revision, prev, relisted=True,
+                                     create_revision=now.create_revision, lease=now.lease))
+        events.sort(key=lambda e: (e.revision, e.kind is EventKind.PUT, e.key))
+        log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d changes delivered",
+                    self.prefix, revision, self._next_revision, len(events))
+        self._snapshot = current
+        self._next_revision = revision + 1
+        self.relists += 1
+        for event in events:
+            self._safe_callback(event)
+
+    def _safe_callback(self, event: WatchEvent) -> None:
+        if self._cancelled.is_set():
+            return
+        try:
+            self._callback(event)
+        except Exception:
+            log.exception("watch callback for %s failed on %s", self.prefix, event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._kv.watch_stream().withdraw(self)
+        self._inbox.put(None)
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)

@@ -1,0 +1,165 @@
+"""What keeps one etcd client cheap at scale: every watch of a client on one stream, every lease refresh on
+one keepalive stream, a key read once and then followed (`WatchedKey`), and a detector that does not follow
+every node record but reads a suspect's record when it must probe it (and one that follows from a past
+revision, so that a lease expiry in between is still declared).
+
+Real etcd; no test asserts how fast anything happened (tests/benchmarks/bench_scale.py measures that).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from bamboo.membership.agent import NodeAgent
+from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
+from bamboo.membership.kv import EtcdKV, EventKind, WatchEvent
+from bamboo.membership.probing import connect_probe
+from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
+from bamboo.membership.store import MembershipStore
+from bamboo.membership.watched import WatchedKey
+
+REFUSED = ProbeResult(ProbeOutcome.REFUSED, detail="connection refused")
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.events: list[WatchEvent] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, event: WatchEvent) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def wait(self, count: int) -> list[WatchEvent]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.events) >= count, 20), f"only {self.events}"
+            return list(self.events)
+
+
+def test_every_watch_of_a_client_shares_one_stream_and_a_cancel_ends_only_its_own(kv: EtcdKV, job: str) -> None:
+    seen = [Seen() for _ in range(5)]
+    watches = [kv.watch_prefix(f"/bamboo/{job}/w{i}/", s) for i, s in enumerate(seen)]
+    try:
+        for i in range(5):
+            kv.put(f"/bamboo/{job}/w{i}/k", str(i).encode())
+        for i, s in enumerate(seen):
+            assert [(e.kind, e.value) for e in s.wait(1)] == [(EventKind.PUT, str(i).encode())]
+        assert kv.watch_stream().streams == 1
+        watches[0].cancel()
+        kv.put(f"/bamboo/{job}/w0/k", b"after")
+        kv.put(f"/bamboo/{job}/w1/k", b"after")
+        assert [e.value for e in seen[1].wait(2)] == [b"1", b"after"]
+        assert [e.value for e in seen[0].events] == [b"0"]
+    finally:
+        for watch in watches[1:]:
+            watch.cancel()
+
+
+def test_lease_refreshes_go_over_one_stream_and_a_gone_lease_reads_zero(kv: EtcdKV) -> None:
+    leases = [kv.grant_lease(5) for _ in range(3)]
+    for _ in range(4):
+        assert all(kv.refresh_lease(lease) > 0 for lease in leases)
+    assert kv._keepalive.streams == 1
+    kv.revoke_lease(leases[0])
+    assert kv.refresh_lease(leases[0]) == 0
+    assert kv.refresh_lease(leases[1]) > 0
+
+
+def test_refreshes_that_wait_for_a_batch_in_flight_go_out_together_in_the_next(kv: EtcdKV, wait_until) -> None:
+    leases = [kv.grant_lease(5) for _ in range(20)]
+    assert kv.refresh_lease(leases[0]) > 0
+    stream = kv._keepalive
+    ttls: list[int] = []
+    with stream._lock:  # a batch in flight: every caller meanwhile waits for the next one
+        threads = [threading.Thread(target=lambda lease=lease: ttls.append(kv.refresh_lease(lease)))
+                   for lease in leases]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(stream._waiting) == len(leases), timeout=20, message="every caller waiting")
+        batches = stream.batches
+    for thread in threads:
+        thread.join(30)
+    assert len(ttls) == 20 and all(ttl > 0 for ttl in ttls)
+    assert stream.batches == batches + 1  # twenty refreshes, one batch
+
+
+def test_a_watched_key_is_read_once_then_followed(kv: EtcdKV, job: str) -> None:
+    key = f"/bamboo/{job}/decisions/end"
+    kv.put(key, b"first")
+    changes: list[bytes | None] = []
+    watched = WatchedKey(kv, key, on_change=lambda found: changes.append(None if found is None else found.value))
+    try:
+        assert watched.value is not None and watched.value.value == b"first"
+        kv.put(key + "-other", b"a longer key under the same prefix")
+        kv.put(key, b"second")
+        found = watched.wait(lambda v: v is not None and v.value == b"second", 20)
+        assert found is not None and found.value == b"second"
+        kv.delete(key)
+        assert watched.wait(lambda v: v is None, 20) is None
+        assert changes == [b"second", None]
+    finally:
+        watched.close()
+
+
+def test_a_detector_that_follows_no_node_reads_the_suspects_record_to_probe_it(store: MembershipStore) -> None:
+    victim = store.register(NodeRecord(id="victim", address="127.0.0.1", agent_port=9, incarnation=1), ttl=5)
+    detector = FailureDetector(store, "d1", lambda record, timeout: REFUSED, DetectorConfig(),
+                               follow_membership=False)
+    seen: list[NodeFailed] = []
+    detector.subscribe(seen.append)
+    detector.start(probe_loop=False)
+    try:
+        assert not detector.following and detector.known_nodes() == {}
+        detector.report_peer_failure("victim", "send failed")
+        detector.tick()
+        assert [(e.node, e.path) for e in seen] == [("victim", "neighbour_report")]
+        assert detector.probes_sent == 1
+        # a failure another detector confirmed is not watched for here: the follower (the coordinator) sees it
+        store.report_failure(FailureReport(node="elsewhere", epoch=0, detected_by="d2"))
+        detector.report_peer_failure("victim", "send failed again")  # already declared: nothing more
+        detector.tick()
+        assert [e.node for e in seen] == ["victim"] and detector.probes_sent == 1
+    finally:
+        detector.stop()
+        victim.stop_keepalive()
+
+
+def test_a_detector_that_starts_following_from_a_past_revision_declares_an_expiry_in_between(
+    store: MembershipStore, wait_until
+) -> None:
+    since = store.kv.revision() + 1
+    gone = store.register(NodeRecord(id="gone", address="127.0.0.1", agent_port=9, incarnation=1), ttl=1)
+    gone.stop_keepalive()
+    wait_until(lambda: store.get_node("gone") is None, timeout=20, message="the lease to expire")
+    left = store.register(NodeRecord(id="left", incarnation=1), ttl=5)
+    left.update(state=NodeState.NODE_STATE_LEFT)
+    left.leave()
+    detector = FailureDetector(store, "d1", lambda record, timeout: REFUSED, DetectorConfig(),
+                               follow_membership=False)
+    seen: list[NodeFailed] = []
+    changed = threading.Event()
+    detector.subscribe(seen.append)
+    detector.subscribe_membership(changed.set)
+    detector.start(probe_loop=False)
+    try:
+        detector.follow_membership(since_revision=since)
+        wait_until(lambda: seen, timeout=20, message="the expiry before the follow to be declared")
+        assert [(e.node, e.path) for e in seen] == [("gone", "lease_expiry")]  # the one that left is no failure
+        assert changed.is_set() and detector.following
+        detector.unfollow_membership()
+        assert not detector.following and detector.known_nodes() == {}
+    finally:
+        detector.stop()
+
+
+def test_a_connect_probe_tells_a_closed_port_from_an_open_one(store: MembershipStore) -> None:
+    agent = NodeAgent(store, "live", follow_membership=False).start()
+    try:
+        record = agent.record
+        alive = connect_probe(record, 1.0)
+        assert (alive.outcome, alive.incarnation) == (ProbeOutcome.ALIVE, record.incarnation)
+        agent.stop(leave=False, grace=0)  # vanishes as a crash would: the port closes first
+        assert connect_probe(record, 1.0).outcome is ProbeOutcome.REFUSED
+    finally:
+        agent.stop(leave=True, grace=0)

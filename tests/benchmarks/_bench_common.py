@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,13 +21,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 class Log:
-    """Progress lines with the seconds since the benchmark started."""
+    """Progress lines with the seconds since the benchmark started, on stderr: stdout carries the results (the
+    table, or the JSON of ``--json``) alone."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
 
     def __call__(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:7.1f}s] {message}", flush=True)
+        print(f"[{time.monotonic() - self.started:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02) -> Any:

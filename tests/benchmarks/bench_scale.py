@@ -49,6 +49,7 @@ from typing import Any
 
 from _bench_common import Log, percentile
 from _scale_etcd import EtcdCounters, database_after, process_cpu_s
+from bamboo.bench.argtypes import default_of
 from bamboo.launch.events import EVENTS_PER_WRITER
 from bamboo.launch.notices import epoch_decision
 from bamboo.launch.spec import JobSpec
@@ -164,7 +165,7 @@ class Run:
         args, n = self.args, self.n
         spec = JobSpec(job=JOB, stages=self.stages, pipelines=self.pipelines, steps=10**9,
                        layers=[LAYER] * (2 * self.stages), config={}, micro_batches=2, created_unix=time.time(),
-                       min_nodes=n, redundancy="eflb")
+                       min_nodes=n, redundancy="eflb", ttl=args.ttl)
         self.kv.put(self.store.keys.root + "spec", spec.to_json().encode())
         nodes = [(f"node{i:04d}", ZONES[i % len(ZONES)]) for i in range(n)]
         groups = [nodes[i:i + args.per_process] for i in range(0, n, args.per_process)]
@@ -419,6 +420,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pause-s", type=float, default=1.0, help="pause after each failure trial, s")
     parser.add_argument("--deadline-s", type=float, default=30.0, help="how long a delivery may take before it counts "
                         "as lost")
+    parser.add_argument("--ttl", type=int, default=default_of(JobSpec, "ttl"),
+                        help="the agents' lease TTL, s (default: the job's, %(default)s; hundreds of agents emulated "
+                        "on a few cores may need more: a host process starved longer than it loses every lease)")
     parser.add_argument("--replay-hours", type=float, default=1.0,
                         help="hours of the steady state's etcd writes replayed to size the database (the "
                         "db_bytes_after_an_hour keys are after this many hours; default: %(default)s)")
@@ -446,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"--- {n} agents, run {attempt + 1} of {args.repeat} (load {os.getloadavg()[0]:.1f})")
             result = Run(args, n, say).execute()
             result["run"] = attempt + 1
+            result["ttl_s"] = args.ttl
             result["load_avg_1m"] = os.getloadavg()[0]
             results.append(result)
     if args.json:

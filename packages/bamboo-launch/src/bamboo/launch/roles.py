@@ -1,10 +1,10 @@
 """How a worker without a role finds one: a layout in etcd that places it, or a layout being prepared that does.
 
 A warm worker (a joiner, or a node left out of the last layout) follows the job's layout by a watch
-(:class:`bamboo.launch.role_watch.RoleWatch`) and looks for a layout being prepared during it
-(:mod:`bamboo.launch.prepare`) each time the layout changes, and every ``WORKER_POLL_S``. A layout that places it is a role: it starts it at once.
-A prepared layout that places it is a role too, before its switch: the worker builds its part while the
-others train, so that the switch does not wait for it.
+(:class:`bamboo.launch.role_watch.RoleWatch`), and looks for a layout being prepared during it
+(:mod:`bamboo.launch.prepare`) each time the layout changes and every ``WORKER_POLL_S``. A layout that places
+it is a role: it starts it at once. A prepared layout that places it is a role too, before its switch: the
+worker builds its part while the others train, so that the switch does not wait for it.
 """
 
 from __future__ import annotations

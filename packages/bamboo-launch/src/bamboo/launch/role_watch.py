@@ -21,13 +21,14 @@ __all__ = ["RoleWatch"]
 
 
 class RoleWatch:
-    """The layout and the job's end of ``membership``'s job, for the worker of ``node``.
+    """The layout and the job's end of ``membership``'s job, for the worker of ``node`` (and, with
+    ``follow_decisions``, every decision of the job: a change of any of them wakes :meth:`wait_change`).
 
     :meth:`wait_role` blocks until a layout of a later generation places the node (or the job ends);
     :meth:`next_layout` until any later generation is written (a standby node learns its role in it too).
     """
 
-    def __init__(self, membership: Any, node: str) -> None:
+    def __init__(self, membership: Any, node: str, *, follow_decisions: bool = False) -> None:
         from bamboo.membership import WatchedKey
 
         self.node = node
@@ -36,6 +37,10 @@ class RoleWatch:
         self._decoded: tuple[int, Any] = (0, None)
         self._layout = WatchedKey(membership.kv, membership.keys.layout, on_change=self._changed)
         self._end = WatchedKey(membership.kv, membership.keys.decision("end"), on_change=self._changed)
+        self._decisions = None
+        if follow_decisions:  # a layout being prepared, and its outcome, are decisions: each one counts as a change
+            self._decisions = membership.kv.watch_prefix(membership.keys.decisions,
+                                                         lambda _event: self._changed(None))
 
     def _changed(self, _found: Any) -> None:
         with self._cond:
@@ -101,3 +106,5 @@ class RoleWatch:
     def close(self) -> None:
         self._layout.close()
         self._end.close()
+        if self._decisions is not None:
+            self._decisions.cancel()

@@ -2,7 +2,7 @@
 
 A warm worker (a joiner, or a node left out of the last layout) follows the job's layout by a watch
 (:class:`bamboo.launch.role_watch.RoleWatch`), and looks for a layout being prepared during it
-(:mod:`bamboo.launch.prepare`) each time the layout changes and every ``WORKER_POLL_S``. A layout that places
+(:mod:`bamboo.launch.prepare`) each time the layout or a decision changes, and every ``ROLE_RESCAN_S``. A layout that places
 it is a role: it starts it at once. A prepared layout that places it is a role too, before its switch: the
 worker builds its part while the others train, so that the switch does not wait for it.
 """
@@ -45,4 +45,4 @@ def wait_role(run: WorkerSession, after: int) -> Role | None:
                     return Role(prepared=scan.open)
         except Exception:  # etcd restarting (or a record being replaced): look again
             pass
-        run.roles.wait_change(seen, timeouts.WORKER_POLL_S)
+        run.roles.wait_change(seen, timeouts.ROLE_RESCAN_S)

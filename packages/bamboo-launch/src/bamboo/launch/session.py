@@ -72,7 +72,7 @@ class WorkerSession:
         if found is not None:
             self._on_notice_value(found.value)
         self._end_watch = self.kv.watch_prefix(self.membership.keys.decision("end"), self._on_end)
-        self.roles = RoleWatch(self.membership, self.node)
+        self.roles = RoleWatch(self.membership, self.node, follow_decisions=True)
         """The job's layout and end, followed by watches (no etcd read per look)."""
 
     def _on_end(self, event: Any) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "NOTICE_DIRECT_READ_S",
     "REAP_TIMEOUT_S",
     "RECONFIGURE_TIMEOUT_S",
+    "ROLE_RESCAN_S",
     "RUN_POLL_S",
     "RUN_TIMEOUT_S",
     "SCRIPT_DESCRIBE_TIMEOUT_S",
@@ -90,6 +91,10 @@ K8S_API_TIMEOUT_S = 10.0
 K8S_GRACE_PERIOD_S = 15
 """The rendered pods' ``terminationGracePeriodSeconds`` (``k8s render --grace-period``): from SIGTERM (a
 preemption notice) to the kill. GKE spot gives non-system pods 15 s."""
+
+ROLE_RESCAN_S = 1.0
+"""How often a worker without a role looks for a layout being prepared when nothing woke it: the layout and every
+decision of the job are watched, and a change wakes it at once; this is the safety net."""
 
 WORKER_POLL_S = 0.05
 """How often a worker without a role checks the layout and the job's end (and how often holders at a

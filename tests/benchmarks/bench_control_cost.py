@@ -21,6 +21,7 @@ role never competes with the ones that train.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -130,6 +131,9 @@ def training(args: argparse.Namespace, say: Log) -> dict[str, Any]:
             ranked = set(_layout_nodes(found.value)) if found is not None else set()
             rates = _cpu_over([run.pid, *agents, *workers], args.window_s)
         finally:
+            for pid in _descendants(run.pid):  # every node runs in a session of its own: the group kill misses them
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             os.killpg(run.pid, signal.SIGKILL)
             run.wait()
     standby = [rates[pid] for pid, node in workers.items() if pid in rates and node not in ranked]

@@ -200,7 +200,7 @@ def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(member
     from bamboo.launch.coordinator import read_layout
 
     spec = _spec(membership.keys.job)
-    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    coordinator, _, events = _coordinator(membership, "s9", "a", spec)
     layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})  # none of them registered
     membership.put_layout(layout.to_dict(), 0)
     log = EtcdEventLog(membership.kv, spec.job, "n3.worker.1", spec.created_unix)
@@ -215,6 +215,9 @@ def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(member
     restart = read_layout(membership)
     assert restart.generation == 1 and restart.start_step == 0 and set(restart.ranks) == {"s8", "s9"}
     assert restart.restore is not None and restart.restore.initial and membership.get_decision("end") is None
+    # no probe reported them (their leases expired together): each loss is still recorded, once
+    assert sorted((e.node, e.zone) for e in events.written) == [("n0", "a"), ("n1", "b"), ("n2", "c"), ("n3", "a")]
+    assert membership.get_decision("preempted-n1") is not None
 
 
 def test_a_layout_that_trained_nothing_and_nobody_holds_is_started_again_on_warm_nodes(

@@ -369,6 +369,8 @@ class Coordinator:
         registered = self._registered()
         if any(node in registered for node in (*layout.ranks, *layout.survivors)):
             return
+        for node in sorted(layout.ranks):  # gone together, some before any probe reported them: their leases expired
+            self._confirm_lost(node, "its lease expired")
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
             zones = {**layout.zones, **{n: r.zone for n, r in registered.items()}}
             redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
@@ -438,14 +440,18 @@ class Coordinator:
             if record.zone:
                 self._zones.setdefault(node, record.zone)
         for node, report in sorted(reports.items()):
-            if node in self._preempted:
-                continue
-            zone = self._zones.get(node) or "unknown"
-            decision = self.membership.decide(f"preempted-{node}", Preempted(node, zone, report.reason).to_dict())
-            if decision.won:
-                self.events.write(Preemption(t=self.events.now(), node=node, zone=zone, notice_s=0.0))
-                self.say(f"confirmed failure of {node}: {report.reason}")
-            self._preempted.add(node)
+            self._confirm_lost(node, report.reason)
+
+    def _confirm_lost(self, node: str, reason: str) -> None:
+        """Record ``node``'s loss once for the job (the ``preempted-<node>`` decision, and one preemption event)."""
+        if node in self._preempted:
+            return
+        zone = self._zones.get(node) or "unknown"
+        decision = self.membership.decide(f"preempted-{node}", Preempted(node, zone, reason).to_dict())
+        if decision.won:
+            self.events.write(Preemption(t=self.events.now(), node=node, zone=zone, notice_s=0.0))
+            self.say(f"confirmed failure of {node}: {reason}")
+        self._preempted.add(node)
 
     def _publish_events(self, layout: Any, reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
         """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known."""

@@ -46,6 +46,7 @@ from typing import Any
 
 import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.forkserver import ForkedProcess, run_to_end, spawn
 from bamboo.launch.records import JobEnd, WorkerError, WorkerWarm, read_record
 from bamboo.launch.spec import (
     AGENT_DONE,
@@ -186,12 +187,11 @@ def describe_model(fields: Mapping[str, Any], log: Path, *, in_process: bool = F
         return describe_program(example_program({"layers": layers}, dict(EXAMPLE_CONFIG), 0), pipelines)
     out = log.with_suffix(".json")
     with open(log, "wb") as sink:
-        done = subprocess.run([sys.executable, "-m", "bamboo.launch.example", "--layers", str(layers),
-                               "--pipelines", str(pipelines), "--out", str(out)],
-                              stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False,
-                              timeout=timeouts.SCRIPT_DESCRIBE_TIMEOUT_S)
-    if done.returncode != 0:
-        raise AgentError(f"the built-in example could not be described (status {done.returncode}, log: {log})")
+        status = run_to_end([sys.executable, "-m", "bamboo.launch.example", "--layers", str(layers),
+                             "--pipelines", str(pipelines), "--out", str(out)],
+                            env=os.environ, stdout=sink, timeout_s=timeouts.SCRIPT_DESCRIBE_TIMEOUT_S)
+    if status != 0:
+        raise AgentError(f"the built-in example could not be described (status {status}, log: {log})")
     return json.loads(out.read_text())
 
 
@@ -307,7 +307,7 @@ class _Supervisor:
                              agent_tls_ca=options.tls_ca, agent_tls_cert=options.tls_cert,
                              agent_tls_key=options.tls_key, agent_tls_server_name=options.tls_server_name)
 
-    def spawn(self) -> subprocess.Popen[bytes]:
+    def spawn(self) -> subprocess.Popen[bytes] | ForkedProcess:
         folder = Path(self.options.run_dir) / "workers"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.node}.json"
@@ -318,12 +318,11 @@ class _Supervisor:
             variables["BAMBOO_GLOO_HOST"] = self.options.host
         if self.options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it
             variables["BAMBOO_DEVICE"] = self.options.device
-        nice = shutil.which("nice")
-        if nice is not None:
-            command = [nice, "-n", str(WORKER_NICENESS), *command]
         self.say(f"node {self.node}: spawning its worker")
         # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.
-        return subprocess.Popen(command, env={**os.environ, **variables}, stdin=subprocess.DEVNULL)
+        # On an emulated cluster's node, it is forked from the cluster's preloaded interpreter.
+        return spawn(command, env={**os.environ, **variables},
+                     niceness=WORKER_NICENESS if shutil.which("nice") is not None else 0)
 
     def ended(self, *, fresh: bool = False) -> JobEnd | None:
         """The job's end record, once written (followed by a watch: no request; ``fresh`` reads etcd now)."""
@@ -394,7 +393,7 @@ def _agent_auth(options: AgentOptions) -> dict[str, Any]:
     return auth
 
 
-def _kill(worker: subprocess.Popen[bytes]) -> None:
+def _kill(worker: subprocess.Popen[bytes] | ForkedProcess) -> None:
     if worker.poll() is None:
         worker.send_signal(signal.SIGKILL)
         worker.wait()

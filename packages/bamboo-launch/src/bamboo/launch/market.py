@@ -40,6 +40,7 @@ from typing import IO, Any, Protocol
 
 import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkedProcess, ForkServer
 
 __all__ = [
     "ActionKind",
@@ -375,6 +376,9 @@ class ProcessCluster:
     node as much CPU as the launcher and everything else it shares a machine with, whatever their
     priorities; in one session a lower-priority launcher (``nice``) runs lower-priority nodes.
 
+    With a ``fork_server`` (:mod:`bamboo.launch.forkserver`), each node is forked from its preloaded
+    interpreter instead of exec'd, and its agent starts its worker the same way (same groups, same files).
+
     - ``kill`` sends SIGKILL to the whole group, then reaps the leader;
     - ``notify`` sends ``notice_signal`` (SIGTERM) to the leader only: the agent turns it into a
       preemption notice, as a cloud's shutdown signal would arrive;
@@ -395,16 +399,20 @@ class ProcessCluster:
         notice_signal: signal.Signals = signal.SIGTERM,
         name_prefix: str = "node",
         reap_timeout_s: float = timeouts.REAP_TIMEOUT_S,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self._command = command
         self._env = dict(os.environ if env is None else env)
+        self._fork_server = fork_server
+        if fork_server is not None:  # each node's agent starts its worker through it too
+            self._env[FORK_SERVER_ENV] = fork_server.address
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._notice_signal = notice_signal
         self._prefix = name_prefix
         self._reap_timeout_s = reap_timeout_s
         self._counter = itertools.count()
         self._lock = threading.Lock()
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
         self.zones: dict[str, str] = {}
         self.notices: list[tuple[str, float]] = []
         self._logs: dict[str, IO[bytes]] = {}
@@ -422,14 +430,14 @@ class ProcessCluster:
                 self._log_dir.mkdir(parents=True, exist_ok=True)
                 output = open(self._log_dir / f"{node}.log", "wb")  # noqa: SIM115
                 self._logs[node] = output
-            self.processes[node] = subprocess.Popen(
-                list(self._command(node, zone)),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                process_group=0,
-            )
+            if self._fork_server is not None:
+                self.processes[node] = self._fork_server.start(list(self._command(node, zone)), env=env,
+                                                               stdout=output, stderr=subprocess.STDOUT,
+                                                               process_group=0)
+            else:
+                self.processes[node] = subprocess.Popen(list(self._command(node, zone)), env=env,
+                                                        stdin=subprocess.DEVNULL, stdout=output,
+                                                        stderr=subprocess.STDOUT, process_group=0)
             self.zones[node] = zone
         return node
 

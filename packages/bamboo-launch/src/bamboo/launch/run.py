@@ -118,6 +118,9 @@ class RunOptions:
     """Without the live view, a progress line each time the step crosses a multiple of this."""
     device: str | None = None
     """Every worker's device (``--device``: ``cpu``, ``cuda``, ``cuda:N``, ``auto``); None: the workers' default."""
+    fork_server: bool = True
+    """Fork every node's agent and worker from one preloaded interpreter (:mod:`bamboo.launch.forkserver`)
+    instead of exec'ing each; the same processes, groups and files."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
     """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""
 
@@ -386,7 +389,7 @@ def run_cluster(
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     cluster = ProcessCluster(lambda node, zone: agent_command(options, job, endpoints, run_dir, len(initial),
                                                               node, zone),
-                             env=env, log_dir=run_dir / "logs")
+                             env=env, log_dir=run_dir / "logs", fork_server=_fork_server(options, say))
     clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
     recorder = _Recorder(kv, job, events_path)
@@ -462,6 +465,20 @@ def _preempter(cluster: Any, say: Callable[[str], None]) -> Callable[[str], None
         say(f"killed {node} ({cluster.zones.get(process, 'unknown')})")
 
     return preempt
+
+
+def _fork_server(options: RunOptions, say: Callable[[str], None]) -> Any:
+    """This process's shared fork server when ``options.fork_server`` (None when off, or when it cannot start:
+    the nodes are exec'd then)."""
+    if not options.fork_server:
+        return None
+    from bamboo.launch.forkserver import ForkServerError, shared_fork_server
+
+    try:
+        return shared_fork_server()
+    except ForkServerError as error:
+        say(f"{error}; starting every node by exec instead")
+        return None
 
 
 def _last_line(path: Path) -> str:

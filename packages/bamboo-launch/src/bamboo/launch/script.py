@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bamboo.launch import timeouts
+from bamboo.launch.forkserver import run_to_end
 from bamboo.launch.hooks import Evaluation, TrainingHooks
 from bamboo.launch.spec import ENV_CONTEXT, Program
 
@@ -201,13 +202,11 @@ def _run_mode(script: Sequence[str], mode: str, out: Path, log: Path, timeout_s:
     command = [sys.executable, *script]
     with open(log, "wb") as sink:
         try:
-            process = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
+            status = run_to_end(command, env=env, stdout=sink, timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
             raise ScriptError(f"{script[0]} did not finish {what} within {timeout_s:g} s (log: {log})") from None
-    if process.returncode != 0:
-        raise ScriptError(f"{script[0]} exited with status {process.returncode} {what}: {_last_line(log)} "
-                          f"(log: {log})")
+    if status != 0:
+        raise ScriptError(f"{script[0]} exited with status {status} {what}: {_last_line(log)} (log: {log})")
 
 
 def _last_line(log: Path) -> str:

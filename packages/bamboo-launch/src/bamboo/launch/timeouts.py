@@ -19,6 +19,7 @@ __all__ = [
     "DECISION_POLL_S",
     "ETCD_OUTAGE_S",
     "ETCD_RETRY_S",
+    "FORK_SERVER_START_S",
     "K8S_API_TIMEOUT_S",
     "K8S_GRACE_PERIOD_S",
     "LEADER_POLL_S",
@@ -139,6 +140,10 @@ LIVE_REFRESH_S = 0.25
 
 MARKET_STOP_S = 10.0
 """How long ``bamboo-launch run`` waits for the market's thread to stop at the end."""
+
+FORK_SERVER_START_S = 120.0
+"""How long an emulated cluster's fork server may take to import torch and bamboo before the launcher gives
+it up (``bamboo.launch.forkserver``; a loaded machine takes seconds)."""
 
 REAP_TIMEOUT_S = 10.0
 """How long the emulated market waits for a SIGKILLed node's process to be reaped (then it is reported)."""

@@ -1,0 +1,156 @@
+"""The fork server of emulated clusters (`bamboo.launch.forkserver`): a forked process runs the command it
+replaces, with its environment, directory, files and process group, and its exit status comes back as
+``subprocess.Popen`` gives it. The server preloads only ``json`` here (fast); the e2e tests run it with torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkServer, ForkServerError, run_to_end, spawn
+from bamboo.launch.market import ProcessCluster
+
+CHILD = '''
+import json, os, sys, time
+print(json.dumps({"argv": sys.argv, "x": os.environ.get("X"), "pid": os.getpid(), "pgid": os.getpgrp(),
+                  "cwd": os.getcwd(), "nice": os.nice(0), "main": __name__, "path0": sys.path[0]}), flush=True)
+print("on stderr", file=sys.stderr, flush=True)
+action = sys.argv[1] if len(sys.argv) > 1 else ""
+if action == "sleep":
+    time.sleep(120)
+if action == "raise":
+    raise ValueError("bad value 7")
+if action == "message":
+    sys.exit("a one-line error")
+if action == "spawn":  # an agent starting its worker through the server it came from
+    from bamboo.launch.forkserver import spawn
+    worker = spawn([sys.executable, __file__, "sleep"], env=dict(os.environ))
+    print(json.dumps({"worker": worker.pid}), flush=True)
+    time.sleep(120)
+sys.exit(int(action) if action.isdigit() else 0)
+'''
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    started = ForkServer(preload=("json",))
+    yield started
+    started.close()
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Path:
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return path
+
+
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(predicate: object, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_forked_script_gets_its_argv_environment_directory_files_group_and_priority(
+    server: ForkServer, child: Path, tmp_path: Path,
+) -> None:
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        process = server.start([sys.executable, str(child), "3"], env={"X": "y"}, cwd=str(tmp_path), stdout=out,
+                               stderr=subprocess.STDOUT, process_group=0, niceness=4)
+        assert process.wait(30) == 3 and process.returncode == 3 and process.poll() == 3
+    first, second = _lines(log)
+    seen = json.loads(first)
+    assert seen["argv"] == [str(child), "3"] and seen["x"] == "y" and seen["cwd"] == str(tmp_path)
+    assert seen["pid"] == process.pid == seen["pgid"] and seen["nice"] == os.nice(0) + 4
+    assert seen["main"] == "__main__" and seen["path0"] == str(child.parent)
+    assert second == "on stderr"
+
+
+def test_modules_run_as_main_and_errors_give_python_s_statuses(server: ForkServer, child: Path,
+                                                                tmp_path: Path) -> None:
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        assert server.start([sys.executable, "-m", "json.tool", "--help"], env={}, stdout=out).wait(30) == 0
+        assert "usage:" in log.read_text()
+        assert server.start([sys.executable, str(child), "raise"], env={}, stdout=out,
+                            stderr=subprocess.STDOUT).wait(30) == 1
+        assert "ValueError: bad value 7" in log.read_text()
+        assert server.start([sys.executable, str(child), "message"], env={}, stdout=out,
+                            stderr=subprocess.STDOUT).wait(30) == 1
+        assert _lines(log)[-1] == "a one-line error"
+
+
+def test_a_killed_group_reports_the_signal_and_a_command_it_cannot_run_is_refused(
+    server: ForkServer, child: Path,
+) -> None:
+    process = server.start([sys.executable, str(child), "sleep"], env={}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, process_group=0)
+    assert process.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(0.1)
+    os.killpg(process.pid, signal.SIGKILL)
+    assert process.wait(30) == -signal.SIGKILL
+    with pytest.raises(ForkServerError, match=r"runs 'python -m MODULE \.\.\.' or 'python SCRIPT \.\.\.', not"):
+        server.start([sys.executable, "-c", "print(1)"])
+    with pytest.raises(ForkServerError, match=r"runs its own interpreter .*, not \['ip'\]"):
+        server.start(["ip", "netns", "exec", "n1", sys.executable, "-m", "json.tool"])
+
+
+def test_run_to_end_uses_the_named_server_and_kills_what_outruns_its_timeout(
+    server: ForkServer, child: Path, tmp_path: Path,
+) -> None:
+    with open(tmp_path / "out.log", "wb") as out:
+        assert run_to_end([sys.executable, str(child), "5"], env={FORK_SERVER_ENV: server.address}, stdout=out,
+                          timeout_s=30) == 5
+        started = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            run_to_end([sys.executable, str(child), "sleep"], env={FORK_SERVER_ENV: server.address}, stdout=out,
+                       timeout_s=0.5)
+        assert time.monotonic() - started < 20
+        pid = json.loads(_lines(tmp_path / "out.log")[-2])["pid"]
+        _wait_for(lambda: not Path(f"/proc/{pid}").exists())
+
+
+def test_without_a_server_spawn_execs_the_command(child: Path) -> None:
+    process = spawn([sys.executable, str(child), "4"], env={k: v for k, v in os.environ.items()
+                                                           if k != FORK_SERVER_ENV})
+    assert isinstance(process, subprocess.Popen) and process.wait(60) == 4
+
+
+def test_a_node_s_worker_joins_its_group_and_dies_when_the_node_is_killed(
+    server: ForkServer, child: Path, tmp_path: Path,
+) -> None:
+    with ProcessCluster(lambda node, zone: [sys.executable, str(child), "spawn"], log_dir=tmp_path / "logs",
+                        fork_server=server) as cluster:
+        node = cluster.add("a")
+        log = tmp_path / "logs" / f"{node}.log"
+        _wait_for(lambda: log.exists() and any('"worker"' in line for line in _lines(log)))
+        agent = json.loads(_lines(log)[0])
+        worker = next(json.loads(line)["worker"] for line in _lines(log) if '"worker"' in line)
+        _wait_for(lambda: sum(1 for line in _lines(log) if line.startswith("{\"argv\"")) == 2)
+        seen = [json.loads(line) for line in _lines(log) if line.startswith("{\"argv\"")]
+        assert agent["pgid"] == agent["pid"] and seen[1]["pid"] == worker and seen[1]["pgid"] == agent["pid"]
+        assert seen[1]["nice"] == seen[0]["nice"]  # no niceness asked: the worker's priority is the agent's
+        cluster.kill(node)
+        assert cluster.processes[node].poll() == -signal.SIGKILL
+        _wait_for(lambda: _gone(worker))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")  # dead, not yet reaped
+    except (OSError, IndexError):
+        return True

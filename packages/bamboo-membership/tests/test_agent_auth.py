@@ -101,7 +101,7 @@ def test_a_job_token_is_required_on_every_call(store: MembershipStore) -> None:
 
 
 def test_mutual_tls_requires_a_certificate_signed_by_the_job_ca(store: MembershipStore, pki) -> None:
-    agent = NodeAgent(store, "mtls", ttl=5, run_detector=False, tls=pki["job"], progress=lambda: 4).start()
+    agent = NodeAgent(store, "mtls", ttl=30, run_detector=False, tls=pki["job"], progress=lambda: 4).start()
     try:
         ok = agent.prober()(agent.record, 5.0)
         assert (ok.outcome, ok.progress) == (ProbeOutcome.ALIVE, 4)

@@ -43,7 +43,7 @@ def test_registration_expires_after_the_ttl_when_keepalive_stops(store: Membersh
 
 
 def test_update_rewrites_the_record_under_the_same_lease(store: MembershipStore) -> None:
-    reg = store.register(_node("c"), ttl=2)
+    reg = store.register(_node("c"), ttl=30)  # not about expiry: a long lease survives a loaded machine
     try:
         reg.update(state=NodeState.NODE_STATE_ACTIVE)
         assert store.get_node("c").state == NodeState.NODE_STATE_ACTIVE
@@ -65,7 +65,7 @@ def test_watch_sees_join_update_and_leave_in_order(store: MembershipStore, wait_
     events: list[WatchEvent] = []
     handle = store.watch_nodes(events.append)
     try:
-        reg = store.register(_node("w"), ttl=2)
+        reg = store.register(_node("w"), ttl=30)
         reg.update(state=NodeState.NODE_STATE_STANDBY)
         reg.leave()
         wait_until(lambda: any(e.kind is EventKind.DELETE for e in events), message="the delete event")
@@ -150,7 +150,7 @@ def test_malformed_node_record_gives_a_clear_error_and_no_crash(
     store: MembershipStore, raw: bytes, detail: str
 ) -> None:
     store.kv.put(store.keys.node("m"), raw)
-    reg = store.register(_node("ok"), ttl=2)
+    reg = store.register(_node("ok"), ttl=30)
     try:
         with pytest.raises(MalformedValueError, match=detail) as info:
             store.get_node("m")

@@ -61,7 +61,9 @@ def _member(rank: int, port: int, mode: str) -> dict[str, Any]:
     groups = GroupTable(store, JOB, rank, timeouts, {})
     groups.set_members(0, {"dp": (0, 1, 2)})
     groups.group("dp")
-    if rank == VICTIM:
+    store.set(f"built-{rank}", "1")
+    if rank == VICTIM:  # once every member's mesh is whole: a death while a peer still connects is another test
+        store.wait([f"built-{other}" for other in range(3)])
         store.set("victim-fails", "1")
         os.kill(os.getpid(), signal.SIGSTOP if mode == "stopped" else signal.SIGKILL)
     store.wait(["victim-fails"])

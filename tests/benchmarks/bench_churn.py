@@ -134,7 +134,7 @@ def launch(name: str, flags: list[str], work: Path, timeout_s: float) -> tuple[d
     """One ``bamboo-launch run`` (its JSON report, its run dir, its wall time)."""
     run_dir = work / name
     command = [sys.executable, "-m", "bamboo.launch", "run", "--stages", str(STAGES), "--pipelines", str(PIPELINES),
-               "--run-dir", str(run_dir), "--no-live", "--json", "--timeout", str(timeout_s), *flags]
+               "--run-dir", str(run_dir), "--no-live", "--json", "--timeout", str(timeout_s), "--no-fork-server", *flags]
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.monotonic() - started
@@ -207,7 +207,8 @@ def one_reconfiguration(work: Path, before: bool, timeout_s: float) -> dict[str,
     trace = work / f"{name}.csv"
     trace.write_text("".join(f"0,add,node{k}\n" for k in range(1, ONE_NODES + 1)))
     options = RunOptions(nodes=ONE_NODES, stages=STAGES, pipelines=PIPELINES, steps=400, zones=("a", "b", "c"),
-                         time_scale=1.0, preemptions=str(trace), run_dir=str(work / name), timeout_s=timeout_s)
+                         time_scale=1.0, preemptions=str(trace), run_dir=str(work / name), timeout_s=timeout_s,
+                         fork_server=False)  # exec'd, as on real machines: start-ups pay their imports
 
     def scenario(handles: Any) -> None:
         while handles.step() < 10 or handles.membership.get_decision(f"warm-node{ONE_NODES - 1}") is None:

@@ -114,6 +114,7 @@ def training(args: argparse.Namespace, say: Log) -> dict[str, Any]:
         events = Path(folder, "events.jsonl")
         command = [sys.executable, "-m", "bamboo.launch", "run", "--nodes", str(args.train_nodes), "--stages", "2",
                    "--pipelines", "2", "--steps", "100000", "--layers", "2", "--no-live", "--timeout", "900",
+                   "--no-fork-server",  # exec'd, as on real machines: each process is told apart by its command line
                    "--run-dir", str(Path(folder, "run")), "--events", str(events)]
         run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:

@@ -124,7 +124,8 @@ def bamboo_kills(args: argparse.Namespace, say: Log) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-launch-bamboo-"))
     options = RunOptions(nodes=stages * pipelines + args.spares, stages=stages, pipelines=pipelines,
                          steps=args.bamboo_steps, zones=("a", "b", "c"), time_scale=1.0, run_dir=str(run_dir),
-                         size={"layers": args.layers}, timeout_s=args.timeout, group_timeout_s=20.0)
+                         size={"layers": args.layers}, timeout_s=args.timeout, group_timeout_s=20.0,
+                         fork_server=False)  # exec'd, as on real machines
 
     def during(handles: Any) -> None:
         watch = EventWatch(handles.events)

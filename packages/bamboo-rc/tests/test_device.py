@@ -9,14 +9,11 @@ CUDA cannot fork workers that use it.
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import subprocess
 import sys
-import tempfile
-import traceback
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,7 +36,6 @@ from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice
 from bamboo.rc.transport import HostStaging
 from bamboo.rc.verify import DEFAULT_CONFIG
-from torch.distributed import TCPStore
 
 CPU = torch.device("cpu")
 SIZE = GPTSize(layers=2, width=16, heads=2, sequence=8)
@@ -160,64 +156,42 @@ def test_a_slice_on_the_cpu_moves_its_gradients_through_host_buffers() -> None:
 
 
 # ---------------------------------------------------------------------------------- a whole engine
-def _train(device: str | None, environ: dict[str, str]) -> dict[int, Any]:
-    """Two stages (eflb) for two steps in two forked processes; each returns where its tensors were and its
-    parameters."""
-    config = dict(DEFAULT_CONFIG)
-    with tempfile.TemporaryDirectory(prefix="bamboo-device-test-") as out:
-        reader, writer = os.pipe()
-        children = {}
-        for rank in range(2):
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                code = 1
-                try:
-                    os.close(writer)
-                    os.environ.update(environ)
-                    torch.set_num_threads(1)
-                    port = int.from_bytes(os.read(reader, 8), "little")
-                    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-                    engine = initialize(gpt_layer_specs(SIZE), config, "eflb", loss_fn=lm_loss, stages=2, rank=rank,
-                                        world_size=2, store=store, job="device", device=device)
-                    sampler = GlobalBatchSampler(2, SIZE.sequence, seed=3)
-                    data = pipeline_data_iter(sampler, 0, engine.executor.config.micro_batches)
-                    for _ in range(2):
-                        engine.train_batch(data)
-                    engine.finish()
-                    executor = engine.executor
-                    places = {str(executor.device)}
-                    for piece in executor.slices.values():
-                        places |= {str(p.device) for p in piece.parameters}
-                        places |= {str(t.device) for state in piece.optimizer.state.values()
-                                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0}
-                    result = {"places": places, "swapped": executor.stash.swapped_bytes_total,
-                              "parameters": {s: [p.detach().clone() for p in piece.parameters]
-                                             for s, piece in executor.slices.items()}}
-                    torch.save(result, Path(out) / f"{rank}.pt")
-                    code = 0
-                except BaseException:
-                    (Path(out) / f"{rank}.error").write_text(traceback.format_exc())
-                finally:
-                    os._exit(code)
-            children[pid] = rank
-        os.close(reader)
-        host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-        os.write(writer, host.port.to_bytes(8, "little") * 2)
-        os.close(writer)
-        for pid in children:
-            os.waitpid(pid, 0)
-        del host
-        errors = [path.read_text() for path in Path(out).glob("*.error")]
-        assert not errors, "\n".join(errors)
-        return {rank: torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(2)}
+def _train_rank(rank: int, store: Any, device: str | None, environ: dict[str, str]) -> dict[str, Any]:
+    """One of two stages (eflb) for two steps: where its tensors were, its bytes swapped, its parameters."""
+    os.environ.update(environ)
+    torch.set_num_threads(1)
+    engine = initialize(gpt_layer_specs(SIZE), dict(DEFAULT_CONFIG), "eflb", loss_fn=lm_loss, stages=2, rank=rank,
+                        world_size=2, store=store, job="device", device=device)
+    sampler = GlobalBatchSampler(2, SIZE.sequence, seed=3)
+    data = pipeline_data_iter(sampler, 0, engine.executor.config.micro_batches)
+    for _ in range(2):
+        engine.train_batch(data)
+    engine.finish()
+    executor = engine.executor
+    places = {str(executor.device)}
+    for piece in executor.slices.values():
+        places |= {str(p.device) for p in piece.parameters}
+        places |= {str(t.device) for state in piece.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return {"places": places, "swapped": executor.stash.swapped_bytes_total,
+            "parameters": {s: [p.detach().clone() for p in piece.parameters] for s, piece in executor.slices.items()}}
+
+
+def _train(forked_ranks: Callable[..., Any], device: str | None, environ: dict[str, str]) -> dict[int, Any]:
+    """Both stages in two forked processes (see `_train_rank`)."""
+    with forked_ranks(2, lambda rank, store: _train_rank(rank, store, device, environ)) as ranks:
+        pass
+    return ranks.results
 
 
 @pytest.mark.slow
-def test_an_engine_on_the_cpu_device_trains_bit_equal_to_the_default_with_everything_in_host_memory() -> None:
+def test_an_engine_on_the_cpu_device_trains_bit_equal_to_the_default_with_everything_in_host_memory(
+    forked_ranks: Callable[..., Any],
+) -> None:
     if cuda_device_count():
         pytest.skip("this machine has a GPU: the default device is not the CPU")
-    named = _train("cpu", {})
-    from_environment = _train(None, {DEVICE_ENV: "cpu"})
+    named = _train(forked_ranks, "cpu", {})
+    from_environment = _train(forked_ranks, None, {DEVICE_ENV: "cpu"})
     for rank in range(2):
         assert named[rank]["places"] == {"cpu"}
         assert named[rank]["swapped"] > 0  # eflb's FRC stash ran

@@ -18,14 +18,10 @@ the next epoch's group without the victim and all-reduce on it.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import signal
-import tempfile
 import time
-import traceback
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -52,8 +48,7 @@ VICTIM = 2
 JOB = "transport"
 
 
-def _member(rank: int, port: int, mode: str) -> dict[str, Any]:
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+def _member(rank: int, store: TCPStore, mode: str) -> dict[str, Any]:
     timeouts = CommTimeouts(group=GROUP_S, build=30.0, confirm=SHORT_CONFIRM_S if mode == "unconfirmed" else CONFIRM_S,
                             poll=0.02)
     coordinator = FailoverCoordinator(store, JOB, Layout(1, 3), rank, 0, one_f_one_b(1, 1, rc="none"),
@@ -96,54 +91,32 @@ def _member(rank: int, port: int, mode: str) -> dict[str, Any]:
     return result
 
 
-def _run(mode: str) -> dict[int, dict[str, Any]]:
+def _run(mode: str, forked_ranks: Callable[..., Any]) -> dict[int, dict[str, Any]]:
     """Fork the three members; this process hosts the store and is the failure authority (unless ``mode`` is
     ``unconfirmed``). Returns the survivors' results."""
-    with tempfile.TemporaryDirectory(prefix="bamboo-transport-test-") as folder:
-        out = Path(folder)
-        reader, writer = os.pipe()
-        children = {}
-        for rank in range(3):
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                code = 1
-                try:
-                    os.close(writer)
-                    port = int.from_bytes(os.read(reader, 8), "little")
-                    (out / f"{rank}.json").write_text(json.dumps(_member(rank, port, mode)))
-                    code = 0
-                except BaseException:
-                    (out / f"{rank}.error").write_text(traceback.format_exc())
-                finally:
-                    os._exit(code)
-            children[pid] = rank
-        os.close(reader)
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-        os.write(writer, store.port.to_bytes(8, "little") * 3)
-        os.close(writer)
-        victim = next(pid for pid, rank in children.items() if rank == VICTIM)
+    with forked_ranks(3, lambda rank, store: _member(rank, store, mode)) as ranks:
+        victim = next(pid for pid, rank in ranks.pids.items() if rank == VICTIM)
         _, status = os.waitpid(victim, os.WUNTRACED)  # stopped or killed: either way the authority sees it
         if mode != "unconfirmed":
-            StoreFailureNotices(store, JOB).publish_next([VICTIM])
-        for pid, rank in children.items():
+            StoreFailureNotices(ranks.store, JOB).publish_next([VICTIM])
+        for pid, rank in ranks.pids.items():
             if rank != VICTIM:
                 os.waitpid(pid, 0)
         if os.WIFSTOPPED(status):
             os.kill(victim, signal.SIGKILL)
             os.waitpid(victim, 0)
-        del store
-        errors = [path.read_text() for path in out.glob("*.error")]
-        assert not errors, "\n".join(errors)
-        return {rank: json.loads((out / f"{rank}.json").read_text()) for rank in range(3) if rank != VICTIM}
+    assert sorted(ranks.results) == [r for r in range(3) if r != VICTIM]
+    return ranks.results
 
 
 @pytest.mark.parametrize(("mode", "outcomes"), [
     ("stopped", {"noticed"}),  # gloo cannot tell: only the confirmation releases the survivors
     ("killed", {"confirmed", "noticed"}),  # gloo's error, then the confirmation; or the confirmation came first
 ])
-def test_a_dead_peer_during_a_collective_releases_the_survivors_who_rebuild_without_it(mode: str,
-                                                                                       outcomes: set[str]) -> None:
-    survivors = _run(mode)
+def test_a_dead_peer_during_a_collective_releases_the_survivors_who_rebuild_without_it(
+    mode: str, outcomes: set[str], forked_ranks: Callable[..., Any],
+) -> None:
+    survivors = _run(mode, forked_ranks)
     for rank, result in survivors.items():
         assert result["outcome"] in outcomes, (rank, result)
         assert result["waited"] < CONFIRM_S, (rank, result)  # released by the confirmation, not by a timeout
@@ -153,8 +126,10 @@ def test_a_dead_peer_during_a_collective_releases_the_survivors_who_rebuild_with
         assert all(result["kept"] >= 1 for result in survivors.values())
 
 
-def test_a_failure_nobody_confirms_holds_a_survivor_for_the_confirm_timeout_and_no_longer() -> None:
-    survivors = _run("unconfirmed")
+def test_a_failure_nobody_confirms_holds_a_survivor_for_the_confirm_timeout_and_no_longer(
+    forked_ranks: Callable[..., Any],
+) -> None:
+    survivors = _run("unconfirmed", forked_ranks)
     for rank, result in survivors.items():
         assert result["outcome"] == "unconfirmed", (rank, result)
         assert SHORT_CONFIRM_S <= result["waited"] < GROUP_S / 2, (rank, result)  # the confirm timeout, not gloo's

@@ -85,8 +85,9 @@ def _add_job_flags(job: argparse._ArgumentGroup) -> None:
                      help="(spec) redundant computation mode; auto: chosen for each layout from the job's measured "
                      f"step and preemption rate (default: {_spec_default('redundancy')})")
     job.add_argument("--preemption-rate", type=non_negative_float, default=None, metavar="PER_NODE_HOUR",
-                     help="(spec) with --redundancy auto: the preemptions per node-hour assumed until the job has "
-                     f"an hour of its own history (default: {DEFAULT_PREEMPTIONS_PER_NODE_HOUR:g})")
+                     help="(spec) with --redundancy auto: the preemptions per node-hour assumed before the job has "
+                     f"history of its own (weighed as one node-hour against it; default: "
+                     f"{DEFAULT_PREEMPTIONS_PER_NODE_HOUR:g})")
     job.add_argument("--layers", type=int, default=None,
                      help=f"(spec) decoder blocks of the built-in example GPT (default: {DEFAULT_LAYERS}; not with a "
                      "script)")

@@ -120,8 +120,8 @@ def _add_output_and_timing_flags(run: argparse.ArgumentParser) -> None:
                      help="redundant computation mode; auto: the mode each layout expects to lose least "
                      "training per hour with, from the job's measured step and preemption rate (default: %(default)s)")
     run.add_argument("--preemption-rate", type=non_negative_float, default=None, metavar="PER_NODE_HOUR",
-                     help="with --redundancy auto: the preemptions per node-hour assumed until the job has an hour "
-                     f"of its own history (default: {DEFAULT_PREEMPTIONS_PER_NODE_HOUR:g})")
+                     help="with --redundancy auto: the preemptions per node-hour assumed before the job has history of its "
+                     f"own (weighed as one node-hour against it; default: {DEFAULT_PREEMPTIONS_PER_NODE_HOUR:g})")
     run.add_argument("--ttl", type=int, default=_default("ttl"), help="node lease TTL, seconds (default: "
                      "%(default)s)")
     run.add_argument("--grace", type=positive_float, default=_default("grace_s"),

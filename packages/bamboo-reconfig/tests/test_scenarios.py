@@ -185,3 +185,19 @@ def test_too_few_nodes_wait_in_standby_until_a_joiner_completes_the_first_pipeli
     plan = plan_transfers(layout, new, ["n000", "j000"])
     # nobody holds any state yet: the first layout starts from the checkpoint (or the initial weights)
     assert plan.restore_from_checkpoint and plan.stages_without_copy == (0, 1)
+
+
+def test_owners_without_redundancy_fetch_their_own_stage_only(build, twelve) -> None:
+    """A generation with no redundancy (``replicas=False``): a fresh owner needs its stage alone, not its
+    successor's replica, so it fetches half what it fetches with redundancy."""
+    view, layout = twelve
+    joiners = build.zoned_nodes(4, "abc", state="joining", prefix="j")
+    after = build.view_after(layout, [*view.nodes, *joiners], target_pipelines=4, global_batch=12)
+    new = plan_layout(after)
+    usable = [node.id for node in after.usable_nodes]
+    with_replicas, own_only = plan_transfers(layout, new, usable), plan_transfers(layout, new, usable, replicas=False)
+    assert {t.destination for t in own_only.transfers} == {t.destination for t in with_replicas.transfers}
+    assert own_only.bytes_moved * 2 == with_replicas.bytes_moved
+    for transfer in own_only.transfers:
+        slot = new.slots()[transfer.destination]
+        assert set(transfer.layers) <= set(new.stage_layer_range(slot.stage))

@@ -60,3 +60,23 @@ def test_bad_failure_models_are_named(kwargs: dict[str, float], message: str) ->
 def test_a_step_time_must_be_positive() -> None:
     with pytest.raises(ValueError, match="step_s must be > 0"):
         choose_redundancy(Costs(), 4, 8, 0.0, FailureModel(0.1, 8))
+
+
+def test_a_step_measured_under_another_mode_stands_for_nones_shorter_step() -> None:
+    """The same job measured under eflb: its step is eflb's, so none's is shorter by the simulated ratio, and the
+    choice is the one made from none's step."""
+    failures = FailureModel(1.0, 8)
+    from_none = choose_redundancy(Costs(), 4, 8, 1.0, failures)
+    eflb = next(e for e in from_none.estimates if e.mode == "eflb")
+    from_eflb = choose_redundancy(Costs(), 4, 8, eflb.step_s, failures, measured_mode="eflb")
+    assert from_eflb.mode == from_none.mode
+    assert [e.as_dict() for e in from_eflb.estimates] == [e.as_dict() for e in from_none.estimates]
+
+
+def test_stage_work_gives_costs_in_proportion() -> None:
+    from bamboo.schedule import stage_work_costs
+
+    costs = stage_work_costs([1.0, 3.0])
+    assert [(s.forward_ms, s.backward_ms) for s in costs.stages] == [(1 / 3, 2 / 3), (1.0, 2.0)]
+    with pytest.raises(ValueError, match="one non-negative figure per stage"):
+        stage_work_costs([])

@@ -14,6 +14,7 @@ from typing import Any
 
 from bamboo.launch import timeouts
 from bamboo.launch.records import BarrierReady, read_record
+from bamboo.launch.redundancy import holds_replicas, mode_for, with_mode
 from bamboo.launch.session import JobCannotContinue, NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.membership.kv import StoreError
 
@@ -72,6 +73,7 @@ def _redo_start(run: WorkerSession, lost: Any, name: str) -> Any:
         zones = {**lost.zones, **{node: record.zone for node, record in records.items()}}
         planned = redo_start_layout(run.spec, lost, sorted(records), zones)
         if planned is not None:
+            planned = with_mode(run.spec, planned, run.membership.kv)
             return JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)
         if time.monotonic() >= next_say:
             print(f"node {run.node}: generation {lost.generation} was abandoned before its first step and the "
@@ -161,7 +163,8 @@ def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], att
         raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
                                 "pipelines")
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
-    transfers = plan_transfers(base.plan, plan, held)
+    chosen = mode_for(spec, plan, run.membership.kv)
+    transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
     mode, start, restore = StartMode.PEERS, step, None
     if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy
         missing = list(transfers.stages_without_copy)
@@ -176,5 +179,5 @@ def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], att
         barrier_unix=min(record.at for record in ready.values()),
         base_generation=base.generation, attempt=attempt, survivors=sorted(ready),
         history=next_history(base.history, start, pipelines),
-        zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)},
+        zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)}, redundancy=chosen,
     )

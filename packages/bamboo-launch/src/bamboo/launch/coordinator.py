@@ -46,6 +46,7 @@ from bamboo.launch import timeouts
 from bamboo.launch.events import Preemption
 from bamboo.launch.notices import publish_failure_event, published_events
 from bamboo.launch.records import Leader, Preempted
+from bamboo.launch.redundancy import with_mode
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
 from bamboo.membership.probing import connect_probe
@@ -347,7 +348,7 @@ class Coordinator:
         if len(zones) < self.spec.first_layout_nodes:
             return
         try:
-            layout = first_layout(self.spec, zones)
+            layout = with_mode(self.spec, first_layout(self.spec, zones), self.membership.kv)
         except RuntimeError as error:  # --resume without a good checkpoint
             from bamboo.launch.records import JobEnd
 
@@ -357,7 +358,8 @@ class Coordinator:
         if self.membership.put_layout(layout.to_dict(), 0) is not None:
             self.say("first layout: " + "; ".join(f"pipeline {d}: {' '.join(row)}" for d, row in
                                                  enumerate(layout.owners))
-                     + (f"; standby: {' '.join(layout.standby)}" if layout.standby else ""))
+                     + (f"; standby: {' '.join(layout.standby)}" if layout.standby else "")
+                     + (f"; redundancy {layout.redundancy.reason}" if layout.redundancy is not None else ""))
 
     def _orphaned_layout(self) -> None:
         """Restart from the newest checkpoint when every holder of the current layout is gone."""
@@ -374,6 +376,7 @@ class Coordinator:
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
             zones = {**layout.zones, **{n: r.zone for n, r in registered.items()}}
             redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
+            redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv)
             current = self._layout_key.value if self._layout_key is not None else None
             if redo is not None and current is not None and self.membership.put_layout(
                     redo.to_dict(), current.mod_revision) is not None:
@@ -389,6 +392,7 @@ class Coordinator:
                                  reached=self._steps_reached(layout), memory=point.memory, initial=point.initial)
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
+        restart = with_mode(self.spec, restart, self.membership.kv)
         current = self._layout_key.value if self._layout_key is not None else None
         if current is not None and self.membership.put_layout(restart.to_dict(), current.mod_revision) is not None:
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "

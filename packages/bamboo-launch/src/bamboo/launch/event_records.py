@@ -40,6 +40,10 @@ and the kind's own keys:
 - ``step``: ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
   ``nodes_active`` (int), ``duration_s`` (float, the step's own time), and, optionally, ``generation``
   (int, the layout generation that trained it; the DeepSpeed baseline writes none);
+- ``redundancy_choice``: ``generation`` (int), ``mode`` (str: the redundancy mode that generation trains
+  with, chosen by ``--redundancy auto``), ``reason`` (str, one line), ``lost_s_per_hour`` (object: mode ->
+  the seconds of training each mode was expected to lose per hour), ``step_s`` (float, the fault-free step
+  of ``none`` it assumed) and ``preemptions_per_node_hour`` (float, the rate it assumed);
 - ``run_end``: ``steps`` (int): the run finished; nodes still alive stop being billed here.
 
 Unknown keys are rejected, so a typo in a writer fails at once instead of silently vanishing
@@ -61,6 +65,7 @@ __all__ = [
     "Join",
     "Preemption",
     "Reconfiguration",
+    "RedundancyChoice",
     "Restore",
     "RunEnd",
     "RunStart",
@@ -231,6 +236,28 @@ class Step:
     generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE_INT))
 
 
+def _losses(instance: object, attribute: attrs.Attribute, value: dict[str, float]) -> None:
+    if not isinstance(value, dict) or not value or not all(
+            isinstance(mode, str) and isinstance(lost, (int, float)) and math.isfinite(lost)
+            for mode, lost in value.items()):
+        raise ValueError(f"{attribute.name} must map each mode to a finite number, got {value!r}")
+
+
+@attrs.frozen
+class RedundancyChoice:
+    """``--redundancy auto`` chose ``mode`` for layout generation ``generation``: why, and each mode's expected
+    loss per hour."""
+
+    KIND: ClassVar[str] = "redundancy_choice"
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    generation: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    mode: str = attrs.field(validator=_non_empty_str)
+    reason: str = attrs.field(validator=_non_empty_str)
+    lost_s_per_hour: dict[str, float] = attrs.field(validator=_losses)
+    step_s: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    preemptions_per_node_hour: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+
+
 @attrs.frozen
 class RunEnd:
     """The run finished after ``steps`` steps; nodes still alive stop being billed at ``t``."""
@@ -240,11 +267,13 @@ class RunEnd:
     steps: int = attrs.field(validator=_NON_NEGATIVE_INT)
 
 
-Event = RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Restore | Startup | Step | RunEnd
+Event = (RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Restore | Startup | Step | RunEnd
+         | RedundancyChoice)
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
-    for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Restore, Startup, Step, RunEnd)
+    for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Restore, Startup, Step, RunEnd,
+                RedundancyChoice)
 }
 
 

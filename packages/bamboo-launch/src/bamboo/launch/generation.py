@@ -75,9 +75,13 @@ def train_generation(run: WorkerSession, layout: Any, engine: Any, state: Worker
                      hooks: TrainingHooks | None, *, prepared: bool) -> Ending:
     """Train ``layout`` (a ``JobLayout`` this node has a rank in) with ``engine`` until it ends for this node
     (see the module docstring). ``prepared``: the layout was prepared while the previous one trained."""
+    from bamboo.launch.redundancy import choice_record
     from bamboo.rc import ConsecutiveFailure, HandedOver
 
     spec, executor = run.spec, engine.executor
+    chosen = choice_record(layout, run.log.now())
+    if chosen is not None and layout.ranks[run.node] == min(layout.ranks.values()):  # the mode it trains with, why
+        run.log.write(chosen)
     boundary = Boundary(run, layout)
     data = pipeline_batches(run.program.microbatch, executor.pipeline, layout.micro_batches, executor.step)
     samples = executor.config.micro_batch_size * layout.micro_batches * layout.pipelines

@@ -33,6 +33,7 @@ from bamboo.launch.events import (
     Join,
     Preemption,
     Reconfiguration,
+    RedundancyChoice,
     Restore,
     RunEnd,
     RunStart,
@@ -41,6 +42,7 @@ from bamboo.launch.events import (
     TimeAccount,
     event_from_dict,
 )
+from bamboo.launch.redundancy import describe_choice
 
 __all__ = ["DEFAULT_WINDOW", "EventFollower", "LiveState", "LiveView", "ProgressLines", "describe_event", "render_live"]
 
@@ -119,6 +121,8 @@ def describe_event(event: Event) -> str:
         )
     if isinstance(event, RunEnd):
         return f"{event.t:8.1f}s  end           after {event.steps} steps"
+    if isinstance(event, RedundancyChoice):
+        return f"{event.t:8.1f}s  redundancy    {describe_choice(event)}"
     return f"{event.t:8.1f}s  step          {event.step}"
 
 
@@ -167,6 +171,8 @@ class LiveState:
         self._steps: collections.deque[Step] = collections.deque(maxlen=window)
         self.time = TimeAccount()
         self.recent: collections.deque[str] = collections.deque(maxlen=history)
+        self._choices: dict[int, RedundancyChoice] = {}
+        self._generation: int | None = None
 
     def apply(self, event: Event) -> None:
         """Fold one record into the state."""
@@ -175,6 +181,7 @@ class LiveState:
         if isinstance(event, Step):
             self.step, self.loss, self.nodes_active = event.step, event.loss, event.nodes_active
             self._steps.append(event)
+            self._generation = event.generation if event.generation is not None else self._generation
             return
         self.recent.append(describe_event(event))
         if isinstance(event, RunStart):
@@ -195,6 +202,8 @@ class LiveState:
             self.restores += 1
         elif isinstance(event, RunEnd):
             self.finished = True
+        elif isinstance(event, RedundancyChoice):
+            self._choices[event.generation] = event
 
     def apply_all(self, events: Iterable[Event]) -> None:
         """Fold several records in order."""
@@ -211,6 +220,13 @@ class LiveState:
         if last.t <= begin:
             return None
         return sum(step.samples for step in self._steps) / (last.t - begin)
+
+    @property
+    def redundancy(self) -> RedundancyChoice | None:
+        """``--redundancy auto``'s choice in force: that of the newest step's generation, else the newest."""
+        if self._generation in self._choices:
+            return self._choices[self._generation]
+        return self._choices[max(self._choices)] if self._choices else None
 
     @property
     def joining(self) -> int:
@@ -242,6 +258,8 @@ class LiveState:
             "reconfigurations": self.reconfigurations,
             "checkpoints": self.checkpoints,
             "restores": self.restores,
+            "redundancy": None if self.redundancy is None else self.redundancy.mode,
+            "redundancy_reason": None if self.redundancy is None else describe_choice(self.redundancy),
             **self.time.summary(),
             "finished": self.finished,
             "recent": list(self.recent),
@@ -313,6 +331,12 @@ def render_live(state: LiveState) -> Any:
             f"[bold]transfers[/] {parts['transfers_s']:.2f}s [bold]groups[/] {parts['group_builds_s']:.2f}s "
             f"[bold]first step[/] {parts['first_step_s']:.2f}s",
         )
+    if state.redundancy is not None:
+        header.add_row(f"[bold]redundancy[/] {state.redundancy.mode} (auto)",
+                       f"{state.redundancy.preemptions_per_node_hour:g} preemptions/node-h",
+                       f"step {state.redundancy.step_s:.3f}s (none)",
+                       "lost/h " + ", ".join(f"{mode} {lost:.0f}s" for mode, lost in
+                                             state.redundancy.lost_s_per_hour.items()))
     recent = "\n".join(state.recent) if state.recent else "(no events yet)"
     title = "bamboo" + (f" {state.job}" if state.job else "") + (" (finished)" if state.finished else "")
     return Panel(Group(header, "", recent), title=title, expand=False)

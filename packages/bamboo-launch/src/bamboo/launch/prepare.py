@@ -161,6 +161,7 @@ def plan_prepared(run: WorkerSession, base: Any, executor: Any, attempt: int, re
     layout hold what their executors hold, the warm standby nodes nothing. Raises :class:`NotEnoughNodes` when
     they cannot form a pipeline, ValueError when the layout cannot be reached from live copies alone."""
     from bamboo.launch.reconfigure import build_view, next_history, warm_standby
+    from bamboo.launch.redundancy import holds_replicas, layout_mode, mode_for
     from bamboo.rc.model import stage_slices
     from bamboo.reconfig import JobLayout, StartMode, plan_layout, plan_transfers
 
@@ -177,9 +178,11 @@ def plan_prepared(run: WorkerSession, base: Any, executor: Any, attempt: int, re
         raise NotEnoughNodes(f"{len(usable)} nodes cannot form a pipeline of {spec.stages} stages")
     if base.global_batch % pipelines:
         raise ValueError(f"cannot keep the global batch of {base.global_batch} microbatches over {pipelines} pipelines")
-    holds = {node: list(stage_slices(base.stage_bounds, rank % base.stages, spec.redundancy)) for node, rank in live.items()}
+    mode = layout_mode(spec, base)
+    holds = {node: list(stage_slices(base.stage_bounds, rank % base.stages, mode)) for node, rank in live.items()}
     held = base.holdings_of_stages({node: holds.get(node, ()) for node in usable})
-    transfers = plan_transfers(base.plan, plan, held)
+    chosen = mode_for(spec, plan, run.membership.kv)
+    transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
     if transfers.restore_from_checkpoint:
         raise ValueError(f"stage(s) {list(transfers.stages_without_copy)} have no live copy")
     step = executor.step
@@ -187,7 +190,8 @@ def plan_prepared(run: WorkerSession, base: Any, executor: Any, attempt: int, re
                      reason=reason, transfers=transfers, barrier_step=step, barrier_unix=time.time(),
                      base_generation=base.generation, attempt=attempt, survivors=sorted(live),
                      history=next_history(base.history, step, pipelines),
-                     zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)})
+                     zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)},
+                     redundancy=chosen)
 
 
 class Preparation:

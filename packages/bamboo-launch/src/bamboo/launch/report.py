@@ -61,20 +61,10 @@ from bamboo.launch.events import (
     Step,
     TimeAccount,
 )
+from bamboo.launch.redundancy import report_fields
 
-__all__ = [
-    "DEFAULT_BINS",
-    "DEFAULT_ON_DEMAND_PRICE",
-    "DEFAULT_SPOT_PRICE",
-    "Prices",
-    "Report",
-    "ReportError",
-    "Timeline",
-    "compute_report",
-    "compute_timeline",
-    "format_report",
-    "plot_report",
-]
+__all__ = ["DEFAULT_BINS", "DEFAULT_ON_DEMAND_PRICE", "DEFAULT_SPOT_PRICE", "Prices", "Report", "ReportError",
+           "Timeline", "compute_report", "compute_timeline", "format_report", "plot_report"]
 
 DEFAULT_SPOT_PRICE = 0.918
 """$/h per GPU node on spot (EC2 p3, from the paper)."""
@@ -168,6 +158,10 @@ class Report:
     startup_model_build_s: float | None = None
     startup_group_build_s: float | None = None
     startup_first_step_s: float | None = None
+    redundancy_mode: str | None = None  # --redundancy auto: the mode in force, why, each mode's loss (redundancy.py)
+    redundancy_reason: str | None = None
+    redundancy_lost_s_per_hour: dict[str, float] | None = None
+    redundancy_choices: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The report as a flat JSON-ready dict."""
@@ -295,6 +289,7 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
         on_demand_value=on_demand_value,
         saving=cost_on_demand / cost_spot if cost_spot > 0 else 0.0,
         **_pauses_and_startup(account),
+        **report_fields(ordered),
     )
 
 
@@ -349,7 +344,7 @@ def format_report(report: Report) -> str:
         f"({report.on_demand_basis})",
         f"  saving           {report.saving:.2f}x",
         f"  value            {report.value:.4f} samples/s per $/h (on-demand {report.on_demand_value:.4f})",
-    ]
+    ] + ([f"  redundancy       {report.redundancy_reason}"] if report.redundancy_reason else [])
     return "\n".join(lines)
 
 

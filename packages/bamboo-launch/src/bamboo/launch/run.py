@@ -108,6 +108,9 @@ class RunOptions:
     events: str | None = None
     job: str | None = None
     redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
+    preemption_rate: float | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.ge(0)))
+    """Preemptions per node-hour that ``--redundancy auto`` assumes before the job's own history (None: default)."""
     size: dict[str, int] = attrs.field(factory=dict)
     seed: int = 0
     ttl: int = attrs.field(default=membership_timeouts.LEASE_TTL_S, validator=_POSITIVE)
@@ -225,6 +228,8 @@ def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
         "reconfigure_timeout_s": float(options.reconfigure_timeout_s), "checkpoint_every": options.checkpoint_every,
         "memory_copy_every": options.memory_copy_every,
     }
+    if options.preemption_rate is not None:
+        fields["preemptions_per_node_hour"] = float(options.preemption_rate)
     if options.resume:
         fields["resume"] = True
     if options.confirm_timeout_s is not None:

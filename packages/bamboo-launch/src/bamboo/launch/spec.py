@@ -94,8 +94,9 @@ def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(dict(value)))
 
 
-REDUNDANCY = ("none", "lflb", "eflb", "efeb")
-"""The redundant computation modes (``--redundancy``): none, lazy (``lflb``) or eager (``eflb``, ``efeb``)."""
+REDUNDANCY = ("none", "lflb", "eflb", "efeb", "auto")
+"""The redundant computation modes (``--redundancy``): none, lazy (``lflb``) or eager (``eflb``, ``efeb``), or
+``auto``: the mode each generation's layout names, chosen when it is decided (:mod:`bamboo.launch.redundancy`)."""
 
 # The fields of a spec that an agent's flags set, with the flag that sets each (for conflict messages).
 FLAG_OF = {
@@ -104,6 +105,7 @@ FLAG_OF = {
     "steps": "--steps",
     "min_nodes": "--min-nodes",
     "redundancy": "--redundancy",
+    "preemptions_per_node_hour": "--preemption-rate",
     "script": "-- SCRIPT ARGS",
     "size": "--layers",
     "seed": "--seed",
@@ -142,6 +144,10 @@ class JobSpec:
     min_nodes: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """Registered nodes the first layout waits for (0: P x D)."""
     redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
+    preemptions_per_node_hour: float | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.and_(attrs.validators.instance_of((int, float)), attrs.validators.ge(0),
+                              attrs.validators.lt(math.inf))))
+    """The preemption rate ``auto`` assumes until the job has history of its own (None: bamboo-rc's default)."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     """``SCRIPT ARGS`` of a user script (every worker runs ``python SCRIPT ARGS``); empty: the built-in example."""
     size: dict[str, int] = attrs.field(factory=dict, converter=_plain_json)

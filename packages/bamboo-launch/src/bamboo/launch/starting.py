@@ -59,15 +59,16 @@ class StartMarks:
 def build_engine(run: WorkerSession, layout: Any, store: Any) -> Any:
     """This node's engine for ``layout`` (its stages' layers, its gloo groups), before any state is put in it."""
     from bamboo.launch.notices import EtcdFailureNotices
+    from bamboo.launch.redundancy import layout_mode
     from bamboo.rc import initialize
 
-    spec, ranks = run.spec, layout.ranks
+    spec, ranks, mode = run.spec, layout.ranks, layout_mode(run.spec, layout)
     job = f"{spec.job}-g{layout.generation}"
     notices = (EtcdFailureNotices(run.membership, layout.generation, run.agent, layout.node_of_rank)
-               if spec.redundancy != "none" else None)
+               if mode != "none" else None)
     config = {**spec.config, "gradient_accumulation_steps": layout.micro_batches}
     return initialize(
-        list(run.program.layers), config, spec.redundancy, loss_fn=run.program.loss_fn, stages=spec.stages,
+        list(run.program.layers), config, mode, loss_fn=run.program.loss_fn, stages=spec.stages,
         rank=ranks[run.node], world_size=spec.stages * layout.pipelines, store=store, seed=spec.seed, job=job,
         timeouts=run.timeouts, notices=notices,
         stage_bounds=layout.stage_bounds, microbatch=run.program.microbatch,

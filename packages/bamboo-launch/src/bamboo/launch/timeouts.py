@@ -14,6 +14,7 @@ __all__ = [
     "ATTEMPT_POLL_S",
     "ATTEMPT_READY_POLL_S",
     "ATTEMPT_STORE_POLL_MAX_S",
+    "AUTO_PRIOR_NODE_HOURS",
     "COPY_INDEX_S",
     "COPY_TRANSFER_S",
     "DECISION_POLL_S",
@@ -150,3 +151,9 @@ REAP_TIMEOUT_S = 10.0
 
 THREAD_JOIN_S = 5.0
 """How long stopping waits for a background thread (the coordinator, the event recorder) to end."""
+
+AUTO_PRIOR_NODE_HOURS = 1.0
+"""Not a timeout, the one default of ``--redundancy auto`` that bamboo-launch adds: the node-hours of history at
+the assumed rate (``--preemption-rate``, or bamboo-rc's ``DEFAULT_PREEMPTIONS_PER_NODE_HOUR``) that a job's own
+preemption rate is weighed against (:func:`bamboo.launch.redundancy.observed_rate`): the assumed rate alone at the
+start, half and half after one node-hour, the job's own rate after many."""

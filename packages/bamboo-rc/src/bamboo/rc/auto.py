@@ -14,18 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from bamboo.rc.model import layer_costs
-from bamboo.rc.timeouts import ASSUMED_STEP_S
-from bamboo.schedule import Costs, FailureModel, RedundancyChoice, StageCost, choose_redundancy
+from bamboo.rc.timeouts import ASSUMED_STEP_S, DEFAULT_PREEMPTIONS_PER_NODE_HOUR
+from bamboo.schedule import FailureModel, RedundancyChoice, choose_redundancy, stage_work_costs
 
 __all__ = ["ASSUMED_STEP_S", "AUTO", "DEFAULT_PREEMPTIONS_PER_NODE_HOUR", "choose_for_layers"]
 
 AUTO = "auto"
 """The redundancy that is chosen rather than given."""
-
-DEFAULT_PREEMPTIONS_PER_NODE_HOUR = 0.1
-"""The preemption rate assumed when none is given: the lowest of the rates the Bamboo paper measured on EC2 spot
-instances (10% to 33% of the nodes an hour)."""
-
 
 def choose_for_layers(
     specs: Sequence[Any],
@@ -36,10 +31,6 @@ def choose_for_layers(
 ) -> RedundancyChoice:
     """The mode for a pipeline of ``bounds`` over ``specs`` (its stages' compute from their parameter counts)."""
     compute = [cost.compute_cost for cost in layer_costs(specs)]
-    per_stage = [sum(compute[start:end]) for start, end in bounds]
-    largest = max(per_stage) or 1.0
-    stages = tuple(StageCost(forward_ms=work / largest, backward_ms=2 * work / largest, optimizer_ms=0.0,
-                             activation_mb=0.0, stash_mb=0.0, grad_mb=0.0) for work in per_stage)
-    costs = Costs(default=stages[0], stages=stages, latency_ms=0.0)
+    costs = stage_work_costs([sum(compute[start:end]) for start, end in bounds])
     failures = FailureModel(preemptions_per_node_hour, nodes)
     return choose_redundancy(costs, len(bounds), microbatches, ASSUMED_STEP_S, failures)

@@ -16,7 +16,15 @@ Every value class is frozen, validated, and round-trips through JSON (``to_dict`
 """
 
 from bamboo.reconfig.decide import Decision, Reason, When, decide
-from bamboo.reconfig.job_layout import LAYOUT_VERSION, JobLayout, RecordError, RestorePoint, StartMode
+from bamboo.reconfig.job_layout import (
+    LAYOUT_VERSION,
+    MODES,
+    JobLayout,
+    ModeChoice,
+    RecordError,
+    RestorePoint,
+    StartMode,
+)
 from bamboo.reconfig.layout_plan import microbatch_shares, pipeline_count, plan_layout
 from bamboo.reconfig.model import (
     ClusterView,
@@ -40,6 +48,7 @@ from bamboo.reconfig.transfers import (
 
 __all__ = [
     "LAYOUT_VERSION",
+    "MODES",
     "ClusterView",
     "Decision",
     "InfeasibleSplit",
@@ -47,6 +56,7 @@ __all__ = [
     "LayerSpec",
     "Layout",
     "LayoutError",
+    "ModeChoice",
     "Node",
     "NodeState",
     "Reason",

@@ -7,7 +7,8 @@ first layout, state moved from surviving peers by a :class:`~bamboo.reconfig.Tra
 checkpoint :class:`RestorePoint`), why it was made, and where it came from (the barrier step, the
 generation and attempt it follows, the holders that survived). ``history`` lists ``(first step,
 pipelines)`` of every generation so far, which is how the single-process reference groups the global
-batch exactly as the run did.
+batch exactly as the run did. ``redundancy`` (a :class:`ModeChoice`, only when the job's redundancy is
+``auto``) is the mode this generation trains with and why it was chosen.
 
 The node at global rank ``pipeline * stages + stage`` owns ``stage`` of ``pipeline``; the stage bounds in
 ``plan.stage_layers`` are exactly the layers each stage's executor builds.
@@ -28,7 +29,7 @@ import attrs
 from bamboo.reconfig.model import Layout
 from bamboo.reconfig.transfers import TransferPlan
 
-__all__ = ["LAYOUT_VERSION", "JobLayout", "RecordError", "RestorePoint", "StartMode"]
+__all__ = ["LAYOUT_VERSION", "MODES", "JobLayout", "ModeChoice", "RecordError", "RestorePoint", "StartMode"]
 
 LAYOUT_VERSION = 1
 
@@ -101,6 +102,42 @@ class RestorePoint:
         return data
 
 
+MODES = ("none", "lflb", "eflb", "efeb")
+"""The redundancy modes a generation can train with."""
+
+
+def _losses(value: Mapping[str, float]) -> dict[str, float]:
+    return {str(mode): float(lost) for mode, lost in dict(value).items()}
+
+
+@attrs.frozen
+class ModeChoice:
+    """The redundancy mode a generation of an ``auto`` job trains with, and why: the expected training lost per
+    hour of each mode considered (seconds), from the step time and preemption rate it assumed."""
+
+    mode: str = attrs.field(validator=attrs.validators.in_(MODES))
+    reason: str = attrs.field(validator=attrs.validators.instance_of(str))
+    lost_s_per_hour: dict[str, float] = attrs.field(converter=_losses)
+    step_s: float = attrs.field(validator=attrs.validators.and_(attrs.validators.instance_of((int, float)),
+                                                                attrs.validators.gt(0)))
+    """The fault-free step of ``none`` it assumed (measured, or the default before any)."""
+    preemptions_per_node_hour: float = attrs.field(validator=attrs.validators.and_(
+        attrs.validators.instance_of((int, float)), attrs.validators.ge(0)))
+
+    def __attrs_post_init__(self) -> None:
+        unknown = sorted(set(self.lost_s_per_hour) - set(MODES))
+        if unknown or self.mode not in self.lost_s_per_hour:
+            raise ValueError(f"lost_s_per_hour must name modes of {list(MODES)} including {self.mode!r}, got "
+                             f"{sorted(self.lost_s_per_hour)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _mode_choice(value: ModeChoice | Mapping[str, Any] | None) -> ModeChoice | None:
+    return value if value is None or isinstance(value, ModeChoice) else ModeChoice(**value)
+
+
 def _history(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
     return tuple((int(first), int(pipelines)) for first, pipelines in value)
 
@@ -137,6 +174,8 @@ class JobLayout:
     """``(first step, pipelines)`` of every generation so far, this one last."""
     zones: dict[str, str] = attrs.field(factory=dict, converter=_zones)
     """The zone of every node placed or on standby when the layout was planned."""
+    redundancy: ModeChoice | None = attrs.field(default=None, converter=_mode_choice)
+    """The mode this generation trains with when the job's is ``auto``; None: the job spec's mode."""
 
     def __attrs_post_init__(self) -> None:
         if self.mode is StartMode.CHECKPOINT and self.restore is None:
@@ -232,6 +271,7 @@ class JobLayout:
     # ---- JSON ---------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        chosen = {} if self.redundancy is None else {"redundancy": self.redundancy.to_dict()}
         return {
             "v": LAYOUT_VERSION,
             "generation": self.generation,
@@ -248,6 +288,7 @@ class JobLayout:
             "survivors": list(self.survivors),
             "history": [list(item) for item in self.history],
             "zones": dict(sorted(self.zones.items())),
+            **chosen,
         }
 
     def to_json(self) -> str:
@@ -284,6 +325,7 @@ class JobLayout:
                 survivors=read.value("survivors", list),
                 history=read.value("history", list),
                 zones=read.value("zones", dict),
+                redundancy=read.parsed("redundancy", _mode_choice) if "redundancy" in data else None,
             )
         except (TypeError, ValueError) as error:
             if isinstance(error, RecordError):

@@ -136,12 +136,14 @@ def holdings_from_layout(layout: Layout, survivors: Iterable[str]) -> dict[str, 
 
 
 def plan_transfers(
-    old: Layout, new: Layout, holders: Collection[str] | Mapping[str, Iterable[int]]
+    old: Layout, new: Layout, holders: Collection[str] | Mapping[str, Iterable[int]], replicas: bool = True
 ) -> TransferPlan:
     """The transfer plan from ``old`` to ``new``.
 
     ``holders`` is either the ids of the surviving nodes (what each holds follows from ``old``), or a
     mapping from each surviving node to the layers it holds. Every node of ``new`` must be a survivor.
+    ``replicas``: whether each owner of ``new`` also holds its successor's replica (False: a generation
+    without redundancy, whose owners hold their own stage only).
     """
     if old.layers != new.layers:
         raise ValueError(
@@ -164,7 +166,7 @@ def plan_transfers(
     needs: list[tuple[StageSlot, str, list[int]]] = []
     naive = 0
     for node, slot in sorted(new_slots.items(), key=lambda item: (item[1].pipeline, item[1].stage)):
-        needed = new.layers_held_at(slot.stage)
+        needed = new.layers_held_at(slot.stage) if replicas else frozenset(new.stage_layer_range(slot.stage))
         naive += sum(layer_bytes[layer] for layer in needed)
         missing = sorted(needed - held.get(node, frozenset()))
         if missing:

@@ -5,7 +5,13 @@ validates, simulates and draws per-node instruction streams. See the package REA
 "Executing a schedule", for the exact meaning of every instruction.
 """
 
-from bamboo.schedule.choose import FailureModel, ModeEstimate, RedundancyChoice, choose_redundancy
+from bamboo.schedule.choose import (
+    FailureModel,
+    ModeEstimate,
+    RedundancyChoice,
+    choose_redundancy,
+    stage_work_costs,
+)
 from bamboo.schedule.engine import Deadlock, ExecutionError, Mismatch, Timeline, counterpart, execute
 from bamboo.schedule.export import chrome_trace, text_grid, time_grid
 from bamboo.schedule.failover import (
@@ -58,6 +64,7 @@ __all__ = [
     "placement_after",
     "progress_at",
     "simulate",
+    "stage_work_costs",
     "text_grid",
     "time_grid",
     "validate",

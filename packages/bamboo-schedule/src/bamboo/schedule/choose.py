@@ -34,7 +34,7 @@ from bamboo.schedule.engine import execute
 from bamboo.schedule.failover import failover_schedule, merged_schedule, progress_at
 from bamboo.schedule.generate import generate
 from bamboo.schedule.ir import RCMode
-from bamboo.schedule.simulate import Costs, simulate
+from bamboo.schedule.simulate import Costs, StageCost, simulate
 from bamboo.schedule.timeouts import (
     CHECKPOINT_INTERVAL_S,
     DETECT_S,
@@ -44,7 +44,7 @@ from bamboo.schedule.timeouts import (
     SECONDS_PER_HOUR,
 )
 
-__all__ = ["FailureModel", "ModeEstimate", "RedundancyChoice", "choose_redundancy"]
+__all__ = ["FailureModel", "ModeEstimate", "RedundancyChoice", "choose_redundancy", "stage_work_costs"]
 
 _NON_NEGATIVE = validators.ge(0.0)
 
@@ -131,6 +131,18 @@ def _failover_costs(costs: Costs, policy: str, stages: int, microbatches: int, r
     return max(0.0, failing - fault_free.makespan), merged
 
 
+def stage_work_costs(work: Sequence[float]) -> Costs:
+    """Costs in the proportions of each stage's compute ``work`` (any unit: a parameter count, FLOPs): a
+    forward of ``work``, a backward of twice that, relative to the largest stage. No transfer or optimizer
+    time: only the ratios of the makespans matter to `choose_redundancy`."""
+    if not work or any(w < 0 for w in work):
+        raise ValueError(f"work must be one non-negative figure per stage, got {list(work)}")
+    largest = max(work) or 1.0
+    stages = tuple(StageCost(forward_ms=w / largest, backward_ms=2 * w / largest, optimizer_ms=0.0,
+                             activation_mb=0.0, stash_mb=0.0, grad_mb=0.0) for w in work)
+    return Costs(default=stages[0], stages=stages, latency_ms=0.0)
+
+
 def choose_redundancy(
     costs: Costs,
     stages: int,
@@ -139,12 +151,14 @@ def choose_redundancy(
     failures: FailureModel,
     policy: str = "1f1b",
     modes: Sequence[str] = ("none", "lflb", "eflb", "efeb"),
+    measured_mode: str = "none",
 ) -> RedundancyChoice:
     """The mode among ``modes`` that is expected to lose the least training per hour (see the module docstring).
 
-    ``step_s`` is the measured fault-free step of ``none`` (seconds); ``costs`` give the proportions of the
-    instructions. Redundancy needs ``stages >= 2``; with one stage only ``none`` is considered here (pure data
-    parallelism has its own ring). Ties go to the mode listed first.
+    ``step_s`` is the measured fault-free step (seconds) of ``measured_mode`` (default ``none``: a job that
+    measured its step under another mode gives that one, and ``none``'s step is inferred from the simulated
+    ratio); ``costs`` give the proportions of the instructions. Redundancy needs ``stages >= 2``; with one stage
+    only ``none`` is considered here (pure data parallelism has its own ring). Ties go to the mode listed first.
     """
     if step_s <= 0:
         raise ValueError(f"step_s must be > 0, got {step_s!r}")
@@ -152,6 +166,10 @@ def choose_redundancy(
     if not candidates:
         raise ValueError(f"no redundancy mode to choose from among {list(modes)} with {stages} stage(s)")
     plain = simulate(generate(policy, stages, microbatches, "none", costs.linearizer_cost()), costs).makespan
+    if RCMode(measured_mode) is not RCMode.NONE and stages >= 2:
+        measured = simulate(generate(policy, stages, microbatches, RCMode(measured_mode), costs.linearizer_cost()),
+                            costs).makespan
+        step_s = step_s * plain / measured  # none's step, in the measured mode's proportion
     scale = step_s / plain
     rate = failures.preemptions_per_hour
     restore_loss = failures.restore_s + failures.checkpoint_interval_s / 2

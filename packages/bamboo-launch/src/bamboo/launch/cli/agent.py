@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bamboo.bench.argtypes import default_of, positive_float
+from bamboo.bench.argtypes import default_of, non_negative_float, positive_float
 from bamboo.launch import timeouts
 from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
@@ -28,6 +28,7 @@ from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecErr
 from bamboo.membership import EtcdKV, MembershipStore, StoreError, StoreUnavailableError
 from bamboo.membership.agent import is_loopback
 from bamboo.membership.cloud import PREEMPTION_NOTICE_KINDS
+from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 
 __all__ = ["AGENT_USAGE_LINE", "SPEC_FLAGS", "add_parser", "agent_spec_fields", "run"]
 
@@ -81,7 +82,12 @@ def _add_job_flags(job: argparse._ArgumentGroup) -> None:
     job.add_argument("--min-nodes", type=int, default=None,
                      help="(spec) registered nodes the first layout waits for (default: P x D)")
     job.add_argument("--redundancy", default=None, choices=REDUNDANCY,
-                     help=f"(spec) redundant computation mode (default: {_spec_default('redundancy')})")
+                     help="(spec) redundant computation mode; auto: chosen for each layout from the job's measured "
+                     f"step and preemption rate (default: {_spec_default('redundancy')})")
+    job.add_argument("--preemption-rate", type=non_negative_float, default=None, metavar="PER_NODE_HOUR",
+                     help="(spec) with --redundancy auto: the preemptions per node-hour assumed before the job has "
+                     f"history of its own (weighed as one node-hour against it; default: "
+                     f"{DEFAULT_PREEMPTIONS_PER_NODE_HOUR:g})")
     job.add_argument("--layers", type=int, default=None,
                      help=f"(spec) decoder blocks of the built-in example GPT (default: {DEFAULT_LAYERS}; not with a "
                      "script)")

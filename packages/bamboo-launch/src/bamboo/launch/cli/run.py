@@ -18,6 +18,7 @@ from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.report import compute_report, format_report, plot_report
 from bamboo.launch.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
 from bamboo.launch.spec import REDUNDANCY
+from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 from rich.console import Console
 
 __all__ = ["VERIFY_TOLERANCE", "add_parser", "finish_run", "run_command"]
@@ -116,7 +117,11 @@ def _add_output_and_timing_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="decoder blocks of the built-in example "
                      "GPT (not used with a script; default: %(default)s)")
     run.add_argument("--redundancy", default=_default("redundancy"), choices=REDUNDANCY,
-                     help="redundant computation mode (default: %(default)s)")
+                     help="redundant computation mode; auto: the mode each layout expects to lose least "
+                     "training per hour with, from the job's measured step and preemption rate (default: %(default)s)")
+    run.add_argument("--preemption-rate", type=non_negative_float, default=None, metavar="PER_NODE_HOUR",
+                     help="with --redundancy auto: the preemptions per node-hour assumed before the job has history of its "
+                     f"own (weighed as one node-hour against it; default: {DEFAULT_PREEMPTIONS_PER_NODE_HOUR:g})")
     run.add_argument("--ttl", type=int, default=_default("ttl"), help="node lease TTL, seconds (default: "
                      "%(default)s)")
     run.add_argument("--grace", type=positive_float, default=_default("grace_s"),
@@ -157,7 +162,7 @@ def run_command(args: argparse.Namespace) -> int:
             allocation_delay_s=args.allocation_delay, notice_s=args.notice, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, memory_copy_every=args.memory_copy_every, resume=args.resume, run_dir=args.run_dir, events=args.events,
             job=args.job,
-            redundancy=args.redundancy, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
+            redundancy=args.redundancy, preemption_rate=args.preemption_rate, size={} if args.script else {"layers": args.layers}, ttl=args.ttl,
             grace_s=args.grace,
             reconfigure_timeout_s=args.reconfigure_timeout, timeout_s=args.timeout, live=not args.no_live,
             progress_every=args.progress_every, device=args.device,

@@ -1,0 +1,181 @@
+"""``--redundancy auto``: the redundancy mode of each generation, chosen when its layout is decided.
+
+Whoever writes a layout (the coordinator's first layout and its restarts, the holders' decision at a
+barrier, a layout prepared while the old one trains) calls :func:`with_mode`. For a job whose spec says
+``auto`` it puts a :class:`bamboo.reconfig.ModeChoice` in the layout: the mode that
+`bamboo.schedule.choose_redundancy` expects to lose the least training per hour, from
+
+- the job's layer costs (``spec.layers``' compute costs, summed over the layout's stage bounds),
+- the layout's microbatches per pipeline and its number of nodes (stages x pipelines),
+- the job's fault-free step so far (:func:`measured_step`: the median ``duration_s`` of the newest
+  generation's ``step`` records in its event log, in the mode that generation ran; before any,
+  `bamboo.rc.timeouts.ASSUMED_STEP_S` of ``none``),
+- the preemption rate seen so far (:func:`observed_rate`: the job's ``preemption`` records per node-hour
+  of its ``join`` records, weighed against a prior of :data:`~bamboo.launch.timeouts.AUTO_PRIOR_NODE_HOURS`
+  node-hours at the rate the job was given, ``--preemption-rate``, or
+  `bamboo.rc.timeouts.DEFAULT_PREEMPTIONS_PER_NODE_HOUR`).
+
+The choice is a pure function of the layout and the event records read, so a decision written first-writer-
+wins holds one mode for the generation, which every worker of it trains with (:func:`layout_mode`). The first
+worker of the generation writes a ``redundancy_choice`` record (:func:`choice_record`) when it starts training
+it; the report and the live view show the mode in force and why. Without ``auto`` nothing changes: the layout
+carries no choice and every worker uses the spec's mode.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+from bamboo.launch.event_records import Event, Join, Preemption, RedundancyChoice, Step
+from bamboo.launch.spec import JobSpec
+from bamboo.launch.timeouts import AUTO_PRIOR_NODE_HOURS
+from bamboo.rc.timeouts import ASSUMED_STEP_S, DEFAULT_PREEMPTIONS_PER_NODE_HOUR
+
+__all__ = ["AUTO", "choice_record", "choose_mode", "describe_choice", "holds_replicas", "in_force", "layout_mode",
+           "measured_step", "mode_for", "observed_rate", "report_fields", "with_mode"]
+
+AUTO = "auto"
+"""The spec's redundancy that is chosen per generation rather than given."""
+
+SECONDS_PER_HOUR = 3600.0
+
+
+def layout_mode(spec: JobSpec, layout: Any) -> str:
+    """The redundancy mode the workers of ``layout`` (a ``JobLayout``) train with: the layout's choice under
+    ``auto``, the spec's mode otherwise."""
+    if layout.redundancy is not None:
+        return str(layout.redundancy.mode)
+    if spec.redundancy == AUTO:
+        raise ValueError(f"generation {layout.generation} of job {spec.job} names no redundancy mode, and the job's "
+                         "is auto (a layout written by an older launcher?)")
+    return spec.redundancy
+
+
+def measured_step(events: Iterable[Event]) -> tuple[float, str] | None:
+    """``(seconds, mode)``: the median step of the newest generation that trained steps in a known mode (the
+    ``redundancy_choice`` record of that generation names it), or None before any."""
+    modes = {e.generation: e.mode for e in events if isinstance(e, RedundancyChoice)}
+    durations: dict[int, list[float]] = {}
+    for event in events:
+        if isinstance(event, Step) and event.generation in modes and event.duration_s > 0:
+            durations.setdefault(event.generation, []).append(event.duration_s)
+    if not durations:
+        return None
+    newest = max(durations)
+    return statistics.median(durations[newest]), modes[newest]
+
+
+def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
+    """Preemptions per node-hour: the job's ``preemption`` records over the node-hours of its nodes (from each
+    ``join`` to its preemption, or ``now_t``), with :data:`AUTO_PRIOR_NODE_HOURS` node-hours at ``prior`` added:
+    the prior alone before any history, the job's own rate once it has many hours of it."""
+    joined: dict[str, float] = {}
+    node_s = 0.0
+    preemptions = 0
+    for event in sorted(events, key=lambda e: e.t):
+        if isinstance(event, Join):
+            joined.setdefault(event.node, event.t)
+        elif isinstance(event, Preemption):
+            preemptions += 1
+            if event.node in joined:
+                node_s += max(0.0, event.t - joined.pop(event.node))
+    node_s += sum(max(0.0, now_t - t) for t in joined.values())
+    hours = node_s / SECONDS_PER_HOUR
+    return (preemptions + prior * AUTO_PRIOR_NODE_HOURS) / (hours + AUTO_PRIOR_NODE_HOURS)
+
+
+def choose_mode(spec: JobSpec, plan: Any, events: Sequence[Event], now_t: float) -> Any:
+    """The :class:`bamboo.reconfig.ModeChoice` for a generation placed by ``plan`` (a ``bamboo.reconfig.Layout``)
+    from the job's ``events`` at ``now_t`` (seconds since the job's ``created_unix``)."""
+    from bamboo.reconfig import ModeChoice
+    from bamboo.schedule import FailureModel, choose_redundancy, stage_work_costs
+
+    compute = [float(layer["compute_cost"]) for layer in spec.layers]
+    costs = stage_work_costs([sum(compute[start:end]) for start, end in plan.stage_layers])
+    measured = measured_step(events)
+    step_s, measured_mode = measured if measured is not None else (ASSUMED_STEP_S, "none")
+    prior = (DEFAULT_PREEMPTIONS_PER_NODE_HOUR if spec.preemptions_per_node_hour is None
+             else spec.preemptions_per_node_hour)
+    rate = observed_rate(events, now_t, prior)
+    failures = FailureModel(rate, plan.stages * plan.num_pipelines)
+    choice = choose_redundancy(costs, plan.stages, max(plan.microbatches), step_s, failures,
+                               measured_mode=measured_mode)
+    step = ("no step measured yet: an assumed step" if measured is None else
+            f"the measured {measured_mode} step of {step_s:.3f} s")
+    return ModeChoice(mode=choice.mode, reason=f"{choice.reason}; {step}",
+                      lost_s_per_hour={e.mode: round(e.lost_s_per_hour, 3) for e in choice.estimates},
+                      step_s=round(next(e.step_s for e in choice.estimates if e.mode == "none"), 6),
+                      preemptions_per_node_hour=round(rate, 6))
+
+
+def mode_for(spec: JobSpec, plan: Any, kv: Any, now: float | None = None) -> Any:
+    """The :class:`bamboo.reconfig.ModeChoice` of a generation placed by ``plan`` when the job's redundancy is
+    ``auto`` (:func:`choose_mode`, from the job's event log in etcd, ``kv``; a log that cannot be read counts as
+    empty), None otherwise."""
+    if spec.redundancy != AUTO:
+        return None
+    from bamboo.launch.events import EventLogError, read_etcd_events
+    from bamboo.membership.kv import StoreError
+
+    try:
+        events = read_etcd_events(kv, spec.job)
+    except (EventLogError, StoreError):
+        events = []
+    now_t = max(0.0, (time.time() if now is None else now) - spec.created_unix)
+    return choose_mode(spec, plan, events, now_t)
+
+
+def with_mode(spec: JobSpec, layout: Any, kv: Any) -> Any:
+    """``layout`` (a ``JobLayout`` that moves no state between peers) with its mode chosen (:func:`mode_for`)."""
+    chosen = mode_for(spec, layout.plan, kv)
+    return layout if chosen is None else attrs.evolve(layout, redundancy=chosen)
+
+
+def holds_replicas(spec: JobSpec, chosen: Any) -> bool:
+    """Whether the owners of a generation with mode ``chosen`` (a ``ModeChoice``, or None: the spec's) hold their
+    successor's replica (what its transfer plan must bring them)."""
+    return (spec.redundancy if chosen is None else chosen.mode) != "none"
+
+
+def choice_record(layout: Any, t: float) -> RedundancyChoice | None:
+    """The ``redundancy_choice`` record of ``layout``'s chosen mode (None without one)."""
+    chosen = layout.redundancy
+    if chosen is None:
+        return None
+    return RedundancyChoice(t=t, generation=layout.generation, mode=chosen.mode, reason=chosen.reason,
+                            lost_s_per_hour=dict(chosen.lost_s_per_hour), step_s=chosen.step_s,
+                            preemptions_per_node_hour=chosen.preemptions_per_node_hour)
+
+
+def in_force(events: Iterable[Event]) -> RedundancyChoice | None:
+    """The ``redundancy_choice`` record of the mode in force: that of the generation of the newest ``step``
+    record, else the newest one (None in a job that chose none)."""
+    choices: dict[int, RedundancyChoice] = {}
+    newest: RedundancyChoice | None = None
+    generation: int | None = None
+    for event in sorted(events, key=lambda e: e.t):
+        if isinstance(event, RedundancyChoice):
+            choices[event.generation] = newest = event
+        elif isinstance(event, Step) and event.generation is not None:
+            generation = event.generation
+    return choices.get(generation, newest) if generation is not None else newest
+
+
+def describe_choice(choice: RedundancyChoice) -> str:
+    """``eflb (auto, generation 2): <reason>``: the mode and why, one line."""
+    return f"{choice.mode} (auto, generation {choice.generation}): {choice.reason}"
+
+
+def report_fields(events: Iterable[Event]) -> dict[str, Any]:
+    """The report's keys on ``--redundancy auto``: the mode in force, why, each mode's expected loss per hour
+    (all None in a job that chose none) and how many choices the job made."""
+    listed = list(events)
+    chosen = in_force(listed)
+    return {"redundancy_mode": None if chosen is None else chosen.mode,
+            "redundancy_reason": None if chosen is None else describe_choice(chosen),
+            "redundancy_lost_s_per_hour": None if chosen is None else dict(chosen.lost_s_per_hour),
+            "redundancy_choices": sum(isinstance(e, RedundancyChoice) for e in listed)}

@@ -1,0 +1,167 @@
+"""``--redundancy auto`` in the launcher: each generation's mode from the job's profile and its event records, the
+layout that carries it, the flags that take it, and the report and live view that show it. No cluster."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import pytest
+from bamboo.launch.cli import main
+from bamboo.launch.coordinator import first_layout
+from bamboo.launch.events import (
+    Join,
+    Preemption,
+    RedundancyChoice,
+    RunStart,
+    Step,
+    event_from_dict,
+    event_to_dict,
+)
+from bamboo.launch.live import LiveState
+from bamboo.launch.redundancy import (
+    choice_record,
+    choose_mode,
+    holds_replicas,
+    layout_mode,
+    measured_step,
+    observed_rate,
+    with_mode,
+)
+from bamboo.launch.report import compute_report, format_report
+from bamboo.launch.spec import JobSpec, SpecError
+from bamboo.reconfig import JobLayout, RecordError
+
+LAYER = {"param_bytes": 400, "optimizer_bytes": 800, "compute_cost": 100.0}
+
+
+def _spec(**changes: Any) -> JobSpec:
+    fields: dict[str, Any] = {"job": "auto", "stages": 4, "pipelines": 1, "steps": 10, "micro_batches": 8,
+                              "created_unix": 1.0, "layers": [LAYER] * 8, "config": {}, "redundancy": "auto"}
+    return JobSpec(**{**fields, **changes})
+
+
+def _layout(spec: JobSpec) -> JobLayout:
+    return first_layout(spec, {f"n{i}": "a" for i in range(spec.stages * spec.pipelines)})
+
+
+def _choice(generation: int, mode: str, t: float = 0.0) -> RedundancyChoice:
+    return RedundancyChoice(t=t, generation=generation, mode=mode, reason=f"{mode}: chosen",
+                            lost_s_per_hour={mode: 1.0}, step_s=1.0, preemptions_per_node_hour=0.1)
+
+
+def _steps(generation: int, durations: list[float], t0: float = 1.0) -> list[Step]:
+    return [Step(t=t0 + i, step=i + 1, samples=8, loss=1.0, nodes_active=4, duration_s=d, generation=generation)
+            for i, d in enumerate(durations)]
+
+
+def test_a_low_rate_picks_the_cheap_mode_and_a_high_rate_the_eager_one() -> None:
+    """P = 4, M = 8, equal layers: with no preemption in sight nothing pays for redundancy; after two hours in
+    which 4 nodes saw 40 preemptions, with a measured step of 300 s, eager FRC pays (a lazy recovery recomputes
+    more of a long step)."""
+    spec = _spec(preemptions_per_node_hour=0.0)
+    plan = _layout(spec).plan
+    assert choose_mode(spec, plan, [], now_t=0.0).mode == "none"
+    history: list[Any] = [Join(t=0.0, node=f"n{i}", zone="a") for i in range(4)]
+    for i in range(40):  # short-lived spot nodes, each preempted as it came
+        history += [Join(t=100.0 + i, node=f"s{i}", zone="b"), Preemption(t=100.0 + i, node=f"s{i}", zone="b")]
+    history += [_choice(0, "none"), *_steps(0, [300.0, 300.0, 300.0])]
+    busy = choose_mode(spec, plan, history, now_t=7200.0)
+    assert busy.preemptions_per_node_hour == pytest.approx(40 / 9)  # 40 preemptions, 8 node-hours and the prior's 1
+    assert busy.mode == "eflb", busy.reason
+    assert busy.lost_s_per_hour["eflb"] < min(busy.lost_s_per_hour[m] for m in ("none", "lflb", "efeb"))
+    assert busy.step_s == pytest.approx(300.0)
+    assert "the measured none step of 300.000 s" in busy.reason
+
+
+def test_the_step_time_is_the_newest_generations_median_in_the_mode_it_ran() -> None:
+    assert measured_step([]) is None
+    assert measured_step(_steps(0, [1.0, 2.0])) is None  # no choice record: the mode of those steps is unknown
+    events = [_choice(0, "none"), *_steps(0, [1.0, 1.0, 1.0]), _choice(1, "eflb", t=9.0),
+              *_steps(1, [9.0, 2.0, 2.5, 2.0], t0=10.0)]
+    assert measured_step(events) == (2.25, "eflb")
+
+
+def test_the_rate_is_the_jobs_preemptions_per_node_hour_weighed_against_the_prior() -> None:
+    """n0..n3 join at 0; n3 goes at half an hour and n4 replaces it: 4 node-hours and one preemption by the end of
+    the hour, plus one node-hour at the prior's 0.1."""
+    events: list[Any] = [Join(t=0.0, node=f"n{i}", zone="a") for i in range(4)]
+    events += [Preemption(t=1800.0, node="n3", zone="a"), Join(t=1800.0, node="n4", zone="a")]
+    assert observed_rate(events, 3600.0, prior=0.1) == pytest.approx((1 + 0.1) / (4 + 1))
+    assert observed_rate([], 0.0, prior=0.7) == pytest.approx(0.7)  # no history: the rate the job was given
+
+
+def test_the_measured_mode_is_scaled_to_nones_step() -> None:
+    """A step measured under eflb, which the model says runs longer than none, stands for a shorter none step."""
+    spec = _spec()
+    plan = _layout(spec).plan
+    events = [_choice(0, "eflb"), *_steps(0, [2.0, 2.0, 2.0])]
+    chosen = choose_mode(spec, plan, events, now_t=10.0)
+    assert chosen.step_s < 2.0
+    assert "the measured eflb step of 2.000 s" in chosen.reason
+
+
+def test_the_layout_carries_the_mode_and_every_worker_reads_it() -> None:
+    spec = _spec()
+    layout = attrs.evolve(_layout(spec), redundancy=choose_mode(spec, _layout(spec).plan, [], 0.0))
+    data = json.loads(layout.to_json())
+    assert data["redundancy"]["mode"] == layout.redundancy.mode
+    assert JobLayout.from_dict(data) == layout
+    assert layout_mode(spec, layout) == layout.redundancy.mode
+    plain = JobSpec(**{**attrs.asdict(spec), "redundancy": "lflb"})
+    fixed = first_layout(plain, {f"n{i}": "a" for i in range(4)})
+    assert "redundancy" not in fixed.to_dict() and layout_mode(plain, fixed) == "lflb"  # without auto: as before
+    assert with_mode(plain, fixed, kv=None) is fixed
+    assert JobLayout.from_dict(fixed.to_dict()).redundancy is None
+    with pytest.raises(ValueError, match="names no redundancy mode, and the job's is auto"):
+        layout_mode(spec, fixed)
+    with pytest.raises(RecordError, match="key 'redundancy' is malformed"):
+        JobLayout.from_dict({**data, "redundancy": {**data["redundancy"], "mode": "eager"}})
+    assert holds_replicas(plain, None) and not holds_replicas(spec, attrs.evolve(layout.redundancy, mode="none",
+                                                                                 lost_s_per_hour={"none": 0.0}))
+
+
+def test_the_choice_record_round_trips_and_is_checked() -> None:
+    spec = _spec()
+    layout = attrs.evolve(_layout(spec), redundancy=choose_mode(spec, _layout(spec).plan, [], 0.0))
+    record = choice_record(layout, 3.0)
+    assert record is not None and record.generation == 0 and record.mode == layout.redundancy.mode
+    assert event_from_dict(json.loads(json.dumps(event_to_dict(record)))) == record
+    assert choice_record(attrs.evolve(layout, redundancy=None), 3.0) is None
+    with pytest.raises(ValueError, match="lost_s_per_hour must map each mode to a finite number"):
+        event_from_dict({**event_to_dict(record), "lost_s_per_hour": {"none": "a lot"}})
+
+
+def test_the_spec_and_the_flags_take_auto_and_refuse_nonsense_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _spec().redundancy == "auto"
+    assert JobSpec.from_json(_spec(preemptions_per_node_hour=0.5).to_json()).preemptions_per_node_hour == 0.5
+    with pytest.raises(SpecError, match="job spec: 'redundancy' must be in"):
+        JobSpec.from_dict({**_spec().to_dict(), "redundancy": "eager"})
+    for argv, message in (
+        (["run", "--redundancy", "eager"], "argument --redundancy: invalid choice: 'eager'"),
+        (["run", "--redundancy", "auto", "--preemption-rate", "-1"], "argument --preemption-rate"),
+        (["agent", "--job", "j", "--etcd", "127.0.0.1:1", "--redundancy", "sometimes"], "invalid choice: 'sometimes'"),
+    ):
+        status = main(argv)
+        err = capsys.readouterr().err
+        assert status == 2 and message in err and "Traceback" not in err
+        assert err.count("\n") == 1, err
+
+
+def test_the_report_and_the_live_view_show_the_mode_in_force_and_why() -> None:
+    events: list[Any] = [RunStart(t=0.0, job="auto", unix_time=1.0, target_nodes=4, stages=4, pipelines=1),
+                         *[Join(t=0.0, node=f"n{i}", zone="a") for i in range(4)],
+                         _choice(0, "lflb", t=0.5), *_steps(0, [1.0, 1.0]), _choice(1, "eflb", t=4.0),
+                         *_steps(1, [1.0, 1.0], t0=5.0), _choice(2, "none", t=8.0)]  # 2 decided, not yet training
+    report = compute_report(events)
+    assert (report.redundancy_mode, report.redundancy_choices) == ("eflb", 3)
+    assert report.redundancy_lost_s_per_hour == {"eflb": 1.0}
+    assert report.to_dict()["redundancy_reason"] == "eflb (auto, generation 1): eflb: chosen"
+    assert "  redundancy       eflb (auto, generation 1): eflb: chosen" in format_report(report).splitlines()
+    state = LiveState()
+    state.apply_all(events)
+    assert state.summary()["redundancy"] == "eflb"
+    assert any("redundancy    none (auto, generation 2)" in line for line in state.summary()["recent"])
+    plain = compute_report([event for event in events if not isinstance(event, RedundancyChoice)])
+    assert plain.redundancy_mode is None and "redundancy" not in format_report(plain)

@@ -1,0 +1,61 @@
+"""End to end: ``--redundancy auto`` changes the mode at a reconfiguration boundary, and the run stays exact.
+
+5 nodes, P=2, D=2 (one warm on standby), ``--preemption-rate 0``: with no preemption expected nothing pays for
+redundancy, so the coordinator's first layout names ``none``. The test kills the node of stage 1 of pipeline 0
+at step 5. Without a shadow nothing fails over: every worker of the layout stops on the lost peer, their agents
+register afresh, and the coordinator restarts the job on the warm nodes from the in-memory copies of the last
+step. The layout it writes counts the job's own ``preemption`` records (a few in a few node-seconds, weighed
+against the prior's node-hour at 0), at which a redundant mode pays: the new generation trains with it,
+its owners building their successor's replica from the same copies. The final parameters equal a fault-free
+single-process run of the same steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from bamboo.launch.events import Failover, RedundancyChoice, Restore, Step, read_events
+from bamboo.launch.report import compute_report
+from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+TOLERANCE = 1e-6
+
+
+def test_auto_starts_without_redundancy_and_takes_it_up_after_a_kill_exactly(
+    tmp_path: Path, write_trace: Callable[..., str], finish_when: Callable[..., None],
+) -> None:
+    options = RunOptions(nodes=5, stages=2, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
+                         preemptions=write_trace(5, []), run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0,
+                         timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2}, redundancy="auto",
+                         preemption_rate=0.0)
+
+    def kill_at_step_5(handles: RunHandles) -> None:
+        deadline = time.monotonic() + 120.0
+        while handles.step() < 5:
+            assert time.monotonic() < deadline, "the run never reached step 5"
+            time.sleep(0.02)
+        handles.preempt(handles.node_of_rank[1])
+        finish_when(handles, lambda events: any(isinstance(e, RedundancyChoice) and e.generation > 0 for e in events))
+
+    result = run_cluster(options, during=kill_at_step_5)
+    assert not result.timed_out and result.job_error is None
+    events = read_events(result.events)
+    choices = {e.generation: e for e in events if isinstance(e, RedundancyChoice)}
+    assert choices[0].mode == "none" and choices[0].preemptions_per_node_hour == 0.0, choices[0]
+    later = choices[max(choices)]
+    assert later.generation > 0 and later.mode != "none", later
+    assert later.preemptions_per_node_hour > 0.5  # the job's own preemption, seen from its records
+    assert not any(isinstance(e, Failover) for e in events)  # no shadow under none: a restart, not a failover
+    assert [e.source for e in events if isinstance(e, Restore)] == ["memory"]
+    trained = {e.generation for e in events if isinstance(e, Step)}
+    assert {0, later.generation} <= trained
+    report = compute_report(events)
+    assert report.redundancy_mode == later.mode and report.redundancy_reason.startswith(f"{later.mode} (auto")
+    comparison = compare_with_reference(result, options)
+    assert comparison["steps"] == result.steps_done
+    assert comparison["max_relative_diff"] <= TOLERANCE

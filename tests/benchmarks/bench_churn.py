@@ -206,7 +206,7 @@ def one_reconfiguration(work: Path, before: bool, timeout_s: float) -> dict[str,
     work.mkdir(parents=True, exist_ok=True)
     trace = work / f"{name}.csv"
     trace.write_text("".join(f"0,add,node{k}\n" for k in range(1, ONE_NODES + 1)))
-    options = RunOptions(nodes=ONE_NODES, stages=STAGES, pipelines=PIPELINES, steps=400, zones=("a", "b", "c"),
+    options = RunOptions(redundancy="eflb", nodes=ONE_NODES, stages=STAGES, pipelines=PIPELINES, steps=400, zones=("a", "b", "c"),
                          time_scale=1.0, preemptions=str(trace), run_dir=str(work / name), timeout_s=timeout_s,
                          fork_server=False)  # exec'd, as on real machines: start-ups pay their imports
 

@@ -122,7 +122,7 @@ def bamboo_kills(args: argparse.Namespace, say: Log) -> dict[str, Any]:
     kills: list[dict[str, Any]] = []
     errors: list[str] = []
     run_dir = Path(tempfile.mkdtemp(prefix="bench-launch-bamboo-"))
-    options = RunOptions(nodes=stages * pipelines + args.spares, stages=stages, pipelines=pipelines,
+    options = RunOptions(redundancy="eflb", nodes=stages * pipelines + args.spares, stages=stages, pipelines=pipelines,
                          steps=args.bamboo_steps, zones=("a", "b", "c"), time_scale=1.0, run_dir=str(run_dir),
                          size={"layers": args.layers}, timeout_s=args.timeout, group_timeout_s=20.0,
                          fork_server=False)  # exec'd, as on real machines

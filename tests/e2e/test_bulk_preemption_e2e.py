@@ -41,7 +41,7 @@ def test_one_node_of_every_zone_killed_at_once_is_survived_exactly(
     tmp_path: Path, write_trace: Callable[..., str], finish_when: Callable[..., None],
 ) -> None:
     trace = write_trace(6, [(25_000, "add", "node7"), (25_000, "add", "node8"), (25_000, "add", "node9")])
-    options = RunOptions(nodes=6, stages=3, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
+    options = RunOptions(redundancy="eflb", nodes=6, stages=3, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
                          preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=240.0,
                          group_timeout_s=20.0, size={"layers": 2})
     killed: list[str] = []

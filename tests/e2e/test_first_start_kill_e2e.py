@@ -36,7 +36,7 @@ def test_a_node_lost_before_the_first_step_is_left_out_and_the_start_redone(
         killed.append(layout.node_of_rank[1])
         handles.preempt(killed[0])
 
-    options = RunOptions(nodes=5, stages=2, pipelines=2, steps=30, zones=("a", "b", "c"), time_scale=1.0,
+    options = RunOptions(redundancy="eflb", nodes=5, stages=2, pipelines=2, steps=30, zones=("a", "b", "c"), time_scale=1.0,
                          run_dir=str(tmp_path / "run"), timeout_s=200.0, size={"layers": 2})
     result = run_cluster(options, at_start=kill_a_node_of_the_first_layout)
     assert len(killed) == 1 and first[0].generation == 0 and not result.timed_out

@@ -26,7 +26,7 @@ def test_a_node_with_notice_hands_over_at_a_step_boundary_and_nothing_is_lost(
     finish_when: Callable[..., None],
 ) -> None:
     trace = write_trace(4, [(4000, "remove", "node2")])  # trace node2 is the launcher's node1
-    options = RunOptions(nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
+    options = RunOptions(redundancy="eflb", nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
                          preemptions=trace, notice_s=3.0, run_dir=str(tmp_path / "run"), timeout_s=240.0,
                          size={"layers": 2})
     # once redundancy is rebuilt without the node, the job is asked to finish (`bamboo-launch finish`)

@@ -34,7 +34,7 @@ def test_training_goes_on_while_the_next_layout_is_prepared_and_the_switch_is_ex
     finish_when: Callable[..., None],
 ) -> None:
     monkeypatch.setenv(PREPARE_PAUSE_ENV, str(PAUSE_S))  # the agents' workers inherit it
-    options = RunOptions(nodes=5, stages=2, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
+    options = RunOptions(redundancy="eflb", nodes=5, stages=2, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
                          preemptions=write_trace(5, []), run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0,
                          timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2})
     seen: dict[str, object] = {}

@@ -64,7 +64,7 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
         handles.preempt(sources[0])
         finish_when(handles, _reconfigured)  # the redone start trained: the job may end
 
-    options = RunOptions(
+    options = RunOptions(redundancy="eflb",
         nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
         group_timeout_s=20.0, size={"layers": 2},
@@ -104,7 +104,7 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
         handles.preempt(handles.node_of_rank[0])
         finish_when(handles, lambda events: any(isinstance(e, Restore) for e in events))
 
-    options = RunOptions(
+    options = RunOptions(redundancy="eflb",
         nodes=5, stages=3, pipelines=1, steps=300, zones=("a", "b", "c"), time_scale=1.0,
         run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5,
         memory_copy_every=0,  # no in-memory copies: the checkpoint on disk is the only copy left
@@ -149,7 +149,7 @@ def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_r
         handles.preempt(source)
         finish_when(handles, _reconfigured)
 
-    options = RunOptions(
+    options = RunOptions(redundancy="eflb",
         nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
         group_timeout_s=20.0, size={"layers": 2},

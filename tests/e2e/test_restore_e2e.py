@@ -41,7 +41,7 @@ EVERY = 5
 
 
 def _options(tmp_path: Path) -> RunOptions:
-    return RunOptions(
+    return RunOptions(redundancy="eflb",
         nodes=5,
         stages=STAGES,
         pipelines=1,

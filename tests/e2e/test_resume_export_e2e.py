@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(600)  # three runs, in the lane of short tests 
 
 
 def _options(tmp_path: Path, name: str, steps: int, resume: bool = False) -> RunOptions:
-    return RunOptions(nodes=4, stages=2, pipelines=2, steps=steps, zones=("a", "b", "c"),
+    return RunOptions(redundancy="eflb", nodes=4, stages=2, pipelines=2, steps=steps, zones=("a", "b", "c"),
                       checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5, resume=resume,
                       run_dir=str(tmp_path / name), timeout_s=400.0, ttl=10, grace_s=10.0,
                       size={"layers": 2})

@@ -35,6 +35,7 @@ TOLERANCE = 1e-6
 def _options(tmp_path: Path, **changes: object) -> RunOptions:
     base: dict[str, object] = {
         "nodes": 4, "stages": 2, "pipelines": 2, "steps": 30, "zones": ("a", "b", "c"), "time_scale": 1.0,
+        "redundancy": "eflb",
         "run_dir": str(tmp_path / "run"), "confirm_timeout_s": 30.0, "timeout_s": 240.0,
         "group_timeout_s": 20.0,  # a survivor stuck on a dead peer's transfer gives up after 20 s
         "size": {"layers": 2},  # 4 layers: the smallest model that P=4 can split, and the cheapest step

@@ -42,7 +42,7 @@ def test_two_pipelines_lose_a_node_each_at_the_same_instant_and_stay_exact(
         finish_when(handles, lambda events: sum(isinstance(e, Failover) for e in events) >= 2
                     and any(isinstance(e, Reconfiguration) for e in events))
 
-    options = RunOptions(nodes=8, stages=4, pipelines=2, steps=300, zones=("a", "b", "c"), time_scale=1.0,
+    options = RunOptions(redundancy="eflb", nodes=8, stages=4, pipelines=2, steps=300, zones=("a", "b", "c"), time_scale=1.0,
                          run_dir=str(tmp_path / "run"), timeout_s=240.0, group_timeout_s=20.0,
                          size={"layers": 2})
     result = run_cluster(options, during=kill_two_at_once)

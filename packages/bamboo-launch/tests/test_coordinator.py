@@ -103,7 +103,7 @@ def membership(etcd: EmbeddedEtcd, request: pytest.FixtureRequest) -> Iterator[M
 
 def _spec(job: str, **changes: Any) -> JobSpec:
     fields: dict[str, Any] = {"job": job, "stages": 2, "pipelines": 2, "steps": 10, "micro_batches": 4,
-                              "created_unix": 1.0, "layers": [LAYER] * 4, "config": {}}
+                              "created_unix": 1.0, "layers": [LAYER] * 4, "config": {}, "redundancy": "eflb"}
     fields.update(changes)
     return JobSpec(**fields)
 

@@ -149,7 +149,7 @@ def test_hooks_are_called_in_a_real_run_and_tensorboard_gets_an_event_file(tmp_p
     out = tmp_path / "out"
     out.mkdir()
     # Nothing fails here: 10 s leases, so that the run is safe beside the cluster tests (the root conftest.py).
-    options = RunOptions(nodes=2, stages=2, pipelines=1, steps=4, run_dir=str(tmp_path / "run"), time_scale=1.0,
+    options = RunOptions(redundancy="eflb", nodes=2, stages=2, pipelines=1, steps=4, run_dir=str(tmp_path / "run"), time_scale=1.0,
                          timeout_s=180.0, ttl=10, grace_s=10.0, script=(str(script), str(out)))
     result = run_cluster(options)
     assert result.steps_done == 4

@@ -15,6 +15,7 @@ from bamboo.launch.market import (
     ProcessCluster,
     SpotMarket,
     kill_process_group,
+    market_rate,
     plan_market,
 )
 from hypothesis import given, settings
@@ -279,3 +280,15 @@ def test_action_string_form() -> None:
     assert str(MarketAction(1.5, ActionKind.KILL, "node3", "us-east-1a")) == "kill node3@us-east-1a@1.5s"
     with pytest.raises(ValueError, match=re.escape("'at_s' must be >= 0.0: -1")):
         MarketAction(-1, ActionKind.ADD, "n", "z")
+
+
+def test_market_rate_is_the_plans_kills_per_node_hour_of_wall_time() -> None:
+    """4 nodes for an hour, one killed at 30 min (3.5 node-hours) and one added at 45 min (+0.25): 1 kill over
+    3.75 node-hours; a plan without kills has rate 0; actions after the span are left out."""
+    plan = [*(MarketAction(0.0, ActionKind.ADD, f"n{i}", "a") for i in range(4)),
+            MarketAction(1800.0, ActionKind.KILL, "n1", "a"), MarketAction(2700.0, ActionKind.ADD, "n4", "b"),
+            MarketAction(7200.0, ActionKind.KILL, "n2", "a")]
+    assert market_rate(plan, 3600.0) == pytest.approx(1 / 3.75)
+    assert market_rate(plan[:4], 3600.0) == 0.0
+    with pytest.raises(ValueError, match="duration_s must be > 0, got 0"):
+        market_rate(plan, 0)

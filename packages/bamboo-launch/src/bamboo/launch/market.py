@@ -54,6 +54,7 @@ __all__ = [
     "StartedClock",
     "TraceEventLike",
     "kill_process_group",
+    "market_rate",
     "plan_market",
 ]
 
@@ -354,6 +355,26 @@ class SpotMarket:
             return self.done
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+def market_rate(plan: Sequence[MarketAction], duration_s: float) -> float:
+    """The preemptions per node-hour of wall time that ``plan`` carries out over its first ``duration_s``
+    seconds: its kills over the time integral of its live nodes (0.0 when it kills none)."""
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    alive, node_seconds, kills, last = 0, 0.0, 0, 0.0
+    for action in sorted(plan, key=lambda a: (a.at_s, a.kind.order)):
+        at = min(action.at_s, duration_s)
+        node_seconds += alive * (at - last)
+        last = at
+        if action.at_s > duration_s:
+            break
+        if action.kind is ActionKind.ADD:
+            alive += 1
+        elif action.kind is ActionKind.KILL:
+            alive, kills = alive - 1, kills + 1
+    node_seconds += alive * (duration_s - last)
+    return kills / (node_seconds / 3600.0) if kills and node_seconds > 0 else 0.0
 
 
 def kill_process_group(pgid: int) -> bool:

@@ -338,12 +338,19 @@ def run_cluster(
     initial agents are started (no layout yet: its handles' ``node_of_rank`` is empty).
     """
     from bamboo.launch.events import RunEnd, read_events
-    from bamboo.launch.market import ExecutedAction, ProcessCluster, SpotMarket
+    from bamboo.launch.market import ExecutedAction, ProcessCluster, SpotMarket, market_rate
     from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 
     say = progress or (lambda message: None)
     started = time.monotonic()
     plan = initial_plan(options)
+    if options.redundancy == "auto" and options.preemption_rate is None and options.preemptions is not None:
+        # auto's prior: the market's own rate, in the run's wall time (a trace compressed x60 preempts 60x as often
+        # per hour of training), until the job's own preemption records outweigh it
+        span_s = max(options.hours * 3600.0 / options.time_scale, max(action.at_s for action in plan))
+        options = attrs.evolve(options, preemption_rate=market_rate(plan, span_s))
+        say(f"--redundancy auto starts from the market's rate: {options.preemption_rate:.3g} preemptions per "
+            "node-hour of the run")
     initial = [action for action in plan if action.kind is ActionKind.ADD and action.at_s == 0]
     if len(initial) < options.stages * options.pipelines:
         raise RunError(f"the trace starts with {len(initial)} nodes; P={options.stages} x D={options.pipelines} "

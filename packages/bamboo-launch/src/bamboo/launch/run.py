@@ -107,7 +107,7 @@ class RunOptions:
     run_dir: str | None = None
     events: str | None = None
     job: str | None = None
-    redundancy: str = attrs.field(default="auto", validator=attrs.validators.in_(REDUNDANCY))
+    redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
     preemption_rate: float | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(0)))
     """Preemptions per node-hour that ``--redundancy auto`` assumes before the job's own history (None: default)."""

@@ -143,7 +143,7 @@ class JobSpec:
     steps: int = attrs.field(default=DEFAULT_STEPS, validator=_POSITIVE_INT)
     min_nodes: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """Registered nodes the first layout waits for (0: P x D)."""
-    redundancy: str = attrs.field(default="auto", validator=attrs.validators.in_(REDUNDANCY))
+    redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
     preemptions_per_node_hour: float | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.and_(attrs.validators.instance_of((int, float)), attrs.validators.ge(0),
                               attrs.validators.lt(math.inf))))

@@ -229,7 +229,7 @@ def _env_int(name: str) -> int:
 def initialize(
     model: Any,
     config: Mapping[str, Any] | str | Path,
-    redundancy: str = "auto",
+    redundancy: str = "eflb",
     *,
     preemptions_per_node_hour: float | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -253,7 +253,7 @@ def initialize(
     Under ``bamboo-launch run`` (``BAMBOO_SCRIPT_MODE`` set) it raises a RuntimeError that names
     ``bamboo.launch.train_worker``, the call such scripts make instead.
 
-    `redundancy` is one of `none`, `lflb`, `eflb`, `efeb`, or `auto` (the default): the mode expected to lose the least
+    `redundancy` is one of `none`, `lflb`, `eflb` (the default), `efeb`, or `auto`: the mode expected to lose the least
     training per hour (:mod:`bamboo.rc.auto`) at `preemptions_per_node_hour` (default 0.1), which every rank
     works out alike; ``engine.redundancy_choice.reason`` says which and why. The layers are cut into `stages`
     contiguous ranges, `stage_bounds` (``[(start, end), ...]``, one per stage; default

@@ -6,18 +6,13 @@ Each returns plain numbers; ``gpu_check.py`` runs the ones that use a GPU in a c
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import statistics
-import tempfile
 import time
-import traceback
-from pathlib import Path
 
 import torch
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.device import resolve_device
+from bamboo.rc.testing import ForkedRanks, RanksFailed
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.rc.transport import HostStaging
 from torch.distributed import TCPStore
@@ -28,8 +23,7 @@ REPEATS = 5
 """Timed messages per measurement (after one untimed); the median is reported."""
 
 
-def _gloo_side(rank: int, port: int, mib: int) -> list[float]:
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+def _gloo_side(rank: int, store: TCPStore, mib: int) -> list[float]:
     groups = GroupTable(store, "probe", rank, CommTimeouts(), {})
     groups.set_members(0, {"p": (0, 1)})
     message = torch.ones(mib * 2**18)  # float32: mib MiB
@@ -45,32 +39,12 @@ def _gloo_side(rank: int, port: int, mib: int) -> list[float]:
 
 def gloo_seconds(mib: int) -> float:
     """Seconds to send one message of ``mib`` MiB between two local processes over gloo (the receiver's median)."""
-    with tempfile.TemporaryDirectory(prefix="bamboo-probe-") as folder:
-        reader, writer = os.pipe()
-        pids = []
-        for rank in range(2):  # forked before the store's thread exists
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                code = 1
-                try:
-                    os.close(writer)
-                    port = int.from_bytes(os.read(reader, 8), "little")
-                    Path(folder, f"{rank}.json").write_text(json.dumps(_gloo_side(rank, port, mib)))
-                    code = 0
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    os._exit(code)
-            pids.append(pid)
-        os.close(reader)
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-        os.write(writer, store.port.to_bytes(8, "little") * 2)
-        os.close(writer)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        del store
-        if any(codes):
-            raise RuntimeError(f"the gloo probe failed (exit statuses {codes})")
-        return statistics.median(json.loads(Path(folder, "1.json").read_text()))
+    try:
+        with ForkedRanks(2, lambda rank, store: _gloo_side(rank, store, mib)) as ranks:
+            pass
+    except RanksFailed as error:
+        raise RuntimeError(f"the gloo probe failed: {error}") from None
+    return statistics.median(ranks.results[1])
 
 
 def staging_seconds(mib: int, device: str) -> float:

@@ -8,12 +8,9 @@ and their replicas are then not always bit-equal.)
 from __future__ import annotations
 
 import csv
-import datetime
 import itertools
 import math
 import os
-import tempfile
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +24,9 @@ from bamboo.rc.failures import StoreFailureNotices
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.monitor import EVAL_LOSS, LEARNING_RATE, SAMPLES_PER_SECOND, TRAIN_LOSS
 from bamboo.rc.records import FailureEvent
+from bamboo.rc.testing import ForkedRanks
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.schedule.engine import check_execution
-from torch.distributed import TCPStore
 
 SIZE = GPTSize(layers=2, width=16, heads=2, sequence=8)
 VICTIM_EXIT = 9
@@ -55,55 +52,33 @@ def _nodes(config: dict, body: Callable[[Engine, int], Any], *, stages: int = 2,
            job: str, victims: tuple[int, ...] = (), sampler: GlobalBatchSampler | None = None) -> dict[int, Any]:
     """Fork one process per node, each running ``body(engine, rank)``; their results by rank.
 
-    The children are forked before the store exists (a fork while the store's thread holds a lock can
-    deadlock the child) and read its port from a pipe, as ``bamboo-rc verify`` does. With ``victims``, the
+    The children are forked by :class:`bamboo.rc.testing.ForkedRanks`. With ``victims``, the
     nodes learn of failures through the store and this process is the failure authority: it publishes
     the death of each victim (which must die) as the next epoch's event. With ``sampler``, the engines get
     ``microbatch=`` from it (what a ring of one-stage nodes needs).
     """
     world = stages * pipelines
-    with tempfile.TemporaryDirectory(prefix="bamboo-engine-test-") as out:
-        reader, writer = os.pipe()
-        children = {}
-        for rank in range(world):
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                code = 1
-                try:
-                    os.close(writer)
-                    port = int.from_bytes(os.read(reader, 8), "little")
-                    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-                    notices = StoreFailureNotices(store, job) if victims else None
-                    engine = initialize(gpt_layer_specs(SIZE), config, "eflb", loss_fn=lm_loss, stages=stages,
-                                        rank=rank, world_size=world, store=store, job=job, timeouts=TIMEOUTS,
-                                        notices=notices, microbatch=_microbatch(sampler))
-                    result = body(engine, rank)
-                    engine.finish()
-                    torch.save(result, Path(out) / f"{rank}.pt")
-                    code = 0
-                except BaseException:
-                    (Path(out) / f"{rank}.error").write_text(traceback.format_exc())
-                finally:
-                    os._exit(code)
-            children[pid] = rank
-        os.close(reader)
-        host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-        os.write(writer, host.port.to_bytes(8, "little") * world)
-        os.close(writer)
-        codes: dict[int, int] = {}
+
+    def member(rank: int, store: Any) -> Any:
+        notices = StoreFailureNotices(store, job) if victims else None
+        engine = initialize(gpt_layer_specs(SIZE), config, "eflb", loss_fn=lm_loss, stages=stages, rank=rank,
+                            world_size=world, store=store, job=job, timeouts=TIMEOUTS, notices=notices,
+                            microbatch=_microbatch(sampler))
+        result = body(engine, rank)
+        engine.finish()
+        return result
+
+    codes: dict[int, int] = {}
+    with ForkedRanks(world, member) as ranks:
         while len(codes) < world:
             pid, status = os.waitpid(-1, 0)
-            rank = children[pid]
+            rank = ranks.pids[pid]
             codes[rank] = os.waitstatus_to_exitcode(status)
-            if rank in victims:
-                StoreFailureNotices(host, job).publish(FailureEvent(sum(r in codes for r in victims), [rank]))  # epoch n: n-th death
-        del host
-        errors = {rank: (Path(out) / f"{rank}.error").read_text() for rank, code in codes.items()
-                  if code and rank not in victims}
-        assert not errors, "\n".join(f"rank {rank}: {text}" for rank, text in errors.items())
-        assert all(codes[rank] == VICTIM_EXIT for rank in victims), codes
-        return {rank: torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)
-                if rank not in victims}
+            if rank in victims:  # epoch n: the n-th death
+                StoreFailureNotices(ranks.store, job).publish(FailureEvent(sum(r in codes for r in victims), [rank]))
+    assert all(codes[rank] == VICTIM_EXIT for rank in victims), codes
+    assert sorted(ranks.results) == [rank for rank in range(world) if rank not in victims], codes
+    return ranks.results
 
 
 def _microbatch(sampler: GlobalBatchSampler | None) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None:

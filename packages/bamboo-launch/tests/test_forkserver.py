@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkServer, ForkServerError, run_to_end, spawn
-from bamboo.launch.market import ProcessCluster
+from bamboo.launch.processes import ProcessCluster
 
 CHILD = '''
 import json, os, sys, time

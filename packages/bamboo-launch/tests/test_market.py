@@ -12,12 +12,11 @@ from bamboo.bench.preemptions import assign_zones
 from bamboo.launch.market import (
     ActionKind,
     MarketAction,
-    ProcessCluster,
     SpotMarket,
-    kill_process_group,
     market_rate,
     plan_market,
 )
+from bamboo.launch.processes import ProcessCluster, kill_process_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import attrs
 import pytest
-from bamboo.launch.market import ProcessCluster, SpotMarket, plan_market
+from bamboo.launch.market import SpotMarket, plan_market
+from bamboo.launch.processes import ProcessCluster
 
 membership = pytest.importorskip("bamboo.membership")
 if shutil.which("etcd") is None:

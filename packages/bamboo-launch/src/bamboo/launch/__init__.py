@@ -65,12 +65,11 @@ from bamboo.launch.market import (
     ActionKind,
     MarketAction,
     MonotonicClock,
-    ProcessCluster,
     SpotMarket,
     StartedClock,
-    kill_process_group,
     plan_market,
 )
+from bamboo.launch.processes import ProcessCluster, kill_process_group
 from bamboo.launch.reconfigure import build_view, transfer_participants
 from bamboo.launch.reference import train_reference_history, train_reference_program
 from bamboo.launch.report import Prices, Report, ReportError, compute_report, format_report, plot_report

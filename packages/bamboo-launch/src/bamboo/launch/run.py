@@ -338,7 +338,8 @@ def run_cluster(
     initial agents are started (no layout yet: its handles' ``node_of_rank`` is empty).
     """
     from bamboo.launch.events import RunEnd, read_events
-    from bamboo.launch.market import ExecutedAction, ProcessCluster, SpotMarket, market_rate
+    from bamboo.launch.market import ExecutedAction, SpotMarket, market_rate
+    from bamboo.launch.processes import ProcessCluster
     from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 
     say = progress or (lambda message: None)

@@ -5,7 +5,7 @@ DeepSpeed config, global batch and data order) with DeepSpeed's own ``PipelineEn
 elastic agents, and replays the same preemption trace against it:
 
 - **one torchrun elastic agent per market node** (``python -m torch.distributed.run``, ``--nproc-per-node 1``),
-  started by a :class:`bamboo.launch.market.ProcessCluster` as the leader of its own process group. torchrun
+  started by a :class:`bamboo.launch.processes.ProcessCluster` as the leader of its own process group. torchrun
   starts its worker in a session of its own, so this cluster's kill SIGKILLs the process groups of the agent
   and of all its descendants (and the worker asks Linux to kill it when its agent dies): a market kill takes
   the agent and its worker, as a lost machine would;

@@ -29,10 +29,10 @@ from bamboo.launch.market import (
     ActionKind,
     ExecutedAction,
     MarketAction,
-    ProcessCluster,
     SpotMarket,
     plan_market,
 )
+from bamboo.launch.processes import ProcessCluster
 from bamboo.launch.run import RunOptions
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

@@ -7,28 +7,25 @@ TTL), the key goes with it, and the next agent to try takes over; killing the co
 another failure. Everything it does is idempotent and read back from etcd, so a new coordinator
 carries on where the old one stopped. Its duties:
 
-- **Publish confirmed failures at once.** Every agent's failure detector confirms failures (a refused
-  probe after a neighbour's report, another incarnation, an expired lease) and writes one report per
-  node to etcd; the coordinator reads them back. For each ranked node of the current layout whose
-  death is not yet in a published event, it first probes the other nodes of the victims' pipelines in
-  parallel (so kills that landed together there, a consecutive failure among them, are confirmed
-  together: at most P probes per pipeline that lost a node, whatever the job's size), then publishes one
-  :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
-  ``g<generation>-epoch-<n>`` (:func:`bamboo.launch.notices.publish_failure_event`). A node confirmed
-  later is a second failure, which the runtime survives. No batching window: the runtime acts within
-  milliseconds of the confirmation.
-- **Preemption records.** Once per confirmed node (decision ``preempted-<node>``), a ``preemption``
-  event for the report (billing stops).
+- **Publish confirmed failures at once.** Every agent's failure detector confirms failures (a refused probe
+  after a neighbour's report, another incarnation, an expired lease) and writes one report per node to etcd;
+  the coordinator reads them back. For each ranked node of the current layout whose death is not yet in a
+  published event, it first probes the other nodes of the victims' pipelines in parallel (kills that landed
+  together, a consecutive failure among them, are confirmed together: at most P probes per pipeline that lost
+  a node), then publishes one :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
+  ``g<generation>-epoch-<n>`` (:func:`bamboo.launch.notices.publish_failure_event`). A node confirmed later is
+  a second failure, which the runtime survives. No batching window: the runtime acts within milliseconds.
+- **Preemption records.** Once per lost node (decision ``preempted-<node>``), confirmed or gone with a
+  whole layout before any probe reported it, a ``preemption`` event for the report (billing stops).
 - **The first layout.** As soon as the job's spec asks for it (``min_nodes`` registered, P x D by
   default), it places the registered nodes with :func:`bamboo.reconfig.plan_layout` and writes
   generation 0 with compare-and-swap (only when there is no layout yet). Nodes that register later wait
   on standby for a reconfiguration.
 - **A layout nobody holds any more.** The workers themselves move from one layout to the next at a
-  barrier. When every node of the current layout (its owners and the holders it came from) is gone, no
-  worker is left to do it: the coordinator then writes the next generation itself: when the layout
-  trained no step (its nodes were lost while it started), it redoes its start on the warm standby nodes
-  (nothing is lost); otherwise it restarts every stage from the newest good checkpoint on them (as soon
-  as they can form a pipeline), or, without a checkpoint, ends the job with the error.
+  barrier. When every node of the current layout (its owners and the holders it came from) is gone, the
+  coordinator writes the next generation on the warm standby nodes, once they can form a pipeline: a
+  layout that trained no step has its start redone; otherwise every stage restarts from the nearest
+  restore point (an in-memory copy, the newest good checkpoint, or else the seeded initial state).
 
 Every write goes through the agent's fenced store: a coordinator that was declared dead (its lease is
 gone) cannot write anything more.

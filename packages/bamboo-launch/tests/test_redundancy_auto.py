@@ -58,9 +58,9 @@ def _steps(generation: int, durations: list[float], t0: float = 1.0) -> list[Ste
 
 def test_a_low_rate_picks_the_cheap_mode_and_a_high_rate_the_eager_one() -> None:
     """P = 4, M = 8, equal layers: with no preemption in sight nothing pays for redundancy; after two hours in
-    which 4 nodes saw 40 preemptions, with a measured step of 300 s, eager FRC pays (a lazy recovery recomputes
-    more of a long step)."""
-    spec = _spec(preemptions_per_node_hour=0.0)
+    which 4 nodes saw 40 preemptions, with a measured step of 300 s and a checkpoint every 2 steps, eager FRC pays
+    (a lazy recovery recomputes more of a long step)."""
+    spec = _spec(preemptions_per_node_hour=0.0, checkpoint_dir="/ckpt", checkpoint_every=2)
     plan = _layout(spec).plan
     assert choose_mode(spec, plan, [], now_t=0.0).mode == "none"
     history: list[Any] = [Join(t=0.0, node=f"n{i}", zone="a") for i in range(4)]
@@ -165,3 +165,29 @@ def test_the_report_and_the_live_view_show_the_mode_in_force_and_why() -> None:
     assert any("redundancy    none (auto, generation 2)" in line for line in state.summary()["recent"])
     plain = compute_report([event for event in events if not isinstance(event, RedundancyChoice)])
     assert plain.redundancy_mode is None and "redundancy" not in format_report(plain)
+
+
+def test_a_machine_that_came_back_after_its_worker_failed_was_not_preempted() -> None:
+    """n3's worker failed and its agent came back as n3.2: the record of n3's end stops its hours but adds no
+    preemption (a market kill of n2 does)."""
+    events: list[Any] = [Join(t=0.0, node=f"n{i}", zone="a") for i in range(4)]
+    events += [Preemption(t=1800.0, node="n3", zone="a"), Join(t=1800.0, node="n3.2", zone="a", returns="n3"),
+               Preemption(t=1800.0, node="n2", zone="a"), Join(t=1800.0, node="n5", zone="a")]
+    assert observed_rate(events, 3600.0, prior=0.1) == pytest.approx((1 + 0.1) / (4 + 1))
+
+
+def test_what_a_failure_costs_is_the_jobs_own() -> None:
+    """The median failover and reconfiguration pauses once there are some; a restore redoes half the checkpoint
+    interval, or half the job without checkpoints."""
+    from bamboo.launch.event_records import Failover, Reconfiguration
+    from bamboo.launch.redundancy import failure_model
+
+    spec = _spec(steps=1000)
+    fresh = failure_model(spec, 4, 0.5, 2.0, [])
+    assert fresh.checkpoint_interval_s == pytest.approx(2000.0)  # no checkpoint dir: the whole job
+    assert (fresh.preemptions_per_node_hour, fresh.nodes) == (0.5, 4)
+    history: list[Any] = [Failover(t=1.0, victim="n1", shadow="n0", stage=1, pause_s=p) for p in (0.1, 0.3, 0.2)]
+    history += [Reconfiguration(t=2.0, reason="r", pipelines=1, stages=4, standby=0, bytes_moved=0, duration_s=d)
+                for d in (4.0, 6.0)]
+    seen = failure_model(_spec(steps=1000, checkpoint_dir="/ckpt", checkpoint_every=10), 4, 0.5, 2.0, history)
+    assert (seen.detect_s, seen.reconfigure_s, seen.checkpoint_interval_s) == pytest.approx((0.2, 5.0, 20.0))

@@ -262,11 +262,12 @@ class _Supervisor:
     """One incarnation of the agent: its registration, coordinator and worker."""
 
     def __init__(self, options: AgentOptions, spec: JobSpec, membership: Any, node: str, zone: str,
-                 say: Callable[[str], None], wake: threading.Event) -> None:
+                 say: Callable[[str], None], wake: threading.Event, returns: str | None = None) -> None:
         self.options, self.wake = options, wake  # wake: look again (the job's end, the worker's exit, SIGTERM)
         self.spec = spec
         self.membership = membership
         self.node = node
+        self.returns = returns  # the previous incarnation's identity (this machine was not preempted)
         self.zone = zone
         self.say = say
 
@@ -292,7 +293,8 @@ class _Supervisor:
                                        target_nodes=spec.first_layout_nodes, stages=spec.stages,
                                        pipelines=spec.pipelines))
         if announce:
-            self.events.write(Join(t=self.events.now(), node=self.node, zone=self.zone or "default"))
+            self.events.write(Join(t=self.events.now(), node=self.node, zone=self.zone or "default",
+                                   returns=self.returns))
         self.coordinator = Coordinator(self.fenced, self.agent, spec, self.events, say=self.say).start()
         hook = preemption_hook(options.preemption_notices, options.metadata_url)
         if hook is not None:  # the cloud's notice becomes this node's preemption notice, as SIGTERM does
@@ -416,10 +418,10 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
         noticed, wake = threading.Event(), threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: (noticed.set(), wake.set()))
         failures = 0
-        incarnation = 1
+        incarnation, previous = 1, None
         while True:
             node = options.node if incarnation == 1 else f"{options.node}.{incarnation}"
-            supervisor = _Supervisor(options, spec, membership, node, zone, say, wake)
+            supervisor = _Supervisor(options, spec, membership, node, zone, say, wake, returns=previous)
             # every incarnation joins (its old identity's preemption record stops that one's billing): a report must
             # never meet the preemption of a node that never joined
             supervisor.start(announce=True, wrote_spec=wrote and incarnation == 1)
@@ -437,7 +439,7 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
                 return AGENT_JOB_FAILED
             say(f"node {node}: {why}{': ' + error if error else ''}; coming back as a fresh node")
             supervisor.stop(leave=False)
-            incarnation += 1
+            incarnation, previous = incarnation + 1, node
     except AgentError as error:
         print(f"bamboo-launch agent: error: {error}", file=sys.stderr, flush=True)
         return AGENT_USAGE

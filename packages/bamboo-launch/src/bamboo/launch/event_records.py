@@ -113,6 +113,10 @@ class Join:
     t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     node: str = attrs.field(validator=_non_empty_str)
     zone: str = attrs.field(validator=_non_empty_str)
+    returns: str | None = attrs.field(default=None, validator=attrs.validators.optional(_non_empty_str))
+    """The identity of the same machine's previous incarnation, when its agent comes back as a fresh node after
+    its worker failed (that identity's ``preemption`` record is then no loss of the market's); None for a new
+    machine."""
 
 
 @attrs.frozen

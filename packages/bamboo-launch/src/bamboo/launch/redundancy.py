@@ -13,7 +13,11 @@ barrier, a layout prepared while the old one trains) calls :func:`with_mode`. Fo
 - the preemption rate seen so far (:func:`observed_rate`: the job's ``preemption`` records per node-hour
   of its ``join`` records, weighed against a prior of :data:`~bamboo.launch.timeouts.AUTO_PRIOR_NODE_HOURS`
   node-hours at the rate the job was given, ``--preemption-rate``, or
-  `bamboo.rc.timeouts.DEFAULT_PREEMPTIONS_PER_NODE_HOUR`).
+  `bamboo.rc.timeouts.DEFAULT_PREEMPTIONS_PER_NODE_HOUR`),
+- what a failure costs this job (:func:`failure_model`): the median pause of its failovers and of its
+  reconfigurations so far (the schedule's defaults before any), and what a restore redoes: half the
+  checkpoint interval (``--checkpoint-every`` steps) with ``--checkpoint-dir``, and without one half the
+  whole job (``--steps``), since a restore then starts from the seeded state.
 
 The choice is a pure function of the layout and the event records read, so a decision written first-writer-
 wins holds one mode for the generation, which every worker of it trains with (:func:`layout_mode`). The first
@@ -30,13 +34,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
-from bamboo.launch.event_records import Event, Join, Preemption, RedundancyChoice, Step
+from bamboo.launch.event_records import Event, Failover, Join, Preemption, Reconfiguration, RedundancyChoice, Step
 from bamboo.launch.spec import JobSpec
 from bamboo.launch.timeouts import AUTO_PRIOR_NODE_HOURS
 from bamboo.rc.timeouts import ASSUMED_STEP_S, DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 
-__all__ = ["AUTO", "choice_record", "choose_mode", "describe_choice", "holds_replicas", "in_force", "layout_mode",
-           "measured_step", "mode_for", "observed_rate", "report_fields", "with_mode"]
+__all__ = ["AUTO", "choice_record", "choose_mode", "describe_choice", "failure_model", "holds_replicas", "in_force",
+           "layout_mode", "measured_step", "mode_for", "observed_rate", "report_fields", "with_mode"]
 
 AUTO = "auto"
 """The spec's redundancy that is chosen per generation rather than given."""
@@ -72,15 +76,19 @@ def measured_step(events: Iterable[Event]) -> tuple[float, str] | None:
 def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
     """Preemptions per node-hour: the job's ``preemption`` records over the node-hours of its nodes (from each
     ``join`` to its preemption, or ``now_t``), with :data:`AUTO_PRIOR_NODE_HOURS` node-hours at ``prior`` added:
-    the prior alone before any history, the job's own rate once it has many hours of it."""
+    the prior alone before any history, the job's own rate once it has many hours of it. The preemption of an
+    identity whose machine came back as a fresh node (a later ``join`` that ``returns`` it: its worker failed)
+    ends that identity's hours but is no loss of the market's."""
+    listed = sorted(events, key=lambda e: e.t)
+    returned = {e.returns for e in listed if isinstance(e, Join) and e.returns is not None}
     joined: dict[str, float] = {}
     node_s = 0.0
     preemptions = 0
-    for event in sorted(events, key=lambda e: e.t):
+    for event in listed:
         if isinstance(event, Join):
             joined.setdefault(event.node, event.t)
         elif isinstance(event, Preemption):
-            preemptions += 1
+            preemptions += event.node not in returned
             if event.node in joined:
                 node_s += max(0.0, event.t - joined.pop(event.node))
     node_s += sum(max(0.0, now_t - t) for t in joined.values())
@@ -88,11 +96,29 @@ def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
     return (preemptions + prior * AUTO_PRIOR_NODE_HOURS) / (hours + AUTO_PRIOR_NODE_HOURS)
 
 
+def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events: Sequence[Event]) -> Any:
+    """The :class:`bamboo.schedule.FailureModel` of a job of ``nodes`` nodes at ``rate`` preemptions per
+    node-hour whose fault-free step is ``step_s``: its own failovers' and reconfigurations' median pauses once it
+    has some (the schedule's defaults before), and a restore that redoes half the checkpoint interval, or half
+    the job when it writes no checkpoints."""
+    from bamboo.schedule import FailureModel
+
+    pauses = [e.pause_s for e in events if isinstance(e, Failover)]
+    reconfigurations = [e.duration_s for e in events if isinstance(e, Reconfiguration)]
+    measured: dict[str, float] = {}
+    if pauses:
+        measured["detect_s"] = statistics.median(pauses)
+    if reconfigurations:
+        measured["reconfigure_s"] = statistics.median(reconfigurations)
+    steps_between = spec.checkpoint_every if spec.checkpoint_dir is not None else spec.steps
+    return FailureModel(rate, nodes, checkpoint_interval_s=max(steps_between * step_s, 1e-3), **measured)
+
+
 def choose_mode(spec: JobSpec, plan: Any, events: Sequence[Event], now_t: float) -> Any:
     """The :class:`bamboo.reconfig.ModeChoice` for a generation placed by ``plan`` (a ``bamboo.reconfig.Layout``)
     from the job's ``events`` at ``now_t`` (seconds since the job's ``created_unix``)."""
     from bamboo.reconfig import ModeChoice
-    from bamboo.schedule import FailureModel, choose_redundancy, stage_work_costs
+    from bamboo.schedule import choose_redundancy, stage_work_costs
 
     compute = [float(layer["compute_cost"]) for layer in spec.layers]
     costs = stage_work_costs([sum(compute[start:end]) for start, end in plan.stage_layers])
@@ -101,7 +127,7 @@ def choose_mode(spec: JobSpec, plan: Any, events: Sequence[Event], now_t: float)
     prior = (DEFAULT_PREEMPTIONS_PER_NODE_HOUR if spec.preemptions_per_node_hour is None
              else spec.preemptions_per_node_hour)
     rate = observed_rate(events, now_t, prior)
-    failures = FailureModel(rate, plan.stages * plan.num_pipelines)
+    failures = failure_model(spec, plan.stages * plan.num_pipelines, rate, step_s, events)
     choice = choose_redundancy(costs, plan.stages, max(plan.microbatches), step_s, failures,
                                measured_mode=measured_mode)
     step = ("no step measured yet: an assumed step" if measured is None else

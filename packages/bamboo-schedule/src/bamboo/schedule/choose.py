@@ -10,8 +10,10 @@ failures, and picks the mode that loses least:
   (``detect_s``), the extra time of the iteration that fails over (the simulator's failing iteration against
   the fault-free one, for a failure of the middle stage halfway through its stream), the slower merged schedule
   until the reconfiguration that rebuilds redundancy (``rebuild_after_s``), and that reconfiguration's pause
-  (``reconfigure_s``); with probability ``2 · rate · rebuild_after_s / 3600`` a neighbour in the shadow ring goes
-  too before then, which costs what a failure without redundancy costs;
+  (``reconfigure_s``); with probability ``1 - exp(-2 · rate · rebuild_after_s / 3600)`` (a Poisson arrival at
+  either neighbour in the shadow ring before then) a second loss costs what a failure without redundancy costs.
+  That probability stays below one at any rate, so redundancy keeps the edge it has (the failures it does
+  absorb) where failures come faster than redundancy is rebuilt, instead of tying with ``none``;
 - **without redundancy** a preemption costs a restore from the newest checkpoint (``restore_s``) and the work
   since it (half the checkpoint interval, on average).
 
@@ -26,6 +28,7 @@ give the same mode everywhere, which is what lets every node of a job derive it 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -173,7 +176,7 @@ def choose_redundancy(
     scale = step_s / plain
     rate = failures.preemptions_per_hour
     restore_loss = failures.restore_s + failures.checkpoint_interval_s / 2
-    consecutive = min(1.0, 2.0 * failures.preemptions_per_node_hour * failures.rebuild_after_s / SECONDS_PER_HOUR)
+    consecutive = -math.expm1(-2.0 * failures.preemptions_per_node_hour * failures.rebuild_after_s / SECONDS_PER_HOUR)
     estimates = []
     for mode in candidates:
         rc = RCMode(mode)

@@ -34,7 +34,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
-from bamboo.launch.event_records import Event, Failover, Join, Preemption, Reconfiguration, RedundancyChoice, Step
+from bamboo.launch.event_records import (
+    Event,
+    Failover,
+    Join,
+    Preemption,
+    Reconfiguration,
+    RedundancyChoice,
+    Step,
+)
 from bamboo.launch.spec import JobSpec
 from bamboo.launch.timeouts import AUTO_PRIOR_NODE_HOURS
 from bamboo.rc.timeouts import ASSUMED_STEP_S, DEFAULT_PREEMPTIONS_PER_NODE_HOUR

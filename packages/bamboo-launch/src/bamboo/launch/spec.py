@@ -52,9 +52,13 @@ __all__ = [
 ]
 
 SPEC_VERSION = 1
-MEMORY_COPY_EVERY = 1
+MEMORY_COPY_EVERY = 10
 """Default steps between in-memory copies of every stage (``--memory-copy-every``): a restore after every live
-copy of a stage is lost redoes at most this many steps less one."""
+copy of a stage is lost redoes at most this many steps less one. A copy costs CPU on every node (a clone on the
+training thread, then serialising, hashing and sending it): one every step cost the emulated 6-node P = 3,
+D = 2 job 29% of its throughput (55.4 against 78.5 samples/s with none), while the restores it serves follow
+only the loss of every live copy of a stage, which is rare; every 10 steps, as the checkpoints, costs a tenth
+of that."""
 DEFAULT_STEPS = 20
 """A job's training steps when no ``--steps`` is given (``bamboo-launch agent`` and ``run``)."""
 DEFAULT_CHECKPOINT_EVERY = 10

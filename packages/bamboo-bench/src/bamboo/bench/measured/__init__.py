@@ -5,6 +5,8 @@ Bamboo against the systems users run instead, each one trained for real on the s
 - :mod:`~bamboo.bench.measured.compare`: ``bamboo-bench compare`` runs bamboo, checkpoint/restart and on-demand
   one after the other on one replayed trace, and predicts each run with the simulator from the profile that
   run measured (:func:`run_compare`, :class:`Comparison`); :mod:`~bamboo.bench.measured.figure` draws it;
+  :mod:`~bamboo.bench.measured.seeds` runs it once per seed and takes each figure's median and range
+  (:func:`run_seeds`, :func:`summarise`);
 - :mod:`~bamboo.bench.measured.run`: ``bamboo-bench measure SYSTEM``, one system's run and its measured profile
   (:func:`run_measured`); :mod:`~bamboo.bench.measured.measure` reads a run's constants from its event log
   (:func:`measure_events`) and makes them a simulator profile (:func:`measured_profile`);
@@ -38,6 +40,7 @@ from bamboo.bench.measured.options import (
     parse_systems,
 )
 from bamboo.bench.measured.run import run_measured
+from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, summarise
 from bamboo.bench.measured.torchrun import (
     BaselineError,
     CheckpointRestartOptions,
@@ -59,7 +62,9 @@ __all__ = [
     "MeasureOptions",
     "Measurements",
     "RestartCost",
+    "Spread",
     "SystemResult",
+    "SystemSpread",
     "checkpoint_interval",
     "measure_events",
     "measured_profile",
@@ -67,5 +72,7 @@ __all__ = [
     "run_checkpoint_restart",
     "run_compare",
     "run_measured",
+    "run_seeds",
+    "summarise",
     "usable_pipelines",
 ]

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bamboo.bench import timeouts
@@ -23,6 +24,7 @@ from bamboo.bench.measured.compare import Comparison, default_out, run_compare
 from bamboo.bench.measured.figure import plot_comparison
 from bamboo.bench.measured.options import SYSTEMS, CompareOptions, MeasureOptions, parse_systems
 from bamboo.bench.measured.run import run_measured
+from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, spread_records, summarise
 from bamboo.launch.report import Report, format_report
 from rich.console import Console
 from rich.table import Table
@@ -89,6 +91,10 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
                          "folder, kept and printed)")
     compare.add_argument("--hours", type=positive_float,
                          help="synthetic: the trace's length in trace hours (default: --duration's trace time, or 1)")
+    compare.add_argument("--seeds", type=positive_int, default=1, metavar="N",
+                         help="run the whole comparison N times, with trace seeds SEED .. SEED+N-1 (a synthetic trace "
+                         "is drawn anew each time; a trace file is replayed again, which measures the run-to-run "
+                         "noise), each in OUT/seed-S, and print each system's median and range (default: 1)")
     compare.add_argument("--seed", type=int, default=default_of(CompareOptions, "seed"),
                          help="synthetic: the trace's seed (default: %(default)s)")
     compare.add_argument("--zones", type=zones,
@@ -213,18 +219,13 @@ def _run_compare(args: argparse.Namespace, console: Console, out: Console) -> in
         on_demand_price=args.on_demand_price, layers=args.layers, script=tuple(getattr(args, "script", ()) or ()),
         timeout_s=args.timeout, long_run=args.long_run, long_run_nodes=args.long_run_nodes)
     console.print(f"compare: files in {options.out}")
+    if args.seeds > 1:
+        return _run_seeds(args, options, console, out)
     if console.is_terminal:
         with console.status("compare: starting") as spinner:
             comparison = run_compare(options, status=lambda line: spinner.update(f"compare: {line}"))
     else:
-        last = [0.0]
-
-        def status(line: str) -> None:
-            if time.monotonic() - last[0] >= timeouts.MEASURE_STATUS_S or " done: " in line:
-                last[0] = time.monotonic()
-                console.print(f"compare: {line}")
-
-        comparison = run_compare(options, status=status)
+        comparison = run_compare(options, status=_status_printer(console))
     if args.plot is not None:
         path = plot_comparison(comparison, args.plot)
         console.print(f"wrote {path}")
@@ -233,6 +234,56 @@ def _run_compare(args: argparse.Namespace, console: Console, out: Console) -> in
         return 0
     print_comparison(comparison, out, args.plot)
     return 0
+
+
+def _run_seeds(args: argparse.Namespace, options: CompareOptions, console: Console, out: Console) -> int:
+    """``compare --seeds N``: every seed's comparison (progress on ``console``), then the medians and ranges."""
+    comparisons = run_seeds(options, args.seeds, status=_status_printer(console))
+    if args.plot is not None:
+        console.print(f"wrote {plot_comparison(comparisons[0], args.plot)} (seed {comparisons[0].options.seed})")
+    if args.json:
+        print(json.dumps(spread_records(comparisons)), file=sys.stdout)
+        return 0
+    for comparison in comparisons:
+        ratios = ", ".join(f"{name} {result.throughput:.2f} samples/s" for name, result in comparison.results.items())
+        out.print(f"seed {comparison.options.seed}: {ratios} ({comparison.options.out})")
+    print_spread(summarise(comparisons), options, out)
+    return 0
+
+
+def _status_printer(console: Console) -> Callable[[str], None]:
+    """Progress lines at most every ``MEASURE_STATUS_S``, and every system's end."""
+    last = [0.0]
+
+    def status(line: str) -> None:
+        if time.monotonic() - last[0] >= timeouts.MEASURE_STATUS_S or " done: " in line:
+            last[0] = time.monotonic()
+            console.print(f"compare: {line}")
+
+    return status
+
+
+def _spread(spread: Spread | None, ratio: bool = False) -> str:
+    if spread is None:
+        return "-"
+    show = _ratio if ratio else (lambda v: f"{v:.3f}")
+    return f"{show(spread.median)} ({show(spread.low)} to {show(spread.high)})"
+
+
+def print_spread(spreads: list[SystemSpread], options: CompareOptions, out: Console) -> None:
+    """The table of ``compare --seeds``: each system's median and range over the seeds."""
+    seeds = len(spreads[0].throughput.values) if spreads else 0
+    table = Table(title=f"median (range) over {seeds} seeds from {options.seed}: {options.preemptions} at "
+                        f"x{options.time_scale:g}, {options.nodes} nodes, P={options.stages}, D={options.pipelines}")
+    for header in ("system", "throughput", "value", "vs checkpoint: throughput", "value", "vs on-demand: throughput",
+                   "value"):
+        table.add_column(header, justify="left" if header == "system" else "right")
+    for spread in spreads:
+        table.add_row(spread.system, _spread(spread.throughput), _spread(spread.value),
+                      _spread(spread.vs_checkpoint_throughput, True), _spread(spread.vs_checkpoint_value, True),
+                      _spread(spread.vs_on_demand_throughput, True), _spread(spread.vs_on_demand_value, True))
+    out.print(table)
+    out.print("each ratio is taken within one seed (both systems on the same trace), then its median over the seeds")
 
 
 def _ratio(value: float | None) -> str:

@@ -1,0 +1,114 @@
+"""How the agents of a job agree on its spec: the first writes it (after reading the model's description,
+in a child process so that an agent never imports torch), every other one checks its flags against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bamboo.launch import timeouts
+from bamboo.launch.agent_options import AgentError, AgentOptions
+from bamboo.launch.forkserver import run_to_end
+from bamboo.launch.spec import JobSpec
+
+__all__ = ["describe_model", "ensure_spec", "new_spec", "refuse_used_checkpoint_dir"]
+
+
+def describe_model(fields: Mapping[str, Any], log: Path, *, in_process: bool = False) -> dict[str, Any]:
+    """The model's description for the job's spec fields ``fields``: ``{"layers", "config", "micro_batches"}``.
+
+    A script is run in ``describe`` mode in a child process (its output goes to ``log``). The built-in
+    example is described in a child process too, so that an agent never imports torch, unless
+    ``in_process`` (the emulated cluster's launcher, which imports torch anyway).
+    """
+    from bamboo.launch.script import ScriptError, describe_script
+
+    pipelines = int(fields["pipelines"])
+    script = tuple(fields.get("script", ()))
+    if script:
+        try:
+            return describe_script(script, log, pipelines=pipelines,
+                                   timeout_s=timeouts.SCRIPT_DESCRIBE_TIMEOUT_S)
+        except ScriptError as error:
+            raise AgentError(str(error)) from None
+    layers = int(fields.get("size", {}).get("layers", 4))
+    if in_process:
+        from bamboo.launch.example import EXAMPLE_CONFIG, describe_program, example_program
+
+        return describe_program(example_program({"layers": layers}, dict(EXAMPLE_CONFIG), 0), pipelines)
+    out = log.with_suffix(".json")
+    with open(log, "wb") as sink:
+        status = run_to_end([sys.executable, "-m", "bamboo.launch.example", "--layers", str(layers),
+                             "--pipelines", str(pipelines), "--out", str(out)],
+                            env=os.environ, stdout=sink, timeout_s=timeouts.SCRIPT_DESCRIBE_TIMEOUT_S)
+    if status != 0:
+        raise AgentError(f"the built-in example could not be described (status {status}, log: {log})")
+    return json.loads(out.read_text())
+
+
+def new_spec(job: str, fields: Mapping[str, Any], description: Mapping[str, Any]) -> JobSpec:
+    """The spec of a new job from its fields and its model's description (:class:`AgentError` when invalid)."""
+    try:
+        return JobSpec(job=job, layers=description["layers"], config=description["config"],
+                       micro_batches=int(description["micro_batches"]), created_unix=time.time(), **fields)
+    except (TypeError, ValueError) as error:
+        raise AgentError(str(error)) from None
+
+
+def ensure_spec(membership: Any, options: AgentOptions, say: Callable[[str], None]) -> tuple[JobSpec, bool]:
+    """The job's spec from etcd, written by this agent when there is none yet; returns (spec, written here).
+
+    Raises :class:`AgentError` when this agent's flags conflict with the stored spec.
+    """
+    kv, key = membership.kv, membership.keys.root + "spec"
+    deadline = time.monotonic() + options.spec_timeout_s
+    while True:
+        found = kv.get(key)
+        if found is not None:
+            spec = JobSpec.from_json(found.value)
+            conflicts = spec.conflicts(options.spec)
+            if conflicts:
+                raise AgentError(f"job {options.job}: " + "; ".join(conflicts))
+            return spec, False
+        if "stages" not in options.spec or "pipelines" not in options.spec:
+            raise AgentError(f"job {options.job} has no spec in etcd yet: the first agent needs --stages and "
+                             "--pipelines to create it")
+        lease = kv.grant_lease(max(1, int(options.spec.get("ttl", 2))) + 8)
+        won, holder = kv.create(membership.keys.root + "spec-writer", options.node.encode(), lease=lease)
+        if not won:
+            kv.revoke_lease(lease)
+            if time.monotonic() > deadline:
+                raise AgentError(f"job {options.job}: no spec within {options.spec_timeout_s:g} s (agent "
+                                 f"{holder.value.decode(errors='replace')} was writing it)")
+            time.sleep(timeouts.SPEC_POLL_S)
+            continue
+        try:
+            refuse_used_checkpoint_dir(options.spec.get("checkpoint_dir"), bool(options.spec.get("resume")))
+            say(f"writing the spec of job {options.job}: reading the model")
+            fields = dict(options.spec)
+            log = Path(options.run_dir) / "logs" / f"describe-{options.node}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            spec = new_spec(options.job, fields, describe_model(fields, log))
+            won, stored = kv.create(key, spec.to_json().encode())
+            return (spec, True) if won else (JobSpec.from_json(stored.value), False)
+        finally:
+            kv.revoke_lease(lease)
+
+
+def refuse_used_checkpoint_dir(directory: str | None, resume: bool) -> None:
+    """A new job never overwrites the checkpoints of another run: a checkpoint directory that holds some is
+    refused unless the job resumes from them (:class:`AgentError`, one line)."""
+    if directory is None or resume:
+        return
+    from bamboo.launch.checkpoint import list_checkpoints
+
+    found = list_checkpoints(directory)
+    if found:
+        raise AgentError(f"--checkpoint-dir {directory} holds the checkpoints of another run (steps "
+                         f"{', '.join(str(step) for step, _ in found[:3])}{', ...' if len(found) > 3 else ''}): pass "
+                         "--resume to continue from the newest, or give an empty directory")

@@ -1,0 +1,101 @@
+"""What a finished run left, read back: the failures and worker errors published in etcd, the job's records
+kept for ``--verify``, the workers' final reports, and the check against a fault-free single-process run
+(:func:`compare_with_reference`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bamboo.launch.run_options import RunError, RunOptions, RunResult
+
+__all__ = ["compare_with_reference", "dumps_result", "load_reports", "read_failures", "read_worker_errors",
+           "save_records"]
+
+
+def read_failures(membership: Any) -> tuple[tuple[int, ...], tuple[str, ...], str | None]:
+    """(ranks published as failed, nodes declared failed, the job's error) from etcd."""
+    from bamboo.launch.records import JobEnd, read_record
+    from bamboo.membership.records import FailureReport, decode_message
+    from bamboo.rc import FailureEvent
+
+    ranks: set[int] = set()
+    for item in membership.kv.get_prefix(membership.keys.decisions):
+        name = item.key.removeprefix(membership.keys.decisions)
+        if name.startswith("g") and "-epoch-" in name:
+            ranks.update(FailureEvent.from_json(item.value).victims)
+    nodes = {decode_message(item.key, item.value, FailureReport).node
+             for item in membership.kv.get_prefix(membership.keys.failures)}
+    end = read_record(JobEnd, membership.get_decision("end"))
+    return tuple(sorted(ranks)), tuple(sorted(nodes)), None if end is None else end.error
+
+
+def read_worker_errors(membership: Any) -> tuple[tuple[str, str], ...]:
+    """``(node, last exception line)`` of the workers that published an error, the earliest first."""
+    from bamboo.launch.records import WorkerError
+
+    errors = [WorkerError.from_dict(json.loads(item.value))
+              for item in membership.kv.get_prefix(membership.keys.decision("error-"))]
+    return tuple((error.node, error.error) for error in sorted(errors, key=lambda error: error.at))
+
+
+def save_records(membership: Any, run_dir: Path) -> None:
+    """Keep the job's spec and last layout in the run dir (``spec.json``, ``layout.json``) for ``--verify``."""
+    for name in ("spec", "layout"):
+        found = membership.kv.get(membership.keys.root + name)
+        if found is not None:
+            (run_dir / f"{name}.json").write_bytes(found.value)
+
+
+def load_reports(out: Path) -> dict[int, dict[str, Any]]:
+    import torch
+
+    reports = {}
+    for path in sorted(out.glob("rank*.pt")):
+        report = torch.load(path, weights_only=False)
+        reports[int(report["rank"])] = report
+    return reports
+
+
+def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, Any]:
+    """Compare every surviving worker's hosted stages with a fault-free single-process run.
+
+    Returns ``{"steps", "max_relative_diff", "tensors", "history"}``. The reference trains the same global
+    batches for the steps the run did, grouped by pipeline as the run's layouts were, with the run's config
+    and seed (from the job's spec, kept as ``RUN_DIR/spec.json``): the built-in example in this process
+    (:func:`bamboo.launch.reference.compare_reports`), a user script by running the script once more, in
+    ``reference`` mode (:func:`bamboo.launch.script.reference_from_script`). Each worker's layers are
+    compared with the reference's layers of the same index (the layers its executor built).
+    """
+    from bamboo.launch.reference import compare_reports, compare_states
+    from bamboo.launch.spec import JobSpec
+
+    if result.job_error is not None:  # the job's own error, not the missing reports it left
+        raise RunError(f"the job ended with an error: {result.job_error}")
+    if result.timed_out:
+        raise RunError(f"the run did not finish within --timeout {options.timeout_s:g} s (after {result.steps_done} "
+                       "steps): nothing to verify")
+    if not result.reports:
+        raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
+    spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())
+    reports = list(result.reports.values())
+    if not spec.script:
+        return compare_reports(reports, spec)
+    from bamboo.launch.script import ScriptError, reference_from_script
+
+    steps = result.steps_done
+    history = max((r["history"] for r in reports), key=len)
+    try:
+        reference = reference_from_script(spec.script, config=spec.config, seed=spec.seed, history=history,
+                                          steps=steps, work_dir=result.run_dir, timeout_s=options.timeout_s)
+    except ScriptError as error:
+        raise RunError(str(error)) from None
+    worst, tensors = compare_states(reports, reference)
+    return {"steps": steps, "max_relative_diff": worst, "tensors": tensors, "history": history}
+
+
+def dumps_result(result: RunResult) -> str:
+    """A short JSON summary of a run (for logs)."""
+    return json.dumps({"run_dir": str(result.run_dir), "failed_ranks": list(result.failed_ranks),
+                       "steps_done": result.steps_done, "timed_out": result.timed_out})

@@ -1,0 +1,136 @@
+"""How the launcher of an emulated cluster follows its job: the job's event log mirrored from etcd into a local
+file (:class:`EventRecorder`), the wait for the first training step (or the reason there is none), and the wait
+for the job's end with its progress lines or live view."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bamboo.launch import timeouts
+from bamboo.launch.run_options import RunError
+
+__all__ = ["EventRecorder", "last_line", "wait_end", "wait_first_step"]
+
+
+class EventRecorder:
+    """Mirrors the job's event log from etcd into a local JSON-lines file, in a background thread."""
+
+    def __init__(self, kv: Any, job: str, path: Path) -> None:
+        from bamboo.launch.events import EtcdEventFollower, EventLog
+
+        self.path = path
+        self._follower = EtcdEventFollower(kv, job)
+        self._log = EventLog(path)
+        self._stop = threading.Event()
+        self.last_step = 0  # the highest step recorded (0 before the first)
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="bamboo-run-recorder", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        from bamboo.launch.events import Step
+
+        for event in self._follower.poll():
+            self._log.write(event)
+            if isinstance(event, Step):
+                self.last_step = max(self.last_step, event.step)
+
+    def _run(self) -> None:
+        while not self._stop.wait(timeouts.RUN_POLL_S):
+            try:
+                self._drain()
+            except Exception as error:  # etcd restarting: the watch resumes; a malformed record is reported
+                self.error = error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeouts.THREAD_JOIN_S)
+        try:
+            self._drain()
+        except Exception as error:
+            print(f"bamboo-launch: the last event records could not be read: {error}", file=sys.stderr)
+        self._follower.close()
+        self._log.close()
+
+
+def last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "no output"
+
+
+def wait_first_step(recorder: EventRecorder, cluster: Any, membership: Any, deadline: float, log_dir: Path,
+                    say: Callable[[str], None]) -> Any:
+    """The layout that trains, once a training step was recorded; RunError when the job cannot start."""
+    from bamboo.launch.coordinator import read_layout
+    from bamboo.launch.records import JobEnd, WorkerError, read_record
+
+    reported: set[str] = set()
+    while True:
+        if recorder.last_step:
+            return read_layout(membership)
+        for item in membership.kv.get_prefix(membership.keys.decision("error-")):
+            error = WorkerError.from_dict(json.loads(item.value))
+            raise RunError(f"before the first step, node {error.node} failed: {error.error} "
+                           f"(log: {log_dir / (error.node.split('.')[0] + '.log')})")
+        end = read_record(JobEnd, membership.get_decision("end"))
+        if end is not None and end.error is not None:
+            raise RunError(f"the job ended before its first step: {end.error}")
+        exited = {node: process.returncode for node, process in cluster.processes.items()
+                  if process.poll() is not None}
+        # An agent killed by a signal is a lost node: the start is redone without it. One that exited by itself
+        # failed (bad flags, a crash): that is the run's error, as is every agent gone.
+        failed = sorted(node for node, code in exited.items() if code >= 0 or len(exited) == len(cluster.processes))
+        if failed:
+            raise RunError("before the first step, " + "; ".join(
+                f"node {node} exited with status {exited[node]}: "
+                f"{last_line(log_dir / (node + '.log'))} (log: {log_dir / (node + '.log')})" for node in failed))
+        for node in sorted(set(exited) - reported):
+            say(f"node {node} was lost before the first step (signal {-exited[node]}); the start goes on without it")
+            reported.add(node)
+        if time.monotonic() > deadline:
+            raise RunError("no training step before the run's timeout")
+        time.sleep(timeouts.RUN_POLL_S)
+
+
+def wait_end(cluster: Any, membership: Any, deadline: float, events: Path, live: bool,
+             say: Callable[[str], None], progress_every: int = 10) -> bool:
+    """Wait until the job has ended and every agent has exited; True if the deadline came first."""
+    def running() -> bool:
+        return bool(cluster.alive())  # an agent exits once the job's end record is in etcd
+
+    if not live:
+        from bamboo.launch.live import EventFollower, LiveState, ProgressLines
+
+        follower, state, lines = EventFollower(events), LiveState(), ProgressLines(progress_every)
+        while running():
+            if time.monotonic() > deadline:
+                return True
+            state.apply_all(follower.poll())
+            line = lines.line(state)
+            if line is not None:
+                say(line)
+            time.sleep(timeouts.RUN_POLL_S)
+        state.apply_all(follower.poll())
+        if state.step is not None and state.step != lines.last:
+            say(state.progress_line())  # the last step too
+        return False
+    from bamboo.launch.live import EventFollower, LiveView
+    from rich.console import Console
+
+    with LiveView(EventFollower(events).poll, Console(stderr=True)) as view:  # redrawn when a record arrives
+        while running():
+            if time.monotonic() > deadline:
+                return True
+            view.update()
+            time.sleep(timeouts.LIVE_REFRESH_S)
+        view.update()
+    return False

@@ -57,7 +57,7 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
         description=(
             "Train the same model with each system, one after the other, on the same emulated spot market "
             "(each system runs as `bamboo-bench measure SYSTEM` in a process of its own). "
-            "bamboo: bamboo-launch with redundant computation (--redundancy, eflb by default). checkpoint: torchrun elastic agents (one per node, "
+            "bamboo: bamboo-launch with redundant computation (--redundancy, auto by default). checkpoint: torchrun elastic agents (one per node, "
             "the rendezvous on a store the market never preempts) training DeepSpeed's PipelineEngine on the same "
             "model, global batch and data order, with DeepSpeed checkpoints every K steps (K by Young's rule, "
             "printed); every membership change restarts the workers from the last checkpoint, and with fewer than "
@@ -139,7 +139,7 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
             "emulated spot market, print its report and write its measured profile (RUN_DIR/profile.json, "
             "bamboo-bench's format: step time per pipeline count, start-up, failover pause, reconfiguration, "
             "restart and checkpoint costs; bamboo-bench simulate --model takes it). bamboo: bamboo-launch run with "
-            "--redundancy (eflb by default) on the trace's nodes. checkpoint: torchrun elastic agents and DeepSpeed's "
+            "--redundancy (auto by default) on the trace's nodes. checkpoint: torchrun elastic agents and DeepSpeed's "
             "PipelineEngine on the same model, global batch and data order, DeepSpeed checkpoints every K steps "
             "(K by Young's rule), every membership change restarting the workers from the last checkpoint, and "
             "fewer pipelines while nodes are short. on-demand: bamboo-launch run without redundancy and without "

@@ -13,7 +13,7 @@ import attrs
 from bamboo.bench import timeouts
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.report import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
-from bamboo.launch.spec import REDUNDANCY
+from bamboo.launch.spec import DEFAULT_REDUNDANCY, REDUNDANCY
 
 __all__ = [
     "BAMBOO_REDUNDANCY",
@@ -28,8 +28,9 @@ __all__ = [
 SYSTEMS = ("bamboo", "checkpoint", "on-demand")
 """The systems of a comparison, in the order ``compare`` runs them."""
 
-BAMBOO_REDUNDANCY = "eflb"
-"""The redundancy mode of the ``bamboo`` system unless ``--redundancy`` says otherwise (on-demand runs none)."""
+BAMBOO_REDUNDANCY = DEFAULT_REDUNDANCY
+"""The redundancy mode of the ``bamboo`` system unless ``--redundancy`` says otherwise: bamboo-launch's own
+default, ``auto`` (on-demand runs none)."""
 
 _POSITIVE = attrs.validators.optional(attrs.validators.gt(0))
 _WHOLE = attrs.validators.optional(attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.gt(0)))

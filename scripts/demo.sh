@@ -4,8 +4,9 @@
 #
 # `bamboo-launch run` starts an embedded etcd, 8 emulated nodes in 3 zones (one agent process per node, each
 # spawning its bamboo-rc worker), places them as P=4 stages x D=2 pipelines with bamboo-reconfig, trains the tiny
-# GPT with eager redundant computation, and replays synthetic preemptions at the paper's highest replayed rate
-# (33% per node per hour) compressed 60x (87 trace minutes in 87 s of training), timed from the first step:
+# GPT with the redundancy that `--redundancy auto` (the default) chooses for each layout from the measured step
+# and the market's rate (lazy FRC for most layouts at this rate, eager where a layout's recovery favours it),
+# and replays synthetic preemptions at the paper's highest replayed rate (33% per node per hour) compressed 60x (87 trace minutes in 87 s of training), timed from the first step:
 # every removal SIGKILLs a node's process group, the runtime fails over, additions start new nodes that join at
 # the next reconfiguration, and the final report compares the cost at spot and on-demand prices.
 #

@@ -3,9 +3,9 @@
 5 nodes, P=2, D=2 (one warm on standby), ``--preemption-rate 0``: with no preemption expected nothing pays for
 redundancy, so the coordinator's first layout names ``none``. The test kills the node of stage 1 of pipeline 0
 at step 5. Without a shadow nothing fails over: every worker of the layout stops on the lost peer, their agents
-register afresh, and the coordinator restarts the job on the warm nodes from the in-memory copies of the last
-step. The layout it writes counts the job's own ``preemption`` records (a few in a few node-seconds, weighed
-against the prior's node-hour at 0), at which a redundant mode pays: the new generation trains with it,
+register afresh, and the coordinator restarts the job on the warm nodes from its nearest restore point. The layout it writes counts the job's own ``preemption`` record (one in a few node-seconds, weighed
+against the prior's node-hour at 0: about one an hour), at which a redundant mode pays for a job whose
+restores redo half of its 400-step checkpoint interval (it keeps no in-memory copies): the new generation trains with it,
 its owners building their successor's replica from the same copies. The final parameters equal a fault-free
 single-process run of the same steps.
 """
@@ -32,7 +32,7 @@ def test_auto_starts_without_redundancy_and_takes_it_up_after_a_kill_exactly(
     options = RunOptions(nodes=5, stages=2, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
                          preemptions=write_trace(5, []), run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0,
                          timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2}, redundancy="auto",
-                         preemption_rate=0.0)
+                         preemption_rate=0.0, checkpoint_every=400, memory_copy_every=0)
 
     def kill_at_step_5(handles: RunHandles) -> None:
         deadline = time.monotonic() + 120.0
@@ -51,7 +51,7 @@ def test_auto_starts_without_redundancy_and_takes_it_up_after_a_kill_exactly(
     assert later.generation > 0 and later.mode != "none", later
     assert later.preemptions_per_node_hour > 0.5  # the job's own preemption, seen from its records
     assert not any(isinstance(e, Failover) for e in events)  # no shadow under none: a restart, not a failover
-    assert [e.source for e in events if isinstance(e, Restore)] == ["memory"]
+    assert len([e for e in events if isinstance(e, Restore)]) == 1
     trained = {e.generation for e in events if isinstance(e, Step)}
     assert {0, later.generation} <= trained
     report = compute_report(events)

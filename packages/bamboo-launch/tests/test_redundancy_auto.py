@@ -60,7 +60,7 @@ def test_a_low_rate_picks_the_cheap_mode_and_a_high_rate_the_eager_one() -> None
     """P = 4, M = 8, equal layers: with no preemption in sight nothing pays for redundancy; after two hours in
     which 4 nodes saw 40 preemptions, with a measured step of 300 s and a checkpoint every 2 steps, eager FRC pays
     (a lazy recovery recomputes more of a long step)."""
-    spec = _spec(preemptions_per_node_hour=0.0, checkpoint_dir="/ckpt", checkpoint_every=2)
+    spec = _spec(preemptions_per_node_hour=0.0, checkpoint_dir="/ckpt", checkpoint_every=2, memory_copy_every=0)
     plan = _layout(spec).plan
     assert choose_mode(spec, plan, [], now_t=0.0).mode == "none"
     history: list[Any] = [Join(t=0.0, node=f"n{i}", zone="a") for i in range(4)]
@@ -182,12 +182,14 @@ def test_what_a_failure_costs_is_the_jobs_own() -> None:
     from bamboo.launch.event_records import Failover, Reconfiguration
     from bamboo.launch.redundancy import failure_model
 
-    spec = _spec(steps=1000)
+    spec = _spec(steps=1000, memory_copy_every=0)
     fresh = failure_model(spec, 4, 0.5, 2.0, [])
-    assert fresh.checkpoint_interval_s == pytest.approx(2000.0)  # no checkpoint dir: the whole job
+    assert fresh.checkpoint_interval_s == pytest.approx(2000.0)  # no copies, no checkpoint dir: the whole job
+    assert failure_model(_spec(steps=1000, memory_copy_every=5), 4, 0.5, 2.0, []).checkpoint_interval_s == 10.0
     assert (fresh.preemptions_per_node_hour, fresh.nodes) == (0.5, 4)
     history: list[Any] = [Failover(t=1.0, victim="n1", shadow="n0", stage=1, pause_s=p) for p in (0.1, 0.3, 0.2)]
     history += [Reconfiguration(t=2.0, reason="r", pipelines=1, stages=4, standby=0, bytes_moved=0, duration_s=d)
                 for d in (4.0, 6.0)]
-    seen = failure_model(_spec(steps=1000, checkpoint_dir="/ckpt", checkpoint_every=10), 4, 0.5, 2.0, history)
+    seen = failure_model(_spec(steps=1000, checkpoint_dir="/ckpt", checkpoint_every=10, memory_copy_every=50), 4, 0.5,
+                         2.0, history)
     assert (seen.detect_s, seen.reconfigure_s, seen.checkpoint_interval_s) == pytest.approx((0.2, 5.0, 20.0))

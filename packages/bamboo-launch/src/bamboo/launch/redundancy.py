@@ -16,8 +16,9 @@ barrier, a layout prepared while the old one trains) calls :func:`with_mode`. Fo
   `bamboo.rc.timeouts.DEFAULT_PREEMPTIONS_PER_NODE_HOUR`),
 - what a failure costs this job (:func:`failure_model`): the median pause of its failovers and of its
   reconfigurations so far (the schedule's defaults before any), and what a restore redoes: half the
-  checkpoint interval (``--checkpoint-every`` steps) with ``--checkpoint-dir``, and without one half the
-  whole job (``--steps``), since a restore then starts from the seeded state.
+  interval between its restore points (``--memory-copy-every`` steps, or ``--checkpoint-every`` with
+  ``--checkpoint-dir``, whichever is shorter), and without either half the whole job (``--steps``), since a
+  restore then starts from the seeded state.
 
 The choice is a pure function of the layout and the event records read, so a decision written first-writer-
 wins holds one mode for the generation, which every worker of it trains with (:func:`layout_mode`). The first
@@ -107,8 +108,8 @@ def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
 def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events: Sequence[Event]) -> Any:
     """The :class:`bamboo.schedule.FailureModel` of a job of ``nodes`` nodes at ``rate`` preemptions per
     node-hour whose fault-free step is ``step_s``: its own failovers' and reconfigurations' median pauses once it
-    has some (the schedule's defaults before), and a restore that redoes half the checkpoint interval, or half
-    the job when it writes no checkpoints."""
+    has some (the schedule's defaults before), and a restore that redoes half the interval between restore
+    points (in-memory copies or checkpoints, whichever come more often), or half the job without either."""
     from bamboo.schedule import FailureModel
 
     pauses = [e.pause_s for e in events if isinstance(e, Failover)]
@@ -118,7 +119,9 @@ def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events:
         measured["detect_s"] = statistics.median(pauses)
     if reconfigurations:
         measured["reconfigure_s"] = statistics.median(reconfigurations)
-    steps_between = spec.checkpoint_every if spec.checkpoint_dir is not None else spec.steps
+    restore_points = [spec.checkpoint_every] if spec.checkpoint_dir is not None else []
+    restore_points += [spec.memory_copy_every] if spec.memory_copy_every else []
+    steps_between = min(restore_points, default=spec.steps)  # the nearest copy, in memory or on disk
     return FailureModel(rate, nodes, checkpoint_interval_s=max(steps_between * step_s, 1e-3), **measured)
 
 

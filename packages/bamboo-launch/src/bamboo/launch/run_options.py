@@ -9,7 +9,13 @@ from typing import Any
 
 import attrs
 from bamboo.launch import timeouts
-from bamboo.launch.spec import DEFAULT_CHECKPOINT_EVERY, DEFAULT_STEPS, MEMORY_COPY_EVERY, REDUNDANCY
+from bamboo.launch.spec import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_REDUNDANCY,
+    DEFAULT_STEPS,
+    MEMORY_COPY_EVERY,
+    REDUNDANCY,
+)
 from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = ["RunError", "RunHandles", "RunOptions", "RunResult"]
@@ -68,7 +74,7 @@ class RunOptions:
     run_dir: str | None = None
     events: str | None = None
     job: str | None = None
-    redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
+    redundancy: str = attrs.field(default=DEFAULT_REDUNDANCY, validator=attrs.validators.in_(REDUNDANCY))
     preemption_rate: float | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.ge(0)))
     """Preemptions per node-hour that ``--redundancy auto`` assumes before the job's own history (None: default)."""

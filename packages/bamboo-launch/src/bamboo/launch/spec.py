@@ -35,6 +35,7 @@ __all__ = [
     "AGENT_JOB_FAILED",
     "AGENT_USAGE",
     "DEFAULT_CHECKPOINT_EVERY",
+    "DEFAULT_REDUNDANCY",
     "DEFAULT_STEPS",
     "ENV_CONTEXT",
     "FLAG_OF",
@@ -99,6 +100,8 @@ def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
 
 
 REDUNDANCY = ("none", "lflb", "eflb", "efeb", "auto")
+DEFAULT_REDUNDANCY = "auto"
+"""A job's ``--redundancy`` when none is given: chosen per generation (:mod:`bamboo.launch.redundancy`)."""
 """The redundant computation modes (``--redundancy``): none, lazy (``lflb``) or eager (``eflb``, ``efeb``), or
 ``auto``: the mode each generation's layout names, chosen when it is decided (:mod:`bamboo.launch.redundancy`)."""
 
@@ -147,7 +150,7 @@ class JobSpec:
     steps: int = attrs.field(default=DEFAULT_STEPS, validator=_POSITIVE_INT)
     min_nodes: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     """Registered nodes the first layout waits for (0: P x D)."""
-    redundancy: str = attrs.field(default="eflb", validator=attrs.validators.in_(REDUNDANCY))
+    redundancy: str = attrs.field(default=DEFAULT_REDUNDANCY, validator=attrs.validators.in_(REDUNDANCY))
     preemptions_per_node_hour: float | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.and_(attrs.validators.instance_of((int, float)), attrs.validators.ge(0),
                               attrs.validators.lt(math.inf))))

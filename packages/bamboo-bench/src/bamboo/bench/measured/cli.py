@@ -22,10 +22,17 @@ from bamboo.bench import timeouts
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, positive_float, positive_int, zones
 from bamboo.bench.measured.compare import Comparison, default_out, run_compare
 from bamboo.bench.measured.figure import plot_comparison
-from bamboo.bench.measured.options import SYSTEMS, CompareOptions, MeasureOptions, parse_systems
+from bamboo.bench.measured.options import (
+    BAMBOO_REDUNDANCY,
+    SYSTEMS,
+    CompareOptions,
+    MeasureOptions,
+    parse_systems,
+)
 from bamboo.bench.measured.run import run_measured
 from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, spread_records, summarise
 from bamboo.launch.report import Report, format_report
+from bamboo.launch.spec import REDUNDANCY
 from rich.console import Console
 from rich.table import Table
 
@@ -50,7 +57,7 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
         description=(
             "Train the same model with each system, one after the other, on the same emulated spot market "
             "(each system runs as `bamboo-bench measure SYSTEM` in a process of its own). "
-            "bamboo: bamboo-launch with redundant computation. checkpoint: torchrun elastic agents (one per node, "
+            "bamboo: bamboo-launch with redundant computation (--redundancy, auto by default). checkpoint: torchrun elastic agents (one per node, "
             "the rendezvous on a store the market never preempts) training DeepSpeed's PipelineEngine on the same "
             "model, global batch and data order, with DeepSpeed checkpoints every K steps (K by Young's rule, "
             "printed); every membership change restarts the workers from the last checkpoint, and with fewer than "
@@ -91,6 +98,9 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
                          "folder, kept and printed)")
     compare.add_argument("--hours", type=positive_float,
                          help="synthetic: the trace's length in trace hours (default: --duration's trace time, or 1)")
+    compare.add_argument("--redundancy", choices=REDUNDANCY, default=BAMBOO_REDUNDANCY,
+                         help="the bamboo system's redundancy mode (auto: chosen per generation from the measured step "
+                         "and the preemption rate; on-demand always runs none; default: %(default)s)")
     compare.add_argument("--seeds", type=positive_int, default=1, metavar="N",
                          help="run the whole comparison N times, with trace seeds SEED .. SEED+N-1 (a synthetic trace "
                          "is drawn anew each time; a trace file is replayed again, which measures the run-to-run "
@@ -129,7 +139,7 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
             "emulated spot market, print its report and write its measured profile (RUN_DIR/profile.json, "
             "bamboo-bench's format: step time per pipeline count, start-up, failover pause, reconfiguration, "
             "restart and checkpoint costs; bamboo-bench simulate --model takes it). bamboo: bamboo-launch run with "
-            "eager redundant computation on the trace's nodes. checkpoint: torchrun elastic agents and DeepSpeed's "
+            "--redundancy (auto by default) on the trace's nodes. checkpoint: torchrun elastic agents and DeepSpeed's "
             "PipelineEngine on the same model, global batch and data order, DeepSpeed checkpoints every K steps "
             "(K by Young's rule), every membership change restarting the workers from the last checkpoint, and "
             "fewer pipelines while nodes are short. on-demand: bamboo-launch run without redundancy and without "
@@ -161,6 +171,8 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
     measure.add_argument("--checkpoint-every", type=positive_int, default=default_of(MeasureOptions, "checkpoint_every"),
                          help="bamboo: steps between its asynchronous checkpoints (the baseline chooses K itself; "
                          "default: %(default)s)")
+    measure.add_argument("--redundancy", choices=REDUNDANCY, default=BAMBOO_REDUNDANCY,
+                         help="bamboo: its redundancy mode (on-demand always runs none; default: %(default)s)")
     measure.add_argument("--ttl", type=positive_int, default=default_of(MeasureOptions, "ttl"),
                          help="bamboo: node lease TTL, seconds (default: %(default)s)")
     measure.add_argument("--grace", type=positive_float, default=default_of(MeasureOptions, "grace_s"),
@@ -188,7 +200,7 @@ def _run_measure(args: argparse.Namespace) -> int:
         steps=args.steps, duration_s=args.duration, preemptions=args.preemptions, time_scale=args.time_scale,
         hours=args.hours, trace_seed=args.seed, zones=args.zones, layers=args.layers, script=tuple(args.script),
         checkpoint_every=args.checkpoint_every, ttl=args.ttl, grace_s=args.grace, timeout_s=args.timeout,
-        spot_price=args.spot_price, on_demand_price=args.on_demand_price)
+        spot_price=args.spot_price, on_demand_price=args.on_demand_price, redundancy=args.redundancy)
 
     def say(line: str) -> None:
         print(f"bamboo-bench measure {args.system}: {line}", file=sys.stderr, flush=True)
@@ -217,7 +229,7 @@ def _run_compare(args: argparse.Namespace, console: Console, out: Console) -> in
         out=args.out or default_out(), steps=args.steps, duration_s=args.duration, systems=parse_systems(args.systems),
         time_scale=args.time_scale, hours=args.hours, seed=args.seed, zones=args.zones, spot_price=args.spot_price,
         on_demand_price=args.on_demand_price, layers=args.layers, script=tuple(getattr(args, "script", ()) or ()),
-        timeout_s=args.timeout, long_run=args.long_run, long_run_nodes=args.long_run_nodes)
+        timeout_s=args.timeout, long_run=args.long_run, long_run_nodes=args.long_run_nodes, redundancy=args.redundancy)
     console.print(f"compare: files in {options.out}")
     if args.seeds > 1:
         return _run_seeds(args, options, console, out)

@@ -211,7 +211,7 @@ def _measure_command(options: CompareOptions, system: str, trace_file: Path, run
                "--preemptions", str(trace_file), "--time-scale", f"{options.time_scale:g}",
                "--run-dir", str(run_dir), "--spot-price", f"{options.spot_price:g}",
                "--on-demand-price", f"{options.on_demand_price:g}", "--layers", str(options.layers),
-               "--timeout", f"{options.timeout_s:g}", "--json"]
+               "--timeout", f"{options.timeout_s:g}", "--redundancy", options.redundancy, "--json"]
     command += ["--steps", str(options.steps)] if options.steps is not None else ["--duration", f"{options.duration_s:g}"]
     if options.script and system != "checkpoint":
         command += ["--", *options.script]

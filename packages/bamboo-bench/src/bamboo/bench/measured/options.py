@@ -13,8 +13,10 @@ import attrs
 from bamboo.bench import timeouts
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.report import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
+from bamboo.launch.spec import DEFAULT_REDUNDANCY, REDUNDANCY
 
 __all__ = [
+    "BAMBOO_REDUNDANCY",
     "SYSTEMS",
     "CompareError",
     "CompareOptions",
@@ -25,6 +27,10 @@ __all__ = [
 
 SYSTEMS = ("bamboo", "checkpoint", "on-demand")
 """The systems of a comparison, in the order ``compare`` runs them."""
+
+BAMBOO_REDUNDANCY = DEFAULT_REDUNDANCY
+"""The redundancy mode of the ``bamboo`` system unless ``--redundancy`` says otherwise: bamboo-launch's own
+default, ``auto`` (on-demand runs none)."""
 
 _POSITIVE = attrs.validators.optional(attrs.validators.gt(0))
 _WHOLE = attrs.validators.optional(attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.gt(0)))
@@ -90,6 +96,8 @@ class CompareOptions:
     timeout_s: float = attrs.field(default=timeouts.COMPARE_TIMEOUT_S, validator=attrs.validators.gt(0))
     long_run: Path | None = None
     long_run_nodes: int | None = attrs.field(default=None, validator=_WHOLE)
+    redundancy: str = attrs.field(default=BAMBOO_REDUNDANCY, validator=attrs.validators.in_(REDUNDANCY))
+    """The ``bamboo`` system's ``--redundancy`` (``auto`` chooses per generation)."""
 
     def __attrs_post_init__(self) -> None:
         _check_length(self.steps, self.duration_s)
@@ -139,6 +147,8 @@ class MeasureOptions:
     spot_price: float = attrs.field(default=DEFAULT_SPOT_PRICE, validator=attrs.validators.gt(0))
     on_demand_price: float = attrs.field(default=DEFAULT_ON_DEMAND_PRICE, validator=attrs.validators.gt(0))
     bins: int = attrs.field(default=60, validator=attrs.validators.gt(0))
+    redundancy: str = attrs.field(default=BAMBOO_REDUNDANCY, validator=attrs.validators.in_(REDUNDANCY))
+    """bamboo: its ``--redundancy``; on-demand always runs none."""
 
     def __attrs_post_init__(self) -> None:
         _check_length(self.steps, self.duration_s)

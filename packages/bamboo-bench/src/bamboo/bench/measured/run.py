@@ -114,7 +114,7 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         preemptions=None if on_demand else options.preemptions, time_scale=options.time_scale, hours=options.hours,
         trace_seed=options.trace_seed, checkpoint_dir=None if on_demand else str(run_dir / "checkpoints"),
         checkpoint_every=options.checkpoint_every, run_dir=str(run_dir), job=None,
-        redundancy="none" if on_demand else "eflb", size={} if options.script else {"layers": options.layers},
+        redundancy="none" if on_demand else options.redundancy, size={} if options.script else {"layers": options.layers},
         ttl=options.ttl, grace_s=options.grace_s, timeout_s=options.timeout_s, live=False, progress_every=50,
         script=options.script,
         fork_server=False)  # every process exec'd and importing torch, as the baselines' are and real machines' are

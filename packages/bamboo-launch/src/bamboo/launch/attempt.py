@@ -36,7 +36,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import attrs
 import torch.distributed as dist
@@ -44,7 +44,12 @@ from bamboo.launch import timeouts
 from bamboo.launch.records import AttemptOutcome, NodeUp
 from bamboo.membership.kv import StoreError
 
+if TYPE_CHECKING:
+    from bamboo.membership import MembershipStore
+
 __all__ = ["AbandonableStore", "AttemptAbandonedError", "Outcome", "StartThread", "await_outcome"]
+
+T = TypeVar("T")
 
 
 class AttemptAbandonedError(RuntimeError):
@@ -56,7 +61,7 @@ class AbandonableStore(dist.Store):
     :meth:`abandon` was called; waits poll ``inner`` (1 ms, doubling to ``poll_max_s``) so that a
     wait in progress ends too."""
 
-    def __init__(self, inner: Any, poll_max_s: float = timeouts.ATTEMPT_STORE_POLL_MAX_S) -> None:
+    def __init__(self, inner: dist.Store, poll_max_s: float = timeouts.ATTEMPT_STORE_POLL_MAX_S) -> None:
         super().__init__()
         self.inner = inner
         self.poll_max_s = poll_max_s
@@ -119,25 +124,25 @@ class AbandonableStore(dist.Store):
         return bool(self.inner.delete_key(key))
 
 
-class StartThread:
+class StartThread(Generic[T]):
     """``work()`` in a daemon thread; :meth:`progress` says whether it finished and how.
 
     The thread drops ``work`` (and what its closure holds) once it returns. An attempt given up hands its
     result to :meth:`abandon`'s ``cleanup``, at once or when the work ends (in the thread that has it), so
     that a thread still blocked on a dead peer keeps nothing alive after it ends."""
 
-    def __init__(self, work: Callable[[], Any], name: str) -> None:
-        self.result: Any = None
+    def __init__(self, work: Callable[[], T], name: str) -> None:
+        self.result: T | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
-        self._work: Callable[[], Any] | None = work
+        self._work: Callable[[], T] | None = work
         self._lock = threading.Lock()
-        self._cleanup: Callable[[Any], None] | None = None
+        self._cleanup: Callable[[T], None] | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        result: Any = None
+        result: T | None = None
         try:
             assert self._work is not None
             result = self._work()
@@ -155,7 +160,7 @@ class StartThread:
             finally:
                 self._done.set()
 
-    def abandon(self, cleanup: Callable[[Any], None]) -> None:
+    def abandon(self, cleanup: Callable[[T], None]) -> None:
         """The attempt was given up: ``cleanup(result)`` is called with the work's result (not None), now if
         it has finished, else when it does; the result is not kept."""
         with self._lock:
@@ -190,7 +195,7 @@ def up_name(generation: int, node: str) -> str:
 
 
 def await_outcome(
-    membership: Any,
+    membership: MembershipStore,
     generation: int,
     node: str,
     new_owners: Collection[str],

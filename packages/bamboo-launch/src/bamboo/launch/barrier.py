@@ -10,7 +10,8 @@ names ``g<g>-a<k>-...`` and generation g+1+k. See :mod:`bamboo.launch.reconfigur
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.records import BarrierReady, read_record
@@ -18,17 +19,21 @@ from bamboo.launch.redundancy import holds_replicas, mode_for, with_mode
 from bamboo.launch.session import JobCannotContinue, NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.membership.kv import StoreError
 
+if TYPE_CHECKING:
+    from bamboo.membership import NodeRecord
+    from bamboo.reconfig import JobLayout
+
 __all__ = ["next_attempt_layout", "next_layout", "plan_next", "publish_layout"]
 
 
-def publish_layout(run: WorkerSession, layout: Any) -> None:
+def publish_layout(run: WorkerSession, layout: JobLayout) -> None:
     """Make ``layout`` the layout in etcd unless a later one is there (any node may do it: its writer may be dead)."""
     current = run.membership.get_layout()
     if current is not None and int(current.value.get("generation", 0)) < layout.generation:
         run.membership.put_layout(layout.to_dict(), current.revision)
 
 
-def next_attempt_layout(run: WorkerSession, layout: Any) -> Any:
+def next_attempt_layout(run: WorkerSession, layout: JobLayout) -> JobLayout | None:
     """For a node that held no state in the abandoned attempt ``layout``: the next attempt's layout (None once
     the job has ended).
 
@@ -41,6 +46,7 @@ def next_attempt_layout(run: WorkerSession, layout: Any) -> Any:
 
     root = layout.generation if layout.base_generation is None else int(layout.base_generation)
     name = f"{decision_prefix(root, layout.attempt + 1)}next"
+    value: JobLayout | None
     if layout.survivors:
         value = JobLayout.from_dict(run.wait_decision(name, run.timeouts.build))
     else:
@@ -51,7 +57,7 @@ def next_attempt_layout(run: WorkerSession, layout: Any) -> Any:
     return value
 
 
-def _redo_start(run: WorkerSession, lost: Any, name: str) -> Any:
+def _redo_start(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | None:
     """Decide (first writer wins, as decision ``name``) the layout that redoes the abandoned start ``lost`` on
     the nodes registered now (as the first layout does), waiting while they are too few for one pipeline;
     None once the job ended."""
@@ -83,7 +89,8 @@ def _redo_start(run: WorkerSession, lost: Any, name: str) -> Any:
         time.sleep(timeouts.WORKER_POLL_S)
 
 
-def next_layout(run: WorkerSession, base: Any, expected: Any, attempt: int, reason: str) -> Any:
+def next_layout(run: WorkerSession, base: JobLayout, expected: Callable[[dict[str, NodeRecord]], Sequence[str]],
+                attempt: int, reason: str) -> JobLayout:
     """Wait for every expected holder at the barrier of ``base``, then the next layout (first writer wins).
 
     ``expected(records)`` lists the nodes that must publish what they hold, given the registered nodes;
@@ -135,7 +142,8 @@ def next_layout(run: WorkerSession, base: Any, expected: Any, attempt: int, reas
     return value
 
 
-def plan_next(run: WorkerSession, base: Any, ready: dict[str, BarrierReady], attempt: int, reason: str) -> Any:
+def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady], attempt: int,
+              reason: str) -> JobLayout:
     """The next layout from the holders' ``ready`` records at the barrier of ``base``."""
     from bamboo.launch.reconfigure import build_view, nearest_restore, next_history, warm_standby
     from bamboo.reconfig import JobLayout, StartMode, TransferPlan, plan_layout, plan_transfers

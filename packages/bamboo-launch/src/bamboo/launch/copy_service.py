@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch import timeouts
@@ -34,6 +34,12 @@ from bamboo.launch.memcopy import (
     send_copy,
 )
 
+if TYPE_CHECKING:
+    from bamboo.launch.spec import WorkerContext
+    from bamboo.membership import MembershipStore
+    from bamboo.rc import StageExecutor
+    from bamboo.reconfig import JobLayout
+
 __all__ = ["CopyService", "holders_of"]
 
 
@@ -42,13 +48,13 @@ class _Pending:
     step: int
     stage: int
     layers: tuple[int, int]
-    state: Any
+    state: dict[str, Any]
     lineage: str
     keepers_from: tuple[tuple[str, ...], tuple[str, ...]] | None
     """``(holders, placed)`` when this copy goes to keepers too (see :func:`memcopy.choose_keepers`)."""
 
 
-def holders_of(layout: Any, stage: int, dead: set[int]) -> list[str]:
+def holders_of(layout: JobLayout, stage: int, dead: set[int]) -> list[str]:
     """The live nodes of ``layout`` (a ``JobLayout``) that hold ``stage``: its owners and their shadows."""
     stages = layout.stages
     holding = {stage, (stage - 1) % stages}
@@ -56,13 +62,12 @@ def holders_of(layout: Any, stage: int, dead: set[int]) -> list[str]:
 
 
 class CopyService:
-    """The in-memory copies of one worker (see the module docstring). ``run`` is its
-    :class:`bamboo.launch.session.WorkerSession`."""
+    """The in-memory copies of one worker (see the module docstring): its ``context``, its fenced
+    ``membership`` and its ``job`` (those of its :class:`bamboo.launch.session.WorkerSession`)."""
 
-    def __init__(self, run: Any) -> None:
-        context = run.context
-        self.run = run
-        self.node = run.node
+    def __init__(self, context: WorkerContext, membership: MembershipStore, job: str) -> None:
+        self.context, self.membership, self.job = context, membership, job
+        self.node = context.node
         self.zone = context.zone or "default"
         self.token = Path(context.agent_token_file).read_text().strip() if context.agent_token_file else ""
         self.store = CopyStore(on_change=self._changed)
@@ -74,7 +79,7 @@ class CopyService:
         self._thread = threading.Thread(target=self._loop, name="bamboo-copies", daemon=True)
         self._thread.start()
 
-    def take(self, executor: Any, layout: Any, *, sends: bool) -> None:
+    def take(self, executor: StageExecutor, layout: JobLayout, *, sends: bool) -> None:
         """Clone every stage ``executor`` holds at its current step (on the training thread); with ``sends``,
         the ones it hosts go to keepers too."""
         executor.apply_replica_updates()
@@ -98,7 +103,7 @@ class CopyService:
         own = self.store.get(stage, step)
         if own is not None and own.layers == bounds and own.lineage == line:
             return own.data
-        indexes = read_indexes(self.run.membership.kv, self.run.spec.job)
+        indexes = read_indexes(self.membership.kv, self.job)
         errors = []
         for source in sources:
             if source == self.node or source not in indexes:
@@ -149,7 +154,7 @@ class CopyService:
         if item.keepers_from is None:
             return
         try:
-            indexes = read_indexes(self.run.membership.kv, self.run.spec.job)
+            indexes = read_indexes(self.membership.kv, self.job)
         except Exception as error:  # etcd restarting: this copy stays here only; the next one is sent
             print(f"node {self.node}: could not read the keepers of stage {item.stage}: {error}", file=sys.stderr)
             return
@@ -168,9 +173,9 @@ class CopyService:
             self._dirty = False
         copies, layers = self.store.index()
         index = CopyIndex(self.node, self.zone, self.server.address, copies, layers)
-        context, membership = self.run.context, self.run.membership
+        context, membership = self.context, self.membership
         try:
-            membership.kv.put(copies_prefix(self.run.spec.job) + self.node, index.to_json(),
+            membership.kv.put(copies_prefix(self.job) + self.node, index.to_json(),
                               lease=context.fence_lease or 0, guard=membership.guard)
         except Exception as error:  # fenced (this node is dead to the others) or etcd gone: published later
             print(f"node {self.node}: could not publish its in-memory copies: {error}", file=sys.stderr)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bamboo.launch import timeouts
 from bamboo.launch.accounting import TimeAccount
@@ -49,6 +49,10 @@ from bamboo.launch.event_records import (
 )
 from bamboo.membership.kv import FencedError, StoreError, StoreUnavailableError
 
+if TYPE_CHECKING:
+    from bamboo.membership import Guard, KeyValueStore, WatchEvent
+    from bamboo.membership.kv_base import WatchHandle
+
 __all__ = [
     "EVENTS_PER_WRITER",
     "EVENT_TYPES",
@@ -58,6 +62,7 @@ __all__ = [
     "Event",
     "EventLog",
     "EventLogError",
+    "EventWriter",
     "Failover",
     "Join",
     "Preemption",
@@ -109,6 +114,15 @@ def read_events(path: str | os.PathLike[str]) -> list[Event]:
             except (ValueError, TypeError) as error:
                 raise EventLogError(f"{path}:{number}: {error}") from None
     return events
+
+
+class EventWriter(Protocol):
+    """What a writer of the event log offers (:class:`EventLog`, :class:`EtcdEventLog`): the job's clock and
+    a write."""
+
+    def now(self) -> float: ...
+
+    def write(self, event: Event) -> None: ...
 
 
 class EventLog:
@@ -204,7 +218,7 @@ class EtcdEventLog:
 
     def __init__(
         self,
-        kv: Any,
+        kv: KeyValueStore,
         job: str,
         writer: str,
         start_unix: float,
@@ -213,7 +227,7 @@ class EtcdEventLog:
         keep: int = EVENTS_PER_WRITER,
         outage_s: float = timeouts.ETCD_OUTAGE_S,
         retry_s: float = timeouts.ETCD_RETRY_S,
-        guard: Any = None,
+        guard: Guard | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -310,7 +324,7 @@ def _parse_etcd_record(key: str, value: bytes) -> Event:
         raise EventLogError(f"etcd key {key}: {error}") from None
 
 
-def read_etcd_events(kv: Any, job: str) -> list[Event]:
+def read_etcd_events(kv: KeyValueStore, job: str) -> list[Event]:
     """Every record of a job's event log in etcd, sorted by ``t`` (ties by key); a bad one raises
     :class:`EventLogError` naming its key."""
     items = kv.get_prefix(events_prefix(job))
@@ -326,16 +340,16 @@ class EtcdEventFollower:
     ``t`` order for each writer; across writers a record may arrive slightly out of ``t`` order.
     """
 
-    def __init__(self, kv: Any, job: str) -> None:
+    def __init__(self, kv: KeyValueStore, job: str) -> None:
         self._kv = kv
         self.job = job
         self._pending: list[Event] = []
         self._seen: set[str] = set()
         self._lock = threading.Lock()
-        self._watch: Any = None
+        self._watch: WatchHandle | None = None
         self._error: EventLogError | None = None
 
-    def _on_event(self, event: Any) -> None:
+    def _on_event(self, event: WatchEvent) -> None:
         if getattr(event.kind, "value", event.kind) != "put" or event.key in self._seen:
             return
         try:

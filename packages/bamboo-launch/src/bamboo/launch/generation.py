@@ -14,8 +14,9 @@ from __future__ import annotations
 import collections
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from bamboo.launch.hooks import TrainingHooks, run_step_hooks
@@ -25,8 +26,15 @@ from bamboo.launch.session import WorkerSession
 from bamboo.launch.stop import Boundary
 from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
 
+if TYPE_CHECKING:
+    from bamboo.launch.checkpoint import AsyncCheckpointer, CheckpointInfo
+    from bamboo.rc import Engine, FailoverRecord, StageExecutor
+    from bamboo.reconfig import JobLayout
+
 __all__ = ["Ending", "WorkerState", "checkpoint", "failover_records", "pipeline_batches", "reports_the_job",
            "train_generation"]
+
+B = TypeVar("B")
 
 USUAL_STEPS = 20
 """How many recent steps (not first steps of a layout) a node keeps to tell a usual step's time."""
@@ -39,8 +47,8 @@ class WorkerState:
     startup: StartupClock
     started: float = attrs.field(factory=time.perf_counter)
     losses: list[float] = attrs.field(factory=list)
-    failovers: list[Any] = attrs.field(factory=list)
-    checkpointers: dict[int, Any] = attrs.field(factory=dict)
+    failovers: list[FailoverRecord] = attrs.field(factory=list)
+    checkpointers: dict[int, AsyncCheckpointer] = attrs.field(factory=dict)
     told: set[int] = attrs.field(factory=set)
     """The executors this node's preemption notice was handed to."""
     usual: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=USUAL_STEPS))
@@ -61,7 +69,8 @@ class Ending:
     preparation: Preparation | None = None
 
 
-def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_step: int) -> Iterator[Any]:
+def pipeline_batches(microbatch: Callable[[int, int], B], pipeline: int, micro_batches: int,
+                     first_step: int) -> Iterator[B]:
     """DeepSpeed-style ``(inputs, labels)`` iterator of pipeline ``pipeline``: global microbatches
     ``pipeline*M .. pipeline*M+M-1`` of every step from ``first_step`` on."""
     step = first_step
@@ -71,7 +80,7 @@ def pipeline_batches(microbatch: Any, pipeline: int, micro_batches: int, first_s
         step += 1
 
 
-def train_generation(run: WorkerSession, layout: Any, engine: Any, state: WorkerState,
+def train_generation(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState,
                      hooks: TrainingHooks | None, *, prepared: bool) -> Ending:
     """Train ``layout`` (a ``JobLayout`` this node has a rank in) with ``engine`` until it ends for this node
     (see the module docstring). ``prepared``: the layout was prepared while the previous one trained."""
@@ -123,7 +132,7 @@ def train_generation(run: WorkerSession, layout: Any, engine: Any, state: Worker
     return Ending("barrier", reason=stop.reason)
 
 
-def _after_step(run: WorkerSession, layout: Any, engine: Any, state: WorkerState, hooks: TrainingHooks | None,
+def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState, hooks: TrainingHooks | None,
                 loss: float, duration: float, seen: int, samples: int, stop: StopDecision | None) -> int:
     """The records, checkpoint and hooks of a step that completed; returns the failovers seen so far."""
     import torch
@@ -152,7 +161,7 @@ def _after_step(run: WorkerSession, layout: Any, engine: Any, state: WorkerState
     return len(executor.failovers)
 
 
-def _first_step_records(run: WorkerSession, layout: Any, engine: Any, state: WorkerState, duration: float, *,
+def _first_step_records(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState, duration: float, *,
                         prepared: bool) -> None:
     """After a layout's first step on this node: its ``startup`` record (once per worker) and, as the layout's
     lowest rank, the ``reconfiguration`` record that started it."""
@@ -175,7 +184,7 @@ def _first_step_records(run: WorkerSession, layout: Any, engine: Any, state: Wor
           flush=True)
 
 
-def _abandon_open(run: WorkerSession, layout: Any) -> None:
+def _abandon_open(run: WorkerSession, layout: JobLayout) -> None:
     """The job ended: a layout still being prepared will never start (its joiners stop waiting for it)."""
     try:
         scan = scan_prepared(run.membership, layout.generation)
@@ -185,7 +194,7 @@ def _abandon_open(run: WorkerSession, layout: Any) -> None:
         print(f"node {run.node}: could not abandon the layout being prepared: {error}", file=sys.stderr)
 
 
-def failover_records(executor: Any, seen: int) -> list[tuple[int, int, Any]]:
+def failover_records(executor: StageExecutor, seen: int) -> list[tuple[int, int, FailoverRecord]]:
     """``(victim rank, victim stage, failover record)`` of the failovers in which this node took a victim's
     stage (P = 1: a victim's share of the batch, as the ring's owner of it), since ``seen``."""
     records = []
@@ -201,7 +210,7 @@ def failover_records(executor: Any, seen: int) -> list[tuple[int, int, Any]]:
     return records
 
 
-def reports_the_job(executor: Any) -> bool:
+def reports_the_job(executor: StageExecutor) -> bool:
     """Whether this node writes the job's steps and checkpoints: pipeline 0's (P = 1: the first live node,
     every node holding the whole model)."""
     if executor.layout.stages == 1:
@@ -209,8 +218,8 @@ def reports_the_job(executor: Any) -> bool:
     return bool(executor.pipeline == 0)
 
 
-def checkpoint(run: WorkerSession, layout: Any, executor: Any, checkpointers: dict[int, Any], torch: Any,
-                *, final: bool = False) -> None:
+def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor, checkpointers: dict[int, AsyncCheckpointer],
+               torch: ModuleType, *, final: bool = False) -> None:
     """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
     ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
 
@@ -224,7 +233,7 @@ def checkpoint(run: WorkerSession, layout: Any, executor: Any, checkpointers: di
 
     spec, log = run.spec, run.log
 
-    def committed(info: Any) -> None:
+    def committed(info: CheckpointInfo) -> None:
         log.write(Checkpoint(t=log.now(), step=info.step, path=str(info.path), bytes=info.bytes,
                              duration_s=info.duration_s))
 

@@ -37,10 +37,13 @@ import socketserver
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch import timeouts
+
+if TYPE_CHECKING:
+    from bamboo.membership import KeyValueStore
 
 __all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
            "fetch_copy", "lineage", "memory_restore", "read_indexes", "send_copy"]
@@ -144,7 +147,7 @@ def _send_message(sock: socket.socket, header: Mapping[str, Any], data: bytes = 
         sock.sendall(data)
 
 
-def _receive_exactly(sock: Any, size: int) -> bytes:
+def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     chunks, got = [], 0
     while got < size:
         chunk = sock.recv(min(size - got, 1 << 20))
@@ -155,7 +158,7 @@ def _receive_exactly(sock: Any, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _receive_message(sock: Any) -> tuple[dict[str, Any], bytes]:
+def _receive_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     (size,) = _HEADER.unpack(_receive_exactly(sock, _HEADER.size))
     if size > _MAX_HEADER:
         raise ConnectionError(f"a header of {size} bytes is too long")
@@ -241,7 +244,7 @@ def fetch_copy(address: str, stage: int, step: int, token: str = "") -> Copy:
     return Copy(stage, step, tuple(answer["layers"]), data, str(answer["sha256"]), str(answer["lineage"]))
 
 
-def read_indexes(kv: Any, job: str) -> dict[str, CopyIndex]:
+def read_indexes(kv: KeyValueStore, job: str) -> dict[str, CopyIndex]:
     """Every live node's :class:`CopyIndex` (a malformed one is skipped)."""
     found = {}
     for item in kv.get_prefix(copies_prefix(job)):

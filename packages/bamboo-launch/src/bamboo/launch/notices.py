@@ -23,11 +23,15 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.membership.kv import StoreError, StoreUnavailableError
 from bamboo.rc import FailureEvent
+
+if TYPE_CHECKING:
+    from bamboo.membership import AgentClient, MembershipStore, WatchEvent
+    from bamboo.membership.kv_base import WatchHandle
 
 __all__ = [
     "EtcdFailureNotices",
@@ -46,13 +50,13 @@ def epoch_decision(generation: int, epoch: int) -> str:
     return f"g{generation}-epoch-{epoch}"
 
 
-def publish_failure_event(membership: Any, generation: int, event: FailureEvent) -> tuple[bool, FailureEvent]:
+def publish_failure_event(membership: MembershipStore, generation: int, event: FailureEvent) -> tuple[bool, FailureEvent]:
     """Write ``event`` first-writer-wins; returns (whether it won, the event that is now published)."""
     decision = membership.decide(epoch_decision(generation, event.epoch), json.loads(event.to_json()))
     return decision.won, FailureEvent.from_json(json.dumps(decision.value))
 
 
-def published_events(membership: Any, generation: int) -> dict[int, FailureEvent]:
+def published_events(membership: MembershipStore, generation: int) -> dict[int, FailureEvent]:
     """The failure events published for ``generation``, by epoch."""
     events = {}
     for item in membership.kv.get_prefix(membership.keys.decision(f"g{generation}-epoch-")):
@@ -61,7 +65,8 @@ def published_events(membership: Any, generation: int) -> dict[int, FailureEvent
     return events
 
 
-def publish_next_event(membership: Any, generation: int, ranks: list[int], *, handover: bool = False) -> FailureEvent:
+def publish_next_event(membership: MembershipStore, generation: int, ranks: list[int], *,
+                       handover: bool = False) -> FailureEvent:
     """Publish ``ranks`` as the next epoch's event of ``generation`` (first writer wins; a lost race is retried
     with the epoch after), unless an event of that generation already names them all. Returns the event."""
     while True:
@@ -117,7 +122,8 @@ class EtcdFailureNotices:
     rank of the generation (for the agent's detector). Call :meth:`close` when the generation ends.
     """
 
-    def __init__(self, membership: Any, generation: int, agent: Any | None, node_of_rank: dict[int, str]) -> None:
+    def __init__(self, membership: MembershipStore, generation: int, agent: AgentClient | None,
+                 node_of_rank: dict[int, str]) -> None:
         self.membership = membership
         self.generation = generation
         self.agent = agent
@@ -126,7 +132,7 @@ class EtcdFailureNotices:
         self._cond = threading.Condition()
         self._last_direct_read = 0.0
         self._prefix = membership.keys.decision(f"g{generation}-epoch-")
-        self._watch: Any = None
+        self._watch: WatchHandle | None = None
         try:
             revision = membership.kv.revision()
             for item in membership.kv.get_prefix(self._prefix):
@@ -145,7 +151,7 @@ class EtcdFailureNotices:
             self._events[event.epoch] = event
             self._cond.notify_all()
 
-    def _on_watch(self, event: Any) -> None:
+    def _on_watch(self, event: WatchEvent) -> None:
         if event.value:
             self._store(event.key, event.value)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch import timeouts
@@ -39,6 +39,12 @@ from bamboo.launch.attempt import AbandonableStore, StartThread, outcome_name
 from bamboo.launch.records import AttemptOutcome, NodeBuilt, PreparedLayout, StopDecision, read_record
 from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.launch.starting import StartMarks, build_engine, release_executor, transfer_group
+
+if TYPE_CHECKING:
+    from bamboo.membership import MembershipStore
+    from bamboo.rc import Engine, StageExecutor
+    from bamboo.reconfig import JobLayout
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 __all__ = [
     "BREAK_BEFORE_MAKE_ENV",
@@ -82,7 +88,7 @@ class Prepared:
     """A prepared layout, as read back: its attempt index, the layout and the failure epoch it was planned at."""
 
     attempt: int
-    layout: Any
+    layout: JobLayout
     epoch: int
 
     def needs(self) -> set[str]:
@@ -101,7 +107,7 @@ class PreparedScan:
     closed: bool = False
 
 
-def scan_prepared(membership: Any, generation: int, start: int = 0) -> PreparedScan:
+def scan_prepared(membership: MembershipStore, generation: int, start: int = 0) -> PreparedScan:
     """Read the prepared attempts of ``generation`` from index ``start`` on (the ones before it are known
     abandoned)."""
     from bamboo.reconfig import JobLayout
@@ -122,14 +128,14 @@ def scan_prepared(membership: Any, generation: int, start: int = 0) -> PreparedS
         attempt += 1
 
 
-def abandon_prepared(membership: Any, prepared: Prepared, reason: str) -> bool:
+def abandon_prepared(membership: MembershipStore, prepared: Prepared, reason: str) -> bool:
     """Write the outcome ``abort`` of ``prepared`` (first writer wins); False when it had gone ahead."""
     decision = membership.decide(outcome_name(prepared.layout.generation),
                                  AttemptOutcome(False, reason, at=time.time()).to_dict())
     return not AttemptOutcome.from_dict(decision.value).go
 
 
-def close_prepared(membership: Any, generation: int, reason: str) -> tuple[int, Prepared | None]:
+def close_prepared(membership: MembershipStore, generation: int, reason: str) -> tuple[int, Prepared | None]:
     """Before meeting at the barrier of ``generation``: abort every prepared attempt still open and mark the next
     index closed. Returns ``(the barrier's attempt index, None)``, or ``(-1, the attempt)`` when a prepared
     attempt went ahead (its nodes train it: a node left out of it goes to standby)."""
@@ -147,7 +153,7 @@ def close_prepared(membership: Any, generation: int, reason: str) -> tuple[int, 
         attempt += 1
 
 
-def finalize(prepared: Any, step: int, at: float | None) -> Any:
+def finalize(prepared: JobLayout, step: int, at: float | None) -> JobLayout:
     """The layout ``prepared`` (a ``JobLayout`` planned at an earlier step) as it starts: at ``step``, the switch
     decided at ``at`` (wall clock)."""
     from bamboo.launch.reconfigure import next_history
@@ -156,7 +162,7 @@ def finalize(prepared: Any, step: int, at: float | None) -> Any:
     return attrs.evolve(prepared, start_step=step, barrier_step=step, barrier_unix=at, history=history)
 
 
-def plan_prepared(run: WorkerSession, base: Any, executor: Any, attempt: int, reason: str) -> Any:
+def plan_prepared(run: WorkerSession, base: JobLayout, executor: StageExecutor, attempt: int, reason: str) -> JobLayout:
     """The next layout after ``base`` (the generation ``executor`` trains), planned now: the live nodes of the
     layout hold what their executors hold, the warm standby nodes nothing. Raises :class:`NotEnoughNodes` when
     they cannot form a pipeline, ValueError when the layout cannot be reached from live copies alone."""
@@ -206,7 +212,7 @@ class Preparation:
         self.marks = StartMarks()
         self.thread = StartThread(self._build, name=f"bamboo-prepare-g{self.layout.generation}")
 
-    def _build(self) -> tuple[Any, Any]:
+    def _build(self) -> tuple[Engine | None, ProcessGroupGloo | None]:
         run, layout = self.run, self.layout
         engine = build_engine(run, layout, self.store) if run.node in layout.ranks else None
         group = transfer_group(run, layout, self.store)
@@ -217,7 +223,7 @@ class Preparation:
         run.membership.decide(built_name(layout.generation, run.node), NodeBuilt(run.node, self.marks.built).to_dict())
         return engine, group
 
-    def built(self) -> tuple[Any, Any]:
+    def built(self) -> tuple[Engine | None, ProcessGroupGloo | None]:
         """The engine and the transfer group, once built (raises the build's error)."""
         self.thread.join(self.run.timeouts.build)
         done, error = self.thread.progress()
@@ -226,7 +232,7 @@ class Preparation:
         if not done:
             raise RuntimeError(f"generation {self.layout.generation}: this node's part was not built within "
                                f"{self.run.timeouts.build:g} s")
-        return self.thread.result  # type: ignore[no-any-return]
+        return self.thread.result  # type: ignore[return-value]
 
     def abandon(self) -> None:
         """The attempt was abandoned: stop the build and let what it built go."""
@@ -252,7 +258,8 @@ def wait_switch(run: WorkerSession, prepared: Prepared, store: AbandonableStore)
         time.sleep(timeouts.DECISION_POLL_S)
 
 
-def switch_part(run: WorkerSession, preparation: Preparation, old: Any, stop: StopDecision | None) -> Any:
+def switch_part(run: WorkerSession, preparation: Preparation, old: StageExecutor | None,
+                stop: StopDecision | None) -> tuple[Engine | None, JobLayout]:
     """This node's part of the switch to a prepared layout: its state in place, by its local copies and the
     transfer plan over the group built beforehand. ``old`` is the executor this node trained (None: a joiner,
     which first waits for the stop). Returns ``(engine or None, the layout as it starts)``."""

@@ -46,7 +46,14 @@ import logging
 import sys
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bamboo.launch.copy_service import CopyService
+    from bamboo.launch.spec import JobSpec
+    from bamboo.membership import KeyValueStore, MembershipStore
+    from bamboo.rc.state import TrainableSlice
+    from bamboo.reconfig import ClusterView, JobLayout, LayerSpec, RestorePoint, TransferPlan
 
 __all__ = [
     "build_view",
@@ -62,13 +69,13 @@ __all__ = [
 
 
 def build_view(
-    layout: Any,
+    layout: JobLayout,
     zones: Mapping[str, str],
     alive: Sequence[str],
     dead: Sequence[str],
-    layers: Sequence[Any],
+    layers: Sequence[LayerSpec],
     target_pipelines: int,
-) -> Any:
+) -> ClusterView:
     """bamboo-reconfig's ``ClusterView`` of a generation (a :class:`bamboo.reconfig.JobLayout`): its ranked
     nodes (active, or preempted when in ``dead`` or not ``alive``) and every other ``alive`` node (standby).
 
@@ -89,14 +96,14 @@ def build_view(
                        global_batch=layout.global_batch, layers=list(layers), layout=layout.plan)
 
 
-def warm_standby(membership: Any, registered: Any) -> list[str]:
+def warm_standby(membership: MembershipStore, registered: Iterable[str]) -> list[str]:
     """The registered nodes whose worker is warm (it published ``warm-<node>``)."""
     warm = {item.key.rsplit("/", 1)[-1].removeprefix("warm-")
             for item in membership.kv.get_prefix(membership.keys.decision("warm-"))}
     return sorted(node for node in registered if node in warm)
 
 
-def transfer_participants(plan: Any) -> list[str]:
+def transfer_participants(plan: TransferPlan) -> list[str]:
     """Members of a transfer plan's gloo group, in group-rank order: every source and every receiver."""
     return sorted({t.source for t in plan.transfers} | {t.destination for t in plan.transfers})
 
@@ -152,7 +159,8 @@ def checkpoint_history(folder: str) -> list[tuple[int, int]]:
     return [(int(first), int(pipelines)) for first, pipelines in history.tolist()]
 
 
-def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = None) -> int:
+def restore_slices(layout: JobLayout, slices: MutableMapping[int, TrainableSlice],
+                   copies: CopyService | None = None) -> int:
     """Load every slice (stage -> ``TrainableSlice``) from the copy of an earlier step the layout (a
     ``JobLayout``) names: in-memory copies of live nodes (through ``copies``, this worker's
     :class:`bamboo.launch.copy_service.CopyService`), or its checkpoint folder; nothing when it starts over
@@ -185,8 +193,8 @@ def restore_slices(layout: Any, slices: MutableMapping[int, Any], copies: Any = 
     return loaded.step
 
 
-def nearest_restore(kv: Any, spec: Any, missing: Sequence[int], bounds: Sequence[Sequence[int]],
-                    alive: Iterable[str], history: Sequence[Sequence[int]]) -> Any:
+def nearest_restore(kv: KeyValueStore, spec: JobSpec, missing: Sequence[int], bounds: Sequence[Sequence[int]],
+                    alive: Iterable[str], history: Sequence[Sequence[int]]) -> RestorePoint:
     """Where every stage restarts from when no live node holds ``missing`` at the current step (a
     :class:`bamboo.reconfig.RestorePoint`), the nearest copy first:
 

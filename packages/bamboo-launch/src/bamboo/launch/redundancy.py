@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch.event_records import (
@@ -48,6 +48,11 @@ from bamboo.launch.spec import JobSpec
 from bamboo.launch.timeouts import AUTO_PRIOR_NODE_HOURS
 from bamboo.rc.timeouts import ASSUMED_STEP_S, DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 
+if TYPE_CHECKING:
+    from bamboo.membership import KeyValueStore
+    from bamboo.reconfig import JobLayout, Layout, ModeChoice
+    from bamboo.schedule import FailureModel
+
 __all__ = ["AUTO", "choice_record", "choose_mode", "describe_choice", "failure_model", "holds_replicas", "in_force",
            "layout_mode", "measured_step", "mode_for", "observed_rate", "report_fields", "with_mode"]
 
@@ -57,7 +62,7 @@ AUTO = "auto"
 SECONDS_PER_HOUR = 3600.0
 
 
-def layout_mode(spec: JobSpec, layout: Any) -> str:
+def layout_mode(spec: JobSpec, layout: JobLayout) -> str:
     """The redundancy mode the workers of ``layout`` (a ``JobLayout``) train with: the layout's choice under
     ``auto``, the spec's mode otherwise."""
     if layout.redundancy is not None:
@@ -105,7 +110,7 @@ def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
     return (preemptions + prior * AUTO_PRIOR_NODE_HOURS) / (hours + AUTO_PRIOR_NODE_HOURS)
 
 
-def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events: Sequence[Event]) -> Any:
+def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events: Sequence[Event]) -> FailureModel:
     """The :class:`bamboo.schedule.FailureModel` of a job of ``nodes`` nodes at ``rate`` preemptions per
     node-hour whose fault-free step is ``step_s``: its own failovers' and reconfigurations' median pauses once it
     has some (the schedule's defaults before), and a restore that redoes half the interval between restore
@@ -125,7 +130,7 @@ def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events:
     return FailureModel(rate, nodes, checkpoint_interval_s=max(steps_between * step_s, 1e-3), **measured)
 
 
-def choose_mode(spec: JobSpec, plan: Any, events: Sequence[Event], now_t: float) -> Any:
+def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: float) -> ModeChoice:
     """The :class:`bamboo.reconfig.ModeChoice` for a generation placed by ``plan`` (a ``bamboo.reconfig.Layout``)
     from the job's ``events`` at ``now_t`` (seconds since the job's ``created_unix``)."""
     from bamboo.reconfig import ModeChoice
@@ -149,7 +154,7 @@ def choose_mode(spec: JobSpec, plan: Any, events: Sequence[Event], now_t: float)
                       preemptions_per_node_hour=round(rate, 6))
 
 
-def mode_for(spec: JobSpec, plan: Any, kv: Any, now: float | None = None) -> Any:
+def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None = None) -> ModeChoice | None:
     """The :class:`bamboo.reconfig.ModeChoice` of a generation placed by ``plan`` when the job's redundancy is
     ``auto`` (:func:`choose_mode`, from the job's event log in etcd, ``kv``; a log that cannot be read counts as
     empty), None otherwise."""
@@ -166,19 +171,19 @@ def mode_for(spec: JobSpec, plan: Any, kv: Any, now: float | None = None) -> Any
     return choose_mode(spec, plan, events, now_t)
 
 
-def with_mode(spec: JobSpec, layout: Any, kv: Any) -> Any:
+def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore) -> JobLayout:
     """``layout`` (a ``JobLayout`` that moves no state between peers) with its mode chosen (:func:`mode_for`)."""
     chosen = mode_for(spec, layout.plan, kv)
     return layout if chosen is None else attrs.evolve(layout, redundancy=chosen)
 
 
-def holds_replicas(spec: JobSpec, chosen: Any) -> bool:
+def holds_replicas(spec: JobSpec, chosen: ModeChoice | None) -> bool:
     """Whether the owners of a generation with mode ``chosen`` (a ``ModeChoice``, or None: the spec's) hold their
     successor's replica (what its transfer plan must bring them)."""
     return (spec.redundancy if chosen is None else chosen.mode) != "none"
 
 
-def choice_record(layout: Any, t: float) -> RedundancyChoice | None:
+def choice_record(layout: JobLayout, t: float) -> RedundancyChoice | None:
     """The ``redundancy_choice`` record of ``layout``'s chosen mode (None without one)."""
     chosen = layout.redundancy
     if chosen is None:

@@ -13,9 +13,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from bamboo.launch.records import JobEnd
+
+if TYPE_CHECKING:
+    from bamboo.membership import KeyValue, MembershipStore
+    from bamboo.reconfig import JobLayout
 
 __all__ = ["RoleWatch"]
 
@@ -28,13 +33,13 @@ class RoleWatch:
     :meth:`next_layout` until any later generation is written (a standby node learns its role in it too).
     """
 
-    def __init__(self, membership: Any, node: str, *, follow_decisions: bool = False) -> None:
+    def __init__(self, membership: MembershipStore, node: str, *, follow_decisions: bool = False) -> None:
         from bamboo.membership import WatchedKey
 
         self.node = node
         self._cond = threading.Condition()
         self._changes = 0
-        self._decoded: tuple[int, Any] = (0, None)
+        self._decoded: tuple[int, JobLayout | None] = (0, None)
         self._layout = WatchedKey(membership.kv, membership.keys.layout, on_change=self._changed)
         self._end = WatchedKey(membership.kv, membership.keys.decision("end"), on_change=self._changed)
         self._decisions = None
@@ -42,7 +47,7 @@ class RoleWatch:
             self._decisions = membership.kv.watch_prefix(membership.keys.decisions,
                                                          lambda _event: self._changed(None))
 
-    def _changed(self, _found: Any) -> None:
+    def _changed(self, _found: KeyValue | None) -> None:
         with self._cond:
             self._changes += 1
             self._cond.notify_all()
@@ -57,7 +62,7 @@ class RoleWatch:
         except (ValueError, TypeError, KeyError):  # malformed: the job's writer decides, not this reader
             return None
 
-    def layout(self) -> Any:
+    def layout(self) -> JobLayout | None:
         """The current :class:`bamboo.reconfig.JobLayout` (None before the first), decoded once per change."""
         from bamboo.reconfig import JobLayout
 
@@ -68,11 +73,11 @@ class RoleWatch:
             self._decoded = (found.mod_revision, JobLayout.from_json(found.value))
         return self._decoded[1]
 
-    def next_layout(self, after: int, timeout: float | None = None) -> Any:
+    def next_layout(self, after: int, timeout: float | None = None) -> JobLayout | None:
         """The layout once its generation is above ``after``; None once the job has ended, or at the timeout."""
         return self._wait(lambda layout: layout.generation > after, timeout)
 
-    def wait_role(self, after: int, timeout: float | None = None) -> Any:
+    def wait_role(self, after: int, timeout: float | None = None) -> JobLayout | None:
         """The first layout of a generation above ``after`` that places this node; None once the job has ended
         (or at the timeout)."""
         return self._wait(lambda layout: layout.generation > after and self.node in layout.ranks, timeout)
@@ -87,7 +92,7 @@ class RoleWatch:
         with self._cond:
             self._cond.wait_for(lambda: self._changes != seen, timeout)
 
-    def _wait(self, wanted: Any, timeout: float | None) -> Any:
+    def _wait(self, wanted: Callable[[JobLayout], bool], timeout: float | None) -> JobLayout | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:

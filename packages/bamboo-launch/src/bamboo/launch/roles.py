@@ -9,12 +9,15 @@ worker builds its part while the others train, so that the switch does not wait 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch import timeouts
 from bamboo.launch.prepare import Prepared, scan_prepared
 from bamboo.launch.session import WorkerSession
+
+if TYPE_CHECKING:
+    from bamboo.reconfig import JobLayout
 
 __all__ = ["Role", "wait_role"]
 
@@ -23,7 +26,7 @@ __all__ = ["Role", "wait_role"]
 class Role:
     """A role found: a layout to start now (``layout``), or one being prepared (``prepared``)."""
 
-    layout: Any = None
+    layout: JobLayout | None = None
     prepared: Prepared | None = None
 
 

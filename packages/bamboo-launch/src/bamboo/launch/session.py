@@ -13,12 +13,18 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.launch import timeouts
 from bamboo.launch.records import JobEnd, RecordError
 from bamboo.launch.role_watch import RoleWatch
 from bamboo.launch.spec import WORKER_ERROR, JobSpec, Program, WorkerContext
+
+if TYPE_CHECKING:
+    from bamboo.launch.copy_service import CopyService
+    from bamboo.membership import MembershipStore, WatchEvent
+    from bamboo.rc import StageExecutor
+    from bamboo.reconfig import JobLayout
 
 __all__ = ["JobCannotContinue", "NotEnoughNodes", "WorkerSession", "agent_auth", "decision_prefix", "fenced",
            "read_spec"]
@@ -33,7 +39,7 @@ class NotEnoughNodes(RuntimeError):
     """Too few live nodes for one pipeline: the holders wait at the barrier for more."""
 
 
-def read_spec(membership: Any) -> JobSpec:
+def read_spec(membership: MembershipStore) -> JobSpec:
     """The job's spec from etcd (a clear error when there is none)."""
     found = membership.kv.get(membership.keys.root + "spec")
     if found is None:
@@ -64,8 +70,8 @@ class WorkerSession:
         self.log = EtcdEventLog(self.membership.kv, context.job, f"{self.node}.worker.{os.getpid()}",
                                 self.spec.created_unix, guard=self.membership.guard)
         self.layers = self.spec.reconfig_layers()
-        self.copies: Any = None
-        """This worker's in-memory copies (a :class:`bamboo.launch.copy_service.CopyService`; None: it keeps none)."""
+        self.copies: CopyService | None = None
+        """This worker's in-memory copies (None: it keeps none)."""
         self.notice_deadline: float | None = None  # this node's preemption deadline, once its agent was told
         self._notice_watch = self.membership.watch_notices(self._on_notice)
         found = self.kv.get(self.membership.keys.notice(self.node))
@@ -75,7 +81,7 @@ class WorkerSession:
         self.roles = RoleWatch(self.membership, self.node, follow_decisions=True)
         """The job's layout and end, followed by watches (no etcd read per look)."""
 
-    def _on_end(self, event: Any) -> None:
+    def _on_end(self, event: WatchEvent) -> None:
         """A job that ended with an error needs nothing more of this worker: it exits at once, wherever it is
         (waiting for a role, at a barrier, blocked on a peer), instead of being killed by its agent later."""
         if event.key != self.membership.keys.decision("end") or not event.value:
@@ -91,7 +97,7 @@ class WorkerSession:
         sys.stdout.flush()
         os._exit(WORKER_ERROR)
 
-    def _on_notice(self, event: Any) -> None:
+    def _on_notice(self, event: WatchEvent) -> None:
         if event.value and event.key == self.membership.keys.notice(self.node):
             self._on_notice_value(event.value)
 
@@ -107,7 +113,7 @@ class WorkerSession:
     def ended(self) -> JobEnd | None:
         return self.roles.ended()
 
-    def layout(self) -> Any:
+    def layout(self) -> JobLayout | None:
         return self.roles.layout()
 
     def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
@@ -123,7 +129,7 @@ class WorkerSession:
                 raise RuntimeError(f"decision {name} not taken within {timeout:g} s")
             time.sleep(timeouts.DECISION_POLL_S)
 
-    def tell_runtime_of_notice(self, executor: Any, told: set[int]) -> None:
+    def tell_runtime_of_notice(self, executor: StageExecutor, told: set[int]) -> None:
         """Hand this node's preemption deadline to the runtime (once per executor): at the start of its next
         step it hands its stage over after that step if the deadline leaves time, else it keeps going and
         its death at the deadline is an ordinary failure."""
@@ -143,7 +149,7 @@ class WorkerSession:
         self.log.close()
 
 
-def fenced(membership: Any, context: WorkerContext) -> Any:
+def fenced(membership: MembershipStore, context: WorkerContext) -> MembershipStore:
     """``membership`` with every write guarded by the agent's registration (when the agent gave one)."""
     if not context.fence_key:
         return membership

@@ -9,28 +9,45 @@ that only sends (it leaves for standby) runs its transfers alone.
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Final, TypeVar
 
 import attrs
 from bamboo.launch import timeouts
 from bamboo.launch.records import NodeUp
 from bamboo.launch.session import WorkerSession
 
-__all__ = ["ABANDONED", "TRANSFER_PAUSE_ENV", "StartMarks", "build_engine", "follow_attempt", "move_state",
+if TYPE_CHECKING:
+    from bamboo.launch.attempt import AbandonableStore, StartThread
+    from bamboo.rc import Engine, StageExecutor
+    from bamboo.reconfig import JobLayout, Transfer
+    from torch.distributed import Store
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+__all__ = ["ABANDONED", "TRANSFER_PAUSE_ENV", "Abandoned", "StartMarks", "build_engine", "follow_attempt", "move_state",
            "receive_state", "release_executor", "run_transfers", "start_attempt", "start_engine", "transfer_group"]
 
 TRANSFER_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_TRANSFER_PAUSE_S"
 """Test hook: seconds every member of a reconfiguration's transfer group waits once the group is formed,
 after publishing decision ``g<G>-transfer-group-<node>`` (so that a test can kill a node mid-transfer)."""
 
-ABANDONED: Any = object()
+T = TypeVar("T")
+
+
+class Abandoned(enum.Enum):
+    """The type of :data:`ABANDONED`, its one value."""
+
+    ABANDONED = "abandoned"
+
+
+ABANDONED: Final = Abandoned.ABANDONED
 """What :func:`start_attempt` returns when the attempt's outcome was ``abort``."""
 
 
-def release_executor(old: Any) -> None:
+def release_executor(old: StageExecutor) -> None:
     """Let the executor of a layout that ended go (its state is in the next layout's, or handed over): its
     groups are freed once their operations have finished, its failure notices stop watching, and its
     tensors are freed with it. Keeping it would hold, per membership change, a copy of this node's stages
@@ -56,7 +73,7 @@ class StartMarks:
                       state=self.state)
 
 
-def build_engine(run: WorkerSession, layout: Any, store: Any) -> Any:
+def build_engine(run: WorkerSession, layout: JobLayout, store: Store) -> Engine:
     """This node's engine for ``layout`` (its stages' layers, its gloo groups), before any state is put in it."""
     from bamboo.launch.notices import EtcdFailureNotices
     from bamboo.launch.redundancy import layout_mode
@@ -75,7 +92,8 @@ def build_engine(run: WorkerSession, layout: Any, store: Any) -> Any:
     )
 
 
-def start_engine(run: WorkerSession, layout: Any, old: Any, store: Any, marks: StartMarks) -> Any:
+def start_engine(run: WorkerSession, layout: JobLayout, old: StageExecutor | None, store: Store,
+                 marks: StartMarks) -> Engine:
     """This node's engine for ``layout``, with its stage state (from ``old``, peers or a checkpoint) in place."""
     engine = build_engine(run, layout, store)
     marks.built = time.time()
@@ -85,7 +103,8 @@ def start_engine(run: WorkerSession, layout: Any, old: Any, store: Any, marks: S
     return engine
 
 
-def start_attempt(run: WorkerSession, layout: Any, old: Any, stopped: float | None = None) -> Any:
+def start_attempt(run: WorkerSession, layout: JobLayout, old: StageExecutor | None,
+                  stopped: float | None = None) -> Engine | Abandoned | None:
     """Start ``layout`` as one attempt (:mod:`bamboo.launch.attempt`): this node's engine on ``go``,
     :data:`ABANDONED` on ``abort``; a node that is not in the layout (a source leaving for standby, or a
     holder kept for a possible retry) does its transfers and returns None on ``go``. ``stopped``: when this
@@ -94,6 +113,7 @@ def start_attempt(run: WorkerSession, layout: Any, old: Any, stopped: float | No
 
     store = AbandonableStore(run.store)
     marks = StartMarks(stopped=stopped)
+    part: StartThread[Engine | None]
     if run.node in layout.ranks:
         part = StartThread(lambda: start_engine(run, layout, old, store, marks), name=f"bamboo-start-g{layout.generation}")
     else:
@@ -102,7 +122,8 @@ def start_attempt(run: WorkerSession, layout: Any, old: Any, stopped: float | No
     return follow_attempt(run, layout, part, store, marks)
 
 
-def follow_attempt(run: WorkerSession, layout: Any, part: Any, store: Any, marks: StartMarks) -> Any:
+def follow_attempt(run: WorkerSession, layout: JobLayout, part: StartThread[T], store: AbandonableStore,
+                   marks: StartMarks) -> T | Abandoned | None:
     """Wait for the outcome of attempt ``layout`` while ``part`` (a :class:`bamboo.launch.attempt.StartThread`)
     does this node's part: its result on ``go``, :data:`ABANDONED` (the part given up) on ``abort``."""
     from bamboo.launch.attempt import await_outcome
@@ -128,7 +149,8 @@ def follow_attempt(run: WorkerSession, layout: Any, part: Any, store: Any, marks
     return ABANDONED
 
 
-def receive_state(run: WorkerSession, layout: Any, old: Any, executor: Any, store: Any) -> None:
+def receive_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | None, executor: StageExecutor,
+                  store: Store) -> None:
     """Fill the new executor's slices: local copies, transfers by the plan, or the last checkpoint."""
     from bamboo.reconfig import StartMode
 
@@ -142,12 +164,13 @@ def receive_state(run: WorkerSession, layout: Any, old: Any, executor: Any, stor
     move_state(run, layout, old, executor, transfer_group(run, layout, store))
 
 
-def run_transfers(run: WorkerSession, layout: Any, old: Any, executor: Any | None, store: Any) -> None:
+def run_transfers(run: WorkerSession, layout: JobLayout, old: StageExecutor | None, executor: StageExecutor | None,
+                  store: Store) -> None:
     """This node's part of the layout's transfer plan (see :func:`move_state`), over a group built now."""
     move_state(run, layout, old, executor, transfer_group(run, layout, store))
 
 
-def transfer_group(run: WorkerSession, layout: Any, store: Any) -> Any:
+def transfer_group(run: WorkerSession, layout: JobLayout, store: Store) -> ProcessGroupGloo | None:
     """The gloo group of the layout's transfer plan (every source and receiver), or None when this node has no
     part in it. Transfers are synchronous: the group is freed at the next membership change (a thread still
     blocked on a dead peer holds it until its operation times out, and frees it there, off the training
@@ -165,7 +188,8 @@ def transfer_group(run: WorkerSession, layout: Any, store: Any) -> Any:
     return group
 
 
-def move_state(run: WorkerSession, layout: Any, old: Any, executor: Any | None, group: Any) -> None:
+def move_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | None, executor: StageExecutor | None,
+               group: ProcessGroupGloo | None) -> None:
     """Put this node's state for ``layout`` in place: the stages ``old`` (this node's previous executor) holds
     at the layout's start step are copied into ``executor``'s slices, then the transfer plan runs round by
     round over ``group``: this node sends what ``old`` holds and, with an ``executor``, receives into its slices.
@@ -192,7 +216,7 @@ def move_state(run: WorkerSession, layout: Any, old: Any, executor: Any | None, 
         receiving = [t for t in round_ if t.destination == run.node]
         errors: list[BaseException] = []
 
-        def send(transfer: Any, errors: list[BaseException] = errors) -> None:
+        def send(transfer: Transfer, errors: list[BaseException] = errors) -> None:
             try:
                 stages = layout.stages_of_layers(transfer.layers)
                 stale = [s for s in stages if old.slices[s].steps != layout.start_step]
@@ -214,7 +238,7 @@ def move_state(run: WorkerSession, layout: Any, old: Any, executor: Any | None, 
             raise errors[0]
 
 
-def transfer_participants_of(layout: Any) -> list[str]:
+def transfer_participants_of(layout: JobLayout) -> list[str]:
     """Members of the layout's transfer group, in group-rank order."""
     from bamboo.launch.reconfigure import transfer_participants
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch.finish import finish_requested
 from bamboo.launch.prepare import (
@@ -36,6 +36,10 @@ from bamboo.launch.prepare import (
 from bamboo.launch.records import PreparedLayout, StopDecision, read_record
 from bamboo.launch.session import NotEnoughNodes, WorkerSession
 
+if TYPE_CHECKING:
+    from bamboo.rc import StageExecutor
+    from bamboo.reconfig import ClusterView, JobLayout
+
 __all__ = ["Boundary", "cluster_view", "reconfiguration_reason"]
 
 
@@ -45,7 +49,7 @@ class Boundary:
     ``preparation`` is this node's part of the open prepared layout (None: none, or not a part of it); ``stop``
     the stop once decided."""
 
-    def __init__(self, run: WorkerSession, layout: Any) -> None:
+    def __init__(self, run: WorkerSession, layout: JobLayout) -> None:
         self.run = run
         self.layout = layout
         self.cursor = 0
@@ -54,7 +58,7 @@ class Boundary:
         self.stop: StopDecision | None = None
         self._said = ""
 
-    def after_step(self, executor: Any) -> StopDecision | None:
+    def after_step(self, executor: StageExecutor) -> StopDecision | None:
         """What this node does after a step of ``executor`` (see the module docstring); the stop once decided.
         An unreachable etcd only delays all of it to a later step."""
         if self.stop is not None:
@@ -76,12 +80,12 @@ class Boundary:
             self.preparation.abandon()
             self.preparation = None
 
-    def _evaluates(self, executor: Any) -> bool:
+    def _evaluates(self, executor: StageExecutor) -> bool:
         ranks = self.layout.ranks.values()
         evaluator = min((r for r in ranks if r not in executor.dead), default=min(ranks))
         return bool(executor.rank == evaluator and executor.step + 2 <= self.run.spec.steps)
 
-    def _follow(self, executor: Any, scan: PreparedScan) -> None:
+    def _follow(self, executor: StageExecutor, scan: PreparedScan) -> None:
         """This node's part of the open prepared layout: start it, or give it up."""
         run, prepared = self.run, scan.open
         if self.preparation is not None and (prepared is None or prepared.attempt != self.preparation.prepared.attempt):
@@ -96,7 +100,7 @@ class Boundary:
         if self.preparation is None and run.node in prepared.needs():
             self.preparation = Preparation(run, prepared)
 
-    def _propose(self, executor: Any, scan: PreparedScan) -> PreparedScan:
+    def _propose(self, executor: StageExecutor, scan: PreparedScan) -> PreparedScan:
         """The evaluator: the job's end, the stop that switches to a prepared layout built everywhere, or a new
         prepared layout when a reconfiguration is due. Returns the scan as it now is."""
         run, generation, step = self.run, self.layout.generation, executor.step
@@ -146,7 +150,7 @@ class Boundary:
             self._said = line
 
 
-def reconfiguration_reason(run: WorkerSession, layout: Any, executor: Any) -> str | None:
+def reconfiguration_reason(run: WorkerSession, layout: JobLayout, executor: StageExecutor) -> str | None:
     """Why :func:`bamboo.reconfig.decide` wants a reconfiguration now (None: carry on)."""
     from bamboo.reconfig import When, decide
 
@@ -159,7 +163,7 @@ def reconfiguration_reason(run: WorkerSession, layout: Any, executor: Any) -> st
     return ", ".join(r.value for r in decision.reasons)
 
 
-def cluster_view(run: WorkerSession, layout: Any, executor: Any) -> Any:
+def cluster_view(run: WorkerSession, layout: JobLayout, executor: StageExecutor) -> ClusterView | None:
     """bamboo-reconfig's view of generation ``layout`` as ``executor`` sees it (None when etcd cannot be read)."""
     from bamboo.launch.reconfigure import build_view, warm_standby
 

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch import timeouts
@@ -61,12 +61,22 @@ from bamboo.launch.spec import WORKER_DONE, WORKER_ERROR, JobSpec, Program, Work
 from bamboo.launch.starting import (
     ABANDONED,
     TRANSFER_PAUSE_ENV,
+    Abandoned,
     StartMarks,
     follow_attempt,
     release_executor,
     start_attempt,
 )
 from bamboo.launch.worker_records import StartupClock
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from bamboo.rc import Engine, FailoverRecord, StageExecutor
+    from bamboo.reconfig import JobLayout
+
+    Started: TypeAlias = tuple[Engine | None, JobLayout]
+    """A layout started on this node: its engine (None: no role in it, a source going to standby), the layout."""
 
 __all__ = ["TRANSFER_PAUSE_ENV", "JobCannotContinue", "main", "pipeline_batches", "train"]
 
@@ -77,8 +87,8 @@ class _Holding:
     its state is from (``base``), what it published there (``ready``; None: not at a barrier yet), and when it
     stopped training."""
 
-    old: Any = None
-    base: Any = None
+    old: StageExecutor | None = None
+    base: JobLayout | None = None
     ready: BarrierReady | None = None
     stopped: float | None = None
 
@@ -104,7 +114,7 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
     if spec.memory_copy_every:
         from bamboo.launch.copy_service import CopyService
 
-        run.copies = CopyService(run)
+        run.copies = CopyService(run.context, run.membership, spec.job)
     if len(program.layers) != len(spec.layers):
         raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the job's spec has "
                            f"{len(spec.layers)}: every process of the script must build the same model")
@@ -124,7 +134,7 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
 def _roles(run: WorkerSession, state: WorkerState, hooks: TrainingHooks | None, role: Role | None) -> dict[str, Any]:
     """Every role this node takes from ``role`` on, to the job's end (see the module docstring)."""
     holding = _Holding()
-    start: Any = role
+    start: Role | Ending | JobLayout | None = role
     while start is not None:
         # a role found while holding nothing, or a holder's next start (a switch, or a layout from the barrier)
         started = _start_role(run, start) if isinstance(start, Role) else _start_held(run, holding, start)
@@ -153,7 +163,7 @@ def _roles(run: WorkerSession, state: WorkerState, hooks: TrainingHooks | None, 
     return {"done": False}
 
 
-def _start_role(run: WorkerSession, role: Role) -> Any:
+def _start_role(run: WorkerSession, role: Role) -> Started | Abandoned | None:
     """Start a role found while holding nothing: ``(engine, layout)``, or ABANDONED."""
     if role.prepared is None:
         engine = start_attempt(run, role.layout, None)
@@ -168,7 +178,7 @@ def _start_role(run: WorkerSession, role: Role) -> Any:
     return result
 
 
-def _start_held(run: WorkerSession, holding: _Holding, start: Any) -> Any:
+def _start_held(run: WorkerSession, holding: _Holding, start: Ending | JobLayout) -> Started | Abandoned | None:
     """Start the next layout as a node that holds state: a switch to a prepared layout (``start`` an Ending),
     or a layout decided at the barrier. ``(engine, layout)``, or ABANDONED."""
     from bamboo.launch.attempt import AbandonableStore, StartThread
@@ -188,6 +198,7 @@ def _start_held(run: WorkerSession, holding: _Holding, start: Any) -> Any:
     holding.old.apply_replica_updates()  # the replicas this node sends or copies are at the switch's step
     if preparation is None and run.node in prepared.needs():  # its part was not started at a boundary
         preparation = Preparation(run, prepared)
+    part: StartThread[Started]
     if preparation is None:  # no part in it: it follows the outcome, then goes to standby
         marks, store = StartMarks(stopped=holding.stopped), AbandonableStore(run.store)
         part = StartThread(lambda: (None, layout), name=f"bamboo-follow-g{layout.generation}")
@@ -201,7 +212,7 @@ def _start_held(run: WorkerSession, holding: _Holding, start: Any) -> Any:
     return result
 
 
-def _prepared(run: WorkerSession, base: Any, attempt: int) -> Prepared:
+def _prepared(run: WorkerSession, base: JobLayout, attempt: int) -> Prepared:
     """Attempt ``attempt`` of the layout prepared during generation ``base``, read from etcd."""
     from bamboo.launch.prepare import prepare_name
     from bamboo.launch.records import PreparedLayout
@@ -213,7 +224,8 @@ def _prepared(run: WorkerSession, base: Any, attempt: int) -> Prepared:
     return Prepared(attempt, JobLayout.from_dict(record.layout), record.epoch)
 
 
-def _after_abandon(run: WorkerSession, holding: _Holding, start: Any) -> Any:
+def _after_abandon(run: WorkerSession, holding: _Holding,
+                   start: Role | Ending | JobLayout) -> Role | JobLayout | None:
     """The next start after an abandoned one: a holder decides again at the barrier; a node that holds nothing
     follows the others' decision (or looks for a role again)."""
     if holding.old is None:  # a joiner, or any node of a fresh start
@@ -233,7 +245,7 @@ def _after_abandon(run: WorkerSession, holding: _Holding, start: Any) -> Any:
                        start.reason)
 
 
-def _barrier(run: WorkerSession, holding: _Holding, reason: str) -> Any:
+def _barrier(run: WorkerSession, holding: _Holding, reason: str) -> Role | JobLayout | None:
     """Meet the other holders at the barrier of ``holding.base`` (the layout this node trained until it stopped):
     close the layouts being prepared, publish what it holds, and decide the next layout with them."""
     base, old = holding.base, holding.old
@@ -261,7 +273,7 @@ def _release(holding: _Holding) -> None:
     holding.old, holding.ready, holding.stopped = None, None, None
 
 
-def _hand_over(run: WorkerSession, layout: Any, executor: Any) -> None:
+def _hand_over(run: WorkerSession, layout: JobLayout, executor: StageExecutor) -> None:
     """This node left at a step boundary after its preemption notice: record the hand-over's event (the executor
     already published it, first writer wins, before it left; ``publish_next_event`` finds it, and publishes it
     only if it is missing), the node's preemption, and tell its agent."""
@@ -278,7 +290,8 @@ def _hand_over(run: WorkerSession, layout: Any, executor: Any) -> None:
           f"after step {executor.step} ({notice:.1f} s before the preemption)", flush=True)
 
 
-def _final_report(run: WorkerSession, layout: Any, executor: Any, losses: list[float], failovers: list[Any],
+def _final_report(run: WorkerSession, layout: JobLayout, executor: StageExecutor, losses: list[float],
+                  failovers: list[FailoverRecord],
                   started: float) -> dict[str, Any]:
     import torch
 

@@ -13,12 +13,17 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch.event_records import Reconfiguration, Restore, Startup
 from bamboo.launch.pauses import PauseBreakdown, first_step_excess, pause_breakdown
 from bamboo.launch.records import AttemptOutcome, NodeUp, read_record
+
+if TYPE_CHECKING:
+    from bamboo.launch.events import EventWriter
+    from bamboo.membership import MembershipStore
+    from bamboo.reconfig import JobLayout
 
 __all__ = ["SPAWNED_ENV", "StartupClock", "reconfiguration_pause", "write_reconfiguration"]
 
@@ -26,7 +31,8 @@ SPAWNED_ENV = "BAMBOO_WORKER_SPAWNED_UNIX"
 """Set by the agent when it spawns its worker: the wall-clock time of the spawn (the ``process_s`` phase)."""
 
 
-def reconfiguration_pause(membership: Any, layout: Any, first_step_s: float, usual: Sequence[float]) -> PauseBreakdown:
+def reconfiguration_pause(membership: MembershipStore, layout: JobLayout, first_step_s: float,
+                          usual: Sequence[float]) -> PauseBreakdown:
     """The pause of the reconfiguration that started ``layout`` (a ``JobLayout`` that went ahead), from the
     ``up`` records of its nodes and its outcome in etcd, and its first step of ``first_step_s`` seconds against
     ``usual`` step times. A record that cannot be read counts as missing (its part goes to the barrier)."""
@@ -52,7 +58,7 @@ def reconfiguration_pause(membership: Any, layout: Any, first_step_s: float, usu
     return pause_breakdown(t0, go, ups, first_step_excess(first_step_s, usual))
 
 
-def write_reconfiguration(log: Any, layout: Any, pause: PauseBreakdown, *, stages: int, prepared: bool,
+def write_reconfiguration(log: EventWriter, layout: JobLayout, pause: PauseBreakdown, *, stages: int, prepared: bool,
                           restore_source: str | None) -> None:
     """Append the ``reconfiguration`` record of ``layout`` (and its ``restore`` record, when it restarted from a
     copy of an earlier step, from ``restore_source``: ``memory``, ``disk`` or ``initial``)."""
@@ -84,7 +90,7 @@ class StartupClock:
     model_build_s: float | None = None
     group_build_s: float | None = None
 
-    def record(self, log: Any, node: str, first_step_s: float) -> Startup:
+    def record(self, log: EventWriter, node: str, first_step_s: float) -> Startup:
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else max(0.0, end - start)
 

@@ -9,12 +9,15 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.launch import timeouts
 from bamboo.launch.agent_options import AgentError, AgentOptions
 from bamboo.launch.forkserver import run_to_end
 from bamboo.launch.spec import JobSpec
+
+if TYPE_CHECKING:
+    from bamboo.membership import MembershipStore
 
 __all__ = ["describe_model", "ensure_spec", "new_spec", "refuse_used_checkpoint_dir"]
 
@@ -60,7 +63,7 @@ def new_spec(job: str, fields: Mapping[str, Any], description: Mapping[str, Any]
         raise AgentError(str(error)) from None
 
 
-def ensure_spec(membership: Any, options: AgentOptions, say: Callable[[str], None]) -> tuple[JobSpec, bool]:
+def ensure_spec(membership: MembershipStore, options: AgentOptions, say: Callable[[str], None]) -> tuple[JobSpec, bool]:
     """The job's spec from etcd, written by this agent when there is none yet; returns (spec, written here).
 
     Raises :class:`AgentError` when this agent's flags conflict with the stored spec.

@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 
@@ -152,7 +152,7 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def _write_then_rename(final: Path, write: Callable[[Any], None]) -> None:
+def _write_then_rename(final: Path, write: Callable[[BinaryIO], object]) -> None:
     temp = final.with_name(f"{final.name}{_TEMP_MARK}{uuid.uuid4().hex[:8]}")
     try:
         with open(temp, "wb") as handle:

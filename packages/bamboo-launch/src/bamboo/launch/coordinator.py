@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.launch import timeouts
 from bamboo.launch.events import Preemption
@@ -50,13 +50,18 @@ from bamboo.membership.probing import connect_probe
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
+if TYPE_CHECKING:
+    from bamboo.launch.events import Event, EventWriter
+    from bamboo.membership import KeyValue, MembershipStore, NodeAgent, NodeRecord, WatchedKey
+    from bamboo.reconfig import JobLayout, Layout
+
 __all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "redo_start_layout", "restart_layout",
            "steps_reached"]
 
 log = logging.getLogger(__name__)
 
 
-def read_layout(membership: Any) -> Any:
+def read_layout(membership: MembershipStore) -> JobLayout | None:
     """The job's current :class:`bamboo.reconfig.JobLayout`, or None before the first one."""
     from bamboo.reconfig import JobLayout
 
@@ -64,7 +69,7 @@ def read_layout(membership: Any) -> Any:
     return None if found is None else JobLayout.from_dict(found.value)
 
 
-def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:
+def first_layout(spec: JobSpec, zones: dict[str, str]) -> JobLayout:
     """Generation 0 for the registered nodes (node -> zone): bamboo-reconfig's placement of them.
 
     With ``spec.resume`` every stage starts from the newest good checkpoint in ``spec.checkpoint_dir``, at
@@ -88,7 +93,7 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> Any:
                      zones=zones)
 
 
-def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global_batch: int) -> Any:
+def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global_batch: int) -> Layout | None:
     """bamboo-reconfig's placement of ``nodes``, none of which holds state, keeping ``global_batch``
     microbatches; None when they cannot form a pipeline of ``spec.stages`` or split the global batch."""
     from bamboo.reconfig import ClusterView, Node, plan_layout
@@ -104,7 +109,7 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global
     return plan
 
 
-def steps_reached(events: Iterable[Any], lost: Any, created_unix: float) -> int:
+def steps_reached(events: Iterable[Event], lost: JobLayout, created_unix: float) -> int:
     """The last step generation ``lost`` (a ``JobLayout``) completed, from the job's event log: the highest
     ``step`` record of that generation (``lost.start_step`` when it recorded none).
 
@@ -122,9 +127,9 @@ def steps_reached(events: Iterable[Any], lost: Any, created_unix: float) -> int:
     return max((e.step for e in events if isinstance(e, Step) and its_own(e)), default=lost.start_step)
 
 
-def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, str], step: int,
+def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: dict[str, str], step: int,
                    path: str, reached: int | None = None, memory: dict[int, tuple[str, ...]] | None = None,
-                   initial: bool = False) -> Any:
+                   initial: bool = False) -> JobLayout | None:
     """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
     every stage restored from the checkpoint of ``step`` at ``path``; None when they cannot form a pipeline.
 
@@ -147,7 +152,7 @@ def restart_layout(spec: JobSpec, lost: Any, warm: list[str], zones: dict[str, s
                      zones={node: zones.get(node, "default") for node in warm})
 
 
-def redo_start_layout(spec: JobSpec, lost: Any, nodes: list[str], zones: dict[str, str]) -> Any:
+def redo_start_layout(spec: JobSpec, lost: JobLayout, nodes: list[str], zones: dict[str, str]) -> JobLayout | None:
     """The layout that redoes the start of ``lost`` on ``nodes``; None when they cannot form a pipeline.
 
     ``lost`` is a ``JobLayout`` whose start was abandoned before its first step (a node of it was lost while
@@ -191,10 +196,10 @@ class Coordinator:
 
     def __init__(
         self,
-        membership: Any,
-        agent: Any,
+        membership: MembershipStore,
+        agent: NodeAgent,
         spec: JobSpec,
-        events: Any,
+        events: EventWriter,
         *,
         clock: Callable[[], float] = time.monotonic,
         say: Callable[[str], None] = lambda line: None,
@@ -214,11 +219,11 @@ class Coordinator:
         self._stop = threading.Event()
         self._preempted: set[str] = set()
         self._zones: dict[str, str] = {}
-        self._leader_key: Any = None  # a WatchedKey once started
+        self._leader_key: WatchedKey | None = None  # once started
         self._vacated_at: int | None = None  # the revision at which the last holder's key went
-        self._layout_key: Any = None  # WatchedKeys of the layout and the job's end, while elected
-        self._end_key: Any = None
-        self._decoded: tuple[int, Any] = (0, None)  # the layout decoded at its mod revision
+        self._layout_key: WatchedKey | None = None  # the layout and the job's end, while elected
+        self._end_key: WatchedKey | None = None
+        self._decoded: tuple[int, JobLayout | None] = (0, None)  # the layout decoded at its mod revision
         self._thread = threading.Thread(target=self._loop, name=f"bamboo-coordinator-{self.node}", daemon=True)
 
     def start(self) -> Coordinator:
@@ -245,7 +250,7 @@ class Coordinator:
             self._woken = True
             self._wake.notify_all()
 
-    def _on_leader_change(self, found: Any) -> None:
+    def _on_leader_change(self, found: KeyValue | None) -> None:
         if found is None and self._leader_key is not None:
             self._vacated_at = self._leader_key.revision
         self.wake()
@@ -323,11 +328,11 @@ class Coordinator:
                     self._wake.wait(timeouts.LEADER_POLL_S)
                 self._woken = False
 
-    def _registered(self) -> dict[str, Any]:
+    def _registered(self) -> dict[str, NodeRecord]:
         """The registered nodes' records: those the detector follows (elected, it follows them all)."""
         return dict(self.agent.detector.known_nodes()) if self.agent.detector is not None else {}
 
-    def _layout(self) -> Any:
+    def _layout(self) -> JobLayout | None:
         """The current ``JobLayout`` (None before the first), from the watched key, decoded once per change."""
         from bamboo.reconfig import JobLayout
 
@@ -395,7 +400,7 @@ class Coordinator:
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
 
-    def _trained_none(self, layout: Any) -> bool:
+    def _trained_none(self, layout: JobLayout) -> bool:
         """Whether ``layout`` trained no step (its event log has no step record of it); False when unknown."""
         from bamboo.launch.events import EventLogError, read_etcd_events
 
@@ -405,7 +410,7 @@ class Coordinator:
             return False
         return steps_reached(events, layout, self.spec.created_unix) <= layout.start_step
 
-    def _steps_reached(self, lost: Any) -> int:
+    def _steps_reached(self, lost: JobLayout) -> int:
         """:func:`steps_reached` from the job's event log in etcd (``lost.start_step`` if it cannot be read:
         the figure only says how many steps are trained again)."""
         from bamboo.launch.events import EventLogError, read_etcd_events
@@ -454,7 +459,7 @@ class Coordinator:
             self.say(f"confirmed failure of {node}: {reason}")
         self._preempted.add(node)
 
-    def _publish_events(self, layout: Any, reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
+    def _publish_events(self, layout: JobLayout, reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
         """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known."""
         ranks = layout.ranks
         while True:
@@ -478,7 +483,7 @@ class Coordinator:
                          f"(generation {layout.generation}, runtime epoch {epoch})")
 
 
-def _sweep(layout: Any, pending: list[int], reports: dict[str, Any], own: str) -> list[str]:
+def _sweep(layout: JobLayout, pending: list[int], reports: dict[str, FailureReport], own: str) -> list[str]:
     """Whom to probe before publishing the failure of the ranks ``pending``: the other nodes of their
     pipelines (a kill there is a consecutive failure, which must be known in the same event), not every
     node of the layout, so that a sweep costs at most P probes per pipeline that lost a node."""
@@ -488,13 +493,13 @@ def _sweep(layout: Any, pending: list[int], reports: dict[str, Any], own: str) -
                   if rank // stages in pipelines and node not in reports and node != own)
 
 
-def _encode(record: Any) -> bytes:
+def _encode(record: Leader) -> bytes:
     import json
 
     return json.dumps(record.to_dict()).encode()
 
 
-def _decode(value: bytes) -> Any:
+def _decode(value: bytes) -> dict[str, Any]:
     import json
 
     return json.loads(value)

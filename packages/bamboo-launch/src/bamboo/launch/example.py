@@ -16,9 +16,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.launch.spec import Program
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 __all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "ModuleSpec", "describe_program", "example_program", "main"]
 
@@ -39,12 +42,12 @@ class ModuleSpec:
     ``build()``), without importing DeepSpeed, which costs every worker of the built-in example seconds of its
     start (the layers, and so the weights, are the same)."""
 
-    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+    def __init__(self, typename: type[nn.Module], *module_args: object, **module_kwargs: object) -> None:
         self.typename = typename
         self.module_args = module_args
         self.module_kwargs = module_kwargs
 
-    def build(self) -> Any:
+    def build(self) -> nn.Module:
         return self.typename(*self.module_args, **self.module_kwargs)
 
 
@@ -57,7 +60,7 @@ def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> 
     gpt = GPTSize(**size)
     sampler = GlobalBatchSampler(load_config(config).micro_batch_size, gpt.sequence, seed=seed)
 
-    def microbatch(step: int, index: int) -> tuple[Any, Any]:
+    def microbatch(step: int, index: int) -> tuple[Tensor, Tensor]:
         batch = sampler.microbatch(step, index)
         return batch.tokens, batch.labels
 

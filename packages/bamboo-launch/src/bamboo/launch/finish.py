@@ -12,20 +12,23 @@ a step every node finished.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch.records import FINISH_DECISION, FinishRequest, read_record
+
+if TYPE_CHECKING:
+    from bamboo.membership import MembershipStore
 
 __all__ = ["finish_requested", "request_finish"]
 
 
-def request_finish(membership: Any, by: str) -> tuple[FinishRequest, bool]:
+def request_finish(membership: MembershipStore, by: str) -> tuple[FinishRequest, bool]:
     """Ask job ``membership.job`` to end at the next step boundary every node can reach; returns the request
     that stands and whether it is this one (False: someone asked first)."""
     decision = membership.decide(FINISH_DECISION, FinishRequest(by=by, unix=time.time()).to_dict())
     return FinishRequest.from_dict(decision.value), decision.won
 
 
-def finish_requested(membership: Any) -> FinishRequest | None:
+def finish_requested(membership: MembershipStore) -> FinishRequest | None:
     """The job's finish request, if someone asked for one."""
     return read_record(FinishRequest, membership.get_decision(FINISH_DECISION))

@@ -22,12 +22,14 @@ The hooks run in the worker processes; an exception in one is a worker error, wh
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 if TYPE_CHECKING:
+    from bamboo.rc import Engine
     from bamboo.rc.monitor import StepInfo
+    from torch import Tensor
 
 __all__ = ["Evaluation", "TrainingHooks", "evaluation_batches", "run_step_hooks"]
 
@@ -39,7 +41,7 @@ _POSITIVE_INT = attrs.validators.and_(attrs.validators.instance_of(int), attrs.v
 class Evaluation:
     """Evaluate on ``microbatch(step, index)`` after every ``every_n_steps``-th training step."""
 
-    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=attrs.validators.is_callable())
+    microbatch: Callable[[int, int], tuple[Tensor, Tensor]] = attrs.field(validator=attrs.validators.is_callable())
     every_n_steps: int = attrs.field(validator=_POSITIVE_INT)
 
     @classmethod
@@ -64,13 +66,14 @@ class TrainingHooks:
     evaluate: Evaluation | None = attrs.field(default=None, converter=Evaluation.from_argument)
 
 
-def evaluation_batches(evaluation: Evaluation, step: int, pipeline: int, micro_batches: int) -> Iterator[Any]:
+def evaluation_batches(evaluation: Evaluation, step: int, pipeline: int,
+                       micro_batches: int) -> Iterator[tuple[Tensor, Tensor]]:
     """Pipeline ``pipeline``'s share of the evaluation after step ``step``: ``fn(step, pipeline*M + k)``,
     ``k = 0 .. M-1``."""
     return (evaluation.microbatch(step, pipeline * micro_batches + k) for k in range(micro_batches))
 
 
-def run_step_hooks(engine: Any, hooks: TrainingHooks) -> StepInfo:
+def run_step_hooks(engine: Engine, hooks: TrainingHooks) -> StepInfo:
     """After ``engine.train_batch``: evaluate if due (every node), then call ``on_step`` (the reporting node);
     returns the step's :class:`~bamboo.rc.StepInfo` with its ``eval_loss``.
 

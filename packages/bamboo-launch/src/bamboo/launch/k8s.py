@@ -102,7 +102,7 @@ def dump_yaml(manifests: Sequence[dict[str, Any]]) -> str:
     import yaml
 
     class PlainDumper(yaml.SafeDumper):
-        def ignore_aliases(self, data: Any) -> bool:
+        def ignore_aliases(self, data: object) -> bool:
             return True
 
     return yaml.dump_all(list(manifests), Dumper=PlainDumper, sort_keys=False)

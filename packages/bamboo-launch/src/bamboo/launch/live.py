@@ -20,9 +20,9 @@ from __future__ import annotations
 import collections
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch.events import (
@@ -43,6 +43,10 @@ from bamboo.launch.events import (
     event_from_dict,
 )
 from bamboo.launch.redundancy import describe_choice
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.panel import Panel
 
 __all__ = ["DEFAULT_WINDOW", "EventFollower", "LiveState", "LiveView", "ProgressLines", "describe_event", "render_live"]
 
@@ -282,7 +286,7 @@ class ProgressLines:
         return state.progress_line()
 
 
-def render_live(state: LiveState) -> Any:
+def render_live(state: LiveState) -> Panel:
     """A rich renderable of ``state``: a header table and the last events."""
     from rich.console import Group
     from rich.panel import Panel
@@ -346,7 +350,7 @@ class LiveView:
     """The live view of the records ``poll`` returns (an :class:`EventFollower`'s), on ``console``: a context
     manager; each :meth:`update` folds the new records in and redraws, only when there were some."""
 
-    def __init__(self, poll: Any, console: Any) -> None:
+    def __init__(self, poll: Callable[[], list[Event]], console: Console) -> None:
         from rich.live import Live
 
         self.state = LiveState()

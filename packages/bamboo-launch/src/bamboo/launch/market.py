@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
@@ -73,7 +73,7 @@ class TraceEventLike(Protocol):
     def time_s(self) -> float: ...
 
     @property
-    def kind(self) -> Any: ...  # an enum whose .value is "add"/"remove", or the string itself
+    def kind(self) -> object: ...  # an enum whose .value is "add"/"remove", or the string itself
 
     @property
     def node(self) -> str: ...
@@ -82,7 +82,7 @@ class TraceEventLike(Protocol):
     def zone(self) -> str: ...
 
 
-def _kind_name(kind: Any) -> str:
+def _kind_name(kind: object) -> str:
     name = getattr(kind, "value", kind)
     if name not in ("add", "remove"):
         raise ValueError(f"trace event kind must be 'add' or 'remove', got {kind!r}")

@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 from bamboo.reconfig import RecordError
+
+if TYPE_CHECKING:
+    from bamboo.membership import Decision
 
 __all__ = [
     "FINISH_DECISION",
@@ -106,7 +109,7 @@ class _Record:
         return {"v": RECORD_VERSION, **{k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}}
 
     @classmethod
-    def from_dict(cls: type[R], data: Any) -> R:
+    def from_dict(cls: type[R], data: object) -> R:
         name = cls.NAME  # type: ignore[attr-defined]
         if not isinstance(data, Mapping):
             raise RecordError(f"{name}: must be a JSON object, got {type(data).__name__}")
@@ -127,7 +130,7 @@ class _Record:
             raise RecordError(f"{name}: {error.args[0] if error.args else error}") from None
 
 
-def read_record(cls: type[R], found: Any) -> R | None:
+def read_record(cls: type[R], found: Decision | None) -> R | None:
     """The record of class ``cls`` in a decision read from the store (``None`` when there is none)."""
     if found is None:
         return None

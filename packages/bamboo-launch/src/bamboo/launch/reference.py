@@ -11,16 +11,20 @@ compared with the same sums, associated the same way, and an exact run matches b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bamboo.launch.spec import JobSpec
+    from torch import Tensor
 
 __all__ = ["compare_reports", "compare_states", "train_reference_history", "train_reference_program"]
 
 
 def train_reference_program(
     specs: Sequence[Any],
-    loss_fn: Callable[[Any, Any], Any],
-    microbatch: Callable[[int, int], tuple[Any, Any]],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    microbatch: Callable[[int, int], tuple[Tensor, Tensor]],
     config: dict[str, Any],
     seed: int,
     history: Sequence[Sequence[int]],
@@ -39,7 +43,7 @@ def train_reference_program(
 
 
 def train_reference_history(
-    specs: Sequence[Any], config: dict[str, Any], size: Any, seed: int, history: Sequence[Sequence[int]], steps: int
+    specs: Sequence[Any], config: dict[str, Any], size: Mapping[str, int], seed: int, history: Sequence[Sequence[int]], steps: int
 ) -> list[dict[str, Any]]:
     """:func:`train_reference_program` of the built-in example (the GPT of ``size`` on its corpus)."""
     from bamboo.launch.example import example_program
@@ -68,7 +72,7 @@ def compare_states(reports: Sequence[dict[str, Any]], reference: Sequence[dict[s
     return worst, tensors
 
 
-def compare_reports(reports: Sequence[dict[str, Any]], spec: Any) -> dict[str, Any]:
+def compare_reports(reports: Sequence[dict[str, Any]], spec: JobSpec) -> dict[str, Any]:
     """Compare final worker reports of the built-in example with its fault-free single-process run.
 
     ``spec`` is the job's :class:`~bamboo.launch.spec.JobSpec`. The reference trains the steps every

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch import timeouts
@@ -51,6 +51,10 @@ from bamboo.launch.run_results import (
 )
 from bamboo.launch.run_results import dumps_result as dumps_result
 from bamboo.launch.run_watch import EventRecorder, wait_end, wait_first_step
+
+if TYPE_CHECKING:
+    from bamboo.launch.forkserver import ForkServer
+    from bamboo.launch.processes import ProcessCluster
 
 __all__ = [
     "RunError",
@@ -210,7 +214,7 @@ def run_cluster(
                      worker_errors=worker_errors)
 
 
-def _preempter(cluster: Any, say: Callable[[str], None]) -> Callable[[str], None]:
+def _preempter(cluster: ProcessCluster, say: Callable[[str], None]) -> Callable[[str], None]:
     """A ``RunHandles.preempt``: SIGKILL the node's agent and worker, and say so. ``node`` is an emulated
     node (``node2``) or one of its agent's incarnations (``node2.2``, after it came back as a fresh node)."""
     def preempt(node: str) -> None:
@@ -221,7 +225,7 @@ def _preempter(cluster: Any, say: Callable[[str], None]) -> Callable[[str], None
     return preempt
 
 
-def _fork_server(options: RunOptions, say: Callable[[str], None]) -> Any:
+def _fork_server(options: RunOptions, say: Callable[[str], None]) -> ForkServer | None:
     """This process's shared fork server when ``options.fork_server`` (None when off, or when it cannot start:
     the nodes are exec'd then)."""
     if not options.fork_server:

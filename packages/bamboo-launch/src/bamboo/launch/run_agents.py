@@ -6,10 +6,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.launch.market import ActionKind, MarketAction, plan_market
 from bamboo.launch.run_options import RunError, RunOptions
+
+if TYPE_CHECKING:
+    from bamboo.membership import KeyValueStore, MembershipStore
 
 __all__ = ["agent_command", "initial_plan", "run_spec_fields", "write_spec"]
 
@@ -89,7 +92,7 @@ def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
     return fields
 
 
-def write_spec(kv: Any, membership: Any, job: str, options: RunOptions, min_nodes: int, run_dir: Path,
+def write_spec(kv: KeyValueStore, membership: MembershipStore, job: str, options: RunOptions, min_nodes: int, run_dir: Path,
                say: Callable[[str], None]) -> None:
     """Write the job's spec (and its ``run_start`` record) before any agent starts, so that no agent has to
     read the model: the launcher describes it (the built-in example in this process), as the first agent of

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch import timeouts
@@ -17,6 +17,10 @@ from bamboo.launch.spec import (
     REDUNDANCY,
 )
 from bamboo.membership import timeouts as membership_timeouts
+
+if TYPE_CHECKING:
+    from bamboo.launch.processes import ProcessCluster
+    from bamboo.membership import EmbeddedEtcd, MembershipStore
 
 __all__ = ["RunError", "RunHandles", "RunOptions", "RunResult"]
 
@@ -141,9 +145,10 @@ class RunResult:
 class RunHandles:
     """What a ``during`` callback of :func:`run_cluster` can act on while the job trains."""
 
-    etcd: Any
-    cluster: Any
-    membership: Any
+    etcd: EmbeddedEtcd | None
+    """The run's embedded etcd (None: an external one)."""
+    cluster: ProcessCluster
+    membership: MembershipStore
     node_of_rank: dict[int, str]
     preempt: Callable[[str], None]
     events: Path

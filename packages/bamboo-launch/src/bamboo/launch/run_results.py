@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.launch.run_options import RunError, RunOptions, RunResult
+
+if TYPE_CHECKING:
+    from bamboo.membership import MembershipStore
 
 __all__ = ["compare_with_reference", "dumps_result", "load_reports", "read_failures", "read_worker_errors",
            "save_records"]
 
 
-def read_failures(membership: Any) -> tuple[tuple[int, ...], tuple[str, ...], str | None]:
+def read_failures(membership: MembershipStore) -> tuple[tuple[int, ...], tuple[str, ...], str | None]:
     """(ranks published as failed, nodes declared failed, the job's error) from etcd."""
     from bamboo.launch.records import JobEnd, read_record
     from bamboo.membership.records import FailureReport, decode_message
@@ -31,7 +34,7 @@ def read_failures(membership: Any) -> tuple[tuple[int, ...], tuple[str, ...], st
     return tuple(sorted(ranks)), tuple(sorted(nodes)), None if end is None else end.error
 
 
-def read_worker_errors(membership: Any) -> tuple[tuple[str, str], ...]:
+def read_worker_errors(membership: MembershipStore) -> tuple[tuple[str, str], ...]:
     """``(node, last exception line)`` of the workers that published an error, the earliest first."""
     from bamboo.launch.records import WorkerError
 
@@ -40,7 +43,7 @@ def read_worker_errors(membership: Any) -> tuple[tuple[str, str], ...]:
     return tuple((error.node, error.error) for error in sorted(errors, key=lambda error: error.at))
 
 
-def save_records(membership: Any, run_dir: Path) -> None:
+def save_records(membership: MembershipStore, run_dir: Path) -> None:
     """Keep the job's spec and last layout in the run dir (``spec.json``, ``layout.json``) for ``--verify``."""
     for name in ("spec", "layout"):
         found = membership.kv.get(membership.keys.root + name)

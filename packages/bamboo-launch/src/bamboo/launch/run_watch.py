@@ -10,10 +10,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.run_options import RunError
+
+if TYPE_CHECKING:
+    from bamboo.launch.processes import ProcessCluster
+    from bamboo.membership import KeyValueStore, MembershipStore
+    from bamboo.reconfig import JobLayout
 
 __all__ = ["EventRecorder", "last_line", "wait_end", "wait_first_step"]
 
@@ -21,7 +26,7 @@ __all__ = ["EventRecorder", "last_line", "wait_end", "wait_first_step"]
 class EventRecorder:
     """Mirrors the job's event log from etcd into a local JSON-lines file, in a background thread."""
 
-    def __init__(self, kv: Any, job: str, path: Path) -> None:
+    def __init__(self, kv: KeyValueStore, job: str, path: Path) -> None:
         from bamboo.launch.events import EtcdEventFollower, EventLog
 
         self.path = path
@@ -67,8 +72,8 @@ def last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def wait_first_step(recorder: EventRecorder, cluster: Any, membership: Any, deadline: float, log_dir: Path,
-                    say: Callable[[str], None]) -> Any:
+def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership: MembershipStore, deadline: float,
+                    log_dir: Path, say: Callable[[str], None]) -> JobLayout | None:
     """The layout that trains, once a training step was recorded; RunError when the job cannot start."""
     from bamboo.launch.coordinator import read_layout
     from bamboo.launch.records import JobEnd, WorkerError, read_record
@@ -101,7 +106,7 @@ def wait_first_step(recorder: EventRecorder, cluster: Any, membership: Any, dead
         time.sleep(timeouts.RUN_POLL_S)
 
 
-def wait_end(cluster: Any, membership: Any, deadline: float, events: Path, live: bool,
+def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: float, events: Path, live: bool,
              say: Callable[[str], None], progress_every: int = 10) -> bool:
     """Wait until the job has ended and every agent has exited; True if the deadline came first."""
     def running() -> bool:

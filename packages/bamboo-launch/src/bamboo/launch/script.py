@@ -60,12 +60,16 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from bamboo.launch import timeouts
 from bamboo.launch.forkserver import run_to_end
 from bamboo.launch.hooks import Evaluation, TrainingHooks
 from bamboo.launch.spec import ENV_CONTEXT, Program
+
+if TYPE_CHECKING:
+    from bamboo.rc.monitor import StepInfo
+    from torch import Tensor
 
 __all__ = [
     "ENV_MODE",
@@ -112,12 +116,12 @@ def worker_environment(*, context_path: str | Path, node: str) -> dict[str, str]
 
 def train_worker(
     layers: Sequence[Any],
-    loss_fn: Callable[[Any, Any], Any],
-    microbatch: Callable[[int, int], tuple[Any, Any]],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    microbatch: Callable[[int, int], tuple[Tensor, Tensor]],
     *,
     config: Mapping[str, Any] | None = None,
-    on_step: Callable[[Any], object] | None = None,
-    evaluate: tuple[Callable[[int, int], tuple[Any, Any]], int] | Evaluation | None = None,
+    on_step: Callable[[StepInfo], object] | None = None,
+    evaluate: tuple[Callable[[int, int], tuple[Tensor, Tensor]], int] | Evaluation | None = None,
 ) -> NoReturn:
     """The entry point of a training script: describe, train or replay, as the launcher asks; never returns.
 

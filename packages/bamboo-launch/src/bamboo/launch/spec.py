@@ -23,12 +23,17 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from bamboo.launch import timeouts
 from bamboo.membership import timeouts as membership_timeouts
 from bamboo.rc import timeouts as rc_timeouts
+
+if TYPE_CHECKING:
+    from bamboo.membership import EtcdOptions
+    from bamboo.reconfig import LayerSpec
+    from torch import Tensor, nn
 
 __all__ = [
     "AGENT_DONE",
@@ -186,7 +191,7 @@ class JobSpec:
         """How many registered nodes the first layout waits for."""
         return self.min_nodes or self.stages * self.pipelines
 
-    def reconfig_layers(self) -> list[Any]:
+    def reconfig_layers(self) -> list[LayerSpec]:
         """The model's layers as bamboo-reconfig ``LayerSpec`` values."""
         from bamboo.reconfig import LayerSpec
 
@@ -237,7 +242,10 @@ def _loads(what: str, text: str | bytes) -> Any:
         raise SpecError(f"{what}: not JSON ({error})") from None
 
 
-def _from_dict(cls: Any, what: str, data: Any) -> Any:
+S = TypeVar("S", "JobSpec", "WorkerContext")
+
+
+def _from_dict(cls: type[S], what: str, data: object) -> S:
     if not isinstance(data, Mapping):
         raise SpecError(f"{what}: must be a JSON object, got {type(data).__name__}")
     version = data.get("v")
@@ -268,7 +276,7 @@ class EtcdAccess:
     cert: str | None = None
     key: str | None = None
 
-    def options(self) -> Any:
+    def options(self) -> EtcdOptions:
         from bamboo.membership import EtcdOptions
 
         return EtcdOptions(endpoints=self.endpoints, user=self.user, password=self.password, ca_cert=self.ca,
@@ -337,10 +345,10 @@ class WorkerContext:
 class ModuleFactory:
     """A zero-argument callable that returns a module, seen through DeepSpeed ``LayerSpec``'s ``build()``."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+    def __init__(self, factory: Callable[[], nn.Module]) -> None:
         self.factory = factory
 
-    def build(self) -> Any:
+    def build(self) -> nn.Module:
         return self.factory()
 
     def __repr__(self) -> str:
@@ -379,6 +387,6 @@ class Program:
     """What a training script gives the launcher: its model, loss, data and DeepSpeed config."""
 
     layers: tuple[Any, ...] = attrs.field(converter=_as_layers)
-    loss_fn: Callable[[Any, Any], Any] = attrs.field(validator=attrs.validators.is_callable())
-    microbatch: Callable[[int, int], tuple[Any, Any]] = attrs.field(validator=attrs.validators.is_callable())
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = attrs.field(validator=attrs.validators.is_callable())
+    microbatch: Callable[[int, int], tuple[Tensor, Tensor]] = attrs.field(validator=attrs.validators.is_callable())
     config: dict[str, Any] | None = attrs.field(default=None, converter=_as_config)

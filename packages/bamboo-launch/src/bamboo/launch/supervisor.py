@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.launch import timeouts
 from bamboo.launch.agent_options import AgentOptions
@@ -22,6 +22,9 @@ from bamboo.launch.forkserver import ForkedProcess, spawn
 from bamboo.launch.records import JobEnd, WorkerError, WorkerWarm, read_record
 from bamboo.launch.spec import AGENT_DONE, AGENT_JOB_FAILED, ENV_CONTEXT, JobSpec, WorkerContext
 from bamboo.launch.worker_records import SPAWNED_ENV
+
+if TYPE_CHECKING:
+    from bamboo.membership import MembershipStore, TlsFiles
 
 __all__ = ["AGENT_PREEMPTED", "WORKER_NICENESS", "Supervisor", "kill_worker", "supervise", "worker_command"]
 
@@ -37,7 +40,7 @@ AGENT_PREEMPTED = 3
 class Supervisor:
     """One incarnation of the agent: its registration, coordinator and worker."""
 
-    def __init__(self, options: AgentOptions, spec: JobSpec, membership: Any, node: str, zone: str,
+    def __init__(self, options: AgentOptions, spec: JobSpec, membership: MembershipStore, node: str, zone: str,
                  say: Callable[[str], None], wake: threading.Event, returns: str | None = None) -> None:
         self.options, self.wake = options, wake  # wake: look again (the job's end, the worker's exit, SIGTERM)
         self.spec = spec
@@ -156,7 +159,7 @@ def worker_command(spec: JobSpec, context_path: Path, node: str) -> tuple[list[s
     return [sys.executable, "-m", "bamboo.launch.worker"], {ENV_CONTEXT: str(context_path)}
 
 
-def agent_tls(options: AgentOptions) -> Any:
+def agent_tls(options: AgentOptions) -> TlsFiles | None:
     if options.tls_cert is None:
         return None
     from bamboo.membership import TlsFiles

@@ -33,13 +33,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch import timeouts
-from bamboo.launch.market import ActionKind, StartedClock
+from bamboo.launch.market import ActionKind, MarketAction, StartedClock
 from bamboo.launch.run_agents import agent_command, initial_plan, run_spec_fields, write_spec
 from bamboo.launch.run_options import RunError, RunHandles, RunOptions, RunResult
 from bamboo.launch.run_results import (
@@ -54,7 +54,9 @@ from bamboo.launch.run_watch import EventRecorder, wait_end, wait_first_step
 
 if TYPE_CHECKING:
     from bamboo.launch.forkserver import ForkServer
+    from bamboo.launch.market import ExecutedAction
     from bamboo.launch.processes import ProcessCluster
+    from bamboo.membership import EmbeddedEtcd, EtcdKV, MembershipStore
 
 __all__ = [
     "RunError",
@@ -81,75 +83,24 @@ def run_cluster(
     ``during``, if given, runs in a background thread once training has started; ``at_start`` as soon as the
     initial agents are started (no layout yet: its handles' ``node_of_rank`` is empty).
     """
-    from bamboo.launch.events import RunEnd, read_events
-    from bamboo.launch.market import ExecutedAction, SpotMarket, market_rate
-    from bamboo.launch.processes import ProcessCluster
-    from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+    from bamboo.launch.market import SpotMarket
 
     say = progress or (lambda message: None)
     started = time.monotonic()
     plan = initial_plan(options)
-    if options.redundancy == "auto" and options.preemption_rate is None and options.preemptions is not None:
-        # auto's prior: the market's own rate, in the run's wall time (a trace compressed x60 preempts 60x as often
-        # per hour of training), until the job's own preemption records outweigh it
-        span_s = max(options.hours * 3600.0 / options.time_scale, max(action.at_s for action in plan))
-        options = attrs.evolve(options, preemption_rate=market_rate(plan, span_s))
-        say(f"--redundancy auto starts from the market's rate: {options.preemption_rate:.3g} preemptions per "
-            "node-hour of the run")
+    options = _with_market_prior(options, plan, say)
     initial = [action for action in plan if action.kind is ActionKind.ADD and action.at_s == 0]
     if len(initial) < options.stages * options.pipelines:
         raise RunError(f"the trace starts with {len(initial)} nodes; P={options.stages} x D={options.pipelines} "
                        f"needs {options.stages * options.pipelines}")
-    from bamboo.launch.agent_options import AgentError
-    from bamboo.launch.agent_spec import refuse_used_checkpoint_dir
-
-    try:
-        refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
-    except AgentError as error:
-        raise RunError(str(error)) from None
-    run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="bamboo-run-")).resolve()
-    if options.checkpoint_dir is None:  # a job never dies for want of a flag: it checkpoints into its run dir
-        options = attrs.evolve(options, checkpoint_dir=str(run_dir / "checkpoints"))
-        try:
-            refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
-        except AgentError as error:
-            raise RunError(f"{error} (the run dir's default checkpoint folder; give a new --run-dir)") from None
-    (run_dir / "out").mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
+    options, run_dir = _prepare_run_dir(options)
     events_path = Path(options.events) if options.events else run_dir / "events.jsonl"
     events_path.unlink(missing_ok=True)
     job = options.job or f"run-{uuid.uuid4().hex[:8]}"
-    etcd = None if options.etcd else EmbeddedEtcd(run_dir / "etcd").start()
-    endpoints = options.etcd or (etcd.endpoint,)  # type: ignore[union-attr]
-    kv = EtcdKV(EtcdOptions(endpoints=endpoints, user=options.etcd_user, password=options.etcd_password,
-                            ca_cert=options.etcd_ca, cert_cert=options.etcd_cert, cert_key=options.etcd_key))
-    membership = MembershipStore(kv, job)
-    if kv.get(membership.keys.root + "spec") is not None:
-        kv.close()
-        if etcd is not None:
-            etcd.close()
-        raise RunError(f"job {job} already exists in etcd; use a new --job")
-    say(f"etcd at {','.join(endpoints)} ({'embedded' if etcd else 'external'}); job {job}; run dir {run_dir}")
-    try:
-        write_spec(kv, membership, job, options, len(initial), run_dir, say)
-    except RunError:
-        kv.close()
-        if etcd is not None:
-            etcd.close()
-        raise
-
-    def record(executed: ExecutedAction) -> None:
-        if executed.action.kind is ActionKind.KILL:
-            say(f"market: killed {executed.live_node} ({executed.action.zone})")
-        elif executed.action.kind is ActionKind.ADD and executed.action.at_s > 0:
-            say(f"market: started {executed.live_node} ({executed.action.zone})")
-
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    cluster = ProcessCluster(lambda node, zone: agent_command(options, job, endpoints, run_dir, len(initial),
-                                                              node, zone),
-                             env=env, log_dir=run_dir / "logs", fork_server=_fork_server(options, say))
+    etcd, endpoints, kv, membership = _open_job(options, job, len(initial), run_dir, say)
+    cluster = _agents(options, job, endpoints, run_dir, len(initial), say)
     clock = StartedClock()
-    market = SpotMarket(plan, cluster, on_action=record, clock=clock)
+    market = SpotMarket(plan, cluster, on_action=_market_lines(say), clock=clock)
     recorder = EventRecorder(kv, job, events_path)
     timed_out = False
     node_of_rank: dict[int, str] = {}
@@ -158,15 +109,9 @@ def run_cluster(
     job_error: str | None = None
     worker_errors: tuple[tuple[str, str], ...] = ()
 
-    def finish() -> None:
-        from bamboo.launch.finish import request_finish
-
-        request_finish(membership, "bamboo-launch run")
-        say("asked the job to finish at its next step boundary")
-
     def handles_of(node_of_rank: dict[int, str]) -> RunHandles:
         return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say), events_path,
-                          finish, lambda: recorder.last_step)
+                          _finisher(membership, say), lambda: recorder.last_step)
 
     try:
         say(f"starting {len(initial)} agents")
@@ -199,19 +144,122 @@ def run_cluster(
         kv.close()
         if etcd is not None:
             etcd.close()
-    if not any(type(event).KIND == "run_end" for event in read_events(events_path)):
-        from bamboo.launch.events import EventLog
-
-        reports = load_reports(run_dir / "out")
-        with EventLog(events_path) as log:
-            start = next((e.unix_time for e in read_events(events_path) if type(e).KIND == "run_start"), time.time())
-            log.write(RunEnd(t=max(0.0, time.time() - start),
-                             steps=max((r["steps_done"] for r in reports.values()), default=0)))
+    _end_the_log(events_path, run_dir)
     codes = {node: process.returncode for node, process in cluster.processes.items()}
     return RunResult(run_dir=run_dir, events=events_path, reports=load_reports(run_dir / "out"),
                      failed_ranks=failed_ranks, failed_nodes=failed_nodes, node_of_rank=node_of_rank,
                      exit_codes=codes, timed_out=timed_out, seconds=time.monotonic() - started, job_error=job_error,
                      worker_errors=worker_errors)
+
+
+def _with_market_prior(options: RunOptions, plan: Sequence[MarketAction], say: Callable[[str], None]) -> RunOptions:
+    """``options`` with ``--redundancy auto``'s prior: without ``--preemption-rate``, the market's own rate, in
+    the run's wall time (a trace compressed x60 preempts 60x as often per hour of training), until the job's own
+    preemption records outweigh it."""
+    from bamboo.launch.market import market_rate
+
+    if options.redundancy == "auto" and options.preemption_rate is None and options.preemptions is not None:
+        span_s = max(options.hours * 3600.0 / options.time_scale, max(action.at_s for action in plan))
+        options = attrs.evolve(options, preemption_rate=market_rate(plan, span_s))
+        say(f"--redundancy auto starts from the market's rate: {options.preemption_rate:.3g} preemptions per "
+            "node-hour of the run")
+    return options
+
+
+def _prepare_run_dir(options: RunOptions) -> tuple[RunOptions, Path]:
+    """The run dir (a new temporary one without ``--run-dir``) with its ``out`` and ``logs`` folders, and
+    ``options`` with the run dir's ``checkpoints`` folder when no ``--checkpoint-dir`` was given; a checkpoint
+    folder that holds another run's checkpoints is refused (:class:`RunError`) unless the run resumes."""
+    from bamboo.launch.agent_options import AgentError
+    from bamboo.launch.agent_spec import refuse_used_checkpoint_dir
+
+    try:
+        refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
+    except AgentError as error:
+        raise RunError(str(error)) from None
+    run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="bamboo-run-")).resolve()
+    if options.checkpoint_dir is None:  # a job never dies for want of a flag: it checkpoints into its run dir
+        options = attrs.evolve(options, checkpoint_dir=str(run_dir / "checkpoints"))
+        try:
+            refuse_used_checkpoint_dir(options.checkpoint_dir, options.resume)
+        except AgentError as error:
+            raise RunError(f"{error} (the run dir's default checkpoint folder; give a new --run-dir)") from None
+    (run_dir / "out").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    return options, run_dir
+
+
+def _open_job(options: RunOptions, job: str, min_nodes: int, run_dir: Path, say: Callable[[str], None]
+              ) -> tuple[EmbeddedEtcd | None, tuple[str, ...], EtcdKV, MembershipStore]:
+    """etcd (embedded in the run dir unless ``--etcd`` names one), a client of it, and the new job's spec
+    written there (:func:`bamboo.launch.run_agents.write_spec`): ``(embedded etcd or None, endpoints, client,
+    the job's store)``. A job that already exists is refused (:class:`RunError`), and what was opened is closed."""
+    from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+
+    etcd = None if options.etcd else EmbeddedEtcd(run_dir / "etcd").start()
+    endpoints = options.etcd or (etcd.endpoint,)  # type: ignore[union-attr]
+    kv = EtcdKV(EtcdOptions(endpoints=endpoints, user=options.etcd_user, password=options.etcd_password,
+                            ca_cert=options.etcd_ca, cert_cert=options.etcd_cert, cert_key=options.etcd_key))
+    membership = MembershipStore(kv, job)
+    if kv.get(membership.keys.root + "spec") is not None:
+        kv.close()
+        if etcd is not None:
+            etcd.close()
+        raise RunError(f"job {job} already exists in etcd; use a new --job")
+    say(f"etcd at {','.join(endpoints)} ({'embedded' if etcd else 'external'}); job {job}; run dir {run_dir}")
+    try:
+        write_spec(kv, membership, job, options, min_nodes, run_dir, say)
+    except RunError:
+        kv.close()
+        if etcd is not None:
+            etcd.close()
+        raise
+    return etcd, endpoints, kv, membership
+
+
+def _agents(options: RunOptions, job: str, endpoints: Sequence[str], run_dir: Path, min_nodes: int,
+            say: Callable[[str], None]) -> ProcessCluster:
+    """The emulated nodes, none started yet: one ``bamboo-launch agent`` each (:func:`agent_command`), forked
+    from the shared fork server when ``options.fork_server``."""
+    from bamboo.launch.processes import ProcessCluster
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    return ProcessCluster(lambda node, zone: agent_command(options, job, endpoints, run_dir, min_nodes, node, zone),
+                          env=env, log_dir=run_dir / "logs", fork_server=_fork_server(options, say))
+
+
+def _finisher(membership: MembershipStore, say: Callable[[str], None]) -> Callable[[], None]:
+    """A ``RunHandles.finish``: ask the job to end at its next step boundary, and say so."""
+    def finish() -> None:
+        from bamboo.launch.finish import request_finish
+
+        request_finish(membership, "bamboo-launch run")
+        say("asked the job to finish at its next step boundary")
+
+    return finish
+
+
+def _market_lines(say: Callable[[str], None]) -> Callable[[ExecutedAction], None]:
+    """The market's ``on_action``: a line for each kill, and each node added after the start."""
+    def record(executed: ExecutedAction) -> None:
+        if executed.action.kind is ActionKind.KILL:
+            say(f"market: killed {executed.live_node} ({executed.action.zone})")
+        elif executed.action.kind is ActionKind.ADD and executed.action.at_s > 0:
+            say(f"market: started {executed.live_node} ({executed.action.zone})")
+
+    return record
+
+
+def _end_the_log(events_path: Path, run_dir: Path) -> None:
+    """Write the ``run_end`` record the job did not (it timed out, or failed): the steps its workers reported."""
+    from bamboo.launch.events import EventLog, RunEnd, read_events
+
+    if not any(type(event).KIND == "run_end" for event in read_events(events_path)):
+        reports = load_reports(run_dir / "out")
+        with EventLog(events_path) as log:
+            start = next((e.unix_time for e in read_events(events_path) if type(e).KIND == "run_start"), time.time())
+            log.write(RunEnd(t=max(0.0, time.time() - start),
+                             steps=max((r["steps_done"] for r in reports.values()), default=0)))
 
 
 def _preempter(cluster: ProcessCluster, say: Callable[[str], None]) -> Callable[[str], None]:

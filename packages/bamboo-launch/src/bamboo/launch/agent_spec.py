@@ -63,7 +63,8 @@ def new_spec(job: str, fields: Mapping[str, Any], description: Mapping[str, Any]
         raise AgentError(str(error)) from None
 
 
-def ensure_spec(membership: MembershipStore, options: AgentOptions, say: Callable[[str], None]) -> tuple[JobSpec, bool]:
+def ensure_spec(membership: MembershipStore, options: AgentOptions,
+                say: Callable[[str], None]) -> tuple[JobSpec, bool]:
     """The job's spec from etcd, written by this agent when there is none yet; returns (spec, written here).
 
     Raises :class:`AgentError` when this agent's flags conflict with the stored spec.

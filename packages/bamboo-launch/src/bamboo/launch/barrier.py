@@ -89,8 +89,9 @@ def _redo_start(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | N
         time.sleep(timeouts.WORKER_POLL_S)
 
 
-def next_layout(run: WorkerSession, base: JobLayout, expected: Callable[[dict[str, NodeRecord]], Sequence[str]],
-                attempt: int, reason: str) -> JobLayout:
+def next_layout(run: WorkerSession, base: JobLayout,
+                expected: Callable[[dict[str, NodeRecord]], Sequence[str]], attempt: int,
+                reason: str) -> JobLayout:
     """Wait for every expected holder at the barrier of ``base``, then the next layout (first writer wins).
 
     ``expected(records)`` lists the nodes that must publish what they hold, given the registered nodes;

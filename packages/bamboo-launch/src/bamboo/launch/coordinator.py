@@ -152,7 +152,8 @@ def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: dict[
                      zones={node: zones.get(node, "default") for node in warm})
 
 
-def redo_start_layout(spec: JobSpec, lost: JobLayout, nodes: list[str], zones: dict[str, str]) -> JobLayout | None:
+def redo_start_layout(spec: JobSpec, lost: JobLayout, nodes: list[str],
+                      zones: dict[str, str]) -> JobLayout | None:
     """The layout that redoes the start of ``lost`` on ``nodes``; None when they cannot form a pipeline.
 
     ``lost`` is a ``JobLayout`` whose start was abandoned before its first step (a node of it was lost while
@@ -459,7 +460,8 @@ class Coordinator:
             self.say(f"confirmed failure of {node}: {reason}")
         self._preempted.add(node)
 
-    def _publish_events(self, layout: JobLayout, reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
+    def _publish_events(self, layout: JobLayout,
+                        reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
         """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known."""
         ranks = layout.ranks
         while True:

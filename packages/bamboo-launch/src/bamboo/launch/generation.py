@@ -132,8 +132,9 @@ def train_generation(run: WorkerSession, layout: JobLayout, engine: Engine, stat
     return Ending("barrier", reason=stop.reason)
 
 
-def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState, hooks: TrainingHooks | None,
-                loss: float, duration: float, seen: int, samples: int, stop: StopDecision | None) -> int:
+def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState,
+                hooks: TrainingHooks | None, loss: float, duration: float, seen: int, samples: int,
+                stop: StopDecision | None) -> int:
     """The records, checkpoint and hooks of a step that completed; returns the failovers seen so far."""
     import torch
     from bamboo.launch.events import Failover, Step
@@ -161,8 +162,8 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
     return len(executor.failovers)
 
 
-def _first_step_records(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState, duration: float, *,
-                        prepared: bool) -> None:
+def _first_step_records(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState,
+                        duration: float, *, prepared: bool) -> None:
     """After a layout's first step on this node: its ``startup`` record (once per worker) and, as the layout's
     lowest rank, the ``reconfiguration`` record that started it."""
     log = run.log
@@ -218,8 +219,9 @@ def reports_the_job(executor: StageExecutor) -> bool:
     return bool(executor.pipeline == 0)
 
 
-def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor, checkpointers: dict[int, AsyncCheckpointer],
-               torch: ModuleType, *, final: bool = False) -> None:
+def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
+               checkpointers: dict[int, AsyncCheckpointer], torch: ModuleType, *,
+               final: bool = False) -> None:
     """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
     ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
 

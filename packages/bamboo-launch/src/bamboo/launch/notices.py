@@ -50,7 +50,8 @@ def epoch_decision(generation: int, epoch: int) -> str:
     return f"g{generation}-epoch-{epoch}"
 
 
-def publish_failure_event(membership: MembershipStore, generation: int, event: FailureEvent) -> tuple[bool, FailureEvent]:
+def publish_failure_event(membership: MembershipStore, generation: int,
+                          event: FailureEvent) -> tuple[bool, FailureEvent]:
     """Write ``event`` first-writer-wins; returns (whether it won, the event that is now published)."""
     decision = membership.decide(epoch_decision(generation, event.epoch), json.loads(event.to_json()))
     return decision.won, FailureEvent.from_json(json.dumps(decision.value))

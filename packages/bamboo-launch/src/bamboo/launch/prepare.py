@@ -162,7 +162,8 @@ def finalize(prepared: JobLayout, step: int, at: float | None) -> JobLayout:
     return attrs.evolve(prepared, start_step=step, barrier_step=step, barrier_unix=at, history=history)
 
 
-def plan_prepared(run: WorkerSession, base: JobLayout, executor: StageExecutor, attempt: int, reason: str) -> JobLayout:
+def plan_prepared(run: WorkerSession, base: JobLayout, executor: StageExecutor, attempt: int,
+                  reason: str) -> JobLayout:
     """The next layout after ``base`` (the generation ``executor`` trains), planned now: the live nodes of the
     layout hold what their executors hold, the warm standby nodes nothing. Raises :class:`NotEnoughNodes` when
     they cannot form a pipeline, ValueError when the layout cannot be reached from live copies alone."""

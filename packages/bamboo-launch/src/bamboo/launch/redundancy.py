@@ -110,7 +110,8 @@ def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
     return (preemptions + prior * AUTO_PRIOR_NODE_HOURS) / (hours + AUTO_PRIOR_NODE_HOURS)
 
 
-def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events: Sequence[Event]) -> FailureModel:
+def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float,
+                  events: Sequence[Event]) -> FailureModel:
     """The :class:`bamboo.schedule.FailureModel` of a job of ``nodes`` nodes at ``rate`` preemptions per
     node-hour whose fault-free step is ``step_s``: its own failovers' and reconfigurations' median pauses once it
     has some (the schedule's defaults before), and a restore that redoes half the interval between restore

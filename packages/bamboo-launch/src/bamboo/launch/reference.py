@@ -43,7 +43,8 @@ def train_reference_program(
 
 
 def train_reference_history(
-    specs: Sequence[Any], config: dict[str, Any], size: Mapping[str, int], seed: int, history: Sequence[Sequence[int]], steps: int
+    specs: Sequence[Any], config: dict[str, Any], size: Mapping[str, int], seed: int,
+    history: Sequence[Sequence[int]], steps: int,
 ) -> list[dict[str, Any]]:
     """:func:`train_reference_program` of the built-in example (the GPT of ``size`` on its corpus)."""
     from bamboo.launch.example import example_program

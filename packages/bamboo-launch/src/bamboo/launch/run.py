@@ -152,7 +152,8 @@ def run_cluster(
                      worker_errors=worker_errors)
 
 
-def _with_market_prior(options: RunOptions, plan: Sequence[MarketAction], say: Callable[[str], None]) -> RunOptions:
+def _with_market_prior(options: RunOptions, plan: Sequence[MarketAction],
+                       say: Callable[[str], None]) -> RunOptions:
     """``options`` with ``--redundancy auto``'s prior: without ``--preemption-rate``, the market's own rate, in
     the run's wall time (a trace compressed x60 preempts 60x as often per hour of training), until the job's own
     preemption records outweigh it."""

@@ -92,8 +92,8 @@ def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
     return fields
 
 
-def write_spec(kv: KeyValueStore, membership: MembershipStore, job: str, options: RunOptions, min_nodes: int, run_dir: Path,
-               say: Callable[[str], None]) -> None:
+def write_spec(kv: KeyValueStore, membership: MembershipStore, job: str, options: RunOptions, min_nodes: int,
+               run_dir: Path, say: Callable[[str], None]) -> None:
     """Write the job's spec (and its ``run_start`` record) before any agent starts, so that no agent has to
     read the model: the launcher describes it (the built-in example in this process), as the first agent of
     a job started by hand would. The agents check their flags against it as against any stored spec."""

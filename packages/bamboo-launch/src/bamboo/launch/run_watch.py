@@ -72,8 +72,8 @@ def last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership: MembershipStore, deadline: float,
-                    log_dir: Path, say: Callable[[str], None]) -> JobLayout | None:
+def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership: MembershipStore,
+                    deadline: float, log_dir: Path, say: Callable[[str], None]) -> JobLayout | None:
     """The layout that trains, once a training step was recorded; RunError when the job cannot start."""
     from bamboo.launch.coordinator import read_layout
     from bamboo.launch.records import JobEnd, WorkerError, read_record

@@ -164,8 +164,8 @@ def receive_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | No
     move_state(run, layout, old, executor, transfer_group(run, layout, store))
 
 
-def run_transfers(run: WorkerSession, layout: JobLayout, old: StageExecutor | None, executor: StageExecutor | None,
-                  store: Store) -> None:
+def run_transfers(run: WorkerSession, layout: JobLayout, old: StageExecutor | None,
+                  executor: StageExecutor | None, store: Store) -> None:
     """This node's part of the layout's transfer plan (see :func:`move_state`), over a group built now."""
     move_state(run, layout, old, executor, transfer_group(run, layout, store))
 
@@ -188,8 +188,8 @@ def transfer_group(run: WorkerSession, layout: JobLayout, store: Store) -> Proce
     return group
 
 
-def move_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | None, executor: StageExecutor | None,
-               group: ProcessGroupGloo | None) -> None:
+def move_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | None,
+               executor: StageExecutor | None, group: ProcessGroupGloo | None) -> None:
     """Put this node's state for ``layout`` in place: the stages ``old`` (this node's previous executor) holds
     at the layout's start step are copied into ``executor``'s slices, then the transfer plan runs round by
     round over ``group``: this node sends what ``old`` holds and, with an ``executor``, receives into its slices.

@@ -40,8 +40,8 @@ AGENT_PREEMPTED = 3
 class Supervisor:
     """One incarnation of the agent: its registration, coordinator and worker."""
 
-    def __init__(self, options: AgentOptions, spec: JobSpec, membership: MembershipStore, node: str, zone: str,
-                 say: Callable[[str], None], wake: threading.Event, returns: str | None = None) -> None:
+    def __init__(self, options: AgentOptions, spec: JobSpec, membership: MembershipStore, node: str,
+                 zone: str, say: Callable[[str], None], wake: threading.Event, returns: str | None = None) -> None:
         self.options, self.wake = options, wake  # wake: look again (the job's end, the worker's exit, SIGTERM)
         self.spec = spec
         self.membership = membership

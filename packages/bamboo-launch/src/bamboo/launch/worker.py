@@ -178,7 +178,8 @@ def _start_role(run: WorkerSession, role: Role) -> Started | Abandoned | None:
     return result
 
 
-def _start_held(run: WorkerSession, holding: _Holding, start: Ending | JobLayout) -> Started | Abandoned | None:
+def _start_held(run: WorkerSession, holding: _Holding,
+                start: Ending | JobLayout) -> Started | Abandoned | None:
     """Start the next layout as a node that holds state: a switch to a prepared layout (``start`` an Ending),
     or a layout decided at the barrier. ``(engine, layout)``, or ABANDONED."""
     from bamboo.launch.attempt import AbandonableStore, StartThread

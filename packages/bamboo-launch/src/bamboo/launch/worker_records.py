@@ -58,8 +58,8 @@ def reconfiguration_pause(membership: MembershipStore, layout: JobLayout, first_
     return pause_breakdown(t0, go, ups, first_step_excess(first_step_s, usual))
 
 
-def write_reconfiguration(log: EventWriter, layout: JobLayout, pause: PauseBreakdown, *, stages: int, prepared: bool,
-                          restore_source: str | None) -> None:
+def write_reconfiguration(log: EventWriter, layout: JobLayout, pause: PauseBreakdown, *, stages: int,
+                          prepared: bool, restore_source: str | None) -> None:
     """Append the ``reconfiguration`` record of ``layout`` (and its ``restore`` record, when it restarted from a
     copy of an earlier step, from ``restore_source``: ``memory``, ``disk`` or ``initial``)."""
     log.write(Reconfiguration(t=log.now(), reason=layout.reason, pipelines=layout.pipelines, stages=stages,

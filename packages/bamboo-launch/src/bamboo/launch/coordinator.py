@@ -33,11 +33,12 @@ gone) cannot write anything more.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.events import Preemption
@@ -266,11 +267,12 @@ class Coordinator:
             return False
         found = self._leader_key.value if self._leader_key is not None else self.membership.kv.get(self._key)
         if found is None:
-            won, found = self.membership.kv.create(self._key, _encode(Leader(self.node, time.time())),
-                                                   lease=registration.lease_id, guard=self.membership.guard)
+            record = json.dumps(Leader(self.node, time.time()).to_dict()).encode()
+            won, found = self.membership.kv.create(self._key, record, lease=registration.lease_id,
+                                                   guard=self.membership.guard)
             if won:
                 self.say(f"elected coordinator of job {self.membership.keys.job}")
-        holder = Leader.from_dict(_decode(found.value)).node
+        holder = Leader.from_dict(json.loads(found.value)).node
         was = self.leader
         self.leader = holder == self.node and found.lease == registration.lease_id
         if was and not self.leader:
@@ -493,15 +495,3 @@ def _sweep(layout: JobLayout, pending: list[int], reports: dict[str, FailureRepo
     pipelines = {rank // stages for rank in pending}
     return sorted(node for node, rank in layout.ranks.items()
                   if rank // stages in pipelines and node not in reports and node != own)
-
-
-def _encode(record: Leader) -> bytes:
-    import json
-
-    return json.dumps(record.to_dict()).encode()
-
-
-def _decode(value: bytes) -> dict[str, Any]:
-    import json
-
-    return json.loads(value)

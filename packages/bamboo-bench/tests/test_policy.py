@@ -16,7 +16,7 @@ import math
 
 import attrs
 import pytest
-from bamboo.bench import policy, simulator
+from bamboo.bench import policy, sim_engine
 from bamboo.bench.policy import NOT_A_HOLDER, decision, plan_placement, reconfigures, system_view
 from bamboo.bench.profile import ModelProfile, Timing
 from bamboo.bench.simulator import Policy, PolicyMismatch, Strategy, simulate_run, simulate_synthetic
@@ -177,7 +177,7 @@ def test_check_policy_catches_a_different_placement(monkeypatch: pytest.MonkeyPa
     def reversed_rows(usable: list[tuple[int, int, int]], stages: int, pipelines: int) -> list[list[int]]:
         return [row[::-1] for row in policy.plan_placement(usable, stages, pipelines)]
 
-    monkeypatch.setattr(simulator, "plan_placement", reversed_rows)
+    monkeypatch.setattr(sim_engine, "plan_placement", reversed_rows)
     events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
     with pytest.raises(PolicyMismatch, match="the simulator placed"):
         simulate_run(Trace.from_events("t", events, duration_s=100.0), tiny_profile, Strategy.BAMBOO,
@@ -185,7 +185,7 @@ def test_check_policy_catches_a_different_placement(monkeypatch: pytest.MonkeyPa
 
 
 def test_check_policy_catches_a_different_decision(monkeypatch: pytest.MonkeyPatch, tiny_profile: ModelProfile) -> None:
-    monkeypatch.setattr(simulator, "decision", lambda *args: (When.CARRY_ON, decision(*args)[1]))
+    monkeypatch.setattr(sim_engine, "decision", lambda *args: (When.CARRY_ON, decision(*args)[1]))
     events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
     events.append(TraceEvent(50.0, EventKind.ADD, "n8", "a"))
     events.append(TraceEvent(300.0, EventKind.REMOVE, "n1", "b"))
@@ -195,7 +195,7 @@ def test_check_policy_catches_a_different_decision(monkeypatch: pytest.MonkeyPat
 
 
 def test_check_policy_catches_a_shortcut_that_disagrees(monkeypatch: pytest.MonkeyPatch, tiny_profile: ModelProfile) -> None:
-    monkeypatch.setattr(simulator, "reconfigures", lambda *args: False)
+    monkeypatch.setattr(sim_engine, "reconfigures", lambda *args: False)
     events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
     events.append(TraceEvent(300.0, EventKind.REMOVE, "n1", "b"))
     with pytest.raises(PolicyMismatch, match=r"reconfigures\(\) says False, the decision next-step-boundary"):

@@ -10,13 +10,11 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator
 
+from bamboo.bench.placement import NOT_A_HOLDER, plan_placement, plan_replica_ring
 from bamboo.bench.policy import (
-    NOT_A_HOLDER,
     decision,
     is_consecutive_failure,
     is_consecutive_replica_failure,
-    plan_placement,
-    plan_replica_ring,
     reconfigures,
     system_view,
 )

@@ -51,17 +51,7 @@ class RunResult:
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict (NaN becomes None)."""
-        out: dict[str, object] = {}
-        for field in attrs.fields(RunResult):
-            if field.name == "timeline":
-                continue
-            value = getattr(self, field.name)
-            if isinstance(value, Strategy):
-                value = value.value
-            elif isinstance(value, float):
-                value = None if math.isnan(value) else round(value, 6)
-            out[field.name] = value
-        return out
+        return _json_ready(self, skip="timeline")
 
 
 @attrs.frozen
@@ -84,15 +74,22 @@ class AveragedResult:
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict (NaN becomes None)."""
-        out: dict[str, object] = {}
-        for field in attrs.fields(AveragedResult):
-            value = getattr(self, field.name)
-            if isinstance(value, Strategy):
-                value = value.value
-            elif isinstance(value, float):
-                value = None if math.isnan(value) else round(value, 6)
-            out[field.name] = value
-        return out
+        return _json_ready(self)
+
+
+def _json_ready(result: RunResult | AveragedResult, skip: str | None = None) -> dict[str, object]:
+    """`result`'s fields but `skip` as a JSON-ready dict: a strategy by its name, floats to 6 places, NaN as None."""
+    out: dict[str, object] = {}
+    for field in attrs.fields(type(result)):
+        if field.name == skip:
+            continue
+        value = getattr(result, field.name)
+        if isinstance(value, Strategy):
+            value = value.value
+        elif isinstance(value, float):
+            value = None if math.isnan(value) else round(value, 6)
+        out[field.name] = value
+    return out
 
 
 def average_results(results: Sequence[RunResult]) -> AveragedResult:

@@ -16,7 +16,7 @@ import math
 
 import attrs
 import pytest
-from bamboo.bench import policy, simulator
+from bamboo.bench import placement, sim_engine
 from bamboo.bench.policy import NOT_A_HOLDER, decision, plan_placement, reconfigures, system_view
 from bamboo.bench.profile import ModelProfile, Timing
 from bamboo.bench.simulator import Policy, PolicyMismatch, Strategy, simulate_run, simulate_synthetic
@@ -102,8 +102,8 @@ def test_greedy_assignment_is_scipys_whenever_it_answers(data: st.DataObject, st
     count = data.draw(st.integers(1, 16))
     held = data.draw(st.lists(st.integers(NOT_A_HOLDER, stages - 1), min_size=count, max_size=count))
     slot_stages = data.draw(st.lists(st.integers(0, stages - 1), min_size=count, max_size=count))
-    greedy = policy._greedy_assignment(held, slot_stages, stages)
-    cost = policy._missing_layers(stages).take(held, axis=0).take(slot_stages, axis=1)
+    greedy = placement._greedy_assignment(held, slot_stages, stages)
+    cost = placement._missing_layers(stages).take(held, axis=0).take(slot_stages, axis=1)
     rows, columns = linear_sum_assignment(cost)
     assert rows.tolist() == list(range(count))
     if greedy is not None:
@@ -112,9 +112,9 @@ def test_greedy_assignment_is_scipys_whenever_it_answers(data: st.DataObject, st
 
 def test_greedy_assignment_answers_or_defers() -> None:
     # Holders of stages 0 and 1 find their stages free; the standby node takes the lowest free column.
-    assert policy._greedy_assignment([0, 1, NOT_A_HOLDER], [1, 0, 2], 4) == [1, 0, 2]
+    assert placement._greedy_assignment([0, 1, NOT_A_HOLDER], [1, 0, 2], 4) == [1, 0, 2]
     # The second holder of stage 0 finds its only cheapest column taken: scipy decides.
-    assert policy._greedy_assignment([0, 0], [0, 1], 4) is None
+    assert placement._greedy_assignment([0, 0], [0, 1], 4) is None
 
 
 def test_the_depth_is_never_lowered() -> None:
@@ -175,9 +175,9 @@ def test_synthetic_runs_follow_bamboo_reconfig(seed: int) -> None:
 
 def test_check_policy_catches_a_different_placement(monkeypatch: pytest.MonkeyPatch, tiny_profile: ModelProfile) -> None:
     def reversed_rows(usable: list[tuple[int, int, int]], stages: int, pipelines: int) -> list[list[int]]:
-        return [row[::-1] for row in policy.plan_placement(usable, stages, pipelines)]
+        return [row[::-1] for row in placement.plan_placement(usable, stages, pipelines)]
 
-    monkeypatch.setattr(simulator, "plan_placement", reversed_rows)
+    monkeypatch.setattr(sim_engine, "plan_placement", reversed_rows)
     events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
     with pytest.raises(PolicyMismatch, match="the simulator placed"):
         simulate_run(Trace.from_events("t", events, duration_s=100.0), tiny_profile, Strategy.BAMBOO,
@@ -185,7 +185,7 @@ def test_check_policy_catches_a_different_placement(monkeypatch: pytest.MonkeyPa
 
 
 def test_check_policy_catches_a_different_decision(monkeypatch: pytest.MonkeyPatch, tiny_profile: ModelProfile) -> None:
-    monkeypatch.setattr(simulator, "decision", lambda *args: (When.CARRY_ON, decision(*args)[1]))
+    monkeypatch.setattr(sim_engine, "decision", lambda *args: (When.CARRY_ON, decision(*args)[1]))
     events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
     events.append(TraceEvent(50.0, EventKind.ADD, "n8", "a"))
     events.append(TraceEvent(300.0, EventKind.REMOVE, "n1", "b"))
@@ -195,7 +195,7 @@ def test_check_policy_catches_a_different_decision(monkeypatch: pytest.MonkeyPat
 
 
 def test_check_policy_catches_a_shortcut_that_disagrees(monkeypatch: pytest.MonkeyPatch, tiny_profile: ModelProfile) -> None:
-    monkeypatch.setattr(simulator, "reconfigures", lambda *args: False)
+    monkeypatch.setattr(sim_engine, "reconfigures", lambda *args: False)
     events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
     events.append(TraceEvent(300.0, EventKind.REMOVE, "n1", "b"))
     with pytest.raises(PolicyMismatch, match=r"reconfigures\(\) says False, the decision next-step-boundary"):

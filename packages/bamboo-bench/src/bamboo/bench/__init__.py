@@ -52,45 +52,36 @@ if TYPE_CHECKING:
     )
     from bamboo.bench.preemptions import PreemptionsError, load_preemptions
     from bamboo.bench.profile import ModelProfile, ProfileError, Timing, builtin_profiles, load_profile
-    from bamboo.bench.simulator import (
-        AveragedResult,
-        Policy,
-        PolicyMismatch,
-        RunResult,
-        Strategy,
-        Timeline,
-        average_results,
-        holding_at_most,
-        simulate_run,
-        simulate_synthetic,
-    )
+    from bamboo.bench.results import AveragedResult, RunResult, Timeline, average_results
+    from bamboo.bench.simulator import holding_at_most, simulate_run, simulate_synthetic
+    from bamboo.bench.strategy import Policy, PolicyMismatch, Strategy
     from bamboo.bench.sweep import SweepRow, sweep
     from bamboo.bench.synthetic import SyntheticSpec, SyntheticTraceGenerator, generate_trace
     from bamboo.bench.trace import EventKind, Trace, TraceEvent, TraceSummary
 
 _MODULE_OF = {
-    "AveragedResult": "simulator",
+    "AveragedResult": "results",
     "EventKind": "trace",
     "ModelProfile": "profile",
     "PaperTable": "paper",
     "PaperTableError": "paper",
-    "Policy": "simulator",
-    "PolicyMismatch": "simulator",
+    "Policy": "strategy",
+    "PolicyMismatch": "strategy",
     "PreemptionsError": "preemptions",
     "ProfileError": "profile",
     "Reproduction": "paper",
-    "RunResult": "simulator",
-    "Strategy": "simulator",
+    "RunResult": "results",
+    "Strategy": "strategy",
     "SweepRow": "sweep",
     "SyntheticSpec": "synthetic",
     "SyntheticTraceGenerator": "synthetic",
-    "Timeline": "simulator",
+    "Timeline": "results",
     "Timing": "profile",
     "Trace": "trace",
     "TraceEvent": "trace",
     "TraceFormatError": "loaders",
     "TraceSummary": "trace",
-    "average_results": "simulator",
+    "average_results": "results",
     "builtin_profiles": "profile",
     "builtin_tables": "paper",
     "generate_trace": "synthetic",

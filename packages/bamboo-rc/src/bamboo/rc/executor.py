@@ -15,7 +15,7 @@ iterations:
 
 With one stage (P = 1, pure data parallelism) and redundancy, the node is one of the shadow ring
 (:class:`~bamboo.rc.ring.RingNode`): it runs its share of the global batch and, on a failure, the
-shares the coordinator's :class:`~bamboo.rc.coordinator.RingAgreement` gives it.
+shares the coordinator's :class:`~bamboo.rc.agreement.RingAgreement` gives it.
 
 It has no fault-injection code: an optional :class:`ExecutorHook` is called at the start of each
 iteration and around each instruction (``verify``, ``soak`` and the chaos tests give it a

@@ -5,7 +5,8 @@ gives the constructor's arguments): the membership epoch of the last event appli
 failed or gone; the schedule each pipeline runs (``layouts``), its ``placements`` and the failover plans
 being recovered (``recovering``); the store keys of the progress records; the events (noticing one,
 confirming a suspicion); the ring of a P = 1 job; and the failover plan of a pipeline from its survivors'
-progress, derived the same on every node. The agreement in progress (:mod:`bamboo.rc.pending`) reads and updates it.
+progress, derived the same on every node. The agreement in progress (:mod:`bamboo.rc.pending`) reads and
+updates it.
 """
 
 from __future__ import annotations

@@ -171,8 +171,8 @@ def interrupt_at(interpreter: StageInterpreter, text: str, tag: int) -> None:
 @pytest.fixture
 def two_float_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     """A message holds two floats, so a stage of 4 parameters syncs in 3 messages (with its loss and step)."""
-    monkeypatch.setattr("bamboo.rc.interpreter.MAX_CHUNKS", 1)
-    monkeypatch.setattr("bamboo.rc.interpreter.CHUNK_BYTES", 8)
+    monkeypatch.setattr("bamboo.rc.interpreter_transfers.MAX_CHUNKS", 1)
+    monkeypatch.setattr("bamboo.rc.interpreter_transfers.CHUNK_BYTES", 8)
 
 
 def complete_with_a_failure(interpreter: StageInterpreter) -> None:

@@ -15,11 +15,16 @@ iterations:
 
 With one stage (P = 1, pure data parallelism) and redundancy, the node is one of the shadow ring
 (:class:`~bamboo.rc.ring.RingNode`): it runs its share of the global batch and, on a failure, the
-shares the coordinator's :class:`~bamboo.rc.coordinator.RingAgreement` gives it.
+shares the coordinator's :class:`~bamboo.rc.agreement.RingAgreement` gives it.
 
 It has no fault-injection code: an optional :class:`ExecutorHook` is called at the start of each
 iteration and around each instruction (``verify``, ``soak`` and the chaos tests give it a
 :class:`~bamboo.rc.faults.FaultInjector`).
+
+The executor is one class built in layers, one module each: :mod:`bamboo.rc.executor_failover`
+(applying an agreed failover, the groups of each new epoch), :mod:`bamboo.rc.executor_handover`
+(hand-overs at iteration boundaries), and this module: the construction, the views, the iterations and
+the end.
 """
 
 from __future__ import annotations
@@ -31,14 +36,8 @@ import torch
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator
-from bamboo.rc.failures import (
-    ConsecutiveFailure,
-    FailureEvent,
-    FailureNoticed,
-    FailureNotices,
-    HandedOver,
-    PeerFailure,
-)
+from bamboo.rc.executor_handover import HANDOVER_MARGIN, ExecutorHandover
+from bamboo.rc.failures import FailureNoticed, FailureNotices, PeerFailure
 from bamboo.rc.interpreter import StageInterpreter
 from bamboo.rc.layout import Layout
 from bamboo.rc.model import check_stage_bounds, stage_slices
@@ -55,10 +54,6 @@ from bamboo.schedule import Instruction, RCMode, Schedule, one_f_one_b
 __all__ = ["HANDOVER_MARGIN", "REDUNDANCY_MODES", "ExecutorHook", "Layout", "StageExecutor"]
 
 REDUNDANCY_MODES = tuple(mode.value for mode in RCMode)
-
-HANDOVER_MARGIN = 1.5
-"""A node told it will be preempted hands over at the next boundary when the deadline leaves this
-many median iterations; otherwise it keeps going and fails at the deadline."""
 
 
 class ExecutorHook(Protocol):
@@ -80,7 +75,7 @@ class ExecutorHook(Protocol):
     ) -> None: ...
 
 
-class StageExecutor:
+class StageExecutor(ExecutorHandover):
     """Runs one node of one pipeline: its stages, its replica, its groups, its steps and failovers.
 
     ``stage_bounds`` are the layer ranges of every stage (default: :func:`bamboo.rc.model.stage_bounds`
@@ -343,34 +338,6 @@ class StageExecutor:
         if failover is not None:
             self.failovers[failover] = self.failovers[failover].ended(self.clock.time(), self.kind_seconds)
         return loss
-
-    def _fail_over_ring(self, ring: RingNode, failure: PeerFailure | FailureNoticed) -> float | None:
-        """P = 1: agree on the failure with every live node, settle the laggards, take the victims'
-        shares over (the caller's next stream computes them). Returns the mean loss of the step this
-        node was lagging in and committed with the result another node sent (None otherwise).
-
-        A further failure during the agreement or the hand-back of the result starts it again."""
-        caught = self.clock.time()
-        while True:
-            event = failure.event if isinstance(failure, FailureNoticed) else self.coordinator.confirm(failure)
-            confirmed = self.clock.time()
-            step = self.step
-            try:
-                agreement = self.coordinator.agree_ring(
-                    event, ring.done, step, on_event=self._after_event, last_commit=self.interpreter.last_commit
-                )
-                ring.abandon_posted()
-                loss = ring.settle_laggards(agreement)
-            except (PeerFailure, FailureNoticed) as again:
-                failure = again
-                continue
-            self.failovers.append(FailoverRecord(
-                epoch=agreement.epoch, victims={v: (0,) for v in sorted(agreement.victims)}, step=step,
-                cut=dict(agreement.progress), caught_at=caught, confirmed_at=confirmed, resumed_at=self.clock.time(),
-                own_pipeline=True, kinds_before=self.kind_seconds,
-            ))
-            return loss
-
     def finish(self) -> None:
         """Apply the last replica updates and leave together (call after the last iteration).
 
@@ -394,17 +361,6 @@ class StageExecutor:
                 live = [r for r in range(self.layout.world) if r not in self.dead]
                 raise RuntimeError(f"not every live rank of {live} finished within {self.timeouts.build} s")
             self.clock.sleep(FINISH_POLL_S)
-
-    def _agree_between_steps(self, event: FailureEvent) -> list[Instruction]:
-        """Agree on `event` at a step boundary (this node's stream not begun): with P > 1 the failover
-        agreement with done = 0, returning this pipeline's remainder for the next step (an empty stream when
-        this pipeline lost nobody); with P = 1 the ring's agreement, where a laggard may need this node's
-        result of the last step (returns an empty stream)."""
-        if self.ring is not None:
-            self._fail_over_ring(self.ring, FailureNoticed(event))
-            return []
-        return self._fail_over(FailureNoticed(event), [], 0)
-
     def release(self) -> None:
         """Let this executor go (a layout that ended; its state was handed to the next one): its gloo groups
         are freed once the operations posted on them have finished (:func:`bamboo.rc.comm.keep_until_settled`),
@@ -412,195 +368,3 @@ class StageExecutor:
         every reference to it after: its tensors are freed with it."""
         self.groups.release()
         self.interpreter.close()
-
-    # ----------------------------------------------------------------------------- hand-over
-    def _check_notice(self) -> None:
-        """At the start of an iteration: act on a preemption notice for this node.
-
-        If the deadline leaves time for this iteration (HANDOVER_MARGIN × the median iteration so
-        far), the node announces that it hands over after it, and leaves at the boundary (no BRC,
-        no lost work). Otherwise it keeps going and is treated as an ordinary failure at the
-        deadline.
-        """
-        if self.leaving or self.preemption_deadline is not None:
-            return
-        deadline = self.coordinator.notice_deadline()
-        if deadline is None:
-            return
-        durations = sorted(end - start for start, end in self.iteration_times)
-        needed = HANDOVER_MARGIN * (durations[len(durations) // 2] if durations else float("inf"))
-        fault_free = self.schedule.placement == tuple(range(self.layout.stages))
-        if self.redundancy != "none" and fault_free and self.clock.time() + needed < deadline:
-            self.leaving = True
-            self.leave_by = deadline - needed
-            self.handover_step = self.step
-            self.coordinator.announce_handover(self.step)
-        else:
-            self.preemption_deadline = deadline
-
-    def _after_boundary(self, step: int) -> None:
-        """After the commit of `step`: leave if handing over; take over if a neighbour leaves.
-
-        After a step that a node leaves after, every node tells the leaver that it passed the step, and the
-        leaver leaves only once every live node has (:meth:`_leave_after`). The leavers are read again after
-        every event: one that withdrew (a failure in its pipeline came first) is no longer waited for."""
-        if self.leaving:
-            if self._leave_after(step):
-                raise HandedOver(f"rank {self.rank} handed its role over after step {step}")
-            return  # withdrawn: a failure in this pipeline came first, and this node stays
-        if not self.coordinator.watching or not self.coordinator.handover_anywhere(step):
-            return
-        self.coordinator.mark_passed(step)
-        started, handed = self.clock.time(), False
-        while leavers := self.coordinator.handover_leavers(step) - self.coordinator.dead:  # this pipeline's (P = 1: the ring's)
-            event = self.coordinator.await_handover(step)
-            if event.handover:
-                self._apply_handover(event)
-                handed = True
-            else:
-                self._fail_over_at_handover(event, step, leavers)
-        if handed:
-            self.handovers.append({"step": step, "epoch": self.epoch, "seconds": self.clock.time() - started})
-
-    def _leave_after(self, step: int) -> bool:
-        """A leaver, after the commit of its last step `step`: wait until every live node has committed it
-        too, taking part meanwhile in every failover, as a node at the end of training does (:meth:`finish`).
-        A node of another pipeline that dies before its shadow got its replica sync of `step` has that step's
-        all-reduces redone with its shadow's recomputed gradients, and the redo needs this node's
-        contribution: it leaves with it. It stops waiting at :attr:`leave_by`.
-
-        Then it publishes its hand-over as the next epoch's event, first writer wins
-        (:meth:`~bamboo.rc.coordinator.FailoverCoordinator.claim_handover`); an event published first is
-        applied here, and it tries again. Returns True once its hand-over is published (it leaves), False
-        when a failure in its own pipeline came first: it withdrew (:meth:`_withdraw_handover`) and stays,
-        and the next step starts with its pipeline's failover remainder."""
-        self.coordinator.mark_passed(step)
-        while self.leaving:
-            event = self.coordinator.pending_event()
-            if event is None:
-                if not self.coordinator.everyone_passed(step) and self.clock.time() < self.leave_by:
-                    self.clock.sleep(FINISH_POLL_S)
-                    continue
-                event = self.coordinator.claim_handover()
-                if event.handover and self.rank in event.victims:
-                    return True
-            stream = self._agree_between_steps(event)
-            if not self.leaving and self.ring is None:
-                self._resume = (stream, len(self.failovers) - 1)
-        return False
-
-    def _withdraw_handover(self) -> None:
-        """A failure in this node's pipeline (P > 1) was published before its hand-over: it stays, as a
-        survivor of that failover (its shadow may be the victim, or be about to host a victim's stage), and
-        its notice becomes a deadline: if it is still there then, it is an ordinary failure. Called when the
-        event is applied, before this node publishes its progress in the agreement, so every node that
-        completes the agreement reads the hand-over as withdrawn."""
-        assert self.handover_step is not None
-        self.coordinator.cancel_handover(self.handover_step)
-        self.leaving = False
-        self.leave_by = float("inf")
-        self.preemption_deadline = self.coordinator.notice_deadline()
-
-    def _fail_over_at_handover(self, event: FailureEvent, step: int, leavers: set[int]) -> None:
-        """A failure confirmed while this node waits at the boundary after step `step` for the hand-over
-        of `leavers`, agreed on here as between two steps (the hand-over, when it comes during the
-        agreement, is applied there):
-
-        - a node of another pipeline died (that pipeline may have run ahead into the next step, or be
-          finishing this one): this node joins the agreement, and any redo of an all-reduce;
-        - a node of this pipeline died: a leaver itself (instead of leaving), or another node, published
-          before the leaver's hand-over; a leaver still there withdraws its hand-over when it applies the
-          event and takes part as a survivor. Either way this pipeline fails over at the start of the
-          next step, which then runs the remainder;
-        - with P = 1, every live node takes part, as always."""
-        own = self._fails_own_pipeline(event)
-        stream = self._agree_between_steps(event)
-        if own:  # the next step starts with this pipeline's failover remainder
-            self._resume = (stream, len(self.failovers) - 1)
-
-    def _fails_own_pipeline(self, event: FailureEvent) -> bool:
-        """Whether `event` is a failure (not a hand-over) of a node of this node's pipeline (P > 1)."""
-        return self.ring is None and not event.handover and any(
-            self.layout.position(v)[1] == self.pipeline for v in event.victims
-        )
-
-    def _apply_handover(self, event: FailureEvent) -> None:
-        self.coordinator.apply_handover(event)
-        self._after_event(event)
-
-    def _after_event(self, event: FailureEvent) -> None:
-        """The groups of the new epoch (a group whose membership `event` changed gets its epoch as
-        its version), whose builds start now in the background; after a hand-over, the all-reduces
-        posted on a group a leaver was in are posted again, each once its group is built (nothing here
-        waits for a build: a member that dies before it joins one is noticed where the result is needed).
-
-        Every member of a changed group applies the event, and starts that build then, before anything
-        that can block. So a node that uses the group first waits only until its other members have
-        noticed the event, never until they reach their own first use of it: two nodes that use two
-        new groups in opposite orders (two pipelines' schedules place their all-reduces differently)
-        would otherwise each sit in a build the other never joins.
-
-        A leaver whose pipeline lost a node withdraws its hand-over here, before it publishes its progress.
-        """
-        if self.leaving and self._fails_own_pipeline(event):
-            self._withdraw_handover()
-        self._rebuild_groups()
-        if self.ring is None:  # P = 1 builds its one group at its first use (RingNode._await_group): no cycle
-            self.groups.start_builds(changed_in=self.coordinator.epoch)
-        if event.handover:
-            self.interpreter.repost_changed_allreduces()
-
-    def _rebuild_groups(self) -> None:
-        self.groups.set_members(self.coordinator.epoch, self.layout.group_members(self.coordinator.placements))
-
-    # ----------------------------------------------------------------------------- failover
-    def _fail_over(
-        self, failure: PeerFailure | FailureNoticed, stream: list[Instruction], done: int
-    ) -> list[Instruction]:
-        """Switch to the failover schedule for the rest of this iteration; returns the new stream
-        (the very same `stream` object when this node's pipeline lost nobody).
-
-        The coordinator agrees with the other survivors on the cut and the plan
-        (:meth:`FailoverCoordinator.agree`). Groups whose membership changed are rebuilt for the
-        new epoch; P2P groups between survivors stay, with anything in flight. A node of another
-        pipeline that already all-reduced a victim's stage this iteration joins the shadow's redo
-        of that all-reduce with its stored contribution.
-        """
-        caught = self.clock.time()
-        event = failure.event if isinstance(failure, FailureNoticed) else self.coordinator.confirm(failure)
-        confirmed = self.clock.time()
-        if self.redundancy == "none":
-            raise failure
-        hosted = self.hosted
-        try:
-            agreement = self.coordinator.agree(
-                event, done, self.step, on_event=self._after_event, last_commit=self.interpreter.last_commit
-            )
-        except ConsecutiveFailure:
-            self.interpreter.abandon_iteration()
-            raise
-        if not agreement.victims:
-            return stream  # hand-overs only: nothing was lost
-        for pipeline, planned in agreement.plans.items():
-            if pipeline != self.pipeline:
-                self.interpreter.join_redone_allreduces(planned.plan, agreement.victims[pipeline], planned.step, hosted)
-        own = agreement.plans.get(self.pipeline)
-        if own is not None and self.node in own.lagging:
-            # The victim died during the commit's all-reduce, which the other survivors completed:
-            # finish the commit with their result (the stages hosted in the step), then the
-            # remainder starts the next step.
-            assert own.commit is not None
-            self.interpreter.finish_commit(hosted, own.commit)
-            done = 0
-        self.failovers.append(FailoverRecord(
-            epoch=agreement.epoch, victims=agreement.victims, step=self.step, cut=None if own is None else own.cut,
-            caught_at=caught, confirmed_at=confirmed, resumed_at=self.clock.time(), own_pipeline=own is not None,
-            kinds_before=self.kind_seconds,
-        ))
-        if own is None:
-            return stream  # our pipeline lost nobody: resume where we were (same stream, same index)
-        if own.cut[self.node] > done:
-            self.interpreter.execute(stream[done])  # the interrupted transfer: its partner completed it
-        self.interpreter.forget_transfers_with(agreement.victims[self.pipeline])
-        self.interpreter.apply_replica_updates()
-        return list(own.plan.remainder.streams[self.node])

@@ -238,7 +238,7 @@ class ProgressRecord(JsonRecord):
     ``commit`` is the result of the last commit the survivor completed (that of step
     ``step - 1``; None before its first): the commit's all-reduce is not atomic, so a victim that
     dies during it can leave some survivors done with it (and into the next step) and others
-    not; those finish it with this result (:class:`bamboo.rc.coordinator.PipelinePlan`)."""
+    not; those finish it with this result (:class:`bamboo.rc.agreement.PipelinePlan`)."""
 
     RECORD: ClassVar[str] = "progress"
 

@@ -31,7 +31,7 @@ numbers per microbatch, are summed in one slot per microbatch, zeros elsewhere.)
 gradients of a step are therefore a function of the step's parameters and data alone, which
 settles the reduction that a victim leaves half done (some survivors completed it, others did
 not): the laggards receive the result from a survivor that completed it
-(:class:`~bamboo.rc.coordinator.RingAgreement`), identical to what a redo would give, instead of
+(:class:`~bamboo.rc.agreement.RingAgreement`), identical to what a redo would give, instead of
 anybody recomputing a step whose parameters are gone.
 
 The node's stream uses bamboo-schedule's instructions with *global* microbatch indices: ``0L<g>``,
@@ -48,9 +48,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bamboo.rc.agreement import RingAgreement
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.config import TrainingConfig
-from bamboo.rc.coordinator import FailoverCoordinator, RingAgreement
+from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.device import to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.layout import Layout

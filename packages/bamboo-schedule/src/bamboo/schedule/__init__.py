@@ -12,18 +12,18 @@ from bamboo.schedule.choose import (
     choose_redundancy,
     stage_work_costs,
 )
+from bamboo.schedule.cut import progress_at
 from bamboo.schedule.engine import Deadlock, ExecutionError, Mismatch, Timeline, counterpart, execute
 from bamboo.schedule.export import chrome_trace, text_grid, time_grid
-from bamboo.schedule.failover import (
+from bamboo.schedule.failover import failover_schedule
+from bamboo.schedule.failover_plan import (
     ConsecutiveFailure,
     FailoverPlan,
     check_victims,
-    failover_schedule,
     merged_schedule,
     placement_after,
-    progress_at,
-    validate_failover,
 )
+from bamboo.schedule.failover_validate import validate_failover
 from bamboo.schedule.generate import add_redundancy, generate, gpipe, one_f_one_b
 from bamboo.schedule.ir import BUFFERED_SENDS, COMM_KINDS, COMPUTE_KINDS, Instruction, Kind, RCMode, Schedule
 from bamboo.schedule.simulate import Costs, SimResult, StageCost, simulate

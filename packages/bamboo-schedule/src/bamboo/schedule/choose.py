@@ -33,8 +33,10 @@ from collections.abc import Sequence
 
 import attrs
 from attrs import validators
+from bamboo.schedule.cut import progress_at
 from bamboo.schedule.engine import execute
-from bamboo.schedule.failover import failover_schedule, merged_schedule, progress_at
+from bamboo.schedule.failover import failover_schedule
+from bamboo.schedule.failover_plan import merged_schedule
 from bamboo.schedule.generate import generate
 from bamboo.schedule.ir import RCMode
 from bamboo.schedule.simulate import Costs, StageCost, simulate

@@ -17,9 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bamboo.schedule.cut import progress_at
 from bamboo.schedule.engine import execute
 from bamboo.schedule.export import chrome_trace, text_grid, time_grid
-from bamboo.schedule.failover import ConsecutiveFailure, failover_schedule, progress_at, validate_failover
+from bamboo.schedule.failover import failover_schedule
+from bamboo.schedule.failover_plan import ConsecutiveFailure
+from bamboo.schedule.failover_validate import validate_failover
 from bamboo.schedule.generate import generate
 from bamboo.schedule.ir import RCMode, Schedule
 from bamboo.schedule.simulate import Costs, measure, simulate

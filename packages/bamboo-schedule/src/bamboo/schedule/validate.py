@@ -13,7 +13,7 @@ the whole grid printed and the bad cell marked:
    what the mode says (one FRC per microbatch in eager modes, one BRC in efeb);
 4. execution: sends and receives pair up in order and blocking execution cannot deadlock.
 
-Failover plans are checked by `bamboo.schedule.failover.validate_failover`, on the same machinery.
+Failover plans are checked by `bamboo.schedule.failover_validate.validate_failover`, on the same machinery.
 """
 
 from __future__ import annotations

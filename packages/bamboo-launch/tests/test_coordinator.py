@@ -321,11 +321,12 @@ def test_redo_start_layout_refuses_a_start_that_holders_decide(tmp_path: Path) -
 
 
 def test_an_auto_jobs_first_layout_names_the_mode_its_rate_pays_for(membership: MembershipStore) -> None:
-    """P = 2, D = 2, M = 4, 1,000 steps without checkpoints: no preemption expected, nothing pays for redundancy;
-    at the rate the job was given (no history of its own yet) a lazy copy pays, since a restore would redo half
-    the job."""
+    """P = 2, D = 2, M = 4, 1,000 steps without checkpoints or in-memory copies: no preemption expected, nothing
+    pays for redundancy; at the rate the job was given (no history of its own yet) a lazy copy pays, since a
+    restore would redo half the job."""
     for rate, mode in ((0.0, "none"), (1.0, "lflb")):
-        spec = _spec(f"{membership.keys.job}-{mode}", redundancy="auto", preemptions_per_node_hour=rate, steps=1000)
+        spec = _spec(f"{membership.keys.job}-{mode}", redundancy="auto", preemptions_per_node_hour=rate, steps=1000,
+                     memory_copy_every=0)
         store = MembershipStore(membership.kv, spec.job)
         coordinator, _, _ = _coordinator(store, "n0", "a", spec)
         agents = [FakeAgent(store, f"n{i}", zone) for i, zone in ((1, "b"), (2, "c"), (3, "a"))]

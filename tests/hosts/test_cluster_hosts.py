@@ -65,7 +65,8 @@ class HostCluster:
                        "--token-file", str(self.token), "--run-dir", str(self.tmp / node),
                        "--stages", str(STAGES), "--pipelines", str(PIPELINES), "--steps", str(self.steps), "--layers", "2",
                        "--min-nodes", str(len(ZONES)), "--ttl", str(TTL_S), "--grace", str(GRACE_S),
-                       "--group-timeout", "30", "--confirm-timeout", "30"]
+                       "--group-timeout", "30", "--confirm-timeout", "30",
+                       "--redundancy", "eflb"]  # failovers and fencing are what these tests are about
             if self.checkpoints is not None:
                 command += ["--checkpoint-dir", str(self.checkpoints), "--checkpoint-every", str(self.checkpoint_every)]
             env = {**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}

@@ -246,11 +246,7 @@ class SimulatedRun(RunState):
             self.check_decision(when, reasons)
         if fatal:
             # A stage and its shadow are gone: reconfigure now, from whichever copy is left.
-            self.fatal += 1
-            if not self.every_stage_has_a_copy():
-                self.rollback()
-                self.layout_intact = False
-            self.start_pause(self.global_restart_s(), forms=True)
+            self.restart_after_fatal()
             return
         pause = self.timing.failover_pause_s
         if pause > 0.0:
@@ -262,15 +258,20 @@ class SimulatedRun(RunState):
             self.rate = self.current_rate()
             self.schedule_decide()
 
+    def restart_after_fatal(self) -> None:
+        """A failure no survivor can absorb: count it, roll back to the last checkpoint when some stage has no
+        copy left, and pause for a global restart that forms a new layout."""
+        self.fatal += 1
+        if not self.every_stage_has_a_copy():
+            self.rollback()
+            self.layout_intact = False
+        self.start_pause(self.global_restart_s(), forms=True)
+
     def dropping_failure(self, d: int, s: int) -> None:
         self.dead.add((d, s))
         self.broken.add(d)
         if len(self.broken) == self.pipelines:
-            self.fatal += 1
-            if not self.every_stage_has_a_copy():
-                self.rollback()
-                self.layout_intact = False
-            self.start_pause(self.global_restart_s(), forms=True)
+            self.restart_after_fatal()
             return
         self.rate = self.current_rate()
         pause = self.timing.failover_pause_s

@@ -97,6 +97,14 @@ def _spread_dict(spread: Spread | None) -> dict[str, Any] | None:
     return None if spread is None else spread.as_dict()
 
 
+def _medians(throughput: Spread | None, value: Spread | None) -> dict[str, float | None] | None:
+    """A ratio's ``{"throughput", "value"}`` medians (None where the other system did not run)."""
+    if throughput is None and value is None:
+        return None
+    return {"throughput": None if throughput is None else throughput.median,
+            "value": None if value is None else value.median}
+
+
 def spread_records(comparisons: Sequence[Comparison]) -> list[dict[str, Any]]:
     """``--json`` with ``--seeds``: one object per system with the medians under the keys a single comparison
     uses (``system``, ``throughput``, ``value``, ``vs_checkpoint``, ``vs_on_demand``), each figure's spread
@@ -106,16 +114,10 @@ def spread_records(comparisons: Sequence[Comparison]) -> list[dict[str, Any]]:
     per_seed = [{r["system"]: r for r in c.records()} for c in comparisons]
     out = []
     for summary in summarise(comparisons):
-        def medians(throughput: Spread | None, value: Spread | None) -> dict[str, float | None] | None:
-            if throughput is None and value is None:
-                return None
-            return {"throughput": None if throughput is None else throughput.median,
-                    "value": None if value is None else value.median}
-
         out.append({
             "system": summary.system, "throughput": summary.throughput.median, "value": summary.value.median,
-            "vs_checkpoint": medians(summary.vs_checkpoint_throughput, summary.vs_checkpoint_value),
-            "vs_on_demand": medians(summary.vs_on_demand_throughput, summary.vs_on_demand_value),
+            "vs_checkpoint": _medians(summary.vs_checkpoint_throughput, summary.vs_checkpoint_value),
+            "vs_on_demand": _medians(summary.vs_on_demand_throughput, summary.vs_on_demand_value),
             "spread": {"throughput": summary.throughput.as_dict(), "value": summary.value.as_dict(),
                        "vs_checkpoint_throughput": _spread_dict(summary.vs_checkpoint_throughput),
                        "vs_checkpoint_value": _spread_dict(summary.vs_checkpoint_value),

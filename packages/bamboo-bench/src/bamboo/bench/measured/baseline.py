@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,10 @@ __all__ = [
     "RestartCost",
     "checkpoint_interval",
     "current_roles",
+    "extension_build_roots",
     "peak_nodes",
     "read_records",
+    "remove_stale_build_locks",
     "restart_costs",
     "trace_interruptions",
     "usable_pipelines",
@@ -234,6 +237,31 @@ class RestartCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {**attrs.asdict(self), "to_first_step_s": self.to_first_step_s, "to_step_end_s": self.to_step_end_s}
+
+
+def extension_build_roots() -> list[Path]:
+    """Where torch builds C++ extensions: ``TORCH_EXTENSIONS_DIR`` when set, and torch's default cache."""
+    roots = [Path(os.environ["TORCH_EXTENSIONS_DIR"])] if os.environ.get("TORCH_EXTENSIONS_DIR") else []
+    return [*roots, Path.home() / ".cache" / "torch_extensions"]
+
+
+def remove_stale_build_locks(roots: Sequence[Path], older_than_s: float = timeouts.BASELINE_BUILD_LOCK_STALE_S,
+                             now: float | None = None) -> list[Path]:
+    """Remove every extension build ``lock`` under ``roots`` (``<root>/<python>/<extension>/lock``) last
+    touched more than ``older_than_s`` ago, a lock a killed build left behind: torch's build waits on it
+    forever, and with it every baseline worker. Returns the locks removed."""
+    now = time.time() if now is None else now
+    removed = []
+    for root in roots:
+        for lock in sorted(root.glob("*/*/lock")):
+            try:
+                stale = now - lock.stat().st_mtime > older_than_s
+                if stale:
+                    lock.unlink()
+                    removed.append(lock)
+            except FileNotFoundError:  # the build that held it ended meanwhile
+                continue
+    return removed
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -78,8 +78,10 @@ from bamboo.bench.measured.baseline import (
     Interruptions,
     RestartCost,
     current_roles,
+    extension_build_roots,
     peak_nodes,
     read_records,
+    remove_stale_build_locks,
     restart_costs,
     trace_interruptions,
 )
@@ -320,6 +322,8 @@ def run_checkpoint_restart(
         say(f"checkpoints: K by Young's rule once a step and a checkpoint are measured; mean time between "
             f"interruptions {'none' if mtbf_s is None else f'{mtbf_s:.1f} s'} ({source})")
 
+    for lock in remove_stale_build_locks(extension_build_roots()):
+        say(f"removed {lock}: a C++ extension build lock a killed build left behind (every worker waits on it)")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=options.timeout_s))
     max_nodes = options.max_nodes or max(options.stages * options.pipelines, peak_nodes(plan))

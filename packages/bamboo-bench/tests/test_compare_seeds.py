@@ -74,3 +74,48 @@ def test_seeds_must_be_positive(tmp_path: Path) -> None:
                              duration_s=10.0)
     with pytest.raises(CompareError, match="--seeds must be >= 1, got 0"):
         run_seeds(options, 0)
+
+
+def test_a_failed_seed_is_reported_and_the_others_still_run(
+        tmp_path: Path, tiny_profile: ModelProfile, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _fake_compare(tiny_profile)
+
+    def flaky(options: CompareOptions, status: object = None) -> Comparison:
+        if options.seed == 6:
+            raise CompareError("the checkpoint run failed (exit status 1): rendezvous timed out")
+        return fake(options, status)
+
+    monkeypatch.setattr(seeds_module, "run_compare", flaky)
+    options = CompareOptions(preemptions="synthetic:0.33", nodes=4, stages=2, pipelines=2, out=tmp_path,
+                             duration_s=10.0, seed=5)
+    with pytest.raises(CompareError, match="rendezvous timed out"):
+        run_seeds(options, 3)  # without on_failure, the first failure ends the run
+    failed: dict[int, str] = {}
+    comparisons = run_seeds(options, 3, on_failure=lambda seed, error: failed.update({seed: str(error)}))
+    assert [c.options.seed for c in comparisons] == [5, 7]
+    assert list(failed) == [6] and "rendezvous timed out" in failed[6]
+    records = spread_records(comparisons, failed)
+    assert records[0]["seeds"] == [5, 7] and records[0]["vs_checkpoint"]["throughput"] == pytest.approx(6.5)
+    assert records[0]["failed_seeds"] == {"6": failed[6]}
+
+
+def test_the_command_prints_the_finished_seeds_and_exits_1_naming_the_failed_one(
+        tmp_path: Path, tiny_profile: ModelProfile, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bamboo.bench.cli import main
+
+    fake = _fake_compare(tiny_profile)
+
+    def flaky(options: CompareOptions, status: object = None) -> Comparison:
+        if options.seed == 7:
+            raise CompareError("the bamboo run printed no result")
+        return fake(options, status)
+
+    monkeypatch.setattr(seeds_module, "run_compare", flaky)
+    code = main(["compare", "--preemptions", "synthetic:0.33", "--nodes", "4", "--stages", "2", "--pipelines", "2",
+                 "--duration", "10", "--seed", "5", "--seeds", "3", "--out", str(tmp_path), "--json"])
+    captured = capsys.readouterr()
+    assert code == 1
+    records = json.loads(captured.out)
+    assert records[0]["seeds"] == [5, 6] and records[0]["failed_seeds"] == {"7": "the bamboo run printed no result"}
+    assert "1 of 3 seeds failed (7)" in captured.err + captured.out

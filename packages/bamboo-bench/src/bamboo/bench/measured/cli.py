@@ -25,6 +25,7 @@ from bamboo.bench.measured.figure import plot_comparison
 from bamboo.bench.measured.options import (
     BAMBOO_REDUNDANCY,
     SYSTEMS,
+    CompareError,
     CompareOptions,
     MeasureOptions,
     parse_systems,
@@ -249,17 +250,31 @@ def _run_compare(args: argparse.Namespace, console: Console, out: Console) -> in
 
 
 def _run_seeds(args: argparse.Namespace, options: CompareOptions, console: Console, out: Console) -> int:
-    """``compare --seeds N``: every seed's comparison (progress on ``console``), then the medians and ranges."""
-    comparisons = run_seeds(options, args.seeds, status=_status_printer(console))
+    """``compare --seeds N``: every seed's comparison (progress on ``console``), then the medians and ranges of
+    those that finished; exit status 1 when a seed failed (each failure is printed as it happens)."""
+    failed: dict[int, str] = {}
+
+    def failure(seed: int, error: CompareError) -> None:
+        failed[seed] = str(error)
+        console.print(f"compare: seed {seed} failed, going on with the next: {error}")
+
+    comparisons = run_seeds(options, args.seeds, status=_status_printer(console), on_failure=failure)
+    if not comparisons:
+        raise CompareError(f"every one of the {args.seeds} seeds failed; the first: {next(iter(failed.values()))}")
     if args.plot is not None:
         console.print(f"wrote {plot_comparison(comparisons[0], args.plot)} (seed {comparisons[0].options.seed})")
     if args.json:
-        print(json.dumps(spread_records(comparisons)), file=sys.stdout)
-        return 0
-    for comparison in comparisons:
-        ratios = ", ".join(f"{name} {result.throughput:.2f} samples/s" for name, result in comparison.results.items())
-        out.print(f"seed {comparison.options.seed}: {ratios} ({comparison.options.out})")
-    print_spread(summarise(comparisons), options, out)
+        print(json.dumps(spread_records(comparisons, failed)), file=sys.stdout)
+    else:
+        for comparison in comparisons:
+            ratios = ", ".join(f"{name} {result.throughput:.2f} samples/s"
+                               for name, result in comparison.results.items())
+            out.print(f"seed {comparison.options.seed}: {ratios} ({comparison.options.out})")
+        print_spread(summarise(comparisons), options, out)
+    if failed:
+        console.print(f"compare: {len(failed)} of {args.seeds} seeds failed ({', '.join(map(str, failed))}); "
+                      f"the figures above are of the {len(comparisons)} that finished")
+        return 1
     return 0
 
 

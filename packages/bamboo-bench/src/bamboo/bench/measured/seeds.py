@@ -7,12 +7,16 @@ a trace file is replayed as it is, so its spread is the run-to-run noise), each 
 and reports each system's median and range over them: throughput, value, and the ratios against
 checkpoint/restart and on-demand, each ratio taken within one seed (both systems on the same trace) before the
 median is taken.
+
+A seed whose comparison fails (a run that did not start, a baseline that never stepped) does not end the others:
+with ``on_failure`` the failure is reported and the next seed runs, so a long multi-seed run keeps the table of
+the seeds that finished (the command then exits non-zero and names the failed seeds).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -54,9 +58,11 @@ class SystemSpread:
     vs_on_demand_value: Spread | None
 
 
-def run_seeds(options: CompareOptions, seeds: int,
-              status: Callable[[str], None] | None = None) -> list[Comparison]:
-    """Run the comparison of ``options`` once per seed (``options.seed`` onwards), each in ``OUT/seed-S``."""
+def run_seeds(options: CompareOptions, seeds: int, status: Callable[[str], None] | None = None,
+              on_failure: Callable[[int, CompareError], None] | None = None) -> list[Comparison]:
+    """Run the comparison of ``options`` once per seed (``options.seed`` onwards), each in ``OUT/seed-S``; returns
+    the comparisons that finished, in seed order. A seed that fails raises its :class:`CompareError`, or, with
+    ``on_failure``, is passed to it (with its seed) and the next seed runs."""
     if seeds < 1:
         raise CompareError(f"--seeds must be >= 1, got {seeds}")
     say = status or (lambda line: None)
@@ -64,7 +70,12 @@ def run_seeds(options: CompareOptions, seeds: int,
     for offset in range(seeds):
         seed = options.seed + offset
         run = attrs.evolve(options, seed=seed, out=options.out / f"seed-{seed}")
-        comparisons.append(run_compare(run, status=lambda line, seed=seed: say(f"seed {seed}: {line}")))
+        try:
+            comparisons.append(run_compare(run, status=lambda line, seed=seed: say(f"seed {seed}: {line}")))
+        except CompareError as error:
+            if on_failure is None:
+                raise
+            on_failure(seed, error)
     return comparisons
 
 
@@ -105,11 +116,12 @@ def _medians(throughput: Spread | None, value: Spread | None) -> dict[str, float
             "value": None if value is None else value.median}
 
 
-def spread_records(comparisons: Sequence[Comparison]) -> list[dict[str, Any]]:
+def spread_records(comparisons: Sequence[Comparison],
+                   failed: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
     """``--json`` with ``--seeds``: one object per system with the medians under the keys a single comparison
     uses (``system``, ``throughput``, ``value``, ``vs_checkpoint``, ``vs_on_demand``), each figure's spread
-    (``spread``: median, min, max and the values in seed order), the ``seeds``, and each seed's own record
-    (``runs``)."""
+    (``spread``: median, min, max and the values in seed order), the ``seeds`` that finished, each seed's own
+    record (``runs``), and the seeds that failed with why (``failed_seeds``, seed as a string -> message)."""
     seeds = [c.options.seed for c in comparisons]
     per_seed = [{r["system"]: r for r in c.records()} for c in comparisons]
     out = []
@@ -125,5 +137,6 @@ def spread_records(comparisons: Sequence[Comparison]) -> list[dict[str, Any]]:
                        "vs_on_demand_value": _spread_dict(summary.vs_on_demand_value)},
             "seeds": seeds,
             "runs": [records[summary.system] for records in per_seed],
+            "failed_seeds": {str(seed): message for seed, message in (failed or {}).items()},
         })
     return out

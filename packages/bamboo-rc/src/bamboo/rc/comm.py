@@ -394,13 +394,21 @@ class GroupTable:
     def wait_collective(
         self, group: str, works: Sequence[object], instruction: str, interrupt: Callable[[], None] | None = None
     ) -> None:
-        """Wait for collective works, calling `interrupt` every `timeouts.poll` seconds (it may raise)."""
+        """Wait for collective works, calling `interrupt` every `timeouts.poll` seconds (it may raise).
+
+        The wait sleeps until the work completes (its future's callback wakes it) or the next `interrupt` is due,
+        rather than spinning on ``is_completed()``: a worker waiting on a slower data-parallel peer used 10%+ of a
+        core spinning. Where a work has no future, it checks every ``COLLECTIVE_SPIN_S``."""
         try:
             for work in works:
                 if interrupt is not None:
+                    done = _completion_event(work)
                     next_check = time.monotonic() + self.timeouts.poll
                     while not work.is_completed():  # type: ignore[attr-defined]
-                        time.sleep(COLLECTIVE_SPIN_S)
+                        if done is None:
+                            time.sleep(COLLECTIVE_SPIN_S)
+                        else:
+                            done.wait(max(0.0, next_check - time.monotonic()))
                         if time.monotonic() >= next_check:
                             interrupt()
                             next_check = time.monotonic() + self.timeouts.poll
@@ -419,6 +427,17 @@ class GroupTable:
         """
         for tensor in tensors:
             self.wait_collective(group, self.post_allreduce(group, [tensor], instruction), instruction, interrupt)
+
+
+def _completion_event(work: object) -> threading.Event | None:
+    """An event set when `work` completes, successfully or not (from its future's done callback, which runs on
+    the backend's thread); None when the work has no future."""
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _future: done.set())  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return None
+    return done
 
 
 def wait_works(works: Sequence[object]) -> None:

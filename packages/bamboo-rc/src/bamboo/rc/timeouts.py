@@ -95,8 +95,9 @@ FINISH_POLL_S = 0.005
 ``BUILD_S``."""
 
 COLLECTIVE_SPIN_S = 0.0005
-"""How long a worker waiting for a collective sleeps between two ``is_completed()`` checks (it
-checks for failure events every ``NOTICE_POLL_S``). Bounded by ``GROUP_S`` (gloo)."""
+"""How long a worker waiting for a collective whose work has no future sleeps between two ``is_completed()``
+checks (a work with one wakes the waiter when it completes; either checks for failure events every
+``NOTICE_POLL_S``). Bounded by ``GROUP_S`` (gloo)."""
 
 # ---------------------------------------------------------------- the self-check
 VERIFY_DEADLINE_S = 300.0

@@ -148,3 +148,19 @@ def test_slices_and_csv_round_trip_preserve_the_alive_count(seed: int, start: fl
     out: Path = tmp_path_factory.mktemp("csv") / "t.csv"
     write_generic_csv(part, out)
     assert list(load_generic_csv(out)) == list(part)
+
+
+def test_a_launched_job_s_synthetic_trace_starts_with_every_node_for_every_seed() -> None:
+    """``--preemptions synthetic:RATE`` (run, market, compare, measure) starts with all ``nodes`` nodes: the
+    paper's model alone starts with as many as the first hour's allocation draw gives, for some seeds none."""
+    from bamboo.bench.preemptions import load_preemptions
+
+    spec = SyntheticSpec(preemption_probability=0.33, desired_nodes=8)
+    paper_starts = [sum(1 for e in generate_trace(spec, hours=1.45, seed=s).events() if e.time_s == 0.0)
+                    for s in range(771, 781)]
+    assert min(paper_starts) < 8  # the paper's model: some seeds start short
+    for seed in range(771, 781):
+        trace = load_preemptions("synthetic:0.33", nodes=8, hours=1.45, seed=seed)
+        at_start = [e for e in trace.events() if e.time_s == 0.0]
+        assert len(at_start) == 8 and all(e.kind is EventKind.ADD for e in at_start), seed
+        assert any(e.kind is EventKind.REMOVE for e in trace.events()), seed  # the market still preempts

@@ -5,6 +5,9 @@ the same flag: a trace file in any format :func:`bamboo.bench.loaders.load_trace
 the paper's model (:mod:`bamboo.bench.synthetic`) at per-hour preemption probability ``RATE`` on about
 ``nodes`` nodes. :func:`load_preemptions` reads it and applies ``--zones``:
 
+- a synthetic trace starts with all ``nodes`` nodes (the job is launched on them; the paper's model would start
+  with as many as the first hour's allocation draw allows, sometimes none) and the market then preempts and
+  adds as the model says;
 - a synthetic trace's zones are named by ``zones`` (its zone count is theirs; 3 without them);
 - a file whose events carry one zone (the paper's EC2 CSV) is spread round-robin over ``zones``, in order of
   each node's first appearance (:func:`assign_zones`), so zone-aware placement and bulk losses have
@@ -83,7 +86,7 @@ def load_preemptions(text: str, *, nodes: int, zones: Sequence[str] | None = Non
     if rate is not None:
         try:
             spec = SyntheticSpec(preemption_probability=rate, desired_nodes=nodes,
-                                 zones=len(zones) if zones else DEFAULT_SYNTHETIC_ZONES)
+                                 zones=len(zones) if zones else DEFAULT_SYNTHETIC_ZONES, start_full=True)
         except ValueError as error:
             raise PreemptionsError(f"--preemptions {text}: {error}") from None
         trace = generate_trace(spec, hours, seed)

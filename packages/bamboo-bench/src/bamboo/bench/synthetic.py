@@ -46,6 +46,9 @@ class SyntheticSpec:
     bulk_mean: float = attrs.field(default=1.0, validator=attrs.validators.ge(1))
     random_allocation: bool = True
     allocation_probability: float = attrs.field(default=0.5, validator=_probability)
+    start_full: bool = False
+    """Every one of ``desired_nodes`` is allocated at time 0 (a job launched on its nodes), instead of each with
+    the first hour's allocation probability (the paper's model: a cluster that starts as the market allows)."""
 
     def zone_names(self) -> tuple[str, ...]:
         """Zone names ``zone-a``, ``zone-b``, ... (one per zone)."""
@@ -74,7 +77,7 @@ class SyntheticTraceGenerator:
         next_id = 0
         allocation = rand() if spec.random_allocation else spec.allocation_probability
         for _ in range(spec.desired_nodes):
-            if rand() < allocation:
+            if rand() < allocation or spec.start_full:
                 zone = int(rand() * zones)
                 alive[next_id] = zone
                 yield (0.0, True, next_id, zone)

@@ -31,12 +31,18 @@ How each constant is measured (``t`` are the event log's; an *interval* is the t
   record less the step time at its new pipeline count (``local_rendezvous_s`` is 0: the whole cost is here);
 - **instance creation** (bamboo): from a node's ``join`` to its worker's ``warm-<node>`` record (model
   built, ready for a role), for the nodes that joined after the start;
-- **restart** (checkpoint): from the last interruption (kill or join) before the restarted workers' process
-  start to their first step (``RestartCost``): the simulator starts a restart over at every interruption
-  during it, so a restart counted from an earlier kill it took in would count those over again; restarts
-  whose last interruption was a kill give ``restart_s``, and a join's restart costs ``instance_creation_s``
-  more: the mean of the join restarts less that of the kill restarts (``checkpoint_restart_on_join`` is
-  ``every-join``);
+- **instance creation** (checkpoint): from a node's ``join`` to its torchrun agent's entry into the rendezvous
+  (``warm_unix``: :mod:`bamboo.bench.measured.rendezvous`), when the running agents see it waiting and restart,
+  for the nodes added later that entered before they were killed; if none did, for the nodes of the start
+  (their agents start together);
+- **restart** (checkpoint): from the last interruption before the restarted workers' process start to their
+  first step (``RestartCost``): the simulator starts a restart over at every interruption during it, so a
+  restart counted from an earlier kill it took in would count those over again. A join interrupts at its
+  agent's entry into the rendezvous, and a node killed before its entry interrupts nothing; ``restart_s`` is
+  the mean over the restarts after kills and after joins. A run without the agents' entries (no
+  ``warm_unix``) counts a join at the ``join`` record: restarts whose last interruption was a kill give
+  ``restart_s``, and a join's restart costs ``instance_creation_s`` more: the mean of the join restarts less
+  that of the kill restarts (``checkpoint_restart_on_join`` is ``every-join`` either way);
 - **checkpoint cost** (``timing.checkpoint_s``): the interval holding a checkpoint, less the step time; the
   interval between checkpoints is K (or bamboo's ``--checkpoint-every``) steps plus that cost.
 

@@ -471,9 +471,11 @@ def run_checkpoint_restart(
     if interval is None and options.checkpoint_every is not None:
         interval = CheckpointInterval(steps=options.checkpoint_every, rule="given")
     starts = read_records(base / "starts.jsonl")
+    registered = watch.registered()
+    (base / "registered.json").write_text(json.dumps(registered, sort_keys=True))
     return CheckpointRestartResult(
         run_dir=run_dir, events=events_path, checkpoint_dir=checkpoint_dir, interval=interval,
         interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),
         steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.processes.items()},
         timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command), stopped=stop.is_set(),
-        job_restarts=job_restarts, registered_unix=watch.registered())
+        job_restarts=job_restarts, registered_unix=registered)

@@ -187,14 +187,14 @@ def _restart_times(ordered: Sequence[Event], start: RunStart, restarts: Sequence
     With ``registered_unix`` (when each node's agent entered the rendezvous), a join interrupts when its agent
     entered, and a node killed before that (its join and its kill) interrupted nothing; without it, at the join
     and at every kill."""
-    joins = [e for e in ordered if isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S]
-    kills = [e for e in ordered if isinstance(e, Preemption)]
+    added = [e for e in ordered if isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S]
+    killed = [e for e in ordered if isinstance(e, Preemption)]
     if registered_unix:
-        entered = [(registered_unix[e.node], "join") for e in joins if e.node in registered_unix]
-        kills = [e for e in kills if e.node in registered_unix]
+        entered = [(registered_unix[e.node], "join") for e in added if e.node in registered_unix]
+        killed = [e for e in killed if e.node in registered_unix]
     else:
-        entered = [(start.unix_time + e.t, "join") for e in joins]
-    changes = sorted([(start.unix_time + e.t, "kill") for e in kills] + entered)
+        entered = [(start.unix_time + e.t, "join") for e in added]
+    changes = sorted([(start.unix_time + e.t, "kill") for e in killed] + entered)
     kills: list[float] = []
     joins: list[float] = []
     for restart in restarts:

@@ -135,3 +135,59 @@ def test_options_errors_name_the_values() -> None:
         MeasureOptions(system="bamboo", nodes=4, stages=2, pipelines=1, run_dir="r")
     with pytest.raises(ValueError, match="system"):
         MeasureOptions(system="spot", nodes=4, stages=2, pipelines=1, run_dir="r", steps=5)
+
+
+def _skypilot_like_log() -> tuple[list, list[RestartCost], dict[str, float]]:
+    """The shape of a checkpoint/restart run on the SkyPilot trace, by hand: 4 nodes train from 2.0 (0.1 s steps,
+    one pipeline of 2 stages each); node2 and node3 are killed at 3.0 and the restart reaches its first step at
+    13.0; node5, added at 5.0, dies at 9.0 and node6, added at 14.0, dies at 24.0, both before their agents
+    entered the rendezvous; node7, added at 15.0, entered at 23.0 and restarted the job (first step at 29.0).
+    The start's agents entered 7.0 and 9.0 s after the run's start."""
+    events: list = [RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2)]
+    events += [Join(t=0.0, node=f"node{i}", zone="a") for i in range(4)]
+    events += _steps([2.0 + 0.1 * i for i in range(10)], nodes=4)
+    events += [Preemption(t=3.0, node="node2", zone="a"), Preemption(t=3.0, node="node3", zone="a"),
+               Join(t=5.0, node="node5", zone="b"), Preemption(t=9.0, node="node5", zone="b"),
+               Join(t=14.0, node="node6", zone="b"), Join(t=15.0, node="node7", zone="b"),
+               Preemption(t=24.0, node="node6", zone="b")]
+    events += _steps([13.0 + 0.1 * i for i in range(5)], nodes=2, first=10)
+    events += _steps([29.0 + 0.1 * i for i in range(5)], nodes=4, first=12)
+
+    def restart(process_start: float, first_step: float) -> RestartCost:
+        return RestartCost(cause="kill", node="node2", at_unix=UNIX + 3.0, process_start_unix=UNIX + process_start,
+                           imported_unix=UNIX + process_start + 1, group_unix=UNIX + process_start + 2,
+                           engine_unix=UNIX + process_start + 3, loaded_unix=UNIX + process_start + 3, load_s=0.1,
+                           loaded_step=10, redone_steps=0, first_step_start_unix=UNIX + first_step,
+                           first_step_end_unix=UNIX + first_step + 0.1, world=2, pipelines=1)
+
+    registered = {"node0": UNIX + 7.0, "node1": UNIX + 9.0, "node2": UNIX + 7.0, "node3": UNIX + 9.0,
+                  "node7": UNIX + 23.0}
+    return events, [restart(8.0, 13.0), restart(25.0, 29.0)], registered
+
+
+def test_checkpoint_joins_interrupt_when_their_agent_enters_the_rendezvous() -> None:
+    """A join interrupts the job when its agent enters the rendezvous (node7: 8 s after its join), not at the
+    join: node5 joined during the restart and died before its agent entered, so that restart took 10 s from the
+    kill (3.0 -> 13.0), not 8 s from node5's join; node7's took 6 s from its entry (23.0 -> 29.0)."""
+    events, restarts, registered = _skypilot_like_log()
+    measured = measure_events(events, "checkpoint", warm_unix=registered, restarts=restarts, checkpoint_every=3)
+    assert measured.instance_creation_s == pytest.approx(8.0)
+    assert measured.restart_s == pytest.approx(10.0)
+    assert measured.join_restart_s == pytest.approx(6.0)
+    assert measured.counts["joins_ready"] == 1 and measured.counts["joins"] == 3
+    timing = measured_profile(measured, name="m", spot_price=1.0, on_demand_price=3.0).timing
+    assert timing.instance_creation_s == pytest.approx(8.0)
+    assert timing.restart_s == pytest.approx(8.0)  # the mean of both restarts, each from when it took effect
+
+
+def test_checkpoint_without_a_later_entry_takes_the_start_agents_entries() -> None:
+    """No node added later entered the rendezvous: the agents of the start (7 s and 9 s after it) give the
+    delay, not 0 (which would make every join restart the job at once)."""
+    events, restarts, registered = _skypilot_like_log()
+    del registered["node7"]
+    measured = measure_events(events, "checkpoint", warm_unix=registered, restarts=restarts[:1], checkpoint_every=3)
+    assert measured.instance_creation_s == pytest.approx(8.0)
+    assert measured.restart_s == pytest.approx(10.0)
+    profile = measured_profile(measured, name="m", spot_price=1.0, on_demand_price=3.0)
+    assert profile.timing.instance_creation_s == pytest.approx(8.0)
+    assert any("the nodes of the start" in note for note in profile.notes)

@@ -19,6 +19,7 @@ __all__ = [
     "BASELINE_MONITOR_INTERVAL_S",
     "BASELINE_RDZV_KEEP_ALIVE_S",
     "BASELINE_RDZV_LAST_CALL_S",
+    "BASELINE_RDZV_POLL_S",
     "BASELINE_RDZV_READ_TIMEOUT_S",
     "BASELINE_TIMEOUT_S",
     "CHECKPOINT_INTERVAL_S",
@@ -94,6 +95,10 @@ rendezvous store for a round's rank information before it fails (and the launche
 
 BASELINE_MONITOR_INTERVAL_S = 0.1
 """How often a torchrun agent checks its worker and the waiting nodes (``--monitor-interval``)."""
+
+BASELINE_RDZV_POLL_S = 0.1
+"""How often the baseline's launcher reads the rendezvous state to see which agents have entered it
+(:mod:`bamboo.bench.measured.rendezvous`): the resolution of the measured ``instance_creation_s``."""
 
 BASELINE_IDLE_POLL_S = 0.2
 """How often a baseline worker without a role in its world looks for the job's end."""

@@ -31,12 +31,18 @@ How each constant is measured (``t`` are the event log's; an *interval* is the t
   record less the step time at its new pipeline count (``local_rendezvous_s`` is 0: the whole cost is here);
 - **instance creation** (bamboo): from a node's ``join`` to its worker's ``warm-<node>`` record (model
   built, ready for a role), for the nodes that joined after the start;
-- **restart** (checkpoint): from the last interruption (kill or join) before the restarted workers' process
-  start to their first step (``RestartCost``): the simulator starts a restart over at every interruption
-  during it, so a restart counted from an earlier kill it took in would count those over again; restarts
-  whose last interruption was a kill give ``restart_s``, and a join's restart costs ``instance_creation_s``
-  more: the mean of the join restarts less that of the kill restarts (``checkpoint_restart_on_join`` is
-  ``every-join``);
+- **instance creation** (checkpoint): from a node's ``join`` to its torchrun agent's entry into the rendezvous
+  (``warm_unix``: :mod:`bamboo.bench.measured.rendezvous`), when the running agents see it waiting and restart,
+  for the nodes added later that entered before they were killed; if none did, for the nodes of the start
+  (their agents start together);
+- **restart** (checkpoint): from the last interruption before the restarted workers' process start to their
+  first step (``RestartCost``): the simulator starts a restart over at every interruption during it, so a
+  restart counted from an earlier kill it took in would count those over again. A join interrupts at its
+  agent's entry into the rendezvous, and a node killed before its entry interrupts nothing; ``restart_s`` is
+  the mean over the restarts after kills and after joins. A run without the agents' entries (no
+  ``warm_unix``) counts a join at the ``join`` record: restarts whose last interruption was a kill give
+  ``restart_s``, and a join's restart costs ``instance_creation_s`` more: the mean of the join restarts less
+  that of the kill restarts (``checkpoint_restart_on_join`` is ``every-join`` either way);
 - **checkpoint cost** (``timing.checkpoint_s``): the interval holding a checkpoint, less the step time; the
   interval between checkpoints is K (or bamboo's ``--checkpoint-every``) steps plus that cost.
 
@@ -174,12 +180,21 @@ def _sort_intervals(ordered: Sequence[Event], steps: Sequence[Step], system: str
     return found
 
 
-def _restart_times(ordered: Sequence[Event], start: RunStart,
-                   restarts: Sequence[RestartCost]) -> tuple[list[float], list[float]]:
-    """Seconds from each restart's last interruption to its first step: ``(after kills, after joins)``."""
-    changes = sorted([(start.unix_time + e.t, "kill") for e in ordered if isinstance(e, Preemption)]
-                     + [(start.unix_time + e.t, "join") for e in ordered
-                        if isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S])
+def _restart_times(ordered: Sequence[Event], start: RunStart, restarts: Sequence[RestartCost],
+                   registered_unix: Mapping[str, float]) -> tuple[list[float], list[float]]:
+    """Seconds from each restart's last interruption to its first step: ``(after kills, after joins)``.
+
+    With ``registered_unix`` (when each node's agent entered the rendezvous), a join interrupts when its agent
+    entered, and a node killed before that (its join and its kill) interrupted nothing; without it, at the join
+    and at every kill."""
+    added = [e for e in ordered if isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S]
+    killed = [e for e in ordered if isinstance(e, Preemption)]
+    if registered_unix:
+        entered = [(registered_unix[e.node], "join") for e in added if e.node in registered_unix]
+        killed = [e for e in killed if e.node in registered_unix]
+    else:
+        entered = [(start.unix_time + e.t, "join") for e in added]
+    changes = sorted([(start.unix_time + e.t, "kill") for e in killed] + entered)
     kills: list[float] = []
     joins: list[float] = []
     for restart in restarts:
@@ -201,7 +216,8 @@ def measure_events(
 ) -> Measurements:
     """The constants of one run from its event log (see the module docstring).
 
-    ``warm_unix`` maps a node to the wall time its worker was warm (bamboo); ``restarts`` are the baseline's
+    ``warm_unix`` maps a node to the wall time it was ready to join: its worker was warm (bamboo), its torchrun
+    agent entered the rendezvous (checkpoint); ``restarts`` are the baseline's
     :class:`bamboo.bench.measured.baseline.RestartCost` values; ``checkpoint_every`` is the steps between
     checkpoints.
     """
@@ -224,9 +240,11 @@ def measure_events(
     def extra(intervals: Sequence[tuple[int, float]]) -> float | None:
         return _mean([max(0.0, interval - _nearest(step_time, d)) for d, interval in intervals])
 
-    creation = [max(0.0, warm_unix[e.node] - (start.unix_time + e.t)) for e in ordered
-                if isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S and e.node in (warm_unix or {})]
-    kill_restarts, join_restarts = _restart_times(ordered, start, restarts)
+    warm = warm_unix or {}
+    creation = _creation_times(ordered, start, warm, initial=False)
+    if not creation and system == "checkpoint":
+        creation = _creation_times(ordered, start, warm, initial=True)
+    kill_restarts, join_restarts = _restart_times(ordered, start, restarts, warm if system == "checkpoint" else {})
     counts = {
         "steps": len(unique), "step_records": len(steps),
         "failovers": sum(isinstance(e, Failover) for e in ordered),
@@ -236,6 +254,8 @@ def measure_events(
         "preemptions": sum(isinstance(e, Preemption) for e in ordered),
         "joins": sum(isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S for e in ordered),
         "restarts_after_kills": len(kill_restarts), "restarts_after_joins": len(join_restarts),
+        "joins_ready": sum(isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S and e.node in warm
+                           for e in ordered),
     }
     first = steps[0]
     return Measurements(
@@ -249,6 +269,15 @@ def measure_events(
         restart_s=_mean(kill_restarts), join_restart_s=_mean(join_restarts), checkpoint_s=extra(found.checkpoint),
         checkpoint_every=checkpoint_every, counts=counts,
     )
+
+
+def _creation_times(ordered: Sequence[Event], start: RunStart, warm_unix: Mapping[str, float],
+                    initial: bool) -> list[float]:
+    """Seconds from each node's ``join`` to its ``warm_unix`` time: the nodes the market added later, or
+    (``initial``) the nodes of the start, which started together."""
+    later = timeouts.MEASURE_JOIN_AFTER_START_S
+    return [max(0.0, warm_unix[e.node] - (start.unix_time + e.t)) for e in ordered
+            if isinstance(e, Join) and (e.t <= later if initial else e.t > later) and e.node in warm_unix]
 
 
 def _nearest(step_time: Mapping[int, float], pipelines: int) -> float:
@@ -276,7 +305,34 @@ def _step_table(measured: Measurements, notes: list[str]) -> dict[int, float]:
 
 
 def _checkpoint_restart_timing(measured: Measurements, notes: list[str]) -> dict[str, float]:
-    """The baseline's restart costs: a restart after a kill, and what a join's restart costs more."""
+    """The baseline's restart costs, and how long a node the market adds takes to interrupt the job."""
+    if measured.instance_creation_s is None:
+        return _checkpoint_restart_timing_unregistered(measured, notes)
+    counts = measured.counts
+    kills, joins = counts.get("restarts_after_kills", 0), counts.get("restarts_after_joins", 0)
+    timed = [(measured.restart_s, kills), (measured.join_restart_s, joins)]
+    total = sum(n for value, n in timed if value is not None)
+    if total:
+        restart = sum(value * n for value, n in timed if value is not None) / total
+        notes.append(f"restart_s: {restart:.3f} measured (from the interruption that took effect last before the "
+                     f"restarted workers' start, a kill or a joining agent's entry into the rendezvous, to their first "
+                     f"step; mean of {kills} after kills and {joins} after joins)")
+    else:
+        restart = measured.startup_s
+        notes.append(f"restart_s: no restart reached a step in this run; {restart:.3f}, the cold start (process "
+                     "start, imports, group, engine)")
+    ready, added = counts.get("joins_ready", 0), counts.get("joins", 0)
+    source = (f"the {ready} of {added} nodes added later whose agent entered before it was killed" if ready else
+              "no node added later entered before it was killed; the nodes of the start, whose agents started "
+              "together")
+    notes.append(f"instance_creation_s: {measured.instance_creation_s:.3f} measured (from a node's join to its "
+                 f"torchrun agent's entry into the rendezvous, when the running agents see it and restart; {source})")
+    return {"restart_s": restart, "instance_creation_s": measured.instance_creation_s, "failover_pause_s": 0.0,
+            "reconfiguration_s": 0.0, "fallback_slowdown": 1.0}
+
+
+def _checkpoint_restart_timing_unregistered(measured: Measurements, notes: list[str]) -> dict[str, float]:
+    """Without the agents' rendezvous entries: a restart after a kill, and what a join's restart costs more."""
     restart = measured.restart_s
     if restart is None and measured.join_restart_s is not None:
         restart = measured.join_restart_s

@@ -2,7 +2,8 @@
 
 - ``bamboo``: ``bamboo-launch run`` (:func:`bamboo.launch.run.run_cluster`) with eager redundant computation on
   the trace's nodes, its workers' ``warm`` records read while it trains (for the instance-creation cost);
-- ``checkpoint``: the checkpoint/restart baseline (:func:`bamboo.bench.measured.torchrun.run_checkpoint_restart`);
+- ``checkpoint``: the checkpoint/restart baseline (:func:`bamboo.bench.measured.torchrun.run_checkpoint_restart`),
+  with when each node's torchrun agent entered the rendezvous (for the instance-creation cost);
 - ``on-demand``: ``bamboo-launch run`` without redundancy and without preemptions on ``P x D`` nodes (the
   cluster priced at on-demand rates).
 
@@ -71,6 +72,7 @@ def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | N
     try:
         if options.system == "checkpoint":
             events_path, restarts, checkpoint_every, extra = _run_checkpoint(options, run_dir, stopper, say)
+            warm = dict(extra["registered_unix"])  # a node is ready to interrupt once its agent is in the rendezvous
         else:
             events_path, warm, extra = _run_bamboo(options, run_dir, stopper, say)
             checkpoint_every = options.checkpoint_every if options.system == "bamboo" else None
@@ -178,6 +180,7 @@ def _run_checkpoint(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         "checkpoint_interval": None if interval is None else {**interval.to_dict(), "describe": interval.describe()},
         "restarts": [r.to_dict() for r in result.restarts],
         "job_restarts": result.job_restarts,
+        "registered_unix": result.registered_unix,
         "interruptions": {"kills": result.interruptions.kills, "joins": result.interruptions.joins},
     }
     return result.events, result.restarts, None if interval is None else interval.steps, extra

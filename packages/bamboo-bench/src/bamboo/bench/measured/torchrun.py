@@ -86,6 +86,7 @@ from bamboo.bench.measured.baseline import (
     trace_interruptions,
 )
 from bamboo.bench.measured.machines import MachineCluster
+from bamboo.bench.measured.rendezvous import RendezvousWatch
 from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart, Step, read_events
 from bamboo.launch.example import DEFAULT_LAYERS, EXAMPLE_CONFIG
 from bamboo.launch.market import (
@@ -207,6 +208,9 @@ class CheckpointRestartResult:
     """The ``during`` callback ended the run before its last step (``BaselineHandles.stop``)."""
     job_restarts: int = 0
     """How many times every agent exited before the last step and the launcher restarted the job."""
+    registered_unix: dict[str, float] = attrs.field(factory=dict)
+    """Node -> the wall time its agent was first seen in the rendezvous (:mod:`bamboo.bench.measured.rendezvous`);
+    a node killed before its agent entered is absent."""
 
 
 @attrs.frozen
@@ -385,6 +389,9 @@ def run_checkpoint_restart(
 
     clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
+    watch = RendezvousWatch(store, lambda: current["rendezvous"],
+                            lambda: {node: process.pid for node, process in list(cluster.processes.items())})
+    watch.start()
     stop = threading.Event()
     deadline = started + options.timeout_s
     timed_out = False
@@ -452,6 +459,7 @@ def run_checkpoint_restart(
                 break
             time.sleep(0.1)
     finally:
+        watch.stop()
         market.stop(timeout=5.0)
         cluster.close()
         steps_done = newest_step() if events_path.exists() else 0
@@ -463,9 +471,11 @@ def run_checkpoint_restart(
     if interval is None and options.checkpoint_every is not None:
         interval = CheckpointInterval(steps=options.checkpoint_every, rule="given")
     starts = read_records(base / "starts.jsonl")
+    registered = watch.registered()
+    (base / "registered.json").write_text(json.dumps(registered, sort_keys=True))
     return CheckpointRestartResult(
         run_dir=run_dir, events=events_path, checkpoint_dir=checkpoint_dir, interval=interval,
         interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),
         steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.processes.items()},
         timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command), stopped=stop.is_set(),
-        job_restarts=job_restarts)
+        job_restarts=job_restarts, registered_unix=registered)

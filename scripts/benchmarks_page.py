@@ -34,6 +34,10 @@ COMMANDS = {
                 "one replayed trace, each run predicted by the simulator from the profile it measured.",
                 "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c --time-scale 60 "
                 "--nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 --json"),
+    "compare_seeds": ("The same comparison over three trace seeds (`--seeds 3`): each system's median and range, "
+                      "each ratio taken within one seed before the median.",
+                      "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c "
+                      "--time-scale 60 --nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 --seeds 3 --json"),
     "demo": ("The main job of `make demo`: 8 emulated spot nodes, P = 4, D = 2, synthetic preemptions, failovers "
              "and reconfigurations, checked bit for bit against a fault-free run.",
              "bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps 500 --preemptions "

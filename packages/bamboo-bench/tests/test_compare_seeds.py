@@ -76,16 +76,22 @@ def test_seeds_must_be_positive(tmp_path: Path) -> None:
         run_seeds(options, 0)
 
 
-def test_a_failed_seed_is_reported_and_the_others_still_run(
-        tmp_path: Path, tiny_profile: ModelProfile, monkeypatch: pytest.MonkeyPatch) -> None:
+def _failing_at(seed: int, message: str, tiny_profile: ModelProfile):  # type: ignore[no-untyped-def]
+    """The fake comparison, except that seed ``seed`` fails with ``message``."""
     fake = _fake_compare(tiny_profile)
 
     def flaky(options: CompareOptions, status: object = None) -> Comparison:
-        if options.seed == 6:
-            raise CompareError("the checkpoint run failed (exit status 1): rendezvous timed out")
+        if options.seed == seed:
+            raise CompareError(message)
         return fake(options, status)
 
-    monkeypatch.setattr(seeds_module, "run_compare", flaky)
+    return flaky
+
+
+def test_a_failed_seed_is_reported_and_the_others_still_run(
+        tmp_path: Path, tiny_profile: ModelProfile, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seeds_module, "run_compare", _failing_at(
+        6, "the checkpoint run failed (exit status 1): rendezvous timed out", tiny_profile))
     options = CompareOptions(preemptions="synthetic:0.33", nodes=4, stages=2, pipelines=2, out=tmp_path,
                              duration_s=10.0, seed=5)
     with pytest.raises(CompareError, match="rendezvous timed out"):
@@ -104,14 +110,7 @@ def test_the_command_prints_the_finished_seeds_and_exits_1_naming_the_failed_one
         capsys: pytest.CaptureFixture[str]) -> None:
     from bamboo.bench.cli import main
 
-    fake = _fake_compare(tiny_profile)
-
-    def flaky(options: CompareOptions, status: object = None) -> Comparison:
-        if options.seed == 7:
-            raise CompareError("the bamboo run printed no result")
-        return fake(options, status)
-
-    monkeypatch.setattr(seeds_module, "run_compare", flaky)
+    monkeypatch.setattr(seeds_module, "run_compare", _failing_at(7, "the bamboo run printed no result", tiny_profile))
     code = main(["compare", "--preemptions", "synthetic:0.33", "--nodes", "4", "--stages", "2", "--pipelines", "2",
                  "--duration", "10", "--seed", "5", "--seeds", "3", "--out", str(tmp_path), "--json"])
     captured = capsys.readouterr()

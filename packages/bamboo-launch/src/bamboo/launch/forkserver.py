@@ -61,8 +61,7 @@ FORK_SERVER_ENV = "BAMBOO_FORK_SERVER"
 """The environment variable that names a fork server's socket: an agent started with it starts its worker
 through that server."""
 
-PRELOAD = ("torch", "torch.distributed", "bamboo.launch.worker",
-           "bamboo.launch.cli", "bamboo.launch.agent")
+PRELOAD = ("torch", "torch.distributed", "bamboo.launch.worker", "bamboo.launch.cli", "bamboo.launch.agent")
 """The modules the server imports before it forks anything."""
 
 _OWN_GROUP = 0  # "process_group": lead a new group

@@ -255,8 +255,7 @@ def remove_stale_build_locks(roots: Sequence[Path], older_than_s: float = timeou
     for root in roots:
         for lock in sorted(root.glob("*/*/lock")):
             try:
-                stale = now - lock.stat().st_mtime > older_than_s
-                if stale:
+                if now - lock.stat().st_mtime > older_than_s:
                     lock.unlink()
                     removed.append(lock)
             except FileNotFoundError:  # the build that held it ended meanwhile

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bamboo.launch.checkpoint import AsyncCheckpointer, write_checkpoint
+from bamboo.rc import AsyncCheckpointer, write_checkpoint
 
 MODES = ("none", "sync", "async")
 

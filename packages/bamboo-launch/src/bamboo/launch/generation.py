@@ -27,8 +27,9 @@ from bamboo.launch.stop import Boundary
 from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
 
 if TYPE_CHECKING:
-    from bamboo.launch.checkpoint import AsyncCheckpointer, CheckpointInfo
     from bamboo.rc import Engine, FailoverRecord, StageExecutor
+    from bamboo.rc.checkpoint_async import AsyncCheckpointer
+    from bamboo.rc.checkpoint_files import CheckpointInfo
     from bamboo.reconfig import JobLayout
 
 __all__ = ["Ending", "WorkerState", "checkpoint", "failover_records", "pipeline_batches", "reports_the_job",
@@ -230,8 +231,8 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
     ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
     succeeded: a node declared dead writes no checkpoint.
     """
-    from bamboo.launch.checkpoint import AsyncCheckpointer
     from bamboo.launch.events import Checkpoint
+    from bamboo.rc.checkpoint_async import AsyncCheckpointer
 
     spec, log = run.spec, run.log
 

@@ -233,6 +233,7 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
     """
     from bamboo.launch.events import Checkpoint
     from bamboo.rc.checkpoint_async import AsyncCheckpointer
+    from bamboo.rc.checkpoint_files import stage_shard
 
     spec, log = run.spec, run.log
 
@@ -250,7 +251,7 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
 
     for stage in executor.hosted:
         if stage not in checkpointers:
-            checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
+            checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=stage_shard(stage),
                                                      every_steps=spec.checkpoint_every, on_commit=committed,
                                                      before_commit=may_commit)
         if final and executor.step % spec.checkpoint_every:

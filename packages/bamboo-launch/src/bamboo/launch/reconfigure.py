@@ -110,7 +110,9 @@ def transfer_participants(plan: TransferPlan) -> list[str]:
 
 def stage_shards(stages: Iterable[int]) -> list[str]:
     """Checkpoint shard names of ``stages`` (``stage-<s>``: pipeline 0's host of each stage writes its own)."""
-    return [f"stage-{stage}" for stage in sorted(stages)]
+    from bamboo.rc.checkpoint_files import stage_shard
+
+    return [stage_shard(stage) for stage in sorted(stages)]
 
 
 class _StderrHandler(logging.Handler):

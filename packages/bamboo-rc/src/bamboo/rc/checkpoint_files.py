@@ -59,6 +59,8 @@ __all__ = [
     "load_checkpoint",
     "load_latest_good",
     "load_shard",
+    "read_shard_file",
+    "stage_shard",
     "step_dir_name",
     "verify_shard",
     "write_atomic",
@@ -135,6 +137,11 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def stage_shard(stage: int) -> str:
+    """The shard name of pipeline stage ``stage``: ``stage-<s>`` (the launcher's and the engine's)."""
+    return f"stage-{stage}"
 
 
 def step_dir_name(step: int) -> str:
@@ -277,12 +284,10 @@ def verify_shard(folder: Path, shard: str = DEFAULT_SHARD) -> dict[str, Any]:
     return manifest
 
 
-def load_shard(folder: Path, shard: str) -> dict[str, Any]:
-    """Verify (:func:`verify_shard`) and load one shard's state dict, or raise CheckpointError."""
+def read_shard_file(data: Path) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of a shard's data file, unverified; CheckpointError if it is no dict."""
     import torch
 
-    verify_shard(folder, shard)
-    data = folder / f"{shard}.pt"
     try:
         state = torch.load(data, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -290,6 +295,12 @@ def load_shard(folder: Path, shard: str) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint shard {data} holds a {type(state).__name__}, not a dict")
     return state
+
+
+def load_shard(folder: Path, shard: str) -> dict[str, Any]:
+    """Verify (:func:`verify_shard`) and load one shard's state dict, or raise CheckpointError."""
+    verify_shard(folder, shard)
+    return read_shard_file(folder / f"{shard}.pt")
 
 
 def load_checkpoint(

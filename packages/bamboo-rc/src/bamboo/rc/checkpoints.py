@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from bamboo.rc.checkpoint_files import (
-    CheckpointError,
     fsync_path,
     load_shard,
+    read_shard_file,
+    stage_shard,
     verify_shard,
     write_atomic,
     write_shard,
@@ -47,16 +48,11 @@ from bamboo.rc.timeouts import STORE_POLL_S
 if TYPE_CHECKING:
     from bamboo.rc.executor import StageExecutor
 
-__all__ = ["ENGINE_FORMAT", "LATEST", "load", "save", "stage_file", "stage_shard"]
+__all__ = ["ENGINE_FORMAT", "LATEST", "load", "save", "stage_file"]
 
 LATEST = "latest"
 ENGINE_FORMAT = 2
 _log = logging.getLogger(__name__)
-
-
-def stage_shard(stage: int) -> str:
-    """The shard name of stage ``stage``: ``stage-<s>``, as the launcher's checkpoints name it."""
-    return f"stage-{stage}"
 
 
 def stage_file(folder: Path, stage: int) -> Path:
@@ -122,12 +118,7 @@ def _read_stage(folder: Path, stage: int) -> dict[str, Any]:
         return load_shard(folder, name)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {folder} has no {path.name} (this node builds stage {stage})")
-    try:
-        shard = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint shard {path} does not load: {error}") from None
-    if not isinstance(shard, dict):
-        raise CheckpointError(f"checkpoint shard {path} holds a {type(shard).__name__}, not a dict")
+    shard = read_shard_file(path)
     if "format" in shard:
         verify_shard(folder, name)  # raises: written for a manifest that was never committed
     _log.warning("%s has no manifest: a checkpoint written before manifests, loaded without verification", path)

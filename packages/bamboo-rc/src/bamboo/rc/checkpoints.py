@@ -19,9 +19,9 @@ A stage file that fails verification (corrupt, truncated, never committed, unloa
 
 The nodes of pipeline 0 write the stages they host (a shadow that took a stage over writes it too),
 each through :func:`~bamboo.rc.checkpoint_files.write_shard` (temporary names, fsync, rename, the manifest
-last). Each writer then sets a key in the
-c10d store; every node waits for all of them, the host of stage 0 writes ``<dir>/latest`` (the tag) the
-same way, and everyone returns. A failure confirmed meanwhile ends the wait (False, with a warning;
+last). Each writer then sets a key in the c10d store; every node waits for all of them, the host of stage 0
+writes ``<dir>/latest`` (the tag) with :func:`~bamboo.rc.checkpoint_files.write_atomic`, and everyone
+returns. A failure confirmed meanwhile ends the wait (False, with a warning;
 ``latest`` keeps its previous tag). The folder must be shared by the nodes, as DeepSpeed's pipeline
 checkpoints require: every node reads the files of the stages it builds, its replica's included.
 """

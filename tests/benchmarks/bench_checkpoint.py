@@ -10,7 +10,7 @@ run:
 - ``async``: ``AsyncCheckpointer.maybe_save`` (a snapshot in the loop, the rest in a thread).
 
 Also prints the time the loop spends inside the checkpoint call itself (``save`` for async,
-the whole write for sync). Run: ``.venv/bin/python packages/bamboo-launch/benchmarks/bench_checkpoint.py``
+the whole write for sync). Run: ``.venv/bin/python tests/benchmarks/bench_checkpoint.py``
 (``--help`` for the sizes). Not collected by pytest.
 """
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bamboo.launch.checkpoint import AsyncCheckpointer, write_checkpoint
+from bamboo.rc import AsyncCheckpointer, write_checkpoint
 
 MODES = ("none", "sync", "async")
 

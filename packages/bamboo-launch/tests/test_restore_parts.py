@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from bamboo.launch.checkpoint import CheckpointError, write_checkpoint
 from bamboo.launch.events import (
     EventLog,
     Reconfiguration,
@@ -23,6 +22,7 @@ from bamboo.launch.pauses import PauseBreakdown
 from bamboo.launch.reconfigure import next_history, restore_point, restore_slices, stage_shards
 from bamboo.launch.report import compute_report, format_report
 from bamboo.launch.worker_records import write_reconfiguration
+from bamboo.rc.checkpoint_files import CheckpointError, write_checkpoint
 from bamboo.reconfig import JobLayout, LayerSpec, Layout, RestorePoint, StartMode
 
 

@@ -11,12 +11,14 @@ import csv
 import itertools
 import math
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from bamboo.rc.checkpoint_files import CheckpointError
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
 from bamboo.rc.engine import Engine, initialize
 from bamboo.rc.evaluation import forward_only_streams
@@ -224,11 +226,65 @@ def test_save_at_k_then_train_equals_load_at_k_in_fresh_engines(
 
     saved = _nodes(tiny_config, save_and_go_on, job="ckpt-save")
     assert (tmp_path / "latest").read_text() == "global_step2"
-    assert sorted(p.name for p in (tmp_path / "global_step2").iterdir()) == ["stage-0.pt", "stage-1.pt"]
+    assert sorted(p.name for p in (tmp_path / "global_step2").iterdir()) == [
+        "stage-0.manifest.json", "stage-0.pt", "stage-1.manifest.json", "stage-1.pt"]
     _assert_identical(saved, _nodes(tiny_config, load_and_go_on, job="ckpt-load"))
     # D=2 loads the same checkpoint (the stage bounds are those of P=2)
     _nodes(tiny_config, lambda engine, rank: engine.load_checkpoint(tmp_path, tag="global_step2"), pipelines=2,
            job="ckpt-load-d2")
+
+
+def _variant(source: Path, tag: str, change: Callable[[Path], None]) -> None:
+    """A copy of checkpoint ``source`` as ``tag`` beside it, each stage file changed by ``change``."""
+    folder = source.parent / tag
+    shutil.copytree(source, folder)
+    for path in sorted(folder.glob("stage-*.pt")):
+        change(path)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _uncommit(path: Path) -> None:
+    path.with_name(path.name.replace(".pt", ".manifest.json")).unlink()
+
+
+def _as_before_manifests(path: Path) -> None:
+    """Rewrite a stage file as the engine wrote it before checkpoints had manifests (format 1)."""
+    shard = torch.load(path, weights_only=True)
+    del shard["format"]
+    torch.save(shard, path)
+    _uncommit(path)
+
+
+def test_load_checkpoint_verifies_each_stage_file_and_reads_the_old_format(
+    tiny_config: dict, sampler: GlobalBatchSampler, tmp_path: Path
+) -> None:
+    def save(engine: Engine, rank: int) -> Any:
+        data = _data(sampler, engine)
+        for _ in range(2):
+            engine.train_batch(data)
+        assert engine.save_checkpoint(tmp_path) is True
+        return _state(engine)
+
+    saved = _nodes(tiny_config, save, job="ckpt-verify-save")
+    _variant(tmp_path / "global_step2", "corrupt", _flip_a_byte)
+    _variant(tmp_path / "global_step2", "uncommitted", _uncommit)
+    _variant(tmp_path / "global_step2", "old", _as_before_manifests)
+
+    def load(engine: Engine, rank: int) -> Any:
+        with pytest.raises(CheckpointError, match=r"corrupt/stage-\d\.pt: sha256 .* \(corrupt\)"):
+            engine.load_checkpoint(tmp_path, tag="corrupt")
+        with pytest.raises(CheckpointError, match=r"uncommitted/stage-\d\.pt: no manifest, .* never committed"):
+            engine.load_checkpoint(tmp_path, tag="uncommitted")
+        path, _ = engine.load_checkpoint(tmp_path, tag="old")
+        assert path == str(tmp_path / "old") and engine.global_steps == 2
+        return _state(engine)
+
+    _assert_identical(saved, _nodes(tiny_config, load, job="ckpt-verify-load"))
 
 
 def test_load_checkpoint_errors(tiny_config: dict, tmp_path: Path) -> None:

@@ -18,7 +18,8 @@
 - :mod:`bamboo.launch.events`: the event log (typed records; JSON lines, or etcd on a cluster);
 - :mod:`bamboo.launch.report`: the final report from an event log (throughput, node-hours, spot
   and on-demand cost, value) and its four-panel plot;
-- :mod:`bamboo.launch.checkpoint`: atomic asynchronous checkpoints, loading the newest good one;
+- checkpoints of the live system (:class:`AsyncCheckpointer`, :func:`load_latest_good`, ...) are written in
+  bamboo-rc's one checkpoint format, :mod:`bamboo.rc.checkpoint_files`, and re-exported here;
 - :mod:`bamboo.launch.market`: the emulated spot market (a pure plan, a scheduler on an injectable
   clock, real process-group kills);
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
@@ -32,16 +33,6 @@ layer above this package, :mod:`bamboo.bench.measured`; this package never impor
 Importing this package does not import torch or matplotlib; the functions that need them do.
 """
 
-from bamboo.launch.checkpoint import (
-    AsyncCheckpointer,
-    CheckpointError,
-    CheckpointInfo,
-    LoadedCheckpoint,
-    NoGoodCheckpointError,
-    load_checkpoint,
-    load_latest_good,
-    write_checkpoint,
-)
 from bamboo.launch.events import (
     Checkpoint,
     Event,
@@ -83,6 +74,16 @@ from bamboo.launch.run import (
 )
 from bamboo.launch.script import ScriptError, train_worker
 from bamboo.launch.spec import JobSpec, Program, WorkerContext
+from bamboo.rc.checkpoint_async import AsyncCheckpointer
+from bamboo.rc.checkpoint_files import (
+    CheckpointError,
+    CheckpointInfo,
+    LoadedCheckpoint,
+    NoGoodCheckpointError,
+    load_checkpoint,
+    load_latest_good,
+    write_checkpoint,
+)
 
 __all__ = [
     "ActionKind",

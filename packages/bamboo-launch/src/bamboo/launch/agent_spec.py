@@ -109,7 +109,7 @@ def refuse_used_checkpoint_dir(directory: str | None, resume: bool) -> None:
     refused unless the job resumes from them (:class:`AgentError`, one line)."""
     if directory is None or resume:
         return
-    from bamboo.launch.checkpoint import list_checkpoints
+    from bamboo.rc.checkpoint_files import list_checkpoints
 
     found = list_checkpoints(directory)
     if found:

@@ -68,7 +68,7 @@ def export_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def export_checkpoint(directory: str | os.PathLike[str], step: int | None = None) -> tuple[int, dict[str, Any]]:
     """``(step, state dict)`` of the newest good checkpoint in ``directory`` (or of ``step``)."""
     import torch
-    from bamboo.launch.checkpoint import (
+    from bamboo.rc.checkpoint_files import (
         CheckpointError,
         list_checkpoints,
         load_checkpoint,

@@ -27,8 +27,9 @@ from bamboo.launch.stop import Boundary
 from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
 
 if TYPE_CHECKING:
-    from bamboo.launch.checkpoint import AsyncCheckpointer, CheckpointInfo
     from bamboo.rc import Engine, FailoverRecord, StageExecutor
+    from bamboo.rc.checkpoint_async import AsyncCheckpointer
+    from bamboo.rc.checkpoint_files import CheckpointInfo
     from bamboo.reconfig import JobLayout
 
 __all__ = ["Ending", "WorkerState", "checkpoint", "failover_records", "pipeline_batches", "reports_the_job",
@@ -230,8 +231,9 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
     ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
     succeeded: a node declared dead writes no checkpoint.
     """
-    from bamboo.launch.checkpoint import AsyncCheckpointer
     from bamboo.launch.events import Checkpoint
+    from bamboo.rc.checkpoint_async import AsyncCheckpointer
+    from bamboo.rc.checkpoint_files import stage_shard
 
     spec, log = run.spec, run.log
 
@@ -249,7 +251,7 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
 
     for stage in executor.hosted:
         if stage not in checkpointers:
-            checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=f"stage-{stage}",
+            checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=stage_shard(stage),
                                                      every_steps=spec.checkpoint_every, on_commit=committed,
                                                      before_commit=may_commit)
         if final and executor.step % spec.checkpoint_every:

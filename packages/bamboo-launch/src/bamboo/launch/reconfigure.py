@@ -110,7 +110,9 @@ def transfer_participants(plan: TransferPlan) -> list[str]:
 
 def stage_shards(stages: Iterable[int]) -> list[str]:
     """Checkpoint shard names of ``stages`` (``stage-<s>``: pipeline 0's host of each stage writes its own)."""
-    return [f"stage-{stage}" for stage in sorted(stages)]
+    from bamboo.rc.checkpoint_files import stage_shard
+
+    return [stage_shard(stage) for stage in sorted(stages)]
 
 
 class _StderrHandler(logging.Handler):
@@ -124,11 +126,11 @@ def restore_point(checkpoint_dir: str | None, stages: int, missing: Sequence[int
     """``(step, folder)`` of the checkpoint to restart from when no survivor holds ``missing``.
 
     The newest step whose shards ``stage-0`` ... ``stage-<stages-1>`` all verify and load
-    (:func:`bamboo.launch.checkpoint.load_latest_good`; each rejected shard is logged to stderr
+    (:func:`bamboo.rc.checkpoint_files.load_latest_good`; each rejected shard is logged to stderr
     with its file and reason). Raises ``RuntimeError`` naming the lost stages if the run has no
     checkpoint directory or no good checkpoint in it.
     """
-    from bamboo.launch.checkpoint import NoGoodCheckpointError, load_latest_good
+    from bamboo.rc.checkpoint_files import NoGoodCheckpointError, load_latest_good
 
     lost = ",".join(map(str, sorted(missing)))
     if checkpoint_dir is None:
@@ -147,7 +149,7 @@ def restore_point(checkpoint_dir: str | None, stages: int, missing: Sequence[int
 
 def checkpoint_history(folder: str) -> list[tuple[int, int]]:
     """The run's ``(first step, pipelines)`` history stored with a checkpoint (every shard holds it)."""
-    from bamboo.launch.checkpoint import load_checkpoint
+    from bamboo.rc.checkpoint_files import load_checkpoint
 
     shard = next(iter(sorted(Path(folder).glob("stage-*.manifest.json"))), None)
     if shard is None:
@@ -182,7 +184,7 @@ def restore_slices(layout: JobLayout, slices: MutableMapping[int, TrainableSlice
             piece.load_state_bytes(copies.load(stage, restore.step, restore.memory[stage], bounds,
                                                lineage(layout.history, restore.step)))
         return int(restore.step)
-    from bamboo.launch.checkpoint import load_checkpoint
+    from bamboo.rc.checkpoint_files import load_checkpoint
 
     loaded = load_checkpoint(restore.path, stage_shards(slices))
     if loaded.step != layout.start_step:
@@ -205,8 +207,8 @@ def nearest_restore(kv: KeyValueStore, spec: JobSpec, missing: Sequence[int], bo
        or a run without checkpoints), the job's seeded initial state: it starts over from step 0, exactly, and
        says in its log what was lost and what would have saved more of it.
     """
-    from bamboo.launch.checkpoint import list_checkpoints
     from bamboo.launch.memcopy import memory_restore, read_indexes
+    from bamboo.rc.checkpoint_files import list_checkpoints
     from bamboo.reconfig import RestorePoint
 
     live = set(alive)

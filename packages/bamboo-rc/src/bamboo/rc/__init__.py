@@ -7,14 +7,27 @@ bounds it is given (by default bamboo-reconfig's split, :func:`bamboo.rc.model.s
 `initialize` is the DeepSpeed-compatible front door (`PipelineModule`: DeepSpeed's, as a description
 that needs no process group); `from_transformers` splits a Hugging Face causal LM into its layers;
 `bamboo.rc.data` holds resumable token datasets; `bamboo-rc verify` checks an install end to
-end.
+end. Bamboo's one checkpoint format (shards with manifests, atomic writes, newest-good loading) is
+`bamboo.rc.checkpoint_files`; `AsyncCheckpointer` writes it in the background, and the engine's
+`save_checkpoint` writes it too.
 
-Importing ``bamboo.rc`` does not import torch: the failure records, the failover coordinator and the
-timeouts are plain Python; the engine, the executor and the model load torch on first use.
+Importing ``bamboo.rc`` does not import torch: the failure records, the failover coordinator, the
+checkpoint files and the timeouts are plain Python; the engine, the executor and the model load torch
+on first use.
 """
 
 from typing import TYPE_CHECKING, Any
 
+from bamboo.rc.checkpoint_async import AsyncCheckpointer
+from bamboo.rc.checkpoint_files import (
+    CheckpointError,
+    CheckpointInfo,
+    LoadedCheckpoint,
+    NoGoodCheckpointError,
+    load_checkpoint,
+    load_latest_good,
+    write_checkpoint,
+)
 from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import (
     AgreementError,
@@ -70,6 +83,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "REDUNDANCY_MODES",
     "AgreementError",
+    "AsyncCheckpointer",
+    "CheckpointError",
+    "CheckpointInfo",
     "CommTimeouts",
     "ConfigError",
     "ConfigWarning",
@@ -85,7 +101,9 @@ __all__ = [
     "HandedOver",
     "KillPoint",
     "Layout",
+    "LoadedCheckpoint",
     "MonitorConfig",
+    "NoGoodCheckpointError",
     "NoticePoint",
     "PeerFailure",
     "PipelineModule",
@@ -100,6 +118,9 @@ __all__ = [
     "import_stage_state",
     "initialize",
     "layer_costs",
+    "load_checkpoint",
     "load_config",
+    "load_latest_good",
     "stage_bounds",
+    "write_checkpoint",
 ]

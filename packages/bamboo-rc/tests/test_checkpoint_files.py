@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from bamboo.launch.checkpoint import (
-    AsyncCheckpointer,
+from bamboo.rc.checkpoint_async import AsyncCheckpointer
+from bamboo.rc.checkpoint_files import (
     CheckpointError,
     CheckpointInfo,
     NoGoodCheckpointError,
@@ -95,7 +95,7 @@ def test_bad_newest_checkpoint_falls_back_to_previous_good(
     corrupt(newest)
     with pytest.raises(CheckpointError, match=reason):
         load_checkpoint(newest)
-    with caplog.at_level(logging.ERROR, logger="bamboo.launch.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="bamboo.rc.checkpoint_files"):
         loaded = load_latest_good(tmp_path)
     assert loaded.step == 10
     assert_state_equal(loaded.state, state_at(10))
@@ -147,7 +147,7 @@ def test_sharded_step_needs_every_shard(tmp_path: Path, caplog: pytest.LogCaptur
             write_checkpoint(
                 tmp_path, step, {"stage": index, "w": torch.full((2,), float(step + index))}, stage
             )
-    with caplog.at_level(logging.ERROR, logger="bamboo.launch.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="bamboo.rc.checkpoint_files"):
         loaded = load_latest_good(tmp_path, shards=stages)
     assert loaded.step == 10 and sorted(loaded.shards) == stages
     assert torch.equal(loaded.shards["stage-1"]["w"], torch.full((2,), 11.0))

@@ -103,7 +103,7 @@ def test_synthetic_bulks_stay_within_one_zone() -> None:
 
 
 def test_synthetic_spec_validation_names_the_value() -> None:
-    with pytest.raises(ValueError, match=re.escape("preemption_probability must be in [0, 1], got 1.5")):
+    with pytest.raises(ValueError, match=re.escape("'preemption_probability' must be <= 1: 1.5")):
         SyntheticSpec(preemption_probability=1.5)
     with pytest.raises(ValueError, match=re.escape("'bulk_mean' must be >= 1: 0.5")):
         SyntheticSpec(preemption_probability=0.1, bulk_mean=0.5)

@@ -184,7 +184,7 @@ def test_etcd_options_validation_names_the_bad_value() -> None:
         EtcdOptions(endpoints=("h:1",), user="u")
     with pytest.raises(ValueError, match="ca_cert"):
         EtcdOptions(endpoints=("h:1",), cert_cert="c", cert_key="k")
-    with pytest.raises(ValueError, match="-1"):
+    with pytest.raises(ValueError, match="'timeout' must be > 0: -1"):
         EtcdOptions(endpoints=("h:1",), timeout=-1)
 
 
@@ -282,5 +282,9 @@ def test_a_fence_must_be_a_node_of_the_same_job(store: MembershipStore) -> None:
     guard = Guard(node="n", key="/bamboo/other-job/nodes/n", create_revision=1, lease=1)
     with pytest.raises(ValueError, match="other-job"):
         MembershipStore(store.kv, store.keys.job, fence=guard)
-    with pytest.raises(ValueError, match="create_revision"):
+    with pytest.raises(ValueError, match="'create_revision' must be > 0: 0"):
         Guard(node="n", key="k", create_revision=0, lease=1)
+    with pytest.raises(ValueError, match="bool"):
+        Guard(node="n", key="k", create_revision=1, lease=True)
+    with pytest.raises(TypeError, match="'lease' must be <class 'int'>"):
+        Guard(node="n", key="k", create_revision=1, lease=1.0)

@@ -47,10 +47,10 @@ def test_unsupported_key_fails_the_front_door(tiny_config: dict) -> None:
     ("config", "message"),
     [
         ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb"}}, "unsupported optimizer type 'Lamb'"),
-        ({"train_micro_batch_size_per_gpu": 0}, "must be a positive integer, got 0"),
+        ({"train_micro_batch_size_per_gpu": 0}, "'micro_batch_size' must be >= 1: 0"),
         ({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 5}, "train_batch_size 5"),
         ({"gradient_accumulation_steps": 2}, "needs 'train_micro_batch_size_per_gpu'"),
-        ({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": -1.0}, "got -1.0"),
+        ({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": -1.0}, "'gradient_clipping' must be >= 0.0: -1.0"),
     ],
 )
 def test_bad_values_name_the_value(config: dict, message: str) -> None:
@@ -84,3 +84,16 @@ def test_scheduler_matches_deepspeed(kind: str, warmup_type: str) -> None:
         ours_opt.step()
         ours.step()
         theirs.step()
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        ({"width": 0}, "'width' must be >= 1: 0"),
+        ({"dropout": 1.0}, "'dropout' must be < 1: 1.0"),
+        ({"dropout": -0.1}, "'dropout' must be >= 0: -0.1"),
+    ],
+)
+def test_model_sizes_name_the_bad_value(size: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GPTSize(**size)

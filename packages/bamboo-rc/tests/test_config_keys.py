@@ -55,6 +55,8 @@ def test_a_real_config_gives_one_line_per_key_and_trains_the_same(tiny_config: d
     [
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "'fp16' and 'bf16' are both enabled: choose one"),
         ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16: 'hysteresis' must be > 0: 0"),
+        ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16: 'min_loss_scale' must be > 0.0: 0.0"),
+        ({"fp16": {"enabled": True, "min_loss_scale": float("inf")}}, "fp16: 'min_loss_scale' must be < inf: inf"),
         ({"fp16": {"enabled": True, "loss_scale_window": 1.5}}, "fp16.loss_scale_window must be an integer, got 1.5"),
         ({"fp16": {"enabled": True, "consecutive_hysteresis": 1}},
          "fp16.consecutive_hysteresis must be true or false, got 1"),

@@ -96,3 +96,12 @@ def test_a_failover_record_says_who_failed_and_how_long_the_pause_was() -> None:
     assert FAILOVER.pause_s == pytest.approx(0.05)
     ended = FAILOVER.ended(10.5, {"F": 0.75, "BR": 0.25})
     assert ended.iteration_end == 10.5 and ended.recovery_kinds == {"F": 0.25, "BR": 0.25}
+
+
+def test_built_records_refuse_counts_that_are_not_ints_at_least_zero() -> None:
+    with pytest.raises(ValueError, match="'done' must be >= 0: -1"):
+        ProgressRecord(done=-1, step=0)
+    with pytest.raises(ValueError, match="bool"):
+        ProgressRecord(done=0, step=True)
+    with pytest.raises(TypeError, match="'step' must be <class 'int'>"):
+        ProgressRecord(done=0, step=1.0)

@@ -58,8 +58,14 @@ def test_constructor_messages_name_the_offending_value() -> None:
         Instruction(Kind.FORWARD, 1)
     with pytest.raises(ValueError, match="peer"):
         Instruction(Kind.SEND_ACT, 1, 2)
-    with pytest.raises(ValueError, match="-3"):
+    with pytest.raises(ValueError, match="'stage' must be >= 0: -3"):
         Instruction(Kind.FORWARD, -3, 0)
+    with pytest.raises(ValueError, match="'peer' must be >= 0: -1"):
+        Instruction(Kind.SEND_ACT, 1, 2, -1)
+    with pytest.raises(ValueError, match="bool"):
+        Instruction(Kind.FORWARD, 1, True)
+    with pytest.raises(TypeError, match="'stage' must be <class 'int'>"):
+        Instruction(Kind.FORWARD, None, 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no microbatch"):
         Instruction(Kind.ALLREDUCE, 1, 4)
 

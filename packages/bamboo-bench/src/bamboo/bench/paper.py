@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from bamboo.bench._validators import PROBABILITY
 from bamboo.bench.profile import ModelProfile, load_profile
 from bamboo.bench.simulator import AveragedResult, Policy, Strategy, average_results, simulate_run
 from bamboo.bench.sweep import sweep
@@ -67,11 +68,6 @@ def _metric(_instance: object, _attribute: attrs.Attribute, value: str) -> None:
         raise ValueError(f"unknown metric {value!r}; known: {', '.join(METRICS)}")
 
 
-def _probability(_instance: object, _attribute: attrs.Attribute, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"probability must be in [0, 1], got {value!r}")
-
-
 def _finite(_instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not math.isfinite(value):
         raise ValueError(f"{attribute.name} must be a finite number, got {value!r}")
@@ -83,7 +79,7 @@ class PaperFigure:
 
     model: str
     strategy: Strategy
-    probability: float = attrs.field(validator=_probability)
+    probability: float = attrs.field(validator=PROBABILITY)
     metric: str = attrs.field(validator=_metric)
     value: float = attrs.field(validator=_finite)
 
@@ -107,7 +103,8 @@ class PaperTable:
     source: str
     models: tuple[str, ...] = attrs.field(converter=tuple)
     strategies: tuple[Strategy, ...] = attrs.field(converter=tuple)
-    probabilities: tuple[float, ...] = attrs.field(converter=tuple)
+    probabilities: tuple[float, ...] = attrs.field(converter=tuple,
+                                                  validator=attrs.validators.deep_iterable(PROBABILITY))
     metrics: tuple[str, ...] = attrs.field(converter=tuple)
     tolerances: Mapping[str, float] = attrs.field(factory=dict)
     figures: tuple[PaperFigure, ...] = attrs.field(default=(), converter=tuple)
@@ -121,8 +118,6 @@ class PaperTable:
                 raise ValueError(f"table {self.key!r}: {name} must not be empty")
             if len(set(values)) != len(values):
                 raise ValueError(f"table {self.key!r}: {name} repeats a value: {list(values)}")
-        for probability in self.probabilities:
-            _probability(self, attrs.fields(PaperTable).probabilities, probability)
         for metric in self.metrics:
             _metric(self, attrs.fields(PaperTable).metrics, metric)
         for metric, tolerance in self.tolerances.items():

@@ -26,26 +26,22 @@ import random
 from collections.abc import Iterator
 
 import attrs
+from bamboo.bench._validators import PROBABILITY
 from bamboo.bench.trace import Trace
 
 __all__ = ["SyntheticSpec", "SyntheticTraceGenerator", "generate_trace"]
-
-
-def _probability(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
 
 
 @attrs.frozen
 class SyntheticSpec:
     """The parameters of the synthetic model (see the module docstring)."""
 
-    preemption_probability: float = attrs.field(validator=_probability)
+    preemption_probability: float = attrs.field(validator=PROBABILITY)
     desired_nodes: int = attrs.field(default=48, validator=attrs.validators.ge(1))
     zones: int = attrs.field(default=3, validator=attrs.validators.ge(1))
     bulk_mean: float = attrs.field(default=1.0, validator=attrs.validators.ge(1))
     random_allocation: bool = True
-    allocation_probability: float = attrs.field(default=0.5, validator=_probability)
+    allocation_probability: float = attrs.field(default=0.5, validator=PROBABILITY)
     start_full: bool = False
     """Every one of ``desired_nodes`` is allocated at time 0 (a job launched on its nodes), instead of each with
     the first hour's allocation probability (the paper's model: a cluster that starts as the market allows)."""

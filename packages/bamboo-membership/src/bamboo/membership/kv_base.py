@@ -54,6 +54,9 @@ class FencedError(StoreError):
         super().__init__(f"node {node!r} is fenced: the write to {key} was refused ({detail})")
 
 
+_POSITIVE = attrs.validators.gt(0)
+
+
 def _check_endpoint(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     if not value:
         raise ValueError("EtcdOptions.endpoints must name at least one host:port")
@@ -61,11 +64,6 @@ def _check_endpoint(_: object, attribute: attrs.Attribute[Any], value: tuple[str
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"EtcdOptions.endpoints: {endpoint!r} is not host:port")
-
-
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"EtcdOptions.{attribute.name} must be > 0, got {value!r}")
 
 
 @attrs.frozen
@@ -82,11 +80,11 @@ class EtcdOptions:
     ca_cert: str | None = None
     cert_cert: str | None = None
     cert_key: str | None = None
-    timeout: float = attrs.field(default=timeouts.ETCD_RPC_TIMEOUT_S, validator=_positive)
-    reconnect_backoff_min: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MIN_S, validator=_positive)
-    reconnect_backoff_max: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MAX_S, validator=_positive)
-    watch_retry_interval: float = attrs.field(default=timeouts.WATCH_RETRY_INTERVAL_S, validator=_positive)
-    watch_start_timeout: float = attrs.field(default=timeouts.WATCH_START_TIMEOUT_S, validator=_positive)
+    timeout: float = attrs.field(default=timeouts.ETCD_RPC_TIMEOUT_S, validator=_POSITIVE)
+    reconnect_backoff_min: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MIN_S, validator=_POSITIVE)
+    reconnect_backoff_max: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MAX_S, validator=_POSITIVE)
+    watch_retry_interval: float = attrs.field(default=timeouts.WATCH_RETRY_INTERVAL_S, validator=_POSITIVE)
+    watch_start_timeout: float = attrs.field(default=timeouts.WATCH_START_TIMEOUT_S, validator=_POSITIVE)
 
     def __attrs_post_init__(self) -> None:
         if (self.user is None) != (self.password is None):
@@ -110,9 +108,9 @@ class KeyValue:
     lease: int = 0
 
 
-def _positive_int(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"Guard.{attribute.name} must be a positive integer, got {value!r}")
+_REVISION = attrs.validators.and_(attrs.validators.instance_of(int),
+                                  attrs.validators.not_(attrs.validators.instance_of(bool)), attrs.validators.gt(0))
+"""An etcd revision or lease id: an int (not a bool) > 0."""
 
 
 @attrs.frozen
@@ -127,8 +125,8 @@ class Guard:
 
     node: str
     key: str
-    create_revision: int = attrs.field(validator=_positive_int)
-    lease: int = attrs.field(validator=_positive_int)
+    create_revision: int = attrs.field(validator=_REVISION)
+    lease: int = attrs.field(validator=_REVISION)
 
 
 class EventKind(enum.Enum):

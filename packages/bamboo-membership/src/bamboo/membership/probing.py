@@ -43,11 +43,6 @@ Prober = Callable[[NodeRecord, float], ProbeResult]
 """Probe a node's agent with a deadline in seconds. Must not raise; must return within about the deadline."""
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"DetectorConfig.{attribute.name} must be > 0, got {value!r}")
-
-
 @attrs.frozen
 class DetectorConfig:
     """Timing of the probe path (seconds).
@@ -58,9 +53,9 @@ class DetectorConfig:
     - `probe_interval`: pause between two probes of the same suspect.
     """
 
-    grace_period: float = attrs.field(default=timeouts.GRACE_PERIOD_S, validator=_positive)
-    probe_timeout: float = attrs.field(default=timeouts.PROBE_TIMEOUT_S, validator=_positive)
-    probe_interval: float = attrs.field(default=timeouts.PROBE_INTERVAL_S, validator=_positive)
+    grace_period: float = attrs.field(default=timeouts.GRACE_PERIOD_S, validator=attrs.validators.gt(0))
+    probe_timeout: float = attrs.field(default=timeouts.PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
+    probe_interval: float = attrs.field(default=timeouts.PROBE_INTERVAL_S, validator=attrs.validators.gt(0))
 
     def __attrs_post_init__(self) -> None:
         if self.probe_timeout > self.grace_period:

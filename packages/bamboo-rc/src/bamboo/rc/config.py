@@ -128,14 +128,7 @@ class SchedulerConfig:
     params: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
 
 
-def _positive(_instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
-
-
-def _finite_non_negative(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not (value >= 0.0 and math.isfinite(value)):
-        raise ConfigError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+_FINITE_NON_NEGATIVE = attrs.validators.and_(attrs.validators.ge(0.0), attrs.validators.lt(math.inf))
 
 
 @attrs.frozen
@@ -152,11 +145,11 @@ class MonitorConfig:
 class TrainingConfig:
     """What bamboo takes from a DeepSpeed config."""
 
-    micro_batch_size: int = attrs.field(validator=_positive)
-    micro_batches: int = attrs.field(validator=_positive)
+    micro_batch_size: int = attrs.field(validator=attrs.validators.ge(1))
+    micro_batches: int = attrs.field(validator=attrs.validators.ge(1))
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig("adamw", {"lr": 1e-3}))
     scheduler: SchedulerConfig | None = None
-    gradient_clipping: float = attrs.field(default=0.0, validator=_finite_non_negative)
+    gradient_clipping: float = attrs.field(default=0.0, validator=_FINITE_NON_NEGATIVE)
     bf16: bool = False
     monitors: tuple[MonitorConfig, ...] = attrs.field(default=(), converter=tuple)
     """The enabled monitors (:mod:`bamboo.rc.monitor` writes them)."""
@@ -309,16 +302,19 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
     clip = config.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)):
         raise ConfigError(f"gradient_clipping must be a number, got {clip!r}")
-    return TrainingConfig(
-        micro_batch_size=micro,
-        micro_batches=accumulation,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        gradient_clipping=float(clip),
-        bf16=bf16,
-        monitors=monitors,
-        fp16=fp16,
-    )
+    try:
+        return TrainingConfig(
+            micro_batch_size=micro,
+            micro_batches=accumulation,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            gradient_clipping=float(clip),
+            bf16=bf16,
+            monitors=monitors,
+            fp16=fp16,
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _fp16(config: Mapping[str, Any]) -> LossScaleConfig | None:

@@ -50,25 +50,20 @@ StageBounds = tuple[tuple[int, int], ...]
 VOCAB_SIZE = 256
 
 
-def _positive(_instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
-
-
-def _probability(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1), got {value!r}")
+_POSITIVE = attrs.validators.ge(1)
+_DROPOUT = attrs.validators.and_(attrs.validators.ge(0), attrs.validators.lt(1))
+"""A dropout probability: in [0, 1)."""
 
 
 @attrs.frozen
 class GPTSize:
     """The size of the example decoder, from tiny upwards."""
 
-    layers: int = attrs.field(default=4, validator=_positive)
-    width: int = attrs.field(default=64, validator=_positive)
-    heads: int = attrs.field(default=4, validator=_positive)
-    sequence: int = attrs.field(default=32, validator=_positive)
-    dropout: float = attrs.field(default=0.0, converter=float, validator=_probability)
+    layers: int = attrs.field(default=4, validator=_POSITIVE)
+    width: int = attrs.field(default=64, validator=_POSITIVE)
+    heads: int = attrs.field(default=4, validator=_POSITIVE)
+    sequence: int = attrs.field(default=32, validator=_POSITIVE)
+    dropout: float = attrs.field(default=0.0, converter=float, validator=_DROPOUT)
     """Dropout probability after the embedding, the attention and the MLP (GPT-2's places); 0 = none."""
 
     def __attrs_post_init__(self) -> None:

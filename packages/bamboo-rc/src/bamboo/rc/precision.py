@@ -52,9 +52,8 @@ class LossScaleError(RuntimeError):
     """A gradient overflowed at the minimum loss scale: DeepSpeed stops the run there too."""
 
 
-def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)):
-        raise ValueError(f"fp16.{attribute.name} must be a finite number > 0, got {value!r}")
+_FINITE_POSITIVE = attrs.validators.and_(attrs.validators.gt(0.0), attrs.validators.lt(math.inf))
+"""A loss scale after ``converter=float``: finite and > 0."""
 
 
 @attrs.frozen
@@ -68,7 +67,7 @@ class LossScaleConfig:
     loss_scale_window: int = attrs.field(default=1000, validator=attrs.validators.gt(0))
     hysteresis: int = attrs.field(default=2, validator=attrs.validators.gt(0))
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = attrs.field(default=1.0, converter=float, validator=_positive)
+    min_loss_scale: float = attrs.field(default=1.0, converter=float, validator=_FINITE_POSITIVE)
 
     @property
     def dynamic(self) -> bool:
@@ -86,7 +85,7 @@ class LossScale:
     """The loss-scale state after ``iteration`` steps: DeepSpeed's ``cur_scale``, ``cur_iter``,
     ``last_overflow_iter`` and ``cur_hysteresis``."""
 
-    scale: float = attrs.field(converter=float, validator=_positive)
+    scale: float = attrs.field(converter=float, validator=_FINITE_POSITIVE)
     iteration: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     last_overflow: int = attrs.field(default=-1, validator=attrs.validators.ge(-1))
     hysteresis: int = attrs.field(default=2, validator=attrs.validators.ge(0))

@@ -161,9 +161,10 @@ def _sorted_ranks(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(value))
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+_NON_NEGATIVE_INT = attrs.validators.and_(attrs.validators.instance_of(int),
+                                          attrs.validators.not_(attrs.validators.instance_of(bool)),
+                                          attrs.validators.ge(0))
+"""An int (not a bool) >= 0."""
 
 
 @attrs.frozen
@@ -193,9 +194,9 @@ class SuspicionRecord(JsonRecord):
 
     RECORD: ClassVar[str] = "suspicion"
 
-    epoch: int = attrs.field(validator=_non_negative)
-    reporter: int = attrs.field(validator=_non_negative)
-    peer: int = attrs.field(validator=_non_negative)
+    epoch: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    reporter: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    peer: int = attrs.field(validator=_NON_NEGATIVE_INT)
     instruction: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,7 +217,7 @@ class CommitResult(JsonRecord):
 
     RECORD: ClassVar[str] = "commit result"
 
-    step: int = attrs.field(validator=_non_negative)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     squared_norm: float = attrs.field(converter=float)
     loss: float = attrs.field(converter=float)
 
@@ -242,8 +243,8 @@ class ProgressRecord(JsonRecord):
 
     RECORD: ClassVar[str] = "progress"
 
-    done: int = attrs.field(validator=_non_negative)
-    step: int = attrs.field(validator=_non_negative)
+    done: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     remainder: bool = False
     commit: CommitResult | None = None
 
@@ -267,10 +268,10 @@ class HandoverRecord(JsonRecord):
 
     RECORD: ClassVar[str] = "hand-over"
 
-    rank: int = attrs.field(validator=_non_negative)
-    pipeline: int = attrs.field(validator=_non_negative)
-    node: int = attrs.field(validator=_non_negative)
-    step: int = attrs.field(validator=_non_negative)
+    rank: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    pipeline: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    node: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
 
     def to_dict(self) -> dict[str, Any]:
         return {"v": RECORD_VERSION, "rank": self.rank, "pipeline": self.pipeline, "node": self.node, "step": self.step}
@@ -323,10 +324,10 @@ class FailoverRecord(JsonRecord):
 
     RECORD: ClassVar[str] = "failover record"
 
-    epoch: int = attrs.field(validator=_non_negative)
+    epoch: int = attrs.field(validator=_NON_NEGATIVE_INT)
     victims: dict[int, tuple[int, ...]] = attrs.field(converter=_victims_by_pipeline)
     """Pipeline -> the nodes (stages of the fault-free layout) that failed in it."""
-    step: int = attrs.field(validator=_non_negative)
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
     cut: dict[int, int] | None = attrs.field(converter=_optional_cut)
     """Node -> instructions completed at the agreed cut, for the node's own pipeline; None when its
     pipeline lost nobody."""

@@ -97,9 +97,9 @@ _CODES = {kind.value: kind for kind in Kind}
 _FORM = re.compile(r"^(\d+)([A-Z]+)(\d+)?(?:([<>])(\d+))?$")
 
 
-def _non_negative(_inst: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"{attribute.name} must be a non-negative int or None, got {value!r}")
+_INDEX = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.not_(attrs.validators.instance_of(bool)),
+                               attrs.validators.ge(0))
+"""A stage, micro-batch or node index: an int (not a bool) >= 0."""
 
 
 @attrs.frozen(order=False)
@@ -114,9 +114,9 @@ class Instruction:
     """
 
     kind: Kind = attrs.field(validator=attrs.validators.instance_of(Kind))
-    stage: int = attrs.field(validator=_non_negative)
-    microbatch: int | None = attrs.field(default=None, validator=_non_negative)
-    peer: int | None = attrs.field(default=None, validator=_non_negative)
+    stage: int = attrs.field(validator=_INDEX)
+    microbatch: int | None = attrs.field(default=None, validator=attrs.validators.optional(_INDEX))
+    peer: int | None = attrs.field(default=None, validator=attrs.validators.optional(_INDEX))
 
     def __attrs_post_init__(self) -> None:
         if (self.microbatch is None) != (self.kind in PER_ITERATION):

@@ -42,29 +42,30 @@ from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
 __all__ = ["Costs", "SimResult", "StageCost", "simulate"]
 
 
-def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    # Hand-written, not attrs' instance_of/not_/ge: a costs file reaches it as JSON, and its one-line message
+    # names the field and the value for a string or a bool too (attrs' type errors carry a tuple with the
+    # Attribute's repr, and not_'s names neither the field nor the value).
     if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
 
 
-def _optional(_inst: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None:
-        _positive(_inst, attribute, value)
+_OPTIONAL_NON_NEGATIVE = attrs.validators.optional(_non_negative)
 
 
 @attrs.frozen
 class StageCost:
     """Durations (ms) and tensor sizes (MB) of one stage."""
 
-    forward_ms: float = attrs.field(default=1.0, validator=_positive)
-    backward_ms: float = attrs.field(default=2.0, validator=_positive)
-    frc_ms: float | None = attrs.field(default=None, validator=_optional)
-    brc_ms: float | None = attrs.field(default=None, validator=_optional)
-    optimizer_ms: float = attrs.field(default=0.2, validator=_positive)
-    activation_mb: float = attrs.field(default=1.0, validator=_positive)
-    stash_mb: float = attrs.field(default=4.0, validator=_positive)
-    grad_mb: float = attrs.field(default=16.0, validator=_positive)
-    allreduce_ms: float | None = attrs.field(default=None, validator=_optional)
+    forward_ms: float = attrs.field(default=1.0, validator=_non_negative)
+    backward_ms: float = attrs.field(default=2.0, validator=_non_negative)
+    frc_ms: float | None = attrs.field(default=None, validator=_OPTIONAL_NON_NEGATIVE)
+    brc_ms: float | None = attrs.field(default=None, validator=_OPTIONAL_NON_NEGATIVE)
+    optimizer_ms: float = attrs.field(default=0.2, validator=_non_negative)
+    activation_mb: float = attrs.field(default=1.0, validator=_non_negative)
+    stash_mb: float = attrs.field(default=4.0, validator=_non_negative)
+    grad_mb: float = attrs.field(default=16.0, validator=_non_negative)
+    allreduce_ms: float | None = attrs.field(default=None, validator=_OPTIONAL_NON_NEGATIVE)
     """The data-parallel all-reduce's time, when measured (a group of one pipeline takes none); default: a ring
     all-reduce of ``grad_mb``."""
 
@@ -89,9 +90,9 @@ class Costs:
 
     default: StageCost = attrs.field(factory=StageCost)
     stages: tuple[StageCost, ...] = attrs.field(default=(), converter=tuple)
-    latency_ms: float = attrs.field(default=0.05, validator=_positive)
-    link_gb_per_s: float = attrs.field(default=10.0, validator=_positive)
-    swap_gb_per_s: float = attrs.field(default=12.0, validator=_positive)
+    latency_ms: float = attrs.field(default=0.05, validator=_non_negative)
+    link_gb_per_s: float = attrs.field(default=10.0, validator=_non_negative)
+    swap_gb_per_s: float = attrs.field(default=12.0, validator=_non_negative)
     swap_overlaps: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     """Swap-outs and swap-ins run beside the computation (a copy on a side stream, or none on a CPU)."""
     sync_overlaps: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 from bamboo.bench import timeouts
+from bamboo.bench._validators import POSITIVE_INT
 from bamboo.launch.market import ActionKind, MarketAction
 
 __all__ = [
@@ -39,8 +40,6 @@ __all__ = [
 SPEC_ENV = "BAMBOO_BASELINE_SPEC"
 """The environment variable naming the worker's :class:`BaselineSpec` file."""
 
-_WHOLE = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.gt(0))
-
 
 @attrs.frozen
 class CheckpointInterval:
@@ -51,7 +50,7 @@ class CheckpointInterval:
     seconds, ``sqrt(2 x checkpoint_cost_s x mtbf_s)``.
     """
 
-    steps: int = attrs.field(validator=_WHOLE)
+    steps: int = attrs.field(validator=POSITIVE_INT)
     rule: str = attrs.field(validator=attrs.validators.in_(("young", "no interruptions", "given")))
     checkpoint_cost_s: float | None = None
     mtbf_s: float | None = None
@@ -164,9 +163,9 @@ def usable_pipelines(world: int, stages: int, pipelines: int, micro_batches: int
 class BaselineSpec:
     """The job every baseline worker runs (JSON in the file named by ``BAMBOO_BASELINE_SPEC``)."""
 
-    stages: int = attrs.field(validator=_WHOLE)
-    pipelines: int = attrs.field(validator=_WHOLE)
-    steps: int = attrs.field(validator=_WHOLE)
+    stages: int = attrs.field(validator=POSITIVE_INT)
+    pipelines: int = attrs.field(validator=POSITIVE_INT)
+    steps: int = attrs.field(validator=POSITIVE_INT)
     size: dict[str, int]
     seed: int
     config: dict[str, Any]
@@ -174,10 +173,10 @@ class BaselineSpec:
     events: str
     checkpoint_dir: str
     start_unix: float
-    checkpoint_every: int | None = attrs.field(default=None, validator=attrs.validators.optional(_WHOLE))
+    checkpoint_every: int | None = attrs.field(default=None, validator=attrs.validators.optional(POSITIVE_INT))
     mtbf_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
-    measure_steps: int = attrs.field(default=3, validator=_WHOLE)
-    min_pipelines: int = attrs.field(default=1, validator=_WHOLE)
+    measure_steps: int = attrs.field(default=3, validator=POSITIVE_INT)
+    min_pipelines: int = attrs.field(default=1, validator=POSITIVE_INT)
     idle_poll_s: float = attrs.field(default=timeouts.BASELINE_IDLE_POLL_S, validator=attrs.validators.gt(0))
 
     def to_json(self) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import attrs
 from bamboo.bench import timeouts
+from bamboo.bench._validators import POSITIVE_INT
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.report import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
 from bamboo.launch.spec import DEFAULT_REDUNDANCY, REDUNDANCY
@@ -33,7 +34,7 @@ BAMBOO_REDUNDANCY = DEFAULT_REDUNDANCY
 default, ``auto`` (on-demand runs none)."""
 
 _POSITIVE = attrs.validators.optional(attrs.validators.gt(0))
-_WHOLE = attrs.validators.optional(attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.gt(0)))
+_WHOLE = attrs.validators.optional(POSITIVE_INT)
 
 
 class CompareError(ValueError):

@@ -71,6 +71,7 @@ from typing import Any
 
 import attrs
 from bamboo.bench import timeouts
+from bamboo.bench._validators import POSITIVE_INT
 from bamboo.bench.measured.baseline import (
     SPEC_ENV,
     BaselineSpec,
@@ -106,8 +107,6 @@ __all__ = [
     "torchrun_command",
 ]
 
-_WHOLE = attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.gt(0))
-
 
 class BaselineError(RuntimeError):
     """The baseline could not start or finish; the message says why."""
@@ -126,10 +125,10 @@ class CheckpointRestartOptions:
     over the first ``measure_steps`` steps.
     """
 
-    nodes: int = attrs.field(validator=_WHOLE)
-    stages: int = attrs.field(validator=_WHOLE)
-    pipelines: int = attrs.field(validator=_WHOLE)
-    steps: int = attrs.field(default=20, validator=_WHOLE)
+    nodes: int = attrs.field(validator=POSITIVE_INT)
+    stages: int = attrs.field(validator=POSITIVE_INT)
+    pipelines: int = attrs.field(validator=POSITIVE_INT)
+    steps: int = attrs.field(default=20, validator=POSITIVE_INT)
     zones: tuple[str, ...] | None = None
     preemptions: str | None = None
     time_scale: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
@@ -137,10 +136,10 @@ class CheckpointRestartOptions:
     trace_seed: int = 0
     allocation_delay_s: float = 0.0
     checkpoint_dir: str | None = None
-    checkpoint_every: int | None = attrs.field(default=None, validator=attrs.validators.optional(_WHOLE))
+    checkpoint_every: int | None = attrs.field(default=None, validator=attrs.validators.optional(POSITIVE_INT))
     mtbf_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
-    measure_steps: int = attrs.field(default=3, validator=_WHOLE)
-    min_pipelines: int = attrs.field(default=1, validator=_WHOLE)
+    measure_steps: int = attrs.field(default=3, validator=POSITIVE_INT)
+    min_pipelines: int = attrs.field(default=1, validator=POSITIVE_INT)
     run_dir: str | None = None
     job: str | None = None
     size: dict[str, int] = attrs.field(factory=lambda: {"layers": DEFAULT_LAYERS})
@@ -149,18 +148,18 @@ class CheckpointRestartOptions:
     """The DeepSpeed config (None: the built-in example's, ``EXAMPLE_CONFIG``)."""
     timeout_s: float = attrs.field(default=timeouts.BASELINE_TIMEOUT_S, validator=attrs.validators.gt(0))
     finish_grace_s: float = attrs.field(default=timeouts.BASELINE_FINISH_GRACE_S, validator=attrs.validators.gt(0))
-    rdzv_last_call_s: int = attrs.field(default=timeouts.BASELINE_RDZV_LAST_CALL_S, validator=_WHOLE)
-    keep_alive_interval_s: int = attrs.field(default=timeouts.BASELINE_RDZV_KEEP_ALIVE_S, validator=_WHOLE)
-    keep_alive_attempts: int = attrs.field(default=2, validator=_WHOLE)
+    rdzv_last_call_s: int = attrs.field(default=timeouts.BASELINE_RDZV_LAST_CALL_S, validator=POSITIVE_INT)
+    keep_alive_interval_s: int = attrs.field(default=timeouts.BASELINE_RDZV_KEEP_ALIVE_S, validator=POSITIVE_INT)
+    keep_alive_attempts: int = attrs.field(default=2, validator=POSITIVE_INT)
     monitor_interval_s: float = attrs.field(default=timeouts.BASELINE_MONITOR_INTERVAL_S,
                                             validator=attrs.validators.gt(0))
-    max_restarts: int = attrs.field(default=1000, validator=_WHOLE)
-    max_nodes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_WHOLE))
+    max_restarts: int = attrs.field(default=1000, validator=POSITIVE_INT)
+    max_nodes: int | None = attrs.field(default=None, validator=attrs.validators.optional(POSITIVE_INT))
     """torchrun's ``--nnodes`` maximum (None: the trace's peak of live nodes, at least ``P x D``)."""
-    rdzv_read_timeout_s: int = attrs.field(default=timeouts.BASELINE_RDZV_READ_TIMEOUT_S, validator=_WHOLE)
+    rdzv_read_timeout_s: int = attrs.field(default=timeouts.BASELINE_RDZV_READ_TIMEOUT_S, validator=POSITIVE_INT)
     """torchrun's c10d rendezvous ``read_timeout``: how long an agent waits on the rendezvous store (for the
     rank information of a round's nodes) before it fails; torchrun's default is 60 s."""
-    max_job_restarts: int = attrs.field(default=100, validator=_WHOLE)
+    max_job_restarts: int = attrs.field(default=100, validator=POSITIVE_INT)
     """How many times the launcher restarts the whole job after every agent exited before the last step."""
 
     def __attrs_post_init__(self) -> None:

@@ -98,6 +98,25 @@ def test_checkpoint_restarts_and_checkpoint_cost(tmp_path) -> None:
     assert document["checkpoint_restart_on_join"] == "every-join"
 
 
+def test_on_demand_s_rate_pays_its_checkpoints_and_checkpoint_restart_s_reference_does_not() -> None:
+    """0.1 s steps, 8 samples each, and a checkpoint every 3 steps that costs 0.3 s: bamboo-launch's on-demand run
+    trains 24 samples per 0.6 s (40/s), not 80/s; the checkpoint/restart baseline's on-demand reference is
+    its clean step (its checkpoints are DeepSpeed's, not what on-demand runs)."""
+    times = [1.0, 1.1, 1.2, 1.3, 1.7, 1.8, 1.9, 2.0]
+    events: list = [RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2)]
+    events += [*_steps(times), Checkpoint(t=1.5, step=4, path="c", bytes=1, duration_s=0.3)]
+    rates = {}
+    for system in ("on-demand", "bamboo", "checkpoint"):
+        measured = measure_events(events, system, checkpoint_every=3)
+        profile = measured_profile(measured, name=system, spot_price=1.0, on_demand_price=3.0)
+        rates[system] = profile.on_demand_samples_per_second
+    assert rates == {"on-demand": pytest.approx(40.0), "bamboo": pytest.approx(40.0), "checkpoint": pytest.approx(80.0)}
+    unchecked = events[:1] + _steps([1.0 + 0.1 * i for i in range(8)])
+    without = measured_profile(measure_events(unchecked, "on-demand", checkpoint_every=3), name="o", spot_price=1.0,
+                               on_demand_price=3.0)
+    assert without.on_demand_samples_per_second == pytest.approx(80.0)  # no checkpoint measured: nothing to pay
+
+
 def test_a_restart_counts_from_the_last_interruption_before_its_workers_started(tmp_path) -> None:
     """Killed at 1.5, another kill at 3.0 and a join at 5.0 before the workers' process start (at 6.0, first
     step at 9.0): the restart took the join's; a kill at 7.0, after the start, did not restart it."""

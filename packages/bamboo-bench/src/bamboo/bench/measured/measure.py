@@ -44,7 +44,10 @@ How each constant is measured (``t`` are the event log's; an *interval* is the t
   ``restart_s``, and a join's restart costs ``instance_creation_s`` more: the mean of the join restarts less
   that of the kill restarts (``checkpoint_restart_on_join`` is ``every-join`` either way);
 - **checkpoint cost** (``timing.checkpoint_s``): the interval holding a checkpoint, less the step time; the
-  interval between checkpoints is K (or bamboo's ``--checkpoint-every``) steps plus that cost.
+  interval between checkpoints is K (or bamboo's ``--checkpoint-every``) steps plus that cost;
+- **on-demand rate** (``on_demand.samples_per_second``): a step's samples over the step time, and for the runs
+  of ``bamboo-launch`` (bamboo and on-demand, which write a checkpoint every ``--checkpoint-every`` steps) over
+  that interval with its checkpoint: the simulator charges on-demand no checkpoints of its own.
 
 Constants a run could not measure (no failover, no restart, ...) take a value that changes nothing in the
 simulator (no pause, no slowdown) or, for a restart, the measured cold start, and ``notes`` says so.
@@ -388,6 +391,22 @@ def _checkpoint_timing(measured: Measurements, step_s: float, notes: list[str]) 
     return {"checkpoint_interval_s": interval, "checkpoint_s": checkpoint_s}
 
 
+def _on_demand_rate(measured: Measurements, step_s: float, timing: Timing) -> tuple[float, str]:
+    """Samples per second of the on-demand cluster, and how it was found.
+
+    On-demand is ``bamboo-launch run`` without redundancy, which writes its checkpoints every
+    ``--checkpoint-every`` steps like bamboo's runs: for the profiles of those two systems the rate pays the
+    measured checkpoint cost once per interval (the simulator charges no checkpoints to on-demand). The
+    checkpoint/restart baseline's checkpoints are DeepSpeed's at its own K: its on-demand rate is the clean step's.
+    """
+    every = measured.checkpoint_every
+    clean = f"this run's {measured.pipelines}-pipeline step time"
+    if measured.system == "checkpoint" or every is None or not timing.checkpoint_s:
+        return measured.samples_per_step / step_s, clean
+    rate = measured.samples_per_step * every / timing.checkpoint_interval_s
+    return rate, f"{clean} and a {timing.checkpoint_s:.3f} s checkpoint every {every} steps"
+
+
 def measured_profile(
     measured: Measurements,
     *,
@@ -414,10 +433,9 @@ def measured_profile(
                  "fallback_slowdown": 1.0, "restart_s": 0.0}
     timing = Timing(startup_s=measured.startup_s, global_rendezvous_s=0.0, local_rendezvous_s=0.0, **costs,
                     **_checkpoint_timing(measured, full, notes))
-    on_demand_rate = measured.samples_per_step / full
-    notes.append(f"on_demand: {stages * pipelines} nodes at {on_demand_rate:.2f} samples/s, this run's "
-                 f"{pipelines}-pipeline step time" + (f", {measured.startup_s:.2f} s to the first step"
-                                                      if measured.system == "on-demand" else ""))
+    on_demand_rate, basis = _on_demand_rate(measured, full, timing)
+    notes.append(f"on_demand: {stages * pipelines} nodes at {on_demand_rate:.2f} samples/s, {basis}"
+                 + (f", {measured.startup_s:.2f} s to the first step" if measured.system == "on-demand" else ""))
     notes.extend(extra_notes)
     return ModelProfile(
         name=name, description=description or f"measured {measured.system} run: P={stages}, D={pipelines}",

@@ -75,7 +75,7 @@ def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | N
             warm = dict(extra["registered_unix"])  # a node is ready to interrupt once its agent is in the rendezvous
         else:
             events_path, warm, extra = _run_bamboo(options, run_dir, stopper, say)
-            checkpoint_every = options.checkpoint_every if options.system == "bamboo" else None
+            checkpoint_every = options.checkpoint_every  # bamboo-launch always checkpoints, on-demand too
     finally:
         stopper.cancel()
     events = read_events(events_path)

@@ -129,11 +129,12 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
                 for item in handles.membership.kv.get_prefix(handles.membership.keys.decision("warm-")):
                     record = WorkerWarm.from_dict(json.loads(item.value))
                     warm.setdefault(record.node, record.at)
-            except Exception as error:  # etcd closing at the run's end
-                say(f"could not read the warm records: {error}")
+            except Exception as error:  # etcd closing at the run's end: the last poll came before
+                if not stopped.is_set():
+                    say(f"could not read the warm records: {error}")
 
         def watch() -> None:
-            while not stopper.done.wait(timeouts.MEASURE_WARM_POLL_S):
+            while not stopper.done.wait(timeouts.MEASURE_WARM_POLL_S) and not stopped.is_set():
                 poll()
 
         threading.Thread(target=watch, name="measure-warm", daemon=True).start()

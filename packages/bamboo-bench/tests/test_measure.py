@@ -49,6 +49,7 @@ def test_bamboo_constants_by_hand() -> None:
     assert measured.failover_pause_s == pytest.approx(0.2)
     assert measured.fallback_slowdown == pytest.approx(1.5)
     assert measured.reconfiguration_s == pytest.approx(0.4)
+    assert measured.rebuild_delay_s == pytest.approx(3.2 - 2.55)  # the kill to the reconfiguration's record
     assert measured.instance_creation_s == pytest.approx(1.5)
     assert measured.steps == 12 and measured.samples == 96
     assert measured.counts["failovers"] == 1 and measured.counts["joins"] == 1
@@ -64,6 +65,7 @@ def test_bamboo_profile_loads_with_the_measured_values(tmp_path) -> None:
     assert profile.step_time_s(1) == pytest.approx(0.1)  # not trained: the nearest measured count
     assert profile.timing.failover_pause_s == pytest.approx(0.2)
     assert profile.timing.reconfiguration_s == pytest.approx(0.4)
+    assert profile.timing.rebuild_delay_s == pytest.approx(0.65)
     assert profile.timing.startup_s == pytest.approx(1.9)
     assert profile.timing.checkpoint_interval_s == pytest.approx(20 * 0.1)
     assert profile.on_demand_samples_per_second == pytest.approx(80.0)

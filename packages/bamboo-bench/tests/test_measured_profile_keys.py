@@ -153,3 +153,20 @@ def test_the_new_keys_round_trip_and_old_profiles_keep_their_defaults(tiny_profi
 def test_bad_new_keys_name_the_file_and_the_key(tiny_profile: ModelProfile, change: dict, message: str) -> None:
     with pytest.raises(ProfileError, match=f"^measured.json: .*{message}"):
         ModelProfile.from_dict({**tiny_profile.to_dict(), **change}, "measured.json")
+
+
+def test_a_rebuild_delay_keeps_bamboo_training_degraded_until_it_passes(tiny_profile: ModelProfile) -> None:
+    """n1 dies at 200: the failover pauses 200-204, then two pipelines train 3x slower (10 samples per 3 s).
+    Without a delay the rebuild is decided at the next step's end (207), pauses 5 s and one pipeline trains
+    10 samples per 1.5 s from 212; with ``rebuild_delay_s`` 30 it is decided at 230 and trains from 235."""
+    trace = _trace([(200.0, "remove", 1)])
+
+    def samples(delay: float) -> float:
+        timing = attrs.evolve(tiny_profile.timing, fallback_slowdown=3.0, rebuild_delay_s=delay)
+        return _run(trace, attrs.evolve(tiny_profile, timing=timing), Strategy.BAMBOO).samples
+
+    at_once = samples(0.0)
+    assert at_once - samples(30.0) == pytest.approx((3 + 23 * 2) * 10 / 3 - 26 * 10 / 3)
+    assert samples(1.0) == pytest.approx(at_once)  # shorter than the step in progress: nothing changes
+    assert ModelProfile.from_dict(attrs.evolve(tiny_profile, timing=attrs.evolve(
+        tiny_profile.timing, rebuild_delay_s=2.5)).to_dict(), "x").timing.rebuild_delay_s == 2.5

@@ -52,6 +52,10 @@ class Timing:
       lost backward passes, before it carries on with the merged schedule.
     - `fallback_slowdown`: step-time factor while any pipeline runs a merged failover schedule
       (paper: 1.5), until the next reconfiguration.
+    - `rebuild_delay_s`: from a failover to the step boundary where the reconfiguration that rebuilds
+      redundancy is decided; training goes on meanwhile, `fallback_slowdown` slower (a system that
+      prepares the next layout in the background: a measured profile's mean). 0 (default, the
+      paper's model): at the end of the step in progress.
     - `restart_s`: cost of a checkpoint/restart restart: new processes, imports, framework set-up
       and the checkpoint load, on top of `global_rendezvous_s`.
     - `checkpoint_interval_s`: time between periodic checkpoints (used to roll back), in time spent
@@ -70,6 +74,7 @@ class Timing:
     reconfiguration_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
     failover_pause_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
     fallback_slowdown: float = attrs.field(default=1.5, validator=_POSITIVE)
+    rebuild_delay_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
     restart_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)
     checkpoint_interval_s: float = attrs.field(default=timeouts.CHECKPOINT_INTERVAL_S, validator=_POSITIVE)
     checkpoint_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE)

@@ -48,7 +48,10 @@ class SimulatedRun(RunState):
         """
         if not self.decide_pending and self.phase == RUNNING and self.should_reconfigure():
             self.decide_pending = True
-            self.push(self.t + self.step_duration(), EV_DECIDE, self.version)
+            at = self.t + self.step_duration()
+            if self.dead and self.failover_at is not None:  # the rebuild is prepared while training goes on
+                at = max(at, self.failover_at + self.timing.rebuild_delay_s)
+            self.push(at, EV_DECIDE, self.version)
 
     # ------------------------------------------------------------ pipelines
     def placement(self, members: list[int]) -> list[list[int]]:
@@ -248,6 +251,7 @@ class SimulatedRun(RunState):
             # A stage and its shadow are gone: reconfigure now, from whichever copy is left.
             self.restart_after_fatal()
             return
+        self.failover_at = self.t
         pause = self.timing.failover_pause_s
         if pause > 0.0:
             if self.phase == PAUSED:

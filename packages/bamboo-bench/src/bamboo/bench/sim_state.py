@@ -93,6 +93,7 @@ class RunState:
         self.slot_of: dict[int, tuple[int, int]] = {}
         self.ready: set[int] = set()
         self.dead: set[tuple[int, int]] = set()
+        self.failover_at: float | None = None  # Bamboo's latest failover: its rebuild comes timing.rebuild_delay_s later
         self.broken: set[int] = set()
         self.allocated = 0
         # Job.

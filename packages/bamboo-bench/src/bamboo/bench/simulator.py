@@ -10,7 +10,9 @@ configuration its throughput is constant, so no per-step events are needed. Stra
   Losing a stage together with its shadow is a *fatal failure*: the job re-forms at once after a global
   rendezvous, and it rolls back to the last checkpoint only if some stage has no copy left in any
   pipeline. At the end of the step in progress it reconfigures (local rendezvous plus `reconfiguration_s`)
-  after any failover, to rebuild redundancy, and when the waiting nodes let more pipelines run. Every
+  after any failover, to rebuild redundancy (no sooner than `rebuild_delay_s` after the failover: the time
+  a measured run took to prepare the next layout while it trained on), and when the waiting nodes let more
+  pipelines run. Every
   layout is the planner's: depth P, ``min(D, usable // P)`` pipelines, the fewest same-zone neighbours,
   holders kept at their stages, the rest on standby.
 - Pure data parallelism (a profile with P = 1): every node is one replica, and the replicas form one ring;

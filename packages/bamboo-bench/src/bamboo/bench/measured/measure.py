@@ -27,7 +27,9 @@ How each constant is measured (``t`` are the event log's; an *interval* is the t
 - **start-up** (``timing.startup_s``): from the run's start to its first step's start;
 - **failover pause** (bamboo): the interval of the step a failover interrupted (the one that ended at the
   failover's ``step_end_unix``) less a step time; **fallback slowdown**: the intervals after it until the
-  reconfiguration, over the step time; **reconfiguration**: the interval holding a ``reconfiguration``
+  reconfiguration, over the step time; **rebuild delay**: from a failover's preemption record to the next
+  reconfiguration record (the layout that rebuilt redundancy, prepared while training went on), for each
+  failover that no other one followed first; **reconfiguration**: the interval holding a ``reconfiguration``
   record less the step time at its new pipeline count (``local_rendezvous_s`` is 0: the whole cost is here);
 - **instance creation** (bamboo): from a node's ``join`` to its worker's ``warm-<node>`` record (model
   built, ready for a role), for the nodes that joined after the start;
@@ -99,6 +101,7 @@ class Measurements:
     market_start_s: float
     failover_pause_s: float | None = None
     fallback_slowdown: float | None = None
+    rebuild_delay_s: float | None = None
     reconfiguration_s: float | None = None
     instance_creation_s: float | None = None
     restart_s: float | None = None
@@ -268,10 +271,28 @@ def measure_events(
         startup_s=max(0.0, first.t - first.duration_s - start.t), market_start_s=max(0.0, first.t - start.t),
         failover_pause_s=extra(found.failover),
         fallback_slowdown=_mean([interval / _nearest(step_time, d) for d, interval in found.degraded]),
+        rebuild_delay_s=_mean(_rebuild_delays(ordered)),
         reconfiguration_s=extra(found.reconfiguration), instance_creation_s=_mean(creation),
         restart_s=_mean(kill_restarts), join_restart_s=_mean(join_restarts), checkpoint_s=extra(found.checkpoint),
         checkpoint_every=checkpoint_every, counts=counts,
     )
+
+
+def _rebuild_delays(ordered: Sequence[Event]) -> list[float]:
+    """Seconds from each failover's preemption to the reconfiguration that rebuilt its redundancy: the next
+    reconfiguration record, for the failovers with no other failover before it (the simulator counts the delay
+    from the latest failover)."""
+    delays = []
+    for index, failover in enumerate(ordered):
+        if not isinstance(failover, Failover):
+            continue
+        later = ordered[index + 1:]
+        rebuild = next((e for e in later if isinstance(e, Reconfiguration | Failover)), None)
+        if not isinstance(rebuild, Reconfiguration):
+            continue
+        killed = [e.t for e in ordered[:index] if isinstance(e, Preemption) and e.node == failover.victim]
+        delays.append(max(0.0, rebuild.t - (killed[-1] if killed else failover.t)))
+    return delays
 
 
 def _creation_times(ordered: Sequence[Event], start: RunStart, warm_unix: Mapping[str, float],
@@ -369,6 +390,8 @@ def _bamboo_timing(measured: Measurements, notes: list[str]) -> dict[str, float]
 
     noted("failover_pause_s", measured.failover_pause_s, 0.0, "the failed step's extra time")
     noted("fallback_slowdown", measured.fallback_slowdown, 1.0, "steps between a failover and its rebuild")
+    noted("rebuild_delay_s", measured.rebuild_delay_s, 0.0,
+          "from a failover's preemption to the reconfiguration that rebuilt redundancy, trained through")
     noted("reconfiguration_s", measured.reconfiguration_s, 0.0,
           "the extra time of a step interval holding a reconfiguration")
     noted("instance_creation_s", measured.instance_creation_s, measured.startup_s,

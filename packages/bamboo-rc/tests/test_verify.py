@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import pytest
 from bamboo.rc.cli import main
 from bamboo.rc.verify import DEFAULT_CONFIG, run_verify
@@ -63,3 +64,16 @@ def test_verify_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> Non
         main(["verify", "--redundancy", "fast"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def test_a_shared_reference_cache_trains_each_reference_once() -> None:
+    """Runs of one configuration share ``references``: the first trains the reference to the step it compares
+    at and leaves it there; the next takes it from there instead of training it again."""
+    references: dict = {}
+    first = run_verify(2, 1, 2, "eflb", deadline_s=120, references=references)
+    assert first.passed and list(references) == [2]
+    assert references[2].losses == first.reference_losses
+    marked = attrs.evolve(references[2], losses=[-1.0, -2.0])
+    references[2] = marked
+    second = run_verify(2, 1, 2, "lflb", deadline_s=120, references=references)
+    assert second.reference_losses == [-1.0, -2.0]  # taken from the cache, not trained

@@ -37,6 +37,7 @@ import random
 from collections.abc import Callable
 
 from bamboo.rc.faults import KillPoint, NoticePoint
+from bamboo.rc.reference import ReferenceResult
 from bamboo.rc.ring import fault_free_ring_stream
 from bamboo.rc.timeouts import (
     CHAOS_BUILD_S,
@@ -211,9 +212,11 @@ def run_chaos(
         raise ValueError(f"{len(notices)} sets of notices for {len(plans)} kill plans")
     timeouts = CommTimeouts(group=CHAOS_GROUP_S, build=CHAOS_BUILD_S, confirm=CHAOS_CONFIRM_S)
     outcomes = []
+    references: dict[int, ReferenceResult] = {}  # one configuration: its reference is trained once per step
     for index, plan in enumerate(plans):
         result = run_verify(stages, pipelines, steps, redundancy, timeouts=timeouts, deadline_s=CHAOS_DEADLINE_S,
-                            kills=plan, kills_must_fire=False, notice_points=notices[index] if notices else ())
+                            kills=plan, kills_must_fire=False, notice_points=notices[index] if notices else (),
+                            references=references)
         outcomes.append((plan, result))
         if on_result is not None:
             on_result(plan, result)

@@ -154,6 +154,7 @@ def run_verify(
     kills_must_fire: bool = True,
     device: str | None = None,
     model: VerifyModel | None = None,
+    references: dict[int, ReferenceResult] | None = None,
 ) -> VerifyResult:
     """Run the self-check and return what it measured (see the module docstring).
 
@@ -169,12 +170,12 @@ def run_verify(
     `device` is the workers' (:func:`bamboo.rc.device.resolve_device`; ``cuda`` spreads them over the GPUs
     by rank, several to a GPU when there are fewer GPUs than workers); the reference trains on the same kind
     of device, in a child process on a GPU (this process never starts CUDA, so it can fork again).
+
+    ``references`` is a cache of reference runs by the step they were compared at, that a caller shares
+    between runs of one model, config, seed, pipeline count and device (chaos runs many kill plans of one):
+    a reference found there is not trained again.
     """
-    for kill in kills:
-        if not (0 <= kill.stage < stages and 0 <= kill.pipeline < pipelines and 0 <= kill.step < steps):
-            raise ValueError(f"kill point {kill} is outside P={stages} D={pipelines} steps={steps}")
-    if redundancy not in REDUNDANCY_MODES:
-        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+    _check_plan(stages, pipelines, steps, redundancy, kills)
     size = size or GPTSize()
     config = dict(config or DEFAULT_CONFIG)
     training = load_config(config, pipelines=pipelines)
@@ -186,6 +187,86 @@ def run_verify(
     exact_mode()
     stdlib_corpus()  # read once here; the forked workers inherit it
     started = time.perf_counter()
+
+    def spec_for(stage: int, pipeline: int, out_dir: str) -> WorkerSpec:
+        return WorkerSpec(layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
+                          steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir,
+                          stage_bounds=bounds, seed=seed, timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
+                          notice_points=tuple(notice_points), device=device, model=model)
+
+    outcome = _run_workers(layout, spec_for, kills, deadline_s)
+    reports = outcome.reports
+    # A consecutive failure leaves survivors at the start of an iteration: compare with that step.
+    compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
+    cache = {} if references is None else references
+    if compared_at not in cache:
+        cache[compared_at] = _reference(kind, device, specs, program.loss_fn, training, program.microbatch,
+                                        compared_at, pipelines, seed)
+    reference = cache[compared_at]
+    consecutive = next((r["consecutive"] for r in reports.values() if r["consecutive"]), None)
+    comparison = _compare(reports, reference, stages, bounds, consecutive)
+    return _verify_result(outcome, comparison, reference, layout.world, kills, kills_must_fire=kills_must_fire,
+                          bounds=bounds, device=kind, compared_at=compared_at, consecutive=consecutive,
+                          seconds=time.perf_counter() - started)
+
+
+def _verify_result(outcome: _Outcome, comparison: _Comparison, reference: ReferenceResult, world: int,
+                   kills: tuple[KillPoint, ...], *, kills_must_fire: bool, bounds: tuple[tuple[int, int], ...],
+                   device: str, compared_at: int, consecutive: str | None, seconds: float) -> VerifyResult:
+    reports, codes = outcome.reports, outcome.codes
+    killed = tuple(sorted(rank for rank, code in codes.items() if code < 0))
+    missing = {rank: 1 for rank in range(world) if rank not in reports and rank not in killed}
+    fired = {record.point for record in outcome.kill_records.values()}
+    return VerifyResult(
+        max_relative_diff=comparison.max_rel if reports else float("inf"),
+        max_abs_diff=comparison.max_abs,
+        max_replica_diff=comparison.max_replica,
+        replicas_bit_equal=comparison.equal,
+        replicas_compared=comparison.compared,
+        losses=comparison.losses,
+        reference_losses=reference.losses,
+        worker_exit_codes={**codes, **missing},
+        stash_peak_bytes=max((r["stash_peak_bytes"] for r in reports.values()), default=0),
+        seconds=seconds,
+        killed=killed,
+        consecutive=consecutive,
+        failovers=tuple(FailoverRecord.from_dict(f) for r in reports.values() for f in r["failovers"]),
+        compared_at_step=compared_at,
+        kill_times={rank: record.at for rank, record in outcome.kill_records.items()},
+        left=tuple(sorted(rank for rank, r in reports.items() if r["left"])),
+        withdrawn=tuple(sorted(rank for rank, r in reports.items() if r.get("withdrew"))),
+        timings={rank: _timing(r) for rank, r in reports.items()},
+        stage_bounds=bounds,
+        unfired_kills=tuple(str(kill) for kill in kills if str(kill) not in fired),
+        kills_must_fire=kills_must_fire,
+        device=device,
+        memory={rank: r["memory"] for rank, r in reports.items()},
+        loss_scales_match=comparison.scales_match,
+        loss_scale=reference.loss_scale,
+    )
+
+
+def _check_plan(stages: int, pipelines: int, steps: int, redundancy: str, kills: tuple[KillPoint, ...]) -> None:
+    for kill in kills:
+        if not (0 <= kill.stage < stages and 0 <= kill.pipeline < pipelines and 0 <= kill.step < steps):
+            raise ValueError(f"kill point {kill} is outside P={stages} D={pipelines} steps={steps}")
+    if redundancy not in REDUNDANCY_MODES:
+        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+
+
+@attrs.frozen
+class _Outcome:
+    """What the workers left: exit codes by rank (negative: the signal), the records of the kills that fired, and
+    the final report of every worker that wrote one."""
+
+    codes: dict[int, int]
+    kill_records: dict[int, KillRecord]
+    reports: dict[int, dict[str, Any]]
+
+
+def _run_workers(layout: Layout, spec_for: Callable[[int, int, str], WorkerSpec], kills: tuple[KillPoint, ...],
+                 deadline_s: float) -> _Outcome:
+    """Fork one worker per rank, host their store, confirm their deaths, and read what they left."""
     with tempfile.TemporaryDirectory(prefix="bamboo-verify-") as out_dir:
         # Fork before the store exists: a process that forks while a store thread holds a libc
         # lock (resolver, malloc) can leave the child deadlocked. The children read the port
@@ -193,14 +274,7 @@ def run_verify(
         port_reader, port_writer = os.pipe()
         children: dict[int, int] = {}
         for rank in range(layout.world):
-            stage, pipeline = layout.position(rank)
-            spec = WorkerSpec(
-                layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
-                steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, stage_bounds=bounds,
-                seed=seed,
-                timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
-                notice_points=tuple(notice_points), device=device, model=model,
-            )
+            spec = spec_for(*layout.position(rank), out_dir)
             pid = os.fork()
             if pid == 0:
                 os.close(port_writer)
@@ -213,104 +287,85 @@ def run_verify(
                          timeout=datetime.timedelta(seconds=VERIFY_STORE_S))
         os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
         os.close(port_writer)
-        hold_keys: dict[int, str] = {}
-        for kill in kills:
-            if kill.hold_confirmation_until is not None:
-                hold_stage, hold_pipeline, hold_instruction, hold_step = kill.hold_confirmation_until
-                holder = layout.rank(hold_stage, hold_pipeline)
-                hold_keys[layout.rank(kill.stage, kill.pipeline)] = reached_key(
-                    "verify", holder, hold_step, hold_instruction
-                )
-        codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"), hold_keys)
+        codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"), _hold_keys(layout, kills))
         kill_records = {
             rank: KillRecord.from_json(store.get(killed_key("verify", rank)))
             for rank in range(layout.world)
             if codes.get(rank, 0) < 0 and store.check([killed_key("verify", rank)])
         }
         del store  # stops the store's server thread before anything forks again
-        reports = {}
-        for rank in range(layout.world):
-            path = Path(out_dir) / f"rank{rank}.pt"
-            if path.exists():
-                reports[rank] = torch.load(path, weights_only=False)
-    # A consecutive failure leaves survivors at the start of an iteration: compare with that step.
-    compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
-    left = tuple(sorted(rank for rank, r in reports.items() if r["left"]))
-    withdrawn = tuple(sorted(rank for rank, r in reports.items() if r.get("withdrew")))
-    reference = _reference(kind, device, specs, program.loss_fn, training, program.microbatch, compared_at,
-                           pipelines, seed)
-    max_rel = max_abs = max_replica = 0.0
-    equal = scales_match = True
-    compared = 0
-    losses: list[float] = []
-    stash_peak = 0
+        paths = {rank: Path(out_dir) / f"rank{rank}.pt" for rank in range(layout.world)}
+        reports = {rank: torch.load(path, weights_only=False) for rank, path in paths.items() if path.exists()}
+    return _Outcome(codes=codes, kill_records=kill_records, reports=reports)
+
+
+def _hold_keys(layout: Layout, kills: tuple[KillPoint, ...]) -> dict[int, str]:
+    """Victim rank -> the store key its death's confirmation waits for (``KillPoint.hold_confirmation_until``)."""
+    keys: dict[int, str] = {}
+    for kill in kills:
+        if kill.hold_confirmation_until is not None:
+            hold_stage, hold_pipeline, hold_instruction, hold_step = kill.hold_confirmation_until
+            holder = layout.rank(hold_stage, hold_pipeline)
+            keys[layout.rank(kill.stage, kill.pipeline)] = reached_key("verify", holder, hold_step, hold_instruction)
+    return keys
+
+
+@attrs.define
+class _Comparison:
+    """The workers' state against the reference's, and every replica against its original."""
+
+    max_rel: float = 0.0
+    max_abs: float = 0.0
+    max_replica: float = 0.0
+    equal: bool = True
+    scales_match: bool = True
+    compared: int = 0
+    losses: list[float] = attrs.field(factory=list)
+
+
+def _compare(reports: dict[int, dict[str, Any]], reference: ReferenceResult, stages: int,
+             bounds: tuple[tuple[int, int], ...], consecutive: str | None) -> _Comparison:
+    found = _Comparison()
     hosts = {(report["pipeline"], stage): report for report in reports.values() for stage in report["hosted"]}
-    consecutive = next((r["consecutive"] for r in reports.values() if r["consecutive"]), None)
     for report in reports.values():
         pipeline = report["pipeline"]
-        stash_peak = max(stash_peak, report["stash_peak_bytes"])
-        if stages - 1 in report["hosted"] and (pipeline == 0 or (stages == 1 and not losses)):
-            losses = report["losses"]  # P = 1: pipeline 0's, or a survivor's (every node has them all)
+        if stages - 1 in report["hosted"] and (pipeline == 0 or (stages == 1 and not found.losses)):
+            found.losses = report["losses"]  # P = 1: pipeline 0's, or a survivor's (every node has them all)
         for stage, layers in report["slices"].items():
             if stage not in report["hosted"] and consecutive is None:
                 continue  # a replica: compared with its original below
-            scales_match = scales_match and report["loss_scales"].get(stage) == reference.loss_scale  # fp16
+            found.scales_match = found.scales_match and report["loss_scales"].get(stage) == reference.loss_scale
             for offset, layer_state in enumerate(layers):
                 for name, tensor in layer_state.items():
                     rel, absolute = _relative(tensor, reference.layer_states[bounds[stage][0] + offset][name])
-                    max_rel, max_abs = max(max_rel, rel), max(max_abs, absolute)
+                    found.max_rel, found.max_abs = max(found.max_rel, rel), max(found.max_abs, absolute)
         replica_stage = report["replica_stage"]
         if replica_stage is None or replica_stage in report["hosted"]:
             continue
         owner = hosts.get((pipeline, replica_stage))
         if owner is None:
             if consecutive is None:
-                equal = False  # the original is missing: nothing proves the replica exact
+                found.equal = False  # the original is missing: nothing proves the replica exact
             continue
-        original = owner["slices"][replica_stage]
-        scales_match = scales_match and report["loss_scales"].get(replica_stage) == owner["loss_scales"].get(replica_stage)
-        for replica_layer, original_layer in zip(report["slices"][replica_stage], original, strict=True):
-            for name, tensor in replica_layer.items():
-                compared += 1
-                if not torch.equal(tensor, original_layer[name]):
-                    equal = False
-                    max_replica = max(max_replica, (tensor - original_layer[name]).abs().max().item())
-    killed = tuple(sorted(rank for rank, code in codes.items() if code < 0))
-    missing = {rank: 1 for rank in range(layout.world) if rank not in reports and rank not in killed}
-    fired = {record.point for record in kill_records.values()}
-    unfired = tuple(str(kill) for kill in kills if str(kill) not in fired)
-    return VerifyResult(
-        max_relative_diff=max_rel if reports else float("inf"),
-        max_abs_diff=max_abs,
-        max_replica_diff=max_replica,
-        replicas_bit_equal=equal,
-        replicas_compared=compared,
-        losses=losses,
-        reference_losses=reference.losses,
-        worker_exit_codes={**{rank: code for rank, code in codes.items()}, **missing},
-        stash_peak_bytes=stash_peak,
-        seconds=time.perf_counter() - started,
-        killed=killed,
-        consecutive=consecutive,
-        failovers=tuple(FailoverRecord.from_dict(f) for r in reports.values() for f in r["failovers"]),
-        compared_at_step=compared_at,
-        kill_times={rank: record.at for rank, record in kill_records.items()},
-        left=left,
-        withdrawn=withdrawn,
-        timings={
-            rank: {"iteration_times": r["iteration_times"], "kind_seconds": r["kind_seconds"],
-                   "hosted": r["hosted"], "stage": r["stage"], "pipeline": r["pipeline"],
-                   "failovers": [FailoverRecord.from_dict(f) for f in r["failovers"]]}
-            for rank, r in reports.items()
-        },
-        stage_bounds=bounds,
-        unfired_kills=unfired,
-        kills_must_fire=kills_must_fire,
-        device=kind,
-        memory={rank: r["memory"] for rank, r in reports.items()},
-        loss_scales_match=scales_match,
-        loss_scale=reference.loss_scale,
-    )
+        _compare_replica(found, report, owner, replica_stage)
+    return found
+
+
+def _compare_replica(found: _Comparison, report: dict[str, Any], owner: dict[str, Any], stage: int) -> None:
+    """A replica of ``stage`` (in ``report``) against its original (in ``owner``): bit for bit."""
+    found.scales_match = found.scales_match and report["loss_scales"].get(stage) == owner["loss_scales"].get(stage)
+    for replica_layer, original_layer in zip(report["slices"][stage], owner["slices"][stage], strict=True):
+        for name, tensor in replica_layer.items():
+            found.compared += 1
+            if not torch.equal(tensor, original_layer[name]):
+                found.equal = False
+                found.max_replica = max(found.max_replica, (tensor - original_layer[name]).abs().max().item())
+
+
+def _timing(report: dict[str, Any]) -> dict[str, Any]:
+    return {"iteration_times": report["iteration_times"], "kind_seconds": report["kind_seconds"],
+            "hosted": report["hosted"], "stage": report["stage"], "pipeline": report["pipeline"],
+            "failovers": [FailoverRecord.from_dict(f) for f in report["failovers"]]}
 
 
 def _reference(kind: str, device: str | None, specs: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],

@@ -1,8 +1,8 @@
 """The shared types of bamboo-launch: the job's spec, what an agent tells its worker, a training program.
 
-This module is a leaf: it imports no other module of ``bamboo.launch`` (an import check in ``make test``
-enforces the package's directions), so the agent, the worker, the user-script entry point and the
-composition in ``bamboo-launch run`` can all share these types without importing each other.
+This module is a leaf: of ``bamboo.launch`` it imports only the leaves ``timeouts`` and ``json_types`` (an import
+check in ``make test`` enforces the package's directions), so the agent, the worker, the user-script entry point
+and the composition in ``bamboo-launch run`` can all share these types without importing each other.
 
 - :class:`JobSpec`: what every node of a job must agree on (P, D, steps, the model's description, the
   checkpoint settings, the job-wide timeouts). The first agent writes it into etcd at
@@ -12,7 +12,9 @@ composition in ``bamboo-launch run`` can all share these types without importing
   to reach etcd, the fence that guards the node's writes, where to write its files). Written as a JSON
   file whose path the worker gets in ``BAMBOO_WORKER_CONTEXT``.
 - :class:`Program`: a training program (layers, loss, data, DeepSpeed config): the built-in example's,
-  or a user script's through :func:`bamboo.launch.train_worker`.
+  or a user script's through :func:`bamboo.launch.train_worker`; its layers are :data:`LayerInput` values.
+- :class:`SpecFields` (the spec's fields an agent's flags give) and :class:`ModelDescription` (what reading a
+  model gives the spec).
 - Exit statuses of agents and workers.
 """
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import attrs
 from bamboo.launch import timeouts
-from bamboo.launch.spec import EtcdAccess
+from bamboo.launch.spec import EtcdAccess, SpecFields
 from bamboo.membership import timeouts as membership_timeouts
 
 __all__ = ["AgentError", "AgentOptions", "default_run_dir", "split_flags"]
@@ -38,7 +38,7 @@ class AgentOptions:
     port: int = 0
     run_dir: str = "."
     events: str | None = None
-    spec: Mapping[str, Any] = attrs.field(factory=dict)
+    spec: SpecFields = attrs.field(factory=SpecFields)
     token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -68,6 +68,9 @@ def default_run_dir(job: str) -> str:
     return str(Path(tempfile.gettempdir()) / f"bamboo-{job}")
 
 
-def split_flags(values: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+_Value = TypeVar("_Value")
+
+
+def split_flags(values: Mapping[str, _Value], names: Sequence[str]) -> dict[str, _Value]:
     """The job-spec fields among ``values`` (the flags that were given: not None)."""
     return {name: values[name] for name in names if values.get(name) is not None}

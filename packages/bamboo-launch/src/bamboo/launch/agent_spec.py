@@ -7,14 +7,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.agent_options import AgentError, AgentOptions
 from bamboo.launch.forkserver import run_to_end
-from bamboo.launch.spec import JobSpec
+from bamboo.launch.spec import JobSpec, ModelDescription, SpecFields
 
 if TYPE_CHECKING:
     from bamboo.membership import MembershipStore
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["describe_model", "ensure_spec", "new_spec", "refuse_used_checkpoint_dir"]
 
 
-def describe_model(fields: Mapping[str, Any], log: Path, *, in_process: bool = False) -> dict[str, Any]:
+def describe_model(fields: SpecFields, log: Path, *, in_process: bool = False) -> ModelDescription:
     """The model's description for the job's spec fields ``fields``: ``{"layers", "config", "micro_batches"}``.
 
     A script is run in ``describe`` mode in a child process (its output goes to ``log``). The built-in
@@ -54,7 +54,7 @@ def describe_model(fields: Mapping[str, Any], log: Path, *, in_process: bool = F
     return json.loads(out.read_text())
 
 
-def new_spec(job: str, fields: Mapping[str, Any], description: Mapping[str, Any]) -> JobSpec:
+def new_spec(job: str, fields: SpecFields, description: ModelDescription) -> JobSpec:
     """The spec of a new job from its fields and its model's description (:class:`AgentError` when invalid)."""
     try:
         return JobSpec(job=job, layers=description["layers"], config=description["config"],
@@ -94,7 +94,7 @@ def ensure_spec(membership: MembershipStore, options: AgentOptions,
         try:
             refuse_used_checkpoint_dir(options.spec.get("checkpoint_dir"), bool(options.spec.get("resume")))
             say(f"writing the spec of job {options.job}: reading the model")
-            fields = dict(options.spec)
+            fields = SpecFields(**options.spec)
             log = Path(options.run_dir) / "logs" / f"describe-{options.node}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             spec = new_spec(options.job, fields, describe_model(fields, log))

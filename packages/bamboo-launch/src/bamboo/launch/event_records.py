@@ -53,14 +53,16 @@ from the report. :mod:`bamboo.launch.events` reads and writes them (files and et
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar, TypeAlias
 
 import attrs
+from bamboo.launch.json_types import JSON, JSONObject
 
 __all__ = [
     "EVENT_TYPES",
     "Checkpoint",
     "Event",
+    "EventField",
     "Failover",
     "Join",
     "Preemption",
@@ -274,6 +276,9 @@ class RunEnd:
 Event = (RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Restore | Startup | Step | RunEnd
          | RedundancyChoice)
 
+EventField: TypeAlias = "str | int | float | bool | dict[str, float] | None"
+"""The value of one field of a record (the types of the record classes' fields above)."""
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Restore, Startup, Step, RunEnd,
@@ -281,13 +286,14 @@ EVENT_TYPES: dict[str, type[Event]] = {
 }
 
 
-def event_to_dict(event: Event) -> dict[str, Any]:
+def event_to_dict(event: Event) -> JSONObject:
     """The JSON object of one record: ``kind`` first, then ``t``, then the kind's own keys."""
     return {"kind": type(event).KIND, **attrs.asdict(event)}
 
 
-def event_from_dict(record: dict[str, Any]) -> Event:
-    """Parse one JSON object into its typed record; raises ``ValueError`` saying what is wrong."""
+def event_from_dict(record: JSON) -> Event:
+    """Parse one JSON value, which must be an object, into its typed record; raises ``ValueError`` saying what is
+    wrong."""
     if not isinstance(record, dict):
         raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
     kind = record.get("kind")

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from bamboo.launch import timeouts
 from bamboo.launch.accounting import TimeAccount
@@ -34,6 +34,7 @@ from bamboo.launch.event_records import (
     EVENT_TYPES,
     Checkpoint,
     Event,
+    EventField,
     Failover,
     Join,
     Preemption,
@@ -169,7 +170,7 @@ class EventLog:
             if self._fsync:
                 os.fsync(self._fd)
 
-    def emit(self, cls: type[Event], **fields: Any) -> Event:
+    def emit(self, cls: type[Event], **fields: EventField) -> Event:
         """Build a record of ``cls`` stamped with :meth:`now` and append it; returns the record."""
         event = cls(t=self.now(), **fields)
         self.write(event)
@@ -256,7 +257,7 @@ class EtcdEventLog:
             raise ValueError(f"event log {self.prefix} is closed")
         self._queue.put(event)
 
-    def emit(self, cls: type[Event], **fields: Any) -> Event:
+    def emit(self, cls: type[Event], **fields: EventField) -> Event:
         event = cls(t=self.now(), **fields)
         self.write(event)
         return event

@@ -15,10 +15,12 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from bamboo.launch.spec import Program
+from bamboo.launch.json_types import JSON, JSONObject
+from bamboo.launch.spec import ModelDescription, Program
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -28,7 +30,7 @@ __all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "ModuleSpec", "describe_program",
 DEFAULT_LAYERS = 4
 """The built-in example's decoder blocks when no ``--layers`` is given."""
 
-EXAMPLE_CONFIG: dict[str, Any] = {
+EXAMPLE_CONFIG: JSONObject = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 4,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
@@ -51,7 +53,7 @@ class ModuleSpec:
         return self.typename(*self.module_args, **self.module_kwargs)
 
 
-def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> Program:
+def example_program(size: dict[str, int], config: Mapping[str, JSON], seed: int) -> Program:
     """The built-in example: the tiny GPT of bamboo-rc of ``size`` on the standard library's source bytes."""
     from bamboo.rc import load_config
     from bamboo.rc.data import GlobalBatchSampler
@@ -67,7 +69,7 @@ def example_program(size: dict[str, int], config: dict[str, Any], seed: int) -> 
     return Program(layers=gpt_layer_specs(gpt, ModuleSpec), loss_fn=lm_loss, microbatch=microbatch, config=config)
 
 
-def describe_program(program: Program, pipelines: int) -> dict[str, Any]:
+def describe_program(program: Program, pipelines: int) -> ModelDescription:
     """The description of a program as the job's spec holds it: layer costs, config, microbatches per pipeline."""
     from bamboo.rc import load_config
     from bamboo.rc.data import bind_global_batch

@@ -24,7 +24,10 @@ import io
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["FORMATS", "ExportError", "export_checkpoint", "export_hf", "export_run", "save_state_dict"]
 
@@ -36,8 +39,8 @@ class ExportError(ValueError):
     """The run directory or checkpoint cannot give a whole model; the message says what is missing."""
 
 
-def _gather(layers: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, Any]:
-    by_index: dict[int, Mapping[str, Any]] = {}
+def _gather(layers: Iterable[tuple[int, Mapping[str, Tensor]]]) -> dict[str, Tensor]:
+    by_index: dict[int, Mapping[str, Tensor]] = {}
     for index, state in layers:
         by_index.setdefault(int(index), state)
     if not by_index:
@@ -48,7 +51,7 @@ def _gather(layers: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, Any]:
     return {f"{index}.{name}": tensor for index in sorted(by_index) for name, tensor in by_index[index].items()}
 
 
-def export_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def export_run(run_dir: str | os.PathLike[str]) -> dict[str, Tensor]:
     """The final model of a finished run, from its workers' reports (``RUN_DIR/out/rank*.pt``)."""
     import torch
 
@@ -56,7 +59,7 @@ def export_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if not paths:
         raise ExportError(f"{run_dir} has no final worker reports (out/rank*.pt): did the run finish?")
 
-    def layers() -> Iterable[tuple[int, Mapping[str, Any]]]:
+    def layers() -> Iterable[tuple[int, Mapping[str, Tensor]]]:
         for path in paths:
             report = torch.load(path, weights_only=False)
             for stage, indices in report["slice_layers"].items():
@@ -65,7 +68,7 @@ def export_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return _gather(layers())
 
 
-def export_checkpoint(directory: str | os.PathLike[str], step: int | None = None) -> tuple[int, dict[str, Any]]:
+def export_checkpoint(directory: str | os.PathLike[str], step: int | None = None) -> tuple[int, dict[str, Tensor]]:
     """``(step, state dict)`` of the newest good checkpoint in ``directory`` (or of ``step``)."""
     import torch
     from bamboo.rc.checkpoint_files import (
@@ -91,12 +94,12 @@ def export_checkpoint(directory: str | os.PathLike[str], step: int | None = None
     except CheckpointError as error:
         raise ExportError(str(error)) from None
 
-    def layers() -> Iterable[tuple[int, Mapping[str, Any]]]:
+    def layers() -> Iterable[tuple[int, Mapping[str, Tensor]]]:
         for name, shard in loaded.shards.items():
             if "layers" not in shard:
                 raise ExportError(f"shard {name} of {loaded.path} has no layer indices (written by an older version)")
             state = torch.load(io.BytesIO(shard["state"].numpy().tobytes()), weights_only=False)
-            per_layer: dict[int, dict[str, Any]] = {}
+            per_layer: dict[int, dict[str, Tensor]] = {}
             for key, tensor in state["layers"].items():
                 local, _, parameter = key.partition(".")
                 per_layer.setdefault(int(local), {})[parameter] = tensor
@@ -106,7 +109,7 @@ def export_checkpoint(directory: str | os.PathLike[str], step: int | None = None
     return loaded.step, _gather(layers())
 
 
-def save_state_dict(state: Mapping[str, Any], out: str | os.PathLike[str]) -> Path:
+def save_state_dict(state: Mapping[str, Tensor], out: str | os.PathLike[str]) -> Path:
     """Write ``state`` with ``torch.save``, atomically (a temporary file renamed into place)."""
     import torch
 
@@ -117,7 +120,7 @@ def save_state_dict(state: Mapping[str, Any], out: str | os.PathLike[str]) -> Pa
     return path
 
 
-def export_hf(state: Mapping[str, Any], out: str | os.PathLike[str]) -> tuple[Path, float]:
+def export_hf(state: Mapping[str, Tensor], out: str | os.PathLike[str]) -> tuple[Path, float]:
     """Write ``state`` (a model split by ``bamboo.rc.from_transformers``) as a ``save_pretrained`` folder, reload it
     with ``AutoModelForCausalLM.from_pretrained`` and compare its logits with bamboo's layers holding ``state``:
     ``(the folder, the largest logit difference)``. ExportError for a model of another kind, or without the

@@ -47,7 +47,6 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Sequence
-from typing import Any
 
 from bamboo.launch.k8s_agents import agent_objects, token_secret
 from bamboo.launch.k8s_config import (
@@ -59,6 +58,7 @@ from bamboo.launch.k8s_config import (
     RUN_DIR,
     ZONE_SPREADS,
     K8sConfig,
+    Manifest,
     agent_token_secret_name,
 )
 from bamboo.launch.k8s_etcd import etcd_objects
@@ -72,6 +72,7 @@ __all__ = [
     "RUN_DIR",
     "ZONE_SPREADS",
     "K8sConfig",
+    "Manifest",
     "ManifestValidationError",
     "agent_token_secret_name",
     "dump_yaml",
@@ -80,7 +81,7 @@ __all__ = [
 ]
 
 
-def render_manifests(config: K8sConfig, *, agent_token: str | None = None) -> list[dict[str, Any]]:
+def render_manifests(config: K8sConfig, *, agent_token: str | None = None) -> list[Manifest]:
     """Every object the job needs, in apply order: RBAC, the token's Secret, etcd, then the agents (their
     NetworkPolicy before the pods, so that no agent is ever reachable from outside the job).
 
@@ -97,7 +98,7 @@ def render_manifests(config: K8sConfig, *, agent_token: str | None = None) -> li
     return agents[:3] + token + etcd + agents[3:]
 
 
-def dump_yaml(manifests: Sequence[dict[str, Any]]) -> str:
+def dump_yaml(manifests: Sequence[Manifest]) -> str:
     """The manifests as one multi-document YAML text, keys in insertion order, no anchors."""
     import yaml
 
@@ -112,8 +113,9 @@ class ManifestValidationError(ValueError):
     """A manifest does not match the Kubernetes schema; the message names the object and field."""
 
 
-def validate_manifests(manifests: Sequence[dict[str, Any]], kubernetes_version: str = KUBERNETES_VERSION) -> None:
-    """Validate each manifest against the Kubernetes JSON schemas (strict: unknown fields fail).
+def validate_manifests(manifests: Sequence[object], kubernetes_version: str = KUBERNETES_VERSION) -> None:
+    """Validate each manifest (a document as YAML or JSON gives it, which must be an object) against the
+    Kubernetes JSON schemas (strict: unknown fields fail).
 
     Uses ``kubernetes-validate``, which ships the schemas (no network). Raises
     :class:`ManifestValidationError` for an unsupported ``kubernetes_version`` or for the first

@@ -1,31 +1,43 @@
 """What the Kubernetes manifests of a job depend on: :class:`K8sConfig` (validated, with the defaults of
 ``bamboo-launch k8s render``), the names and mount points they share, and the small helpers every object
-uses (its labels and metadata, the etcd endpoints the agents use, the job token's Secret).
+uses (its labels and metadata, the etcd endpoints the agents use, the job token's Secret) and the shapes that
+the agents' and etcd's objects share (a Service, an ingress NetworkPolicy, their ports, a pod template).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.json_types import JSONObject
 
 __all__ = [
     "AGENT_ARGS_DOC",
     "AGENT_TLS_MOUNT",
     "AGENT_TOKEN_MOUNT",
     "CLOUDS",
+    "ETCD_CLIENT_PORT",
+    "ETCD_PEER_PORT",
     "ETCD_TLS_MOUNT",
     "KUBERNETES_VERSION",
     "RUN_DIR",
     "ZONE_SPREADS",
     "K8sConfig",
+    "Manifest",
+    "ObjectMeta",
     "agent_token_secret_name",
+    "container_port",
     "etcd_endpoints",
     "field_env",
+    "ingress_policy",
     "object_labels",
     "object_meta",
+    "pod_template",
+    "pods",
+    "service",
+    "service_port",
 ]
 
 CLOUDS = ("eks", "gke", "none")
@@ -38,6 +50,8 @@ AGENT_TOKEN_MOUNT = "/etc/bamboo/agent-token"
 """Where the job token's Secret is mounted (read-only); the agent reads ``token`` there."""
 AGENT_TLS_MOUNT = "/etc/bamboo/agent-tls"
 """Where ``agent_tls_secret`` is mounted (read-only): ``ca.crt``, ``tls.crt``, ``tls.key``."""
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
 RUN_DIR = "/var/lib/bamboo"
 """The agent's run dir (an emptyDir): worker contexts, logs, ``out/rank<R>.pt``."""
 
@@ -173,19 +187,40 @@ def object_labels(config: K8sConfig, component: str) -> dict[str, str]:
     }
 
 
-def object_meta(config: K8sConfig, name: str, component: str, namespaced: bool = True) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name}
+class ObjectMeta(TypedDict):
+    """An object's ``metadata``: its name, its namespace (none for a cluster-scoped object) and its labels."""
+
+    name: str
+    namespace: NotRequired[str]
+    labels: dict[str, str]
+
+
+class Manifest(TypedDict):
+    """A Kubernetes object as rendered: its API version, kind and metadata, and the fields of its kind."""
+
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: NotRequired[JSONObject]
+    rules: NotRequired[list[JSONObject]]
+    roleRef: NotRequired[JSONObject]
+    subjects: NotRequired[list[JSONObject]]
+    automountServiceAccountToken: NotRequired[bool]
+    type: NotRequired[str]
+    stringData: NotRequired[dict[str, str]]
+
+
+def object_meta(config: K8sConfig, name: str, component: str, namespaced: bool = True) -> ObjectMeta:
     if namespaced:
-        meta["namespace"] = config.namespace
-    meta["labels"] = object_labels(config, component)
-    return meta
+        return {"name": name, "namespace": config.namespace, "labels": object_labels(config, component)}
+    return {"name": name, "labels": object_labels(config, component)}
 
 
 def etcd_endpoints(config: K8sConfig) -> tuple[str, ...]:
     """The etcd endpoints the agents use: the external ones, or the in-cluster client Service."""
     if config.etcd_endpoints:
         return config.etcd_endpoints
-    return (f"{config.job}-etcd.{config.namespace}.svc:2379",)
+    return (f"{config.job}-etcd.{config.namespace}.svc:{ETCD_CLIENT_PORT}",)
 
 
 def agent_token_secret_name(config: K8sConfig) -> str | None:
@@ -195,5 +230,55 @@ def agent_token_secret_name(config: K8sConfig) -> str | None:
     return config.agent_token_secret or f"{config.job}-agent-token"
 
 
-def field_env(name: str, path: str) -> dict[str, Any]:
+def field_env(name: str, path: str) -> JSONObject:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def container_port(name: str, port: int) -> JSONObject:
+    """A container's named TCP port."""
+    return {"name": name, "containerPort": port, "protocol": "TCP"}
+
+
+def service_port(name: str, port: int) -> JSONObject:
+    """A Service's TCP port, forwarded to the pods' port of the same name."""
+    return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+
+
+def service(
+    config: K8sConfig, name: str, component: str, ports: list[JSONObject], *, headless: bool = False,
+    publish_not_ready: bool = False,
+) -> Manifest:
+    """A Service over the pods of ``component``: headless (DNS per pod, no virtual IP) or not, and with
+    ``publish_not_ready`` also naming pods that are not ready yet (etcd's members find each other so)."""
+    spec: JSONObject = {}
+    if headless:
+        spec["clusterIP"] = "None"
+    if publish_not_ready:
+        spec["publishNotReadyAddresses"] = True
+    spec["selector"] = object_labels(config, component)
+    spec["ports"] = ports
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_meta(config, name, component), "spec": spec}
+
+
+def pods(labels: dict[str, str]) -> JSONObject:
+    """A NetworkPolicy peer: the pods with ``labels``."""
+    return {"podSelector": {"matchLabels": labels}}
+
+
+def ingress_policy(config: K8sConfig, name: str, component: str, ingress: list[JSONObject]) -> Manifest:
+    """A NetworkPolicy that admits to the pods of ``component`` only the connections ``ingress`` lists."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(config, name, component),
+        "spec": {
+            **pods(object_labels(config, component)),
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def pod_template(labels: dict[str, str], spec: JSONObject) -> JSONObject:
+    """A workload's pod template: its pods' labels and spec."""
+    return {"metadata": {"labels": labels}, "spec": spec}

@@ -43,6 +43,7 @@ import attrs
 from bamboo.launch import timeouts
 
 if TYPE_CHECKING:
+    from bamboo.launch.json_types import JSON
     from bamboo.membership import KeyValueStore
 
 __all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
@@ -140,7 +141,7 @@ class CopyStore:
         return copies, layers
 
 
-def _send_message(sock: socket.socket, header: Mapping[str, Any], data: bytes = b"") -> None:
+def _send_message(sock: socket.socket, header: Mapping[str, JSON], data: bytes = b"") -> None:
     encoded = json.dumps(dict(header)).encode()
     sock.sendall(_HEADER.pack(len(encoded)) + encoded)
     if data:

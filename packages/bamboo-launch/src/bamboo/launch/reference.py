@@ -12,24 +12,26 @@ compared with the same sums, associated the same way, and an exact run matches b
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bamboo.launch.spec import JobSpec
+    from bamboo.launch.json_types import JSON
+    from bamboo.launch.run_options import Verification, WorkerReport
+    from bamboo.launch.spec import JobSpec, LayerBuilder
     from torch import Tensor
 
 __all__ = ["compare_reports", "compare_states", "train_reference_history", "train_reference_program"]
 
 
 def train_reference_program(
-    specs: Sequence[Any],
+    specs: Sequence[LayerBuilder],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     microbatch: Callable[[int, int], tuple[Tensor, Tensor]],
-    config: dict[str, Any],
+    config: Mapping[str, JSON],
     seed: int,
     history: Sequence[Sequence[int]],
     steps: int,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Tensor]]:
     """Single-process training of the whole model for ``steps`` steps, grouped as the run was (``history``:
     ``(first step, pipelines)`` of every layout generation); ``microbatch(step, index)`` gives the ``(inputs,
     labels)`` at position ``index`` of the global batch of ``step``. The final state dict of each layer."""
@@ -43,9 +45,9 @@ def train_reference_program(
 
 
 def train_reference_history(
-    specs: Sequence[Any], config: dict[str, Any], size: Mapping[str, int], seed: int,
+    specs: Sequence[LayerBuilder], config: Mapping[str, JSON], size: Mapping[str, int], seed: int,
     history: Sequence[Sequence[int]], steps: int,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Tensor]]:
     """:func:`train_reference_program` of the built-in example (the GPT of ``size`` on its corpus)."""
     from bamboo.launch.example import example_program
 
@@ -53,7 +55,7 @@ def train_reference_history(
     return train_reference_program(specs, program.loss_fn, program.microbatch, config, seed, history, steps)
 
 
-def compare_states(reports: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]]) -> tuple[float, int]:
+def compare_states(reports: Sequence[WorkerReport], reference: Sequence[Mapping[str, Tensor]]) -> tuple[float, int]:
     """``(max relative difference, tensors compared)`` between the workers' final reports and the reference's
     layer states: each layer a worker built (``slice_layers``) against the reference's layer of that index.
 
@@ -73,7 +75,7 @@ def compare_states(reports: Sequence[dict[str, Any]], reference: Sequence[dict[s
     return worst, tensors
 
 
-def compare_reports(reports: Sequence[dict[str, Any]], spec: JobSpec) -> dict[str, Any]:
+def compare_reports(reports: Sequence[WorkerReport], spec: JobSpec) -> Verification:
     """Compare final worker reports of the built-in example with its fault-free single-process run.
 
     ``spec`` is the job's :class:`~bamboo.launch.spec.JobSpec`. The reference trains the steps every

@@ -45,7 +45,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import attrs
 from bamboo.launch.events import (
@@ -221,24 +221,57 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
     first_of_step: dict[int, Step] = {}
     for record in records:
         first_of_step.setdefault(record.step, record)  # a step trained again after a restore counts once
-    steps = records
     samples = sum(s.samples for s in first_of_step.values())
-    training_s = steps[-1].t - start
+    training_s = records[-1].t - start
     if training_s <= 0:
-        raise ReportError(f"the last step ends at t={steps[-1].t} which is not after the start t={start}")
+        raise ReportError(f"the last step ends at t={records[-1].t} which is not after the start t={start}")
     throughput = samples / training_s
     duration_s = end - start
     node_seconds = sum(b - a for spans in intervals.values() for a, b in spans)
     node_hours = node_seconds / 3600.0
     avg_nodes = node_seconds / duration_s if duration_s > 0 else 0.0
-    pauses = [e.pause_s for e in ordered if isinstance(e, Failover)]
-    reconfigs = [e for e in ordered if isinstance(e, Reconfiguration)]
     account = TimeAccount()
     for event in ordered:
         account.apply(event)
+    pauses = [e.pause_s for e in ordered if isinstance(e, Failover)]
+    reconfigs = [e for e in ordered if isinstance(e, Reconfiguration)]
+    return Report(
+        job=job, steps=len(first_of_step), samples=samples, final_loss=records[-1].loss, duration_s=duration_s,
+        training_s=training_s, throughput=throughput,
+        window_throughput=samples / account.window_s if account.window_s > 0 else None,
+        node_hours=node_hours, avg_nodes=avg_nodes, redone_steps=len(records) - len(first_of_step),
+        joins=sum(isinstance(e, Join) for e in ordered), preemptions=sum(isinstance(e, Preemption) for e in ordered),
+        failovers=len(pauses), median_pause_s=statistics.median(pauses) if pauses else None,
+        max_pause_s=max(pauses) if pauses else None, reconfigurations=len(reconfigs),
+        bytes_moved=sum(r.bytes_moved for r in reconfigs), checkpoints=sum(isinstance(e, Checkpoint) for e in ordered),
+        consecutive_failures=sum(r.reason == "consecutive failure" for r in reconfigs),
+        restores=sum(isinstance(e, Restore) for e in ordered),
+        reconfiguration_s=account.reconfiguration_s, startup_s=account.startup_s, step_share=account.step_share,
+        failover_s=account.failover_s, restore_s=account.restore_s, lost_s=account.lost_s,
+        **_costs(prices, samples, throughput, node_hours, avg_nodes),
+        **_pauses_and_startup(account), **report_fields(ordered),
+    )
+
+
+class _Costs(TypedDict):
+    """The report's keys on cost and value (:func:`_costs`)."""
+
+    spot_price: float
+    on_demand_price: float
+    cost_spot: float
+    cost_on_demand: float
+    on_demand_basis: str
+    cost_per_hour: float
+    value: float
+    on_demand_value: float
+    saving: float
+
+
+def _costs(prices: Prices, samples: int, throughput: float, node_hours: float, avg_nodes: float) -> _Costs:
+    """The report's keys on cost and value: the run at spot prices, and the same work on demand (see the module's
+    docstring for the two ways it is priced)."""
     cost_spot = node_hours * prices.spot
     cost_per_hour = avg_nodes * prices.spot
-    value = throughput / cost_per_hour if cost_per_hour > 0 else 0.0
     if prices.on_demand_throughput is not None and prices.on_demand_nodes is not None:
         od_hours = samples / prices.on_demand_throughput / 3600.0
         cost_on_demand = od_hours * prices.on_demand_nodes * prices.on_demand
@@ -251,46 +284,12 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
         cost_on_demand = node_hours * prices.on_demand
         on_demand_value = throughput / (avg_nodes * prices.on_demand) if avg_nodes > 0 else 0.0
         basis = "same node-hours at the on-demand price"
-    return Report(
-        job=job,
-        steps=len(first_of_step),
-        samples=samples,
-        final_loss=steps[-1].loss,
-        duration_s=duration_s,
-        training_s=training_s,
-        throughput=throughput,
-        window_throughput=samples / account.window_s if account.window_s > 0 else None,
-        node_hours=node_hours,
-        avg_nodes=avg_nodes,
-        joins=sum(isinstance(e, Join) for e in ordered),
-        preemptions=sum(isinstance(e, Preemption) for e in ordered),
-        failovers=len(pauses),
-        median_pause_s=statistics.median(pauses) if pauses else None,
-        max_pause_s=max(pauses) if pauses else None,
-        reconfigurations=len(reconfigs),
-        bytes_moved=sum(r.bytes_moved for r in reconfigs),
-        reconfiguration_s=account.reconfiguration_s,
-        startup_s=account.startup_s,
-        step_share=account.step_share,
-        failover_s=account.failover_s,
-        restore_s=account.restore_s,
-        lost_s=account.lost_s,
-        checkpoints=sum(isinstance(e, Checkpoint) for e in ordered),
-        consecutive_failures=sum(r.reason == "consecutive failure" for r in reconfigs),
-        restores=sum(isinstance(e, Restore) for e in ordered),
-        redone_steps=len(records) - len(first_of_step),
-        spot_price=prices.spot,
-        on_demand_price=prices.on_demand,
-        cost_spot=cost_spot,
-        cost_on_demand=cost_on_demand,
-        on_demand_basis=basis,
-        cost_per_hour=cost_per_hour,
-        value=value,
-        on_demand_value=on_demand_value,
-        saving=cost_on_demand / cost_spot if cost_spot > 0 else 0.0,
-        **_pauses_and_startup(account),
-        **report_fields(ordered),
-    )
+    return {
+        "spot_price": prices.spot, "on_demand_price": prices.on_demand, "cost_spot": cost_spot,
+        "cost_on_demand": cost_on_demand, "on_demand_basis": basis, "cost_per_hour": cost_per_hour,
+        "value": throughput / cost_per_hour if cost_per_hour > 0 else 0.0, "on_demand_value": on_demand_value,
+        "saving": cost_on_demand / cost_spot if cost_spot > 0 else 0.0,
+    }
 
 
 def _pauses_and_startup(account: TimeAccount) -> dict[str, Any]:

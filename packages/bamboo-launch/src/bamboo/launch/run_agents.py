@@ -6,12 +6,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch.market import ActionKind, MarketAction, plan_market
 from bamboo.launch.run_options import RunError, RunOptions
 
 if TYPE_CHECKING:
+    from bamboo.launch.spec import SpecFields
     from bamboo.membership import KeyValueStore, MembershipStore
 
 __all__ = ["agent_command", "initial_plan", "run_spec_fields", "write_spec"]
@@ -40,15 +41,13 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
 
     command = [sys.executable, "-m", "bamboo.launch", "agent", "--job", job, "--node", node, "--zone", zone,
                "--host", "127.0.0.1", "--port", "0", "--run-dir", str(run_dir)]
-    script: tuple[str, ...] = ()
-    for field, value in run_spec_fields(options, min_nodes).items():
-        if field == "script":
-            script = value
-        elif field == "size":
-            command += ["--layers", str(value["layers"])]
+    fields = run_spec_fields(options, min_nodes)
+    for field, value in fields.items():
+        if field == "size":
+            command += ["--layers", str(fields["size"]["layers"])]
         elif field == "resume":
             command += ["--resume"]
-        else:
+        elif field != "script":  # the script goes last, after --
             command += [FLAG_OF[field], str(value)]
     for endpoint in endpoints:
         command += ["--etcd", endpoint]
@@ -61,15 +60,16 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
         command += ["--notice-window", str(options.notice_s)]
     if options.device is not None:
         command += ["--device", options.device]
+    script = fields.get("script", ())
     if script:
         command += ["--", *script]
     return command
 
 
-def run_spec_fields(options: RunOptions, min_nodes: int) -> dict[str, Any]:
+def run_spec_fields(options: RunOptions, min_nodes: int) -> SpecFields:
     """The job-spec fields of a run (field -> value, as an agent's flags parse them): what the launcher writes
     as the job's spec before it starts the agents, and what :func:`agent_command` passes each agent."""
-    fields: dict[str, Any] = {
+    fields: SpecFields = {
         "stages": options.stages, "pipelines": options.pipelines, "steps": options.steps, "min_nodes": min_nodes,
         "redundancy": options.redundancy, "seed": options.seed, "ttl": options.ttl, "grace_s": float(options.grace_s),
         "reconfigure_timeout_s": float(options.reconfigure_timeout_s), "checkpoint_every": options.checkpoint_every,

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.json_types import JSONObject
 from bamboo.launch.spec import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_REDUNDANCY,
@@ -21,8 +22,9 @@ from bamboo.membership import timeouts as membership_timeouts
 if TYPE_CHECKING:
     from bamboo.launch.processes import ProcessCluster
     from bamboo.membership import EmbeddedEtcd, MembershipStore
+    from torch import Tensor
 
-__all__ = ["RunError", "RunHandles", "RunOptions", "RunResult"]
+__all__ = ["RunError", "RunHandles", "RunOptions", "RunResult", "Verification", "WorkerReport"]
 
 
 class RunError(RuntimeError):
@@ -108,6 +110,39 @@ class RunOptions:
             raise ValueError("--resume needs --checkpoint-dir, or the --run-dir of the run to resume (its checkpoints)")
 
 
+class WorkerReport(TypedDict):
+    """A worker's final report (``RUN_DIR/out/rank<R>.pt``, written by :mod:`bamboo.launch.worker`): its place in
+    the last layout, the final state of each layer it built (``slices`` and their global indices ``slice_layers``,
+    per hosted stage), its losses and failovers."""
+
+    rank: int
+    node: str
+    generation: int
+    history: list[list[int]]
+    stage_bounds: list[list[int]]
+    stage: int
+    pipeline: int
+    hosted: list[int]
+    slices: dict[int, list[dict[str, Tensor]]]
+    slice_layers: dict[int, list[int]]
+    replica_stage: int | None
+    losses: list[float]
+    steps_done: int
+    failovers: list[JSONObject]
+    consecutive: str | None
+    seconds: float
+
+
+class Verification(TypedDict):
+    """``--verify``'s comparison with the fault-free single-process run: the steps compared, the largest relative
+    difference of a tensor, the tensors compared and the layouts' ``(first step, pipelines)`` history."""
+
+    steps: int
+    max_relative_diff: float
+    tensors: int
+    history: list[list[int]]
+
+
 @attrs.frozen
 class RunResult:
     """What a run left: its directory, event log, per-rank final reports and the failures seen.
@@ -120,7 +155,7 @@ class RunResult:
 
     run_dir: Path
     events: Path
-    reports: dict[int, dict[str, Any]]
+    reports: dict[int, WorkerReport]
     failed_ranks: tuple[int, ...]
     failed_nodes: tuple[str, ...]
     node_of_rank: dict[int, str]

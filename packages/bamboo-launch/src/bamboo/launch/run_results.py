@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from bamboo.launch.run_options import RunError, RunOptions, RunResult
+from bamboo.launch.run_options import RunError, RunOptions, RunResult, Verification, WorkerReport
 
 if TYPE_CHECKING:
     from bamboo.membership import MembershipStore
@@ -51,7 +51,7 @@ def save_records(membership: MembershipStore, run_dir: Path) -> None:
             (run_dir / f"{name}.json").write_bytes(found.value)
 
 
-def load_reports(out: Path) -> dict[int, dict[str, Any]]:
+def load_reports(out: Path) -> dict[int, WorkerReport]:
     import torch
 
     reports = {}
@@ -61,7 +61,7 @@ def load_reports(out: Path) -> dict[int, dict[str, Any]]:
     return reports
 
 
-def compare_with_reference(result: RunResult, options: RunOptions) -> dict[str, Any]:
+def compare_with_reference(result: RunResult, options: RunOptions) -> Verification:
     """Compare every surviving worker's hosted stages with a fault-free single-process run.
 
     Returns ``{"steps", "max_relative_diff", "tensors", "history"}``. The reference trains the same global

@@ -60,7 +60,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from bamboo.launch import timeouts
 from bamboo.launch.forkserver import run_to_end
@@ -68,6 +68,8 @@ from bamboo.launch.hooks import Evaluation, TrainingHooks
 from bamboo.launch.spec import ENV_CONTEXT, Program
 
 if TYPE_CHECKING:
+    from bamboo.launch.json_types import JSON
+    from bamboo.launch.spec import LayerInput, ModelDescription
     from bamboo.rc.monitor import StepInfo
     from torch import Tensor
 
@@ -115,11 +117,11 @@ def worker_environment(*, context_path: str | Path, node: str) -> dict[str, str]
 
 
 def train_worker(
-    layers: Sequence[Any],
+    layers: Sequence[LayerInput],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     microbatch: Callable[[int, int], tuple[Tensor, Tensor]],
     *,
-    config: Mapping[str, Any] | None = None,
+    config: Mapping[str, JSON] | None = None,
     on_step: Callable[[StepInfo], object] | None = None,
     evaluate: tuple[Callable[[int, int], tuple[Tensor, Tensor]], int] | Evaluation | None = None,
 ) -> NoReturn:
@@ -219,7 +221,7 @@ def _last_line(log: Path) -> str:
 
 
 def describe_script(script: Sequence[str], log: Path, *, pipelines: int,
-                    timeout_s: float = timeouts.SCRIPT_DESCRIBE_TIMEOUT_S) -> dict[str, Any]:
+                    timeout_s: float = timeouts.SCRIPT_DESCRIBE_TIMEOUT_S) -> ModelDescription:
     """Run the script in ``describe`` mode: ``{"layers", "config", "micro_batches"}`` (its layers' costs for
     the planner, its DeepSpeed config, and its microbatches per pipeline at ``pipelines`` pipelines).
     ScriptError if it fails, or exits without calling :func:`train_worker`."""
@@ -234,9 +236,9 @@ def describe_script(script: Sequence[str], log: Path, *, pipelines: int,
 
 
 def reference_from_script(
-    script: Sequence[str], *, config: Mapping[str, Any], seed: int, history: Sequence[Sequence[int]], steps: int,
+    script: Sequence[str], *, config: Mapping[str, JSON], seed: int, history: Sequence[Sequence[int]], steps: int,
     work_dir: Path, timeout_s: float = timeouts.SCRIPT_REFERENCE_TIMEOUT_S,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Tensor]]:
     """Run the script in ``reference`` mode: the layer states of a fault-free single-process run."""
     import torch
 

@@ -1,8 +1,8 @@
 """The shared types of bamboo-launch: the job's spec, what an agent tells its worker, a training program.
 
-This module is a leaf: it imports no other module of ``bamboo.launch`` (an import check in ``make test``
-enforces the package's directions), so the agent, the worker, the user-script entry point and the
-composition in ``bamboo-launch run`` can all share these types without importing each other.
+This module is a leaf: of ``bamboo.launch`` it imports only the leaves ``timeouts`` and ``json_types`` (an import
+check in ``make test`` enforces the package's directions), so the agent, the worker, the user-script entry point
+and the composition in ``bamboo-launch run`` can all share these types without importing each other.
 
 - :class:`JobSpec`: what every node of a job must agree on (P, D, steps, the model's description, the
   checkpoint settings, the job-wide timeouts). The first agent writes it into etcd at
@@ -12,7 +12,9 @@ composition in ``bamboo-launch run`` can all share these types without importing
   to reach etcd, the fence that guards the node's writes, where to write its files). Written as a JSON
   file whose path the worker gets in ``BAMBOO_WORKER_CONTEXT``.
 - :class:`Program`: a training program (layers, loss, data, DeepSpeed config): the built-in example's,
-  or a user script's through :func:`bamboo.launch.train_worker`.
+  or a user script's through :func:`bamboo.launch.train_worker`; its layers are :data:`LayerInput` values.
+- :class:`SpecFields` (the spec's fields an agent's flags give) and :class:`ModelDescription` (what reading a
+  model gives the spec).
 - Exit statuses of agents and workers.
 """
 
@@ -21,12 +23,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict, TypeVar, cast
 
 import attrs
 from bamboo.launch import timeouts
+from bamboo.launch.json_types import JSON, JSONObject
 from bamboo.membership import timeouts as membership_timeouts
 from bamboo.rc import timeouts as rc_timeouts
 
@@ -51,9 +54,13 @@ __all__ = [
     "WORKER_ERROR",
     "EtcdAccess",
     "JobSpec",
+    "LayerBuilder",
+    "LayerInput",
+    "ModelDescription",
     "ModuleFactory",
     "Program",
     "SpecError",
+    "SpecFields",
     "WorkerContext",
 ]
 
@@ -100,7 +107,7 @@ def _job_name(_instance: object, attribute: attrs.Attribute, value: object) -> N
         raise ValueError(f"{attribute.name} must be a non-empty name without '/' or surrounding spaces, got {value!r}")
 
 
-def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
+def _plain_json(value: Mapping[str, JSON]) -> JSONObject:
     return json.loads(json.dumps(dict(value)))
 
 
@@ -133,6 +140,38 @@ FLAG_OF = {
 }
 
 
+class SpecFields(TypedDict, total=False):
+    """The fields of a :class:`JobSpec` that an agent's flags set (:data:`FLAG_OF`), those that were given."""
+
+    stages: int
+    pipelines: int
+    steps: int
+    min_nodes: int
+    redundancy: str
+    preemptions_per_node_hour: float
+    script: tuple[str, ...]
+    size: dict[str, int]
+    seed: int
+    checkpoint_dir: str
+    checkpoint_every: int
+    memory_copy_every: int
+    resume: bool
+    ttl: int
+    grace_s: float
+    confirm_timeout_s: float
+    group_timeout_s: float
+    reconfigure_timeout_s: float
+
+
+class ModelDescription(TypedDict):
+    """A model as the job's spec describes it (read by the first agent): its layers' costs for the planner
+    (bamboo-reconfig ``LayerSpec`` dicts), its DeepSpeed config and its microbatches per pipeline."""
+
+    layers: list[JSONObject]
+    config: JSONObject
+    micro_batches: int
+
+
 @attrs.frozen
 class JobSpec:
     """What every node of a job agrees on, stored in etcd at ``/bamboo/<job>/spec`` by the first agent.
@@ -146,8 +185,8 @@ class JobSpec:
     job: str = attrs.field(validator=_job_name)
     stages: int = attrs.field(validator=_POSITIVE_INT)
     pipelines: int = attrs.field(validator=_POSITIVE_INT)
-    layers: tuple[dict[str, Any], ...] = attrs.field(converter=lambda v: tuple(_plain_json(x) for x in v))
-    config: dict[str, Any] = attrs.field(converter=_plain_json)
+    layers: tuple[JSONObject, ...] = attrs.field(converter=lambda v: tuple(_plain_json(x) for x in v))
+    config: JSONObject = attrs.field(converter=_plain_json)
     micro_batches: int = attrs.field(validator=_POSITIVE_INT)
     """Microbatches per pipeline per step at ``pipelines`` pipelines (the global batch is ``micro_batches *
     pipelines`` microbatches, kept when the number of pipelines changes)."""
@@ -197,19 +236,19 @@ class JobSpec:
 
         return [LayerSpec.from_dict(layer) for layer in self.layers]
 
-    def conflicts(self, given: Mapping[str, Any]) -> list[str]:
+    def conflicts(self, given: SpecFields) -> list[str]:
         """One line per flag in ``given`` (field -> value) whose value differs from this spec's."""
         lines = []
         for field, value in sorted(given.items()):
             stored = getattr(self, field)
             if field == "script":
-                value = tuple(value)
+                value = tuple(cast("Iterable[str]", value))  # a list, as a flag gives it, is the same script
             if value != stored:
                 flag = FLAG_OF.get(field, field)
                 lines.append(f"{flag} {_show(value)} conflicts with the job's stored {field} {_show(stored)}")
         return lines
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         data = attrs.asdict(self)
         data["layers"] = [dict(layer) for layer in self.layers]
         data["script"] = list(self.script)
@@ -219,12 +258,12 @@ class JobSpec:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+    def from_dict(cls, data: Mapping[str, JSON]) -> JobSpec:
         return _from_dict(cls, "job spec", data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
-        return cls.from_dict(_loads("job spec", text))
+        return _from_dict(cls, "job spec", _loads("job spec", text))
 
 
 def _show(value: object) -> str:
@@ -235,7 +274,7 @@ def _show(value: object) -> str:
     return str(value)
 
 
-def _loads(what: str, text: str | bytes) -> Any:
+def _loads(what: str, text: str | bytes) -> JSON:
     try:
         return json.loads(text)
     except ValueError as error:
@@ -312,7 +351,7 @@ class WorkerContext:
     def out_dir(self) -> Path:
         return Path(self.run_dir) / "out"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         data = attrs.asdict(self)
         return {"v": SPEC_VERSION, **data}
 
@@ -320,12 +359,12 @@ class WorkerContext:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WorkerContext:
+    def from_dict(cls, data: Mapping[str, JSON]) -> WorkerContext:
         return _from_dict(cls, "worker context", data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerContext:
-        return cls.from_dict(_loads("worker context", text))
+        return _from_dict(cls, "worker context", _loads("worker context", text))
 
     @classmethod
     def from_environment(cls) -> WorkerContext:
@@ -342,6 +381,18 @@ class WorkerContext:
         os.replace(partial, path)
 
 
+class LayerBuilder(Protocol):
+    """A layer that is built where a stage needs it, as DeepSpeed's ``LayerSpec`` is: its ``build()`` returns the
+    module (a ``LayerSpec``, the built-in example's ``ModuleSpec``, a :class:`ModuleFactory`)."""
+
+    def build(self) -> nn.Module: ...
+
+
+LayerInput: TypeAlias = "LayerBuilder | Callable[[], nn.Module]"
+"""A layer as a training script gives it: a :class:`LayerBuilder`, or a zero-argument callable that returns a
+``torch.nn.Module`` (the launcher wraps it in a :class:`ModuleFactory`)."""
+
+
 class ModuleFactory:
     """A zero-argument callable that returns a module, seen through DeepSpeed ``LayerSpec``'s ``build()``."""
 
@@ -355,15 +406,15 @@ class ModuleFactory:
         return f"ModuleFactory({self.factory!r})"
 
 
-def _as_layers(value: Sequence[Any]) -> tuple[Any, ...]:
+def _as_layers(value: Sequence[LayerInput]) -> tuple[LayerBuilder, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"layers must be a list of LayerSpec or module factories, got {type(value).__name__}")
     from torch import nn
 
-    layers = []
+    layers: list[LayerBuilder] = []
     for index, layer in enumerate(value):
         if callable(getattr(layer, "build", None)):
-            layers.append(layer)
+            layers.append(cast("LayerBuilder", layer))
         elif callable(layer) and not isinstance(layer, nn.Module):
             layers.append(ModuleFactory(layer))
         else:
@@ -374,7 +425,7 @@ def _as_layers(value: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(layers)
 
 
-def _as_config(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def _as_config(value: Mapping[str, JSON] | None) -> JSONObject | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
@@ -386,7 +437,7 @@ def _as_config(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
 class Program:
     """What a training script gives the launcher: its model, loss, data and DeepSpeed config."""
 
-    layers: tuple[Any, ...] = attrs.field(converter=_as_layers)
+    layers: tuple[LayerBuilder, ...] = attrs.field(converter=_as_layers)
     loss_fn: Callable[[Tensor, Tensor], Tensor] = attrs.field(validator=attrs.validators.is_callable())
     microbatch: Callable[[int, int], tuple[Tensor, Tensor]] = attrs.field(validator=attrs.validators.is_callable())
-    config: dict[str, Any] | None = attrs.field(default=None, converter=_as_config)
+    config: JSONObject | None = attrs.field(default=None, converter=_as_config)

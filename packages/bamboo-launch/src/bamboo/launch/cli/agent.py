@@ -17,14 +17,14 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bamboo.bench.argtypes import default_of, non_negative_float, positive_float
 from bamboo.launch import timeouts
 from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.example import DEFAULT_LAYERS
-from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecError
+from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecError, SpecFields
 from bamboo.membership import EtcdKV, MembershipStore, StoreError, StoreUnavailableError
 from bamboo.membership.agent import is_loopback
 from bamboo.membership.cloud import PREEMPTION_NOTICE_KINDS
@@ -181,9 +181,10 @@ def _add_auth_and_etcd_flags(agent: argparse.ArgumentParser) -> None:
     etcd.add_argument("--etcd-key", default=None, help="PEM client key for etcd")
 
 
-def agent_spec_fields(args: argparse.Namespace) -> dict[str, Any]:
+def agent_spec_fields(args: argparse.Namespace) -> SpecFields:
     """The job-spec fields that ``bamboo-launch agent``'s parsed flags ``args`` give (field -> value)."""
-    spec = {field: getattr(args, dest) for dest, field in SPEC_FLAGS.items() if getattr(args, dest) is not None}
+    spec = cast("SpecFields", {field: getattr(args, dest) for dest, field in SPEC_FLAGS.items()
+                                if getattr(args, dest) is not None})
     if args.checkpoint_dir is not None:
         spec["checkpoint_dir"] = str(Path(args.checkpoint_dir).resolve())
     if args.script:

@@ -10,7 +10,6 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import attrs
 from bamboo.bench.argtypes import zones
@@ -21,6 +20,7 @@ from bamboo.launch.k8s import (
     KUBERNETES_VERSION,
     ZONE_SPREADS,
     K8sConfig,
+    Manifest,
     dump_yaml,
     render_manifests,
     validate_manifests,
@@ -265,7 +265,7 @@ def render(args: argparse.Namespace) -> int:
     if not args.no_validate:
         validate_manifests(manifests, args.kubernetes_version)
 
-    def text(objects: list[dict[str, Any]]) -> str:
+    def text(objects: list[Manifest]) -> str:
         secrets = [m["metadata"]["name"] for m in objects if m["kind"] == "Secret"]
         warning = "".join(
             f"# Secret {name} holds the job token that every call to an agent must carry: keep this file "
@@ -274,7 +274,7 @@ def render(args: argparse.Namespace) -> int:
         )
         return warning + dump_yaml(objects)
 
-    def write(path: Path, objects: list[dict[str, Any]]) -> None:
+    def write(path: Path, objects: list[Manifest]) -> None:
         private = any(m["kind"] == "Secret" for m in objects)
         if private:  # created private, before the secret is written
             path.touch(mode=0o600, exist_ok=True)

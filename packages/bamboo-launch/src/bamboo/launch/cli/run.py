@@ -17,6 +17,7 @@ from bamboo.launch.events import read_events
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.report import compute_report, format_report, plot_report
 from bamboo.launch.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
+from bamboo.launch.run_options import Verification
 from bamboo.launch.spec import REDUNDANCY
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 from rich.console import Console
@@ -179,7 +180,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
-               verify: Callable[[RunResult, RunOptions], dict[str, Any]] | None) -> int:
+               verify: Callable[[RunResult, RunOptions], Verification] | None) -> int:
     """Print a finished run's report (and what went wrong, one line each); the exit status: 1 when the job
     failed, timed out or did not verify, else 0."""
     events = read_events(result.events)

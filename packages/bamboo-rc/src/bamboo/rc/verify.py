@@ -170,11 +170,7 @@ def run_verify(
     by rank, several to a GPU when there are fewer GPUs than workers); the reference trains on the same kind
     of device, in a child process on a GPU (this process never starts CUDA, so it can fork again).
     """
-    for kill in kills:
-        if not (0 <= kill.stage < stages and 0 <= kill.pipeline < pipelines and 0 <= kill.step < steps):
-            raise ValueError(f"kill point {kill} is outside P={stages} D={pipelines} steps={steps}")
-    if redundancy not in REDUNDANCY_MODES:
-        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+    _check_arguments(stages, pipelines, steps, redundancy, kills)
     size = size or GPTSize()
     config = dict(config or DEFAULT_CONFIG)
     training = load_config(config, pipelines=pipelines)
@@ -187,116 +183,206 @@ def run_verify(
     stdlib_corpus()  # read once here; the forked workers inherit it
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bamboo-verify-") as out_dir:
-        # Fork before the store exists: a process that forks while a store thread holds a libc
-        # lock (resolver, malloc) can leave the child deadlocked. The children read the port
-        # from a pipe once the store is up.
-        port_reader, port_writer = os.pipe()
-        children: dict[int, int] = {}
-        for rank in range(layout.world):
-            stage, pipeline = layout.position(rank)
-            spec = WorkerSpec(
+        workers = [
+            WorkerSpec(
                 layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
                 steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir, stage_bounds=bounds,
-                seed=seed,
-                timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
+                seed=seed, timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
                 notice_points=tuple(notice_points), device=device, model=model,
             )
-            pid = os.fork()
-            if pid == 0:
-                os.close(port_writer)
-                port = int.from_bytes(os.read(port_reader, 8), "little")
-                os.close(port_reader)
-                worker_main(attrs.evolve(spec, store_port=port))
-            children[pid] = rank
-        os.close(port_reader)
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=VERIFY_STORE_S))
-        os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
-        os.close(port_writer)
-        hold_keys: dict[int, str] = {}
-        for kill in kills:
-            if kill.hold_confirmation_until is not None:
-                hold_stage, hold_pipeline, hold_instruction, hold_step = kill.hold_confirmation_until
-                holder = layout.rank(hold_stage, hold_pipeline)
-                hold_keys[layout.rank(kill.stage, kill.pipeline)] = reached_key(
-                    "verify", holder, hold_step, hold_instruction
-                )
-        codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"), hold_keys)
-        kill_records = {
-            rank: KillRecord.from_json(store.get(killed_key("verify", rank)))
-            for rank in range(layout.world)
-            if codes.get(rank, 0) < 0 and store.check([killed_key("verify", rank)])
-        }
-        del store  # stops the store's server thread before anything forks again
-        reports = {}
-        for rank in range(layout.world):
-            path = Path(out_dir) / f"rank{rank}.pt"
-            if path.exists():
-                reports[rank] = torch.load(path, weights_only=False)
+            for stage, pipeline in map(layout.position, range(layout.world))
+        ]
+        run = _run_workers(workers, layout, kills, deadline_s, Path(out_dir))
     # A consecutive failure leaves survivors at the start of an iteration: compare with that step.
-    compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
-    left = tuple(sorted(rank for rank, r in reports.items() if r["left"]))
-    withdrawn = tuple(sorted(rank for rank, r in reports.items() if r.get("withdrew")))
+    compared_at = min((r["steps_done"] for r in run.reports.values() if not r["left"]), default=steps)
     reference = _reference(kind, device, specs, program.loss_fn, training, program.microbatch, compared_at,
                            pipelines, seed)
-    max_rel = max_abs = max_replica = 0.0
-    equal = scales_match = True
-    compared = 0
-    losses: list[float] = []
-    stash_peak = 0
-    hosts = {(report["pipeline"], stage): report for report in reports.values() for stage in report["hosted"]}
-    consecutive = next((r["consecutive"] for r in reports.values() if r["consecutive"]), None)
-    for report in reports.values():
-        pipeline = report["pipeline"]
-        stash_peak = max(stash_peak, report["stash_peak_bytes"])
-        if stages - 1 in report["hosted"] and (pipeline == 0 or (stages == 1 and not losses)):
-            losses = report["losses"]  # P = 1: pipeline 0's, or a survivor's (every node has them all)
+    return _result(run, reference, layout, bounds, kills, kills_must_fire, kind, compared_at,
+                   time.perf_counter() - started)
+
+
+def _check_arguments(
+    stages: int, pipelines: int, steps: int, redundancy: str, kills: tuple[KillPoint, ...]
+) -> None:
+    """Raise ValueError for a kill point outside the run or an unknown redundancy mode."""
+    for kill in kills:
+        if not (0 <= kill.stage < stages and 0 <= kill.pipeline < pipelines and 0 <= kill.step < steps):
+            raise ValueError(f"kill point {kill} is outside P={stages} D={pipelines} steps={steps}")
+    if redundancy not in REDUNDANCY_MODES:
+        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+
+
+@attrs.frozen
+class _WorkerRun:
+    """What the forked workers left behind: exit codes, kill records and reports, by rank."""
+
+    codes: dict[int, int]
+    """Rank -> exit code (negative: killed by that signal)."""
+    kill_records: dict[int, KillRecord]
+    """The killed ranks that recorded which kill point they fired."""
+    reports: dict[int, dict[str, Any]]
+    """The report every worker that finished saved (parameters, losses, timings)."""
+
+
+def _run_workers(
+    workers: list[WorkerSpec], layout: Layout, kills: tuple[KillPoint, ...], deadline_s: float, out_dir: Path
+) -> _WorkerRun:
+    """Fork the workers, host their store, wait for them (publishing their deaths) and read what they left."""
+    children, port_writer = _fork_workers(workers)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=VERIFY_STORE_S))
+    os.write(port_writer, store.port.to_bytes(8, "little") * layout.world)
+    os.close(port_writer)
+    codes = _wait_children(children, deadline_s, StoreFailureNotices(store, "verify"), _hold_keys(layout, kills))
+    kill_records = {
+        rank: KillRecord.from_json(store.get(killed_key("verify", rank)))
+        for rank in range(layout.world)
+        if codes.get(rank, 0) < 0 and store.check([killed_key("verify", rank)])
+    }
+    del store  # stops the store's server thread before anything forks again
+    reports = {}
+    for rank in range(layout.world):
+        path = out_dir / f"rank{rank}.pt"
+        if path.exists():
+            reports[rank] = torch.load(path, weights_only=False)
+    return _WorkerRun(codes=codes, kill_records=kill_records, reports=reports)
+
+
+def _fork_workers(workers: list[WorkerSpec]) -> tuple[dict[int, int], int]:
+    """Fork one worker per spec (its rank is its index); returns pid -> rank and the write end of the pipe on
+    which the workers wait for the store's port.
+
+    Fork before the store exists: a process that forks while a store thread holds a libc lock (resolver,
+    malloc) can leave the child deadlocked. The children read the port from the pipe once the store is up.
+    """
+    port_reader, port_writer = os.pipe()
+    children: dict[int, int] = {}
+    for rank, spec in enumerate(workers):
+        pid = os.fork()
+        if pid == 0:
+            os.close(port_writer)
+            port = int.from_bytes(os.read(port_reader, 8), "little")
+            os.close(port_reader)
+            worker_main(attrs.evolve(spec, store_port=port))
+        children[pid] = rank
+    os.close(port_reader)
+    return children, port_writer
+
+
+def _hold_keys(layout: Layout, kills: tuple[KillPoint, ...]) -> dict[int, str]:
+    """Victim rank -> the store key whose existence confirms its death (`KillPoint.hold_confirmation_until`)."""
+    hold_keys: dict[int, str] = {}
+    for kill in kills:
+        if kill.hold_confirmation_until is not None:
+            hold_stage, hold_pipeline, hold_instruction, hold_step = kill.hold_confirmation_until
+            holder = layout.rank(hold_stage, hold_pipeline)
+            hold_keys[layout.rank(kill.stage, kill.pipeline)] = reached_key("verify", holder, hold_step, hold_instruction)
+    return hold_keys
+
+
+@attrs.define
+class _Comparison:
+    """The workers' parameters against the reference's, and every replica against its original, as compared so far.
+
+    With a consecutive failure, every slice a survivor holds (replicas too) is compared with the reference, and a
+    replica whose original is gone proves nothing either way."""
+
+    reference: ReferenceResult
+    bounds: tuple[tuple[int, int], ...]
+    consecutive: str | None
+    max_rel: float = 0.0
+    max_abs: float = 0.0
+    max_replica: float = 0.0
+    equal: bool = True
+    scales_match: bool = True
+    compared: int = 0
+
+    def with_reference(self, report: dict[str, Any]) -> None:
+        """Compare the stages the report's worker hosts (and, after a consecutive failure, its replica) with the
+        reference."""
         for stage, layers in report["slices"].items():
-            if stage not in report["hosted"] and consecutive is None:
-                continue  # a replica: compared with its original below
-            scales_match = scales_match and report["loss_scales"].get(stage) == reference.loss_scale  # fp16
+            if stage not in report["hosted"] and self.consecutive is None:
+                continue  # a replica: compared with its original in `with_original`
+            self.scales_match = self.scales_match and report["loss_scales"].get(stage) == self.reference.loss_scale
             for offset, layer_state in enumerate(layers):
                 for name, tensor in layer_state.items():
-                    rel, absolute = _relative(tensor, reference.layer_states[bounds[stage][0] + offset][name])
-                    max_rel, max_abs = max(max_rel, rel), max(max_abs, absolute)
+                    expected = self.reference.layer_states[self.bounds[stage][0] + offset][name]
+                    rel, absolute = _relative(tensor, expected)
+                    self.max_rel, self.max_abs = max(self.max_rel, rel), max(self.max_abs, absolute)
+
+    def with_original(self, report: dict[str, Any], hosts: dict[tuple[int, int], dict[str, Any]]) -> None:
+        """Compare the replica the report's worker holds, bit for bit, with the original its `hosts` entry holds."""
         replica_stage = report["replica_stage"]
         if replica_stage is None or replica_stage in report["hosted"]:
-            continue
-        owner = hosts.get((pipeline, replica_stage))
+            return
+        owner = hosts.get((report["pipeline"], replica_stage))
         if owner is None:
-            if consecutive is None:
-                equal = False  # the original is missing: nothing proves the replica exact
-            continue
+            if self.consecutive is None:
+                self.equal = False  # the original is missing: nothing proves the replica exact
+            return
         original = owner["slices"][replica_stage]
-        scales_match = scales_match and report["loss_scales"].get(replica_stage) == owner["loss_scales"].get(replica_stage)
+        self.scales_match = self.scales_match and (
+            report["loss_scales"].get(replica_stage) == owner["loss_scales"].get(replica_stage)
+        )
         for replica_layer, original_layer in zip(report["slices"][replica_stage], original, strict=True):
             for name, tensor in replica_layer.items():
-                compared += 1
+                self.compared += 1
                 if not torch.equal(tensor, original_layer[name]):
-                    equal = False
-                    max_replica = max(max_replica, (tensor - original_layer[name]).abs().max().item())
-    killed = tuple(sorted(rank for rank, code in codes.items() if code < 0))
+                    self.equal = False
+                    self.max_replica = max(self.max_replica, (tensor - original_layer[name]).abs().max().item())
+
+
+def _compare(
+    reports: dict[int, dict[str, Any]], reference: ReferenceResult, bounds: tuple[tuple[int, int], ...],
+    consecutive: str | None,
+) -> _Comparison:
+    """Compare every report with the reference and every replica with its original."""
+    comparison = _Comparison(reference=reference, bounds=bounds, consecutive=consecutive)
+    hosts = {(report["pipeline"], stage): report for report in reports.values() for stage in report["hosted"]}
+    for report in reports.values():
+        comparison.with_reference(report)
+        comparison.with_original(report, hosts)
+    return comparison
+
+
+def _losses(reports: dict[int, dict[str, Any]], stages: int) -> list[float]:
+    """The run's losses: those of pipeline 0's last stage or, with P = 1, a survivor's (every node has them all)."""
+    losses: list[float] = []
+    for report in reports.values():
+        if stages - 1 in report["hosted"] and (report["pipeline"] == 0 or (stages == 1 and not losses)):
+            losses = report["losses"]
+    return losses
+
+
+def _result(
+    run: _WorkerRun, reference: ReferenceResult, layout: Layout, bounds: tuple[tuple[int, int], ...],
+    kills: tuple[KillPoint, ...], kills_must_fire: bool, kind: str, compared_at: int, seconds: float,
+) -> VerifyResult:
+    """Compare what the workers left with the reference, and gather it all into a `VerifyResult`."""
+    reports = run.reports
+    consecutive = next((r["consecutive"] for r in reports.values() if r["consecutive"]), None)
+    comparison = _compare(reports, reference, bounds, consecutive)
+    killed = tuple(sorted(rank for rank, code in run.codes.items() if code < 0))
     missing = {rank: 1 for rank in range(layout.world) if rank not in reports and rank not in killed}
-    fired = {record.point for record in kill_records.values()}
-    unfired = tuple(str(kill) for kill in kills if str(kill) not in fired)
+    fired = {record.point for record in run.kill_records.values()}
     return VerifyResult(
-        max_relative_diff=max_rel if reports else float("inf"),
-        max_abs_diff=max_abs,
-        max_replica_diff=max_replica,
-        replicas_bit_equal=equal,
-        replicas_compared=compared,
-        losses=losses,
+        max_relative_diff=comparison.max_rel if reports else float("inf"),
+        max_abs_diff=comparison.max_abs,
+        max_replica_diff=comparison.max_replica,
+        replicas_bit_equal=comparison.equal,
+        replicas_compared=comparison.compared,
+        losses=_losses(reports, layout.stages),
         reference_losses=reference.losses,
-        worker_exit_codes={**{rank: code for rank, code in codes.items()}, **missing},
-        stash_peak_bytes=stash_peak,
-        seconds=time.perf_counter() - started,
+        worker_exit_codes={**run.codes, **missing},
+        stash_peak_bytes=max([0, *(r["stash_peak_bytes"] for r in reports.values())]),
+        seconds=seconds,
         killed=killed,
         consecutive=consecutive,
         failovers=tuple(FailoverRecord.from_dict(f) for r in reports.values() for f in r["failovers"]),
         compared_at_step=compared_at,
-        kill_times={rank: record.at for rank, record in kill_records.items()},
-        left=left,
-        withdrawn=withdrawn,
+        kill_times={rank: record.at for rank, record in run.kill_records.items()},
+        left=tuple(sorted(rank for rank, r in reports.items() if r["left"])),
+        withdrawn=tuple(sorted(rank for rank, r in reports.items() if r.get("withdrew"))),
         timings={
             rank: {"iteration_times": r["iteration_times"], "kind_seconds": r["kind_seconds"],
                    "hosted": r["hosted"], "stage": r["stage"], "pipeline": r["pipeline"],
@@ -304,11 +390,11 @@ def run_verify(
             for rank, r in reports.items()
         },
         stage_bounds=bounds,
-        unfired_kills=unfired,
+        unfired_kills=tuple(str(kill) for kill in kills if str(kill) not in fired),
         kills_must_fire=kills_must_fire,
         device=kind,
         memory={rank: r["memory"] for rank, r in reports.items()},
-        loss_scales_match=scales_match,
+        loss_scales_match=comparison.scales_match,
         loss_scale=reference.loss_scale,
     )
 

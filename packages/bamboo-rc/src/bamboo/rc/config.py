@@ -294,35 +294,32 @@ def _batch(config: Mapping[str, Any], pipelines: int) -> tuple[int, int]:
     return micro, accumulation
 
 
+def _typed_section(
+    key: str, raw: Mapping[str, Any], known: Mapping[str, tuple[str, ...]], names: str
+) -> tuple[str, dict[str, Any]]:
+    """A ``{"type": ..., "params": {...}}`` section (``optimizer``, ``scheduler``): its type, lower-case, and its
+    parameters, both checked against `known` (`names`: the types as DeepSpeed spells them, for the message)."""
+    _check_keys(f"{key}.", raw, ("type", "params"))
+    kind = str(raw.get("type", "")).lower()
+    if kind not in known:
+        raise ConfigError(f"unsupported {key} type {raw.get('type')!r} (bamboo supports: {names})")
+    params = dict(raw.get("params", {}))
+    _check_keys(f"{key}.params.", params, known[kind])
+    return kind, params
+
+
 def _optimizer(config: Mapping[str, Any]) -> OptimizerConfig:
     """DeepSpeed's ``optimizer`` section (default: AdamW at lr 1e-3)."""
     if "optimizer" not in config:
         return OptimizerConfig("adamw", {"lr": 1e-3})
-    raw = config["optimizer"]
-    _check_keys("optimizer.", raw, ("type", "params"))
-    kind = str(raw.get("type", "")).lower()
-    if kind not in _OPTIMIZER_PARAMS:
-        raise ConfigError(
-            f"unsupported optimizer type {raw.get('type')!r} (bamboo supports: Adam, AdamW, SGD)"
-        )
-    params = dict(raw.get("params", {}))
-    _check_keys("optimizer.params.", params, _OPTIMIZER_PARAMS[kind])
-    return OptimizerConfig(kind, params)
+    return OptimizerConfig(*_typed_section("optimizer", config["optimizer"], _OPTIMIZER_PARAMS, "Adam, AdamW, SGD"))
 
 
 def _scheduler(config: Mapping[str, Any]) -> SchedulerConfig | None:
     """DeepSpeed's ``scheduler`` section: None when absent."""
     if "scheduler" not in config:
         return None
-    raw = config["scheduler"]
-    _check_keys("scheduler.", raw, ("type", "params"))
-    kind = str(raw.get("type", "")).lower()
-    if kind not in _SCHEDULER_PARAMS:
-        raise ConfigError(
-            f"unsupported scheduler type {raw.get('type')!r} (bamboo supports: WarmupLR, WarmupDecayLR)"
-        )
-    params = dict(raw.get("params", {}))
-    _check_keys("scheduler.params.", params, _SCHEDULER_PARAMS[kind])
+    kind, params = _typed_section("scheduler", config["scheduler"], _SCHEDULER_PARAMS, "WarmupLR, WarmupDecayLR")
     if params.get("warmup_type", "log") not in ("log", "linear"):
         raise ConfigError(f"unsupported scheduler.params.warmup_type {params['warmup_type']!r}")
     if kind == "warmupdecaylr" and "total_num_steps" not in params:

@@ -51,6 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `bamboo-rc` parser: its `verify` and `soak` commands and their flags."""
     parser = _Parser(prog="bamboo-rc", description="Bamboo runtime tools.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     verify = commands.add_parser(
@@ -59,37 +60,65 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    verify.add_argument("--stages", type=_positive_int, default=2, help="pipeline depth P (default 2)")
-    verify.add_argument("--pipelines", type=_positive_int, default=1, help="data-parallel pipelines D (default 1)")
-    verify.add_argument("--steps", type=_positive_int, default=3, help="training steps N (default 3)")
-    verify.add_argument(
+    _add_shape_arguments(verify)
+    _add_model_arguments(verify)
+    _add_timeout_arguments(verify)
+    _add_fault_arguments(verify)
+    soak = commands.add_parser(
+        "soak",
+        help="run many seeded random kill points through verify and report the pass rate",
+        description="Run --runs seeded random failures (one victim, or two non-adjacent victims, at random "
+                    "instructions) through verify and print how many matched the reference.",
+    )
+    _add_soak_arguments(soak)
+    return parser
+
+
+def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """`verify`'s run: P, D, the steps, the redundancy mode and the batch."""
+    parser.add_argument("--stages", type=_positive_int, default=2, help="pipeline depth P (default 2)")
+    parser.add_argument("--pipelines", type=_positive_int, default=1, help="data-parallel pipelines D (default 1)")
+    parser.add_argument("--steps", type=_positive_int, default=3, help="training steps N (default 3)")
+    parser.add_argument(
         "--redundancy", choices=("none", "lflb", "eflb", "efeb"), default="eflb",
         help="redundant computation: none, lazy FRC (lflb), eager FRC (eflb, default), eager FRC+BRC (efeb)",
     )
-    verify.add_argument("--micro-batches", type=_positive_int, default=4,
+    parser.add_argument("--micro-batches", type=_positive_int, default=4,
                         help="microbatches per pipeline per step, M (gradient_accumulation_steps; default 4)")
-    verify.add_argument("--micro-batch-size", type=_positive_int, default=2,
+    parser.add_argument("--micro-batch-size", type=_positive_int, default=2,
                         help="samples per microbatch (train_micro_batch_size_per_gpu; default 2)")
-    verify.add_argument("--layers", type=_positive_int, default=4, help="decoder blocks of the example model (default 4)")
-    verify.add_argument("--width", type=_positive_int, default=64, help="model width (default 64)")
-    verify.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
-    verify.add_argument("--sequence", type=_positive_int, default=32, help="bytes per sample (default 32)")
-    verify.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampler (default 0)")
-    verify.add_argument("--device", default=None,
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`verify`'s example model: its size, its seed and the device it trains on."""
+    parser.add_argument("--layers", type=_positive_int, default=4, help="decoder blocks of the example model (default 4)")
+    parser.add_argument("--width", type=_positive_int, default=64, help="model width (default 64)")
+    parser.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--sequence", type=_positive_int, default=32, help="bytes per sample (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the sampler (default 0)")
+    parser.add_argument("--device", default=None,
                         help="where the workers and the reference train: cpu, cuda (the workers spread over the GPUs "
                              "by rank, several sharing a GPU when there are fewer GPUs), cuda:N or auto (default: "
                              "$BAMBOO_DEVICE, else auto: a GPU when CUDA is present, else cpu)")
-    verify.add_argument("--timeout", type=_positive_float, default=VERIFY_DEADLINE_S,
+
+
+def _add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
+    """`verify`'s deadline and the workers' communication timeouts."""
+    parser.add_argument("--timeout", type=_positive_float, default=VERIFY_DEADLINE_S,
                         help=f"seconds before unfinished workers are killed and verify fails (default {VERIFY_DEADLINE_S:g})")
-    verify.add_argument("--group-timeout", type=_positive_float, default=GROUP_S,
+    parser.add_argument("--group-timeout", type=_positive_float, default=GROUP_S,
                         help="gloo timeout of every group: bounds a transfer or collective with a live but stuck peer "
                              f"(default {GROUP_S:g})")
-    verify.add_argument("--build-timeout", type=_positive_float, default=BUILD_S,
+    parser.add_argument("--build-timeout", type=_positive_float, default=BUILD_S,
                         help=f"seconds a group build, a store read or the final barrier may wait (default {BUILD_S:g})")
-    verify.add_argument("--confirm-timeout", type=_positive_float, default=CONFIRM_S,
+    parser.add_argument("--confirm-timeout", type=_positive_float, default=CONFIRM_S,
                         help="seconds a worker waits for a suspected failure to be confirmed, and for the other "
                              f"survivors' progress (default {CONFIRM_S:g})")
-    verify.add_argument(
+
+
+def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """`verify`'s fault injection: kill points and preemption notices."""
+    parser.add_argument(
         "--kill", type=_kill_points, default=(),
         help="fault injection: STAGE[:PIPELINE]@INSTRUCTION[/STEP][/recovery][,...]; that worker SIGKILLs itself "
              "when it reaches the instruction (compact form such as 2B3 or 1SA0>2, or an index into its stream, -1 "
@@ -99,46 +128,43 @@ def build_parser() -> argparse.ArgumentParser:
              "outside one. A later STEP after an earlier kill hits the merged (failed-over) schedule. A kill point "
              "that never fires is named and fails the run",
     )
-    verify.add_argument("--kill-step", type=int, default=1,
+    parser.add_argument("--kill-step", type=int, default=1,
                         help="the step (0-based) in which the --kill points without their own /STEP fire (default 1)")
-    verify.add_argument(
+    parser.add_argument(
         "--notice", type=_notice_points, default=(),
         help="preemption notice: STAGE[:PIPELINE]@STEP[,...]; that worker is told at the start of STEP that it "
              "will be preempted --notice-lead seconds later, finishes the iteration and hands its role to its shadow",
     )
-    verify.add_argument("--notice-lead", type=float, default=NOTICE_LEAD_S,
+    parser.add_argument("--notice-lead", type=float, default=NOTICE_LEAD_S,
                         help="seconds from the notice to the preemption deadline; too short a lead falls back "
                              f"to an ordinary failure at the deadline (default {NOTICE_LEAD_S:g})")
-    soak = commands.add_parser(
-        "soak",
-        help="run many seeded random kill points through verify and report the pass rate",
-        description="Run --runs seeded random failures (one victim, or two non-adjacent victims, at random "
-                    "instructions) through verify and print how many matched the reference.",
-    )
-    soak.add_argument("--runs", type=_positive_int, default=200, help="number of kill points (default 200)")
-    soak.add_argument("--seed", type=int, default=0, help="seed of the kill points (default 0)")
-    soak.add_argument("--stages", type=_positive_int, default=4,
-                      help="pipeline depth P (default 4); 1 is pure data parallelism, whose shadows form a ring "
-                           "over the pipelines")
-    soak.add_argument("--pipelines", type=_positive_int, default=None,
-                      help="data-parallel pipelines D (default 1, or 4 with --stages 1)")
-    soak.add_argument("--steps", type=_positive_int, default=3, help="training steps per run (default 3)")
-    soak.add_argument("--redundancy", choices=("lflb", "eflb", "efeb"), default="eflb",
-                      help="redundancy mode (default eflb)")
-    soak.add_argument("--notices", action="store_true",
-                      help="every run also gives a node of another pipeline (ring node, with P = 1) a preemption "
-                           "notice with time to hand over, from step 1 on, and the kill comes in that step or a later "
-                           "one, so hand-overs and failures mix (needs D >= 2, or D >= 3 with P = 1, and --steps >= 3; "
-                           "not with --second-failures)")
-    soak.add_argument("--same-pipeline", action="store_true",
-                      help="with --notices (P >= 3): the node killed is in the leaver's own pipeline, in the "
-                           "leaver's last step (the leaver withdraws its hand-over and stays) or, with P >= 4, "
-                           "after the hand-over at a stage not adjacent to the leaver's (default: another pipeline)")
-    soak.add_argument("--second-failures", action="store_true",
-                      help="every kill point is a first victim and then a second, non-adjacent one after the "
-                           "failover: during the recovery of the same step, or in a later step (needs P >= 4, "
-                           "or P = 1 and D >= 3)")
-    return parser
+
+
+def _add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    """`soak`'s flags: how many runs, their shape and the kinds of failure they mix."""
+    parser.add_argument("--runs", type=_positive_int, default=200, help="number of kill points (default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill points (default 0)")
+    parser.add_argument("--stages", type=_positive_int, default=4,
+                        help="pipeline depth P (default 4); 1 is pure data parallelism, whose shadows form a ring "
+                             "over the pipelines")
+    parser.add_argument("--pipelines", type=_positive_int, default=None,
+                        help="data-parallel pipelines D (default 1, or 4 with --stages 1)")
+    parser.add_argument("--steps", type=_positive_int, default=3, help="training steps per run (default 3)")
+    parser.add_argument("--redundancy", choices=("lflb", "eflb", "efeb"), default="eflb",
+                        help="redundancy mode (default eflb)")
+    parser.add_argument("--notices", action="store_true",
+                        help="every run also gives a node of another pipeline (ring node, with P = 1) a preemption "
+                             "notice with time to hand over, from step 1 on, and the kill comes in that step or a later "
+                             "one, so hand-overs and failures mix (needs D >= 2, or D >= 3 with P = 1, and --steps >= 3; "
+                             "not with --second-failures)")
+    parser.add_argument("--same-pipeline", action="store_true",
+                        help="with --notices (P >= 3): the node killed is in the leaver's own pipeline, in the "
+                             "leaver's last step (the leaver withdraws its hand-over and stays) or, with P >= 4, "
+                             "after the hand-over at a stage not adjacent to the leaver's (default: another pipeline)")
+    parser.add_argument("--second-failures", action="store_true",
+                        help="every kill point is a first victim and then a second, non-adjacent one after the "
+                             "failover: during the recovery of the same step, or in a later step (needs P >= 4, "
+                             "or P = 1 and D >= 3)")
 
 
 def _notice_points(text: str) -> tuple[tuple[int, int, int], ...]:

@@ -237,68 +237,17 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
     must equal micro batch size × gradient accumulation steps × D when it is given. Keys that
     change nothing in bamboo give one :class:`ConfigWarning` each.
     """
-    if isinstance(config, (str, Path)):
-        try:
-            config = json.loads(Path(config).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read DeepSpeed config {str(config)!r}: {exc}") from exc
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"a DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+    config = _read(config)
     _check_keys("", config, SUPPORTED_KEYS, _CHECKED_KEYS)
     _check_without_effect(config)
     monitors = _monitors(config)
-
-    if "train_micro_batch_size_per_gpu" not in config:
-        raise ConfigError("the DeepSpeed config needs 'train_micro_batch_size_per_gpu'")
-    micro = _as_int("train_micro_batch_size_per_gpu", config["train_micro_batch_size_per_gpu"])
-    accumulation = _as_int("gradient_accumulation_steps", config.get("gradient_accumulation_steps", 1))
-    if "train_batch_size" in config:
-        total = _as_int("train_batch_size", config["train_batch_size"])
-        if total != micro * accumulation * pipelines:
-            raise ConfigError(
-                f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
-                f"gradient_accumulation_steps {accumulation} × pipelines {pipelines}"
-            )
-
-    optimizer = OptimizerConfig("adamw", {"lr": 1e-3})
-    if "optimizer" in config:
-        raw = config["optimizer"]
-        _check_keys("optimizer.", raw, ("type", "params"))
-        kind = str(raw.get("type", "")).lower()
-        if kind not in _OPTIMIZER_PARAMS:
-            raise ConfigError(
-                f"unsupported optimizer type {raw.get('type')!r} (bamboo supports: Adam, AdamW, SGD)"
-            )
-        params = dict(raw.get("params", {}))
-        _check_keys("optimizer.params.", params, _OPTIMIZER_PARAMS[kind])
-        optimizer = OptimizerConfig(kind, params)
-
-    scheduler = None
-    if "scheduler" in config:
-        raw = config["scheduler"]
-        _check_keys("scheduler.", raw, ("type", "params"))
-        kind = str(raw.get("type", "")).lower()
-        if kind not in _SCHEDULER_PARAMS:
-            raise ConfigError(
-                f"unsupported scheduler type {raw.get('type')!r} (bamboo supports: WarmupLR, WarmupDecayLR)"
-            )
-        params = dict(raw.get("params", {}))
-        _check_keys("scheduler.params.", params, _SCHEDULER_PARAMS[kind])
-        if params.get("warmup_type", "log") not in ("log", "linear"):
-            raise ConfigError(f"unsupported scheduler.params.warmup_type {params['warmup_type']!r}")
-        if kind == "warmupdecaylr" and "total_num_steps" not in params:
-            raise ConfigError("scheduler WarmupDecayLR needs scheduler.params.total_num_steps")
-        scheduler = SchedulerConfig(kind, params)
-
-    bf16 = False
-    if "bf16" in config:
-        raw = config["bf16"]
-        _check_keys("bf16.", raw, ("enabled",))
-        bf16 = bool(raw.get("enabled", False))
+    micro, accumulation = _batch(config, pipelines)
+    optimizer = _optimizer(config)
+    scheduler = _scheduler(config)
+    bf16 = _bf16(config)
     fp16 = _fp16(config)
     if bf16 and fp16 is not None:
         raise ConfigError("'fp16' and 'bf16' are both enabled: choose one (bf16 needs no loss scaling)")
-
     clip = config.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)):
         raise ConfigError(f"gradient_clipping must be a number, got {clip!r}")
@@ -315,6 +264,76 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _read(config: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+    """The config as a mapping: `config` itself, or the JSON file it names."""
+    if isinstance(config, (str, Path)):
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read DeepSpeed config {str(config)!r}: {exc}") from exc
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"a DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+    return config
+
+
+def _batch(config: Mapping[str, Any], pipelines: int) -> tuple[int, int]:
+    """(micro batch size, gradient accumulation steps), checked against ``train_batch_size`` when it is given."""
+    if "train_micro_batch_size_per_gpu" not in config:
+        raise ConfigError("the DeepSpeed config needs 'train_micro_batch_size_per_gpu'")
+    micro = _as_int("train_micro_batch_size_per_gpu", config["train_micro_batch_size_per_gpu"])
+    accumulation = _as_int("gradient_accumulation_steps", config.get("gradient_accumulation_steps", 1))
+    if "train_batch_size" in config:
+        total = _as_int("train_batch_size", config["train_batch_size"])
+        if total != micro * accumulation * pipelines:
+            raise ConfigError(
+                f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
+                f"gradient_accumulation_steps {accumulation} × pipelines {pipelines}"
+            )
+    return micro, accumulation
+
+
+def _typed_section(
+    key: str, raw: Mapping[str, Any], known: Mapping[str, tuple[str, ...]], names: str
+) -> tuple[str, dict[str, Any]]:
+    """A ``{"type": ..., "params": {...}}`` section (``optimizer``, ``scheduler``): its type, lower-case, and its
+    parameters, both checked against `known` (`names`: the types as DeepSpeed spells them, for the message)."""
+    _check_keys(f"{key}.", raw, ("type", "params"))
+    kind = str(raw.get("type", "")).lower()
+    if kind not in known:
+        raise ConfigError(f"unsupported {key} type {raw.get('type')!r} (bamboo supports: {names})")
+    params = dict(raw.get("params", {}))
+    _check_keys(f"{key}.params.", params, known[kind])
+    return kind, params
+
+
+def _optimizer(config: Mapping[str, Any]) -> OptimizerConfig:
+    """DeepSpeed's ``optimizer`` section (default: AdamW at lr 1e-3)."""
+    if "optimizer" not in config:
+        return OptimizerConfig("adamw", {"lr": 1e-3})
+    return OptimizerConfig(*_typed_section("optimizer", config["optimizer"], _OPTIMIZER_PARAMS, "Adam, AdamW, SGD"))
+
+
+def _scheduler(config: Mapping[str, Any]) -> SchedulerConfig | None:
+    """DeepSpeed's ``scheduler`` section: None when absent."""
+    if "scheduler" not in config:
+        return None
+    kind, params = _typed_section("scheduler", config["scheduler"], _SCHEDULER_PARAMS, "WarmupLR, WarmupDecayLR")
+    if params.get("warmup_type", "log") not in ("log", "linear"):
+        raise ConfigError(f"unsupported scheduler.params.warmup_type {params['warmup_type']!r}")
+    if kind == "warmupdecaylr" and "total_num_steps" not in params:
+        raise ConfigError("scheduler WarmupDecayLR needs scheduler.params.total_num_steps")
+    return SchedulerConfig(kind, params)
+
+
+def _bf16(config: Mapping[str, Any]) -> bool:
+    """Whether DeepSpeed's ``bf16`` section is there and enabled."""
+    if "bf16" not in config:
+        return False
+    raw = config["bf16"]
+    _check_keys("bf16.", raw, ("enabled",))
+    return bool(raw.get("enabled", False))
 
 
 def _fp16(config: Mapping[str, Any]) -> LossScaleConfig | None:

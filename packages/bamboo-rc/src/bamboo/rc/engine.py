@@ -15,6 +15,7 @@ c10d store, such as bamboo-membership's etcd store.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import math
 import os
@@ -277,6 +278,31 @@ def initialize(
     (:func:`bamboo.rc.device.resolve_device`). Messages travel in host memory either way
     (:mod:`bamboo.rc.transport`).
     """
+    _check_call(redundancy)
+    specs, loss_fn, stages = _unpack_model(model, loss_fn, stages)
+    layout, rank = _place(stages, rank, world_size)
+    place = resolve_device(device)
+    training = load_config(config, pipelines=layout.pipelines)
+    timeouts = timeouts or CommTimeouts()
+    store = _store_client(timeouts) if store is None else store
+    stage, pipeline = layout.position(rank)
+    choice = None
+    if redundancy == AUTO:
+        redundancy, choice = _resolve_auto(specs, layout, training.micro_batches, stage_bounds,
+                                           preemptions_per_node_hour)
+    if microbatch is not None:  # a data source whose order of samples depends on the global batch (TokenFile)
+        bind_global_batch(microbatch, training.micro_batches * layout.pipelines, training.micro_batch_size)
+    build = functools.partial(
+        StageExecutor, specs, loss_fn, training, layout, stage, pipeline, store,
+        redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
+        hook=hook, microbatch=microbatch, device=place,
+    )
+    return _timed_engine(build, choice)
+
+
+def _check_call(redundancy: str) -> None:
+    """Raise when :func:`initialize` cannot run here (a script under ``bamboo-launch run``) or `redundancy` is
+    not a mode."""
     if os.environ.get(LAUNCHER_SCRIPT_MODE):
         raise RuntimeError(
             "bamboo.rc.initialize cannot run under `bamboo-launch run`: the launcher runs scripts that call "
@@ -286,8 +312,15 @@ def initialize(
         )
     if redundancy not in (*REDUNDANCY_MODES, AUTO):
         raise ValueError(f"redundancy must be one of {', '.join((*REDUNDANCY_MODES, AUTO))}, got {redundancy!r}")
+
+
+def _unpack_model(
+    model: Any, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, stages: int | None
+) -> tuple[list[Any], Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int | None]:
+    """The layer specs of `model` (a PipelineModule or a list of LayerSpecs), and the loss function and number of
+    stages given, else the PipelineModule's; raises when there is no loss function."""
     if hasattr(model, "_layer_specs"):
-        specs: Sequence[Any] = list(model._layer_specs)
+        specs: list[Any] = list(model._layer_specs)
         loss_fn = loss_fn or getattr(model, "loss_fn", None)
         stages = stages or getattr(model, "num_stages", None)
     elif isinstance(model, Sequence):
@@ -296,33 +329,31 @@ def initialize(
         raise TypeError(f"model must be a DeepSpeed PipelineModule or a list of LayerSpec, got {type(model).__name__}")
     if loss_fn is None:
         raise ValueError("a loss_fn is needed: pass loss_fn=, or a PipelineModule built with loss_fn")
+    return specs, loss_fn, stages
+
+
+def _place(stages: int | None, rank: int | None, world_size: int | None) -> tuple[Layout, int]:
+    """The job's layout and this process's global rank, from the arguments given, else the environment
+    (``BAMBOO_STAGES``, ``RANK``, ``WORLD_SIZE``)."""
     stages = stages or _env_int("BAMBOO_STAGES")
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     if world_size % stages:
         raise ValueError(f"WORLD_SIZE {world_size} is not a multiple of the {stages} stages")
-    layout = Layout(stages, world_size // stages)
-    place = resolve_device(device)
-    training = load_config(config, pipelines=layout.pipelines)
-    timeouts = timeouts or CommTimeouts()
-    if store is None:
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store = TCPStore(
-            host, _env_int("MASTER_PORT"), is_master=False, timeout=datetime.timedelta(seconds=timeouts.build)
-        )
-    stage, pipeline = layout.position(rank)
-    choice = None
-    if redundancy == AUTO:
-        redundancy, choice = _resolve_auto(specs, layout, training.micro_batches, stage_bounds,
-                                           preemptions_per_node_hour)
-    if microbatch is not None:  # a data source whose order of samples depends on the global batch (TokenFile)
-        bind_global_batch(microbatch, training.micro_batches * layout.pipelines, training.micro_batch_size)
+    return Layout(stages, world_size // stages), rank
+
+
+def _store_client(timeouts: CommTimeouts) -> Store:
+    """A client of the store the launcher hosts at ``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT``."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return TCPStore(host, _env_int("MASTER_PORT"), is_master=False, timeout=datetime.timedelta(seconds=timeouts.build))
+
+
+def _timed_engine(build: Callable[[], StageExecutor], choice: RedundancyChoice | None) -> Engine:
+    """Build the executor, connect its first groups, and keep how long each took in the engine's
+    ``build_seconds``."""
     started = time.perf_counter()
-    executor = StageExecutor(
-        specs, loss_fn, training, layout, stage, pipeline, store,
-        redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
-        hook=hook, microbatch=microbatch, device=place,
-    )
+    executor = build()
     built = time.perf_counter()
     executor.connect()
     engine = Engine(executor, choice)

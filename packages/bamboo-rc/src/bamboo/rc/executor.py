@@ -75,6 +75,22 @@ class ExecutorHook(Protocol):
     ) -> None: ...
 
 
+def _check_node(
+    redundancy: str, layout: Layout, stage: int, pipeline: int, ring: bool, microbatch: MicrobatchSource | None
+) -> None:
+    """Raise ValueError for an unknown redundancy mode, a node outside the layout, or a node of the shadow
+    ring (`ring`: one stage with redundancy) without its data source."""
+    if redundancy not in REDUNDANCY_MODES:
+        raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
+    if not (0 <= stage < layout.stages and 0 <= pipeline < layout.pipelines):
+        raise ValueError(f"stage {stage} pipeline {pipeline} is outside {layout}")
+    if ring and microbatch is None:
+        raise ValueError(
+            f"redundancy {redundancy!r} with one stage (P = 1) needs microbatch=: the data as a function of "
+            "(step, global microbatch index), so that a shadow can compute its neighbour's microbatches"
+        )
+
+
 class StageExecutor(ExecutorHandover):
     """Runs one node of one pipeline: its stages, its replica, its groups, its steps and failovers.
 
@@ -104,16 +120,8 @@ class StageExecutor(ExecutorHandover):
         microbatch: MicrobatchSource | None = None,
         device: torch.device | None = None,
     ) -> None:
-        if redundancy not in REDUNDANCY_MODES:
-            raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY_MODES)}, got {redundancy!r}")
-        if not (0 <= stage < layout.stages and 0 <= pipeline < layout.pipelines):
-            raise ValueError(f"stage {stage} pipeline {pipeline} is outside {layout}")
         ring = layout.stages == 1 and redundancy != "none"
-        if ring and microbatch is None:
-            raise ValueError(
-                f"redundancy {redundancy!r} with one stage (P = 1) needs microbatch=: the data as a function of "
-                "(step, global microbatch index), so that a shadow can compute its neighbour's microbatches"
-            )
+        _check_node(redundancy, layout, stage, pipeline, ring, microbatch)
         self.specs = specs
         self.loss_fn = loss_fn
         self.config = config
@@ -134,28 +142,39 @@ class StageExecutor(ExecutorHandover):
         """Where this node's layers, replica, optimizer state and activations live (:mod:`bamboo.rc.device`)."""
         bounds = planned_stage_bounds(specs, layout.stages) if stage_bounds is None else stage_bounds
         self.stage_bounds = check_stage_bounds(bounds, len(specs), layout.stages)
+        self._build_node(ring, microbatch)
+        self._start_boundary_state()
+
+    def _build_node(self, ring: bool, microbatch: MicrobatchSource | None) -> None:
+        """Build this node's parts: its slices (its stage and its replica), its coordinator, its groups, its
+        interpreter and, with one stage and redundancy (`ring`), its node of the shadow ring."""
+        layout, stage, pipeline, config = self.layout, self.stage, self.pipeline, self.config
         self.slices: dict[int, TrainableSlice] = {
-            s: TrainableSlice(specs, indices, config, seed, self.device)
-            for s, indices in stage_slices(self.stage_bounds, stage, redundancy).items()
+            s: TrainableSlice(self.specs, indices, config, self.seed, self.device)
+            for s, indices in stage_slices(self.stage_bounds, stage, self.redundancy).items()
         }
-        fault_free = one_f_one_b(layout.stages, config.micro_batches, rc="none" if ring else redundancy)
+        fault_free = one_f_one_b(layout.stages, config.micro_batches, rc="none" if ring else self.redundancy)
         self.coordinator = FailoverCoordinator(
-            store, job, layout, pipeline, stage, fault_free, notices, self.timeouts, self.clock
+            self.store, self.job, layout, pipeline, stage, fault_free, self.notices, self.timeouts, self.clock
         )
-        self.groups = GroupTable(store, job, self.rank, self.timeouts, {r: layout.name(r) for r in range(layout.world)})  # type: ignore[arg-type]
+        self.groups = GroupTable(self.store, self.job, self.rank, self.timeouts, {r: layout.name(r) for r in range(layout.world)})  # type: ignore[arg-type]
         self._rebuild_groups()
         self.interpreter = StageInterpreter(
-            self.slices, loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator,
-            keeps_contributions=redundancy != "none", device=self.device,
-            ties=tied_weights(specs) if not ring else None,
+            self.slices, self.loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator,
+            keeps_contributions=self.redundancy != "none", device=self.device,
+            ties=tied_weights(self.specs) if not ring else None,
         )
         self.ring: RingNode | None = None
         """P = 1 with redundancy: this node of the shadow ring (see :mod:`bamboo.rc.ring`)."""
         if ring:
             self.ring = RingNode(
-                self.slices[0], loss_fn, config, layout, self.rank, self.groups, self.coordinator, self.interpreter,
-                redundancy, microbatch, device=self.device,
+                self.slices[0], self.loss_fn, config, layout, self.rank, self.groups, self.coordinator,
+                self.interpreter, self.redundancy, microbatch, device=self.device,
             )
+
+    def _start_boundary_state(self) -> None:
+        """The state kept from one iteration boundary to the next, as it is before the first: no hand-over
+        announced, no failover or iteration recorded, no remainder pending."""
         self.leaving = False
         """True once this node announced that it hands its role over at the next boundary (until it
         withdraws: :meth:`_withdraw_handover`)."""

@@ -1,6 +1,7 @@
 """Repository layout rules that no single package can check for itself: the namespace, each package's API,
 the pure packages, no subprocess of another package's module, every duration default in a timeouts module,
-and every module listed in docs/architecture.md."""
+every module listed in docs/architecture.md, and the sizes that keep the code readable (modules of at most
+500 lines; functions of at most 80 in launch and rc, the packages that compose the running system)."""
 
 from __future__ import annotations
 
@@ -160,3 +161,38 @@ def test_docs_architecture_lists_every_module() -> None:
             if path.name not in ("__init__.py", "__main__.py") and name not in named:
                 missing.append(f"bamboo.{part}: {name}")
     assert not missing, "docs/architecture.md does not list:\n" + "\n".join(missing)
+
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+FUNCTION_LIMITED = ("launch", "rc")
+
+
+@pytest.mark.parametrize("part", PACKAGES)
+def test_no_module_is_over_500_lines(part: str) -> None:
+    long = [f"{path.relative_to(ROOT)}: {lines} lines" for path in _modules(part)
+            if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"split these modules (at most {MAX_MODULE_LINES} lines):\n" + "\n".join(long)
+
+
+def _long_functions(tree: ast.AST, limit: int) -> list[tuple[int, str, int]]:
+    """``(line, name, lines)`` of every function or method over ``limit`` lines, its docstring included."""
+    return [(node.lineno, node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+@pytest.mark.parametrize("part", FUNCTION_LIMITED)
+def test_no_function_in_launch_and_rc_is_over_80_lines(part: str) -> None:
+    long = [f"{path.relative_to(ROOT)}:{line}: {name} ({lines} lines)" for path in _modules(part)
+            for line, name, lines in _long_functions(ast.parse(path.read_text()), MAX_FUNCTION_LINES)]
+    assert not long, f"split these functions (at most {MAX_FUNCTION_LINES} lines):\n" + "\n".join(long)
+
+
+def test_the_function_check_counts_from_def_to_the_last_line() -> None:
+    def lines(indent: str, count: int) -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(count))
+
+    source = "def fits():\n" + lines("    ", 79) + "class A:\n    def too_long(self):\n" + lines("        ", 80)
+    assert [(name, length) for _, name, length in _long_functions(ast.parse(source), MAX_FUNCTION_LINES)] == [
+        ("too_long", 81)]

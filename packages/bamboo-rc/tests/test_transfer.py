@@ -15,6 +15,7 @@ from bamboo.rc.model import GPTSize, gpt_layer_specs, stage_bounds
 from bamboo.rc.state import TrainableSlice
 from bamboo.rc.transfer import export_stage_state, import_stage_state
 from bamboo.rc.verify import DEFAULT_CONFIG
+from bamboo.rc.worker import exact_mode
 from torch.distributed import TCPStore
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,9 @@ def _train(slices: dict[int, TrainableSlice], steps: int) -> None:
 
 
 def test_stage_state_moves_between_processes_bit_for_bit() -> None:
+    # One intra-op thread, as every worker trains: a child forked while an earlier test's thread pool ran
+    # would wait on the pool's threads, which it does not have (it hung in Adam.step after test_coordinator.py).
+    exact_mode()
     with tempfile.TemporaryDirectory() as out:
         reader, writer = os.pipe()
         pid = os.fork()

@@ -45,7 +45,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import attrs
 from bamboo.launch.events import (
@@ -253,21 +253,7 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
     )
 
 
-class _Costs(TypedDict):
-    """The report's keys on cost and value (:func:`_costs`)."""
-
-    spot_price: float
-    on_demand_price: float
-    cost_spot: float
-    cost_on_demand: float
-    on_demand_basis: str
-    cost_per_hour: float
-    value: float
-    on_demand_value: float
-    saving: float
-
-
-def _costs(prices: Prices, samples: int, throughput: float, node_hours: float, avg_nodes: float) -> _Costs:
+def _costs(prices: Prices, samples: int, throughput: float, node_hours: float, avg_nodes: float) -> dict[str, float | str]:
     """The report's keys on cost and value: the run at spot prices, and the same work on demand (see the module's
     docstring for the two ways it is priced)."""
     cost_spot = node_hours * prices.spot

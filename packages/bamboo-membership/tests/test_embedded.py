@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
-from bamboo.membership.embedded import EmbeddedEtcd, EtcdStartError
+from bamboo.membership.embedded import EmbeddedEtcd, EtcdStartError, free_port
 from bamboo.membership.kv import EtcdKV, EtcdOptions
 
 
@@ -38,3 +39,21 @@ def test_kill_and_restart_keep_the_data_and_the_address() -> None:
         assert kv.get("/bamboo/e/k").value == b"v"
         kv.close()
     assert not server.data_dir.exists()
+
+
+def test_a_port_it_picked_and_lost_before_the_start_is_picked_again() -> None:
+    server = EmbeddedEtcd(start_timeout=10)
+    lost = server.client_port
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", lost))
+        thief.listen()
+        try:
+            server.start()
+            assert server.healthy() and server.client_port != lost
+        finally:
+            server.close()
+
+
+def test_free_port_stays_below_the_ephemeral_range() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(20000 <= free_port() < low for _ in range(20))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
+import re
 import shutil
 import signal
 import socket
@@ -38,8 +40,51 @@ class EtcdStartError(RuntimeError):
     """The etcd server did not become healthy in time; the message quotes the tail of its log."""
 
 
+class _PortTakenError(EtcdStartError):
+    """etcd exited at start because another process held one of its ports (`port`)."""
+
+    def __init__(self, message: str, port: int) -> None:
+        super().__init__(message)
+        self.port = port
+
+
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_LISTEN_PORT = 20000
+"""Ports below this are left to well-known services; `free_port` draws from here up to the ephemeral range."""
+_PORT_DRAWS = 64
+"""How many random ports below the ephemeral range `free_port` tries before it falls back to port 0."""
+_PORT_TAKEN = re.compile(r"listen tcp [^\s\"]*:(\d+): bind: address already in use")
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (32768 when the file cannot be read)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(_EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago (bind to port 0 and release it)."""
+    """A TCP port on `host` that was free a moment ago, for a server that binds it a moment later.
+
+    Drawn at random below the kernel's ephemeral range, so that the many outgoing connections of a
+    busy machine (which take their ports from that range) cannot take it in between; binding
+    port 0 instead would hand out exactly the ports those connections use.
+    """
+    low, high = _LOWEST_LISTEN_PORT, _ephemeral_low() - 1
+    rng = random.SystemRandom()
+    for _ in range(_PORT_DRAWS if high > low else 0):
+        port = rng.randint(low, high)
+        if _bindable(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
@@ -82,9 +127,15 @@ class EmbeddedEtcd:
         self._root = Path(tempfile.mkdtemp(prefix="bamboo-etcd-")) if data_dir is None else Path(data_dir)
         self.data_dir = self._root / "data" if self._owns_dir else self._root
         self.log_path = (self._root if self._owns_dir else self._root.parent) / f"{name}.log"
-        self.client_port = client_port if client_port is not None else free_port(host)
-        self.peer_port = peer_port if peer_port is not None else free_port(host)
+        self._given_ports = (client_port, peer_port)
+        self._started_once = False
+        self._pick_ports()
         self._proc: subprocess.Popen[bytes] | None = None
+
+    def _pick_ports(self) -> None:
+        client_port, peer_port = self._given_ports
+        self.client_port = client_port if client_port is not None else free_port(self.host)
+        self.peer_port = peer_port if peer_port is not None else free_port(self.host)
 
     # -- addresses -------------------------------------------------------------------------------
 
@@ -130,10 +181,28 @@ class EmbeddedEtcd:
         ]  # fmt: skip
 
     def start(self) -> EmbeddedEtcd:
-        """Start the server (on the same data dir and ports as before, if it ran already) and wait for health."""
+        """Start the server (on the same data dir and ports as before, if it ran already) and wait for health.
+
+        On the first start, ports this object picked itself are picked again (up to `_PORT_DRAWS`
+        times) when another process bound one of them in between; ports you gave are never changed.
+        """
         if self.running:
             return self
+        for _ in range(_PORT_DRAWS - 1):
+            fresh_data_dir = not self.data_dir.exists()
+            try:
+                return self._start_once()
+            except _PortTakenError as error:
+                if self._started_once or error.port in self._given_ports:
+                    raise
+                if fresh_data_dir:
+                    shutil.rmtree(self.data_dir, ignore_errors=True)
+                self._pick_ports()
+        return self._start_once()
+
+    def _start_once(self) -> EmbeddedEtcd:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         try:
             self._proc = subprocess.Popen(
@@ -144,11 +213,14 @@ class EmbeddedEtcd:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise EtcdStartError(
+                message = (
                     f"etcd exited with code {self._proc.returncode} at start "
                     f"(client {self.client_url}, data dir {self.data_dir}); log tail:\n{self.log_tail()}"
                 )
+                taken = _PORT_TAKEN.search(self._log_since(log_start))
+                raise EtcdStartError(message) if taken is None else _PortTakenError(message, int(taken[1]))
             if self.healthy():
+                self._started_once = True
                 return self
             time.sleep(timeouts.ETCD_HEALTH_POLL_S)
         self.kill()
@@ -197,6 +269,12 @@ class EmbeddedEtcd:
         self.stop()
         if self._owns_dir:
             shutil.rmtree(self._root, ignore_errors=True)
+
+    def _log_since(self, offset: int) -> str:
+        with contextlib.suppress(OSError), self.log_path.open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+        return ""
 
     def log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):

@@ -61,8 +61,12 @@ FORK_SERVER_ENV = "BAMBOO_FORK_SERVER"
 """The environment variable that names a fork server's socket: an agent started with it starts its worker
 through that server."""
 
-PRELOAD = ("torch", "torch.distributed", "bamboo.launch.worker", "bamboo.launch.cli", "bamboo.launch.agent")
-"""The modules the server imports before it forks anything."""
+PRELOAD = ("torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "bamboo.rc.engine",
+           "bamboo.rc.worker", "bamboo.launch.worker", "bamboo.launch.copy_service", "bamboo.launch.cli",
+           "bamboo.launch.agent")
+"""The modules the server imports before it forks anything. ``torch.fx.experimental.symbolic_shapes`` (and sympy
+through it) is what torch's first backward with a gradient imports lazily in every worker
+(:func:`bamboo.rc.worker.preload_autograd`): about a CPU-second a worker when each imports it after the fork."""
 
 _OWN_GROUP = 0  # "process_group": lead a new group
 

@@ -33,7 +33,6 @@ import datetime
 import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"))
 
 import torch
+from bamboo.membership.embedded import free_port
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter, stdlib_corpus
 from bamboo.rc.device import peak_memory_bytes, resolve_device
 from bamboo.rc.engine import initialize
@@ -207,9 +207,7 @@ def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int,
         os.close(port_reader)
         store = None
         if variant == "deepspeed":  # DeepSpeed's own init: its rank 0 hosts the store on a free port
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
+            port = free_port()  # below the ephemeral range: no outgoing connection takes it before rank 0 binds
         else:
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=120))

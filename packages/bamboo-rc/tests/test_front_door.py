@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import bamboo.rc
 import pytest
+from bamboo.membership.embedded import free_port
 from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from torch.distributed import TCPStore
@@ -116,9 +116,7 @@ os._exit(0)
 def test_torchrun_launch_of_the_readme_trains_two_stages(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
-    with socket.socket() as probe:  # a free port for torchrun's store
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # for torchrun's store: below the ephemeral range, where no outgoing connection takes it
     env = {**os.environ, "BAMBOO_STAGES": "2", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env.pop("BAMBOO_SCRIPT_MODE", None)
     process = subprocess.run(

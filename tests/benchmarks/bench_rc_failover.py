@@ -20,6 +20,7 @@ the median fault-free iteration time measured in the same run (the shadow's othe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 
@@ -65,23 +66,33 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=128, help="model width (default 128)")
     parser.add_argument("--layers", type=int, default=6, help="decoder blocks (default 6)")
     parser.add_argument("--sequence", type=int, default=64, help="bytes per sample (default 64)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON report: one object per mode and "
+                        "kill point, the medians in ms and their ratios to the fault-free iteration")
     args = parser.parse_args()
     if args.steps < 4:
         parser.error(f"--steps must be at least 4, got {args.steps}")
     size = GPTSize(layers=args.layers, width=args.width, heads=4, sequence=args.sequence)
     points = {"forward phase (1F3)": "1F3", "backward phase (1B2)": "1B2"}
-    print(f"P=4 D=1 M={args.micro_batches}, model {size}, victim stage 1, {args.repeats} runs each (medians)")
-    header = (f"{'mode':<6} {'kill':<22} {'iter ms':>8} {'->merged ms':>12} {'/iter':>6} {'->end ms':>9} {'/iter':>6} "
-              f"{'detect':>7} {'reroute':>8} {'BRC':>7} {'rest':>7} {'lost ms':>8} {'/iter':>6}")
-    print(header)
+    say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
+    say(f"P=4 D=1 M={args.micro_batches}, model {size}, victim stage 1, {args.repeats} runs each (medians)")
+    say(f"{'mode':<6} {'kill':<22} {'iter ms':>8} {'->merged ms':>12} {'/iter':>6} {'->end ms':>9} {'/iter':>6} "
+        f"{'detect':>7} {'reroute':>8} {'BRC':>7} {'rest':>7} {'lost ms':>8} {'/iter':>6}")
+    rows = []
     for mode in ("lflb", "eflb", "efeb"):
         for label, where in points.items():
             runs = [measure(mode, where, size, args.micro_batches, args.steps) for _ in range(args.repeats)]
             m = {key: statistics.median(r[key] for r in runs) * 1e3 for key in runs[0]}
-            print(f"{mode:<6} {label:<22} {m['iteration_s']:>8.1f} {m['to_merged_s']:>12.1f} "
-                  f"{m['to_merged_s'] / m['iteration_s']:>6.2f} {m['to_end_s']:>9.1f} {m['to_end_s'] / m['iteration_s']:>6.2f} "
-                  f"{m['detection_s']:>7.1f} {m['rerouting_s']:>8.1f} {m['brc_s']:>7.1f} {m['rest_s']:>7.1f} "
-                  f"{m['lost_s']:>8.1f} {m['lost_s'] / m['iteration_s']:>6.2f}", flush=True)
+            say(f"{mode:<6} {label:<22} {m['iteration_s']:>8.1f} {m['to_merged_s']:>12.1f} "
+                f"{m['to_merged_s'] / m['iteration_s']:>6.2f} {m['to_end_s']:>9.1f} {m['to_end_s'] / m['iteration_s']:>6.2f} "
+                f"{m['detection_s']:>7.1f} {m['rerouting_s']:>8.1f} {m['brc_s']:>7.1f} {m['rest_s']:>7.1f} "
+                f"{m['lost_s']:>8.1f} {m['lost_s'] / m['iteration_s']:>6.2f}")
+            rows.append({"mode": mode, "kill": where, **{key.removesuffix("_s") + "_ms": round(value, 2)
+                                                         for key, value in m.items()},
+                         "to_merged_per_iteration": round(m["to_merged_s"] / m["iteration_s"], 3),
+                         "to_end_per_iteration": round(m["to_end_s"] / m["iteration_s"], 3),
+                         "lost_per_iteration": round(m["lost_s"] / m["iteration_s"], 3)})
+    if args.json:
+        print(json.dumps(rows))
     return 0
 
 

@@ -29,6 +29,10 @@ worker
   :mod:`bamboo.launch.finish`), writes its final checkpoint, its final state to ``<run dir>/out/rank<R>.pt``
   and the job's end record.
 
+These are the phases of :mod:`bamboo.launch.worker_phases` (warm, attempt, redo, training, barrier, standby,
+and the ends): each phase here does its work and returns an outcome, and that module's ``next_phase`` says
+which phase comes next.
+
 Every write to etcd is fenced by the agent's registration: once the node is declared dead it cannot
 write a step, a checkpoint, a layout or an event of the job any more.
 
@@ -66,6 +70,21 @@ from bamboo.launch.starting import (
     follow_attempt,
     release_executor,
     start_attempt,
+)
+from bamboo.launch.worker_phases import (
+    TERMINAL,
+    JobEnded,
+    JoinAbandoned,
+    LayoutAbandoned,
+    LayoutDecided,
+    Outcome,
+    Phase,
+    RoleFound,
+    StartDone,
+    SwitchAbandoned,
+    TrainingEnded,
+    WentAhead,
+    next_phase,
 )
 from bamboo.launch.worker_records import StartupClock
 
@@ -131,62 +150,129 @@ def train(context: WorkerContext, program: Program | None = None, hooks: Trainin
         run.close()
 
 
+@attrs.frozen
+class _Life:
+    """What the phases of one worker's life share: its session, what it keeps across generations, its
+    script's hooks, and what it holds between two generations."""
+
+    run: WorkerSession
+    state: WorkerState
+    hooks: TrainingHooks | None
+    holding: _Holding = attrs.field(factory=_Holding)
+
+
 def _roles(run: WorkerSession, state: WorkerState, hooks: TrainingHooks | None, role: Role | None) -> dict[str, Any]:
-    """Every role this node takes from ``role`` on, to the job's end (see the module docstring)."""
-    holding = _Holding()
-    start: Role | Ending | JobLayout | None = role
-    while start is not None:
-        # a role found while holding nothing, or a holder's next start (a switch, or a layout from the barrier)
-        started = _start_role(run, start) if isinstance(start, Role) else _start_held(run, holding, start)
-        if started is ABANDONED:
-            start = _after_abandon(run, holding, start)
-            continue
-        engine, layout = started
-        if run.node not in layout.ranks:  # left out (a source whose transfers are done): standby
-            _release(holding)
-            print(f"node {run.node}: on standby after generation {layout.generation}", flush=True)
-            start = wait_role(run, layout.generation)
-            continue
-        _release(holding)
-        holding.base = layout
-        prepared = isinstance(start, Ending) or (isinstance(start, Role) and start.prepared is not None)
-        ending = train_generation(run, layout, engine, state, hooks, prepared=prepared)
-        if ending.kind == "handed-over":
-            _hand_over(run, layout, engine.executor)
-            return {"done": False, "handed_over": True}
-        if ending.kind == "done":
-            report = _final_report(run, layout, engine.executor, state.losses, state.failovers, state.started)
-            run.membership.decide("end", JobEnd(steps=engine.executor.step, node=run.node).to_dict())
-            return report
-        holding.old, holding.stopped = engine.executor, time.time()
-        start = ending if ending.kind == "switch" else _barrier(run, holding, ending.reason)
-    return {"done": False}
+    """Every role this node takes from ``role`` on, to the job's end: the phases of
+    :mod:`bamboo.launch.worker_phases`, each phase's outcome deciding the next one (:func:`next_phase`)."""
+    life = _Life(run, state, hooks)
+    phase, outcome = Phase.WARM, _found(role)
+    while True:
+        phase = next_phase(phase, outcome, life.holding.old is not None)
+        if phase in TERMINAL:
+            return _end(life, phase, outcome)
+        outcome = _act(life, phase, outcome)
 
 
-def _start_role(run: WorkerSession, role: Role) -> Started | Abandoned | None:
-    """Start a role found while holding nothing: ``(engine, layout)``, or ABANDONED."""
-    if role.prepared is None:
-        engine = start_attempt(run, role.layout, None)
-        return engine if engine is ABANDONED else (engine, role.layout)
-    preparation = Preparation(run, role.prepared)  # a joiner: it builds now, its state comes at the switch
+def _act(life: _Life, phase: Phase, cause: Outcome) -> Outcome:
+    """Do what ``phase`` does, given ``cause``, the outcome that led to it; returns the phase's outcome."""
+    match phase, cause:
+        case Phase.WARM, JoinAbandoned() | LayoutDecided() | WentAhead():
+            return _found(wait_role(life.run, cause.after))
+        case Phase.ATTEMPT, RoleFound() | TrainingEnded() | LayoutDecided():
+            return _attempt(life, cause)
+        case Phase.REDO, LayoutAbandoned():
+            layout = next_attempt_layout(life.run, cause.layout)
+            return JobEnded() if layout is None else LayoutDecided(layout, member=life.run.node in layout.ranks)
+        case Phase.TRAINING, StartDone():
+            return _training(life, cause)
+        case Phase.BARRIER, TrainingEnded() | SwitchAbandoned():
+            return _barrier(life.run, life.holding, cause.ending.reason)
+        case Phase.BARRIER, LayoutAbandoned():
+            return _barrier_again(life.run, life.holding, cause.layout)
+        case Phase.STANDBY, StartDone():
+            _release(life.holding)
+            print(f"node {life.run.node}: on standby after generation {cause.layout.generation}", flush=True)
+            return _found(wait_role(life.run, cause.layout.generation))
+    raise ValueError(f"phase {phase.name} does not follow {type(cause).__name__} ({cause.case!r})")
+
+
+def _found(role: Role | None) -> RoleFound | JobEnded:
+    return JobEnded() if role is None else RoleFound(role)
+
+
+def _attempt(life: _Life, cause: RoleFound | TrainingEnded | LayoutDecided) -> Outcome:
+    """Start what ``cause`` brought: a role found while holding nothing, a switch to a prepared layout, or the
+    layout decided at the barrier (or for the next attempt). ``StartDone``, or how the start was abandoned."""
+    run, holding = life.run, life.holding
+    started: Started | Abandoned
+    if isinstance(cause, TrainingEnded):  # a switch to the layout prepared while this node trained
+        started, abandoned, prepared = _start_switch(run, holding, cause.ending), SwitchAbandoned(cause.ending), True
+    elif isinstance(cause, LayoutDecided):
+        started, abandoned, prepared = _start_layout(run, holding, cause.layout), LayoutAbandoned(cause.layout), False
+    elif cause.role.prepared is not None:  # a joiner: the layout is being prepared while the others train
+        started, abandoned, prepared = _start_join(run, cause.role.prepared), JoinAbandoned(cause.role), True
+    else:
+        layout = cause.role.layout
+        started, abandoned, prepared = _start_layout(run, holding, layout), LayoutAbandoned(layout), False
+    if started is ABANDONED:
+        return abandoned
+    engine, layout = started
+    return StartDone(engine, layout, member=run.node in layout.ranks, prepared=prepared)
+
+
+def _training(life: _Life, started: StartDone) -> TrainingEnded:
+    """Train the layout ``started`` went ahead with, until it ends for this node; keep its executor when the
+    node goes on to the next layout with it."""
+    run, holding = life.run, life.holding
+    _release(holding)
+    holding.base = started.layout
+    assert started.engine is not None
+    ending = train_generation(run, started.layout, started.engine, life.state, life.hooks, prepared=started.prepared)
+    trained = TrainingEnded(ending, started)
+    if trained.holds:
+        holding.old, holding.stopped = started.engine.executor, time.time()
+    return trained
+
+
+def _end(life: _Life, phase: Phase, cause: Outcome) -> dict[str, Any]:
+    """The last phase: the report (``DONE``), the hand-over (``HANDED_OVER``), or nothing (``ENDED``)."""
+    run, state = life.run, life.state
+    if phase is Phase.ENDED:
+        return {"done": False}
+    assert isinstance(cause, TrainingEnded) and cause.started.engine is not None
+    layout, executor = cause.started.layout, cause.started.engine.executor
+    if phase is Phase.HANDED_OVER:
+        _hand_over(run, layout, executor)
+        return {"done": False, "handed_over": True}
+    report = _final_report(run, layout, executor, state.losses, state.failovers, state.started)
+    run.membership.decide("end", JobEnd(steps=executor.step, node=run.node).to_dict())
+    return report
+
+
+def _start_join(run: WorkerSession, prepared: Prepared) -> Started | Abandoned:
+    """Start a layout being prepared that this node, holding nothing, joins: ``(engine, layout)``, or ABANDONED."""
+    preparation = Preparation(run, prepared)  # a joiner: it builds now, its state comes at the switch
     from bamboo.launch.attempt import StartThread
 
-    part = StartThread(lambda: switch_part(run, preparation, None, None), name=f"bamboo-join-g{role.prepared.layout.generation}")
-    result = follow_attempt(run, role.prepared.layout, part, preparation.store, preparation.marks)
+    part = StartThread(lambda: switch_part(run, preparation, None, None), name=f"bamboo-join-g{prepared.layout.generation}")
+    result = follow_attempt(run, prepared.layout, part, preparation.store, preparation.marks)
     if result is ABANDONED:
         preparation.abandon()
     return result
 
 
-def _start_held(run: WorkerSession, holding: _Holding,
-                start: Ending | JobLayout) -> Started | Abandoned | None:
-    """Start the next layout as a node that holds state: a switch to a prepared layout (``start`` an Ending),
-    or a layout decided at the barrier. ``(engine, layout)``, or ABANDONED."""
+def _start_layout(run: WorkerSession, holding: _Holding, layout: JobLayout) -> Started | Abandoned:
+    """Start ``layout`` (a role found while holding nothing, the next attempt's layout, or a layout decided at
+    the barrier) with what this node holds: ``(engine, layout)``, or ABANDONED."""
+    engine = start_attempt(run, layout, holding.old, holding.stopped)
+    return engine if engine is ABANDONED else (engine, layout)
+
+
+def _start_switch(run: WorkerSession, holding: _Holding, start: Ending) -> Started | Abandoned:
+    """Switch, as a node that holds state, to the prepared layout ``start``'s stop names: ``(engine, layout)``,
+    or ABANDONED."""
     from bamboo.launch.attempt import AbandonableStore, StartThread
 
-    if not isinstance(start, Ending):
-        engine = start_attempt(run, start, holding.old, holding.stopped)
-        return engine if engine is ABANDONED else (engine, start)
     stop = start.stop
     assert stop is not None and stop.attempt is not None
     preparation = start.preparation
@@ -225,37 +311,17 @@ def _prepared(run: WorkerSession, base: JobLayout, attempt: int) -> Prepared:
     return Prepared(attempt, JobLayout.from_dict(record.layout), record.epoch)
 
 
-def _after_abandon(run: WorkerSession, holding: _Holding,
-                   start: Role | Ending | JobLayout) -> Role | JobLayout | None:
-    """The next start after an abandoned one: a holder decides again at the barrier; a node that holds nothing
-    follows the others' decision (or looks for a role again)."""
-    if holding.old is None:  # a joiner, or any node of a fresh start
-        if isinstance(start, Role) and start.prepared is not None:
-            return wait_role(run, start.prepared.layout.base_generation)
-        layout = next_attempt_layout(run, start.layout if isinstance(start, Role) else start)
-        if layout is None:
-            return None
-        return Role(layout=layout) if run.node in layout.ranks else wait_role(run, layout.generation)
-    if isinstance(start, Ending):  # a switch abandoned: the holders meet at the barrier
-        return _barrier(run, holding, start.reason)
-    attempt = start.attempt + 1
-    assert holding.ready is not None
-    run.membership.decide(f"{decision_prefix(holding.base.generation, attempt)}ready-{run.node}", holding.ready.to_dict())
-    survivors = list(start.survivors)
-    return next_layout(run, holding.base, lambda records, s=survivors: [n for n in s if n in records], attempt,
-                       start.reason)
-
-
-def _barrier(run: WorkerSession, holding: _Holding, reason: str) -> Role | JobLayout | None:
+def _barrier(run: WorkerSession, holding: _Holding, reason: str) -> LayoutDecided | WentAhead:
     """Meet the other holders at the barrier of ``holding.base`` (the layout this node trained until it stopped):
-    close the layouts being prepared, publish what it holds, and decide the next layout with them."""
+    close the layouts being prepared, publish what it holds, and decide the next layout with them (or let its
+    state go, when a prepared layout went ahead without it)."""
     base, old = holding.base, holding.old
     attempt, went = close_prepared(run.membership, base.generation, f"a node of generation {base.generation} went "
                                    f"to the barrier ({reason})")
     if went is not None:  # a prepared layout went ahead without this node: it goes to standby
         _release(holding)
         print(f"node {run.node}: generation {went.layout.generation} went ahead without it; on standby", flush=True)
-        return wait_role(run, went.layout.generation)
+        return WentAhead(went.layout.generation)
     old.apply_replica_updates()
     holds = sorted(s for s, piece in old.slices.items() if piece.steps == old.step)
     holding.ready = BarrierReady(step=old.step, holds=holds, at=holding.stopped or time.time())
@@ -263,8 +329,21 @@ def _barrier(run: WorkerSession, holding: _Holding, reason: str) -> Role | JobLa
     print(f"node {run.node}: at the barrier of generation {base.generation} (attempt {attempt + 1}): step "
           f"{old.step}, holds stages {holds}", flush=True)
     dead, ranks = set(old.dead), base.ranks
-    return next_layout(run, base, lambda records: [n for n, r in ranks.items() if r not in dead and n in records],
-                       attempt, reason)
+    layout = next_layout(run, base, lambda records: [n for n, r in ranks.items() if r not in dead and n in records],
+                         attempt, reason)
+    return LayoutDecided(layout, member=run.node in layout.ranks)
+
+
+def _barrier_again(run: WorkerSession, holding: _Holding, lost: JobLayout) -> LayoutDecided:
+    """The start of ``lost``, decided at the barrier of ``holding.base``, was abandoned: publish again what this
+    node holds, for the next attempt, and decide the next layout with the survivors that ``lost`` names."""
+    attempt = lost.attempt + 1
+    assert holding.ready is not None
+    run.membership.decide(f"{decision_prefix(holding.base.generation, attempt)}ready-{run.node}", holding.ready.to_dict())
+    survivors = list(lost.survivors)
+    layout = next_layout(run, holding.base, lambda records, s=survivors: [n for n in s if n in records], attempt,
+                         lost.reason)
+    return LayoutDecided(layout, member=run.node in layout.ranks)
 
 
 def _release(holding: _Holding) -> None:

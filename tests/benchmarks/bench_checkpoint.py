@@ -17,6 +17,7 @@ the whole write for sync). Run: ``.venv/bin/python tests/benchmarks/bench_checkp
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -86,10 +87,13 @@ def main() -> int:
         default=1,
         help="torch compute threads, leaving a core to the writer (default: %(default)s)",
     )
+    parser.add_argument("--json", action="store_true", help="print only the JSON report: each mode's mean step, "
+                        "its ratio to no checkpoints and its median checkpoint call")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = sum(p.numel() for p in build(args.width, args.depth)[0].parameters())
-    print(
+    say = (lambda line: None) if args.json else print
+    say(
         f"model: {params / 1e6:.1f} M parameters, checkpoint ~{params * 12 / 2**20:.0f} MiB (weights + Adam), "
         f"{args.rounds} x {args.steps} steps, every {args.every}, torch threads {torch.get_num_threads()}"
     )
@@ -103,11 +107,18 @@ def main() -> int:
                 results[mode][0].extend(steps)
                 results[mode][1].extend(calls)
     base = statistics.mean(results["none"][0])
-    print(f"{'mode':<6} {'mean step ms':>12} {'ratio':>6} {'median call ms':>15}")
+    say(f"{'mode':<6} {'mean step ms':>12} {'ratio':>6} {'median call ms':>15}")
+    rows = []
     for mode, (steps, calls) in results.items():
         mean = statistics.mean(steps)
         call = f"{statistics.median(calls) * 1e3:15.1f}" if calls else f"{'-':>15}"
-        print(f"{mode:<6} {mean * 1e3:12.1f} {mean / base:6.2f} {call}")
+        say(f"{mode:<6} {mean * 1e3:12.1f} {mean / base:6.2f} {call}")
+        rows.append({"mode": mode, "mean_step_ms": round(mean * 1e3, 2), "ratio_to_none": round(mean / base, 3),
+                     "median_call_ms": round(statistics.median(calls) * 1e3, 2) if calls else None})
+    if args.json:
+        print(json.dumps({"parameters_m": round(params / 1e6, 2), "checkpoint_mib": round(params * 12 / 2**20),
+                          "steps": args.steps, "rounds": args.rounds, "every": args.every,
+                          "threads": torch.get_num_threads(), "modes": rows}))
     return 0
 
 

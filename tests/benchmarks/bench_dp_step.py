@@ -25,6 +25,7 @@ reduction, waiting for the peers, and the optimizer step), both over every step 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=_positive, default=12, help="steps per run (default 12; the first 2 are "
                         "left out of the median)")
     parser.add_argument("--repeats", type=_positive, default=2, help="interleaved runs per variant (default 2)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON report: one object per D and mode "
+                        "(median step, its ratio to none, max rel diff, compute and other ms per step)")
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error(f"--steps must be at least 3 (the first 2 are left out), got {args.steps}")
@@ -97,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
                     failed.append(f"D={replicas} {mode} repeat {repeat + 1}: max rel diff {result.max_relative_diff}")
                 log(f"D={replicas} {mode:5} repeat {repeat + 1}/{args.repeats}: median step "
                     f"{statistics.median(steps) * 1e3:.1f} ms, max rel diff {result.max_relative_diff:.1e}")
-    print(f"\nP = 1, the example decoder at width {args.width} (4 blocks), one microbatch per replica and step, "
-          f"SGD; median step time over {args.repeats} interleaved runs of {args.steps} steps (the first 2 left out)")
-    print(f"{'D':>3} {'mode':6} {'median ms':>10} {'vs none':>8} {'max rel diff':>13} {'compute ms':>11} "
-          f"{'other ms':>9}")
+    say = (lambda line: None) if args.json else print
+    say(f"\nP = 1, the example decoder at width {args.width} (4 blocks), one microbatch per replica and step, "
+        f"SGD; median step time over {args.repeats} interleaved runs of {args.steps} steps (the first 2 left out)")
+    say(f"{'D':>3} {'mode':6} {'median ms':>10} {'vs none':>8} {'max rel diff':>13} {'compute ms':>11} "
+        f"{'other ms':>9}")
+    rows = []
     for replicas in args.replicas:
         base = statistics.median(times[(replicas, "none")])
         for mode in MODES:
@@ -108,10 +113,16 @@ def main(argv: list[str] | None = None) -> int:
             runs = split[(replicas, mode)]
             compute = sum(c for c, _ in runs) / (args.steps * len(runs))
             other = sum(w for _, w in runs) / (args.steps * len(runs)) - compute
-            print(f"{replicas:>3} {mode:6} {median * 1e3:>10.1f} {median / base:>7.2f}x "
-                  f"{max(diffs[(replicas, mode)]):>13.1e} {compute * 1e3:>11.1f} {other * 1e3:>9.1f}")
+            say(f"{replicas:>3} {mode:6} {median * 1e3:>10.1f} {median / base:>7.2f}x "
+                f"{max(diffs[(replicas, mode)]):>13.1e} {compute * 1e3:>11.1f} {other * 1e3:>9.1f}")
+            rows.append({"replicas": replicas, "mode": mode, "median_step_ms": round(median * 1e3, 2),
+                         "vs_none": round(median / base, 3), "max_relative_diff": max(diffs[(replicas, mode)]),
+                         "compute_ms": round(compute * 1e3, 2), "other_ms": round(other * 1e3, 2)})
     for line in failed:
-        print(f"NOT EXACT: {line}")
+        say(f"NOT EXACT: {line}")
+    if args.json:
+        print(json.dumps({"width": args.width, "steps": args.steps, "repeats": args.repeats, "rows": rows,
+                          "not_exact": failed}))
     return 1 if failed else 0
 
 

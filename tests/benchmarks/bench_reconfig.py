@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import statistics
 import sys
@@ -80,12 +81,13 @@ def naive_fill(view: ClusterView) -> Layout:
     )
 
 
-def bench_planning(repeats: int) -> bool:
-    print(f"== planning 1,024 nodes (median of {repeats}; budget {BUDGET_S:.1f} s) ==")
-    header = (f"{'P x D':>9} {'zones':>5} | {'decide':>8} {'layout':>8} {'re-plan':>8} {'transfer':>8} "
-              f"{'total':>8} {'naive':>8} {'x naive':>7} {'x budget':>8} | {'same-zone':>13} | {'bytes moved':>17}")
-    print(header)
+def bench_planning(repeats: int, say: Callable[[str], None] = print) -> tuple[bool, list[dict[str, Any]]]:
+    """Plan each shape of 1,024 nodes; whether every re-plan is within the budget, and one row per shape."""
+    say(f"== planning 1,024 nodes (median of {repeats}; budget {BUDGET_S:.1f} s) ==")
+    say(f"{'P x D':>9} {'zones':>5} | {'decide':>8} {'layout':>8} {'re-plan':>8} {'transfer':>8} "
+        f"{'total':>8} {'naive':>8} {'x naive':>7} {'x budget':>8} | {'same-zone':>13} | {'bytes moved':>17}")
     ok = True
+    rows: list[dict[str, Any]] = []
     rng = random.Random(2023)
     for stages, pipelines, zone_weights in [
         (8, 128, {"a": 4, "b": 3, "c": 2, "d": 1}),
@@ -117,13 +119,22 @@ def bench_planning(repeats: int) -> bool:
         total = t_decide + t_replan + t_transfer
         ok &= total < BUDGET_S and decision.when is not When.CARRY_ON
         moved = "restore" if plan.restore_from_checkpoint else f"{plan.bytes_moved / plan.naive_bytes:6.1%} of naive"
-        print(f"{stages:>3} x {pipelines:<3} {len(zone_weights):>5} | {t_decide * 1e3:6.1f}ms {t_first * 1e3:6.1f}ms "
-              f"{t_replan * 1e3:6.1f}ms {t_transfer * 1e3:6.1f}ms {total * 1e3:6.1f}ms {t_naive * 1e3:6.1f}ms "
-              f"{total / t_naive:6.1f}x {total / BUDGET_S:7.1%} | {new.same_zone_neighbours:>5} vs {naive.same_zone_neighbours:>5} "
-              f"| {moved:>17}")
-    print("(total = decide + re-plan + transfers after the loss; 'x naive' = total / naive fill time;"
-          " same-zone = ours vs naive fill)")
-    return ok
+        say(f"{stages:>3} x {pipelines:<3} {len(zone_weights):>5} | {t_decide * 1e3:6.1f}ms {t_first * 1e3:6.1f}ms "
+            f"{t_replan * 1e3:6.1f}ms {t_transfer * 1e3:6.1f}ms {total * 1e3:6.1f}ms {t_naive * 1e3:6.1f}ms "
+            f"{total / t_naive:6.1f}x {total / BUDGET_S:7.1%} | {new.same_zone_neighbours:>5} vs "
+            f"{naive.same_zone_neighbours:>5} | {moved:>17}")
+        rows.append({"stages": stages, "pipelines": pipelines, "zones": len(zone_weights),
+                     "decide_ms": round(t_decide * 1e3, 2), "first_layout_ms": round(t_first * 1e3, 2),
+                     "replan_ms": round(t_replan * 1e3, 2), "transfers_ms": round(t_transfer * 1e3, 2),
+                     "total_ms": round(total * 1e3, 2), "naive_ms": round(t_naive * 1e3, 2),
+                     "total_over_naive": round(total / t_naive, 2), "total_over_budget": round(total / BUDGET_S, 4),
+                     "same_zone_neighbours": new.same_zone_neighbours,
+                     "naive_same_zone_neighbours": naive.same_zone_neighbours,
+                     "bytes_over_naive": None if plan.restore_from_checkpoint
+                     else round(plan.bytes_moved / plan.naive_bytes, 4)})
+    say("(total = decide + re-plan + transfers after the loss; 'x naive' = total / naive fill time;"
+        " same-zone = ours vs naive fill)")
+    return ok, rows
 
 
 def read_trace(path: Path) -> list[tuple[int, str, str]]:
@@ -135,8 +146,10 @@ def read_trace(path: Path) -> list[tuple[int, str, str]]:
     return events
 
 
-def replay_trace(path: Path, stages: int, pipelines: int, zones: str) -> None:
-    print(f"\n== replay of {path.name}: P={stages}, D={pipelines}, zones {', '.join(zones)} (round-robin) ==")
+def replay_trace(path: Path, stages: int, pipelines: int, zones: str,
+                 say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Replay the trace through decide, plan_layout and plan_transfers; what it decided and moved."""
+    say(f"\n== replay of {path.name}: P={stages}, D={pipelines}, zones {', '.join(zones)} (round-robin) ==")
     events = read_trace(path)
     by_time: dict[int, list[tuple[str, str]]] = {}
     for ms, event, name in events:
@@ -178,13 +191,20 @@ def replay_trace(path: Path, stages: int, pipelines: int, zones: str) -> None:
             for n in nodes.values() if n.state.alive
         }
         layout = new if new.num_pipelines else None
-    print(f"{len(events)} events at {len(by_time)} instants; decisions: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(whens.items())))
-    print("reconfigurations by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
+    say(f"{len(events)} events at {len(by_time)} instants; decisions: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(whens.items())))
+    say("reconfigurations by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
     ratio = f"{moved / naive:.1%}" if naive else "n/a"
-    print(f"checkpoint restores: {restores}; bytes moved {moved / 2**30:.1f} GiB vs naive {naive / 2**30:.1f} GiB "
-          f"({ratio}); planning per instant: median {statistics.median(plan_times) * 1e3:.2f} ms, "
-          f"max {max(plan_times) * 1e3:.2f} ms")
+    say(f"checkpoint restores: {restores}; bytes moved {moved / 2**30:.1f} GiB vs naive {naive / 2**30:.1f} GiB "
+        f"({ratio}); planning per instant: median {statistics.median(plan_times) * 1e3:.2f} ms, "
+        f"max {max(plan_times) * 1e3:.2f} ms")
+    return {"trace": path.name, "stages": stages, "pipelines": pipelines, "events": len(events),
+            "instants": len(by_time), "decisions": dict(sorted(whens.items())),
+            "reconfigurations_by_reason": dict(sorted(reasons.items())), "checkpoint_restores": restores,
+            "bytes_moved_gib": round(moved / 2**30, 2), "naive_bytes_gib": round(naive / 2**30, 2),
+            "bytes_over_naive": round(moved / naive, 4) if naive else None,
+            "plan_p50_ms": round(statistics.median(plan_times) * 1e3, 3),
+            "plan_max_ms": round(max(plan_times) * 1e3, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,13 +212,19 @@ def main(argv: list[str] | None = None) -> int:
                                      "the EC2 p3 spot trace.")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median is printed)")
     parser.add_argument("--trace", type=Path, default=TRACE, help="the add/remove event trace to replay")
+    parser.add_argument("--json", action="store_true", help="print only the JSON report: the planning rows, the "
+                        "replay's figures and whether every re-plan was within the budget")
     args = parser.parse_args(argv)
-    ok = bench_planning(args.repeats)
+    say: Callable[[str], None] = (lambda line: None) if args.json else print
+    ok, rows = bench_planning(args.repeats, say)
+    replay = None
     if args.trace.exists():
-        replay_trace(args.trace, stages=4, pipelines=8, zones="abc")
+        replay = replay_trace(args.trace, stages=4, pipelines=8, zones="abc", say=say)
     else:
-        print(f"\n(trace {args.trace} not found; replay skipped)")
-    print(f"\nresult: {'PASS' if ok else 'FAIL'}: every 1,024-node re-plan within {BUDGET_S:.1f} s")
+        say(f"\n(trace {args.trace} not found; replay skipped)")
+    say(f"\nresult: {'PASS' if ok else 'FAIL'}: every 1,024-node re-plan within {BUDGET_S:.1f} s")
+    if args.json:
+        print(json.dumps({"budget_s": BUDGET_S, "within_budget": ok, "planning": rows, "replay": replay}))
     return 0 if ok else 1
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -154,3 +155,14 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")  # dead, not yet reaped
     except (OSError, IndexError):
         return True
+
+
+def test_the_pid_and_an_exit_status_that_came_together_are_read_as_two_lines() -> None:
+    """A process that ends at once: the server has sent its pid and its exit status before the starter reads."""
+    from bamboo.launch.forkserver import _read_line
+
+    ours, servers = socket.socketpair()
+    with ours, servers:
+        servers.sendall(b"774\n0\n")
+        servers.shutdown(socket.SHUT_WR)
+        assert [_read_line(ours), _read_line(ours), _read_line(ours)] == ["774", "0", ""]

@@ -257,15 +257,20 @@ def _descriptor(stream: IO[bytes] | int | None, default: int) -> int | None:
 
 
 def _read_line(connection: socket.socket) -> str:
-    data = b""
+    """One line of the server's answers, without its newline ("" when the connection ended first).
+
+    A byte at a time: the pid and the exit status come on one connection, and a process that ends at once
+    sends both before the starter reads the first; reading more than the line would swallow the status.
+    """
+    data = bytearray()
     while not data.endswith(b"\n"):
         try:
-            chunk = connection.recv(4096)
+            byte = connection.recv(1)
         except OSError:
             break
-        if not chunk:
+        if not byte:
             break
-        data += chunk
+        data += byte
     return data.decode().strip()
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from bamboo.launch import timeouts
 from bamboo.launch.agent_options import AgentOptions
+from bamboo.launch.agent_watch import AGENT_PID_ENV
 from bamboo.launch.forkserver import ForkedProcess, spawn
 from bamboo.launch.records import JobEnd, WorkerError, WorkerWarm, read_record
 from bamboo.launch.spec import AGENT_DONE, AGENT_JOB_FAILED, ENV_CONTEXT, JobSpec, WorkerContext
@@ -95,6 +96,7 @@ class Supervisor:
         self.context().write(path)
         command, variables = worker_command(self.spec, path, self.node)
         variables[SPAWNED_ENV] = repr(time.time())  # the worker's start-up record counts from here
+        variables[AGENT_PID_ENV] = str(os.getpid())  # the worker ends with this agent, whoever forks it
         if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
             variables["BAMBOO_GLOO_HOST"] = self.options.host
         if self.options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it

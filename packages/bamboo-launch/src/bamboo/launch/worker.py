@@ -47,13 +47,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from bamboo.launch import timeouts
 from bamboo.launch.barrier import next_attempt_layout, next_layout, publish_layout
 from bamboo.launch.generation import Ending, WorkerState, pipeline_batches, train_generation
 from bamboo.launch.hooks import TrainingHooks
@@ -435,16 +433,15 @@ def run_worker(program: Program | None, hooks: TrainingHooks | None = None) -> N
 
 
 def _die_with_agent() -> None:
-    """End this process if its agent (its parent) dies: a worker never outlives the agent that fences it."""
-    agent = os.getppid()
+    """End this process when its agent ends (:mod:`bamboo.launch.agent_watch`): a worker never outlives the agent
+    that fences it."""
+    from bamboo.launch.agent_watch import watch_agent
 
-    def watch() -> None:
-        while os.getppid() == agent:
-            time.sleep(timeouts.AGENT_POLL_S)
+    def gone() -> None:
         print("worker: its agent is gone; exiting", file=sys.stderr, flush=True)
         os._exit(WORKER_ERROR)
 
-    threading.Thread(target=watch, name="bamboo-agent-watch", daemon=True).start()
+    watch_agent(gone)
 
 
 def _spec_of(context: WorkerContext) -> JobSpec:

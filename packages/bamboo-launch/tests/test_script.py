@@ -212,6 +212,28 @@ def test_reference_mode_replays_the_request_like_the_in_process_reference(tmp_pa
     assert not torch.equal(states[0]["weight"], untrained[0]["weight"])  # it did train
 
 
+def test_the_reference_keeps_the_job_s_global_batch_when_its_first_kept_generation_had_fewer_pipelines(
+    tmp_path: Path,
+) -> None:
+    """A job of 2 pipelines restarted from its initial state on one (its first kept generation has 1): every step
+    still trains the job's global batch of 2 x M microbatches, so the reference must too. Configured from the
+    history's first entry, it trained M and the comparison failed an exact run (0.59 in test_auto_redundancy_e2e).
+    Given the job's pipelines, it differs from two pipelines throughout only in the grouping of the sums."""
+    tiny = _import(_write(tmp_path, "tiny.py", TINY_SCRIPT))
+    layers = [ModuleFactory(f) for f in tiny.LAYERS]
+
+    def train(history: list[list[int]], pipelines: int | None) -> list[dict[str, torch.Tensor]]:
+        return train_reference_program(layers, tiny.mse, tiny.microbatch, tiny.CONFIG, 7, history, 4,
+                                       pipelines=pipelines)
+
+    def distance(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> float:
+        return max(((x[k] - y[k]).abs().max() / y[k].abs().max()).item() for x, y in zip(a, b, strict=True) for k in y)
+
+    two_throughout = train([[0, 2]], 2)
+    assert distance(train([[0, 1], [2, 2]], 2), two_throughout) < 1e-5
+    assert distance(train([[0, 1], [2, 2]], None), two_throughout) > 1e-3  # half the batch for two steps
+
+
 def test_run_options_refuse_a_missing_script_or_a_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"script '.*missing\.py' not found"):
         RunOptions(nodes=2, stages=2, pipelines=1, script=(str(tmp_path / "missing.py"),))

@@ -31,28 +31,35 @@ def train_reference_program(
     seed: int,
     history: Sequence[Sequence[int]],
     steps: int,
+    *,
+    pipelines: int | None = None,
 ) -> list[dict[str, Tensor]]:
     """Single-process training of the whole model for ``steps`` steps, grouped as the run was (``history``:
     ``(first step, pipelines)`` of every layout generation); ``microbatch(step, index)`` gives the ``(inputs,
-    labels)`` at position ``index`` of the global batch of ``step``. The final state dict of each layer."""
+    labels)`` at position ``index`` of the global batch of ``step``. The final state dict of each layer.
+
+    ``pipelines`` is the job's own number of pipelines (its spec's), which fixes the global batch at that many
+    times the config's microbatches whatever each generation ran with; by default, the first generation's. A
+    run whose first kept generation had fewer (a restart from the initial state on fewer nodes) needs it."""
     from bamboo.rc import load_config
     from bamboo.rc.reference import train_reference
 
-    first = int(history[0][1])
-    trained = train_reference(specs, loss_fn, load_config(config, pipelines=first), microbatch, steps, first, seed,
-                              history=history)
+    job_pipelines = int(history[0][1]) if pipelines is None else pipelines
+    trained = train_reference(specs, loss_fn, load_config(config, pipelines=job_pipelines), microbatch, steps,
+                              job_pipelines, seed, history=history)
     return trained.layer_states
 
 
 def train_reference_history(
     specs: Sequence[LayerBuilder], config: Mapping[str, JSON], size: Mapping[str, int], seed: int,
-    history: Sequence[Sequence[int]], steps: int,
+    history: Sequence[Sequence[int]], steps: int, *, pipelines: int | None = None,
 ) -> list[dict[str, Tensor]]:
     """:func:`train_reference_program` of the built-in example (the GPT of ``size`` on its corpus)."""
     from bamboo.launch.example import example_program
 
     program = example_program(dict(size), config, seed)
-    return train_reference_program(specs, program.loss_fn, program.microbatch, config, seed, history, steps)
+    return train_reference_program(specs, program.loss_fn, program.microbatch, config, seed, history, steps,
+                                   pipelines=pipelines)
 
 
 def compare_states(reports: Sequence[WorkerReport], reference: Sequence[Mapping[str, Tensor]]) -> tuple[float, int]:
@@ -92,6 +99,6 @@ def compare_reports(reports: Sequence[WorkerReport], spec: JobSpec) -> Verificat
     history = max((report["history"] for report in reports), key=len)
     exact_mode()
     reference = train_reference_history(gpt_layer_specs(GPTSize(**spec.size)), spec.config, spec.size, spec.seed,
-                                        history, steps)
+                                        history, steps, pipelines=spec.pipelines)
     worst, tensors = compare_states(reports, reference)
     return {"steps": steps, "max_relative_diff": worst, "tensors": tensors, "history": history}

@@ -91,7 +91,8 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> Verificati
     history = max((r["history"] for r in reports), key=len)
     try:
         reference = reference_from_script(spec.script, config=spec.config, seed=spec.seed, history=history,
-                                          steps=steps, work_dir=result.run_dir, timeout_s=options.timeout_s)
+                                          steps=steps, work_dir=result.run_dir, timeout_s=options.timeout_s,
+                                          pipelines=spec.pipelines)
     except ScriptError as error:
         raise RunError(str(error)) from None
     worst, tensors = compare_states(reports, reference)

@@ -184,7 +184,8 @@ def _reference(program: Program, request_path: Path) -> None:
     request = json.loads(request_path.read_text())
     exact_mode()
     states = train_reference_program(program.layers, program.loss_fn, program.microbatch, request["config"],
-                                     int(request["seed"]), request["history"], int(request["steps"]))
+                                     int(request["seed"]), request["history"], int(request["steps"]),
+                                     pipelines=request.get("pipelines"))
     out = Path(request["out"])
     torch.save(states, out.with_suffix(".tmp"))
     os.replace(out.with_suffix(".tmp"), out)
@@ -237,15 +238,16 @@ def describe_script(script: Sequence[str], log: Path, *, pipelines: int,
 
 def reference_from_script(
     script: Sequence[str], *, config: Mapping[str, JSON], seed: int, history: Sequence[Sequence[int]], steps: int,
-    work_dir: Path, timeout_s: float = timeouts.SCRIPT_REFERENCE_TIMEOUT_S,
+    work_dir: Path, timeout_s: float = timeouts.SCRIPT_REFERENCE_TIMEOUT_S, pipelines: int | None = None,
 ) -> list[dict[str, Tensor]]:
-    """Run the script in ``reference`` mode: the layer states of a fault-free single-process run."""
+    """Run the script in ``reference`` mode: the layer states of a fault-free single-process run (``pipelines``:
+    the job's own, which fixes the global batch; see :func:`bamboo.launch.reference.train_reference_program`)."""
     import torch
 
     request = work_dir / "reference-request.json"
     out = work_dir / "reference.pt"
     out.unlink(missing_ok=True)
-    _write_atomic(request, json.dumps({"config": dict(config), "seed": seed, "steps": steps,
+    _write_atomic(request, json.dumps({"config": dict(config), "seed": seed, "steps": steps, "pipelines": pipelines,
                                        "history": [list(map(int, h)) for h in history], "out": str(out)}))
     log = work_dir / "reference.log"
     _run_mode(script, "reference", request, log, timeout_s, "while it trained the --verify reference")

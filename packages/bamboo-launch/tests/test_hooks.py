@@ -1,9 +1,10 @@
-"""A script's hooks (``train_worker(on_step=..., evaluate=(fn, N))``) and the front-door script's error.
+"""A script's hooks (``train_worker(on_step=..., evaluate=(fn, N), on_phase=...)``) and the front-door script's
+error.
 
 The dispatch is tested on a stand-in engine (fast); one short real run (2 nodes) checks that the hooks are
 called in the workers, that the evaluation goes through the pipeline and changes nothing the training
-sees (the run still matches its fault-free reference), and that the config's TensorBoard monitor writes an
-event file.
+sees (the run still matches its fault-free reference), that each worker's ``on_phase`` and the event log see
+its life (warm, attempt, training, done), and that the config's TensorBoard monitor writes an event file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import attrs
 import pytest
+from bamboo.launch.events import WorkerPhase, read_events
 from bamboo.launch.hooks import Evaluation, TrainingHooks, evaluation_batches, run_step_hooks
 from bamboo.launch.run import RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.script import ScriptError, describe_script
@@ -97,7 +99,7 @@ def test_a_front_door_script_under_the_launcher_is_told_to_call_train_worker(tmp
 
 
 HOOKED_SCRIPT = '''
-"""A tiny two-stage model with on_step, evaluate and a TensorBoard monitor."""
+"""A tiny two-stage model with on_step, evaluate, on_phase and a TensorBoard monitor."""
 import json
 import sys
 
@@ -132,10 +134,16 @@ def on_step(info):
                                "samples_per_second": info.samples_per_second, "eval_loss": info.eval_loss}) + "\\n")
 
 
+def on_phase(change):
+    with open(f"{OUT}/phases-{change.node}.jsonl", "a") as sink:
+        sink.write(json.dumps({"previous": change.previous.value, "phase": change.phase.value,
+                               "cause": change.cause, "generation": change.generation}) + "\\n")
+
+
 if __name__ == "__main__":
     bamboo.launch.train_worker(layers=[lambda: nn.Linear(5, 7), lambda: nn.Sequential(nn.Tanh(), nn.Linear(7, 1))],
                                loss_fn=mse, microbatch=microbatch, config=CONFIG, on_step=on_step,
-                               evaluate=(validation, 2))
+                               evaluate=(validation, 2), on_phase=on_phase)
 '''
 
 
@@ -165,3 +173,15 @@ def test_hooks_are_called_in_a_real_run_and_tensorboard_gets_an_event_file(tmp_p
     assert evaluations == pytest.approx([s["eval_loss"] for s in steps if s["eval_loss"] is not None])
     assert len(accumulator.Scalars("Train/Samples/train_loss")) == 4
     assert compare_with_reference(result, options)["max_relative_diff"] == 0.0  # evaluation changed nothing
+    # Each worker's life, as its on_phase hook and the event log saw it: found its role, started, trained, done.
+    lives = {path.stem.removeprefix("phases-"): [json.loads(line) for line in path.read_text().splitlines()]
+             for path in sorted(out.glob("phases-*.jsonl"))}
+    assert len(lives) == 2, lives
+    for life in lives.values():
+        assert [(c["previous"], c["phase"]) for c in life] == [("warm", "attempt"), ("attempt", "training"),
+                                                               ("training", "done")], life
+        assert [c["cause"] for c in life] == ["role found", "started, in the layout", "trained, done"]
+        assert {c["generation"] for c in life} == {0}
+    logged = [e for e in read_events(result.events) if isinstance(e, WorkerPhase)]
+    assert sorted((e.node, e.phase) for e in logged) == sorted((node, c["phase"]) for node, life in lives.items()
+                                                              for c in life)

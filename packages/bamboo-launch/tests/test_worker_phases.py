@@ -223,3 +223,37 @@ def test_the_module_imports_neither_torch_nor_etcd() -> None:
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
     assert imported == {"__future__", "enum", "collections.abc", "typing", "attrs"}
+
+
+# What the observers of a worker's life see: each transition as a PhaseChange, with the generation its outcome
+# concerns.
+GENERATIONS: list[tuple[Outcome, int | None]] = [
+    (ROLE, 0),
+    (JOIN, 2),  # a joiner: the prepared layout it joins, not its base
+    (JobEnded(), None),
+    (IN, 0),
+    (JoinAbandoned(Role(prepared=PREPARED)), 2),
+    (LayoutAbandoned(NEXT), 2),
+    (SwitchAbandoned(Ending("switch", reason="new pipeline")), None),  # no part in the prepared layout
+    (LayoutDecided(NEXT, member=False), 2),
+    (WentAhead(5), 5),
+    (_trained("barrier"), 0),
+]
+
+
+@pytest.mark.parametrize(("outcome", "generation"), GENERATIONS, ids=lambda value: getattr(value, "case", value))
+def test_each_outcome_names_the_generation_it_concerns(outcome: Outcome, generation: int | None) -> None:
+    assert worker_phases.outcome_generation(outcome) == generation
+
+
+def test_a_phase_change_carries_both_phases_the_cause_and_whether_the_node_now_holds_nothing() -> None:
+    change = worker_phases.phase_change("n3", T, B, _trained("barrier"))
+    assert (change.node, change.previous, change.phase, change.cause, change.generation) == (
+        "n3", T, B, "trained, barrier", 0)
+    assert not change.holds_nothing
+    assert worker_phases.phase_change("n3", A, S, OUT).holds_nothing
+    # The waiting phases hold nothing; the terminal ones are apart (the worker's end closes what it holds).
+    assert {W, R, S} == worker_phases.HOLDS_NOTHING
+    assert not worker_phases.HOLDS_NOTHING & TERMINAL
+    with pytest.raises(ValueError, match="generation"):
+        worker_phases.PhaseChange("n3", T, B, "trained, barrier", -1)

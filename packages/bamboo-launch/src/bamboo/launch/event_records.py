@@ -44,6 +44,9 @@ and the kind's own keys:
   with, chosen by ``--redundancy auto``), ``reason`` (str, one line), ``lost_s_per_hour`` (object: mode ->
   the seconds of training each mode was expected to lose per hour), ``step_s`` (float, the fault-free step
   of ``none`` it assumed) and ``preemptions_per_node_hour`` (float, the rate it assumed);
+- ``phase``: ``node`` (str), ``phase`` and ``previous`` (str, :class:`bamboo.launch.worker_phases.Phase`
+  values), ``cause`` (str, the outcome that ended the previous phase) and, optionally, ``generation`` (int,
+  the layout that outcome concerns): the node's worker entered ``phase`` (its state machine);
 - ``run_end``: ``steps`` (int): the run finished; nodes still alive stop being billed here.
 
 Unknown keys are rejected, so a typo in a writer fails at once instead of silently vanishing
@@ -73,6 +76,7 @@ __all__ = [
     "RunStart",
     "Startup",
     "Step",
+    "WorkerPhase",
     "event_from_dict",
     "event_to_dict",
 ]
@@ -265,6 +269,20 @@ class RedundancyChoice:
 
 
 @attrs.frozen
+class WorkerPhase:
+    """Node ``node``'s worker entered ``phase`` from ``previous`` when that phase ended in ``cause``, about layout
+    generation ``generation`` (None: no layout, say a job that ended while the node waited)."""
+
+    KIND: ClassVar[str] = "phase"
+    t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
+    node: str = attrs.field(validator=_non_empty_str)
+    phase: str = attrs.field(validator=_non_empty_str)
+    previous: str = attrs.field(validator=_non_empty_str)
+    cause: str = attrs.field(validator=_non_empty_str)
+    generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE_INT))
+
+
+@attrs.frozen
 class RunEnd:
     """The run finished after ``steps`` steps; nodes still alive stop being billed at ``t``."""
 
@@ -274,7 +292,7 @@ class RunEnd:
 
 
 Event = (RunStart | Join | Preemption | Failover | Reconfiguration | Checkpoint | Restore | Startup | Step | RunEnd
-         | RedundancyChoice)
+         | RedundancyChoice | WorkerPhase)
 
 EventField: TypeAlias = "str | int | float | bool | dict[str, float] | None"
 """The value of one field of a record (the types of the record classes' fields above)."""
@@ -282,7 +300,7 @@ EventField: TypeAlias = "str | int | float | bool | dict[str, float] | None"
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in (RunStart, Join, Preemption, Failover, Reconfiguration, Checkpoint, Restore, Startup, Step, RunEnd,
-                RedundancyChoice)
+                RedundancyChoice, WorkerPhase)
 }
 
 

@@ -45,6 +45,7 @@ from bamboo.launch.event_records import (
     RunStart,
     Startup,
     Step,
+    WorkerPhase,
     event_from_dict,
     event_to_dict,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "Startup",
     "Step",
     "TimeAccount",
+    "WorkerPhase",
     "event_from_dict",
     "event_to_dict",
     "iter_kind",

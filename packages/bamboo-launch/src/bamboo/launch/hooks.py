@@ -1,4 +1,5 @@
-"""A training script's hooks into the worker loop: a callback after every step, and evaluation every N steps.
+"""A training script's hooks into the worker loop: a callback after every step, evaluation every N steps, and
+a callback on each change of the worker's phase.
 
 :func:`bamboo.launch.train_worker` takes them as ``on_step=`` and ``evaluate=(fn, every_n_steps)``:
 
@@ -16,6 +17,11 @@
   parameters are those of a run without it. Its loss reaches ``on_step`` and the config's monitors
   (``Train/Samples/eval_loss``).
 
+- ``on_phase(change)`` is called in every worker, each time its state machine
+  (:mod:`bamboo.launch.worker_phases`) enters a phase, with a :class:`~bamboo.launch.worker_phases.PhaseChange`
+  (the node, the phase it left and the one it entered, the outcome that caused it, the layout generation): a
+  script can, say, free a cache when its node goes to standby, or log how long it waited for a role.
+
 The hooks run in the worker processes; an exception in one is a worker error, which the launcher reports.
 """
 
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
+    from bamboo.launch.worker_phases import PhaseChange
     from bamboo.rc import Engine
     from bamboo.rc.monitor import StepInfo
     from torch import Tensor
@@ -60,10 +67,11 @@ class Evaluation:
 
 @attrs.frozen
 class TrainingHooks:
-    """What a script hooks into the worker loop (see the module docstring); both optional."""
+    """What a script hooks into the worker loop (see the module docstring); each optional."""
 
     on_step: Callable[[StepInfo], object] | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.is_callable()))
     evaluate: Evaluation | None = attrs.field(default=None, converter=Evaluation.from_argument)
+    on_phase: Callable[[PhaseChange], object] | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.is_callable()))
 
 
 def evaluation_batches(evaluation: Evaluation, step: int, pipeline: int,

@@ -40,6 +40,7 @@ from bamboo.launch.events import (
     Startup,
     Step,
     TimeAccount,
+    WorkerPhase,
     event_from_dict,
 )
 from bamboo.launch.redundancy import describe_choice
@@ -127,6 +128,9 @@ def describe_event(event: Event) -> str:
         return f"{event.t:8.1f}s  end           after {event.steps} steps"
     if isinstance(event, RedundancyChoice):
         return f"{event.t:8.1f}s  redundancy    {describe_choice(event)}"
+    if isinstance(event, WorkerPhase):
+        about = "" if event.generation is None else f", generation {event.generation}"
+        return f"{event.t:8.1f}s  phase         {event.node}: {event.previous} -> {event.phase} ({event.cause}{about})"
     return f"{event.t:8.1f}s  step          {event.step}"
 
 
@@ -177,6 +181,8 @@ class LiveState:
         self.recent: collections.deque[str] = collections.deque(maxlen=history)
         self._choices: dict[int, RedundancyChoice] = {}
         self._generation: int | None = None
+        self.phases: dict[str, str] = {}
+        """Each alive node's worker phase (``phase`` records: they set this, not the recent lines)."""
 
     def apply(self, event: Event) -> None:
         """Fold one record into the state."""
@@ -187,6 +193,9 @@ class LiveState:
             self._steps.append(event)
             self._generation = event.generation if event.generation is not None else self._generation
             return
+        if isinstance(event, WorkerPhase):
+            self.phases[event.node] = event.phase
+            return
         self.recent.append(describe_event(event))
         if isinstance(event, RunStart):
             self.job, self.target_nodes = event.job, event.target_nodes
@@ -194,6 +203,7 @@ class LiveState:
             self.alive[event.node] = event.zone
         elif isinstance(event, Preemption):
             self.alive.pop(event.node, None)
+            self.phases.pop(event.node, None)
             self.preemptions += 1
         elif isinstance(event, Failover):
             self.failovers += 1
@@ -233,6 +243,12 @@ class LiveState:
         return self._choices[max(self._choices)] if self._choices else None
 
     @property
+    def phase_counts(self) -> dict[str, int]:
+        """How many alive workers are in each phase, most first (``training``: 6, ``standby``: 2, ...)."""
+        counts = collections.Counter(self.phases.values())
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+    @property
     def joining(self) -> int:
         """Alive nodes neither at work nor on standby."""
         return max(0, len(self.alive) - self.nodes_active - self.standby)
@@ -264,6 +280,7 @@ class LiveState:
             "restores": self.restores,
             "redundancy": None if self.redundancy is None else self.redundancy.mode,
             "redundancy_reason": None if self.redundancy is None else describe_choice(self.redundancy),
+            "worker_phases": self.phase_counts,
             **self.time.summary(),
             "finished": self.finished,
             "recent": list(self.recent),
@@ -341,6 +358,8 @@ def render_live(state: LiveState) -> Panel:
                        f"step {state.redundancy.step_s:.3f}s (none)",
                        "lost/h " + ", ".join(f"{mode} {lost:.0f}s" for mode, lost in
                                              state.redundancy.lost_s_per_hour.items()))
+    if state.phases:
+        header.add_row("[bold]workers[/] " + ", ".join(f"{count} {phase}" for phase, count in state.phase_counts.items()))
     recent = "\n".join(state.recent) if state.recent else "(no events yet)"
     title = "bamboo" + (f" {state.job}" if state.job else "") + (" (finished)" if state.finished else "")
     return Panel(Group(header, "", recent), title=title, expand=False)

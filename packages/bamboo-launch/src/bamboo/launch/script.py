@@ -24,7 +24,8 @@ A script describes its model, loss and data, and calls :func:`train_worker` once
 - optional hooks (:mod:`bamboo.launch.hooks`): ``on_step(info)``, called once per step with a
   :class:`bamboo.rc.StepInfo` (step, loss, learning rate, samples/s, eval loss), and
   ``evaluate=(fn, every_n_steps)``, a forward-only pass through the pipelines over ``fn(step, index)``
-  every N steps (``engine.eval_batch``).
+  every N steps (``engine.eval_batch``), and ``on_phase(change)``, called in every worker as it enters a
+  phase of its life (:mod:`bamboo.launch.worker_phases`).
 
 The launcher runs the same command line (``python SCRIPT ARGS``) in three modes, chosen by the
 environment variable ``BAMBOO_SCRIPT_MODE``; :func:`train_worker` does what the mode says and never
@@ -70,6 +71,7 @@ from bamboo.launch.spec import ENV_CONTEXT, Program
 if TYPE_CHECKING:
     from bamboo.launch.json_types import JSON
     from bamboo.launch.spec import LayerInput, ModelDescription
+    from bamboo.launch.worker_phases import PhaseChange
     from bamboo.rc.monitor import StepInfo
     from torch import Tensor
 
@@ -124,13 +126,16 @@ def train_worker(
     config: Mapping[str, JSON] | None = None,
     on_step: Callable[[StepInfo], object] | None = None,
     evaluate: tuple[Callable[[int, int], tuple[Tensor, Tensor]], int] | Evaluation | None = None,
+    on_phase: Callable[[PhaseChange], object] | None = None,
 ) -> NoReturn:
     """The entry point of a training script: describe, train or replay, as the launcher asks; never returns.
 
     ``on_step(info)`` is called once per step with a :class:`bamboo.rc.StepInfo` (step, loss, learning rate,
     samples/s, and the evaluation's loss when one ran); ``evaluate=(fn, every_n_steps)`` runs a forward-only
     pass through the pipelines over ``fn(step, index)`` after every ``every_n_steps``-th step (see
-    :mod:`bamboo.launch.hooks`). Neither runs in the ``describe`` and ``reference`` modes.
+    :mod:`bamboo.launch.hooks`); ``on_phase(change)`` is called in every worker each time it enters a phase of
+    its life (:class:`bamboo.launch.worker_phases.PhaseChange`: warm, attempt, training, barrier, standby, ...).
+    None of them runs in the ``describe`` and ``reference`` modes.
     """
     mode = os.environ.get(ENV_MODE)
     if mode is None:
@@ -144,11 +149,11 @@ def train_worker(
         from bamboo.launch.worker import run_worker
 
         run_worker(Program(layers=layers, loss_fn=loss_fn, microbatch=microbatch, config=config),
-                   TrainingHooks(on_step=on_step, evaluate=evaluate))
+                   TrainingHooks(on_step=on_step, evaluate=evaluate, on_phase=on_phase))
     code = 1
     try:
         program = Program(layers=layers, loss_fn=loss_fn, microbatch=microbatch, config=config)
-        TrainingHooks(on_step=on_step, evaluate=evaluate)  # a bad hook fails here, before any worker starts
+        TrainingHooks(on_step=on_step, evaluate=evaluate, on_phase=on_phase)  # a bad hook fails here, before any worker starts
         if mode == "describe":
             _describe(program, Path(_required(ENV_OUT)), int(_required(ENV_PIPELINES)))
         else:

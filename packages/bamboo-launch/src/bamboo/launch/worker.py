@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch.barrier import next_attempt_layout, next_layout, publish_layout
+from bamboo.launch.event_records import WorkerPhase
 from bamboo.launch.generation import Ending, WorkerState, pipeline_batches, train_generation
 from bamboo.launch.hooks import TrainingHooks
 from bamboo.launch.prepare import Preparation, Prepared, close_prepared, finalize, switch_part
@@ -77,12 +78,14 @@ from bamboo.launch.worker_phases import (
     LayoutDecided,
     Outcome,
     Phase,
+    PhaseChange,
     RoleFound,
     StartDone,
     SwitchAbandoned,
     TrainingEnded,
     WentAhead,
     next_phase,
+    phase_change,
 )
 from bamboo.launch.worker_records import StartupClock
 
@@ -165,10 +168,26 @@ def _roles(run: WorkerSession, state: WorkerState, hooks: TrainingHooks | None, 
     life = _Life(run, state, hooks)
     phase, outcome = Phase.WARM, _found(role)
     while True:
-        phase = next_phase(phase, outcome, life.holding.old is not None)
+        previous, phase = phase, next_phase(phase, outcome, life.holding.old is not None)
+        _observe(life, phase_change(run.node, previous, phase, outcome))
         if phase in TERMINAL:
             return _end(life, phase, outcome)
         outcome = _act(life, phase, outcome)
+
+
+def _observe(life: _Life, change: PhaseChange) -> None:
+    """What observes the worker's life sees ``change``: the event log (a ``phase`` record), the script's
+    ``on_phase`` hook, and the checkpoint writers, which finish their writes and close once the node holds
+    nothing (they are made again, per stage, when it next trains)."""
+    log = life.run.log
+    log.write(WorkerPhase(t=log.now(), node=change.node, phase=change.phase.value, previous=change.previous.value,
+                          cause=change.cause, generation=change.generation))
+    if change.holds_nothing and life.state.checkpointers:
+        for writer in life.state.checkpointers.values():
+            writer.close()
+        life.state.checkpointers.clear()
+    if life.hooks is not None and life.hooks.on_phase is not None:
+        life.hooks.on_phase(change)
 
 
 def _act(life: _Life, phase: Phase, cause: Outcome) -> Outcome:

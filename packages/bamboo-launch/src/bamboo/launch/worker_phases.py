@@ -52,6 +52,11 @@ STANDBY    :class:`JobEnded`                            no     ENDED
 
 Any other triple cannot happen (a node that holds nothing never switches, a holder never joins a prepared
 layout or redoes a start, nothing follows an end): :func:`next_phase` raises ``ValueError`` naming it.
+
+Each transition is a :class:`PhaseChange` (:func:`phase_change`), which the worker hands to what observes its
+life: the event log (a ``phase`` record), the script's ``on_phase`` hook, and its checkpoint writers, which
+finish and close when the node enters a phase in :data:`HOLDS_NOTHING` (a node that let its stages go keeps no
+writer thread competing with the nodes that train).
 """
 
 from __future__ import annotations
@@ -68,8 +73,26 @@ if TYPE_CHECKING:
     from bamboo.rc import Engine
     from bamboo.reconfig import JobLayout
 
-__all__ = ["TERMINAL", "TRANSITIONS", "JobEnded", "JoinAbandoned", "LayoutAbandoned", "LayoutDecided", "Outcome",
-           "Phase", "RoleFound", "StartDone", "SwitchAbandoned", "TrainingEnded", "WentAhead", "next_phase"]
+__all__ = [
+    "HOLDS_NOTHING",
+    "TERMINAL",
+    "TRANSITIONS",
+    "JobEnded",
+    "JoinAbandoned",
+    "LayoutAbandoned",
+    "LayoutDecided",
+    "Outcome",
+    "Phase",
+    "PhaseChange",
+    "RoleFound",
+    "StartDone",
+    "SwitchAbandoned",
+    "TrainingEnded",
+    "WentAhead",
+    "next_phase",
+    "outcome_generation",
+    "phase_change",
+]
 
 
 class Phase(enum.Enum):
@@ -88,6 +111,10 @@ class Phase(enum.Enum):
 
 TERMINAL: Final = frozenset({Phase.DONE, Phase.HANDED_OVER, Phase.ENDED})
 """The phases that end the worker's life: nothing follows them."""
+
+HOLDS_NOTHING: Final = frozenset({Phase.WARM, Phase.REDO, Phase.STANDBY})
+"""The phases in which a node holds no stage state and waits (on standby it lets go what it held as it
+enters); the terminal phases are apart: the worker's own end closes what it holds."""
 
 
 @attrs.frozen
@@ -258,3 +285,43 @@ def next_phase(phase: Phase, outcome: Outcome, holds_state: bool) -> Phase:
         raise ValueError(f"no transition from phase {phase.name} on {type(outcome).__name__} "
                          f"({outcome.case!r}) {holding}")
     return found
+
+
+@attrs.frozen
+class PhaseChange:
+    """Node ``node`` entered ``phase`` from ``previous`` because that phase ended in ``cause`` (an outcome's
+    case), about layout generation ``generation`` (None: the outcome concerns no layout)."""
+
+    node: str = attrs.field(validator=attrs.validators.min_len(1))
+    previous: Phase = attrs.field(validator=attrs.validators.instance_of(Phase))
+    phase: Phase = attrs.field(validator=attrs.validators.instance_of(Phase))
+    cause: str = attrs.field(validator=attrs.validators.min_len(1))
+    generation: int | None = attrs.field(validator=attrs.validators.optional(attrs.validators.ge(0)))
+
+    @property
+    def holds_nothing(self) -> bool:
+        """Whether the node holds no stage state in its new phase."""
+        return self.phase in HOLDS_NOTHING
+
+
+def outcome_generation(outcome: Outcome) -> int | None:
+    """The layout generation ``outcome`` concerns: the layout found, started, decided, abandoned or trained,
+    the one that went ahead, the prepared one a switch abandoned; None for an end while waiting (or a
+    switch abandoned where this node had no part in the prepared layout)."""
+    match outcome:
+        case RoleFound(role=role) | JoinAbandoned(role=role):
+            return role.layout.generation if role.prepared is None else role.prepared.layout.generation
+        case StartDone(layout=layout) | LayoutAbandoned(layout=layout) | LayoutDecided(layout=layout):
+            return layout.generation
+        case TrainingEnded(started=started):
+            return started.layout.generation
+        case SwitchAbandoned(ending=ending):  # the prepared layout it switched to, when it had a part in it
+            return None if ending.preparation is None else ending.preparation.layout.generation
+        case WentAhead(generation=generation):
+            return generation
+    return None
+
+
+def phase_change(node: str, previous: Phase, phase: Phase, outcome: Outcome) -> PhaseChange:
+    """The transition from ``previous`` to ``phase`` on ``outcome``, as its observers see it."""
+    return PhaseChange(node, previous, phase, outcome.case, outcome_generation(outcome))

@@ -37,13 +37,13 @@ def test_a_transformers_gpt2_survives_a_kill_and_a_joiner_exactly_and_exports_fo
     tokens = write_token_file(np.frombuffer(stdlib_corpus(400_000), dtype=np.uint8), tmp_path / "stdlib.bin")
     trace = write_trace(5, [(1500, "remove", "node2")])  # trace node2 is the launcher's node1
     run_dir = tmp_path / "run"
-    code = main(["run", "--nodes", "5", "--stages", "2", "--pipelines", "2", "--steps", "24", "--zones", "a,b,c",
+    code = main(["run", "--nodes", "5", "--stages", "2", "--pipelines", "2", "--steps", "48", "--zones", "a,b,c",
                  "--preemptions", trace, "--time-scale", "1", "--run-dir", str(run_dir), "--timeout", "360",
                  "--verify", "--json", "--no-live", "--redundancy", "eflb",  # a failover is what this test is about
                  "--", str(EXAMPLE), "--model", "gpt2", "--tokens", str(tokens), "--width", "32", "--seq-len", "32"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, report
-    assert report["verify"] == "PASSED" and report["compared_steps"] == 24, report
+    assert report["verify"] == "PASSED" and report["compared_steps"] == 48, report
     assert report["max_relative_diff"] == 0.0, report
     events = read_events(run_dir / "events.jsonl")
     assert [e.victim for e in events if isinstance(e, Failover)] == ["node1"]

@@ -63,7 +63,7 @@ def finish_once(handles: Any, played_out: Callable[[list[Any]], bool], *, steps_
                 deadline_s: float = 150.0) -> None:
     """Ask the job to finish (``bamboo-launch finish``) once ``played_out(events)`` holds for its event log and
     ``steps_after`` more steps have trained: a scenario ends when it has played out, not after filler steps
-    sized for the slowest machine (the job still ends two steps after that, at a boundary all nodes reach)."""
+    sized for the slowest machine (the job still ends four steps after that, at a boundary all nodes reach)."""
     deadline = time.monotonic() + deadline_s
     while not played_out(_events_so_far(handles)):
         assert time.monotonic() < deadline, "the scenario never played out"

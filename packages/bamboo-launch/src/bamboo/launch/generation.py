@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from bamboo.launch.hooks import TrainingHooks, run_step_hooks
-from bamboo.launch.prepare import Preparation, abandon_prepared, scan_prepared
+from bamboo.launch.prepare import abandon_prepared, scan_prepared
 from bamboo.launch.records import StopDecision
 from bamboo.launch.session import WorkerSession
 from bamboo.launch.stop import Boundary
+from bamboo.launch.worker_phases import Ending
 from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
 
 if TYPE_CHECKING:
@@ -55,19 +56,6 @@ class WorkerState:
     usual: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=USUAL_STEPS))
     started_up: bool = False
     """Whether this worker wrote its ``startup`` record."""
-
-
-@attrs.frozen
-class Ending:
-    """How a generation ended for this node: ``done`` (the job's last step, or a finish), ``handed-over``,
-    ``barrier`` (with ``consecutive`` and the ``reason``) or ``switch`` (to the prepared layout ``stop`` names,
-    with this node's ``preparation`` of it, if it has a part)."""
-
-    kind: str
-    reason: str = ""
-    consecutive: bool = False
-    stop: StopDecision | None = None
-    preparation: Preparation | None = None
 
 
 def pipeline_batches(microbatch: Callable[[int, int], B], pipeline: int, micro_batches: int,
@@ -128,6 +116,7 @@ def train_generation(run: WorkerSession, layout: JobLayout, engine: Engine, stat
         return Ending("done")
     assert stop is not None
     if stop.attempt is not None:
+        boundary.settle()
         return Ending("switch", reason=stop.reason, stop=stop, preparation=boundary.preparation)
     boundary.abandon()
     return Ending("barrier", reason=stop.reason)

@@ -13,7 +13,7 @@ decide, build and fill the next layout:
    group; a warm joiner does it while it waits, a holder while it trains. Each publishes
    ``g<G>-built-<node>`` when done.
 3. **Switch at one step boundary.** Once every node of it is built, the lowest live rank writes the stop
-   (``g<g>-stop``, two steps ahead, naming the prepared attempt). At that step every holder stops, puts its
+   (``g<g>-stop``, four steps ahead, naming the prepared attempt). At that step every holder stops, puts its
    local copies in place and runs the transfer plan over the group built beforehand (:func:`switch`): the
    state of the step it stopped at, in full. Training stops only for that, and for ``go``.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 from bamboo.launch import timeouts
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BREAK_BEFORE_MAKE_ENV",
     "PREPARE_PAUSE_ENV",
+    "ExecutorFacts",
     "Preparation",
     "Prepared",
     "PreparedScan",
@@ -61,6 +62,24 @@ __all__ = [
     "scan_prepared",
     "switch_part",
 ]
+
+
+class ExecutorFacts(Protocol):
+    """What a boundary's decisions read of the executor: a :class:`bamboo.rc.StageExecutor`, or the
+    :class:`bamboo.launch.stop.StepFacts` taken of it at a boundary."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def dead(self) -> frozenset[int] | set[int]: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
 
 
 PREPARE_PAUSE_ENV = "BAMBOO_LAUNCH_TEST_PREPARE_PAUSE_S"
@@ -162,7 +181,7 @@ def finalize(prepared: JobLayout, step: int, at: float | None) -> JobLayout:
     return attrs.evolve(prepared, start_step=step, barrier_step=step, barrier_unix=at, history=history)
 
 
-def plan_prepared(run: WorkerSession, base: JobLayout, executor: StageExecutor, attempt: int,
+def plan_prepared(run: WorkerSession, base: JobLayout, executor: ExecutorFacts, attempt: int,
                   reason: str) -> JobLayout:
     """The next layout after ``base`` (the generation ``executor`` trains), planned now: the live nodes of the
     layout hold what their executors hold, the warm standby nodes nothing. Raises :class:`NotEnoughNodes` when

@@ -11,8 +11,8 @@ A generation ends at a barrier, at a step boundary:
   of the interrupted step), at once;
 - when `bamboo.reconfig.decide` says so at a step boundary (waiting nodes can fill a pipeline, a
   pipeline cannot absorb one more failure, a shadow carries two stages and a replacement waits).
-  The lowest surviving rank evaluates it after each step and proposes the stop step (two steps
-  ahead, so every worker can still stop there) as decision ``g<g>-stop``, first writer wins.
+  The lowest surviving rank evaluates it after each step and proposes the stop step (four steps
+  ahead, so every worker can still stop there: ``bamboo.launch.stop.STOP_AHEAD``) as decision ``g<g>-stop``, first writer wins.
 
 At the barrier every survivor publishes which stages it holds at the barrier step (decision
 ``g<g>-ready-<node>``, a :class:`bamboo.launch.records.BarrierReady`). The first to see them all

@@ -156,7 +156,7 @@ class StopDecision(_Record):
 @attrs.frozen
 class FinishRequest(_Record):
     """Someone asked the job to end before its last step: at the first step boundary every node can still
-    reach (two steps after the lowest live rank sees the request), with a final checkpoint."""
+    reach (four steps after the lowest live rank sees the request: `bamboo.launch.stop.STOP_AHEAD`), with a final checkpoint."""
 
     NAME: ClassVar[str] = "finish request"
     by: str = attrs.field(validator=_string)

@@ -68,7 +68,8 @@ from typing import TYPE_CHECKING, Final
 import attrs
 
 if TYPE_CHECKING:
-    from bamboo.launch.generation import Ending
+    from bamboo.launch.prepare import Preparation
+    from bamboo.launch.records import StopDecision
     from bamboo.launch.roles import Role
     from bamboo.rc import Engine
     from bamboo.reconfig import JobLayout
@@ -77,6 +78,7 @@ __all__ = [
     "HOLDS_NOTHING",
     "TERMINAL",
     "TRANSITIONS",
+    "Ending",
     "JobEnded",
     "JoinAbandoned",
     "LayoutAbandoned",
@@ -115,6 +117,19 @@ TERMINAL: Final = frozenset({Phase.DONE, Phase.HANDED_OVER, Phase.ENDED})
 HOLDS_NOTHING: Final = frozenset({Phase.WARM, Phase.REDO, Phase.STANDBY})
 """The phases in which a node holds no stage state and waits (on standby it lets go what it held as it
 enters); the terminal phases are apart: the worker's own end closes what it holds."""
+
+
+@attrs.frozen
+class Ending:
+    """How a generation ended for this node: ``done`` (the job's last step, or a finish), ``handed-over``,
+    ``barrier`` (with ``consecutive`` and the ``reason``) or ``switch`` (to the prepared layout ``stop`` names,
+    with this node's ``preparation`` of it, if it has a part)."""
+
+    kind: str
+    reason: str = ""
+    consecutive: bool = False
+    stop: StopDecision | None = None
+    preparation: Preparation | None = None
 
 
 @attrs.frozen

@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         usage="bamboo-launch finish --etcd URL --job J [--by NAME]",
         description=(
             "Ask a running job to end before its last step. The job's lowest live rank sees the request "
-            "after its next step and every node stops two steps later, at a step all of them finish; they "
+            "after its next step and every node stops four steps later, at a step all of them finish; they "
             "write their final checkpoint (with --checkpoint-dir) and the job ends as it does at its last "
             "step, each agent exiting 0. A request while the job reconfigures takes effect once the new "
             "layout trains. Asking twice keeps the first request. Exit status: 0 asked (or the job had "
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         kv.close()
     if asked:
-        print(f"asked job {args.job} to finish at its next step boundary (it stops two steps after its "
+        print(f"asked job {args.job} to finish at its next step boundary (it stops four steps after its "
               "lowest live rank sees the request)")
     else:
         print(f"job {args.job} was asked to finish already, by {request.by}")

@@ -135,12 +135,25 @@ class EtcdFailureNotices:
         self._prefix = membership.keys.decision(f"g{generation}-epoch-")
         self._watch: WatchHandle | None = None
         try:
-            revision = membership.kv.revision()
-            for item in membership.kv.get_prefix(self._prefix):
-                self._store(item.key, item.value)
-            self._watch = membership.kv.watch_prefix(self._prefix, self._on_watch, start_revision=revision + 1)
+            self._watch = self._follow(membership)
         except StoreError as error:  # etcd restarting: polls read directly until it is back
             log.warning("failure notices of generation %d: no watch yet (%s)", generation, error)
+
+    def _follow(self, membership: MembershipStore) -> WatchHandle:
+        """Read the generation's events and watch for more: one request and a watch creation with an etcd
+        client (``range_at``: the read is the watch's starting snapshot), three requests otherwise."""
+        kv = membership.kv
+        range_at = getattr(kv, "range_at", None)
+        if range_at is not None:
+            items, revision = range_at(self._prefix)
+        else:
+            revision = kv.revision()
+            items = kv.get_prefix(self._prefix)
+        for item in items:
+            self._store(item.key, item.value)
+        if range_at is not None:
+            return kv.watch_prefix(self._prefix, self._on_watch, start_revision=revision + 1, snapshot=items)
+        return kv.watch_prefix(self._prefix, self._on_watch, start_revision=revision + 1)
 
     def _store(self, key: str, value: bytes) -> None:
         try:

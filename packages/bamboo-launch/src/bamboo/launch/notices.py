@@ -140,20 +140,14 @@ class EtcdFailureNotices:
             log.warning("failure notices of generation %d: no watch yet (%s)", generation, error)
 
     def _follow(self, membership: MembershipStore) -> WatchHandle:
-        """Read the generation's events and watch for more: one request and a watch creation with an etcd
-        client (``range_at``: the read is the watch's starting snapshot), three requests otherwise."""
-        kv = membership.kv
-        range_at = getattr(kv, "range_at", None)
-        if range_at is not None:
-            items, revision = range_at(self._prefix)
-        else:
-            revision = kv.revision()
-            items = kv.get_prefix(self._prefix)
-        for item in items:
+        """Read the generation's events and follow them (:class:`bamboo.membership.WatchedPrefix`: the
+        workers of one process share one read and one watch of them)."""
+        from bamboo.membership import WatchedPrefix
+
+        watched = WatchedPrefix(membership.kv, self._prefix, self._on_watch)
+        for item in watched.items():
             self._store(item.key, item.value)
-        if range_at is not None:
-            return kv.watch_prefix(self._prefix, self._on_watch, start_revision=revision + 1, snapshot=items)
-        return kv.watch_prefix(self._prefix, self._on_watch, start_revision=revision + 1)
+        return watched
 
     def _store(self, key: str, value: bytes) -> None:
         try:

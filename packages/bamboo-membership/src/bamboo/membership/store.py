@@ -46,7 +46,7 @@ from bamboo.membership.records import (
     encode_message,
     validate_node_record,
 )
-from bamboo.membership.watched import WatchedKey
+from bamboo.membership.watched import WatchedKey, WatchedPrefix
 
 __all__ = ["Decision", "JobKeys", "Layout", "MembershipStore", "Registration"]
 
@@ -439,4 +439,8 @@ class MembershipStore:
         return self.kv.put(self.keys.notice(notice.node), encode_message(notice), **self._guarded())
 
     def watch_notices(self, callback: Callable[[WatchEvent], None], start_revision: int | None = None) -> WatchHandle:
+        """`callback` for each preemption notice from `start_revision` (default: from now on, through the
+        client's shared watch of the notices, `WatchedPrefix`: no request when it is already followed)."""
+        if start_revision is None:
+            return WatchedPrefix(self.kv, self.keys.notices, callback)
         return self.kv.watch_prefix(self.keys.notices, callback, start_revision)

@@ -26,10 +26,19 @@ if TYPE_CHECKING:
 __all__ = ["RoleWatch"]
 
 
-@functools.lru_cache(maxsize=2)
+_DECODING = threading.Lock()
+
+
 def _decode_layout(value: bytes) -> JobLayout:
     """A layout's value decoded once per process: the role watches of one process (the worker's, or a benchmark's
-    hundred emulated nodes) that read the same value share the decoded (frozen) ``JobLayout``."""
+    hundred emulated nodes) that read the same value share the decoded (frozen) ``JobLayout``; those that wake
+    together for a new layout wait for the one that decodes it (a thousand-node layout takes milliseconds)."""
+    with _DECODING:
+        return _decoded(value)
+
+
+@functools.lru_cache(maxsize=2)
+def _decoded(value: bytes) -> JobLayout:
     from bamboo.reconfig import JobLayout
 
     return JobLayout.from_json(value)

@@ -16,7 +16,7 @@ from bamboo.membership.kv import EtcdKV, EventKind, WatchEvent
 from bamboo.membership.probing import connect_probe
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.membership.store import MembershipStore
-from bamboo.membership.watched import WatchedKey
+from bamboo.membership.watched import WatchedKey, WatchedPrefix
 
 REFUSED = ProbeResult(ProbeOutcome.REFUSED, detail="connection refused")
 
@@ -100,6 +100,64 @@ def test_a_watched_key_is_read_once_then_followed(kv: EtcdKV, job: str) -> None:
         assert changes == [b"second", None]
     finally:
         watched.close()
+
+
+def _watches_of(kv: EtcdKV, prefix: str) -> int:
+    """How many watches of ``prefix`` the client's stream holds (its private list: what etcd is asked for)."""
+    return sum(1 for watch in kv.watch_stream()._active if watch.prefix == prefix)
+
+
+def test_the_followers_of_one_key_on_one_client_share_one_watch(kv: EtcdKV, job: str) -> None:
+    key = f"/bamboo/{job}/layout"
+    kv.put(key, b"v1")
+    first = WatchedKey(kv, key)
+    kv.put(key, b"v2")
+    assert first.wait(lambda v: v is not None and v.value == b"v2", 20) is not None
+    second = WatchedKey(kv, key)  # starts from what the shared watch delivered: no read
+    try:
+        assert second.value is not None and second.value.value == b"v2"
+        assert _watches_of(kv, key) == 1
+        first.close()
+        kv.put(key, b"v3")  # the one left is still followed
+        assert second.wait(lambda v: v is not None and v.value == b"v3", 20) is not None
+        assert first.value is not None and first.value.value == b"v2"  # a closed follower gets nothing more
+    finally:
+        second.close()
+    assert _watches_of(kv, key) == 0  # the last one out ends the watch
+    third = WatchedKey(kv, key)  # and a new follower starts a new one, from a new read
+    try:
+        assert third.value is not None and third.value.value == b"v3" and _watches_of(kv, key) == 1
+    finally:
+        third.close()
+
+
+def test_a_watched_prefix_starts_from_the_shared_keys_and_a_failing_follower_spoils_no_other(
+        kv: EtcdKV, job: str) -> None:
+    prefix = f"/bamboo/{job}/decisions/g0-epoch-"
+    kv.put(prefix + "1", b"one")
+    first_seen, second_seen = Seen(), Seen()
+
+    def failing(event: WatchEvent) -> None:
+        first_seen(event)
+        raise RuntimeError("a follower's bug")
+
+    first = WatchedPrefix(kv, prefix, failing)
+    assert [item.value for item in first.items()] == [b"one"]
+    kv.put(prefix + "2", b"two")
+    first_seen.wait(1)
+    second = WatchedPrefix(kv, prefix, second_seen)
+    try:
+        assert [item.value for item in second.items()] == [b"one", b"two"]  # what the shared watch holds now
+        kv.delete(prefix + "1")
+        kv.put(prefix + "3", b"three")
+        events = second_seen.wait(2)
+        assert [(e.kind, e.key.removeprefix(prefix)) for e in events] == [(EventKind.DELETE, "1"), (EventKind.PUT, "3")]
+        assert [e.key.removeprefix(prefix) for e in first_seen.wait(3)] == ["2", "1", "3"]
+        assert _watches_of(kv, prefix) == 1
+    finally:
+        first.cancel()
+        second.cancel()
+    assert _watches_of(kv, prefix) == 0
 
 
 def test_a_detector_that_follows_no_node_reads_the_suspects_record_to_probe_it(store: MembershipStore) -> None:

@@ -135,12 +135,19 @@ class EtcdFailureNotices:
         self._prefix = membership.keys.decision(f"g{generation}-epoch-")
         self._watch: WatchHandle | None = None
         try:
-            revision = membership.kv.revision()
-            for item in membership.kv.get_prefix(self._prefix):
-                self._store(item.key, item.value)
-            self._watch = membership.kv.watch_prefix(self._prefix, self._on_watch, start_revision=revision + 1)
+            self._watch = self._follow(membership)
         except StoreError as error:  # etcd restarting: polls read directly until it is back
             log.warning("failure notices of generation %d: no watch yet (%s)", generation, error)
+
+    def _follow(self, membership: MembershipStore) -> WatchHandle:
+        """Read the generation's events and follow them (:class:`bamboo.membership.WatchedPrefix`: the
+        workers of one process share one read and one watch of them)."""
+        from bamboo.membership import WatchedPrefix
+
+        watched = WatchedPrefix(membership.kv, self._prefix, self._on_watch)
+        for item in watched.items():
+            self._store(item.key, item.value)
+        return watched
 
     def _store(self, key: str, value: bytes) -> None:
         try:

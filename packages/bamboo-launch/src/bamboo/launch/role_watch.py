@@ -4,12 +4,13 @@ A warm standby or joining worker waits, maybe for hours, for a layout that place
 layout and the job's end every 50 ms cost each waiting worker 40 etcd requests a second, and at a thousand
 nodes (an 84 KB layout, 5 ms to decode) a quarter of a core: a waiting worker competed with the ones that
 train. :class:`RoleWatch` reads both keys once, then follows them (:class:`bamboo.membership.WatchedKey`,
-on the worker's one etcd watch stream), and decodes a layout once per change; :mod:`bamboo.launch.roles`
+on the worker's one etcd watch stream), and decodes a layout once per change (once per process: the decoded value is shared); :mod:`bamboo.launch.roles`
 reads them from it, and sleeps until one of them changes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -23,6 +24,24 @@ if TYPE_CHECKING:
     from bamboo.reconfig import JobLayout
 
 __all__ = ["RoleWatch"]
+
+
+_DECODING = threading.Lock()
+
+
+def _decode_layout(value: bytes) -> JobLayout:
+    """A layout's value decoded once per process: the role watches of one process (the worker's, or a benchmark's
+    hundred emulated nodes) that read the same value share the decoded (frozen) ``JobLayout``; those that wake
+    together for a new layout wait for the one that decodes it (a thousand-node layout takes milliseconds)."""
+    with _DECODING:
+        return _decoded(value)
+
+
+@functools.lru_cache(maxsize=2)
+def _decoded(value: bytes) -> JobLayout:
+    from bamboo.reconfig import JobLayout
+
+    return JobLayout.from_json(value)
 
 
 class RoleWatch:
@@ -64,13 +83,11 @@ class RoleWatch:
 
     def layout(self) -> JobLayout | None:
         """The current :class:`bamboo.reconfig.JobLayout` (None before the first), decoded once per change."""
-        from bamboo.reconfig import JobLayout
-
         found = self._layout.value
         if found is None:
             return None
         if self._decoded[0] != found.mod_revision:
-            self._decoded = (found.mod_revision, JobLayout.from_json(found.value))
+            self._decoded = (found.mod_revision, _decode_layout(found.value))
         return self._decoded[1]
 
     def next_layout(self, after: int, timeout: float | None = None) -> JobLayout | None:

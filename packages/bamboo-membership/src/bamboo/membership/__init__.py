@@ -5,7 +5,8 @@
   `Guard` (the writer's registration), checked in the same transaction (`FencedError` when it fails);
   watches resume after etcd restarts and relist after compaction, so no change is lost; every watch of
   a client shares one etcd stream, every lease refresh one keepalive stream. `WatchedKey`: one key read
-  once, then followed by a watch (no request per read).
+  once, then followed by a watch (no request per read); `WatchedPrefix` the same for a prefix; every
+  follower of one key or prefix on a client shares one read and one watch.
 - `EmbeddedEtcd`: a real etcd on free loopback ports with its own data dir, stopped by PID,
   restartable on the same data dir (tests and the launcher use it).
 - `MembershipStore`: node records under leases kept alive in the background (`Registration`),
@@ -63,7 +64,7 @@ from bamboo.membership.records import (
     PreemptionNotice,
 )
 from bamboo.membership.store import Decision, JobKeys, Layout, MembershipStore, Registration
-from bamboo.membership.watched import WatchedKey
+from bamboo.membership.watched import WatchedKey, WatchedPrefix
 
 if TYPE_CHECKING:
     from bamboo.membership.c10d_store import EtcdStore, c10d_prefix
@@ -108,6 +109,7 @@ __all__ = [
     "TlsFiles",
     "WatchEvent",
     "WatchedKey",
+    "WatchedPrefix",
     "c10d_prefix",
     "load_token",
     "preemption_hook",

@@ -67,6 +67,7 @@ from bamboo.membership.records import (
     decode_message,
 )
 from bamboo.membership.store import MembershipStore
+from bamboo.membership.watched import WatchedKey
 
 __all__ = ["DetectorConfig", "FailureDetector", "ProbeOutcome", "ProbeResult", "Prober", "SweepResult"]
 
@@ -117,6 +118,7 @@ class FailureDetector:
         self._listeners: list[Callable[[NodeFailed], None]] = []
         self._membership_listeners: list[Callable[[], None]] = []
         self._watches: list[WatchHandle] = []
+        self._epoch_key: WatchedKey | None = None  # the epoch record, followed once started
         self._following: list[WatchHandle] = []  # the watches of the node records and the failure reports
         self._follow_at_start = follow_membership
         self.probes_sent = 0
@@ -274,13 +276,13 @@ class FailureDetector:
     def start(self, *, probe_loop: bool = True) -> FailureDetector:
         """Load the current nodes, epoch and failures, then watch them. With `probe_loop`, probe in the background."""
         kv = self.store.kv
-        revision = kv.revision()
+        self._epoch_key = self.store.follow_epoch(self._on_epoch)  # one read; shared by the client's followers
         try:
-            self._epoch = self.store.epoch()[0]
+            self._on_epoch(self.store.epoch_of(self._epoch_key.value)[0])
         except MalformedValueError as exc:
             log.error("%s; declaring failures in epoch 0", exc)
-        self._watches.append(self.store.watch_epoch(self._on_epoch, start_revision=revision + 1))
         if self._follow_at_start:
+            revision = kv.revision()
             for record in self.store.list_nodes(skip_malformed=True).values():
                 self._nodes[record.id] = record
             self._following = [self.store.watch_nodes(self._on_node_event, start_revision=revision + 1),
@@ -300,6 +302,9 @@ class FailureDetector:
         for watch in self._watches:
             watch.cancel()
         self._watches.clear()
+        if self._epoch_key is not None:
+            self._epoch_key.close()
+            self._epoch_key = None
         self.unfollow_membership()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeouts.THREAD_JOIN_TIMEOUT_S)

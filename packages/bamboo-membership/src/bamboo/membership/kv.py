@@ -303,6 +303,18 @@ class EtcdKV:
             lease=int(meta.lease_id),
         )
 
+    def put_and_get(self, key: str, value: bytes, lease: int = 0) -> KeyValue | None:
+        """Put `value` at `key` and read it back in one transaction (one request: a registration's write and
+        the create revision it fences with); None only if the key is gone in the same revision (never)."""
+        ok, responses = self._txn(f"put {key}", [], [etcd_txn.Put(key, value, lease=lease or None),
+                                                    etcd_txn.Get(key)], [])
+        rows = responses[-1] if ok else []
+        if not rows:
+            return None
+        stored, meta = rows[0]
+        return KeyValue(key=key, value=bytes(stored), create_revision=int(meta.create_revision),
+                        mod_revision=int(meta.mod_revision), lease=int(meta.lease_id))
+
     def compare_and_swap(
         self, key: str, value: bytes, expected_mod_revision: int, *, guard: Guard | None = None
     ) -> int | None:

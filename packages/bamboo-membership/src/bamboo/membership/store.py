@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 from bamboo.membership import timeouts
-from bamboo.membership.kv import Guard, KeyValueStore, StoreError, WatchEvent, WatchHandle
+from bamboo.membership.kv import Guard, KeyValue, KeyValueStore, StoreError, WatchEvent, WatchHandle
 from bamboo.membership.records import (
     FailureReport,
     MalformedValueError,
@@ -46,6 +46,7 @@ from bamboo.membership.records import (
     encode_message,
     validate_node_record,
 )
+from bamboo.membership.watched import WatchedKey, WatchedPrefix
 
 __all__ = ["Decision", "JobKeys", "Layout", "MembershipStore", "Registration"]
 
@@ -163,8 +164,12 @@ class Registration:
         self.refresh_failures = 0
         self.lease_id = store.kv.grant_lease(ttl)
         key = store.keys.node(record.id)
-        store.kv.put(key, encode_message(record), lease=self.lease_id)
-        written = store.kv.get(key)
+        put_and_get = getattr(store.kv, "put_and_get", None)  # one request (EtcdKV), else a put and a read
+        if put_and_get is not None:
+            written = put_and_get(key, encode_message(record), lease=self.lease_id)
+        else:
+            store.kv.put(key, encode_message(record), lease=self.lease_id)
+            written = store.kv.get(key)
         if written is None or written.lease != self.lease_id:
             store.kv.revoke_lease(self.lease_id)
             raise StoreError(f"registering node {record.id!r}: its record {key} was replaced or removed while it "
@@ -319,7 +324,10 @@ class MembershipStore:
 
     def epoch(self) -> tuple[int, int]:
         """(current membership epoch, its revision). Epoch 0 with revision 0 before anyone advanced it."""
-        found = self.kv.get(self.keys.epoch)
+        return self.epoch_of(self.kv.get(self.keys.epoch))
+
+    def epoch_of(self, found: KeyValue | None) -> tuple[int, int]:
+        """(epoch, revision) of the epoch record `found` (as read, or as a `WatchedKey` of it holds it)."""
         if found is None:
             return 0, 0
         data = decode_json(self.keys.epoch, found.value, "epoch record")
@@ -337,6 +345,20 @@ class MembershipStore:
         new = self.kv.compare_and_swap(self.keys.epoch, encode_json({"epoch": expected + 1}), revision,
                                        **self._guarded())
         return None if new is None else expected + 1
+
+    def follow_epoch(self, callback: Callable[[int], None]) -> WatchedKey:
+        """The epoch record, read once and followed (`WatchedKey`: shared by every follower of it on this
+        client); `callback(epoch)` whenever it changes. A malformed value is logged and skipped."""
+
+        def on_change(found: KeyValue | None) -> None:
+            if found is None:
+                return
+            try:
+                callback(self.epoch_of(found)[0])
+            except MalformedValueError as exc:
+                log.error("%s", exc)
+
+        return WatchedKey(self.kv, self.keys.epoch, on_change=on_change)
 
     def watch_epoch(self, callback: Callable[[int], None], start_revision: int | None = None) -> WatchHandle:
         """Call `callback(epoch)` whenever the epoch changes. A malformed value is logged and skipped."""
@@ -417,4 +439,8 @@ class MembershipStore:
         return self.kv.put(self.keys.notice(notice.node), encode_message(notice), **self._guarded())
 
     def watch_notices(self, callback: Callable[[WatchEvent], None], start_revision: int | None = None) -> WatchHandle:
+        """`callback` for each preemption notice from `start_revision` (default: from now on, through the
+        client's shared watch of the notices, `WatchedPrefix`: no request when it is already followed)."""
+        if start_revision is None:
+            return WatchedPrefix(self.kv, self.keys.notices, callback)
         return self.kv.watch_prefix(self.keys.notices, callback, start_revision)

@@ -64,7 +64,9 @@ The watch keeps retrying (resuming from its last revision, or relisting if etcd 
 WATCH_START_TIMEOUT_S = 30.0
 """Bound on a watch's first registration (`EtcdOptions.watch_start_timeout`, flag
 `--watch-start-timeout`): the initial list and the watch creation are retried (each attempt bounded by
-`ETCD_RPC_TIMEOUT_S`) until this passes, then `watch_prefix` raises `StoreUnavailableError` naming the prefix."""
+`ETCD_RPC_TIMEOUT_S`) until this passes, then `watch_prefix` raises `StoreUnavailableError` naming the prefix.
+While etcd keeps answering the watch stream (a backlog of creations, a thousand agents starting), the bound is
+extended one RPC timeout at a time: slow under load is not unavailable."""
 
 # -- leases and registration ----------------------------------------------------------------------
 

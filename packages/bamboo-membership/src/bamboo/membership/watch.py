@@ -9,7 +9,8 @@ thread that gRPC wakes ten times a second, and etcd one stream per watch.
 - **Creation.** Creations are sent as they come, without waiting for the answers to the earlier ones, and
   matched to etcd's `created` answers in order (etcd answers the creations of a stream in the order it
   received them, one answer each, a refused one included). A creation that gets no answer within the RPC
-  timeout counts in the watch's `create_timeouts` and breaks the stream, which is then re-created.
+  timeout, on a stream that etcd answered nothing on for that long, counts in the watch's `create_timeouts`
+  and breaks the stream, which is then re-created.
 - **Resume.** When the stream breaks (etcd restarted, the network cut, a creation unanswered), every
   watch is created again on a new stream from the revision after the last one it delivered, so nothing
   is lost or delivered twice.
@@ -24,6 +25,10 @@ thread that gRPC wakes ten times a second, and etcd one stream per watch.
 Timeouts (`EtcdOptions`): `timeout` bounds each creation; `watch_retry_interval` is the pause before a
 broken stream is re-created; `watch_start_timeout` bounds a watch's first registration (its starting
 list and its creation, retried), after which `start` raises `StoreUnavailableError` naming the prefix.
+Under load, a creation that waits behind others is not a failure: as long as etcd answered something on
+the stream within the RPC timeout, the creation's deadline and the start's bound are extended (a thousand
+agents starting together once broke their streams at each 5 s timeout, re-created every watch, and never
+caught up).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class WatchStream:
         self._thread: threading.Thread | None = None
         self._deadline: Deadline | None = None
         self._closed = False
+        self._answered = 0.0  # when etcd last answered anything on the current stream (monotonic)
         self.streams = 0
 
     # -- what the watches ask -------------------------------------------------------------------
@@ -151,9 +157,21 @@ class WatchStream:
         head = self._creating[0]
         self._deadline.arm(self._kv.options.timeout, lambda call=self._call, w=head: self._create_timed_out(call, w))
 
+    def answering(self) -> bool:
+        """Whether etcd answered anything on the current stream within the RPC timeout: a stream that works
+        through a backlog of creations under load, rather than one that stopped answering."""
+        with self._cond:
+            return self._call is not None and time.monotonic() - self._answered < self._kv.options.timeout
+
     def _create_timed_out(self, call: Any, watch: PrefixWatch) -> None:
         with self._cond:
             if self._call is not call or not self._creating or self._creating[0] is not watch:
+                return
+            if time.monotonic() - self._answered < self._kv.options.timeout:
+                # etcd is answering this stream (other watches' events, or creations): slow under load, not
+                # gone. Breaking the stream would re-create every watch on it and add to that load.
+                self._deadline.arm(self._answered + self._kv.options.timeout - time.monotonic(),
+                                   lambda: self._create_timed_out(call, watch))
                 return
             watch.create_timeouts += 1
             watch.last_error = f"no answer to the watch request within {self._kv.options.timeout} s"
@@ -167,6 +185,7 @@ class WatchStream:
         call = stub.Watch(request_iterator(requests), credentials=client.call_credentials, metadata=client.metadata)
         with self._cond:
             self._requests, self._call = requests, call
+            self._answered = time.monotonic()  # the stream is as young as its first creation
             self._to_create = collections.deque(self._active)
             self._creating = collections.deque()
             self._send_next_create()
@@ -212,6 +231,7 @@ class WatchStream:
             log.debug("watch stream broke (%s); %d watches resume on a new one", error, len(affected))
 
     def _on_response(self, response: Any) -> None:
+        self._answered = time.monotonic()  # (a float store: read under the lock, written without it)
         watch_id = int(response.watch_id)
         if response.created:
             with self._cond:
@@ -298,10 +318,15 @@ class PrefixWatch:
                 log.debug("watch %s: initial list failed (%s); retrying", self.prefix, exc)
                 time.sleep(self._kv.options.watch_retry_interval)
         self._thread.start()
-        self._kv.watch_stream().submit(self)
-        if not self._created.wait(max(0.0, deadline - time.monotonic())):
-            self.cancel()
-            raise self._start_failed(bound)
+        stream = self._kv.watch_stream()
+        stream.submit(self)
+        while not self._created.wait(max(0.0, deadline - time.monotonic())):
+            if not stream.answering():
+                self.cancel()
+                raise self._start_failed(bound)
+            # etcd answers the stream but has not reached this creation yet (a backlog under load): wait on,
+            # one RPC timeout at a time, for as long as it keeps answering.
+            deadline = time.monotonic() + self._kv.options.timeout
 
     def _start_failed(self, bound: float) -> StoreUnavailableError:
         return StoreUnavailableError(

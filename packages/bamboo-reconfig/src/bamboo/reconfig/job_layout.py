@@ -20,6 +20,7 @@ version, a missing key or a malformed value with a :class:`RecordError` that nam
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -221,13 +222,16 @@ class JobLayout:
     def global_batch(self) -> int:
         return self.plan.global_batch
 
-    @property
+    @functools.cached_property
     def ranks(self) -> dict[str, int]:
-        """Node -> global rank (``pipeline * stages + stage``) of every owner."""
-        return {node: d * self.stages + s for d, row in enumerate(self.plan.owners) for s, node in enumerate(row)}
+        """Node -> global rank (``pipeline * stages + stage``) of every owner. Built once per layout (a
+        thousand nodes' map is read many times per generation): read it, never change it."""
+        stages = self.stages
+        return {node: d * stages + s for d, row in enumerate(self.plan.owners) for s, node in enumerate(row)}
 
-    @property
+    @functools.cached_property
     def node_of_rank(self) -> dict[int, str]:
+        """Global rank -> node: the inverse of :attr:`ranks` (built once; read it, never change it)."""
         return {rank: node for node, rank in self.ranks.items()}
 
     @property

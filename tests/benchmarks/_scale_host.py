@@ -407,34 +407,7 @@ class Host:
                 "threads": threading.active_count(), "t": time.monotonic()}
 
 
-def _trace() -> None:
-    import bamboo.launch.coordinator as c
-    orig = c.Coordinator._publish_events
-    def traced(self, layout, reports):
-        t = time.monotonic()
-        emit(ev="trace", what="publish_events start", t=t)
-        out = orig(self, layout, reports)
-        emit(ev="trace", what="publish_events end", t=time.monotonic())
-        return out
-    c.Coordinator._publish_events = traced
-    import bamboo.membership.detector as d
-    orig2 = d.FailureDetector.probe_all
-    def traced2(self, nodes, reason, **kw):
-        t = time.monotonic()
-        out = orig2(self, nodes, reason, **kw)
-        emit(ev="trace", what=f"probe_all {len(list(nodes))} took {1e3*(time.monotonic()-t):.1f} ms", t=t)
-        return out
-    d.FailureDetector.probe_all = traced2
-    orig3 = d.FailureDetector._emit
-    def traced3(self, report):
-        if self.following:
-            emit(ev="trace", what=f"leader detector emit {report.node}", t=time.monotonic())
-        return orig3(self, report)
-    d.FailureDetector._emit = traced3
-
-
 def main() -> None:
-    _trace()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--etcd", action="append", required=True)
     parser.add_argument("--job", required=True)

@@ -299,8 +299,6 @@ class Run:
             1e3 * (min((e["t"] for e in suspects), default=math.nan) - first),
             1e3 * (max((r.detected_at for r in reports), default=math.nan) - offset - first),
             1e3 * (min(when.values(), default=math.nan) - first)))
-        for e in self.hosts.select("trace", since):
-            self.say(f"    {1e3 * (e['t'] - first):7.1f} ms {e['what']}")
         return first, {node: t for node, t in when.items() if node in receivers}
 
     def _failures(self) -> dict[str, Any]:

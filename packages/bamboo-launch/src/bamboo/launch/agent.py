@@ -64,12 +64,21 @@ __all__ = [
     "ensure_spec",
     "new_spec",
     "run_agent",
+    "say_line",
     "worker_command",
     "zone_of_k8s_node",
 ]
 
 MAX_WORKER_FAILURES = 3
 """Worker failures in a row (without the job ending) after which an agent gives up."""
+
+
+def say_line(line: str) -> None:
+    """Print one line of the agent's, stamped with the wall clock to the millisecond (``bamboo-launch agent
+    07:12:01.123: ...``), so that its log lines line up with the event log's Unix times and other nodes' logs."""
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    print(f"bamboo-launch agent {stamp}: {line}", flush=True)
 
 
 def zone_of_k8s_node(name: str) -> str:
@@ -108,7 +117,7 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
     from bamboo.launch.notices import PatientKV
     from bamboo.membership import EtcdKV, MembershipStore
 
-    say = say or (lambda line: print(f"bamboo-launch agent: {line}", flush=True))
+    say = say or say_line
     Path(options.run_dir).mkdir(parents=True, exist_ok=True)
     kv = EtcdKV(options.etcd.options())
     membership = MembershipStore(kv, options.job)

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from bamboo.bench.argtypes import default_of, non_negative_float, positive_float
 from bamboo.launch import timeouts
-from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent
+from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent, say_line
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecError, SpecFields
@@ -240,10 +240,6 @@ def _options(args: argparse.Namespace) -> AgentOptions:
         fail(str(error))
 
 
-def _say(line: str) -> None:
-    print(f"bamboo-launch agent: {line}", flush=True)
-
-
 def wait_for_etcd(membership: MembershipStore, where: str, timeout_s: float) -> None:
     """Return once etcd answers; say at once when it does not, and fail with one line after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -256,7 +252,7 @@ def wait_for_etcd(membership: MembershipStore, where: str, timeout_s: float) -> 
             if time.monotonic() >= deadline:
                 fail(f"{error} (tried for {timeout_s:g} s, --etcd-timeout)")
             if not said:
-                _say(f"etcd at {where} does not answer; trying again for up to {timeout_s:g} s (--etcd-timeout)")
+                say_line(f"etcd at {where} does not answer; trying again for up to {timeout_s:g} s (--etcd-timeout)")
                 said = True
             time.sleep(timeouts.ETCD_RETRY_S)
 
@@ -272,7 +268,7 @@ def refuse_a_live_twin(membership: MembershipStore, node: str, given_ttl: int | 
         ttl = JobSpec.from_json(stored.value).ttl if stored is not None else given_ttl or _spec_default("ttl")
     except SpecError:
         ttl = given_ttl or _spec_default("ttl")
-    _say(f"node {node} is registered already; waiting up to {ttl} s for that registration to expire")
+    say_line(f"node {node} is registered already; waiting up to {ttl} s for that registration to expire")
     deadline = time.monotonic() + ttl + 1.0
     while membership.kv.get(key) is not None:
         if time.monotonic() >= deadline:

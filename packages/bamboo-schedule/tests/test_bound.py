@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from bamboo.schedule import Kind, Schedule, one_f_one_b, simulate, validate
+from bamboo.schedule import fill
 from bamboo.schedule._tasks import CostFn
 from bamboo.schedule.bound import idle_intervals, packed_end
 from bamboo.schedule.engine import execute
@@ -72,14 +73,40 @@ def _compute_starts(schedule: Schedule, cost: CostFn) -> dict[str, float]:
 
 @pytest.mark.parametrize("rc", ["lflb", "eflb"])
 @pytest.mark.parametrize("costs", [Costs(), Costs.bert_like(4)], ids=["built-in", "bert_like"])
-def test_redundant_work_delays_no_normal_work(rc: str, costs: Costs) -> None:
-    """For the costs it was placed with, every forward and backward runs when it runs without redundancy."""
+def test_first_fit_delays_no_normal_work(rc: str, costs: Costs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the local search, for the costs it was placed with, every forward and backward runs when it runs
+    without redundancy: first fit only uses idle time, and puts what does not fit after the node's own work."""
+    monkeypatch.setattr(fill, "REFINE_BUDGET", 0)
     cost = costs.linearizer_cost()
     for stages, microbatches in ((2, 5), (3, 3), (4, 8), (4, 16)):
         filled = one_f_one_b(stages, microbatches, rc, cost)
         validate(filled)
         assert _compute_starts(filled, cost) == pytest.approx(
             _compute_starts(one_f_one_b(stages, microbatches, "none", cost), cost))
+
+
+@pytest.mark.parametrize("costs", [Costs(), Costs.bert_like(4)], ids=["built-in", "bert_like"])
+def test_the_local_search_never_ends_later_than_first_fit(costs: Costs, monkeypatch: pytest.MonkeyPatch) -> None:
+    cost = costs.linearizer_cost()
+    for stages, microbatches in ((2, 8), (3, 6), (4, 8), (4, 16)):
+        refined = one_f_one_b(stages, microbatches, "eflb", cost)
+        validate(refined)
+        with monkeypatch.context() as patch:
+            patch.setattr(fill, "REFINE_BUDGET", 0)
+            first_fit = one_f_one_b(stages, microbatches, "eflb", cost)
+        assert simulate(refined, costs).makespan <= simulate(first_fit, costs).makespan + 1e-9, (stages, microbatches)
+
+
+def test_bert_like_eflb_overhead_after_the_local_search() -> None:
+    """The placement's figures with the BERT-like costs (first fit alone: P=2 M=8 14.63%, P=4 M=8 9.61%, P=2 M=16
+    21.17%, P=4 M=16 18.39%): P=2 M=8 within 2 points of its bound (11.31%), the others closer than before."""
+    expected = {(2, 8): (11.31, 2.0), (4, 8): (4.05, 2.5), (2, 16): (16.31, 2.0), (4, 16): (11.78, 5.0)}
+    for (stages, microbatches), (bound, allowed) in expected.items():
+        costs = Costs.bert_like(stages)
+        result = simulate(one_f_one_b(stages, microbatches, "eflb", costs.linearizer_cost()), costs)
+        assert result.overhead_pct is not None and result.overhead_bound_pct is not None
+        assert result.overhead_bound_pct == pytest.approx(bound, abs=0.01)
+        assert result.overhead_pct - result.overhead_bound_pct <= allowed, (stages, microbatches, result.overhead_pct)
 
 
 def test_the_built_in_costs_reach_the_bound_within_two_points() -> None:

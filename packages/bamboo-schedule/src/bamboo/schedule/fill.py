@@ -24,12 +24,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bamboo.schedule._tasks import CostFn
-from bamboo.schedule.engine import execute
+from bamboo.schedule.engine import Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
 
 __all__ = ["fill_idle"]
 
 _EPSILON = 1e-9
+
+REFINE_BUDGET = 1_500_000
+"""How many instructions `_refine` may execute in all (its trial runs times their instructions): a few seconds at
+most, and every trial for small pipelines."""
 
 
 def _items(plain: Schedule, node: int, rc: RCMode) -> list[tuple[int, tuple[Instruction, ...]]]:
@@ -59,44 +63,124 @@ def _gaps(starts: Sequence[float], ends: Sequence[float]) -> list[list[float]]:
     return gaps
 
 
+def _first_fit(
+    plain: Schedule, node: int, items: list[tuple[int, tuple[Instruction, ...]]], timeline: Timeline, cost: CostFn
+) -> list[int]:
+    """For each item, the index of the plain stream's instruction it goes before (the stream's length: the tail).
+
+    Each item goes into the first idle interval after its input exists where it fits whole; a free item right after
+    its input; an item that fits nowhere after the node's own work.
+    """
+    stream = plain.streams[node]
+    starts, ends = timeline.start[node], timeline.end[node]
+    gaps = _gaps(starts, ends)
+    positions: list[int] = []
+    for after, instrs in items:
+        duration = sum(cost(i) for i in instrs)
+        release = ends[after] if after >= 0 else 0.0
+        if duration <= _EPSILON:  # free: right after its input
+            positions.append(after + 1)
+            continue
+        for gap in gaps:
+            begin = max(gap[0], release)
+            if begin + duration <= gap[1] + _EPSILON:
+                gap[0] = begin + duration
+                positions.append(int(gap[2]))
+                break
+        else:
+            positions.append(len(stream))
+    return positions
+
+
+def _assemble(
+    plain: Schedule, node: int, items: list[tuple[int, tuple[Instruction, ...]]], positions: Sequence[int]
+) -> tuple[Instruction, ...]:
+    """The node's stream: its plain stream with every item before the instruction its position names (items at one
+    position in item order), the tail items after the node's own work, ``SY`` right after its all-reduce and ``RY``
+    last."""
+    P = plain.stages
+    stream = plain.streams[node]
+    before: dict[int, list[Instruction]] = {}
+    for (_after, instrs), position in zip(items, positions, strict=True):
+        before.setdefault(position, []).extend(instrs)
+    out: list[Instruction] = []
+    for index, instr in enumerate(stream):
+        out.extend(before.get(index, ()))
+        out.append(instr)
+        if instr.kind is Kind.ALLREDUCE and instr.stage == node:
+            out.append(make(Kind.SYNC_SEND, node, None, (node - 1) % P))
+    out.extend(before.get(len(stream), ()))
+    replica = (node + 1) % P
+    out.append(make(Kind.SYNC_RECV, replica, None, replica))
+    return tuple(out)
+
+
+def _ends(streams: dict[int, tuple[Instruction, ...]], duration: dict[Instruction, float]) -> tuple[float, ...]:
+    """Every node's end when ``streams`` run with ``duration``, latest first: `_refine`'s score (lower is better)."""
+    timeline = execute(streams, lambda _node, instr: duration[instr])
+    return tuple(sorted((ends[-1] if ends else 0.0 for ends in timeline.end.values()), reverse=True))
+
+
+def _refine(
+    plain: Schedule,
+    items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
+    positions: dict[int, list[int]],
+    timeline: Timeline,
+    cost: CostFn,
+) -> dict[int, list[int]]:
+    """``positions`` improved by local search: each item in turn tries every idle interval after its input (and the
+    tail), keeping item order on its node; a move stays when the iteration ends sooner (node ends compared latest
+    first). Passes repeat until none improves or `REFINE_BUDGET` is spent; the result is never worse than the start.
+
+    Running an item where it does not fit whole delays the node's next normal work; where that work has slack, or
+    where the delay lets other nodes fill the wait with their own items, this still ends the iteration sooner than
+    running the item after the node's own work.
+    """
+    streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
+    duration = {instr: cost(instr) for stream in streams.values() for instr in stream}
+    size = sum(len(stream) for stream in streams.values())
+    trials = REFINE_BUDGET // max(size, 1)
+    best = _ends(streams, duration)
+    candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
+                            | {len(plain.streams[n])}) for n in positions}
+    improved = True
+    while improved and trials > 0:
+        improved = False
+        for n, node_items in items.items():
+            mine = positions[n]
+            for j, (after, instrs) in enumerate(node_items):
+                if sum(duration[i] for i in instrs) <= _EPSILON:
+                    continue
+                low = max(after + 1, mine[j - 1] if j else 0)
+                high = mine[j + 1] if j + 1 < len(mine) else len(plain.streams[n])
+                current = mine[j]
+                for position in candidates[n]:
+                    if position < low or position > high or position == current or trials <= 0:
+                        continue
+                    trials -= 1
+                    mine[j] = position
+                    streams[n] = _assemble(plain, n, node_items, mine)
+                    score = _ends(streams, duration)
+                    if score < best:
+                        best, current, improved = score, position, True
+                mine[j] = current
+                streams[n] = _assemble(plain, n, node_items, mine)
+    return positions
+
+
 def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn) -> Schedule:
-    """``plain`` (fault-free, no redundancy) with ``rc`` (lflb or eflb) placed into its idle time for ``cost``."""
+    """``plain`` (fault-free, no redundancy) with ``rc`` (lflb or eflb) placed into its idle time for ``cost``.
+
+    Items go first fit into idle intervals where they fit whole; when some fit nowhere, `_refine` moves items to
+    where they end the iteration soonest for ``cost`` (possibly delaying normal work that has slack).
+    """
     if rc not in (RCMode.LFLB, RCMode.EFLB):
         raise ValueError(f"fill_idle places lflb or eflb, got {rc.value}")
     P = plain.stages
     timeline = execute(plain.streams, lambda _node, instr: cost(instr))
-    streams: dict[int, tuple[Instruction, ...]] = {}
-    for n in range(P):
-        stream = plain.streams[n]
-        starts, ends = timeline.start[n], timeline.end[n]
-        gaps = _gaps(starts, ends)
-        placed: dict[int, list[tuple[float, tuple[Instruction, ...]]]] = {}
-        tail: list[Instruction] = []
-        for after, instrs in _items(plain, n, rc):
-            duration = sum(cost(i) for i in instrs)
-            release = ends[after] if after >= 0 else 0.0
-            if duration <= _EPSILON:  # free: right after its input
-                placed.setdefault(after + 1, []).append((release, instrs))
-                continue
-            for gap in gaps:
-                begin = max(gap[0], release)
-                if begin + duration <= gap[1] + _EPSILON:
-                    gap[0] = begin + duration
-                    placed.setdefault(int(gap[2]), []).append((begin, instrs))
-                    break
-            else:
-                tail.extend(instrs)
-        out: list[Instruction] = []
-        for index, instr in enumerate(stream):
-            for _begin, instrs in sorted(placed.get(index, ()), key=lambda item: item[0]):
-                out.extend(instrs)
-            out.append(instr)
-            if instr.kind is Kind.ALLREDUCE and instr.stage == n:
-                out.append(make(Kind.SYNC_SEND, n, None, (n - 1) % P))
-        for _begin, instrs in placed.get(len(stream), ()):
-            out.extend(instrs)
-        out.extend(tail)
-        replica = (n + 1) % P
-        out.append(make(Kind.SYNC_RECV, replica, None, replica))
-        streams[n] = tuple(out)
+    items = {n: _items(plain, n, rc) for n in range(P)}
+    positions = {n: _first_fit(plain, n, items[n], timeline, cost) for n in range(P)}
+    if any(len(plain.streams[n]) in positions[n] for n in range(P)):
+        positions = _refine(plain, items, positions, timeline, cost)
+    streams = {n: _assemble(plain, n, items[n], positions[n]) for n in range(P)}
     return Schedule(P, plain.microbatches, plain.policy, rc, plain.placement, streams)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from bamboo.schedule import Kind, Schedule, one_f_one_b, simulate, validate
-from bamboo.schedule import fill
+from bamboo.schedule import Kind, Schedule, fill, one_f_one_b, simulate, validate
 from bamboo.schedule._tasks import CostFn
 from bamboo.schedule.bound import idle_intervals, packed_end
 from bamboo.schedule.engine import execute

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bamboo.schedule._tasks import CostFn
-from bamboo.schedule.engine import Timeline, execute
+from bamboo.schedule.engine import StageTable, Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
 
 __all__ = ["fill_idle"]
@@ -115,9 +115,24 @@ def _assemble(
     return tuple(out)
 
 
-def _ends(streams: dict[int, tuple[Instruction, ...]], duration: dict[Instruction, float]) -> tuple[float, ...]:
+def _trial_duration(cost: CostFn, stages: int) -> StageTable:
+    """``cost`` for `_refine`'s trial runs, with the replica sync's send buffered as the linearizer has it: it
+    takes its node no time and its data lands ``cost(SY)`` later."""
+    memo: dict[Instruction, float] = {}
+
+    def duration(_node: int, instr: Instruction) -> float:
+        value = memo.get(instr)
+        if value is None:
+            value = memo[instr] = 0.0 if instr.kind is Kind.SYNC_SEND else cost(instr)
+        return value
+
+    transfers = [cost(make(Kind.SYNC_SEND, s, None, (s - 1) % stages)) for s in range(stages)]
+    return StageTable({kind: [] for kind in Kind}, duration, {Kind.SYNC_SEND: transfers})
+
+
+def _ends(streams: dict[int, tuple[Instruction, ...]], duration: StageTable) -> tuple[float, ...]:
     """Every node's end when ``streams`` run with ``duration``, latest first: `_refine`'s score (lower is better)."""
-    timeline = execute(streams, lambda _node, instr: duration[instr])
+    timeline = execute(streams, duration)
     return tuple(sorted((ends[-1] if ends else 0.0 for ends in timeline.end.values()), reverse=True))
 
 
@@ -137,7 +152,7 @@ def _refine(
     running the item after the node's own work.
     """
     streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
-    duration = {instr: cost(instr) for stream in streams.values() for instr in stream}
+    duration = _trial_duration(cost, plain.stages)
     size = sum(len(stream) for stream in streams.values())
     trials = REFINE_BUDGET // max(size, 1)
     best = _ends(streams, duration)
@@ -149,7 +164,7 @@ def _refine(
         for n, node_items in items.items():
             mine = positions[n]
             for j, (after, instrs) in enumerate(node_items):
-                if sum(duration[i] for i in instrs) <= _EPSILON:
+                if sum(duration(n, i) for i in instrs) <= _EPSILON:
                     continue
                 low = max(after + 1, mine[j - 1] if j else 0)
                 high = mine[j + 1] if j + 1 < len(mine) else len(plain.streams[n])

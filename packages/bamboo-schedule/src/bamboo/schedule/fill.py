@@ -130,10 +130,72 @@ def _trial_duration(cost: CostFn, stages: int) -> StageTable:
     return StageTable({kind: [] for kind in Kind}, duration, {Kind.SYNC_SEND: transfers})
 
 
-def _ends(streams: dict[int, tuple[Instruction, ...]], duration: StageTable) -> tuple[float, ...]:
-    """Every node's end when ``streams`` run with ``duration``, latest first: `_refine`'s score (lower is better)."""
-    timeline = execute(streams, duration)
+def _ends(timeline: Timeline) -> tuple[float, ...]:
+    """Every node's end, latest first: `_refine`'s score (lower is better)."""
     return tuple(sorted((ends[-1] if ends else 0.0 for ends in timeline.end.values()), reverse=True))
+
+
+def _refill(
+    plain: Schedule,
+    items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
+    positions: dict[int, list[int]],
+    streams: dict[int, tuple[Instruction, ...]],
+    timeline: Timeline,
+    duration: StageTable,
+) -> bool:
+    """Move the items that run after their node's own work into idle intervals of ``timeline`` (of ``streams``, the
+    items at ``positions``) where they fit whole, first fit in item order; True when any moved.
+
+    An item that ends before the node's next normal instruction starts delays nothing (the node only waited there),
+    so every other instruction keeps its time and the nodes' ends can only come sooner.
+    """
+    moved = False
+    for n, node_items in items.items():
+        mine, own, stream = positions[n], plain.streams[n], streams[n]
+        tail = len(own)
+        if tail not in mine:
+            continue
+        starts, ends = timeline.start[n], timeline.end[n]
+        forward_end = {i.microbatch: ends[a] for a, i in enumerate(stream) if i.kind is Kind.FORWARD}
+        gaps: list[list[float]] = []
+        index, free = 0, 0.0
+        for a, instr in enumerate(stream):
+            if index < tail and instr is own[index]:
+                if starts[a] > free + _EPSILON:
+                    gaps.append([free, starts[a], float(index)])
+                index += 1
+            free = max(free, ends[a])
+        for j, (after, instrs) in enumerate(node_items):
+            if mine[j] != tail:
+                continue
+            length = sum(duration(n, i) for i in instrs)
+            release = 0.0 if after < 0 else forward_end[instrs[-1].microbatch]
+            earliest = mine[j - 1] if j else 0
+            for gap in gaps:
+                begin = max(gap[0], release)
+                if gap[2] >= earliest and begin + length <= gap[1] + _EPSILON:
+                    gap[0] = begin + length
+                    mine[j] = int(gap[2])
+                    moved = True
+                    break
+            else:
+                break  # later items may not come before this one
+    return moved
+
+
+def _trial(
+    plain: Schedule,
+    items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
+    positions: dict[int, list[int]],
+    duration: StageTable,
+) -> tuple[tuple[float, ...], dict[int, tuple[Instruction, ...]]]:
+    """Run the items at ``positions`` (refilled in place, `_refill`): the score and the streams."""
+    streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
+    timeline = execute(streams, duration)
+    if _refill(plain, items, positions, streams, timeline, duration):
+        streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
+        timeline = execute(streams, duration)
+    return _ends(timeline), streams
 
 
 def _refine(
@@ -144,18 +206,17 @@ def _refine(
     cost: CostFn,
 ) -> dict[int, list[int]]:
     """``positions`` improved by local search: each item in turn tries every idle interval after its input (and the
-    tail), keeping item order on its node; a move stays when the iteration ends sooner (node ends compared latest
+    tail), keeping item order on its node; after each move, items that run after their node's work move into idle
+    time that the move opened (`_refill`); a move stays when the iteration ends sooner (node ends compared latest
     first). Passes repeat until none improves or `REFINE_BUDGET` is spent; the result is never worse than the start.
 
     Running an item where it does not fit whole delays the node's next normal work; where that work has slack, or
     where the delay lets other nodes fill the wait with their own items, this still ends the iteration sooner than
     running the item after the node's own work.
     """
-    streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
     duration = _trial_duration(cost, plain.stages)
-    size = sum(len(stream) for stream in streams.values())
-    trials = REFINE_BUDGET // max(size, 1)
-    best = _ends(streams, duration)
+    best, streams = _trial(plain, items, positions, duration)
+    trials = REFINE_BUDGET // max(2 * sum(len(stream) for stream in streams.values()), 1)
     candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
                             | {len(plain.streams[n])}) for n in positions}
     improved = True
@@ -166,20 +227,19 @@ def _refine(
             for j, (after, instrs) in enumerate(node_items):
                 if sum(duration(n, i) for i in instrs) <= _EPSILON:
                     continue
-                low = max(after + 1, mine[j - 1] if j else 0)
-                high = mine[j + 1] if j + 1 < len(mine) else len(plain.streams[n])
-                current = mine[j]
                 for position in candidates[n]:
-                    if position < low or position > high or position == current or trials <= 0:
+                    low = max(after + 1, mine[j - 1] if j else 0)
+                    high = mine[j + 1] if j + 1 < len(mine) else len(plain.streams[n])
+                    if position < low or position > high or position == mine[j] or trials <= 0:
                         continue
                     trials -= 1
-                    mine[j] = position
-                    streams[n] = _assemble(plain, n, node_items, mine)
-                    score = _ends(streams, duration)
+                    trial = {m: list(p) for m, p in positions.items()}
+                    trial[n][j] = position
+                    score, _streams = _trial(plain, items, trial, duration)
                     if score < best:
-                        best, current, improved = score, position, True
-                mine[j] = current
-                streams[n] = _assemble(plain, n, node_items, mine)
+                        best, improved = score, True
+                        for m, p in trial.items():
+                            positions[m][:] = p
     return positions
 
 

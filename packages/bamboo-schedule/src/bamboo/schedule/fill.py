@@ -35,6 +35,9 @@ REFINE_BUDGET = 1_500_000
 """How many instructions `_refine` may execute in all (its trial runs times their instructions): a few seconds at
 most, and every trial for small pipelines."""
 
+REFINE_MIN_TRIALS = 50
+"""Below this many trials (large pipelines) `_refine` does not start: too few to move anything, and each costs."""
+
 
 def _items(plain: Schedule, node: int, rc: RCMode) -> list[tuple[int, tuple[Instruction, ...]]]:
     """The node's redundant items as (index of the forward whose output they need, or -1; instructions)."""
@@ -215,8 +218,11 @@ def _refine(
     running the item after the node's own work.
     """
     duration = _trial_duration(cost, plain.stages)
-    best, streams = _trial(plain, items, positions, duration)
-    trials = REFINE_BUDGET // max(2 * sum(len(stream) for stream in streams.values()), 1)
+    size = sum(len(stream) + len(node_items) for stream, node_items in zip(plain.streams.values(), items.values()))
+    trials = REFINE_BUDGET // max(2 * size, 1)
+    if trials < REFINE_MIN_TRIALS:
+        return positions
+    best, _streams = _trial(plain, items, positions, duration)
     candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
                             | {len(plain.streams[n])}) for n in positions}
     improved = True

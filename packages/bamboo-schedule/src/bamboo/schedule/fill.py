@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bamboo.schedule._tasks import CostFn
+from bamboo.schedule._tasks import CostFn, KindStageCost, unit_cost
 from bamboo.schedule.engine import StageTable, Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
 
@@ -31,7 +31,7 @@ __all__ = ["fill_idle"]
 
 _EPSILON = 1e-9
 
-REFINE_BUDGET = 1_500_000
+REFINE_BUDGET = 6_000_000
 """How many instructions `_refine` may execute in all (its trial runs times their instructions): a few seconds at
 most, and every trial for small pipelines."""
 
@@ -130,7 +130,10 @@ def _trial_duration(cost: CostFn, stages: int) -> StageTable:
         return value
 
     transfers = [cost(make(Kind.SYNC_SEND, s, None, (s - 1) % stages)) for s in range(stages)]
-    return StageTable({kind: [] for kind in Kind}, duration, {Kind.SYNC_SEND: transfers})
+    rows: dict[Kind, list[float]] = {kind: [] for kind in Kind}
+    if cost is unit_cost or isinstance(cost, KindStageCost):  # a table the engine reads without calls
+        rows = {kind: [duration(0, make(kind, s, 0, 0)) for s in range(stages)] for kind in Kind}
+    return StageTable(rows, duration, {Kind.SYNC_SEND: transfers})
 
 
 def _ends(timeline: Timeline) -> tuple[float, ...]:

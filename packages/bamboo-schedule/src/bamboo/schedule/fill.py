@@ -221,7 +221,7 @@ def _refine(
     running the item after the node's own work.
     """
     duration = _trial_duration(cost, plain.stages)
-    size = sum(len(stream) + len(node_items) for stream, node_items in zip(plain.streams.values(), items.values()))
+    size = sum(len(plain.streams[n]) + len(node_items) for n, node_items in items.items())
     trials = REFINE_BUDGET // max(2 * size, 1)
     if trials < REFINE_MIN_TRIALS:
         return positions

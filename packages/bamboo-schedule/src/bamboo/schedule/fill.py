@@ -21,7 +21,7 @@ where an item had to run after the node's own work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from bamboo.schedule._tasks import CostFn, KindStageCost, unit_cost
 from bamboo.schedule.engine import StageTable, Timeline, execute
@@ -136,9 +136,14 @@ def _trial_duration(cost: CostFn, stages: int) -> StageTable:
     return StageTable(rows, duration, {Kind.SYNC_SEND: transfers})
 
 
-def _ends(timeline: Timeline) -> tuple[float, ...]:
-    """Every node's end, latest first: `_refine`'s score (lower is better)."""
-    return tuple(sorted((ends[-1] if ends else 0.0 for ends in timeline.end.values()), reverse=True))
+def _ends(timeline: Timeline) -> dict[int, float]:
+    """Every node's end."""
+    return {n: ends[-1] if ends else 0.0 for n, ends in timeline.end.items()}
+
+
+def _score(ends: dict[int, float]) -> tuple[float, ...]:
+    """`_refine`'s score (lower is better): the nodes' ends, latest first."""
+    return tuple(sorted(ends.values(), reverse=True))
 
 
 def _refill(
@@ -194,8 +199,8 @@ def _trial(
     items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
     positions: dict[int, list[int]],
     duration: StageTable,
-) -> tuple[tuple[float, ...], dict[int, tuple[Instruction, ...]]]:
-    """Run the items at ``positions`` (refilled in place, `_refill`): the score and the streams."""
+) -> tuple[dict[int, float], dict[int, tuple[Instruction, ...]]]:
+    """Run the items at ``positions`` (refilled in place, `_refill`): the nodes' ends and the streams."""
     streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
     timeline = execute(streams, duration)
     if _refill(plain, items, positions, streams, timeline, duration):
@@ -225,31 +230,66 @@ def _refine(
     trials = REFINE_BUDGET // max(2 * size, 1)
     if trials < REFINE_MIN_TRIALS:
         return positions
-    best, _streams = _trial(plain, items, positions, duration)
+    ends, _streams = _trial(plain, items, positions, duration)
+    best = _score(ends)
     candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
                             | {len(plain.streams[n])}) for n in positions}
     improved = True
     while improved and trials > 0:
         improved = False
-        for n, node_items in items.items():
-            mine = positions[n]
-            for j, (after, instrs) in enumerate(node_items):
-                if sum(duration(n, i) for i in instrs) <= _EPSILON:
-                    continue
-                for position in candidates[n]:
-                    low = max(after + 1, mine[j - 1] if j else 0)
-                    high = mine[j + 1] if j + 1 < len(mine) else len(plain.streams[n])
-                    if position < low or position > high or position == mine[j] or trials <= 0:
-                        continue
+        for pulls in (True, False):  # the pulls of every node first: they move the most, and cost the fewest trials
+            for n in sorted(items, key=lambda node: -ends[node]):  # the nodes that end last first
+                for moved in _moves(positions[n], items[n], candidates[n], len(plain.streams[n]), duration, n, pulls):
+                    if trials <= 0:
+                        break
                     trials -= 1
                     trial = {m: list(p) for m, p in positions.items()}
-                    trial[n][j] = position
-                    score, _streams = _trial(plain, items, trial, duration)
+                    trial[n] = moved
+                    trial_ends, _streams = _trial(plain, items, trial, duration)
+                    score = _score(trial_ends)
                     if score < best:
-                        best, improved = score, True
+                        best, ends, improved = score, trial_ends, True
                         for m, p in trial.items():
                             positions[m][:] = p
     return positions
+
+
+def _moves(
+    mine: list[int], node_items: list[tuple[int, tuple[Instruction, ...]]], candidates: list[int], tail: int,
+    duration: StageTable, node: int, pulls: bool,
+) -> Iterator[list[int]]:
+    """`_refine`'s trial moves on one node, each a new list of positions (``mine`` is read as it changes).
+
+    With ``pulls``, the last item (one that runs after the node's work) pulled forward to a candidate, the items
+    then taking the positions in release order (they are alike: same work on the same stage), when each is after
+    its input. Otherwise one item to another candidate, between its neighbours.
+    """
+    if pulls:
+        if mine and all(sum(duration(node, i) for i in instrs) > _EPSILON for _after, instrs in node_items):
+            yield from _pulls(mine, node_items, candidates, tail)
+        return
+    for j, (after, instrs) in enumerate(node_items):
+        if sum(duration(node, i) for i in instrs) <= _EPSILON:
+            continue
+        for position in candidates:
+            low = max(after + 1, mine[j - 1] if j else 0)
+            high = mine[j + 1] if j + 1 < len(mine) else tail
+            if low <= position <= high and position != mine[j]:
+                moved = list(mine)
+                moved[j] = position
+                yield moved
+
+
+def _pulls(
+    mine: list[int], node_items: list[tuple[int, tuple[Instruction, ...]]], candidates: list[int], tail: int
+) -> Iterator[list[int]]:
+    """`_moves`' pulls: the last item from the tail to each candidate, the items re-sorted."""
+    for position in candidates:
+        if mine[-1] != tail:
+            break
+        moved = sorted([*mine[:-1], position])
+        if moved != mine and all(p > after for p, (after, _instrs) in zip(moved, node_items, strict=True)):
+            yield moved
 
 
 def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn) -> Schedule:

@@ -31,9 +31,12 @@ __all__ = ["fill_idle"]
 
 _EPSILON = 1e-9
 
-REFINE_BUDGET = 6_000_000
-"""How many instructions `_refine` may execute in all (its trial runs times their instructions): a few seconds at
-most, and every trial for small pipelines."""
+REFINE_BUDGET = 3_000_000
+"""How many instructions `_refine` may execute in all, over its starts (its trial runs times their instructions):
+a second or two of CPU at most, and every trial for small pipelines."""
+
+SPREAD_STARTS = (0.5, 0.75)
+"""Besides first fit, `_refine` also starts from these `_spread` placements, and the best result is kept."""
 
 REFINE_MIN_TRIALS = 50
 """Below this many trials (large pipelines) `_refine` does not start: too few to move anything, and each costs."""
@@ -209,6 +212,13 @@ def _trial(
     return _ends(timeline), streams
 
 
+def _trials(plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]]) -> int:
+    """How many trial runs each of `_refine`'s starts may make: `REFINE_BUDGET` shared by the starts (a trial runs
+    the streams up to twice)."""
+    size = sum(len(plain.streams[n]) + len(node_items) for n, node_items in items.items())
+    return REFINE_BUDGET // (1 + len(SPREAD_STARTS)) // max(2 * size, 1)
+
+
 def _refine(
     plain: Schedule,
     items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
@@ -226,8 +236,7 @@ def _refine(
     running the item after the node's own work.
     """
     duration = _trial_duration(cost, plain.stages)
-    size = sum(len(plain.streams[n]) + len(node_items) for n, node_items in items.items())
-    trials = REFINE_BUDGET // max(2 * size, 1)
+    trials = _trials(plain, items)
     if trials < REFINE_MIN_TRIALS:
         return positions
     ends, _streams = _trial(plain, items, positions, duration)
@@ -292,11 +301,35 @@ def _pulls(
             yield moved
 
 
+def _spread(
+    plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]], timeline: Timeline, share: float
+) -> dict[int, list[int]]:
+    """Another start for `_refine`: on every node, the first ``share`` of the items each in the next idle interval
+    after its input that no earlier item took (whether it fits or not: spread over the pipeline's cycles), the rest
+    after the node's own work."""
+    positions: dict[int, list[int]] = {}
+    for n, node_items in items.items():
+        tail = len(plain.streams[n])
+        gaps = [int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])]
+        mine: list[int] = []
+        taken = -1
+        for j, (after, _instrs) in enumerate(node_items):
+            position = tail
+            if j < int(share * len(node_items)):
+                position = next((g for g in gaps if g > after and g > taken), tail)
+                taken = position
+            mine.append(max(position, mine[-1]) if mine else position)
+        positions[n] = mine
+    return positions
+
+
 def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn) -> Schedule:
     """``plain`` (fault-free, no redundancy) with ``rc`` (lflb or eflb) placed into its idle time for ``cost``.
 
-    Items go first fit into idle intervals where they fit whole; when some fit nowhere, `_refine` moves items to
-    where they end the iteration soonest for ``cost`` (possibly delaying normal work that has slack).
+    Items go first fit into idle intervals where they fit whole. When some fit nowhere and ``cost`` is a cost model
+    (not the generators' default `unit_cost`, which stands for costs nobody measured: the runtime's schedules stay
+    first fit, and quick to build), `_refine` moves items to where they end the iteration soonest for ``cost``
+    (possibly delaying normal work), from first fit and from the `SPREAD_STARTS` placements; the best is kept.
     """
     if rc not in (RCMode.LFLB, RCMode.EFLB):
         raise ValueError(f"fill_idle places lflb or eflb, got {rc.value}")
@@ -304,7 +337,15 @@ def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn) -> Schedule:
     timeline = execute(plain.streams, lambda _node, instr: cost(instr))
     items = {n: _items(plain, n, rc) for n in range(P)}
     positions = {n: _first_fit(plain, n, items[n], timeline, cost) for n in range(P)}
-    if any(len(plain.streams[n]) in positions[n] for n in range(P)):
-        positions = _refine(plain, items, positions, timeline, cost)
+    overflow = any(len(plain.streams[n]) in positions[n] for n in range(P))
+    if overflow and cost is not unit_cost and _trials(plain, items) >= REFINE_MIN_TRIALS:
+        duration = _trial_duration(cost, P)
+        best = None
+        for start in (positions, *(_spread(plain, items, timeline, share) for share in SPREAD_STARTS)):
+            refined = _refine(plain, items, start, timeline, cost)
+            score = _score(_trial(plain, items, {n: list(p) for n, p in refined.items()}, duration)[0])
+            if best is None or score < best[0]:
+                best = (score, refined)
+        positions = best[1]
     streams = {n: _assemble(plain, n, items[n], positions[n]) for n in range(P)}
     return Schedule(P, plain.microbatches, plain.policy, rc, plain.placement, streams)

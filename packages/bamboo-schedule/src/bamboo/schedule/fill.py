@@ -31,7 +31,7 @@ __all__ = ["fill_idle"]
 
 _EPSILON = 1e-9
 
-REFINE_BUDGET = 3_000_000
+REFINE_BUDGET = 12_000_000
 """How many instructions `_refine` may execute in all, over its starts (its trial runs times their instructions):
 a second or two of CPU at most, and every trial for small pipelines."""
 

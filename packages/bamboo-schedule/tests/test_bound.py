@@ -102,15 +102,16 @@ def test_the_local_search_never_ends_later_than_first_fit(costs: Costs, monkeypa
 
 def test_bert_like_eflb_overhead_after_the_local_search() -> None:
     """The placement's figures with the BERT-like costs (first fit alone: P=2 M=8 14.63%, P=4 M=8 9.61%, P=2 M=16
-    21.17%, P=4 M=16 18.39%, P=8 M=16 10.29%, P=4 M=32 23.97%): within 2.5 points of the bound (now 12.20, 6.29,
-    16.81, 13.80, 7.91, 18.53)."""
+    21.17%, P=4 M=16 18.39%, P=8 M=16 10.29%, P=4 M=32 23.97%): within 2.5 points of the bound, and all but
+    P=4 M=8 within 2 (now 12.20, 6.29, 16.81, 13.76, 7.89, 18.53)."""
     expected = {(2, 8): 11.31, (4, 8): 4.05, (2, 16): 16.31, (4, 16): 11.78, (8, 16): 5.91, (4, 32): 17.43}
     for (stages, microbatches), bound in expected.items():
         costs = Costs.bert_like(stages)
         result = simulate(one_f_one_b(stages, microbatches, "eflb", costs.linearizer_cost()), costs)
         assert result.overhead_pct is not None and result.overhead_bound_pct is not None
         assert result.overhead_bound_pct == pytest.approx(bound, abs=0.01)
-        assert result.overhead_pct - result.overhead_bound_pct <= 2.5, (stages, microbatches, result.overhead_pct)
+        allowed = 2.5 if (stages, microbatches) == (4, 8) else 2.0
+        assert result.overhead_pct - result.overhead_bound_pct <= allowed, (stages, microbatches, result.overhead_pct)
 
 
 def test_the_built_in_costs_reach_the_bound_within_two_points() -> None:

@@ -31,12 +31,13 @@ __all__ = ["fill_idle"]
 
 _EPSILON = 1e-9
 
-REFINE_BUDGET = 12_000_000
+REFINE_BUDGET = 24_000_000
 """How many instructions `_refine` may execute in all, over its starts (its trial runs times their instructions):
-a second or two of CPU at most, and every trial for small pipelines."""
+up to about 10 s of CPU (P = 16, M = 128), every trial for small pipelines (P = 4, M = 8: 0.2 s)."""
 
 SPREAD_STARTS = (0.5, 0.75)
-"""Besides first fit, `_refine` also starts from these `_spread` placements, and the best result is kept."""
+"""Besides first fit, `_refine` also starts from these `_spread` placements, each with and without pushes; the best
+result is kept."""
 
 REFINE_MIN_TRIALS = 50
 """Below this many trials (large pipelines) `_refine` does not start: too few to move anything, and each costs."""
@@ -216,7 +217,7 @@ def _trials(plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction,
     """How many trial runs each of `_refine`'s starts may make: `REFINE_BUDGET` shared by the starts (a trial runs
     the streams up to twice)."""
     size = sum(len(plain.streams[n]) + len(node_items) for n, node_items in items.items())
-    return REFINE_BUDGET // (1 + len(SPREAD_STARTS)) // max(2 * size, 1)
+    return REFINE_BUDGET // (2 + 2 * len(SPREAD_STARTS)) // max(2 * size, 1)
 
 
 def _refine(
@@ -225,6 +226,7 @@ def _refine(
     positions: dict[int, list[int]],
     timeline: Timeline,
     cost: CostFn,
+    pushes: bool = True,
 ) -> dict[int, list[int]]:
     """``positions`` improved by local search: each item in turn tries every idle interval after its input (and the
     tail), keeping item order on its node; after each move, items that run after their node's work move into idle
@@ -248,7 +250,8 @@ def _refine(
         improved = False
         for pulls in (True, False):  # the pulls of every node first: they move the most, and cost the fewest trials
             for n in sorted(items, key=lambda node: -ends[node]):  # the nodes that end last first
-                for moved in _moves(positions[n], items[n], candidates[n], len(plain.streams[n]), duration, n, pulls):
+                moves = _moves(positions[n], items[n], candidates[n], len(plain.streams[n]), duration, n, pulls, pushes)
+                for moved in moves:
                     if trials <= 0:
                         break
                     trials -= 1
@@ -265,17 +268,18 @@ def _refine(
 
 def _moves(
     mine: list[int], node_items: list[tuple[int, tuple[Instruction, ...]]], candidates: list[int], tail: int,
-    duration: StageTable, node: int, pulls: bool,
+    duration: StageTable, node: int, pulls: bool, pushes: bool,
 ) -> Iterator[list[int]]:
     """`_refine`'s trial moves on one node, each a new list of positions (``mine`` is read as it changes).
 
     With ``pulls``, the last item (one that runs after the node's work) pulled forward to a candidate, the items
     then taking the positions in release order (they are alike: same work on the same stage), when each is after
-    its input. Otherwise one item to another candidate, between its neighbours.
+    its input; with ``pushes`` too, one item from an interval back to the tail (a way out of a local optimum).
+    Otherwise one item to another candidate, between its neighbours.
     """
     if pulls:
         if mine and all(sum(duration(node, i) for i in instrs) > _EPSILON for _after, instrs in node_items):
-            yield from _pulls(mine, node_items, candidates, tail)
+            yield from _pulls(mine, node_items, candidates, tail, pushes)
         return
     for j, (after, instrs) in enumerate(node_items):
         if sum(duration(node, i) for i in instrs) <= _EPSILON:
@@ -290,14 +294,21 @@ def _moves(
 
 
 def _pulls(
-    mine: list[int], node_items: list[tuple[int, tuple[Instruction, ...]]], candidates: list[int], tail: int
+    mine: list[int], node_items: list[tuple[int, tuple[Instruction, ...]]], candidates: list[int], tail: int,
+    pushes: bool,
 ) -> Iterator[list[int]]:
-    """`_moves`' pulls: the last item from the tail to each candidate, the items re-sorted."""
+    """`_moves`' pulls: the last item from the tail to each candidate, the items re-sorted; then the pushes."""
     for position in candidates:
         if mine[-1] != tail:
             break
         moved = sorted([*mine[:-1], position])
         if moved != mine and all(p > after for p, (after, _instrs) in zip(moved, node_items, strict=True)):
+            yield moved
+    for taken in sorted(set(mine) - {tail}) if pushes else ():  # push: one item from an interval to the tail
+        moved = list(mine)
+        moved.remove(taken)
+        moved.append(tail)
+        if all(p > after for p, (after, _instrs) in zip(moved, node_items, strict=True)):
             yield moved
 
 
@@ -329,7 +340,8 @@ def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn) -> Schedule:
     Items go first fit into idle intervals where they fit whole. When some fit nowhere and ``cost`` is a cost model
     (not the generators' default `unit_cost`, which stands for costs nobody measured: the runtime's schedules stay
     first fit, and quick to build), `_refine` moves items to where they end the iteration soonest for ``cost``
-    (possibly delaying normal work), from first fit and from the `SPREAD_STARTS` placements; the best is kept.
+    (possibly delaying normal work), from first fit and from the `SPREAD_STARTS` placements, each with and without
+    pushes; the best is kept.
     """
     if rc not in (RCMode.LFLB, RCMode.EFLB):
         raise ValueError(f"fill_idle places lflb or eflb, got {rc.value}")
@@ -341,8 +353,10 @@ def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn) -> Schedule:
     if overflow and cost is not unit_cost and _trials(plain, items) >= REFINE_MIN_TRIALS:
         duration = _trial_duration(cost, P)
         best = None
-        for start in (positions, *(_spread(plain, items, timeline, share) for share in SPREAD_STARTS)):
-            refined = _refine(plain, items, start, timeline, cost)
+        firsts = [positions, *(_spread(plain, items, timeline, share) for share in SPREAD_STARTS)]
+        starts = [({n: list(p) for n, p in first.items()}, pushes) for first in firsts for pushes in (False, True)]
+        for start, pushes in starts:
+            refined = _refine(plain, items, start, timeline, cost, pushes)
             score = _score(_trial(plain, items, {n: list(p) for n, p in refined.items()}, duration)[0])
             if best is None or score < best[0]:
                 best = (score, refined)

@@ -1,4 +1,5 @@
-"""Redundant work placed into the idle time of a plain schedule, so that it delays no normal work.
+"""Redundant work placed into the idle time of a plain schedule, and, for a cost model, where it ends the iteration
+soonest.
 
 `fill_idle(plain, rc, cost)` is the redundancy pass for ``lflb`` and ``eflb``, whose redundant work is local to the
 shadow (an FRC of the successor's stage on the node's own output, or a stash of that output): it runs the plain
@@ -17,6 +18,10 @@ and the shadow receives ``RY`` last, after the replica's last use. Normal instru
 their messages, so the result runs exactly like the plain schedule plus local work, which cannot deadlock; for
 the same costs, the engine runs every normal instruction at the same time as in the plain schedule, except
 where an item had to run after the node's own work.
+
+When some items run after their node's work and ``cost`` is a cost model (not `unit_cost`), a local search
+(`_refine`) then moves items, even where they do not fit whole and delay normal work, whenever the iteration ends
+sooner for ``cost``; the streams are still the plain schedule plus local work.
 """
 
 from __future__ import annotations

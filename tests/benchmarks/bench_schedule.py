@@ -145,7 +145,8 @@ def overhead_against_bound() -> list[dict[str, Any]]:
             for factor in (1, 2, 4, 8):
                 for rc in ("lflb", "eflb"):
                     microbatches = stages * factor
-                    result = simulate(generate("1f1b", stages, microbatches, rc, costs.linearizer_cost()), costs)
+                    result = simulate(generate("1f1b", stages, microbatches, rc, costs.linearizer_cost(), refine=True),
+                                      costs)
                     assert result.overhead_pct is not None and result.overhead_bound_pct is not None
                     rows.append({"costs": profile, "stages": stages, "microbatches": microbatches, "rc": rc,
                                  "overhead_pct": round(result.overhead_pct, 2),

@@ -29,12 +29,16 @@ def test_packing_splits_items_over_idle_intervals_in_release_order() -> None:
 def test_the_bound_of_an_frc_longer_than_the_bubble_by_hand() -> None:
     """P = 2, M = 1, F = 1, B = 2, FRC = 4, free links: T0 = 6 (F0, F1, B1, B0). Node 0's FRC of stage 1 is
     released when its forward ends (1) and fills its idle 1..4, 1 ms left after 6; node 1's FRC of stage 0 is
-    released at once: idle 0..1, then from its backward's end (4): it ends at 7. The bound is 1 / 6."""
+    released at once: idle 0..1, then from its backward's end (4): it ends at 7. The bound is 1 / 6.
+
+    No placement reaches it (README, "How far from reachable it is"): node 0's FRC either runs 1..5, before its
+    receive of the gradient, which holds node 1's send until 5, so node 1's FRC ends at 9 at the earliest; or after
+    node 0's backward, ending at 10. The placement finds 9 (first fit alone ran both FRCs last: 10)."""
     costs = _costs(forward_ms=1.0, backward_ms=2.0, frc_ms=4.0)
-    result = simulate(one_f_one_b(2, 1, "eflb", costs.linearizer_cost()), costs)
+    result = simulate(one_f_one_b(2, 1, "eflb", costs.linearizer_cost(), refine=True), costs)
     assert result.baseline_makespan == pytest.approx(6.0)
     assert result.overhead_bound_pct == pytest.approx(100.0 / 6.0)
-    assert result.overhead_pct is not None and result.overhead_pct >= result.overhead_bound_pct - 1e-9
+    assert result.makespan == pytest.approx(9.0)
 
 
 def test_the_bound_of_the_last_replica_sync_by_hand() -> None:
@@ -53,12 +57,13 @@ def test_no_redundancy_has_no_bound_above_zero() -> None:
     assert result.overhead_bound_pct == 0.0
 
 
+@pytest.mark.parametrize("refine", [False, True], ids=["first-fit", "refined"])
 @pytest.mark.parametrize("rc", ["lflb", "eflb", "efeb"])
 @pytest.mark.parametrize("costs", [Costs(), Costs.bert_like(5)], ids=["built-in", "bert_like"])
-def test_no_placement_beats_the_bound(rc: str, costs: Costs) -> None:
+def test_no_placement_beats_the_bound(rc: str, costs: Costs, refine: bool) -> None:
     for stages in range(2, 6):
         for microbatches in (1, stages, 3 * stages):
-            result = simulate(one_f_one_b(stages, microbatches, rc, costs.linearizer_cost()), costs)
+            result = simulate(one_f_one_b(stages, microbatches, rc, costs.linearizer_cost(), refine=refine), costs)
             assert result.overhead_pct is not None and result.overhead_bound_pct is not None
             assert result.overhead_pct >= result.overhead_bound_pct - 1e-9, (stages, microbatches)
 
@@ -72,14 +77,40 @@ def _compute_starts(schedule: Schedule, cost: CostFn) -> dict[str, float]:
 
 @pytest.mark.parametrize("rc", ["lflb", "eflb"])
 @pytest.mark.parametrize("costs", [Costs(), Costs.bert_like(4)], ids=["built-in", "bert_like"])
-def test_redundant_work_delays_no_normal_work(rc: str, costs: Costs) -> None:
-    """For the costs it was placed with, every forward and backward runs when it runs without redundancy."""
+def test_first_fit_delays_no_normal_work(rc: str, costs: Costs) -> None:
+    """Without the local search (the default: ``refine`` is asked for), for the costs it was placed with, every
+    forward and backward runs when it runs without redundancy: first fit only uses idle time, and puts what does
+    not fit after the node's own work."""
     cost = costs.linearizer_cost()
     for stages, microbatches in ((2, 5), (3, 3), (4, 8), (4, 16)):
         filled = one_f_one_b(stages, microbatches, rc, cost)
         validate(filled)
         assert _compute_starts(filled, cost) == pytest.approx(
             _compute_starts(one_f_one_b(stages, microbatches, "none", cost), cost))
+
+
+@pytest.mark.parametrize("costs", [Costs(), Costs.bert_like(4)], ids=["built-in", "bert_like"])
+def test_the_local_search_never_ends_later_than_first_fit(costs: Costs) -> None:
+    cost = costs.linearizer_cost()
+    for stages, microbatches in ((2, 8), (3, 6), (4, 8), (4, 16)):
+        refined = one_f_one_b(stages, microbatches, "eflb", cost, refine=True)
+        validate(refined)
+        first_fit = one_f_one_b(stages, microbatches, "eflb", cost)
+        assert simulate(refined, costs).makespan <= simulate(first_fit, costs).makespan + 1e-9, (stages, microbatches)
+
+
+def test_bert_like_eflb_overhead_after_the_local_search() -> None:
+    """The placement's figures with the BERT-like costs (first fit alone: P=2 M=8 14.63%, P=4 M=8 9.61%, P=2 M=16
+    21.17%, P=4 M=16 18.39%, P=8 M=16 10.29%, P=4 M=32 23.97%): within 2.5 points of the bound, and all but
+    P=4 M=8 within 2 (now 12.20, 6.29, 16.81, 13.76, 7.89, 18.53)."""
+    expected = {(2, 8): 11.31, (4, 8): 4.05, (2, 16): 16.31, (4, 16): 11.78, (8, 16): 5.91, (4, 32): 17.43}
+    for (stages, microbatches), bound in expected.items():
+        costs = Costs.bert_like(stages)
+        result = simulate(one_f_one_b(stages, microbatches, "eflb", costs.linearizer_cost(), refine=True), costs)
+        assert result.overhead_pct is not None and result.overhead_bound_pct is not None
+        assert result.overhead_bound_pct == pytest.approx(bound, abs=0.01)
+        allowed = 2.5 if (stages, microbatches) == (4, 8) else 2.0
+        assert result.overhead_pct - result.overhead_bound_pct <= allowed, (stages, microbatches, result.overhead_pct)
 
 
 def test_the_built_in_costs_reach_the_bound_within_two_points() -> None:

@@ -249,3 +249,24 @@ def test_check_victims_and_placement_after_are_the_public_failover_rules() -> No
     assert info.value.lost == (1, 2) and info.value.earlier == (2,)
     with pytest.raises(ValueError, match=r"victims \[2\] had already failed"):
         check_victims(steady, [2])
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 8), (3, 6), (4, 8), (4, 16)])
+def test_failover_of_a_placement_refined_for_costs_validates_at_every_index(stages: int, microbatches: int) -> None:
+    """With a cost model, eflb's FRCs are placed by local search (they may run where they do not fit whole, and
+    so delay normal work): the failover rules hold for those streams too, for every victim at every index, and a
+    second victim in the next iteration."""
+    from bamboo.schedule.simulate import Costs
+
+    cost = Costs.bert_like(stages).linearizer_cost()
+    schedule = one_f_one_b(stages, microbatches, "eflb", cost, refine=True)
+    validate(schedule)
+    assert one_f_one_b(stages, microbatches, "eflb", cost).streams != schedule.streams  # the search moved some
+    for victim in range(stages):
+        for index in range(len(schedule.streams[victim]) + 1):
+            plan = failover_schedule(schedule, [victim], progress_at(schedule, {victim: index}))
+            validate_failover(plan)
+        if stages > 3:
+            second = (victim + 2) % stages
+            again = failover_schedule(plan.steady, [second], progress_at(plan.steady, {second: 3}))
+            validate_failover(again)

@@ -124,7 +124,7 @@ def _show(args: argparse.Namespace) -> tuple[int, str]:
     failure = parse_failure(args.fail, args.stages) if args.fail else None
     if failure and args.rc == "none":
         raise UsageError("--fail needs redundancy: use --rc lflb, eflb or efeb")
-    schedule = generate(args.policy, args.stages, args.microbatches, args.rc, costs.linearizer_cost())
+    schedule = generate(args.policy, args.stages, args.microbatches, args.rc, costs.linearizer_cost(), refine=True)
     result = simulate(schedule, costs)
     out: dict[str, Any] = {
         "stages": args.stages,

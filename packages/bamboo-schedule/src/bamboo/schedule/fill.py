@@ -1,4 +1,5 @@
-"""Redundant work placed into the idle time of a plain schedule, so that it delays no normal work.
+"""Redundant work placed into the idle time of a plain schedule, and, for a cost model, where it ends the iteration
+soonest.
 
 `fill_idle(plain, rc, cost)` is the redundancy pass for ``lflb`` and ``eflb``, whose redundant work is local to the
 shadow (an FRC of the successor's stage on the node's own output, or a stash of that output): it runs the plain
@@ -17,19 +18,34 @@ and the shadow receives ``RY`` last, after the replica's last use. Normal instru
 their messages, so the result runs exactly like the plain schedule plus local work, which cannot deadlock; for
 the same costs, the engine runs every normal instruction at the same time as in the plain schedule, except
 where an item had to run after the node's own work.
+
+When asked (``refine=True``: the schedule is studied, not needed at once), some items run after their node's work
+and ``cost`` is a cost model (not `unit_cost`), a local search (`_refine`) then moves items, even where they do not fit whole and delay normal work, whenever the iteration ends
+sooner for ``cost``; the streams are still the plain schedule plus local work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from bamboo.schedule._tasks import CostFn
-from bamboo.schedule.engine import execute
+from bamboo.schedule._tasks import CostFn, KindStageCost, unit_cost
+from bamboo.schedule.engine import StageTable, Timeline, execute
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
 
 __all__ = ["fill_idle"]
 
 _EPSILON = 1e-9
+
+REFINE_BUDGET = 24_000_000
+"""How many instructions `_refine` may execute in all, over its starts (its trial runs times their instructions):
+up to about 10 s of CPU (P = 16, M = 128), every trial for small pipelines (P = 4, M = 8: 0.2 s)."""
+
+SPREAD_STARTS = (0.5, 0.75)
+"""Besides first fit, `_refine` also starts from these `_spread` placements, each with and without pushes; the best
+result is kept."""
+
+REFINE_MIN_TRIALS = 50
+"""Below this many trials (large pipelines) `_refine` does not start: too few to move anything, and each costs."""
 
 
 def _items(plain: Schedule, node: int, rc: RCMode) -> list[tuple[int, tuple[Instruction, ...]]]:
@@ -59,44 +75,296 @@ def _gaps(starts: Sequence[float], ends: Sequence[float]) -> list[list[float]]:
     return gaps
 
 
-def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn) -> Schedule:
-    """``plain`` (fault-free, no redundancy) with ``rc`` (lflb or eflb) placed into its idle time for ``cost``."""
+def _first_fit(
+    plain: Schedule, node: int, items: list[tuple[int, tuple[Instruction, ...]]], timeline: Timeline, cost: CostFn
+) -> list[int]:
+    """For each item, the index of the plain stream's instruction it goes before (the stream's length: the tail).
+
+    Each item goes into the first idle interval after its input exists where it fits whole; a free item right after
+    its input; an item that fits nowhere after the node's own work.
+    """
+    stream = plain.streams[node]
+    starts, ends = timeline.start[node], timeline.end[node]
+    gaps = _gaps(starts, ends)
+    positions: list[int] = []
+    for after, instrs in items:
+        duration = sum(cost(i) for i in instrs)
+        release = ends[after] if after >= 0 else 0.0
+        if duration <= _EPSILON:  # free: right after its input
+            positions.append(after + 1)
+            continue
+        for gap in gaps:
+            begin = max(gap[0], release)
+            if begin + duration <= gap[1] + _EPSILON:
+                gap[0] = begin + duration
+                positions.append(int(gap[2]))
+                break
+        else:
+            positions.append(len(stream))
+    return positions
+
+
+def _assemble(
+    plain: Schedule, node: int, items: list[tuple[int, tuple[Instruction, ...]]], positions: Sequence[int]
+) -> tuple[Instruction, ...]:
+    """The node's stream: its plain stream with every item before the instruction its position names (items at one
+    position in item order), the tail items after the node's own work, ``SY`` right after its all-reduce and ``RY``
+    last."""
+    P = plain.stages
+    stream = plain.streams[node]
+    before: dict[int, list[Instruction]] = {}
+    for (_after, instrs), position in zip(items, positions, strict=True):
+        before.setdefault(position, []).extend(instrs)
+    out: list[Instruction] = []
+    for index, instr in enumerate(stream):
+        out.extend(before.get(index, ()))
+        out.append(instr)
+        if instr.kind is Kind.ALLREDUCE and instr.stage == node:
+            out.append(make(Kind.SYNC_SEND, node, None, (node - 1) % P))
+    out.extend(before.get(len(stream), ()))
+    replica = (node + 1) % P
+    out.append(make(Kind.SYNC_RECV, replica, None, replica))
+    return tuple(out)
+
+
+def _trial_duration(cost: CostFn, stages: int) -> StageTable:
+    """``cost`` for `_refine`'s trial runs, with the replica sync's send buffered as the linearizer has it: it
+    takes its node no time and its data lands ``cost(SY)`` later."""
+    memo: dict[Instruction, float] = {}
+
+    def duration(_node: int, instr: Instruction) -> float:
+        value = memo.get(instr)
+        if value is None:
+            value = memo[instr] = 0.0 if instr.kind is Kind.SYNC_SEND else cost(instr)
+        return value
+
+    transfers = [cost(make(Kind.SYNC_SEND, s, None, (s - 1) % stages)) for s in range(stages)]
+    rows: dict[Kind, list[float]] = {kind: [] for kind in Kind}
+    if cost is unit_cost or isinstance(cost, KindStageCost):  # a table the engine reads without calls
+        rows = {kind: [duration(0, make(kind, s, 0, 0)) for s in range(stages)] for kind in Kind}
+    return StageTable(rows, duration, {Kind.SYNC_SEND: transfers})
+
+
+def _ends(timeline: Timeline) -> dict[int, float]:
+    """Every node's end."""
+    return {n: ends[-1] if ends else 0.0 for n, ends in timeline.end.items()}
+
+
+def _score(ends: dict[int, float]) -> tuple[float, ...]:
+    """`_refine`'s score (lower is better): the nodes' ends, latest first."""
+    return tuple(sorted(ends.values(), reverse=True))
+
+
+def _refill(
+    plain: Schedule,
+    items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
+    positions: dict[int, list[int]],
+    streams: dict[int, tuple[Instruction, ...]],
+    timeline: Timeline,
+    duration: StageTable,
+) -> bool:
+    """Move the items that run after their node's own work into idle intervals of ``timeline`` (of ``streams``, the
+    items at ``positions``) where they fit whole, first fit in item order; True when any moved.
+
+    An item that ends before the node's next normal instruction starts delays nothing (the node only waited there),
+    so every other instruction keeps its time and the nodes' ends can only come sooner.
+    """
+    moved = False
+    for n, node_items in items.items():
+        mine, own, stream = positions[n], plain.streams[n], streams[n]
+        tail = len(own)
+        if tail not in mine:
+            continue
+        starts, ends = timeline.start[n], timeline.end[n]
+        forward_end = {i.microbatch: ends[a] for a, i in enumerate(stream) if i.kind is Kind.FORWARD}
+        gaps: list[list[float]] = []
+        index, free = 0, 0.0
+        for a, instr in enumerate(stream):
+            if index < tail and instr is own[index]:
+                if starts[a] > free + _EPSILON:
+                    gaps.append([free, starts[a], float(index)])
+                index += 1
+            free = max(free, ends[a])
+        for j, (after, instrs) in enumerate(node_items):
+            if mine[j] != tail:
+                continue
+            length = sum(duration(n, i) for i in instrs)
+            release = 0.0 if after < 0 else forward_end[instrs[-1].microbatch]
+            earliest = mine[j - 1] if j else 0
+            for gap in gaps:
+                begin = max(gap[0], release)
+                if gap[2] >= earliest and begin + length <= gap[1] + _EPSILON:
+                    gap[0] = begin + length
+                    mine[j] = int(gap[2])
+                    moved = True
+                    break
+            else:
+                break  # later items may not come before this one
+    return moved
+
+
+def _trial(
+    plain: Schedule,
+    items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
+    positions: dict[int, list[int]],
+    duration: StageTable,
+) -> tuple[dict[int, float], dict[int, tuple[Instruction, ...]]]:
+    """Run the items at ``positions`` (refilled in place, `_refill`): the nodes' ends and the streams."""
+    streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
+    timeline = execute(streams, duration)
+    if _refill(plain, items, positions, streams, timeline, duration):
+        streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
+        timeline = execute(streams, duration)
+    return _ends(timeline), streams
+
+
+def _trials(plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]]) -> int:
+    """How many trial runs each of `_refine`'s starts may make: `REFINE_BUDGET` shared by the starts (a trial runs
+    the streams up to twice)."""
+    size = sum(len(plain.streams[n]) + len(node_items) for n, node_items in items.items())
+    return REFINE_BUDGET // (2 + 2 * len(SPREAD_STARTS)) // max(2 * size, 1)
+
+
+def _refine(
+    plain: Schedule,
+    items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
+    positions: dict[int, list[int]],
+    timeline: Timeline,
+    cost: CostFn,
+    pushes: bool = True,
+) -> dict[int, list[int]]:
+    """``positions`` improved by local search: each item in turn tries every idle interval after its input (and the
+    tail), keeping item order on its node; after each move, items that run after their node's work move into idle
+    time that the move opened (`_refill`); a move stays when the iteration ends sooner (node ends compared latest
+    first). Passes repeat until none improves or `REFINE_BUDGET` is spent; the result is never worse than the start.
+
+    Running an item where it does not fit whole delays the node's next normal work; where that work has slack, or
+    where the delay lets other nodes fill the wait with their own items, this still ends the iteration sooner than
+    running the item after the node's own work.
+    """
+    duration = _trial_duration(cost, plain.stages)
+    trials = _trials(plain, items)
+    if trials < REFINE_MIN_TRIALS:
+        return positions
+    ends, _streams = _trial(plain, items, positions, duration)
+    best = _score(ends)
+    candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
+                            | {len(plain.streams[n])}) for n in positions}
+    improved = True
+    while improved and trials > 0:
+        improved = False
+        for pulls in (True, False):  # the pulls of every node first: they move the most, and cost the fewest trials
+            for n in sorted(items, key=lambda node: -ends[node]):  # the nodes that end last first
+                moves = _moves(positions[n], items[n], candidates[n], len(plain.streams[n]), duration, n, pulls, pushes)
+                for moved in moves:
+                    if trials <= 0:
+                        break
+                    trials -= 1
+                    trial = {m: list(p) for m, p in positions.items()}
+                    trial[n] = moved
+                    trial_ends, _streams = _trial(plain, items, trial, duration)
+                    score = _score(trial_ends)
+                    if score < best:
+                        best, ends, improved = score, trial_ends, True
+                        for m, p in trial.items():
+                            positions[m][:] = p
+    return positions
+
+
+def _moves(
+    mine: list[int], node_items: list[tuple[int, tuple[Instruction, ...]]], candidates: list[int], tail: int,
+    duration: StageTable, node: int, pulls: bool, pushes: bool,
+) -> Iterator[list[int]]:
+    """`_refine`'s trial moves on one node, each a new list of positions (``mine`` is read as it changes).
+
+    With ``pulls``, the last item (one that runs after the node's work) pulled forward to a candidate, the items
+    then taking the positions in release order (they are alike: same work on the same stage), when each is after
+    its input; with ``pushes`` too, one item from an interval back to the tail (a way out of a local optimum).
+    Otherwise one item to another candidate, between its neighbours.
+    """
+    if pulls:
+        if mine and all(sum(duration(node, i) for i in instrs) > _EPSILON for _after, instrs in node_items):
+            yield from _pulls(mine, node_items, candidates, tail, pushes)
+        return
+    for j, (after, instrs) in enumerate(node_items):
+        if sum(duration(node, i) for i in instrs) <= _EPSILON:
+            continue
+        for position in candidates:
+            low = max(after + 1, mine[j - 1] if j else 0)
+            high = mine[j + 1] if j + 1 < len(mine) else tail
+            if low <= position <= high and position != mine[j]:
+                moved = list(mine)
+                moved[j] = position
+                yield moved
+
+
+def _pulls(
+    mine: list[int], node_items: list[tuple[int, tuple[Instruction, ...]]], candidates: list[int], tail: int,
+    pushes: bool,
+) -> Iterator[list[int]]:
+    """`_moves`' pulls: the last item from the tail to each candidate, the items re-sorted; then the pushes."""
+    for position in candidates:
+        if mine[-1] != tail:
+            break
+        moved = sorted([*mine[:-1], position])
+        if moved != mine and all(p > after for p, (after, _instrs) in zip(moved, node_items, strict=True)):
+            yield moved
+    for taken in sorted(set(mine) - {tail}) if pushes else ():  # push: one item from an interval to the tail
+        moved = list(mine)
+        moved.remove(taken)
+        moved.append(tail)
+        if all(p > after for p, (after, _instrs) in zip(moved, node_items, strict=True)):
+            yield moved
+
+
+def _spread(
+    plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]], timeline: Timeline, share: float
+) -> dict[int, list[int]]:
+    """Another start for `_refine`: on every node, the first ``share`` of the items each in the next idle interval
+    after its input that no earlier item took (whether it fits or not: spread over the pipeline's cycles), the rest
+    after the node's own work."""
+    positions: dict[int, list[int]] = {}
+    for n, node_items in items.items():
+        tail = len(plain.streams[n])
+        gaps = [int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])]
+        mine: list[int] = []
+        taken = -1
+        for j, (after, _instrs) in enumerate(node_items):
+            position = tail
+            if j < int(share * len(node_items)):
+                position = next((g for g in gaps if g > after and g > taken), tail)
+                taken = position
+            mine.append(max(position, mine[-1]) if mine else position)
+        positions[n] = mine
+    return positions
+
+
+def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn, *, refine: bool = False) -> Schedule:
+    """``plain`` (fault-free, no redundancy) with ``rc`` (lflb or eflb) placed into its idle time for ``cost``.
+
+    Items go first fit into idle intervals where they fit whole. With ``refine``, when some fit nowhere and ``cost``
+    is a cost model (not the generators' default `unit_cost`, which stands for costs nobody measured: the runtime's
+    schedules stay first fit, and quick to build), `_refine` moves items to where they end the iteration soonest for ``cost``
+    (possibly delaying normal work), from first fit and from the `SPREAD_STARTS` placements, each with and without
+    pushes; the best is kept.
+    """
     if rc not in (RCMode.LFLB, RCMode.EFLB):
         raise ValueError(f"fill_idle places lflb or eflb, got {rc.value}")
     P = plain.stages
     timeline = execute(plain.streams, lambda _node, instr: cost(instr))
-    streams: dict[int, tuple[Instruction, ...]] = {}
-    for n in range(P):
-        stream = plain.streams[n]
-        starts, ends = timeline.start[n], timeline.end[n]
-        gaps = _gaps(starts, ends)
-        placed: dict[int, list[tuple[float, tuple[Instruction, ...]]]] = {}
-        tail: list[Instruction] = []
-        for after, instrs in _items(plain, n, rc):
-            duration = sum(cost(i) for i in instrs)
-            release = ends[after] if after >= 0 else 0.0
-            if duration <= _EPSILON:  # free: right after its input
-                placed.setdefault(after + 1, []).append((release, instrs))
-                continue
-            for gap in gaps:
-                begin = max(gap[0], release)
-                if begin + duration <= gap[1] + _EPSILON:
-                    gap[0] = begin + duration
-                    placed.setdefault(int(gap[2]), []).append((begin, instrs))
-                    break
-            else:
-                tail.extend(instrs)
-        out: list[Instruction] = []
-        for index, instr in enumerate(stream):
-            for _begin, instrs in sorted(placed.get(index, ()), key=lambda item: item[0]):
-                out.extend(instrs)
-            out.append(instr)
-            if instr.kind is Kind.ALLREDUCE and instr.stage == n:
-                out.append(make(Kind.SYNC_SEND, n, None, (n - 1) % P))
-        for _begin, instrs in placed.get(len(stream), ()):
-            out.extend(instrs)
-        out.extend(tail)
-        replica = (n + 1) % P
-        out.append(make(Kind.SYNC_RECV, replica, None, replica))
-        streams[n] = tuple(out)
+    items = {n: _items(plain, n, rc) for n in range(P)}
+    positions = {n: _first_fit(plain, n, items[n], timeline, cost) for n in range(P)}
+    overflow = any(len(plain.streams[n]) in positions[n] for n in range(P))
+    if refine and overflow and cost is not unit_cost and _trials(plain, items) >= REFINE_MIN_TRIALS:
+        duration = _trial_duration(cost, P)
+        best = None
+        firsts = [positions, *(_spread(plain, items, timeline, share) for share in SPREAD_STARTS)]
+        starts = [({n: list(p) for n, p in first.items()}, pushes) for first in firsts for pushes in (False, True)]
+        for start, pushes in starts:
+            refined = _refine(plain, items, start, timeline, cost, pushes)
+            score = _score(_trial(plain, items, {n: list(p) for n, p in refined.items()}, duration)[0])
+            if best is None or score < best[0]:
+                best = (score, refined)
+        positions = best[1]
+    streams = {n: _assemble(plain, n, items[n], positions[n]) for n in range(P)}
     return Schedule(P, plain.microbatches, plain.policy, rc, plain.placement, streams)

@@ -63,13 +63,14 @@ def _build(lanes_of: dict[int, list[list[Work]]], schedule: Schedule, cost: Cost
 
 
 @gc_paused
-def _fault_free(policy: str, stages: int, microbatches: int, rc: RCMode | str, cost: CostFn) -> Schedule:
+def _fault_free(policy: str, stages: int, microbatches: int, rc: RCMode | str, cost: CostFn,
+                refine: bool = False) -> Schedule:
     _check_shape(stages, microbatches)
     mode = _mode(rc)
     if mode is not RCMode.NONE and stages < 2:
         raise ValueError(f"redundancy needs at least 2 stages, got {stages}")
     if mode in _FILLED:
-        return fill_idle(_fault_free(policy, stages, microbatches, RCMode.NONE, cost), mode, cost)
+        return fill_idle(_fault_free(policy, stages, microbatches, RCMode.NONE, cost), mode, cost, refine=refine)
     lanes: dict[int, list[list[Work]]] = {}
     for s in range(stages):
         lanes[s] = [[*compute_order(policy, stages, microbatches, s), ("TAIL", s)]]
@@ -79,26 +80,35 @@ def _fault_free(policy: str, stages: int, microbatches: int, rc: RCMode | str, c
     return _build(lanes, empty, cost)
 
 
-def gpipe(stages: int, microbatches: int, rc: RCMode | str = RCMode.NONE, cost: CostFn = unit_cost) -> Schedule:
-    """GPipe: every stage runs all forwards, then all backwards, then all-reduce and optimizer step."""
-    return _fault_free("gpipe", stages, microbatches, rc, cost)
+def gpipe(stages: int, microbatches: int, rc: RCMode | str = RCMode.NONE, cost: CostFn = unit_cost, *,
+          refine: bool = False) -> Schedule:
+    """GPipe: every stage runs all forwards, then all backwards, then all-reduce and optimizer step. ``refine``:
+    see :func:`generate`."""
+    return _fault_free("gpipe", stages, microbatches, rc, cost, refine)
 
 
 def one_f_one_b(
-    stages: int, microbatches: int, rc: RCMode | str = RCMode.NONE, cost: CostFn = unit_cost
+    stages: int, microbatches: int, rc: RCMode | str = RCMode.NONE, cost: CostFn = unit_cost, *, refine: bool = False
 ) -> Schedule:
-    """1F1B (PipeDream-flush): stage s runs min(P-1-s, M) warm-up forwards, then alternates F and B."""
-    return _fault_free("1f1b", stages, microbatches, rc, cost)
+    """1F1B (PipeDream-flush): stage s runs min(P-1-s, M) warm-up forwards, then alternates F and B. ``refine``:
+    see :func:`generate`."""
+    return _fault_free("1f1b", stages, microbatches, rc, cost, refine)
 
 
 def generate(
-    policy: str, stages: int, microbatches: int, rc: RCMode | str = RCMode.NONE, cost: CostFn = unit_cost
+    policy: str, stages: int, microbatches: int, rc: RCMode | str = RCMode.NONE, cost: CostFn = unit_cost, *,
+    refine: bool = False,
 ) -> Schedule:
-    """``gpipe`` or ``one_f_one_b`` by name (``"gpipe"`` or ``"1f1b"``)."""
+    """``gpipe`` or ``one_f_one_b`` by name (``"gpipe"`` or ``"1f1b"``).
+
+    ``refine``: with a cost model, let ``lflb``/``eflb``'s placement search for where its redundant work ends the
+    iteration soonest (:func:`bamboo.schedule.fill.fill_idle`). It costs up to seconds (about 0.2 s at P=4 M=8,
+    10 s at P=16 M=128), so it is asked for where a schedule is studied (``bamboo-schedule show``, the overhead
+    sweep), not where one is needed at once (``choose_redundancy`` at every layout, the runtime)."""
     if policy == "gpipe":
-        return gpipe(stages, microbatches, rc, cost)
+        return gpipe(stages, microbatches, rc, cost, refine=refine)
     if policy == "1f1b":
-        return one_f_one_b(stages, microbatches, rc, cost)
+        return one_f_one_b(stages, microbatches, rc, cost, refine=refine)
     raise ValueError(f"unknown policy {policy!r}; expected '1f1b' or 'gpipe'")
 
 

@@ -331,7 +331,11 @@ def compare_logits(state: Mapping[str, torch.Tensor], folder: str | os.PathLike[
                    seed: int = 0) -> float:
     """The largest difference between the logits of ``AutoModelForCausalLM.from_pretrained(folder)`` and those
     of bamboo's layers holding ``state``, on a batch of 2 sequences of ``tokens`` random token ids (eval mode:
-    no dropout). 0.0 when the folder holds exactly the model bamboo trained."""
+    no dropout). 0.0 when the folder holds exactly the model bamboo trained.
+
+    Both passes run on one intra-op thread: with several, a loaded machine can change how the BLAS library splits
+    a matrix product between them, and so the order of its sums (1.8e-6 apart in one ``make test``), which says
+    nothing about the weights."""
     transformers = _transformers()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
     layers = nn.Sequential(*[spec.build() for spec in from_transformers(reloaded).layers]).eval()
@@ -339,7 +343,12 @@ def compare_logits(state: Mapping[str, torch.Tensor], folder: str | os.PathLike[
     positions = getattr(reloaded.config, "n_positions", None) or reloaded.config.max_position_embeddings
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, int(reloaded.config.vocab_size), (2, min(tokens, int(positions))), generator=generator)
-    with torch.no_grad():
-        ours = layers(ids)
-        theirs = reloaded(input_ids=ids, use_cache=False).logits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            ours = layers(ids)
+            theirs = reloaded(input_ids=ids, use_cache=False).logits
+    finally:
+        torch.set_num_threads(threads)
     return float((ours - theirs).abs().max())

@@ -335,3 +335,30 @@ def test_an_auto_jobs_first_layout_names_the_mode_its_rate_pays_for(membership: 
         assert layout is not None and layout.redundancy is not None and agents
         assert layout.redundancy.mode == mode, layout.redundancy.reason
         assert layout.redundancy.preemptions_per_node_hour == pytest.approx(rate)
+
+
+def test_a_survivor_left_out_of_a_layout_that_went_ahead_does_not_hold_up_its_restart(
+    membership: MembershipStore,
+) -> None:
+    """Generation 1 came from a barrier held by n0..n3 and s9 and went ahead on n0..n3; s9, left out, went to
+    standby and let its state go. When every rank of generation 1 is gone, s9 (still registered) holds nothing
+    it needs: the coordinator restarts at once instead of waiting for s9 to be lost too. Before the start went
+    ahead, the same survivor still holds the barrier's state, and the coordinator waits."""
+    from bamboo.launch.coordinator import read_layout
+    from bamboo.launch.records import AttemptOutcome, outcome_name
+
+    spec = _spec(membership.keys.job)
+    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    first = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    layout = attrs.evolve(first, generation=1, survivors=("n0", "n1", "n2", "n3", "s9"), base_generation=0,
+                          history=((0, 2), (4, 2)), start_step=4, barrier_step=4)
+    membership.put_layout(layout.to_dict(), 0)
+    FakeAgent(membership, "s8", "b")
+    for node in ("s8", "s9"):
+        membership.decide(f"warm-{node}", {"v": 1, "node": node, "at": 1.0})
+    coordinator.round()
+    assert read_layout(membership).generation == 1  # the start has not gone ahead: s9 may still be needed
+    membership.decide(outcome_name(1), AttemptOutcome(True, "every node is up", at=1.0).to_dict())
+    coordinator.round()
+    restart = read_layout(membership)
+    assert restart.generation == 2 and set(restart.ranks) == {"s8", "s9"} and restart.restore is not None

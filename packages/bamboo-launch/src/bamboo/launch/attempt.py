@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import attrs
 import torch.distributed as dist
 from bamboo.launch import timeouts
-from bamboo.launch.records import AttemptOutcome, NodeUp
+from bamboo.launch.records import AttemptOutcome, NodeUp, outcome_name
 from bamboo.membership.kv import StoreError
 
 if TYPE_CHECKING:
@@ -184,10 +184,6 @@ class Outcome:
     reason: str
     won: bool = False
     """Whether this node wrote the outcome."""
-
-
-def outcome_name(generation: int) -> str:
-    return f"g{generation}-outcome"
 
 
 def up_name(generation: int, node: str) -> str:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from bamboo.launch import timeouts
 from bamboo.launch.events import Preemption
 from bamboo.launch.notices import publish_failure_event, published_events
-from bamboo.launch.records import Leader, Preempted
+from bamboo.launch.records import AttemptOutcome, Leader, Preempted, outcome_name, read_record
 from bamboo.launch.redundancy import with_mode
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
@@ -374,8 +374,10 @@ class Coordinator:
         if layout is None or (self._end_key is not None and self._end_key.value is not None):
             return
         registered = self._registered()
-        if any(node in registered for node in (*layout.ranks, *layout.survivors)):
+        if any(node in registered for node in layout.ranks):
             return
+        if any(node in registered for node in layout.survivors) and not self._went_ahead(layout):
+            return  # its start may still need the barrier's holders, or be redone with them
         for node in sorted(layout.ranks):  # gone together, some before any probe reported them: their leases expired
             self._confirm_lost(node, "its lease expired")
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
@@ -402,6 +404,14 @@ class Coordinator:
         if current is not None and self.membership.put_layout(restart.to_dict(), current.mod_revision) is not None:
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
+
+    def _went_ahead(self, layout: JobLayout) -> bool:
+        """Whether the start of ``layout`` went ahead (its attempt's outcome is ``go``). Then a survivor of its
+        barrier that it left out has let its state go (it is on standby), and holds nothing the layout needs: it
+        must not keep a layout whose every rank is gone from restarting (a heavy-churn run waited 29 s for such a
+        node to be preempted in its turn)."""
+        outcome = read_record(AttemptOutcome, self.membership.get_decision(outcome_name(layout.generation)))
+        return outcome is not None and outcome.go
 
     def _trained_none(self, layout: JobLayout) -> bool:
         """Whether ``layout`` trained no step (its event log has no step record of it); False when unknown."""

@@ -55,6 +55,7 @@ __all__ = [
     "StopDecision",
     "WorkerError",
     "WorkerWarm",
+    "outcome_name",
     "read_record",
 ]
 
@@ -226,6 +227,11 @@ class AttemptOutcome(_Record):
     reason: str = attrs.field(validator=_string)
     at: float | None = attrs.field(default=None, validator=_optional_finite)
     """When it was written (wall clock)."""
+
+
+def outcome_name(generation: int) -> str:
+    """The decision that holds the :class:`AttemptOutcome` of the start of layout generation ``generation``."""
+    return f"g{generation}-outcome"
 
 
 @attrs.frozen

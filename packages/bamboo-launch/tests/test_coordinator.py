@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import pytest
+from bamboo.launch.accounting import steps_reached
 from bamboo.launch.coordinator import (
     Coordinator,
     first_layout,
@@ -20,7 +21,6 @@ from bamboo.launch.coordinator import (
     read_layout,
     redo_start_layout,
     restart_layout,
-    steps_reached,
 )
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.spec import JobSpec

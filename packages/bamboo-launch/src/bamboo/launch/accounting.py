@@ -9,12 +9,16 @@ every restore's pause and source.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.launch.event_records import Event, Failover, Reconfiguration, Restore, RunStart, Startup, Step
 
-__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount"]
+if TYPE_CHECKING:
+    from bamboo.reconfig import JobLayout
+
+__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount", "steps_reached"]
 
 PAUSE_PARTS = ("decide_s", "barrier_s", "transfers_s", "group_builds_s", "first_step_s")
 """The parts of a reconfiguration's pause, in the ``reconfiguration`` record and the report."""
@@ -153,3 +157,19 @@ class TimeAccount:
                 "step_share": self.step_share, "failover_s": self.failover_s,
                 "reconfiguration_s": self.reconfiguration_s, "restore_s": self.restore_s, "lost_s": self.lost_s,
                 "reconfiguration_pause_p50_s": self.pause_p50_s, "reconfiguration_pause_max_s": self.pause_max_s}
+
+
+def steps_reached(events: Iterable[Event], lost: JobLayout, created_unix: float) -> int:
+    """The last step generation ``lost`` (a ``JobLayout``) completed, from the job's event log: the highest
+    ``step`` record of that generation (``lost.start_step`` when it recorded none).
+
+    A record that names its ``generation`` is judged by it. One that names none (written before records
+    carried it) counts if it was written after the generation's barrier: the log's ``t`` counts from
+    ``created_unix``, so that test is only as good as the writers' clocks, whose skew can move a record
+    across the barrier."""
+    since = 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
+
+    def its_own(record: Step) -> bool:
+        return record.generation == lost.generation if record.generation is not None else record.t >= since
+
+    return max((e.step for e in events if isinstance(e, Step) and its_own(e)), default=lost.start_step)

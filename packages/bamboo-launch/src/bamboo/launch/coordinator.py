@@ -37,10 +37,11 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
+from bamboo.launch.accounting import steps_reached
 from bamboo.launch.events import Preemption
 from bamboo.launch.notices import publish_failure_event, published_events
 from bamboo.launch.records import AttemptOutcome, Leader, Preempted, outcome_name, read_record
@@ -52,12 +53,11 @@ from bamboo.membership.records import FailureReport, MalformedValueError, decode
 from bamboo.rc import FailureEvent
 
 if TYPE_CHECKING:
-    from bamboo.launch.events import Event, EventWriter
+    from bamboo.launch.events import EventWriter
     from bamboo.membership import KeyValue, MembershipStore, NodeAgent, NodeRecord, WatchedKey
     from bamboo.reconfig import JobLayout, Layout
 
-__all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "redo_start_layout", "restart_layout",
-           "steps_reached"]
+__all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "redo_start_layout", "restart_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -108,24 +108,6 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global
     if plan.stages != spec.stages or not plan.owners or global_batch % len(plan.owners):
         return None
     return plan
-
-
-def steps_reached(events: Iterable[Event], lost: JobLayout, created_unix: float) -> int:
-    """The last step generation ``lost`` (a ``JobLayout``) completed, from the job's event log: the highest
-    ``step`` record of that generation (``lost.start_step`` when it recorded none).
-
-    A record that names its ``generation`` is judged by it. One that names none (written before records
-    carried it) counts if it was written after the generation's barrier: the log's ``t`` counts from
-    ``created_unix``, so that test is only as good as the writers' clocks, whose skew can move a record
-    across the barrier."""
-    from bamboo.launch.events import Step
-
-    since = 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
-
-    def its_own(record: Step) -> bool:
-        return record.generation == lost.generation if record.generation is not None else record.t >= since
-
-    return max((e.step for e in events if isinstance(e, Step) and its_own(e)), default=lost.start_step)
 
 
 def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: dict[str, str], step: int,
@@ -374,10 +356,10 @@ class Coordinator:
         if layout is None or (self._end_key is not None and self._end_key.value is not None):
             return
         registered = self._registered()
-        if any(node in registered for node in layout.ranks):
+        # A survivor left out of a start that went ahead is on standby: it must not hold the restart up.
+        if any(n in registered for n in layout.ranks) or (
+                any(n in registered for n in layout.survivors) and not self._went_ahead(layout)):
             return
-        if any(node in registered for node in layout.survivors) and not self._went_ahead(layout):
-            return  # its start may still need the barrier's holders, or be redone with them
         for node in sorted(layout.ranks):  # gone together, some before any probe reported them: their leases expired
             self._confirm_lost(node, "its lease expired")
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
@@ -406,35 +388,30 @@ class Coordinator:
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
 
     def _went_ahead(self, layout: JobLayout) -> bool:
-        """Whether the start of ``layout`` went ahead (its attempt's outcome is ``go``). Then a survivor of its
-        barrier that it left out has let its state go (it is on standby), and holds nothing the layout needs: it
-        must not keep a layout whose every rank is gone from restarting (a heavy-churn run waited 29 s for such a
-        node to be preempted in its turn)."""
+        """Whether the start of ``layout`` went ahead (outcome ``go``): then the survivors it left out hold nothing."""
         outcome = read_record(AttemptOutcome, self.membership.get_decision(outcome_name(layout.generation)))
         return outcome is not None and outcome.go
 
     def _trained_none(self, layout: JobLayout) -> bool:
         """Whether ``layout`` trained no step (its event log has no step record of it); False when unknown."""
-        from bamboo.launch.events import EventLogError, read_etcd_events
-
-        try:
-            events = read_etcd_events(self.membership.kv, self.spec.job)
-        except (EventLogError, StoreError):
-            return False
-        return steps_reached(events, layout, self.spec.created_unix) <= layout.start_step
+        reached = self._reached(layout)
+        return reached is not None and reached <= layout.start_step
 
     def _steps_reached(self, lost: JobLayout) -> int:
         """:func:`steps_reached` from the job's event log in etcd (``lost.start_step`` if it cannot be read:
         the figure only says how many steps are trained again)."""
+        reached = self._reached(lost)
+        return lost.start_step if reached is None else reached
+
+    def _reached(self, layout: JobLayout) -> int | None:
+        """:func:`steps_reached` from the job's event log in etcd; None (and a warning) when it cannot be read."""
         from bamboo.launch.events import EventLogError, read_etcd_events
 
         try:
-            events = read_etcd_events(self.membership.kv, self.spec.job)
+            return steps_reached(read_etcd_events(self.membership.kv, self.spec.job), layout, self.spec.created_unix)
         except (EventLogError, StoreError) as error:
-            log.warning("the steps generation %d reached are unknown (%s): counted from its start step %d",
-                        lost.generation, error, lost.start_step)
-            return lost.start_step
-        return steps_reached(events, lost, self.spec.created_unix)
+            log.warning("the steps generation %d reached are unknown: %s", layout.generation, error)
+            return None
 
     def _failure_reports(self) -> dict[str, FailureReport]:
         reports: dict[str, FailureReport] = {}

@@ -166,3 +166,34 @@ def test_the_pid_and_an_exit_status_that_came_together_are_read_as_two_lines() -
         servers.sendall(b"774\n0\n")
         servers.shutdown(socket.SHUT_WR)
         assert [_read_line(ours), _read_line(ours), _read_line(ours)] == ["774", "0", ""]
+
+
+def test_a_requester_gone_before_its_answer_leaves_the_server_serving_and_its_process_killed(
+    child: Path, tmp_path: Path,
+) -> None:
+    """An agent SIGKILLed while it asked for its worker: the server's answer finds no one. It used to die of the
+    broken pipe, and every process it had started then read as killed (a whole emulated cluster, in one run)."""
+    server = ForkServer(preload=("json",))
+    try:
+        survivor = server.start([sys.executable, str(child), "sleep"], env={}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, process_group=0)
+        out = tmp_path / "orphan.log"
+        os.kill(server._server.pid, signal.SIGSTOP)  # the request is in the socket before the server reads it
+        try:
+            with open(out, "wb") as stream, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.connect(server.address)
+                request = {"args": [sys.executable, str(child), "sleep"], "env": {}, "cwd": str(tmp_path),
+                           "process_group": 0, "niceness": 0}
+                null = os.open(os.devnull, os.O_RDWR)
+                socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [null, stream.fileno(), null])
+                os.close(null)
+        finally:
+            os.kill(server._server.pid, signal.SIGCONT)
+        assert server.start([sys.executable, str(child), "3"], env={}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL).wait(30) == 3
+        assert server.alive() and survivor.poll() is None
+        _wait_for(lambda: all(_gone(json.loads(line)["pid"]) for line in _lines(out)))
+        survivor.kill()
+        assert survivor.wait(30) == -signal.SIGKILL
+    finally:
+        server.close()

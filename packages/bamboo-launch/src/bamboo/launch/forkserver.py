@@ -354,7 +354,8 @@ def _fork_one(connection: socket.socket, inherited: list[int]) -> int | None:
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} descriptors were passed, not 3")
     except (OSError, ValueError, KeyError, ForkServerError) as error:
-        connection.sendall(f"error: {error}\n".encode())
+        with contextlib.suppress(OSError):  # a requester already gone needs no answer
+            connection.sendall(f"error: {error}\n".encode())
         return None
     pid = os.fork()
     if pid == 0:
@@ -363,7 +364,14 @@ def _fork_one(connection: socket.socket, inherited: list[int]) -> int | None:
         _become(connection, request, kind, name, argv, fds)  # never returns
     for fd in fds:
         os.close(fd)
-    connection.sendall(f"{pid}\n".encode())
+    try:
+        connection.sendall(f"{pid}\n".encode())
+    except OSError:
+        # The requester is gone (an agent killed while it started its worker): nobody holds the process, so it
+        # goes too; it stays a child, reaped as any other. The server itself carries on: every process it started
+        # reports its exit status through it.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return pid
 
 

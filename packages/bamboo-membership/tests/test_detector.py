@@ -249,6 +249,37 @@ def test_a_confirmed_failure_that_cannot_be_written_is_retried(store, victim) ->
         detector.stop()
 
 
+class SlowReadsKV(FlakyKV):
+    """The real client, except that the first read of a node record times out (etcd loaded by a thousand agents)."""
+
+    def get(self, key: str) -> object:
+        if self.failures and "/nodes/" in key:
+            self.failures -= 1
+            raise StoreUnavailableError(f"etcd at test did not answer get {key} within 5 s")
+        return self.kv.get(key)
+
+
+def test_a_suspect_whose_record_etcd_did_not_return_stays_suspect_until_it_is_read(store, victim) -> None:
+    """A detector that does not follow the membership reads a suspect's record before it probes it. A read that
+    times out says nothing of the node: the suspicion used to be dropped, leaving a dead node to its lease."""
+    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    detector = FailureDetector(MembershipStore(SlowReadsKV(store.kv), store.keys.job), "d1", prober, CONFIG,
+                               clock=clock, wall_clock=lambda: 1.7e9, follow_membership=False)
+    seen: list[NodeFailed] = []
+    detector.subscribe(seen.append)
+    detector.start(probe_loop=False)
+    try:
+        detector.report_peer_failure("victim", "recv failed")
+        detector.tick()
+        assert prober.calls == [] and detector.suspects() == ["victim"] and seen == []
+        clock.now += CONFIG.probe_interval
+        detector.tick()
+        assert prober.calls == [("victim", 0.25)] and [e.node for e in seen] == ["victim"]
+        assert store.failures(0)["victim"].detected_by == "d1"
+    finally:
+        detector.stop()
+
+
 def test_the_winner_revokes_the_failed_nodes_lease_at_once(store, victim) -> None:
     clock, prober = FakeClock(), ScriptedProber(REFUSED)
     detector, seen = _detector(store, prober, clock)

@@ -36,7 +36,8 @@ per change for each such detector, so a job of N agents that all followed would 
 thousand agents registering: a million). So at scale only one agent follows (bamboo-launch's elected
 coordinator: `follow_membership(since_revision)`, from the revision at which the previous coordinator's
 key went, so that no expiry in between is missed). The others read the record of a node only when they
-must probe it (`MembershipStore.get_node`, one read per suspicion), and emit only the failures they
+must probe it (`MembershipStore.get_node`, one read per suspicion; a read etcd does not answer
+keeps the suspicion, and is tried again at the next probe), and emit only the failures they
 confirm themselves or find already reported when they write theirs (first writer wins).
 `subscribe_membership(listener)` calls `listener()` after each change of the node records followed.
 
@@ -191,14 +192,25 @@ class FailureDetector:
             self._nodes.clear()
 
     def _record_of(self, node: str) -> NodeRecord | None:
-        """`node`'s record: the followed one, or read from etcd now (None: it has none, or etcd is unreachable)."""
+        """`node`'s record: the followed one, or read from etcd now (None: it has none, or it is malformed).
+
+        Raises `StoreError` when etcd did not answer the read: that says nothing of the node.
+        """
         with self._lock:
             record = self._nodes.get(node)
         if record is not None or self._following:
             return record
         try:
             return self.store.get_node(node)
-        except (StoreError, MalformedValueError) as exc:
+        except MalformedValueError as exc:
+            log.warning("cannot read the record of %s: %s", node, exc)
+            return None
+
+    def _readable_record_of(self, node: str) -> NodeRecord | None:
+        """`_record_of` for a sweep: a record etcd did not answer for is reported as unknown."""
+        try:
+            return self._record_of(node)
+        except StoreError as exc:
             log.warning("cannot read the record of %s: %s", node, exc)
             return None
 
@@ -227,7 +239,7 @@ class FailureDetector:
         with self._lock:
             epoch = self._epoch
             already = [n for n in wanted if (n, epoch) in self._emitted]
-        records = {n: self._record_of(n) for n in wanted if n not in already}
+        records = {n: self._readable_record_of(n) for n in wanted if n not in already}
         unknown = sorted(n for n, record in records.items() if record is None)
         probed = {n: record for n, record in records.items() if record is not None}
         results: dict[str, ProbeResult] = {}
@@ -324,7 +336,14 @@ class FailureDetector:
 
     def _probe(self, suspicion: _Suspicion) -> None:
         node = suspicion.node
-        record = self._record_of(node)
+        try:
+            record = self._record_of(node)
+        except StoreError as exc:
+            # etcd is slow or away: the suspicion stands (dropping it left a dead node to its lease's expiry, seconds
+            # later, when a thousand agents loaded etcd); the read is tried again at the next probe.
+            log.warning("cannot read the record of suspect %s: %s; trying again", node, exc)
+            suspicion.next_probe_at = self.clock() + self.config.probe_interval
+            return
         if record is None:
             # Unknown or already gone: a lease expiry (already handled) or a node that never registered.
             log.warning("suspect %s has no node record; dropping the suspicion (lease expiry decides)", node)

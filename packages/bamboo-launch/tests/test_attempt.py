@@ -245,7 +245,7 @@ def _layers() -> list[Any]:
 
 def _base_layout(zones: dict[str, str]) -> Any:
     """Generation 0 of 4 nodes, P=2, D=2, as the coordinator writes it."""
-    from bamboo.launch.coordinator import first_layout
+    from bamboo.launch.coordinator_layouts import first_layout
 
     return first_layout(_Run(zones).spec, zones)
 

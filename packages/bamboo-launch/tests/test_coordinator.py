@@ -14,18 +14,12 @@ from typing import Any
 import attrs
 import pytest
 from bamboo.launch.accounting import steps_reached
-from bamboo.launch.coordinator import (
-    Coordinator,
-    first_layout,
-    published_events,
-    read_layout,
-    redo_start_layout,
-    restart_layout,
-)
+from bamboo.launch.coordinator import Coordinator, published_events, read_layout
+from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
-from bamboo.membership.records import FailureReport, NodeRecord, NodeState
+from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.rc import FailureEvent
 
 LAYER = {"param_bytes": 400, "optimizer_bytes": 800, "compute_cost": 100.0}
@@ -41,9 +35,10 @@ class FakeDetector:
         self.confirm_on_sweep: list[str] = []
         self.membership: MembershipStore | None = None
         self.following: list[int | None] = []  # the since_revision of each follow_membership
+        self.listeners: list[Any] = []  # of the failures it confirms
 
     def subscribe(self, listener: Any) -> None:
-        pass
+        self.listeners.append(listener)
 
     def subscribe_membership(self, listener: Any) -> None:
         pass
@@ -362,3 +357,22 @@ def test_a_survivor_left_out_of_a_layout_that_went_ahead_does_not_hold_up_its_re
     coordinator.round()
     restart = read_layout(membership)
     assert restart.generation == 2 and set(restart.ranks) == {"s8", "s9"} and restart.restore is not None
+
+
+def test_an_agent_that_confirms_a_failure_probes_the_coordinator_that_must_publish_it(
+    membership: MembershipStore,
+) -> None:
+    """Killed in the same bulk preemption as the nodes it must publish, with no neighbour left to report it (a
+    standby node), the coordinator held its key until its lease expired: 9 s of a measured run's failover."""
+    spec = _spec(membership.keys.job)
+    elected, elected_agent, _ = _coordinator(membership, "a", "z1", spec)
+    other, other_agent, _ = _coordinator(membership, "b", "z2", spec)
+    assert elected.round() and not other.round()
+    assert other_agent.detector.sweeps == []  # no failure confirmed here: nothing to check
+    event = NodeFailed(node="c", epoch=0, detected_by="b", reason="refused", path="neighbour_report")
+    for listener in other_agent.detector.listeners + elected_agent.detector.listeners:
+        listener(event)
+    assert not other.round() and other_agent.detector.sweeps == [
+        (["a"], "the coordinator, checked after a confirmed failure")]
+    assert elected.round() and elected_agent.detector.sweeps == []  # it does not probe itself
+    assert not other.round() and len(other_agent.detector.sweeps) == 1  # once per failure

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bamboo.launch.coordinator import first_layout
+from bamboo.launch.coordinator_layouts import first_layout
 from bamboo.launch.spec import JobSpec
 from bamboo.reconfig import JobLayout, LayerSpec, split_layers
 from hypothesis import given, settings

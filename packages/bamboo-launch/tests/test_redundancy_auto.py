@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import pytest
 from bamboo.launch.cli import main
-from bamboo.launch.coordinator import first_layout
+from bamboo.launch.coordinator_layouts import first_layout
 from bamboo.launch.events import (
     Join,
     Preemption,

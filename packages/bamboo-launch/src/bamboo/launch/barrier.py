@@ -61,7 +61,7 @@ def _redo_start(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | N
     """Decide (first writer wins, as decision ``name``) the layout that redoes the abandoned start ``lost`` on
     the nodes registered now (as the first layout does), waiting while they are too few for one pipeline;
     None once the job ended."""
-    from bamboo.launch.coordinator import redo_start_layout
+    from bamboo.launch.coordinator_layouts import redo_start_layout
     from bamboo.reconfig import JobLayout
 
     next_say = 0.0

@@ -191,26 +191,18 @@ class FailureDetector:
         with self._lock:
             self._nodes.clear()
 
-    def _record_of(self, node: str) -> NodeRecord | None:
-        """`node`'s record: the followed one, or read from etcd now (None: it has none, or it is malformed).
-
-        Raises `StoreError` when etcd did not answer the read: that says nothing of the node.
-        """
+    def _record_of(self, node: str, *, unanswered: bool = False) -> NodeRecord | None:
+        """`node`'s record: the followed one, or read from etcd now. None: it has none, it is malformed, or (with
+        `unanswered`) etcd did not answer; without it, a read etcd did not answer raises `StoreError`."""
         with self._lock:
             record = self._nodes.get(node)
         if record is not None or self._following:
             return record
         try:
             return self.store.get_node(node)
-        except MalformedValueError as exc:
-            log.warning("cannot read the record of %s: %s", node, exc)
-            return None
-
-    def _readable_record_of(self, node: str) -> NodeRecord | None:
-        """`_record_of` for a sweep: a record etcd did not answer for is reported as unknown."""
-        try:
-            return self._record_of(node)
-        except StoreError as exc:
+        except (StoreError, MalformedValueError) as exc:
+            if isinstance(exc, StoreError) and not unanswered:
+                raise
             log.warning("cannot read the record of %s: %s", node, exc)
             return None
 
@@ -239,7 +231,7 @@ class FailureDetector:
         with self._lock:
             epoch = self._epoch
             already = [n for n in wanted if (n, epoch) in self._emitted]
-        records = {n: self._readable_record_of(n) for n in wanted if n not in already}
+        records = {n: self._record_of(n, unanswered=True) for n in wanted if n not in already}
         unknown = sorted(n for n, record in records.items() if record is None)
         probed = {n: record for n, record in records.items() if record is not None}
         results: dict[str, ProbeResult] = {}
@@ -339,8 +331,7 @@ class FailureDetector:
         try:
             record = self._record_of(node)
         except StoreError as exc:
-            # etcd is slow or away: the suspicion stands (dropping it left a dead node to its lease's expiry, seconds
-            # later, when a thousand agents loaded etcd); the read is tried again at the next probe.
+            # etcd is slow or away: the suspicion stands (dropped, it left a dead node to its lease), read again later
             log.warning("cannot read the record of suspect %s: %s; trying again", node, exc)
             suspicion.next_probe_at = self.clock() + self.config.probe_interval
             return

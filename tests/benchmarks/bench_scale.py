@@ -54,6 +54,7 @@ from bamboo.launch.events import EVENTS_PER_WRITER
 from bamboo.launch.notices import epoch_decision
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+from bamboo.membership.records import NodeFailed
 from bamboo.rc import FailureEvent
 
 HOST = Path(__file__).resolve().parent / "_scale_host.py"
@@ -295,14 +296,31 @@ class Run:
         suspects = self.hosts.select("suspect", since)
         reports = [r for r in self.store.failures(0).values() if r.node in victims]
         offset = time.time() - time.monotonic()
+        for report in reports:  # what held up a confirmation that took over a second: its path, its reports
+            after = report.detected_at - offset - first
+            if after > 1.0:
+                seen_by = sorted(e["node"] for e in suspects if e["peer"] == report.node)
+                slow = {"node": report.node, "after_s": round(after, 3), "path": NodeFailed.from_report(report).path,
+                        "detected_by": report.detected_by, "reported_by": seen_by,
+                        "neighbours": self._neighbours(report.node), "reason": report.reason}
+                self.slow_confirmations.append(slow)
+                self.say(f"  slow confirmation: {slow}")
         self.say("  kill -> first neighbour report {:.1f} ms -> confirmed {:.1f} ms -> first node saw it {:.1f} ms".format(
             1e3 * (min((e["t"] for e in suspects), default=math.nan) - first),
             1e3 * (max((r.detected_at for r in reports), default=math.nan) - offset - first),
             1e3 * (min(when.values(), default=math.nan) - first)))
         return first, {node: t for node, t in when.items() if node in receivers}
 
+    def _neighbours(self, node: str) -> list[str]:
+        """The nodes of the stages before and after ``node``'s in its pipeline, with ``(dead)`` after the killed."""
+        rank, stages = self.layout_ranks[node], self.stages
+        of_rank = {r: n for n, r in self.layout_ranks.items() if r is not None}
+        near = [of_rank.get(r) for r in (rank - 1, rank + 1) if r // stages == rank // stages]
+        return [f"{n} (dead)" if n in self.dead else n for n in near if n is not None]
+
     def _failures(self) -> dict[str, Any]:
         self.dead: set[str] = set()
+        self.slow_confirmations: list[dict[str, Any]] = []
         placed = sorted(node for node, rank in self.layout_ranks.items() if rank is not None)
         single: list[float] = []
         for _ in range(self.args.kills):
@@ -326,7 +344,7 @@ class Run:
                 "failure_1pct_nodes": count, "failure_1pct_p50_s": many["p50"], "failure_1pct_p99_s": many["p99"],
                 "failure_1pct_max_s": many["max"], "baseline_put_watch_p50_s": base["p50"],
                 "baseline_put_watch_p99_s": base["p99"],
-                "failure_p50_over_baseline": one["p50"] / base["p50"]}
+                "failure_p50_over_baseline": one["p50"] / base["p50"], "slow_confirmations": self.slow_confirmations}
 
     def _baseline(self) -> list[float]:
         """One put of a failure event (naming a node already dead) and its delivery to every live node."""

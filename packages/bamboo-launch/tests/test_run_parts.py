@@ -127,6 +127,34 @@ def test_the_report_states_the_verdict_of_verify(tmp_path, capsys: pytest.Captur
     assert f"verify           {verdict}" in capsys.readouterr().out
 
 
+def test_with_json_stdout_is_the_report_alone_whatever_the_verification_prints(
+    tmp_path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """DeepSpeed, first imported by the reference run of --verify, logs its accelerator warning to stdout: it
+    came before the report and broke `bamboo-launch run --json | jq`."""
+    import argparse
+    import json
+
+    from bamboo.launch.cli.run import finish_run
+    from bamboo.launch.events import EventLog, RunStart, Step
+    from bamboo.launch.run import RunResult
+
+    events = tmp_path / "events.jsonl"
+    with EventLog(events) as log:
+        log.write(RunStart(t=0.0, job="j", unix_time=1.0, target_nodes=2, stages=2, pipelines=1))
+        log.write(Step(t=1.0, step=1, samples=4, loss=1.0, nodes_active=2, duration_s=0.5))
+    result = RunResult(run_dir=tmp_path, events=events, reports={}, failed_ranks=(), failed_nodes=(), node_of_rank={},
+                       exit_codes={}, timed_out=False, seconds=1.0)
+
+    def verify_that_logs(result: RunResult, options: object) -> dict[str, float]:
+        print("[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.")
+        return {"max_relative_diff": 0.0, "steps": 1}
+
+    assert finish_run(argparse.Namespace(plot=None, json=True), None, result, verify_that_logs) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["verify"] == "PASSED" and "Setting accelerator" in printed.err
+
+
 def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 

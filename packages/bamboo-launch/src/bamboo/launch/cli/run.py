@@ -7,7 +7,9 @@ Every flag defaults to :class:`bamboo.launch.run.RunOptions`'s field; the report
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -205,7 +207,8 @@ def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
         extra["node_errors"] = {node: f"status {code}, log {logs / (node + '.log')}"
                                 for node, code in sorted(errors.items())}
     if verify is not None:
-        comparison = verify(result, options)
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed, imported by the reference run, logs to stdout
+            comparison = verify(result, options)
         diff = comparison["max_relative_diff"]
         extra["verify"] = "PASSED" if diff <= VERIFY_TOLERANCE else f"FAILED ({diff:.3g} > {VERIFY_TOLERANCE:g})"
         extra["max_relative_diff"] = diff

@@ -144,7 +144,7 @@ MARKET_STOP_S = 10.0
 
 FORK_SERVER_START_S = 120.0
 """How long an emulated cluster's fork server may take to import torch and bamboo before the launcher gives
-it up (``bamboo.launch.forkserver``; a loaded machine takes seconds)."""
+it up (``bamboo.bench.emulated.forkserver``; a loaded machine takes seconds)."""
 
 REAP_TIMEOUT_S = 10.0
 """How long the emulated market waits for a SIGKILLed node's process to be reaped (then it is reported)."""

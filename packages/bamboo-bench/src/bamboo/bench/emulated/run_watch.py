@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bamboo.bench.emulated.run_options import RunError
 from bamboo.launch import timeouts
-from bamboo.launch.run_options import RunError
 
 if TYPE_CHECKING:
-    from bamboo.launch.processes import ProcessCluster
+    from bamboo.bench.emulated.processes import ProcessCluster
     from bamboo.membership import KeyValueStore, MembershipStore
     from bamboo.reconfig import JobLayout
 

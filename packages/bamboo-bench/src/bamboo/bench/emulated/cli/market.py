@@ -1,7 +1,7 @@
 """``bamboo-launch market --preemptions FILE|synthetic:RATE -- COMMAND``: the emulated spot market on its own.
 
 Every trace add starts COMMAND as a new node (its own process group, with ``BAMBOO_NODE_ID`` and
-``BAMBOO_ZONE`` set); every trace remove SIGKILLs that node's group (:mod:`bamboo.launch.market`).
+``BAMBOO_ZONE`` set); every trace remove SIGKILLs that node's group (:mod:`bamboo.bench.emulated.market`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from bamboo.bench.argtypes import (
     positive_int,
     zones,
 )
-from bamboo.launch import timeouts
-from bamboo.launch.cli.common import fail
-from bamboo.launch.events import EventLog, Join, Preemption
-from bamboo.launch.market import (
+from bamboo.bench.emulated.market import (
     ActionKind,
     ExecutedAction,
     MarketAction,
     SpotMarket,
     plan_market,
 )
-from bamboo.launch.processes import ProcessCluster
-from bamboo.launch.run import RunOptions
+from bamboo.bench.emulated.processes import ProcessCluster
+from bamboo.bench.emulated.run import RunOptions
+from bamboo.launch import timeouts
+from bamboo.launch.cli.common import fail
+from bamboo.launch.events import EventLog, Join, Preemption
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

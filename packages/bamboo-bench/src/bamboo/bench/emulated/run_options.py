@@ -20,7 +20,7 @@ from bamboo.launch.spec import (
 from bamboo.membership import timeouts as membership_timeouts
 
 if TYPE_CHECKING:
-    from bamboo.launch.processes import ProcessCluster
+    from bamboo.bench.emulated.processes import ProcessCluster
     from bamboo.membership import EmbeddedEtcd, MembershipStore
     from torch import Tensor
 
@@ -95,7 +95,7 @@ class RunOptions:
     device: str | None = None
     """Every worker's device (``--device``: ``cpu``, ``cuda``, ``cuda:N``, ``auto``); None: the workers' default."""
     fork_server: bool = True
-    """Fork every node's agent and worker from one preloaded interpreter (:mod:`bamboo.launch.forkserver`)
+    """Fork every node's agent and worker from one preloaded interpreter (:mod:`bamboo.bench.emulated.forkserver`)
     instead of exec'ing each; the same processes, groups and files."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
     """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""

@@ -1,4 +1,5 @@
-"""The fork server of emulated clusters (`bamboo.launch.forkserver`): a forked process runs the command it
+"""The fork server of emulated clusters (`bamboo.bench.emulated.forkserver`, and its client
+`bamboo.launch.forkserver`): a forked process runs the command it
 replaces, with its environment, directory, files and process group, and its exit status comes back as
 ``subprocess.Popen`` gives it. The server preloads only ``json`` here (fast); the e2e tests run it with torch."""
 
@@ -15,8 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkServer, ForkServerError, run_to_end, spawn
-from bamboo.launch.processes import ProcessCluster
+from bamboo.bench.emulated.forkserver import ForkServer
+from bamboo.bench.emulated.processes import ProcessCluster
+from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkServerError, run_to_end, spawn
 
 CHILD = '''
 import json, os, sys, time

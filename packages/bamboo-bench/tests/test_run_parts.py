@@ -150,3 +150,10 @@ def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.C
     assert f"                 node1.2: RuntimeError: Connection reset by peer (log {tmp_path / 'logs' / 'node1.log'})" \
         in out
 
+
+def test_bamboo_bench_declares_run_and_market_to_bamboo_launch() -> None:
+    """bamboo-launch finds ``run`` and ``market`` through bamboo-bench's entry points (it never imports them)."""
+    from bamboo.bench.emulated.cli import market, run
+    from bamboo.launch.cli import declared_commands
+
+    assert declared_commands() == {"run": run, "market": market}

@@ -127,6 +127,23 @@ def test_run_to_end_uses_the_named_server_and_kills_what_outruns_its_timeout(
         _wait_for(lambda: not Path(f"/proc/{pid}").exists())
 
 
+def test_run_to_end_forks_from_the_server_this_process_started_when_the_environment_names_none(
+    server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's own script runs (``describe``, ``reference``) come from the server it started (its
+    ``shared_fork_server``, named to bamboo-launch with ``use_local_server``); without one they are exec'd."""
+    from bamboo.launch import forkserver
+
+    script = tmp_path / "parent.py"
+    script.write_text("import os\nprint(os.getppid())\n")
+    monkeypatch.setattr(forkserver, "_local", None)
+    for named, parent in ((None, os.getpid()), (server, server._server.pid)):
+        forkserver.use_local_server(named)
+        with open(tmp_path / "out.log", "wb") as out:
+            assert run_to_end([sys.executable, str(script)], env={}, stdout=out, timeout_s=30) == 0
+        assert int(_lines(tmp_path / "out.log")[-1]) == parent
+
+
 def test_without_a_server_spawn_execs_the_command(child: Path) -> None:
     process = spawn([sys.executable, str(child), "4"], env={k: v for k, v in os.environ.items()
                                                            if k != FORK_SERVER_ENV})

@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from bamboo.launch import timeouts
+from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.launch.forkserver import ForkClient, ForkServerError, module_or_script, use_local_server
 
 __all__ = ["PRELOAD", "ForkServer", "serve", "shared_fork_server"]
@@ -60,7 +60,7 @@ class ForkServer(ForkClient):
     """A running fork server (see the module docstring); ``close`` (or the end of this process) stops it."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD, *,
-                 start_timeout_s: float = timeouts.FORK_SERVER_START_S) -> None:
+                 start_timeout_s: float = emulated_timeouts.FORK_SERVER_START_S) -> None:
         self._folder = tempfile.mkdtemp(prefix="bamboo-forks-")
         self.address = str(Path(self._folder) / "socket")
         self._server = subprocess.Popen(
@@ -82,7 +82,7 @@ class ForkServer(ForkClient):
         if self._server.stdin is not None and not self._server.stdin.closed:
             self._server.stdin.close()  # end of file: the server exits
         try:
-            self._server.wait(timeouts.REAP_TIMEOUT_S)
+            self._server.wait(emulated_timeouts.REAP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self._server.kill()
             self._server.wait()

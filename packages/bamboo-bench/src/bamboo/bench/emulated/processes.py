@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.bench.emulated.forkserver import ForkServer
-from bamboo.launch import timeouts
 from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkedProcess
 
 __all__ = ["ProcessCluster", "kill_process_group"]
@@ -64,7 +64,7 @@ class ProcessCluster:
         log_dir: str | os.PathLike[str] | None = None,
         notice_signal: signal.Signals = signal.SIGTERM,
         name_prefix: str = "node",
-        reap_timeout_s: float = timeouts.REAP_TIMEOUT_S,
+        reap_timeout_s: float = emulated_timeouts.REAP_TIMEOUT_S,
         fork_server: ForkServer | None = None,
     ) -> None:
         self._command = command

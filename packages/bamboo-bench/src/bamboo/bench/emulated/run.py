@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
+from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.bench.emulated.market import ActionKind, MarketAction, StartedClock
 from bamboo.bench.emulated.run_agents import agent_command, initial_plan, run_spec_fields, write_spec
 from bamboo.bench.emulated.run_options import RunError, RunHandles, RunOptions, RunResult
@@ -50,7 +51,6 @@ from bamboo.bench.emulated.run_results import (
 )
 from bamboo.bench.emulated.run_results import dumps_result as dumps_result
 from bamboo.bench.emulated.run_watch import EventRecorder, wait_end, wait_first_step
-from bamboo.launch import timeouts
 
 if TYPE_CHECKING:
     from bamboo.bench.emulated.forkserver import ForkServer
@@ -132,7 +132,7 @@ def run_cluster(
         timed_out = wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say,
                               options.progress_every)
     finally:
-        market.stop(timeout=timeouts.MARKET_STOP_S)
+        market.stop(timeout=emulated_timeouts.MARKET_STOP_S)
         cluster.close()
         recorder.stop()
         try:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 import attrs
+from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.launch import timeouts
 from bamboo.launch.json_types import JSONObject
 from bamboo.launch.spec import (
@@ -88,7 +89,7 @@ class RunOptions:
     seed: int = 0
     ttl: int = attrs.field(default=membership_timeouts.LEASE_TTL_S, validator=_POSITIVE)
     grace_s: float = attrs.field(default=membership_timeouts.GRACE_PERIOD_S, validator=_POSITIVE)
-    timeout_s: float = attrs.field(default=timeouts.RUN_TIMEOUT_S, validator=_POSITIVE)
+    timeout_s: float = attrs.field(default=emulated_timeouts.RUN_TIMEOUT_S, validator=_POSITIVE)
     live: bool = False
     progress_every: int = attrs.field(default=10, validator=_POSITIVE)
     """Without the live view, a progress line each time the step crosses a multiple of this."""

@@ -21,8 +21,8 @@ package never imports: a package declares such subcommands in the ``bamboo.launc
 none declares ``run`` or ``market`` (bamboo-bench is not installed), the command prints one line that says so and
 exits with status 2.
 
-Every flag's default comes from the options class it fills (``RunOptions``, ``AgentOptions``, ``JobSpec``,
-``K8sConfig``) or from a ``timeouts`` module. Bad input, and an etcd that does not answer, print one line,
+Every flag's default comes from the options class it fills (``AgentOptions``, ``JobSpec``, ``K8sConfig``; ``run``'s
+come from bamboo-bench's ``RunOptions``) or from a ``timeouts`` module. Bad input, and an etcd that does not answer, print one line,
 ``bamboo-launch: error: ...``, and exit with status 2; never a traceback.
 """
 

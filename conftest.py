@@ -30,7 +30,7 @@ class FakeClock:
     """The test suite's one clock: time moves only when someone sleeps on it or a test advances it.
 
     It reads as each clock of the code does: a callable (``EventLog``'s ``clock``, a detector's), the market's
-    :class:`bamboo.launch.market.Clock` (``now()``, ``sleep(seconds, stop)``), and bamboo-rc's ``Clock``
+    :class:`bamboo.bench.emulated.market.Clock` (``now()``, ``sleep(seconds, stop)``), and bamboo-rc's ``Clock``
     (``monotonic()``, ``time()``, ``sleep(seconds)``). ``t`` is its time in seconds; ``time()`` adds a Unix
     epoch; ``sleeps`` lists every sleep asked of it.
     """

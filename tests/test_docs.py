@@ -14,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILURE_MODEL = ROOT / "docs" / "failure-model.md"
-TIMEOUT_MODULES = ("bamboo.membership.timeouts", "bamboo.schedule.timeouts", "bamboo.rc.timeouts", "bamboo.launch.timeouts")
-ROW = re.compile(r"^\| `(bamboo\.[a-z]+\.timeouts\.[A-Z0-9_]+)` \| `([0-9.]+) s` \| (.*?) \| (.+) \|$")
+TIMEOUT_MODULES = ("bamboo.membership.timeouts", "bamboo.schedule.timeouts", "bamboo.rc.timeouts", "bamboo.launch.timeouts",
+                   "bamboo.bench.emulated.timeouts")
+ROW = re.compile(r"^\| `(bamboo\.[a-z]+(?:\.[a-z]+)?\.timeouts\.[A-Z0-9_]+)` \| `([0-9.]+) s` \| (.*?) \| (.+) \|$")
 
 
 def _table() -> dict[str, float]:

@@ -198,9 +198,9 @@ def one_reconfiguration(work: Path, before: bool, timeout_s: float) -> dict[str,
     10, its shadow fails over, and the next layout puts the standby node in. ``before``: as before make before
     break (the nodes stop at the barrier and decide and build there); else prepared while training goes on.
     Returns its ``reconfiguration`` record and whether the run was exact."""
+    from bamboo.bench.emulated.run import RunOptions, compare_with_reference, run_cluster
     from bamboo.launch.events import Reconfiguration, read_events
     from bamboo.launch.prepare import BREAK_BEFORE_MAKE_ENV
-    from bamboo.launch.run import RunOptions, compare_with_reference, run_cluster
 
     name = f"one-reconfiguration-{'before' if before else 'after'}"
     work.mkdir(parents=True, exist_ok=True)

@@ -201,7 +201,7 @@ def idle(args: argparse.Namespace, say: Log) -> dict[str, Any]:
 
 def live_child(window_s: float) -> None:
     """The live view's loop alone (module docstring); prints its CPU seconds per hour as JSON."""
-    from bamboo.launch import timeouts
+    from bamboo.bench.emulated import timeouts as emulated_timeouts
     from bamboo.launch.events import EventLog, Join, RunStart, Step
     from bamboo.launch.live import EventFollower, LiveView
     from rich.console import Console
@@ -227,7 +227,7 @@ def live_child(window_s: float) -> None:
         with LiveView(EventFollower(path).poll, console) as view:  # what bamboo-launch run draws
             while time.monotonic() - started < window_s:
                 view.update()
-                time.sleep(timeouts.LIVE_REFRESH_S)
+                time.sleep(emulated_timeouts.LIVE_REFRESH_S)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         stop.set()
     seconds = time.monotonic() - started

@@ -10,7 +10,7 @@ in backward passes), with SIGKILL of the node's processes; a replacement node st
 after each kill (the market's join). The next kill waits until the job trains on P x D nodes again and a few
 steps have passed, so it hits a healthy layout.
 
-1. **bamboo** (`bamboo.launch.run.run_cluster`, `during` callback): the shadow fails over, the pipelines are
+1. **bamboo** (`bamboo.bench.emulated.run.run_cluster`, `during` callback): the shadow fails over, the pipelines are
    rebuilt with the replacement. The pause is measured two ways from the kill (the wall time just before the
    signal), with the shadow's `failover` record: to its first instruction of the merged schedule
    (`resumed_unix`), and to the end of the failed step (`step_end_unix`).
@@ -114,8 +114,8 @@ def _kill_at_phase(watch: EventWatch, phase: float, kill: Callable[[], float]) -
 
 
 def bamboo_kills(args: argparse.Namespace, say: Log) -> dict[str, Any]:
+    from bamboo.bench.emulated.run import RunOptions, run_cluster
     from bamboo.launch.events import Failover, Join, Reconfiguration, Step
-    from bamboo.launch.run import RunOptions, run_cluster
     from bamboo.reconfig import JobLayout
 
     stages, pipelines = 2, 2

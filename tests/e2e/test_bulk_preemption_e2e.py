@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Preemption, Reconfiguration, read_events
-from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import attrs
 import pytest
+from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Checkpoint, Failover, Preemption, Reconfiguration, Restore, Step, read_events
-from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

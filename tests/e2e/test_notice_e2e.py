@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bamboo.bench.emulated.run import RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Failover, Preemption, Reconfiguration, Step, read_events
-from bamboo.launch.run import RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
 

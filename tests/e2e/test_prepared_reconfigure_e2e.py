@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Reconfiguration, Step, read_events
 from bamboo.launch.prepare import PREPARE_PAUSE_ENV
 from bamboo.launch.records import PreparedLayout, StopDecision
-from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Preemption, Reconfiguration, Restore, Step, read_events
-from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Checkpoint, Preemption, Reconfiguration, Restore, Step, read_events
 from bamboo.launch.report import compute_report
-from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from bamboo.bench.emulated.run import RunError, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.cli import main
 from bamboo.launch.events import Restore, Step, read_events
-from bamboo.launch.run import RunError, RunOptions, compare_with_reference, run_cluster
 from bamboo.rc.model import GPTSize, gpt_layer_specs
 
 pytestmark = pytest.mark.timeout(600)  # three runs, in the lane of short tests at a low priority

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Failover, Join, Preemption, Reconfiguration, read_events
-from bamboo.launch.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.rc.model import GPTSize, gpt_layer_specs, stage_bounds
 from bamboo.reconfig import JobLayout
 

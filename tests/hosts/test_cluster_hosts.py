@@ -134,7 +134,7 @@ class HostCluster:
     def compare(self) -> dict[str, Any]:
         """The final parameters of every worker against the fault-free single-process reference."""
         import torch
-        from bamboo.launch.reference import compare_reports
+        from bamboo.bench.emulated.reference import compare_reports
         from bamboo.launch.spec import JobSpec
 
         spec = JobSpec.from_json(self.kv.get(self.membership.keys.root + "spec").value)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bamboo.bench.emulated.market import ActionKind, MarketAction
 from bamboo.bench.measured.baseline import (
     BaselineSpec,
     CheckpointInterval,
@@ -20,7 +21,6 @@ from bamboo.bench.measured.baseline import (
     usable_pipelines,
 )
 from bamboo.bench.measured.torchrun import CheckpointRestartOptions, torchrun_command
-from bamboo.launch.market import ActionKind, MarketAction
 
 
 def test_young_rule_gives_k_from_cost_mtbf_and_step_time() -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import attrs
 import pytest
+from bamboo.bench.emulated.run import RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import WorkerPhase, read_events
 from bamboo.launch.hooks import Evaluation, TrainingHooks, evaluation_batches, run_step_hooks
-from bamboo.launch.run import RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.script import ScriptError, describe_script
 from bamboo.rc import StepInfo
 

@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 import yaml
+from bamboo.bench.emulated.run import RunOptions, RunResult, compare_with_reference
 from bamboo.launch.cli import main
 from bamboo.launch.events import Join, read_etcd_events
-from bamboo.launch.run import RunOptions, RunResult, compare_with_reference
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions
 from bamboo.membership.embedded import free_port
 

@@ -14,10 +14,10 @@ from types import ModuleType
 
 import pytest
 import torch
+from bamboo.bench.emulated.run import RunOptions
 from bamboo.launch import cli
 from bamboo.launch.agent import worker_command
 from bamboo.launch.reference import train_reference_program
-from bamboo.launch.run import RunOptions
 from bamboo.launch.script import (
     ENV_MODE,
     ENV_NODE,

@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from bamboo.launch.run import RunError, RunOptions, run_cluster
+from bamboo.bench.emulated.run import RunError, RunOptions, run_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

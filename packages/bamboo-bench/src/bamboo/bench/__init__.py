@@ -14,7 +14,10 @@
   (``table6``, ``dp``), reproduced on the synthetic model and compared figure by figure (`Reproduction`).
 - `load_preemptions` (in `bamboo.bench.preemptions`): the one reader of ``--preemptions FILE|synthetic:RATE``
   with ``--zones``, shared by bamboo-launch's and bamboo-bench's commands.
-- `bamboo.bench.measured` (``pip install bamboo-bench[measured]``, a layer above bamboo-launch, not imported
+- `bamboo.bench.emulated` (``pip install bamboo-bench[emulated]``, a layer above bamboo-launch, not imported
+  here): the emulated spot cluster, ``bamboo-launch run`` and ``bamboo-launch market`` (bamboo-launch finds them
+  through the ``bamboo.launch.commands`` entry points).
+- `bamboo.bench.measured` (``pip install bamboo-bench[measured]``, a layer above the emulated one, not imported
   here): the measured comparison of bamboo, checkpoint/restart and on-demand (``bamboo-bench compare``), each
   run predicted by the simulator from the profile it measured.
 - `plot_runs` (in `bamboo.bench.plot`, imported lazily because it loads matplotlib): Figure-12

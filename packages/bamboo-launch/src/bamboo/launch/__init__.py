@@ -1,4 +1,4 @@
-"""bamboo.launch: the agent every machine of a job runs, ``bamboo-launch run``, and their parts.
+"""bamboo.launch: the agent every machine of a job runs, and its parts.
 
 - :mod:`bamboo.launch.agent`: ``bamboo-launch agent``, one per machine and the whole system: the job's
   spec, registration, failure detection, the worker it supervises; :mod:`bamboo.launch.coordinator`: the
@@ -7,9 +7,7 @@
   reconfiguration at step boundaries, checkpoints); :mod:`bamboo.launch.attempt`: starting a new layout
   as an attempt that everyone commits to or abandons; :mod:`bamboo.launch.reconfigure`: the view, the
   restore point; :mod:`bamboo.launch.notices`: how a worker learns of confirmed failures;
-- :mod:`bamboo.launch.run`: :func:`run_cluster` composes an embedded etcd, the emulated spot market and
-  one agent process per node, plus the live view; :func:`compare_with_reference` checks a run against a
-  fault-free single-process run (:mod:`bamboo.launch.reference`);
+- :mod:`bamboo.launch.reference`: the fault-free single-process run of a model (a script's ``reference`` mode);
 - :mod:`bamboo.launch.script`: :func:`train_worker`, the one call of a user training script;
   :mod:`bamboo.launch.hooks`: its ``on_step`` and ``evaluate`` hooks (:class:`TrainingHooks`, :class:`Evaluation`);
 - :mod:`bamboo.launch.export`: a run's final model, or a checkpoint, as one state dict (``bamboo-launch export``);
@@ -20,15 +18,18 @@
   and on-demand cost, value) and its four-panel plot;
 - checkpoints of the live system (:class:`AsyncCheckpointer`, :func:`load_latest_good`, ...) are written in
   bamboo-rc's one checkpoint format, :mod:`bamboo.rc.checkpoint_files`, and re-exported here;
-- :mod:`bamboo.launch.market`: the emulated spot market (a pure plan, a scheduler on an injectable
-  clock, real process-group kills);
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
 - :mod:`bamboo.launch.live`: the live progress view, folded from an event log as it grows;
-- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command, one module per subcommand (``agent``, ``run``,
-  ``export``, ``k8s render|validate``, ``market``, ``report``, ``watch``, ``finish``).
+- :mod:`bamboo.launch.forkserver`: starting a process through the fork server that an emulated cluster
+  names (an agent's worker);
+- :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command, one module per subcommand (``agent``, ``export``,
+  ``k8s render|validate``, ``report``, ``watch``, ``finish``), and the subcommands other packages declare in
+  the ``bamboo.launch.commands`` entry-point group (``run`` and ``market``, from bamboo-bench).
 
-The measured experiments (``bamboo-bench compare``: bamboo against checkpoint/restart and on-demand) are a
-layer above this package, :mod:`bamboo.bench.measured`; this package never imports them.
+Two layers of bamboo-bench sit above this package, and this package never imports them: the emulated spot
+cluster (:mod:`bamboo.bench.emulated`: ``bamboo-launch run``'s :func:`run_cluster`, the emulated spot market,
+one agent process per node, ``--verify``), and the measured experiments (:mod:`bamboo.bench.measured`:
+``bamboo-bench compare``, bamboo against checkpoint/restart and on-demand).
 
 Importing this package does not import torch or matplotlib; the functions that need them do.
 """
@@ -52,26 +53,9 @@ from bamboo.launch.export import ExportError, export_checkpoint, export_run, sav
 from bamboo.launch.hooks import Evaluation, TrainingHooks
 from bamboo.launch.k8s import K8sConfig, ManifestValidationError, render_manifests, validate_manifests
 from bamboo.launch.live import EventFollower, LiveState, render_live
-from bamboo.launch.market import (
-    ActionKind,
-    MarketAction,
-    MonotonicClock,
-    SpotMarket,
-    StartedClock,
-    plan_market,
-)
-from bamboo.launch.processes import ProcessCluster, kill_process_group
 from bamboo.launch.reconfigure import build_view, transfer_participants
-from bamboo.launch.reference import train_reference_history, train_reference_program
+from bamboo.launch.reference import train_reference_program
 from bamboo.launch.report import Prices, Report, ReportError, compute_report, format_report, plot_report
-from bamboo.launch.run import (
-    RunError,
-    RunHandles,
-    RunOptions,
-    RunResult,
-    compare_with_reference,
-    run_cluster,
-)
 from bamboo.launch.script import ScriptError, train_worker
 from bamboo.launch.spec import JobSpec, Program, WorkerContext
 from bamboo.rc.checkpoint_async import AsyncCheckpointer
@@ -86,7 +70,6 @@ from bamboo.rc.checkpoint_files import (
 )
 
 __all__ = [
-    "ActionKind",
     "AsyncCheckpointer",
     "Checkpoint",
     "CheckpointError",
@@ -104,46 +87,32 @@ __all__ = [
     "LiveState",
     "LoadedCheckpoint",
     "ManifestValidationError",
-    "MarketAction",
-    "MonotonicClock",
     "NoGoodCheckpointError",
     "Preemption",
     "Prices",
-    "ProcessCluster",
     "Program",
     "Reconfiguration",
     "Report",
     "ReportError",
     "Restore",
     "RunEnd",
-    "RunError",
-    "RunHandles",
-    "RunOptions",
-    "RunResult",
     "RunStart",
     "ScriptError",
-    "SpotMarket",
-    "StartedClock",
     "Step",
     "TrainingHooks",
     "WorkerContext",
     "build_view",
-    "compare_with_reference",
     "compute_report",
     "export_checkpoint",
     "export_run",
     "format_report",
-    "kill_process_group",
     "load_checkpoint",
     "load_latest_good",
-    "plan_market",
     "plot_report",
     "read_events",
     "render_live",
     "render_manifests",
-    "run_cluster",
     "save_state_dict",
-    "train_reference_history",
     "train_reference_program",
     "train_worker",
     "transfer_participants",

@@ -60,6 +60,7 @@ __all__ = [
     "WORKER_NICENESS",
     "AgentError",
     "AgentOptions",
+    "agent_argv",
     "describe_model",
     "ensure_spec",
     "new_spec",
@@ -71,6 +72,12 @@ __all__ = [
 
 MAX_WORKER_FAILURES = 3
 """Worker failures in a row (without the job ending) after which an agent gives up."""
+
+
+def agent_argv() -> list[str]:
+    """The command line that starts an agent in this interpreter, before its flags (``python -m bamboo.launch
+    agent``): what the nodes of an emulated cluster run, so that it need not write out this package's module."""
+    return [sys.executable, "-m", "bamboo.launch", "agent"]
 
 
 def say_line(line: str) -> None:

@@ -1,7 +1,7 @@
 """A worker never outlives the agent that fences it: it watches its agent's process and ends with it.
 
 The agent names itself in its worker's environment (``BAMBOO_AGENT_PID``, :data:`AGENT_PID_ENV`). On an
-emulated cluster the fork server (:mod:`bamboo.launch.forkserver`) forks the worker, so the worker's parent is
+emulated cluster the fork server (:mod:`bamboo.bench.emulated.forkserver`) forks the worker, so the worker's parent is
 that server, not its agent, and watching the parent would miss the agent's death. The watch holds a pidfd of
 the agent, which becomes readable once the agent has ended, reaped or not, and which no reuse of the pid can
 fool. A worker started after its agent had already ended (a node killed while its worker was being forked:

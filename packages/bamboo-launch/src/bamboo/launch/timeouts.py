@@ -20,19 +20,13 @@ __all__ = [
     "DECISION_POLL_S",
     "ETCD_OUTAGE_S",
     "ETCD_RETRY_S",
-    "FORK_SERVER_START_S",
     "K8S_API_TIMEOUT_S",
     "K8S_GRACE_PERIOD_S",
     "LEADER_POLL_S",
-    "LIVE_REFRESH_S",
-    "MARKET_STOP_S",
     "NODE_SHORTAGE_SAY_S",
     "NOTICE_DIRECT_READ_S",
-    "REAP_TIMEOUT_S",
     "RECONFIGURE_TIMEOUT_S",
     "ROLE_RESCAN_S",
-    "RUN_POLL_S",
-    "RUN_TIMEOUT_S",
     "SCRIPT_DESCRIBE_TIMEOUT_S",
     "SCRIPT_REFERENCE_TIMEOUT_S",
     "SPEC_POLL_S",
@@ -74,9 +68,6 @@ SPEC_WAIT_S = 600.0
 
 WORKER_EXIT_GRACE_S = 30.0
 """Once the job has ended, how long an agent waits for its worker to exit by itself before killing it."""
-
-RUN_TIMEOUT_S = 3600.0
-"""How long ``bamboo-launch run`` may take in all before every node is killed (``--timeout``)."""
 
 SCRIPT_DESCRIBE_TIMEOUT_S = 300.0
 """How long a user script may take to describe its model (``describe`` mode) before it is an error."""
@@ -130,24 +121,8 @@ COPY_INDEX_S = 0.05
 """Shortest pause between two updates of a node's index of in-memory copies in etcd (changes in between are
 published together)."""
 
-RUN_POLL_S = 0.1
-"""How often ``bamboo-launch run`` mirrors the event log and checks its agents."""
-
 WATCH_POLL_S = 0.5
 """How often ``bamboo-launch watch`` reads the event log again (``--interval``)."""
-
-LIVE_REFRESH_S = 0.25
-"""How often the live view of ``bamboo-launch run`` is redrawn."""
-
-MARKET_STOP_S = 10.0
-"""How long ``bamboo-launch run`` waits for the market's thread to stop at the end."""
-
-FORK_SERVER_START_S = 120.0
-"""How long an emulated cluster's fork server may take to import torch and bamboo before the launcher gives
-it up (``bamboo.launch.forkserver``; a loaded machine takes seconds)."""
-
-REAP_TIMEOUT_S = 10.0
-"""How long the emulated market waits for a SIGKILLed node's process to be reaped (then it is reported)."""
 
 THREAD_JOIN_S = 5.0
 """How long stopping waits for a background thread (the coordinator, the event recorder) to end."""

@@ -20,7 +20,7 @@ Bamboo against the systems users run instead, each one trained for real on the s
   subcommands of ``bamboo-bench``.
 
 bamboo-launch never imports this layer (an import contract in ``pyproject.toml`` says so); it imports
-bamboo-launch's run, market, events and reports. Importing it does not import torch.
+the emulated cluster (:mod:`bamboo.bench.emulated`: run, market) and bamboo-launch's events and reports. Importing it does not import torch.
 """
 
 from bamboo.bench.measured.baseline import (

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 from bamboo.bench import timeouts
 from bamboo.bench._validators import POSITIVE_INT
-from bamboo.launch.market import ActionKind, MarketAction
+from bamboo.bench.emulated.market import ActionKind, MarketAction
 
 __all__ = [
     "SPEC_ENV",
@@ -123,7 +123,7 @@ class Interruptions:
 
 
 def trace_interruptions(plan: Sequence[MarketAction]) -> Interruptions:
-    """What interrupts a checkpoint/restart job in ``plan`` (:func:`bamboo.launch.market.plan_market`'s
+    """What interrupts a checkpoint/restart job in ``plan`` (:func:`bamboo.bench.emulated.market.plan_market`'s
     actions): every kill, and every addition after the start, since torchrun
     restarts all workers for either."""
     kills = sum(action.kind is ActionKind.KILL for action in plan)

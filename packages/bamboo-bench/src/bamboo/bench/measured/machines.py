@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from bamboo.launch.processes import ProcessCluster, kill_process_group
+from bamboo.bench.emulated.processes import ProcessCluster, kill_process_group
 
 __all__ = ["MachineCluster"]
 
@@ -40,7 +40,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 class MachineCluster(ProcessCluster):
-    """A :class:`bamboo.launch.processes.ProcessCluster` whose kill takes a node's whole process tree, which knows
+    """A :class:`bamboo.bench.emulated.processes.ProcessCluster` whose kill takes a node's whole process tree, which knows
     which machines the market took (``taken``), and which can start a machine's agent again.
 
     torchrun starts each worker in a session of its own, so a SIGKILL of the agent's process group would

@@ -3,7 +3,7 @@
 ``bamboo-bench measure SYSTEM`` (:mod:`bamboo.bench.measured.run`; ``bamboo-bench compare`` runs it once per
 system) trains the built-in example (or a user script) with one of three systems on the same market:
 
-- ``bamboo``: ``bamboo-launch run`` (:func:`bamboo.launch.run.run_cluster`) with eager redundant computation,
+- ``bamboo``: ``bamboo-launch run`` (:func:`bamboo.bench.emulated.run.run_cluster`) with eager redundant computation,
   on the trace's nodes;
 - ``checkpoint``: the checkpoint/restart system users run today (:func:`bamboo.bench.measured.torchrun.run_checkpoint_restart`:
   torchrun elastic agents, DeepSpeed's ``PipelineEngine``, checkpoints every K steps by Young's rule);

@@ -1,6 +1,6 @@
 """``bamboo-bench measure SYSTEM``: one system of a comparison run to its end on the emulated market, measured.
 
-- ``bamboo``: ``bamboo-launch run`` (:func:`bamboo.launch.run.run_cluster`) with eager redundant computation on
+- ``bamboo``: ``bamboo-launch run`` (:func:`bamboo.bench.emulated.run.run_cluster`) with eager redundant computation on
   the trace's nodes, its workers' ``warm`` records read while it trains (for the instance-creation cost);
 - ``checkpoint``: the checkpoint/restart baseline (:func:`bamboo.bench.measured.torchrun.run_checkpoint_restart`),
   with when each node's torchrun agent entered the rendezvous (for the instance-creation cost);
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.bench import timeouts
+from bamboo.bench.emulated.run import RunError, RunHandles, RunOptions, run_cluster
 from bamboo.bench.measured.baseline import RestartCost
 from bamboo.bench.measured.measure import measure_events, measured_profile
 from bamboo.bench.measured.options import MeasureError, MeasureOptions
@@ -34,7 +35,6 @@ from bamboo.bench.measured.torchrun import (
 from bamboo.launch.events import read_events
 from bamboo.launch.records import WorkerWarm
 from bamboo.launch.report import Prices, ReportError, compute_report, compute_timeline
-from bamboo.launch.run import RunError, RunHandles, RunOptions, run_cluster
 
 __all__ = ["run_measured"]
 

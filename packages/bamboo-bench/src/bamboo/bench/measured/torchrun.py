@@ -5,7 +5,7 @@ DeepSpeed config, global batch and data order) with DeepSpeed's own ``PipelineEn
 elastic agents, and replays the same preemption trace against it:
 
 - **one torchrun elastic agent per market node** (``python -m torch.distributed.run``, ``--nproc-per-node 1``),
-  started by a :class:`bamboo.launch.processes.ProcessCluster` as the leader of its own process group. torchrun
+  started by a :class:`bamboo.bench.emulated.processes.ProcessCluster` as the leader of its own process group. torchrun
   starts its worker in a session of its own, so this cluster's kill SIGKILLs the process groups of the agent
   and of all its descendants (and the worker asks Linux to kill it when its agent dies): a market kill takes
   the agent and its worker, as a lost machine would;
@@ -72,6 +72,13 @@ from typing import Any
 import attrs
 from bamboo.bench import timeouts
 from bamboo.bench._validators import POSITIVE_INT
+from bamboo.bench.emulated.market import (
+    ActionKind,
+    ExecutedAction,
+    SpotMarket,
+    StartedClock,
+)
+from bamboo.bench.emulated.run import RunOptions, initial_plan
 from bamboo.bench.measured.baseline import (
     SPEC_ENV,
     BaselineSpec,
@@ -90,13 +97,6 @@ from bamboo.bench.measured.machines import MachineCluster
 from bamboo.bench.measured.rendezvous import RendezvousWatch
 from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart, Step, read_events
 from bamboo.launch.example import DEFAULT_LAYERS, EXAMPLE_CONFIG
-from bamboo.launch.market import (
-    ActionKind,
-    ExecutedAction,
-    SpotMarket,
-    StartedClock,
-)
-from bamboo.launch.run import RunOptions, initial_plan
 
 __all__ = [
     "BaselineError",
@@ -175,7 +175,7 @@ class CheckpointRestartOptions:
                              f"layers")
 
     def run_options(self) -> RunOptions:
-        """The :class:`bamboo.launch.run.RunOptions` of the same cluster and trace (for ``initial_plan``)."""
+        """The :class:`bamboo.bench.emulated.run.RunOptions` of the same cluster and trace (for ``initial_plan``)."""
         return RunOptions(nodes=self.nodes, stages=self.stages, pipelines=self.pipelines, steps=self.steps,
                           zones=self.zones, preemptions=self.preemptions, time_scale=self.time_scale,
                           hours=self.hours, trace_seed=self.trace_seed, allocation_delay_s=self.allocation_delay_s,
@@ -280,7 +280,7 @@ def run_checkpoint_restart(
     """Run the checkpoint/restart baseline on the emulated market to the end (see the module docstring).
 
     ``during``, if given, runs in a background thread once training has started (as in
-    :func:`bamboo.launch.run.run_cluster`). Raises :class:`BaselineError` when the job cannot start, or when
+    :func:`bamboo.bench.emulated.run.run_cluster`). Raises :class:`BaselineError` when the job cannot start, or when
     every agent exited before the last step.
     """
     import torch.distributed as dist  # the rendezvous store (the launcher's, never preempted)

@@ -3,18 +3,26 @@
 - ``bamboo-launch agent --job J --etcd HOST:PORT ... [-- SCRIPT ARGS]``: one machine's agent, what every
   machine of a cluster runs and what ``run`` starts per node (:mod:`bamboo.launch.cli.agent`);
 - ``bamboo-launch run [...] [-- SCRIPT ARGS]``: train the built-in example, or a user script that calls
-  ``bamboo.launch.train_worker``, on an emulated spot cluster (:mod:`bamboo.launch.cli.run`);
+  ``bamboo.launch.train_worker``, on an emulated spot cluster (bamboo-bench's
+  :mod:`bamboo.bench.emulated.cli.run`, found through the entry points below);
 - ``bamboo-launch export (RUN_DIR | --checkpoint-dir DIR) -o MODEL.pt``: the trained model as one state dict
   (:mod:`bamboo.launch.cli.export`);
 - ``bamboo-launch k8s render`` / ``k8s validate FILE...``: Kubernetes manifests for EKS or GKE spot pools,
   validated against the Kubernetes schemas (:mod:`bamboo.launch.cli.k8s`);
-- ``bamboo-launch market``: the emulated spot market against one process per node (:mod:`bamboo.launch.cli.market`);
+- ``bamboo-launch market``: the emulated spot market against one process per node (bamboo-bench's
+  :mod:`bamboo.bench.emulated.cli.market`, found the same way);
 - ``bamboo-launch report (EVENTS.jsonl | --etcd URL --job J)``: a run's final report (:mod:`bamboo.launch.cli.report`);
 - ``bamboo-launch watch (EVENTS.jsonl | --etcd URL --job J)``: the live view of a run (:mod:`bamboo.launch.cli.watch`);
 - ``bamboo-launch finish --etcd URL --job J``: end a job early at a step boundary (:mod:`bamboo.launch.cli.finish`).
 
-Every flag's default comes from the options class it fills (``RunOptions``, ``AgentOptions``, ``JobSpec``,
-``K8sConfig``) or from a ``timeouts`` module. Bad input, and an etcd that does not answer, print one line,
+``run`` and ``market`` belong to the emulated cluster, a layer of bamboo-bench above this package, which this
+package never imports: a package declares such subcommands in the ``bamboo.launch.commands`` entry-point group
+(``NAME = "module"``, a module with ``add_parser(subparsers)``), read here with :mod:`importlib.metadata`. When
+none declares ``run`` or ``market`` (bamboo-bench is not installed), the command prints one line that says so and
+exits with status 2.
+
+Every flag's default comes from the options class it fills (``AgentOptions``, ``JobSpec``, ``K8sConfig``; ``run``'s
+come from bamboo-bench's ``RunOptions``) or from a ``timeouts`` module. Bad input, and an etcd that does not answer, print one line,
 ``bamboo-launch: error: ...``, and exit with status 2; never a traceback.
 """
 
@@ -24,9 +32,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
+from types import ModuleType
 
 from bamboo.bench.argtypes import USAGE, OneLineParser
-from bamboo.launch.cli import agent, export, finish, k8s, market, report, run, watch
+from bamboo.launch.cli import agent, export, finish, k8s, report, watch
 from bamboo.launch.cli.agent import agent_spec_fields
 from bamboo.launch.cli.common import CliError, error_line
 from bamboo.membership import StoreError
@@ -36,8 +46,45 @@ __all__ = ["agent_spec_fields", "build_parser", "main"]
 TRACEBACK_ENV = "BAMBOO_TRACEBACK"
 """Set (to anything) to see the traceback of an internal error instead of its one line."""
 
-COMMANDS = (agent, run, export, k8s, market, report, watch, finish)
-"""The subcommands' modules, in the order ``--help`` lists them."""
+COMMANDS = (agent, export, k8s, report, watch, finish)
+"""This package's subcommands' modules."""
+
+ENTRY_POINT_GROUP = "bamboo.launch.commands"
+"""The entry-point group in which other packages declare subcommands of ``bamboo-launch`` (name = module)."""
+
+PLUGGED_COMMANDS = ("run", "market")
+"""The subcommands that bamboo-bench's emulated cluster declares in :data:`ENTRY_POINT_GROUP`."""
+
+ORDER = ("agent", "run", "export", "k8s", "market", "report", "watch", "finish")
+"""The order in which ``--help`` lists the subcommands (any other declared one comes after them)."""
+
+PLUGGED_MISSING = ("bamboo-launch {command} needs bamboo-bench (its emulated spot cluster), which is not installed "
+                   "here: pip install 'bamboo-bench[emulated]' (or -e packages/bamboo-bench)")
+
+
+def declared_commands() -> dict[str, ModuleType]:
+    """The subcommands' modules that installed packages declare in :data:`ENTRY_POINT_GROUP`, by name (one
+    whose module cannot be imported is left out: its command then says what is missing)."""
+    found: dict[str, ModuleType] = {}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            module = point.load()
+        except ImportError:
+            continue
+        if isinstance(module, ModuleType) and hasattr(module, "add_parser"):
+            found.setdefault(point.name, module)
+    return found
+
+
+def _missing(args: argparse.Namespace) -> int:
+    raise CliError(PLUGGED_MISSING.format(command=args.command))
+
+
+def _add_missing(subparsers: argparse._SubParsersAction, name: str) -> None:
+    """A command that only says what to install (:func:`_parse` accepts every word after it, so that this one
+    line is what shows)."""
+    stub = subparsers.add_parser(name, help="(needs bamboo-bench)", add_help=False)
+    stub.set_defaults(handler=_missing, script=[])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,10 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Bamboo's launcher: the agent every machine of a job runs, training runs on an emulated spot "
         "cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True,
-                                       metavar="{agent,run,export,k8s,market,report,watch,finish}")
-    for command in COMMANDS:
-        command.add_parser(subparsers)
+    modules = {module.__name__.rsplit(".", 1)[-1]: module for module in COMMANDS}
+    declared = declared_commands()
+    names = [name for name in ORDER if name in modules or name in declared or name in PLUGGED_COMMANDS]
+    names += sorted(name for name in declared if name not in names)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
+    for name in names:
+        module = modules.get(name) or declared.get(name)
+        if module is None:
+            _add_missing(subparsers, name)
+        else:
+            module.add_parser(subparsers)
     return parser
 
 
@@ -65,6 +119,8 @@ def _parse(words: list[str]) -> argparse.Namespace:
     parser = build_parser()
     arguments, script = _split_script(words)
     args, unknown = parser.parse_known_args(arguments)
+    if getattr(args, "handler", None) is _missing:
+        return args
     if unknown:
         hint = ""
         if hasattr(args, "script") and any(word.endswith(".py") for word in unknown):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 import pytest
+from bamboo.bench.emulated.market import ActionKind
+from bamboo.bench.emulated.run import RunOptions, agent_command, initial_plan, run_spec_fields
 from bamboo.launch.cli import agent_spec_fields, build_parser, main
-from bamboo.launch.market import ActionKind
-from bamboo.launch.run import RunOptions, agent_command, initial_plan, run_spec_fields
 
 
 def test_initial_plan_without_preemptions_spreads_nodes_over_zones() -> None:
@@ -111,9 +111,9 @@ def test_the_report_states_the_verdict_of_verify(tmp_path, capsys: pytest.Captur
                                                  verdict: str, status: int) -> None:
     import argparse
 
-    from bamboo.launch.cli.run import finish_run
+    from bamboo.bench.emulated.cli.run import finish_run
+    from bamboo.bench.emulated.run import RunResult
     from bamboo.launch.events import EventLog, RunStart, Step
-    from bamboo.launch.run import RunResult
 
     events = tmp_path / "events.jsonl"
     with EventLog(events) as log:
@@ -158,9 +158,9 @@ def test_with_json_stdout_is_the_report_alone_whatever_the_verification_prints(
 def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from bamboo.launch.cli.run import finish_run
+    from bamboo.bench.emulated.cli.run import finish_run
+    from bamboo.bench.emulated.run import RunResult
     from bamboo.launch.events import EventLog, RunStart, Step
-    from bamboo.launch.run import RunResult
 
     events = tmp_path / "events.jsonl"
     with EventLog(events) as log:
@@ -177,3 +177,11 @@ def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.C
     assert f"worker errors    node0: {shape} (log {tmp_path / 'logs' / 'node0.log'})" in out
     assert f"                 node1.2: RuntimeError: Connection reset by peer (log {tmp_path / 'logs' / 'node1.log'})" \
         in out
+
+
+def test_bamboo_bench_declares_run_and_market_to_bamboo_launch() -> None:
+    """bamboo-launch finds ``run`` and ``market`` through bamboo-bench's entry points (it never imports them)."""
+    from bamboo.bench.emulated.cli import market, run
+    from bamboo.launch.cli import declared_commands
+
+    assert declared_commands() == {"run": run, "market": market}

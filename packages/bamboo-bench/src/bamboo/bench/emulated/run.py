@@ -4,7 +4,7 @@
 
 1. etcd: an :class:`bamboo.membership.EmbeddedEtcd` (real ``etcd`` on free loopback ports, its data
    dir in the run dir, stopped on exit), or an external cluster (endpoints, auth and TLS passed through);
-2. the emulated spot market (:mod:`bamboo.launch.market`): for each node of the trace it starts one
+2. the emulated spot market (:mod:`bamboo.bench.emulated.market`): for each node of the trace it starts one
    ``bamboo-launch agent`` process (the very command a cluster's machines run, see
    :mod:`bamboo.launch.agent`), leader of its own process group in the launcher's session, and replays the trace's kills (SIGKILL
    of the whole group) and additions, compressed by ``time_scale``. Trace time runs from the first
@@ -21,9 +21,9 @@ ends when the job's end record is in etcd and every agent has exited, or at ``ti
 :func:`compare_with_reference` checks the workers' final parameters against a fault-free
 single-process run of the same steps.
 
-Its parts: :mod:`bamboo.launch.run_options` (what a run takes and leaves), :mod:`bamboo.launch.run_agents`
-(the market's plan, the agents' command lines, the spec), :mod:`bamboo.launch.run_watch` (following the job),
-:mod:`bamboo.launch.run_results` (reading back what it left, ``--verify``); this module composes them.
+Its parts: :mod:`bamboo.bench.emulated.run_options` (what a run takes and leaves), :mod:`bamboo.bench.emulated.run_agents`
+(the market's plan, the agents' command lines, the spec), :mod:`bamboo.bench.emulated.run_watch` (following the job),
+:mod:`bamboo.bench.emulated.run_results` (reading back what it left, ``--verify``); this module composes them.
 """
 
 from __future__ import annotations
@@ -38,24 +38,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
-from bamboo.launch import timeouts
-from bamboo.launch.market import ActionKind, MarketAction, StartedClock
-from bamboo.launch.run_agents import agent_command, initial_plan, run_spec_fields, write_spec
-from bamboo.launch.run_options import RunError, RunHandles, RunOptions, RunResult
-from bamboo.launch.run_results import (
+from bamboo.bench.emulated import timeouts as emulated_timeouts
+from bamboo.bench.emulated.market import ActionKind, MarketAction, StartedClock
+from bamboo.bench.emulated.run_agents import agent_command, initial_plan, run_spec_fields, write_spec
+from bamboo.bench.emulated.run_options import RunError, RunHandles, RunOptions, RunResult
+from bamboo.bench.emulated.run_results import (
     compare_with_reference,
     load_reports,
     read_failures,
     read_worker_errors,
     save_records,
 )
-from bamboo.launch.run_results import dumps_result as dumps_result
-from bamboo.launch.run_watch import EventRecorder, wait_end, wait_first_step
+from bamboo.bench.emulated.run_results import dumps_result as dumps_result
+from bamboo.bench.emulated.run_watch import EventRecorder, wait_end, wait_first_step
 
 if TYPE_CHECKING:
-    from bamboo.launch.forkserver import ForkServer
-    from bamboo.launch.market import ExecutedAction
-    from bamboo.launch.processes import ProcessCluster
+    from bamboo.bench.emulated.forkserver import ForkServer
+    from bamboo.bench.emulated.market import ExecutedAction
+    from bamboo.bench.emulated.processes import ProcessCluster
     from bamboo.membership import EmbeddedEtcd, EtcdKV, MembershipStore
 
 __all__ = [
@@ -83,7 +83,7 @@ def run_cluster(
     ``during``, if given, runs in a background thread once training has started; ``at_start`` as soon as the
     initial agents are started (no layout yet: its handles' ``node_of_rank`` is empty).
     """
-    from bamboo.launch.market import SpotMarket
+    from bamboo.bench.emulated.market import SpotMarket
 
     say = progress or (lambda message: None)
     started = time.monotonic()
@@ -132,7 +132,7 @@ def run_cluster(
         timed_out = wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say,
                               options.progress_every)
     finally:
-        market.stop(timeout=timeouts.MARKET_STOP_S)
+        market.stop(timeout=emulated_timeouts.MARKET_STOP_S)
         cluster.close()
         recorder.stop()
         try:
@@ -157,7 +157,7 @@ def _with_market_prior(options: RunOptions, plan: Sequence[MarketAction],
     """``options`` with ``--redundancy auto``'s prior: without ``--preemption-rate``, the market's own rate, in
     the run's wall time (a trace compressed x60 preempts 60x as often per hour of training), until the job's own
     preemption records outweigh it."""
-    from bamboo.launch.market import market_rate
+    from bamboo.bench.emulated.market import market_rate
 
     if options.redundancy == "auto" and options.preemption_rate is None and options.preemptions is not None:
         span_s = max(options.hours * 3600.0 / options.time_scale, max(action.at_s for action in plan))
@@ -193,7 +193,7 @@ def _prepare_run_dir(options: RunOptions) -> tuple[RunOptions, Path]:
 def _open_job(options: RunOptions, job: str, min_nodes: int, run_dir: Path, say: Callable[[str], None]
               ) -> tuple[EmbeddedEtcd | None, tuple[str, ...], EtcdKV, MembershipStore]:
     """etcd (embedded in the run dir unless ``--etcd`` names one), a client of it, and the new job's spec
-    written there (:func:`bamboo.launch.run_agents.write_spec`): ``(embedded etcd or None, endpoints, client,
+    written there (:func:`bamboo.bench.emulated.run_agents.write_spec`): ``(embedded etcd or None, endpoints, client,
     the job's store)``. A job that already exists is refused (:class:`RunError`), and what was opened is closed."""
     from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 
@@ -222,7 +222,7 @@ def _agents(options: RunOptions, job: str, endpoints: Sequence[str], run_dir: Pa
             say: Callable[[str], None]) -> ProcessCluster:
     """The emulated nodes, none started yet: one ``bamboo-launch agent`` each (:func:`agent_command`), forked
     from the shared fork server when ``options.fork_server``."""
-    from bamboo.launch.processes import ProcessCluster
+    from bamboo.bench.emulated.processes import ProcessCluster
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     return ProcessCluster(lambda node, zone: agent_command(options, job, endpoints, run_dir, min_nodes, node, zone),
@@ -279,7 +279,8 @@ def _fork_server(options: RunOptions, say: Callable[[str], None]) -> ForkServer 
     the nodes are exec'd then)."""
     if not options.fork_server:
         return None
-    from bamboo.launch.forkserver import ForkServerError, shared_fork_server
+    from bamboo.bench.emulated.forkserver import shared_fork_server
+    from bamboo.launch.forkserver import ForkServerError
 
     try:
         return shared_fork_server()

@@ -1,4 +1,5 @@
-"""The fork server of emulated clusters (`bamboo.launch.forkserver`): a forked process runs the command it
+"""The fork server of emulated clusters (`bamboo.bench.emulated.forkserver`, and its client
+`bamboo.launch.forkserver`): a forked process runs the command it
 replaces, with its environment, directory, files and process group, and its exit status comes back as
 ``subprocess.Popen`` gives it. The server preloads only ``json`` here (fast); the e2e tests run it with torch."""
 
@@ -15,8 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkServer, ForkServerError, run_to_end, spawn
-from bamboo.launch.processes import ProcessCluster
+from bamboo.bench.emulated.forkserver import ForkServer
+from bamboo.bench.emulated.processes import ProcessCluster
+from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkServerError, run_to_end, spawn
 
 CHILD = '''
 import json, os, sys, time
@@ -123,6 +125,23 @@ def test_run_to_end_uses_the_named_server_and_kills_what_outruns_its_timeout(
         assert time.monotonic() - started < 20
         pid = json.loads(_lines(tmp_path / "out.log")[-2])["pid"]
         _wait_for(lambda: not Path(f"/proc/{pid}").exists())
+
+
+def test_run_to_end_forks_from_the_server_this_process_started_when_the_environment_names_none(
+    server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's own script runs (``describe``, ``reference``) come from the server it started (its
+    ``shared_fork_server``, named to bamboo-launch with ``use_local_server``); without one they are exec'd."""
+    from bamboo.launch import forkserver
+
+    script = tmp_path / "parent.py"
+    script.write_text("import os\nprint(os.getppid())\n")
+    monkeypatch.setattr(forkserver, "_local", None)
+    for named, parent in ((None, os.getpid()), (server, server._server.pid)):
+        forkserver.use_local_server(named)
+        with open(tmp_path / "out.log", "wb") as out:
+            assert run_to_end([sys.executable, str(script)], env={}, stdout=out, timeout_s=30) == 0
+        assert int(_lines(tmp_path / "out.log")[-1]) == parent
 
 
 def test_without_a_server_spawn_execs_the_command(child: Path) -> None:

@@ -1,5 +1,5 @@
 """The emulated cluster's nodes as real processes: :class:`ProcessCluster`, the :class:`MarketActions` that
-:class:`bamboo.launch.market.SpotMarket` drives (one process group per node, SIGKILLed whole)."""
+:class:`bamboo.bench.emulated.market.SpotMarket` drives (one process group per node, SIGKILLed whole)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from bamboo.launch import timeouts
-from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkedProcess, ForkServer
+from bamboo.bench.emulated import timeouts as emulated_timeouts
+from bamboo.bench.emulated.forkserver import ForkServer
+from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkedProcess
 
 __all__ = ["ProcessCluster", "kill_process_group"]
 
@@ -41,7 +42,7 @@ class ProcessCluster:
     node as much CPU as the launcher and everything else it shares a machine with, whatever their
     priorities; in one session a lower-priority launcher (``nice``) runs lower-priority nodes.
 
-    With a ``fork_server`` (:mod:`bamboo.launch.forkserver`), each node is forked from its preloaded
+    With a ``fork_server`` (:mod:`bamboo.bench.emulated.forkserver`), each node is forked from its preloaded
     interpreter instead of exec'd, and its agent starts its worker the same way (same groups, same files).
 
     - ``kill`` sends SIGKILL to the whole group, then reaps the leader;
@@ -63,7 +64,7 @@ class ProcessCluster:
         log_dir: str | os.PathLike[str] | None = None,
         notice_signal: signal.Signals = signal.SIGTERM,
         name_prefix: str = "node",
-        reap_timeout_s: float = timeouts.REAP_TIMEOUT_S,
+        reap_timeout_s: float = emulated_timeouts.REAP_TIMEOUT_S,
         fork_server: ForkServer | None = None,
     ) -> None:
         self._command = command

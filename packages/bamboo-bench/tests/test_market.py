@@ -8,15 +8,15 @@ from pathlib import Path
 
 import attrs
 import pytest
-from bamboo.bench.preemptions import assign_zones
-from bamboo.launch.market import (
+from bamboo.bench.emulated.market import (
     ActionKind,
     MarketAction,
     SpotMarket,
     market_rate,
     plan_market,
 )
-from bamboo.launch.processes import ProcessCluster, kill_process_group
+from bamboo.bench.emulated.processes import ProcessCluster, kill_process_group
+from bamboo.bench.preemptions import assign_zones
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -17,7 +17,7 @@ Two halves, kept apart so that the timing logic is tested without sleeping:
 2. :class:`SpotMarket` executes a plan on an injectable :class:`Clock` through pluggable
    :class:`MarketActions` callbacks: ``add(zone) -> node`` starts a node and names it,
    ``kill(node)`` and ``notify(node, deadline)``. The market maps each trace node to the node
-   that ``add`` returned. :class:`bamboo.launch.processes.ProcessCluster` is the real implementation: one process per node,
+   that ``add`` returned. :class:`bamboo.bench.emulated.processes.ProcessCluster` is the real implementation: one process per node,
    each in its own session (so its own process group), killed with ``SIGKILL`` to the whole group,
    notified with ``SIGTERM`` to its leader.
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bamboo.launch.run_options import RunError, RunOptions, RunResult, Verification, WorkerReport
+from bamboo.bench.emulated.run_options import RunError, RunOptions, RunResult, Verification, WorkerReport
 
 if TYPE_CHECKING:
     from bamboo.membership import MembershipStore
@@ -67,11 +67,11 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> Verificati
     Returns ``{"steps", "max_relative_diff", "tensors", "history"}``. The reference trains the same global
     batches for the steps the run did, grouped by pipeline as the run's layouts were, with the run's config
     and seed (from the job's spec, kept as ``RUN_DIR/spec.json``): the built-in example in this process
-    (:func:`bamboo.launch.reference.compare_reports`), a user script by running the script once more, in
+    (:func:`bamboo.bench.emulated.reference.compare_reports`), a user script by running the script once more, in
     ``reference`` mode (:func:`bamboo.launch.script.reference_from_script`). Each worker's layers are
     compared with the reference's layers of the same index (the layers its executor built).
     """
-    from bamboo.launch.reference import compare_reports, compare_states
+    from bamboo.bench.emulated.reference import compare_reports, compare_states
     from bamboo.launch.spec import JobSpec
 
     if result.job_error is not None:  # the job's own error, not the missing reports it left

@@ -1,6 +1,6 @@
-"""``bamboo-launch run [options] [-- SCRIPT ARGS]``: train on an emulated spot cluster (:mod:`bamboo.launch.run`).
+"""``bamboo-launch run [options] [-- SCRIPT ARGS]``: train on an emulated spot cluster (:mod:`bamboo.bench.emulated.run`).
 
-Every flag defaults to :class:`bamboo.launch.run.RunOptions`'s field; the report is printed at the end, and
+Every flag defaults to :class:`bamboo.bench.emulated.run.RunOptions`'s field; the report is printed at the end, and
 ``--verify`` compares the final parameters with a fault-free single-process run.
 """
 
@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
+from bamboo.bench.emulated.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
+from bamboo.bench.emulated.run_options import Verification
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.events import read_events
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.report import compute_report, format_report, plot_report
-from bamboo.launch.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
-from bamboo.launch.run_options import Verification
 from bamboo.launch.spec import REDUNDANCY
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 from rich.console import Console

@@ -3,13 +3,12 @@ agent's ``bamboo-launch agent`` command line, and the job's spec, written before
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bamboo.launch.market import ActionKind, MarketAction, plan_market
-from bamboo.launch.run_options import RunError, RunOptions
+from bamboo.bench.emulated.market import ActionKind, MarketAction, plan_market
+from bamboo.bench.emulated.run_options import RunError, RunOptions
 
 if TYPE_CHECKING:
     from bamboo.launch.spec import SpecFields
@@ -37,9 +36,10 @@ def agent_command(options: RunOptions, job: str, endpoints: Sequence[str], run_d
                   node: str, zone: str) -> list[str]:
     """The ``bamboo-launch agent`` command line of one emulated node (the same flags for every node): its job
     flags are :func:`run_spec_fields` written as flags, so they match the spec the launcher writes."""
+    from bamboo.launch.agent import agent_argv
     from bamboo.launch.spec import FLAG_OF
 
-    command = [sys.executable, "-m", "bamboo.launch", "agent", "--job", job, "--node", node, "--zone", zone,
+    command = [*agent_argv(), "--job", job, "--node", node, "--zone", zone,
                "--host", "127.0.0.1", "--port", "0", "--run-dir", str(run_dir)]
     fields = run_spec_fields(options, min_nodes)
     for field, value in fields.items():

@@ -12,11 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bamboo.bench.emulated import timeouts as emulated_timeouts
+from bamboo.bench.emulated.run_options import RunError
 from bamboo.launch import timeouts
-from bamboo.launch.run_options import RunError
 
 if TYPE_CHECKING:
-    from bamboo.launch.processes import ProcessCluster
+    from bamboo.bench.emulated.processes import ProcessCluster
     from bamboo.membership import KeyValueStore, MembershipStore
     from bamboo.reconfig import JobLayout
 
@@ -47,7 +48,7 @@ class EventRecorder:
                 self.last_step = max(self.last_step, event.step)
 
     def _run(self) -> None:
-        while not self._stop.wait(timeouts.RUN_POLL_S):
+        while not self._stop.wait(emulated_timeouts.RUN_POLL_S):
             try:
                 self._drain()
             except Exception as error:  # etcd restarting: the watch resumes; a malformed record is reported
@@ -103,7 +104,7 @@ def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership
             reported.add(node)
         if time.monotonic() > deadline:
             raise RunError("no training step before the run's timeout")
-        time.sleep(timeouts.RUN_POLL_S)
+        time.sleep(emulated_timeouts.RUN_POLL_S)
 
 
 def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: float, events: Path, live: bool,
@@ -123,7 +124,7 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
             line = lines.line(state)
             if line is not None:
                 say(line)
-            time.sleep(timeouts.RUN_POLL_S)
+            time.sleep(emulated_timeouts.RUN_POLL_S)
         state.apply_all(follower.poll())
         if state.step is not None and state.step != lines.last:
             say(state.progress_line())  # the last step too
@@ -136,6 +137,6 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
             if time.monotonic() > deadline:
                 return True
             view.update()
-            time.sleep(timeouts.LIVE_REFRESH_S)
+            time.sleep(emulated_timeouts.LIVE_REFRESH_S)
         view.update()
     return False

@@ -1,7 +1,7 @@
 """``bamboo-launch market --preemptions FILE|synthetic:RATE -- COMMAND``: the emulated spot market on its own.
 
 Every trace add starts COMMAND as a new node (its own process group, with ``BAMBOO_NODE_ID`` and
-``BAMBOO_ZONE`` set); every trace remove SIGKILLs that node's group (:mod:`bamboo.launch.market`).
+``BAMBOO_ZONE`` set); every trace remove SIGKILLs that node's group (:mod:`bamboo.bench.emulated.market`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from bamboo.bench.argtypes import (
     positive_int,
     zones,
 )
-from bamboo.launch import timeouts
-from bamboo.launch.cli.common import fail
-from bamboo.launch.events import EventLog, Join, Preemption
-from bamboo.launch.market import (
+from bamboo.bench.emulated import timeouts as emulated_timeouts
+from bamboo.bench.emulated.market import (
     ActionKind,
     ExecutedAction,
     MarketAction,
     SpotMarket,
     plan_market,
 )
-from bamboo.launch.processes import ProcessCluster
-from bamboo.launch.run import RunOptions
+from bamboo.bench.emulated.processes import ProcessCluster
+from bamboo.bench.emulated.run import RunOptions
+from bamboo.launch.cli.common import fail
+from bamboo.launch.events import EventLog, Join, Preemption
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -196,13 +196,13 @@ def _replay(args: argparse.Namespace, plan: Sequence[MarketAction]) -> int:
                     console=Console(stderr=True),
                 ) as progress:
                     task = progress.add_task("replay", total=max(total, 0.001), status="")
-                    while not market.join(timeout=timeouts.RUN_POLL_S) and not interrupted.is_set():
+                    while not market.join(timeout=emulated_timeouts.RUN_POLL_S) and not interrupted.is_set():
                         status = f"alive {len(cluster.alive())}, started {counts['started']}, killed {counts['killed']}"
                         progress.update(task, completed=min(market.elapsed(), total), status=status)
                     progress.update(task, completed=min(market.elapsed(), total))
             finally:
                 # Stop the market before the cluster closes, so no node starts after the clean-up.
-                market.stop(timeout=timeouts.MARKET_STOP_S)
+                market.stop(timeout=emulated_timeouts.MARKET_STOP_S)
             failures = len(market.failures)
     finally:
         for sig, handler in previous.items():

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 import attrs
+from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.launch import timeouts
 from bamboo.launch.json_types import JSONObject
 from bamboo.launch.spec import (
@@ -20,7 +21,7 @@ from bamboo.launch.spec import (
 from bamboo.membership import timeouts as membership_timeouts
 
 if TYPE_CHECKING:
-    from bamboo.launch.processes import ProcessCluster
+    from bamboo.bench.emulated.processes import ProcessCluster
     from bamboo.membership import EmbeddedEtcd, MembershipStore
     from torch import Tensor
 
@@ -88,14 +89,14 @@ class RunOptions:
     seed: int = 0
     ttl: int = attrs.field(default=membership_timeouts.LEASE_TTL_S, validator=_POSITIVE)
     grace_s: float = attrs.field(default=membership_timeouts.GRACE_PERIOD_S, validator=_POSITIVE)
-    timeout_s: float = attrs.field(default=timeouts.RUN_TIMEOUT_S, validator=_POSITIVE)
+    timeout_s: float = attrs.field(default=emulated_timeouts.RUN_TIMEOUT_S, validator=_POSITIVE)
     live: bool = False
     progress_every: int = attrs.field(default=10, validator=_POSITIVE)
     """Without the live view, a progress line each time the step crosses a multiple of this."""
     device: str | None = None
     """Every worker's device (``--device``: ``cpu``, ``cuda``, ``cuda:N``, ``auto``); None: the workers' default."""
     fork_server: bool = True
-    """Fork every node's agent and worker from one preloaded interpreter (:mod:`bamboo.launch.forkserver`)
+    """Fork every node's agent and worker from one preloaded interpreter (:mod:`bamboo.bench.emulated.forkserver`)
     instead of exec'ing each; the same processes, groups and files."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
     """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""

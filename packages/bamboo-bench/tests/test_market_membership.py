@@ -14,8 +14,8 @@ from pathlib import Path
 
 import attrs
 import pytest
-from bamboo.launch.market import SpotMarket, plan_market
-from bamboo.launch.processes import ProcessCluster
+from bamboo.bench.emulated.market import SpotMarket, plan_market
+from bamboo.bench.emulated.processes import ProcessCluster
 
 membership = pytest.importorskip("bamboo.membership")
 if shutil.which("etcd") is None:

@@ -1,0 +1,36 @@
+"""Every timeout and poll interval of the emulated cluster (``bamboo-launch run``, ``bamboo-launch market``), in
+one place (seconds).
+
+``docs/failure-model.md`` has them in its table, beside bamboo-launch's own (:mod:`bamboo.launch.timeouts`, which
+the agents the cluster starts use); a test fails when a default here differs from that table.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FORK_SERVER_START_S",
+    "LIVE_REFRESH_S",
+    "MARKET_STOP_S",
+    "REAP_TIMEOUT_S",
+    "RUN_POLL_S",
+    "RUN_TIMEOUT_S",
+]
+
+RUN_TIMEOUT_S = 3600.0
+"""How long ``bamboo-launch run`` may take in all before every node is killed (``--timeout``)."""
+
+RUN_POLL_S = 0.1
+"""How often ``bamboo-launch run`` mirrors the event log and checks its agents."""
+
+LIVE_REFRESH_S = 0.25
+"""How often the live view of ``bamboo-launch run`` is redrawn."""
+
+MARKET_STOP_S = 10.0
+"""How long ``bamboo-launch run`` waits for the market's thread to stop at the end."""
+
+FORK_SERVER_START_S = 120.0
+"""How long an emulated cluster's fork server may take to import torch and bamboo before the launcher gives
+it up (:mod:`bamboo.bench.emulated.forkserver`; a loaded machine takes seconds)."""
+
+REAP_TIMEOUT_S = 10.0
+"""How long the emulated market waits for a SIGKILLed node's process to be reaped (then it is reported)."""

@@ -37,7 +37,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
@@ -48,13 +49,14 @@ from bamboo.launch.records import AttemptOutcome, Leader, Preempted, outcome_nam
 from bamboo.launch.redundancy import with_mode
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
+from bamboo.membership.members import EMPTY_VIEW, MembershipView
 from bamboo.membership.probing import connect_probe
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
 if TYPE_CHECKING:
     from bamboo.launch.events import EventWriter
-    from bamboo.membership import KeyValue, MembershipStore, NodeAgent, NodeRecord, WatchedKey
+    from bamboo.membership import KeyValue, MembershipStore, NodeAgent, WatchedKey
     from bamboo.reconfig import JobLayout, Layout
 
 __all__ = ["Coordinator", "first_layout", "published_events", "read_layout", "redo_start_layout", "restart_layout"]
@@ -94,7 +96,7 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> JobLayout:
                      zones=zones)
 
 
-def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global_batch: int) -> Layout | None:
+def _place_afresh(spec: JobSpec, nodes: list[str], zones: Mapping[str, str], global_batch: int) -> Layout | None:
     """bamboo-reconfig's placement of ``nodes``, none of which holds state, keeping ``global_batch``
     microbatches; None when they cannot form a pipeline of ``spec.stages`` or split the global batch."""
     from bamboo.reconfig import ClusterView, Node, plan_layout
@@ -110,7 +112,7 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global
     return plan
 
 
-def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: dict[str, str], step: int,
+def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: Mapping[str, str], step: int,
                    path: str, reached: int | None = None, memory: dict[int, tuple[str, ...]] | None = None,
                    initial: bool = False) -> JobLayout | None:
     """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
@@ -136,7 +138,7 @@ def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: dict[
 
 
 def redo_start_layout(spec: JobSpec, lost: JobLayout, nodes: list[str],
-                      zones: dict[str, str]) -> JobLayout | None:
+                      zones: Mapping[str, str]) -> JobLayout | None:
     """The layout that redoes the start of ``lost`` on ``nodes``; None when they cannot form a pipeline.
 
     ``lost`` is a ``JobLayout`` whose start was abandoned before its first step (a node of it was lost while
@@ -173,7 +175,9 @@ class Coordinator:
     It reads nothing per round that grows with the job: the leader key, the layout and the job's end are
     followed by watches (:class:`bamboo.membership.WatchedKey`), and while elected its detector follows
     the membership (the one agent of the job that does: every node record and failure report), which is
-    what it places, checks and publishes.
+    what it places, checks and publishes. It reads the membership as the detector's immutable
+    :class:`~bamboo.membership.MembershipView` (no copy) and derives the nodes' zones once per version of it:
+    a round that no registration or departure preceded does no work that grows with the job.
     Rounds run when something changed (a failure confirmed, the membership, the layout, the leader key),
     and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S` in case a change was missed.
     """
@@ -208,6 +212,7 @@ class Coordinator:
         self._layout_key: WatchedKey | None = None  # the layout and the job's end, while elected
         self._end_key: WatchedKey | None = None
         self._decoded: tuple[int, JobLayout | None] = (0, None)  # the layout decoded at its mod revision
+        self._derived: tuple[int, Mapping[str, str]] = (-1, MappingProxyType({}))  # zones at a membership version
         self._thread = threading.Thread(target=self._loop, name=f"bamboo-coordinator-{self.node}", daemon=True)
 
     def start(self) -> Coordinator:
@@ -313,9 +318,21 @@ class Coordinator:
                     self._wake.wait(timeouts.LEADER_POLL_S)
                 self._woken = False
 
-    def _registered(self) -> dict[str, NodeRecord]:
-        """The registered nodes' records: those the detector follows (elected, it follows them all)."""
-        return dict(self.agent.detector.known_nodes()) if self.agent.detector is not None else {}
+    def view(self) -> MembershipView:
+        """The registered nodes: the records the detector follows (elected, it follows them all), immutable."""
+        return self.agent.detector.membership_view() if self.agent.detector is not None else EMPTY_VIEW
+
+    def registered_zones(self) -> Mapping[str, str]:
+        """Each registered node's zone, derived once per version of :meth:`view` (the same object until the
+        membership changes), and remembered for when the node is gone: its record goes with it."""
+        view = self.view()
+        if self._derived[0] != view.version:
+            zones = {node: record.zone for node, record in view.nodes.items()}
+            for node, zone in zones.items():
+                if zone:
+                    self._zones.setdefault(node, zone)
+            self._derived = (view.version, MappingProxyType(zones))
+        return self._derived[1]
 
     def _layout(self) -> JobLayout | None:
         """The current ``JobLayout`` (None before the first), from the watched key, decoded once per change."""
@@ -325,17 +342,19 @@ class Coordinator:
         if found is None:
             return None
         if self._decoded[0] != found.mod_revision:
-            self._decoded = (found.mod_revision, JobLayout.from_json(found.value))
+            decoded = JobLayout.from_json(found.value)
+            self._decoded = (found.mod_revision, decoded)
+            self._zones.update(decoded.zones)
         return self._decoded[1]
 
     def _first_layout(self) -> None:
         if self._layout() is not None:
             return
-        zones = {node: record.zone for node, record in self._registered().items()}
+        zones = self.registered_zones()
         if len(zones) < self.spec.first_layout_nodes:
             return
         try:
-            layout = with_mode(self.spec, first_layout(self.spec, zones), self.membership.kv)
+            layout = with_mode(self.spec, first_layout(self.spec, dict(zones)), self.membership.kv)
         except RuntimeError as error:  # --resume without a good checkpoint
             from bamboo.launch.records import JobEnd
 
@@ -355,7 +374,7 @@ class Coordinator:
         layout = self._layout()
         if layout is None or (self._end_key is not None and self._end_key.value is not None):
             return
-        registered = self._registered()
+        registered = self.view().nodes
         # A survivor left out of a start that went ahead is on standby: it must not hold the restart up.
         if any(n in registered for n in layout.ranks) or (
                 any(n in registered for n in layout.survivors) and not self._went_ahead(layout)):
@@ -363,7 +382,7 @@ class Coordinator:
         for node in sorted(layout.ranks):  # gone together, some before any probe reported them: their leases expired
             self._confirm_lost(node, "its lease expired")
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
-            zones = {**layout.zones, **{n: r.zone for n, r in registered.items()}}
+            zones = {**layout.zones, **self.registered_zones()}
             redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
             redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv)
             current = self._layout_key.value if self._layout_key is not None else None
@@ -377,7 +396,7 @@ class Coordinator:
         point = nearest_restore(self.membership.kv, self.spec, stages, bounds, registered, layout.history)
         step = point.step
         restart = restart_layout(self.spec, layout, warm_standby(self.membership, registered),
-                                 {n: r.zone for n, r in registered.items()}, step, point.path,
+                                 self.registered_zones(), step, point.path,
                                  reached=self._steps_reached(layout), memory=point.memory, initial=point.initial)
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
@@ -428,13 +447,10 @@ class Coordinator:
         """Publish the failure events of the layout first (the runtime waits for them), then the preemption
         records of every confirmed node."""
         reports = self._failure_reports()
-        layout = self._layout()
+        layout = self._layout()  # (its zones remembered once per layout)
         if layout is not None:
-            self._zones.update(layout.zones)
             reports = self._publish_events(layout, reports)
-        for node, record in self._registered().items():  # remembered while they are alive: a dead node's record is gone
-            if record.zone:
-                self._zones.setdefault(node, record.zone)
+        self.registered_zones()  # remembered while they are alive, once per membership version
         for node, report in sorted(reports.items()):
             self._confirm_lost(node, report.reason)
 

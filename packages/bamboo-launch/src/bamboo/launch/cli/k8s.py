@@ -145,7 +145,7 @@ def _add_etcd_flags(command: argparse.ArgumentParser, defaults: K8sConfig) -> No
     command.add_argument(
         "--etcd-storage",
         default=defaults.etcd_storage,
-        help="etcd volume size per member (default: %(default)s)",
+        help="etcd volume size per member (default: twice etcd's quota, sized for --nodes: 2Gi up to 2000 nodes)",
     )
 
 

@@ -60,7 +60,7 @@ def test_an_explicit_etcd_volume_is_kept(capsys: pytest.CaptureFixture[str]) -> 
 @pytest.mark.parametrize("nodes", [8, 64, 256, 512, 1000, MAX_NODES])
 def test_the_rule_keeps_etcd_inside_its_class_and_every_lease_past_the_start_up_burst(nodes: int) -> None:
     sizing = size_for(nodes)
-    assert sizing.lease_ttl_s >= max(membership_timeouts.LEASE_TTL_S, nodes * timeouts.K8S_LEASE_S_PER_NODE)
+    assert sizing.lease_ttl_s >= max(membership_timeouts.LEASE_TTL_S, nodes * timeouts.K8S_LEASE_PER_NODE_S)
     assert sizing.requests_per_s == pytest.approx(3 * nodes / sizing.lease_ttl_s) and sizing.clients == 2 * nodes
     chosen = next(c for c in ETCD_CLASSES if c.name == sizing.etcd_class)
     assert sizing.clients < chosen.clients and sizing.requests_per_s < chosen.requests_per_s

@@ -102,7 +102,7 @@ def size_for(nodes: int, *, in_cluster_etcd: bool = True) -> Sizing:
     a layout of 83 bytes per node; 2.4 MB of database after an hour. The rule:
 
     - lease TTL: the default (``LEASE_TTL_S``), or longer where the start-up burst is longer (``N x
-      K8S_LEASE_S_PER_NODE``, rounded up): a refresh that etcd answers later than the TTL loses the lease, and a
+      K8S_LEASE_PER_NODE_S``, rounded up): a refresh that etcd answers later than the TTL loses the lease, and a
       live agent would be declared dead while a thousand others register;
     - steady requests R = 3 N / TTL; clients C = 2 N; etcd's class: the first whose bounds hold both;
     - etcd's CPU request: the class's, or ``R x ETCD_CPU_S_PER_REQUEST x HEADROOM`` if more (no CPU limit: a
@@ -121,7 +121,7 @@ def size_for(nodes: int, *, in_cluster_etcd: bool = True) -> Sizing:
             f"nodes={nodes} is more than the {MAX_NODES} an in-cluster etcd is sized for (twice the 1,000 agents "
             "measured by bench_scale.py): pass --etcd HOST:PORT of an etcd sized by its operator"
         )
-    ttl = max(membership_timeouts.LEASE_TTL_S, math.ceil(nodes * timeouts.K8S_LEASE_S_PER_NODE))
+    ttl = max(membership_timeouts.LEASE_TTL_S, math.ceil(nodes * timeouts.K8S_LEASE_PER_NODE_S))
     requests = 3 * nodes / ttl
     clients = CLIENTS_PER_NODE * nodes
     chosen = next(c for c in ETCD_CLASSES if clients < c.clients and requests < c.requests_per_s)

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=300, help="steady rounds timed (default: %(default)s)")
     parser.add_argument("--changes", type=int, default=30, help="rounds after a change timed (default: %(default)s)")
     parser.add_argument("--against", metavar="REV", help="also measure the sources of commit REV; print the ratio")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per measurement")
+    parser.add_argument("--json", action="store_true", help="print only the JSON objects, one per measurement")
     args = parser.parse_args(argv)
     if args.nodes < 16 or args.rounds < 1 or args.changes < 1:
         parser.error(f"--nodes must be >= 16 and --rounds, --changes >= 1; got {args.nodes}, {args.rounds}, "

@@ -28,7 +28,10 @@ Then, on the machine's monotonic clock:
   traffic, then after compaction and defragmentation.
 
 `lost_events` counts every delivery that never came (a node that never read a layout, a live node of the layout
-that never saw a failure event) within `--deadline-s`; `crashes` counts errors the nodes reported.
+that never saw a failure event) within `--deadline-s`; `crashes` counts errors the nodes reported. `--repeat K`
+runs each size K times; after the runs (one JSON object each with `--json`) comes one summary per size
+(`_scale_summary.py`: `"summary": true`, the crashes and lost events of all K runs, each p99's worst run and its
+min / median / max).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from typing import Any
 
 from _bench_common import Log, percentile
 from _scale_etcd import EtcdCounters, database_after, process_cpu_s
+from _scale_summary import summarize, summary_lines
 from bamboo.bench.argtypes import default_of
 from bamboo.launch.events import EVENTS_PER_WRITER
 from bamboo.launch.notices import epoch_decision
@@ -442,7 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replay-hours", type=float, default=1.0,
                         help="hours of the steady state's etcd writes replayed to size the database (the "
                         "db_bytes_after_an_hour keys are after this many hours; default: %(default)s)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each size")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each size; with more than one, a summary per "
+                        "size follows the runs (their crashes and lost events in all, the spread of their p99s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object per run instead of the table")
     args = parser.parse_args(argv)
@@ -469,12 +474,13 @@ def main(argv: list[str] | None = None) -> int:
             result["ttl_s"] = args.ttl
             result["load_avg_1m"] = os.getloadavg()[0]
             results.append(result)
+    summaries = summarize(results) if args.repeat > 1 else []
     if args.json:
-        for result in results:
+        for result in results + summaries:
             print(json.dumps({key: None if isinstance(value, float) and math.isnan(value) else value
                               for key, value in result.items()}))
     else:
-        print(_table(results))
+        print("\n".join([_table(results), *summary_lines(summaries)]))
     return 0 if all(r["lost_events"] == 0 and r["crashes"] == 0 for r in results) else 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -18,7 +19,7 @@ from bamboo.launch.coordinator import Coordinator, published_events, read_layout
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.spec import JobSpec
-from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.rc import FailureEvent
 
@@ -36,6 +37,8 @@ class FakeDetector:
         self.membership: MembershipStore | None = None
         self.following: list[int | None] = []  # the since_revision of each follow_membership
         self.listeners: list[Any] = []  # of the failures it confirms
+        self.view = MembershipView(0)
+        self.views_read = 0
 
     def subscribe(self, listener: Any) -> None:
         self.listeners.append(listener)
@@ -49,9 +52,14 @@ class FakeDetector:
     def unfollow_membership(self) -> None:
         self.following.append(-1)
 
-    def known_nodes(self) -> dict[str, Any]:
+    def membership_view(self) -> MembershipView:
+        """Like the real detector's: a new view (its version one higher) only when the records changed."""
         assert self.membership is not None
-        return self.membership.list_nodes() if self.following and self.following[-1] != -1 else {}
+        nodes = self.membership.list_nodes() if self.following and self.following[-1] != -1 else {}
+        self.views_read += 1
+        if nodes != dict(self.view.nodes):
+            self.view = MembershipView(self.view.version + 1, MappingProxyType(nodes))
+        return self.view
 
     def probe_all(self, nodes: list[str], reason: str, **options: Any) -> None:
         self.sweeps.append((sorted(nodes), reason))
@@ -139,6 +147,26 @@ def test_the_first_layout_is_written_as_soon_as_min_nodes_registered(membership:
     coordinator.round()
     assert read_layout(membership) == layout  # a node that registers later waits on standby
     assert agents and late  # kept registered
+
+
+def test_a_round_after_no_membership_change_derives_nothing_again_and_a_change_is_seen(
+    membership: MembershipStore,
+) -> None:
+    spec = _spec(membership.keys.job, min_nodes=9)  # never enough nodes: every round looks at the membership
+    coordinator, agent, _ = _coordinator(membership, "n0", "a", spec)
+    assert coordinator.round()
+    zones = coordinator.registered_zones()
+    assert dict(zones) == {"n0": "a"} and coordinator.view().version == 1
+    reads = agent.detector.views_read
+    for _ in range(3):  # rounds woken by a failure notice or a leader-key change: the same view, nothing derived
+        assert coordinator.round()
+    assert agent.detector.views_read > reads and coordinator.view() is agent.detector.view
+    assert coordinator.registered_zones() is zones
+    late = FakeAgent(membership, "n1", "b")
+    assert coordinator.round() and coordinator.view().version == 2
+    assert coordinator.registered_zones() is not zones and dict(coordinator.registered_zones()) == {"n0": "a", "n1": "b"}
+    late.registration.leave()
+    assert coordinator.round() and dict(coordinator.registered_zones()) == {"n0": "a"}
 
 
 def test_confirmed_failures_of_ranked_nodes_are_published_once_with_what_the_sweep_finds(

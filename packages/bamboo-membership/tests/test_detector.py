@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult, SweepResult
 from bamboo.membership.kv import StoreUnavailableError
+from bamboo.membership.members import EMPTY_VIEW, MembershipView, NodeTable
 from bamboo.membership.records import NodeFailed, NodeRecord, NodeState
 from bamboo.membership.store import MembershipStore, Registration
 
@@ -203,6 +204,45 @@ def test_malformed_node_value_in_a_watch_is_logged_not_fatal(store, wait_until, 
         reg.leave()
     finally:
         detector.stop()
+
+
+def test_the_membership_view_is_one_immutable_object_until_a_record_changes(store, wait_until) -> None:
+    detector, _ = _detector(store, ScriptedProber(ALIVE), FakeClock())
+    try:
+        empty = detector.membership_view()
+        assert empty is detector.membership_view() and dict(empty.nodes) == {}
+        reg = store.register(NodeRecord(id="a", address="127.0.0.1", agent_port=9, incarnation=1), ttl=5)
+        wait_until(lambda: "a" in detector.membership_view().nodes, message="the new node in the view")
+        joined = detector.membership_view()
+        assert joined.version > empty.version and dict(empty.nodes) == {}  # an old view never changes
+        with pytest.raises(TypeError):
+            joined.nodes["b"] = NodeRecord(id="b")  # type: ignore[index]
+        detector.report_peer_failure("a", "recv failed")  # a notice that changes no record: the same view
+        detector.tick()
+        assert detector.membership_view() is joined and detector.known_nodes() == dict(joined.nodes)
+        reg.leave()
+        wait_until(lambda: "a" not in detector.membership_view().nodes, message="the departure in the view")
+        assert detector.membership_view().version > joined.version and "a" in joined.nodes
+    finally:
+        detector.stop()
+
+
+def test_a_node_table_counts_only_the_changes_and_builds_a_view_once_per_version() -> None:
+    table = NodeTable()
+    assert table.view() is EMPTY_VIEW
+    assert table.put(NodeRecord(id="a", zone="z")) and table.version == 1
+    assert not table.put(NodeRecord(id="a", zone="z")) and table.version == 1  # the same record again
+    one = table.view()
+    assert one is table.view() and one.version == 1 and dict(one.nodes) == {"a": NodeRecord(id="a", zone="z")}
+    assert table.pop("b") is None and table.version == 1
+    table.update([NodeRecord(id="a", zone="y"), NodeRecord(id="b")])
+    three = table.view()
+    assert three.version == 3 and three.nodes["a"].zone == "y" and one.nodes["a"].zone == "z"
+    table.clear()
+    table.clear()  # nothing left to forget: no change
+    assert table.version == 4 and dict(table.view().nodes) == {}
+    with pytest.raises(ValueError, match="version"):
+        MembershipView(-1)
 
 
 def test_detector_config_validation_names_the_bad_value() -> None:

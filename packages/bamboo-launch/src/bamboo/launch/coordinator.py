@@ -39,7 +39,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
@@ -51,13 +52,14 @@ from bamboo.launch.records import AttemptOutcome, Leader, Preempted, outcome_nam
 from bamboo.launch.redundancy import with_mode
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
+from bamboo.membership.members import EMPTY_VIEW, MembershipView
 from bamboo.membership.probing import connect_probe
 from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
 if TYPE_CHECKING:
     from bamboo.launch.events import EventWriter
-    from bamboo.membership import KeyValue, MembershipStore, NodeAgent, NodeFailed, NodeRecord, WatchedKey
+    from bamboo.membership import KeyValue, MembershipStore, NodeAgent, NodeFailed, WatchedKey
     from bamboo.reconfig import JobLayout
 
 __all__ = ["Coordinator", "published_events", "read_layout"]
@@ -83,7 +85,9 @@ class Coordinator:
     It reads nothing per round that grows with the job: the leader key, the layout and the job's end are
     followed by watches (:class:`bamboo.membership.WatchedKey`), and while elected its detector follows
     the membership (the one agent of the job that does: every node record and failure report), which is
-    what it places, checks and publishes.
+    what it places, checks and publishes. It reads the membership as the detector's immutable
+    :class:`~bamboo.membership.MembershipView` (no copy) and derives the nodes' zones once per version of it:
+    a round that no registration or departure preceded does no work that grows with the job.
     Rounds run when something changed (a failure confirmed, the membership, the layout, the leader key),
     and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S` in case a change was missed.
     """
@@ -119,6 +123,7 @@ class Coordinator:
         self._end_key: WatchedKey | None = None
         self._decoded: tuple[int, JobLayout | None] = (0, None)  # the layout decoded at its mod revision
         self._holder_in_doubt = False  # a failure was confirmed here: is the coordinator alive to publish it?
+        self._derived: tuple[int, Mapping[str, str]] = (-1, MappingProxyType({}))  # zones at a membership version
         self._thread = threading.Thread(target=self._loop, name=f"bamboo-coordinator-{self.node}", daemon=True)
         if agent.detector is not None:  # the elected one acts on a failure; the others check that it is alive
             agent.detector.subscribe(self._on_failure)
@@ -244,9 +249,21 @@ class Coordinator:
                     self._wake.wait(timeouts.LEADER_POLL_S)
                 self._woken = False
 
-    def _registered(self) -> dict[str, NodeRecord]:
-        """The registered nodes' records: those the detector follows (elected, it follows them all)."""
-        return dict(self.agent.detector.known_nodes()) if self.agent.detector is not None else {}
+    def view(self) -> MembershipView:
+        """The registered nodes: the records the detector follows (elected, it follows them all), immutable."""
+        return self.agent.detector.membership_view() if self.agent.detector is not None else EMPTY_VIEW
+
+    def registered_zones(self) -> Mapping[str, str]:
+        """Each registered node's zone, derived once per version of :meth:`view` (the same object until the
+        membership changes), and remembered for when the node is gone: its record goes with it."""
+        view = self.view()
+        if self._derived[0] != view.version:
+            zones = {node: record.zone for node, record in view.nodes.items()}
+            for node, zone in zones.items():
+                if zone:
+                    self._zones.setdefault(node, zone)
+            self._derived = (view.version, MappingProxyType(zones))
+        return self._derived[1]
 
     def _layout(self) -> JobLayout | None:
         """The current ``JobLayout`` (None before the first), from the watched key, decoded once per change."""
@@ -256,17 +273,19 @@ class Coordinator:
         if found is None:
             return None
         if self._decoded[0] != found.mod_revision:
-            self._decoded = (found.mod_revision, JobLayout.from_json(found.value))
+            decoded = JobLayout.from_json(found.value)
+            self._decoded = (found.mod_revision, decoded)
+            self._zones.update(decoded.zones)
         return self._decoded[1]
 
     def _first_layout(self) -> None:
         if self._layout() is not None:
             return
-        zones = {node: record.zone for node, record in self._registered().items()}
+        zones = self.registered_zones()
         if len(zones) < self.spec.first_layout_nodes:
             return
         try:
-            layout = with_mode(self.spec, first_layout(self.spec, zones), self.membership.kv)
+            layout = with_mode(self.spec, first_layout(self.spec, dict(zones)), self.membership.kv)
         except RuntimeError as error:  # --resume without a good checkpoint
             from bamboo.launch.records import JobEnd
 
@@ -286,7 +305,7 @@ class Coordinator:
         layout = self._layout()
         if layout is None or (self._end_key is not None and self._end_key.value is not None):
             return
-        registered = self._registered()
+        registered = self.view().nodes
         # A survivor left out of a start that went ahead is on standby: it must not hold the restart up.
         if any(n in registered for n in layout.ranks) or (
                 any(n in registered for n in layout.survivors) and not self._went_ahead(layout)):
@@ -294,7 +313,7 @@ class Coordinator:
         for node in sorted(layout.ranks):  # gone together, some before any probe reported them: their leases expired
             self._confirm_lost(node, "its lease expired")
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
-            zones = {**layout.zones, **{n: r.zone for n, r in registered.items()}}
+            zones = {**layout.zones, **self.registered_zones()}
             redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
             redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv)
             current = self._layout_key.value if self._layout_key is not None else None
@@ -308,7 +327,7 @@ class Coordinator:
         point = nearest_restore(self.membership.kv, self.spec, stages, bounds, registered, layout.history)
         step = point.step
         restart = restart_layout(self.spec, layout, warm_standby(self.membership, registered),
-                                 {n: r.zone for n, r in registered.items()}, step, point.path,
+                                 self.registered_zones(), step, point.path,
                                  reached=self._steps_reached(layout), memory=point.memory, initial=point.initial)
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
@@ -359,13 +378,10 @@ class Coordinator:
         """Publish the failure events of the layout first (the runtime waits for them), then the preemption
         records of every confirmed node."""
         reports = self._failure_reports()
-        layout = self._layout()
+        layout = self._layout()  # (its zones remembered once per layout)
         if layout is not None:
-            self._zones.update(layout.zones)
             reports = self._publish_events(layout, reports)
-        for node, record in self._registered().items():  # remembered while they are alive: a dead node's record is gone
-            if record.zone:
-                self._zones.setdefault(node, record.zone)
+        self.registered_zones()  # remembered while they are alive, once per membership version
         for node, report in sorted(reports.items()):
             self._confirm_lost(node, report.reason)
 

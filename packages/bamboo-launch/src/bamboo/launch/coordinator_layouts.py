@@ -6,6 +6,7 @@ layout themselves, at a barrier (:mod:`bamboo.launch.barrier`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from bamboo.launch.spec import JobSpec
@@ -40,7 +41,7 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> JobLayout:
                      zones=zones)
 
 
-def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global_batch: int) -> Layout | None:
+def _place_afresh(spec: JobSpec, nodes: list[str], zones: Mapping[str, str], global_batch: int) -> Layout | None:
     """bamboo-reconfig's placement of ``nodes``, none of which holds state, keeping ``global_batch``
     microbatches; None when they cannot form a pipeline of ``spec.stages`` or split the global batch."""
     from bamboo.reconfig import ClusterView, Node, plan_layout
@@ -56,7 +57,7 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: dict[str, str], global
     return plan
 
 
-def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: dict[str, str], step: int,
+def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: Mapping[str, str], step: int,
                    path: str, reached: int | None = None, memory: dict[int, tuple[str, ...]] | None = None,
                    initial: bool = False) -> JobLayout | None:
     """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
@@ -82,7 +83,7 @@ def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: dict[
 
 
 def redo_start_layout(spec: JobSpec, lost: JobLayout, nodes: list[str],
-                      zones: dict[str, str]) -> JobLayout | None:
+                      zones: Mapping[str, str]) -> JobLayout | None:
     """The layout that redoes the start of ``lost`` on ``nodes``; None when they cannot form a pipeline.
 
     ``lost`` is a ``JobLayout`` whose start was abandoned before its first step (a node of it was lost while

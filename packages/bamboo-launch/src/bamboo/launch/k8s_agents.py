@@ -71,6 +71,8 @@ def agent_args(config: K8sConfig) -> list[str]:
         str(config.pipelines),
         "--steps",
         str(config.steps),
+        "--ttl",
+        str(config.sizing.lease_ttl_s),
     ]
     if config.agent_tls_secret is not None:
         args += [

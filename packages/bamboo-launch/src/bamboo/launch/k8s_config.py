@@ -12,6 +12,7 @@ from typing import NotRequired, TypedDict
 import attrs
 from bamboo.launch import timeouts
 from bamboo.launch.json_types import JSONObject
+from bamboo.launch.k8s_sizing import Sizing, size_for
 
 __all__ = [
     "AGENT_ARGS_DOC",
@@ -67,6 +68,7 @@ The agent container runs `bamboo-launch agent` (see `bamboo-launch agent --help`
   --notice-window S          seconds from SIGTERM (a preemption notice) to the kill (--grace-period)
   --stages P --pipelines D --steps S   the job's spec: the first agent writes it to etcd, the others
                              check theirs against it
+  --ttl S                    (spec) the lease TTL, sized for --nodes: see docs/failure-model.md, "At scale"
   --token-file /etc/bamboo/agent-token/token   the job token (Secret JOB-agent-token, rendered with a
                              fresh random token unless --agent-token-secret names yours), or, with
                              --agent-tls-secret, --tls-ca/--tls-cert/--tls-key under /etc/bamboo/agent-tls
@@ -142,7 +144,8 @@ class K8sConfig:
     etcd_image: str = attrs.field(
         default="quay.io/coreos/etcd:v3.5.17", validator=attrs.validators.min_len(1)
     )
-    etcd_storage: str = attrs.field(default="2Gi", validator=_quantity)
+    etcd_storage: str | None = attrs.field(default=None, validator=attrs.validators.optional(_quantity))
+    """etcd's volume per member; None: sized for ``nodes`` (:func:`bamboo.launch.k8s_sizing.size_for`)."""
     cpu: str = attrs.field(default="4", validator=_quantity)
     memory: str = attrs.field(default="16Gi", validator=_quantity)
     gpus_per_node: int = attrs.field(default=1, validator=_V.and_(_V.instance_of(int), _V.ge(0)))
@@ -172,11 +175,18 @@ class K8sConfig:
                 f"agent_token_secret {self.agent_token_secret!r} and agent_tls_secret {self.agent_tls_secret!r} "
                 "are alternatives: the agents authenticate each other with a job token or with mutual TLS"
             )
+        size_for(self.nodes, in_cluster_etcd=not self.etcd_endpoints)  # a job too large for the rule: its error
         if self.stages * self.pipelines > self.nodes:
             raise ValueError(
                 f"nodes={self.nodes} cannot hold stages*pipelines={self.stages}*{self.pipelines}="
                 f"{self.stages * self.pipelines}"
             )
+
+
+    @property
+    def sizing(self) -> Sizing:
+        """etcd's resources and the agents' lease TTL for ``nodes`` (:func:`bamboo.launch.k8s_sizing.size_for`)."""
+        return size_for(self.nodes, in_cluster_etcd=not self.etcd_endpoints)
 
 
 def object_labels(config: K8sConfig, component: str) -> dict[str, str]:

@@ -73,7 +73,7 @@ def _statefulset(config: K8sConfig, name: str, peer: str) -> Manifest:
                     "metadata": {"name": "data"},
                     "spec": {
                         "accessModes": ["ReadWriteOnce"],
-                        "resources": {"requests": {"storage": config.etcd_storage}},
+                        "resources": {"requests": {"storage": config.etcd_storage or config.sizing.etcd_storage}},
                     },
                 }
             ],
@@ -103,21 +103,26 @@ def _affinity(config: K8sConfig, labels: dict[str, str]) -> JSONObject:
 
 
 def _container(config: K8sConfig, name: str, peer: str) -> JSONObject:
-    """One member: ``etcd`` named after its pod, ready once it answers ``/health``."""
+    """One member: ``etcd`` named after its pod, ready once it answers ``/health``; its resources sized for the job
+    (no CPU limit: a throttled etcd misses its heartbeats)."""
+    sizing = config.sizing
     return {
         "name": "etcd",
         "image": config.etcd_image,
         "command": ["/bin/sh", "-ec", _command(config, name, peer)],
         "env": [field_env("POD_NAME", "metadata.name")],
         "ports": [container_port("client", ETCD_CLIENT_PORT), container_port("peer", ETCD_PEER_PORT)],
-        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+        "resources": {"requests": {"cpu": sizing.etcd_cpu, "memory": sizing.etcd_memory_request},
+                      "limits": {"memory": sizing.etcd_memory_limit}},
         "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
         "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
     }
 
 
 def _command(config: K8sConfig, name: str, peer: str) -> str:
-    """The member's shell command: every member's peer URL under the peer Service's DNS name."""
+    """The member's shell command: every member's peer URL under the peer Service's DNS name, compaction and quota
+    as sized for the job."""
+    sizing = config.sizing
     domain = f"{peer}.{config.namespace}.svc"
     initial_cluster = ",".join(
         f"{name}-{i}=http://{name}-{i}.{domain}:{ETCD_PEER_PORT}" for i in range(config.etcd_replicas)
@@ -130,7 +135,8 @@ def _command(config: K8sConfig, name: str, peer: str) -> str:
         f"--initial-advertise-peer-urls=http://${{POD_NAME}}.{domain}:{ETCD_PEER_PORT} "
         f"--initial-cluster={initial_cluster} "
         f"--initial-cluster-token={config.job}-etcd --initial-cluster-state=new "
-        "--auto-compaction-retention=1h --quota-backend-bytes=1073741824"
+        f"--auto-compaction-retention={sizing.auto_compaction_retention} "
+        f"--quota-backend-bytes={sizing.quota_backend_bytes}"
     )
 
 

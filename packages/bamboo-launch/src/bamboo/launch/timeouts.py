@@ -22,6 +22,7 @@ __all__ = [
     "ETCD_RETRY_S",
     "K8S_API_TIMEOUT_S",
     "K8S_GRACE_PERIOD_S",
+    "K8S_LEASE_PER_NODE_S",
     "LEADER_POLL_S",
     "NODE_SHORTAGE_SAY_S",
     "NOTICE_DIRECT_READ_S",
@@ -80,6 +81,11 @@ SPEC_POLL_S = 0.2
 
 K8S_API_TIMEOUT_S = 10.0
 """Deadline of the agent's one request to the Kubernetes API (its node's zone label, ``--k8s-node``)."""
+
+K8S_LEASE_PER_NODE_S = 0.0045
+"""Seconds of lease TTL per node that ``k8s render`` gives the agents (``--ttl``, at least ``LEASE_TTL_S``): the
+start-up burst measured at 1,000 agents on one etcd (p99 4.2-5.5 s, ``docs/results/scale.json``), per agent; a
+lease refresh etcd answers later than the TTL loses the lease (:func:`bamboo.launch.k8s_sizing.size_for`)."""
 
 K8S_GRACE_PERIOD_S = 15
 """The rendered pods' ``terminationGracePeriodSeconds`` (``k8s render --grace-period``): from SIGTERM (a

@@ -15,7 +15,8 @@
   `store.fenced(registration)` guards every write by the node's registration.
 - `FailureDetector`: neighbour reports confirmed by gRPC probes (with a grace period for slow nodes),
   parallel probe sweeps (`probe_all`) and lease expiry, emitted as `NodeFailed(node, epoch,
-  detected_by, reason)` once per node per epoch; the winner of a report revokes the node's lease.
+  detected_by, reason)` once per node per epoch; the winner of a report revokes the node's lease. The records it
+  follows are handed out as an immutable, versioned `MembershipView` (rebuilt only after a change).
 - `NodeAgent`: one per node, the gRPC `Agent` service (Probe, Notify, ReportPeerFailure, Subscribe),
   mutual TLS or a job token beyond loopback, SIGTERM and cloud preemption notices (`bamboo.membership.cloud`:
   `AwsSpotNotice`, `GcePreemptionNotice`). `python -m bamboo.membership --help`.
@@ -55,6 +56,7 @@ from bamboo.membership.kv import (
     StoreUnavailableError,
     WatchEvent,
 )
+from bamboo.membership.members import MembershipView
 from bamboo.membership.records import (
     FailureReport,
     MalformedValueError,
@@ -94,6 +96,7 @@ __all__ = [
     "Layout",
     "MalformedValueError",
     "MembershipStore",
+    "MembershipView",
     "MetadataError",
     "NodeAgent",
     "NodeFailed",

@@ -39,7 +39,8 @@ key went, so that no expiry in between is missed). The others read the record of
 must probe it (`MembershipStore.get_node`, one read per suspicion; a read etcd does not answer
 keeps the suspicion, and is tried again at the next probe), and emit only the failures they
 confirm themselves or find already reported when they write theirs (first writer wins).
-`subscribe_membership(listener)` calls `listener()` after each change of the node records followed.
+`subscribe_membership(listener)` calls `listener()` after each change of the node records followed; `membership_view()`
+hands them out as an immutable `MembershipView` with a version, rebuilt only after they changed.
 
 Time: all grace and probe scheduling reads the injected `clock` (monotonic seconds), so unit tests drive
 `tick()` with a fake clock and a fake prober; `start()` runs `tick()` on a background thread. Defaults
@@ -57,6 +58,7 @@ from concurrent import futures
 import attrs
 from bamboo.membership import timeouts
 from bamboo.membership.kv import EventKind, FencedError, StoreError, WatchEvent, WatchHandle
+from bamboo.membership.members import MembershipView, NodeTable
 from bamboo.membership.probing import DetectorConfig, ProbeOutcome, Prober, ProbeResult, SweepResult
 from bamboo.membership.records import (
     DetectionPath,
@@ -111,7 +113,7 @@ class FailureDetector:
         self.wall_clock = wall_clock
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        self._nodes: dict[str, NodeRecord] = {}
+        self._nodes = NodeTable()  # the followed records, versioned
         self._suspects: dict[str, _Suspicion] = {}
         # Confirmed failures whose report could not be written yet (etcd unreachable): retried by tick().
         self._unwritten: dict[str, tuple[NodeRecord, int, str, float]] = {}
@@ -176,7 +178,7 @@ class FailureDetector:
         revision = self.store.kv.revision()
         records = self.store.list_nodes(skip_malformed=True)
         with self._lock:
-            self._nodes.update(records)
+            self._nodes.update(records.values())
         start = revision + 1 if since_revision is None else min(since_revision, revision + 1)
         self._following = [self.store.watch_nodes(self._on_node_event, start_revision=start),
                            self.store.watch_failures(self._on_failure_event, start_revision=revision + 1)]
@@ -211,8 +213,13 @@ class FailureDetector:
             return sorted(self._suspects)
 
     def known_nodes(self) -> dict[str, NodeRecord]:
+        """A copy of the followed records; :meth:`membership_view` copies nothing."""
+        return dict(self.membership_view().nodes)
+
+    def membership_view(self) -> MembershipView:
+        """The followed records at their current version: the same immutable object until one changes."""
         with self._lock:
-            return dict(self._nodes)
+            return self._nodes.view()
 
     def probe_all(self, nodes: Iterable[str], reason: str, *, max_parallel: int = 64,
                   prober: Prober | None = None) -> SweepResult:
@@ -287,8 +294,8 @@ class FailureDetector:
             log.error("%s; declaring failures in epoch 0", exc)
         if self._follow_at_start:
             revision = kv.revision()
-            for record in self.store.list_nodes(skip_malformed=True).values():
-                self._nodes[record.id] = record
+            with self._lock:
+                self._nodes.update(self.store.list_nodes(skip_malformed=True).values())
             self._following = [self.store.watch_nodes(self._on_node_event, start_revision=revision + 1),
                                self.store.watch_failures(self._on_failure_event, start_revision=revision + 1)]
             for item in kv.get_prefix(self.store.keys.failures_in(self._epoch)):
@@ -409,11 +416,11 @@ class FailureDetector:
                 log.error("ignoring node event: %s", exc)
                 return
             with self._lock:
-                self._nodes[record.id] = record
+                self._nodes.put(record)
             return
         node = event.key.removeprefix(self.store.keys.nodes)
         with self._lock:
-            last = self._nodes.pop(node, None)
+            last = self._nodes.pop(node)
             self._suspects.pop(node, None)
         if event.prev_value:
             try:

@@ -42,8 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Write the Kubernetes objects of a Bamboo job: one agent per node spread across zones, an etcd "
             "StatefulSet (or --etcd URL of an external one), the minimum RBAC, spot-pool scheduling, the job "
             "token's Secret (or --agent-token-secret / --agent-tls-secret) and NetworkPolicies that admit only "
-            "the job's agents. The manifests are validated against the Kubernetes schemas before they are "
-            "written. Anything after -- is the training script the agents run, a path inside the image "
+            "the job's agents. etcd's resources, quota and volume and the agents' lease TTL are sized for --nodes "
+            "(docs/failure-model.md, 'At scale'). The manifests are validated against the Kubernetes schemas before "
+            "they are written. Anything after -- is the training script the agents run, a path inside the image "
             "(default: the built-in example)."
         ),
         epilog=AGENT_ARGS_DOC,
@@ -145,7 +146,7 @@ def _add_etcd_flags(command: argparse.ArgumentParser, defaults: K8sConfig) -> No
     command.add_argument(
         "--etcd-storage",
         default=defaults.etcd_storage,
-        help="etcd volume size per member (default: %(default)s)",
+        help="etcd volume size per member (default: twice etcd's quota, sized for --nodes: 2Gi up to 2000 nodes)",
     )
 
 

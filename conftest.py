@@ -88,7 +88,7 @@ CLUSTER_TESTS = (
 #: after another), a resumed run and its export, the training hooks in a real run. The checkpoint/restart
 #: baseline's test is not one: how many survivors make torchrun's rendezvous in time decides its restart's
 #: world size.
-BACKGROUND_PROCESS_TESTS = (
+BACKGROUND_PROCESS_TESTS = (  # in the order they start: the longest first, so that the lanes end together
     "tests/e2e/test_compare_e2e.py",
     "tests/e2e/test_resume_export_e2e.py",
     "packages/bamboo-launch/tests/test_hooks.py",
@@ -144,6 +144,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     clusters = [item for item in items if is_cluster_test(paths[item])]
     clusters.sort(key=lambda item: _under(paths[item], DEEPSPEED_OP_TESTS))  # stable: collection order otherwise
     last = [item for item in items if _under(paths[item], BACKGROUND_PROCESS_TESTS)]
+    last.sort(key=lambda item: [_under(paths[item], (root,)) for root in BACKGROUND_PROCESS_TESTS], reverse=True)
     grouped = set(clusters) | set(last)
     items[:] = clusters + [item for item in items if item not in grouped] + last
 

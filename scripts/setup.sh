@@ -5,9 +5,6 @@
 #   3. deepspeed==0.19.8 built for CPU, without build isolation (its setup.py imports torch),
 #   4. every package editable with its dev extras,
 #   5. the Debian etcd-server when no etcd binary is found.
-# Nothing is byte-compiled at install (--no-compile): pip would compile every module of torch, transformers
-# and the rest (about 15k files, half a minute on 2 cores); Python compiles the few that are imported on first
-# import and caches them.
 # A second run on a set-up machine only hashes a few files and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,12 +25,12 @@ else
   fi
   export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
   echo "setup: pip, setuptools, wheel"
-  "$PY" -m pip install -q --no-compile --upgrade pip setuptools wheel
+  "$PY" -m pip install -q --upgrade pip setuptools wheel
   echo "setup: torch==2.13.0 (CPU wheel)"
-  "$PY" -m pip install -q --no-compile 'torch==2.13.0'
+  "$PY" -m pip install -q 'torch==2.13.0'
   if ! "$PY" -c 'import importlib.metadata as m; assert m.version("deepspeed") == "0.19.8"' 2>/dev/null; then
     echo "setup: deepspeed==0.19.8 (builds from the sdist, about 30 s)"
-    "$PY" -m pip install -q --no-compile --no-build-isolation 'deepspeed==0.19.8'
+    "$PY" -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
   fi
   echo "setup: the six bamboo packages, editable, with dev extras"
   args=()
@@ -41,7 +38,7 @@ else
   args+=(-e "packages/bamboo-bench[dev,measured]")  # bamboo-bench's measured layer, above bamboo-launch
   # setuptools' deprecation notices about our pyproject files flood the terminal: keep them in a log,
   # shown only when the install fails.
-  if ! "$PY" -m pip install -q --no-compile --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \
+  if ! "$PY" -m pip install -q --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \
       > "$VENV/setup-packages.log" 2>&1; then
     cat "$VENV/setup-packages.log" >&2
     echo "setup: installing the packages failed (log: $VENV/setup-packages.log)" >&2

@@ -88,11 +88,17 @@ CLUSTER_TESTS = (
 #: after another), a resumed run and its export, the training hooks in a real run. The checkpoint/restart
 #: baseline's test is not one: how many survivors make torchrun's rendezvous in time decides its restart's
 #: world size.
-BACKGROUND_PROCESS_TESTS = (
+BACKGROUND_PROCESS_TESTS = (  # in the order they start: the longest first, so that the lanes end together
     "tests/e2e/test_compare_e2e.py",
     "tests/e2e/test_resume_export_e2e.py",
     "packages/bamboo-launch/tests/test_hooks.py",
 )
+
+
+#: Cluster tests whose processes load DeepSpeed's CPU ``shm_comm`` op (``deepspeed.init_distributed``): they come
+#: last in the cluster lane, so that on a fresh clone the op, built in the background from the start of
+#: ``make test`` (``scripts/build_ops.py``), is ready when they start instead of built inside one of them.
+DEEPSPEED_OP_TESTS = ("packages/bamboo-bench/tests/test_baseline.py",)
 
 
 def _under(path: str, roots: tuple[str, ...]) -> bool:
@@ -132,10 +138,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cluster tests first: the scheduler hands work out in collection order, so the long lane starts
-    at once instead of after every short test; the background process tests last."""
+    at once instead of after every short test (among them, those that load DeepSpeed's op last); the background
+    process tests last."""
     paths = {item: _relative(item) for item in items}
     clusters = [item for item in items if is_cluster_test(paths[item])]
+    clusters.sort(key=lambda item: _under(paths[item], DEEPSPEED_OP_TESTS))  # stable: collection order otherwise
     last = [item for item in items if _under(paths[item], BACKGROUND_PROCESS_TESTS)]
+    last.sort(key=lambda item: [_under(paths[item], (root,)) for root in BACKGROUND_PROCESS_TESTS], reverse=True)
     grouped = set(clusters) | set(last)
     items[:] = clusters + [item for item in items if item not in grouped] + last
 

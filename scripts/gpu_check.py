@@ -70,7 +70,7 @@ def _sizes(dry: bool) -> dict[str, Any]:
                 "model": GPTSize(layers=2, width=16, heads=2, sequence=8),
                 "bench": ["--micro-batches", "2", "--steps", "2", "--repeats", "1", "--layers", "1", "--width", "32",
                           "--heads", "2", "--sequence", "16", "--micro-batch-size", "2",
-                          "--variants", "deepspeed", "none", "eflb"],
+                          "--variants", "deepspeed", "none", "eflb", "--torch-adam"],
                 "message_mib": 1}
     matrix = [(2, 2, mode, False) for mode in ("none", "lflb", "eflb", "efeb")] + [(2, 2, "eflb", True)]
     matrix += [(4, 2, "none", False)] + [(4, 2, mode, True) for mode in ("lflb", "eflb", "efeb")]

@@ -63,11 +63,17 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
-def _config(micro_batches: int, micro_batch_size: int) -> dict[str, Any]:
+def _config(micro_batches: int, micro_batch_size: int, torch_adam: bool = False) -> dict[str, Any]:
+    """The run's DeepSpeed config. ``torch_adam``: DeepSpeed's engine steps with torch's AdamW (the same math)
+    instead of its FusedAdam, a JIT-compiled op that the first run on a CPU machine spends about a minute
+    building; bamboo's engine reads the key and uses its own AdamW either way."""
+    params: dict[str, Any] = {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}
+    if torch_adam:
+        params["torch_adam"] = True
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": micro_batches,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": params},
         "gradient_clipping": 1.0,
     }
 
@@ -358,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="pin each worker to its own core (default on)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda: the workers of every variant on the GPU (sharing one)")
+    parser.add_argument("--torch-adam", action="store_true",
+                        help="DeepSpeed's engine steps with torch's AdamW instead of its FusedAdam, which on the CPU "
+                        "is a JIT-compiled op built on first use (scripts/gpu-check.sh --dry-run sets it)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.repeats < 1:
@@ -377,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f}, device {args.device}")
     results: dict[str, Any] = {"load_average": os.getloadavg()[0], "pinned": args.pin, "device": args.device}
     for m in args.micro_batches:
-        config = _config(m, args.micro_batch_size)
+        config = _config(m, args.micro_batch_size, args.torch_adam)
         link = run_variant("link", size, config, args.steps, args.pin)[0]["link"]
         samples, reports, failed = _measure(args, size, config, m)
         ran = [v for v in args.variants if v not in failed]

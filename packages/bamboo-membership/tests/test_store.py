@@ -255,12 +255,15 @@ def test_a_newer_registration_of_the_same_id_fences_the_old_one(store: Membershi
         old.stop_keepalive()
 
 
-def test_lost_is_noticed_by_the_keepalive_not_by_the_ttl(store: MembershipStore) -> None:
+def test_lost_is_noticed_by_the_keepalive_not_by_the_ttl(store: MembershipStore, wait_until) -> None:
     lost: list[int] = []
     reg = store.register(_node("l"), ttl=60, keepalive_interval=0.1, on_lost=lambda r: lost.append(r.lease_id))
     store.kv.revoke_lease(reg.lease_id)
     # The TTL is 60 s; the test's bound is far below it, so only the keepalive can have noticed.
     assert reg.lost.wait(20), "the keepalive did not notice the revoked lease"
+    # on_lost is called just after `lost` is set, on the keepalive's thread: a loaded machine can run this
+    # thread in between.
+    wait_until(lambda: lost != [], timeout=5, message="on_lost")
     assert lost == [reg.lease_id]
     with pytest.raises(FencedError):
         reg.update(state=NodeState.NODE_STATE_ACTIVE)

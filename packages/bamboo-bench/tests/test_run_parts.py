@@ -135,9 +135,9 @@ def test_with_json_stdout_is_the_report_alone_whatever_the_verification_prints(
     import argparse
     import json
 
-    from bamboo.launch.cli.run import finish_run
+    from bamboo.bench.emulated.cli.run import finish_run
+    from bamboo.bench.emulated.run import RunResult
     from bamboo.launch.events import EventLog, RunStart, Step
-    from bamboo.launch.run import RunResult
 
     events = tmp_path / "events.jsonl"
     with EventLog(events) as log:

@@ -1,50 +1,46 @@
-"""The failure detector: neighbour reports, lease expiry and gRPC probes, turned into `NodeFailed` events.
+"""The failure detector: neighbour reports, lease expiry and gRPC probes (three signals, one outcome), turned into
+`NodeFailed` events:
 
-Three signals, one outcome:
-
-- **Neighbour report.** The runtime calls `report_peer_failure(node, reason)` when a P2P send or
-  receive to `node` failed. That makes `node` a *suspect*. The detector probes it over gRPC with a
-  deadline (`probe_timeout`):
+- **Neighbour report.** The runtime calls `report_peer_failure(node, reason)` when a P2P send or receive to `node`
+  failed. That makes `node` a *suspect*. The detector probes it over gRPC with a deadline (`probe_timeout`):
   - connection refused (nothing listens on the agent port: the process is gone) confirms at once;
   - an answer with a different incarnation (the id was taken by a new process) confirms at once;
   - an answer with the same incarnation clears the suspicion: the node is slow, not dead;
-  - an answer that refuses the prober's credentials (DENIED: wrong job token or client certificate)
-    also clears it: something alive holds the port, and a misconfigured prober must never read as a
-    dead node; it is logged;
-  - a probe that times out is repeated every `probe_interval` until the node has been unresponsive
-    for `grace_period` seconds since the report; then the failure is confirmed.
-- **Lease expiry.** The node's record disappears from etcd without having been marked LEFT: its
-  lease ran out (it stopped heartbeating for the TTL). Confirmed at once, by the detectors that follow
-  every node record (below).
-- **Sweep.** `probe_all(nodes)` probes many nodes at once (e.g. every node of the layout on the first
-  confirmation, so kills that land together are found together): refused or another incarnation
-  confirms at once; a timeout only makes the node a suspect, so its grace period starts.
+  - an answer that refuses the prober's credentials (DENIED: wrong job token or client certificate) also clears it:
+    something alive holds the port, and a misconfigured prober must never read as a dead node; it is logged;
+  - a probe that times out is repeated every `probe_interval` until the node has been unresponsive for
+    `grace_period` seconds since the report; then the failure is confirmed.
+- **Lease expiry.** The node's record disappears from etcd without having been marked LEFT: its lease ran out (it
+  stopped heartbeating for the TTL). Confirmed at once, by the detectors that follow every node record (below).
+- **Sweep.** `probe_all(nodes)` probes many nodes at once (e.g. every node of the layout on the first confirmation,
+  so kills that land together are found together): refused or another incarnation confirms at once; a timeout only
+  makes the node a suspect, so its grace period starts.
 
 A confirmed failure is written to etcd first-writer-wins, one per node per membership epoch
-(`MembershipStore.report_failure`), and every detector emits `NodeFailed` from what it reads back, so
-each listener of each detector sees exactly one `NodeFailed(node, epoch, detected_by, reason)` per node
-per epoch, whoever detected it. The detector that wins the report revokes the failed node's lease at
-once (`MembershipStore.revoke_node`, only for the incarnation it declared): the node leaves every
-lease-based view (`list_nodes`) without waiting for its TTL, and its fenced writes fail from then on.
-A detector whose own store is fenced (`store.fenced(registration)`) and whose node was declared dead
-writes nothing: its reports raise `FencedError`, which it logs and drops.
+(`MembershipStore.report_failure`), and every detector emits `NodeFailed` from what it reads back, so each listener
+of each detector sees exactly one `NodeFailed(node, epoch, detected_by, reason)` per node per epoch, whoever
+detected it. The detector that wins the report revokes the failed node's lease at once
+(`MembershipStore.revoke_node`, only for the incarnation it declared): the node leaves every lease-based view
+(`list_nodes`) without waiting for its TTL, and its fenced writes fail from then on. A detector whose own store is
+fenced (`store.fenced(registration)`) and whose node was declared dead writes nothing: its reports raise
+`FencedError`, which it logs and drops.
 
-**Following the membership, or not.** A detector made with `follow_membership=True` (the default) lists
-every node record at start and watches them all, and every failure report: it sees every lease expire,
-keeps every node's address at hand, and emits every failure, whoever confirmed it. That is one watch event
-per change for each such detector, so a job of N agents that all followed would carry N x N events (a
-thousand agents registering: a million). So at scale only one agent follows (bamboo-launch's elected
-coordinator: `follow_membership(since_revision)`, from the revision at which the previous coordinator's
-key went, so that no expiry in between is missed). The others read the record of a node only when they
-must probe it (`MembershipStore.get_node`, one read per suspicion; a read etcd does not answer
-keeps the suspicion, and is tried again at the next probe), and emit only the failures they
-confirm themselves or find already reported when they write theirs (first writer wins).
-`subscribe_membership(listener)` calls `listener()` after each change of the node records followed; `membership_view()`
-hands them out as an immutable `MembershipView` with a version, rebuilt only after they changed.
+**Following the membership, or not.** A detector made with `follow_membership=True` (the default) lists every node
+record at start and watches them all, and every failure report: it sees every lease expire, keeps every node's
+address at hand, and emits every failure, whoever confirmed it. That is one watch event per change for each such
+detector, so a job of N agents that all followed would carry N x N events (a thousand agents registering: a
+million). So at scale only one agent follows (bamboo-launch's elected coordinator:
+`follow_membership(since_revision)`, from the revision at which the previous coordinator's key went, so that no
+expiry in between is missed). The others read the record of a node only when they must probe it
+(`MembershipStore.get_node`, one read per suspicion; a read etcd does not answer keeps the suspicion, and is tried
+again at the next probe), and emit only the failures they confirm themselves or find already reported when they
+write theirs (first writer wins). `subscribe_membership(listener)` calls `listener()` after each change of the node
+records followed; `membership_view()` hands them out as an immutable `MembershipView` with a version, rebuilt only
+after they changed.
 
-Time: all grace and probe scheduling reads the injected `clock` (monotonic seconds), so unit tests drive
-`tick()` with a fake clock and a fake prober; `start()` runs `tick()` on a background thread. Defaults
-come from `bamboo.membership.timeouts` (`GRACE_PERIOD_S`, `PROBE_TIMEOUT_S`, `PROBE_INTERVAL_S`).
+Time: all grace and probe scheduling reads the injected `clock` (monotonic seconds), so unit tests drive `tick()`
+with a fake clock and a fake prober; `start()` runs `tick()` on a background thread. Defaults come from
+`bamboo.membership.timeouts` (`GRACE_PERIOD_S`, `PROBE_TIMEOUT_S`, `PROBE_INTERVAL_S`).
 """
 
 from __future__ import annotations

@@ -342,15 +342,20 @@ class Host:
         with self.lock:
             self.by_socket[conn] = (sim, peer)
             sim.peers.append(conn)
-        self.selector.register(conn, selectors.EVENT_READ, ("conn", sim))
+            self.selector.register(conn, selectors.EVENT_READ, ("conn", sim))
 
     def forget(self, conn: socket.socket) -> None:
+        """Stop watching ``conn`` and close it; once only, under the lock, whichever thread comes first (a node's
+        role thread leaving a generation, or the selector thread seeing it break): a second unregister of a closed
+        socket searched the selector's table while the other thread changed it, and killed the selector thread."""
         with self.lock:
             self.by_socket.pop(conn, None)
             self.generation_of.pop(conn, None)
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(conn)
-        conn.close()
+            if conn.fileno() == -1:
+                return
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(conn)
+            conn.close()
 
     def _watch_sockets(self) -> None:
         while True:

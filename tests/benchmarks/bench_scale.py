@@ -462,6 +462,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _print_json(result: dict[str, Any]) -> None:
+    print(json.dumps({key: None if isinstance(value, float) and math.isnan(value) else value
+                      for key, value in result.items()}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     say = Log()
@@ -469,18 +474,25 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.sizes:
         for attempt in range(args.repeat):
             say(f"--- {n} agents, run {attempt + 1} of {args.repeat} (load {os.getloadavg()[0]:.1f})")
-            result = Run(args, n, say).execute()
+            try:
+                result = Run(args, n, say).execute()
+            except RuntimeError as error:  # a run that could not start is a crash of that run, not of the series
+                say(f"run {attempt + 1} failed: {error}")
+                result = {"agents": n, "crashes": 1, "lost_events": 0, "error": str(error).splitlines()[0]}
             result["run"] = attempt + 1
             result["ttl_s"] = args.ttl
             result["load_avg_1m"] = os.getloadavg()[0]
             results.append(result)
+            if args.json:  # as each run ends: a series cut short keeps the runs it made
+                _print_json(result)
     summaries = summarize(results) if args.repeat > 1 else []
     if args.json:
-        for result in results + summaries:
-            print(json.dumps({key: None if isinstance(value, float) and math.isnan(value) else value
-                              for key, value in result.items()}))
+        for summary in summaries:
+            _print_json(summary)
     else:
-        print("\n".join([_table(results), *summary_lines(summaries)]))
+        failed = [r for r in results if "error" in r]
+        print("\n".join([_table([r for r in results if "error" not in r]), *summary_lines(summaries),
+                         *(f"{r['agents']} agents, run {r['run']}: {r['error']}" for r in failed)]))
     return 0 if all(r["lost_events"] == 0 and r["crashes"] == 0 for r in results) else 1
 
 

@@ -155,13 +155,12 @@ class SimNode:
             successor = layout.node_of_rank[self.rank + 1]
             self.host.connect(self, successor, layout.generation)
 
-    def _leave_generation(self, entering: int | None = None) -> None:
-        """Close the connections of the generations before ``entering`` (every one when None), as a worker releases
+    def _leave_generation(self, entering: int) -> None:
+        """Close the connections of the generations before ``entering``, as a worker releases
         its old groups. A predecessor that entered ``entering`` first may already have connected: closing its
         connection too left the pipeline without it, so the node's death later went unreported (no neighbour saw
         a connection break) until its lease expired: the 9 s outliers of earlier runs."""
-        keep = [peer for peer in self.peers if entering is not None
-                and self.host.generation_of.get(peer, entering) == entering]
+        keep = [peer for peer in self.peers if self.host.generation_of.get(peer, entering) == entering]
         for peer in self.peers:
             if peer not in keep:
                 self.host.forget(peer)

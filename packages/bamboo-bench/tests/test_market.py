@@ -291,3 +291,17 @@ def test_market_rate_is_the_plans_kills_per_node_hour_of_wall_time() -> None:
     assert market_rate(plan[:4], 3600.0) == 0.0
     with pytest.raises(ValueError, match="duration_s must be > 0, got 0"):
         market_rate(plan, 0)
+
+
+def test_adds_pending_says_whether_the_plan_still_starts_a_node(fake_clock) -> None:
+    market = SpotMarket(plan_market(TRACE, time_scale=60), RecordingActions(fake_clock), clock=fake_clock)
+    assert market.adds_pending
+    market.run_due()
+    fake_clock.advance(15.0)
+    market.run_due()
+    assert market.adds_pending  # n2 has started; n3 starts at 20 s
+    fake_clock.advance(5.0)
+    market.run_due()
+    assert not market.adds_pending  # only n3's kill is left
+    market.run()
+    assert market.done and not market.adds_pending

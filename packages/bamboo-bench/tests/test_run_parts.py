@@ -185,3 +185,51 @@ def test_bamboo_bench_declares_run_and_market_to_bamboo_launch() -> None:
     from bamboo.launch.cli import declared_commands
 
     assert declared_commands() == {"run": run, "market": market}
+
+
+class _EmptyCluster:
+    """A cluster whose every agent is gone (a bulk preemption took them all)."""
+
+    def alive(self) -> dict[str, object]:
+        return {}
+
+
+class _Decisions:
+    """The job's decisions in etcd: only ``end``, once it is written."""
+
+    def __init__(self) -> None:
+        self.end: object | None = None
+
+    def get_decision(self, name: str) -> object | None:
+        return self.end if name == "end" else None
+
+
+def test_a_run_whose_every_node_is_gone_waits_for_the_markets_next_node(tmp_path) -> None:
+    """A bulk preemption that empties the cluster does not end the run while the market has nodes to start; the
+    run ends when the market has none left, or at once when the job's end record is written."""
+    import time
+
+    from bamboo.bench.emulated.run_watch import wait_end
+    from bamboo.launch.records import JobEnd
+    from bamboo.membership import Decision
+
+    events = tmp_path / "events.jsonl"
+    events.write_text("")
+    said: list[str] = []
+    asked: list[bool] = []
+
+    def nodes_to_come() -> bool:  # the market starts nothing for two polls, then its plan is done
+        asked.append(True)
+        return len(asked) <= 2
+
+    deadline = time.monotonic() + 60
+    assert wait_end(_EmptyCluster(), _Decisions(), deadline, events, False, said.append,
+                    nodes_to_come=nodes_to_come) is False
+    assert len(asked) == 3
+    assert said == ["every node is gone and the job has not ended: waiting for the market's next node"]
+
+    ended = _Decisions()
+    ended.end = Decision(name="end", value=JobEnd(steps=7, node="n0").to_dict(), won=False, revision=1)
+    asked.clear()
+    assert wait_end(_EmptyCluster(), ended, deadline, events, False, said.append, nodes_to_come=lambda: True) is False
+    assert len(said) == 1  # the job had ended: nothing to wait for

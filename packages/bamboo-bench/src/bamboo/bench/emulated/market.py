@@ -278,6 +278,11 @@ class SpotMarket:
         """Whether every action of the plan has run."""
         return self._next >= len(self.plan)
 
+    @property
+    def adds_pending(self) -> bool:
+        """Whether the plan still has a node to start (an ``add`` not yet run)."""
+        return any(action.kind is ActionKind.ADD for action in self.plan[self._next:])
+
     def elapsed(self) -> float:
         """Seconds since the market started (0 before)."""
         if self._started_at is None:

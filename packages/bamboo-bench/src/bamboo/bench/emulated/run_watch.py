@@ -108,10 +108,29 @@ def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership
 
 
 def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: float, events: Path, live: bool,
-             say: Callable[[str], None], progress_every: int = 10) -> bool:
-    """Wait until the job has ended and every agent has exited; True if the deadline came first."""
+             say: Callable[[str], None], progress_every: int = 10,
+             nodes_to_come: Callable[[], bool] = lambda: False) -> bool:
+    """Wait until the job has ended and every agent has exited; True if the deadline came first.
+
+    An agent exits once the job's end record is in etcd. A cluster with no agent left whose job has not ended
+    (a bulk preemption took every node) is still running while ``nodes_to_come()`` (the market will start
+    another node): the job goes on from its newest checkpoint once the new nodes form a pipeline.
+    """
+    from bamboo.launch.records import JobEnd, read_record
+
+    emptied = False
+
     def running() -> bool:
-        return bool(cluster.alive())  # an agent exits once the job's end record is in etcd
+        nonlocal emptied
+        if cluster.alive():
+            emptied = False
+            return True
+        if not nodes_to_come() or read_record(JobEnd, membership.get_decision("end")) is not None:
+            return False
+        if not emptied:
+            say("every node is gone and the job has not ended: waiting for the market's next node")
+            emptied = True
+        return True
 
     if not live:
         from bamboo.launch.live import EventFollower, LiveState, ProgressLines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import attrs
 import pytest
 from bamboo.bench.emulated.market import ActionKind
 from bamboo.bench.emulated.run import RunOptions, agent_command, initial_plan, run_spec_fields
@@ -233,3 +234,20 @@ def test_a_run_whose_every_node_is_gone_waits_for_the_markets_next_node(tmp_path
     asked.clear()
     assert wait_end(_EmptyCluster(), ended, deadline, events, False, said.append, nodes_to_come=lambda: True) is False
     assert len(said) == 1  # the job had ended: nothing to wait for
+
+
+def test_a_run_every_node_of_which_was_preempted_says_so_and_where_it_stopped(tmp_path) -> None:
+    from bamboo.bench.emulated.run import RunError, RunOptions, RunResult, compare_with_reference
+    from bamboo.launch.events import EventLog, Step
+
+    events = tmp_path / "events.jsonl"
+    with EventLog(events) as log:
+        for step in (1, 2, 3):
+            log.write(Step(t=float(step), step=step, samples=8, loss=1.0, nodes_active=3, duration_s=0.1))
+    result = RunResult(run_dir=tmp_path, events=events, reports={}, failed_ranks=(), failed_nodes=(),
+                       node_of_rank={}, exit_codes={"node0": -9, "node1": -9}, timed_out=False, seconds=10.0)
+    with pytest.raises(RunError, match=r"every node was preempted .* stopped at step 3, unfinished"):
+        compare_with_reference(result, RunOptions(stages=2, pipelines=1, steps=5))
+    exited = attrs.evolve(result, exit_codes={"node0": -9, "node1": 1})  # one crashed: not a preemption
+    with pytest.raises(RunError, match="no worker wrote a final report"):
+        compare_with_reference(exited, RunOptions(stages=2, pipelines=1, steps=5))

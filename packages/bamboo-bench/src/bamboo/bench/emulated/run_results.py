@@ -79,6 +79,11 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> Verificati
     if result.timed_out:
         raise RunError(f"the run did not finish within --timeout {options.timeout_s:g} s (after {result.steps_done} "
                        "steps): nothing to verify")
+    if not result.reports and result.exit_codes and all(code is not None and code < 0
+                                                        for code in result.exit_codes.values()):
+        raise RunError(f"every node was preempted and the trace started no other: the job stopped at step "
+                       f"{_last_step(result.events)}, unfinished (nothing to verify; a longer trace, or --resume "
+                       f"from its checkpoints in {result.run_dir / 'checkpoints'}, goes on)")
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
     spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())
@@ -97,6 +102,13 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> Verificati
         raise RunError(str(error)) from None
     worst, tensors = compare_states(reports, reference)
     return {"steps": steps, "max_relative_diff": worst, "tensors": tensors, "history": history}
+
+
+def _last_step(events: Path) -> int:
+    """The highest step in the run's event log (0 before the first)."""
+    from bamboo.launch.events import Step, read_events
+
+    return max((event.step for event in read_events(events) if isinstance(event, Step)), default=0)
 
 
 def dumps_result(result: RunResult) -> str:

@@ -42,7 +42,7 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
 
 def _run_all(commands: dict[str, list[str]], cwd: Path) -> dict[str, subprocess.CompletedProcess[str]]:
     """Start every command at once; their results by name once all have exited."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(cwd)}  # what a command leaves in /tmp is seen
     started = {name: subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True) for name, command in commands.items()}
     done = {}
@@ -122,6 +122,7 @@ def test_the_console_commands_say_one_line_too(tmp_path: Path) -> None:
     _one_line(results["agent"], 2, dead, "--etcd-timeout")
     assert f"etcd at {dead} does not answer; trying again for up to 1 s" in results["agent"].stdout
     _one_line(results["compare"], 2, "spot")
+    assert not list(tmp_path.glob("bamboo-compare-*")), "a refused compare left its default --out folder behind"
 
 
 def test_an_agent_without_steps_takes_the_spec_default(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 from bamboo.bench import timeouts
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, positive_float, positive_int, zones
 from bamboo.bench.measured.compare import Comparison, default_out, run_compare
@@ -227,10 +228,12 @@ def _run_compare(args: argparse.Namespace, console: Console, out: Console) -> in
     """Run ``compare`` with the parsed ``args``; progress on ``console``, results on ``out``."""
     options = CompareOptions(
         preemptions=args.preemptions, nodes=args.nodes, stages=args.stages, pipelines=args.pipelines,
-        out=args.out or default_out(), steps=args.steps, duration_s=args.duration, systems=parse_systems(args.systems),
+        out=args.out or Path(), steps=args.steps, duration_s=args.duration, systems=parse_systems(args.systems),
         time_scale=args.time_scale, hours=args.hours, seed=args.seed, zones=args.zones, spot_price=args.spot_price,
         on_demand_price=args.on_demand_price, layers=args.layers, script=tuple(getattr(args, "script", ()) or ()),
         timeout_s=args.timeout, long_run=args.long_run, long_run_nodes=args.long_run_nodes, redundancy=args.redundancy)
+    if args.out is None:  # a new folder only once the options hold: a refused command leaves nothing behind
+        options = attrs.evolve(options, out=default_out())
     console.print(f"compare: files in {options.out}")
     if args.seeds > 1:
         return _run_seeds(args, options, console, out)

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from bamboo.bench.argtypes import default_of, non_negative_float, positive_float
 from bamboo.launch import timeouts
@@ -44,7 +44,8 @@ SPEC_FLAGS = {flag[2:].replace("-", "_"): field for field, flag in FLAG_OF.items
 (``--layers`` sets ``size``; a script after ``--`` sets ``script``)."""
 
 
-def _spec_default(field: str) -> Any:
+def _spec_default(field: str) -> object:
+    """The default of the job spec's ``field``, as a flag's help shows it (the spec owns every default)."""
     return default_of(JobSpec, field)
 
 

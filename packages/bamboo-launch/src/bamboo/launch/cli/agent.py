@@ -28,6 +28,7 @@ from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecErr
 from bamboo.membership import EtcdKV, MembershipStore, StoreError, StoreUnavailableError
 from bamboo.membership.agent import is_loopback
 from bamboo.membership.cloud import PREEMPTION_NOTICE_KINDS
+from bamboo.membership.timeouts import LEASE_TTL_S
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 
 __all__ = ["AGENT_USAGE_LINE", "SPEC_FLAGS", "add_parser", "agent_spec_fields", "run"]
@@ -266,9 +267,9 @@ def refuse_a_live_twin(membership: MembershipStore, node: str, given_ttl: int | 
         return
     stored = membership.kv.get(membership.keys.root + "spec")
     try:
-        ttl = JobSpec.from_json(stored.value).ttl if stored is not None else given_ttl or _spec_default("ttl")
+        ttl = JobSpec.from_json(stored.value).ttl if stored is not None else given_ttl or LEASE_TTL_S
     except SpecError:
-        ttl = given_ttl or _spec_default("ttl")
+        ttl = given_ttl or LEASE_TTL_S
     say_line(f"node {node} is registered already; waiting up to {ttl} s for that registration to expire")
     deadline = time.monotonic() + ttl + 1.0
     while membership.kv.get(key) is not None:

@@ -35,7 +35,7 @@ else
   echo "setup: the six bamboo packages, editable, with dev extras"
   args=()
   for p in "${PACKAGES[@]}"; do args+=(-e "packages/bamboo-$p[dev]"); done
-  args+=(-e "packages/bamboo-bench[dev,measured,emulated]")  # bamboo-bench's layers above bamboo-launch
+  args+=(-e "packages/bamboo-bench[dev,measured,emulated,value]")  # bamboo-bench's layers above bamboo-launch
   # setuptools' deprecation notices about our pyproject files flood the terminal: keep them in a log,
   # shown only when the install fails.
   if ! "$PY" -m pip install -q --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \

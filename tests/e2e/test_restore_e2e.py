@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
+from bamboo.bench.value import compute_report
 from bamboo.launch.events import Checkpoint, Preemption, Reconfiguration, Restore, Step, read_events
-from bamboo.launch.report import compute_report
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -152,8 +152,8 @@ def test_a_kill_restarts_every_worker_from_the_last_checkpoint(tmp_path: Path) -
     """4 nodes, P=2, D=2; node1 is killed 0.3 s into training; the job drops to one pipeline of 8 microbatches
     (3 nodes, one idle), restarts from its newest checkpoint and finishes every step."""
     from bamboo.bench.measured.torchrun import run_checkpoint_restart
+    from bamboo.bench.value import compute_report
     from bamboo.launch.events import Checkpoint, Preemption, Restore, Step, read_events
-    from bamboo.launch.report import compute_report
 
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,node1\n0,add,node2\n0,add,node3\n0,add,node4\n300,remove,node2\n")

@@ -180,12 +180,14 @@ def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.C
         in out
 
 
-def test_bamboo_bench_declares_run_and_market_to_bamboo_launch() -> None:
-    """bamboo-launch finds ``run`` and ``market`` through bamboo-bench's entry points (it never imports them)."""
+def test_bamboo_bench_declares_run_market_and_report_to_bamboo_launch() -> None:
+    """bamboo-launch finds ``run``, ``market`` and ``report`` through bamboo-bench's entry points (it never imports
+    them)."""
     from bamboo.bench.emulated.cli import market, run
+    from bamboo.bench.value import cli as report
     from bamboo.launch.cli import declared_commands
 
-    assert declared_commands() == {"run": run, "market": market}
+    assert declared_commands() == {"run": run, "market": market, "report": report}
 
 
 class _EmptyCluster:

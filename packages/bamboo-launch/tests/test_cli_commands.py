@@ -1,5 +1,5 @@
 """The subcommands that other packages declare (``bamboo.launch.commands`` entry points): found and listed in
-order when declared, one line and status 2 when not (``run`` and ``market`` without bamboo-bench)."""
+order when declared, one line and status 2 when not (``run``, ``market`` and ``report`` without bamboo-bench)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,17 @@ def test_without_bamboo_bench_run_and_market_say_so_in_one_line(
     assert out == ""
     assert err == (f"bamboo-launch: error: bamboo-launch {argv[0]} needs bamboo-bench (its emulated spot cluster), "
                    "which is not installed here: pip install 'bamboo-bench[emulated]' (or -e packages/bamboo-bench)\n")
+
+
+@pytest.mark.parametrize("argv", [["report", "events.jsonl"], ["report", "--etcd", "h:1", "--job", "j", "--json"]])
+def test_without_bamboo_bench_report_says_so_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    _declaring(monkeypatch)
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == ("bamboo-launch: error: bamboo-launch report needs bamboo-bench (its report of a run's value), "
+                   "which is not installed here: pip install 'bamboo-bench[value]' (or -e packages/bamboo-bench)\n")
 
 
 def test_a_module_that_cannot_be_imported_reads_as_not_installed(

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import pytest
+from bamboo.bench.value import compute_report, format_report
 from bamboo.launch.cli import main
 from bamboo.launch.coordinator_layouts import first_layout
 from bamboo.launch.events import (
@@ -29,7 +30,6 @@ from bamboo.launch.redundancy import (
     observed_rate,
     with_mode,
 )
-from bamboo.launch.report import compute_report, format_report
 from bamboo.launch.spec import JobSpec, SpecError
 from bamboo.reconfig import JobLayout, RecordError
 

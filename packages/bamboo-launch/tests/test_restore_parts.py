@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bamboo.bench.value import compute_report, format_report
 from bamboo.launch.events import (
     EventLog,
     Reconfiguration,
@@ -20,7 +21,6 @@ from bamboo.launch.events import (
 )
 from bamboo.launch.pauses import PauseBreakdown
 from bamboo.launch.reconfigure import next_history, restore_point, restore_slices, stage_shards
-from bamboo.launch.report import compute_report, format_report
 from bamboo.launch.worker_records import write_reconfiguration
 from bamboo.rc.checkpoint_files import CheckpointError, write_checkpoint
 from bamboo.reconfig import JobLayout, LayerSpec, Layout, RestorePoint, StartMode

@@ -14,8 +14,6 @@
 - :mod:`bamboo.launch.spec` (the job's spec, a worker's context, a program), :mod:`bamboo.launch.records`
   (the decisions in etcd), :mod:`bamboo.launch.timeouts` (every timeout): shared types;
 - :mod:`bamboo.launch.events`: the event log (typed records; JSON lines, or etcd on a cluster);
-- :mod:`bamboo.launch.report`: the final report from an event log (throughput, node-hours, spot
-  and on-demand cost, value) and its four-panel plot;
 - checkpoints of the live system (:class:`AsyncCheckpointer`, :func:`load_latest_good`, ...) are written in
   bamboo-rc's one checkpoint format, :mod:`bamboo.rc.checkpoint_files`, and re-exported here;
 - :mod:`bamboo.launch.k8s`: Kubernetes manifests for EKS and GKE spot pools, and their validation;
@@ -23,12 +21,14 @@
 - :mod:`bamboo.launch.forkserver`: starting a process through the fork server that an emulated cluster
   names (an agent's worker);
 - :mod:`bamboo.launch.cli`: the ``bamboo-launch`` command, one module per subcommand (``agent``, ``export``,
-  ``k8s render|validate``, ``report``, ``watch``, ``finish``), and the subcommands other packages declare in
-  the ``bamboo.launch.commands`` entry-point group (``run`` and ``market``, from bamboo-bench).
+  ``k8s render|validate``, ``watch``, ``finish``), and the subcommands other packages declare in the
+  ``bamboo.launch.commands`` entry-point group (``run``, ``market`` and ``report``, from bamboo-bench).
 
-Two layers of bamboo-bench sit above this package, and this package never imports them: the emulated spot
-cluster (:mod:`bamboo.bench.emulated`: ``bamboo-launch run``'s :func:`run_cluster`, the emulated spot market,
-one agent process per node, ``--verify``), and the measured experiments (:mod:`bamboo.bench.measured`:
+Three layers of bamboo-bench sit above this package, and this package never imports them: a run's value
+(:mod:`bamboo.bench.value`: ``bamboo-launch report``, the final report from an event log, its cost at spot and
+on-demand prices, its value and its four-panel figure), the emulated spot cluster
+(:mod:`bamboo.bench.emulated`: ``bamboo-launch run``'s :func:`run_cluster`, the emulated spot market, one agent
+process per node, ``--verify``), and the measured experiments (:mod:`bamboo.bench.measured`:
 ``bamboo-bench compare``, bamboo against checkpoint/restart and on-demand).
 
 Importing this package does not import torch or matplotlib; the functions that need them do.
@@ -55,7 +55,6 @@ from bamboo.launch.k8s import K8sConfig, ManifestValidationError, render_manifes
 from bamboo.launch.live import EventFollower, LiveState, render_live
 from bamboo.launch.reconfigure import build_view, transfer_participants
 from bamboo.launch.reference import train_reference_program
-from bamboo.launch.report import Prices, Report, ReportError, compute_report, format_report, plot_report
 from bamboo.launch.script import ScriptError, train_worker
 from bamboo.launch.spec import JobSpec, Program, WorkerContext
 from bamboo.rc.checkpoint_async import AsyncCheckpointer
@@ -89,11 +88,8 @@ __all__ = [
     "ManifestValidationError",
     "NoGoodCheckpointError",
     "Preemption",
-    "Prices",
     "Program",
     "Reconfiguration",
-    "Report",
-    "ReportError",
     "Restore",
     "RunEnd",
     "RunStart",
@@ -102,13 +98,10 @@ __all__ = [
     "TrainingHooks",
     "WorkerContext",
     "build_view",
-    "compute_report",
     "export_checkpoint",
     "export_run",
-    "format_report",
     "load_checkpoint",
     "load_latest_good",
-    "plot_report",
     "read_events",
     "render_live",
     "render_manifests",

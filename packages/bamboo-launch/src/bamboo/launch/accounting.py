@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch.event_records import Event, Failover, Reconfiguration, Restore, RunStart, Startup, Step
@@ -152,7 +152,8 @@ class TimeAccount:
             parts[part] = statistics.median(values) if values else None
         return parts
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, float | None]:
+        """The account as a flat dict of seconds and shares (None: not known yet), keys as the live view's."""
         return {"startup_s": self.startup_s, "window_s": self.window_s, "step_s": self.step_s,
                 "step_share": self.step_share, "failover_s": self.failover_s,
                 "reconfiguration_s": self.reconfiguration_s, "restore_s": self.restore_s, "lost_s": self.lost_s,

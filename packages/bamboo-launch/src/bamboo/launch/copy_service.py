@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch import timeouts
@@ -48,7 +48,8 @@ class _Pending:
     step: int
     stage: int
     layers: tuple[int, int]
-    state: dict[str, Any]
+    state: dict[str, object]
+    """The stage's snapshot (``TrainableSlice.snapshot``: torch state dicts), opaque here: its bytes are sent."""
     lineage: str
     keepers_from: tuple[tuple[str, ...], tuple[str, ...]] | None
     """``(holders, placed)`` when this copy goes to keepers too (see :func:`memcopy.choose_keepers`)."""

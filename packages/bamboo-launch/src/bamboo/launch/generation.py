@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 from bamboo.launch.hooks import TrainingHooks, run_step_hooks
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from bamboo.rc.checkpoint_async import AsyncCheckpointer
     from bamboo.rc.checkpoint_files import CheckpointInfo
     from bamboo.reconfig import JobLayout
+    from torch import Tensor
 
 __all__ = ["Ending", "WorkerState", "checkpoint", "failover_records", "pipeline_batches", "reports_the_job",
            "train_generation"]
@@ -233,7 +234,7 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
     def may_commit(step: int, shard: str) -> None:  # raises (the shard is not committed) once fenced
         run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
 
-    def shard(stage: int) -> dict[str, Any]:
+    def shard(stage: int) -> dict[str, Tensor]:
         return {"state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8),
                 "layers": torch.tensor(list(executor.slices[stage].indices), dtype=torch.int64),
                 "history": torch.tensor([list(item) for item in layout.history], dtype=torch.int64)}

@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch.events import (
@@ -43,6 +43,7 @@ from bamboo.launch.events import (
     WorkerPhase,
     event_from_dict,
 )
+from bamboo.launch.json_types import JSONObject
 from bamboo.launch.redundancy import describe_choice
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ class LiveState:
                 f"samples/s {'-' if rate is None else f'{rate:.1f}'} (last {self._steps.maxlen} steps)  "
                 f"nodes {self.nodes_active} active, {self.standby} standby, {self.joining} joining")
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JSONObject:
         """The state as a flat dict (for ``watch --once --json`` and tests)."""
         return {
             "job": self.job,

@@ -37,13 +37,13 @@ import socketserver
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch import timeouts
 
 if TYPE_CHECKING:
-    from bamboo.launch.json_types import JSON
+    from bamboo.launch.json_types import JSON, JSONObject
     from bamboo.membership import KeyValueStore
 
 __all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
@@ -159,7 +159,7 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _receive_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def _receive_message(sock: socket.socket) -> tuple[JSONObject, bytes]:
     (size,) = _HEADER.unpack(_receive_exactly(sock, _HEADER.size))
     if size > _MAX_HEADER:
         raise ConnectionError(f"a header of {size} bytes is too long")

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import attrs
+from bamboo.launch.json_types import JSONObject
 from bamboo.reconfig import RecordError
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class _Record:
 
     NAME: ClassVar[str]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         data = attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
         return {"v": RECORD_VERSION, **{k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}}
 
@@ -199,7 +200,7 @@ class PreparedLayout(_Record):
     the barrier)."""
 
     NAME: ClassVar[str] = "prepared layout"
-    layout: dict[str, Any] | None = attrs.field(default=None)
+    layout: JSONObject | None = attrs.field(default=None)
     epoch: int = attrs.field(default=0, validator=_NON_NEGATIVE_INT)
     closed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 

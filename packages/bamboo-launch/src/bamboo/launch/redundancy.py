@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch.event_records import (
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from bamboo.schedule import FailureModel
 
 __all__ = ["AUTO", "choice_record", "choose_mode", "describe_choice", "failure_model", "holds_replicas", "in_force",
-           "layout_mode", "measured_step", "mode_for", "observed_rate", "report_fields", "with_mode"]
+           "layout_mode", "measured_step", "mode_for", "observed_rate", "with_mode"]
 
 AUTO = "auto"
 """The spec's redundancy that is chosen per generation rather than given."""
@@ -211,14 +211,3 @@ def in_force(events: Iterable[Event]) -> RedundancyChoice | None:
 def describe_choice(choice: RedundancyChoice) -> str:
     """``eflb (auto, generation 2): <reason>``: the mode and why, one line."""
     return f"{choice.mode} (auto, generation {choice.generation}): {choice.reason}"
-
-
-def report_fields(events: Iterable[Event]) -> dict[str, Any]:
-    """The report's keys on ``--redundancy auto``: the mode in force, why, each mode's expected loss per hour
-    (all None in a job that chose none) and how many choices the job made."""
-    listed = list(events)
-    chosen = in_force(listed)
-    return {"redundancy_mode": None if chosen is None else chosen.mode,
-            "redundancy_reason": None if chosen is None else describe_choice(chosen),
-            "redundancy_lost_s_per_hour": None if chosen is None else dict(chosen.lost_s_per_hour),
-            "redundancy_choices": sum(isinstance(e, RedundancyChoice) for e in listed)}

@@ -13,21 +13,23 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from bamboo.launch import timeouts
+from bamboo.launch.json_types import JSONObject
 from bamboo.launch.records import JobEnd, RecordError
 from bamboo.launch.role_watch import RoleWatch
 from bamboo.launch.spec import WORKER_ERROR, JobSpec, Program, WorkerContext
 
 if TYPE_CHECKING:
+    import grpc
     from bamboo.launch.copy_service import CopyService
     from bamboo.membership import MembershipStore, WatchEvent
     from bamboo.rc import StageExecutor
     from bamboo.reconfig import JobLayout
 
-__all__ = ["JobCannotContinue", "NotEnoughNodes", "WorkerSession", "agent_auth", "decision_prefix", "fenced",
-           "read_spec"]
+__all__ = ["AgentAuth", "JobCannotContinue", "NotEnoughNodes", "WorkerSession", "agent_auth", "decision_prefix",
+           "fenced", "read_spec"]
 
 
 class JobCannotContinue(RuntimeError):
@@ -116,7 +118,7 @@ class WorkerSession:
     def layout(self) -> JobLayout | None:
         return self.roles.layout()
 
-    def wait_decision(self, name: str, timeout: float) -> dict[str, Any]:
+    def wait_decision(self, name: str, timeout: float) -> JSONObject:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -159,9 +161,18 @@ def fenced(membership: MembershipStore, context: WorkerContext) -> MembershipSto
                                    lease=context.fence_lease))
 
 
-def agent_auth(context: WorkerContext) -> dict[str, Any]:
+class AgentAuth(TypedDict, total=False):
+    """How to call the agent's gRPC service (``AgentClient``'s keyword arguments): its job token, or the channel
+    credentials and options of its TLS files; none of them for an agent that checks neither."""
+
+    token: str
+    credentials: grpc.ChannelCredentials
+    channel_options: list[tuple[str, str]]
+
+
+def agent_auth(context: WorkerContext) -> AgentAuth:
     """How to call the agent's gRPC service: its job token or its TLS files."""
-    options: dict[str, Any] = {}
+    options: AgentAuth = {}
     if context.agent_token_file:
         options["token"] = Path(context.agent_token_file).read_text().strip()
     if context.agent_tls_ca:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.agent_options import AgentOptions
@@ -60,7 +60,8 @@ class Supervisor:
         # Only the elected coordinator's detector follows the membership (bamboo.membership.detector).
         self.agent = NodeAgent(self.membership, self.node, zone=self.zone, host=options.host, port=options.port,
                                ttl=spec.ttl, tls=agent_tls(options), detector_config=DetectorConfig(grace_period=spec.grace_s),
-                               notice_window=options.notice_window_s, follow_membership=False, **agent_auth(options))
+                               notice_window=options.notice_window_s, follow_membership=False,
+                               insecure=options.insecure, token=agent_token(options))
         self.agent.start()
         end = self.membership.keys.decision("end")
         self.end = WatchedKey(self.membership.kv, end, on_change=lambda _: self.wake.set())
@@ -169,11 +170,9 @@ def agent_tls(options: AgentOptions) -> TlsFiles | None:
     return TlsFiles(options.tls_cert, options.tls_key or "", options.tls_ca, options.tls_server_name)
 
 
-def agent_auth(options: AgentOptions) -> dict[str, Any]:
-    auth: dict[str, Any] = {"insecure": options.insecure}
-    if options.token_file:
-        auth["token"] = Path(options.token_file).read_text().strip()
-    return auth
+def agent_token(options: AgentOptions) -> str | None:
+    """The job token the agent's gRPC service asks its callers for (``--token-file``; None: it asks for none)."""
+    return Path(options.token_file).read_text().strip() if options.token_file else None
 
 
 def kill_worker(worker: subprocess.Popen[bytes] | ForkedProcess) -> None:

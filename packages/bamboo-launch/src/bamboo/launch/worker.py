@@ -49,7 +49,7 @@ import os
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch.barrier import next_attempt_layout, next_layout, publish_layout
@@ -87,7 +87,7 @@ from bamboo.launch.worker_phases import (
     next_phase,
     phase_change,
 )
-from bamboo.launch.worker_records import StartupClock
+from bamboo.launch.worker_records import StartupClock, WorkerReport
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -113,9 +113,11 @@ class _Holding:
     stopped: float | None = None
 
 
-def train(context: WorkerContext, program: Program | None = None, hooks: TrainingHooks | None = None) -> dict[str, Any]:
+def train(context: WorkerContext, program: Program | None = None,
+          hooks: TrainingHooks | None = None) -> WorkerReport | None:
     """Train ``program`` (default: the built-in example) as ``context.node`` through every layout it has a
-    role in; returns the final report (``{"done": False}`` when the job ended without needing this node).
+    role in; returns the final report (None when the job ended without needing this node, or after it handed
+    its stage over).
 
     ``hooks`` (a script's ``on_step`` and ``evaluate``, :mod:`bamboo.launch.hooks`) run after every step
     that completes, once its records and checkpoint are written."""
@@ -162,7 +164,8 @@ class _Life:
     holding: _Holding = attrs.field(factory=_Holding)
 
 
-def _roles(run: WorkerSession, state: WorkerState, hooks: TrainingHooks | None, role: Role | None) -> dict[str, Any]:
+def _roles(run: WorkerSession, state: WorkerState, hooks: TrainingHooks | None,
+           role: Role | None) -> WorkerReport | None:
     """Every role this node takes from ``role`` on, to the job's end: the phases of
     :mod:`bamboo.launch.worker_phases`, each phase's outcome deciding the next one (:func:`next_phase`)."""
     life = _Life(run, state, hooks)
@@ -251,16 +254,16 @@ def _training(life: _Life, started: StartDone) -> TrainingEnded:
     return trained
 
 
-def _end(life: _Life, phase: Phase, cause: Outcome) -> dict[str, Any]:
+def _end(life: _Life, phase: Phase, cause: Outcome) -> WorkerReport | None:
     """The last phase: the report (``DONE``), the hand-over (``HANDED_OVER``), or nothing (``ENDED``)."""
     run, state = life.run, life.state
     if phase is Phase.ENDED:
-        return {"done": False}
+        return None
     assert isinstance(cause, TrainingEnded) and cause.started.engine is not None
     layout, executor = cause.started.layout, cause.started.engine.executor
     if phase is Phase.HANDED_OVER:
         _hand_over(run, layout, executor)
-        return {"done": False, "handed_over": True}
+        return None
     report = _final_report(run, layout, executor, state.losses, state.failovers, state.started)
     run.membership.decide("end", JobEnd(steps=executor.step, node=run.node).to_dict())
     return report
@@ -389,11 +392,11 @@ def _hand_over(run: WorkerSession, layout: JobLayout, executor: StageExecutor) -
 
 def _final_report(run: WorkerSession, layout: JobLayout, executor: StageExecutor, losses: list[float],
                   failovers: list[FailoverRecord],
-                  started: float) -> dict[str, Any]:
+                  started: float) -> WorkerReport:
     import torch
 
     rank = layout.ranks[run.node]
-    report = {
+    report: WorkerReport = {
         "rank": rank,
         "node": run.node,
         "generation": layout.generation,

@@ -1,5 +1,5 @@
-"""The event records a worker writes about how it got to train: each reconfiguration's pause and its parts,
-a restore's source, and its own start-up.
+"""The records a worker writes about how it got to train: each reconfiguration's pause and its parts, a restore's
+source, and its own start-up (event records); and what it leaves at the end, its final report (:class:`WorkerReport`).
 
 The lowest rank of a new layout writes the ``reconfiguration`` record (and a ``restore`` record when the
 layout restarted from a copy of an earlier step) once the layout's first step is done, so that the pause
@@ -13,10 +13,11 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 from bamboo.launch.event_records import Reconfiguration, Restore, Startup
+from bamboo.launch.json_types import JSONObject
 from bamboo.launch.pauses import PauseBreakdown, first_step_excess, pause_breakdown
 from bamboo.launch.records import AttemptOutcome, NodeUp, read_record
 
@@ -24,11 +25,35 @@ if TYPE_CHECKING:
     from bamboo.launch.events import EventWriter
     from bamboo.membership import MembershipStore
     from bamboo.reconfig import JobLayout
+    from torch import Tensor
 
-__all__ = ["SPAWNED_ENV", "StartupClock", "reconfiguration_pause", "write_reconfiguration"]
+__all__ = ["SPAWNED_ENV", "StartupClock", "WorkerReport", "reconfiguration_pause", "write_reconfiguration"]
 
 SPAWNED_ENV = "BAMBOO_WORKER_SPAWNED_UNIX"
 """Set by the agent when it spawns its worker: the wall-clock time of the spawn (the ``process_s`` phase)."""
+
+
+class WorkerReport(TypedDict):
+    """A worker's final report (``RUN_DIR/out/rank<R>.pt``, written by :mod:`bamboo.launch.worker`): its place in
+    the last layout, the final state of each layer it built (``slices`` and their global indices ``slice_layers``,
+    per hosted stage), its losses and failovers."""
+
+    rank: int
+    node: str
+    generation: int
+    history: list[list[int]]
+    stage_bounds: list[list[int]]
+    stage: int
+    pipeline: int
+    hosted: list[int]
+    slices: dict[int, list[dict[str, Tensor]]]
+    slice_layers: dict[int, list[int]]
+    replica_stage: int | None
+    losses: list[float]
+    steps_done: int
+    failovers: list[JSONObject]
+    consecutive: str | None
+    seconds: float
 
 
 def reconfiguration_pause(membership: MembershipStore, layout: JobLayout, first_step_s: float,

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, TypedDict
 import attrs
 from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.launch import timeouts
-from bamboo.launch.json_types import JSONObject
 from bamboo.launch.spec import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_REDUNDANCY,
@@ -18,12 +17,12 @@ from bamboo.launch.spec import (
     MEMORY_COPY_EVERY,
     REDUNDANCY,
 )
+from bamboo.launch.worker_records import WorkerReport
 from bamboo.membership import timeouts as membership_timeouts
 
 if TYPE_CHECKING:
     from bamboo.bench.emulated.processes import ProcessCluster
     from bamboo.membership import EmbeddedEtcd, MembershipStore
-    from torch import Tensor
 
 __all__ = ["RunError", "RunHandles", "RunOptions", "RunResult", "Verification", "WorkerReport"]
 
@@ -109,29 +108,6 @@ class RunOptions:
             )
         if self.resume and self.checkpoint_dir is None and self.run_dir is None:
             raise ValueError("--resume needs --checkpoint-dir, or the --run-dir of the run to resume (its checkpoints)")
-
-
-class WorkerReport(TypedDict):
-    """A worker's final report (``RUN_DIR/out/rank<R>.pt``, written by :mod:`bamboo.launch.worker`): its place in
-    the last layout, the final state of each layer it built (``slices`` and their global indices ``slice_layers``,
-    per hosted stage), its losses and failovers."""
-
-    rank: int
-    node: str
-    generation: int
-    history: list[list[int]]
-    stage_bounds: list[list[int]]
-    stage: int
-    pipeline: int
-    hosted: list[int]
-    slices: dict[int, list[dict[str, Tensor]]]
-    slice_layers: dict[int, list[int]]
-    replica_stage: int | None
-    losses: list[float]
-    steps_done: int
-    failovers: list[JSONObject]
-    consecutive: str | None
-    seconds: float
 
 
 class Verification(TypedDict):

@@ -33,7 +33,7 @@ from bamboo.bench.measured.options import (
 )
 from bamboo.bench.measured.run import run_measured
 from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, spread_records, summarise
-from bamboo.launch.report import Report, format_report
+from bamboo.bench.value import Report, format_report
 from bamboo.launch.spec import REDUNDANCY
 from rich.console import Console
 from rich.table import Table

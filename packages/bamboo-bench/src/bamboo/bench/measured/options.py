@@ -12,8 +12,8 @@ from pathlib import Path
 import attrs
 from bamboo.bench import timeouts
 from bamboo.bench._validators import POSITIVE_INT
+from bamboo.bench.value import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
 from bamboo.launch.example import DEFAULT_LAYERS
-from bamboo.launch.report import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
 from bamboo.launch.spec import DEFAULT_REDUNDANCY, REDUNDANCY
 
 __all__ = [

@@ -32,9 +32,9 @@ from bamboo.bench.measured.torchrun import (
     CheckpointRestartOptions,
     run_checkpoint_restart,
 )
+from bamboo.bench.value import Prices, ReportError, compute_report, compute_timeline
 from bamboo.launch.events import read_events
 from bamboo.launch.records import WorkerWarm
-from bamboo.launch.report import Prices, ReportError, compute_report, compute_timeline
 
 __all__ = ["run_measured"]
 

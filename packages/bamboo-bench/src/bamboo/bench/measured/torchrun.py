@@ -47,7 +47,7 @@ elastic agents, and replays the same preemption trace against it:
 
 It writes the event-log schema of :mod:`bamboo.launch.events` (``run_start``, ``join``, ``preemption``,
 ``step``, ``checkpoint``, ``restore`` with the steps trained again, ``run_end``), so
-:func:`bamboo.launch.report.compute_report` gives its throughput, node-hours, cost, value and redone steps
+:func:`bamboo.bench.value.compute_report` gives its throughput, node-hours, cost, value and redone steps
 exactly as for a bamboo run. A ``restore`` names every stage as lost: a restart discards the state of all
 of them. What each restart cost is measured per interruption (:class:`RestartCost`: from the kill or the
 addition to the restarted workers' first step, split into the agents' reaction and rendezvous, process

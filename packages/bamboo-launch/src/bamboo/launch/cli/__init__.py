@@ -11,15 +11,16 @@
   validated against the Kubernetes schemas (:mod:`bamboo.launch.cli.k8s`);
 - ``bamboo-launch market``: the emulated spot market against one process per node (bamboo-bench's
   :mod:`bamboo.bench.emulated.cli.market`, found the same way);
-- ``bamboo-launch report (EVENTS.jsonl | --etcd URL --job J)``: a run's final report (:mod:`bamboo.launch.cli.report`);
+- ``bamboo-launch report (EVENTS.jsonl | --etcd URL --job J)``: a run's final report (bamboo-bench's
+  :mod:`bamboo.bench.value.cli`, found the same way);
 - ``bamboo-launch watch (EVENTS.jsonl | --etcd URL --job J)``: the live view of a run (:mod:`bamboo.launch.cli.watch`);
 - ``bamboo-launch finish --etcd URL --job J``: end a job early at a step boundary (:mod:`bamboo.launch.cli.finish`).
 
-``run`` and ``market`` belong to the emulated cluster, a layer of bamboo-bench above this package, which this
-package never imports: a package declares such subcommands in the ``bamboo.launch.commands`` entry-point group
-(``NAME = "module"``, a module with ``add_parser(subparsers)``), read here with :mod:`importlib.metadata`. When
-none declares ``run`` or ``market`` (bamboo-bench is not installed), the command prints one line that says so and
-exits with status 2.
+``run`` and ``market`` belong to the emulated cluster, and ``report`` to a run's value, layers of bamboo-bench
+above this package, which this package never imports: a package declares such subcommands in the
+``bamboo.launch.commands`` entry-point group (``NAME = "module"``, a module with ``add_parser(subparsers)``), read
+here with :mod:`importlib.metadata`. When none declares one of them (bamboo-bench is not installed), the command
+prints one line that says so and exits with status 2.
 
 Every flag's default comes from the options class it fills (``AgentOptions``, ``JobSpec``, ``K8sConfig``; ``run``'s
 come from bamboo-bench's ``RunOptions``) or from a ``timeouts`` module. Bad input, and an etcd that does not answer, print one line,
@@ -36,7 +37,7 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 from bamboo.bench.argtypes import USAGE, OneLineParser
-from bamboo.launch.cli import agent, export, finish, k8s, report, watch
+from bamboo.launch.cli import agent, export, finish, k8s, watch
 from bamboo.launch.cli.agent import agent_spec_fields
 from bamboo.launch.cli.common import CliError, error_line
 from bamboo.membership import StoreError
@@ -46,20 +47,22 @@ __all__ = ["agent_spec_fields", "build_parser", "main"]
 TRACEBACK_ENV = "BAMBOO_TRACEBACK"
 """Set (to anything) to see the traceback of an internal error instead of its one line."""
 
-COMMANDS = (agent, export, k8s, report, watch, finish)
+COMMANDS = (agent, export, k8s, watch, finish)
 """This package's subcommands' modules."""
 
 ENTRY_POINT_GROUP = "bamboo.launch.commands"
 """The entry-point group in which other packages declare subcommands of ``bamboo-launch`` (name = module)."""
 
-PLUGGED_COMMANDS = ("run", "market")
-"""The subcommands that bamboo-bench's emulated cluster declares in :data:`ENTRY_POINT_GROUP`."""
+PLUGGED_COMMANDS = {"run": ("its emulated spot cluster", "emulated"), "market": ("its emulated spot cluster", "emulated"),
+                    "report": ("its report of a run's value", "value")}
+"""The subcommands that bamboo-bench declares in :data:`ENTRY_POINT_GROUP`: for each, the layer of bamboo-bench it
+belongs to and the extra that installs that layer."""
 
 ORDER = ("agent", "run", "export", "k8s", "market", "report", "watch", "finish")
 """The order in which ``--help`` lists the subcommands (any other declared one comes after them)."""
 
-PLUGGED_MISSING = ("bamboo-launch {command} needs bamboo-bench (its emulated spot cluster), which is not installed "
-                   "here: pip install 'bamboo-bench[emulated]' (or -e packages/bamboo-bench)")
+PLUGGED_MISSING = ("bamboo-launch {command} needs bamboo-bench ({layer}), which is not installed here: "
+                   "pip install 'bamboo-bench[{extra}]' (or -e packages/bamboo-bench)")
 
 
 def declared_commands() -> dict[str, ModuleType]:
@@ -77,7 +80,8 @@ def declared_commands() -> dict[str, ModuleType]:
 
 
 def _missing(args: argparse.Namespace) -> int:
-    raise CliError(PLUGGED_MISSING.format(command=args.command))
+    layer, extra = PLUGGED_COMMANDS[args.command]
+    raise CliError(PLUGGED_MISSING.format(command=args.command, layer=layer, extra=extra))
 
 
 def _add_missing(subparsers: argparse._SubParsersAction, name: str) -> None:

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from bamboo.bench.argtypes import default_of, non_negative_float, positive_float
 from bamboo.launch import timeouts
@@ -28,6 +28,7 @@ from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecErr
 from bamboo.membership import EtcdKV, MembershipStore, StoreError, StoreUnavailableError
 from bamboo.membership.agent import is_loopback
 from bamboo.membership.cloud import PREEMPTION_NOTICE_KINDS
+from bamboo.membership.timeouts import LEASE_TTL_S
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 
 __all__ = ["AGENT_USAGE_LINE", "SPEC_FLAGS", "add_parser", "agent_spec_fields", "run"]
@@ -44,7 +45,8 @@ SPEC_FLAGS = {flag[2:].replace("-", "_"): field for field, flag in FLAG_OF.items
 (``--layers`` sets ``size``; a script after ``--`` sets ``script``)."""
 
 
-def _spec_default(field: str) -> Any:
+def _spec_default(field: str) -> object:
+    """The default of the job spec's ``field``, as a flag's help shows it (the spec owns every default)."""
     return default_of(JobSpec, field)
 
 
@@ -265,9 +267,9 @@ def refuse_a_live_twin(membership: MembershipStore, node: str, given_ttl: int | 
         return
     stored = membership.kv.get(membership.keys.root + "spec")
     try:
-        ttl = JobSpec.from_json(stored.value).ttl if stored is not None else given_ttl or _spec_default("ttl")
+        ttl = JobSpec.from_json(stored.value).ttl if stored is not None else given_ttl or LEASE_TTL_S
     except SpecError:
-        ttl = given_ttl or _spec_default("ttl")
+        ttl = given_ttl or LEASE_TTL_S
     say_line(f"node {node} is registered already; waiting up to {ttl} s for that registration to expire")
     deadline = time.monotonic() + ttl + 1.0
     while membership.kv.get(key) is not None:

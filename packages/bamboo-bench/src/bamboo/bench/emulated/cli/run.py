@@ -16,10 +16,10 @@ from typing import Any
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
 from bamboo.bench.emulated.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
 from bamboo.bench.emulated.run_options import Verification
+from bamboo.bench.value import compute_report, format_report, plot_report
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.events import read_events
 from bamboo.launch.example import DEFAULT_LAYERS
-from bamboo.launch.report import compute_report, format_report, plot_report
 from bamboo.launch.spec import REDUNDANCY
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 from rich.console import Console

@@ -2,6 +2,9 @@
 
 Throughput, node-hours, cost at spot prices against the same work at on-demand prices, and value, from a
 local JSON-lines file or the job's log in etcd; ``--json`` prints it as one object, ``--plot`` draws it.
+
+bamboo-launch's command line finds this module through the ``bamboo.launch.commands`` entry-point group that
+bamboo-bench's ``pyproject.toml`` declares (bamboo-launch never imports this layer).
 """
 
 from __future__ import annotations
@@ -11,16 +14,16 @@ import json
 import sys
 
 from bamboo.bench.argtypes import positive_float, positive_int
-from bamboo.launch.cli.common import add_etcd_source, fail, source_events
-from bamboo.launch.report import (
+from bamboo.bench.value.figure import plot_report
+from bamboo.bench.value.report import (
     DEFAULT_BINS,
     DEFAULT_ON_DEMAND_PRICE,
     DEFAULT_SPOT_PRICE,
     Prices,
     compute_report,
     format_report,
-    plot_report,
 )
+from bamboo.launch.cli.common import add_etcd_source, fail, source_events
 
 __all__ = ["add_parser", "run"]
 

@@ -1,4 +1,4 @@
-"""The final report of a run, computed from its event log: throughput, node-hours, cost and value.
+"""The final report of a run of bamboo-launch, computed from its event log: throughput, node-hours, cost and value.
 
 Definitions (all times are the log's ``t``, seconds since the run started):
 
@@ -40,11 +40,9 @@ a user waiting on the job sees it. The report prints both, labelled.
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -55,16 +53,17 @@ from bamboo.launch.events import (
     Join,
     Preemption,
     Reconfiguration,
+    RedundancyChoice,
     Restore,
     RunEnd,
     RunStart,
     Step,
     TimeAccount,
 )
-from bamboo.launch.redundancy import report_fields
+from bamboo.launch.redundancy import describe_choice, in_force
 
 __all__ = ["DEFAULT_BINS", "DEFAULT_ON_DEMAND_PRICE", "DEFAULT_SPOT_PRICE", "Prices", "Report", "ReportError",
-           "Timeline", "compute_report", "compute_timeline", "format_report", "plot_report"]
+           "compute_report", "format_report", "node_intervals", "redundancy_fields", "run_window"]
 
 DEFAULT_SPOT_PRICE = 0.918
 """$/h per GPU node on spot (EC2 p3, from the paper)."""
@@ -168,7 +167,9 @@ class Report:
         return attrs.asdict(self)
 
 
-def _window(events: Sequence[Event]) -> tuple[float, float, str]:
+def run_window(events: Sequence[Event]) -> tuple[float, float, str]:
+    """The run's ``(start, end, job)``: its ``run_start`` (else t=0, job "unknown") to its last ``run_end`` (else its
+    last record), for ``events`` sorted by ``t``."""
     starts = [e for e in events if isinstance(e, RunStart)]
     ends = [e for e in events if isinstance(e, RunEnd)]
     if len(starts) > 1:
@@ -179,7 +180,7 @@ def _window(events: Sequence[Event]) -> tuple[float, float, str]:
     return start, end, job
 
 
-def _node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple[float, float]]]:
+def node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple[float, float]]]:
     """Each node's billed intervals ``[(join, leave)]``; raises on an impossible sequence.
 
     A node preempted without a ``join`` record is billed nothing: a machine killed right after it registered
@@ -213,8 +214,8 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
     if not events:
         raise ReportError("the event log is empty")
     ordered = sorted(events, key=lambda e: e.t)
-    start, end, job = _window(ordered)
-    intervals = _node_intervals(ordered, end)
+    start, end, job = run_window(ordered)
+    intervals = node_intervals(ordered, end)
     records = [e for e in ordered if isinstance(e, Step)]
     if not records:
         raise ReportError("the event log has no step records, so there is no throughput to report")
@@ -249,7 +250,7 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
         reconfiguration_s=account.reconfiguration_s, startup_s=account.startup_s, step_share=account.step_share,
         failover_s=account.failover_s, restore_s=account.restore_s, lost_s=account.lost_s,
         **_costs(prices, samples, throughput, node_hours, avg_nodes),
-        **_pauses_and_startup(account), **report_fields(ordered),
+        **_pauses_and_startup(account), **redundancy_fields(ordered),
     )
 
 
@@ -351,126 +352,12 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-@attrs.frozen
-class Timeline:
-    """Per-bin series for the four-panel plot; ``times`` are bin starts in seconds."""
-
-    times: tuple[float, ...]
-    nodes: tuple[float, ...]
-    throughput: tuple[float, ...]
-    cost_per_hour: tuple[float, ...]
-    value: tuple[float, ...]
-    preemption_times: tuple[float, ...]
-
-
-def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = DEFAULT_BINS) -> Timeline:
-    """Bin the run into ``bins`` equal windows: average alive nodes, throughput, $/h and value.
-
-    A step's samples are spread evenly over ``[t - duration_s, t]`` (clipped to the window).
-    """
-    prices = prices or Prices()
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    ordered = sorted(events, key=lambda e: e.t)
-    if not ordered:
-        raise ReportError("the event log is empty")
-    start, end, _ = _window(ordered)
-    if end <= start:
-        raise ReportError(f"the run has no duration (start t={start}, end t={end})")
-    width = (end - start) / bins
-    edges = [start + i * width for i in range(bins + 1)]
-    intervals = [span for spans in _node_intervals(ordered, end).values() for span in spans]
-    nodes = []
-    for lo, hi in itertools.pairwise(edges):
-        overlap = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
-        nodes.append(overlap / width)
-    samples = [0.0] * bins
-    for step in (e for e in ordered if isinstance(e, Step)):
-        # Spread a step's samples evenly over the time it ran, so bins do not alias with steps.
-        begin = max(start, step.t - step.duration_s)
-        if step.t <= begin:
-            samples[min(bins - 1, max(0, int((step.t - start) / width)))] += step.samples
-            continue
-        rate = step.samples / (step.t - begin)
-        first = min(bins - 1, max(0, int((begin - start) / width)))
-        last = min(bins - 1, max(0, int((step.t - start) / width)))
-        for index in range(first, last + 1):
-            overlap = min(step.t, edges[index + 1]) - max(begin, edges[index])
-            if overlap > 0:
-                samples[index] += rate * overlap
-    throughput = [s / width for s in samples]
-    cost = [n * prices.spot for n in nodes]
-    value = [tp / c if c > 0 else 0.0 for tp, c in zip(throughput, cost, strict=True)]
-    return Timeline(
-        times=tuple(edges[:-1]),
-        nodes=tuple(nodes),
-        throughput=tuple(throughput),
-        cost_per_hour=tuple(cost),
-        value=tuple(value),
-        preemption_times=tuple(e.t for e in ordered if isinstance(e, Preemption)),
-    )
-
-
-def plot_report(
-    events: Sequence[Event],
-    out: str | Path,
-    prices: Prices | None = None,
-    bins: int = DEFAULT_BINS,
-) -> Path:
-    """Write the four-panel figure (nodes, throughput, cost, value over time) to ``out`` (PNG).
-
-    The layout is bamboo-bench's ``plot_runs`` (the paper's Figure 12): the cluster, then
-    throughput, cost and value, with the on-demand reference dashed. ``plot_runs`` itself takes
-    simulator results and a model profile, not a measured run, so the figure is drawn here with
-    the same panels, labels and colours: the run in green (bench's Bamboo colour), preemptions as
-    red ticks on the cluster panel, and the on-demand reference in grey on the value panel (and on
-    the throughput and cost panels when a measured on-demand run is given in ``prices``).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    prices = prices or Prices()
-    report = compute_report(events, prices)
-    timeline = compute_timeline(events, prices, bins)
-    width = (timeline.times[1] - timeline.times[0]) if len(timeline.times) > 1 else 0.0
-    minutes = [(t + width / 2) / 60.0 for t in timeline.times]  # bin centres
-    figure, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    green, grey = "tab:green", "tab:gray"
-    axes[0].step([t / 60.0 for t in timeline.times], timeline.nodes, where="post", color="tab:blue",
-                 label=f"spot nodes (mean {report.avg_nodes:.2f})")  # fmt: skip
-    for index, t in enumerate(timeline.preemption_times):
-        axes[0].axvline(
-            t / 60.0, color="tab:red", alpha=0.5, linewidth=0.8, label="preemption" if index == 0 else None
-        )
-    axes[0].set_ylabel("# instances")
-    axes[1].plot(minutes, timeline.throughput, color=green, label=f"bamboo (mean {report.throughput:.2f})")
-    axes[2].plot(
-        minutes, timeline.cost_per_hour, color=green, label=f"bamboo (mean {report.cost_per_hour:.2f})"
-    )
-    axes[3].plot(minutes, timeline.value, color=green, label=f"bamboo (mean {report.value:.2f})")
-    if prices.on_demand_throughput is not None and prices.on_demand_nodes is not None:
-        on_demand_cost = prices.on_demand_nodes * prices.on_demand
-        axes[1].axhline(prices.on_demand_throughput, color=grey, linestyle="--",
-                        label=f"on-demand ({prices.on_demand_throughput:.1f})")  # fmt: skip
-        axes[2].axhline(on_demand_cost, color=grey, linestyle="--", label=f"on-demand ({on_demand_cost:.1f})")
-    axes[3].axhline(report.on_demand_value, color=grey, linestyle="--",
-                    label=f"on-demand ({report.on_demand_value:.2f})")  # fmt: skip
-    axes[1].set_ylabel("throughput\n(samples/s)")
-    axes[2].set_ylabel("cost ($/h)")
-    axes[3].set_ylabel("value\n(samples/s per $/h)")
-    axes[3].set_xlabel("time (minutes)")
-    for axis in axes:
-        axis.grid(True, alpha=0.3)
-        axis.legend(loc="upper right", fontsize="small")
-        axis.set_ylim(bottom=0)
-    axes[0].set_title(
-        f"{report.job}: trace, throughput, cost and value ({report.preemptions} preemptions, "
-        f"{report.failovers} failovers, {report.reconfigurations} reconfigurations)"
-    )
-    figure.tight_layout()
-    path = Path(out)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+def redundancy_fields(events: Iterable[Event]) -> dict[str, str | int | dict[str, float] | None]:
+    """The report's keys on ``--redundancy auto``: the mode in force, why, each mode's expected loss per hour
+    (all None in a job that chose none) and how many choices the job made."""
+    listed = list(events)
+    chosen = in_force(listed)
+    return {"redundancy_mode": None if chosen is None else chosen.mode,
+            "redundancy_reason": None if chosen is None else describe_choice(chosen),
+            "redundancy_lost_s_per_hour": None if chosen is None else dict(chosen.lost_s_per_hour),
+            "redundancy_choices": sum(isinstance(e, RedundancyChoice) for e in listed)}

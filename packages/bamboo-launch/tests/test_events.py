@@ -1,0 +1,139 @@
+"""Tests of the JSON-lines event log: round trips through a file and through dicts, malformed records, and
+several writers sharing one file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bamboo.launch.events import (
+    Checkpoint,
+    EventLog,
+    EventLogError,
+    Failover,
+    Join,
+    Preemption,
+    Reconfiguration,
+    RunEnd,
+    RunStart,
+    Step,
+    event_from_dict,
+    event_to_dict,
+    read_events,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def sample_run() -> list:
+    """Two nodes for an hour, one preempted at 30 min and replaced; 4 steps of 10 samples."""
+    return [
+        RunStart(t=0.0, job="demo", unix_time=1.7e9, target_nodes=2, stages=2, pipelines=1),
+        Join(t=0.0, node="n0", zone="a"),
+        Join(t=0.0, node="n1", zone="b"),
+        Step(t=900.0, step=0, samples=10, loss=2.0, nodes_active=2, duration_s=900.0),
+        Preemption(t=1800.0, node="n1", zone="b", notice_s=2.0),
+        Failover(t=1801.0, victim="n1", shadow="n0", stage=1, pause_s=1.0),
+        Failover(t=1802.0, victim="n9", shadow="n0", stage=0, pause_s=3.0),
+        Failover(t=1803.0, victim="n8", shadow="n0", stage=0, pause_s=2.0),
+        Step(t=1800.0, step=1, samples=10, loss=1.5, nodes_active=2, duration_s=900.0),
+        Join(t=2700.0, node="n2", zone="c"),
+        Reconfiguration(
+            t=2701.0, reason="join", pipelines=1, stages=2, standby=0, bytes_moved=4096, duration_s=0.5
+        ),
+        Checkpoint(t=2702.0, step=1, path="/tmp/ck/step-1", bytes=100, duration_s=0.1),
+        Step(t=2700.0, step=2, samples=10, loss=1.0, nodes_active=1, duration_s=900.0),
+        Step(t=3600.0, step=3, samples=10, loss=0.5, nodes_active=2, duration_s=900.0),
+        RunEnd(t=3600.0, steps=4),
+    ]
+
+
+
+def test_round_trip_through_file(tmp_path: Path, fake_clock) -> None:
+    clock = fake_clock
+    path = tmp_path / "events.jsonl"
+    with EventLog(path, clock=clock) as log:
+        log.write_all(sample_run())
+        clock.advance(5.0)
+        emitted = log.emit(Join, node="late", zone="a")
+    assert emitted.t == 5.0
+    events = read_events(path)
+    assert events == [*sample_run(), Join(t=5.0, node="late", zone="a")]
+    first = json.loads(path.read_text().splitlines()[0])
+    assert list(first)[:2] == ["kind", "t"] and first["kind"] == "run_start"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"kind":"join","t":1,"node":"n0"}', "missing keys ['zone']"),
+        ('{"kind":"join","t":1,"node":"n0","zone":"a","colour":"red"}', "unknown keys ['colour']"),
+        ('{"kind":"teleport","t":1}', "unknown kind 'teleport'"),
+        ('{"kind":"step","t":-1,"step":0,"samples":1,"loss":1,"nodes_active":1,"duration_s":1}', "'t' must be >= 0: -1"),
+        (
+            '{"kind":"step","t":1,"step":0,"samples":0,"loss":1,"nodes_active":1,"duration_s":1}',
+            "'samples' must be >= 1: 0",
+        ),
+        ('{"kind":"failover","t":1,"victim":"a","shadow":"b","stage":0,"pause_s":NaN}', "'pause_s' must be >= 0: nan"),
+        ('{"kind":"join","t":1,"node":"n0","zo', "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_malformed_record_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"kind":"join","t":0,"node":"n0","zone":"a"}\n\n' + line + "\n")
+    with pytest.raises(EventLogError) as caught:
+        read_events(path)
+    assert f"{path}:3:" in str(caught.value)
+    assert message in str(caught.value)
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    st.lists(
+        st.builds(
+            Step,
+            t=st.floats(0, 1e6),
+            step=st.integers(0, 10**6),
+            samples=st.integers(1, 10**4),
+            loss=st.floats(-1e6, 1e6),
+            nodes_active=st.integers(0, 100),
+            duration_s=st.floats(0, 100),
+        ),
+        max_size=5,
+    )
+)
+def test_dict_round_trip(steps: list[Step]) -> None:
+    for step in steps:
+        assert event_from_dict(json.loads(json.dumps(event_to_dict(step)))) == step
+
+
+WRITER = """
+import sys, time
+from bamboo.launch.events import EventLog, Step
+log = EventLog(sys.argv[1], start=float(sys.argv[2]))
+for step in range(300):
+    log.emit(Step, step=step, samples=int(sys.argv[3]), loss=1.0, nodes_active=1, duration_s=0.0)
+log.close()
+"""
+
+
+def test_concurrent_writers_interleave_whole_records(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "shared.jsonl"
+    start = time.monotonic()
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(path), repr(start), str(samples)])
+        for samples in (1, 2, 3)
+    ]
+    assert [w.wait(60) for w in writers] == [0, 0, 0]
+    events = read_events(path)
+    assert len(events) == 900
+    for samples in (1, 2, 3):
+        mine = [e for e in events if isinstance(e, Step) and e.samples == samples]
+        assert [e.step for e in mine] == list(range(300))
+        assert [e.t for e in mine] == sorted(e.t for e in mine)  # one shared clock origin

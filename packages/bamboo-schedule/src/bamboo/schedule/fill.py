@@ -234,7 +234,8 @@ def _refine(
     pushes: bool = True,
 ) -> dict[int, list[int]]:
     """``positions`` improved by local search: each pass first pulls the late nodes' items together
-    (`_joint_pulls`), then each item in turn tries every idle interval after its input (and the tail), keeping item
+    (`_joint_pulls`; only without ``pushes``: they spend the budget, and the starts with pushes then search as
+    before, the best start being kept), then each item in turn tries every idle interval after its input (and the tail), keeping item
     order on its node; after each move, items that run after their node's work move into idle
     time that the move opened (`_refill`); a move stays when the iteration ends sooner (node ends compared latest
     first). Passes repeat until none improves or `REFINE_BUDGET` is spent; the result is never worse than the start.
@@ -255,7 +256,7 @@ def _refine(
     improved = True
     while improved and trials > 0:
         improved = False
-        for trial in _joint_pulls(plain, items, positions, ends, receives):  # before each node's own moves
+        for trial in () if pushes else _joint_pulls(plain, items, positions, ends, receives):  # see the docstring
             if trials <= 0:
                 break
             trials -= 1

@@ -235,8 +235,8 @@ def _refine(
 ) -> dict[int, list[int]]:
     """``positions`` improved by local search: each pass first pulls the late nodes' items together
     (`_joint_pulls`; only without ``pushes``: they spend the budget, and the starts with pushes then search as
-    before, the best start being kept), then each item in turn tries every idle interval after its input (and the tail), keeping item
-    order on its node; after each move, items that run after their node's work move into idle
+    before, the best start being kept), then each item in turn tries every idle interval after its input (and the
+    tail), keeping item order on its node; after each move, items that run after their node's work move into idle
     time that the move opened (`_refill`); a move stays when the iteration ends sooner (node ends compared latest
     first). Passes repeat until none improves or `REFINE_BUDGET` is spent; the result is never worse than the start.
 

@@ -7,6 +7,7 @@ from bamboo.schedule import Kind, Schedule, one_f_one_b, simulate, validate
 from bamboo.schedule._tasks import CostFn
 from bamboo.schedule.bound import idle_intervals, packed_end
 from bamboo.schedule.engine import execute
+from bamboo.schedule.failover import failover_schedule, progress_at, validate_failover
 from bamboo.schedule.simulate import Costs
 
 FREE = {"latency_ms": 0.0, "link_gb_per_s": 1e9, "swap_gb_per_s": 1e9}
@@ -102,7 +103,7 @@ def test_the_local_search_never_ends_later_than_first_fit(costs: Costs) -> None:
 def test_bert_like_eflb_overhead_after_the_local_search() -> None:
     """The placement's figures with the BERT-like costs (first fit alone: P=2 M=8 14.63%, P=4 M=8 9.61%, P=2 M=16
     21.17%, P=4 M=16 18.39%, P=8 M=16 10.29%, P=4 M=32 23.97%): within 2.5 points of the bound, and all but
-    P=4 M=8 within 2 (now 12.20, 6.29, 16.81, 13.76, 7.89, 18.53)."""
+    P=4 M=8 within 2 (now 12.20, 6.29, 16.81, 13.76, 7.89, 18.51)."""
     expected = {(2, 8): 11.31, (4, 8): 4.05, (2, 16): 16.31, (4, 16): 11.78, (8, 16): 5.91, (4, 32): 17.43}
     for (stages, microbatches), bound in expected.items():
         costs = Costs.bert_like(stages)
@@ -123,3 +124,22 @@ def test_the_built_in_costs_reach_the_bound_within_two_points() -> None:
                 result = simulate(one_f_one_b(stages, microbatches, rc, costs.linearizer_cost()), costs)
                 assert result.overhead_pct is not None and result.overhead_bound_pct is not None
                 assert result.overhead_pct - result.overhead_bound_pct <= allowed, (rc, stages, microbatches)
+
+
+@pytest.mark.slow
+def test_joint_pulls_bring_the_long_pipelines_within_two_points_of_the_bound() -> None:
+    """bert_like P=16 M=128 and P=8 M=32 (before the joint pulls: 25.67 / 23.65, 2.02 points, and 16.84 / 15.24,
+    1.60): several nodes' FRCs end the iteration, so a pull on one node alone delays the others; pulled into one
+    microbatch's gradient waits together they end it sooner (now 25.36, 1.70 points, and 16.43, 1.18). The
+    placements stay valid, and fail over (a victim at the middle of its stream)."""
+    for (stages, microbatches), (bound, allowed) in {(16, 128): (23.65, 1.8), (8, 32): (15.24, 1.2)}.items():
+        costs = Costs.bert_like(stages)
+        schedule = one_f_one_b(stages, microbatches, "eflb", costs.linearizer_cost(), refine=True)
+        validate(schedule)
+        result = simulate(schedule, costs)
+        assert result.overhead_pct is not None and result.overhead_bound_pct is not None
+        assert result.overhead_bound_pct == pytest.approx(bound, abs=0.01)
+        assert result.overhead_pct - result.overhead_bound_pct <= allowed, (stages, microbatches, result.overhead_pct)
+        for victim in (stages // 2, stages - 2):
+            cut = progress_at(schedule, {victim: len(schedule.streams[victim]) // 2})
+            validate_failover(failover_schedule(schedule, [victim], cut))

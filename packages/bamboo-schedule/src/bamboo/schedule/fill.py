@@ -233,7 +233,9 @@ def _refine(
     cost: CostFn,
     pushes: bool = True,
 ) -> dict[int, list[int]]:
-    """``positions`` improved by local search: each item in turn tries every idle interval after its input (and the
+    """``positions`` improved by local search: each pass first pulls the late nodes' items together
+    (`_joint_pulls`; only without ``pushes``: they spend the budget, and the starts with pushes then search as
+    before, the best start being kept), then each item in turn tries every idle interval after its input (and the
     tail), keeping item order on its node; after each move, items that run after their node's work move into idle
     time that the move opened (`_refill`); a move stays when the iteration ends sooner (node ends compared latest
     first). Passes repeat until none improves or `REFINE_BUDGET` is spent; the result is never worse than the start.
@@ -250,9 +252,20 @@ def _refine(
     best = _score(ends)
     candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
                             | {len(plain.streams[n])}) for n in positions}
+    receives = _gradient_receives(plain)
     improved = True
     while improved and trials > 0:
         improved = False
+        for trial in () if pushes else _joint_pulls(plain, items, positions, ends, receives):  # see the docstring
+            if trials <= 0:
+                break
+            trials -= 1
+            trial_ends, _streams = _trial(plain, items, trial, duration)
+            score = _score(trial_ends)
+            if score < best:
+                best, ends, improved = score, trial_ends, True
+                for m, p in trial.items():
+                    positions[m][:] = p
         for pulls in (True, False):  # the pulls of every node first: they move the most, and cost the fewest trials
             for n in sorted(items, key=lambda node: -ends[node]):  # the nodes that end last first
                 moves = _moves(positions[n], items[n], candidates[n], len(plain.streams[n]), duration, n, pulls, pushes)
@@ -269,6 +282,47 @@ def _refine(
                         for m, p in trial.items():
                             positions[m][:] = p
     return positions
+
+
+def _gradient_receives(plain: Schedule) -> dict[int, dict[int, int]]:
+    """Per node, the index of its receive of each microbatch's gradient in the plain stream (none on the last
+    stage's node, which computes the loss)."""
+    return {n: {instr.microbatch: index for index, instr in enumerate(stream) if instr.kind is Kind.RECV_GRAD
+                and instr.microbatch is not None} for n, stream in plain.streams.items()}
+
+
+def _joint_pulls(
+    plain: Schedule,
+    items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
+    positions: dict[int, list[int]],
+    ends: dict[int, float],
+    receives: dict[int, dict[int, int]],
+) -> Iterator[dict[int, list[int]]]:
+    """`_refine`'s joint moves, each a new placement: for a microbatch ``k`` and each ``j`` >= 2, on each of the
+    ``j`` latest-ending nodes that have items after their own work, the last such item moves before the node's
+    receive of ``k``'s gradient (the node's items then taking the positions in release order), where every item
+    stays after its input.
+
+    One node's pull delays the pipeline's bottleneck, and so every node's end: the nodes whose items also end the
+    iteration late then end later still, and a single pull is not kept. The delay reaches the node upstream as a
+    longer wait for the gradient of the same microbatch, which its own pulled item fills, so pulled together they
+    end the iteration sooner.
+    """
+    late = [n for n in sorted(items, key=lambda node: -ends[node])
+            if positions[n] and positions[n][-1] == len(plain.streams[n])]
+    if len(late) < 2:
+        return
+    for k in range(plain.microbatches):
+        group = [n for n in late if k in receives[n]]
+        for j in range(2, len(group) + 1):
+            trial: dict[int, list[int]] = {}
+            for n in group[:j]:
+                moved = sorted([*positions[n][:-1], receives[n][k]])
+                if moved != positions[n] and all(p > after for p, (after, _instrs)
+                                                  in zip(moved, items[n], strict=True)):
+                    trial[n] = moved
+            if trial:
+                yield {m: trial.get(m, list(p)) for m, p in positions.items()}
 
 
 def _moves(

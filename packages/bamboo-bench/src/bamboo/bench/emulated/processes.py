@@ -122,9 +122,15 @@ class ProcessCluster:
         if process.poll() is None:
             process.send_signal(self._notice_signal)
 
+    def snapshot(self) -> dict[str, subprocess.Popen[bytes] | ForkedProcess]:
+        """Every node started so far and its leader process, copied under the lock: the market's thread adds
+        nodes while the launcher reads them."""
+        with self._lock:
+            return dict(self.processes)
+
     def alive(self) -> list[str]:
         """Nodes whose leader process is still running."""
-        return [node for node, process in self.processes.items() if process.poll() is None]
+        return [node for node, process in self.snapshot().items() if process.poll() is None]
 
     def close(self) -> None:
         """Kill every node that is still running and close the log files; later adds raise."""

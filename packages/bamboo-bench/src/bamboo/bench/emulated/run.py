@@ -145,7 +145,7 @@ def run_cluster(
         if etcd is not None:
             etcd.close()
     _end_the_log(events_path, run_dir)
-    codes = {node: process.returncode for node, process in cluster.processes.items()}
+    codes = {node: process.returncode for node, process in cluster.snapshot().items()}
     return RunResult(run_dir=run_dir, events=events_path, reports=load_reports(run_dir / "out"),
                      failed_ranks=failed_ranks, failed_nodes=failed_nodes, node_of_rank=node_of_rank,
                      exit_codes=codes, timed_out=timed_out, seconds=time.monotonic() - started, job_error=job_error,

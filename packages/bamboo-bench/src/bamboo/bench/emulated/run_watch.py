@@ -90,11 +90,11 @@ def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership
         end = read_record(JobEnd, membership.get_decision("end"))
         if end is not None and end.error is not None:
             raise RunError(f"the job ended before its first step: {end.error}")
-        exited = {node: process.returncode for node, process in cluster.processes.items()
-                  if process.poll() is not None}
+        processes = cluster.snapshot()
+        exited = {node: process.returncode for node, process in processes.items() if process.poll() is not None}
         # An agent killed by a signal is a lost node: the start is redone without it. One that exited by itself
         # failed (bad flags, a crash): that is the run's error, as is every agent gone.
-        failed = sorted(node for node, code in exited.items() if code >= 0 or len(exited) == len(cluster.processes))
+        failed = sorted(node for node, code in exited.items() if code >= 0 or len(exited) == len(processes))
         if failed:
             raise RunError("before the first step, " + "; ".join(
                 f"node {node} exited with status {exited[node]}: "

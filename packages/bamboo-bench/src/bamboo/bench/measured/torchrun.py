@@ -389,7 +389,7 @@ def run_checkpoint_restart(
     clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
     watch = RendezvousWatch(store, lambda: current["rendezvous"],
-                            lambda: {node: process.pid for node, process in list(cluster.processes.items())})
+                            lambda: {node: process.pid for node, process in cluster.snapshot().items()})
     watch.start()
     stop = threading.Event()
     deadline = started + options.timeout_s
@@ -475,6 +475,6 @@ def run_checkpoint_restart(
     return CheckpointRestartResult(
         run_dir=run_dir, events=events_path, checkpoint_dir=checkpoint_dir, interval=interval,
         interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),
-        steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.processes.items()},
+        steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.snapshot().items()},
         timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command), stopped=stop.is_set(),
         job_restarts=job_restarts, registered_unix=registered)

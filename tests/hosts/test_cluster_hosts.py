@@ -136,6 +136,24 @@ class HostCluster:
 
         return read_layout(self.membership)
 
+    def settle(self, steps_after: int = 5) -> None:
+        """Wait until the layout in etcd trains: its generation's start finished (generation 0 once training
+        started, a later one once its reconfiguration record is written), then `steps_after` more steps. A case
+        that follows another starts from a steady job, as it would on a cluster of its own (a kill during the
+        switch to a prepared layout is the reconfigure-kill e2e tests' subject, not these cases')."""
+
+        def switched() -> bool:
+            layout = self.layout()
+            if layout is None:
+                return False
+            return layout.generation == 0 or any(
+                (e.generation or 0) >= layout.generation for e in _kinds(self.events(), "reconfiguration"))
+
+        self.wait("training starts", lambda: self.step() >= 15)
+        self.wait("the layout in etcd trains", switched)
+        target = self.step() + steps_after
+        self.wait(f"step {target}", lambda: self.step() >= target)
+
     def kill_host(self, node: str) -> float:
         """``kill -9`` of every process of `node`'s host (`node` a host's node, or an incarnation of it: ``node1.2``)."""
         host = node.split(".", 1)[0]
@@ -218,7 +236,7 @@ def _since(hosts: HostCluster, seen: int, kind: str) -> list[Any]:
 
 def test_a_partition_shorter_than_the_grace_period_and_an_etcd_restart_lose_nothing(hosts: HostCluster) -> None:
     with hosts.case("the short partition and the etcd restart"):
-        hosts.wait("training starts", lambda: hosts.step() >= 15)
+        hosts.settle()
         events = hosts.events()
         failovers, preemptions = len(_kinds(events, "failover")), len(_kinds(events, "preemption"))
         victim = next(node for node in hosts.layout().ranks if node != hosts.leader())
@@ -242,7 +260,7 @@ def test_a_partition_shorter_than_the_grace_period_and_an_etcd_restart_lose_noth
 
 def test_a_partition_longer_than_the_lease_fences_the_node_and_it_comes_back_fresh(hosts: HostCluster) -> None:
     with hosts.case("the long partition"):
-        hosts.wait("training starts", lambda: hosts.step() >= 15)
+        hosts.settle()
         preemptions = len(_kinds(hosts.events(), "preemption"))
         leader = hosts.leader()
         victim = next(node for node in hosts.layout().ranks if node != leader and "." not in node)
@@ -257,7 +275,9 @@ def test_a_partition_longer_than_the_lease_fences_the_node_and_it_comes_back_fre
         fresh = f"{victim}.2"
         fresh_at = hosts.wait(f"{victim} comes back as {fresh}",
                               lambda: hosts.membership.get_decision(f"warm-{fresh}") is not None, timeout=60.0)
-        hosts.wait(f"{fresh} trains in a layout", lambda: fresh in getattr(hosts.layout(), "ranks", {}))
+        hosts.wait(f"{fresh} is in a layout", lambda: fresh in getattr(hosts.layout(), "ranks", {}))
+        hosts.settle()  # and trains in it
+        assert fresh in hosts.layout().ranks
         assert [e.node for e in _since(hosts, preemptions, "preemption")] == [victim]
         # fenced: nothing the old identity wrote after the cut reached the job
         old_writers = [item for role in ("agent", "worker")
@@ -279,7 +299,7 @@ def test_a_partition_longer_than_the_lease_fences_the_node_and_it_comes_back_fre
 def test_a_killed_host_fails_over_and_a_killed_coordinator_is_taken_over(hosts: HostCluster) -> None:
     """The last case: it ends the job and checks the whole run (exit statuses, the final parameters)."""
     with hosts.case("the killed hosts"):
-        hosts.wait("training starts", lambda: hosts.step() >= 15)
+        hosts.settle()
         events = hosts.events()
         failovers, preemptions = len(_kinds(events, "failover")), len(_kinds(events, "preemption"))
         reconfigurations = len(_kinds(events, "reconfiguration"))

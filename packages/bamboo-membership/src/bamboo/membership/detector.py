@@ -49,13 +49,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent import futures
 
 import attrs
 from bamboo.membership import timeouts
 from bamboo.membership.kv import EventKind, FencedError, StoreError, WatchEvent, WatchHandle
 from bamboo.membership.members import MembershipView, NodeTable
-from bamboo.membership.probing import DetectorConfig, ProbeOutcome, Prober, ProbeResult, SweepResult
+from bamboo.membership.probing import (
+    DetectorConfig,
+    ProbeOutcome,
+    Prober,
+    ProbeResult,
+    SweepResult,
+    probe_many,
+)
 from bamboo.membership.records import (
     DetectionPath,
     FailureReport,
@@ -240,15 +246,8 @@ class FailureDetector:
         results: dict[str, ProbeResult] = {}
         with_port = {n: r for n, r in probed.items() if r.agent_port}
         if with_port:
-            with futures.ThreadPoolExecutor(max_workers=min(max_parallel, len(with_port)),
-                                            thread_name_prefix=f"bamboo-sweep-{self.detector_id}") as pool:
-                running = {n: pool.submit(probe, r, self.config.probe_timeout) for n, r in with_port.items()}
-                self.probes_sent += len(running)
-                for node, future in running.items():
-                    try:
-                        results[node] = future.result()
-                    except Exception as exc:  # a prober must not raise; if it does, slow is the safe reading
-                        results[node] = ProbeResult(ProbeOutcome.TIMEOUT, detail=f"prober raised {exc!r}")
+            self.probes_sent += len(with_port)
+            results.update(probe_many(probe, with_port, self.config.probe_timeout, max_parallel, self.detector_id))
         for node in probed.keys() - with_port.keys():
             results[node] = ProbeResult(ProbeOutcome.TIMEOUT, detail="node has no agent port to probe")
         confirmed, alive, slow = [], [], []
@@ -416,8 +415,9 @@ class FailureDetector:
             return
         node = event.key.removeprefix(self.store.keys.nodes)
         with self._lock:
-            last = self._nodes.pop(node)
-            self._suspects.pop(node, None)
+            last, _ = self._nodes.pop(node), self._suspects.pop(node, None)
+            if (node, self._epoch) in self._emitted:  # its lease went because its failure was declared: no report
+                return
         if event.prev_value:
             try:
                 last = decode_message(event.key, event.prev_value, NodeRecord)

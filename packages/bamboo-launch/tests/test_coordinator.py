@@ -19,7 +19,7 @@ from bamboo.launch.coordinator import Coordinator, published_events, read_layout
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.spec import JobSpec
-from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView
+from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView, SweepResult
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.rc import FailureEvent
 
@@ -61,11 +61,13 @@ class FakeDetector:
             self.view = MembershipView(self.view.version + 1, MappingProxyType(nodes))
         return self.view
 
-    def probe_all(self, nodes: list[str], reason: str, **options: Any) -> None:
+    def probe_all(self, nodes: list[str], reason: str, **options: Any) -> SweepResult:
         self.sweeps.append((sorted(nodes), reason))
         assert self.membership is not None
         for node in self.confirm_on_sweep:  # the sweep found these dead too
             self.membership.report_failure(FailureReport(node=node, epoch=0, reason="swept"))
+        return SweepResult(confirmed=tuple(sorted(self.confirm_on_sweep)),
+                           alive=tuple(sorted(set(nodes) - set(self.confirm_on_sweep))))
 
 
 class FakeAgent:

@@ -408,10 +408,11 @@ class Coordinator:
                 return reports
             swept = _sweep(layout, pending, reports, self.node)
             if self.agent.detector is not None and swept:  # kills that landed together: confirm them first
-                self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
-                                              prober=connect_probe)  # a connect: it only looks for the dead
-                reports = self._failure_reports()
-                pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
+                found = self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
+                                                      prober=connect_probe)  # a connect: it only looks for the dead
+                if found.confirmed or found.already_failed or found.unknown:  # else nothing new to read back
+                    reports = self._failure_reports()
+                    pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
             epoch = max(published, default=0) + 1
             won, event = publish_failure_event(self.membership, layout.generation, FailureEvent(epoch, pending))
             if won:

@@ -130,12 +130,13 @@ class ConnectProber:
             try:
                 for node, record in records.items():
                     try:
-                        family = socket.AF_INET6 if ":" in record.address else socket.AF_INET
+                        family, _, _, _, address = socket.getaddrinfo(record.address, record.agent_port,
+                                                                      type=socket.SOCK_STREAM)[0]
                         sock = socket.socket(family, socket.SOCK_STREAM)
                     except OSError:
-                        continue  # no socket: no answer
+                        continue  # an address that does not resolve, or no socket: no answer
                     sock.setblocking(False)
-                    code = sock.connect_ex((record.address, record.agent_port))
+                    code = sock.connect_ex(address)
                     if code in (0, errno.ECONNREFUSED):
                         refused[node] = code != 0
                         sock.close()

@@ -19,7 +19,7 @@ from bamboo.launch.coordinator import Coordinator, published_events, read_layout
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.spec import JobSpec
-from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView
+from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView, SweepResult
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.rc import FailureEvent
 
@@ -61,11 +61,13 @@ class FakeDetector:
             self.view = MembershipView(self.view.version + 1, MappingProxyType(nodes))
         return self.view
 
-    def probe_all(self, nodes: list[str], reason: str, **options: Any) -> None:
+    def probe_all(self, nodes: list[str], reason: str, **options: Any) -> SweepResult:
         self.sweeps.append((sorted(nodes), reason))
         assert self.membership is not None
         for node in self.confirm_on_sweep:  # the sweep found these dead too
             self.membership.report_failure(FailureReport(node=node, epoch=0, reason="swept"))
+        return SweepResult(confirmed=tuple(sorted(self.confirm_on_sweep)),
+                           alive=tuple(sorted(set(nodes) - set(self.confirm_on_sweep))))
 
 
 class FakeAgent:
@@ -404,3 +406,26 @@ def test_an_agent_that_confirms_a_failure_probes_the_coordinator_that_must_publi
         (["a"], "the coordinator, checked after a confirmed failure")]
     assert elected.round() and elected_agent.detector.sweeps == []  # it does not probe itself
     assert not other.round() and len(other_agent.detector.sweeps) == 1  # once per failure
+
+
+def test_a_round_after_registrations_only_does_not_read_the_reports_back(membership: MembershipStore) -> None:
+    """The loop's rounds that only registrations woke (`wake(reports=False)`) skip the read of the failure reports
+    (one per registration while a thousand nodes start); a failure, the leader key or the layout wakes a full one."""
+    spec = _spec(membership.keys.job)
+    coordinator, _, events = _coordinator(membership, "n0", "a", spec)
+    for node, zone in (("n1", "b"), ("n2", "c"), ("n3", "a")):
+        FakeAgent(membership, node, zone)
+    assert coordinator.round()  # elected, and the first layout written
+    reads: list[str] = []
+    real = coordinator.membership.kv.get_prefix
+
+    def counted(prefix: str) -> Any:
+        reads.append(prefix)
+        return real(prefix)
+
+    coordinator.membership.kv.get_prefix = counted  # type: ignore[method-assign]
+    membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
+    assert coordinator.round(reports=False) and published_events(membership, 0) == {}
+    assert not any(prefix.startswith(membership.keys.failures) for prefix in reads) and events.written == []
+    assert coordinator.round()
+    assert list(published_events(membership, 0)) == [1] and [e.node for e in events.written] == ["n3"]

@@ -8,12 +8,13 @@ Real etcd; no test asserts how fast anything happened (tests/benchmarks/bench_sc
 
 from __future__ import annotations
 
+import socket
 import threading
 
 from bamboo.membership.agent import NodeAgent
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
 from bamboo.membership.kv import EtcdKV, EventKind, WatchEvent
-from bamboo.membership.probing import connect_probe
+from bamboo.membership.probing import connect_probe, probe_many
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.membership.store import MembershipStore
 from bamboo.membership.watched import WatchedKey, WatchedPrefix
@@ -221,3 +222,46 @@ def test_a_connect_probe_tells_a_closed_port_from_an_open_one(store: MembershipS
         assert connect_probe(record, 1.0).outcome is ProbeOutcome.REFUSED
     finally:
         agent.stop(leave=True, grace=0)
+
+
+def test_a_sweep_of_connects_probes_every_node_from_one_thread(store: MembershipStore) -> None:
+    """`probe_many` with the connect prober: each node's own outcome, all at once, and no thread started (a
+    thread's start waits for the interpreter lock on a loaded process, on the path of a failure's publication)."""
+    agents = [NodeAgent(store, f"n{i}", follow_membership=False).start() for i in range(3)]
+    try:
+        records = {agent.node_id: agent.record for agent in agents}
+        records["never"] = NodeRecord(id="never", address="127.0.0.1", agent_port=closed_port())
+        agents[1].stop(leave=False, grace=0)  # a crash: its port closes
+        threads = threading.active_count()
+        results = probe_many(connect_probe, records, 1.0, max_parallel=64)
+        assert threading.active_count() <= threads
+        assert {node: result.outcome for node, result in results.items()} == {
+            "n0": ProbeOutcome.ALIVE, "n1": ProbeOutcome.REFUSED, "n2": ProbeOutcome.ALIVE, "never": ProbeOutcome.REFUSED}
+        assert results["n0"].incarnation == records["n0"].incarnation
+        slow = {"n0": records["n0"]}  # any other prober runs on threads, and one that raises reads as slow
+
+        def raising(record: NodeRecord, timeout: float) -> ProbeResult:
+            raise RuntimeError(f"cannot probe {record.id}")
+
+        assert probe_many(raising, slow, 1.0, max_parallel=4)["n0"].outcome is ProbeOutcome.TIMEOUT
+    finally:
+        for agent in agents:
+            agent.stop(leave=True, grace=0)
+
+
+def test_the_grpc_prober_reads_a_refused_connect_as_refused_before_any_channel(store: MembershipStore) -> None:
+    agent = NodeAgent(store, "short-lived", follow_membership=False).start()
+    record = agent.record
+    prober = agent.prober()
+    assert prober(record, 2.0).outcome is ProbeOutcome.ALIVE
+    agent.stop(leave=False, grace=0)
+    gone = prober(record, 2.0)
+    assert (gone.outcome, gone.detail) == (ProbeOutcome.REFUSED, "connection refused")  # the connect's answer
+    agent.stop(leave=True, grace=0)
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

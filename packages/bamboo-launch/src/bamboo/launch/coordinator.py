@@ -114,6 +114,7 @@ class Coordinator:
         self._key = membership.keys.root + "leader"
         self._wake = threading.Condition()
         self._woken = False
+        self._news = True  # woken by something that may have changed the failure reports (not a registration)
         self._stop = threading.Event()
         self._preempted: set[str] = set()
         self._zones: dict[str, str] = {}
@@ -132,7 +133,7 @@ class Coordinator:
         from bamboo.membership import WatchedKey
 
         if self.agent.detector is not None:  # only the elected one acts on these
-            self.agent.detector.subscribe_membership(lambda: self.leader and self.wake())
+            self.agent.detector.subscribe_membership(lambda: self.leader and self.wake(reports=False))
         self._leader_key = WatchedKey(self.membership.kv, self._key, on_change=self._on_leader_change)
         self._thread.start()
         return self
@@ -146,9 +147,12 @@ class Coordinator:
             self._leader_key.close()
         self._step_down()
 
-    def wake(self) -> None:
+    def wake(self, *, reports: bool = True) -> None:
+        """Run a round soon; ``reports=False``: only the membership changed (a registration or a departure, whose
+        failure, if any, comes as its own report), so the round need not read the failure reports back."""
         with self._wake:
             self._woken = True
+            self._news = self._news or reports
             self._wake.notify_all()
 
     def _on_failure(self, _event: NodeFailed) -> None:
@@ -219,11 +223,13 @@ class Coordinator:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
-    def round(self) -> bool:
+    def round(self, *, reports: bool = True) -> bool:
         """One pass of the duties: campaign, and while elected, the first layout, failures, orphaned layouts.
 
         Returns whether this agent is the coordinator. The background thread calls it whenever something
         changed, and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S`; tests call it directly.
+        ``reports=False`` skips reading the failure reports back (the loop's rounds after registrations only: a
+        thousand registrations were a thousand reads of the reports while the job started).
         """
         if not self._campaign():
             if self._layout_key is not None:
@@ -232,21 +238,29 @@ class Coordinator:
             return False
         self._take_up()
         self._first_layout()
-        self._publish_failures()
+        if reports:
+            self._publish_failures()
+        self.registered_zones()  # remembered while they are alive, once per membership version
         self._orphaned_layout()
         return True
 
     def _loop(self) -> None:
+        polled = True
         while not self._stop.is_set():
+            with self._wake:
+                reports, self._news = self._news or polled, False
             try:
-                self.round()
+                self.round(reports=reports)
             except StoreError as error:  # etcd restarting, or this agent was fenced
                 log.warning("coordinator %s: %s", self.node, error)
+                self._news = True
             except Exception:
                 log.exception("coordinator %s failed a round; trying again", self.node)
+                self._news = True
             with self._wake:
+                polled = False
                 if not self._woken:
-                    self._wake.wait(timeouts.LEADER_POLL_S)
+                    polled = not self._wake.wait(timeouts.LEADER_POLL_S)
                 self._woken = False
 
     def view(self) -> MembershipView:
@@ -381,7 +395,7 @@ class Coordinator:
         layout = self._layout()  # (its zones remembered once per layout)
         if layout is not None:
             reports = self._publish_events(layout, reports)
-        self.registered_zones()  # remembered while they are alive, once per membership version
+        self.registered_zones()  # remembered while they are alive (before a departure's report is confirmed below)
         for node, report in sorted(reports.items()):
             self._confirm_lost(node, report.reason)
 
@@ -408,10 +422,11 @@ class Coordinator:
                 return reports
             swept = _sweep(layout, pending, reports, self.node)
             if self.agent.detector is not None and swept:  # kills that landed together: confirm them first
-                self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
-                                              prober=connect_probe)  # a connect: it only looks for the dead
-                reports = self._failure_reports()
-                pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
+                found = self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
+                                                      prober=connect_probe)  # a connect: it only looks for the dead
+                if found.confirmed or found.already_failed or found.unknown:  # else nothing new to read back
+                    reports = self._failure_reports()
+                    pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
             epoch = max(published, default=0) + 1
             won, event = publish_failure_event(self.membership, layout.generation, FailureEvent(epoch, pending))
             if won:

@@ -7,7 +7,8 @@ from any number of writers.
 **Events in etcd.** On a cluster there is no shared file: every agent and worker writes its records
 to etcd with :class:`EtcdEventLog`, one key per record under
 ``/bamboo/<job>/events/<writer>/<sequence>`` (``writer`` is ``<node>.<role>.<pid>``), from a background
-thread so that training never waits for etcd. Each writer keeps only its newest
+thread so that training never waits for etcd (one thread per etcd client writes every log on it:
+:mod:`bamboo.launch.event_writer`). Each writer keeps only its newest
 :data:`EVENTS_PER_WRITER` records (it deletes the older ones as it goes), so the log stays bounded.
 There, ``t`` counts from the job's ``created_unix`` (wall clock: clocks of different machines may
 differ by their skew). :func:`read_etcd_events` returns the whole log sorted by ``t`` and
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -49,6 +49,7 @@ from bamboo.launch.event_records import (
     event_from_dict,
     event_to_dict,
 )
+from bamboo.launch.event_writer import RecordWriter, writer_for
 from bamboo.membership.kv import FencedError, StoreError, StoreUnavailableError
 
 if TYPE_CHECKING:
@@ -243,11 +244,12 @@ class EtcdEventLog:
         self.retry_s = retry_s
         self._local = EventLog(local, clock=time.time, start=start_unix) if local is not None else None
         self._sequence = 0
-        self._queue: queue.Queue[Event | None] = queue.Queue()
+        self._pending = 0  # records written and not yet out (or dropped)
+        self._idle = threading.Condition()
         self.fenced = threading.Event()
         self._closed = False
-        self._thread = threading.Thread(target=self._drain, name=f"bamboo-events-{writer}", daemon=True)
-        self._thread.start()
+        shared = writer_for(kv)  # one thread per client writes every log's records (bamboo.launch.event_writer)
+        self._writer, self._own_writer = (shared, False) if shared is not None else (RecordWriter(), True)
 
     def now(self) -> float:
         """Seconds since the job's time zero (never negative)."""
@@ -257,7 +259,9 @@ class EtcdEventLog:
         """Queue one record (already built, with its own ``t``); it reaches etcd shortly after."""
         if self._closed:
             raise ValueError(f"event log {self.prefix} is closed")
-        self._queue.put(event)
+        with self._idle:
+            self._pending += 1
+        self._writer.submit(lambda: self._write_out(event))
 
     def emit(self, cls: type[Event], **fields: EventField) -> Event:
         event = cls(t=self.now(), **fields)
@@ -266,30 +270,27 @@ class EtcdEventLog:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued record was written (or dropped); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return not self._queue.unfinished_tasks
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (up to ``timeout`` seconds), then stop."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout)
+        self.flush(timeout)
+        if self._own_writer:
+            self._writer.stop()
         if self._local is not None:
             self._local.close()
 
-    def _drain(self) -> None:
-        while True:
-            event = self._queue.get()
-            try:
-                if event is None:
-                    return
-                self._put(event)
-            finally:
-                self._queue.task_done()
+    def _write_out(self, event: Event) -> None:
+        try:
+            self._put(event)
+        finally:
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
     def _put(self, event: Event) -> None:
         if self._local is not None:

@@ -49,13 +49,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent import futures
 
 import attrs
 from bamboo.membership import timeouts
 from bamboo.membership.kv import EventKind, FencedError, StoreError, WatchEvent, WatchHandle
 from bamboo.membership.members import MembershipView, NodeTable
-from bamboo.membership.probing import DetectorConfig, ProbeOutcome, Prober, ProbeResult, SweepResult
+from bamboo.membership.probing import (
+    DetectorConfig,
+    ProbeOutcome,
+    Prober,
+    ProbeResult,
+    SweepResult,
+    probe_many,
+)
 from bamboo.membership.records import (
     DetectionPath,
     FailureReport,
@@ -124,7 +130,8 @@ class FailureDetector:
         """Probes this detector has sent (suspects and sweeps), for the benchmarks."""
         self._epoch = 0
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the probe loop, started at its first work (_kick)
+        self._probe_loop = False
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -152,11 +159,10 @@ class FailureDetector:
                 return
             now = self.clock()
             self._suspects[node] = _Suspicion(node, now, reason, reporter or self.detector_id, next_probe_at=now)
-            self._wake.notify_all()
+            self._kick()
 
     def subscribe_membership(self, listener: Callable[[], None]) -> None:
-        """Call `listener()` after each change of the node records this detector follows (see the module
-        docstring); it runs on the watch's thread and must not block."""
+        """Call `listener()` after each change of the followed node records (on the watch's thread: no blocking)."""
         with self._lock:
             self._membership_listeners.append(listener)
 
@@ -240,15 +246,8 @@ class FailureDetector:
         results: dict[str, ProbeResult] = {}
         with_port = {n: r for n, r in probed.items() if r.agent_port}
         if with_port:
-            with futures.ThreadPoolExecutor(max_workers=min(max_parallel, len(with_port)),
-                                            thread_name_prefix=f"bamboo-sweep-{self.detector_id}") as pool:
-                running = {n: pool.submit(probe, r, self.config.probe_timeout) for n, r in with_port.items()}
-                self.probes_sent += len(running)
-                for node, future in running.items():
-                    try:
-                        results[node] = future.result()
-                    except Exception as exc:  # a prober must not raise; if it does, slow is the safe reading
-                        results[node] = ProbeResult(ProbeOutcome.TIMEOUT, detail=f"prober raised {exc!r}")
+            self.probes_sent += len(with_port)
+            results.update(probe_many(probe, with_port, self.config.probe_timeout, max_parallel, self.detector_id))
         for node in probed.keys() - with_port.keys():
             results[node] = ProbeResult(ProbeOutcome.TIMEOUT, detail="node has no agent port to probe")
         confirmed, alive, slow = [], [], []
@@ -276,31 +275,31 @@ class FailureDetector:
                         now = self.clock()
                         self._suspects[node] = _Suspicion(node, now, f"{base}; probe timed out", self.detector_id,
                                                           next_probe_at=now + self.config.probe_interval)
-                        self._wake.notify_all()
-        return SweepResult(confirmed=tuple(confirmed), alive=tuple(alive), slow=tuple(slow), unknown=tuple(unknown),
-                           already_failed=tuple(already))
+                        self._kick()
+        return SweepResult(tuple(confirmed), tuple(alive), tuple(slow), tuple(unknown), tuple(already))
 
     def start(self, *, probe_loop: bool = True) -> FailureDetector:
-        """Load the current nodes, epoch and failures, then watch them. With `probe_loop`, probe in the background."""
-        kv = self.store.kv
+        """Load the current nodes, epoch and failures, then watch them. With `probe_loop`, probe in the background
+        (from the first suspect or unwritten report: `_kick`)."""
         self._epoch_key = self.store.follow_epoch(self._on_epoch)  # one read; shared by the client's followers
         try:
             self._on_epoch(self.store.epoch_of(self._epoch_key.value)[0])
         except MalformedValueError as exc:
             log.error("%s; declaring failures in epoch 0", exc)
         if self._follow_at_start:
-            revision = kv.revision()
-            with self._lock:
-                self._nodes.update(self.store.list_nodes(skip_malformed=True).values())
-            self._following = [self.store.watch_nodes(self._on_node_event, start_revision=revision + 1),
-                               self.store.watch_failures(self._on_failure_event, start_revision=revision + 1)]
-            for item in kv.get_prefix(self.store.keys.failures_in(self._epoch)):
-                self._on_failure_event(WatchEvent(EventKind.PUT, item.key, item.value, item.mod_revision))
-        if probe_loop:
-            self._thread = threading.Thread(target=self._loop, name=f"bamboo-detector-{self.detector_id}",
-                                            daemon=True)
-            self._thread.start()
+            self.follow_membership()
+        with self._lock:
+            self._probe_loop = probe_loop
+            self._kick()  # for suspects reported before the start
         return self
+
+    def _kick(self) -> None:
+        """Wake the probe loop (under the lock), started at its first work: most detectors never probe (a thread
+        each cost a thousand agents starting at once a thousand waits for the interpreter lock)."""
+        if self._thread is None and self._probe_loop and (self._suspects or self._unwritten) and not self._stopped.is_set():
+            self._thread = threading.Thread(target=self._loop, name=f"bamboo-detector-{self.detector_id}", daemon=True)
+            self._thread.start()
+        self._wake.notify_all()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -416,8 +415,9 @@ class FailureDetector:
             return
         node = event.key.removeprefix(self.store.keys.nodes)
         with self._lock:
-            last = self._nodes.pop(node)
-            self._suspects.pop(node, None)
+            last, _ = self._nodes.pop(node), self._suspects.pop(node, None)
+            if (node, self._epoch) in self._emitted:  # its lease went because its failure was declared: no report
+                return
         if event.prev_value:
             try:
                 last = decode_message(event.key, event.prev_value, NodeRecord)
@@ -457,7 +457,7 @@ class FailureDetector:
             with self._lock:
                 self._suspects.pop(record.id, None)
                 self._unwritten[record.id] = (record, path, reason, self.clock() + self.config.probe_interval)
-                self._wake.notify_all()
+                self._kick()
             return
         with self._lock:
             self._unwritten.pop(record.id, None)

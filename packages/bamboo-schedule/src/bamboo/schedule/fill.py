@@ -254,33 +254,31 @@ def _refine(
                             | {len(plain.streams[n])}) for n in positions}
     receives = _gradient_receives(plain)
     improved = True
+
+    def keep_if_sooner(trial: dict[int, list[int]]) -> None:
+        """Spend a trial on ``trial``'s positions; they replace ``positions`` where the iteration ends sooner."""
+        nonlocal trials, best, ends, improved
+        trials -= 1
+        trial_ends, _streams = _trial(plain, items, trial, duration)
+        score = _score(trial_ends)
+        if score < best:
+            best, ends, improved = score, trial_ends, True
+            for m, p in trial.items():
+                positions[m][:] = p
+
     while improved and trials > 0:
         improved = False
         for trial in () if pushes else _joint_pulls(plain, items, positions, ends, receives):  # see the docstring
             if trials <= 0:
                 break
-            trials -= 1
-            trial_ends, _streams = _trial(plain, items, trial, duration)
-            score = _score(trial_ends)
-            if score < best:
-                best, ends, improved = score, trial_ends, True
-                for m, p in trial.items():
-                    positions[m][:] = p
+            keep_if_sooner(trial)
         for pulls in (True, False):  # the pulls of every node first: they move the most, and cost the fewest trials
             for n in sorted(items, key=lambda node: -ends[node]):  # the nodes that end last first
                 moves = _moves(positions[n], items[n], candidates[n], len(plain.streams[n]), duration, n, pulls, pushes)
                 for moved in moves:
                     if trials <= 0:
                         break
-                    trials -= 1
-                    trial = {m: list(p) for m, p in positions.items()}
-                    trial[n] = moved
-                    trial_ends, _streams = _trial(plain, items, trial, duration)
-                    score = _score(trial_ends)
-                    if score < best:
-                        best, ends, improved = score, trial_ends, True
-                        for m, p in trial.items():
-                            positions[m][:] = p
+                    keep_if_sooner({**{m: list(p) for m, p in positions.items()}, n: moved})
     return positions
 
 

@@ -13,7 +13,7 @@ from bamboo.bench.emulated.run_options import RunError, RunOptions, RunResult, V
 if TYPE_CHECKING:
     from bamboo.membership import MembershipStore
 
-__all__ = ["compare_with_reference", "dumps_result", "load_reports", "read_failures", "read_worker_errors",
+__all__ = ["compare_with_reference", "dumps_result", "last_step", "load_reports", "read_failures", "read_worker_errors",
            "save_records"]
 
 
@@ -82,7 +82,7 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> Verificati
     if not result.reports and result.exit_codes and all(code is not None and code < 0
                                                         for code in result.exit_codes.values()):
         raise RunError(f"every node was preempted and the trace started no other: the job stopped at step "
-                       f"{_last_step(result.events)}, unfinished (nothing to verify; a longer trace, or --resume "
+                       f"{last_step(result.events)}, unfinished (nothing to verify; a longer trace, or --resume "
                        f"from its checkpoints in {result.run_dir / 'checkpoints'}, goes on)")
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
@@ -104,7 +104,7 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> Verificati
     return {"steps": steps, "max_relative_diff": worst, "tensors": tensors, "history": history}
 
 
-def _last_step(events: Path) -> int:
+def last_step(events: Path) -> int:
     """The highest step in the run's event log (0 before the first)."""
     from bamboo.launch.events import Step, read_events
 

@@ -79,6 +79,7 @@ from bamboo.bench.emulated.market import (
     StartedClock,
 )
 from bamboo.bench.emulated.run import RunOptions, initial_plan
+from bamboo.bench.emulated.run_results import last_step
 from bamboo.bench.measured.baseline import (
     SPEC_ENV,
     BaselineSpec,
@@ -95,7 +96,7 @@ from bamboo.bench.measured.baseline import (
 )
 from bamboo.bench.measured.machines import MachineCluster
 from bamboo.bench.measured.rendezvous import RendezvousWatch
-from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart, Step, read_events
+from bamboo.launch.events import EventLog, Join, Preemption, RunEnd, RunStart
 from bamboo.launch.example import DEFAULT_LAYERS, EXAMPLE_CONFIG
 
 __all__ = [
@@ -383,9 +384,6 @@ def run_checkpoint_restart(
         note("join", node, time.time())
         return node
 
-    def newest_step() -> int:
-        return max((e.step for e in read_events(events_path) if isinstance(e, Step)), default=0)
-
     clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
     watch = RendezvousWatch(store, lambda: current["rendezvous"],
@@ -416,7 +414,8 @@ def run_checkpoint_restart(
         market.start()
         if during is not None:
             handles = BaselineHandles(cluster=cluster, events=events_path, kill=kill, add=add, alive=cluster.alive,
-                                      steps=newest_step, roles=lambda: current_roles(base), stop=stop.set)
+                                      steps=lambda: last_step(events_path), roles=lambda: current_roles(base),
+                                      stop=stop.set)
             threading.Thread(target=during, args=(handles,), name="baseline-during", daemon=True).start()
         done_at: float | None = None
         while True:
@@ -461,7 +460,7 @@ def run_checkpoint_restart(
         watch.stop()
         market.stop(timeout=5.0)
         cluster.close()
-        steps_done = newest_step() if events_path.exists() else 0
+        steps_done = last_step(events_path) if events_path.exists() else 0
         log.write(RunEnd(t=log.now(), steps=steps_done))
         log.close()
         del store

@@ -292,6 +292,18 @@ class Coordinator:
             self._zones.update(decoded.zones)
         return self._decoded[1]
 
+    def _write_layout(self, layout: JobLayout, expected_revision: int) -> bool:
+        """Write ``layout`` if the key is still at ``expected_revision``, and wait (at most
+        :data:`~bamboo.launch.timeouts.OWN_WRITE_SEEN_S`) until the watched key holds it, so that the rest of the
+        round works on the layout just written (a failure reported in the same round is published in it)."""
+        written = self.membership.put_layout(layout.to_dict(), expected_revision)
+        if written is None:
+            return False
+        if self._layout_key is not None:
+            self._layout_key.wait(lambda seen: seen is not None and seen.mod_revision >= written.revision,
+                                  timeouts.OWN_WRITE_SEEN_S)
+        return True
+
     def _first_layout(self) -> None:
         if self._layout() is not None:
             return
@@ -306,7 +318,7 @@ class Coordinator:
             if self.membership.decide("end", JobEnd(steps=0, error=f"--resume: {error}", node=self.node).to_dict()).won:
                 self.say(f"the job cannot start: --resume: {error}")
             return
-        if self.membership.put_layout(layout.to_dict(), 0) is not None:
+        if self._write_layout(layout, 0):
             self.say("first layout: " + "; ".join(f"pipeline {d}: {' '.join(row)}" for d, row in
                                                  enumerate(layout.owners))
                      + (f"; standby: {' '.join(layout.standby)}" if layout.standby else "")
@@ -331,8 +343,7 @@ class Coordinator:
             redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
             redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv)
             current = self._layout_key.value if self._layout_key is not None else None
-            if redo is not None and current is not None and self.membership.put_layout(
-                    redo.to_dict(), current.mod_revision) is not None:
+            if redo is not None and current is not None and self._write_layout(redo, current.mod_revision):
                 self.say(f"every node of generation {layout.generation} is gone before its first step: its start "
                          f"is redone on {', '.join(redo.ranks)}")
             return  # (or not enough warm nodes for one pipeline yet: wait for more)
@@ -347,7 +358,7 @@ class Coordinator:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
         restart = with_mode(self.spec, restart, self.membership.kv)
         current = self._layout_key.value if self._layout_key is not None else None
-        if current is not None and self.membership.put_layout(restart.to_dict(), current.mod_revision) is not None:
+        if current is not None and self._write_layout(restart, current.mod_revision):
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
 

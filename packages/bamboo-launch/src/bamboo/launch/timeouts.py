@@ -26,6 +26,7 @@ __all__ = [
     "LEADER_POLL_S",
     "NODE_SHORTAGE_SAY_S",
     "NOTICE_DIRECT_READ_S",
+    "OWN_WRITE_SEEN_S",
     "RECONFIGURE_TIMEOUT_S",
     "ROLE_RESCAN_S",
     "SCRIPT_DESCRIBE_TIMEOUT_S",
@@ -51,6 +52,11 @@ ETCD_RETRY_S = 0.1
 
 NOTICE_DIRECT_READ_S = 0.05
 """While a worker's watch of failure events is down (etcd restarting), how often a poll reads etcd directly."""
+
+OWN_WRITE_SEEN_S = 1.0
+"""How long the coordinator waits, after writing a layout, for its watch of the layout key to deliver it, so that
+the rest of its round (publishing a failure reported meanwhile) works on that layout. The watch delivers in
+milliseconds; when it does not, the round goes on and the watch's wake-up runs the next one."""
 
 LEADER_POLL_S = 5.0
 """How often an agent's coordinator runs a round when nothing woke it. The coordinator's key, the layout, the

@@ -135,6 +135,9 @@ def test_a_watch_that_starts_at_a_compacted_revision_relists(kv: EtcdKV, job: st
 
 
 def test_a_watch_start_under_a_hung_etcd_is_retried_then_succeeds(proxy, kv: EtcdKV, job: str, wait_until) -> None:
+    """etcd stops answering (every byte held back: a hung server) while a watch starts, then recovers. (A server
+    that never answers on the connection the client opened, `proxy.blackhole()`, is left by gRPC only when that
+    connection attempt times out, after 20 s; the start would still succeed then, within its bound.)"""
     prefix = f"/bamboo/{job}/slow/"
     client = EtcdKV(EtcdOptions(endpoints=(proxy.endpoint,), timeout=0.3, watch_retry_interval=0.05,
                                 watch_start_timeout=60))
@@ -151,7 +154,7 @@ def test_a_watch_start_under_a_hung_etcd_is_retried_then_succeeds(proxy, kv: Etc
             outcome.append(exc)
         retried.set()
 
-    proxy.blackhole()
+    proxy.stall()
     starter = threading.Thread(target=start, daemon=True)
     starter.start()
     try:

@@ -28,7 +28,7 @@ from bamboo.launch.worker_phases import Ending
 from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
 
 if TYPE_CHECKING:
-    from bamboo.rc import Engine, FailoverRecord, StageExecutor
+    from bamboo.rc import Engine, FailoverRecord, PeerFailure, StageExecutor
     from bamboo.rc.checkpoint_async import AsyncCheckpointer
     from bamboo.rc.checkpoint_files import CheckpointInfo
     from bamboo.reconfig import JobLayout
@@ -75,7 +75,7 @@ def train_generation(run: WorkerSession, layout: JobLayout, engine: Engine, stat
     """Train ``layout`` (a ``JobLayout`` this node has a rank in) with ``engine`` until it ends for this node
     (see the module docstring). ``prepared``: the layout was prepared while the previous one trained."""
     from bamboo.launch.redundancy import choice_record
-    from bamboo.rc import ConsecutiveFailure, HandedOver
+    from bamboo.rc import ConsecutiveFailure, HandedOver, PeerFailure
 
     spec, executor = run.spec, engine.executor
     chosen = choice_record(layout, run.log.now())
@@ -101,6 +101,9 @@ def train_generation(run: WorkerSession, layout: JobLayout, engine: Engine, stat
             executor.apply_replica_updates()
             boundary.abandon()
             return Ending("barrier", reason="consecutive failure", consecutive=True)
+        except PeerFailure as failure:  # no failover for it (redundancy none, or never confirmed): this worker ends
+            _report_suspects(run, layout, failure)
+            raise
         duration = time.perf_counter() - started
         seen = _after_step(run, layout, engine, state, hooks, loss, duration, seen, samples, boundary.stop)
         if first:
@@ -121,6 +124,21 @@ def train_generation(run: WorkerSession, layout: JobLayout, engine: Engine, stat
         return Ending("switch", reason=stop.reason, stop=stop, preparation=boundary.preparation)
     boundary.abandon()
     return Ending("barrier", reason=stop.reason)
+
+
+def _report_suspects(run: WorkerSession, layout: JobLayout, failure: PeerFailure) -> None:
+    """Tell this node's agent which nodes ``failure`` suspects before the worker ends with it. A redundancy mode
+    that fails over has told it already (its failure notices), ``none`` has not: without the report the job learnt
+    of a killed node only when its lease expired, which held up the restore by up to ``--ttl`` seconds when that
+    node was the elected coordinator (the detector that confirms a node revokes its lease at once)."""
+    for peer in failure.peers:
+        node = layout.node_of_rank.get(peer)
+        if node is None:
+            continue
+        try:
+            run.agent.report_peer_failure(node, f"rank {layout.ranks[run.node]}: {failure.instruction} failed")
+        except Exception as error:  # the agent gone too: its own lease tells the job
+            print(f"node {run.node}: could not report {node} to the agent: {error}", file=sys.stderr, flush=True)
 
 
 def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState,

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 import pytest
-from bamboo.launch.accounting import steps_reached
+from bamboo.launch.accounting import last_step_end_unix, steps_reached
 from bamboo.launch.coordinator import Coordinator, published_events, read_layout
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
@@ -312,6 +312,30 @@ def test_records_that_name_their_generation_are_counted_whatever_the_writers_clo
     assert steps_reached(skewed, restarted, created) == 4
     assert steps_reached(skewed, first, created) == 5
     assert steps_reached(skewed[:2], restarted, created) == 2  # none of its own: its start step
+
+
+def test_a_restart_after_every_holder_was_lost_counts_its_pause_from_the_lost_generation_s_last_step(
+    tmp_path: Path,
+) -> None:
+    """No holder lived to say when it stopped: the restart's ``barrier_unix`` (its pause's start) is the end of the
+    lost generation's last step, not when the coordinator, elected after the loss, wrote the restart."""
+    spec = _spec("j")
+    created = 1000.0
+    first = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+
+    def step(t: float, number: int, generation: int) -> Step:
+        return Step(t=t, step=number, samples=8, loss=1.0, nodes_active=4, duration_s=0.1, generation=generation)
+
+    events = [step(1.0, 1, 0), step(2.5, 2, 0), step(2.0, 7, 3)]  # generation 3's record is another's
+    assert last_step_end_unix(events, first, created) == 1002.5
+    assert last_step_end_unix([], first, created) is None
+    stopped = last_step_end_unix(events, first, created)
+    restarted = restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path), reached=2,
+                               stopped_unix=stopped)
+    assert restarted is not None and restarted.barrier_unix == 1002.5
+    assert steps_reached(events, restarted, created) == 2  # the lost generation's last step is not the restart's
+    unknown = restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path))
+    assert unknown is not None and unknown.barrier_unix is not None and unknown.barrier_unix > 1002.5  # now
 
 
 def test_redo_start_layout_repeats_an_abandoned_first_start_on_the_nodes_left(tmp_path: Path) -> None:

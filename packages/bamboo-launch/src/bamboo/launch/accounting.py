@@ -18,7 +18,7 @@ from bamboo.launch.event_records import Event, Failover, Reconfiguration, Restor
 if TYPE_CHECKING:
     from bamboo.reconfig import JobLayout
 
-__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount", "steps_reached"]
+__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount", "last_step_end_unix", "steps_reached"]
 
 PAUSE_PARTS = ("decide_s", "barrier_s", "transfers_s", "group_builds_s", "first_step_s")
 """The parts of a reconfiguration's pause, in the ``reconfiguration`` record and the report."""
@@ -165,12 +165,24 @@ def steps_reached(events: Iterable[Event], lost: JobLayout, created_unix: float)
     ``step`` record of that generation (``lost.start_step`` when it recorded none).
 
     A record that names its ``generation`` is judged by it. One that names none (written before records
-    carried it) counts if it was written after the generation's barrier: the log's ``t`` counts from
+    carried it) counts if it was written after the generation's barrier (strictly: a restart's barrier is the
+    end of the lost generation's last step): the log's ``t`` counts from
     ``created_unix``, so that test is only as good as the writers' clocks, whose skew can move a record
     across the barrier."""
+    return max((e.step for e in _own_steps(events, lost, created_unix)), default=lost.start_step)
+
+
+def last_step_end_unix(events: Iterable[Event], lost: JobLayout, created_unix: float) -> float | None:
+    """When the last step of generation ``lost`` ended (wall clock), from the job's event log, judged as in
+    :func:`steps_reached`; None when it recorded none. A restart after every holder was lost counts its pause
+    from here: no holder lived to say when it stopped."""
+    return max((created_unix + e.t for e in _own_steps(events, lost, created_unix)), default=None)
+
+
+def _own_steps(events: Iterable[Event], lost: JobLayout, created_unix: float) -> list[Step]:
     since = 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
 
     def its_own(record: Step) -> bool:
-        return record.generation == lost.generation if record.generation is not None else record.t >= since
+        return record.generation == lost.generation if record.generation is not None else record.t > since
 
-    return max((e.step for e in events if isinstance(e, Step) and its_own(e)), default=lost.start_step)
+    return [e for e in events if isinstance(e, Step) and its_own(e)]

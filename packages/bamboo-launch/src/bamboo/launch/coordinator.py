@@ -44,7 +44,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
-from bamboo.launch.accounting import steps_reached
+from bamboo.launch.accounting import last_step_end_unix, steps_reached
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Preemption
 from bamboo.launch.notices import publish_failure_event, published_events
@@ -351,9 +351,12 @@ class Coordinator:
         bounds = [tuple(bound) for bound in layout.stage_bounds]
         point = nearest_restore(self.membership.kv, self.spec, stages, bounds, registered, layout.history)
         step = point.step
+        progress = self._progress(layout)
         restart = restart_layout(self.spec, layout, warm_standby(self.membership, registered),
                                  self.registered_zones(), step, point.path,
-                                 reached=self._steps_reached(layout), memory=point.memory, initial=point.initial)
+                                 reached=layout.start_step if progress is None else progress[0],
+                                 memory=point.memory, initial=point.initial,
+                                 stopped_unix=None if progress is None else progress[1])
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
         restart = with_mode(self.spec, restart, self.membership.kv)
@@ -369,24 +372,22 @@ class Coordinator:
 
     def _trained_none(self, layout: JobLayout) -> bool:
         """Whether ``layout`` trained no step (its event log has no step record of it); False when unknown."""
-        reached = self._reached(layout)
-        return reached is not None and reached <= layout.start_step
+        progress = self._progress(layout)
+        return progress is not None and progress[0] <= layout.start_step
 
-    def _steps_reached(self, lost: JobLayout) -> int:
-        """:func:`steps_reached` from the job's event log in etcd (``lost.start_step`` if it cannot be read:
-        the figure only says how many steps are trained again)."""
-        reached = self._reached(lost)
-        return lost.start_step if reached is None else reached
-
-    def _reached(self, layout: JobLayout) -> int | None:
-        """:func:`steps_reached` from the job's event log in etcd; None (and a warning) when it cannot be read."""
+    def _progress(self, layout: JobLayout) -> tuple[int, float | None] | None:
+        """From the job's event log in etcd: the last step ``layout`` completed (:func:`steps_reached`) and when it
+        ended (:func:`last_step_end_unix`); None (and a warning) when the log cannot be read (then its start step
+        is assumed: the figure only says how many steps are trained again, and the pause counts from now)."""
         from bamboo.launch.events import EventLogError, read_etcd_events
 
         try:
-            return steps_reached(read_etcd_events(self.membership.kv, self.spec.job), layout, self.spec.created_unix)
+            events = read_etcd_events(self.membership.kv, self.spec.job)
         except (EventLogError, StoreError) as error:
             log.warning("the steps generation %d reached are unknown: %s", layout.generation, error)
             return None
+        created = self.spec.created_unix
+        return steps_reached(events, layout, created), last_step_end_unix(events, layout, created)
 
     def _failure_reports(self) -> dict[str, FailureReport]:
         reports: dict[str, FailureReport] = {}

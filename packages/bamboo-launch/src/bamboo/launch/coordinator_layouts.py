@@ -59,14 +59,16 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: Mapping[str, str], glo
 
 def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: Mapping[str, str], step: int,
                    path: str, reached: int | None = None, memory: dict[int, tuple[str, ...]] | None = None,
-                   initial: bool = False) -> JobLayout | None:
+                   initial: bool = False, stopped_unix: float | None = None) -> JobLayout | None:
     """The generation after ``lost`` (a ``JobLayout`` none of whose nodes is alive) on the ``warm`` nodes,
     every stage restored from the checkpoint of ``step`` at ``path``; None when they cannot form a pipeline.
 
     ``reached`` is the last step ``lost`` completed (:func:`steps_reached`; default its start step): the
     steps after the checkpoint up to it are trained again (the ``restore`` record's ``discarded_steps``).
     ``memory`` (stage -> the live nodes that keep it at ``step``) restores from in-memory copies instead of
-    ``path``; ``initial`` starts over from the seeded initial state (step 0)."""
+    ``path``; ``initial`` starts over from the seeded initial state (step 0). ``stopped_unix`` is when ``lost``
+    stopped training (the end of its last step, :func:`last_step_end_unix`; default now): the layout's
+    ``barrier_unix``, from which its pause counts."""
     from bamboo.launch.reconfigure import next_history
     from bamboo.reconfig import JobLayout, RestorePoint, StartMode
 
@@ -77,7 +79,8 @@ def restart_layout(spec: JobSpec, lost: JobLayout, warm: list[str], zones: Mappi
                      reason="every holder lost",
                      restore=RestorePoint(step, path, range(spec.stages), memory=memory or {}, initial=initial),
                      barrier_step=lost.start_step if reached is None else max(lost.start_step, reached),
-                     barrier_unix=time.time(), base_generation=lost.generation,
+                     barrier_unix=time.time() if stopped_unix is None else min(stopped_unix, time.time()),
+                     base_generation=lost.generation,
                      survivors=(), history=next_history(lost.history, step, len(plan.owners)),
                      zones={node: zones.get(node, "default") for node in warm})
 

@@ -1,7 +1,8 @@
 """A reconfiguration's pause, broken down: what stopped training, and for how long.
 
 The pause runs from the first node that stopped training the old layout (``t0``: the first holder at the
-barrier, or at the switch of a layout prepared while the old one trained) to the new layout's ``go``
+barrier, or at the switch of a layout prepared while the old one trained; when every holder was lost, the end
+of the old layout's last step, since no holder lived to say when it stopped) to the new layout's ``go``
 (every node of it up), plus what the new layout's first step took beyond a usual step. Every node of the
 new layout says in its ``up`` record (:class:`bamboo.launch.records.NodeUp`) when each part of its start
 ended; the part of the node that came up last (the *critical* node) is the pause's path:

@@ -245,6 +245,21 @@ def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(member
     assert membership.get_decision("preempted-n1") is not None
 
 
+def test_the_elected_coordinator_is_woken_when_a_worker_becomes_warm(membership: MembershipStore) -> None:
+    """A restart waits for warm workers; the one that became warm last wakes the coordinator (a measured
+    heavy-churn restart had waited for the next poll, LEADER_POLL_S, 5 s). Only while elected: stepping down
+    stops following the warm records."""
+    spec = _spec(membership.keys.job, min_nodes=9)
+    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    assert coordinator.round()
+    woken = threading.Event()
+    coordinator.wake = lambda *, reports=True: woken.set() if not reports else None  # type: ignore[method-assign]
+    membership.decide("warm-s8", {"v": 1, "node": "s8", "at": 1.0})
+    assert woken.wait(30), "a warm record did not wake the elected coordinator"
+    coordinator._step_down()
+    assert coordinator._warm_records is None
+
+
 def test_a_layout_that_trained_nothing_and_nobody_holds_is_started_again_on_warm_nodes(
     membership: MembershipStore,
 ) -> None:

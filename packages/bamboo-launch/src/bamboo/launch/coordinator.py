@@ -59,7 +59,7 @@ from bamboo.rc import FailureEvent
 
 if TYPE_CHECKING:
     from bamboo.launch.events import EventWriter
-    from bamboo.membership import KeyValue, MembershipStore, NodeAgent, NodeFailed, WatchedKey
+    from bamboo.membership import KeyValue, MembershipStore, NodeAgent, NodeFailed, WatchedKey, WatchedPrefix
     from bamboo.reconfig import JobLayout
 
 __all__ = ["Coordinator", "published_events", "read_layout"]
@@ -88,8 +88,8 @@ class Coordinator:
     what it places, checks and publishes. It reads the membership as the detector's immutable
     :class:`~bamboo.membership.MembershipView` (no copy) and derives the nodes' zones once per version of it:
     a round that no registration or departure preceded does no work that grows with the job.
-    Rounds run when something changed (a failure confirmed, the membership, the layout, the leader key),
-    and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S` in case a change was missed.
+    Rounds run when something changed (a failure confirmed, the membership, the layout, the leader key, and
+    while elected a worker that became warm: a restart may be waiting for one), and every :data:`~bamboo.launch.timeouts.LEADER_POLL_S` in case a change was missed.
     """
 
     def __init__(
@@ -122,6 +122,7 @@ class Coordinator:
         self._vacated_at: int | None = None  # the revision at which the last holder's key went
         self._layout_key: WatchedKey | None = None  # the layout and the job's end, while elected
         self._end_key: WatchedKey | None = None
+        self._warm_records: WatchedPrefix | None = None  # workers that became warm, while elected
         self._decoded: tuple[int, JobLayout | None] = (0, None)  # the layout decoded at its mod revision
         self._holder_in_doubt = False  # a failure was confirmed here: is the coordinator alive to publish it?
         self._derived: tuple[int, Mapping[str, str]] = (-1, MappingProxyType({}))  # zones at a membership version
@@ -203,7 +204,7 @@ class Coordinator:
     def _take_up(self) -> None:
         """Elected: follow the membership (from when the last coordinator's key went, so that an expiry in
         between is declared), the layout and the job's end."""
-        from bamboo.membership import WatchedKey
+        from bamboo.membership import WatchedKey, WatchedPrefix
 
         if self._layout_key is not None:
             return
@@ -212,12 +213,19 @@ class Coordinator:
         self._layout_key = WatchedKey(self.membership.kv, self.membership.keys.layout, on_change=lambda _: self.wake())
         self._end_key = WatchedKey(self.membership.kv, self.membership.keys.decision("end"),
                                    on_change=lambda _: self.wake())
+        # A restart waits for warm workers (a node's worker publishes ``warm-<node>`` after its agent registered):
+        # without this wake-up a restart waited for the next poll, LEADER_POLL_S, after the last one became warm.
+        self._warm_records = WatchedPrefix(self.membership.kv, self.membership.keys.decision("warm-"),
+                                           lambda _: self.wake(reports=False))
 
     def _step_down(self) -> None:
         for watched in (self._layout_key, self._end_key):
             if watched is not None:
                 watched.close()
         self._layout_key = self._end_key = None
+        if self._warm_records is not None:
+            self._warm_records.cancel()
+            self._warm_records = None
         if self.agent.detector is not None:
             self.agent.detector.unfollow_membership()
 

@@ -60,7 +60,7 @@ milliseconds; when it does not, the round goes on and the watch's wake-up runs t
 
 LEADER_POLL_S = 5.0
 """How often an agent's coordinator runs a round when nothing woke it. The coordinator's key, the layout, the
-job's end, the membership and the failure reports are all watched, and a change wakes it at once (a confirmed
+job's end, the membership, the failure reports and the workers' warm records are all watched, and a change wakes it at once (a confirmed
 dead coordinator's lease is revoked, its key goes, and another agent takes over within milliseconds): this
 only bounds the effect of a missed wake-up, at no cost (the watched values are read without a request)."""
 

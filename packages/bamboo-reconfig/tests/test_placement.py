@@ -51,3 +51,16 @@ def test_minimum_over_rings_spreads_each_zone_evenly() -> None:
     # 8 nodes of zone a and 4 of b in 3 rings of 4: rings (3a,1b), (3a,1b), (2a,2b) cost 2 + 2 + 0.
     assert minimum_same_zone_pairs({"a": 8, "b": 4}, 3, 4) == 4
     assert minimum_same_zone_pairs({"a": 6, "b": 6}, 3, 4) == 0
+
+
+def test_the_assignment_solver_is_imported_on_first_use_or_when_preloaded() -> None:
+    """scipy.optimize (0.4 CPU-s) is not imported with bamboo.reconfig, which every agent imports, but by the first
+    plan that needs it, or beforehand by ``preload_assignment``, which a worker calls while nothing waits on it (a
+    measured reconfiguration had paid the import in its pause)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, bamboo.reconfig as r; before = 'scipy.optimize' in sys.modules; r.preload_assignment(); "
+             "print(before, 'scipy.optimize' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"]

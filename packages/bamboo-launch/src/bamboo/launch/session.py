@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -20,6 +21,7 @@ from bamboo.launch.json_types import JSONObject
 from bamboo.launch.records import JobEnd, RecordError
 from bamboo.launch.role_watch import RoleWatch
 from bamboo.launch.spec import WORKER_ERROR, JobSpec, Program, WorkerContext
+from bamboo.reconfig import preload_assignment
 
 if TYPE_CHECKING:
     import grpc
@@ -82,6 +84,8 @@ class WorkerSession:
         self._end_watch = self.kv.watch_prefix(self.membership.keys.decision("end"), self._on_end)
         self.roles = RoleWatch(self.membership, self.node, follow_decisions=True)
         """The job's layout and end, followed by watches (no etcd read per look)."""
+        # what this worker's first barrier imports to plan the next layout, imported while nothing waits on it
+        threading.Thread(target=preload_assignment, name="bamboo-preload", daemon=True).start()
 
     def _on_end(self, event: WatchEvent) -> None:
         """A job that ended with an error needs nothing more of this worker: it exits at once, wherever it is

@@ -58,7 +58,8 @@ def _one_line(result: subprocess.CompletedProcess[str], status: int, *phrases: s
     assert "Traceback" not in result.stdout + result.stderr, shown
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, shown
-    assert lines[0].startswith(("bamboo-launch", "bamboo-bench")) and ": error: " in lines[0], shown
+    assert lines[0].startswith(("bamboo-launch", "bamboo-bench", "bamboo-schedule", "bamboo-reconfig", "bamboo-rc"))
+    assert ": error: " in lines[0], shown
     for phrase in phrases:
         assert phrase in lines[0], shown
 
@@ -105,6 +106,31 @@ def test_every_command_with_bad_input_or_no_etcd_says_one_line(tmp_path: Path,
     ]
     for argv, phrases in bench_cases:
         status = bench(argv)
+        captured = capsys.readouterr()
+        _check(status, captured.out, captured.err, *phrases)
+
+
+def test_the_lower_packages_commands_say_one_line_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bamboo-schedule, bamboo-reconfig and bamboo-rc: a bad flag, a missing one or a missing file is one line
+    (argparse's own errors too, which printed the usage first)."""
+    from bamboo.rc.cli import main as rc
+    from bamboo.reconfig.cli import main as reconfig
+    from bamboo.schedule.cli import main as schedule
+
+    missing = str(tmp_path / "none.json")
+    cases = [
+        (schedule, ["show", "-P", "4"], ("--microbatches",)),
+        (schedule, ["show", "-P", "0", "-M", "8"], ("--stages",)),
+        (schedule, ["draw"], ("draw",)),
+        (reconfig, ["plan", "--nodes", missing, "--stages", "x", "--pipelines", "1"], ("--stages", "'x'")),
+        (reconfig, ["plan", "--nodes", missing, "--stages", "2", "--pipelines", "1"], ("none.json",)),
+        (rc, ["verify", "--stages", "x"], ("--stages",)),
+    ]
+    for command, argv, phrases in cases:
+        try:
+            status = command(argv)
+        except SystemExit as exit_:  # argparse's errors exit from parse_args
+            status = exit_.code if isinstance(exit_.code, int) else 1
         captured = capsys.readouterr()
         _check(status, captured.out, captured.err, *phrases)
 

@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bamboo.reconfig.decide import decide
 from bamboo.reconfig.layout_plan import plan_layout
@@ -32,8 +32,15 @@ class CliError(Exception):
     """Bad input; the message is printed as one line."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Its errors (and its subcommands') are one line, ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="bamboo-reconfig",
         description="Bamboo reconfiguration planning: the new layout (D, P, zone-aware placement, standby "
         "queue) and the layer-transfer plan. Every node runs the same planner on the same inputs.",

@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bamboo.schedule.cut import progress_at
 from bamboo.schedule.engine import execute
@@ -59,8 +59,15 @@ def parse_failure(text: str, stages: int) -> tuple[tuple[int, ...], int]:
     return victims, index
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Its errors (and its subcommands') are one line, ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="bamboo-schedule",
         description="Pipeline schedules with redundant computation and failover (Bamboo).",
     )

@@ -121,9 +121,12 @@ ATTEMPT_READY_POLL_S = 0.02
 ATTEMPT_STORE_POLL_MAX_S = 0.02
 """Longest pause between reads of an attempt's abandonable c10d store while it waits for a key."""
 
-ABANDONED_JOIN_S = 2.0
-"""How long a node waits for the thread of an abandoned attempt to end (one blocked on a dead peer does not;
-it is left behind, and ends at the group's timeout, freeing what it holds)."""
+ABANDONED_JOIN_S = 0.25
+"""How long a node waits for the thread of an abandoned attempt to end before it goes on (to the barrier, or back
+to warm). A thread ends within one read of the attempt's store once it is abandoned (``ATTEMPT_STORE_POLL_MAX_S``);
+one blocked in gloo on a peer does not, dead or abandoned too: it is left behind, reads the old stage state only,
+and ends at the group's timeout or when the peer's connection closes, freeing what it holds. It was 2 s, which
+two live nodes blocked on each other's transfer spent in full, inside a measured reconfiguration's pause."""
 
 COPY_TRANSFER_S = 10.0
 """Deadline of one in-memory copy sent to a keeper, or fetched from one for a restore (connection and each

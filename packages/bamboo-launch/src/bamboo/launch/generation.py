@@ -133,12 +133,8 @@ def _report_suspects(run: WorkerSession, layout: JobLayout, failure: PeerFailure
     node was the elected coordinator (the detector that confirms a node revokes its lease at once)."""
     for peer in failure.peers:
         node = layout.node_of_rank.get(peer)
-        if node is None:
-            continue
-        try:
-            run.agent.report_peer_failure(node, f"rank {layout.ranks[run.node]}: {failure.instruction} failed")
-        except Exception as error:  # the agent gone too: its own lease tells the job
-            print(f"node {run.node}: could not report {node} to the agent: {error}", file=sys.stderr, flush=True)
+        if node is not None:
+            run.report_suspect(node, f"rank {layout.ranks[run.node]}: {failure.instruction} failed")
 
 
 def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: WorkerState,

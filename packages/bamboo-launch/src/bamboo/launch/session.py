@@ -87,6 +87,14 @@ class WorkerSession:
         # what this worker's first barrier imports to plan the next layout, imported while nothing waits on it
         threading.Thread(target=preload_assignment, name="bamboo-preload", daemon=True).start()
 
+    def report_suspect(self, node: str, reason: str) -> None:
+        """Tell this node's agent that ``node`` failed an operation (its detector probes it, and a confirmed failure
+        revokes that node's lease at once). Best effort: when the agent is gone too, the node's lease tells the job."""
+        try:
+            self.agent.report_peer_failure(node, reason)
+        except Exception as error:
+            print(f"node {self.node}: could not report {node} to the agent: {error}", file=sys.stderr, flush=True)
+
     def _on_end(self, event: WatchEvent) -> None:
         """A job that ended with an error needs nothing more of this worker: it exits at once, wherever it is
         (waiting for a role, at a barrier, blocked on a peer), instead of being killed by its agent later."""

@@ -222,7 +222,11 @@ def move_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | None,
                 stale = [s for s in stages if old.slices[s].steps != layout.start_step]
                 if stale:
                     raise RuntimeError(f"stage(s) {stale} of {run.node} are not at step {layout.start_step}")
-                export_stage_state({s: old.slices[s] for s in stages}, group, members.index(transfer.destination))
+                try:
+                    export_stage_state({s: old.slices[s] for s in stages}, group, members.index(transfer.destination))
+                except RuntimeError as error:
+                    _suspect(run, transfer.destination, layout.generation, error)
+                    raise
             except BaseException as error:
                 errors.append(error)
 
@@ -231,11 +235,25 @@ def move_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | None,
             thread.start()
         for transfer in receiving:
             assert executor is not None, "a node without a role in the layout receives nothing"
-            import_stage_state(executor.slices, group, members.index(transfer.source))
+            try:
+                import_stage_state(executor.slices, group, members.index(transfer.source))
+            except RuntimeError as error:
+                _suspect(run, transfer.source, layout.generation, error)
+                raise
         for thread in senders:
             thread.join()
         if errors:
             raise errors[0]
+
+
+def _suspect(run: WorkerSession, peer: str, generation: int, error: RuntimeError) -> None:
+    """A transfer with ``peer`` failed in gloo: tell this node's agent, whose detector probes it. A joiner that died
+    is in no training pipeline, so no one else reports it: the next attempt had included it until its lease expired
+    (``--ttl``), 2 s of a measured reconfiguration's pause. An abandoned attempt's own error names no peer."""
+    from bamboo.launch.attempt import AttemptAbandonedError
+
+    if not isinstance(error, AttemptAbandonedError) and peer != run.node:
+        run.report_suspect(peer, f"a transfer of generation {generation} failed: {error}")
 
 
 def transfer_participants_of(layout: JobLayout) -> list[str]:

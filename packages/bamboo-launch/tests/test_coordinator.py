@@ -279,6 +279,29 @@ def test_a_layout_that_trained_nothing_and_nobody_holds_is_started_again_on_warm
     assert redo.reason == "a node lost before the first step" and membership.get_decision("end") is None
 
 
+def test_a_redone_start_whose_memory_keepers_died_restores_from_the_nearest_copy_left(
+    membership: MembershipStore, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A restart from in-memory copies abandoned before its first step is redone as it was while every stage keeps a
+    live keeper; once a stage has none, from the nearest copy left (here none: the initial state). Redone as it
+    was, a measured run failed the same start a thousand times."""
+    from bamboo.launch.reconfigure import live_restore
+    from bamboo.reconfig import RestorePoint
+
+    spec = _spec(membership.keys.job)
+    first = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    memory = {0: ("k0",), 1: ("k1", "k2")}
+    restart = restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 60, "", reached=64, memory=memory)
+    assert restart is not None and restart.restore is not None and restart.restore.source == "memory"
+    assert live_restore(membership.kv, spec, restart, ["w1", "w2", "k0", "k2"]) is restart  # every stage kept
+    redone = live_restore(membership.kv, spec, restart, ["w1", "w2", "k1", "k2"])  # stage 0's keeper is gone
+    assert redone.restore is not None and redone.restore.initial and redone.start_step == 0
+    assert redone.barrier_step == 64  # the steps up to it are trained again
+    assert "the in-memory copies of step 60 are gone with their keepers" in capsys.readouterr().err
+    again = redo_start_layout(spec, redone, ["w1", "w2"], {"w1": "a", "w2": "b"})
+    assert again is not None and again.start_step == 0 and again.restore == RestorePoint(0, "", (0, 1), initial=True)
+
+
 def test_restart_layout_restores_every_stage_on_the_warm_nodes(tmp_path: Path) -> None:
     spec = _spec("j")
     lost = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})

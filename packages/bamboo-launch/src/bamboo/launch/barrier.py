@@ -62,6 +62,7 @@ def _redo_start(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | N
     the nodes registered now (as the first layout does), waiting while they are too few for one pipeline;
     None once the job ended."""
     from bamboo.launch.coordinator_layouts import redo_start_layout
+    from bamboo.launch.reconfigure import live_restore
     from bamboo.reconfig import JobLayout
 
     next_say = 0.0
@@ -77,7 +78,8 @@ def _redo_start(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | N
             time.sleep(timeouts.WORKER_POLL_S)
             continue
         zones = {**lost.zones, **{node: record.zone for node, record in records.items()}}
-        planned = redo_start_layout(run.spec, lost, sorted(records), zones)
+        planned = redo_start_layout(run.spec, live_restore(run.membership.kv, run.spec, lost, records), sorted(records),
+                                    zones)
         if planned is not None:
             planned = with_mode(run.spec, planned, run.membership.kv)
             return JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)

@@ -334,7 +334,7 @@ class Coordinator:
 
     def _orphaned_layout(self) -> None:
         """Restart from the newest checkpoint when every holder of the current layout is gone."""
-        from bamboo.launch.reconfigure import nearest_restore, warm_standby
+        from bamboo.launch.reconfigure import live_restore, nearest_restore, warm_standby
 
         layout = self._layout()
         if layout is None or (self._end_key is not None and self._end_key.value is not None):
@@ -348,7 +348,8 @@ class Coordinator:
             self._confirm_lost(node, "its lease expired")
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
             zones = {**layout.zones, **self.registered_zones()}
-            redo = redo_start_layout(self.spec, layout, warm_standby(self.membership, registered), zones)
+            redo = redo_start_layout(self.spec, live_restore(self.membership.kv, self.spec, layout, registered),
+                                     warm_standby(self.membership, registered), zones)
             redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv)
             current = self._layout_key.value if self._layout_key is not None else None
             if redo is not None and current is not None and self._write_layout(redo, current.mod_revision):

@@ -48,6 +48,8 @@ from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
+
 if TYPE_CHECKING:
     from bamboo.launch.copy_service import CopyService
     from bamboo.launch.spec import JobSpec
@@ -231,6 +233,23 @@ def nearest_restore(kv: KeyValueStore, spec: JobSpec, missing: Sequence[int], bo
     if found is not None and found[0] >= step:
         return RestorePoint(found[0], "", missing, memory=found[1])
     return RestorePoint(step, path, missing)
+
+
+def live_restore(kv: KeyValueStore, spec: JobSpec, lost: JobLayout, alive: Iterable[str]) -> JobLayout:
+    """``lost``, a start to redo (a ``JobLayout`` abandoned before its first step), as it can be redone with the
+    ``alive`` nodes: unchanged, unless it restores from in-memory copies and some stage has no live keeper left.
+    Then from the nearest copy there is now (:func:`nearest_restore`: an older copy in memory, the disk, or the
+    initial state), at that copy's step. Redoing it as it was had failed for ever: a measured run redid a restore
+    whose keepers had all died a thousand times ("no node could give stage 1 at step 60 from memory")."""
+    restore, live = lost.restore, set(alive)
+    if restore is None or not restore.memory or all(live & set(nodes) for nodes in restore.memory.values()):
+        return lost
+    bounds = [tuple(bound) for bound in lost.stage_bounds]
+    point = nearest_restore(kv, spec, restore.lost_stages, bounds, live, lost.history)
+    print(f"bamboo-launch restore: the in-memory copies of step {restore.step} are gone with their keepers; the "
+          f"start is redone from {point.source} at step {point.step}", file=sys.stderr, flush=True)
+    return attrs.evolve(lost, restore=point, start_step=point.step,
+                        history=next_history(lost.history, point.step, lost.pipelines))
 
 
 def next_history(history: Sequence[Sequence[int]], start_step: int, pipelines: int) -> list[tuple[int, int]]:

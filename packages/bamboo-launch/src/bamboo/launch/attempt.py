@@ -12,8 +12,9 @@ outcome, decision ``g<G>-outcome`` of the attempt's generation G:
   layout up writes the outcome ``go``;
 - a node writes the outcome ``abort`` when its own part failed (a gloo error from a dead peer's
   closed connection comes at once), when a node the attempt needs (a new owner or a transfer source)
-  has left the membership (its lease expired: within the lease TTL, ``--ttl``, of its death, plus
-  one poll), or when the attempt has not come up within ``--reconfigure-timeout`` seconds;
+  has left the membership (its lease revoked once a probe confirmed its death, or expired: within the
+  lease TTL, ``--ttl``, of its death, plus one poll), or when the attempt has not come up within
+  ``--reconfigure-timeout`` seconds;
 - everyone follows the outcome that won. On ``abort`` each node abandons its thread (its store
   raises at the next call; a thread blocked on a dead peer ends at the group's timeout, off the
   training thread, and an engine it started is let go like any ended layout's), and the nodes that hold stage state at the barrier redo the layout decision
@@ -237,7 +238,7 @@ def await_outcome(
                 records = membership.list_nodes(skip_malformed=True)
                 gone = sorted(other for other in needed if other not in records)
                 if gone:
-                    verdict = (False, f"{', '.join(gone)} left the membership (lease expired)")
+                    verdict = (False, f"{', '.join(gone)} left the membership (its lease expired or was revoked)")
             if verdict is None:
                 for other in sorted(set(new_owners) - up):
                     if membership.get_decision(up_name(generation, other)) is not None:

@@ -131,8 +131,15 @@ def follow_attempt(run: WorkerSession, layout: JobLayout, part: StartThread[T], 
     generation = layout.generation
     owners = set(layout.ranks)
     sources = {transfer.source for transfer in layout.transfers.transfers}
+
+    def pause(seconds: float) -> None:  # returns as soon as this node's part ends: its up or its error at once
+        if part.progress()[0]:
+            time.sleep(seconds)
+        else:
+            part.join(seconds)
+
     outcome = await_outcome(run.membership, generation, run.node, owners, owners | sources, part.progress,
-                            run.spec.reconfigure_timeout_s,
+                            run.spec.reconfigure_timeout_s, sleep=pause,
                             say=lambda line: print(f"node {run.node}: {line}", flush=True),
                             up_record=lambda: marks.up(run.node))
     if outcome.go:

@@ -4,6 +4,7 @@ the figure (bamboo.bench.value.report)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from bamboo.bench.value import (
     plot_report,
 )
 from bamboo.launch.events import (
-    Checkpoint,
     Failover,
     Join,
     Preemption,
@@ -29,31 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-def sample_run() -> list:
-    """Two nodes for an hour, one preempted at 30 min and replaced; 4 steps of 10 samples."""
-    return [
-        RunStart(t=0.0, job="demo", unix_time=1.7e9, target_nodes=2, stages=2, pipelines=1),
-        Join(t=0.0, node="n0", zone="a"),
-        Join(t=0.0, node="n1", zone="b"),
-        Step(t=900.0, step=0, samples=10, loss=2.0, nodes_active=2, duration_s=900.0),
-        Preemption(t=1800.0, node="n1", zone="b", notice_s=2.0),
-        Failover(t=1801.0, victim="n1", shadow="n0", stage=1, pause_s=1.0),
-        Failover(t=1802.0, victim="n9", shadow="n0", stage=0, pause_s=3.0),
-        Failover(t=1803.0, victim="n8", shadow="n0", stage=0, pause_s=2.0),
-        Step(t=1800.0, step=1, samples=10, loss=1.5, nodes_active=2, duration_s=900.0),
-        Join(t=2700.0, node="n2", zone="c"),
-        Reconfiguration(
-            t=2701.0, reason="join", pipelines=1, stages=2, standby=0, bytes_moved=4096, duration_s=0.5
-        ),
-        Checkpoint(t=2702.0, step=1, path="/tmp/ck/step-1", bytes=100, duration_s=0.1),
-        Step(t=2700.0, step=2, samples=10, loss=1.0, nodes_active=1, duration_s=900.0),
-        Step(t=3600.0, step=3, samples=10, loss=0.5, nodes_active=2, duration_s=900.0),
-        RunEnd(t=3600.0, steps=4),
-    ]
-
-
-
-def test_report_numbers_by_hand() -> None:
+def test_report_numbers_by_hand(sample_run: Callable[[], list]) -> None:
     report = compute_report(sample_run())
     assert report.steps == 4 and report.samples == 40
     assert report.throughput == pytest.approx(40 / 3600)
@@ -71,7 +47,7 @@ def test_report_numbers_by_hand() -> None:
     assert report.checkpoints == 1 and report.final_loss == 0.5
 
 
-def test_report_with_measured_on_demand_reference() -> None:
+def test_report_with_measured_on_demand_reference(sample_run: Callable[[], list]) -> None:
     prices = Prices(spot=1.0, on_demand=4.0, on_demand_throughput=0.02, on_demand_nodes=2)
     report = compute_report(sample_run(), prices)
     assert report.cost_on_demand == pytest.approx(40 / 0.02 / 3600 * 2 * 4.0)
@@ -104,13 +80,13 @@ def test_report_errors(events: list, message: str) -> None:
         compute_report(events)
 
 
-def test_a_node_preempted_before_its_join_was_recorded_is_billed_nothing() -> None:
+def test_a_node_preempted_before_its_join_was_recorded_is_billed_nothing(sample_run: Callable[[], list]) -> None:
     events = [*sample_run(), Preemption(t=10.0, node="ghost", zone="a")]
     assert compute_report(events).node_hours == compute_report(sample_run()).node_hours
     assert compute_report(events).preemptions == compute_report(sample_run()).preemptions + 1
 
 
-def test_timeline_conserves_node_seconds_and_samples() -> None:
+def test_timeline_conserves_node_seconds_and_samples(sample_run: Callable[[], list]) -> None:
     timeline = compute_timeline(sample_run(), bins=8)
     width = 3600 / 8
     assert sum(timeline.nodes) * width == pytest.approx(1.75 * 3600)
@@ -119,7 +95,7 @@ def test_timeline_conserves_node_seconds_and_samples() -> None:
     assert all(math.isfinite(v) for v in timeline.value)
 
 
-def test_plot_writes_a_png(tmp_path: Path) -> None:
+def test_plot_writes_a_png(tmp_path: Path, sample_run: Callable[[], list]) -> None:
     out = plot_report(sample_run(), tmp_path / "report.png", bins=12)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 10_000
@@ -155,7 +131,7 @@ def test_timeline_conserves_random_runs(events: list, bins: int) -> None:
 
 
 def test_the_report_accounts_for_where_the_time_went() -> None:
-    from bamboo.launch.events import Failover, Reconfiguration, Restore, TimeAccount
+    from bamboo.launch.events import Restore, TimeAccount
 
     start = 1_700_000_000.0
     events = [

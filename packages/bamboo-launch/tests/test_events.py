@@ -4,19 +4,14 @@ several writers sharing one file."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from bamboo.launch.events import (
-    Checkpoint,
     EventLog,
     EventLogError,
-    Failover,
     Join,
-    Preemption,
-    Reconfiguration,
-    RunEnd,
-    RunStart,
     Step,
     event_from_dict,
     event_to_dict,
@@ -26,31 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-def sample_run() -> list:
-    """Two nodes for an hour, one preempted at 30 min and replaced; 4 steps of 10 samples."""
-    return [
-        RunStart(t=0.0, job="demo", unix_time=1.7e9, target_nodes=2, stages=2, pipelines=1),
-        Join(t=0.0, node="n0", zone="a"),
-        Join(t=0.0, node="n1", zone="b"),
-        Step(t=900.0, step=0, samples=10, loss=2.0, nodes_active=2, duration_s=900.0),
-        Preemption(t=1800.0, node="n1", zone="b", notice_s=2.0),
-        Failover(t=1801.0, victim="n1", shadow="n0", stage=1, pause_s=1.0),
-        Failover(t=1802.0, victim="n9", shadow="n0", stage=0, pause_s=3.0),
-        Failover(t=1803.0, victim="n8", shadow="n0", stage=0, pause_s=2.0),
-        Step(t=1800.0, step=1, samples=10, loss=1.5, nodes_active=2, duration_s=900.0),
-        Join(t=2700.0, node="n2", zone="c"),
-        Reconfiguration(
-            t=2701.0, reason="join", pipelines=1, stages=2, standby=0, bytes_moved=4096, duration_s=0.5
-        ),
-        Checkpoint(t=2702.0, step=1, path="/tmp/ck/step-1", bytes=100, duration_s=0.1),
-        Step(t=2700.0, step=2, samples=10, loss=1.0, nodes_active=1, duration_s=900.0),
-        Step(t=3600.0, step=3, samples=10, loss=0.5, nodes_active=2, duration_s=900.0),
-        RunEnd(t=3600.0, steps=4),
-    ]
-
-
-
-def test_round_trip_through_file(tmp_path: Path, fake_clock) -> None:
+def test_round_trip_through_file(tmp_path: Path, fake_clock, sample_run: Callable[[], list]) -> None:
     clock = fake_clock
     path = tmp_path / "events.jsonl"
     with EventLog(path, clock=clock) as log:

@@ -54,7 +54,7 @@ def test_minimum_over_rings_spreads_each_zone_evenly() -> None:
 
 
 def test_the_assignment_solver_is_imported_on_first_use_or_when_preloaded() -> None:
-    """scipy.optimize (0.4 CPU-s) is not imported with bamboo.reconfig, which every agent imports, but by the first
+    """scipy.optimize (about 1.3 CPU-s after torch) is not imported with bamboo.reconfig, which every agent imports, but by the first
     plan that needs it, or beforehand by ``preload_assignment``, which a worker calls while nothing waits on it (a
     measured reconfiguration had paid the import in its pause)."""
     import subprocess

@@ -76,7 +76,9 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
     reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
     assert reconfigurations, "no reconfiguration finished"
     first = reconfigurations[0]
-    assert first.attempts >= 2, reconfigurations  # generation 1 was abandoned and redone
+    # generation 1 was abandoned, then redone (a second attempt of it) or, when the old layout could still train
+    # (make before break), replaced by a layout decided anew
+    assert first.attempts >= 2 or first.generation > 1, reconfigurations
     assert first.pipelines == 2 and first.bytes_moved > 0, reconfigurations  # from the surviving copies
     assert not result.timed_out
     finishers = {report["node"] for report in result.reports.values()}

@@ -203,17 +203,42 @@ def _refill(
     return moved
 
 
+class _Streams:
+    """The nodes' streams for given positions (`_assemble`), remembered: a trial of `_refine` moves the items of one
+    node or a few, so the other nodes' streams are the ones of the placement it started from. At most
+    ``4 * nodes`` streams are kept (then forgotten all at once)."""
+
+    def __init__(self, plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]]) -> None:
+        self._plain, self._items = plain, items
+        self._known: dict[tuple[int, tuple[int, ...]], tuple[Instruction, ...]] = {}
+        self._limit = 4 * max(plain.stages, 1)
+
+    def __call__(self, positions: dict[int, list[int]]) -> dict[int, tuple[Instruction, ...]]:
+        streams: dict[int, tuple[Instruction, ...]] = {}
+        for n, mine in positions.items():
+            key = (n, tuple(mine))
+            stream = self._known.get(key)
+            if stream is None:
+                if len(self._known) >= self._limit:
+                    self._known.clear()
+                stream = self._known[key] = _assemble(self._plain, n, self._items[n], mine)
+            streams[n] = stream
+        return streams
+
+
 def _trial(
     plain: Schedule,
     items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
     positions: dict[int, list[int]],
     duration: StageTable,
+    assemble: _Streams | None = None,
 ) -> tuple[dict[int, float], dict[int, tuple[Instruction, ...]]]:
     """Run the items at ``positions`` (refilled in place, `_refill`): the nodes' ends and the streams."""
-    streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
+    assemble = assemble or _Streams(plain, items)
+    streams = assemble(positions)
     timeline = execute(streams, duration)
     if _refill(plain, items, positions, streams, timeline, duration):
-        streams = {n: _assemble(plain, n, items[n], positions[n]) for n in positions}
+        streams = assemble(positions)
         timeline = execute(streams, duration)
     return _ends(timeline), streams
 
@@ -248,7 +273,8 @@ def _refine(
     trials = _trials(plain, items)
     if trials < REFINE_MIN_TRIALS:
         return positions
-    ends, _streams = _trial(plain, items, positions, duration)
+    assemble = _Streams(plain, items)
+    ends, _streams = _trial(plain, items, positions, duration, assemble)
     best = _score(ends)
     candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
                             | {len(plain.streams[n])}) for n in positions}
@@ -259,7 +285,7 @@ def _refine(
         """Spend a trial on ``trial``'s positions; they replace ``positions`` where the iteration ends sooner."""
         nonlocal trials, best, ends, improved
         trials -= 1
-        trial_ends, _streams = _trial(plain, items, trial, duration)
+        trial_ends, _streams = _trial(plain, items, trial, duration, assemble)
         score = _score(trial_ends)
         if score < best:
             best, ends, improved = score, trial_ends, True

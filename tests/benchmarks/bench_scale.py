@@ -309,10 +309,18 @@ class Run:
                         "neighbours": self._neighbours(report.node), "reason": report.reason}
                 self.slow_confirmations.append(slow)
                 self.say(f"  slow confirmation: {slow}")
-        self.say("  kill -> first neighbour report {:.1f} ms -> confirmed {:.1f} ms -> first node saw it {:.1f} ms".format(
+        epochs: dict[int, tuple[float, int]] = {}  # each failure event: when a node first saw it, its victims
+        for e in self.hosts.select("failure_seen", since, generation=0):
+            if ranks & set(e["victims"]):
+                seen_at, count = epochs.get(e["epoch"], (math.inf, len(e["victims"])))
+                epochs[e["epoch"]] = (min(seen_at, e["t"]), count)
+        self.say("  kill -> first neighbour report {:.1f} ms -> confirmed {:.1f} ms -> first node saw it {:.1f} ms "
+                 "({})".format(
             1e3 * (min((e["t"] for e in suspects), default=math.nan) - first),
             1e3 * (max((r.detected_at for r in reports), default=math.nan) - offset - first),
-            1e3 * (min(when.values(), default=math.nan) - first)))
+            1e3 * (min(when.values(), default=math.nan) - first),
+            ", ".join(f"event {epoch}: {count} victim(s), first seen at {1e3 * (t - first):.1f} ms"
+                      for epoch, (t, count) in sorted(epochs.items()))))
         return first, {node: t for node, t in when.items() if node in receivers}
 
     def _neighbours(self, node: str) -> list[str]:

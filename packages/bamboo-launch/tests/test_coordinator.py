@@ -34,6 +34,7 @@ class FakeDetector:
     def __init__(self) -> None:
         self.sweeps: list[tuple[list[str], str]] = []
         self.confirm_on_sweep: list[str] = []
+        self.others_confirm_on_sweep: list[str] = []  # confirmed by other detectors while the sweep ran
         self.membership: MembershipStore | None = None
         self.following: list[int | None] = []  # the since_revision of each follow_membership
         self.listeners: list[Any] = []  # of the failures it confirms
@@ -66,6 +67,8 @@ class FakeDetector:
         assert self.membership is not None
         for node in self.confirm_on_sweep:  # the sweep found these dead too
             self.membership.report_failure(FailureReport(node=node, epoch=0, reason="swept"))
+        for node in self.others_confirm_on_sweep:
+            self.membership.report_failure(FailureReport(node=node, epoch=0, reason="probe refused"))
         return SweepResult(confirmed=tuple(sorted(self.confirm_on_sweep)),
                            alive=tuple(sorted(set(nodes) - set(self.confirm_on_sweep))))
 
@@ -198,6 +201,28 @@ def test_confirmed_failures_of_ranked_nodes_are_published_once_with_what_the_swe
     assert len(agent.detector.sweeps) == 1  # n1's pipeline holds only the coordinator itself: nothing to sweep
     assert sorted(e.node for e in events.written) == ["n1", "n2", "n3", "s4"]  # one preemption record each
     assert {e.zone for e in events.written if e.node == "s4"} == {"b"}
+
+
+def test_failures_confirmed_in_another_pipeline_during_the_sweep_go_into_the_same_event(
+    membership: MembershipStore,
+) -> None:
+    """Kills that land together are confirmed by several detectors milliseconds apart: one confirmed while the
+    coordinator swept the first victim's pipeline is published with it (one event, one failover), after its own
+    pipeline is swept too."""
+    spec = _spec(membership.keys.job)
+    coordinator, agent, _events = _coordinator(membership, "n0", "a", spec)
+    for node, zone in (("n1", "b"), ("n2", "c"), ("n3", "a")):
+        FakeAgent(membership, node, zone)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    assert membership.put_layout(layout.to_dict(), 0) is not None
+    ranks = layout.ranks
+    assert layout.owners == (("n0", "n1"), ("n3", "n2"))
+    membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
+    agent.detector.others_confirm_on_sweep = ["n1"]  # another detector confirms n1 (pipeline 0) during the sweep
+    coordinator.round()
+    assert published_events(membership, 0) == {1: FailureEvent(1, sorted([ranks["n3"], ranks["n1"]]))}
+    # pipeline 1 was swept for n3 (n2 alive); pipeline 0 holds only the coordinator besides n1: nothing to probe
+    assert agent.detector.sweeps == [(["n2"], "swept after a confirmed failure in the layout")]
 
 
 def test_a_new_coordinator_carries_on_without_publishing_twice(membership: MembershipStore) -> None:

@@ -433,21 +433,29 @@ class Coordinator:
 
     def _publish_events(self, layout: JobLayout,
                         reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
-        """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known."""
-        ranks = layout.ranks
+        """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known.
+
+        Before publishing, the pipelines of the pending victims are swept (`_sweep`) and the reports read again,
+        until no victim of an unswept pipeline is left: failures confirmed meanwhile (kills that landed together,
+        confirmed by other detectors a few milliseconds apart) go into the same event, so the runtime fails over
+        once, and etcd sends every node one event instead of several (at 1,000 nodes, each event's delivery to
+        every watcher took tens of milliseconds, and delayed the next round by as much)."""
+        ranks, stages = layout.ranks, layout.stages
+        swept_pipelines: set[int] = set()
         while True:
             published = published_events(self.membership, layout.generation)
             covered = {rank for event in published.values() for rank in event.victims}
-            pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
+            pending = _pending(ranks, reports, covered)
             if not pending:
                 return reports
-            swept = _sweep(layout, pending, reports, self.node)
-            if self.agent.detector is not None and swept:  # kills that landed together: confirm them first
-                found = self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
-                                                      prober=connect_probe)  # a connect: it only looks for the dead
-                if found.confirmed or found.already_failed or found.unknown:  # else nothing new to read back
-                    reports = self._failure_reports()
-                    pending = sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
+            while unswept := sorted({rank // stages for rank in pending} - swept_pipelines):
+                swept_pipelines.update(unswept)
+                swept = _sweep(layout, [rank for rank in pending if rank // stages in unswept], reports, self.node)
+                if self.agent.detector is not None and swept:  # kills that landed together: confirm them first
+                    self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
+                                                  prober=connect_probe)  # a connect: it only looks for the dead
+                reports = self._failure_reports()  # with what the sweep and the other detectors confirmed meanwhile
+                pending = _pending(ranks, reports, covered)
             epoch = max(published, default=0) + 1
             won, event = publish_failure_event(self.membership, layout.generation, FailureEvent(epoch, pending))
             if won:
@@ -455,6 +463,11 @@ class Coordinator:
                 victims = [layout.node_of_rank[rank] for rank in event.victims]
                 self.say(f"published the failure of {', '.join(victims)}: ranks {list(event.victims)} "
                          f"(generation {layout.generation}, runtime epoch {epoch})")
+
+
+def _pending(ranks: Mapping[str, int], reports: Mapping[str, FailureReport], covered: set[int]) -> list[int]:
+    """The ranks of the reported nodes that no published event names yet."""
+    return sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
 
 
 def _sweep(layout: JobLayout, pending: list[int], reports: dict[str, FailureReport], own: str) -> list[str]:

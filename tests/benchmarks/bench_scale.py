@@ -182,6 +182,7 @@ class Run:
             raise RuntimeError(f"the host processes did not start: {self.hosts.select('exited')}")
         directory = {node: port for e in self.hosts.select("prepared") for node, port in e["ports"].items()}
         self.t0 = time.monotonic()
+        self.cpu_at_go = self._cpu_s()
         self.hosts.send({"cmd": "go", "directory": directory, "t0": self.t0})
         result: dict[str, Any] = {"agents": n, "processes": len(groups), "agents_per_process": args.per_process,
                                   "stages": self.stages, "pipelines": self.pipelines, "step_s": args.step_s}
@@ -216,6 +217,7 @@ class Run:
         n = self.n
         self.hosts.wait(lambda: len(self._roles(0)) >= n or bool(self.hosts.select("exited")), self.args.deadline_s * 4)
         roles = self._roles(0)
+        etcd_cpu, hosts_cpu = (after - before for after, before in zip(self._cpu_s(), self.cpu_at_go, strict=True))
         first = min((e["t"] for e in self.hosts.select("registering")), default=math.nan)
         latencies = [t - first for t in roles.values()]
         self.lost += n - len(roles)
@@ -230,8 +232,14 @@ class Run:
                  f"{started:.2f} s after it")
         self.say(f"start-up: every node read the first layout ({self.layout_bytes} B) {startup['max']:.2f} s after "
                  f"the first registration (p50 {startup['p50']:.2f} s)")
+        self.say(f"start-up: etcd used {etcd_cpu:.2f} CPU-s, the host processes {hosts_cpu:.2f} CPU-s "
+                 f"({1e3 * hosts_cpu / n:.1f} ms per agent), from the go to the last node's first role")
         return {"startup_p50_s": startup["p50"], "startup_p99_s": startup["p99"], "startup_max_s": startup["max"],
-                "layout_bytes": self.layout_bytes}
+                "layout_bytes": self.layout_bytes, "startup_etcd_cpu_s": etcd_cpu, "startup_hosts_cpu_s": hosts_cpu}
+
+    def _cpu_s(self) -> tuple[float, float]:
+        """CPU seconds used so far by etcd and by the host processes together."""
+        return process_cpu_s(self.etcd.pid), sum(process_cpu_s(proc.pid) for proc in self.hosts.procs)
 
     def _steady(self) -> dict[str, Any]:
         window = self.args.steady_s

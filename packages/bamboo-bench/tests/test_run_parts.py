@@ -180,6 +180,35 @@ def test_a_worker_exception_is_in_the_launchers_error(tmp_path, capsys: pytest.C
         in out
 
 
+def test_workers_that_ended_on_a_lost_peer_are_not_listed_as_errors(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under ``none`` a worker whose peer dies ends with a PeerFailure, and the job restores: in a run that finished,
+    those ends are listed apart, one short line each, and are not the workers' errors."""
+    import argparse
+    import json
+
+    from bamboo.bench.emulated.cli.run import finish_run
+    from bamboo.bench.emulated.run import RunResult
+    from bamboo.launch.events import EventLog, RunStart, Step
+
+    events = tmp_path / "events.jsonl"
+    with EventLog(events) as log:
+        log.write(RunStart(t=0.0, job="j", unix_time=1.0, target_nodes=2, stages=2, pipelines=1))
+        log.write(Step(t=1.0, step=1, samples=4, loss=1.0, nodes_active=2, duration_s=0.5))
+    peer = ("PeerFailure: peer stage 1 pipeline 0 (rank 1) failed during 0SA1>1: [gloo/transport/tcp/pair.cc:537] "
+            "Read error [127.0.0.1]:14728: Connection reset by peer.")
+    result = RunResult(run_dir=tmp_path, events=events, reports={}, failed_ranks=(1,), failed_nodes=(),
+                       node_of_rank={}, exit_codes={"node0": 0}, timed_out=False, seconds=1.0, job_error=None,
+                       worker_errors=(("node6", peer),))
+    assert finish_run(argparse.Namespace(plot=None, json=False), None, result, None) == 0
+    out = capsys.readouterr().out
+    assert "worker errors" not in out
+    assert "ended on a lost peer node6: peer stage 1 pipeline 0 (rank 1) failed during 0SA1>1\n" in out
+    assert finish_run(argparse.Namespace(plot=None, json=True), None, result, None) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "worker_errors" not in printed and printed["ended_on_a_lost_peer"] == [
+        "node6: peer stage 1 pipeline 0 (rank 1) failed during 0SA1>1"]
+
+
 def test_bamboo_bench_declares_run_market_and_report_to_bamboo_launch() -> None:
     """bamboo-launch finds ``run``, ``market`` and ``report`` through bamboo-bench's entry points (it never imports
     them)."""

@@ -27,6 +27,8 @@ from rich.console import Console
 __all__ = ["VERIFY_TOLERANCE", "add_parser", "finish_run", "run_command"]
 
 VERIFY_TOLERANCE = 1e-6
+_LOST_PEER = "PeerFailure:"
+"""How a worker's error record starts when the worker ended because a peer died (``bamboo.rc.PeerFailure``)."""
 """``--verify`` fails above this relative difference from the fault-free single-process run."""
 
 
@@ -193,15 +195,21 @@ def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
     if result.consecutive:
         extra["consecutive_failure"] = result.consecutive
     logs = result.run_dir / "logs"
+    # A worker that ends because a peer died (PeerFailure: no failover for it, as under --redundancy none) is the
+    # expected end of that worker, which the job recovers from; only the other exceptions are the workers' errors.
+    raised = [(node, line) for node, line in result.worker_errors if not line.startswith(_LOST_PEER)]
+    lost_peers = [(node, line) for node, line in result.worker_errors if line.startswith(_LOST_PEER)]
     if result.job_error:
         extra["job_error"] = result.job_error
         if result.worker_errors:  # the cause is most often the first worker's exception, not the lost copies
-            node, line = result.worker_errors[0]
+            node, line = (raised or lost_peers)[0]
             extra["job_error"] += f" (the first worker error: node {node}: {line})"
         status = 1
-    if result.worker_errors:
-        extra["worker_errors"] = [f"{node}: {line} (log {logs / (node.split('.')[0] + '.log')})"
-                                  for node, line in result.worker_errors]
+    if raised:
+        extra["worker_errors"] = [f"{node}: {line} (log {logs / (node.split('.')[0] + '.log')})" for node, line in raised]
+    if lost_peers:  # one line each: the gloo detail that follows is in the log
+        extra["ended_on_a_lost_peer"] = [f"{node}: {line.removeprefix(_LOST_PEER).strip().split(': [', 1)[0]}"
+                                         for node, line in lost_peers]
     errors = {node: code for node, code in result.exit_codes.items() if code is not None and code > 0}
     if errors:  # a worker's error, a lost lease, a script that never called train_worker (killed nodes are < 0)
         extra["node_errors"] = {node: f"status {code}, log {logs / (node + '.log')}"
@@ -224,7 +232,7 @@ def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
     else:
         print(format_report(report))
         for key, value in extra.items():
-            rows = value if key == "worker_errors" else [value]  # one line per worker error
+            rows = value if key in ("worker_errors", "ended_on_a_lost_peer") else [value]  # one line per worker
             print(f"  {key.replace('_', ' '):<16} {rows[0]}")
             for row in rows[1:]:
                 print(f"  {'':<16} {row}")

@@ -174,17 +174,24 @@ def test_a_round_after_no_membership_change_derives_nothing_again_and_a_change_i
     assert coordinator.round() and dict(coordinator.registered_zones()) == {"n0": "a"}
 
 
-def test_confirmed_failures_of_ranked_nodes_are_published_once_with_what_the_sweep_finds(
-    membership: MembershipStore,
-) -> None:
+def _two_pipelines(membership: MembershipStore, standby: tuple[str, str] | None = None,
+                   ) -> tuple[Coordinator, FakeAgent, Events, dict[str, int]]:
+    """The coordinator n0 of a first layout of two pipelines, (n0, n1) and (n3, n2), and ``standby`` (node, zone)
+    registered too: the coordinator, its agent, its events and the layout's ranks."""
     spec = _spec(membership.keys.job)
     coordinator, agent, events = _coordinator(membership, "n0", "a", spec)
-    for node, zone in (("n1", "b"), ("n2", "c"), ("n3", "a"), ("s4", "b")):
+    for node, zone in (("n1", "b"), ("n2", "c"), ("n3", "a"), *([standby] if standby else [])):
         FakeAgent(membership, node, zone)
     layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
     assert membership.put_layout(layout.to_dict(), 0) is not None
-    ranks = layout.ranks
     assert layout.owners == (("n0", "n1"), ("n3", "n2"))
+    return coordinator, agent, events, dict(layout.ranks)
+
+
+def test_confirmed_failures_of_ranked_nodes_are_published_once_with_what_the_sweep_finds(
+    membership: MembershipStore,
+) -> None:
+    coordinator, agent, events, ranks = _two_pipelines(membership, standby=("s4", "b"))
     membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
     agent.detector.confirm_on_sweep = ["n2"]  # killed at the same instant: found by the sweep
     coordinator.round()
@@ -209,14 +216,7 @@ def test_failures_confirmed_in_another_pipeline_during_the_sweep_go_into_the_sam
     """Kills that land together are confirmed by several detectors milliseconds apart: one confirmed while the
     coordinator swept the first victim's pipeline is published with it (one event, one failover), after its own
     pipeline is swept too."""
-    spec = _spec(membership.keys.job)
-    coordinator, agent, _events = _coordinator(membership, "n0", "a", spec)
-    for node, zone in (("n1", "b"), ("n2", "c"), ("n3", "a")):
-        FakeAgent(membership, node, zone)
-    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
-    assert membership.put_layout(layout.to_dict(), 0) is not None
-    ranks = layout.ranks
-    assert layout.owners == (("n0", "n1"), ("n3", "n2"))
+    coordinator, agent, _events, ranks = _two_pipelines(membership)
     membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
     agent.detector.others_confirm_on_sweep = ["n1"]  # another detector confirms n1 (pipeline 0) during the sweep
     coordinator.round()

@@ -196,6 +196,26 @@ def test_save_does_not_block_and_snapshots_the_state(tmp_path: Path) -> None:
     assert load_latest_good(tmp_path).step == 4
 
 
+def test_a_cloned_state_is_taken_as_it_is_and_prepared_in_the_writer_thread(tmp_path: Path) -> None:
+    """``cloned=True`` takes the caller's private copy without cloning it again; ``prepare`` turns each snapshot
+    into what is written (the launcher serialises a slice's state there), in the writer thread."""
+    prepared_in: list[str] = []
+
+    def prepare(snapshot: dict[str, Any]) -> dict[str, Any]:
+        prepared_in.append(threading.current_thread().name)
+        return {**snapshot, "scaled": snapshot["model"]["w"] * 2}
+
+    state = state_at(1)
+    with AsyncCheckpointer(tmp_path, prepare=prepare) as checkpointer:
+        checkpointer.save(1, state, cloned=True)
+        checkpointer.wait(30)
+        assert checkpointer.errors == []
+    assert len(prepared_in) == 1 and prepared_in[0].startswith("bamboo-checkpoint-"), prepared_in
+    loaded = load_checkpoint(tmp_path / "step-000000001").state
+    assert torch.equal(loaded["scaled"], state["model"]["w"] * 2)
+    assert_state_equal({k: v for k, v in loaded.items() if k != "scaled"}, state_at(1))
+
+
 def test_keeps_only_the_newest_of_its_own_shard(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, 0, {"other": torch.zeros(1)}, "other")
     with AsyncCheckpointer(tmp_path, every_steps=1, keep=2) as checkpointer:

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from bamboo.launch.hooks import TrainingHooks, run_step_hooks
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from bamboo.rc.checkpoint_async import AsyncCheckpointer
     from bamboo.rc.checkpoint_files import CheckpointInfo
     from bamboo.reconfig import JobLayout
-    from torch import Tensor
 
 __all__ = ["Ending", "WorkerState", "checkpoint", "failover_records", "pipeline_batches", "reports_the_job",
            "train_generation"]
@@ -248,8 +247,8 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
     def may_commit(step: int, shard: str) -> None:  # raises (the shard is not committed) once fenced
         run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
 
-    def shard(stage: int) -> dict[str, Tensor]:
-        return {"state": torch.frombuffer(bytearray(executor.slices[stage].state_bytes()), dtype=torch.uint8),
+    def shard(stage: int) -> dict[str, object]:  # on the training thread a clone only: serialised in the writer's
+        return {"state": executor.slices[stage].snapshot(),
                 "layers": torch.tensor(list(executor.slices[stage].indices), dtype=torch.int64),
                 "history": torch.tensor([list(item) for item in layout.history], dtype=torch.int64)}
 
@@ -257,8 +256,15 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
         if stage not in checkpointers:
             checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=stage_shard(stage),
                                                      every_steps=spec.checkpoint_every, on_commit=committed,
-                                                     before_commit=may_commit)
-        if final and executor.step % spec.checkpoint_every:
-            checkpointers[stage].save(executor.step, shard(stage))
-        else:
-            checkpointers[stage].maybe_save(executor.step, lambda stage=stage: shard(stage))
+                                                     before_commit=may_commit, prepare=_serialised_state)
+        if final or executor.step % spec.checkpoint_every == 0:
+            checkpointers[stage].save(executor.step, shard(stage), cloned=True)
+
+
+def _serialised_state(shard: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint shard whose ``state`` (a slice's ``snapshot()``) is serialised as the shard format stores it
+    (the bytes of ``state_bytes()``, a uint8 tensor); run in the checkpoint's writer thread."""
+    import torch
+    from bamboo.rc.state import snapshot_bytes
+
+    return {**shard, "state": torch.frombuffer(bytearray(snapshot_bytes(shard["state"])), dtype=torch.uint8)}

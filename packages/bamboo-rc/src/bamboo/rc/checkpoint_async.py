@@ -67,6 +67,9 @@ class AsyncCheckpointer:
         writer_niceness: the writer thread's Linux nice increment (0 to 19; default 10), so that
             serialising and hashing yield the CPU to training on small machines. Ignored where
             per-thread priorities are not available.
+        prepare: called in the writer thread on each snapshot before it is written, returning what is
+            written: work that need not hold up training (serialising a cloned state into the shard's
+            format) moves there.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class AsyncCheckpointer:
         writer: Callable[..., CheckpointInfo] = write_checkpoint,
         writer_niceness: int = 10,
         before_commit: Callable[[int, str], None] | None = None,
+        prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         if not isinstance(writer_niceness, int) or not 0 <= writer_niceness <= 19:
             raise ValueError(f"writer_niceness must be an integer in [0, 19], got {writer_niceness!r}")
@@ -97,6 +101,7 @@ class AsyncCheckpointer:
         self._on_commit = on_commit
         self._writer = writer
         self._before_commit = before_commit
+        self._prepare = prepare
         self._cond = threading.Condition()
         self._pending: tuple[int, dict[str, Any]] | None = None
         self._busy = False
@@ -121,10 +126,12 @@ class AsyncCheckpointer:
         self.save(step, state() if callable(state) else state)
         return True
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Snapshot ``state`` now and hand it to the writer thread; returns without disk I/O."""
+    def save(self, step: int, state: Mapping[str, Any], *, cloned: bool = False) -> None:
+        """Snapshot ``state`` now and hand it to the writer thread; returns without disk I/O. ``cloned``: its
+        tensors are already private copies that training will not change (a slice's ``snapshot()``), taken as
+        they are."""
         step_dir_name(step)  # validate now, in the caller, not later in the thread
-        snapshot = snapshot_state(dict(state))
+        snapshot = dict(state) if cloned else snapshot_state(dict(state))
         with self._cond:
             if self._closed:
                 raise RuntimeError("checkpointer is closed")
@@ -179,6 +186,8 @@ class AsyncCheckpointer:
                 self._pending = None
                 self._busy = True
             try:
+                if self._prepare is not None:
+                    snapshot = self._prepare(snapshot)
                 if self._before_commit is None:
                     info = self._writer(self.directory, step, snapshot, self.shard)
                 else:

@@ -80,9 +80,11 @@ class CopyService:
         self._thread = threading.Thread(target=self._loop, name="bamboo-copies", daemon=True)
         self._thread.start()
 
-    def take(self, executor: StageExecutor, layout: JobLayout, *, sends: bool) -> None:
+    def take(self, executor: StageExecutor, layout: JobLayout, *, sends: bool,
+             clones: dict[int, dict[str, object]] | None = None) -> None:
         """Clone every stage ``executor`` holds at its current step (on the training thread); with ``sends``,
-        the ones it hosts go to keepers too."""
+        the ones it hosts go to keepers too. ``clones``: stages already cloned at this step (by the checkpoint),
+        reused instead of cloned again."""
         executor.apply_replica_updates()
         step, dead = executor.step, set(executor.dead)
         line = lineage(layout.history, step)
@@ -92,8 +94,9 @@ class CopyService:
             keepers_from = None
             if sends and stage in executor.hosted:
                 keepers_from = (tuple(holders_of(layout, stage, dead)), tuple(layout.ranks))
-            pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop), piece.snapshot(), line,
-                               keepers_from)
+            clone = (clones or {}).get(stage)
+            pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop),
+                               piece.snapshot() if clone is None else clone, line, keepers_from)
             with self._wake:
                 self._pending[stage] = pending  # an older clone still waiting is replaced
                 self._wake.notify()

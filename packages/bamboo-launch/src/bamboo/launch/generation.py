@@ -156,11 +156,16 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
         log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
                        nodes_active=spec.stages * layout.pipelines - len(executor.dead),
                        duration_s=duration, generation=layout.generation))
+    clones: dict[int, dict[str, object]] = {}  # stage -> its state cloned at this step, for whoever needs it next
+    copies = run.copies is not None and executor.step % spec.memory_copy_every == 0
+    if copies:  # before any clone: the checkpoint's clones are then those the copies would take
+        executor.apply_replica_updates()
     if spec.checkpoint_dir is not None and reports_the_job(executor):
         finishing = stop is not None and stop.finish and executor.step >= stop.step
-        checkpoint(run, layout, executor, state.checkpointers, torch, final=executor.step >= spec.steps or finishing)
-    if run.copies is not None and executor.step % spec.memory_copy_every == 0:
-        run.copies.take(executor, layout, sends=reports_the_job(executor))
+        checkpoint(run, layout, executor, state.checkpointers, torch, final=executor.step >= spec.steps or finishing,
+                   clones=clones)
+    if copies and run.copies is not None:
+        run.copies.take(executor, layout, sends=reports_the_job(executor), clones=clones)
     if hooks is not None:
         run_step_hooks(engine, hooks)
     return len(executor.failovers)
@@ -225,14 +230,15 @@ def reports_the_job(executor: StageExecutor) -> bool:
 
 def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
                checkpointers: dict[int, AsyncCheckpointer], torch: ModuleType, *,
-               final: bool = False) -> None:
+               final: bool = False, clones: dict[int, dict[str, object]] | None = None) -> None:
     """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
     ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
 
     A shard holds the stage's state (parameters, optimizer, scheduler, step), the global indices of its
     layers (``layers``) and the run's ``history`` so far (the pipelines of each generation), which is what
     ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
-    succeeded: a node declared dead writes no checkpoint.
+    succeeded: a node declared dead writes no checkpoint. The state is only cloned here (serialised in the writer
+    thread); each clone taken goes into ``clones`` too, so that an in-memory copy at the same step reuses it.
     """
     from bamboo.launch.events import Checkpoint
     from bamboo.rc.checkpoint_async import AsyncCheckpointer
@@ -248,7 +254,10 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
         run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
 
     def shard(stage: int) -> dict[str, object]:  # on the training thread a clone only: serialised in the writer's
-        return {"state": executor.slices[stage].snapshot(),
+        clone = executor.slices[stage].snapshot()
+        if clones is not None:
+            clones[stage] = clone
+        return {"state": clone,
                 "layers": torch.tensor(list(executor.slices[stage].indices), dtype=torch.int64),
                 "history": torch.tensor([list(item) for item in layout.history], dtype=torch.int64)}
 

@@ -93,3 +93,21 @@ def test_spare_buffers_hold_at_most_per_key_spares() -> None:
     assert spares.held("s") == SpareBuffers.PER_KEY
     taken = {id(spares.take("s", 3)) for _ in range(SpareBuffers.PER_KEY)}
     assert taken == {id(buffer) for buffer in given[: SpareBuffers.PER_KEY]}
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_snapshot_is_a_private_copy_whose_bytes_restore_the_state(device: str | None) -> None:
+    """``snapshot()`` (onto ``device`` when given) copies every tensor: training that goes on does not change it, and
+    its bytes (``snapshot_bytes``) are those of ``state_bytes()`` at the snapshot's step."""
+    piece = _slice()
+    before = piece.state_bytes()
+    taken = piece.snapshot(device=device)
+    for parameter in piece.layers.parameters():
+        with torch.no_grad():
+            parameter.add_(1.0)  # training goes on
+    other = _slice()
+    other.load_state_bytes(state.snapshot_bytes(taken))
+    reference = _slice()
+    reference.load_state_bytes(before)
+    for mine, theirs in zip(other.layers.parameters(), reference.layers.parameters(), strict=True):
+        assert torch.equal(mine, theirs)

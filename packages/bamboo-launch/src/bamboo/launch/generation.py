@@ -254,7 +254,7 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
         run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
 
     def shard(stage: int) -> dict[str, object]:  # on the training thread a clone only: serialised in the writer's
-        clone = executor.slices[stage].snapshot()
+        clone = executor.slices[stage].snapshot(device="cpu")  # in host memory: a pending checkpoint takes no accelerator memory
         if clones is not None:
             clones[stage] = clone
         return {"state": clone,

@@ -247,10 +247,11 @@ class TrainableSlice:
         """Parameters, optimizer, scheduler, step counter and loss scale, serialised (torch.save)."""
         return snapshot_bytes(self._state())
 
-    def snapshot(self) -> dict[str, Any]:
-        """What :meth:`state_bytes` serialises, with every tensor cloned: a memory copy, cheap to take at a step
-        boundary; :func:`snapshot_bytes` serialises it later, in any thread."""
-        return _cloned(self._state())
+    def snapshot(self, device: str | None = None) -> dict[str, Any]:
+        """What :meth:`state_bytes` serialises, with every tensor cloned (onto ``device``, e.g. ``"cpu"``, when given:
+        a copy that takes no accelerator memory): a memory copy, cheap to take at a step boundary;
+        :func:`snapshot_bytes` serialises it later, in any thread."""
+        return _cloned(self._state(), device)
 
     def load_state_bytes(self, data: bytes) -> None:
         state = torch.load(io.BytesIO(data), weights_only=False, map_location=self.device)
@@ -270,11 +271,11 @@ def snapshot_bytes(state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _cloned(value: Any) -> Any:
+def _cloned(value: Any, device: str | None = None) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().clone() if device is None else value.detach().to(device, copy=True)
     if isinstance(value, dict):
-        return {key: _cloned(item) for key, item in value.items()}
+        return {key: _cloned(item, device) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(item) for item in value)
+        return type(value)(_cloned(item, device) for item in value)
     return value

@@ -24,7 +24,7 @@
 # first failover and its rebuild are over before the second kill, and there is no consecutive pair any more.
 # How many of them a run shows varies: the 500 steps can end before the last kills, and a kill that lands while
 # a reconfiguration starts makes it start again without that node (its record says attempts 2) instead of
-# failing over (4 failovers in the run timed below).
+# failing over.
 # Then the parameters are checked against a fault-free single-process run of the same steps (--verify: within 1e-6
 # relative). --timeout 420 ends a run that hangs after 7 minutes.
 #
@@ -35,10 +35,8 @@
 # kills and one addition), prints the table (throughput, node-hours, cost, value, steps redone, time lost,
 # ratios) and the simulator's prediction of each run from the profile that run measured, side by side with the
 # error; then the same measured profiles at full scale on the EC2 p3 trace, uncompressed. Part 3 is the
-# simulator alone with the paper's GPT-2 constants on that trace. Measured under the heavy-run lock: `make demo`
-# took 317 s, part 2 about 3 minutes of it; its comparison gave bamboo 4.16x checkpoint/restart's throughput,
-# value 1.96x on-demand's, and the simulator within -0.7%/-2.2% (bamboo), -8.7%/-8.8% (checkpoint/restart)
-# and +0.1%/-0.1% (on-demand) of the measured throughput/value.
+# simulator alone with the paper's GPT-2 constants on that trace. The latest figures of parts 1 and 2 are in
+# docs/benchmarks.md (`demo` and `compare`), with the commands that print them; `make demo` takes about 5 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu PYTHONWARNINGS=ignore

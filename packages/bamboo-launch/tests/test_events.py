@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 from bamboo.launch.events import (
+    EtcdEventFollower,
     EventLog,
     EventLogError,
     Join,
     Step,
     event_from_dict,
     event_to_dict,
+    events_prefix,
     read_events,
 )
+from bamboo.membership import EventKind, KeyValue, WatchEvent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,3 +111,60 @@ def test_concurrent_writers_interleave_whole_records(tmp_path: Path) -> None:
         mine = [e for e in events if isinstance(e, Step) and e.samples == samples]
         assert [e.step for e in mine] == list(range(300))
         assert [e.t for e in mine] == sorted(e.t for e in mine)  # one shared clock origin
+
+
+class _LaggingWatchKV:
+    """A key-value store whose watch delivers a put only when the test calls :meth:`deliver`: etcd's watch lags
+    behind its reads."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, bytes] = {}
+        self.undelivered: list[WatchEvent] = []
+        self.callback: Callable[[WatchEvent], None] | None = None
+
+    def put(self, key: str, value: bytes) -> None:
+        self.items[key] = value
+        self.undelivered.append(WatchEvent(EventKind.PUT, key, value, revision=len(self.items)))
+
+    def deliver(self) -> None:
+        assert self.callback is not None
+        for event in self.undelivered:
+            self.callback(event)
+        self.undelivered.clear()
+
+    def revision(self) -> int:
+        return len(self.items)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        return [KeyValue(key, value, 1, 1) for key, value in sorted(self.items.items()) if key.startswith(prefix)]
+
+    def watch_prefix(self, prefix: str, callback: Callable[[WatchEvent], None], *,
+                     start_revision: int | None = None) -> _LaggingWatchKV:
+        self.undelivered.clear()  # what the first read returned
+        self.callback = callback
+        return self
+
+    def cancel(self) -> None:
+        self.callback = None
+
+
+def _put_step(kv: _LaggingWatchKV, writer: str, step: int) -> None:
+    record = Step(t=float(step), step=step, samples=1, loss=1.0, nodes_active=1, duration_s=0.1)
+    kv.put(f"{events_prefix('job')}{writer}/{step:08d}", json.dumps(event_to_dict(record)).encode())
+
+
+def test_the_final_poll_reads_the_records_the_watch_has_not_delivered_and_none_twice() -> None:
+    kv = _LaggingWatchKV()
+    _put_step(kv, "node0", 1)
+    follower = EtcdEventFollower(kv, "job")  # type: ignore[arg-type]
+    assert [e.step for e in follower.poll()] == [1]
+    _put_step(kv, "node0", 2)
+    _put_step(kv, "node1", 3)
+    assert follower.poll() == []  # still in the watch
+    assert [e.step for e in follower.poll(final=True)] == [2, 3]
+    kv.deliver()  # the watch catches up late: nothing comes twice
+    assert follower.poll(final=True) == []
+    _put_step(kv, "node1", 4)
+    kv.deliver()
+    assert [e.step for e in follower.poll()] == [4]
+    follower.close()

@@ -354,7 +354,7 @@ class EtcdEventFollower:
         self._error: EventLogError | None = None
 
     def _on_event(self, event: WatchEvent) -> None:
-        if getattr(event.kind, "value", event.kind) != "put" or event.key in self._seen:
+        if getattr(event.kind, "value", event.kind) != "put":
             return
         try:
             record = _parse_etcd_record(event.key, event.value)
@@ -362,21 +362,32 @@ class EtcdEventFollower:
             with self._lock:
                 self._error = error
             return
-        with self._lock:
-            self._seen.add(event.key)
-            self._pending.append(record)
+        with self._lock:  # a final read (poll(final=True)) may have delivered it already
+            if event.key not in self._seen:
+                self._seen.add(event.key)
+                self._pending.append(record)
 
-    def poll(self) -> list[Event]:
-        """The records added since the last call."""
+    def _read_unseen(self) -> None:
+        """Queue every record in etcd that neither this read nor the watch has delivered yet, in ``t`` order."""
+        items = self._kv.get_prefix(events_prefix(self.job))
+        with self._lock:
+            unseen = [(i.key, i.value) for i in items if i.key not in self._seen]
+        records = sorted(((_parse_etcd_record(key, value), key) for key, value in unseen),
+                         key=lambda pair: (pair[0].t, pair[1]))
+        with self._lock:
+            fresh = [(record, key) for record, key in records if key not in self._seen]
+            self._seen.update(key for _, key in fresh)
+            self._pending.extend(record for record, _ in fresh)
+
+    def poll(self, *, final: bool = False) -> list[Event]:
+        """The records added since the last call. ``final``: the last call, once every writer has closed its
+        log: the records still on their way through the watch are read from etcd itself, so none is missed."""
         if self._watch is None:
             revision = self._kv.revision()
-            items = self._kv.get_prefix(events_prefix(self.job))
-            records = sorted(((_parse_etcd_record(i.key, i.value), i.key) for i in items),
-                             key=lambda pair: (pair[0].t, pair[1]))
-            with self._lock:
-                self._seen.update(key for _, key in records)
-                self._pending[:0] = [record for record, _ in records]
+            self._read_unseen()
             self._watch = self._kv.watch_prefix(events_prefix(self.job), self._on_event, start_revision=revision + 1)
+        elif final:
+            self._read_unseen()
         with self._lock:
             if self._error is not None:
                 error, self._error = self._error, None

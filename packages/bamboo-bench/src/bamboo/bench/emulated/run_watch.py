@@ -39,10 +39,10 @@ class EventRecorder:
         self._thread = threading.Thread(target=self._run, name="bamboo-run-recorder", daemon=True)
         self._thread.start()
 
-    def _drain(self) -> None:
+    def _drain(self, *, final: bool = False) -> None:
         from bamboo.launch.events import Step
 
-        for event in self._follower.poll():
+        for event in self._follower.poll(final=final):
             self._log.write(event)
             if isinstance(event, Step):
                 self.last_step = max(self.last_step, event.step)
@@ -58,7 +58,7 @@ class EventRecorder:
         self._stop.set()
         self._thread.join(timeouts.THREAD_JOIN_S)
         try:
-            self._drain()
+            self._drain(final=True)  # the records still on their way through the watch are read from etcd
         except Exception as error:
             print(f"bamboo-launch: the last event records could not be read: {error}", file=sys.stderr)
         self._follower.close()

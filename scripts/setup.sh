@@ -26,11 +26,16 @@ else
   export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
   echo "setup: pip, setuptools, wheel"
   "$PY" -m pip install -q --upgrade pip setuptools wheel
+  # pip byte-compiles what it installs on one core; here it installs without (--no-compile) and the sources are
+  # compiled on every core: torch's in the background while pip installs the rest, the rest at the end. The
+  # bytecode matters: where PYTHONDONTWRITEBYTECODE is set, a module without it is compiled again in every process.
+  SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "setup: torch==2.13.0 (CPU wheel)"
-  "$PY" -m pip install -q 'torch==2.13.0'
+  "$PY" -m pip install -q --no-compile 'torch==2.13.0'
+  nice "$PY" -m compileall -q -j 0 "$SITE/torch" > /dev/null 2>&1 & torch_compile=$!
   if ! "$PY" -c 'import importlib.metadata as m; assert m.version("deepspeed") == "0.19.8"' 2>/dev/null; then
     echo "setup: deepspeed==0.19.8 (builds from the sdist, about 30 s)"
-    "$PY" -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
+    "$PY" -m pip install -q --no-compile --no-build-isolation 'deepspeed==0.19.8'
   fi
   echo "setup: the six bamboo packages, editable, with dev extras"
   args=()
@@ -38,12 +43,15 @@ else
   args+=(-e "packages/bamboo-bench[dev,measured,emulated,value]")  # bamboo-bench's layers above bamboo-launch
   # setuptools' deprecation notices about our pyproject files flood the terminal: keep them in a log,
   # shown only when the install fails.
-  if ! "$PY" -m pip install -q --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \
+  if ! "$PY" -m pip install -q --no-compile --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \
       > "$VENV/setup-packages.log" 2>&1; then
     cat "$VENV/setup-packages.log" >&2
     echo "setup: installing the packages failed (log: $VENV/setup-packages.log)" >&2
     exit 1
   fi
+  echo "setup: byte-compiling the installed packages"
+  wait "$torch_compile" || true  # a file that does not compile is compiled (and fails) where it is imported
+  "$PY" -m compileall -q -j 0 -x '/torch/' "$SITE" > /dev/null 2>&1 || true
   echo "$want" > "$STAMP"
 fi
 

@@ -1,4 +1,4 @@
-"""``bamboo-bench compare`` end to end: a small comparison (4 nodes, P=2, D=2, 6 s after each first step, a
+"""``bamboo-bench compare`` end to end: a small comparison (4 nodes, P=2, D=2, 4 s after each first step, a
 scripted kill 2 s in) runs bamboo, checkpoint/restart and on-demand through ``bamboo-bench measure``, and
 prints one JSON record per system; each run's measured profile loads, and ``bamboo-bench simulate`` with it on
 the run's simulated trace gives the prediction that compare printed (the profile round trip).
@@ -37,7 +37,7 @@ def test_small_compare_records_and_profile_round_trip(tmp_path: Path, capsys: py
                      + "2,remove,node3,b\n")
     out = tmp_path / "compare"
     result = _bench("compare", "--preemptions", str(trace), "--time-scale", "1", "--nodes", "4", "--stages", "2",
-                    "--pipelines", "2", "--duration", "6", "--layers", "2", "--json", "--out", str(out),
+                    "--pipelines", "2", "--duration", "4", "--layers", "2", "--json", "--out", str(out),
                     "--plot", str(tmp_path / "compare.png"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads(result.stdout)

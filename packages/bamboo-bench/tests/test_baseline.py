@@ -98,7 +98,7 @@ def test_torchrun_command_is_an_elastic_agent_on_the_launchers_store() -> None:
     assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "127.0.0.1:4321"
     conf = dict(item.split("=") for item in flags["--rdzv-conf"].split(","))
     assert conf["is_host"] == "0" and conf["last_call_timeout"] == "1"
-    assert conf["keep_alive_interval"] == "1" and conf["keep_alive_max_attempt"] == "2"
+    assert conf["keep_alive_interval"] == "1" and conf["keep_alive_max_attempt"] == "5"
     assert flags["--max-restarts"] == "1000" and flags["--monitor-interval"] == "0.1"
     assert command[-2:] == ["-m", "bamboo.bench.measured.baseline_worker"]
     waits = torchrun_command(CheckpointRestartOptions(nodes=4, stages=2, pipelines=2, min_pipelines=2), "j", 1, 4)

@@ -55,3 +55,25 @@ def test_the_watch_notes_each_node_once_at_its_first_sighting() -> None:
     store.values[state_key("job-1")] = _stored([11, 12, 13])
     watch.poll()
     assert watch.registered() == {"node0": 100.0, "node1": 105.0, "node2": 110.0}
+
+
+def test_a_live_agent_missing_from_the_rendezvous_for_long_is_reported_dropped_and_no_other() -> None:
+    store, now = _Store(), [100.0]
+    live = {"node0": 11, "node1": 12, "node2": 13}
+    watch = RendezvousWatch(store, lambda: "job", lambda: dict(live), clock=lambda: now[0], dropped_after_s=3.0)
+    store.values[state_key("job")] = _stored([11, 12, 13])
+    watch.poll()
+    store.values[state_key("job")] = _stored([13])  # node0 and node1 gone from it: a restart's exit, or dropped
+    now[0] = 101.0
+    watch.poll()
+    now[0] = 102.0
+    store.values[state_key("job")] = _stored([13], [12])  # node1 back within the limit: a restart, not a drop
+    watch.poll()
+    store.values[state_key("job")] = _stored([], [12])
+    live["node2"] = 23  # node2's agent was killed (its absence is no drop); 23 is its machine's next agent
+    now[0] = 104.5
+    watch.poll()
+    assert watch.dropped() == {"node0": 101.0}
+    now[0] = 110.0
+    watch.poll()
+    assert watch.dropped() == {"node0": 101.0}  # node2's new agent was never in it: still starting, not dropped

@@ -14,9 +14,11 @@ bamboo-launch's, in their ``timeouts`` modules, with the table in ``docs/failure
 from __future__ import annotations
 
 __all__ = [
+    "BASELINE_DROPPED_AGENT_S",
     "BASELINE_FINISH_GRACE_S",
     "BASELINE_IDLE_POLL_S",
     "BASELINE_MONITOR_INTERVAL_S",
+    "BASELINE_RDZV_KEEP_ALIVE_ATTEMPTS",
     "BASELINE_RDZV_KEEP_ALIVE_S",
     "BASELINE_RDZV_LAST_CALL_S",
     "BASELINE_RDZV_POLL_S",
@@ -87,7 +89,20 @@ BASELINE_RDZV_LAST_CALL_S = 1
 stays open once it has its minimum of nodes."""
 
 BASELINE_RDZV_KEEP_ALIVE_S = 1
-"""torchrun's ``keep_alive_interval`` (whole seconds; default 5); two missed beats drop a node."""
+"""torchrun's ``keep_alive_interval`` (whole seconds; default 5)."""
+
+BASELINE_RDZV_KEEP_ALIVE_ATTEMPTS = 5
+"""torchrun's ``keep_alive_max_attempt`` (default 3): a node whose heartbeat is older than this many intervals is
+dropped from the rendezvous, so a killed node holds up the survivors' restart that long. Fewer than 5 on the 2-core
+machine split the job: at a restart the agents' heartbeats were late by over 2 s (1 s x 2), a newcomer dropped
+every running agent from the round, torchrun never lets a dropped agent beat again, and the next nodes added
+formed a second job of their own instead of restarting the running one (which trained on undisturbed: a
+measured checkpoint/restart 15% faster than the simulator's, which restarts at every join)."""
+
+BASELINE_DROPPED_AGENT_S = 3.0
+"""A live torchrun agent seen in the rendezvous and missing from it this long was dropped by torchrun
+(:mod:`bamboo.bench.measured.rendezvous`); an agent leaves the state only for milliseconds when it restarts its
+workers."""
 
 BASELINE_RDZV_READ_TIMEOUT_S = 15
 """torchrun's c10d rendezvous ``read_timeout`` (whole seconds; default 60): how long an agent waits on the

@@ -10,6 +10,13 @@ each agent's process id) and notes the first time each node's agent appears in i
 wait list or with a heartbeat. :mod:`bamboo.bench.measured.measure` makes the delays the profile's
 ``instance_creation_s`` and counts a join's restart from the moment its agent entered.
 
+It also notes a live agent that torchrun **dropped** from the rendezvous: one seen in the state before, whose
+process still runs, absent from it for ``dropped_after_s``. torchrun drops a node whose heartbeat is late
+(``keep_alive_interval`` x ``keep_alive_max_attempt``) and never lets it beat again; when every running agent is
+dropped, the next node to arrive starts a second job of its own instead of restarting the running one, and the
+measured restarts are no longer torchrun's usual ones. The baseline reports such a run
+(:data:`bamboo.bench.timeouts.BASELINE_RDZV_KEEP_ALIVE_ATTEMPTS` is sized so that it does not happen).
+
 The state's layout is torch's (``torch.distributed.elastic.rendezvous.dynamic_rendezvous``, torch 2.13); a
 state this module cannot read is skipped, and the run then measures no such delays (the profile says so).
 """
@@ -52,16 +59,22 @@ def agent_pids(raw: bytes) -> set[int]:
 
 class RendezvousWatch:
     """Polls ``store`` every ``poll_s`` seconds for the state of the rendezvous ``rendezvous()`` names, and
-    notes, per node, the first wall time its agent (process id ``pids()[node]``) was in it (``registered``)."""
+    notes, per node, the first wall time its agent (process id ``pids()[node]``, the live agents) was in it
+    (``registered``), and when a live agent seen before left it for good (``dropped``, see the module docstring)."""
 
     def __init__(self, store: dist.Store, rendezvous: Callable[[], str], pids: Callable[[], Mapping[str, int]],
-                 poll_s: float = timeouts.BASELINE_RDZV_POLL_S, clock: Callable[[], float] = time.time) -> None:
+                 poll_s: float = timeouts.BASELINE_RDZV_POLL_S, clock: Callable[[], float] = time.time,
+                 dropped_after_s: float = timeouts.BASELINE_DROPPED_AGENT_S) -> None:
         self._store = store
         self._rendezvous = rendezvous
         self._pids = pids
         self._poll_s = poll_s
         self._clock = clock
+        self._dropped_after_s = dropped_after_s
         self._registered: dict[str, float] = {}
+        self._seen_pids: set[int] = set()
+        self._absent_since: dict[int, float] = {}
+        self._dropped: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="baseline-rendezvous-watch", daemon=True)
@@ -77,11 +90,23 @@ class RendezvousWatch:
             return
         now = self._clock()
         seen = agent_pids(raw)
-        by_pid = {pid: node for node, pid in self._pids().items()}
+        live = self._pids()
         with self._lock:
-            for pid in seen:
-                if pid in by_pid:
-                    self._registered.setdefault(by_pid[pid], now)
+            for node, pid in live.items():
+                if pid in seen:
+                    self._registered.setdefault(node, now)
+                    self._seen_pids.add(pid)
+                    self._absent_since.pop(pid, None)
+                elif pid in self._seen_pids and node not in self._dropped:  # an agent restarted later has a new pid
+                    since = self._absent_since.setdefault(pid, now)
+                    if now - since >= self._dropped_after_s:
+                        self._dropped[node] = since
+
+    def dropped(self) -> dict[str, float]:
+        """Node -> the wall time its live agent went missing from the rendezvous, for each one still missing
+        ``dropped_after_s`` later (a node is reported once)."""
+        with self._lock:
+            return dict(self._dropped)
 
     def registered(self) -> dict[str, float]:
         """Node -> the wall time its agent was first seen in the rendezvous."""

@@ -182,6 +182,7 @@ def _run_checkpoint(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         "restarts": [r.to_dict() for r in result.restarts],
         "job_restarts": result.job_restarts,
         "registered_unix": result.registered_unix,
+        "dropped_agents": result.dropped_unix,
         "interruptions": {"kills": result.interruptions.kills, "joins": result.interruptions.joins},
     }
     return result.events, result.restarts, None if interval is None else interval.steps, extra

@@ -16,7 +16,8 @@ elastic agents, and replays the same preemption trace against it:
   survivor that restarted, or a node the market added) restarts too. Every membership change therefore
   restarts every worker, which loads the last DeepSpeed checkpoint and trains again the steps done since.
   torchrun drops a killed node from the rendezvous when its keep-alive heartbeats stop
-  (``keep_alive_interval`` x ``keep_alive_max_attempt``, 1 s x 2 here; torchrun's defaults are 5 s x 3) and
+  (``keep_alive_interval`` x ``keep_alive_max_attempt``, 1 s x 5 here, see
+  :data:`bamboo.bench.timeouts.BASELINE_RDZV_KEEP_ALIVE_ATTEMPTS`; torchrun's defaults are 5 s x 3) and
   closes a round ``last_call_timeout`` (1 s here; default 30 s) after it has its minimum of nodes. The
   workers' gloo store is not the rendezvous store: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which
   restarted workers on gloo read the previous round's addresses and fail (torch 2.13);
@@ -151,7 +152,7 @@ class CheckpointRestartOptions:
     finish_grace_s: float = attrs.field(default=timeouts.BASELINE_FINISH_GRACE_S, validator=attrs.validators.gt(0))
     rdzv_last_call_s: int = attrs.field(default=timeouts.BASELINE_RDZV_LAST_CALL_S, validator=POSITIVE_INT)
     keep_alive_interval_s: int = attrs.field(default=timeouts.BASELINE_RDZV_KEEP_ALIVE_S, validator=POSITIVE_INT)
-    keep_alive_attempts: int = attrs.field(default=2, validator=POSITIVE_INT)
+    keep_alive_attempts: int = attrs.field(default=timeouts.BASELINE_RDZV_KEEP_ALIVE_ATTEMPTS, validator=POSITIVE_INT)
     monitor_interval_s: float = attrs.field(default=timeouts.BASELINE_MONITOR_INTERVAL_S,
                                             validator=attrs.validators.gt(0))
     max_restarts: int = attrs.field(default=1000, validator=POSITIVE_INT)
@@ -211,6 +212,9 @@ class CheckpointRestartResult:
     registered_unix: dict[str, float] = attrs.field(factory=dict)
     """Node -> the wall time its agent was first seen in the rendezvous (:mod:`bamboo.bench.measured.rendezvous`);
     a node killed before its agent entered is absent."""
+    dropped_unix: dict[str, float] = attrs.field(factory=dict)
+    """Node -> the wall time torchrun dropped its live agent from the rendezvous (heartbeats late; see
+    :mod:`bamboo.bench.measured.rendezvous`): empty in a run whose restarts are torchrun's usual ones."""
 
 
 @attrs.frozen
@@ -387,7 +391,7 @@ def run_checkpoint_restart(
     clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=record, clock=clock)
     watch = RendezvousWatch(store, lambda: current["rendezvous"],
-                            lambda: {node: process.pid for node, process in cluster.snapshot().items()})
+                            lambda: {node: p.pid for node, p in cluster.snapshot().items() if p.poll() is None})
     watch.start()
     stop = threading.Event()
     deadline = started + options.timeout_s
@@ -418,10 +422,15 @@ def run_checkpoint_restart(
                                       stop=stop.set)
             threading.Thread(target=during, args=(handles,), name="baseline-during", daemon=True).start()
         done_at: float | None = None
+        dropped_said: set[str] = set()
         while True:
             if interval is None and (base / "interval.json").exists():
                 interval = CheckpointInterval.from_dict(json.loads((base / "interval.json").read_text()))
                 say(f"checkpoints: {interval.describe()}")
+            for node in sorted(watch.dropped().keys() - dropped_said):
+                dropped_said.add(node)
+                say(f"warning: torchrun dropped {node}'s live agent from its rendezvous (its heartbeats came late): "
+                    "from here on its restarts are not torchrun's usual ones")
             if stop.is_set():
                 say("stopped before the last step")
                 break
@@ -476,4 +485,4 @@ def run_checkpoint_restart(
         interruptions=interruptions, restarts=tuple(restart_costs(changes, starts)), starts=tuple(starts),
         steps_done=steps_done, exit_codes={node: p.returncode for node, p in cluster.snapshot().items()},
         timed_out=timed_out, seconds=time.monotonic() - started, command=tuple(command), stopped=stop.is_set(),
-        job_restarts=job_restarts, registered_unix=registered)
+        job_restarts=job_restarts, registered_unix=registered, dropped_unix=watch.dropped())

@@ -222,6 +222,9 @@ def test_bamboo_bench_declares_run_market_and_report_to_bamboo_launch() -> None:
 class _EmptyCluster:
     """A cluster whose every agent is gone (a bulk preemption took them all)."""
 
+    def __init__(self, *, closed: bool = False) -> None:
+        self.closed = closed
+
     def alive(self) -> dict[str, object]:
         return {}
 
@@ -265,6 +268,10 @@ def test_a_run_whose_every_node_is_gone_waits_for_the_markets_next_node(tmp_path
     asked.clear()
     assert wait_end(_EmptyCluster(), ended, deadline, events, False, said.append, nodes_to_come=lambda: True) is False
     assert len(said) == 1  # the job had ended: nothing to wait for
+    # stopped (its cluster closed, as bamboo-bench measure does at --duration): the market starts no node any more
+    assert wait_end(_EmptyCluster(closed=True), _Decisions(), deadline, events, False, said.append,
+                    nodes_to_come=lambda: True) is False
+    assert len(said) == 1
 
 
 def test_a_run_every_node_of_which_was_preempted_says_so_and_where_it_stopped(tmp_path) -> None:

@@ -128,6 +128,11 @@ class ProcessCluster:
         with self._lock:
             return dict(self.processes)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: no node starts any more."""
+        return self._closed
+
     def alive(self) -> list[str]:
         """Nodes whose leader process is still running."""
         return [node for node, process in self.snapshot().items() if process.poll() is None]

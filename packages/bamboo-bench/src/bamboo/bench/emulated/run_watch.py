@@ -114,7 +114,9 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
 
     An agent exits once the job's end record is in etcd. A cluster with no agent left whose job has not ended
     (a bulk preemption took every node) is still running while ``nodes_to_come()`` (the market will start
-    another node): the job goes on from its newest checkpoint once the new nodes form a pipeline.
+    another node) and the cluster is not closed: the job goes on from its newest checkpoint once the new nodes form
+    a pipeline. A closed cluster (the run was stopped) starts no node: a stopped run whose market had nodes still to
+    start waited for them until its timeout.
     """
     from bamboo.launch.records import JobEnd, read_record
 
@@ -125,8 +127,8 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
         if cluster.alive():
             emptied = False
             return True
-        if not nodes_to_come() or read_record(JobEnd, membership.get_decision("end")) is not None:
-            return False
+        if cluster.closed or not nodes_to_come() or read_record(JobEnd, membership.get_decision("end")) is not None:
+            return False  # closed: the run was stopped (bamboo-bench measure's --duration), and no node starts
         if not emptied:
             say("every node is gone and the job has not ended: waiting for the market's next node")
             emptied = True

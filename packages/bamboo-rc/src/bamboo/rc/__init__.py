@@ -32,6 +32,7 @@ from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import (
     AgreementError,
     ConsecutiveFailure,
+    DeclaredFailed,
     FailureEvent,
     FailureNoticed,
     FailureNotices,
@@ -90,6 +91,7 @@ __all__ = [
     "ConfigError",
     "ConfigWarning",
     "ConsecutiveFailure",
+    "DeclaredFailed",
     "Engine",
     "ExecutorHook",
     "FailoverCoordinator",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.coordinator import FailoverCoordinator
-from bamboo.rc.failures import ConsecutiveFailure, FailureEvent, FailureNoticed, PeerFailure
+from bamboo.rc.failures import ConsecutiveFailure, DeclaredFailed, FailureEvent, FailureNoticed, PeerFailure
 from bamboo.rc.interpreter import StageInterpreter
 from bamboo.rc.layout import Layout
 from bamboo.rc.ports import Clock
@@ -31,6 +31,7 @@ class ExecutorFailover:
 
     # Set by StageExecutor's constructor, or its views: what the methods below read.
     layout: Layout
+    rank: int
     node: int
     pipeline: int
     redundancy: str
@@ -132,6 +133,8 @@ class ExecutorFailover:
         confirmed = self.clock.time()
         if self.redundancy == "none":
             raise failure
+        if self.rank in event.victims and not event.handover:
+            raise DeclaredFailed(self.rank, event.epoch)  # the others' plan has no part for this node
         hosted = self.hosted
         try:
             agreement = self.coordinator.agree(

@@ -29,6 +29,7 @@ from bamboo.rc.timeouts import EVENT_POLL_S
 __all__ = [
     "AgreementError",
     "ConsecutiveFailure",
+    "DeclaredFailed",
     "FailureEvent",
     "FailureNoticed",
     "FailureNotices",
@@ -87,6 +88,18 @@ class FailureNoticed(Exception):
     def __init__(self, event: FailureEvent) -> None:
         self.event = event
         super().__init__(f"failure confirmed for epoch {event.epoch}: ranks {list(event.victims)}")
+
+
+class DeclaredFailed(RuntimeError):
+    """A failure event names this node itself: the authority declared it failed while it was alive (slow, not
+    dead: its lease ran out while it was starved of CPU, or its probes went unanswered for the grace period). The
+    other survivors fail over without it, so it must not take part: it leaves, and comes back as a fresh node."""
+
+    def __init__(self, rank: int, epoch: int) -> None:
+        self.rank = rank
+        self.epoch = epoch
+        super().__init__(f"this node (rank {rank}) was declared failed in epoch {epoch}: the others fail over "
+                         f"without it, so it leaves")
 
 
 class HandedOver(Exception):

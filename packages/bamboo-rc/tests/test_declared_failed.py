@@ -19,6 +19,9 @@ class _Coordinator:
     def agree(self, *args: object, **kwargs: object) -> None:
         raise _Agreeing
 
+    def agree_ring(self, *args: object, **kwargs: object) -> None:
+        raise _Agreeing
+
 
 class _Node(ExecutorFailover):
     """Only what `_fail_over` reads up to the agreement, which the fake coordinator stops."""
@@ -43,3 +46,11 @@ def test_an_event_naming_others_goes_on_to_the_agreement(fake_clock) -> None:
     node = _Node(0, fake_clock)
     with pytest.raises(_Agreeing):
         node._fail_over(FailureNoticed(FailureEvent(3, (1,))), [], 0)
+
+
+def test_a_ring_node_named_by_an_event_is_declared_failed_before_the_ring_agreement(fake_clock) -> None:
+    node = _Node(0, fake_clock)
+    with pytest.raises(DeclaredFailed, match=r"rank 0\) was declared failed in epoch 2"):
+        node._fail_over_ring(SimpleNamespace(done=0), FailureNoticed(FailureEvent(2, (0,))))  # type: ignore[arg-type]
+    with pytest.raises(_Agreeing):  # another victim: on to the ring's agreement
+        node._fail_over_ring(SimpleNamespace(done=0), FailureNoticed(FailureEvent(2, (1,))))  # type: ignore[arg-type]

@@ -60,6 +60,7 @@ class ExecutorFailover:
         caught = self.clock.time()
         while True:
             event = failure.event if isinstance(failure, FailureNoticed) else self.coordinator.confirm(failure)
+            self._leave_if_named(event)
             confirmed = self.clock.time()
             step = self.step
             try:
@@ -77,6 +78,12 @@ class ExecutorFailover:
                 own_pipeline=True, kinds_before=self.kind_seconds,
             ))
             return loss
+    def _leave_if_named(self, event: FailureEvent) -> None:
+        """Raise :class:`DeclaredFailed` when the failure ``event`` names this node itself: it was declared failed
+        while alive, and the other survivors' plan has no part for it (a hand-over names its leaver: not this)."""
+        if self.rank in event.victims and not event.handover:
+            raise DeclaredFailed(self.rank, event.epoch)
+
     def _agree_between_steps(self, event: FailureEvent) -> list[Instruction]:
         """Agree on `event` at a step boundary (this node's stream not begun): with P > 1 the failover
         agreement with done = 0, returning this pipeline's remainder for the next step (an empty stream when
@@ -133,8 +140,7 @@ class ExecutorFailover:
         confirmed = self.clock.time()
         if self.redundancy == "none":
             raise failure
-        if self.rank in event.victims and not event.handover:
-            raise DeclaredFailed(self.rank, event.epoch)  # the others' plan has no part for this node
+        self._leave_if_named(event)
         hosted = self.hosted
         try:
             agreement = self.coordinator.agree(

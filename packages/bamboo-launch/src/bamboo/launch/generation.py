@@ -157,15 +157,15 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
                        nodes_active=spec.stages * layout.pipelines - len(executor.dead),
                        duration_s=duration, generation=layout.generation))
     clones: dict[int, dict[str, object]] = {}  # stage -> its state cloned at this step, for whoever needs it next
-    copies = run.copies is not None and executor.step % spec.memory_copy_every == 0
-    if copies:  # before any clone: the checkpoint's clones are then those the copies would take
+    copies = run.copies if run.copies is not None and executor.step % spec.memory_copy_every == 0 else None
+    if copies is not None:  # before any clone: the checkpoint's clones are then those the copies would take
         executor.apply_replica_updates()
     if spec.checkpoint_dir is not None and reports_the_job(executor):
         finishing = stop is not None and stop.finish and executor.step >= stop.step
         checkpoint(run, layout, executor, state.checkpointers, torch, final=executor.step >= spec.steps or finishing,
                    clones=clones)
-    if copies and run.copies is not None:
-        run.copies.take(executor, layout, sends=reports_the_job(executor), clones=clones)
+    if copies is not None:
+        copies.take(executor, layout, sends=reports_the_job(executor), clones=clones)
     if hooks is not None:
         run_step_hooks(engine, hooks)
     return len(executor.failovers)
@@ -266,8 +266,10 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
             checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=stage_shard(stage),
                                                      every_steps=spec.checkpoint_every, on_commit=committed,
                                                      before_commit=may_commit, prepare=_serialised_state)
-        if final or executor.step % spec.checkpoint_every == 0:
+        if final and executor.step % spec.checkpoint_every:
             checkpointers[stage].save(executor.step, shard(stage), cloned=True)
+        else:
+            checkpointers[stage].maybe_save(executor.step, lambda stage=stage: shard(stage), cloned=True)
 
 
 def _serialised_state(shard: dict[str, Any]) -> dict[str, Any]:

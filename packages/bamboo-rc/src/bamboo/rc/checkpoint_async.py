@@ -119,11 +119,13 @@ class AsyncCheckpointer:
                 logger.warning("removing partial checkpoint file %s left by an earlier writer", entry)
                 entry.unlink(missing_ok=True)
 
-    def maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> bool:
-        """Save if ``step`` is on the period; ``state`` may be a callable, called only then."""
+    def maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
+                   cloned: bool = False) -> bool:
+        """Save if ``step`` is on the period; ``state`` may be a callable, called only then (``cloned``: as
+        :meth:`save`)."""
         if step % self.every_steps != 0:
             return False
-        self.save(step, state() if callable(state) else state)
+        self.save(step, state() if callable(state) else state, cloned=cloned)
         return True
 
     def save(self, step: int, state: Mapping[str, Any], *, cloned: bool = False) -> None:

@@ -240,7 +240,9 @@ def test_real_processes_whole_group_dies(fake_clock, proc_helpers, tmp_path: Pat
         return [
             "sh",
             "-c",
-            f'trap "echo $BAMBOO_ZONE > {marker}" TERM; sleep 1000 & while true; do sleep 0.05; done',
+            # Written, then renamed: the marker appears only once it holds the zone.
+            f'trap "echo $BAMBOO_ZONE > {marker}.part && mv {marker}.part {marker}" TERM; '
+            "sleep 1000 & while true; do sleep 0.05; done",
         ]
 
     trace = [

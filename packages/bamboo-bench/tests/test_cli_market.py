@@ -146,7 +146,7 @@ def test_real_replay_kills_and_logs(tmp_path: Path, proc_helpers) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()
     # Each node records its pid (its process-group id) and the pid of a grandchild, then waits.
-    script = f"sleep 1000 & echo $$ $! > {pids}/$BAMBOO_NODE_ID; wait"
+    script = f"sleep 1000 & echo $$ $! > {pids}/$BAMBOO_NODE_ID.part && mv {pids}/$BAMBOO_NODE_ID.part {pids}/$BAMBOO_NODE_ID; wait"
     code = main(
         [
             "market",

@@ -19,6 +19,7 @@ from bamboo.rc.failures import (
     ConsecutiveFailure,
     FailureEvent,
     FailureNoticed,
+    LostContribution,
     PeerFailure,
     StoreFailureNotices,
 )
@@ -788,3 +789,59 @@ def test_every_node_tells_a_leaver_it_passed_the_step_and_nobody_writes_when_no_
     assert store.check([f"bamboo/{JOB}/passed/3/7"]) and executor.dead == {6}  # type: ignore[attr-defined]
     executor._after_boundary(4)  # type: ignore[attr-defined]  # nobody announced a hand-over after step 4
     assert not store.check([f"bamboo/{JOB}/passed/4/7"])
+
+
+def _agree_everywhere(coordinators: dict[tuple[int, int], FailoverCoordinator],
+                      where: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], object]:
+    """Every survivor begins the agreement on the pending event at (done, step) and polls it to the end;
+    returns what each got: its Agreement, or the error it raised."""
+    pending, outcome = {}, {}
+    for key, coordinator in coordinators.items():
+        event = coordinator.pending_event()
+        assert event is not None, key
+        done, step = where[key]
+        pending[key] = coordinator.begin(event, done, step)
+    for key, p in pending.items():
+        try:
+            outcome[key] = p.poll()
+        except LostContribution as error:
+            outcome[key] = error
+    return outcome
+
+
+@pytest.mark.parametrize("other_step", [91, 90])
+def test_a_redo_another_pipeline_committed_and_lost_the_stage_of_is_a_lost_contribution(other_step: int) -> None:
+    # The kill of one zone takes stage 1 of both pipelines (seen in a real run, P = 3, D = 2, lflb). Pipeline 1
+    # was a step ahead: its node of stage 1 died at the start of step 91, after it had all-reduced step 90 with
+    # pipeline 0's; pipeline 0's node of stage 1 died before its shadow got the sync of step 90, so that shadow
+    # redoes the all-reduce of step 90. Pipeline 1's contribution to it died with its node: the redo could
+    # only wait forever (or sum step 91's), so every node raises LostContribution and the job restores.
+    # When both pipelines lost the stage in the same step, both shadows redo that step's all-reduce: no error.
+    store, clock = FakeStore(), FakeClock()
+    layout, schedule = Layout(3, 2), one_f_one_b(3, 4, rc="lflb")
+    authority = StoreFailureNotices(store, JOB)
+    coordinators = {
+        (d, n): FailoverCoordinator(store, JOB, layout, d, n, schedule, StoreFailureNotices(store, JOB, clock),
+                                    TIMEOUTS, clock)
+        for d in (0, 1) for n in (0, 2)
+    }
+    stream = schedule.streams[0]
+    waiting_for_the_sync = len(stream) - 1
+    assert str(stream[waiting_for_the_sync]) == "1RY<1"
+    in_commit = len(schedule.streams[2])
+    authority.publish(FailureEvent(1, [layout.rank(1, 1)]))
+    first = _agree_everywhere(coordinators, {(0, 0): (waiting_for_the_sync, 90), (0, 2): (in_commit, 90),
+                                             (1, 0): (0, other_step), (1, 2): (0, other_step)})
+    assert all(not isinstance(agreement, Exception) for agreement in first.values()), first
+    authority.publish(FailureEvent(2, [layout.rank(1, 0)]))
+    second = _agree_everywhere(coordinators, {(0, 0): (waiting_for_the_sync, 90), (0, 2): (in_commit, 90),
+                                              (1, 0): (2, other_step), (1, 2): (0, other_step)})
+    if other_step == 90:
+        assert all(not isinstance(agreement, Exception) for agreement in second.values()), second
+        return
+    for key, error in second.items():
+        assert isinstance(error, LostContribution), (key, error)
+        assert isinstance(error, ConsecutiveFailure)  # the launcher's restore path takes it as one
+        assert (error.pipeline, error.lost_stages, error.step, error.other, error.other_step) == (0, (1,), 90, 1, 91)
+        assert "pipeline 0 must redo stage 1's all-reduce of step 90" in str(error)
+    assert all(0 not in coordinators[key].recovering for key in coordinators)  # nothing of epoch 2 was agreed on

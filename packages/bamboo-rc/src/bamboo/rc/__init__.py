@@ -37,6 +37,7 @@ from bamboo.rc.failures import (
     FailureNoticed,
     FailureNotices,
     HandedOver,
+    LostContribution,
     PeerFailure,
     StoreFailureNotices,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "KillPoint",
     "Layout",
     "LoadedCheckpoint",
+    "LostContribution",
     "MonitorConfig",
     "NoGoodCheckpointError",
     "NoticePoint",

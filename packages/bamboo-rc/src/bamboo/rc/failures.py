@@ -34,6 +34,7 @@ __all__ = [
     "FailureNoticed",
     "FailureNotices",
     "HandedOver",
+    "LostContribution",
     "PeerFailure",
     "StoreFailureNotices",
 ]
@@ -137,6 +138,36 @@ class ConsecutiveFailure(RuntimeError):
         super().__init__(
             f"consecutive failure in pipeline {pipeline}: lost stages {list(self.lost_stages)} "
             f"(a node and its shadow); surviving copies: {copies}; every survivor is at the start of the iteration"
+        )
+
+
+class LostContribution(ConsecutiveFailure):
+    """A redo of a lost stage's all-reduce that another pipeline can no longer join exactly.
+
+    Pipeline ``pipeline``'s shadow must redo stage ``stage``'s data-parallel all-reduce of step ``step`` (its
+    victim died before its shadow held the step's result), but pipeline ``other`` had already committed that
+    step and has since lost the node that held the stage in it (a failover in step ``other_step``): that
+    node's contribution to the all-reduce died with it, and the stage's new holder never had one. Without it
+    the sum cannot be formed exactly, so, as after a consecutive failure, every survivor abandons its
+    iteration and the job restores from the copies that survive (``surviving_copies``).
+    """
+
+    def __init__(
+        self, pipeline: int, stage: int, step: int, other: int, other_step: int,
+        surviving_copies: dict[int, list[tuple[str, int]]],
+    ) -> None:
+        self.pipeline = pipeline
+        self.lost_stages = (stage,)
+        self.surviving_copies = surviving_copies
+        self.step = step
+        self.other = other
+        self.other_step = other_step
+        copies = ", ".join(f"{kind} rank {rank}" for kind, rank in surviving_copies.get(stage, [])) or "none"
+        RuntimeError.__init__(
+            self,
+            f"pipeline {pipeline} must redo stage {stage}'s all-reduce of step {step}, but pipeline {other} "
+            f"committed that step and lost the stage's node in step {other_step}, and its contribution with it; "
+            f"surviving copies of stage {stage}: {copies}; every survivor is at the start of its iteration",
         )
 
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 import attrs
 from bamboo.rc.agreement import Agreement, PipelinePlan, RingAgreement
 from bamboo.rc.coordinator_state import CoordinatorState
-from bamboo.rc.failures import AgreementError, ConsecutiveFailure, FailureEvent
+from bamboo.rc.failures import AgreementError, ConsecutiveFailure, FailureEvent, LostContribution
 from bamboo.rc.records import CommitResult, ProgressRecord
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
-from bamboo.schedule import check_victims, placement_after
+from bamboo.schedule import FailoverPlan, Kind, check_victims, placement_after
 
 __all__ = ["PendingFailover", "PendingRingFailover"]
 
@@ -125,11 +125,30 @@ class PendingFailover:
             done = {n: r.done for n, r in progress.items()}
             planned = c.plan(pipeline, lost, done, recovering, max(r.step for r in progress.values()))
             plans[pipeline] = attrs.evolve(planned, lagging=lagging, commit=commit)
+        self._check_redos_can_be_joined(plans)
         for pipeline, planned in plans.items():
             c.recovering[pipeline] = (planned.plan, planned.step)
             c.layouts[pipeline] = planned.plan.steady
             c.placements[pipeline] = planned.plan.steady.placement
         return Agreement(c.epoch, {d: frozenset(v) for d, v in self.victims.items()}, plans)
+
+    def _check_redos_can_be_joined(self, plans: dict[int, PipelinePlan]) -> None:
+        """Raise :class:`LostContribution` when a plan redoes a lost stage's all-reduce of a step that another
+        pipeline committed and then lost that stage's node in (its plan, this one's or an earlier one, is of a
+        later step): the lost node's contribution to that step is gone, so no exact redo can be joined.
+
+        Every node derives the same plans and the same earlier ones, so every node raises it, or none.
+        Pipelines are at most one step apart (each step's all-reduces join them), so the other pipeline's
+        holder of the stage in the redone step is the node its later failover lost."""
+        c = self.coordinator
+        latest = {**c.recovering, **{d: (planned.plan, planned.step) for d, planned in plans.items()}}
+        for pipeline, planned in sorted(plans.items()):
+            for stage in sorted(_redone_allreduces(planned.plan)):
+                for other, (plan, step) in sorted(latest.items()):
+                    if other != pipeline and step > planned.step and stage in _taken_over(plan):
+                        after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}
+                        copies = {stage: c.surviving_copies(stage, after)}
+                        raise LostContribution(pipeline, stage, planned.step, other, step, copies)
 
     def _settle_commit(
         self, pipeline: int, progress: dict[int, ProgressRecord]
@@ -203,6 +222,24 @@ class PendingFailover:
                 f"here is for step {None if known is None else known[1]}"
             )
         return True
+
+
+def _taken_over(plan: FailoverPlan) -> set[int]:
+    """The stages a failover plan (and the earlier plans of its iteration) moved onto their shadows."""
+    before, after = plan.schedule.placement, plan.remainder.placement
+    moved = {stage for stage, node in enumerate(before) if after[stage] != node}
+    return moved if plan.earlier is None else moved | _taken_over(plan.earlier)
+
+
+def _redone_allreduces(plan: FailoverPlan) -> set[int]:
+    """The stages taken over by `plan` whose all-reduce its remainder redoes (their victim had not finished)."""
+    taken = _taken_over(plan)
+    return {
+        instruction.stage
+        for stream in plan.remainder.streams.values()
+        for instruction in stream
+        if instruction.kind is Kind.ALLREDUCE and instruction.stage in taken
+    }
 
 
 class PendingRingFailover:

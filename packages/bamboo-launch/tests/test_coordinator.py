@@ -18,6 +18,7 @@ from bamboo.launch.accounting import last_step_end_unix, steps_reached
 from bamboo.launch.coordinator import Coordinator, published_events, read_layout
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
+from bamboo.launch.notices import publish_failure_event
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView, SweepResult
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
@@ -223,6 +224,39 @@ def test_failures_confirmed_in_another_pipeline_during_the_sweep_go_into_the_sam
     assert published_events(membership, 0) == {1: FailureEvent(1, sorted([ranks["n3"], ranks["n1"]]))}
     # pipeline 1 was swept for n3 (n2 alive); pipeline 0 holds only the coordinator besides n1: nothing to probe
     assert agent.detector.sweeps == [(["n2"], "swept after a confirmed failure in the layout")]
+
+
+class CountingPrefixReads:
+    """Wraps a key-value store and counts the reads of prefixes that hold ``part``."""
+
+    def __init__(self, inner: object, part: str) -> None:
+        self.inner, self.part, self.reads = inner, part, 0
+
+    def get_prefix(self, prefix: str):  # type: ignore[no-untyped-def]
+        self.reads += self.part in prefix
+        return self.inner.get_prefix(prefix)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_published_events_are_read_once_ahead_of_a_failure_and_an_event_written_meanwhile_is_not_overwritten(
+    membership: MembershipStore,
+) -> None:
+    coordinator, _agent, _events, ranks = _two_pipelines(membership)
+    reads = CountingPrefixReads(coordinator.membership.kv, "-epoch-")
+    coordinator.membership.kv = reads  # type: ignore[assignment]
+    assert coordinator.round() and reads.reads == 1  # the layout's events, read before any failure
+    # A leaver publishes its own hand-over (epoch 1) behind the coordinator's back; then n3 fails.
+    handover = FailureEvent(1, [ranks["n1"]], handover=True)
+    assert publish_failure_event(membership, 0, handover) == (True, handover)
+    membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
+    membership.report_failure(FailureReport(node="n1", epoch=0, reason="lease revoked"))  # gone after it left
+    assert coordinator.round()
+    # epoch 1 was taken: the coordinator lost that race, learned the hand-over (n1 covered) and took epoch 2
+    assert published_events(membership, 0) == {1: handover, 2: FailureEvent(2, [ranks["n3"]])}
+    assert reads.reads == 1  # no read of the events on the failover's path
+    assert coordinator.round() and len(published_events(membership, 0)) == 2  # nothing published twice
 
 
 def test_a_new_coordinator_carries_on_without_publishing_twice(membership: MembershipStore) -> None:

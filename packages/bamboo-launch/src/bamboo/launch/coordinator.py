@@ -111,6 +111,11 @@ class Coordinator:
         self.say = say
         self.leader = False
         self.published: list[tuple[int, FailureEvent]] = []
+        # The failure events of the current generation known here, by epoch: read once per generation (ahead of
+        # any failure, at the first round that sees its layout), then kept up to date from this coordinator's own
+        # writes. One another writer published (a leaver's hand-over) takes the epoch this one tries next, so a
+        # stale copy only loses that race and learns the winner; no read of the prefix on the failover's path.
+        self._known_events: tuple[int, dict[int, FailureEvent]] = (-1, {})
         self._key = membership.keys.root + "leader"
         self._wake = threading.Condition()
         self._woken = False
@@ -219,6 +224,7 @@ class Coordinator:
                                            lambda _: self.wake(reports=False))
 
     def _step_down(self) -> None:
+        self._known_events = (-1, {})  # another coordinator may publish meanwhile: read again once elected
         for watched in (self._layout_key, self._end_key):
             if watched is not None:
                 watched.close()
@@ -246,6 +252,9 @@ class Coordinator:
             return False
         self._take_up()
         self._first_layout()
+        layout = self._layout()
+        if layout is not None:
+            self._events_of(layout.generation)  # read ahead of the first failure of a new generation
         if reports:
             self._publish_failures()
         self.registered_zones()  # remembered while they are alive, once per membership version
@@ -431,6 +440,13 @@ class Coordinator:
             self.say(f"confirmed failure of {node}: {reason}")
         self._preempted.add(node)
 
+    def _events_of(self, generation: int) -> dict[int, FailureEvent]:
+        """The failure events of ``generation`` known here, by epoch (read from etcd the first time; the caller
+        adds the ones it publishes or loses a race to)."""
+        if self._known_events[0] != generation:
+            self._known_events = (generation, published_events(self.membership, generation))
+        return self._known_events[1]
+
     def _publish_events(self, layout: JobLayout,
                         reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
         """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known.
@@ -443,7 +459,7 @@ class Coordinator:
         ranks, stages = layout.ranks, layout.stages
         swept_pipelines: set[int] = set()
         while True:
-            published = published_events(self.membership, layout.generation)
+            published = self._events_of(layout.generation)
             covered = {rank for event in published.values() for rank in event.victims}
             pending = _pending(ranks, reports, covered)
             if not pending:
@@ -458,6 +474,7 @@ class Coordinator:
                 pending = _pending(ranks, reports, covered)
             epoch = max(published, default=0) + 1
             won, event = publish_failure_event(self.membership, layout.generation, FailureEvent(epoch, pending))
+            published[event.epoch] = event  # ours, or the winner of that epoch: then try again with what it covers
             if won:
                 self.published.append((layout.generation, event))
                 victims = [layout.node_of_rank[rank] for rank in event.victims]

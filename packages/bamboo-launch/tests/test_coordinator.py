@@ -226,6 +226,22 @@ def test_failures_confirmed_in_another_pipeline_during_the_sweep_go_into_the_sam
     assert agent.detector.sweeps == [(["n2"], "swept after a confirmed failure in the layout")]
 
 
+def test_after_a_failure_is_published_the_waiting_nodes_of_its_zone_are_swept(membership: MembershipStore) -> None:
+    """A zone's machines go together, and a standby node has no pipeline neighbour to notice: it is probed once
+    the event is out (before, its lease's expiry found it, and held up the next reconfiguration meanwhile)."""
+    coordinator, agent, _events, ranks = _two_pipelines(membership, standby=("s4", "a"))
+    FakeAgent(membership, "s5", "b")  # waiting in another zone: left alone
+    membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))  # zone a
+    coordinator.round()
+    assert published_events(membership, 0) == {1: FailureEvent(1, [ranks["n3"]])}
+    assert agent.detector.sweeps == [
+        (["n2"], "swept after a confirmed failure in the layout"),  # its pipeline, before the event
+        (["s4"], "swept: waiting in the zone of a failure"),  # after it
+    ]
+    coordinator.round()  # nothing new: no sweep again
+    assert len(agent.detector.sweeps) == 2
+
+
 class CountingPrefixReads:
     """Wraps a key-value store and counts the reads of prefixes that hold ``part``."""
 

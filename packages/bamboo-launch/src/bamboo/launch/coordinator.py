@@ -17,6 +17,7 @@ carries on where the old one stopped. Its duties:
   a node), then publishes one :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
   ``g<generation>-epoch-<n>`` (:func:`bamboo.launch.notices.publish_failure_event`). A node confirmed later is
   a second failure, which the runtime survives. No batching window: the runtime acts within milliseconds.
+  Then it probes the waiting nodes of the victims' zones (:mod:`bamboo.launch.coordinator_failures`).
 - **Preemption records.** Once per lost node (decision ``preempted-<node>``), confirmed or gone with a
   whole layout before any probe reported it, a ``preemption`` event for the report (billing stops).
 - **The first layout.** As soon as the job's spec asks for it (``min_nodes`` registered, P x D by
@@ -45,16 +46,15 @@ from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.accounting import last_step_end_unix, steps_reached
+from bamboo.launch.coordinator_failures import FailurePublisher
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
-from bamboo.launch.events import Preemption
-from bamboo.launch.notices import publish_failure_event, published_events
-from bamboo.launch.records import AttemptOutcome, Leader, Preempted, outcome_name, read_record
+from bamboo.launch.notices import published_events
+from bamboo.launch.records import AttemptOutcome, Leader, outcome_name, read_record
 from bamboo.launch.redundancy import with_mode
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
 from bamboo.membership.members import EMPTY_VIEW, MembershipView
 from bamboo.membership.probing import connect_probe
-from bamboo.membership.records import FailureReport, MalformedValueError, decode_message
 from bamboo.rc import FailureEvent
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def read_layout(membership: MembershipStore) -> JobLayout | None:
     return None if found is None else JobLayout.from_dict(found.value)
 
 
-class Coordinator:
+class Coordinator(FailurePublisher):
     """The coordinator duties of one agent, active while it is elected (see the module docstring).
 
     ``membership`` is the agent's fenced ``MembershipStore``; ``agent`` its ``NodeAgent`` (the lease the
@@ -111,11 +111,7 @@ class Coordinator:
         self.say = say
         self.leader = False
         self.published: list[tuple[int, FailureEvent]] = []
-        # The failure events of the current generation known here, by epoch: read once per generation (ahead of
-        # any failure, at the first round that sees its layout), then kept up to date from this coordinator's own
-        # writes. One another writer published (a leaver's hand-over) takes the epoch this one tries next, so a
-        # stale copy only loses that race and learns the winner; no read of the prefix on the failover's path.
-        self._known_events: tuple[int, dict[int, FailureEvent]] = (-1, {})
+        self._known_events: tuple[int, dict[int, FailureEvent]] = (-1, {})  # see FailurePublisher
         self._key = membership.keys.root + "leader"
         self._wake = threading.Condition()
         self._woken = False
@@ -406,114 +402,3 @@ class Coordinator:
             return None
         created = self.spec.created_unix
         return steps_reached(events, layout, created), last_step_end_unix(events, layout, created)
-
-    def _failure_reports(self) -> dict[str, FailureReport]:
-        reports: dict[str, FailureReport] = {}
-        for item in self.membership.kv.get_prefix(self.membership.keys.failures):
-            try:
-                report = decode_message(item.key, item.value, FailureReport)
-            except MalformedValueError as error:
-                log.error("%s", error)
-                continue
-            reports.setdefault(report.node, report)
-        return reports
-
-    def _publish_failures(self) -> None:
-        """Publish the failure events of the layout first (the runtime waits for them), then the preemption
-        records of every confirmed node."""
-        reports = self._failure_reports()
-        layout = self._layout()  # (its zones remembered once per layout)
-        if layout is not None:
-            before = len(self.published)
-            reports = self._publish_events(layout, reports)
-            victims = [layout.node_of_rank[rank] for _, event in self.published[before:] for rank in event.victims]
-            if victims:
-                reports = self._sweep_waiting_nodes(layout, victims, reports)
-        self.registered_zones()  # remembered while they are alive (before a departure's report is confirmed below)
-        for node, report in sorted(reports.items()):
-            self._confirm_lost(node, report.reason)
-
-    def _sweep_waiting_nodes(self, layout: JobLayout, victims: list[str],
-                             reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
-        """After publishing the failure of ``victims``, probe the registered nodes outside the layout (standby,
-        joining) in the victims' zones; returns the reports then known.
-
-        Spot preemptions take a zone's machines together, and a waiting node has no pipeline neighbour to
-        notice its death: found only when its lease ran out, it held up the next reconfiguration, which
-        counted it as a new owner, for up to the lease's TTL (8.2 s of a measured 8.8 s restore). Run after
-        the event is published, so the failover does not wait for it."""
-        zones = {**layout.zones, **self.registered_zones()}
-        struck = {zones[node] for node in victims if zones.get(node)}
-        waiting = sorted(node for node, zone in self.registered_zones().items()
-                         if zone in struck and node not in layout.ranks and node not in reports and node != self.node)
-        if not waiting or self.agent.detector is None:
-            return reports
-        self.agent.detector.probe_all(waiting, "swept: waiting in the zone of a failure", prober=connect_probe)
-        return self._failure_reports()
-
-    def _confirm_lost(self, node: str, reason: str) -> None:
-        """Record ``node``'s loss once for the job (the ``preempted-<node>`` decision, and one preemption event)."""
-        if node in self._preempted:
-            return
-        zone = self._zones.get(node) or "unknown"
-        decision = self.membership.decide(f"preempted-{node}", Preempted(node, zone, reason).to_dict())
-        if decision.won:
-            self.events.write(Preemption(t=self.events.now(), node=node, zone=zone, notice_s=0.0))
-            self.say(f"confirmed failure of {node}: {reason}")
-        self._preempted.add(node)
-
-    def _events_of(self, generation: int) -> dict[int, FailureEvent]:
-        """The failure events of ``generation`` known here, by epoch (read from etcd the first time; the caller
-        adds the ones it publishes or loses a race to)."""
-        if self._known_events[0] != generation:
-            self._known_events = (generation, published_events(self.membership, generation))
-        return self._known_events[1]
-
-    def _publish_events(self, layout: JobLayout,
-                        reports: dict[str, FailureReport]) -> dict[str, FailureReport]:
-        """One failure event per round of confirmed ranked nodes not yet in one; returns the reports then known.
-
-        Before publishing, the pipelines of the pending victims are swept (`_sweep`) and the reports read again,
-        until no victim of an unswept pipeline is left: failures confirmed meanwhile (kills that landed together,
-        confirmed by other detectors a few milliseconds apart) go into the same event, so the runtime fails over
-        once, and etcd sends every node one event instead of several (at 1,000 nodes, each event's delivery to
-        every watcher took tens of milliseconds, and delayed the next round by as much)."""
-        ranks, stages = layout.ranks, layout.stages
-        swept_pipelines: set[int] = set()
-        while True:
-            published = self._events_of(layout.generation)
-            covered = {rank for event in published.values() for rank in event.victims}
-            pending = _pending(ranks, reports, covered)
-            if not pending:
-                return reports
-            while unswept := sorted({rank // stages for rank in pending} - swept_pipelines):
-                swept_pipelines.update(unswept)
-                swept = _sweep(layout, [rank for rank in pending if rank // stages in unswept], reports, self.node)
-                if self.agent.detector is not None and swept:  # kills that landed together: confirm them first
-                    self.agent.detector.probe_all(swept, "swept after a confirmed failure in the layout",
-                                                  prober=connect_probe)  # a connect: it only looks for the dead
-                reports = self._failure_reports()  # with what the sweep and the other detectors confirmed meanwhile
-                pending = _pending(ranks, reports, covered)
-            epoch = max(published, default=0) + 1
-            won, event = publish_failure_event(self.membership, layout.generation, FailureEvent(epoch, pending))
-            published[event.epoch] = event  # ours, or the winner of that epoch: then try again with what it covers
-            if won:
-                self.published.append((layout.generation, event))
-                victims = [layout.node_of_rank[rank] for rank in event.victims]
-                self.say(f"published the failure of {', '.join(victims)}: ranks {list(event.victims)} "
-                         f"(generation {layout.generation}, runtime epoch {epoch})")
-
-
-def _pending(ranks: Mapping[str, int], reports: Mapping[str, FailureReport], covered: set[int]) -> list[int]:
-    """The ranks of the reported nodes that no published event names yet."""
-    return sorted(ranks[node] for node in reports if node in ranks and ranks[node] not in covered)
-
-
-def _sweep(layout: JobLayout, pending: list[int], reports: dict[str, FailureReport], own: str) -> list[str]:
-    """Whom to probe before publishing the failure of the ranks ``pending``: the other nodes of their
-    pipelines (a kill there is a consecutive failure, which must be known in the same event), not every
-    node of the layout, so that a sweep costs at most P probes per pipeline that lost a node."""
-    stages = layout.stages
-    pipelines = {rank // stages for rank in pending}
-    return sorted(node for node, rank in layout.ranks.items()
-                  if rank // stages in pipelines and node not in reports and node != own)

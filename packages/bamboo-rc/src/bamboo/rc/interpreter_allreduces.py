@@ -145,7 +145,9 @@ class InterpreterAllReduces(InterpreterTransfers):
         that step's all-reduce: an all-reduce of ours for that step that already completed is
         joined again with our stored contribution; one still pending on the old group is posted
         again on the rebuilt group. If the shadow does not redo it (the victim had finished), ours
-        completes on the old group. A pending all-reduce of a later step (this node ran ahead:
+        completes on the old group. A node already past `step` that kept no contribution of it (it took
+        the stage over after that step) cannot join exactly, and raises: the agreement raises
+        :class:`~bamboo.rc.failures.LostContribution` for that case before anyone gets here. A pending all-reduce of a later step (this node ran ahead:
         its pipeline committed `step` without the failed one) is posted again too, but only after
         the redo of `step`: gloo matches the collectives of a group in posting order, and the
         shadow posts the redo of `step` first, so the other order would sum different steps.
@@ -171,10 +173,11 @@ class InterpreterAllReduces(InterpreterTransfers):
                     self.groups.allreduce(
                         group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
                     )
-                elif pending_step is not None:  # ran ahead, yet nothing stored: cannot redo exactly
+                elif pending_step is not None or self.step > step:  # past that step, nothing stored: no exact redo
                     raise RuntimeError(
                         f"stage {v}: the shadow redoes the all-reduce of step {step}, but this node is in step "
-                        f"{pending_step} and kept no contribution of step {step}"
+                        f"{self.step if pending_step is None else pending_step} and kept no contribution of step "
+                        f"{step} (it did not hold the stage then)"
                     )
             if pending is not None and pending[4] != self.groups.members[group]:
                 assert pending_step is not None

@@ -29,9 +29,10 @@ class Recording:
 
 def test_the_logs_of_one_client_share_one_thread_and_keep_their_order() -> None:
     kv = Recording()
-    threads = threading.active_count()
+    before = set(threading.enumerate())  # (other tests' threads come and go in this process: only new writers count)
     logs = [EtcdEventLog(kv, "job", f"n{i}.agent.1", 0.0) for i in range(5)]  # type: ignore[arg-type]
-    assert threading.active_count() <= threads + 1  # one writer for the five
+    writers = [t for t in threading.enumerate() if t not in before and t.name == "bamboo-events"]
+    assert len(writers) <= 1  # one writer for the five
     kv.release.clear()  # the writer waits in the first put while every log queues its records
     for step in range(3):
         for i, log in enumerate(logs):
@@ -53,14 +54,15 @@ def test_a_clients_writer_thread_ends_with_the_client() -> None:
     writer = writer_for(kv)
     assert writer is not None and writer_for(kv) is writer
     done = threading.Event()
-    writer.submit(done.set)
+    ran_on: list[threading.Thread] = []
+    writer.submit(lambda: (ran_on.append(threading.current_thread()), done.set()))
     assert done.wait(10)
-    before = sum(1 for t in threading.enumerate() if t.name == "bamboo-events")
+    (thread,) = ran_on  # this client's writer thread (other tests' writers may come and go meanwhile)
+    assert thread.is_alive()
     del kv, writer
     gc.collect()
-    for thread in [t for t in threading.enumerate() if t.name == "bamboo-events"]:
-        thread.join(0.5)
-    assert sum(1 for t in threading.enumerate() if t.name == "bamboo-events") == before - 1
+    thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_a_task_that_raises_does_not_stop_the_writer() -> None:

@@ -92,9 +92,10 @@ class FailurePublisher:
         notice its death: found only when its lease ran out, it held up the next reconfiguration, which
         counted it as a new owner, for up to the lease's TTL (8.2 s of a measured 8.8 s restore). Run after
         the event is published, so the failover does not wait for it."""
-        zones = {**layout.zones, **self.registered_zones()}
+        registered = self.registered_zones()
+        zones = {**layout.zones, **registered}
         struck = {zones[node] for node in victims if zones.get(node)}
-        waiting = sorted(node for node, zone in self.registered_zones().items()
+        waiting = sorted(node for node, zone in registered.items()
                          if zone in struck and node not in layout.ranks and node not in reports and node != self.node)
         if not waiting or self.agent.detector is None:
             return reports

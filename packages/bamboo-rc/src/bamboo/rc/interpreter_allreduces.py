@@ -147,8 +147,9 @@ class InterpreterAllReduces(InterpreterTransfers):
         again on the rebuilt group. If the shadow does not redo it (the victim had finished), ours
         completes on the old group. A node already past `step` that kept no contribution of it (it took
         the stage over after that step) cannot join exactly, and raises: the agreement raises
-        :class:`~bamboo.rc.failures.LostContribution` for that case before anyone gets here. A pending all-reduce of a later step (this node ran ahead:
-        its pipeline committed `step` without the failed one) is posted again too, but only after
+        :class:`~bamboo.rc.failures.LostContribution` for that case before anyone gets here. A pending
+        all-reduce of a later step (this node ran ahead: its pipeline committed `step` without the
+        failed one) is posted again too, but only after
         the redo of `step`: gloo matches the collectives of a group in posting order, and the
         shadow posts the redo of `step` first, so the other order would sum different steps.
         """

@@ -407,8 +407,11 @@ class GroupTable:
                     while not work.is_completed():  # type: ignore[attr-defined]
                         if done is None:
                             time.sleep(COLLECTIVE_SPIN_S)
-                        else:
-                            done.wait(max(0.0, next_check - time.monotonic()))
+                        elif done.wait(max(0.0, next_check - time.monotonic())):
+                            # The future is done; the work is marked completed a moment later by the backend's
+                            # thread. Block in wait() for that: looping here would spin on the core that thread
+                            # needs (one core per worker: 10 ms of a 30 ms step).
+                            break
                         if time.monotonic() >= next_check:
                             interrupt()
                             next_check = time.monotonic() + self.timeouts.poll

@@ -51,6 +51,9 @@ class InterpreterTransfers(InterpreterState):
         def _post_built(self) -> None:
             """Defined by `InterpreterAllReduces`: post the all-reduces whose rebuilt group is built."""
 
+        def apply_replica_updates(self) -> None:
+            """Defined by `InterpreterCommit`: the replicas' optimizer steps of the last iteration."""
+
     # ----------------------------------------------------------------------------- transfers
     def _transfer(
         self, instruction: Instruction, peer: int, post: Callable[[], tuple[list[object], torch.Tensor | None]]
@@ -67,6 +70,10 @@ class InterpreterTransfers(InterpreterState):
         else:
             works, buffer = post()
             handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
+            if buffer is not None and self._replica_updates:
+                # A receive waits for its peer's work: idle time, where the replicas take the optimizer step of
+                # the last iteration (due before their next use) instead of at the end of this one.
+                self.apply_replica_updates()
         if isinstance(handle, list):
             try:
                 wait_works(handle)

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
+import functools
 import json
 import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,65 +42,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"))
 
 import torch
-from bamboo.membership.embedded import free_port
-from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter, stdlib_corpus
-from bamboo.rc.device import peak_memory_bytes, resolve_device
-from bamboo.rc.engine import initialize
-from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
-from bamboo.rc.worker import exact_mode
+from bamboo.bench.measured.steady import VARIANTS, VariantFailed, deepspeed_config, iteration_s, run_variant
+from bamboo.rc.data import stdlib_corpus
+from bamboo.rc.device import resolve_device
+from bamboo.rc.model import GPTSize
 from bamboo.schedule import Costs, StageCost, one_f_one_b, simulate
 from torch.distributed import TCPStore
 
-VARIANTS = ("deepspeed", "none", "lflb", "eflb", "efeb")
-
-
-def _peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _config(micro_batches: int, micro_batch_size: int, torch_adam: bool = False) -> dict[str, Any]:
-    """The run's DeepSpeed config. ``torch_adam``: DeepSpeed's engine steps with torch's AdamW (the same math)
-    instead of its FusedAdam, a JIT-compiled op that the first run on a CPU machine spends about a minute
-    building; bamboo's engine reads the key and uses its own AdamW either way."""
-    params: dict[str, Any] = {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}
-    if torch_adam:
-        params["torch_adam"] = True
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": micro_batches,
-        "optimizer": {"type": "AdamW", "params": params},
-        "gradient_clipping": 1.0,
-    }
-
-
-def _deepspeed_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int,
-                      device: str) -> dict[str, Any]:
-    if device != "cpu":  # DeepSpeed picks its accelerator at import: a GPU one here (never in the parent)
-        os.environ["DS_ACCELERATOR"] = "cuda"
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-
-    local_rank = rank % max(1, torch.cuda.device_count()) if device != "cpu" else rank
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    specs = gpt_layer_specs(size)
-    # "uniform" splits the layer count evenly; the bamboo variants are given the same stage bounds.
-    module = PipelineModule(layers=specs, num_stages=2, loss_fn=lm_loss, partition_method="uniform")
-    ds_config = {**config, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    engine, *_ = deepspeed.initialize(model=module, config=ds_config, model_parameters=module.parameters())
-    sampler = GlobalBatchSampler(config["train_micro_batch_size_per_gpu"], size.sequence)
-    data = pipeline_data_iter(sampler, 0, config["gradient_accumulation_steps"])
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        engine.train_batch(data_iter=data)
-        times.append(time.perf_counter() - started)
-    peak = torch.cuda.max_memory_allocated() if device != "cpu" else 0
-    return {"times": times, "stash": 0, "rss": _peak_rss_mib(), "kinds": {}, "device_peak": peak}
+_config = deepspeed_config  # the name bench_control_cost.py uses
 
 
 def _link_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -127,105 +74,7 @@ def _link_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], st
             rounds.append((time.perf_counter() - started) / 2)
         result[name] = statistics.median(rounds[2:]) * 1e3
     result["activation_mb"] = activation.numel() * activation.element_size() / 2**20
-    return {"times": [0.0], "stash": 0, "rss": _peak_rss_mib(), "kinds": {}, "link": result}
-
-
-def _uniform_bounds(layer_count: int, stages: int) -> tuple[tuple[int, int], ...]:
-    """DeepSpeed's "uniform" partition as stage bounds, so both engines run the very same layers per stage."""
-    from deepspeed.runtime.utils import partition_uniform
-
-    parts = partition_uniform(layer_count, stages)
-    return tuple(itertools.pairwise(parts))
-
-
-def _pin(rank: int) -> None:
-    """This worker on its own core (rank modulo the cores), as a GPU per node would give it its own device."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
-
-
-def _bamboo_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int, mode: str,
-                   device: str) -> dict[str, Any]:
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    specs = gpt_layer_specs(size)
-    engine = initialize(specs, config, mode, loss_fn=lm_loss, stages=2, rank=rank, world_size=2, store=store,
-                        job=f"bench-{mode}", stage_bounds=_uniform_bounds(len(specs), 2),
-                        device=resolve_device(device, local_rank=rank))
-    sampler = GlobalBatchSampler(config["train_micro_batch_size_per_gpu"], size.sequence)
-    data = pipeline_data_iter(sampler, 0, config["gradient_accumulation_steps"])
-    engine.executor.kind_seconds.clear()
-    times = []
-    for step in range(steps):
-        if step == 1:
-            engine.executor.kind_seconds.clear()  # the first step is warm-up
-        started = time.perf_counter()
-        engine.train_batch(data)
-        times.append(time.perf_counter() - started)
-    engine.finish()
-    kinds = {kind: seconds / max(1, steps - 1) for kind, seconds in engine.executor.kind_seconds.items()}
-    counts: dict[str, int] = {}
-    for instruction in engine.executor.schedule.streams[engine.executor.node]:
-        counts[instruction.kind.value] = counts.get(instruction.kind.value, 0) + 1
-    stash = engine.executor.stash
-    return {"times": times, "stash": stash.peak_bytes, "rss": _peak_rss_mib(), "kinds": kinds,
-            "counts": counts, "sync_bytes": engine.executor.sync_bytes / steps,
-            "device_peak": peak_memory_bytes(engine.executor.device) or 0,
-            "swapped_per_step": stash.swapped_bytes_total / steps, "stash_device_peak": stash.device_peak_bytes}
-
-
-class VariantFailed(RuntimeError):
-    """A variant's workers failed (its first error line says why)."""
-
-
-def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int, pin: bool = True,
-                device: str = "cpu") -> list[dict[str, Any]]:
-    """Fork the two workers of one variant; returns their reports (VariantFailed when one fails)."""
-    with tempfile.TemporaryDirectory(prefix="bamboo-bench-") as out:
-        # Fork before the store (and its thread) exists; the workers read the port from a pipe.
-        port_reader, port_writer = os.pipe()
-        pids = []
-        for rank in range(2):
-            pid = os.fork()
-            if pid == 0:
-                code = 0
-                try:
-                    os.close(port_writer)
-                    port = int.from_bytes(os.read(port_reader, 8), "little")
-                    exact_mode()
-                    if pin:
-                        _pin(rank)
-                    if variant == "deepspeed":
-                        report = _deepspeed_worker(rank, port, size, config, steps, device)
-                    elif variant == "link":
-                        report = _link_worker(rank, port, size, config, steps)
-                    else:
-                        report = _bamboo_worker(rank, port, size, config, steps, variant, device)
-                    Path(out, f"{rank}.json").write_text(json.dumps(report))
-                except BaseException as exc:  # report and die without running destructors
-                    print(f"{variant} rank {rank}: {exc!r}", file=sys.stderr)
-                    Path(out, f"{rank}.error").write_text(f"{type(exc).__name__}: {exc}".splitlines()[0])
-                    code = 1
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            pids.append(pid)
-        os.close(port_reader)
-        store = None
-        if variant == "deepspeed":  # DeepSpeed's own init: its rank 0 hosts the store on a free port
-            port = free_port()  # below the ephemeral range: no outgoing connection takes it before rank 0 binds
-        else:
-            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=120))
-            port = store.port
-        os.write(port_writer, port.to_bytes(8, "little") * 2)
-        os.close(port_writer)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        del store
-        if any(codes):
-            errors = sorted(path.read_text() for path in Path(out).glob("*.error"))
-            raise VariantFailed(errors[0] if errors else f"exit statuses {codes}")
-        return [json.loads(Path(out, f"{rank}.json").read_text()) for rank in range(2)]
+    return {"times": [0.0], "stash": 0, "kinds": {}, "link": result}
 
 
 def _per_instruction_ms(worker: dict[str, Any], kind: str) -> float:
@@ -339,8 +188,7 @@ def _measure(args: argparse.Namespace, size: GPTSize, config: dict[str, Any], m:
                 failed[variant] = str(exc)
                 print(f"  M={m} {variant}: cannot run here: {exc}", flush=True)
                 continue
-            per_iteration = [max(a, b) for a, b in zip(workers[0]["times"][1:], workers[1]["times"][1:], strict=True)]
-            samples[variant].append(statistics.median(per_iteration))
+            samples[variant].append(iteration_s(workers))
             reports[variant].append(workers)
             print(f"  M={m} repeat {repeat + 1}/{args.repeats} {variant}: {samples[variant][-1] * 1e3:.1f} ms",
                   flush=True)
@@ -387,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"load_average": os.getloadavg()[0], "pinned": args.pin, "device": args.device}
     for m in args.micro_batches:
         config = _config(m, args.micro_batch_size, args.torch_adam)
-        link = run_variant("link", size, config, args.steps, args.pin)[0]["link"]
+        link = run_variant("link", size, config, args.steps, args.pin,
+                           worker=functools.partial(_link_worker, size=size, config=config, steps=args.steps))[0]["link"]
         samples, reports, failed = _measure(args, size, config, m)
         ran = [v for v in args.variants if v not in failed]
         predicted: dict[str, dict[str, float]] = {}

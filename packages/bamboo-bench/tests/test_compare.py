@@ -20,16 +20,19 @@ from bamboo.bench.measured.compare import (
     Comparison,
     SystemResult,
     _long_run,
+    bamboo_mode,
     full_scale_profile,
     prepare_trace,
     simulation_trace,
     window_figures,
 )
 from bamboo.bench.measured.options import CompareError, CompareOptions, parse_systems
+from bamboo.bench.measured.steady import SteadySteps, steady_step_ms
 from bamboo.bench.preemptions import PreemptionsError
 from bamboo.bench.profile import ModelProfile
-from bamboo.bench.simulator import Policy, Strategy, simulate_run
+from bamboo.bench.simulator import Policy, RunResult, Strategy, simulate_run
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
+from bamboo.launch.events import EventLog, RedundancyChoice, Step
 from rich.console import Console
 
 
@@ -120,20 +123,23 @@ def test_full_scale_profile_keeps_the_rate_per_pipeline(tiny_profile: ModelProfi
     assert big.on_demand_nodes == 32 and big.on_demand_samples_per_second == pytest.approx(48.0)
 
 
+def _result(tmp_path: Path, system: str, predicted: RunResult, throughput: float = 1.0,
+            value: float = 1.0) -> SystemResult:
+    return SystemResult(system=system, throughput=throughput, node_hours=0.1, avg_nodes=4.0, cost=0.1,
+                        cost_per_hour=4.0, value=value, redone_steps=2, lost_s=3.0, steps=10, duration_s=90.0,
+                        price=1.0, profile=tmp_path / f"{system}.json", run_dir=tmp_path / system,
+                        simulate_command=("x",), predicted=predicted, measured={}, timeline={})
+
+
 def test_records_carry_the_contract_keys_and_ratios(tmp_path: Path, tiny_profile: ModelProfile) -> None:
     trace = Trace.from_events("t", [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)],
                               duration_s=100.0)
     predicted = simulate_run(trace, tiny_profile, Strategy.BAMBOO, policy=Policy(), target_samples=math.inf,
                              until_s=100.0)
 
-    def result(system: str, throughput: float, value: float) -> SystemResult:
-        return SystemResult(system=system, throughput=throughput, node_hours=0.1, avg_nodes=4.0, cost=0.1,
-                            cost_per_hour=4.0, value=value, redone_steps=2, lost_s=3.0, steps=10, duration_s=90.0,
-                            price=1.0, profile=tmp_path / f"{system}.json", run_dir=tmp_path, simulate_command=("x",),
-                            predicted=predicted, measured={}, timeline={})
-
-    results = {"bamboo": result("bamboo", 8.0, 2.0), "checkpoint": result("checkpoint", 2.0, 0.5),
-               "on-demand": result("on-demand", 10.0, 1.0)}
+    results = {"bamboo": _result(tmp_path, "bamboo", predicted, 8.0, 2.0),
+               "checkpoint": _result(tmp_path, "checkpoint", predicted, 2.0, 0.5),
+               "on-demand": _result(tmp_path, "on-demand", predicted, 10.0, 1.0)}
     comparison = Comparison(options=_options(tmp_path), trace=trace, results=results, long_run=None)
     records = comparison.records()
     assert [r["system"] for r in records] == ["bamboo", "checkpoint", "on-demand"]
@@ -162,11 +168,12 @@ def test_the_long_run_command_reproduces_the_long_run(tmp_path: Path, tiny_profi
     events.append(TraceEvent(1800.0, EventKind.REMOVE, "n0", "a"))
     trace_file = tmp_path / "long.csv"
     write_generic_csv(Trace.from_events("long", events, duration_s=3600.0), trace_file)
-    profile_file = tmp_path / "bamboo.json"
-    profile_file.write_text(json.dumps(tiny_profile.to_dict()))
+    (tmp_path / "bamboo.json").write_text(json.dumps(tiny_profile.to_dict()))
     options = _options(tmp_path, stages=4, pipelines=1, long_run=trace_file)
     (options.out / "profiles").mkdir(parents=True)  # run_compare makes it before the runs
-    long_run = _long_run(options, {"bamboo": profile_file})
+    predicted = simulate_run(load_trace(trace_file), tiny_profile, Strategy.BAMBOO, policy=Policy(),
+                             target_samples=math.inf, until_s=100.0)
+    long_run = _long_run(options, {"bamboo": _result(tmp_path, "bamboo", predicted)}, None)
     assert long_run.pipelines == 1 and long_run.results["bamboo"].nodes == pytest.approx(5.5)
     comparison = Comparison(options=options, trace=load_trace(trace_file), results={}, long_run=long_run)
     console = Console(width=400, record=True)
@@ -179,3 +186,66 @@ def test_the_long_run_command_reproduces_the_long_run(tmp_path: Path, tiny_profi
     printed = json.loads(capsys.readouterr().out)
     assert printed["nodes"] == pytest.approx(5.5)
     assert printed["throughput"] == pytest.approx(long_run.results["bamboo"].throughput)
+
+
+def _write_bamboo_run(run_dir: Path, modes: dict[int, str], steps_per_generation: dict[int, int]) -> None:
+    run_dir.mkdir(parents=True)
+    log = EventLog(run_dir / "events.jsonl")
+    for generation, mode in modes.items():
+        log.write(RedundancyChoice(t=0.0, generation=generation, mode=mode, reason="test",
+                                   lost_s_per_hour={mode: 1.0}, step_s=0.1, preemptions_per_node_hour=0.3))
+    step = 0
+    for generation, count in steps_per_generation.items():
+        for _ in range(count):
+            log.write(Step(t=float(step), step=step, samples=8, loss=1.0, nodes_active=4, duration_s=0.1,
+                           generation=generation))
+            step += 1
+    log.close()
+
+
+def test_the_bamboo_run_s_mode_is_the_one_most_of_its_steps_trained_with(tmp_path: Path) -> None:
+    _write_bamboo_run(tmp_path / "run", {0: "eflb", 1: "lflb"}, {0: 2, 1: 5})
+    assert bamboo_mode(tmp_path / "run", "auto") == "lflb"
+    assert bamboo_mode(tmp_path / "run", "efeb") == "efeb"  # a fixed mode is the mode
+
+
+def test_the_long_run_scales_one_measured_step_by_the_fault_free_ratios(tmp_path: Path,
+                                                                         tiny_profile: ModelProfile) -> None:
+    """on-demand measured 1,000 ms with 2 pipelines (the tiny profile); one core per stage, none took 25 ms,
+    DeepSpeed 20 ms and lflb 30 ms: checkpoint/restart's full-scale step is 800 ms and bamboo's 1,200 ms."""
+    events = [TraceEvent(0.0, EventKind.ADD, f"n{i}", "ab"[i % 2]) for i in range(8)]
+    trace_file = tmp_path / "long.csv"
+    write_generic_csv(Trace.from_events("long", events, duration_s=3600.0), trace_file)
+    options = _options(tmp_path, nodes=8, stages=4, pipelines=2, long_run=trace_file)
+    (options.out / "profiles").mkdir(parents=True)
+    predicted = simulate_run(load_trace(trace_file), tiny_profile, Strategy.BAMBOO, policy=Policy(),
+                             target_samples=math.inf, until_s=100.0)
+    results = {}
+    for system in ("bamboo", "checkpoint", "on-demand"):
+        (tmp_path / f"{system}.json").write_text(json.dumps(tiny_profile.to_dict()))
+        results[system] = _result(tmp_path, system, predicted)
+    _write_bamboo_run(tmp_path / "bamboo", {0: "lflb"}, {0: 3})
+    steady = SteadySteps(ms={"deepspeed": 20.0, "none": 25.0, "lflb": 30.0}, stages=2, cores=2,
+                         command=("-m", "bamboo.bench.measured.steady"))
+    long_run = _long_run(options, results, steady)
+    assert long_run.step_ms == pytest.approx({"bamboo": 1200.0, "checkpoint": 800.0, "on-demand": 1000.0})
+    assert any("one core per stage" in note for note in long_run.notes)
+    slower = _long_run(attrs.evolve(options, steady=False), results, None)  # the emulated runs' own steps
+    assert slower.step_ms == pytest.approx({"bamboo": 1000.0, "checkpoint": 1000.0, "on-demand": 1000.0})
+    assert long_run.results["checkpoint"].throughput > slower.results["checkpoint"].throughput
+
+
+def test_the_fault_free_steps_are_measured_in_a_process_of_their_own(tmp_path: Path) -> None:
+    steady = steady_step_ms(["deepspeed", "none"], layers=2, stages=2, out=tmp_path, steps=2, repeats=1)
+    assert set(steady.ms) == {"deepspeed", "none"} and all(ms > 0 for ms in steady.ms.values())
+    assert steady.stages == min(2, steady.cores) and "bamboo.bench.measured.steady" in steady.command
+    assert "none" in (tmp_path / "steady.log").read_text()
+
+
+def test_the_fault_free_measurement_names_a_bad_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    from bamboo.bench.measured.steady import main as steady_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        steady_main(["--variants", "deepspeed,fast"])
+    assert exit_info.value.code == 2
+    assert "--variants takes some of deepspeed, none, lflb, eflb, efeb, got 'deepspeed,fast'" in capsys.readouterr().err

@@ -34,6 +34,7 @@ __all__ = [
     "MEASURE_STATUS_S",
     "MEASURE_TTL_S",
     "MEASURE_WARM_POLL_S",
+    "STEADY_TIMEOUT_S",
 ]
 
 # ---- the simulator's defaults (the paper's figures) -------------------------------------------------------
@@ -54,6 +55,10 @@ CHECKPOINT_INTERVAL_S = 1800.0
 
 COMPARE_TIMEOUT_S = 1800.0
 """How long one system's run of ``bamboo-bench compare`` (or ``measure``) may take (``--timeout``)."""
+
+STEADY_TIMEOUT_S = 600.0
+"""How long ``compare --long-run``'s fault-free measurement one core per stage
+(:mod:`bamboo.bench.measured.steady`) may take."""
 
 MEASURE_TTL_S = 10
 """The lease TTL of a measured bamboo run (``bamboo-bench measure --ttl``): longer than ``bamboo-launch run``'s,

@@ -120,6 +120,11 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
                          "paper's EC2 p3 trace)")
     compare.add_argument("--long-run-nodes", type=positive_int, metavar="N",
                          help="nodes of the full-scale cluster (default: the long-run trace's peak)")
+    compare.add_argument("--steady", action=argparse.BooleanOptionalAction, default=default_of(CompareOptions, "steady"),
+                         help="with --long-run: measure each system's fault-free step one core per stage "
+                         "(python -m bamboo.bench.measured.steady) and scale one measured step by those ratios, "
+                         "instead of the emulated runs' steps, which share this machine's cores between every node "
+                         "(default: on)")
 
 
 def _add_prices(parser: argparse.ArgumentParser, options: type) -> None:
@@ -231,7 +236,8 @@ def _run_compare(args: argparse.Namespace, console: Console, out: Console) -> in
         out=args.out or Path(), steps=args.steps, duration_s=args.duration, systems=parse_systems(args.systems),
         time_scale=args.time_scale, hours=args.hours, seed=args.seed, zones=args.zones, spot_price=args.spot_price,
         on_demand_price=args.on_demand_price, layers=args.layers, script=tuple(getattr(args, "script", ()) or ()),
-        timeout_s=args.timeout, long_run=args.long_run, long_run_nodes=args.long_run_nodes, redundancy=args.redundancy)
+        timeout_s=args.timeout, long_run=args.long_run, long_run_nodes=args.long_run_nodes, redundancy=args.redundancy,
+        steady=args.steady)
     if args.out is None:  # a new folder only once the options hold: a refused command leaves nothing behind
         options = attrs.evolve(options, out=default_out())
     console.print(f"compare: files in {options.out}")

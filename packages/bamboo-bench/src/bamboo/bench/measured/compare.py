@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -45,10 +46,12 @@ from typing import IO, Any
 import attrs
 from bamboo.bench.loaders import load_trace, write_generic_csv
 from bamboo.bench.measured.options import CompareError, CompareOptions
+from bamboo.bench.measured.steady import VARIANTS, SteadySteps, steady_step_ms
 from bamboo.bench.preemptions import load_preemptions
 from bamboo.bench.profile import ModelProfile, load_profile
 from bamboo.bench.simulator import Policy, RunResult, Strategy, simulate_run
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
+from bamboo.launch.events import RedundancyChoice, Step, read_events
 
 __all__ = [
     "Comparison",
@@ -149,6 +152,10 @@ class LongRun:
     results: dict[str, RunResult]
     profiles: dict[str, Path]
     notes: tuple[str, ...]
+    steady: SteadySteps | None = None
+    """The fault-free steps one core per stage that set the full-scale step times (None: the emulated runs')."""
+    step_ms: dict[str, float] = attrs.Factory(dict)
+    """Each system's full-scale step with every pipeline, in ms."""
 
 
 @attrs.frozen
@@ -190,7 +197,8 @@ class Comparison:
             if self.long_run is not None and name in self.long_run.results:
                 run = self.long_run.results[name]
                 record["long_run"] = {"throughput": run.throughput, "value": run.value, "nodes": run.nodes,
-                                      "cost_per_hour": run.cost_per_hour, "hours": run.duration_h}
+                                      "cost_per_hour": run.cost_per_hour, "hours": run.duration_h,
+                                      "step_ms": self.long_run.step_ms.get(name)}
             out.append(record)
         return out
 
@@ -296,20 +304,24 @@ def _predict(options: CompareOptions, system: str, trace: Trace, measured: Mappi
     return result, command, sim_file
 
 
-def full_scale_profile(profile: ModelProfile, pipelines: int, trace: Trace | None, name: str) -> ModelProfile:
+def full_scale_profile(profile: ModelProfile, pipelines: int, trace: Trace | None, name: str,
+                       step_ms: float | None = None, step_note: str | None = None) -> ModelProfile:
     """``profile`` at ``pipelines`` pipelines of the same depth: each pipeline keeps its share of the global batch
     (``samples_per_step`` grows by ``pipelines / D``), so a step with all of them takes the measured D-pipeline
     step time, and with ``d`` of them ``pipelines / d`` times that (the global batch stays; pipeline fill is
     not modelled); on-demand runs ``pipelines`` pipelines at the same rate per pipeline. The timing constants
     stay as measured, except the interval between synchronous checkpoints (``checkpoint_s > 0``), which Young's
-    rule sets again for ``trace``'s mean time between interruptions (its kills and later additions)."""
+    rule sets again for ``trace``'s mean time between interruptions (its kills and later additions).
+    ``step_ms`` replaces the measured D-pipeline step (``step_note`` says where it comes from)."""
     base_d = profile.pipelines
-    step = profile.step_time_s(base_d) * 1000.0
+    step = profile.step_time_s(base_d) * 1000.0 if step_ms is None else step_ms
     factor = pipelines / base_d
     table = {(profile.stages, d): step * pipelines / d for d in range(1, pipelines + 1)}
     timing = profile.timing
     notes = [f"{profile.name} at full scale: {pipelines} pipelines of {profile.stages} (measured with {base_d}); "
              f"step with d pipelines = {step:.1f} ms x {pipelines}/d; samples per step x{factor:g}"]
+    if step_note is not None:
+        notes.append(step_note)
     if trace is not None and timing.checkpoint_s > 0:
         summary = trace.summary()
         interruptions = summary.preemptions + max(0, summary.adds - trace.alive_at_start())
@@ -327,26 +339,87 @@ def full_scale_profile(profile: ModelProfile, pipelines: int, trace: Trace | Non
     )
 
 
-def _long_run(options: CompareOptions, profiles: Mapping[str, Path]) -> LongRun:
+_STEADY_VARIANT = {"checkpoint": "deepspeed", "on-demand": "none"}
+"""The fault-free variant that trains as each baseline does (bamboo's is the mode its run used)."""
+
+
+def bamboo_mode(run_dir: Path, configured: str) -> str:
+    """The redundancy mode the bamboo run trained with: ``configured``, or under ``auto`` the mode in force for the
+    most of its steps (by their layout generation; ``none`` when no step says)."""
+    if configured != "auto":
+        return configured
+    events = read_events(run_dir / "events.jsonl")
+    modes = {event.generation: event.mode for event in events if isinstance(event, RedundancyChoice)}
+    counts = Counter(modes.get(event.generation, "none") for event in events if isinstance(event, Step))
+    return counts.most_common(1)[0][0] if counts else "none"
+
+
+def steady_steps(options: CompareOptions, results: Mapping[str, SystemResult]) -> SteadySteps | None:
+    """The systems' fault-free steps one core per stage (None when ``--no-steady`` or a script is trained)."""
+    if not options.steady or options.script:
+        return None
+    variants = {_STEADY_VARIANT.get(name) or bamboo_mode(result.run_dir, options.redundancy)
+                for name, result in results.items()}
+    ordered = [v for v in VARIANTS if v in variants | {"none"}]
+    return steady_step_ms(ordered, options.layers, options.stages, options.out)
+
+
+def full_scale_steps(options: CompareOptions, results: Mapping[str, SystemResult],
+                     steady: SteadySteps) -> dict[str, tuple[float, str]]:
+    """Each system's D-pipeline step for the long run, and where it comes from: one measured step (on-demand's,
+    the run that trained every pipeline without a failure, or else the first system's), and each system's ratio
+    to it one core per stage."""
+    variant = {name: _STEADY_VARIANT.get(name) or bamboo_mode(result.run_dir, options.redundancy)
+               for name, result in results.items()}
+    anchor = "on-demand" if "on-demand" in results else next(iter(results))
+    measured = load_profile(results[anchor].profile)
+    anchor_ms = measured.step_time_s(measured.pipelines) * 1000.0
+    out = {}
+    for name in results:
+        ratio = steady.ratio(variant[name], variant[anchor])
+        out[name] = (anchor_ms * ratio, (
+            f"step {anchor_ms * ratio:.1f} ms: {anchor}'s measured {anchor_ms:.1f} ms x {ratio:.3f}, {variant[name]} "
+            f"against {variant[anchor]} fault-free one core per stage ({steady.ms[variant[name]]:.2f} against "
+            f"{steady.ms[variant[anchor]]:.2f} ms, P={steady.stages} D=1: {' '.join(steady.command)})"))
+    return out
+
+
+def _long_run(options: CompareOptions, results: Mapping[str, SystemResult], steady: SteadySteps | None) -> LongRun:
     assert options.long_run is not None
     trace = load_trace(options.long_run)
     summary = trace.summary()
     nodes = options.long_run_nodes or summary.max_alive
     pipelines = max(1, nodes // options.stages)
-    results: dict[str, RunResult] = {}
+    runs: dict[str, RunResult] = {}
     written: dict[str, Path] = {}
     notes = [f"the profiles measured here at {pipelines} pipelines of {options.stages} ({pipelines * options.stages} "
              f"nodes) on {trace.name} ({summary.duration_h:.2f} h, peak {summary.max_alive} nodes), uncompressed",
              "instance creation is the measured process start; a cloud VM's boot time (the paper's 45 s) is not in it"]
-    for system, path in profiles.items():
-        profile = full_scale_profile(load_profile(path), pipelines, trace, f"{system}-full-scale")
+    if steady is None:
+        notes.append("step times: each emulated run's own, with every node of the cluster sharing this machine's "
+                     "cores")
+    else:
+        notes.append(f"step times: the systems' ratios measured fault-free one core per stage (P={steady.stages}, D=1,"
+                     f" on {steady.cores} cores: " + ", ".join(f"{v} {ms:.2f} ms" for v, ms in steady.ms.items())
+                     + "), applied to one measured step (the emulated runs share the cores between all their nodes, "
+                     "which a GPU per node does not)")
+    steps = full_scale_steps(options, results, steady) if steady is not None else {}
+    step_ms: dict[str, float] = {}
+    for system, result in results.items():
+        override, note = steps.get(system, (None, None))
+        profile = full_scale_profile(load_profile(result.profile), pipelines, trace, f"{system}-full-scale",
+                                     step_ms=override, step_note=note)
+        step_ms[system] = profile.step_time_s(pipelines) * 1000.0
+        if note is not None:
+            notes.append(f"{system}: {note}")
         target = options.out / "profiles" / f"{system}-full-scale.json"
         target.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
         written[system] = target
-        results[system] = simulate_run(trace, profile, _STRATEGY[system], policy=Policy(), target_samples=math.inf,
-                                       until_s=trace.duration_s, record=True)
+        runs[system] = simulate_run(trace, profile, _STRATEGY[system], policy=Policy(), target_samples=math.inf,
+                                    until_s=trace.duration_s, record=True)
     return LongRun(trace=str(options.long_run), nodes=pipelines * options.stages, pipelines=pipelines,
-                   hours=summary.duration_h, results=results, profiles=written, notes=tuple(notes))
+                   hours=summary.duration_h, results=runs, profiles=written, notes=tuple(notes), steady=steady,
+                   step_ms=step_ms)
 
 
 def run_compare(options: CompareOptions, status: Callable[[str], None] | None = None) -> Comparison:
@@ -380,7 +453,9 @@ def run_compare(options: CompareOptions, status: Callable[[str], None] | None = 
         say(f"{system} done: {report['steps']} steps, {throughput:.2f} samples/s")
     long_run = None
     if options.long_run is not None:
-        long_run = _long_run(options, {name: result.profile for name, result in results.items()})
+        if options.steady and not options.script:
+            say("measuring every system's fault-free step one core per stage (for the long run)")
+        long_run = _long_run(options, results, steady_steps(options, results))
     return Comparison(options=options, trace=trace, results=results, long_run=long_run)
 
 

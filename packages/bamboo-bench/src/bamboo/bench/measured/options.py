@@ -99,6 +99,9 @@ class CompareOptions:
     long_run_nodes: int | None = attrs.field(default=None, validator=_WHOLE)
     redundancy: str = attrs.field(default=BAMBOO_REDUNDANCY, validator=attrs.validators.in_(REDUNDANCY))
     """The ``bamboo`` system's ``--redundancy`` (``auto`` chooses per generation)."""
+    steady: bool = True
+    """With ``long_run``: the full-scale step times from a fault-free measurement one core per stage
+    (:mod:`bamboo.bench.measured.steady`) instead of the emulated runs' own (``--no-steady``)."""
 
     def __attrs_post_init__(self) -> None:
         _check_length(self.steps, self.duration_s)

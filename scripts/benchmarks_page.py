@@ -38,6 +38,12 @@ COMMANDS = {
                       "each ratio taken within one seed before the median.",
                       "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c "
                       "--time-scale 60 --nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 --seeds 3 --json"),
+    "compare_long_run": ("The same comparison, and its measured profiles at full scale on the paper's EC2 p3 trace "
+                         "uncompressed (`long_run` of each system), with step times from a fault-free measurement one "
+                         "core per stage.",
+                         "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c "
+                         "--time-scale 60 --nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 "
+                         "--long-run ../shared/traces/bamboo/p3-trace.csv --json"),
     "demo": ("The main job of `make demo`: 8 emulated spot nodes, P = 4, D = 2, synthetic preemptions, failovers "
              "and reconfigurations, checked bit for bit against a fault-free run.",
              "bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps 500 --preemptions "

@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2 or args.repeats < 1 or args.stages < 1 or args.layers < 1:
         parser.error(f"--steps must be >= 2, --repeats, --stages and --layers >= 1; got {args.steps}, "
                      f"{args.repeats}, {args.stages} and {args.layers}")
-    import deepspeed  # noqa: F401  (imported once here, inherited by the forked workers)
+    if "deepspeed" in variants:
+        import deepspeed  # noqa: F401  (imported once here, inherited by the forked workers)
     from bamboo.launch.example import EXAMPLE_CONFIG
     from bamboo.rc.model import GPTSize
     from bamboo.rc.worker import exact_mode

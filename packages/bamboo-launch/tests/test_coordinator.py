@@ -36,6 +36,7 @@ class FakeDetector:
         self.sweeps: list[tuple[list[str], str]] = []
         self.confirm_on_sweep: list[str] = []
         self.others_confirm_on_sweep: list[str] = []  # confirmed by other detectors while the sweep ran
+        self.dead: set[str] = set()  # confirmed by a sweep that probes them, and only then
         self.membership: MembershipStore | None = None
         self.following: list[int | None] = []  # the since_revision of each follow_membership
         self.listeners: list[Any] = []  # of the failures it confirms
@@ -70,8 +71,11 @@ class FakeDetector:
             self.membership.report_failure(FailureReport(node=node, epoch=0, reason="swept"))
         for node in self.others_confirm_on_sweep:
             self.membership.report_failure(FailureReport(node=node, epoch=0, reason="probe refused"))
-        return SweepResult(confirmed=tuple(sorted(self.confirm_on_sweep)),
-                           alive=tuple(sorted(set(nodes) - set(self.confirm_on_sweep))))
+        found = self.dead & set(nodes)
+        for node in sorted(found):
+            self.membership.report_failure(FailureReport(node=node, epoch=0, reason="probe refused"))
+        confirmed = set(self.confirm_on_sweep) | found
+        return SweepResult(confirmed=tuple(sorted(confirmed)), alive=tuple(sorted(set(nodes) - confirmed)))
 
 
 class FakeAgent:
@@ -236,10 +240,35 @@ def test_after_a_failure_is_published_the_waiting_nodes_of_its_zone_are_swept(me
     assert published_events(membership, 0) == {1: FailureEvent(1, [ranks["n3"]])}
     assert agent.detector.sweeps == [
         (["n2"], "swept after a confirmed failure in the layout"),  # its pipeline, before the event
-        (["s4"], "swept: waiting in the zone of a failure"),  # after it
+        (["s4"], "swept: in the zone of a failure"),  # after it
     ]
     coordinator.round()  # nothing new: no sweep again
     assert len(agent.detector.sweeps) == 2
+
+
+def test_a_node_of_another_pipeline_in_the_zone_of_a_failure_is_swept_and_its_failure_published_at_once(
+    membership: MembershipStore,
+) -> None:
+    """Between two layouts no data flows, so a node of the other pipeline killed with its zone has nobody to
+    notice it: the zone's sweep after the event finds it (here the coordinator, s9, is outside the layout)."""
+    spec = _spec(membership.keys.job)
+    coordinator, agent, _events = _coordinator(membership, "s9", "d", spec)
+    for node, zone in (("n0", "a"), ("n1", "b"), ("n2", "c"), ("n3", "a")):
+        FakeAgent(membership, node, zone)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    assert membership.put_layout(layout.to_dict(), 0) is not None
+    assert layout.owners == (("n0", "n1"), ("n3", "n2"))
+    ranks = dict(layout.ranks)
+    membership.report_failure(FailureReport(node="n0", epoch=0, reason="probe refused"))  # zone a, pipeline 0
+    agent.detector.dead = {"n3"}  # zone a, pipeline 1: killed with it
+    coordinator.round()
+    assert agent.detector.sweeps == [
+        (["n1"], "swept after a confirmed failure in the layout"),  # its pipeline, before the event
+        (["n3"], "swept: in the zone of a failure"),  # its zone, after it
+        (["n2"], "swept after a confirmed failure in the layout"),  # n3's pipeline, before n3's event
+    ]
+    assert published_events(membership, 0) == {1: FailureEvent(1, [ranks["n0"]]),
+                                              2: FailureEvent(2, [ranks["n3"]])}
 
 
 class CountingPrefixReads:
@@ -291,7 +320,8 @@ def test_a_new_coordinator_carries_on_without_publishing_twice(membership: Membe
     events = published_events(membership, 0)
     assert [event.victims for _, event in sorted(events.items())] == [(layout.ranks["n2"],), (layout.ranks["n0"],)]
     assert [e.node for e in new_events.written] == ["n0"]  # n2's preemption was recorded by the old one
-    assert new_agent.detector.sweeps == []  # n0's pipeline holds only the new coordinator itself
+    # n0's pipeline holds only the new coordinator itself; n0's zone, n3 (of the other pipeline, alive)
+    assert new_agent.detector.sweeps == [(["n3"], "swept: in the zone of a failure")]
 
 
 def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(membership: MembershipStore) -> None:

@@ -354,14 +354,18 @@ def bamboo_mode(run_dir: Path, configured: str) -> str:
     return counts.most_common(1)[0][0] if counts else "none"
 
 
+def system_variants(options: CompareOptions, results: Mapping[str, SystemResult]) -> dict[str, str]:
+    """Each system's fault-free variant: what its runs trained (:data:`_STEADY_VARIANT`, or bamboo's mode)."""
+    return {name: _STEADY_VARIANT.get(name) or bamboo_mode(result.run_dir, options.redundancy)
+            for name, result in results.items()}
+
+
 def steady_steps(options: CompareOptions, results: Mapping[str, SystemResult]) -> SteadySteps | None:
     """The systems' fault-free steps one core per stage (None when ``--no-steady`` or a script is trained)."""
     if not options.steady or options.script:
         return None
-    variants = {_STEADY_VARIANT.get(name) or bamboo_mode(result.run_dir, options.redundancy)
-                for name, result in results.items()}
-    ordered = [v for v in VARIANTS if v in variants | {"none"}]
-    return steady_step_ms(ordered, options.layers, options.stages, options.out)
+    variants = set(system_variants(options, results).values()) | {"none"}
+    return steady_step_ms([v for v in VARIANTS if v in variants], options.layers, options.stages, options.out)
 
 
 def full_scale_steps(options: CompareOptions, results: Mapping[str, SystemResult],
@@ -369,8 +373,7 @@ def full_scale_steps(options: CompareOptions, results: Mapping[str, SystemResult
     """Each system's D-pipeline step for the long run, and where it comes from: one measured step (on-demand's,
     the run that trained every pipeline without a failure, or else the first system's), and each system's ratio
     to it one core per stage."""
-    variant = {name: _STEADY_VARIANT.get(name) or bamboo_mode(result.run_dir, options.redundancy)
-               for name, result in results.items()}
+    variant = system_variants(options, results)
     anchor = "on-demand" if "on-demand" in results else next(iter(results))
     measured = load_profile(results[anchor].profile)
     anchor_ms = measured.step_time_s(measured.pipelines) * 1000.0

@@ -325,6 +325,31 @@ def test_a_new_coordinator_carries_on_without_publishing_twice(membership: Membe
     assert new_agent.detector.sweeps == []  # n0's pipeline holds only the new coordinator itself; zone a lost one
 
 
+def test_a_new_coordinator_records_the_layout_s_nodes_lost_before_it_followed_the_membership(
+    membership: MembershipStore,
+) -> None:
+    """A bulk kill took the coordinator and n2 (whose lease expired before the next coordinator followed the
+    membership, and with no neighbour left to report it) and n3, which had handed its stage over after a notice:
+    the next coordinator records n2's loss once, and neither n3's (it recorded its own) nor a live node's."""
+    spec = _spec(membership.keys.job)
+    old, old_agent, old_events = _coordinator(membership, "n0", "a", spec)
+    new, _new_agent, new_events = _coordinator(membership, "n1", "b", spec)
+    others = {node: FakeAgent(membership, node, zone) for node, zone in (("n2", "c"), ("n3", "a"))}
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    membership.put_layout(layout.to_dict(), 0)
+    assert old.round() and not new.round()
+    membership.decide("handover-n3", {"v": 1, "node": "n3"})
+    for agent in (others["n2"], others["n3"]):
+        membership.kv.revoke_lease(agent.registration.lease_id)
+    membership.kv.revoke_lease(old_agent.registration.lease_id)  # the coordinator too, never reported
+    assert new.round()
+    assert [(e.node, e.zone) for e in new_events.written] == [("n0", "a"), ("n2", "c")]
+    assert membership.get_decision("preempted-n2").value["reason"] == (
+        "its lease expired before this coordinator took over")
+    assert new.round() and len(new_events.written) == 2  # once per election
+    assert old_events.written == []
+
+
 def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(membership: MembershipStore) -> None:
     """Every node of the layout gone, no in-memory copy and no checkpoint: the job does not end; once warm nodes
     can form a pipeline, the coordinator starts it over from its seeded initial state (step 0)."""

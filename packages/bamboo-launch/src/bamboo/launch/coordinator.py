@@ -17,9 +17,12 @@ carries on where the old one stopped. Its duties:
   a node), then publishes one :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
   ``g<generation>-epoch-<n>`` (:func:`bamboo.launch.notices.publish_failure_event`). A node confirmed later is
   a second failure, which the runtime survives. No batching window: the runtime acts within milliseconds.
-  Then it probes the waiting nodes of the victims' zones (:mod:`bamboo.launch.coordinator_failures`).
+  Then it probes the victims' zones: their waiting nodes, and the layout's nodes of a zone that lost two
+  (:mod:`bamboo.launch.coordinator_failures`).
 - **Preemption records.** Once per lost node (decision ``preempted-<node>``), confirmed or gone with a
-  whole layout before any probe reported it, a ``preemption`` event for the report (billing stops).
+  whole layout before any probe reported it, a ``preemption`` event for the report (billing stops). A newly
+  elected coordinator also records the layout's nodes that had left the membership unreported before it
+  followed it (a bulk kill that took the coordinator and a node's neighbours too).
 - **The first layout.** As soon as the job's spec asks for it (``min_nodes`` registered, P x D by
   default), it places the registered nodes with :func:`bamboo.reconfig.plan_layout` and writes
   generation 0 with compare-and-swap (only when there is no layout yet). Nodes that register later wait
@@ -118,6 +121,7 @@ class Coordinator(FailurePublisher):
         self._news = True  # woken by something that may have changed the failure reports (not a registration)
         self._stop = threading.Event()
         self._preempted: set[str] = set()
+        self._catch_up = False  # elected: the layout's nodes lost before this agent followed the membership
         self._zones: dict[str, str] = {}
         self._leader_key: WatchedKey | None = None  # once started
         self._vacated_at: int | None = None  # the revision at which the last holder's key went
@@ -209,6 +213,7 @@ class Coordinator(FailurePublisher):
 
         if self._layout_key is not None:
             return
+        self._catch_up = True
         if self.agent.detector is not None:
             self.agent.detector.follow_membership(since_revision=self._vacated_at)
         self._layout_key = WatchedKey(self.membership.kv, self.membership.keys.layout, on_change=lambda _: self.wake())
@@ -253,9 +258,27 @@ class Coordinator(FailurePublisher):
             self._events_of(layout.generation)  # read ahead of the first failure of a new generation
         if reports:
             self._publish_failures()
+            self._catch_up_lost(layout)
         self.registered_zones()  # remembered while they are alive, once per membership version
         self._orphaned_layout()
         return True
+
+    def _catch_up_lost(self, layout: JobLayout | None) -> None:
+        """Once per election, after the failures known were published: a node of the current layout that is
+        neither registered nor reported left the membership before this agent followed it (its lease expired
+        while its killed coordinator no longer watched, and no neighbour of it was left to report it). It gets its
+        preemption record now; a node that handed its stage over after a notice recorded its own."""
+        if not self._catch_up or layout is None:
+            return
+        self._catch_up = False
+        if self._end_key is not None and self._end_key.value is not None:
+            return  # the job ended: its nodes leave on purpose
+        registered = self.membership.list_nodes(skip_malformed=True)  # read now: a view may predate the following
+        for node in sorted(layout.ranks):
+            if node in registered or node in self._preempted or node == self.node:
+                continue
+            if self.membership.get_decision(f"handover-{node}") is None:
+                self._confirm_lost(node, "its lease expired before this coordinator took over")
 
     def _loop(self) -> None:
         polled = True

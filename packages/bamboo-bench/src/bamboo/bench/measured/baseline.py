@@ -35,6 +35,7 @@ __all__ = [
     "restart_costs",
     "trace_interruptions",
     "usable_pipelines",
+    "with_torch_adam",
 ]
 
 SPEC_ENV = "BAMBOO_BASELINE_SPEC"
@@ -75,6 +76,17 @@ class CheckpointInterval:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CheckpointInterval:
         return cls(**dict(data))
+
+
+def with_torch_adam(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with DeepSpeed's Adam(W) stepped by torch's (``torch_adam``: the same math): DeepSpeed's FusedAdam
+    is a JIT-compiled op on CPU that takes seconds to load in every restarted worker (and about a minute to build
+    the first time). Any other optimizer is left as it is."""
+    out = dict(config)
+    optimizer = out.get("optimizer")
+    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        out["optimizer"] = {**optimizer, "params": {**optimizer.get("params", {}), "torch_adam": True}}
+    return out
 
 
 def checkpoint_interval(checkpoint_cost_s: float, mtbf_s: float | None, step_time_s: float,

@@ -89,7 +89,7 @@ def _redone_steps(events: Path, loaded_step: int) -> int:
 
 def train(spec: BaselineSpec) -> int:
     """Run this rank's part of the job (see the module docstring); the exit status."""
-    from bamboo.bench.measured.baseline import checkpoint_interval, usable_pipelines
+    from bamboo.bench.measured.baseline import checkpoint_interval, usable_pipelines, with_torch_adam
     from bamboo.launch.events import Checkpoint, EventLog, Restore, Step
     from bamboo.launch.example import example_program
 
@@ -123,11 +123,7 @@ def train(spec: BaselineSpec) -> int:
     config = {**spec.config, "gradient_accumulation_steps": per_pipeline, "steps_per_print": 10**9,
               "wall_clock_breakdown": False}
     config.pop("train_batch_size", None)
-    optimizer = config.get("optimizer")
-    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
-        # torch's Adam(W), the same math: DeepSpeed's FusedAdam is a JIT-compiled op on CPU that takes seconds
-        # to load in every restarted worker (and about a minute to build the first time).
-        config["optimizer"] = {**optimizer, "params": {**optimizer.get("params", {}), "torch_adam": True}}
+    config = with_torch_adam(config)
     engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
     built = time.time()
     stage, pipeline = engine.stage_id, engine.grid.data_parallel_id

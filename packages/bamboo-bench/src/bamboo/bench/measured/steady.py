@@ -294,14 +294,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.repeats}, {args.stages} and {args.layers}")
     if "deepspeed" in variants:
         import deepspeed  # noqa: F401  (imported once here, inherited by the forked workers)
+    from bamboo.bench.measured.baseline import with_torch_adam
     from bamboo.launch.example import EXAMPLE_CONFIG
     from bamboo.rc.model import GPTSize
     from bamboo.rc.worker import exact_mode
 
     exact_mode()  # its imports, before the fork
-    config = json.loads(args.config.read_text()) if args.config else dict(EXAMPLE_CONFIG)
-    if args.config is None:  # the baseline's own choice: torch's AdamW, not DeepSpeed's JIT-built FusedAdam
-        config["optimizer"] = {**config["optimizer"], "params": {**config["optimizer"]["params"], "torch_adam": True}}
+    # the example's config as the checkpoint/restart baseline trains it (torch's AdamW, not DeepSpeed's FusedAdam)
+    config = json.loads(args.config.read_text()) if args.config else with_torch_adam(EXAMPLE_CONFIG)
     size = GPTSize(layers=args.layers)
     print(f"steady: {', '.join(variants)}, P={args.stages} D=1, {args.steps} steps x {args.repeats} repeats, "
           f"{'each worker pinned to its own core' if args.pin else 'unpinned'}", flush=True)

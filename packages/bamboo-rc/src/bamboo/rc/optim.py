@@ -6,11 +6,16 @@ is 1.2 s of CPU in every process that trains, about a third of a worker's start,
 the path of every job start and of every replacement node's warm-up. Nothing here is compiled, so that
 import buys nothing.
 
-The update math is torch's single-tensor path (``foreach=False``, which bamboo always used), op for op
-and in the same order, so the parameters and the optimizer state are bit-equal to ``torch.optim``'s after
-any number of steps (``tests/test_optim.py`` holds that, against torch.optim itself). ``state_dict()`` has
-torch's layout (``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``), so a
-checkpoint written before this module existed loads, and a state written here loads into torch.optim.
+Adam's update is torch's fused kernel (``torch.optim.Adam``/``AdamW`` with ``fused=True``): one pass over
+each parameter, its gradient and both moments, against the seven element-wise passes and two temporaries of the
+single-tensor path (``foreach=False``, which bamboo used before). On one thread here it steps half of the
+benchmark GPT's parameters in 2 ms instead of 10 ms, and the optimizer step ends every iteration on the critical
+path. The kernel is element-wise and splits its work on 64-byte boundaries, so its bits depend neither on the
+thread count nor on how parameters are grouped: every node, replica and single-process reference gets the same
+parameters. They are bit-equal to ``torch.optim``'s fused path after any number of steps (``tests/test_optim.py``
+holds that). SGD keeps torch's single-tensor path, op for op. ``state_dict()`` has torch's layout (``{"state":
+{index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``), so a checkpoint written before this module
+existed loads, and a state written here loads into torch.optim.
 
 Only what a DeepSpeed config can ask for is supported (:data:`bamboo.rc.config` checks the keys): Adam
 with or without decoupled weight decay (AdamW), without amsgrad; SGD with momentum, dampening, nesterov
@@ -25,11 +30,6 @@ from typing import Any
 import torch
 
 __all__ = ["SGD", "Adam", "Optimizer", "WarmupSchedule"]
-
-
-def _scalar_dtype() -> torch.dtype:
-    """The dtype of Adam's step counter: torch keeps it in float64 when that is the default dtype."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 class Optimizer:
@@ -55,7 +55,7 @@ class Optimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state of the same parameters (this class's or torch.optim's): floating-point state is cast to
-        its parameter's dtype, Adam's ``step`` kept as it is, and each group's hyper-parameters replaced."""
+        its parameter's dtype, Adam's ``step`` to a float32 counter, and each group's hyper-parameters replaced."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state has {len(saved_groups)} parameter groups, this optimizer "
@@ -79,13 +79,15 @@ class Optimizer:
 
 
 def _cast_state(name: str, value: Any, param: torch.Tensor) -> Any:
-    if name == "step" or not isinstance(value, torch.Tensor):  # torch keeps the step counter's dtype
+    if name == "step":  # the fused kernel reads a float32 counter on the parameter's device, as torch's fused path
+        return torch.as_tensor(value, dtype=torch.float32).to(device=param.device)
+    if not isinstance(value, torch.Tensor):
         return value
     return value.to(dtype=param.dtype if value.is_floating_point() else value.dtype, device=param.device)
 
 
 class Adam(Optimizer):
-    """Adam, or AdamW with ``decoupled_weight_decay``: ``torch.optim.Adam``/``AdamW`` with ``foreach=False``."""
+    """Adam, or AdamW with ``decoupled_weight_decay``: ``torch.optim.Adam``/``AdamW`` with ``fused=True``."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -98,41 +100,51 @@ class Adam(Optimizer):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"Adam's {name} must be in [0, 1), got {value!r}")
         super().__init__(params, {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay,
-                                  "amsgrad": False, "maximize": False, "foreach": False, "capturable": False,
-                                  "differentiable": False, "fused": None,
+                                  "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                                  "differentiable": False, "fused": True,
                                   "decoupled_weight_decay": decoupled_weight_decay})
 
     @torch.no_grad()
     def step(self) -> None:
         for group in self.param_groups:
-            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-            weight_decay, decoupled = group["weight_decay"], group["decoupled_weight_decay"]
+            batches: dict[tuple[torch.device, torch.dtype], _AdamBatch] = {}
             for param in group["params"]:
-                grad = param.grad
-                if grad is None:
+                if param.grad is None:
                     continue
                 state = self.state.get(param)
                 if not state:
                     state = self.state[param] = {
-                        "step": torch.zeros((), dtype=_scalar_dtype()),
+                        "step": torch.zeros((), dtype=torch.float32, device=param.device),
                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                     }
-                exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                step_t += 1
-                if weight_decay != 0:
-                    if decoupled:
-                        param.mul_(1 - lr * weight_decay)
-                    else:
-                        grad = grad.add(param, alpha=weight_decay)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step = step_t.item()
-                bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
-                step_size = lr / bias_correction1
-                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-                param.addcdiv_(exp_avg, denom, value=-step_size)
+                batch = batches.setdefault((param.device, param.dtype), _AdamBatch())
+                batch.add(param, state)
+            beta1, beta2 = group["betas"]
+            fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+            for batch in batches.values():
+                torch._foreach_add_(batch.steps, 1)
+                fused(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, [], batch.steps, lr=group["lr"],
+                      beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                      amsgrad=False, maximize=False)
+
+
+class _AdamBatch:
+    """The parameters of one device and dtype that one fused call steps, with their state's tensors."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.exp_avgs: list[torch.Tensor] = []
+        self.exp_avg_sqs: list[torch.Tensor] = []
+        self.steps: list[torch.Tensor] = []
+
+    def add(self, param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        self.params.append(param)
+        self.grads.append(param.grad)
+        self.exp_avgs.append(state["exp_avg"])
+        self.exp_avg_sqs.append(state["exp_avg_sq"])
+        self.steps.append(state["step"])
 
 
 class SGD(Optimizer):

@@ -16,6 +16,7 @@ import attrs
 import pytest
 from bamboo.launch.accounting import last_step_end_unix, steps_reached
 from bamboo.launch.coordinator import Coordinator, published_events, read_layout
+from bamboo.launch.coordinator_failures import ZONE_SWEEP_MIN_SHARE
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
 from bamboo.launch.notices import publish_failure_event
@@ -271,6 +272,57 @@ def test_a_node_of_another_pipeline_in_a_zone_that_lost_two_is_swept_and_its_fai
     ]
     assert published_events(membership, 0) == {1: FailureEvent(1, [ranks["n0"], ranks["n1"]]),
                                               2: FailureEvent(2, [ranks["n3"]])}
+
+
+def test_the_sweep_before_an_event_probes_the_victims_ring_neighbours_and_follows_a_consecutive_failure(
+    membership: MembershipStore,
+) -> None:
+    """In a pipeline of four, the failure of stage 1 probes its ring neighbours only, not stage 3 (at most two
+    probes per victim, whatever P), and of them not stage 0, which reported it (alive a moment ago); stage 2
+    found dead there is a consecutive failure: its own neighbour, stage 3, is probed next, and both go into one
+    event."""
+    spec = _spec(membership.keys.job, stages=4, pipelines=1, layers=[LAYER] * 4)
+    coordinator, agent, _events = _coordinator(membership, "s9", "d", spec)
+    zones = {f"n{i}": "abcd"[i] for i in range(4)}
+    for node, zone in zones.items():
+        FakeAgent(membership, node, zone)
+    layout = first_layout(spec, zones)
+    assert membership.put_layout(layout.to_dict(), 0) is not None
+    stage_of = {node: stage for stage, node in enumerate(layout.owners[0])}
+    by_stage = {stage: node for node, stage in stage_of.items()}
+    membership.report_failure(FailureReport(node=by_stage[1], epoch=0, reason="probe refused",
+                                            detected_by=by_stage[0]))
+    agent.detector.dead = {by_stage[2]}
+    coordinator.round()
+    assert agent.detector.sweeps == [
+        ([by_stage[2]], "swept after a confirmed failure in the layout"),
+        ([by_stage[3]], "swept after a confirmed failure in the layout"),  # the neighbour of the one found dead
+    ]
+    assert published_events(membership, 0) == {1: FailureEvent(1, [1, 2])}
+
+
+def test_a_few_losses_scattered_over_a_large_zone_do_not_sweep_its_layout_nodes(membership: MembershipStore) -> None:
+    """A zone's layout nodes are probed after an event only when the zone was struck as a whole: two losses
+    together among its 24 layout nodes are scattered kills (under ZONE_SWEEP_MIN_SHARE), three are a zone-wide
+    preemption."""
+    spec = _spec(membership.keys.job, stages=2, pipelines=12, layers=[LAYER] * 2)
+    coordinator, agent, _events = _coordinator(membership, "s99", "z", spec)
+    zones = {f"n{i:02d}": "a" for i in range(24)}
+    for node, zone in zones.items():
+        FakeAgent(membership, node, zone)
+    layout = first_layout(spec, zones)
+    assert membership.put_layout(layout.to_dict(), 0) is not None
+    assert 2 < ZONE_SWEEP_MIN_SHARE * 24 < 3
+    heads = [row[0] for row in layout.owners]
+    for node in heads[:2]:
+        membership.report_failure(FailureReport(node=node, epoch=0, reason="probe refused"))
+    coordinator.round()
+    assert [reason for _, reason in agent.detector.sweeps] == ["swept after a confirmed failure in the layout"]
+    for node in heads[2:5]:
+        membership.report_failure(FailureReport(node=node, epoch=0, reason="probe refused"))
+    coordinator.round()
+    zone_sweeps = [nodes for nodes, reason in agent.detector.sweeps if reason == "swept: in the zone of a failure"]
+    assert zone_sweeps == [sorted(set(zones) - set(heads[:5]))]
 
 
 class CountingPrefixReads:

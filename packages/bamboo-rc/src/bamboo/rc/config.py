@@ -91,8 +91,8 @@ FP16_KEYS: dict[str, type | tuple[type, ...]] = {
 autocasts over fp32 master weights)."""
 
 _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
-    "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
-    "adamw": ("lr", "betas", "eps", "weight_decay", "torch_adam"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "fused"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "torch_adam", "fused"),
     "sgd": ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
 }
 
@@ -361,13 +361,16 @@ def _fp16(config: Mapping[str, Any]) -> LossScaleConfig | None:
 
 def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> Optimizer:
     """Build the optimizer with the same math DeepSpeed's config names (:mod:`bamboo.rc.optim`: torch.optim's
-    single-tensor math, bit for bit, without importing torch._dynamo).
+    math, bit for bit, without importing torch._dynamo). Adam always steps with torch's fused kernel, so the keys
+    that choose DeepSpeed's implementation (``torch_adam``, and ``fused``, which it passes to torch's) are
+    accepted and change nothing here.
 
     DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is false. The weight decay defaults are torch's:
     0.01 for AdamW, 0 for Adam and SGD.
     """
     params = dict(config.params)
     params.pop("torch_adam", None)
+    params.pop("fused", None)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     if config.type in ("adam", "adamw"):

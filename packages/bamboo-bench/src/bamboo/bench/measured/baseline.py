@@ -79,13 +79,15 @@ class CheckpointInterval:
 
 
 def with_torch_adam(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with DeepSpeed's Adam(W) stepped by torch's (``torch_adam``: the same math): DeepSpeed's FusedAdam
-    is a JIT-compiled op on CPU that takes seconds to load in every restarted worker (and about a minute to build
-    the first time). Any other optimizer is left as it is."""
+    """``config`` with DeepSpeed's Adam(W) stepped by torch's fused one (``torch_adam`` and ``fused``: the kernel
+    bamboo's optimizer uses, so neither system's step is favoured): DeepSpeed's FusedAdam is a JIT-compiled op on
+    CPU that takes seconds to load in every restarted worker (and about a minute to build the first time). Any
+    other optimizer is left as it is."""
     out = dict(config)
     optimizer = out.get("optimizer")
     if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
-        out["optimizer"] = {**optimizer, "params": {**optimizer.get("params", {}), "torch_adam": True}}
+        out["optimizer"] = {**optimizer, "params": {**optimizer.get("params", {}), "torch_adam": True,
+                                                         "fused": True}}
     return out
 
 

@@ -5,7 +5,8 @@ for the duty as a whole). Each round that may have news reads the failure report
 the layout whose death no published event names yet, it probes the victims' ring neighbours in their pipelines,
 and the neighbours of any found dead there (a consecutive failure is known in the same event), publishes one
 event (first writer wins), then probes the waiting nodes of the victims' zones (a zone's machines go together,
-and nobody else watches a standby node), and records one preemption per lost node. The events of a generation are read from etcd once, ahead of its first failure.
+and nobody else watches a standby node), and records one preemption per lost node. The events of a generation
+are read from etcd once, ahead of its first failure.
 """
 
 from __future__ import annotations

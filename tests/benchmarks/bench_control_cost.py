@@ -13,7 +13,7 @@ role never competes with the ones that train.
 - **The live view**: the loop `bamboo-launch run` draws its live view with (`LiveState`, `render_live`, a rich
   `Live` at `LIVE_REFRESH_S`, to a terminal that discards its output), following an event log that gains one
   step record a second, in a process of its own; its CPU over `--window-s`.
-- **Step time of redundancy `none`** with and without its agents: bench_rc.py's P = 2 `none` training (two
+- **Step time of redundancy `none`** with and without its agents: the steady measurement's P = 2 `none` training (two
   forked stage processes, TCPStore, no etcd), alone, then with two idle agents (as above) on the same machine,
   interleaved `--repeats` times; the ratio is the agents' cost to training.
 """
@@ -246,17 +246,17 @@ def live_view(args: argparse.Namespace, say: Log) -> dict[str, Any]:
 
 
 def none_steps(args: argparse.Namespace, say: Log) -> dict[str, Any]:
-    import bench_rc
+    from bamboo.bench.measured.steady import deepspeed_config, run_variant
     from bamboo.rc.data import stdlib_corpus
     from bamboo.rc.model import GPTSize
 
     size = GPTSize(layers=6, width=256, heads=8, sequence=128)
-    config = bench_rc._config(4, 4)
+    config = deepspeed_config(4, 4)
     stdlib_corpus()
     samples: dict[str, list[float]] = {"alone": [], "with_agents": []}
 
     def once() -> float:
-        workers = bench_rc.run_variant("none", size, config, args.steps)
+        workers = run_variant("none", size, config, args.steps)
         return statistics.median(max(a, b) for a, b in zip(workers[0]["times"][1:], workers[1]["times"][1:],
                                                            strict=True))
 

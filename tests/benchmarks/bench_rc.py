@@ -49,8 +49,6 @@ from bamboo.rc.model import GPTSize
 from bamboo.schedule import Costs, StageCost, one_f_one_b, simulate
 from torch.distributed import TCPStore
 
-_config = deepspeed_config  # the name bench_control_cost.py uses
-
 
 def _link_worker(rank: int, port: int, size: GPTSize, config: dict[str, Any], steps: int) -> dict[str, Any]:
     """The link between the two pinned workers: the round trip of an empty message and of one activation."""
@@ -234,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f}, device {args.device}")
     results: dict[str, Any] = {"load_average": os.getloadavg()[0], "pinned": args.pin, "device": args.device}
     for m in args.micro_batches:
-        config = _config(m, args.micro_batch_size, args.torch_adam)
+        config = deepspeed_config(m, args.micro_batch_size, args.torch_adam)
         link = run_variant("link", size, config, args.steps, args.pin,
                            worker=functools.partial(_link_worker, size=size, config=config, steps=args.steps))[0]["link"]
         samples, reports, failed = _measure(args, size, config, m)

@@ -12,12 +12,12 @@ carries on where the old one stopped. Its duties:
 - **Publish confirmed failures at once.** Every agent's failure detector confirms failures (a refused probe
   after a neighbour's report, another incarnation, an expired lease) and writes one report per node to etcd;
   the coordinator reads them back. For each ranked node of the current layout whose death is not yet in a
-  published event, it first probes the other nodes of the victims' pipelines in parallel (kills that landed
-  together, a consecutive failure among them, are confirmed together: at most P probes per pipeline that lost
-  a node), then publishes one :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
+  published event, it first probes the victims' ring neighbours in their pipelines in parallel, and the
+  neighbours of any found dead there (a consecutive failure is confirmed with it: at most two probes per
+  victim), then publishes one :class:`bamboo.rc.FailureEvent` with all of them, first-writer-wins, as decision
   ``g<generation>-epoch-<n>`` (:func:`bamboo.launch.notices.publish_failure_event`). A node confirmed later is
   a second failure, which the runtime survives. No batching window: the runtime acts within milliseconds.
-  Then it probes the victims' zones: their waiting nodes, and the layout's nodes of a zone that lost two
+  Then it probes the victims' zones: their waiting nodes, and the layout's nodes of a zone struck as a whole
   (:mod:`bamboo.launch.coordinator_failures`).
 - **Preemption records.** Once per lost node (decision ``preempted-<node>``), confirmed or gone with a
   whole layout before any probe reported it, a ``preemption`` event for the report (billing stops). A newly

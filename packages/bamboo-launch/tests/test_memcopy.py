@@ -16,6 +16,7 @@ from bamboo.launch.memcopy import (
     lineage,
     memory_restore,
     send_copy,
+    verified,
 )
 
 BOUNDS = ((0, 2), (2, 4), (4, 6))
@@ -100,9 +101,13 @@ def test_a_copy_travels_to_a_keeper_and_back_with_the_job_token() -> None:
             fetch_copy(server.address, 2, 9, token="wrong")
         with pytest.raises(RuntimeError, match="no copy of stage 2 at step 8"):
             fetch_copy(server.address, 2, 8, token="secret")
+        # A keeper stores what it is sent unhashed; the bytes are checked where they are used.
         forged = Copy(1, 9, BOUNDS[1], b"data", hashlib.sha256(b"other").hexdigest(), lineage(HISTORY, 9))
-        with pytest.raises(RuntimeError, match="do not match their SHA-256"):
-            send_copy(server.address, forged, token="secret")
-        assert store.get(1, 9) is None
+        send_copy(server.address, forged, token="secret")
+        with pytest.raises(RuntimeError, match=f"{server.address}: the copy of stage 1 at step 9 does not match its SHA-256"):
+            fetch_copy(server.address, 1, 9, token="secret")
+        with pytest.raises(RuntimeError, match="node-x: the copy of stage 1 at step 9 does not match its SHA-256"):
+            verified(store.get(1, 9), "node-x")  # type: ignore[arg-type]
+        assert verified(copy, "node-x") is copy
     finally:
         server.close()

@@ -126,3 +126,19 @@ def test_the_account_keeps_each_pause_apart_from_restores_and_the_first_workers_
     assert account.parts_s["transfers_s"] == pytest.approx(0.3) and account.restore_s == pytest.approx(3.0)
     assert [s.node for s in account.startups] == ["a", "b"]
     assert account.startup_parts()["imports_s"] == pytest.approx(4.0)
+
+
+def test_every_decision_of_a_generation_is_under_the_prefix_a_waiting_worker_follows() -> None:
+    from bamboo.launch.attempt import up_name
+    from bamboo.launch.notices import epoch_decision
+    from bamboo.launch.prepare import built_name
+    from bamboo.launch.records import outcome_name
+    from bamboo.launch.role_watch import GENERATION_DECISIONS
+    from bamboo.launch.session import decision_prefix
+
+    names = [prepare_name(3, 0), prepare_name(3, 2), built_name(3, "n1"), up_name(3, "n1"), outcome_name(4),
+             epoch_decision(3, 1), decision_prefix(3, 0) + "layout", decision_prefix(3, 1) + "ready-n1"]
+    assert all(name.startswith(GENERATION_DECISIONS) for name in names), names
+    # the decisions written while a job trains do not wake a waiting worker
+    assert not any(name.startswith(GENERATION_DECISIONS) for name in ("checkpoint-10-0", "warm-n1", "handover-n1",
+                                                                        "error-n1", "preempted-n1", "end"))

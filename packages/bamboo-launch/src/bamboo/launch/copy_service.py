@@ -32,6 +32,7 @@ from bamboo.launch.memcopy import (
     lineage,
     read_indexes,
     send_copy,
+    verified,
 )
 
 if TYPE_CHECKING:
@@ -101,14 +102,17 @@ class CopyService:
                 self._pending[stage] = pending  # an older clone still waiting is replaced
                 self._wake.notify()
 
-    def load(self, stage: int, step: int, sources: tuple[str, ...], bounds: tuple[int, int], line: str) -> bytes:
+    def load(self, stage: int, step: int, sources: tuple[str, ...], bounds: tuple[int, int], line: str) -> bytes | bytearray:
         """The bytes of ``stage`` at ``step`` of lineage ``line``: from this node's memory, or from the first of
         ``sources`` that answers with such a copy of the layer range ``bounds`` (RuntimeError when none does)."""
         own = self.store.get(stage, step)
-        if own is not None and own.layers == bounds and own.lineage == line:
-            return own.data
-        indexes = read_indexes(self.membership.kv, self.job)
         errors = []
+        if own is not None and own.layers == bounds and own.lineage == line:
+            try:
+                return verified(own, self.node).data
+            except RuntimeError as error:  # damaged in this node's memory: a keeper's copy may be whole
+                errors.append(str(error))
+        indexes = read_indexes(self.membership.kv, self.job)
         for source in sources:
             if source == self.node or source not in indexes:
                 continue

@@ -20,7 +20,8 @@ timeline is no copy of the step the job has now, and a restore only takes copies
 (a newer copy of the same stage and step replaces an older one). A restore from memory names, for each stage,
 the nodes that keep it at the chosen step (:class:`bamboo.reconfig.RestorePoint`'s ``memory``); every node
 of the new layout loads each of its stages from its own memory when it keeps it, or fetches it from the
-first of them that answers (:func:`fetch_copy`), checking its SHA-256.
+first of them that answers (:func:`fetch_copy`), checking its SHA-256 (a keeper stores a copy as sent; the
+bytes are checked where they are used, :func:`verified`).
 
 A stage survives in memory as long as one of its holders or keepers lives; the job restores from memory as
 long as every stage does at one common step (see ``docs/failure-model.md``). This module never imports torch
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from bamboo.membership import KeyValueStore
 
 __all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
-           "fetch_copy", "lineage", "memory_restore", "read_indexes", "send_copy"]
+           "fetch_copy", "lineage", "memory_restore", "read_indexes", "send_copy", "verified"]
 
 KEEPERS = 2
 """How many keepers the host of a stage in pipeline 0 sends each copy to (besides its own)."""
@@ -104,7 +105,8 @@ class Copy:
     stage: int
     step: int
     layers: tuple[int, int]
-    data: bytes = attrs.field(repr=False)
+    data: bytes | bytearray = attrs.field(repr=False)
+    """The stage's bytes (as received: a bytearray, which reads wherever bytes do)."""
     sha256: str
     lineage: str
 
@@ -148,18 +150,19 @@ def _send_message(sock: socket.socket, header: Mapping[str, JSON], data: bytes =
         sock.sendall(data)
 
 
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    chunks, got = [], 0
+def _receive_exactly(sock: socket.socket, size: int) -> bytearray:
+    """``size`` bytes from ``sock``, read straight into one buffer (a copy's megabytes are not joined from chunks)."""
+    buffer, got = bytearray(size), 0
+    view = memoryview(buffer)
     while got < size:
-        chunk = sock.recv(min(size - got, 1 << 20))
-        if not chunk:
+        read = sock.recv_into(view[got:], min(size - got, 1 << 20))
+        if not read:
             raise ConnectionError(f"the connection closed after {got} of {size} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        got += read
+    return buffer
 
 
-def _receive_message(sock: socket.socket) -> tuple[JSONObject, bytes]:
+def _receive_message(sock: socket.socket) -> tuple[JSONObject, bytearray]:
     (size,) = _HEADER.unpack(_receive_exactly(sock, _HEADER.size))
     if size > _MAX_HEADER:
         raise ConnectionError(f"a header of {size} bytes is too long")
@@ -193,10 +196,7 @@ class CopyServer:
             if not hmac.compare_digest(str(header.get("token", "")), self.token):
                 _send_message(sock, {"error": "bad token"})
                 return
-            if header.get("op") == "put":
-                if hashlib.sha256(data).hexdigest() != header["sha256"]:
-                    _send_message(sock, {"error": "the bytes do not match their SHA-256"})
-                    return
+            if header.get("op") == "put":  # kept as sent: whoever uses the copy checks its SHA-256 (verified)
                 self.store.put(Copy(int(header["stage"]), int(header["step"]), tuple(header["layers"]), data,
                                     str(header["sha256"]), str(header["lineage"])))
                 _send_message(sock, {"ok": True})
@@ -240,9 +240,20 @@ def fetch_copy(address: str, stage: int, step: int, token: str = "") -> Copy:
         answer, data = _receive_message(sock)
     if not answer.get("ok"):
         raise RuntimeError(f"{address}: {answer.get('error')}")
-    if hashlib.sha256(data).hexdigest() != answer["sha256"]:
-        raise RuntimeError(f"{address}: the copy of stage {stage} at step {step} does not match its SHA-256")
-    return Copy(stage, step, tuple(answer["layers"]), data, str(answer["sha256"]), str(answer["lineage"]))
+    return verified(Copy(stage, step, tuple(answer["layers"]), data, str(answer["sha256"]), str(answer["lineage"])),
+                    address)
+
+
+def verified(copy: Copy, where: str) -> Copy:
+    """``copy`` once its bytes match its SHA-256; RuntimeError naming ``where`` it was kept otherwise.
+
+    A keeper stores what it is sent without hashing it (a copy's hash costs as much CPU as receiving it, and
+    most copies are never used): the bytes are checked where they are used, by :func:`fetch_copy` and by a
+    node that restores from its own memory, so a copy damaged on its way or in a keeper's memory is refused
+    then, and the restore tries the next keeper."""
+    if hashlib.sha256(copy.data).hexdigest() != copy.sha256:
+        raise RuntimeError(f"{where}: the copy of stage {copy.stage} at step {copy.step} does not match its SHA-256")
+    return copy
 
 
 def read_indexes(kv: KeyValueStore, job: str) -> dict[str, CopyIndex]:

@@ -23,8 +23,13 @@ if TYPE_CHECKING:
     from bamboo.membership import KeyValue, MembershipStore
     from bamboo.reconfig import JobLayout
 
-__all__ = ["RoleWatch"]
+__all__ = ["GENERATION_DECISIONS", "RoleWatch"]
 
+GENERATION_DECISIONS = "g"
+"""The first letters of every decision that belongs to a layout's generation (``g<generation>-``: its barrier,
+its start's outcome, a layout prepared during it and its outcome, its epochs). A worker that waits for a role
+follows only these: the others (a checkpoint's shard written, every ten steps; a worker warm; a hand-over)
+never give it a role, and following them woke every worker at each checkpoint for nothing."""
 
 _DECODING = threading.Lock()
 
@@ -46,7 +51,8 @@ def _decoded(value: bytes) -> JobLayout:
 
 class RoleWatch:
     """The layout and the job's end of ``membership``'s job, for the worker of ``node`` (and, with
-    ``follow_decisions``, every decision of the job: a change of any of them wakes :meth:`wait_change`).
+    ``follow_decisions``, the decisions of the layouts' generations, :data:`GENERATION_DECISIONS`: a change of
+    any of them wakes :meth:`wait_change`).
 
     :meth:`wait_role` blocks until a layout of a later generation places the node (or the job ends);
     :meth:`next_layout` until any later generation is written (a standby node learns its role in it too).
@@ -63,7 +69,7 @@ class RoleWatch:
         self._end = WatchedKey(membership.kv, membership.keys.decision("end"), on_change=self._changed)
         self._decisions = None
         if follow_decisions:  # a layout being prepared, and its outcome, are decisions: each one counts as a change
-            self._decisions = membership.kv.watch_prefix(membership.keys.decisions,
+            self._decisions = membership.kv.watch_prefix(membership.keys.decision(GENERATION_DECISIONS),
                                                          lambda _event: self._changed(None))
 
     def _changed(self, _found: KeyValue | None) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from bamboo.launch.cli import main
 from bamboo.launch.events import (
     Checkpoint,
+    Event,
     EventLog,
     EventLogError,
     Failover,
@@ -20,8 +22,11 @@ from bamboo.launch.events import (
     RunStart,
     Step,
 )
-from bamboo.launch.live import EventFollower, LiveState, ProgressLines, render_live
+from bamboo.launch.live import EventFollower, LiveState, LiveView, ProgressLines, render_live
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from conftest import FakeClock
 
 
 def run_events() -> list:
@@ -108,6 +113,28 @@ def test_render_shows_the_numbers() -> None:
     for expected in ("step 2", "loss 1.5000", "active 3", "standby 1", "joining 1", "alive 5/4",
                      "preemptions 1", "failover      n3 -> n2 (stage 1), pause 0.40s"):  # fmt: skip
         assert expected in text, (expected, text)
+
+
+def test_the_live_view_redraws_when_records_arrive_at_most_once_per_interval(fake_clock: FakeClock) -> None:
+    arrived: list[list[Event]] = []
+    console = Console(record=True, width=120)
+    with LiveView(lambda: arrived.pop() if arrived else [], console, redraw_s=1.0, clock=fake_clock) as view:
+        assert view.draws == 1  # the empty view, when it opens
+        assert not view.update() and view.draws == 1  # nothing new: nothing drawn
+        fake_clock.advance(1.0)
+        for step in range(5):  # five records in half a second: one redraw, then the rest waits for the interval
+            arrived.append([Step(t=float(step), step=step, samples=8, loss=1.0, nodes_active=2, duration_s=0.1)])
+            assert view.update()
+            fake_clock.advance(0.1)
+        assert view.draws == 2 and view.state.step == 4
+        fake_clock.advance(0.5)
+        assert not view.update() and view.draws == 3  # the records of the interval, drawn once it is over
+        assert not view.update() and view.draws == 3
+        arrived.append([Step(t=5.0, step=5, samples=8, loss=0.5, nodes_active=2, duration_s=0.1)])
+        view.update()
+        assert view.draws == 3  # within the interval: drawn when the view closes
+    assert view.draws == 4
+    assert "step 5" in console.export_text()
 
 
 def test_watch_once_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

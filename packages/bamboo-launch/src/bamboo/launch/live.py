@@ -9,7 +9,8 @@ Three parts, so that the logic is tested without a terminal or a clock:
   reconfigurations, checkpoints and restores, and the last events;
 - :func:`render_live` turns a state into a rich renderable; ``bamboo-launch watch`` refreshes it;
 - :class:`LiveView` keeps one on a console and draws it again only when a record arrived (what it shows
-  depends on the records alone), so that watching a run costs almost nothing between steps.
+  depends on the records alone), at most once a second, so that watching a run costs almost nothing between
+  steps, and little when a job steps many times a second.
 
 *Joining* nodes are nodes that have joined (and not been preempted) but are neither at work in
 the last step nor on standby after the last reconfiguration: they wait for the next one.
@@ -20,11 +21,13 @@ from __future__ import annotations
 import collections
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
+from bamboo.launch import timeouts
 from bamboo.launch.events import (
     Checkpoint,
     Event,
@@ -368,27 +371,47 @@ def render_live(state: LiveState) -> Panel:
 
 class LiveView:
     """The live view of the records ``poll`` returns (an :class:`EventFollower`'s), on ``console``: a context
-    manager; each :meth:`update` folds the new records in and redraws, only when there were some."""
+    manager; each :meth:`update` folds the new records in, and redraws only when there were some and the last
+    redraw is ``redraw_s`` (:data:`timeouts.LIVE_REDRAW_S`) old on ``clock``; records folded in meanwhile are
+    drawn at the next update after that, or when the view closes. ``state``: the state to fold into (a fresh
+    :class:`LiveState` by default)."""
 
-    def __init__(self, poll: Callable[[], list[Event]], console: Console) -> None:
+    def __init__(self, poll: Callable[[], list[Event]], console: Console, *, state: LiveState | None = None,
+                 redraw_s: float = timeouts.LIVE_REDRAW_S, clock: Callable[[], float] = time.monotonic) -> None:
         from rich.live import Live
 
-        self.state = LiveState()
+        self.state = LiveState() if state is None else state
+        self.draws = 0
+        """How many times the view was drawn (the first draw, when the view opens, included)."""
         self._poll = poll
+        self._redraw_s = redraw_s
+        self._clock = clock
+        self._drawn_at = clock()
+        self._undrawn = False
         self._live = Live(render_live(self.state), console=console, auto_refresh=False)
 
     def __enter__(self) -> LiveView:
         self._live.__enter__()
+        self.draws += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._undrawn:
+            self._draw()
         self._live.__exit__(*exc)
 
     def update(self) -> bool:
-        """Fold in the records since the last call; True (and redrawn) when there were any."""
+        """Fold in the records since the last call; True when there were any (drawn now, or at a later update)."""
         events = self._poll()
-        if not events:
-            return False
-        self.state.apply_all(events)
+        if events:
+            self.state.apply_all(events)
+            self._undrawn = True
+        if self._undrawn and self._clock() - self._drawn_at >= self._redraw_s:
+            self._draw()
+        return bool(events)
+
+    def _draw(self) -> None:
         self._live.update(render_live(self.state), refresh=True)
-        return True
+        self._drawn_at = self._clock()
+        self._undrawn = False
+        self.draws += 1

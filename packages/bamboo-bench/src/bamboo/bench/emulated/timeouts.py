@@ -23,7 +23,8 @@ RUN_POLL_S = 0.1
 """How often ``bamboo-launch run`` mirrors the event log and checks its agents."""
 
 LIVE_REFRESH_S = 0.25
-"""How often the live view of ``bamboo-launch run`` is redrawn."""
+"""How often the live view of ``bamboo-launch run`` reads the event log again (it is redrawn when records
+arrived, at most every :data:`bamboo.launch.timeouts.LIVE_REDRAW_S`)."""
 
 MARKET_STOP_S = 10.0
 """How long ``bamboo-launch run`` waits for the market's thread to stop at the end."""

@@ -15,9 +15,8 @@ from bamboo.bench.argtypes import positive_float, positive_int
 from bamboo.launch import timeouts
 from bamboo.launch.cli.common import add_etcd_source, check_source, etcd_kv, fail
 from bamboo.launch.events import EtcdEventFollower
-from bamboo.launch.live import DEFAULT_WINDOW, EventFollower, LiveState, render_live
+from bamboo.launch.live import DEFAULT_WINDOW, EventFollower, LiveState, LiveView, render_live
 from rich.console import Console
-from rich.live import Live
 
 __all__ = ["add_parser", "run"]
 
@@ -75,10 +74,9 @@ def run(args: argparse.Namespace) -> int:
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
-        with Live(render_live(state), refresh_per_second=4, console=Console()) as live:
+        with LiveView(follower.poll, Console(), state=state) as view:  # redrawn when records arrive, at most 1/s
             while not interrupted.is_set():
-                state.apply_all(follower.poll())
-                live.update(render_live(state))
+                view.update()
                 if state.finished:
                     return 0
                 interrupted.wait(args.interval)

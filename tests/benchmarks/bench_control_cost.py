@@ -245,6 +245,20 @@ def live_view(args: argparse.Namespace, say: Log) -> dict[str, Any]:
 # -- the step time of `none`, with and without agents -----------------------------------------------
 
 
+@contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what this process and the processes it forks write to stdout to stderr instead, while inside."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def none_steps(args: argparse.Namespace, say: Log) -> dict[str, Any]:
     from bamboo.bench.measured.steady import deepspeed_config, run_variant
     from bamboo.rc.data import stdlib_corpus
@@ -256,7 +270,8 @@ def none_steps(args: argparse.Namespace, say: Log) -> dict[str, Any]:
     samples: dict[str, list[float]] = {"alone": [], "with_agents": []}
 
     def once() -> float:
-        workers = run_variant("none", size, config, args.steps)
+        with _stdout_to_stderr():  # DeepSpeed's workers log to stdout, which --json keeps for its one object
+            workers = run_variant("none", size, config, args.steps)
         return statistics.median(max(a, b) for a, b in zip(workers[0]["times"][1:], workers[1]["times"][1:],
                                                            strict=True))
 

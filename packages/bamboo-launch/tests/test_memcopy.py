@@ -61,6 +61,14 @@ def test_keepers_are_other_zones_and_standby_nodes_first_each_zone_once_before_t
     assert chosen == ["s2", "s3"]  # standby, other zones than a, one per zone
     assert choose_keepers(indexes, 1, "w", holders=["h1"], placed=["w", "h1", "p1", "p2"], count=4) == [
         "s2", "s3", "p1", "p2"]
+    assert choose_keepers(indexes, 0, "w", holders=["h1"], placed=["w", "h1", "p1", "p2"]) == ["s2", "s3"]
+    # two senders in one zone, four standby nodes in another: each stage's copies go to two of their own
+    spread = {node: _index(node, zone) for node, zone in
+              [("h0", "a"), ("h1", "a"), ("s1", "b"), ("s2", "b"), ("s3", "b"), ("s4", "b")]}
+    placed = ["h0", "h1"]
+    first = choose_keepers(spread, 0, "h0", holders=["h1"], placed=placed)
+    second = choose_keepers(spread, 1, "h1", holders=["h0"], placed=placed)
+    assert (first, second) == (["s1", "s2"], ["s3", "s4"])
     lonely = {"w": _index("w", "a"), "s1": _index("s1", "a")}
     assert choose_keepers(lonely, 1, "w", holders=[], placed=["w"]) == ["s1"]  # its own zone when it must
 

@@ -272,11 +272,19 @@ def choose_keepers(indexes: Mapping[str, CopyIndex], stage: int, sender: str, ho
                    placed: Iterable[str], count: int = KEEPERS) -> list[str]:
     """The keepers of ``sender``'s copy of ``stage``: live nodes that do not hold it (``holders``), other zones
     than the sender's first, nodes on standby (not ``placed``) before placed ones, each zone once before any
-    twice; by name among equals."""
+    twice. Among equals, by name from the ``stage * count``-th on (wrapping around): the copies of different
+    stages go to different keepers where there are enough, so that no standby node receives every stage's
+    copies while another receives none."""
     held, ranked = set(holders) | {sender}, set(placed)
     own = indexes[sender].zone if sender in indexes else ""
-    candidates = sorted((index for node, index in indexes.items() if node not in held),
-                        key=lambda index: (index.zone == own, index.node in ranked, index.node))
+    classes: dict[tuple[bool, bool], list[CopyIndex]] = {}
+    for node, index in sorted(indexes.items()):
+        if node not in held:
+            classes.setdefault((index.zone == own, node in ranked), []).append(index)
+    candidates = []
+    for _rank, equals in sorted(classes.items()):
+        turn = stage * count % len(equals)
+        candidates += equals[turn:] + equals[:turn]
     chosen: list[str] = []
     zones = {own}  # the sender's zone holds the sender's copy already
     for pass_ in (0, 1):

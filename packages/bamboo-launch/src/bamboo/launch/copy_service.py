@@ -111,6 +111,7 @@ class CopyService:
             try:
                 return verified(own, self.node).data
             except RuntimeError as error:  # damaged in this node's memory: a keeper's copy may be whole
+                self.store.discard(own)
                 errors.append(str(error))
         indexes = read_indexes(self.membership.kv, self.job)
         for source in sources:

@@ -132,6 +132,14 @@ class CopyStore:
         with self._lock:
             return self._copies.get((stage, step))
 
+    def discard(self, copy: Copy) -> None:
+        """Forget ``copy`` (found damaged): the node's index stops offering it."""
+        with self._lock:
+            if self._copies.get((copy.stage, copy.step)) is not copy:
+                return
+            del self._copies[(copy.stage, copy.step)]
+        self.on_change()
+
     def index(self) -> tuple[dict[int, dict[int, str]], dict[int, tuple[int, int]]]:
         """``(stage -> step -> lineage of the copies kept, stage -> layer range)``."""
         with self._lock:
@@ -205,6 +213,12 @@ class CopyServer:
             if copy is None:
                 _send_message(sock, {"error": f"no copy of stage {header['stage']} at step {header['step']}"})
                 return
+            try:
+                verified(copy, "this keeper")  # checked when used: a damaged copy leaves the index
+            except RuntimeError as error:
+                self.store.discard(copy)
+                _send_message(sock, {"error": str(error)})
+                return
             _send_message(sock, {"ok": True, "bytes": len(copy.data), "sha256": copy.sha256,
                                  "layers": list(copy.layers), "lineage": copy.lineage}, copy.data)
         except (OSError, ValueError, KeyError, ConnectionError):
@@ -248,9 +262,10 @@ def verified(copy: Copy, where: str) -> Copy:
     """``copy`` once its bytes match its SHA-256; RuntimeError naming ``where`` it was kept otherwise.
 
     A keeper stores what it is sent without hashing it (a copy's hash costs as much CPU as receiving it, and
-    most copies are never used): the bytes are checked where they are used, by :func:`fetch_copy` and by a
-    node that restores from its own memory, so a copy damaged on its way or in a keeper's memory is refused
-    then, and the restore tries the next keeper."""
+    most copies are never used): the bytes are checked where they are used, by the keeper before it serves
+    them, by :func:`fetch_copy` and by a node that restores from its own memory. A copy damaged on its way or
+    in a keeper's memory is refused then and leaves that node's index (the next restore plan does not count
+    on it), and the restore tries the next node that keeps it."""
     if hashlib.sha256(copy.data).hexdigest() != copy.sha256:
         raise RuntimeError(f"{where}: the copy of stage {copy.stage} at step {copy.step} does not match its SHA-256")
     return copy

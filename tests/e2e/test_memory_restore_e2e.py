@@ -59,7 +59,7 @@ def test_every_live_copy_of_a_stage_lost_restores_from_a_peers_memory_exactly(
     assert restore.source == "memory" and restore.path == "memory" and restore.lost_stages == "1"
     # Copies are taken every step, and sent to the keepers by a background thread that skips to the newest clone
     # when it is behind: alone, no step is trained again; under make test's load that thread lagged by 3 steps.
-    # A copy every 10 steps would train 8 or more again (the kills come at step 8 or later).
+    # (With a copy every 10 steps, kills at step 8 or 9 would train 8 or 9 steps again.)
     assert restore.discarded_steps <= 5, restore
     newest_checkpoint = max((e.step for e in events if isinstance(e, Checkpoint) and e.t < restore.t), default=0)
     assert restore.step > newest_checkpoint  # nearer than disk

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 import pytest
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult, SweepResult
 from bamboo.membership.kv import StoreUnavailableError
+from bamboo.membership.kv_base import EventKind, WatchEvent
 from bamboo.membership.members import EMPTY_VIEW, MembershipView, NodeTable
-from bamboo.membership.records import NodeFailed, NodeRecord, NodeState
+from bamboo.membership.records import NodeFailed, NodeRecord, NodeState, encode_message
 from bamboo.membership.store import MembershipStore, Registration
 
 
@@ -187,6 +188,27 @@ def test_failures_are_per_epoch(store, victim, wait_until) -> None:
         detector.stop()
         if again is not None:
             again.leave()
+
+
+def test_a_declared_node_s_record_deleted_after_the_epoch_moved_on_is_not_reported_again(
+    store, victim, wait_until
+) -> None:
+    """The lease this detector revoked goes with the node's record; when that deletion is delivered only after the
+    next epoch began (a loaded machine), it is the same failure, not a new one in the new epoch."""
+    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    detector, seen = _detector(store, prober, clock)
+    try:
+        record = detector.known_nodes()["victim"]
+        detector.report_peer_failure("victim", "first")
+        detector.tick()
+        assert store.advance_epoch(0) == 1
+        wait_until(lambda: detector.epoch == 1, message="the new epoch to arrive through the watch")
+        late = WatchEvent(EventKind.DELETE, store.keys.node("victim"), b"", store.kv.revision(),
+                          prev_value=encode_message(record))
+        detector._on_node_event(late)  # the deletion, delivered late
+        assert [(e.node, e.epoch, e.incarnation) for e in seen] == [("victim", 0, record.incarnation)]
+    finally:
+        detector.stop()
 
 
 def test_malformed_node_value_in_a_watch_is_logged_not_fatal(store, wait_until, caplog) -> None:

@@ -21,7 +21,8 @@ A confirmed failure is written to etcd first-writer-wins, one per node per membe
 of each detector sees exactly one `NodeFailed(node, epoch, detected_by, reason)` per node per epoch, whoever
 detected it. The detector that wins the report revokes the failed node's lease at once
 (`MembershipStore.revoke_node`, only for the incarnation it declared): the node leaves every lease-based view
-(`list_nodes`) without waiting for its TTL, and its fenced writes fail from then on. A detector whose own store is
+(`list_nodes`) without waiting for its TTL, and its fenced writes fail from then on. The deletion of a declared
+incarnation's record is never a new failure, even when it is delivered after the next epoch began. A detector whose own store is
 fenced (`store.fenced(registration)`) and whose node was declared dead writes nothing: its reports raise
 `FencedError`, which it logs and drops.
 
@@ -120,6 +121,9 @@ class FailureDetector:
         # Confirmed failures whose report could not be written yet (etcd unreachable): retried by tick().
         self._unwritten: dict[str, tuple[NodeRecord, int, str, float]] = {}
         self._emitted: set[tuple[str, int]] = set()
+        # (node, incarnation) of every failure emitted: the deletion of a declared node's record (its lease was
+        # revoked) reports nothing, even when it arrives after the epoch moved on.
+        self._declared: set[tuple[str, int]] = set()
         self._listeners: list[Callable[[NodeFailed], None]] = []
         self._membership_listeners: list[Callable[[], None]] = []
         self._watches: list[WatchHandle] = []
@@ -426,6 +430,9 @@ class FailureDetector:
         if last is not None and last.state == NodeState.NODE_STATE_LEFT:
             log.info("node %s left on purpose", node)
             return
+        with self._lock:
+            if last is not None and (node, last.incarnation) in self._declared:
+                return  # declared in an earlier epoch; its revoked lease's deletion came after the epoch moved on
         record = last if last is not None else NodeRecord(id=node)
         why = "lease expired"
         if record.state == NodeState.NODE_STATE_PREEMPTING:
@@ -489,6 +496,7 @@ class FailureDetector:
             if key in self._emitted:
                 return
             self._emitted.add(key)
+            self._declared.add((report.node, int(report.incarnation)))
             self._suspects.pop(report.node, None)
             self._unwritten.pop(report.node, None)
             listeners = list(self._listeners)

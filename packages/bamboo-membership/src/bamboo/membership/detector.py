@@ -21,10 +21,10 @@ A confirmed failure is written to etcd first-writer-wins, one per node per membe
 of each detector sees exactly one `NodeFailed(node, epoch, detected_by, reason)` per node per epoch, whoever
 detected it. The detector that wins the report revokes the failed node's lease at once
 (`MembershipStore.revoke_node`, only for the incarnation it declared): the node leaves every lease-based view
-(`list_nodes`) without waiting for its TTL, and its fenced writes fail from then on. The deletion of a declared
-incarnation's record is never a new failure, even when it is delivered after the next epoch began. A detector whose own store is
-fenced (`store.fenced(registration)`) and whose node was declared dead writes nothing: its reports raise
-`FencedError`, which it logs and drops.
+(`list_nodes`) without waiting for its TTL, and its fenced writes fail from then on (that deletion is no new
+failure, even delivered after the next epoch began). A detector whose own store is fenced
+(`store.fenced(registration)`) and whose node was declared dead writes nothing: its reports raise `FencedError`,
+which it logs and drops.
 
 **Following the membership, or not.** A detector made with `follow_membership=True` (the default) lists every node
 record at start and watches them all, and every failure report: it sees every lease expire, keeps every node's
@@ -120,10 +120,8 @@ class FailureDetector:
         self._suspects: dict[str, _Suspicion] = {}
         # Confirmed failures whose report could not be written yet (etcd unreachable): retried by tick().
         self._unwritten: dict[str, tuple[NodeRecord, int, str, float]] = {}
-        self._emitted: set[tuple[str, int]] = set()
-        # (node, incarnation) of every failure emitted: the deletion of a declared node's record (its lease was
-        # revoked) reports nothing, even when it arrives after the epoch moved on.
-        self._declared: set[tuple[str, int]] = set()
+        self._emitted: set[tuple[str, int]] = set()  # (node, epoch) of every failure emitted
+        self._declared: set[tuple[str, int]] = set()  # (node, incarnation) of every failure emitted
         self._listeners: list[Callable[[NodeFailed], None]] = []
         self._membership_listeners: list[Callable[[], None]] = []
         self._watches: list[WatchHandle] = []
@@ -258,14 +256,10 @@ class FailureDetector:
         base = f"{reason} (sweep by {self.detector_id})"
         for node in sorted(results):
             record, result = probed[node], results[node]
-            if result.outcome is ProbeOutcome.REFUSED:
+            dead = result.proves_dead(record)
+            if dead is not None:
                 confirmed.append(node)
-                self._declare(record, DetectionPath.DETECTION_PATH_PROBE_SWEEP,
-                              f"{base}; probe refused: {result.detail}".rstrip(": "))
-            elif result.outcome is ProbeOutcome.ALIVE and result.incarnation != record.incarnation:
-                confirmed.append(node)
-                self._declare(record, DetectionPath.DETECTION_PATH_PROBE_SWEEP,
-                              f"{base}; probe answered by incarnation {result.incarnation}, not {record.incarnation}")
+                self._declare(record, DetectionPath.DETECTION_PATH_PROBE_SWEEP, f"{base}; {dead}")
             elif result.outcome in (ProbeOutcome.ALIVE, ProbeOutcome.DENIED):
                 if result.outcome is ProbeOutcome.DENIED:
                     log.warning("sweep: %s refused the probe's credentials (%s); taken as alive", node, result.detail)
@@ -355,13 +349,9 @@ class FailureDetector:
         now = self.clock()
         suspicion.probes += 1
         base = f"{suspicion.reason} (reported by {suspicion.reporter})"
-        if result.outcome is ProbeOutcome.REFUSED:
-            self._declare(record, DetectionPath.DETECTION_PATH_NEIGHBOUR_REPORT,
-                          f"{base}; probe refused: {result.detail}".rstrip(": "))
-        elif result.outcome is ProbeOutcome.ALIVE and result.incarnation != record.incarnation:
-            self._declare(record, DetectionPath.DETECTION_PATH_NEIGHBOUR_REPORT,
-                          f"{base}; probe answered by incarnation {result.incarnation}, "
-                          f"not {record.incarnation}")
+        dead = result.proves_dead(record)
+        if dead is not None:
+            self._declare(record, DetectionPath.DETECTION_PATH_NEIGHBOUR_REPORT, f"{base}; {dead}")
         elif result.outcome is ProbeOutcome.ALIVE:
             log.info("suspect %s answered a probe after %.3f s: slow, not dead", node, now - suspicion.since)
             with self._lock:
@@ -430,14 +420,12 @@ class FailureDetector:
         if last is not None and last.state == NodeState.NODE_STATE_LEFT:
             log.info("node %s left on purpose", node)
             return
-        with self._lock:
+        with self._lock:  # declared before the epoch moved on: the deletion of its revoked lease came late
             if last is not None and (node, last.incarnation) in self._declared:
-                return  # declared in an earlier epoch; its revoked lease's deletion came after the epoch moved on
+                return
         record = last if last is not None else NodeRecord(id=node)
-        why = "lease expired"
-        if record.state == NodeState.NODE_STATE_PREEMPTING:
-            why = "lease expired after a preemption notice"
-        self._declare(record, DetectionPath.DETECTION_PATH_LEASE_EXPIRY, why)
+        notice = " after a preemption notice" if record.state == NodeState.NODE_STATE_PREEMPTING else ""
+        self._declare(record, DetectionPath.DETECTION_PATH_LEASE_EXPIRY, "lease expired" + notice)
 
     def _declare(self, record: NodeRecord, path: int, reason: str) -> None:
         report = FailureReport(

@@ -43,6 +43,15 @@ class ProbeResult:
     progress: int = 0
     detail: str = ""
 
+    def proves_dead(self, record: NodeRecord) -> str | None:
+        """Why this answer to a probe of ``record``'s node proves that node dead (nothing listens on its port, or
+        another incarnation answered: the id was taken by a new process); None when it does not."""
+        if self.outcome is ProbeOutcome.REFUSED:
+            return f"probe refused: {self.detail}".rstrip(": ")
+        if self.outcome is ProbeOutcome.ALIVE and self.incarnation != record.incarnation:
+            return f"probe answered by incarnation {self.incarnation}, not {record.incarnation}"
+        return None
+
 
 Prober = Callable[[NodeRecord, float], ProbeResult]
 """Probe a node's agent with a deadline in seconds. Must not raise; must return within about the deadline."""

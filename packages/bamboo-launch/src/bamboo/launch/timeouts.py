@@ -142,8 +142,9 @@ WATCH_POLL_S = 0.5
 
 LIVE_REDRAW_S = 1.0
 """Shortest time between two redraws of a live view (``bamboo-launch watch``, ``bamboo-launch run``): records that
-arrive in between are drawn together. A redraw of the whole panel costs about 5 ms of CPU; a job that steps 20
-times a second, redrawn at each record, kept the launcher busy at a tenth of a core for its view alone."""
+arrive in between are drawn together. A redraw of the whole panel costs about 3.4 ms of CPU; redrawn at every
+read that found records, the launcher of a 6-node job stepping about 17 times a second used 4.4% of a core, and
+2.4% with this cap."""
 
 THREAD_JOIN_S = 5.0
 """How long stopping waits for a background thread (the coordinator, the event recorder) to end."""

@@ -153,7 +153,7 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
     from bamboo.launch.live import EventFollower, LiveView
     from rich.console import Console
 
-    with LiveView(EventFollower(events).poll, Console(stderr=True)) as view:  # redrawn when records arrived, at most once a second
+    with LiveView(EventFollower(events).poll, Console(stderr=True)) as view:  # redrawn at most once a second
         while running():
             if time.monotonic() > deadline:
                 return True

@@ -398,6 +398,7 @@ def test_a_new_coordinator_records_the_layout_s_nodes_lost_before_it_followed_th
     assert [(e.node, e.zone) for e in new_events.written] == [("n0", "a"), ("n2", "c")]
     assert membership.get_decision("preempted-n2").value["reason"] == (
         "its lease expired before this coordinator took over")
+    assert new_events.written[1].reason == "its lease expired before this coordinator took over"  # in the log too
     assert new.round() and len(new_events.written) == 2  # once per election
     assert old_events.written == []
 

@@ -22,7 +22,7 @@ from bamboo.launch.events import (
     RunStart,
     Step,
 )
-from bamboo.launch.live import EventFollower, LiveState, LiveView, ProgressLines, render_live
+from bamboo.launch.live import EventFollower, LiveState, LiveView, ProgressLines, describe_event, render_live
 from rich.console import Console
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ def test_state_folds_the_run() -> None:
     )  # fmt: skip
     assert len(summary["recent"]) == 3
     assert "reconfigure   join: D=2 P=2, 1 standby, 3.0 MiB; pause 0.50s" in summary["recent"][1]
+    assert describe_event(Preemption(t=4.5, node="n3", zone="b", reason="lease expired")).endswith(
+        "preemption    n3 in b (lease expired)")  # how the loss was confirmed, where the detector confirmed it
     assert not summary["finished"]
     state.apply(RunEnd(t=10.0, steps=3))
     assert state.finished and state.now == 10.0

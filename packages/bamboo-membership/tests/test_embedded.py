@@ -1,12 +1,14 @@
-"""EmbeddedEtcd itself: a clear error when etcd cannot start, a crash (SIGKILL) and restart keep the data."""
+"""EmbeddedEtcd itself: a clear error when etcd cannot start, a crash (SIGKILL) and restart keep the data, and the
+server's CPU priority above the training's where it may have one."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import pytest
-from bamboo.membership.embedded import EmbeddedEtcd, EtcdStartError, free_port
+from bamboo.membership.embedded import ETCD_NICENESS, EmbeddedEtcd, EtcdStartError, free_port
 from bamboo.membership.kv import EtcdKV, EtcdOptions
 
 
@@ -39,6 +41,16 @@ def test_kill_and_restart_keep_the_data_and_the_address() -> None:
         assert kv.get("/bamboo/e/k").value == b"v"
         kv.close()
     assert not server.data_dir.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may raise a process's CPU priority")
+def test_the_server_runs_at_a_higher_cpu_priority_than_its_starter_and_restarts_so() -> None:
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    with EmbeddedEtcd() as server:
+        assert os.getpriority(os.PRIO_PROCESS, server.pid) == max(-20, own + ETCD_NICENESS)
+        server.kill()
+        server.start()  # the same command again
+        assert server.healthy() and os.getpriority(os.PRIO_PROCESS, server.pid) == max(-20, own + ETCD_NICENESS)
 
 
 def test_a_port_it_picked_and_lost_before_the_start_is_picked_again() -> None:

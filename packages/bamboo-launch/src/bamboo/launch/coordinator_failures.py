@@ -133,7 +133,7 @@ class FailurePublisher:
         zone = self._zones.get(node) or "unknown"
         decision = self.membership.decide(f"preempted-{node}", Preempted(node, zone, reason).to_dict())
         if decision.won:
-            self.events.write(Preemption(t=self.events.now(), node=node, zone=zone, notice_s=0.0))
+            self.events.write(Preemption(t=self.events.now(), node=node, zone=zone, notice_s=0.0, reason=reason or None))
             self.say(f"confirmed failure of {node}: {reason}")
         self._preempted.add(node)
 

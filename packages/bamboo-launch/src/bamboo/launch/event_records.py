@@ -12,7 +12,8 @@ and the kind's own keys:
 - ``join``: ``node``, ``zone`` (str): a node started (billing starts) and joined, as a worker
   or on standby;
 - ``preemption``: ``node``, ``zone`` (str), ``notice_s`` (float, seconds of notice, 0 if
-  none): the node was killed; billing stops;
+  none) and, optionally, ``reason`` (str: how the loss was confirmed, e.g. ``lease expired``): the node was
+  killed; billing stops;
 - ``failover``: ``victim``, ``shadow`` (str), ``stage`` (int), ``pause_s`` (float, seconds
   the survivors could not make progress: from catching the failure to resuming on the merged
   schedule), and, optionally, the wall-clock times (Unix seconds) at the shadow ``caught_unix``
@@ -134,6 +135,9 @@ class Preemption:
     node: str = attrs.field(validator=_non_empty_str)
     zone: str = attrs.field(validator=_non_empty_str)
     notice_s: float = attrs.field(default=0.0, validator=_NON_NEGATIVE_TIME)
+    reason: str | None = attrs.field(default=None, validator=attrs.validators.optional(_non_empty_str))
+    """How the loss was confirmed (the failure detector's report: a lease that expired, a probe refused, ...);
+    None where the writer killed the node itself."""
 
 
 @attrs.frozen

@@ -103,7 +103,8 @@ def describe_event(event: Event) -> str:
         return f"{event.t:8.1f}s  join          {event.node} in {event.zone}"
     if isinstance(event, Preemption):
         notice = f", {event.notice_s:.1f}s notice" if event.notice_s > 0 else ""
-        return f"{event.t:8.1f}s  preemption    {event.node} in {event.zone}{notice}"
+        reason = f" ({event.reason})" if event.reason else ""
+        return f"{event.t:8.1f}s  preemption    {event.node} in {event.zone}{notice}{reason}"
     if isinstance(event, Failover):
         return f"{event.t:8.1f}s  failover      {event.victim} -> {event.shadow} (stage {event.stage}), pause {event.pause_s:.2f}s"
     if isinstance(event, Reconfiguration):

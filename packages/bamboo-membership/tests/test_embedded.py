@@ -46,7 +46,9 @@ def test_kill_and_restart_keep_the_data_and_the_address() -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root may raise a process's CPU priority")
 def test_the_server_runs_at_a_higher_cpu_priority_than_its_starter_and_restarts_so() -> None:
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    with EmbeddedEtcd() as server:
+    with EmbeddedEtcd() as plain:
+        assert os.getpriority(os.PRIO_PROCESS, plain.pid) == own  # not asked for
+    with EmbeddedEtcd(niceness=ETCD_NICENESS) as server:
         assert os.getpriority(os.PRIO_PROCESS, server.pid) == max(-20, own + ETCD_NICENESS)
         server.kill()
         server.start()  # the same command again

@@ -196,8 +196,9 @@ def _open_job(options: RunOptions, job: str, min_nodes: int, run_dir: Path, say:
     written there (:func:`bamboo.bench.emulated.run_agents.write_spec`): ``(embedded etcd or None, endpoints, client,
     the job's store)``. A job that already exists is refused (:class:`RunError`), and what was opened is closed."""
     from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+    from bamboo.membership.embedded import ETCD_NICENESS
 
-    etcd = None if options.etcd else EmbeddedEtcd(run_dir / "etcd").start()
+    etcd = None if options.etcd else EmbeddedEtcd(run_dir / "etcd", niceness=ETCD_NICENESS).start()
     endpoints = options.etcd or (etcd.endpoint,)  # type: ignore[union-attr]
     kv = EtcdKV(EtcdOptions(endpoints=endpoints, user=options.etcd_user, password=options.etcd_password,
                             ca_cert=options.etcd_ca, cert_cert=options.etcd_cert, cert_key=options.etcd_key))

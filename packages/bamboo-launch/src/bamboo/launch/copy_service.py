@@ -26,10 +26,11 @@ from bamboo.launch.memcopy import (
     CopyIndex,
     CopyServer,
     CopyStore,
-    choose_keepers,
+    Holding,
     copies_prefix,
     fetch_copy,
     lineage,
+    plan_keepers,
     read_indexes,
     send_copy,
     verified,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from bamboo.rc import StageExecutor
     from bamboo.reconfig import JobLayout
 
-__all__ = ["CopyService", "holders_of"]
+__all__ = ["CopyService", "holding_of"]
 
 
 @attrs.frozen
@@ -52,15 +53,21 @@ class _Pending:
     state: dict[str, object]
     """The stage's snapshot (``TrainableSlice.snapshot``: torch state dicts), opaque here: its bytes are sent."""
     lineage: str
-    keepers_from: tuple[tuple[str, ...], tuple[str, ...]] | None
-    """``(holders, placed)`` when this copy goes to keepers too (see :func:`memcopy.choose_keepers`)."""
+    holding: Holding | None
+    """Who holds each stage, when this copy goes to keepers too (see :func:`memcopy.plan_keepers`)."""
 
 
-def holders_of(layout: JobLayout, stage: int, dead: set[int]) -> list[str]:
-    """The live nodes of ``layout`` (a ``JobLayout``) that hold ``stage``: its owners and their shadows."""
+def holding_of(layout: JobLayout, dead: set[int]) -> Holding:
+    """Who holds each stage of ``layout`` (a ``JobLayout``) alive: the owners of stage s, and its shadows (the owners
+    of stage s - 1, which hold its replica)."""
     stages = layout.stages
-    holding = {stage, (stage - 1) % stages}
-    return [node for node, rank in layout.ranks.items() if rank % stages in holding and rank not in dead]
+    owners: list[list[str]] = [[] for _ in range(stages)]
+    for node, rank in sorted(layout.ranks.items()):
+        if rank not in dead:
+            owners[rank % stages].append(node)
+    return Holding(owners=tuple(map(tuple, owners)),
+                   shadows=tuple(tuple(owners[(stage - 1) % stages]) for stage in range(stages)),
+                   placed=tuple(layout.ranks))
 
 
 class CopyService:
@@ -92,12 +99,10 @@ class CopyService:
         for stage, piece in executor.slices.items():
             if piece.steps != step:
                 continue
-            keepers_from = None
-            if sends and stage in executor.hosted:
-                keepers_from = (tuple(holders_of(layout, stage, dead)), tuple(layout.ranks))
+            holding = holding_of(layout, dead) if sends and stage in executor.hosted else None
             clone = (clones or {}).get(stage)
             pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop),
-                               piece.snapshot() if clone is None else clone, line, keepers_from)
+                               piece.snapshot() if clone is None else clone, line, holding)
             with self._wake:
                 self._pending[stage] = pending  # an older clone still waiting is replaced
                 self._wake.notify()
@@ -160,15 +165,14 @@ class CopyService:
         data = snapshot_bytes(item.state)
         copy = Copy(item.stage, item.step, item.layers, data, hashlib.sha256(data).hexdigest(), item.lineage)
         self.store.put(copy)
-        if item.keepers_from is None:
+        if item.holding is None:
             return
         try:
             indexes = read_indexes(self.membership.kv, self.job)
         except Exception as error:  # etcd restarting: this copy stays here only; the next one is sent
             print(f"node {self.node}: could not read the keepers of stage {item.stage}: {error}", file=sys.stderr)
             return
-        holders, placed = item.keepers_from
-        for keeper in choose_keepers(indexes, item.stage, self.node, holders, placed):
+        for keeper in plan_keepers(indexes, item.holding)[item.stage]:
             try:
                 send_copy(indexes[keeper].address, copy, self.token)
             except (OSError, RuntimeError) as error:  # a keeper that died meanwhile: the next copy goes elsewhere

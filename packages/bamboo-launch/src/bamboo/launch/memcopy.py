@@ -6,9 +6,9 @@ every stage has a copy in the memory of a live node (:func:`memory_restore`):
 - every node that holds a stage keeps its own copy of it (a snapshot, taken at the step boundary every
   ``memory_copy_every`` steps: the tensors cloned, serialised later off the training thread);
 - the host of each stage in pipeline 0 (the node that writes the stage's disk checkpoints) also sends its
-  copy to :data:`KEEPERS` *keepers*: live nodes that do not hold the stage, in another zone than its own
-  where there is one, standby nodes first (Gemini's idea: a checkpoint in a peer's RAM, refreshed
-  asynchronously, here by a background thread).
+  copy to :data:`KEEPERS` *keepers* (:func:`plan_keepers`): live nodes that do not hold the stage, in zones
+  where it has no copy yet where there are such, standby nodes first, the stages spread evenly over them
+  (Gemini's idea: a checkpoint in a peer's RAM, refreshed asynchronously, here by a background thread).
 
 Every worker serves the copies it keeps (:class:`CopyServer`: a TCP server on the worker's host, behind
 the job's agent token when there is one) and publishes what it keeps under ``/bamboo/<job>/copies/<node>``
@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from bamboo.launch.json_types import JSON, JSONObject
     from bamboo.membership import KeyValueStore
 
-__all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "choose_keepers", "copies_prefix",
-           "fetch_copy", "lineage", "memory_restore", "read_indexes", "send_copy", "verified"]
+__all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "Holding", "copies_prefix",
+           "fetch_copy", "lineage", "memory_restore", "plan_keepers", "read_indexes", "send_copy", "verified"]
 
 KEEPERS = 2
 """How many keepers the host of a stage in pipeline 0 sends each copy to (besides its own)."""
@@ -283,33 +283,44 @@ def read_indexes(kv: KeyValueStore, job: str) -> dict[str, CopyIndex]:
     return found
 
 
-def choose_keepers(indexes: Mapping[str, CopyIndex], stage: int, sender: str, holders: Iterable[str],
-                   placed: Iterable[str], count: int = KEEPERS) -> list[str]:
-    """The keepers of ``sender``'s copy of ``stage``: live nodes that do not hold it (``holders``), other zones
-    than the sender's first, nodes on standby (not ``placed``) before placed ones, each zone once before any
-    twice. Among equals, by name from the ``stage * count``-th on (wrapping around): the copies of different
-    stages go to different keepers where there are enough, so that no standby node receives every stage's
-    copies while another receives none."""
-    held, ranked = set(holders) | {sender}, set(placed)
-    own = indexes[sender].zone if sender in indexes else ""
-    classes: dict[tuple[bool, bool], list[CopyIndex]] = {}
-    for node, index in sorted(indexes.items()):
-        if node not in held:
-            classes.setdefault((index.zone == own, node in ranked), []).append(index)
-    candidates = []
-    for _rank, equals in sorted(classes.items()):
-        turn = stage * count % len(equals)
-        candidates += equals[turn:] + equals[:turn]
-    chosen: list[str] = []
-    zones = {own}  # the sender's zone holds the sender's copy already
-    for pass_ in (0, 1):
-        for index in candidates:
-            if len(chosen) == count:
-                return chosen
-            if index.node not in chosen and (pass_ == 1 or index.zone not in zones):
-                chosen.append(index.node)
-                zones.add(index.zone)
-    return chosen
+@attrs.frozen
+class Holding:
+    """Who holds each stage of a layout, alive: ``owners[s]`` train stage ``s`` and keep its copies in their own
+    memory; ``shadows[s]`` hold its replica; ``placed`` are every node of the layout (the others wait on
+    standby)."""
+
+    owners: tuple[tuple[str, ...], ...]
+    shadows: tuple[tuple[str, ...], ...]
+    placed: tuple[str, ...]
+
+
+def plan_keepers(indexes: Mapping[str, CopyIndex], holding: Holding, count: int = KEEPERS) -> list[list[str]]:
+    """The keepers of every stage's copies (list index: the stage), the same on every sender.
+
+    A stage's keepers are live nodes (``indexes``) that hold no part of it: first in zones where no copy of it
+    is yet (its owners' zones), one per zone; then nodes on standby before placed ones; among those, the nodes
+    that keep the fewest other stages' copies, then by name. Stages are planned in order, each counting the
+    keepers planned before it: a standby node receives a second stage's copies only when every other candidate
+    keeps as many (measured, 8 nodes: the busiest standby worker kept both stages while another kept none)."""
+    kept: dict[str, int] = dict.fromkeys(indexes, 0)
+    plan: list[list[str]] = []
+    placed = set(holding.placed)
+    for owners, shadows in zip(holding.owners, holding.shadows, strict=True):
+        held = set(owners) | set(shadows)
+        covered = {indexes[node].zone for node in owners if node in indexes}
+        candidates = sorted((node for node in indexes if node not in held),
+                            key=lambda node: (indexes[node].zone in covered, node in placed, kept[node], node))
+        chosen: list[str] = []
+        zones = set(covered)
+        for pass_ in (0, 1):
+            for node in candidates:
+                if len(chosen) < count and node not in chosen and (pass_ == 1 or indexes[node].zone not in zones):
+                    chosen.append(node)
+                    zones.add(indexes[node].zone)
+        for node in chosen:
+            kept[node] += 1
+        plan.append(chosen)
+    return plan
 
 
 def memory_restore(indexes: Mapping[str, CopyIndex], bounds: Sequence[Sequence[int]], alive: Iterable[str],

@@ -300,8 +300,9 @@ def plan_keepers(indexes: Mapping[str, CopyIndex], holding: Holding, count: int 
     A stage's keepers are live nodes (``indexes``) that hold no part of it: first in zones where no copy of it
     is yet (its owners' zones), one per zone; then nodes on standby before placed ones; among those, the nodes
     that keep the fewest other stages' copies, then by name. Stages are planned in order, each counting the
-    keepers planned before it: a standby node receives a second stage's copies only when every other candidate
-    keeps as many (measured, 8 nodes: the busiest standby worker kept both stages while another kept none)."""
+    keepers planned before it, so a node receives a second stage's copies only when it is the only one in a zone
+    without a copy, or every other candidate keeps as many (measured, 8 nodes: the busiest standby worker kept
+    both stages while another kept none)."""
     kept: dict[str, int] = dict.fromkeys(indexes, 0)
     plan: list[list[str]] = []
     placed = set(holding.placed)

@@ -248,10 +248,9 @@ def test_a_run_whose_every_node_is_gone_waits_for_the_markets_next_node(tmp_path
     from bamboo.launch.records import JobEnd
     from bamboo.membership import Decision
 
-    events = tmp_path / "events.jsonl"
-    events.write_text("")
     said: list[str] = []
     asked: list[bool] = []
+    events = list  # no record comes: each call returns a new empty list
 
     def nodes_to_come() -> bool:  # the market starts nothing for two polls, then its plan is done
         asked.append(True)
@@ -289,3 +288,44 @@ def test_a_run_every_node_of_which_was_preempted_says_so_and_where_it_stopped(tm
     exited = attrs.evolve(result, exit_codes={"node0": -9, "node1": 1})  # one crashed: not a preemption
     with pytest.raises(RunError, match="no worker wrote a final report"):
         compare_with_reference(exited, RunOptions(stages=2, pipelines=1, steps=5))
+
+
+def test_the_recorder_hands_each_record_it_wrote_once_to_the_progress_lines(tmp_path) -> None:
+    """What the launcher's progress lines and live view read: the records the recorder wrote to the file, each
+    once, without reading the file back."""
+    import json
+    import time
+
+    from bamboo.bench.emulated.run_watch import EventRecorder
+    from bamboo.launch.events import Step, event_to_dict, events_prefix, read_events
+    from bamboo.membership import KeyValue
+
+    class Log:  # a job's event log in "etcd": read once, then watched (nothing more comes here)
+        def __init__(self) -> None:
+            self.items: dict[str, bytes] = {}
+
+        def revision(self) -> int:
+            return len(self.items)
+
+        def get_prefix(self, prefix: str) -> list[KeyValue]:
+            return [KeyValue(k, v, 1, 1) for k, v in sorted(self.items.items()) if k.startswith(prefix)]
+
+        def watch_prefix(self, *_: object, **__: object) -> Log:
+            return self
+
+        def cancel(self) -> None:
+            pass
+
+    kv = Log()
+    steps = [Step(t=float(i), step=i, samples=1, loss=1.0, nodes_active=1, duration_s=0.1) for i in (1, 2)]
+    kv.items[f"{events_prefix('job')}n0.worker.1/0000000000"] = "\n".join(
+        json.dumps(event_to_dict(step)) for step in steps).encode()
+    recorder = EventRecorder(kv, "job", tmp_path / "events.jsonl")  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+    taken: list[object] = []
+    while len(taken) < 2 and time.monotonic() < deadline:
+        taken += recorder.recorded()
+        time.sleep(0.01)
+    recorder.stop()
+    assert taken == steps and recorder.recorded() == [] and recorder.last_step == 2
+    assert read_events(tmp_path / "events.jsonl") == steps

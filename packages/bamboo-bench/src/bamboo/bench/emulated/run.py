@@ -129,7 +129,7 @@ def run_cluster(
         if during is not None:
             handles = handles_of(node_of_rank)
             threading.Thread(target=during, args=(handles,), name="bamboo-run-during", daemon=True).start()
-        timed_out = wait_end(cluster, membership, started + options.timeout_s, events_path, options.live, say,
+        timed_out = wait_end(cluster, membership, started + options.timeout_s, recorder.recorded, options.live, say,
                               options.progress_every, nodes_to_come=lambda: market.adds_pending)
     finally:
         market.stop(timeout=emulated_timeouts.MARKET_STOP_S)

@@ -18,6 +18,7 @@ from bamboo.launch import timeouts
 
 if TYPE_CHECKING:
     from bamboo.bench.emulated.processes import ProcessCluster
+    from bamboo.launch.events import Event
     from bamboo.membership import KeyValueStore, MembershipStore
     from bamboo.reconfig import JobLayout
 
@@ -25,7 +26,9 @@ __all__ = ["EventRecorder", "last_line", "wait_end", "wait_first_step"]
 
 
 class EventRecorder:
-    """Mirrors the job's event log from etcd into a local JSON-lines file, in a background thread."""
+    """Mirrors the job's event log from etcd into a local JSON-lines file, in a background thread, and hands the
+    records it wrote to the launcher's progress lines or live view (:meth:`recorded`): read back from the file,
+    each record was parsed twice, and the file read ten times a second."""
 
     def __init__(self, kv: KeyValueStore, job: str, path: Path) -> None:
         from bamboo.launch.events import EtcdEventFollower, EventLog
@@ -36,16 +39,27 @@ class EventRecorder:
         self._stop = threading.Event()
         self.last_step = 0  # the highest step recorded (0 before the first)
         self.error: Exception | None = None
+        self._recorded: list[Event] = []  # written to the file, not yet taken by recorded()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="bamboo-run-recorder", daemon=True)
         self._thread.start()
 
     def _drain(self, *, final: bool = False) -> None:
         from bamboo.launch.events import Step
 
-        for event in self._follower.poll(final=final):
+        events = self._follower.poll(final=final)
+        for event in events:
             self._log.write(event)
             if isinstance(event, Step):
                 self.last_step = max(self.last_step, event.step)
+        with self._lock:
+            self._recorded.extend(events)
+
+    def recorded(self) -> list[Event]:
+        """The records written to the file since the last call, in the file's order."""
+        with self._lock:
+            taken, self._recorded = self._recorded, []
+        return taken
 
     def _run(self) -> None:
         while not self._stop.wait(emulated_timeouts.RUN_POLL_S):
@@ -107,10 +121,11 @@ def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership
         time.sleep(emulated_timeouts.RUN_POLL_S)
 
 
-def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: float, events: Path, live: bool,
-             say: Callable[[str], None], progress_every: int = 10,
+def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: float, events: Callable[[], list[Event]],
+             live: bool, say: Callable[[str], None], progress_every: int = 10,
              nodes_to_come: Callable[[], bool] = lambda: False) -> bool:
-    """Wait until the job has ended and every agent has exited; True if the deadline came first.
+    """Wait until the job has ended and every agent has exited; True if the deadline came first. ``events`` gives
+    the job's records added since its last call (:meth:`EventRecorder.recorded`).
 
     An agent exits once the job's end record is in etcd. A cluster with no agent left whose job has not ended
     (a bulk preemption took every node) is still running while ``nodes_to_come()`` (the market will start
@@ -135,25 +150,25 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
         return True
 
     if not live:
-        from bamboo.launch.live import EventFollower, LiveState, ProgressLines
+        from bamboo.launch.live import LiveState, ProgressLines
 
-        follower, state, lines = EventFollower(events), LiveState(), ProgressLines(progress_every)
+        state, lines = LiveState(), ProgressLines(progress_every)
         while running():
             if time.monotonic() > deadline:
                 return True
-            state.apply_all(follower.poll())
+            state.apply_all(events())
             line = lines.line(state)
             if line is not None:
                 say(line)
             time.sleep(emulated_timeouts.RUN_POLL_S)
-        state.apply_all(follower.poll())
+        state.apply_all(events())
         if state.step is not None and state.step != lines.last:
             say(state.progress_line())  # the last step too
         return False
-    from bamboo.launch.live import EventFollower, LiveView
+    from bamboo.launch.live import LiveView
     from rich.console import Console
 
-    with LiveView(EventFollower(events).poll, Console(stderr=True)) as view:  # redrawn at most once a second
+    with LiveView(events, Console(stderr=True)) as view:  # redrawn at most once a second
         while running():
             if time.monotonic() > deadline:
                 return True

@@ -10,7 +10,7 @@ to etcd with :class:`EtcdEventLog`, one key per record under
 ``STEP_RECORDS_BATCH_S`` share one key, one JSON object per line), from a background
 thread so that training never waits for etcd (one thread per etcd client writes every log on it:
 :mod:`bamboo.launch.event_writer`). Each writer keeps only its newest
-:data:`EVENTS_PER_WRITER` keys (it deletes the older ones as it goes), so the log stays bounded.
+:data:`EVENTS_PER_WRITER` records (it deletes the older ones as it goes), so the log stays bounded.
 There, ``t`` counts from the job's ``created_unix`` (wall clock: clocks of different machines may
 differ by their skew). :func:`read_etcd_events` returns the whole log sorted by ``t`` and
 :class:`EtcdEventFollower` the records added since its last poll (``bamboo-launch watch`` and
@@ -89,8 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EVENTS_PER_WRITER = 20_000
-"""How many keys (a record each, or a batch of step records) each writer keeps in etcd (older ones are deleted as
-new ones are written)."""
+"""How many records each writer keeps in etcd (older ones are deleted as new ones are written)."""
 
 
 class EventLogError(ValueError):
@@ -402,12 +401,15 @@ class EtcdEventFollower:
     def _read_unseen(self) -> None:
         """Queue every record in etcd that neither this read nor the watch has delivered yet, in ``t`` order."""
         items = self._kv.get_prefix(events_prefix(self.job))
-        with self._lock:  # claimed here: the watch, delivering one of them meanwhile, leaves it to this read
-            unseen = [(i.key, i.value) for i in items if i.key not in self._seen]
-            self._seen.update(key for key, _ in unseen)
-        records = _in_t_order(unseen)
         with self._lock:
-            self._pending.extend(records)
+            unseen = [(i.key, i.value) for i in items if i.key not in self._seen]
+        records = {key: _parse_etcd_records(key, value) for key, value in unseen}
+        with self._lock:
+            fresh = [(record.t, key, place, record) for key, parsed in records.items() if key not in self._seen
+                     for place, record in enumerate(parsed)]
+            fresh.sort(key=lambda row: row[:3])
+            self._seen.update(records.keys() - self._seen)
+            self._pending.extend(record for *_, record in fresh)
 
     def poll(self, *, final: bool = False) -> list[Event]:
         """The records added since the last call. ``final``: the last call, once every writer has closed its

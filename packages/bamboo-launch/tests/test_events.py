@@ -17,7 +17,6 @@ from bamboo.launch.events import (
     event_from_dict,
     event_to_dict,
     events_prefix,
-    read_etcd_events,
     read_events,
 )
 from bamboo.membership import EventKind, KeyValue, WatchEvent
@@ -168,20 +167,4 @@ def test_the_final_poll_reads_the_records_the_watch_has_not_delivered_and_none_t
     _put_step(kv, "node1", 4)
     kv.deliver()
     assert [e.step for e in follower.poll()] == [4]
-    follower.close()
-
-
-def test_a_value_of_several_records_reads_as_each_of_them_in_order() -> None:
-    """A worker's step records go out together, one JSON object per line of one value: every reader splits them."""
-    kv = _LaggingWatchKV()
-    lines = [json.dumps(event_to_dict(Step(t=float(step), step=step, samples=1, loss=1.0, nodes_active=1,
-                                           duration_s=0.1))) for step in (5, 6)]
-    kv.put(f"{events_prefix('job')}node0/00000001", "\n".join(lines).encode())
-    _put_step(kv, "node1", 4)
-    assert [e.step for e in read_etcd_events(kv, "job")] == [4, 5, 6]  # type: ignore[arg-type]
-    follower = EtcdEventFollower(kv, "job")  # type: ignore[arg-type]
-    assert [e.step for e in follower.poll()] == [4, 5, 6]
-    kv.put(f"{events_prefix('job')}node0/00000002", "\n".join(lines[::-1]).encode())  # as written: 6 before 5
-    kv.deliver()
-    assert [e.step for e in follower.poll()] == [6, 5]
     follower.close()

@@ -6,8 +6,7 @@ from any number of writers.
 
 **Events in etcd.** On a cluster there is no shared file: every agent and worker writes its records
 to etcd with :class:`EtcdEventLog`, one key per record under
-``/bamboo/<job>/events/<writer>/<sequence>`` (``writer`` is ``<node>.<role>.<pid>``; a worker's step records of
-``STEP_RECORDS_BATCH_S`` share one key, one JSON object per line), from a background
+``/bamboo/<job>/events/<writer>/<sequence>`` (``writer`` is ``<node>.<role>.<pid>``), from a background
 thread so that training never waits for etcd (one thread per etcd client writes every log on it:
 :mod:`bamboo.launch.event_writer`). Each writer keeps only its newest
 :data:`EVENTS_PER_WRITER` records (it deletes the older ones as it goes), so the log stays bounded.
@@ -233,14 +232,9 @@ class EtcdEventLog:
         outage_s: float = timeouts.ETCD_OUTAGE_S,
         retry_s: float = timeouts.ETCD_RETRY_S,
         guard: Guard | None = None,
-        batch_s: float = timeouts.STEP_RECORDS_BATCH_S,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        if batch_s < 0:
-            raise ValueError(f"batch_s must be >= 0, got {batch_s}")
-        self.batch_s = batch_s
-        self._steps: list[Event] = []  # step records held back to go out together (batch_s)
         self._kv = kv
         self._guard = guard
         self.prefix = f"{events_prefix(job)}{writer}/"
@@ -262,27 +256,12 @@ class EtcdEventLog:
         return max(0.0, time.time() - self.start_unix)
 
     def write(self, event: Event) -> None:
-        """Queue one record (already built, with its own ``t``); it reaches etcd shortly after: a step record
-        within ``batch_s`` seconds, with the other steps of that time in one value, any other record at once (and
-        the steps held back before it, first)."""
+        """Queue one record (already built, with its own ``t``); it reaches etcd shortly after."""
         if self._closed:
             raise ValueError(f"event log {self.prefix} is closed")
-        with self._idle:  # held while submitting: two threads' records go out in the order they were written
-            self._pending += 1
-            if isinstance(event, Step) and self.batch_s > 0:
-                self._steps.append(event)
-                if len(self._steps) == 1:
-                    self._writer.submit_later(self.batch_s, self._send_steps)
-                return
-            records, self._steps = [*self._steps, event], []
-            self._writer.submit(lambda: self._write_out(records))
-
-    def _send_steps(self) -> None:
-        """Queue the step records held back (if a later record has not taken them already)."""
         with self._idle:
-            records, self._steps = self._steps, []
-            if records:
-                self._writer.submit(lambda: self._write_out(records))
+            self._pending += 1
+        self._writer.submit(lambda: self._write_out(event))
 
     def emit(self, cls: type[Event], **fields: EventField) -> Event:
         event = cls(t=self.now(), **fields)
@@ -290,9 +269,7 @@ class EtcdEventLog:
         return event
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Send the step records held back, and wait until every queued record was written (or dropped); False on
-        timeout."""
-        self._send_steps()
+        """Wait until every queued record was written (or dropped); False on timeout."""
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
@@ -307,22 +284,20 @@ class EtcdEventLog:
         if self._local is not None:
             self._local.close()
 
-    def _write_out(self, records: list[Event]) -> None:
+    def _write_out(self, event: Event) -> None:
         try:
-            self._put(records)
+            self._put(event)
         finally:
             with self._idle:
-                self._pending -= len(records)
+                self._pending -= 1
                 self._idle.notify_all()
 
-    def _put(self, records: list[Event]) -> None:
+    def _put(self, event: Event) -> None:
         if self._local is not None:
-            for event in records:
-                self._local.write(event)
+            self._local.write(event)
         if self.fenced.is_set():
             return
-        data = "\n".join(json.dumps(event_to_dict(event), separators=(",", ":")) for event in records).encode()
-        kinds = "/".join(sorted({type(event).KIND for event in records}))
+        data = json.dumps(event_to_dict(event), separators=(",", ":")).encode()
         key = f"{self.prefix}{self._sequence:010d}"
         deadline = time.monotonic() + self.outage_s
         while True:
@@ -338,34 +313,28 @@ class EtcdEventLog:
                 return
             except StoreUnavailableError as error:
                 if time.monotonic() > deadline:
-                    log.error("event log %s: dropped %d %s record(s): %s", self.prefix, len(records), kinds, error)
+                    log.error("event log %s: dropped a %s record: %s", self.prefix, type(event).KIND, error)
                     return
                 time.sleep(self.retry_s)
             except StoreError as error:
-                log.error("event log %s: dropped %d %s record(s): %s", self.prefix, len(records), kinds, error)
+                log.error("event log %s: dropped a %s record: %s", self.prefix, type(event).KIND, error)
                 return
 
 
-def _parse_etcd_records(key: str, value: bytes) -> list[Event]:
-    """The records of one etcd value: one JSON object per line (a writer's step records go out together)."""
+def _parse_etcd_record(key: str, value: bytes) -> Event:
     try:
-        return [event_from_dict(json.loads(line)) for line in value.splitlines() if line.strip()]
+        return event_from_dict(json.loads(value))
     except (ValueError, TypeError) as error:
         raise EventLogError(f"etcd key {key}: {error}") from None
-
-
-def _in_t_order(items: Iterable[tuple[str, bytes]]) -> list[Event]:
-    """The records of ``(key, value)`` pairs, sorted by ``t`` (ties by key, then by place in the value)."""
-    parsed = [(record.t, key, place, record) for key, value in items
-              for place, record in enumerate(_parse_etcd_records(key, value))]
-    parsed.sort(key=lambda row: row[:3])
-    return [record for *_, record in parsed]
 
 
 def read_etcd_events(kv: KeyValueStore, job: str) -> list[Event]:
     """Every record of a job's event log in etcd, sorted by ``t`` (ties by key); a bad one raises
     :class:`EventLogError` naming its key."""
-    return _in_t_order((item.key, item.value) for item in kv.get_prefix(events_prefix(job)))
+    items = kv.get_prefix(events_prefix(job))
+    parsed = [(_parse_etcd_record(item.key, item.value), item.key) for item in items]
+    parsed.sort(key=lambda pair: (pair[0].t, pair[1]))
+    return [event for event, _ in parsed]
 
 
 class EtcdEventFollower:
@@ -388,7 +357,7 @@ class EtcdEventFollower:
         if getattr(event.kind, "value", event.kind) != "put":
             return
         try:
-            records = _parse_etcd_records(event.key, event.value)
+            record = _parse_etcd_record(event.key, event.value)
         except EventLogError as error:
             with self._lock:
                 self._error = error
@@ -396,20 +365,19 @@ class EtcdEventFollower:
         with self._lock:  # a final read (poll(final=True)) may have delivered it already
             if event.key not in self._seen:
                 self._seen.add(event.key)
-                self._pending.extend(records)
+                self._pending.append(record)
 
     def _read_unseen(self) -> None:
         """Queue every record in etcd that neither this read nor the watch has delivered yet, in ``t`` order."""
         items = self._kv.get_prefix(events_prefix(self.job))
         with self._lock:
             unseen = [(i.key, i.value) for i in items if i.key not in self._seen]
-        records = {key: _parse_etcd_records(key, value) for key, value in unseen}
+        records = sorted(((_parse_etcd_record(key, value), key) for key, value in unseen),
+                         key=lambda pair: (pair[0].t, pair[1]))
         with self._lock:
-            fresh = [(record.t, key, place, record) for key, parsed in records.items() if key not in self._seen
-                     for place, record in enumerate(parsed)]
-            fresh.sort(key=lambda row: row[:3])
-            self._seen.update(records.keys() - self._seen)
-            self._pending.extend(record for *_, record in fresh)
+            fresh = [(record, key) for record, key in records if key not in self._seen]
+            self._seen.update(key for _, key in fresh)
+            self._pending.extend(record for record, _ in fresh)
 
     def poll(self, *, final: bool = False) -> list[Event]:
         """The records added since the last call. ``final``: the last call, once every writer has closed its

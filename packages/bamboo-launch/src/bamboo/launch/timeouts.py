@@ -34,7 +34,6 @@ __all__ = [
     "SCRIPT_REFERENCE_TIMEOUT_S",
     "SPEC_POLL_S",
     "SPEC_WAIT_S",
-    "STEP_RECORDS_BATCH_S",
     "THREAD_JOIN_S",
     "WATCH_POLL_S",
     "WORKER_EXIT_GRACE_S",
@@ -146,13 +145,6 @@ LIVE_REDRAW_S = 1.0
 arrive in between are drawn together. A redraw of the whole panel costs about 3.4 ms of CPU; redrawn at every
 read that found records, the launcher of a 6-node job stepping about 17 times a second used 4.4% of a core, and
 2.4% with this cap."""
-
-STEP_RECORDS_BATCH_S = 0.5
-"""How long a worker holds its step records back so that they go to etcd together, one value for the steps of this
-long (``EtcdEventLog(batch_s=...)``; 0: one put per record). Any other record goes out at once, with the steps
-held before it. At about 17 steps a second a put per step, and the delete of the oldest record that keeps the log
-bounded, cost the launcher that follows the log most of its CPU (1.3% of a core of its 2%); records in the live
-view come this much later."""
 
 THREAD_JOIN_S = 5.0
 """How long stopping waits for a background thread (the coordinator, the event recorder) to end."""

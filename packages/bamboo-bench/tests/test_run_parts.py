@@ -318,8 +318,8 @@ def test_the_recorder_hands_each_record_it_wrote_once_to_the_progress_lines(tmp_
 
     kv = Log()
     steps = [Step(t=float(i), step=i, samples=1, loss=1.0, nodes_active=1, duration_s=0.1) for i in (1, 2)]
-    kv.items[f"{events_prefix('job')}n0.worker.1/0000000000"] = "\n".join(
-        json.dumps(event_to_dict(step)) for step in steps).encode()
+    for number, step in enumerate(steps):
+        kv.items[f"{events_prefix('job')}n0.worker.1/{number:010d}"] = json.dumps(event_to_dict(step)).encode()
     recorder = EventRecorder(kv, "job", tmp_path / "events.jsonl")  # type: ignore[arg-type]
     deadline = time.monotonic() + 10
     taken: list[object] = []

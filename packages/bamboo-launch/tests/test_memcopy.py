@@ -62,25 +62,25 @@ def _indexes(zones: str) -> dict[str, CopyIndex]:
 def test_keepers_are_in_zones_without_a_copy_first_one_per_zone_then_on_standby_then_the_least_loaded() -> None:
     # stage 0 is kept by its owners in zones a and b, stage 1 by theirs in c and b; s* are on standby
     indexes = _indexes("w:a h1:b s1:a s2:b p1:c p2:b s3:c")
-    holding = Holding(owners=(("h1", "w"), ("p1", "p2")), shadows=(("p1", "p2"), ("h1", "w")),
+    holding = Holding(owners=(("h1", "w"), ("p1", "p2")),
                       placed=("w", "h1", "p1", "p2"))
     assert plan_keepers(indexes, holding) == [["s3", "s1"], ["s1", "s2"]]  # s1: the only node in zone a for stage 1
     assert plan_keepers(indexes, holding, count=4) == [["s3", "s1", "s2"], ["s1", "s2", "s3"]]  # held: never
     # the 8-node run measured: every standby node keeps one stage (before: node5 both, node7 none)
     eight = _indexes("node0:a node1:b node2:c node3:a node4:b node5:c node6:a node7:b")
-    holding = Holding(owners=(("node0", "node3"), ("node1", "node2")), shadows=(("node1", "node2"), ("node0", "node3")),
+    holding = Holding(owners=(("node0", "node3"), ("node1", "node2")),
                       placed=("node0", "node1", "node2", "node3"))
     assert plan_keepers(eight, holding) == [["node4", "node5"], ["node6", "node7"]]
     # two owners in one zone, four standby nodes in another: each stage's copies go to two of their own
     spread = _indexes("h0:a h1:a s1:b s2:b s3:b s4:b")
-    assert plan_keepers(spread, Holding(owners=(("h0",), ("h1",)), shadows=(("h1",), ("h0",)), placed=("h0", "h1"))) == [
+    assert plan_keepers(spread, Holding(owners=(("h0",), ("h1",)), placed=("h0", "h1"))) == [
         ["s1", "s2"], ["s3", "s4"]]
     # a standby node before a placed one in the same zone; its own zone when it must
     three = _indexes("a0:a a1:b a2:c s:b")
-    assert plan_keepers(three, Holding(owners=(("a0",), ("a1",), ("a2",)), shadows=(("a2",), ("a0",), ("a1",)),
+    assert plan_keepers(three, Holding(owners=(("a0",), ("a1",), ("a2",)),
                                        placed=("a0", "a1", "a2")))[0] == ["s", "a1"]
     lonely = _indexes("w:a s1:a")
-    assert plan_keepers(lonely, Holding(owners=(("w",),), shadows=(("w",),), placed=("w",))) == [["s1"]]
+    assert plan_keepers(lonely, Holding(owners=(("w",),), placed=("w",))) == [["s1"]]
 
 
 def test_the_restore_point_is_the_newest_step_every_stage_has_on_a_live_node() -> None:

@@ -58,16 +58,12 @@ class _Pending:
 
 
 def holding_of(layout: JobLayout, dead: set[int]) -> Holding:
-    """Who holds each stage of ``layout`` (a ``JobLayout``) alive: the owners of stage s, and its shadows (the owners
-    of stage s - 1, which hold its replica)."""
-    stages = layout.stages
-    owners: list[list[str]] = [[] for _ in range(stages)]
+    """Who holds each stage of ``layout`` (a ``JobLayout``) alive: the live owners of each stage."""
+    owners: list[list[str]] = [[] for _ in range(layout.stages)]
     for node, rank in sorted(layout.ranks.items()):
         if rank not in dead:
-            owners[rank % stages].append(node)
-    return Holding(owners=tuple(map(tuple, owners)),
-                   shadows=tuple(tuple(owners[(stage - 1) % stages]) for stage in range(stages)),
-                   placed=tuple(layout.ranks))
+            owners[rank % layout.stages].append(node)
+    return Holding(owners=tuple(map(tuple, owners)), placed=tuple(layout.ranks))
 
 
 class CopyService:
@@ -96,10 +92,11 @@ class CopyService:
         executor.apply_replica_updates()
         step, dead = executor.step, set(executor.dead)
         line = lineage(layout.history, step)
+        every = holding_of(layout, dead) if sends else None  # the same for each stage this node sends
         for stage, piece in executor.slices.items():
             if piece.steps != step:
                 continue
-            holding = holding_of(layout, dead) if sends and stage in executor.hosted else None
+            holding = every if stage in executor.hosted else None
             clone = (clones or {}).get(stage)
             pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop),
                                piece.snapshot() if clone is None else clone, line, holding)

@@ -286,11 +286,10 @@ def read_indexes(kv: KeyValueStore, job: str) -> dict[str, CopyIndex]:
 @attrs.frozen
 class Holding:
     """Who holds each stage of a layout, alive: ``owners[s]`` train stage ``s`` and keep its copies in their own
-    memory; ``shadows[s]`` hold its replica; ``placed`` are every node of the layout (the others wait on
-    standby)."""
+    memory, and the owners of stage ``s - 1`` (its shadows) hold its replica; ``placed`` are every node of the
+    layout (the others wait on standby)."""
 
     owners: tuple[tuple[str, ...], ...]
-    shadows: tuple[tuple[str, ...], ...]
     placed: tuple[str, ...]
 
 
@@ -306,8 +305,8 @@ def plan_keepers(indexes: Mapping[str, CopyIndex], holding: Holding, count: int 
     kept: dict[str, int] = dict.fromkeys(indexes, 0)
     plan: list[list[str]] = []
     placed = set(holding.placed)
-    for owners, shadows in zip(holding.owners, holding.shadows, strict=True):
-        held = set(owners) | set(shadows)
+    for stage, owners in enumerate(holding.owners):
+        held = set(owners) | set(holding.owners[stage - 1])  # its owners and its shadows
         covered = {indexes[node].zone for node in owners if node in indexes}
         candidates = sorted((node for node in indexes if node not in held),
                             key=lambda node: (indexes[node].zone in covered, node in placed, kept[node], node))

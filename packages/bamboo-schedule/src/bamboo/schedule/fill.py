@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import attrs
 from bamboo.schedule._tasks import CostFn, KindStageCost, unit_cost
-from bamboo.schedule.engine import StageTable, Timeline, execute
+from bamboo.schedule.engine import StageTable, Timeline, execute, execute_from
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
 
 __all__ = ["fill_idle"]
@@ -37,8 +38,9 @@ __all__ = ["fill_idle"]
 _EPSILON = 1e-9
 
 REFINE_BUDGET = 24_000_000
-"""How many instructions `_refine` may execute in all, over its starts (its trial runs times their instructions):
-up to about 10 s of CPU (P = 16, M = 128), every trial for small pipelines (P = 4, M = 8: 0.2 s)."""
+"""How many instructions `_refine` may execute in all, over its starts (its trial runs times their instructions,
+counted whole, though a trial resumes its base's timeline at the first change): it ends the search for large
+pipelines (P = 8, M = 32 and P = 16, M = 128), and allows every trial for small ones (P = 4, M = 8)."""
 
 SPREAD_STARTS = (0.5, 0.75)
 """Besides first fit, `_refine` also starts from these `_spread` placements, each with and without pushes; the best
@@ -203,6 +205,15 @@ def _refill(
     return moved
 
 
+@attrs.frozen
+class _Run:
+    """One trial run of `_refine`: the nodes' streams, their timeline, and each node's end."""
+
+    streams: dict[int, tuple[Instruction, ...]]
+    timeline: Timeline
+    ends: dict[int, float]
+
+
 class _Streams:
     """The nodes' streams for given positions (`_assemble`), remembered: a trial of `_refine` moves the items of one
     node or a few, so the other nodes' streams are the ones of the placement it started from. At most
@@ -232,15 +243,19 @@ def _trial(
     positions: dict[int, list[int]],
     duration: StageTable,
     assemble: _Streams | None = None,
-) -> tuple[dict[int, float], dict[int, tuple[Instruction, ...]]]:
-    """Run the items at ``positions`` (refilled in place, `_refill`): the nodes' ends and the streams."""
+    base: _Run | None = None,
+) -> _Run:
+    """Run the items at ``positions`` (refilled in place, `_refill`): the streams, their timeline and the nodes'
+    ends. ``base`` is a run of the same items at other positions, whose times are reused up to the first change
+    (`execute_from`)."""
     assemble = assemble or _Streams(plain, items)
     streams = assemble(positions)
-    timeline = execute(streams, duration)
+    timeline = execute_from(streams, duration, base.timeline, base.streams) if base else execute(streams, duration)
     if _refill(plain, items, positions, streams, timeline, duration):
-        streams = assemble(positions)
-        timeline = execute(streams, duration)
-    return _ends(timeline), streams
+        refilled = assemble(positions)
+        timeline = execute_from(refilled, duration, timeline, streams)
+        streams = refilled
+    return _Run(streams, timeline, _ends(timeline))
 
 
 def _trials(plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]]) -> int:
@@ -274,8 +289,8 @@ def _refine(
     if trials < REFINE_MIN_TRIALS:
         return positions
     assemble = _Streams(plain, items)
-    ends, _streams = _trial(plain, items, positions, duration, assemble)
-    best = _score(ends)
+    current = _trial(plain, items, positions, duration, assemble)
+    best = _score(current.ends)
     candidates = {n: sorted({int(gap[2]) for gap in _gaps(timeline.start[n], timeline.end[n])}
                             | {len(plain.streams[n])}) for n in positions}
     receives = _gradient_receives(plain)
@@ -283,23 +298,23 @@ def _refine(
 
     def keep_if_sooner(trial: dict[int, list[int]]) -> None:
         """Spend a trial on ``trial``'s positions; they replace ``positions`` where the iteration ends sooner."""
-        nonlocal trials, best, ends, improved
+        nonlocal trials, best, current, improved
         trials -= 1
-        trial_ends, _streams = _trial(plain, items, trial, duration, assemble)
-        score = _score(trial_ends)
+        run = _trial(plain, items, trial, duration, assemble, current)
+        score = _score(run.ends)
         if score < best:
-            best, ends, improved = score, trial_ends, True
+            best, current, improved = score, run, True
             for m, p in trial.items():
                 positions[m][:] = p
 
     while improved and trials > 0:
         improved = False
-        for trial in () if pushes else _joint_pulls(plain, items, positions, ends, receives):  # see the docstring
+        for trial in () if pushes else _joint_pulls(plain, items, positions, current.ends, receives):  # see the docstring
             if trials <= 0:
                 break
             keep_if_sooner(trial)
         for pulls in (True, False):  # the pulls of every node first: they move the most, and cost the fewest trials
-            for n in sorted(items, key=lambda node: -ends[node]):  # the nodes that end last first
+            for n in sorted(items, key=lambda node: -current.ends[node]):  # the nodes that end last first
                 moves = _moves(positions[n], items[n], candidates[n], len(plain.streams[n]), duration, n, pulls, pushes)
                 for moved in moves:
                     if trials <= 0:
@@ -440,7 +455,7 @@ def fill_idle(plain: Schedule, rc: RCMode, cost: CostFn, *, refine: bool = False
         starts = [({n: list(p) for n, p in first.items()}, pushes) for first in firsts for pushes in (False, True)]
         for start, pushes in starts:
             refined = _refine(plain, items, start, timeline, cost, pushes)
-            score = _score(_trial(plain, items, {n: list(p) for n, p in refined.items()}, duration)[0])
+            score = _score(_trial(plain, items, {n: list(p) for n, p in refined.items()}, duration).ends)
             if best is None or score < best[0]:
                 best = (score, refined)
         positions = best[1]

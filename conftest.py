@@ -33,7 +33,8 @@ class FakeClock:
     It reads as each clock of the code does: a callable (``EventLog``'s ``clock``, a detector's), the market's
     :class:`bamboo.bench.emulated.market.Clock` (``now()``, ``sleep(seconds, stop)``), and bamboo-rc's ``Clock``
     (``monotonic()``, ``time()``, ``sleep(seconds)``). ``t`` is its time in seconds; ``time()`` adds a Unix
-    epoch; ``sleeps`` lists every sleep asked of it.
+    epoch; ``sleeps`` lists every sleep asked of it; ``on_sleep``, where a test sets it, runs after each sleep
+    with the clock (what the other processes do meanwhile).
     """
 
     EPOCH = 1_700_000_000.0
@@ -41,6 +42,7 @@ class FakeClock:
     def __init__(self, start: float = 1000.0) -> None:
         self.t = start
         self.sleeps: list[float] = []
+        self.on_sleep: Callable[[FakeClock], None] | None = None
 
     def __call__(self) -> float:
         return self.t
@@ -61,6 +63,8 @@ class FakeClock:
     def sleep(self, seconds: float, stop: threading.Event | None = None) -> None:
         self.sleeps.append(seconds)
         self.advance(seconds)
+        if self.on_sleep is not None:
+            self.on_sleep(self)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -37,18 +38,13 @@ from bamboo.membership.store import MembershipStore
 from bamboo.membership.v1 import membership_pb2 as pb
 from bamboo.membership.v1 import membership_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from conftest import FakeClock
+
 TTL = 2
 GRACE = 1.5
 HANG = 30.0  # bound on every wait: only turns a hang into a failure, never a latency claim
 CONFIG = DetectorConfig(grace_period=GRACE, probe_timeout=0.2, probe_interval=0.1)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _all_threads_stopped(pid: int) -> bool:
@@ -192,12 +188,12 @@ def test_worker_reports_a_killed_peer_over_grpc_and_is_told_it_failed(spawn, wat
 
 
 def test_a_stopped_process_is_slow_not_dead_until_its_grace_period_passes_then_it_is_fenced(
-    spawn, watchers, store: MembershipStore, wait_until
+    spawn, watchers, store: MembershipStore, wait_until, fake_clock: FakeClock
 ) -> None:
     """SIGSTOP: probes of the real process time out (its port still accepts connections). The judge's detector
     runs on a fake clock, so 'within the grace period' and 'past it' do not depend on the machine's speed."""
     victim = spawn("victim")
-    clock = FakeClock()
+    clock = fake_clock
     judge = FailureDetector(store, "judge", GrpcProber("judge"), CONFIG, clock=clock)
     judge.start(probe_loop=False)
     try:
@@ -206,11 +202,11 @@ def test_a_stopped_process_is_slow_not_dead_until_its_grace_period_passes_then_i
         victim.stop()
         judge.report_peer_failure("victim", "send to victim timed out")
         judge.tick()
-        clock.now += CONFIG.probe_interval
+        clock.advance(CONFIG.probe_interval)
         judge.tick()
         assert judge.suspects() == ["victim"]
         victim.signal(signal.SIGCONT)
-        clock.now += CONFIG.probe_interval
+        clock.advance(CONFIG.probe_interval)
         judge.tick()
         assert judge.suspects() == []
         settle(store, watchers, wait_until)
@@ -221,7 +217,7 @@ def test_a_stopped_process_is_slow_not_dead_until_its_grace_period_passes_then_i
         judge.report_peer_failure("victim", "send to victim timed out")
         judge.tick()
         assert judge.suspects() == ["victim"]
-        clock.now += GRACE
+        clock.advance(GRACE)
         judge.tick()
         assert judge.suspects() == []
         # The judge won the report and revoked the lease: the victim left every view at once.

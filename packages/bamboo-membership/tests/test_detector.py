@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult, SweepResult
@@ -19,13 +20,8 @@ from bamboo.membership.members import EMPTY_VIEW, MembershipView, NodeTable
 from bamboo.membership.records import NodeFailed, NodeRecord, NodeState, encode_message
 from bamboo.membership.store import MembershipStore, Registration
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+if TYPE_CHECKING:
+    from conftest import FakeClock
 
 
 class ScriptedProber:
@@ -61,8 +57,10 @@ def _detector(store: MembershipStore, prober: ScriptedProber, clock: FakeClock) 
     return detector, seen
 
 
-def test_refused_probe_confirms_a_neighbour_report_at_once(store, victim, wait_until) -> None:
-    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+def test_refused_probe_confirms_a_neighbour_report_at_once(
+    store, victim, wait_until, fake_clock: FakeClock
+) -> None:
+    clock, prober = fake_clock, ScriptedProber(REFUSED)
     detector, seen = _detector(store, prober, clock)
     try:
         detector.report_peer_failure("victim", "recv from victim: connection closed by peer", reporter="n0")
@@ -79,40 +77,44 @@ def test_refused_probe_confirms_a_neighbour_report_at_once(store, victim, wait_u
         detector.stop()
 
 
-def test_slow_node_answering_within_the_grace_period_is_not_declared(store, victim) -> None:
-    clock, prober = FakeClock(), ScriptedProber(TIMEOUT, TIMEOUT, ALIVE)
+def test_slow_node_answering_within_the_grace_period_is_not_declared(
+    store, victim, fake_clock: FakeClock
+) -> None:
+    clock, prober = fake_clock, ScriptedProber(TIMEOUT, TIMEOUT, ALIVE)
     detector, seen = _detector(store, prober, clock)
     try:
         detector.report_peer_failure("victim", "send timed out")
         detector.tick()  # t=0: timeout
-        clock.now += 0.2
+        clock.advance(0.2)
         detector.tick()  # not due yet (interval 0.5)
         assert len(prober.calls) == 1
-        clock.now += 0.3
+        clock.advance(0.3)
         detector.tick()  # t=0.5: timeout again
-        clock.now += 0.5
+        clock.advance(0.5)
         detector.tick()  # t=1.0: answers with the same incarnation
         assert len(prober.calls) == 3 and detector.suspects() == []
-        clock.now += 10
+        clock.advance(10)
         detector.tick()
         assert seen == [] and store.failures(0) == {}
     finally:
         detector.stop()
 
 
-def test_node_unresponsive_for_the_grace_period_is_declared_once(store, victim) -> None:
-    clock, prober = FakeClock(), ScriptedProber(TIMEOUT)
+def test_node_unresponsive_for_the_grace_period_is_declared_once(
+    store, victim, fake_clock: FakeClock
+) -> None:
+    clock, prober = fake_clock, ScriptedProber(TIMEOUT)
     detector, seen = _detector(store, prober, clock)
     try:
         detector.report_peer_failure("victim", "recv timed out")
         for _ in range(4):  # t = 0, 0.5, 1.0, 1.5: still inside the grace period
             detector.tick()
-            clock.now += 0.5
+            clock.advance(0.5)
         assert seen == [] and detector.suspects() == ["victim"]
         detector.tick()  # t = 2.0
         assert [e.path for e in seen] == ["probe_timeout"]
         assert "unresponsive for 2.00 s" in seen[0].reason
-        clock.now += 5
+        clock.advance(5)
         detector.tick()
         detector.report_peer_failure("victim", "still broken")
         detector.tick()
@@ -121,8 +123,8 @@ def test_node_unresponsive_for_the_grace_period_is_declared_once(store, victim) 
         detector.stop()
 
 
-def test_new_incarnation_answering_confirms_the_old_one_failed(store, victim) -> None:
-    clock, prober = FakeClock(), ScriptedProber(ProbeResult(ProbeOutcome.ALIVE, incarnation=2))
+def test_new_incarnation_answering_confirms_the_old_one_failed(store, victim, fake_clock: FakeClock) -> None:
+    clock, prober = fake_clock, ScriptedProber(ProbeResult(ProbeOutcome.ALIVE, incarnation=2))
     detector, seen = _detector(store, prober, clock)
     try:
         detector.report_peer_failure("victim", "recv failed")
@@ -133,9 +135,11 @@ def test_new_incarnation_answering_confirms_the_old_one_failed(store, victim) ->
         detector.stop()
 
 
-def test_lease_expiry_declares_and_every_detector_emits_exactly_once(store, wait_until) -> None:
+def test_lease_expiry_declares_and_every_detector_emits_exactly_once(
+    store, wait_until, fake_clock: FakeClock
+) -> None:
     reg = store.register(NodeRecord(id="gone", address="127.0.0.1", agent_port=9, incarnation=4), ttl=1)
-    clock = FakeClock()
+    clock = fake_clock
     detectors = [_detector(store, ScriptedProber(ALIVE), clock) for _ in range(3)]
     try:
         reg.stop_keepalive()  # as if the process died: the lease runs out after 1 s
@@ -152,8 +156,8 @@ def test_lease_expiry_declares_and_every_detector_emits_exactly_once(store, wait
             detector.stop()
 
 
-def test_leaving_on_purpose_is_not_a_failure(store, wait_until) -> None:
-    clock = FakeClock()
+def test_leaving_on_purpose_is_not_a_failure(store, wait_until, fake_clock: FakeClock) -> None:
+    clock = fake_clock
     detector, seen = _detector(store, ScriptedProber(ALIVE), clock)
     events: list = []
     handle = store.watch_nodes(events.append)
@@ -168,8 +172,8 @@ def test_leaving_on_purpose_is_not_a_failure(store, wait_until) -> None:
         detector.stop()
 
 
-def test_failures_are_per_epoch(store, victim, wait_until) -> None:
-    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+def test_failures_are_per_epoch(store, victim, wait_until, fake_clock: FakeClock) -> None:
+    clock, prober = fake_clock, ScriptedProber(REFUSED)
     detector, seen = _detector(store, prober, clock)
     again = None
     try:
@@ -191,11 +195,11 @@ def test_failures_are_per_epoch(store, victim, wait_until) -> None:
 
 
 def test_a_declared_node_s_record_deleted_after_the_epoch_moved_on_is_not_reported_again(
-    store, victim, wait_until
+    store, victim, wait_until, fake_clock: FakeClock
 ) -> None:
     """The lease this detector revoked goes with the node's record; when that deletion is delivered only after the
     next epoch began (a loaded machine), it is the same failure, not a new one in the new epoch."""
-    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    clock, prober = fake_clock, ScriptedProber(REFUSED)
     detector, seen = _detector(store, prober, clock)
     try:
         record = detector.known_nodes()["victim"]
@@ -211,8 +215,10 @@ def test_a_declared_node_s_record_deleted_after_the_epoch_moved_on_is_not_report
         detector.stop()
 
 
-def test_malformed_node_value_in_a_watch_is_logged_not_fatal(store, wait_until, caplog) -> None:
-    clock = FakeClock()
+def test_malformed_node_value_in_a_watch_is_logged_not_fatal(
+    store, wait_until, caplog, fake_clock: FakeClock
+) -> None:
+    clock = fake_clock
     detector, seen = _detector(store, ScriptedProber(REFUSED), clock)
     try:
         store.kv.put(store.keys.node("bad"), b"\x00garbage")
@@ -228,8 +234,10 @@ def test_malformed_node_value_in_a_watch_is_logged_not_fatal(store, wait_until, 
         detector.stop()
 
 
-def test_the_membership_view_is_one_immutable_object_until_a_record_changes(store, wait_until) -> None:
-    detector, _ = _detector(store, ScriptedProber(ALIVE), FakeClock())
+def test_the_membership_view_is_one_immutable_object_until_a_record_changes(
+    store, wait_until, fake_clock: FakeClock
+) -> None:
+    detector, _ = _detector(store, ScriptedProber(ALIVE), fake_clock)
     try:
         empty = detector.membership_view()
         assert empty is detector.membership_view() and dict(empty.nodes) == {}
@@ -295,15 +303,15 @@ class FlakyKV:
         return getattr(self.kv, name)
 
 
-def test_a_confirmed_failure_that_cannot_be_written_is_retried(store, victim) -> None:
-    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+def test_a_confirmed_failure_that_cannot_be_written_is_retried(store, victim, fake_clock: FakeClock) -> None:
+    clock, prober = fake_clock, ScriptedProber(REFUSED)
     flaky = MembershipStore(FlakyKV(store.kv), store.keys.job)
     detector, seen = _detector(flaky, prober, clock)
     try:
         detector.report_peer_failure("victim", "recv failed")
         detector.tick()
         assert seen == [] and store.failures(0) == {}
-        clock.now += CONFIG.probe_interval
+        clock.advance(CONFIG.probe_interval)
         detector.tick()
         assert [e.node for e in seen] == ["victim"] and len(prober.calls) == 1  # written, not re-probed
         assert store.failures(0)["victim"].detected_by == "d1"
@@ -321,10 +329,12 @@ class SlowReadsKV(FlakyKV):
         return self.kv.get(key)
 
 
-def test_a_suspect_whose_record_etcd_did_not_return_stays_suspect_until_it_is_read(store, victim) -> None:
+def test_a_suspect_whose_record_etcd_did_not_return_stays_suspect_until_it_is_read(
+    store, victim, fake_clock: FakeClock
+) -> None:
     """A detector that does not follow the membership reads a suspect's record before it probes it. A read that
     times out says nothing of the node: the suspicion used to be dropped, leaving a dead node to its lease."""
-    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    clock, prober = fake_clock, ScriptedProber(REFUSED)
     detector = FailureDetector(MembershipStore(SlowReadsKV(store.kv), store.keys.job), "d1", prober, CONFIG,
                                clock=clock, wall_clock=lambda: 1.7e9, follow_membership=False)
     seen: list[NodeFailed] = []
@@ -334,7 +344,7 @@ def test_a_suspect_whose_record_etcd_did_not_return_stays_suspect_until_it_is_re
         detector.report_peer_failure("victim", "recv failed")
         detector.tick()
         assert prober.calls == [] and detector.suspects() == ["victim"] and seen == []
-        clock.now += CONFIG.probe_interval
+        clock.advance(CONFIG.probe_interval)
         detector.tick()
         assert prober.calls == [("victim", 0.25)] and [e.node for e in seen] == ["victim"]
         assert store.failures(0)["victim"].detected_by == "d1"
@@ -342,8 +352,8 @@ def test_a_suspect_whose_record_etcd_did_not_return_stays_suspect_until_it_is_re
         detector.stop()
 
 
-def test_the_winner_revokes_the_failed_nodes_lease_at_once(store, victim) -> None:
-    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+def test_the_winner_revokes_the_failed_nodes_lease_at_once(store, victim, fake_clock: FakeClock) -> None:
+    clock, prober = fake_clock, ScriptedProber(REFUSED)
     detector, seen = _detector(store, prober, clock)
     try:
         detector.report_peer_failure("victim", "recv failed")
@@ -355,7 +365,7 @@ def test_the_winner_revokes_the_failed_nodes_lease_at_once(store, victim) -> Non
         detector.stop()
 
 
-def test_revocation_spares_a_newer_incarnation(store, victim) -> None:
+def test_revocation_spares_a_newer_incarnation(store, victim, fake_clock: FakeClock) -> None:
     newer: list[Registration] = []
 
     def new_process_takes_the_id(record: NodeRecord, timeout: float) -> ProbeResult:
@@ -364,7 +374,7 @@ def test_revocation_spares_a_newer_incarnation(store, victim) -> None:
                                     ttl=5))
         return ProbeResult(ProbeOutcome.ALIVE, incarnation=2)
 
-    detector = FailureDetector(store, "d1", new_process_takes_the_id, CONFIG, clock=FakeClock())
+    detector = FailureDetector(store, "d1", new_process_takes_the_id, CONFIG, clock=fake_clock)
     seen: list[NodeFailed] = []
     detector.subscribe(seen.append)
     detector.start(probe_loop=False)
@@ -379,8 +389,10 @@ def test_revocation_spares_a_newer_incarnation(store, victim) -> None:
             reg.leave()
 
 
-def test_a_probe_refused_for_credentials_is_never_a_failure(store, victim, caplog) -> None:
-    clock = FakeClock()
+def test_a_probe_refused_for_credentials_is_never_a_failure(
+    store, victim, caplog, fake_clock: FakeClock
+) -> None:
+    clock = fake_clock
     denied = ProbeResult(ProbeOutcome.DENIED, detail="StatusCode.UNAUTHENTICATED: this agent requires the job token")
     detector, seen = _detector(store, ScriptedProber(denied), clock)
     try:
@@ -388,7 +400,7 @@ def test_a_probe_refused_for_credentials_is_never_a_failure(store, victim, caplo
         detector.tick()
         assert detector.suspects() == [] and seen == []
         assert any("credentials" in r.getMessage() for r in caplog.records)
-        clock.now += 10 * CONFIG.grace_period
+        clock.advance(10 * CONFIG.grace_period)
         detector.tick()
         assert seen == [] and "victim" in store.list_nodes()
     finally:
@@ -409,7 +421,9 @@ class SweepProber:
         return self.answers[record.id]
 
 
-def test_probe_all_confirms_only_the_dead_and_starts_the_grace_period_of_the_slow(store, wait_until) -> None:
+def test_probe_all_confirms_only_the_dead_and_starts_the_grace_period_of_the_slow(
+    store, wait_until, fake_clock: FakeClock
+) -> None:
     answers = {
         "refused": REFUSED,
         "alive": ALIVE,
@@ -419,7 +433,7 @@ def test_probe_all_confirms_only_the_dead_and_starts_the_grace_period_of_the_slo
     }
     regs = [store.register(NodeRecord(id=n, address="127.0.0.1", agent_port=9, incarnation=1), ttl=30)
             for n in answers]
-    clock, prober = FakeClock(), SweepProber(answers)
+    clock, prober = fake_clock, SweepProber(answers)
     detector = FailureDetector(store, "d1", prober, CONFIG, clock=clock, wall_clock=lambda: 1.7e9)
     seen: list[NodeFailed] = []
     detector.subscribe(seen.append)
@@ -435,10 +449,10 @@ def test_probe_all_confirms_only_the_dead_and_starts_the_grace_period_of_the_slo
         assert detector.suspects() == ["slow"]
         # Slow is not dead: the slow node is declared only once its grace period has passed.
         prober.barrier = threading.Barrier(1)
-        clock.now += CONFIG.grace_period - 0.01
+        clock.advance(CONFIG.grace_period - 0.01)
         detector.tick()
         assert [e.node for e in seen if e.node == "slow"] == []
-        clock.now += CONFIG.probe_interval  # the next probe, past the grace period
+        clock.advance(CONFIG.probe_interval)  # the next probe, past the grace period
         detector.tick()
         assert [(e.node, e.path) for e in seen if e.node == "slow"] == [("slow", "probe_timeout")]
         again = detector.probe_all(["refused", "alive"], "second sweep")
@@ -449,10 +463,12 @@ def test_probe_all_confirms_only_the_dead_and_starts_the_grace_period_of_the_slo
             reg.leave()
 
 
-def test_a_fenced_detector_writes_nothing_and_does_not_retry(store, victim, caplog) -> None:
+def test_a_fenced_detector_writes_nothing_and_does_not_retry(
+    store, victim, caplog, fake_clock: FakeClock
+) -> None:
     me = store.register(NodeRecord(id="d1", address="127.0.0.1", agent_port=9, incarnation=1), ttl=30)
     store.kv.revoke_lease(me.lease_id)  # this detector's own node was declared dead
-    clock, prober = FakeClock(), ScriptedProber(REFUSED)
+    clock, prober = fake_clock, ScriptedProber(REFUSED)
     detector, seen = _detector(store.fenced(me), prober, clock)
     try:
         detector.report_peer_failure("victim", "recv failed")
@@ -460,7 +476,7 @@ def test_a_fenced_detector_writes_nothing_and_does_not_retry(store, victim, capl
         assert seen == [] and store.failures(0) == {}
         assert "victim" in store.list_nodes()
         assert any("is fenced" in r.getMessage() for r in caplog.records)
-        clock.now += CONFIG.probe_interval
+        clock.advance(CONFIG.probe_interval)
         detector.tick()
         assert len(prober.calls) == 1 and store.failures(0) == {}  # dropped, not retried
     finally:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ from bamboo.rc.records import CommitResult, HandoverRecord, ProgressRecord, Susp
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
 from bamboo.schedule import merged_schedule, one_f_one_b, progress_at, validate_failover
+
+if TYPE_CHECKING:
+    from conftest import FakeClock
 
 JOB = "job"
 TIMEOUTS = CommTimeouts(group=5.0, build=5.0, confirm=2.0)
@@ -56,33 +60,19 @@ class FakeStore:
         return self.data.get(key, expected)
 
 
-class FakeClock:
-    """Time moves only when someone sleeps; `on_sleep` runs after each sleep (the other processes)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps = 0
-        self.on_sleep: Callable[[FakeClock], None] | None = None
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1_700_000_000.0 + self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        self.sleeps += 1
-        if self.on_sleep is not None:
-            self.on_sleep(self)
+@pytest.fixture
+def clock(fake_clock: FakeClock) -> FakeClock:
+    """The suite's :class:`FakeClock`, started at 0: a test reads its time as the time since the start."""
+    fake_clock.t = 0.0
+    return fake_clock
 
 
 class Cluster:
     """One pipeline's coordinators over one fake store, and the authority that publishes events."""
 
-    def __init__(self, stages: int, mode: str = "eflb", microbatches: int = 4) -> None:
+    def __init__(self, stages: int, clock: FakeClock, mode: str = "eflb", microbatches: int = 4) -> None:
         self.store = FakeStore()
-        self.clock = FakeClock()
+        self.clock = clock
         self.layout = Layout(stages, 1)
         self.schedule = one_f_one_b(stages, microbatches, rc=mode)
         self.authority = StoreFailureNotices(self.store, JOB)
@@ -96,8 +86,8 @@ class Cluster:
         self.authority.publish(FailureEvent(epoch, victims, handover))
 
 
-def test_survivors_at_different_progress_agree_on_one_cut_and_derive_the_same_plan() -> None:
-    cluster = Cluster(4)
+def test_survivors_at_different_progress_agree_on_one_cut_and_derive_the_same_plan(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
     cluster.publish(1, [2])
     # Node 1 completed its send 1SG0>0 (index 17); node 0's receive of it (index 19) was interrupted by
     # the failure before it returned: the cut counts it as completed on both sides.
@@ -129,8 +119,8 @@ def test_survivors_at_different_progress_agree_on_one_cut_and_derive_the_same_pl
     assert record == ProgressRecord(19, 1, remainder=False)
 
 
-def test_a_second_failure_during_the_agreement_restarts_it_with_every_victim() -> None:
-    cluster = Cluster(6)
+def test_a_second_failure_during_the_agreement_restarts_it_with_every_victim(clock: FakeClock) -> None:
+    cluster = Cluster(6, clock)
     progress = progress_at(cluster.schedule, {1: 9, 4: 12})
     cluster.publish(1, [1])
     seen: dict[int, list[tuple[int, tuple[int, ...]]]] = {n: [] for n in (0, 2, 3, 5)}
@@ -158,8 +148,10 @@ def test_a_second_failure_during_the_agreement_restarts_it_with_every_victim() -
     assert all(events == [(1, (0, 0, 2, 3, 4, 5)), (2, (0, 0, 2, 3, 3, 5))] for events in seen.values()), seen
 
 
-def test_adjacent_victims_raise_consecutive_failure_and_leave_the_start_of_iteration_state() -> None:
-    cluster = Cluster(4)
+def test_adjacent_victims_raise_consecutive_failure_and_leave_the_start_of_iteration_state(
+    clock: FakeClock
+) -> None:
+    cluster = Cluster(4, clock)
     coordinator = cluster.nodes[0]
     with pytest.raises(ConsecutiveFailure) as info:
         coordinator.begin(FailureEvent(1, [1, 2]), 7, step=1)
@@ -170,8 +162,8 @@ def test_adjacent_victims_raise_consecutive_failure_and_leave_the_start_of_itera
     assert not any("/progress/" in key for key in cluster.store.data)  # nothing was agreed on
 
 
-def test_a_consecutive_victim_in_a_later_event_during_the_agreement() -> None:
-    cluster = Cluster(4)
+def test_a_consecutive_victim_in_a_later_event_during_the_agreement(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
     pending = cluster.nodes[0].begin(FailureEvent(1, [1]), 3, step=1)
     assert pending.poll() is None
     cluster.publish(2, [2])
@@ -180,8 +172,8 @@ def test_a_consecutive_victim_in_a_later_event_during_the_agreement() -> None:
     assert cluster.nodes[0].layouts[0] is cluster.schedule
 
 
-def test_survivors_that_disagree_on_running_a_remainder_are_a_clear_error() -> None:
-    cluster = Cluster(4)
+def test_survivors_that_disagree_on_running_a_remainder_are_a_clear_error(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
     pending = {n: cluster.nodes[n].begin(FailureEvent(1, [2]), 0, step=1) for n in (0, 1)}
     forged = ProgressRecord(0, 1, remainder=True)  # node 3 believes it runs a failover's remainder
     cluster.store.set(cluster.nodes[3].progress_key(0, {2}, 3), forged.to_json())
@@ -189,8 +181,8 @@ def test_survivors_that_disagree_on_running_a_remainder_are_a_clear_error() -> N
         pending[0].poll()
 
 
-def test_survivors_in_a_remainder_this_node_knows_no_plan_for_are_a_clear_error() -> None:
-    cluster = Cluster(4)
+def test_survivors_in_a_remainder_this_node_knows_no_plan_for_are_a_clear_error(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
     pending = cluster.nodes[0].begin(FailureEvent(1, [2]), 0, step=1)
     for n in (0, 1, 3):
         cluster.store.set(cluster.nodes[n].progress_key(0, {2}, n), ProgressRecord(0, 1, remainder=True).to_json())
@@ -198,40 +190,44 @@ def test_survivors_in_a_remainder_this_node_knows_no_plan_for_are_a_clear_error(
         pending.poll()
 
 
-def test_a_survivor_that_never_publishes_times_the_agreement_out_on_the_injected_clock() -> None:
-    cluster = Cluster(4)
+def test_a_survivor_that_never_publishes_times_the_agreement_out_on_the_injected_clock(
+    clock: FakeClock
+) -> None:
+    cluster = Cluster(4, clock)
     cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
     with pytest.raises(AgreementError, match=r"survivors \[3\] of pipeline 0 did not publish their progress"):
         cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
-    assert TIMEOUTS.confirm < cluster.clock.now < TIMEOUTS.confirm + 0.01
+    assert TIMEOUTS.confirm < cluster.clock.t < TIMEOUTS.confirm + 0.01
 
 
-def test_the_blocking_agreement_returns_once_the_last_survivor_publishes() -> None:
-    cluster = Cluster(4)
+def test_the_blocking_agreement_returns_once_the_last_survivor_publishes(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
     cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
 
     def node_3_arrives(clock: FakeClock) -> None:
-        if clock.sleeps == 25:
+        if len(clock.sleeps) == 25:
             cluster.nodes[3].begin(FailureEvent(1, [2]), 0, step=1)
 
     cluster.clock.on_sleep = node_3_arrives
     agreement = cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
-    assert agreement.victims == {0: frozenset({2})} and cluster.clock.sleeps == 25
+    assert agreement.victims == {0: frozenset({2})} and len(cluster.clock.sleeps) == 25
 
 
-def test_a_failed_collective_reports_every_other_member_and_waits_for_the_confirmation() -> None:
-    cluster = Cluster(4)
+def test_a_failed_collective_reports_every_other_member_and_waits_for_the_confirmation(
+    clock: FakeClock
+) -> None:
+    cluster = Cluster(4, clock)
     failure = PeerFailure([1, 2, 3], "a member of pipe-d0", "commit (global gradient norm and loss)")
     assert failure.peer == -1 and failure.peers == (1, 2, 3)
     assert "a member of pipe-d0 (one of ranks [1, 2, 3]) failed during commit" in str(failure)
     with pytest.raises(PeerFailure) as info:  # nobody confirms: a slow peer is not a dead peer
         cluster.nodes[0].confirm(failure)
-    assert info.value is failure and cluster.clock.now >= TIMEOUTS.confirm
+    assert info.value is failure and cluster.clock.t >= TIMEOUTS.confirm
     suspicions = sorted(key for key in cluster.store.data if "/suspect/" in key)
     assert suspicions == [f"bamboo/{JOB}/suspect/0/0/{peer}" for peer in (1, 2, 3)]
     assert SuspicionRecord.from_json(cluster.store.get(suspicions[1])) == SuspicionRecord(0, 0, 2, failure.instruction)
-    cluster.clock.sleeps = 0
-    cluster.clock.on_sleep = lambda clock: cluster.publish(1, [2]) if clock.sleeps == 3 else None
+    cluster.clock.sleeps.clear()
+    cluster.clock.on_sleep = lambda clock: cluster.publish(1, [2]) if len(clock.sleeps) == 3 else None
     assert cluster.nodes[1].confirm(PeerFailure(2, "stage 2 pipeline 0", "1SA0>2")) == FailureEvent(1, [2])
 
 
@@ -317,18 +313,18 @@ def test_the_posted_operations_of_a_group_are_pruned_once_finished() -> None:
     assert sum(not work.is_completed() for work in posted) == 2 * _PRUNE_AT  # every unfinished one is still there
 
 
-def test_the_group_barrier_notices_a_failure_while_it_waits() -> None:
-    cluster = Cluster(4)
+def test_the_group_barrier_notices_a_failure_while_it_waits(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
     cluster.nodes[1].announce_group("p2p-0-1", 1)
     cluster.nodes[0].await_group("p2p-0-1", 1, [0, 1])  # both announced: returns at once
-    assert cluster.clock.sleeps == 0
-    cluster.clock.on_sleep = lambda clock: cluster.publish(1, [3]) if clock.sleeps == 4 else None
+    assert len(cluster.clock.sleeps) == 0
+    cluster.clock.on_sleep = lambda clock: cluster.publish(1, [3]) if len(clock.sleeps) == 4 else None
     with pytest.raises(FailureNoticed, match=r"ranks \[3\]"):
         cluster.nodes[0].await_group("p2p-0-3", 1, [0, 3])
 
 
-def test_a_hand_over_switches_the_pipeline_to_the_merged_schedule() -> None:
-    cluster = Cluster(4)
+def test_a_hand_over_switches_the_pipeline_to_the_merged_schedule(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
     leaver = cluster.nodes[2]
     leaver.announce_handover(3)
     assert cluster.nodes[1].handover_leavers(3) == {2} and not cluster.nodes[1].handover_announced(2)
@@ -344,13 +340,15 @@ def test_a_hand_over_switches_the_pipeline_to_the_merged_schedule() -> None:
         shadow.apply_handover(FailureEvent(2, [3]))
 
 
-def test_a_failure_after_a_hand_over_met_in_the_same_agreement_is_judged_on_the_merged_schedule() -> None:
+def test_a_failure_after_a_hand_over_met_in_the_same_agreement_is_judged_on_the_merged_schedule(
+    clock: FakeClock
+) -> None:
     """P = 4, D = 2: rank 6 (node 2 of pipeline 1) hands over (epoch 1), then rank 4 (node 0 of pipeline 1)
     dies in the next step (epoch 2). A node of pipeline 0 meets both in one agreement: it must not wait
     for the leaver's progress, and it derives pipeline 1's plan from the merged schedule, as pipeline 1's
     survivors do. (Before, it judged pipeline 1 on the schedule from before the hand-over and waited for
     node 2 until the confirm timeout.)"""
-    store, clock, layout = FakeStore(), FakeClock(), Layout(4, 2)
+    store, layout = FakeStore(), Layout(4, 2)
     schedule = one_f_one_b(4, 4, rc="eflb")
 
     def node(pipeline: int, n: int) -> FailoverCoordinator:
@@ -379,8 +377,10 @@ def test_a_failure_after_a_hand_over_met_in_the_same_agreement_is_judged_on_the_
     assert other.placements[1] == (3, 1, 1, 3) and other.dead == {4, 6}
 
 
-def test_a_leaver_claims_the_next_epoch_first_writer_wins_and_a_withdrawn_hand_over_is_not_waited_for() -> None:
-    cluster = Cluster(4)
+def test_a_leaver_claims_the_next_epoch_first_writer_wins_and_a_withdrawn_hand_over_is_not_waited_for(
+    clock: FakeClock
+) -> None:
+    cluster = Cluster(4, clock)
     leaver, other = cluster.nodes[2], cluster.nodes[0]
     leaver.announce_handover(3)
     assert cluster.authority.publish_next([3]) == FailureEvent(1, [3])  # a failure confirmed first
@@ -449,8 +449,10 @@ SPLIT_BY_THE_COMMIT = {  # (pipeline, node) -> what it published: (done, step, i
 }
 
 
-def _two_pipelines(published: dict[tuple[int, int], tuple[int, int, CommitResult | None]]) -> dict:
-    store, clock = FakeStore(), FakeClock()
+def _two_pipelines(
+    published: dict[tuple[int, int], tuple[int, int, CommitResult | None]], clock: FakeClock
+) -> dict:
+    store = FakeStore()
     layout, schedule = Layout(4, 2), one_f_one_b(4, 4, rc="eflb")
     StoreFailureNotices(store, JOB).publish(FailureEvent(1, [layout.rank(1, 0), layout.rank(2, 1)]))
     pending = {}
@@ -463,8 +465,8 @@ def _two_pipelines(published: dict[tuple[int, int], tuple[int, int, CommitResult
     return pending
 
 
-def test_survivors_split_by_a_commit_the_victim_died_in_agree_on_the_next_step() -> None:
-    pending = _two_pipelines(SPLIT_BY_THE_COMMIT)
+def test_survivors_split_by_a_commit_the_victim_died_in_agree_on_the_next_step(clock: FakeClock) -> None:
+    pending = _two_pipelines(SPLIT_BY_THE_COMMIT, clock)
     agreements = {key: p.poll() for key, p in pending.items()}
     first = agreements[0, 0]
     assert first is not None and first.victims == {0: frozenset({1}), 1: frozenset({2})}
@@ -485,10 +487,10 @@ def test_survivors_split_by_a_commit_the_victim_died_in_agree_on_the_next_step()
             assert pending[key].coordinator.recovering[d][1] == 11
 
 
-def test_a_commit_cut_short_in_a_remainder_settles_the_same_way() -> None:
+def test_a_commit_cut_short_in_a_remainder_settles_the_same_way(clock: FakeClock) -> None:
     # Node 1 died in step 4 and node 3 during the commit that ended step 4's remainder: node 2 had
     # completed it, node 0 had not. Node 0 finishes it and both run step 5 on the merged schedule.
-    cluster = Cluster(6)
+    cluster = Cluster(6, clock)
     cluster.publish(1, [1])
     first = progress_at(cluster.schedule, {1: 9})
     pending = {n: cluster.nodes[n].begin(FailureEvent(1, [1]), first[n], step=4) for n in (0, 2, 3, 4, 5)}
@@ -523,9 +525,9 @@ def test_a_commit_cut_short_in_a_remainder_settles_the_same_way() -> None:
     ids=["not at the end of its stream", "two steps apart", "results disagree", "no result"],
 )
 def test_survivors_split_by_a_commit_without_a_consistent_result_are_a_clear_error(
-    published: dict[tuple[int, int], tuple[int, int, CommitResult | None]], message: str
+    published: dict[tuple[int, int], tuple[int, int, CommitResult | None]], message: str, clock: FakeClock
 ) -> None:
-    pending = _two_pipelines(published)
+    pending = _two_pipelines(published, clock)
     with pytest.raises(AgreementError, match=message):
         pending[0, 0].poll()
 
@@ -624,7 +626,9 @@ def _executor_at_handover_boundary(node: int, store: object) -> object:
     return executor
 
 
-def _publish_progress(executor: object, pipeline: int, victims: set[int], nodes: list[int], step: int) -> None:
+def _publish_progress(
+    executor: object, pipeline: int, victims: set[int], nodes: list[int], step: int
+) -> None:
     for n in nodes:
         key = executor.coordinator.progress_key(pipeline, victims, n)  # type: ignore[attr-defined]
         executor.coordinator.store.set(key, ProgressRecord(0, step, remainder=False,  # type: ignore[attr-defined]
@@ -810,14 +814,16 @@ def _agree_everywhere(coordinators: dict[tuple[int, int], FailoverCoordinator],
 
 
 @pytest.mark.parametrize("other_step", [91, 90])
-def test_a_redo_another_pipeline_committed_and_lost_the_stage_of_is_a_lost_contribution(other_step: int) -> None:
+def test_a_redo_another_pipeline_committed_and_lost_the_stage_of_is_a_lost_contribution(
+    other_step: int, clock: FakeClock
+) -> None:
     # The kill of one zone takes stage 1 of both pipelines (seen in a real run, P = 3, D = 2, lflb). Pipeline 1
     # was a step ahead: its node of stage 1 died at the start of step 91, after it had all-reduced step 90 with
     # pipeline 0's; pipeline 0's node of stage 1 died before its shadow got the sync of step 90, so that shadow
     # redoes the all-reduce of step 90. Pipeline 1's contribution to it died with its node: the redo could
     # only wait forever (or sum step 91's), so every node raises LostContribution and the job restores.
     # When both pipelines lost the stage in the same step, both shadows redo that step's all-reduce: no error.
-    store, clock = FakeStore(), FakeClock()
+    store = FakeStore()
     layout, schedule = Layout(3, 2), one_f_one_b(3, 4, rc="lflb")
     authority = StoreFailureNotices(store, JOB)
     coordinators = {

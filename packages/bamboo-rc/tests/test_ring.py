@@ -6,6 +6,7 @@ No processes, no sleeps: a dictionary for the store and a clock that only moves 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import pytest
 from bamboo.rc.coordinator import FailoverCoordinator
@@ -15,6 +16,9 @@ from bamboo.rc.records import CommitResult, ProgressRecord
 from bamboo.rc.ring import RingNode
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.schedule import one_f_one_b
+
+if TYPE_CHECKING:
+    from conftest import FakeClock
 
 JOB = "job"
 TIMEOUTS = CommTimeouts(group=5.0, build=5.0, confirm=2.0)
@@ -36,28 +40,19 @@ class FakeStore:
         return all(key in self.data for key in keys)
 
 
-class FakeClock:
-    """Time moves only when someone sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1_700_000_000.0 + self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
+@pytest.fixture
+def clock(fake_clock: FakeClock) -> FakeClock:
+    """The suite's :class:`FakeClock`, started at 0: a test reads its time as the time since the start."""
+    fake_clock.t = 0.0
+    return fake_clock
 
 
 class Ring:
     """D coordinators of a P = 1 job over one fake store, and the authority that publishes events."""
 
-    def __init__(self, pipelines: int) -> None:
+    def __init__(self, pipelines: int, clock: FakeClock) -> None:
         self.store = FakeStore()
-        self.clock = FakeClock()
+        self.clock = clock
         self.layout = Layout(1, pipelines)
         schedule = one_f_one_b(1, 4, rc="none")
         self.authority = StoreFailureNotices(self.store, JOB)
@@ -104,8 +99,8 @@ def test_the_owners_depend_on_the_dead_alone_whatever_the_order_of_the_deaths(pi
             assert set(together.values()) == set(range(pipelines)) - set(dead)
 
 
-def test_survivors_in_one_step_agree_without_laggards_and_every_share_has_an_owner() -> None:
-    ring = Ring(4)
+def test_survivors_in_one_step_agree_without_laggards_and_every_share_has_an_owner(clock: FakeClock) -> None:
+    ring = Ring(4, clock)
     ring.publish(1, [2])
     seen: list[tuple[int, dict[int, tuple[int, ...]]]] = []
     pending = {
@@ -127,8 +122,10 @@ def test_survivors_in_one_step_agree_without_laggards_and_every_share_has_an_own
     assert ProgressRecord.from_json(ring.store.get(ring.nodes[0].ring_progress_key(1, 3))) == ProgressRecord(13, 3)
 
 
-def test_laggards_of_an_all_reduce_the_victim_left_half_done_take_the_result_from_a_node_ahead() -> None:
-    ring = Ring(4)
+def test_laggards_of_an_all_reduce_the_victim_left_half_done_take_the_result_from_a_node_ahead(
+    clock: FakeClock
+) -> None:
+    ring = Ring(4, clock)
     result = CommitResult(4, 2.5, 17.0)
     ring.publish(1, [0])
     pending = {
@@ -143,21 +140,23 @@ def test_laggards_of_an_all_reduce_the_victim_left_half_done_take_the_result_fro
         assert agreement.commit == result and agreement.owners == {0: 1, 1: 1, 2: 2, 3: 3}
 
 
-def test_survivors_two_steps_apart_or_with_different_results_are_a_clear_error() -> None:
-    ring = Ring(3)
+def test_survivors_two_steps_apart_or_with_different_results_are_a_clear_error(clock: FakeClock) -> None:
+    ring = Ring(3, clock)
     ring.nodes[1].begin_ring(FailureEvent(1, [0]), 0, 3, last_commit=CommitResult(2, 1.0, 1.0))
     with pytest.raises(AgreementError, match=r"the survivors of the ring are in steps \[1, 3\]"):
         ring.nodes[2].agree_ring(FailureEvent(1, [0]), 0, 1)
 
-    ring = Ring(4)
+    ring = Ring(4, clock)
     ring.nodes[1].begin_ring(FailureEvent(1, [0]), 0, 3, last_commit=CommitResult(2, 1.0, 1.0))
     ring.nodes[2].begin_ring(FailureEvent(1, [0]), 0, 3, last_commit=CommitResult(2, 1.5, 1.0))
     with pytest.raises(AgreementError, match=r"publish no single result of step 2"):
         ring.nodes[3].agree_ring(FailureEvent(1, [0]), 5, 2)
 
 
-def test_nodes_that_learn_of_two_deaths_together_or_one_by_one_agree_under_the_last_epoch() -> None:
-    ring = Ring(5)
+def test_nodes_that_learn_of_two_deaths_together_or_one_by_one_agree_under_the_last_epoch(
+    clock: FakeClock
+) -> None:
+    ring = Ring(5, clock)
     ring.publish(1, [1])
     early = {d: ring.nodes[d].begin_ring(FailureEvent(1, [1]), 0, 2) for d in (0, 3)}
     ring.publish(2, [2])
@@ -171,8 +170,8 @@ def test_nodes_that_learn_of_two_deaths_together_or_one_by_one_agree_under_the_l
         assert agreement.owners == {0: 0, 1: 3, 2: 3, 3: 3, 4: 4}
 
 
-def test_a_leaver_handed_over_at_a_boundary_leaves_the_ring() -> None:
-    ring = Ring(3)
+def test_a_leaver_handed_over_at_a_boundary_leaves_the_ring(clock: FakeClock) -> None:
+    ring = Ring(3, clock)
     ring.nodes[1].announce_handover(4)
     assert ring.nodes[0].ring_handover_announced(4) and not ring.nodes[0].ring_handover_announced(5)
     ring.nodes[0].apply_handover(FailureEvent(1, [1], handover=True))
@@ -180,23 +179,25 @@ def test_a_leaver_handed_over_at_a_boundary_leaves_the_ring() -> None:
     assert ring.nodes[0].ring_owners() == {0: 0, 1: 2, 2: 2}
 
 
-def test_a_node_that_never_publishes_times_the_ring_agreement_out_on_the_injected_clock() -> None:
-    ring = Ring(3)
+def test_a_node_that_never_publishes_times_the_ring_agreement_out_on_the_injected_clock(
+    clock: FakeClock
+) -> None:
+    ring = Ring(3, clock)
     with pytest.raises(AgreementError, match=r"survivors \[2\] of the ring did not publish their progress in epoch 1"):
         ring.nodes[0].agree_ring(FailureEvent(1, [1]), 0, 1)
-    assert TIMEOUTS.confirm < ring.clock.now < TIMEOUTS.confirm + 0.01
+    assert TIMEOUTS.confirm < ring.clock.t < TIMEOUTS.confirm + 0.01
 
 
-def test_the_ring_agreement_refuses_a_pipeline_with_stages() -> None:
-    store, clock = FakeStore(), FakeClock()
+def test_the_ring_agreement_refuses_a_pipeline_with_stages(clock: FakeClock) -> None:
+    store = FakeStore()
     coordinator = FailoverCoordinator(store, JOB, Layout(2, 2), 0, 0, one_f_one_b(2, 4, rc="eflb"),
                                       StoreFailureNotices(store, JOB, clock), TIMEOUTS, clock)
     with pytest.raises(RuntimeError, match=r"the ring agreement is for P = 1, this job has P = 2"):
         coordinator.begin_ring(FailureEvent(1, [1]), 0, 0)
 
 
-def test_the_reduction_reuses_its_buffers_until_a_reduction_is_given_up() -> None:
-    ring = Ring(2)
+def test_the_reduction_reuses_its_buffers_until_a_reduction_is_given_up(clock: FakeClock) -> None:
+    ring = Ring(2, clock)
     node = RingNode(None, None, None, ring.layout, 0, None, ring.nodes[0], None, "lflb", None)  # type: ignore[arg-type]
     received = node._scratch.get("received", 8)
     assert node._scratch.get("received", 8) is received  # the next step's reduction writes into the same tensor

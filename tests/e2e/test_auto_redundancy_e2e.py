@@ -2,11 +2,12 @@
 
 5 nodes, P=2, D=2 (one warm on standby), ``--preemption-rate 0``: with no preemption expected nothing pays for
 redundancy, so the coordinator's first layout names ``none``. The test kills the node of stage 1 of pipeline 0
-at step 5. Without a shadow nothing fails over: every worker of the layout stops on the lost peer, their agents
-register afresh, and the coordinator restarts the job on the warm nodes from its nearest restore point. The layout it writes counts the job's own ``preemption`` record (one in a few node-seconds, weighed
-against the prior's node-hour at 0: about one an hour), at which a redundant mode pays for a job whose
-restores redo half of its 400-step checkpoint interval (it keeps no in-memory copies): the new generation trains with it,
-its owners building their successor's replica from the same copies. The final parameters equal a fault-free
+at step 5. Without a shadow nothing fails over: the workers of the layout stop on the lost peer and meet at the
+barrier with what they hold, in their warm processes (none registers afresh), and the next layout takes the
+lost stage from its data-parallel peer: a reconfiguration, not a restore, and no step is trained again. That
+layout counts the job's own ``preemption`` record (one in a few node-seconds, weighed against the prior's
+node-hour at 0: about one an hour), at which a redundant mode pays: the new generation trains with it, its owners
+building their successor's replica from the same transfers. The final parameters equal a fault-free
 single-process run of the same steps.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.bench.value import compute_report
-from bamboo.launch.events import Failover, RedundancyChoice, Restore, Step, read_events
+from bamboo.launch.events import Failover, Join, Reconfiguration, RedundancyChoice, Restore, Step, read_events
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -50,8 +51,12 @@ def test_auto_starts_without_redundancy_and_takes_it_up_after_a_kill_exactly(
     later = choices[max(choices)]
     assert later.generation > 0 and later.mode != "none", later
     assert later.preemptions_per_node_hour > 0.5  # the job's own preemption, seen from its records
-    assert not any(isinstance(e, Failover) for e in events)  # no shadow under none: a restart, not a failover
-    assert len([e for e in events if isinstance(e, Restore)]) == 1
+    assert not any(isinstance(e, Failover) for e in events)  # no shadow under none: a barrier, not a failover
+    assert not any(isinstance(e, Restore) for e in events)  # the lost stage's data-parallel peer holds it
+    assert not any(isinstance(e, Join) and e.returns for e in events)  # every survivor kept its worker
+    barriers = [e for e in events if isinstance(e, Reconfiguration)]
+    assert [e.reason for e in barriers] == ["failure without redundancy"], barriers
+    assert barriers[0].generation == later.generation
     trained = {e.generation for e in events if isinstance(e, Step)}
     assert {0, later.generation} <= trained
     report = compute_report(events)

@@ -59,6 +59,20 @@ def _events_so_far(handles: Any) -> list[Any]:
         return []
 
 
+def wait_for_step(handles: Any, step: int, deadline_s: float = 120.0) -> None:
+    """Return once the job's reported step is at least ``step`` (the moment a scenario acts: a kill at step 5)."""
+    deadline = time.monotonic() + deadline_s
+    while handles.step() < step:
+        assert time.monotonic() < deadline, f"the run never reached step {step}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def until_step() -> Callable[..., None]:
+    """``until_step(handles, step, deadline_s=120)``: see `wait_for_step`."""
+    return wait_for_step
+
+
 def finish_once(handles: Any, played_out: Callable[[list[Any]], bool], *, steps_after: int = 5,
                 deadline_s: float = 150.0) -> None:
     """Ask the job to finish (``bamboo-launch finish``) once ``played_out(events)`` holds for its event log and

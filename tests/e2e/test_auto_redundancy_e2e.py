@@ -13,7 +13,6 @@ single-process run of the same steps.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ TOLERANCE = 1e-6
 
 def test_auto_starts_without_redundancy_and_takes_it_up_after_a_kill_exactly(
     tmp_path: Path, write_trace: Callable[..., str], finish_when: Callable[..., None],
+    until_step: Callable[..., None],
 ) -> None:
     options = RunOptions(nodes=5, stages=2, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
                          preemptions=write_trace(5, []), run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0,
@@ -36,10 +36,7 @@ def test_auto_starts_without_redundancy_and_takes_it_up_after_a_kill_exactly(
                          preemption_rate=0.0, checkpoint_every=400, memory_copy_every=0)
 
     def kill_at_step_5(handles: RunHandles) -> None:
-        deadline = time.monotonic() + 120.0
-        while handles.step() < 5:
-            assert time.monotonic() < deadline, "the run never reached step 5"
-            time.sleep(0.02)
+        until_step(handles, 5)
         handles.preempt(handles.node_of_rank[1])
         finish_when(handles, lambda events: any(isinstance(e, RedundancyChoice) and e.generation > 0 for e in events))
 

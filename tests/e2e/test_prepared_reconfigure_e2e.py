@@ -31,7 +31,7 @@ PAUSE_S = 4.0
 
 def test_training_goes_on_while_the_next_layout_is_prepared_and_the_switch_is_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_trace: Callable[..., str],
-    finish_when: Callable[..., None],
+    finish_when: Callable[..., None], until_step: Callable[..., None],
 ) -> None:
     monkeypatch.setenv(PREPARE_PAUSE_ENV, str(PAUSE_S))  # the agents' workers inherit it
     options = RunOptions(redundancy="eflb", nodes=5, stages=2, pipelines=2, steps=400, zones=("a", "b", "c"), time_scale=1.0,
@@ -40,11 +40,9 @@ def test_training_goes_on_while_the_next_layout_is_prepared_and_the_switch_is_ex
     seen: dict[str, object] = {}
 
     def kill_then_watch(handles: RunHandles) -> None:
-        deadline = time.monotonic() + 120.0
-        while handles.step() < 5:
-            assert time.monotonic() < deadline, "the run never reached step 5"
-            time.sleep(0.02)
+        until_step(handles, 5)
         handles.preempt(handles.node_of_rank[1])
+        deadline = time.monotonic() + 120.0
         while not any(isinstance(e, Reconfiguration) for e in read_events(handles.events)):
             assert time.monotonic() < deadline, "the prepared layout never started"
             time.sleep(0.05)

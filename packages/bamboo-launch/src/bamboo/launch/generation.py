@@ -136,8 +136,8 @@ def _barrier_without_redundancy(executor: StageExecutor, boundary: Boundary) -> 
     """Under ``none`` no shadow fails over: the survivors meet at the barrier with the state of the step they were
     training (no stage applied its optimizer step: that follows the last message of the iteration), and the next
     layout starts from what they hold, with a data-parallel peer's copy of a lost stage or, when no survivor
-    holds one, the nearest restore point. The worker stays warm: when it ended instead, its agent registered it
-    afresh and its new worker spent its imports (11 to 17 s on a loaded machine) before the restart could use it.
+    holds one, the nearest restore point. The worker stays warm: a worker that ended would be registered afresh,
+    and the restart would wait for its replacement's imports.
 
     Its groups are given up at once, as a process that ends closes its connections, so that every peer still
     waiting on this node fails now and comes to the barrier too, instead of waiting out the group timeout."""

@@ -112,21 +112,44 @@ def _assemble(
     """The node's stream: its plain stream with every item before the instruction its position names (items at one
     position in item order), the tail items after the node's own work, ``SY`` right after its all-reduce and ``RY``
     last."""
+    return _assemble_marked(plain, node, items, positions).stream
+
+
+@attrs.frozen
+class _Marked:
+    """A node's assembled stream, with where its own (plain) instructions and its forwards landed in it."""
+
+    stream: tuple[Instruction, ...]
+    own_at: list[int]
+    """The stream index of each instruction of the plain stream, in order."""
+    forward_at: dict[int, int]
+    """Microbatch -> the stream index of the node's forward of it."""
+
+
+def _assemble_marked(
+    plain: Schedule, node: int, items: list[tuple[int, tuple[Instruction, ...]]], positions: Sequence[int]
+) -> _Marked:
+    """`_assemble`, and where the node's own instructions landed."""
     P = plain.stages
     stream = plain.streams[node]
     before: dict[int, list[Instruction]] = {}
     for (_after, instrs), position in zip(items, positions, strict=True):
         before.setdefault(position, []).extend(instrs)
     out: list[Instruction] = []
+    own_at: list[int] = []
+    forward_at: dict[int, int] = {}
     for index, instr in enumerate(stream):
         out.extend(before.get(index, ()))
+        own_at.append(len(out))
+        if instr.kind is Kind.FORWARD and instr.microbatch is not None:
+            forward_at[instr.microbatch] = len(out)
         out.append(instr)
         if instr.kind is Kind.ALLREDUCE and instr.stage == node:
             out.append(make(Kind.SYNC_SEND, node, None, (node - 1) % P))
     out.extend(before.get(len(stream), ()))
     replica = (node + 1) % P
     out.append(make(Kind.SYNC_RECV, replica, None, replica))
-    return tuple(out)
+    return _Marked(tuple(out), own_at, forward_at)
 
 
 def _trial_duration(cost: CostFn, stages: int) -> StageTable:
@@ -161,7 +184,7 @@ def _refill(
     plain: Schedule,
     items: dict[int, list[tuple[int, tuple[Instruction, ...]]]],
     positions: dict[int, list[int]],
-    streams: dict[int, tuple[Instruction, ...]],
+    marked: dict[int, _Marked],
     timeline: Timeline,
     duration: StageTable,
 ) -> bool:
@@ -173,25 +196,22 @@ def _refill(
     """
     moved = False
     for n, node_items in items.items():
-        mine, own, stream = positions[n], plain.streams[n], streams[n]
-        tail = len(own)
+        mine = positions[n]
+        tail = len(plain.streams[n])
         if tail not in mine:
             continue
         starts, ends = timeline.start[n], timeline.end[n]
-        forward_end = {i.microbatch: ends[a] for a, i in enumerate(stream) if i.kind is Kind.FORWARD}
+        forward_at = marked[n].forward_at
         gaps: list[list[float]] = []
-        index, free = 0, 0.0
-        for a, instr in enumerate(stream):
-            if index < tail and instr is own[index]:
-                if starts[a] > free + _EPSILON:
-                    gaps.append([free, starts[a], float(index)])
-                index += 1
-            free = max(free, ends[a])
+        for index, a in enumerate(marked[n].own_at):  # a node's ends never decrease: it was free from ends[a - 1]
+            free = ends[a - 1] if a else 0.0
+            if starts[a] > free + _EPSILON:
+                gaps.append([free, starts[a], float(index)])
         for j, (after, instrs) in enumerate(node_items):
             if mine[j] != tail:
                 continue
             length = sum(duration(n, i) for i in instrs)
-            release = 0.0 if after < 0 else forward_end[instrs[-1].microbatch]
+            release = 0.0 if after < 0 else ends[forward_at[instrs[-1].microbatch]]
             earliest = mine[j - 1] if j else 0
             for gap in gaps:
                 begin = max(gap[0], release)
@@ -215,26 +235,26 @@ class _Run:
 
 
 class _Streams:
-    """The nodes' streams for given positions (`_assemble`), remembered: a trial of `_refine` moves the items of one
-    node or a few, so the other nodes' streams are the ones of the placement it started from. At most
+    """The nodes' streams for given positions (`_assemble_marked`), remembered: a trial of `_refine` moves the items
+    of one node or a few, so the other nodes' streams are the ones of the placement it started from. At most
     ``4 * nodes`` streams are kept (then forgotten all at once)."""
 
     def __init__(self, plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]]) -> None:
         self._plain, self._items = plain, items
-        self._known: dict[tuple[int, tuple[int, ...]], tuple[Instruction, ...]] = {}
+        self._known: dict[tuple[int, tuple[int, ...]], _Marked] = {}
         self._limit = 4 * max(plain.stages, 1)
 
-    def __call__(self, positions: dict[int, list[int]]) -> dict[int, tuple[Instruction, ...]]:
-        streams: dict[int, tuple[Instruction, ...]] = {}
+    def __call__(self, positions: dict[int, list[int]]) -> dict[int, _Marked]:
+        marked: dict[int, _Marked] = {}
         for n, mine in positions.items():
             key = (n, tuple(mine))
-            stream = self._known.get(key)
-            if stream is None:
+            found = self._known.get(key)
+            if found is None:
                 if len(self._known) >= self._limit:
                     self._known.clear()
-                stream = self._known[key] = _assemble(self._plain, n, self._items[n], mine)
-            streams[n] = stream
-        return streams
+                found = self._known[key] = _assemble_marked(self._plain, n, self._items[n], mine)
+            marked[n] = found
+        return marked
 
 
 def _trial(
@@ -249,10 +269,11 @@ def _trial(
     ends. ``base`` is a run of the same items at other positions, whose times are reused up to the first change
     (`execute_from`)."""
     assemble = assemble or _Streams(plain, items)
-    streams = assemble(positions)
+    marked = assemble(positions)
+    streams = {n: m.stream for n, m in marked.items()}
     timeline = execute_from(streams, duration, base.timeline, base.streams) if base else execute(streams, duration)
-    if _refill(plain, items, positions, streams, timeline, duration):
-        refilled = assemble(positions)
+    if _refill(plain, items, positions, marked, timeline, duration):
+        refilled = {n: m.stream for n, m in assemble(positions).items()}
         timeline = execute_from(refilled, duration, timeline, streams)
         streams = refilled
     return _Run(streams, timeline, _ends(timeline))

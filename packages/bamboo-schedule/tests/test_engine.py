@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import pytest
 from bamboo.schedule import RCMode, engine, one_f_one_b
-from bamboo.schedule.engine import execute, execute_from
+from bamboo.schedule.engine import BufferedEvent, Duration, Timeline, execute, execute_from
 from bamboo.schedule.fill import _assemble, _items, _trial_duration
 from bamboo.schedule.ir import Instruction, Schedule
 from bamboo.schedule.simulate import Costs
@@ -33,9 +33,11 @@ def test_resuming_at_the_first_change_gives_the_times_of_a_full_run(
     kept: list[int] = []  # how many instructions each resumed run starts with executed
     run = engine._run
 
-    def counting_run(streams: Any, duration: Any, pos: dict[int, int], *args: Any) -> Any:
+    def counting_run(streams: Mapping[int, Sequence[Instruction]], duration: Duration, pos: dict[int, int],
+                     free: dict[int, float], start: dict[int, list[float]], end: dict[int, list[float]],
+                     arrivals: dict[tuple[int, int], float], buffered: list[BufferedEvent]) -> Timeline:
         kept.append(sum(pos.values()))
-        return run(streams, duration, pos, *args)
+        return run(streams, duration, pos, free, start, end, arrivals, buffered)
 
     monkeypatch.setattr(engine, "_run", counting_run)
     rng = random.Random(stages * 100 + microbatches)

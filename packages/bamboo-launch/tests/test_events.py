@@ -168,3 +168,20 @@ def test_the_final_poll_reads_the_records_the_watch_has_not_delivered_and_none_t
     kv.deliver()
     assert [e.step for e in follower.poll()] == [4]
     follower.close()
+
+
+def test_a_reader_waits_for_the_next_record_instead_of_polling() -> None:
+    kv = _LaggingWatchKV()
+    follower = EtcdEventFollower(kv, "job")  # type: ignore[arg-type]
+    assert follower.poll() == []
+    assert follower.wait(0.0) is False  # nothing delivered since the poll
+    _put_step(kv, "node0", 1)
+    assert follower.wait(0.0) is False  # written, not yet delivered by the watch
+    kv.deliver()
+    assert follower.wait(0.0) is True
+    assert [e.step for e in follower.poll()] == [1]
+    assert follower.wait(0.0) is False  # the poll took it
+    follower.wake()  # a reader that stops releases its own wait
+    assert follower.wait(0.0) is True
+    assert follower.poll() == [] and follower.wait(0.0) is False
+    follower.close()

@@ -62,14 +62,17 @@ class EventRecorder:
         return taken
 
     def _run(self) -> None:
-        while not self._stop.wait(emulated_timeouts.RUN_POLL_S):
+        while not self._stop.is_set():
             try:
                 self._drain()
             except Exception as error:  # etcd restarting: the watch resumes; a malformed record is reported
                 self.error = error
+            # woken by the next record (or by stop()); the timeout only retries a first read that failed
+            self._follower.wait(emulated_timeouts.RECORDER_RETRY_S)
 
     def stop(self) -> None:
         self._stop.set()
+        self._follower.wake()
         self._thread.join(timeouts.THREAD_JOIN_S)
         try:
             self._drain(final=True)  # the records still on their way through the watch are read from etcd
@@ -160,7 +163,7 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
             line = lines.line(state)
             if line is not None:
                 say(line)
-            time.sleep(emulated_timeouts.RUN_POLL_S)
+            time.sleep(emulated_timeouts.PROGRESS_POLL_S)
         state.apply_all(events())
         if state.step is not None and state.step != lines.last:
             say(state.progress_line())  # the last step too

@@ -11,7 +11,9 @@ __all__ = [
     "FORK_SERVER_START_S",
     "LIVE_REFRESH_S",
     "MARKET_STOP_S",
+    "PROGRESS_POLL_S",
     "REAP_TIMEOUT_S",
+    "RECORDER_RETRY_S",
     "RUN_POLL_S",
     "RUN_TIMEOUT_S",
 ]
@@ -20,7 +22,15 @@ RUN_TIMEOUT_S = 3600.0
 """How long ``bamboo-launch run`` may take in all before every node is killed (``--timeout``)."""
 
 RUN_POLL_S = 0.1
-"""How often ``bamboo-launch run`` mirrors the event log and checks its agents."""
+"""How often ``bamboo-launch run`` checks its agents and the job's records while it waits for the first step."""
+
+RECORDER_RETRY_S = 1.0
+"""How long the event recorder of ``bamboo-launch run`` waits for a record before it tries again to read the
+event log (it is woken by every record the watch delivers; the wait only matters while etcd is unreachable)."""
+
+PROGRESS_POLL_S = 0.25
+"""How often ``bamboo-launch run --no-live`` checks its agents and folds the new records into its progress lines
+(the end of a job is noticed within this; the live view reads at :data:`LIVE_REFRESH_S`)."""
 
 LIVE_REFRESH_S = 0.25
 """How often the live view of ``bamboo-launch run`` reads the event log again (it is redrawn when records

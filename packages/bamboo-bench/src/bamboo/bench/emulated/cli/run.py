@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
@@ -177,10 +178,33 @@ def run_command(args: argparse.Namespace) -> int:
         fail(str(error))
     console = Console(stderr=True)
     try:
-        result = run_cluster(options, progress=lambda line: console.print(f"[dim]bamboo-launch:[/dim] {line}"))
+        with stopped_like_ctrl_c():
+            result = run_cluster(options, progress=lambda line: console.print(f"[dim]bamboo-launch:[/dim] {line}"))
         return finish_run(args, options, result, compare_with_reference if args.verify else None)
     except RunError as error:
         fail(f"{error} (node logs: {options.run_dir or 'the run directory'}/logs)")
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop ``bamboo-launch run`` as Ctrl-C does (``kill``, ``timeout``, a CI job cancelled, the
+terminal closed)."""
+
+
+@contextlib.contextmanager
+def stopped_like_ctrl_c(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Within it, each of ``signals`` raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that the run's
+    clean-up kills its agents and its etcd. Each node runs in a session of its own: with the default action, a
+    run stopped by ``timeout`` left its agents running, still retrying their etcd, long after it ended."""
+
+    def interrupt(number: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(number).name)
+
+    previous = {number: signal.signal(number, interrupt) for number in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,

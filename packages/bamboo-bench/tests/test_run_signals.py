@@ -1,0 +1,69 @@
+"""``bamboo-launch run`` stopped by SIGTERM (``kill``, ``timeout``, a cancelled CI job) cleans up as Ctrl-C does: it
+says it was interrupted, exits 130, and leaves no process of its cluster behind. Each node runs in a session of its
+own, so a default SIGTERM used to end the launcher alone and leave its agents retrying their etcd."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from bamboo.bench.emulated.cli.run import stopped_like_ctrl_c
+
+
+def _processes_naming(text: str) -> dict[int, str]:
+    """pid -> command line of every process whose command line contains ``text``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if text in line:
+            found[int(entry.name)] = line
+    return found
+
+
+def test_a_stop_signal_raises_keyboard_interrupt_inside_and_is_restored_after() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"), stopped_like_ctrl_c():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises at once: the sleep is interrupted
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_stops_the_run_and_every_node_it_started(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "bamboo.launch", "run", "--nodes", "2", "--stages", "2", "--pipelines", "1",
+         "--steps", "100000", "--layers", "1", "--no-live", "--no-fork-server", "--timeout", "300",
+         "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    try:
+        deadline = time.monotonic() + 120
+        while len([line for line in _processes_naming(str(run_dir)).values() if " agent " in line]) < 2:
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the run did not start its two agents"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 130, err[-2000:]
+        assert "bamboo-launch: interrupted" in err
+        deadline = time.monotonic() + 10  # the clean-up killed every node's process group before exiting
+        while (left := _processes_naming(str(run_dir))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left == {}
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in _processes_naming(str(run_dir)):  # what a failed assertion left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """``bamboo-launch run`` stopped by SIGTERM (``kill``, ``timeout``, a cancelled CI job) cleans up as Ctrl-C does: it
 says it was interrupted, exits 130, and leaves no process of its cluster behind. Each node runs in a session of its
-own, so a default SIGTERM used to end the launcher alone and leave its agents retrying their etcd."""
+own, so a default SIGTERM used to end the launcher alone and leave its agents retrying their etcd. A stopped
+``bamboo-bench compare`` stops its ``measure`` run the same way (SIGTERM) before it would kill it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from bamboo.bench.emulated.cli.run import stopped_like_ctrl_c
+from bamboo.bench import timeouts
+from bamboo.bench.emulated.processes import stopped_like_ctrl_c
+from bamboo.bench.measured import compare
 
 
 def _processes_naming(text: str) -> dict[int, str]:
@@ -67,3 +70,25 @@ def test_sigterm_stops_the_run_and_every_node_it_started(tmp_path: Path) -> None
         for pid in _processes_naming(str(run_dir)):  # what a failed assertion left behind
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+_CHILD = """
+import signal, sys, time
+if sys.argv[1] == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("behaviour", "status"), [("default", -signal.SIGTERM), ("ignore", -signal.SIGKILL)])
+def test_a_stopped_compare_terminates_its_measure_run_and_kills_it_only_if_it_lingers(
+        behaviour: str, status: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timeouts, "COMPARE_CHILD_STOP_S", 0.5)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, behaviour], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    started = time.monotonic()
+    compare._stop_child(child)
+    assert child.returncode == status
+    assert time.monotonic() - started < 30
+    child.stdout.close()

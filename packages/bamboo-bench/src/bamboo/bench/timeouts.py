@@ -25,6 +25,7 @@ __all__ = [
     "BASELINE_RDZV_READ_TIMEOUT_S",
     "BASELINE_TIMEOUT_S",
     "CHECKPOINT_INTERVAL_S",
+    "COMPARE_CHILD_STOP_S",
     "COMPARE_TIMEOUT_S",
     "GLOBAL_RENDEZVOUS_S",
     "INSTANCE_CREATION_S",
@@ -55,6 +56,10 @@ CHECKPOINT_INTERVAL_S = 1800.0
 
 COMPARE_TIMEOUT_S = 1800.0
 """How long one system's run of ``bamboo-bench compare`` (or ``measure``) may take (``--timeout``)."""
+
+COMPARE_CHILD_STOP_S = 30.0
+"""How long a stopped ``bamboo-bench compare`` (Ctrl-C, SIGTERM) waits for the ``measure`` run it started to kill
+its own cluster (it is sent SIGTERM) before it kills that run outright."""
 
 STEADY_TIMEOUT_S = 600.0
 """How long ``compare --long-run``'s fault-free measurement one core per stage

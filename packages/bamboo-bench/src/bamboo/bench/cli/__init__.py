@@ -108,3 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
         print(f"bamboo-bench: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP in compare and measure: their runs were cleaned up
+        print("bamboo-bench: interrupted", file=sys.stderr)
+        return 130

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -17,7 +18,7 @@ from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.bench.emulated.forkserver import ForkServer
 from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkedProcess
 
-__all__ = ["ProcessCluster", "kill_process_group"]
+__all__ = ["STOP_SIGNALS", "ProcessCluster", "kill_process_group", "stopped_like_ctrl_c"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,29 @@ def kill_process_group(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop ``bamboo-launch run``, ``bamboo-bench compare`` and
+``bamboo-bench measure`` as Ctrl-C does (``kill``, ``timeout``, a CI job cancelled, the
+terminal closed)."""
+
+
+@contextlib.contextmanager
+def stopped_like_ctrl_c(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Within it, each of ``signals`` raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that a run's
+    clean-up kills its nodes and its etcd. Each node runs in a session of its own: with the default action, a
+    run stopped by ``timeout`` left its agents running, still retrying their etcd, long after it ended."""
+
+    def interrupt(number: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(number).name)
+
+    previous = {number: signal.signal(number, interrupt) for number in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 class ProcessCluster:

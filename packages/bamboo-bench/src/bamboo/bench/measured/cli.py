@@ -21,6 +21,7 @@ from pathlib import Path
 import attrs
 from bamboo.bench import timeouts
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, positive_float, positive_int, zones
+from bamboo.bench.emulated.processes import stopped_like_ctrl_c
 from bamboo.bench.measured.compare import Comparison, default_out, run_compare
 from bamboo.bench.measured.figure import plot_comparison
 from bamboo.bench.measured.options import (
@@ -195,10 +196,12 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
 
 
 def run_command(args: argparse.Namespace, console: Console, out: Console) -> int:
-    """Run the parsed ``compare`` or ``measure`` (``args.script``: the words after --)."""
-    if args.command == "measure":
-        return _run_measure(args)
-    return _run_compare(args, console, out)
+    """Run the parsed ``compare`` or ``measure`` (``args.script``: the words after --); SIGTERM and SIGHUP stop it
+    as Ctrl-C does, its clusters cleaned up."""
+    with stopped_like_ctrl_c():
+        if args.command == "measure":
+            return _run_measure(args)
+        return _run_compare(args, console, out)
 
 
 def _run_measure(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import attrs
+from bamboo.bench import timeouts
 from bamboo.bench.loaders import load_trace, write_generic_csv
 from bamboo.bench.measured.options import CompareError, CompareOptions
 from bamboo.bench.measured.steady import VARIANTS, SteadySteps, steady_step_ms
@@ -267,8 +268,8 @@ def _run_system(options: CompareOptions, system: str, index: int, trace_file: Pa
             status(f"running {label}: {int(elapsed // 60)}m{int(elapsed % 60):02d}s elapsed"
                    + (f"; {follower.last.split(': ', 1)[-1][:90]}" if follower.last else ""))
             time.sleep(0.5)
-    except BaseException:
-        process.kill()
+    except BaseException:  # stopped (Ctrl-C, SIGTERM): the run stops its own cluster first (SIGKILL left it behind)
+        _stop_child(process)
         raise
     reader.join(10.0)
     follower.close()
@@ -279,6 +280,17 @@ def _run_system(options: CompareOptions, system: str, index: int, trace_file: Pa
         return json.loads(output[-1])
     except (IndexError, json.JSONDecodeError):
         raise CompareError(f"the {system} run printed no result (its log: {log})") from None
+
+
+def _stop_child(process: subprocess.Popen[str]) -> None:
+    """Stop a ``measure`` run as Ctrl-C would (SIGTERM: it kills its nodes and etcd), and kill it if it has not
+    ended within :data:`bamboo.bench.timeouts.COMPARE_CHILD_STOP_S`."""
+    process.terminate()
+    try:
+        process.wait(timeouts.COMPARE_CHILD_STOP_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _predict(options: CompareOptions, system: str, trace: Trace, measured: Mapping[str, Any],

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
+from bamboo.bench.emulated.processes import stopped_like_ctrl_c
 from bamboo.bench.emulated.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
 from bamboo.bench.emulated.run_options import Verification
 from bamboo.bench.value import compute_report, format_report, plot_report
@@ -184,27 +184,6 @@ def run_command(args: argparse.Namespace) -> int:
     except RunError as error:
         fail(f"{error} (node logs: {options.run_dir or 'the run directory'}/logs)")
 
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-"""The signals that stop ``bamboo-launch run`` as Ctrl-C does (``kill``, ``timeout``, a CI job cancelled, the
-terminal closed)."""
-
-
-@contextlib.contextmanager
-def stopped_like_ctrl_c(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
-    """Within it, each of ``signals`` raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that the run's
-    clean-up kills its agents and its etcd. Each node runs in a session of its own: with the default action, a
-    run stopped by ``timeout`` left its agents running, still retrying their etcd, long after it ended."""
-
-    def interrupt(number: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(number).name)
-
-    previous = {number: signal.signal(number, interrupt) for number in signals}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,

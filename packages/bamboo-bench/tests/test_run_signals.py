@@ -34,11 +34,19 @@ def _processes_naming(text: str) -> dict[int, str]:
     return found
 
 
-def test_a_stop_signal_raises_keyboard_interrupt_inside_and_is_restored_after() -> None:
+def test_the_first_stop_signal_raises_keyboard_interrupt_the_next_do_not_cut_the_clean_up_short() -> None:
     before = signal.getsignal(signal.SIGTERM)
+    cleaned = False
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"), stopped_like_ctrl_c():
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)  # the handler raises at once: the sleep is interrupted
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises at once: the sleep is interrupted
+        finally:  # the clean-up, as run_cluster's: a Ctrl-C or another SIGTERM meanwhile is ignored
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            cleaned = True
+    assert cleaned
     assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -32,20 +32,24 @@ def kill_process_group(pgid: int) -> bool:
     return True
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-"""The signals that stop ``bamboo-launch run``, ``bamboo-bench compare`` and
-``bamboo-bench measure`` as Ctrl-C does (``kill``, ``timeout``, a CI job cancelled, the
-terminal closed)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop ``bamboo-launch run``, ``bamboo-bench compare`` and ``bamboo-bench measure``: Ctrl-C,
+``kill``, ``timeout``, a CI job cancelled, the terminal closed."""
 
 
 @contextlib.contextmanager
 def stopped_like_ctrl_c(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
-    """Within it, each of ``signals`` raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that a run's
-    clean-up kills its nodes and its etcd. Each node runs in a session of its own: with the default action, a
+    """Within it, the first of ``signals`` raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that a
+    run's clean-up kills its nodes and its etcd; the signals that follow are ignored, so that they do not cut
+    that clean-up short (a terminal's Ctrl-C reaches ``compare`` and its ``measure`` run together, and
+    ``compare`` then sends that run SIGTERM). Each node runs in a session of its own: with the default action, a
     run stopped by ``timeout`` left its agents running, still retrying their etcd, long after it ended."""
+    fired: list[int] = []
 
     def interrupt(number: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(number).name)
+        if not fired:
+            fired.append(number)
+            raise KeyboardInterrupt(signal.Signals(number).name)
 
     previous = {number: signal.signal(number, interrupt) for number in signals}
     try:

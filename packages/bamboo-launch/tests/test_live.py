@@ -117,6 +117,22 @@ def test_render_shows_the_numbers() -> None:
         assert expected in text, (expected, text)
 
 
+def test_the_header_s_columns_line_up_and_its_labels_are_bold() -> None:
+    state = LiveState()
+    state.apply_all(run_events())
+    console = Console(record=True, width=120)
+    console.print(render_live(state))
+    lines = console.export_text().splitlines()
+    header = lines[1:4]  # under the panel's top border
+    columns = [[line.index(word) for word in words]
+               for line, words in zip(header, (("loss", "samples/s"), ("standby", "joining"),
+                                               ("failovers", "reconfigurations")), strict=True)]
+    assert columns[0] == columns[1] == columns[2], "\n".join(header)
+    console = Console(record=True, width=120, force_terminal=True)
+    console.print(render_live(state))
+    assert "\x1b[1mstep\x1b[0m" in console.export_text(styles=True)
+
+
 def test_the_live_view_redraws_when_records_arrive_at_most_once_per_interval(fake_clock: FakeClock) -> None:
     arrived: list[list[Event]] = []
     console = Console(record=True, width=120)

@@ -325,11 +325,16 @@ def _header_lines(rows: list[list[_Cell]], gap: int = 3) -> list[Text]:
     of a 22 ms redraw, once a second for as long as a run lasts)."""
     from rich.text import Text
 
-    widths: list[int] = []
+    def width(cell: _Cell) -> int:
+        return sum(len(text) for text, _ in cell)
+
+    widths: list[int] = []  # of each column but a row's last, which is not padded
     for row in rows:
-        for column, cell in enumerate(row[:-1]):  # a row's last cell is not padded
-            size = sum(len(text) for text, _ in cell)
-            widths[column:column + 1] = [max(widths[column] if column < len(widths) else 0, size)]
+        for column, cell in enumerate(row[:-1]):
+            if column == len(widths):
+                widths.append(width(cell))
+            else:
+                widths[column] = max(widths[column], width(cell))
     lines = []
     for row in rows:
         line = Text()
@@ -337,7 +342,7 @@ def _header_lines(rows: list[list[_Cell]], gap: int = 3) -> list[Text]:
             for text, style in cell:
                 line.append(text, style or None)
             if column < len(row) - 1:
-                line.append(" " * (widths[column] - sum(len(text) for text, _ in cell) + gap))
+                line.append(" " * (widths[column] - width(cell) + gap))
         lines.append(line)
     return lines
 

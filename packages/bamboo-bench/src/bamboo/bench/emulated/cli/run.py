@@ -185,7 +185,6 @@ def run_command(args: argparse.Namespace) -> int:
         fail(f"{error} (node logs: {options.run_dir or 'the run directory'}/logs)")
 
 
-
 def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
                verify: Callable[[RunResult, RunOptions], Verification] | None) -> int:
     """Print a finished run's report (and what went wrong, one line each); the exit status: 1 when the job

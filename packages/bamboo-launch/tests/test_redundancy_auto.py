@@ -193,3 +193,26 @@ def test_what_a_failure_costs_is_the_jobs_own() -> None:
     seen = failure_model(_spec(steps=1000, checkpoint_dir="/ckpt", checkpoint_every=10, memory_copy_every=50), 4, 0.5,
                          2.0, history)
     assert (seen.detect_s, seen.reconfigure_s, seen.checkpoint_interval_s) == pytest.approx((0.2, 5.0, 20.0))
+    assert (seen.pipelines, seen.spare_nodes) == (1, 0)
+
+
+def test_a_replacement_s_wait_is_the_jobs_own() -> None:
+    """How long the job trained on a failover's merged schedule: from each failover to the start of the next
+    reconfiguration (its record's time less its pause); the default before any."""
+    from bamboo.launch.event_records import Failover, Reconfiguration
+    from bamboo.launch.redundancy import failure_model
+    from bamboo.schedule.timeouts import REBUILD_AFTER_S
+
+    spec = _spec(steps=1000)
+    assert failure_model(spec, 3, 1.0, 0.1, []).rebuild_after_s == REBUILD_AFTER_S
+    history: list[Any] = [
+        Failover(t=10.0, victim="n1", shadow="n0", stage=1, pause_s=0.1),
+        Reconfiguration(t=14.5, reason="r", pipelines=1, stages=3, standby=0, bytes_moved=0, duration_s=0.5),
+        Failover(t=20.0, victim="n2", shadow="n1", stage=2, pause_s=0.1),
+        Failover(t=21.0, victim="n0", shadow="n2", stage=0, pause_s=0.1),
+        Reconfiguration(t=27.0, reason="r", pipelines=1, stages=3, standby=1, bytes_moved=0, duration_s=1.0),
+        Failover(t=40.0, victim="n1", shadow="n0", stage=1, pause_s=0.1),  # none after it yet: not counted
+    ]
+    model = failure_model(spec, 3, 1.0, 0.1, history, pipelines=2, spare_nodes=1)
+    assert model.rebuild_after_s == pytest.approx(5.0)  # the median of 4.0, 6.0 and 5.0
+    assert (model.pipelines, model.spare_nodes) == (2, 1)

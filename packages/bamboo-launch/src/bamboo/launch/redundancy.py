@@ -15,8 +15,10 @@ barrier, a layout prepared while the old one trains) calls :func:`with_mode`. Fo
   node-hours at the rate the job was given, ``--preemption-rate``, or
   `bamboo.rc.timeouts.DEFAULT_PREEMPTIONS_PER_NODE_HOUR`),
 - what a failure costs this job (:func:`failure_model`): the median pause of its failovers and of its
-  reconfigurations so far (the schedule's defaults before any), and what a restore redoes: half the
-  interval between its restore points (``--memory-copy-every`` steps, or ``--checkpoint-every`` with
+  reconfigurations so far, and how long after a failover the reconfiguration that follows it started (the
+  schedule's defaults before any); the layout's pipelines and standby nodes (one pipeline with no spare stops
+  under ``none`` until a replacement starts); and what a restore redoes: half the interval between its restore
+  points (``--memory-copy-every`` steps, or ``--checkpoint-every`` with
   ``--checkpoint-dir``, whichever is shorter), and without either half the whole job (``--steps``), since a
   restore then starts from the seeded state.
 
@@ -29,6 +31,7 @@ carries no choice and every worker uses the spec's mode.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -110,12 +113,14 @@ def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
     return (preemptions + prior * AUTO_PRIOR_NODE_HOURS) / (hours + AUTO_PRIOR_NODE_HOURS)
 
 
-def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float,
-                  events: Sequence[Event]) -> FailureModel:
-    """The :class:`bamboo.schedule.FailureModel` of a job of ``nodes`` nodes at ``rate`` preemptions per
-    node-hour whose fault-free step is ``step_s``: its own failovers' and reconfigurations' median pauses once it
-    has some (the schedule's defaults before), and a restore that redoes half the interval between restore
-    points (in-memory copies or checkpoints, whichever come more often), or half the job without either."""
+def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events: Sequence[Event], *,
+                  pipelines: int = 1, spare_nodes: int = 0) -> FailureModel:
+    """The :class:`bamboo.schedule.FailureModel` of a job of ``nodes`` nodes in ``pipelines`` pipelines, with
+    ``spare_nodes`` on standby, at ``rate`` preemptions per node-hour, whose fault-free step is ``step_s``: its own
+    failovers' and reconfigurations' median pauses once it has some, and the median time from a failover to the
+    start of the reconfiguration after it (how long a replacement took; the schedule's defaults before), and a
+    restore that redoes half the interval between restore points (in-memory copies or checkpoints, whichever come
+    more often), or half the job without either."""
     from bamboo.schedule import FailureModel
 
     pauses = [e.pause_s for e in events if isinstance(e, Failover)]
@@ -125,10 +130,26 @@ def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float,
         measured["detect_s"] = statistics.median(pauses)
     if reconfigurations:
         measured["reconfigure_s"] = statistics.median(reconfigurations)
+    rebuilt = _rebuild_waits(events)
+    if rebuilt:
+        measured["rebuild_after_s"] = statistics.median(rebuilt)
     restore_points = [spec.checkpoint_every] if spec.checkpoint_dir is not None else []
     restore_points += [spec.memory_copy_every] if spec.memory_copy_every else []
     steps_between = min(restore_points, default=spec.steps)  # the nearest copy, in memory or on disk
-    return FailureModel(rate, nodes, checkpoint_interval_s=max(steps_between * step_s, 1e-3), **measured)
+    return FailureModel(rate, nodes, checkpoint_interval_s=max(steps_between * step_s, 1e-3), pipelines=pipelines,
+                        spare_nodes=spare_nodes, **measured)
+
+
+def _rebuild_waits(events: Iterable[Event]) -> list[float]:
+    """For each ``failover`` record, the seconds until the start of the first reconfiguration after it (its record's
+    ``t`` less its pause): how long the job trained on the failover's merged schedule."""
+    starts = sorted(e.t - e.duration_s for e in events if isinstance(e, Reconfiguration))
+    waits = []
+    for failover in (e for e in events if isinstance(e, Failover)):
+        after = bisect.bisect_left(starts, failover.t)
+        if after < len(starts):
+            waits.append(starts[after] - failover.t)
+    return waits
 
 
 def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: float) -> ModeChoice:
@@ -144,7 +165,8 @@ def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: flo
     prior = (DEFAULT_PREEMPTIONS_PER_NODE_HOUR if spec.preemptions_per_node_hour is None
              else spec.preemptions_per_node_hour)
     rate = observed_rate(events, now_t, prior)
-    failures = failure_model(spec, plan.stages * plan.num_pipelines, rate, step_s, events)
+    failures = failure_model(spec, plan.stages * plan.num_pipelines, rate, step_s, events,
+                             pipelines=plan.num_pipelines, spare_nodes=len(plan.standby))
     choice = choose_redundancy(costs, plan.stages, max(plan.microbatches), step_s, failures,
                                measured_mode=measured_mode)
     step = ("no step measured yet: an assumed step" if measured is None else

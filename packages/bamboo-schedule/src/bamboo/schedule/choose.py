@@ -15,7 +15,9 @@ failures, and picks the mode that loses least:
   That probability stays below one at any rate, so redundancy keeps the edge it has (the failures it does
   absorb) where failures come faster than redundancy is rebuilt, instead of tying with ``none``;
 - **without redundancy** a preemption costs a restore from the newest checkpoint (``restore_s``) and the work
-  since it (half the checkpoint interval, on average).
+  since it (half the checkpoint interval, on average); and a job of one pipeline with no spare node
+  (``pipelines``, ``spare_nodes``) stops until a replacement starts (``rebuild_after_s``), where a redundant mode
+  trains on through its merged schedule meanwhile.
 
 A mode's expected step is its fault-free step stretched by the preemptions' time, ``step · (1 + rate · loss /
 3600)``, and what it loses per hour is ``3600 · (1 - step_none / expected step)`` (the throughput it gives up
@@ -73,10 +75,22 @@ class FailureModel:
     """A restart from the newest checkpoint, when a stage has no live copy."""
     checkpoint_interval_s: float = attrs.field(default=CHECKPOINT_INTERVAL_S, validator=validators.gt(0.0))
     """Time between checkpoints; a restore redoes half of it on average."""
+    pipelines: int = attrs.field(default=1, validator=validators.ge(1))
+    """Data-parallel pipelines of the layout."""
+    spare_nodes: int = attrs.field(default=0, validator=validators.ge(0))
+    """Nodes on standby, ready to take a lost node's place at once."""
 
     @property
     def preemptions_per_hour(self) -> float:
         return self.preemptions_per_node_hour * self.nodes
+
+    @property
+    def unprotected_s(self) -> float:
+        """What a loss that no shadow absorbs costs: a restore from the newest copy and the work since it; and in
+        a job of one pipeline with no spare node, the wait for a replacement, during which nothing trains (with
+        a spare, it takes the place at once; with other pipelines, they train on)."""
+        wait = self.rebuild_after_s if self.pipelines == 1 and self.spare_nodes == 0 else 0.0
+        return self.restore_s + self.checkpoint_interval_s / 2 + wait
 
 
 @attrs.frozen
@@ -177,19 +191,19 @@ def choose_redundancy(
         step_s = step_s * plain / measured  # none's step, in the measured mode's proportion
     scale = step_s / plain
     rate = failures.preemptions_per_hour
-    restore_loss = failures.restore_s + failures.checkpoint_interval_s / 2
+    unprotected = failures.unprotected_s
     consecutive = -math.expm1(-2.0 * failures.preemptions_per_node_hour * failures.rebuild_after_s / SECONDS_PER_HOUR)
     estimates = []
     for mode in candidates:
         rc = RCMode(mode)
         if rc is RCMode.NONE:
-            makespan, per_failure = plain, restore_loss
+            makespan, per_failure = plain, unprotected
         else:
             makespan = simulate(generate(policy, stages, microbatches, rc, costs.linearizer_cost()), costs).makespan
             extra, merged = _failover_costs(costs, policy, stages, microbatches, rc)
             degraded = failures.rebuild_after_s * max(0.0, merged / makespan - 1.0)
             recovered = failures.detect_s + scale * extra + degraded + failures.reconfigure_s
-            per_failure = (1 - consecutive) * recovered + consecutive * restore_loss
+            per_failure = (1 - consecutive) * recovered + consecutive * unprotected
         mode_step = makespan * scale
         expected_step = mode_step * (1.0 + rate * per_failure / SECONDS_PER_HOUR)  # failures' time spread over the steps
         lost = SECONDS_PER_HOUR * (1.0 - step_s / expected_step)

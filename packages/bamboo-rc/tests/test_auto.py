@@ -20,6 +20,11 @@ def test_the_mode_follows_the_preemption_rate() -> None:
     busy = choose_for_layers(specs, bounds, 8, 4, preemptions_per_node_hour=1.0)
     assert busy.mode in ("lflb", "eflb")
     assert busy.reason.startswith(f"{busy.mode}: least training lost per hour at 1 preemptions per node-hour on 4")
+    assert (busy.failures.pipelines, busy.failures.spare_nodes) == (1, 0)
+    two = choose_for_layers(specs, bounds, 8, 4, preemptions_per_node_hour=1.0, pipelines=2)
+    assert two.failures.pipelines == 2  # the other pipeline trains on: none's loss has no wait for a replacement
+    assert next(e for e in busy.estimates if e.mode == "none").per_failure_s > next(
+        e for e in two.estimates if e.mode == "none").per_failure_s
 
 
 def test_initialize_resolves_auto_before_it_builds_the_executor() -> None:

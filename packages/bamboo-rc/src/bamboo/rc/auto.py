@@ -28,9 +28,11 @@ def choose_for_layers(
     microbatches: int,
     nodes: int,
     preemptions_per_node_hour: float = DEFAULT_PREEMPTIONS_PER_NODE_HOUR,
+    pipelines: int = 1,
 ) -> RedundancyChoice:
-    """The mode for a pipeline of ``bounds`` over ``specs`` (its stages' compute from their parameter counts)."""
+    """The mode for ``pipelines`` pipelines of ``bounds`` over ``specs`` (its stages' compute from their parameter
+    counts) on ``nodes`` nodes; no spare node is assumed (``initialize`` knows of none)."""
     compute = [cost.compute_cost for cost in layer_costs(specs)]
     costs = stage_work_costs([sum(compute[start:end]) for start, end in bounds])
-    failures = FailureModel(preemptions_per_node_hour, nodes)
+    failures = FailureModel(preemptions_per_node_hour, nodes, pipelines=pipelines)
     return choose_redundancy(costs, len(bounds), microbatches, ASSUMED_STEP_S, failures)

@@ -374,6 +374,7 @@ def _resolve_auto(
     from bamboo.rc.model import stage_bounds as default_bounds
 
     bounds = bounds if bounds is not None else default_bounds(specs, layout.stages)
-    choice = choose_for_layers(specs, bounds, micro_batches, layout.stages * layout.pipelines, rate)
+    choice = choose_for_layers(specs, bounds, micro_batches, layout.stages * layout.pipelines, rate,
+                               pipelines=layout.pipelines)
     _log.info("redundancy auto: %s", choice.reason)
     return choice.mode, choice

@@ -140,9 +140,9 @@ def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events:
                         spare_nodes=spare_nodes, **measured)
 
 
-def _rebuild_waits(events: Iterable[Event]) -> list[float]:
+def _rebuild_waits(events: Sequence[Event]) -> list[float]:
     """For each ``failover`` record, the seconds until the start of the first reconfiguration after it (its record's
-    ``t`` less its pause): how long the job trained on the failover's merged schedule."""
+    ``t`` less its pause): how long the job trained on the failover's merged schedule. ``events`` is read twice."""
     starts = sorted(e.t - e.duration_s for e in events if isinstance(e, Reconfiguration))
     waits = []
     for failover in (e for e in events if isinstance(e, Failover)):

@@ -93,3 +93,21 @@ def finish_once(handles: Any, played_out: Callable[[list[Any]], bool], *, steps_
 def finish_when() -> Callable[..., None]:
     """``finish_when(handles, played_out, steps_after=5)``: see `finish_once`."""
     return finish_once
+
+
+def check_preempted(events: list[Any], expected: set[str] | frozenset[str]) -> None:
+    """Assert that the job confirmed the failure of exactly ``expected``; a mismatch names every confirmed node
+    with the reason its detector gave (a node declared dead that the test never killed: which signal, whose
+    report), since that is all a failed run on a loaded machine leaves to go on."""
+    from bamboo.launch.events import Preemption
+
+    confirmed = {e.node: e.reason or "(no reason recorded)" for e in events if isinstance(e, Preemption)}
+    assert set(confirmed) == set(expected), (
+        f"confirmed failures {sorted(confirmed)}, expected {sorted(expected)}:\n"
+        + "\n".join(f"  {node}: {reason}" for node, reason in sorted(confirmed.items())))
+
+
+@pytest.fixture
+def assert_preempted() -> Callable[[list[Any], set[str] | frozenset[str]], None]:
+    """``assert_preempted(events, {"node1", ...})``: see `check_preempted`."""
+    return check_preempted

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
-from bamboo.launch.events import Preemption, Reconfiguration, read_events
+from bamboo.launch.events import Reconfiguration, read_events
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,6 +47,7 @@ GATED_EXAMPLE = """
 
 def test_a_node_lost_before_the_first_step_is_left_out_and_the_start_redone(
     tmp_path: Path, wait_for_layout: Callable[..., Any],
+    assert_preempted: Callable[..., None],
 ) -> None:
     killed: list[str] = []
     first: list[Any] = []
@@ -67,7 +68,7 @@ def test_a_node_lost_before_the_first_step_is_left_out_and_the_start_redone(
     assert len(killed) == 1 and first[0].generation == 0 and not result.timed_out
     assert result.job_error is None and not result.worker_errors, (result.job_error, result.worker_errors)
     events = read_events(result.events)
-    assert {e.node for e in events if isinstance(e, Preemption)} == set(killed)
+    assert_preempted(events, set(killed))
     redone = [e for e in events if isinstance(e, Reconfiguration)]
     assert [e.reason for e in redone] == ["a node lost before the first step"], redone
     assert redone[0].pipelines == 2  # the standby node took the lost node's place

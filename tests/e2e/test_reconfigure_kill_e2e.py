@@ -26,11 +26,17 @@ from typing import Any
 
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
-from bamboo.launch.events import Preemption, Reconfiguration, Restore, Step, read_events
+from bamboo.launch.events import Reconfiguration, Restore, Step, read_events
 
 pytestmark = pytest.mark.timeout(240)
 
 TOLERANCE = 1e-6
+
+PATIENT_TTL, PATIENT_GRACE_S = 6, 6.0
+"""A lease and a grace period three times the defaults. Every kill here is found at once (its agent's port
+refuses the probe), so they delay nothing these tests wait for. What they change is a survivor that the broken
+transfer group made a suspect (each receiver blames its source): on a loaded CI machine a survivor was once
+confirmed dead beside the killed nodes, and the exact set of preemptions these tests check failed."""
 
 
 def _kill_node1_once_the_spares_are_warm(handles: RunHandles) -> None:
@@ -49,6 +55,7 @@ def _reconfigured(events: list[Any]) -> bool:
 def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
     tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
     wait_for_layout: Callable[..., Any], finish_when: Callable[..., None],
+    assert_preempted: Callable[..., None],
 ) -> None:
     trace = write_trace(4, [(300, "add", "node5"), (600, "add", "node6")])
     killed: list[str] = []
@@ -67,12 +74,12 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
     options = RunOptions(redundancy="eflb",
         nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
-        group_timeout_s=20.0, size={"layers": 2},
+        group_timeout_s=20.0, size={"layers": 2}, ttl=PATIENT_TTL, grace_s=PATIENT_GRACE_S,
     )
     result = run_cluster(options, during=kill_a_source_of_generation_1)
     events = read_events(result.events)
     assert seen.get("generation") == 1 and len(killed) == 1
-    assert {e.node for e in events if isinstance(e, Preemption)} == {"node1", killed[0]}
+    assert_preempted(events, {"node1", killed[0]})
     reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
     assert reconfigurations, "no reconfiguration finished"
     first = reconfigurations[0]
@@ -91,6 +98,7 @@ def test_a_source_killed_while_a_reconfiguration_starts_is_survived_exactly(
 
 def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restores_the_checkpoint(
     tmp_path: Path, wait_for_layout: Callable[..., Any], finish_when: Callable[..., None],
+    assert_preempted: Callable[..., None],
 ) -> None:
     killed: list[str] = []
 
@@ -110,12 +118,12 @@ def test_the_only_holder_of_a_stage_killed_while_a_reconfiguration_starts_restor
         nodes=5, stages=3, pipelines=1, steps=300, zones=("a", "b", "c"), time_scale=1.0,
         run_dir=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=5,
         memory_copy_every=0,  # no in-memory copies: the checkpoint on disk is the only copy left
-        confirm_timeout_s=30.0, timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2},
+        confirm_timeout_s=30.0, timeout_s=200.0, group_timeout_s=20.0, size={"layers": 2}, ttl=PATIENT_TTL, grace_s=PATIENT_GRACE_S,
     )
     result = run_cluster(options, during=kill_stage_1_then_its_shadow)
     events = read_events(result.events)
     assert len(killed) == 2
-    assert {e.node for e in events if isinstance(e, Preemption)} == set(killed)
+    assert_preempted(events, set(killed))
     reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
     assert reconfigurations and reconfigurations[0].attempts >= 2, reconfigurations
     restores = [e for e in events if isinstance(e, Restore)]
@@ -154,7 +162,7 @@ def test_a_source_killed_during_the_transfers_is_a_gloo_error_and_the_start_is_r
     options = RunOptions(redundancy="eflb",
         nodes=4, stages=2, pipelines=2, steps=1000, zones=("a", "b", "c"), time_scale=1.0,
         preemptions=trace, run_dir=str(tmp_path / "run"), confirm_timeout_s=30.0, timeout_s=200.0,
-        group_timeout_s=20.0, size={"layers": 2},
+        group_timeout_s=20.0, size={"layers": 2}, ttl=PATIENT_TTL, grace_s=PATIENT_GRACE_S,
     )
     result = run_cluster(options, during=kill_a_source_mid_transfer)
     events = read_events(result.events)

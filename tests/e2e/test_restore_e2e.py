@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.bench.value import compute_report
-from bamboo.launch.events import Checkpoint, Preemption, Reconfiguration, Restore, Step, read_events
+from bamboo.launch.events import Checkpoint, Reconfiguration, Restore, Step, read_events
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -106,8 +106,8 @@ def _kill_stages_0_and_1(
     corrupt["file"] = str(shard)
 
 
-def _check_restored_run(tmp_path: Path, corrupt: bool,
-                        finish_when: Callable[..., None]) -> tuple[Restore, dict[str, object]]:
+def _check_restored_run(tmp_path: Path, corrupt: bool, finish_when: Callable[..., None],
+                        assert_preempted: Callable[..., None]) -> tuple[Restore, dict[str, object]]:
     options = _options(tmp_path)
     corrupted: dict[str, object] | None = {"dir": options.checkpoint_dir} if corrupt else None
     killed: list[str] = []
@@ -120,7 +120,7 @@ def _check_restored_run(tmp_path: Path, corrupt: bool,
     result = run_cluster(options, during=chaos)
     events = read_events(result.events)
     assert not result.timed_out
-    assert {e.node for e in events if isinstance(e, Preemption)} == set(killed)
+    assert_preempted(events, set(killed))
     restores = [e for e in events if isinstance(e, Restore)]
     assert len(restores) == 1, restores
     restore = restores[0]
@@ -167,8 +167,10 @@ def _check_restored_run(tmp_path: Path, corrupt: bool,
 
 def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_good_one_restored(
     tmp_path: Path, finish_when: Callable[..., None],
+    assert_preempted: Callable[..., None],
 ) -> None:
-    restore, found = _check_restored_run(tmp_path, corrupt=True, finish_when=finish_when)
+    restore, found = _check_restored_run(tmp_path, corrupt=True, finish_when=finish_when,
+                                         assert_preempted=assert_preempted)
     corrupted = found["corrupted"]
     assert isinstance(corrupted, dict)
     assert f"step-{restore.step:09d}" not in str(corrupted["file"])

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
-from bamboo.launch.events import Failover, Join, Preemption, Reconfiguration, read_events
+from bamboo.launch.events import Failover, Join, Reconfiguration, read_events
 from bamboo.rc.model import GPTSize, gpt_layer_specs, stage_bounds
 from bamboo.reconfig import JobLayout
 
@@ -88,6 +88,7 @@ def test_an_etcd_restart_and_an_agent_stopped_shorter_than_the_grace_period_fail
 def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run(
     tmp_path: Path, write_trace: Callable[[int, list[tuple[int, str, str]]], str],
     wait_for_layout: Callable[..., Any], finish_when: Callable[..., None],
+    assert_preempted: Callable[..., None],
 ) -> None:
     """The acceptance run: 3 real kills (one a consecutive pair), a join, reconfigurations, exact result.
 
@@ -127,7 +128,7 @@ def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run
     events = read_events(result.events)
     assert len(killed_pair) == 2
     assert set(result.failed_nodes) == {"node1", *killed_pair}
-    assert {e.node for e in events if isinstance(e, Preemption)} == {"node1", *killed_pair}
+    assert_preempted(events, {"node1", *killed_pair})
     assert "node8" in {e.node for e in events if isinstance(e, Join)}
     reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
     assert len(reconfigurations) >= 2, reconfigurations

@@ -16,11 +16,13 @@ not fire, and do not have to).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import tempfile
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,13 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
     "gradient_clipping": 1.0,
 }
+
+REFERENCES_KEPT = 16
+"""How many fault-free references of the example model this process keeps (least recently used first out): the
+reference of a model, config, seed, pipeline count, device and step is the same whatever the stages, mode and
+kill points, so the runs of a soak, or of a test suite's failover matrix, train each one once."""
+
+_KEPT_REFERENCES: OrderedDict[tuple[object, ...], ReferenceResult] = OrderedDict()
 
 
 @attrs.frozen
@@ -200,8 +209,10 @@ def run_verify(
     compared_at = min((r["steps_done"] for r in reports.values() if not r["left"]), default=steps)
     cache = {} if references is None else references
     if compared_at not in cache:
-        cache[compared_at] = _reference(kind, device, specs, program.loss_fn, training, program.microbatch,
-                                        compared_at, pipelines, seed)
+        key = None if model is not None else (size, json.dumps(config, sort_keys=True), seed, pipelines, kind, device,
+                                               compared_at)
+        cache[compared_at] = _kept_reference(key, lambda: _reference(
+            kind, device, specs, program.loss_fn, training, program.microbatch, compared_at, pipelines, seed))
     reference = cache[compared_at]
     consecutive = next((r["consecutive"] for r in reports.values() if r["consecutive"]), None)
     comparison = _compare(reports, reference, stages, bounds, consecutive)
@@ -366,6 +377,20 @@ def _timing(report: dict[str, Any]) -> dict[str, Any]:
     return {"iteration_times": report["iteration_times"], "kind_seconds": report["kind_seconds"],
             "hosted": report["hosted"], "stage": report["stage"], "pipeline": report["pipeline"],
             "failovers": [FailoverRecord.from_dict(f) for f in report["failovers"]]}
+
+
+def _kept_reference(key: tuple[object, ...] | None, train: Callable[[], ReferenceResult]) -> ReferenceResult:
+    """The reference under ``key`` that this process already trained (`REFERENCES_KEPT`), or ``train()``'s, kept
+    under it; a model of the caller's own (``key`` None) is trained every time."""
+    if key is None:
+        return train()
+    if key in _KEPT_REFERENCES:
+        _KEPT_REFERENCES.move_to_end(key)
+        return _KEPT_REFERENCES[key]
+    reference = _KEPT_REFERENCES[key] = train()
+    while len(_KEPT_REFERENCES) > REFERENCES_KEPT:
+        _KEPT_REFERENCES.popitem(last=False)
+    return reference
 
 
 def _reference(kind: str, device: str | None, specs: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],

@@ -8,9 +8,9 @@ keep-alives (a 2 s TTL) and turn a slow machine into false failures. Every other
 spread over both workers, filling the CPU that a cluster test leaves idle (its waits for leases, its
 single-process phases); a worker running those lowers its priority (`BACKGROUND_NICE`), so a cluster test
 keeps most of the CPU when both lanes want it. The tests in ``BACKGROUND_PROCESS_TESTS`` start processes
-as well but do not depend on answers in time: they come last in the other lane, once its short tests are
-done, which shortens the cluster lane (the suite's critical path). A plain ``pytest`` (no ``-n``) runs
-everything in one process, as before.
+as well but do not depend on answers in time, and spend most of their time waiting: they come first in the
+other lane, beside the cluster tests, and the short tests fill both lanes after them, so that the two end
+together. A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
 
 (xdist's own ``--dist loadgroup`` would do this with a marker, but xdist 3.8 tags the group onto a test id
 that pytest 9.2 no longer reads; the scheduler below needs no marker.)
@@ -126,12 +126,14 @@ CLUSTER_TESTS = (
 
 #: Tests that start clusters too but whose verdict does not hang on a lease or a probe answering in time
 #: (they check records and exit statuses, not how many failures the run saw; runs without failures use 10 s
-#: leases): they run in the other lane, lowered in priority like every test there, after its short tests, so
-#: that the cluster lane (the suite's critical path) is shorter. ``bamboo-bench compare`` (three systems one
+#: leases): they run in the other lane, lowered in priority further than every test there, and first, while the
+#: cluster lane runs. They are long and mostly wait (``bamboo-bench compare``: 86 s, half a core); run last, as
+#: they once were when the cluster lane was the suite's critical path, the last of them kept one lane busy and
+#: the other idle for about 90 s after every other test had ended. ``bamboo-bench compare`` (three systems one
 #: after another), a resumed run and its export, the training hooks in a real run. The checkpoint/restart
 #: baseline's test is not one: how many survivors make torchrun's rendezvous in time decides its restart's
 #: world size.
-BACKGROUND_PROCESS_TESTS = (  # in the order they start: the longest first, so that the lanes end together
+BACKGROUND_PROCESS_TESTS = (  # in the order they start: the longest first
     "tests/e2e/test_compare_e2e.py",
     "tests/e2e/test_resume_export_e2e.py",
     "packages/bamboo-launch/tests/test_hooks.py",
@@ -181,15 +183,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cluster tests first: the scheduler hands work out in collection order, so the long lane starts
-    at once instead of after every short test (among them, those that load DeepSpeed's op last); the background
-    process tests last."""
+    at once instead of after every short test (among them, those that load DeepSpeed's op last); then the
+    background process tests, the first the other lane runs; then every other test."""
     paths = {item: _relative(item) for item in items}
     clusters = [item for item in items if is_cluster_test(paths[item])]
     clusters.sort(key=lambda item: _under(paths[item], DEEPSPEED_OP_TESTS))  # stable: collection order otherwise
-    last = [item for item in items if _under(paths[item], BACKGROUND_PROCESS_TESTS)]
-    last.sort(key=lambda item: [_under(paths[item], (root,)) for root in BACKGROUND_PROCESS_TESTS], reverse=True)
-    grouped = set(clusters) | set(last)
-    items[:] = clusters + [item for item in items if item not in grouped] + last
+    background = [item for item in items if _under(paths[item], BACKGROUND_PROCESS_TESTS)]
+    background.sort(key=lambda item: [_under(paths[item], (root,)) for root in BACKGROUND_PROCESS_TESTS], reverse=True)
+    grouped = set(clusters) | set(background)
+    items[:] = clusters + background + [item for item in items if item not in grouped]
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

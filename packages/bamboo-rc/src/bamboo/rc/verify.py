@@ -15,6 +15,7 @@ not fire, and do not have to).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -235,7 +236,7 @@ def _verify_result(outcome: _Outcome, comparison: _Comparison, reference: Refere
         replicas_bit_equal=comparison.equal,
         replicas_compared=comparison.compared,
         losses=comparison.losses,
-        reference_losses=reference.losses,
+        reference_losses=list(reference.losses),  # a copy: the reference may be kept for the next run
         worker_exit_codes={**codes, **missing},
         stash_peak_bytes=max((r["stash_peak_bytes"] for r in reports.values()), default=0),
         seconds=seconds,
@@ -253,7 +254,7 @@ def _verify_result(outcome: _Outcome, comparison: _Comparison, reference: Refere
         device=device,
         memory={rank: r["memory"] for rank, r in reports.items()},
         loss_scales_match=comparison.scales_match,
-        loss_scale=reference.loss_scale,
+        loss_scale=copy.deepcopy(reference.loss_scale),
     )
 
 

@@ -92,6 +92,16 @@ def test_the_rate_is_the_jobs_preemptions_per_node_hour_weighed_against_the_prio
     assert observed_rate([], 0.0, prior=0.7) == pytest.approx(0.7)  # no history: the rate the job was given
 
 
+def test_a_node_known_lost_counts_once_before_its_record_is_written() -> None:
+    """A barrier decides with the nodes it found gone; the coordinator may not have written their ``preemption``
+    records yet (an e2e run chose ``none`` again at the barrier after its only kill). Each counts once, and not
+    again once its record is there; its hours run to ``now_t`` until then."""
+    events: list[Any] = [Join(t=0.0, node=f"n{i}", zone="a") for i in range(4)]
+    assert observed_rate(events, 3600.0, prior=0.1, lost=["n3"]) == pytest.approx((1 + 0.1) / (4 + 1))
+    events.append(Preemption(t=3600.0, node="n3", zone="a"))
+    assert observed_rate(events, 3600.0, prior=0.1, lost=["n3"]) == pytest.approx((1 + 0.1) / (4 + 1))
+
+
 def test_the_measured_mode_is_scaled_to_nones_step() -> None:
     """A step measured under eflb, which the model says runs longer than none, stands for a shorter none step."""
     spec = _spec()

@@ -174,7 +174,7 @@ def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady
         raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
                                 "pipelines")
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
-    chosen = mode_for(spec, plan, run.membership.kv)
+    chosen = mode_for(spec, plan, run.membership.kv, lost=dead)  # their records may still be on their way
     transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
     mode, start, restore = StartMode.PEERS, step, None
     if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy

@@ -90,12 +90,13 @@ def measured_step(events: Iterable[Event]) -> tuple[float, str] | None:
     return statistics.median(durations[newest]), modes[newest]
 
 
-def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
+def observed_rate(events: Iterable[Event], now_t: float, prior: float, lost: Iterable[str] = ()) -> float:
     """Preemptions per node-hour: the job's ``preemption`` records over the node-hours of its nodes (from each
     ``join`` to its preemption, or ``now_t``), with :data:`AUTO_PRIOR_NODE_HOURS` node-hours at ``prior`` added:
     the prior alone before any history, the job's own rate once it has many hours of it. The preemption of an
     identity whose machine came back as a fresh node (a later ``join`` that ``returns`` it: its worker failed)
-    ends that identity's hours but is no loss of the market's."""
+    ends that identity's hours but is no loss of the market's. ``lost`` names nodes the caller knows are gone (a
+    barrier's missing holders) whose ``preemption`` record may not be written yet: each without one counts too."""
     listed = sorted(events, key=lambda e: e.t)
     returned = {e.returns for e in listed if isinstance(e, Join) and e.returns is not None}
     joined: dict[str, float] = {}
@@ -109,6 +110,8 @@ def observed_rate(events: Iterable[Event], now_t: float, prior: float) -> float:
             if event.node in joined:
                 node_s += max(0.0, event.t - joined.pop(event.node))
     node_s += sum(max(0.0, now_t - t) for t in joined.values())
+    recorded = {e.node for e in listed if isinstance(e, Preemption)}
+    preemptions += len(set(lost) - recorded)
     hours = node_s / SECONDS_PER_HOUR
     return (preemptions + prior * AUTO_PRIOR_NODE_HOURS) / (hours + AUTO_PRIOR_NODE_HOURS)
 
@@ -152,9 +155,11 @@ def _rebuild_waits(events: Sequence[Event]) -> list[float]:
     return waits
 
 
-def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: float) -> ModeChoice:
+def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: float,
+                lost: Iterable[str] = ()) -> ModeChoice:
     """The :class:`bamboo.reconfig.ModeChoice` for a generation placed by ``plan`` (a ``bamboo.reconfig.Layout``)
-    from the job's ``events`` at ``now_t`` (seconds since the job's ``created_unix``)."""
+    from the job's ``events`` at ``now_t`` (seconds since the job's ``created_unix``) and the nodes known ``lost``
+    (:func:`observed_rate`)."""
     from bamboo.reconfig import ModeChoice
     from bamboo.schedule import choose_redundancy, stage_work_costs
 
@@ -164,7 +169,7 @@ def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: flo
     step_s, measured_mode = measured if measured is not None else (ASSUMED_STEP_S, "none")
     prior = (DEFAULT_PREEMPTIONS_PER_NODE_HOUR if spec.preemptions_per_node_hour is None
              else spec.preemptions_per_node_hour)
-    rate = observed_rate(events, now_t, prior)
+    rate = observed_rate(events, now_t, prior, lost)
     failures = failure_model(spec, plan.stages * plan.num_pipelines, rate, step_s, events,
                              pipelines=plan.num_pipelines, spare_nodes=len(plan.standby))
     choice = choose_redundancy(costs, plan.stages, max(plan.microbatches), step_s, failures,
@@ -177,10 +182,11 @@ def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: flo
                       preemptions_per_node_hour=round(rate, 6))
 
 
-def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None = None) -> ModeChoice | None:
+def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None = None,
+             lost: Iterable[str] = ()) -> ModeChoice | None:
     """The :class:`bamboo.reconfig.ModeChoice` of a generation placed by ``plan`` when the job's redundancy is
-    ``auto`` (:func:`choose_mode`, from the job's event log in etcd, ``kv``; a log that cannot be read counts as
-    empty), None otherwise."""
+    ``auto`` (:func:`choose_mode`, from the job's event log in etcd, ``kv``, and the nodes known ``lost``; a log
+    that cannot be read counts as empty), None otherwise."""
     if spec.redundancy != AUTO:
         return None
     from bamboo.launch.events import EventLogError, read_etcd_events
@@ -191,7 +197,7 @@ def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None =
     except (EventLogError, StoreError):
         events = []
     now_t = max(0.0, (time.time() if now is None else now) - spec.created_unix)
-    return choose_mode(spec, plan, events, now_t)
+    return choose_mode(spec, plan, events, now_t, lost)
 
 
 def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore) -> JobLayout:

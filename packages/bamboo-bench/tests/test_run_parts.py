@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import attrs
@@ -329,3 +330,13 @@ def test_the_recorder_hands_each_record_it_wrote_once_to_the_progress_lines(tmp_
     recorder.stop()
     assert taken == steps and recorder.recorded() == [] and recorder.last_step == 2
     assert read_events(tmp_path / "events.jsonl") == steps
+
+
+def test_the_command_line_launcher_starts_a_job_without_importing_torch() -> None:
+    """``bamboo-launch run`` describes the model in a process forked from its fork server, which imports torch
+    while etcd starts, and imports torch itself only once the job trains (for the reports it reads at the end):
+    none of the launcher's modules may import it on the way to the first step."""
+    code = ("import sys, bamboo.launch.cli, bamboo.bench.emulated.cli.run, bamboo.bench.emulated.run, "
+            "bamboo.bench.emulated.run_agents, bamboo.launch.agent_spec; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert out == "False"

@@ -28,7 +28,9 @@ Its parts: :mod:`bamboo.bench.emulated.run_options` (what a run takes and leaves
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -97,7 +99,8 @@ def run_cluster(
     events_path = Path(options.events) if options.events else run_dir / "events.jsonl"
     events_path.unlink(missing_ok=True)
     job = options.job or f"run-{uuid.uuid4().hex[:8]}"
-    etcd, endpoints, kv, membership = _open_job(options, job, len(initial), run_dir, say)
+    warming = _warm_fork_server(options, say)  # its imports overlap etcd's start; the model is described in it
+    etcd, endpoints, kv, membership = _open_job(options, job, len(initial), run_dir, say, warming)
     cluster = _agents(options, job, endpoints, run_dir, len(initial), say)
     clock = StartedClock()
     market = SpotMarket(plan, cluster, on_action=_market_lines(say), clock=clock)
@@ -126,6 +129,7 @@ def run_cluster(
         clock.start_now()  # trace time runs from the first step: no kill lands while workers start
         say("training started; replaying the trace")
         market.start()
+        _import_torch_meanwhile()
         if during is not None:
             handles = handles_of(node_of_rank)
             threading.Thread(target=during, args=(handles,), name="bamboo-run-during", daemon=True).start()
@@ -190,11 +194,14 @@ def _prepare_run_dir(options: RunOptions) -> tuple[RunOptions, Path]:
     return options, run_dir
 
 
-def _open_job(options: RunOptions, job: str, min_nodes: int, run_dir: Path, say: Callable[[str], None]
+def _open_job(options: RunOptions, job: str, min_nodes: int, run_dir: Path, say: Callable[[str], None],
+              warming: threading.Thread | None = None,
               ) -> tuple[EmbeddedEtcd | None, tuple[str, ...], EtcdKV, MembershipStore]:
     """etcd (embedded in the run dir unless ``--etcd`` names one), a client of it, and the new job's spec
     written there (:func:`bamboo.bench.emulated.run_agents.write_spec`): ``(embedded etcd or None, endpoints, client,
-    the job's store)``. A job that already exists is refused (:class:`RunError`), and what was opened is closed."""
+    the job's store)``. A job that already exists is refused (:class:`RunError`), and what was opened is closed.
+    ``warming`` (:func:`_warm_fork_server`) is waited for before the model is described, which then runs in a process
+    forked from the fork server."""
     from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
     from bamboo.membership.embedded import ETCD_NICENESS
 
@@ -209,6 +216,8 @@ def _open_job(options: RunOptions, job: str, min_nodes: int, run_dir: Path, say:
             etcd.close()
         raise RunError(f"job {job} already exists in etcd; use a new --job")
     say(f"etcd at {','.join(endpoints)} ({'embedded' if etcd else 'external'}); job {job}; run dir {run_dir}")
+    if warming is not None:
+        warming.join()
     try:
         write_spec(kv, membership, job, options, min_nodes, run_dir, say)
     except RunError:
@@ -273,6 +282,26 @@ def _preempter(cluster: ProcessCluster, say: Callable[[str], None]) -> Callable[
         say(f"killed {node} ({cluster.zones.get(process, 'unknown')})")
 
     return preempt
+
+
+def _import_torch_meanwhile() -> None:
+    """Import torch in the background while the job trains, where this process has not yet (the command line's
+    launcher, which describes the model in a forked process): the workers' reports it loads at the end are torch
+    files, and the import (about 2.7 CPU-s) would otherwise come after the job's last step."""
+    if "torch" not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=("torch",), name="bamboo-run-import-torch",
+                         daemon=True).start()
+
+
+def _warm_fork_server(options: RunOptions, say: Callable[[str], None]) -> threading.Thread | None:
+    """Start this process's shared fork server in the background (None when ``options.fork_server`` is off): its
+    imports (torch and bamboo, about 4 s) then overlap etcd's start, and the model's description and the agents are
+    forked from it, instead of this process importing torch to describe the model before the server starts."""
+    if not options.fork_server:
+        return None
+    warming = threading.Thread(target=_fork_server, args=(options, say), name="bamboo-run-fork-server", daemon=True)
+    warming.start()
+    return warming
 
 
 def _fork_server(options: RunOptions, say: Callable[[str], None]) -> ForkServer | None:

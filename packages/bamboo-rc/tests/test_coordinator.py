@@ -26,7 +26,7 @@ from bamboo.rc.failures import (
 )
 from bamboo.rc.layout import Layout
 from bamboo.rc.records import CommitResult, HandoverRecord, ProgressRecord, SuspicionRecord
-from bamboo.rc.timeouts import CommTimeouts
+from bamboo.rc.timeouts import STRAGGLER_S, CommTimeouts
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
 from bamboo.schedule import merged_schedule, one_f_one_b, progress_at, validate_failover
 
@@ -211,6 +211,67 @@ def test_the_blocking_agreement_returns_once_the_last_survivor_publishes(clock: 
     cluster.clock.on_sleep = node_3_arrives
     agreement = cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
     assert agreement.victims == {0: frozenset({2})} and len(cluster.clock.sleeps) == 25
+    assert not [key for key in cluster.store.data if "/suspect/" in key]  # 25 ms: nobody is a straggler yet
+
+
+def _suspicions(cluster: Cluster) -> dict[str, float]:
+    """Each suspicion key the store holds, with the fake time at which it first appeared (watched after every
+    sleep of the clock)."""
+    seen: dict[str, float] = {}
+
+    def watch(clock: FakeClock) -> None:
+        for key in cluster.store.data:
+            if "/suspect/" in key:
+                seen.setdefault(key, clock.t)
+
+    cluster.clock.on_sleep = watch
+    return seen
+
+
+def test_a_survivor_missing_from_the_agreement_is_reported_once_as_a_suspect_after_the_straggler_wait(
+    clock: FakeClock
+) -> None:
+    """A survivor that died during another's failover (no data flows to it, so no operation fails) is reported to
+    the authority, whose probe confirms it at once, instead of waiting for its lease to run out."""
+    cluster = Cluster(4, clock)
+    cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
+    seen = _suspicions(cluster)
+    with pytest.raises(AgreementError, match=r"survivors \[3\] of pipeline 0 did not publish"):
+        cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
+    assert list(seen) == [f"bamboo/{JOB}/suspect/1/0/3"]  # node 1 published: only node 3, and once
+    assert STRAGGLER_S <= seen[f"bamboo/{JOB}/suspect/1/0/3"] < STRAGGLER_S + 0.01
+    record = SuspicionRecord.from_json(cluster.store.get(f"bamboo/{JOB}/suspect/1/0/3"))
+    assert record == SuspicionRecord(1, 0, 3, "the failover agreement")
+
+
+def test_a_straggler_confirmed_dead_restarts_the_agreement_at_once(clock: FakeClock) -> None:
+    """Node 3 died during node 2's failover: reported at the straggler wait, its probe refused, it is in the next
+    event, and stage 3's shadow (stage 2) is gone too: a consecutive failure, known in half a second, not at the
+    confirm timeout."""
+    cluster = Cluster(4, clock)
+    cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
+    seen = _suspicions(cluster)
+    watch = cluster.clock.on_sleep
+    assert watch is not None
+
+    def authority(clock: FakeClock) -> None:
+        watch(clock)
+        if seen and cluster.authority.poll(2) is None:  # the authority's probe of node 3 was refused
+            cluster.publish(2, [3])
+
+    cluster.clock.on_sleep = authority
+    with pytest.raises(ConsecutiveFailure):
+        cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
+    assert STRAGGLER_S <= cluster.clock.t < STRAGGLER_S + 0.1
+
+
+def test_the_group_barrier_reports_a_member_that_never_announces_once(clock: FakeClock) -> None:
+    cluster = Cluster(4, clock)
+    seen = _suspicions(cluster)
+    cluster.nodes[0].await_group("p2p-0-3", 1, [0, 3])  # gives up at the group timeout: gloo times out next
+    assert list(seen) == [f"bamboo/{JOB}/suspect/0/0/3"]
+    assert STRAGGLER_S <= seen[f"bamboo/{JOB}/suspect/0/0/3"] < STRAGGLER_S + 0.01
+    assert TIMEOUTS.group <= cluster.clock.t < TIMEOUTS.group + 0.01
 
 
 def test_a_failed_collective_reports_every_other_member_and_waits_for_the_confirmation(

@@ -65,7 +65,7 @@ from bamboo.rc.coordinator_signals import CoordinatorSignals
 from bamboo.rc.failures import AgreementError, FailureEvent
 from bamboo.rc.pending import PendingFailover, PendingRingFailover
 from bamboo.rc.records import CommitResult
-from bamboo.rc.timeouts import STORE_POLL_S
+from bamboo.rc.timeouts import STORE_POLL_S, STRAGGLER_S
 
 __all__ = [
     "Agreement",
@@ -118,21 +118,30 @@ class FailoverCoordinator(CoordinatorSignals):
         return self._settle(self.begin(event, done, step, on_event, last_commit))
 
     def _settle(self, pending: PendingFailover | PendingRingFailover) -> Any:
-        """Poll `pending` until it agrees; the confirm timeout restarts with every later event."""
-        epoch, deadline = self.epoch, self.clock.monotonic() + self.timeouts.confirm
+        """Poll `pending` until it agrees; the confirm timeout restarts with every later event. The survivors that
+        have not published their progress :data:`~bamboo.rc.timeouts.STRAGGLER_S` into the wait for an event are
+        reported as suspects, once each (:meth:`report_stragglers`): one that died meanwhile is confirmed at once,
+        and the agreement restarts with it."""
+        now = self.clock.monotonic()
+        epoch, deadline, check_stragglers_at = self.epoch, now + self.timeouts.confirm, now + STRAGGLER_S
+        reported: set[int] = set()
         while True:
             agreement = pending.poll()
             if agreement is not None:
                 return agreement
+            now = self.clock.monotonic()
             if self.epoch != epoch:  # a later failure restarted the agreement
-                epoch, deadline = self.epoch, self.clock.monotonic() + self.timeouts.confirm
-            elif self.clock.monotonic() > deadline:
+                epoch, deadline, check_stragglers_at = self.epoch, now + self.timeouts.confirm, now + STRAGGLER_S
+            elif now > deadline:
                 pipeline, missing = pending.missing()
                 where = "the ring" if pipeline < 0 else f"pipeline {pipeline}"
                 raise AgreementError(
                     f"survivors {missing} of {where} did not publish their progress in epoch "
                     f"{self.epoch} within {self.timeouts.confirm} s"
                 )
+            elif now >= check_stragglers_at:
+                check_stragglers_at = float("inf")  # once per event: the detector follows up on a suspect
+                self.report_stragglers(pending.missing()[1], reported, "the failover agreement")
             self.clock.sleep(STORE_POLL_S)
 
     # ------------------------------------------------------------------------------ P = 1: the ring

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from bamboo.rc.coordinator_state import CoordinatorState
 from bamboo.rc.failures import FailureEvent
 from bamboo.rc.records import HandoverRecord, NoticeRecord
-from bamboo.rc.timeouts import STORE_POLL_S
+from bamboo.rc.timeouts import STORE_POLL_S, STRAGGLER_S
 
 __all__ = ["CoordinatorSignals"]
 
@@ -109,13 +109,20 @@ class CoordinatorSignals(CoordinatorState):
     def await_group(self, group: str, version: int, members: Sequence[int]) -> None:
         """Announce `group` and wait until every member is about to build it, raising
         :class:`FailureNoticed` on any confirmed failure meanwhile (a member that dies before it
-        joins would otherwise leave the others in a gloo build that only times out). Gives up
-        after the group timeout (the gloo build then times out on its own)."""
+        joins would otherwise leave the others in a gloo build that only times out). The members
+        still absent :data:`~bamboo.rc.timeouts.STRAGGLER_S` into the wait are reported as suspects
+        (:meth:`report_stragglers`). Gives up after the group timeout (the gloo build then times out
+        on its own)."""
         self.announce_group(group, version)
-        keys = [self._key("ready", f"e{version}", group, rank) for rank in members]
-        deadline = self.clock.monotonic() + self.timeouts.group
-        while not self.store.check(keys) and self.clock.monotonic() < deadline:
+        keys = {rank: self._key("ready", f"e{version}", group, rank) for rank in members}
+        start = self.clock.monotonic()
+        deadline, check_stragglers_at = start + self.timeouts.group, start + STRAGGLER_S
+        while not self.store.check(list(keys.values())) and self.clock.monotonic() < deadline:
             self.raise_if_noticed()
+            if self.clock.monotonic() >= check_stragglers_at:
+                check_stragglers_at = float("inf")  # once: a member that arrived does not leave
+                absent = [rank for rank, key in keys.items() if not self.store.check([key])]
+                self.report_stragglers(absent, set(), f"the build of group {group}")
             self.clock.sleep(STORE_POLL_S)
 
     def announce_finished(self) -> None:

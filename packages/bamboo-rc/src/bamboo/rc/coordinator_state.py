@@ -76,6 +76,16 @@ class CoordinatorState:
         if event is not None:
             raise FailureNoticed(event)
 
+    def report_stragglers(self, ranks: Sequence[int], reported: set[int], waiting_for: str) -> None:
+        """Report each of ``ranks`` that is not in ``reported`` (and adds it there) as a suspect: it did not show up
+        :data:`~bamboo.rc.timeouts.STRAGGLER_S` into ``waiting_for``. Nothing is reported without notices."""
+        if self.notices is None:
+            return
+        for rank in ranks:
+            if rank != self.rank and rank not in reported:
+                reported.add(rank)
+                self.notices.suspect(self.epoch, self.rank, rank, waiting_for)
+
     def confirm(self, failure: PeerFailure) -> FailureEvent:
         """Report every suspect of `failure` and wait for the authority's event of the next epoch.
 

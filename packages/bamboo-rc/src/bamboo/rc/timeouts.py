@@ -28,6 +28,7 @@ __all__ = [
     "NOTICE_LEAD_S",
     "NOTICE_POLL_S",
     "STORE_POLL_S",
+    "STRAGGLER_S",
     "VERIFY_BATCH_WINDOW_S",
     "VERIFY_DEADLINE_S",
     "VERIFY_HOLD_LIMIT_S",
@@ -85,6 +86,13 @@ STORE_POLL_S = 0.001
 """How often the failover agreement (survivors' progress) and the group barrier (members about
 to build a group) read the store again while they wait. Bounded by ``CONFIRM_S`` and
 ``GROUP_S``."""
+
+STRAGGLER_S = 0.5
+"""How long the failover agreement and the group barrier wait for a survivor (a member) before they report it to
+the failure authority as a suspect, once per wait: the authority probes it, so a node that died while no data
+flowed to it (a survivor killed during another's failover, a member killed before it joined a new layout's
+group) is confirmed at once instead of when its lease runs out (its TTL: 2 s by default, more in production), and
+a slow one answers the probe and is left alone. Well above an agreement's usual wait (tens of milliseconds)."""
 
 EVENT_POLL_S = 0.005
 """How often :meth:`StoreFailureNotices.wait` reads the store again for the event it waits for.

@@ -103,6 +103,33 @@ def test_a_node_outside_the_layout_publishes_nothing_and_follows_the_owners() ->
     assert "g5-up-s" not in membership.decisions
 
 
+def test_an_owner_not_up_after_the_straggler_wait_is_reported_once_and_aborts_once_it_leaves() -> None:
+    """A new owner killed before it was up fails no peer's operation: this node, up itself, reports it to its agent
+    after ``straggler_s``; the probe finds it dead and revokes its lease, so it leaves the membership and the
+    attempt is abandoned then, not at the lease's expiry."""
+    membership = _Membership({"a", "b", "c"})
+    membership.decide("g5-up-c", NodeUp("c").to_dict())
+    reported: list[tuple[str, float]] = []
+
+    def suspect(node: str) -> None:
+        reported.append((node, membership.time))
+        membership.nodes.discard(node)  # the agent's probe was refused: confirmed, its lease revoked
+
+    outcome = await_outcome(membership, 5, "a", {"a", "b", "c"}, {"a", "b", "c"}, lambda: (True, None), 60.0,
+                            clock=membership.clock, sleep=membership.sleep, suspect=suspect, straggler_s=0.5)
+    assert [node for node, _ in reported] == ["b"]
+    assert 0.5 <= reported[0][1] < 0.6
+    assert not outcome.go and "b left the membership" in outcome.reason
+
+
+def test_a_node_whose_own_part_runs_reports_nobody() -> None:
+    membership = _Membership({"a", "b"})
+    reported: list[str] = []
+    outcome = await_outcome(membership, 5, "a", {"a", "b"}, {"a", "b"}, lambda: (False, None), 3.0,
+                            clock=membership.clock, sleep=membership.sleep, suspect=reported.append, straggler_s=0.5)
+    assert not outcome.go and reported == []  # its own transfers may be what the others wait for
+
+
 def _store() -> AbandonableStore:
     return AbandonableStore(dist.HashStore())
 
@@ -330,3 +357,44 @@ def test_a_holder_whose_lease_expired_after_the_barrier_is_no_source() -> None:
     value = _plan(run, base, ready, 0)
     assert gone not in value.survivors and gone not in value.ranks
     assert all(gone not in (t.source, t.destination) for t in value.transfers.transfers)
+
+
+class _Reported(Exception):
+    """Ends a barrier's wait in a test once it reports a straggler."""
+
+
+class _BarrierRun:
+    """What :func:`bamboo.launch.barrier.next_layout` reads of a worker: three holders registered, none of the
+    others at the barrier; reporting a suspect ends the wait (:class:`_Reported`)."""
+
+    node = "a"
+
+    def __init__(self) -> None:
+        from bamboo.rc import CommTimeouts
+
+        self.membership = self
+        self.timeouts = CommTimeouts(build=30.0)
+        self.reported: list[str] = []
+
+    def get_decision(self, name: str) -> None:
+        return None
+
+    def list_nodes(self, *, skip_malformed: bool = False) -> dict[str, object]:
+        return dict.fromkeys(("a", "b", "c"), object())
+
+    def report_suspect(self, node: str, reason: str) -> None:
+        self.reported.append(node)
+        if len(self.reported) == 2:
+            raise _Reported(reason)
+
+
+def test_holders_missing_from_the_barrier_are_reported_after_the_straggler_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bamboo.launch import timeouts
+    from bamboo.launch.barrier import next_layout
+
+    monkeypatch.setattr(timeouts, "STRAGGLER_S", 0.05)
+    run = _BarrierRun()
+    base = _base_layout({"a": "a", "b": "b", "c": "c", "d": "a"})
+    with pytest.raises(_Reported, match=r"not at the barrier of generation 0 after 0.05 s"):
+        next_layout(run, base, lambda records: sorted(records), 0, "test")  # type: ignore[arg-type]
+    assert run.reported == ["b", "c"]  # each other expected holder, not this node

@@ -206,6 +206,8 @@ def await_outcome(
     sleep: Callable[[float], None] = time.sleep,
     say: Callable[[str], None] = lambda line: None,
     up_record: Callable[[], NodeUp] | None = None,
+    suspect: Callable[[str], None] | None = None,
+    straggler_s: float = timeouts.STRAGGLER_S,
 ) -> Outcome:
     """Wait for the outcome of attempt ``generation``, writing it (first writer wins) when this node can tell.
 
@@ -215,11 +217,15 @@ def await_outcome(
     ``bamboo.membership.MembershipStore`` (``decide``, ``get_decision``, ``list_nodes``); an
     unreachable etcd only delays the answer. ``up_record()`` is this node's ``up`` record (default: its
     name alone); the outcome records when it was written. It polls every ``poll_s`` while its own part runs,
-    every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited).
+    every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited). ``suspect(node)``,
+    when given, is called once for each new owner not up ``straggler_s`` after this node's own part was done: the
+    node's agent probes it, and a dead one leaves the membership at once (the attempt is then abandoned for it).
     """
     deadline = clock() + timeout_s
     published = False
     up: set[str] = set()
+    done_at: float | None = None  # when this node's own part was done
+    suspected: set[str] = set()
     while True:
         verdict: tuple[bool, str] | None = None
         try:
@@ -247,6 +253,12 @@ def await_outcome(
                     verdict = (True, "every node is up")
                 elif clock() > deadline:
                     verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
+                elif finished and suspect is not None:
+                    done_at = clock() if done_at is None else done_at
+                    if clock() - done_at >= straggler_s:
+                        for other in sorted(set(new_owners) - up - suspected - {node}):
+                            suspected.add(other)
+                            suspect(other)
             if verdict is not None:
                 decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict, at=time.time()).to_dict())
                 if decision.won:

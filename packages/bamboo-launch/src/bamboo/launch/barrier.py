@@ -97,7 +97,10 @@ def next_layout(run: WorkerSession, base: JobLayout,
     """Wait for every expected holder at the barrier of ``base``, then the next layout (first writer wins).
 
     ``expected(records)`` lists the nodes that must publish what they hold, given the registered nodes;
-    ``attempt`` counts the abandoned starts of this barrier so far (each retry has its own decision names).
+    ``attempt`` counts the abandoned starts of this barrier so far (each retry has its own decision names). An
+    expected holder that has not published :data:`~bamboo.launch.timeouts.STRAGGLER_S` into the wait is reported
+    to this node's agent as a suspect, once: one killed at the barrier leaves the membership when the probe finds it
+    dead, not when its lease expires.
     """
     from bamboo.reconfig import JobLayout
 
@@ -106,8 +109,10 @@ def next_layout(run: WorkerSession, base: JobLayout,
     name = f"{prefix}next"
     # A survivor may reach the barrier only after its own confirmation wait or group timeout.
     deadline = time.monotonic() + run.timeouts.build
+    suspect_at = time.monotonic() + timeouts.STRAGGLER_S
     next_say = 0.0
     ready: dict[str, BarrierReady] = {}
+    suspected: set[str] = set()
     value: JobLayout | None = None
     while value is None:
         existing = run.membership.get_decision(name)
@@ -137,6 +142,11 @@ def next_layout(run: WorkerSession, base: JobLayout,
         if time.monotonic() > deadline:
             raise RuntimeError(f"survivors {sorted(set(waiting_for) - set(ready))} did not reach the barrier of "
                                f"generation {generation}")
+        if time.monotonic() >= suspect_at:
+            for other in sorted(set(waiting_for) - set(ready) - suspected - {run.node}):
+                suspected.add(other)
+                run.report_suspect(other, f"not at the barrier of generation {generation} after "
+                                          f"{timeouts.STRAGGLER_S:g} s")
         time.sleep(timeouts.DECISION_POLL_S)
     publish_layout(run, value)
     print(f"node {run.node}: generation {value.generation} starts at step {value.start_step} "

@@ -141,7 +141,9 @@ def follow_attempt(run: WorkerSession, layout: JobLayout, part: StartThread[T], 
     outcome = await_outcome(run.membership, generation, run.node, owners, owners | sources, part.progress,
                             run.spec.reconfigure_timeout_s, sleep=pause,
                             say=lambda line: print(f"node {run.node}: {line}", flush=True),
-                            up_record=lambda: marks.up(run.node))
+                            up_record=lambda: marks.up(run.node),
+                            suspect=lambda other: run.report_suspect(
+                                other, f"not up in the attempt of generation {generation} after {timeouts.STRAGGLER_S:g} s"))
     if outcome.go:
         part.join(run.timeouts.group)  # every owner is up, so every transfer of this node is done
         done, error = part.progress()

@@ -112,6 +112,13 @@ NODE_SHORTAGE_SAY_S = 10.0
 DECISION_POLL_S = 0.02
 """How often a worker at a barrier, or waiting for a decision, reads etcd again."""
 
+STRAGGLER_S = 0.5
+"""How long a holder at a barrier waits for another holder's ``ready`` record, and a node of a reconfiguration
+attempt whose own part is done waits for another owner's ``up`` record, before it reports that node to its agent as
+a suspect (once each). Between two layouts no data flows, so a node killed there fails no peer's operation: without
+the report it was found when its lease expired (the TTL: 2 s of a measured 2.6 s decision). The agent's detector
+probes it: a dead one is confirmed and its lease revoked at once, a slow one answers and is left alone."""
+
 ATTEMPT_POLL_S = 0.2
 """How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership."""
 

@@ -127,7 +127,7 @@ CLUSTER_TESTS = (
 #: Tests that start clusters too but whose verdict does not hang on a lease or a probe answering in time
 #: (they check records and exit statuses, not how many failures the run saw; runs without failures use 10 s
 #: leases): they run in the other lane, lowered in priority further than every test there, and first, while the
-#: cluster lane runs. They are long and mostly wait (``bamboo-bench compare``: 86 s, half a core); run last, as
+#: cluster lane runs. They are long and mostly wait (``bamboo-bench compare`` uses about half a core); run last, as
 #: they once were when the cluster lane was the suite's critical path, the last of them kept one lane busy and
 #: the other idle for about 90 s after every other test had ended. ``bamboo-bench compare`` (three systems one
 #: after another), a resumed run and its export, the training hooks in a real run. The checkpoint/restart

@@ -52,7 +52,8 @@ else
   echo "setup: byte-compiling the installed packages"
   wait "$torch_compile" || true  # a file that does not compile is compiled (and fails) where it is imported
   # Not the ~550 model folders of transformers that nothing here imports (2,800 of its 2,900 files), nor pandas,
-  # which nothing imports: a third of the 45 s this step took on 2 cores. One imported anyway is compiled in memory.
+  # which only Hugging Face `datasets` imports (bamboo-rc's TokenDataset tests, once per test process): a third of
+  # the 45 s this step took on 2 cores. A module imported anyway is compiled in memory by the process importing it.
   unused='/torch/|/transformers/models/(?!(auto|bert|gpt2|llama)/)|/pandas/'
   "$PY" -m compileall -q -j 0 -x "$unused" "$SITE" > /dev/null 2>&1 || true
   echo "$want" > "$STAMP"

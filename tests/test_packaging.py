@@ -3,7 +3,7 @@
 - `bamboo-schedule` and `bamboo-reconfig` are pure: no torch, grpcio or deepspeed.
 - `bamboo-membership` does not depend on torch (only through its optional `torch` extra).
 - `bamboo` is a PEP 420 namespace: no wheel ships `bamboo/__init__.py`.
-- `pip install packages/bamboo-schedule` into an empty venv pulls attrs and nothing heavy, and imports.
+- `bamboo-schedule`'s wheel installed into an empty venv pulls attrs and nothing heavy, and imports.
 """
 
 from __future__ import annotations
@@ -30,29 +30,32 @@ def _requirement_name(req: str) -> str:
     return re.split(r"[\s\[<>=!~;(]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
-def _build_wheel(part: str, tmp: Path) -> Path:
-    # Build from a copy so the editable install's egg-info in the source tree is left alone.
-    src = tmp / f"bamboo-{part}"
-    shutil.copytree(
-        ROOT / "packages" / f"bamboo-{part}",
-        src,
-        ignore=shutil.ignore_patterns("*.egg-info", "build", "dist", "__pycache__", "tests"),
-    )
+def _build_wheels(tmp: Path) -> dict[str, Path]:
+    """Every package's wheel, built by one pip process from copies of the sources (so that the editable
+    install's egg-info in the source tree is left alone)."""
+    sources = []
+    for part in PACKAGES:
+        src = tmp / f"bamboo-{part}"
+        shutil.copytree(
+            ROOT / "packages" / f"bamboo-{part}",
+            src,
+            ignore=shutil.ignore_patterns("*.egg-info", "build", "dist", "__pycache__", "tests"),
+        )
+        sources.append(str(src))
     out = tmp / "dist"
     subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--wheel-dir", str(out),
+         *sources],
         check=True,
         capture_output=True,
         text=True,
     )
-    (wheel,) = out.glob(f"bamboo_{part}-0.1.0-*.whl")
-    return wheel
+    return {part: next(out.glob(f"bamboo_{part}-0.1.0-*.whl")) for part in PACKAGES}
 
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("wheels")
-    return {part: _build_wheel(part, tmp) for part in PACKAGES}
+    return _build_wheels(tmp_path_factory.mktemp("wheels"))
 
 
 @pytest.mark.parametrize("part", PACKAGES)
@@ -74,20 +77,14 @@ def test_wheel_metadata(wheels: dict[str, Path], part: str) -> None:
         assert f"bamboo-{part} = bamboo.{part}.cli:main" in entry_points
 
 
-def test_schedule_installs_alone_in_an_empty_venv(tmp_path: Path) -> None:
+def test_schedule_installs_alone_in_an_empty_venv(wheels: dict[str, Path], tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", str(ROOT / "packages" / "bamboo-schedule")],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    listed = subprocess.run(
-        [str(py), "-m", "pip", "list", "--format", "json"], check=True, capture_output=True, text=True
-    ).stdout
+    pip = [sys.executable, "-m", "pip", "--python", str(py)]  # this pip, installing into the empty venv
+    subprocess.run([*pip, "install", "-q", str(wheels["schedule"])], check=True, capture_output=True, text=True)
+    listed = subprocess.run([*pip, "list", "--format", "json"], check=True, capture_output=True, text=True).stdout
     installed = {p["name"].lower() for p in json.loads(listed)}
-    extra = installed - {"bamboo-schedule", "attrs", "pip", "setuptools", "wheel"}
+    extra = installed - {"bamboo-schedule", "attrs"}
     assert not extra, f"bamboo-schedule pulled in more than attrs: {sorted(extra)}"
     subprocess.run([str(py), "-c", "import bamboo.schedule"], check=True, cwd=tmp_path)

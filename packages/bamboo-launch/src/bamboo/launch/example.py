@@ -23,9 +23,9 @@ from bamboo.launch.json_types import JSON, JSONObject
 from bamboo.launch.spec import ModelDescription, Program
 
 if TYPE_CHECKING:
-    from torch import Tensor, nn
+    from torch import Tensor
 
-__all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "ModuleSpec", "describe_program", "example_program", "main"]
+__all__ = ["DEFAULT_LAYERS", "EXAMPLE_CONFIG", "describe_program", "example_program", "main"]
 
 DEFAULT_LAYERS = 4
 """The built-in example's decoder blocks when no ``--layers`` is given."""
@@ -37,20 +37,6 @@ EXAMPLE_CONFIG: JSONObject = {
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
     "gradient_clipping": 1.0,
 }
-
-
-class ModuleSpec:
-    """A layer to build: DeepSpeed's ``LayerSpec`` as the runtime uses it (a module class and its arguments,
-    ``build()``), without importing DeepSpeed, which costs every worker of the built-in example seconds of its
-    start (the layers, and so the weights, are the same)."""
-
-    def __init__(self, typename: type[nn.Module], *module_args: object, **module_kwargs: object) -> None:
-        self.typename = typename
-        self.module_args = module_args
-        self.module_kwargs = module_kwargs
-
-    def build(self) -> nn.Module:
-        return self.typename(*self.module_args, **self.module_kwargs)
 
 
 def example_program(size: dict[str, int], config: Mapping[str, JSON], seed: int) -> Program:
@@ -66,7 +52,7 @@ def example_program(size: dict[str, int], config: Mapping[str, JSON], seed: int)
         batch = sampler.microbatch(step, index)
         return batch.tokens, batch.labels
 
-    return Program(layers=gpt_layer_specs(gpt, ModuleSpec), loss_fn=lm_loss, microbatch=microbatch, config=config)
+    return Program(layers=gpt_layer_specs(gpt), loss_fn=lm_loss, microbatch=microbatch, config=config)
 
 
 def describe_program(program: Program, pipelines: int) -> ModelDescription:

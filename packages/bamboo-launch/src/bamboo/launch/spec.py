@@ -383,7 +383,7 @@ class WorkerContext:
 
 class LayerBuilder(Protocol):
     """A layer that is built where a stage needs it, as DeepSpeed's ``LayerSpec`` is: its ``build()`` returns the
-    module (a ``LayerSpec``, the built-in example's ``ModuleSpec``, a :class:`ModuleFactory`)."""
+    module (a ``LayerSpec``, ``bamboo.rc.model.ModuleSpec``, a :class:`ModuleFactory`)."""
 
     def build(self) -> nn.Module: ...
 

@@ -34,6 +34,7 @@ __all__ = [
     "DecoderBlock",
     "GPTSize",
     "LMHead",
+    "ModuleSpec",
     "build_layers",
     "check_stage_bounds",
     "gpt_layer_specs",
@@ -128,12 +129,24 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def gpt_layer_specs(size: GPTSize, layer_spec: Any = None) -> list[Any]:
-    """The example decoder as a list of DeepSpeed `LayerSpec`s (or of ``layer_spec(module class, *args)``, any
-    class with DeepSpeed's constructor and ``build()``: importing DeepSpeed takes seconds of a worker's start)."""
-    if layer_spec is None:
-        from deepspeed.pipe import LayerSpec as layer_spec
+class ModuleSpec:
+    """A layer to build: DeepSpeed's ``LayerSpec`` as bamboo's runtime uses it (a module class and its arguments,
+    ``build()``), without importing DeepSpeed, which costs a process about a CPU-second; the layers, and so the
+    weights, are the same. DeepSpeed's own ``PipelineModule`` wants its ``LayerSpec``: pass that to
+    :func:`gpt_layer_specs` for it."""
 
+    def __init__(self, typename: type[nn.Module], *module_args: object, **module_kwargs: object) -> None:
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+
+def gpt_layer_specs(size: GPTSize, layer_spec: Any = ModuleSpec) -> list[Any]:
+    """The example decoder as a list of :class:`ModuleSpec` (or of ``layer_spec(module class, *args)``, any class
+    with DeepSpeed's ``LayerSpec`` constructor and ``build()``, DeepSpeed's ``LayerSpec`` itself among them)."""
     return [
         layer_spec(ByteEmbedding, size.width, size.sequence, size.dropout),
         *(layer_spec(DecoderBlock, size.width, size.heads, size.dropout) for _ in range(size.layers)),

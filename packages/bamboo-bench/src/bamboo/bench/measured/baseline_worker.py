@@ -106,14 +106,14 @@ def train(spec: BaselineSpec) -> int:
     import deepspeed
     import torch
     from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss, stage_bounds
-    from deepspeed.pipe import PipelineModule
+    from deepspeed.pipe import LayerSpec, PipelineModule
 
     imported = time.time()
     torch.set_num_threads(1)  # as bamboo's workers: one intra-op thread per node
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     grouped = time.time()
     program = example_program(spec.size, spec.config, spec.seed)
-    specs = gpt_layer_specs(GPTSize(**spec.size))
+    specs = gpt_layer_specs(GPTSize(**spec.size), LayerSpec)  # DeepSpeed's PipelineModule wants its own
     torch.manual_seed(spec.seed)  # every start of a stage builds the same initial weights
     module = PipelineModule(layers=specs, num_stages=spec.stages, loss_fn=lm_loss, partition_method="parameters")
     bounds = [list(pair) for pair in stage_bounds(specs, spec.stages)]

@@ -43,28 +43,30 @@ class ForkedRanks:
 
     def __enter__(self) -> ForkedRanks:
         import torch
-        from bamboo.rc.worker import preload_autograd
+        from bamboo.rc.worker import heap_frozen_for_forks, preload_autograd
         from torch.distributed import TCPStore
 
         preload_autograd()  # each child would import it on its first backward
         self._folder = tempfile.TemporaryDirectory(prefix="bamboo-forked-ranks-")
         out = Path(self._folder.name)
         reader, writer = os.pipe()
-        for rank in range(self.count):
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                code = 1
-                try:
-                    os.close(writer)
-                    port = int.from_bytes(os.read(reader, 8), "little")
-                    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=VERIFY_STORE_S))
-                    torch.save(self.member(rank, store), out / f"{rank}.pt")
-                    code = 0
-                except BaseException:
-                    (out / f"{rank}.error").write_text(traceback.format_exc())
-                finally:
-                    os._exit(code)
-            self.pids[pid] = rank
+        with heap_frozen_for_forks():
+            for rank in range(self.count):
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - the child
+                    code = 1
+                    try:
+                        os.close(writer)
+                        port = int.from_bytes(os.read(reader, 8), "little")
+                        store = TCPStore("127.0.0.1", port, is_master=False,
+                                         timeout=datetime.timedelta(seconds=VERIFY_STORE_S))
+                        torch.save(self.member(rank, store), out / f"{rank}.pt")
+                        code = 0
+                    except BaseException:
+                        (out / f"{rank}.error").write_text(traceback.format_exc())
+                    finally:
+                        os._exit(code)
+                self.pids[pid] = rank
         os.close(reader)
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=VERIFY_STORE_S))

@@ -48,7 +48,14 @@ from bamboo.rc.timeouts import (
     VERIFY_WAIT_POLL_S,
     CommTimeouts,
 )
-from bamboo.rc.worker import VerifyModel, WorkerSpec, exact_mode, example_model, worker_main
+from bamboo.rc.worker import (
+    VerifyModel,
+    WorkerSpec,
+    exact_mode,
+    example_model,
+    heap_frozen_for_forks,
+    worker_main,
+)
 from torch.distributed import TCPStore
 
 __all__ = ["DEFAULT_CONFIG", "RELATIVE_TOLERANCE", "VerifyResult", "run_verify"]
@@ -285,15 +292,16 @@ def _run_workers(layout: Layout, spec_for: Callable[[int, int, str], WorkerSpec]
         # from a pipe once the store is up.
         port_reader, port_writer = os.pipe()
         children: dict[int, int] = {}
-        for rank in range(layout.world):
-            spec = spec_for(*layout.position(rank), out_dir)
-            pid = os.fork()
-            if pid == 0:
-                os.close(port_writer)
-                port = int.from_bytes(os.read(port_reader, 8), "little")
-                os.close(port_reader)
-                worker_main(attrs.evolve(spec, store_port=port))
-            children[pid] = rank
+        with heap_frozen_for_forks():
+            for rank in range(layout.world):
+                spec = spec_for(*layout.position(rank), out_dir)
+                pid = os.fork()
+                if pid == 0:
+                    os.close(port_writer)
+                    port = int.from_bytes(os.read(port_reader, 8), "little")
+                    os.close(port_reader)
+                    worker_main(attrs.evolve(spec, store_port=port))
+                children[pid] = rank
         os.close(port_reader)
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=VERIFY_STORE_S))

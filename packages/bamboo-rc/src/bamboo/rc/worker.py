@@ -11,12 +11,14 @@ failovers as :class:`~bamboo.rc.records.FailoverRecord` dictionaries) and ends w
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,25 @@ from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.timeouts import CommTimeouts
 from torch.distributed import TCPStore
 
-__all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "preload_autograd", "run_worker", "worker_main"]
+__all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "heap_frozen_for_forks", "preload_autograd",
+           "run_worker", "worker_main"]
+
+
+@contextlib.contextmanager
+def heap_frozen_for_forks() -> Iterator[None]:
+    """Fork workers inside this block: their garbage collections then leave the heap they inherit alone.
+
+    A process with torch imported holds hundreds of thousands of objects. A forked child's first full collection
+    walks every one of them and writes to each one's header, so it copies most of the parent's heap page by page
+    (copy-on-write) and spends a tenth of its CPU in the collector. ``gc.freeze()`` moves them to a generation the
+    collector never visits; the child inherits that. The parent takes them back (``gc.unfreeze()``) when the
+    block ends, so that nothing it allocated before stays uncollectable.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def preload_autograd() -> None:

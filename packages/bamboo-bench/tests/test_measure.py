@@ -212,3 +212,26 @@ def test_checkpoint_without_a_later_entry_takes_the_start_agents_entries() -> No
     profile = measured_profile(measured, name="m", spot_price=1.0, on_demand_price=3.0)
     assert profile.timing.instance_creation_s == pytest.approx(8.0)
     assert any("the nodes of the start" in note for note in profile.notes)
+
+
+def test_a_duration_that_ends_before_three_steps_goes_on_until_the_profile_has_them() -> None:
+    """``--duration`` over with 1 step trained (a busy machine): the run goes on, reading its newest step, and
+    stops once the profile has the 3 steps it needs; cancelled meanwhile (the run ended), it does not stop it."""
+    from bamboo.bench import timeouts
+    from bamboo.bench.measured.run import _Stopper
+
+    said: list[str] = []
+    slept: list[float] = []
+    newest = iter([1, 2, 2, 3])
+    stopper = _Stopper(4.0, said.append, sleep=lambda seconds: slept.append(seconds) is not None)
+    assert stopper.wait(lambda: next(newest))
+    assert slept == [4.0, *[timeouts.MEASURE_STEP_POLL_S] * 3]
+    assert said == ["4 s since the first step, 1 step(s) trained: going on until 3, the fewest a profile is measured "
+                    "from"]
+
+    said.clear()
+    assert _Stopper(4.0, said.append, sleep=lambda seconds: False).wait(lambda: 7)
+    assert said == []  # enough steps at the deadline: nothing to say
+    cancels = iter([False, True])
+    assert not _Stopper(4.0, said.append, sleep=lambda seconds: next(cancels)).wait(lambda: 0)
+    assert not _Stopper(None, said.append).wait(lambda: 0)  # --steps: no deadline

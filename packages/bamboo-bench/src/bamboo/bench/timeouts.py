@@ -33,6 +33,7 @@ __all__ = [
     "MEASURE_GRACE_S",
     "MEASURE_JOIN_AFTER_START_S",
     "MEASURE_STATUS_S",
+    "MEASURE_STEP_POLL_S",
     "MEASURE_TTL_S",
     "MEASURE_WARM_POLL_S",
     "STEADY_TIMEOUT_S",
@@ -75,6 +76,10 @@ connections are seen at once whatever it is."""
 
 MEASURE_WARM_POLL_S = 0.5
 """How often a measured bamboo run reads its workers' ``warm`` records (for the instance-creation cost)."""
+
+MEASURE_STEP_POLL_S = 0.1
+"""How often a measured run whose ``--duration`` is over reads its newest step while it waits for the fewest
+steps its profile needs (:data:`bamboo.bench.measured.measure.PROFILE_MIN_STEPS`)."""
 
 MEASURE_JOIN_AFTER_START_S = 0.5
 """A ``join`` record later than this after a measured run's start is a node the market added, not one of the

@@ -86,8 +86,9 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     length = compare.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=positive_int, help="each system trains this many steps")
     length.add_argument("--duration", type=positive_float, metavar="SECONDS",
-                        help="each system trains this many wall seconds after its first step, then stops (the trace "
-                        "is cut to the same trace time)")
+                        help="each system trains this many wall seconds after its first step, then stops, or later "
+                        "once it has trained 3 steps, the fewest a profile is measured from (the trace is cut to the "
+                        "same trace time)")
     compare.add_argument("--systems", default=",".join(SYSTEMS),
                          help="comma-separated systems to run: bamboo, checkpoint, on-demand (default: all three)")
     _add_prices(compare, CompareOptions)
@@ -163,7 +164,8 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
     length = measure.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=positive_int, default=None, help="train this many steps")
     length.add_argument("--duration", type=positive_float, default=None, metavar="SECONDS",
-                        help="train this many wall seconds after the first step, then stop every node")
+                        help="train this many wall seconds after the first step, then stop every node (later when "
+                        "fewer than 3 steps, the fewest a profile is measured from, were trained by then)")
     measure.add_argument("--preemptions", default=None, metavar="FILE|synthetic:RATE",
                          help=f"preemption trace, not used by on-demand: {PREEMPTIONS_HELP} (default: none)")
     measure.add_argument("--time-scale", type=positive_float, default=default_of(MeasureOptions, "time_scale"),

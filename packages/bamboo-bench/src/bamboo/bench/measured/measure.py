@@ -81,6 +81,10 @@ from bamboo.launch.events import (
 
 __all__ = ["Measurements", "measure_events", "measured_profile"]
 
+PROFILE_MIN_STEPS = 3
+"""The fewest steps a run's profile is measured from: a step time needs an interval between two steps free of
+failovers and restarts, beside the first step's start-up."""
+
 @attrs.frozen
 class Measurements:
     """What one run measured; seconds unless named otherwise. ``None``: the run had nothing to measure it from.
@@ -234,8 +238,8 @@ def measure_events(
     if start is None:
         raise MeasureError("the event log has no run_start record")
     steps = [e for e in ordered if isinstance(e, Step)]
-    if len(steps) < 3:
-        raise MeasureError(f"the run trained {len(steps)} step(s); a profile needs at least 3")
+    if len(steps) < PROFILE_MIN_STEPS:
+        raise MeasureError(f"the run trained {len(steps)} step(s); a profile needs at least {PROFILE_MIN_STEPS}")
     unique = {step.step: step.samples for step in reversed(steps)}  # the first record of each step
     found = _sort_intervals(ordered, steps, system, start.stages, _failed_steps(ordered, steps, start))
     step_time = {d: statistics.fmean(values) for d, values in found.clean.items()}

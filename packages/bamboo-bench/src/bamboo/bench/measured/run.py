@@ -24,7 +24,7 @@ from typing import Any
 from bamboo.bench import timeouts
 from bamboo.bench.emulated.run import RunError, RunHandles, RunOptions, run_cluster
 from bamboo.bench.measured.baseline import RestartCost
-from bamboo.bench.measured.measure import measure_events, measured_profile
+from bamboo.bench.measured.measure import PROFILE_MIN_STEPS, measure_events, measured_profile
 from bamboo.bench.measured.options import MeasureError, MeasureOptions
 from bamboo.bench.measured.torchrun import (
     BaselineError,
@@ -40,18 +40,31 @@ __all__ = ["run_measured"]
 
 
 class _Stopper:
-    """Ends a run ``duration_s`` after the market started (the ``during`` callback starts with the market)."""
+    """Ends a run ``duration_s`` after the market started (the ``during`` callback starts with the market), or
+    later, once it has trained the fewest steps a profile is measured from (`PROFILE_MIN_STEPS`): on a busy
+    machine a short window can hold fewer, and the run would have been for nothing."""
 
-    def __init__(self, duration_s: float | None, say: Callable[[str], None]) -> None:
+    def __init__(self, duration_s: float | None, say: Callable[[str], None],
+                 sleep: Callable[[float], bool] | None = None) -> None:
         self.duration_s = duration_s
         self.say = say
         self.done = threading.Event()
+        self._sleep = sleep or self.done.wait  # sleep(seconds) -> whether the run was cancelled meanwhile
 
-    def wait(self) -> bool:
-        """Sleep until the deadline (True) or until :meth:`cancel` (False)."""
-        if self.duration_s is None:
+    def wait(self, steps: Callable[[], int]) -> bool:
+        """Sleep until the deadline and ``steps()`` (the newest step trained) reaches `PROFILE_MIN_STEPS` (True),
+        or until :meth:`cancel` (False)."""
+        if self.duration_s is None or self._sleep(self.duration_s):
             return False
-        return not self.done.wait(self.duration_s)
+        trained = steps()
+        if trained < PROFILE_MIN_STEPS:
+            self.say(f"{self.duration_s:g} s since the first step, {trained} step(s) trained: going on until "
+                     f"{PROFILE_MIN_STEPS}, the fewest a profile is measured from")
+        while trained < PROFILE_MIN_STEPS:
+            if self._sleep(timeouts.MEASURE_STEP_POLL_S):
+                return False
+            trained = steps()
+        return True
 
     def cancel(self) -> None:
         self.done.set()
@@ -138,7 +151,7 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
                 poll()
 
         threading.Thread(target=watch, name="measure-warm", daemon=True).start()
-        if stopper.wait():
+        if stopper.wait(handles.step):
             poll()
             say(f"{options.duration_s:g} s since the first step: stopping every node")
             stopped.set()
@@ -165,7 +178,7 @@ def _run_checkpoint(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         timeout_s=options.timeout_s)
 
     def during(handles: BaselineHandles) -> None:
-        if stopper.wait():
+        if stopper.wait(handles.steps):
             say(f"{options.duration_s:g} s since the first step: stopping every node")
             handles.stop()
 

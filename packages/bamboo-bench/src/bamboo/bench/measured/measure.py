@@ -85,6 +85,7 @@ PROFILE_MIN_STEPS = 3
 """The fewest steps a run's profile is measured from: a step time needs an interval between two steps free of
 failovers and restarts, beside the first step's start-up."""
 
+
 @attrs.frozen
 class Measurements:
     """What one run measured; seconds unless named otherwise. ``None``: the run had nothing to measure it from.

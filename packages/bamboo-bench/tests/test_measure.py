@@ -228,10 +228,13 @@ def test_a_duration_that_ends_before_three_steps_goes_on_until_the_profile_has_t
     assert slept == [4.0, *[timeouts.MEASURE_STEP_POLL_S] * 3]
     assert said == ["4 s since the first step, 1 step(s) trained: going on until 3, the fewest a profile is measured "
                     "from"]
+    assert stopper.stopping() == "4 s since the first step and 3 steps trained: stopping every node"
 
     said.clear()
-    assert _Stopper(4.0, said.append, sleep=lambda seconds: False).wait(lambda: 7)
+    on_time = _Stopper(4.0, said.append, sleep=lambda seconds: False)
+    assert on_time.wait(lambda: 7)
     assert said == []  # enough steps at the deadline: nothing to say
+    assert on_time.stopping() == "4 s since the first step: stopping every node"
     cancels = iter([False, True])
     assert not _Stopper(4.0, said.append, sleep=lambda seconds: next(cancels)).wait(lambda: 0)
     assert not _Stopper(None, said.append).wait(lambda: 0)  # --steps: no deadline

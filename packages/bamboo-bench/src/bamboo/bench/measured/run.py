@@ -50,6 +50,7 @@ class _Stopper:
         self.say = say
         self.done = threading.Event()
         self._sleep = sleep or self.done.wait  # sleep(seconds) -> whether the run was cancelled meanwhile
+        self.extended = False  # the window went on past duration_s for the profile's steps
 
     def wait(self, steps: Callable[[], int]) -> bool:
         """Sleep until the deadline and ``steps()`` (the newest step trained) reaches `PROFILE_MIN_STEPS` (True),
@@ -58,6 +59,7 @@ class _Stopper:
             return False
         trained = steps()
         if trained < PROFILE_MIN_STEPS:
+            self.extended = True
             self.say(f"{self.duration_s:g} s since the first step, {trained} step(s) trained: going on until "
                      f"{PROFILE_MIN_STEPS}, the fewest a profile is measured from")
         while trained < PROFILE_MIN_STEPS:
@@ -65,6 +67,11 @@ class _Stopper:
                 return False
             trained = steps()
         return True
+
+    def stopping(self) -> str:
+        """The line that says why the run stops now (after :meth:`wait` returned True)."""
+        extra = f" and {PROFILE_MIN_STEPS} steps trained" if self.extended else ""
+        return f"{self.duration_s:g} s since the first step{extra}: stopping every node"
 
     def cancel(self) -> None:
         self.done.set()
@@ -153,7 +160,7 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         threading.Thread(target=watch, name="measure-warm", daemon=True).start()
         if stopper.wait(handles.step):
             poll()
-            say(f"{options.duration_s:g} s since the first step: stopping every node")
+            say(stopper.stopping())
             stopped.set()
             handles.cluster.close()
 
@@ -179,7 +186,7 @@ def _run_checkpoint(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
 
     def during(handles: BaselineHandles) -> None:
         if stopper.wait(handles.steps):
-            say(f"{options.duration_s:g} s since the first step: stopping every node")
+            say(stopper.stopping())
             handles.stop()
 
     try:

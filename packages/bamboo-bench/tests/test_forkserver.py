@@ -32,6 +32,18 @@ if action == "raise":
     raise ValueError("bad value 7")
 if action == "message":
     sys.exit("a one-line error")
+if action == "signals":  # the dispositions that differ between a forked and an exec'd process if nobody sets them
+    import signal
+    names = ("SIGPIPE", "SIGXFSZ", "SIGCHLD", "SIGTERM", "SIGINT")
+    print(json.dumps({n: repr(signal.getsignal(getattr(signal, n))) for n in names}), flush=True)
+    import socket
+    left, right = socket.socketpair()
+    right.close()
+    try:
+        for _ in range(64):
+            left.send(b"x" * 65536)
+    except BrokenPipeError:
+        print("broken pipe raised", flush=True)
 if action == "spawn":  # an agent starting its worker through the server it came from
     from bamboo.launch.forkserver import spawn
     worker = spawn([sys.executable, __file__, "sleep"], env=dict(os.environ))
@@ -94,6 +106,22 @@ def test_modules_run_as_main_and_errors_give_python_s_statuses(server: ForkServe
         assert server.start([sys.executable, str(child), "message"], env={}, stdout=out,
                             stderr=subprocess.STDOUT).wait(30) == 1
         assert _lines(log)[-1] == "a one-line error"
+
+
+def test_a_forked_process_has_an_exec_d_interpreter_s_signals_and_a_write_to_a_closed_socket_raises(
+    server: ForkServer, child: Path, tmp_path: Path,
+) -> None:
+    """The server's own handlers (SIGCHLD's wake-up) must not leak into the child, and Python's start-up ignores
+    SIGPIPE: a worker writing to a killed peer's socket gets ``BrokenPipeError`` (reported), not death by SIGPIPE
+    (an exit status of -13 that an e2e run once read as a second, false failure)."""
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        assert server.start([sys.executable, str(child), "signals"], env={}, stdout=out,
+                            stderr=subprocess.DEVNULL).wait(30) == 0
+    execd = subprocess.run([sys.executable, str(child), "signals"], capture_output=True, text=True, timeout=30,
+                           check=True)
+    assert _lines(log)[1:] == execd.stdout.splitlines()[1:]
+    assert _lines(log)[-1] == "broken pipe raised"
 
 
 def test_a_killed_group_reports_the_signal_and_a_command_it_cannot_run_is_refused(

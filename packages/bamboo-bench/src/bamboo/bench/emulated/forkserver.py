@@ -39,8 +39,9 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 
 from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.launch.forkserver import ForkClient, ForkServerError, module_or_script, use_local_server
@@ -98,6 +99,17 @@ class ForkServer(ForkClient):
 
 _shared: ForkServer | None = None
 _shared_lock = threading.Lock()
+
+EXEC_SIGNALS: dict[signal.Signals, Callable[[int, FrameType | None], object] | int] = {
+    signal.SIGCHLD: signal.SIG_DFL,
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGPIPE: signal.SIG_IGN,
+    signal.SIGXFSZ: signal.SIG_IGN,
+}
+"""The signal dispositions of a freshly exec'd Python interpreter, which a forked process takes on: Python ignores
+SIGPIPE and SIGXFSZ at start-up (a write to a closed socket raises ``BrokenPipeError``), so a worker whose peer was
+killed gets an error it reports, not a SIGPIPE that kills it (status -13) as a second, false failure."""
 
 
 def shared_fork_server() -> ForkServer:
@@ -209,9 +221,8 @@ def _become(connection: socket.socket, request: dict[str, object], kind: str, na
     try:
         connection.close()
         signal.set_wakeup_fd(-1)
-        for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
-            signal.signal(number, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for number, disposition in EXEC_SIGNALS.items():
+            signal.signal(number, disposition)
         group = request["process_group"]
         if isinstance(group, int):
             os.setpgid(0, group)

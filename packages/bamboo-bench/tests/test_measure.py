@@ -10,7 +10,7 @@ import json
 
 import pytest
 from bamboo.bench.measured.baseline import RestartCost
-from bamboo.bench.measured.measure import measure_events, measured_profile
+from bamboo.bench.measured.measure import measure_events, measured_profile, step_time_measured
 from bamboo.bench.measured.options import MeasureError, MeasureOptions
 from bamboo.bench.profile import load_profile
 from bamboo.launch.events import Checkpoint, Failover, Join, Preemption, Reconfiguration, RunStart, Step
@@ -214,27 +214,43 @@ def test_checkpoint_without_a_later_entry_takes_the_start_agents_entries() -> No
     assert any("the nodes of the start" in note for note in profile.notes)
 
 
-def test_a_duration_that_ends_before_three_steps_goes_on_until_the_profile_has_them() -> None:
-    """``--duration`` over with 1 step trained (a busy machine): the run goes on, reading its newest step, and
-    stops once the profile has the 3 steps it needs; cancelled meanwhile (the run ended), it does not stop it."""
+def test_a_step_time_needs_three_steps_and_a_clean_interval_after_the_warm_up() -> None:
+    """The log of a measured run whose window ended too soon on a loaded machine: two steps, a kill between the
+    second and the third, and the reconfiguration after it: three steps, and still no step time."""
+    start = RunStart(t=0.0, job="j", unix_time=UNIX, target_nodes=4, stages=2, pipelines=2)
+    first_two = [start, *_steps([27.2, 29.3])]
+    assert not step_time_measured(first_two, "bamboo")
+    killed = [*first_two, Preemption(t=30.9, node="node3", zone="b"), *_steps([34.2], nodes=2, first=3),
+              Reconfiguration(t=34.3, reason="failure", pipelines=1, stages=2, standby=1, bytes_moved=0, duration_s=1.8)]
+    assert not step_time_measured(killed, "bamboo")
+    with pytest.raises(MeasureError, match="no interval between two steps was free of failovers"):
+        measure_events(killed, "bamboo")
+    assert step_time_measured([*killed, *_steps([35.3, 36.4], nodes=2, first=4)], "bamboo")
+    assert step_time_measured([start, *_steps([2.0, 2.1, 2.2])], "checkpoint")
+
+
+def test_a_duration_that_ends_without_a_step_time_goes_on_until_the_run_has_one() -> None:
+    """``--duration`` over before the log gives a step time (a busy machine): the run goes on, reading its log,
+    and stops once it does; cancelled meanwhile (the run ended), it does not stop it."""
     from bamboo.bench import timeouts
     from bamboo.bench.measured.run import _Stopper
 
     said: list[str] = []
     slept: list[float] = []
-    newest = iter([1, 2, 2, 3])
+    answers = iter([False, False, False, True])
     stopper = _Stopper(4.0, said.append, sleep=lambda seconds: slept.append(seconds) is not None)
-    assert stopper.wait(lambda: next(newest))
+    assert stopper.wait(lambda: next(answers))
     assert slept == [4.0, *[timeouts.MEASURE_STEP_POLL_S] * 3]
-    assert said == ["4 s since the first step, 1 step(s) trained: going on until 3, the fewest a profile is measured "
-                    "from"]
-    assert stopper.stopping() == "4 s since the first step and 3 steps trained: stopping every node"
+    assert said == ["4 s since the first step and no step time yet (it needs 3 steps at least, and two after the "
+                    "first free of failovers, reconfigurations, restarts and checkpoints): going on until the run "
+                    "has one"]
+    assert stopper.stopping() == "4 s since the first step and a step time measured: stopping every node"
 
     said.clear()
     on_time = _Stopper(4.0, said.append, sleep=lambda seconds: False)
-    assert on_time.wait(lambda: 7)
-    assert said == []  # enough steps at the deadline: nothing to say
+    assert on_time.wait(lambda: True)
+    assert said == []  # a step time at the deadline: nothing to say
     assert on_time.stopping() == "4 s since the first step: stopping every node"
     cancels = iter([False, True])
-    assert not _Stopper(4.0, said.append, sleep=lambda seconds: next(cancels)).wait(lambda: 0)
-    assert not _Stopper(None, said.append).wait(lambda: 0)  # --steps: no deadline
+    assert not _Stopper(4.0, said.append, sleep=lambda seconds: next(cancels)).wait(lambda: False)
+    assert not _Stopper(None, said.append).wait(lambda: False)  # --steps: no deadline

@@ -78,8 +78,8 @@ MEASURE_WARM_POLL_S = 0.5
 """How often a measured bamboo run reads its workers' ``warm`` records (for the instance-creation cost)."""
 
 MEASURE_STEP_POLL_S = 0.1
-"""How often a measured run whose ``--duration`` is over reads its newest step while it waits for the fewest
-steps its profile needs (:data:`bamboo.bench.measured.measure.PROFILE_MIN_STEPS`)."""
+"""How often a measured run whose ``--duration`` is over reads its event log while it waits for a step time
+(:func:`bamboo.bench.measured.measure.step_time_measured`)."""
 
 MEASURE_JOIN_AFTER_START_S = 0.5
 """A ``join`` record later than this after a measured run's start is a node the market added, not one of the

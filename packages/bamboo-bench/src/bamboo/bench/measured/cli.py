@@ -87,8 +87,9 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     length.add_argument("--steps", type=positive_int, help="each system trains this many steps")
     length.add_argument("--duration", type=positive_float, metavar="SECONDS",
                         help="each system trains this many wall seconds after its first step, then stops, or later "
-                        "once it has trained 3 steps, the fewest a profile is measured from (the trace is cut to the "
-                        "same trace time)")
+                        "once its log gives a step time (3 steps at least, and an interval after the first free of "
+                        "failovers, reconfigurations, restarts and checkpoints; the trace is cut to the same trace "
+                        "time)")
     compare.add_argument("--systems", default=",".join(SYSTEMS),
                          help="comma-separated systems to run: bamboo, checkpoint, on-demand (default: all three)")
     _add_prices(compare, CompareOptions)
@@ -165,7 +166,8 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
     length.add_argument("--steps", type=positive_int, default=None, help="train this many steps")
     length.add_argument("--duration", type=positive_float, default=None, metavar="SECONDS",
                         help="train this many wall seconds after the first step, then stop every node (later when "
-                        "fewer than 3 steps, the fewest a profile is measured from, were trained by then)")
+                        "the log gives no step time by then: 3 steps at least, and an interval after the first free "
+                        "of failovers, reconfigurations, restarts and checkpoints)")
     measure.add_argument("--preemptions", default=None, metavar="FILE|synthetic:RATE",
                          help=f"preemption trace, not used by on-demand: {PREEMPTIONS_HELP} (default: none)")
     measure.add_argument("--time-scale", type=positive_float, default=default_of(MeasureOptions, "time_scale"),

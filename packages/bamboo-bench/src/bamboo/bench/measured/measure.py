@@ -79,11 +79,11 @@ from bamboo.launch.events import (
     Step,
 )
 
-__all__ = ["Measurements", "measure_events", "measured_profile"]
+__all__ = ["Measurements", "measure_events", "measured_profile", "step_time_measured"]
 
 PROFILE_MIN_STEPS = 3
 """The fewest steps a run's profile is measured from: a step time needs an interval between two steps free of
-failovers and restarts, beside the first step's start-up."""
+failovers and restarts, beside the first step's start-up (:func:`step_time_measured`)."""
 
 
 @attrs.frozen
@@ -217,6 +217,34 @@ def _restart_times(ordered: Sequence[Event], start: RunStart, restarts: Sequence
     return kills, joins
 
 
+def _read_intervals(events: Sequence[Event], system: str) -> tuple[list[Event], RunStart, list[Step], _Intervals]:
+    """``events`` in time order, the run's start, its step records and their intervals sorted by what happened in
+    each; raises :class:`MeasureError` when they hold no step time (see :func:`step_time_measured`)."""
+    ordered = sorted(events, key=lambda e: e.t)
+    start = next((e for e in ordered if isinstance(e, RunStart)), None)
+    if start is None:
+        raise MeasureError("the event log has no run_start record")
+    steps = [e for e in ordered if isinstance(e, Step)]
+    if len(steps) < PROFILE_MIN_STEPS:
+        raise MeasureError(f"the run trained {len(steps)} step(s); a profile needs at least {PROFILE_MIN_STEPS}")
+    found = _sort_intervals(ordered, steps, system, start.stages, _failed_steps(ordered, steps, start))
+    if not found.clean:
+        raise MeasureError(f"no interval between two steps was free of failovers, reconfigurations, restarts and "
+                           f"checkpoints in {len(steps)} steps, so there is no step time to measure")
+    return ordered, start, steps, found
+
+
+def step_time_measured(events: Sequence[Event], system: str) -> bool:
+    """Whether ``events`` (a run's log so far) already give a step time: at least `PROFILE_MIN_STEPS` steps, and
+    an interval between two of them, after the first step's warm-up, free of failovers, reconfigurations,
+    restarts and checkpoints. A measured run whose window ends without one goes on until it has one."""
+    try:
+        _read_intervals(events, system)
+    except MeasureError:
+        return False
+    return True
+
+
 def measure_events(
     events: Sequence[Event],
     system: str,
@@ -234,19 +262,9 @@ def measure_events(
     """
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-    ordered = sorted(events, key=lambda e: e.t)
-    start = next((e for e in ordered if isinstance(e, RunStart)), None)
-    if start is None:
-        raise MeasureError("the event log has no run_start record")
-    steps = [e for e in ordered if isinstance(e, Step)]
-    if len(steps) < PROFILE_MIN_STEPS:
-        raise MeasureError(f"the run trained {len(steps)} step(s); a profile needs at least {PROFILE_MIN_STEPS}")
+    ordered, start, steps, found = _read_intervals(events, system)
     unique = {step.step: step.samples for step in reversed(steps)}  # the first record of each step
-    found = _sort_intervals(ordered, steps, system, start.stages, _failed_steps(ordered, steps, start))
     step_time = {d: statistics.fmean(values) for d, values in found.clean.items()}
-    if not step_time:
-        raise MeasureError(f"no interval between two steps was free of failovers, reconfigurations, restarts and "
-                           f"checkpoints in {len(steps)} steps, so there is no step time to measure")
 
     def extra(intervals: Sequence[tuple[int, float]]) -> float | None:
         return _mean([max(0.0, interval - _nearest(step_time, d)) for d, interval in intervals])

@@ -24,7 +24,12 @@ from typing import Any
 from bamboo.bench import timeouts
 from bamboo.bench.emulated.run import RunError, RunHandles, RunOptions, run_cluster
 from bamboo.bench.measured.baseline import RestartCost
-from bamboo.bench.measured.measure import PROFILE_MIN_STEPS, measure_events, measured_profile
+from bamboo.bench.measured.measure import (
+    PROFILE_MIN_STEPS,
+    measure_events,
+    measured_profile,
+    step_time_measured,
+)
 from bamboo.bench.measured.options import MeasureError, MeasureOptions
 from bamboo.bench.measured.torchrun import (
     BaselineError,
@@ -33,7 +38,7 @@ from bamboo.bench.measured.torchrun import (
     run_checkpoint_restart,
 )
 from bamboo.bench.value import Prices, ReportError, compute_report, compute_timeline
-from bamboo.launch.events import read_events
+from bamboo.launch.events import EventLogError, read_events
 from bamboo.launch.records import WorkerWarm
 
 __all__ = ["run_measured"]
@@ -41,8 +46,9 @@ __all__ = ["run_measured"]
 
 class _Stopper:
     """Ends a run ``duration_s`` after the market started (the ``during`` callback starts with the market), or
-    later, once it has trained the fewest steps a profile is measured from (`PROFILE_MIN_STEPS`): on a busy
-    machine a short window can hold fewer, and the run would have been for nothing."""
+    later, once its events give a step time (:func:`~bamboo.bench.measured.measure.step_time_measured`): on a
+    busy machine a short window can end before that (too few steps, or a kill between the only two after the
+    warm-up), and the run would have been for nothing."""
 
     def __init__(self, duration_s: float | None, say: Callable[[str], None],
                  sleep: Callable[[float], bool] | None = None) -> None:
@@ -50,31 +56,41 @@ class _Stopper:
         self.say = say
         self.done = threading.Event()
         self._sleep = sleep or self.done.wait  # sleep(seconds) -> whether the run was cancelled meanwhile
-        self.extended = False  # the window went on past duration_s for the profile's steps
+        self.extended = False  # the window went on past duration_s until the events gave a step time
 
-    def wait(self, steps: Callable[[], int]) -> bool:
-        """Sleep until the deadline and ``steps()`` (the newest step trained) reaches `PROFILE_MIN_STEPS` (True),
+    def wait(self, measured: Callable[[], bool]) -> bool:
+        """Sleep until the deadline and ``measured()`` (whether the run's events so far give a step time) (True),
         or until :meth:`cancel` (False)."""
         if self.duration_s is None or self._sleep(self.duration_s):
             return False
-        trained = steps()
-        if trained < PROFILE_MIN_STEPS:
+        if not measured():
             self.extended = True
-            self.say(f"{self.duration_s:g} s since the first step, {trained} step(s) trained: going on until "
-                     f"{PROFILE_MIN_STEPS}, the fewest a profile is measured from")
-        while trained < PROFILE_MIN_STEPS:
-            if self._sleep(timeouts.MEASURE_STEP_POLL_S):
-                return False
-            trained = steps()
+            self.say(f"{self.duration_s:g} s since the first step and no step time yet (it needs {PROFILE_MIN_STEPS} "
+                     f"steps at least, and two after the first free of failovers, reconfigurations, restarts and "
+                     f"checkpoints): going on until the run has one")
+            while True:
+                if self._sleep(timeouts.MEASURE_STEP_POLL_S):
+                    return False
+                if measured():
+                    break
         return True
 
     def stopping(self) -> str:
         """The line that says why the run stops now (after :meth:`wait` returned True)."""
-        extra = f" and {PROFILE_MIN_STEPS} steps trained" if self.extended else ""
+        extra = " and a step time measured" if self.extended else ""
         return f"{self.duration_s:g} s since the first step{extra}: stopping every node"
 
     def cancel(self) -> None:
         self.done.set()
+
+
+def _measured_so_far(events: Path, system: str) -> bool:
+    """Whether the run's event log, as written so far, gives a step time (a record still being written, or a log
+    not created yet, reads as not yet)."""
+    try:
+        return step_time_measured(read_events(events), system)
+    except (OSError, EventLogError):
+        return False
 
 
 def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -158,7 +174,7 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
                 poll()
 
         threading.Thread(target=watch, name="measure-warm", daemon=True).start()
-        if stopper.wait(handles.step):
+        if stopper.wait(lambda: _measured_so_far(handles.events, options.system)):
             poll()
             say(stopper.stopping())
             stopped.set()
@@ -185,7 +201,7 @@ def _run_checkpoint(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         timeout_s=options.timeout_s)
 
     def during(handles: BaselineHandles) -> None:
-        if stopper.wait(handles.steps):
+        if stopper.wait(lambda: _measured_so_far(handles.events, "checkpoint")):
             say(stopper.stopping())
             handles.stop()
 

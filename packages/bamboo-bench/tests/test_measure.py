@@ -241,9 +241,9 @@ def test_a_duration_that_ends_without_a_step_time_goes_on_until_the_run_has_one(
     stopper = _Stopper(4.0, said.append, sleep=lambda seconds: slept.append(seconds) is not None)
     assert stopper.wait(lambda: next(answers))
     assert slept == [4.0, *[timeouts.MEASURE_STEP_POLL_S] * 3]
-    assert said == ["4 s since the first step and no step time yet (it needs 3 steps at least, and two after the "
-                    "first free of failovers, reconfigurations, restarts and checkpoints): going on until the run "
-                    "has one"]
+    assert said == ["4 s since the first step and no step time yet (it needs 3 steps at least, and an interval "
+                    "between two of them after the first step's warm-up free of failovers, reconfigurations, "
+                    "restarts and checkpoints): going on until the run has one"]
     assert stopper.stopping() == "4 s since the first step and a step time measured: stopping every node"
 
     said.clear()

@@ -63,17 +63,16 @@ class _Stopper:
         or until :meth:`cancel` (False)."""
         if self.duration_s is None or self._sleep(self.duration_s):
             return False
-        if not measured():
-            self.extended = True
-            self.say(f"{self.duration_s:g} s since the first step and no step time yet (it needs {PROFILE_MIN_STEPS} "
-                     f"steps at least, and two after the first free of failovers, reconfigurations, restarts and "
-                     f"checkpoints): going on until the run has one")
-            while True:
-                if self._sleep(timeouts.MEASURE_STEP_POLL_S):
-                    return False
-                if measured():
-                    break
-        return True
+        if measured():
+            return True
+        self.extended = True
+        self.say(f"{self.duration_s:g} s since the first step and no step time yet (it needs {PROFILE_MIN_STEPS} steps "
+                 f"at least, and an interval between two of them after the first step's warm-up free of failovers, "
+                 f"reconfigurations, restarts and checkpoints): going on until the run has one")
+        while not self._sleep(timeouts.MEASURE_STEP_POLL_S):
+            if measured():
+                return True
+        return False
 
     def stopping(self) -> str:
         """The line that says why the run stops now (after :meth:`wait` returned True)."""

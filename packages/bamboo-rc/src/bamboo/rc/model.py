@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "DecoderBlock",
     "GPTSize",
     "LMHead",
+    "LayerBuilder",
     "ModuleSpec",
     "build_layers",
     "check_stage_bounds",
@@ -144,7 +145,14 @@ class ModuleSpec:
         return self.typename(*self.module_args, **self.module_kwargs)
 
 
-def gpt_layer_specs(size: GPTSize, layer_spec: Any = ModuleSpec) -> list[Any]:
+class LayerBuilder(Protocol):
+    """A layer spec as the runtime reads one: ``build()`` makes the layer's module (:class:`ModuleSpec`, DeepSpeed's
+    ``LayerSpec``)."""
+
+    def build(self) -> nn.Module: ...
+
+
+def gpt_layer_specs(size: GPTSize, layer_spec: Callable[..., LayerBuilder] = ModuleSpec) -> list[LayerBuilder]:
     """The example decoder as a list of :class:`ModuleSpec` (or of ``layer_spec(module class, *args)``, any class
     with DeepSpeed's ``LayerSpec`` constructor and ``build()``, DeepSpeed's ``LayerSpec`` itself among them)."""
     return [
@@ -154,11 +162,11 @@ def gpt_layer_specs(size: GPTSize, layer_spec: Any = ModuleSpec) -> list[Any]:
     ]
 
 
-def _layer_spec(spec: Any, index: int) -> Any:
+def _layer_spec(spec: object, index: int) -> LayerBuilder:
     """Layer ``index``'s spec, checked: a DeepSpeed LayerSpec (anything with ``.build()``)."""
     if not callable(getattr(spec, "build", None)):
         raise TypeError(f"layer {index} is {type(spec).__name__}, not a LayerSpec with .build()")
-    return spec
+    return cast(LayerBuilder, spec)
 
 
 #: The in-place ops whose meta kernels import ``torch._dynamo`` (torch 2.13): the random fills, and ``erfinv_``,

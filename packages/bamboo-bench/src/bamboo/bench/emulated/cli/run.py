@@ -176,7 +176,9 @@ def run_command(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         fail(str(error))
-    console = Console(stderr=True)
+    # One plain line each: rich's highlighting cost about a millisecond a line, and its wrapping at the terminal's
+    # width cut progress lines in two in a log file.
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         with stopped_like_ctrl_c():
             result = run_cluster(options, progress=lambda line: console.print(f"[dim]bamboo-launch:[/dim] {line}"))

@@ -340,3 +340,20 @@ def test_the_command_line_launcher_starts_a_job_without_importing_torch() -> Non
             "bamboo.bench.emulated.run_agents, bamboo.launch.agent_spec; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
     assert out == "False"
+
+
+def test_progress_lines_are_printed_as_they_are_on_one_line_each() -> None:
+    """Square brackets are text, not rich markup (``[g1]`` was dropped), and a line longer than the console is not
+    cut in two (a log file had every progress line wrapped at 80 columns)."""
+    import io
+
+    from bamboo.bench.emulated.cli.run import progress_printer
+    from rich.console import Console
+
+    out = io.StringIO()
+    say = progress_printer(Console(file=out, width=80))
+    long = "step 2971  loss 1.4673  samples/s 177.5 (last 10 steps)  nodes 4 active, 0 standby, 4 joining"
+    say("generation [g1] ranks [0] [bold]x[/bold]")
+    say(long)
+    assert out.getvalue().splitlines() == ["bamboo-launch: generation [g1] ranks [0] [bold]x[/bold]",
+                                           f"bamboo-launch: {long}"]

@@ -24,8 +24,9 @@ from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.spec import REDUNDANCY
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 from rich.console import Console
+from rich.markup import escape
 
-__all__ = ["VERIFY_TOLERANCE", "add_parser", "finish_run", "run_command"]
+__all__ = ["VERIFY_TOLERANCE", "add_parser", "finish_run", "progress_printer", "run_command"]
 
 VERIFY_TOLERANCE = 1e-6
 _LOST_PEER = "PeerFailure:"
@@ -176,15 +177,23 @@ def run_command(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         fail(str(error))
-    # One plain line each: rich's highlighting and wrapping took about 0.6 of each line's 0.9 ms, and the wrapping
-    # at the terminal's width cut progress lines in two in a log file.
-    console = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         with stopped_like_ctrl_c():
-            result = run_cluster(options, progress=lambda line: console.print(f"[dim]bamboo-launch:[/dim] {line}"))
+            result = run_cluster(options, progress=progress_printer(Console(stderr=True)))
         return finish_run(args, options, result, compare_with_reference if args.verify else None)
     except RunError as error:
         fail(f"{error} (node logs: {options.run_dir or 'the run directory'}/logs)")
+
+
+def progress_printer(console: Console) -> Callable[[str], None]:
+    """What prints a run's progress lines on ``console``: each one line as it is, after a dim prefix (no markup read
+    in it, no highlighting, no wrapping: highlighting and wrapping took about 0.6 of each line's 0.9 ms, and the
+    wrapping at the terminal's width cut the lines in two in a log file)."""
+
+    def say(line: str) -> None:
+        console.print(f"[dim]bamboo-launch:[/dim] {escape(line)}", highlight=False, soft_wrap=True)
+
+    return say
 
 
 def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,

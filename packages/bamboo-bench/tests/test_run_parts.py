@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -330,6 +332,58 @@ def test_the_recorder_hands_each_record_it_wrote_once_to_the_progress_lines(tmp_
     recorder.stop()
     assert taken == steps and recorder.recorded() == [] and recorder.last_step == 2
     assert read_events(tmp_path / "events.jsonl") == steps
+
+
+def test_the_recorder_writes_each_watched_record_on_the_watch_s_thread_and_nothing_after_it_stopped(tmp_path) -> None:
+    """After its first read, the recorder writes each record on the thread that delivers it (no thread of its own
+    to wake per record): the record is in the file when the delivery returns. A delivery after stop() writes
+    nothing."""
+    import json
+
+    from bamboo.bench.emulated.run_watch import EventRecorder
+    from bamboo.launch.events import Step, event_to_dict, events_prefix, read_events
+    from bamboo.membership import EventKind, KeyValue, WatchEvent
+
+    class Log:  # a job's event log in "etcd", whose watch delivers what the test hands it
+        def __init__(self) -> None:
+            self.callback: Callable[[WatchEvent], None] | None = None
+            self.watched = threading.Event()
+
+        def revision(self) -> int:
+            return 0
+
+        def get_prefix(self, prefix: str) -> list[KeyValue]:
+            return []
+
+        def watch_prefix(self, _prefix: str, callback: Callable[[WatchEvent], None], **__: object) -> Log:
+            self.callback = callback
+            self.watched.set()
+            return self
+
+        def cancel(self) -> None:
+            pass
+
+    def deliver(step: int) -> None:
+        record = Step(t=float(step), step=step, samples=1, loss=1.0, nodes_active=1, duration_s=0.1)
+        key = f"{events_prefix('job')}n0.worker.1/{step:010d}"
+        assert kv.callback is not None
+        kv.callback(WatchEvent(EventKind.PUT, key, json.dumps(event_to_dict(record)).encode(), step, None))
+
+    kv = Log()
+    path = tmp_path / "events.jsonl"
+    recorder = EventRecorder(kv, "job", path)  # type: ignore[arg-type]
+    writers: list[str] = []
+    write = recorder._log.write
+    recorder._log.write = lambda event: (writers.append(threading.current_thread().name), write(event))[1]
+    assert kv.watched.wait(10)
+    deliver(1)
+    assert [e.step for e in read_events(path)] == [1] and recorder.last_step == 1  # written before deliver returned
+    deliver(2)
+    assert [e.step for e in read_events(path)] == [1, 2]
+    assert writers == [threading.current_thread().name] * 2  # by the delivering thread, not the recorder's
+    recorder.stop()
+    deliver(3)  # a record still in flight when the run ended: the final read took what there was
+    assert [e.step for e in read_events(path)] == [1, 2] and [e.step for e in recorder.recorded()] == [1, 2]
 
 
 def test_the_command_line_launcher_starts_a_job_without_importing_torch() -> None:

@@ -26,34 +26,53 @@ __all__ = ["EventRecorder", "last_line", "wait_end", "wait_first_step"]
 
 
 class EventRecorder:
-    """Mirrors the job's event log from etcd into a local JSON-lines file, in a background thread, and hands the
-    records it wrote to the launcher's progress lines or live view (:meth:`recorded`): read back from the file,
-    each record was parsed twice, and the file read ten times a second."""
+    """Mirrors the job's event log from etcd into a local JSON-lines file, and hands the records it wrote to the
+    launcher's progress lines or live view (:meth:`recorded`): read back from the file, each record was parsed
+    twice, and the file read ten times a second.
+
+    A background thread makes the first read (retried every ``RECORDER_RETRY_S`` while etcd does not answer),
+    which starts the watch; from then on each record is written on the watch's own thread as it arrives. Woken for
+    each record, a thread of the recorder's own cost the launcher more CPU than the record's parse and write: the
+    kernel switching threads, and the handover of the interpreter's lock.
+    """
 
     def __init__(self, kv: KeyValueStore, job: str, path: Path) -> None:
         from bamboo.launch.events import EtcdEventFollower, EventLog
 
         self.path = path
-        self._follower = EtcdEventFollower(kv, job)
+        self._follower = EtcdEventFollower(kv, job, on_arrival=self._on_arrival)
         self._log = EventLog(path)
         self._stop = threading.Event()
         self.last_step = 0  # the highest step recorded (0 before the first)
         self.error: Exception | None = None
         self._recorded: list[Event] = []  # written to the file, not yet taken by recorded()
         self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()  # one drain at a time: the records reach the file in the order taken
+        self._closed = False  # the final drain is done (under _drain_lock): a late arrival writes nothing
         self._thread = threading.Thread(target=self._run, name="bamboo-run-recorder", daemon=True)
         self._thread.start()
 
     def _drain(self, *, final: bool = False) -> None:
         from bamboo.launch.events import Step
 
-        events = self._follower.poll(final=final)
-        for event in events:
-            self._log.write(event)
-            if isinstance(event, Step):
-                self.last_step = max(self.last_step, event.step)
-        with self._lock:
-            self._recorded.extend(events)
+        with self._drain_lock:
+            if self._closed:
+                return
+            self._closed = final
+            events = self._follower.poll(final=final)
+            for event in events:
+                self._log.write(event)
+                if isinstance(event, Step):
+                    self.last_step = max(self.last_step, event.step)
+            with self._lock:
+                self._recorded.extend(events)
+
+    def _on_arrival(self) -> None:
+        """A record came through the watch (on the watch's thread): written now."""
+        try:
+            self._drain()
+        except Exception as error:  # a malformed record: reported, and the next records are still written
+            self.error = error
 
     def recorded(self) -> list[Event]:
         """The records written to the file since the last call, in the file's order."""
@@ -62,17 +81,17 @@ class EventRecorder:
         return taken
 
     def _run(self) -> None:
+        """The first read, which starts the watch; retried while it fails (etcd unreachable, a malformed record)."""
         while not self._stop.is_set():
             try:
                 self._drain()
-            except Exception as error:  # etcd restarting: the watch resumes; a malformed record is reported
+                return
+            except Exception as error:
                 self.error = error
-            # woken by the next record (or by stop()); the timeout only retries a first read that failed
-            self._follower.wait(emulated_timeouts.RECORDER_RETRY_S)
+            self._stop.wait(emulated_timeouts.RECORDER_RETRY_S)
 
     def stop(self) -> None:
         self._stop.set()
-        self._follower.wake()
         self._thread.join(timeouts.THREAD_JOIN_S)
         try:
             self._drain(final=True)  # the records still on their way through the watch are read from etcd

@@ -25,8 +25,8 @@ RUN_POLL_S = 0.1
 """How often ``bamboo-launch run`` checks its agents and the job's records while it waits for the first step."""
 
 RECORDER_RETRY_S = 1.0
-"""How long the event recorder of ``bamboo-launch run`` waits for a record before it tries again to read the
-event log (it is woken by every record the watch delivers; the wait only matters while etcd is unreachable)."""
+"""How long the event recorder of ``bamboo-launch run`` waits before it tries its first read of the event log again
+(etcd unreachable, a malformed record); once that read started the watch, each record is written as it comes."""
 
 PROGRESS_POLL_S = 0.25
 """How often ``bamboo-launch run --no-live`` checks its agents and folds the new records into its progress lines

@@ -6,10 +6,12 @@ all of a 2-core machine for a thousand emulated agents. So, as etcd's own Go cli
 keeps one `LeaseKeepAlive` stream open and sends every refresh of every lease on it (`KeepAliveStream`,
 0.4 ms a refresh), and one `Watch` stream for all of its watches (`bamboo.membership.watch`).
 
-A thread blocked on a gRPC response iterator wakes ten times a second inside gRPC, so nothing here blocks
-on one while idle: the keepalive stream is read only right after a request was sent, under a `Deadline`
-(one watchdog thread that sleeps without a timeout while no deadline is armed) that cancels the call when
-etcd does not answer within the RPC timeout.
+A thread blocked in a gRPC call wakes ten times a second inside gRPC (`grpc._common.MAXIMUM_WAIT_TIMEOUT`,
+0.1 s), so that a signal reaches a main thread blocked there; on Linux a signal interrupts such a wait anyway.
+This module lengthens that slice to `GRPC_WAIT_SLICE_S` when imported (`lengthen_grpc_waits`): the thread that
+reads a client's watch stream waits for its next message without waking for nothing. And the keepalive stream is
+read only right after a request was sent, under a `Deadline` (one watchdog thread that sleeps without a timeout
+while no deadline is armed) that cancels the call when etcd does not answer within the RPC timeout.
 """
 
 from __future__ import annotations
@@ -21,10 +23,24 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from bamboo.membership import timeouts
 from bamboo.membership.kv_base import EtcdConnection, StoreUnavailableError
 from pyetcd import etcdrpc
 
-__all__ = ["Deadline", "KeepAliveStream", "request_iterator"]
+__all__ = ["Deadline", "KeepAliveStream", "lengthen_grpc_waits", "request_iterator"]
+
+
+def lengthen_grpc_waits(seconds: float = timeouts.GRPC_WAIT_SLICE_S) -> None:
+    """Let a thread blocked in a gRPC call sleep up to ``seconds`` between its checks (module docstring). It
+    changes gRPC's module constant for the whole process, once, and never shortens it; a gRPC without that
+    constant is left as it is."""
+    from grpc import _common
+
+    if isinstance(getattr(_common, "MAXIMUM_WAIT_TIMEOUT", None), float):
+        _common.MAXIMUM_WAIT_TIMEOUT = max(_common.MAXIMUM_WAIT_TIMEOUT, seconds)
+
+
+lengthen_grpc_waits()
 
 
 def request_iterator(requests: queue.Queue[Any]) -> Iterator[Any]:

@@ -46,10 +46,12 @@ def test_an_idle_watch_stream_s_reader_sleeps_until_a_message_comes(kv: EtcdKV, 
 def test_a_signal_reaches_a_main_thread_blocked_in_a_grpc_stream(kv: EtcdKV, job: str) -> None:
     """The slice was short so that a signal reaches a main thread blocked in gRPC; on Linux the signal interrupts
     the wait itself. SIGINT, 0.5 s into a wait for a watch message that never comes, raises KeyboardInterrupt
-    long before the 60 s slice ends."""
+    long before the 60 s slice ends. (The child restores Python's SIGINT handler: it inherits an ignored SIGINT
+    from an xdist worker, and Python then installs none.)"""
     endpoint = kv.options.endpoints[0]
     code = textwrap.dedent(f"""
         import os, queue, signal, threading, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from bamboo.membership.kv import EtcdKV, EtcdOptions
         from bamboo.membership.streams import request_iterator
         from pyetcd import etcdrpc

@@ -102,7 +102,7 @@ ROLE_RESCAN_S = 5.0
 """How often a worker without a role looks for a layout being prepared when nothing woke it: the layout and every
 decision of the job are watched, and a change wakes it at once; this is the safety net. Each look is an etcd read,
 after which gRPC's thread pool wakes for a while: at 1 s a standby worker spent 22 to 24 CPU-s per hour of
-training, at 5 s 16.6 (`tests/benchmarks/bench_control_cost.py --parts training`)."""
+training, at 5 s 16.6 and 18.7 in two runs (`tests/benchmarks/bench_control_cost.py`)."""
 
 WORKER_POLL_S = 0.05
 """How often a worker without a role checks the layout and the job's end (and how often holders at a

@@ -26,6 +26,10 @@ from bamboo.membership.store import MembershipStore
 
 ACTION = b'{"action": "terminate", "time": "2017-09-18T08:22:00Z"}'
 ACTION_AT = 1505722920.0  # 2017-09-18T08:22:00Z as unix seconds
+HTTP_TIMEOUT_S = 30.0
+"""The hooks' per-request timeout here, instead of `METADATA_HTTP_TIMEOUT_S` (2 s): the fake metadata server answers
+from a thread of this test's process, which a loaded `make test` starved for more than 2 s once (a token request
+timed out); these tests check what the hooks read, not how fast."""
 
 
 class FakeMetadata:
@@ -121,7 +125,7 @@ def metadata() -> Iterator[tuple[FakeMetadata, str]]:
 def test_aws_hook_uses_an_imdsv2_token_and_reads_the_instance_action(metadata) -> None:
     meta, url = metadata
     now = [0.0]
-    hook = AwsSpotNotice(url, clock=lambda: now[0])
+    hook = AwsSpotNotice(url, clock=lambda: now[0], timeout=HTTP_TIMEOUT_S)
     assert hook() is None and hook() is None  # 404: no interruption planned
     assert meta.aws_token_ttls == ["21600"] and hook.tokens_fetched == 1  # one token, reused
     meta.aws_action = ACTION
@@ -141,18 +145,18 @@ def test_aws_hook_names_an_unreadable_answer(metadata, body: bytes, error: str) 
     meta, url = metadata
     meta.aws_action = body
     with pytest.raises(MetadataError, match=error):
-        AwsSpotNotice(url)()
+        AwsSpotNotice(url, timeout=HTTP_TIMEOUT_S)()
 
 
 def test_aws_stop_and_hibernate_are_notices_too(metadata) -> None:
     meta, url = metadata
     meta.aws_action = b'{"action": "hibernate", "time": "2017-09-18T08:22:00Z"}'
-    assert AwsSpotNotice(url)() == ACTION_AT
+    assert AwsSpotNotice(url, timeout=HTTP_TIMEOUT_S)() == ACTION_AT
 
 
 def test_gce_hook_reads_then_hangs_until_preempted(metadata) -> None:
     meta, url = metadata
-    hook = GcePreemptionNotice(url, wall_clock=lambda: 1000.0)
+    hook = GcePreemptionNotice(url, wall_clock=lambda: 1000.0, timeout=HTTP_TIMEOUT_S)
     assert hook() is None  # FALSE, read at once
     answer: list[float | None] = []
     waiter = threading.Thread(target=lambda: answer.append(hook()), daemon=True)
@@ -167,7 +171,7 @@ def test_gce_hook_reads_then_hangs_until_preempted(metadata) -> None:
 
 def test_gce_hook_does_not_miss_a_change_between_two_calls(metadata) -> None:
     meta, url = metadata
-    hook = GcePreemptionNotice(url, wall_clock=lambda: 5.0)
+    hook = GcePreemptionNotice(url, wall_clock=lambda: 5.0, timeout=HTTP_TIMEOUT_S)
     assert hook() is None
     meta.set_gce("TRUE")  # changes before the next hanging GET: last_etag makes it answer at once
     assert hook() == 35.0
@@ -178,7 +182,7 @@ def test_gce_hook_names_an_unexpected_answer(metadata) -> None:
     meta, url = metadata
     meta.set_gce("MAYBE")
     with pytest.raises(MetadataError, match="expected TRUE or FALSE"):
-        GcePreemptionNotice(url)()
+        GcePreemptionNotice(url, timeout=HTTP_TIMEOUT_S)()
 
 
 def test_preemption_hook_factory() -> None:
@@ -195,7 +199,7 @@ def test_the_agent_publishes_the_aws_deadline(metadata, store: MembershipStore, 
     meta, url = metadata
     agent = NodeAgent(store, "spot", ttl=5, run_detector=False).start()
     try:
-        agent.watch_preemption_hook(AwsSpotNotice(url), interval=0.01)
+        agent.watch_preemption_hook(AwsSpotNotice(url, timeout=HTTP_TIMEOUT_S), interval=0.01)
         meta.aws_action = ACTION
         wait_until(agent.noticed.is_set, message="the notice")
         wait_until(lambda: store.kv.get(store.keys.notice("spot")) is not None, message="the notice in etcd")

@@ -170,18 +170,24 @@ def test_the_final_poll_reads_the_records_the_watch_has_not_delivered_and_none_t
     follower.close()
 
 
-def test_a_reader_waits_for_the_next_record_instead_of_polling() -> None:
+def test_a_reader_told_of_each_record_takes_it_as_it_comes() -> None:
+    """``on_arrival`` is called on the watch's thread once per record it queued (not for one a final read already
+    delivered), so a reader needs no thread of its own to wait for records."""
     kv = _LaggingWatchKV()
-    follower = EtcdEventFollower(kv, "job")  # type: ignore[arg-type]
-    assert follower.poll() == []
-    assert follower.wait(0.0) is False  # nothing delivered since the poll
+    arrivals: list[list[int]] = []
+    follower: EtcdEventFollower
+
+    def on_arrival() -> None:
+        arrivals.append([e.step for e in follower.poll()])
+
+    follower = EtcdEventFollower(kv, "job", on_arrival=on_arrival)  # type: ignore[arg-type]
+    assert follower.poll() == [] and arrivals == []
     _put_step(kv, "node0", 1)
-    assert follower.wait(0.0) is False  # written, not yet delivered by the watch
+    assert arrivals == []  # written, not yet delivered by the watch
     kv.deliver()
-    assert follower.wait(0.0) is True
-    assert [e.step for e in follower.poll()] == [1]
-    assert follower.wait(0.0) is False  # the poll took it
-    follower.wake()  # a reader that stops releases its own wait
-    assert follower.wait(0.0) is True
-    assert follower.poll() == [] and follower.wait(0.0) is False
+    assert arrivals == [[1]]
+    _put_step(kv, "node0", 2)
+    assert [e.step for e in follower.poll(final=True)] == [2]  # the final read takes it first
+    kv.deliver()
+    assert arrivals == [[1]]  # the late delivery is no new record
     follower.close()

@@ -357,7 +357,6 @@ class EtcdEventFollower:
         self._lock = threading.Lock()
         self._watch: WatchHandle | None = None
         self._error: EventLogError | None = None
-        self._arrived = threading.Event()  # set while a record (or an error) waits for the next poll, or by wake()
 
     def _on_event(self, event: WatchEvent) -> None:
         if getattr(event.kind, "value", event.kind) != "put":
@@ -367,26 +366,14 @@ class EtcdEventFollower:
         except EventLogError as error:
             with self._lock:
                 self._error = error
-                self._arrived.set()
         else:
             with self._lock:  # a final read (poll(final=True)) may have delivered it already
                 if event.key in self._seen:
                     return
                 self._seen.add(event.key)
                 self._pending.append(record)
-                self._arrived.set()
         if self._on_arrival is not None:
             self._on_arrival()
-
-    def wait(self, timeout: float) -> bool:
-        """Block until the watch delivered a record for the next :meth:`poll` (or :meth:`wake` was called), at most
-        ``timeout`` seconds; True if one did. A reader that waits here costs nothing between records, where one
-        that polls ten times a second spent CPU on every empty poll."""
-        return self._arrived.wait(timeout)
-
-    def wake(self) -> None:
-        """Release a :meth:`wait` now (a reader that stops)."""
-        self._arrived.set()
 
     def _read_unseen(self) -> None:
         """Queue every record in etcd that neither this read nor the watch has delivered yet, in ``t`` order."""
@@ -410,7 +397,6 @@ class EtcdEventFollower:
         elif final:
             self._read_unseen()
         with self._lock:
-            self._arrived.clear()
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error

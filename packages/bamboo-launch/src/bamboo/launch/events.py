@@ -345,7 +345,7 @@ class EtcdEventFollower:
 
     ``on_arrival``, if given, is called on the watch's thread after each record (or malformed record) it queued
     for the next poll: a reader that polls from there takes each record as it comes, without a thread of its own
-    to wake for each one (each wake of a thread costs more CPU than the record's parse).
+    to wake for each one.
     """
 
     def __init__(self, kv: KeyValueStore, job: str, on_arrival: Callable[[], None] | None = None) -> None:

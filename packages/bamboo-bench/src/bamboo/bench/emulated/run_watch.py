@@ -31,9 +31,9 @@ class EventRecorder:
     twice, and the file read ten times a second.
 
     A background thread makes the first read (retried every ``RECORDER_RETRY_S`` while etcd does not answer),
-    which starts the watch; from then on each record is written on the watch's own thread as it arrives. Woken for
-    each record, a thread of the recorder's own cost the launcher more CPU than the record's parse and write: the
-    kernel switching threads, and the handover of the interpreter's lock.
+    which starts the watch; from then on each record is written on the watch's own thread as it arrives, which
+    saves waking a thread of the recorder's own for each record (measured: 0.76 to 0.86 ms of the launcher's CPU a
+    record against 0.83 to 1.01 before, a small gain within the machine's noise).
     """
 
     def __init__(self, kv: KeyValueStore, job: str, path: Path) -> None:

@@ -22,17 +22,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 
-# DeepSpeed's CPU op that the tests load is built in the background at the lowest priority while the first
-# tests run (scripts/build_ops.py); a test that needs it first waits on torch's build lock.
-OPS_LOG := .cache/build_ops.log
-
 # The packages are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (as on this project's development machines), every process
 # the suite starts would otherwise compile the sources it imports again (about 0.2 CPU-s each).
 test: setup lint
 	@$(PY) -m compileall -q -j 0 packages > /dev/null
-	@mkdir -p .cache; nice -n 19 $(PY) scripts/build_ops.py > $(OPS_LOG) 2>&1 & ops=$$!; \
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS); rc=$$?; \
-	wait $$ops || echo "make test: scripts/build_ops.py failed (log: $(OPS_LOG))" >&2; \
+	@$(PY) -m pytest -n 2 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc
 

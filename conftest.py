@@ -140,12 +140,6 @@ BACKGROUND_PROCESS_TESTS = (  # in the order they start: the longest first
 )
 
 
-#: Cluster tests whose processes load DeepSpeed's CPU ``shm_comm`` op (``deepspeed.init_distributed``): they come
-#: last in the cluster lane, so that on a fresh clone the op, built in the background from the start of
-#: ``make test`` (``scripts/build_ops.py``), is ready when they start instead of built inside one of them.
-DEEPSPEED_OP_TESTS = ("packages/bamboo-bench/tests/test_baseline.py",)
-
-
 def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == root or path.startswith(root + "/") for root in roots)
 
@@ -183,11 +177,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cluster tests first: the scheduler hands work out in collection order, so the long lane starts
-    at once instead of after every short test (among them, those that load DeepSpeed's op last); then the
-    background process tests, the first the other lane runs; then every other test."""
+    at once instead of after every short test; then the background process tests, the first the other lane runs;
+    then every other test."""
     paths = {item: _relative(item) for item in items}
     clusters = [item for item in items if is_cluster_test(paths[item])]
-    clusters.sort(key=lambda item: _under(paths[item], DEEPSPEED_OP_TESTS))  # stable: collection order otherwise
     background = [item for item in items if _under(paths[item], BACKGROUND_PROCESS_TESTS)]
     background.sort(key=lambda item: [_under(paths[item], (root,)) for root in BACKGROUND_PROCESS_TESTS], reverse=True)
     grouped = set(clusters) | set(background)

@@ -92,9 +92,10 @@ BASELINE_TIMEOUT_S = 900.0
 """How long a checkpoint/restart run may take in all before every node is killed."""
 
 BASELINE_BUILD_LOCK_STALE_S = 600.0
-"""A torch C++-extension build lock (DeepSpeed's CPU ``shm_comm`` op, built by the first baseline worker on a
-machine: under a minute on 2 cores) older than this was left by a killed build; the baseline removes it before
-it starts, since every worker would otherwise wait on it forever."""
+"""A torch C++-extension build lock (a DeepSpeed op that a worker JIT-compiles on a machine's first use; the
+baseline's own setup builds none, see :func:`bamboo.bench.measured.baseline.init_deepspeed_gloo`) older than
+this was left by a killed build; the baseline removes it before it starts, since every worker would otherwise wait
+on it forever."""
 
 BASELINE_FINISH_GRACE_S = 30.0
 """Once the baseline's training is done, how long its torchrun agents may take to exit."""

@@ -29,6 +29,7 @@ __all__ = [
     "checkpoint_interval",
     "current_roles",
     "extension_build_roots",
+    "init_deepspeed_gloo",
     "peak_nodes",
     "read_records",
     "remove_stale_build_locks",
@@ -89,6 +90,25 @@ def with_torch_adam(config: Mapping[str, Any]) -> dict[str, Any]:
         out["optimizer"] = {**optimizer, "params": {**optimizer.get("params", {}), "torch_adam": True,
                                                          "fused": True}}
     return out
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's CPU op of shared-memory collectives (``ShareMemCommBuilder``), which :func:`init_deepspeed_gloo`
+keeps from being built."""
+
+
+def init_deepspeed_gloo() -> None:
+    """``deepspeed.init_distributed(dist_backend="gloo")`` without DeepSpeed's shared-memory collectives op.
+
+    DeepSpeed's torch backend loads that op at every ``init_distributed``, and JIT-compiles it on a machine's first
+    use (47 s and 94 CPU-s on this project's 2-core machine), yet calls it only from ``inference_all_reduce``:
+    training's all-reduce and the pipeline's sends go through ``torch.distributed`` either way. Marked
+    incompatible, as DeepSpeed marks it on platforms without it, it is neither built nor loaded, and a fresh
+    machine's first start of the baseline costs what every later one does."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # DeepSpeed keeps this one dict; build_shm_op reads it
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
 def checkpoint_interval(checkpoint_cost_s: float, mtbf_s: float | None, step_time_s: float,

@@ -12,7 +12,8 @@ file named by ``BAMBOO_BASELINE_SPEC`` (a :class:`bamboo.bench.measured.baseline
    ``partition_method="parameters"`` (it must give bamboo's stage bounds, ``bamboo.rc.model.stage_bounds``;
    the worker refuses to train otherwise), the example's DeepSpeed config (with ``torch_adam``: torch's
    AdamW, the same math as DeepSpeed's FusedAdam, which on CPU is a JIT-compiled op that each restarted
-   worker would spend seconds loading), ``deepspeed.init_distributed("gloo")``;
+   worker would spend seconds loading), ``deepspeed.init_distributed("gloo")`` (without the op that only
+   inference uses: :func:`bamboo.bench.measured.baseline.init_deepspeed_gloo`);
 3. loads the newest committed DeepSpeed checkpoint, if any (``load_checkpoint``), and trains from its
    step: pipeline ``d`` of ``D'`` takes the global microbatches ``d*M' .. d*M'+M'-1`` of each step,
    from the example's ``microbatch(step, index)``, which is the data order bamboo trains on;
@@ -89,7 +90,12 @@ def _redone_steps(events: Path, loaded_step: int) -> int:
 
 def train(spec: BaselineSpec) -> int:
     """Run this rank's part of the job (see the module docstring); the exit status."""
-    from bamboo.bench.measured.baseline import checkpoint_interval, usable_pipelines, with_torch_adam
+    from bamboo.bench.measured.baseline import (
+        checkpoint_interval,
+        init_deepspeed_gloo,
+        usable_pipelines,
+        with_torch_adam,
+    )
     from bamboo.launch.events import Checkpoint, EventLog, Restore, Step
     from bamboo.launch.example import example_program
 
@@ -110,7 +116,7 @@ def train(spec: BaselineSpec) -> int:
 
     imported = time.time()
     torch.set_num_threads(1)  # as bamboo's workers: one intra-op thread per node
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_gloo()  # without the shared-memory op that only inference uses
     grouped = time.time()
     program = example_program(spec.size, spec.config, spec.seed)
     specs = gpt_layer_specs(GPTSize(**spec.size), LayerSpec)  # DeepSpeed's PipelineModule wants its own

@@ -123,6 +123,7 @@ def _deepspeed_worker(rank: int, port: int, stages: int, size: GPTSize, config: 
         os.environ["DS_ACCELERATOR"] = "cuda"
     import deepspeed
     import torch
+    from bamboo.bench.measured.baseline import init_deepspeed_gloo
     from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
     from bamboo.rc.model import gpt_layer_specs, lm_loss
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -134,7 +135,7 @@ def _deepspeed_worker(rank: int, port: int, stages: int, size: GPTSize, config: 
     # The parent's store, as for every variant: DeepSpeed takes the default group that exists
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=stages)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_gloo()
     specs = gpt_layer_specs(size, LayerSpec)  # DeepSpeed's PipelineModule wants its own
     module = PipelineModule(layers=specs, num_stages=stages, loss_fn=lm_loss, partition_method=partition)
     ds_config = {**config, "steps_per_print": 10**9, "wall_clock_breakdown": False}

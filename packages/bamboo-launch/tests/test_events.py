@@ -139,7 +139,7 @@ class _LaggingWatchKV:
         return [KeyValue(key, value, 1, 1) for key, value in sorted(self.items.items()) if key.startswith(prefix)]
 
     def watch_prefix(self, prefix: str, callback: Callable[[WatchEvent], None], *,
-                     start_revision: int | None = None) -> _LaggingWatchKV:
+                     start_revision: int | None = None, puts_only: bool = False) -> _LaggingWatchKV:
         self.undelivered.clear()  # what the first read returned
         self.callback = callback
         return self

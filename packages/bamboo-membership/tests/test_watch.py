@@ -99,6 +99,44 @@ def test_a_watch_cut_off_while_etcd_compacts_relists_and_delivers_the_gap(
     assert watch.relists == 1
 
 
+def test_a_puts_only_watch_gets_every_write_and_no_deletion_live_and_across_a_compacted_gap(
+    kv: EtcdKV, cut_off_kv: EtcdKV, proxy, job: str
+) -> None:
+    """What an event log's reader asks: each writer deletes its oldest record as it writes a new one; the reader
+    gets the writes only, before a cut, in the relist after a compacted gap (nothing for keys gone meanwhile),
+    and after it."""
+    prefix = f"/bamboo/{job}/log/"
+    start = kv.put(f"{prefix}0", b"r0")
+    seen = Recorder()
+    watch = cut_off_kv.watch_prefix(prefix, seen, start_revision=start + 1, puts_only=True)
+    try:
+        kv.put(f"{prefix}1", b"r1")
+        kv.delete(f"{prefix}0")
+        kv.put(f"{prefix}2", b"r2")
+        seen.wait_for(lambda ev: any(e.key.endswith("2") for e in ev), "the writes before the cut")
+        proxy.cut()
+        kv.put(f"{prefix}3", b"r3")
+        kv.delete(f"{prefix}1")
+        kv.put(f"{prefix}4", b"r4")
+        kv.delete(f"{prefix}3")  # written and deleted in the gap: nothing of it is left to relist
+        _compact(kv)
+        proxy.open()
+        seen.wait_for(lambda ev: any(e.relisted for e in ev), "the relist")
+        kv.delete(f"{prefix}2")
+        kv.put(f"{prefix}5", b"r5")
+        seen.wait_for(lambda ev: any(e.key.endswith("5") for e in ev), "a write after the relist")
+    finally:
+        watch.cancel()
+    assert [(e.kind, e.key.removeprefix(prefix), e.value, e.relisted) for e in seen.events] == [
+        (EventKind.PUT, "1", b"r1", False),
+        (EventKind.PUT, "2", b"r2", False),
+        (EventKind.PUT, "4", b"r4", True),
+        (EventKind.PUT, "5", b"r5", False),
+    ]
+    assert all(e.prev_value is None for e in seen.events)  # no previous values asked of etcd either
+    assert watch.relists == 1
+
+
 def test_a_failure_record_written_while_a_detector_was_cut_off_and_compacted_is_seen(
     store: MembershipStore, cut_off_kv: EtcdKV, proxy, job: str
 ) -> None:

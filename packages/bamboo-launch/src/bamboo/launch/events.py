@@ -393,7 +393,9 @@ class EtcdEventFollower:
         if self._watch is None:
             revision = self._kv.revision()
             self._read_unseen()
-            self._watch = self._kv.watch_prefix(events_prefix(self.job), self._on_event, start_revision=revision + 1)
+            # puts only: each writer deletes its oldest record as it writes past its keep; no use to a reader
+            self._watch = self._kv.watch_prefix(events_prefix(self.job), self._on_event, start_revision=revision + 1,
+                                                puts_only=True)
         elif final:
             self._read_unseen()
         with self._lock:

@@ -55,7 +55,8 @@ from bamboo.membership.kv_base import (
     key_value,
 )
 from bamboo.membership.streams import KeepAliveStream
-from bamboo.membership.watch import PrefixWatch, WatchStream
+from bamboo.membership.watch import PrefixWatch
+from bamboo.membership.watch_stream import WatchStream
 from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exceptions
 from pyetcd import transactions as etcd_txn
@@ -372,12 +373,13 @@ class EtcdKV:
 
     def watch_prefix(
         self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None, *,
-        snapshot: list[KeyValue] | None = None,
+        snapshot: list[KeyValue] | None = None, puts_only: bool = False,
     ) -> PrefixWatch:
         """Watch `prefix` (see `PrefixWatch`). Raises `StoreUnavailableError` if the watch cannot be set up
         within `options.watch_start_timeout`. `snapshot`, with `start_revision`, is what the caller read of the
-        prefix at `start_revision - 1` (`range_at`): the watch then does not read it again."""
-        watch = PrefixWatch(self, prefix, callback, start_revision, snapshot=snapshot)
+        prefix at `start_revision - 1` (`range_at`): the watch then does not read it again. `puts_only`: etcd
+        sends writes only, never deletions (see `bamboo.membership.watch`)."""
+        watch = PrefixWatch(self, prefix, callback, start_revision, snapshot=snapshot, puts_only=puts_only)
         watch.start()
         return watch
 

@@ -203,9 +203,11 @@ class KeyValueStore(Protocol):
     def revoke_lease(self, lease_id: int) -> None: ...
 
     def watch_prefix(
-        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None
+        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None = None, *,
+        puts_only: bool = False,
     ) -> WatchHandle:
-        """Call `callback` for every change under `prefix` from `start_revision` (default: now on)."""
+        """Call `callback` for every change under `prefix` from `start_revision` (default: now on); with
+        `puts_only`, for every write and never for a deletion."""
         ...
 
     def revision(self) -> int:
@@ -237,7 +239,7 @@ class RevisionOutOfRange(Exception):
 class EtcdConnection(Protocol):
     """What the stream modules (`bamboo.membership.watch`, `bamboo.membership.streams`) use of an `EtcdKV`,
     so that they need not import it: its options, its current etcd client and whether it is closed, its
-    ranged read at a revision, re-authentication, and its shared watch stream."""
+    ranged read at a revision and its current revision, re-authentication, and its shared watch stream."""
 
     options: EtcdOptions
 
@@ -251,6 +253,8 @@ class EtcdConnection(Protocol):
     def closed(self) -> bool: ...
 
     def range_at(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]: ...
+
+    def revision(self) -> int: ...
 
     def reauthenticate(self, stale: Any) -> None: ...
 

@@ -18,6 +18,10 @@ thread that gRPC wakes ten times a second, and etcd one stream per watch.
   reconciles it with its snapshot (key -> last value seen), as Kubernetes informers do: synthetic PUT
   events (`relisted=True`) for keys that appeared or changed, DELETE events for keys that vanished, in
   revision order; then it resumes from the relist's revision.
+- **Puts only.** A watch made with `puts_only` asks etcd to leave deletions out (the `NODELETE` filter) and no
+  previous values (`prev_kv`), and keeps no snapshot: its relist delivers the keys written since its last
+  revision, and nothing for keys that vanished. A reader of a log whose writers delete their oldest records
+  as they go (`bamboo.launch.events`) then gets one message per record, not two.
 - **Delivery.** Each watch delivers its events to its callback on its own thread, in revision order (a
   slow callback delays only its own watch); an exception in a callback is logged and the watch goes on.
   Those threads wait on a queue without a timeout, so an idle watch costs no CPU.
@@ -33,7 +37,6 @@ caught up).
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -41,7 +44,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 from bamboo.membership import timeouts
 from bamboo.membership.kv_base import (
     EtcdConnection,
@@ -53,218 +55,13 @@ from bamboo.membership.kv_base import (
     WatchEvent,
     key_value,
 )
-from bamboo.membership.streams import Deadline, request_iterator
 from pyetcd import etcdrpc
-from pyetcd import exceptions as etcd_exceptions
 from pyetcd import utils as etcd_utils
 from pyetcd.etcdrpc import kv_pb2
 
-__all__ = ["PrefixWatch", "WatchStream"]
+__all__ = ["PrefixWatch"]
 
 log = logging.getLogger(__name__)
-
-
-class WatchStream:
-    """One etcd client's watch stream, shared by all of its `PrefixWatch`es (see the module docstring).
-
-    Its thread runs while at least one watch wants a server-side watch; `streams` counts the streams opened.
-    """
-
-    def __init__(self, kv: EtcdConnection) -> None:
-        self._kv = kv
-        self._cond = threading.Condition()
-        self._active: list[PrefixWatch] = []  # the watches that want a server-side watch now
-        self._by_id: dict[int, PrefixWatch] = {}  # created on the current stream, by etcd's watch id
-        self._to_create: collections.deque[PrefixWatch] = collections.deque()
-        self._creating: collections.deque[PrefixWatch] = collections.deque()  # sent, not yet answered
-        self._requests: queue.Queue[Any] | None = None
-        self._call: Any = None
-        self._thread: threading.Thread | None = None
-        self._deadline: Deadline | None = None
-        self._closed = False
-        self._answered = 0.0  # when etcd last answered anything on the current stream (monotonic)
-        self.streams = 0
-
-    # -- what the watches ask -------------------------------------------------------------------
-
-    def submit(self, watch: PrefixWatch) -> None:
-        """Create a server-side watch for `watch` from its next revision (on the stream, or on the next one)."""
-        with self._cond:
-            if self._closed:
-                return
-            if watch not in self._active:
-                self._active.append(watch)
-            pending = watch in self._to_create or watch in self._creating or watch in self._by_id.values()
-            if self._requests is not None and not pending:
-                self._to_create.append(watch)
-                self._send_next_create()
-            if self._thread is None:
-                self._deadline = Deadline(f"bamboo-watch-deadline-{id(self):x}")
-                self._thread = threading.Thread(target=self._run, name="bamboo-watch-stream", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def withdraw(self, watch: PrefixWatch, *, cancel: bool = True) -> None:
-        """Forget `watch`; with `cancel`, tell etcd to end its server-side watch (etcd ended it otherwise)."""
-        with self._cond:
-            if watch in self._active:
-                self._active.remove(watch)
-            if watch in self._to_create:
-                self._to_create.remove(watch)
-            for watch_id, owner in list(self._by_id.items()):
-                if owner is watch:
-                    del self._by_id[watch_id]
-                    if cancel and self._requests is not None:
-                        self._requests.put(etcdrpc.WatchRequest(
-                            cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
-            if not self._active and self._call is not None:
-                self._call.cancel()  # an idle stream would keep a thread that gRPC wakes ten times a second
-
-    def reconnect(self) -> None:
-        """Break the current stream, so that it is made again on the client's current channel."""
-        with self._cond:
-            if self._call is not None:
-                self._call.cancel()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            if self._call is not None:
-                self._call.cancel()
-            self._cond.notify_all()
-        if self._deadline is not None:
-            self._deadline.close()
-
-    # -- the stream -----------------------------------------------------------------------------
-
-    def _send_next_create(self) -> None:
-        """Send every creation waiting to be sent (called with the lock held); the oldest one awaiting its
-        answer is the one the deadline watches."""
-        if self._requests is None:
-            return
-        while self._to_create:
-            watch = self._to_create.popleft()
-            self._creating.append(watch)
-            self._requests.put(watch.create_request())
-        self._arm()
-
-    def _arm(self) -> None:
-        """Watch the oldest creation in flight for its answer (called with the lock held)."""
-        assert self._deadline is not None
-        if not self._creating:
-            self._deadline.disarm()
-            return
-        head = self._creating[0]
-        self._deadline.arm(self._kv.options.timeout, lambda call=self._call, w=head: self._create_timed_out(call, w))
-
-    def answering(self) -> bool:
-        """Whether etcd answered anything on the current stream within the RPC timeout: a stream that works
-        through a backlog of creations under load, rather than one that stopped answering."""
-        with self._cond:
-            return self._call is not None and time.monotonic() - self._answered < self._kv.options.timeout
-
-    def _create_timed_out(self, call: Any, watch: PrefixWatch) -> None:
-        with self._cond:
-            if self._call is not call or not self._creating or self._creating[0] is not watch:
-                return
-            if time.monotonic() - self._answered < self._kv.options.timeout:
-                # etcd is answering this stream (other watches' events, or creations): slow under load, not
-                # gone. Breaking the stream would re-create every watch on it and add to that load.
-                self._deadline.arm(self._answered + self._kv.options.timeout - time.monotonic(),
-                                   lambda: self._create_timed_out(call, watch))
-                return
-            watch.create_timeouts += 1
-            watch.last_error = f"no answer to the watch request within {self._kv.options.timeout} s"
-        log.warning("watch %s: %s; re-creating the stream", watch.prefix, watch.last_error)
-        call.cancel()
-
-    def _open(self) -> Any:
-        client = self._kv.client
-        stub = etcdrpc.WatchStub(client.channel)
-        requests: queue.Queue[Any] = queue.Queue()
-        call = stub.Watch(request_iterator(requests), credentials=client.call_credentials, metadata=client.metadata)
-        with self._cond:
-            self._requests, self._call = requests, call
-            self._answered = time.monotonic()  # the stream is as young as its first creation
-            self._to_create = collections.deque(self._active)
-            self._creating = collections.deque()
-            self._send_next_create()
-        self.streams += 1
-        return call
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not self._kv.closed and not self._active:
-                    self._cond.wait()
-                if self._closed or self._kv.closed:
-                    return
-            error = "the watch stream ended"
-            try:
-                call = self._open()
-                for response in call:
-                    self._on_response(response)
-            except (etcd_exceptions.Etcd3Exception, ValueError) as exc:  # no endpoint, or the channel closed
-                error = f"cannot open the watch stream: {exc}"
-            except grpc.RpcError as exc:
-                error = f"{exc.code()}: {exc.details()}" if hasattr(exc, "code") else str(exc)
-            self._broken(error)
-            with self._cond:
-                if self._closed or self._kv.closed:
-                    return
-                if self._active:
-                    self._cond.wait(self._kv.options.watch_retry_interval)
-
-    def _broken(self, error: str) -> None:
-        with self._cond:
-            if self._deadline is not None:
-                self._deadline.disarm()
-            if self._requests is not None:
-                self._requests.put(None)
-            affected = list(self._active)
-            self._requests, self._call, self._creating = None, None, collections.deque()
-            self._by_id.clear()
-            self._to_create.clear()
-        for watch in affected:
-            watch.last_error = error
-        if affected and not self._closed and not self._kv.closed:
-            log.debug("watch stream broke (%s); %d watches resume on a new one", error, len(affected))
-
-    def _on_response(self, response: Any) -> None:
-        self._answered = time.monotonic()  # (a float store: read under the lock, written without it)
-        watch_id = int(response.watch_id)
-        if response.created:
-            with self._cond:
-                watch = self._creating.popleft() if self._creating else None
-                self._arm()
-                failed = bool(response.canceled) or watch_id < 0
-                if watch is not None and not failed:
-                    if watch in self._active:
-                        self._by_id[watch_id] = watch
-                    elif self._requests is not None:  # withdrawn while its creation was in flight
-                        self._requests.put(etcdrpc.WatchRequest(
-                            cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
-                        watch = None
-                elif watch is not None and watch in self._active:
-                    self._active.remove(watch)  # it asks again once it has handled the refusal
-            if watch is not None:
-                watch.post(("canceled", response.cancel_reason) if failed else ("created",))
-            if not response.events and not response.compact_revision:
-                return
-        with self._cond:
-            watch = self._by_id.get(watch_id)
-            if watch is not None and (response.compact_revision or response.canceled):
-                del self._by_id[watch_id]  # etcd ended this server-side watch
-                if watch in self._active:
-                    self._active.remove(watch)
-        if watch is None:
-            return
-        if response.compact_revision:
-            watch.post(("compacted", int(response.compact_revision)))
-        elif response.canceled:
-            watch.post(("canceled", response.cancel_reason))
-        elif response.events:
-            watch.post(("events", list(response.events)))
 
 
 class PrefixWatch:
@@ -277,10 +74,13 @@ class PrefixWatch:
 
     def __init__(
         self, kv: EtcdConnection, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int | None,
-        *, snapshot: list[KeyValue] | None = None,
+        *, snapshot: list[KeyValue] | None = None, puts_only: bool = False,
     ) -> None:
         if snapshot is not None and start_revision is None:
             raise ValueError(f"watch of {prefix}: a snapshot goes with the revision after it (start_revision)")
+        if snapshot is not None and puts_only:
+            raise ValueError(f"watch of {prefix}: a puts-only watch keeps no snapshot; none can be given")
+        self.puts_only = puts_only
         self._given = snapshot
         self._kv = kv
         self.prefix = prefix
@@ -336,6 +136,10 @@ class PrefixWatch:
         )
 
     def _load_snapshot(self) -> None:
+        if self.puts_only:  # nothing to reconcile deletions with: only the revision to start from
+            self._next_revision = (self._kv.revision() + 1 if self._start_revision is None
+                                   else self._start_revision)
+            return
         if self._given is not None and self._start_revision is not None:
             self._snapshot = {kv.key: kv for kv in self._given}
             self._next_revision = self._start_revision
@@ -361,6 +165,10 @@ class PrefixWatch:
 
     def create_request(self) -> Any:
         """The request that creates this watch's server-side watch, from the revision after the last delivered."""
+        if self.puts_only:
+            return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+                key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision,
+                filters=[etcdrpc.WatchCreateRequest.NODELETE]))
         return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
             key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision, prev_kv=True))
 
@@ -424,6 +232,12 @@ class PrefixWatch:
                 continue  # already delivered before a reconnect
             last = revision if last is None else max(last, revision)
             key = raw.kv.key.decode()
+            if self.puts_only:
+                if raw.type != kv_pb2.Event.DELETE:  # etcd filtered them out; never pass one on
+                    self._safe_callback(WatchEvent(EventKind.PUT, key, bytes(raw.kv.value), revision, None,
+                                                   create_revision=int(raw.kv.create_revision),
+                                                   lease=int(raw.kv.lease)))
+                continue
             known = self._snapshot.get(key) if self._snapshot is not None else None
             prev = bytes(raw.prev_kv.value) if raw.HasField("prev_kv") else (known.value if known else None)
             if raw.type == kv_pb2.Event.DELETE:
@@ -442,6 +256,9 @@ class PrefixWatch:
     def _relist(self) -> None:
         """Reconcile the snapshot with the prefix as it is now, deliver the difference, resume after it."""
         kvs, revision = self._kv.range_at(self.prefix)
+        if self.puts_only:
+            self._relist_puts(kvs, revision)
+            return
         current = {kv.key: kv for kv in kvs}
         old = self._snapshot
         events: list[WatchEvent] = []
@@ -467,6 +284,18 @@ class PrefixWatch:
         log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d changes delivered",
                     self.prefix, revision, self._next_revision, len(events))
         self._snapshot = current
+        self._deliver_relisted(events, revision)
+
+    def _relist_puts(self, kvs: list[KeyValue], revision: int) -> None:
+        """A puts-only watch's relist: the keys written since the last delivered revision, in revision order."""
+        events = [WatchEvent(EventKind.PUT, kv.key, kv.value, kv.mod_revision, None, relisted=True,
+                             create_revision=kv.create_revision, lease=kv.lease)
+                  for kv in sorted(kvs, key=lambda kv: kv.mod_revision) if kv.mod_revision >= self._next_revision]
+        log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d keys written since",
+                    self.prefix, revision, self._next_revision, len(events))
+        self._deliver_relisted(events, revision)
+
+    def _deliver_relisted(self, events: list[WatchEvent], revision: int) -> None:
         self._next_revision = revision + 1
         self.relists += 1
         for event in events:

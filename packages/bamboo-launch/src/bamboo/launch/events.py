@@ -346,6 +346,11 @@ class EtcdEventFollower:
     ``on_arrival``, if given, is called on the watch's thread after each record (or malformed record) it queued
     for the next poll: a reader that polls from there takes each record as it comes, without a thread of its own
     to wake for each one.
+
+    What was delivered is kept as two etcd revisions, not as the keys seen, so a follower of a run of days holds
+    no more than one of an hour: the watch delivers in revision order, and a read (the first, or a final one)
+    takes the records written after the newest revision the watch delivered; the watch then skips what that read
+    took.
     """
 
     def __init__(self, kv: KeyValueStore, job: str, on_arrival: Callable[[], None] | None = None) -> None:
@@ -353,7 +358,8 @@ class EtcdEventFollower:
         self.job = job
         self._on_arrival = on_arrival
         self._pending: list[Event] = []
-        self._seen: set[str] = set()
+        self._watched_to = 0  # the newest revision the watch delivered
+        self._read_to = 0  # the newest revision a read delivered
         self._lock = threading.Lock()
         self._watch: WatchHandle | None = None
         self._error: EventLogError | None = None
@@ -367,25 +373,28 @@ class EtcdEventFollower:
             with self._lock:
                 self._error = error
         else:
-            with self._lock:  # a final read (poll(final=True)) may have delivered it already
-                if event.key in self._seen:
+            with self._lock:
+                self._watched_to = max(self._watched_to, event.revision)
+                if event.revision <= self._read_to:  # a final read (poll(final=True)) delivered it already
                     return
-                self._seen.add(event.key)
                 self._pending.append(record)
         if self._on_arrival is not None:
             self._on_arrival()
 
-    def _read_unseen(self) -> None:
-        """Queue every record in etcd that neither this read nor the watch has delivered yet, in ``t`` order."""
+    def _read_unseen(self, upto: int | None = None) -> None:
+        """Queue, in ``t`` order, every record in etcd newer than what the watch delivered (and, with ``upto``,
+        not newer than that revision: the watch starts after it)."""
         items = self._kv.get_prefix(events_prefix(self.job))
         with self._lock:
-            unseen = [(i.key, i.value) for i in items if i.key not in self._seen]
-        records = sorted(((_parse_etcd_record(key, value), key) for key, value in unseen),
+            floor = max(self._watched_to, self._read_to)
+            fresh = [item for item in items if item.mod_revision > floor and (upto is None or item.mod_revision <= upto)]
+        records = sorted(((_parse_etcd_record(item.key, item.value), item.key) for item in fresh),
                          key=lambda pair: (pair[0].t, pair[1]))
         with self._lock:
-            fresh = [(record, key) for record, key in records if key not in self._seen]
-            self._seen.update(key for _, key in fresh)
-            self._pending.extend(record for record, _ in fresh)
+            newest = max((item.mod_revision for item in fresh), default=0)
+            fresh_keys = {item.key for item in fresh if item.mod_revision > self._watched_to}
+            self._pending.extend(record for record, key in records if key in fresh_keys)
+            self._read_to = max(self._read_to, newest, upto or 0)
 
     def poll(self, *, final: bool = False) -> list[Event]:
         """The records added since the last call. ``final``: the last call, once every writer has closed its

@@ -1,7 +1,8 @@
 """What keeps one etcd client cheap at scale: every watch of a client on one stream, every lease refresh on
 one keepalive stream, a key read once and then followed (`WatchedKey`), and a detector that does not follow
 every node record but reads a suspect's record when it must probe it (and one that follows from a past
-revision, so that a lease expiry in between is still declared).
+revision, so that a lease expiry in between is still declared); a prefix longer than one answer may hold is read
+in pages at one revision.
 
 Real etcd; no test asserts how fast anything happened (tests/benchmarks/bench_scale.py measures that).
 """
@@ -11,9 +12,10 @@ from __future__ import annotations
 import socket
 import threading
 
+import attrs
 from bamboo.membership.agent import NodeAgent
 from bamboo.membership.detector import DetectorConfig, FailureDetector, ProbeOutcome, ProbeResult
-from bamboo.membership.kv import EtcdKV, EventKind, WatchEvent
+from bamboo.membership.kv import EtcdKV, EtcdOptions, EventKind, WatchEvent
 from bamboo.membership.probing import connect_probe, probe_many
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.membership.store import MembershipStore
@@ -265,3 +267,31 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_a_prefix_longer_than_a_page_is_read_whole_in_key_order_and_at_one_revision(options: EtcdOptions,
+                                                                                      job: str) -> None:
+    """An event log of a long run outgrows one gRPC answer (4 MB): reads come in pages of `range_page` keys, and
+    every page is read at the first page's revision, so a write between two pages is not half seen."""
+    prefix = f"/bamboo/{job}/pages/"
+    paged = EtcdKV(attrs.evolve(options, range_page=3))
+    try:
+        for index in range(10):
+            paged.put(f"{prefix}{index:02d}", str(index).encode())
+        pages: list[object] = []
+        client = paged.client
+        read_range = client.get_range_response
+        client.get_range_response = lambda *a, **k: pages.append(a[0]) or read_range(*a, **k)  # type: ignore[method-assign]
+        assert [(kv.key.removeprefix(prefix), kv.value) for kv in paged.get_prefix(prefix)] == [
+            (f"{index:02d}", str(index).encode()) for index in range(10)]
+        assert len(pages) == 4  # 3 + 3 + 3 + 1
+        before, revision = paged.range_at(prefix)
+        paged.put(f"{prefix}03", b"changed")
+        paged.delete(f"{prefix}08")
+        paged.put(f"{prefix}10", b"10")
+        again, at = paged.range_at(prefix, revision)
+        assert at == revision and again == before  # the old view, across every page
+        now = {kv.key.removeprefix(prefix): kv.value for kv in paged.get_prefix(prefix)}
+        assert len(now) == 10 and now["03"] == b"changed" and "08" not in now and now["10"] == b"10"
+    finally:
+        paged.close()

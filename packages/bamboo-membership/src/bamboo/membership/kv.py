@@ -60,6 +60,7 @@ from bamboo.membership.watch_stream import WatchStream
 from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exceptions
 from pyetcd import transactions as etcd_txn
+from pyetcd import utils as etcd_utils
 
 __all__ = [
     "EtcdKV",
@@ -228,29 +229,45 @@ class EtcdKV:
         return key_value(resp.kvs[0]) if resp.count else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        resp = self._call(f"get prefix {prefix}", lambda: self._client.get_prefix_response(prefix))
-        return [key_value(kv) for kv in resp.kvs]
+        while True:
+            try:
+                return self._read_prefix(f"get prefix {prefix}", prefix, None)[0]
+            except RevisionOutOfRange as exc:  # compacted between two pages: read it again, at the newest revision
+                log.debug("get prefix %s: %s; reading it again", prefix, exc)
 
     def range_at(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` (at `revision`, default now) and the revision read at.
 
         Raises `RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet.
         """
+        return self._read_prefix(f"list {prefix}" + ("" if revision is None else f" at revision {revision}"),
+                                 prefix, revision)
 
-        def read() -> Any:
-            kwargs = {} if revision is None else {"revision": revision}
+    def _read_prefix(self, what: str, prefix: str, revision: int | None) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix` and the revision read at, in pages of `options.range_page` keys, each page at
+        the revision of the first (or at `revision`), so that the pages make one consistent read."""
+        start, end = prefix.encode(), etcd_utils.prefix_range_end(prefix.encode())
+        out: list[KeyValue] = []
+
+        def read(first: bytes, at: int | None) -> Any:
             try:
-                return self._client.get_prefix_response(prefix, **kwargs)
+                return self._client.get_range_response(first, end, limit=self.options.range_page, revision=at)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
                     detail = exc.details() or ""
                     return RevisionOutOfRange("compacted" in detail, detail)
                 raise
 
-        resp = self._call(f"list {prefix}" + ("" if revision is None else f" at revision {revision}"), read)
-        if isinstance(resp, RevisionOutOfRange):
-            raise resp
-        return [key_value(kv) for kv in resp.kvs], int(resp.header.revision)
+        while True:
+            resp = self._call(what, lambda first=start, at=revision: read(first, at))
+            if isinstance(resp, RevisionOutOfRange):
+                raise resp
+            out.extend(key_value(kv) for kv in resp.kvs)
+            if revision is None:
+                revision = int(resp.header.revision)
+            if not resp.more or not resp.kvs:
+                return out, revision
+            start = bytes(resp.kvs[-1].key) + b"\0"  # the next key after the last one read
 
     def revision(self) -> int:
         resp = self._call("status", lambda: self._client.get_response("/"))

@@ -381,20 +381,19 @@ class EtcdEventFollower:
         if self._on_arrival is not None:
             self._on_arrival()
 
-    def _read_unseen(self, upto: int | None = None) -> None:
-        """Queue, in ``t`` order, every record in etcd newer than what the watch delivered (and, with ``upto``,
-        not newer than that revision: the watch starts after it)."""
+    def _read_unseen(self) -> None:
+        """Queue, in ``t`` order, every record in etcd newer than what the watch and earlier reads delivered."""
         items = self._kv.get_prefix(events_prefix(self.job))
         with self._lock:
             floor = max(self._watched_to, self._read_to)
-            fresh = [item for item in items if item.mod_revision > floor and (upto is None or item.mod_revision <= upto)]
+            fresh = [item for item in items if item.mod_revision > floor]
         records = sorted(((_parse_etcd_record(item.key, item.value), item.key) for item in fresh),
                          key=lambda pair: (pair[0].t, pair[1]))
         with self._lock:
             newest = max((item.mod_revision for item in fresh), default=0)
             fresh_keys = {item.key for item in fresh if item.mod_revision > self._watched_to}
             self._pending.extend(record for record, key in records if key in fresh_keys)
-            self._read_to = max(self._read_to, newest, upto or 0)
+            self._read_to = max(self._read_to, newest)
 
     def poll(self, *, final: bool = False) -> list[Event]:
         """The records added since the last call. ``final``: the last call, once every writer has closed its

@@ -229,19 +229,22 @@ class EtcdKV:
         return key_value(resp.kvs[0]) if resp.count else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        while True:
-            try:
-                return self._read_prefix(f"get prefix {prefix}", prefix, None)[0]
-            except RevisionOutOfRange as exc:  # compacted between two pages: read it again, at the newest revision
-                log.debug("get prefix %s: %s; reading it again", prefix, exc)
+        return self.range_at(prefix)[0]
 
     def range_at(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` (at `revision`, default now) and the revision read at.
 
-        Raises `RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet.
+        Raises `RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet. Without
+        `revision`, a compaction between two pages of the read makes it read again, at the newest revision.
         """
-        return self._read_prefix(f"list {prefix}" + ("" if revision is None else f" at revision {revision}"),
-                                 prefix, revision)
+        what = f"list {prefix}" + ("" if revision is None else f" at revision {revision}")
+        while True:
+            try:
+                return self._read_prefix(what, prefix, revision)
+            except RevisionOutOfRange as exc:
+                if revision is not None:
+                    raise
+                log.debug("%s: %s; reading it again", what, exc)
 
     def _read_prefix(self, what: str, prefix: str, revision: int | None) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` and the revision read at, in pages of `options.range_page` keys, each page at

@@ -295,3 +295,31 @@ def test_a_prefix_longer_than_a_page_is_read_whole_in_key_order_and_at_one_revis
         assert len(now) == 10 and now["03"] == b"changed" and "08" not in now and now["10"] == b"10"
     finally:
         paged.close()
+
+
+def test_a_paged_read_that_etcd_compacts_under_it_is_read_again_at_the_newest_revision(options: EtcdOptions,
+                                                                                        job: str) -> None:
+    prefix = f"/bamboo/{job}/compacted/"
+    paged = EtcdKV(attrs.evolve(options, range_page=3))
+    try:
+        for index in range(10):
+            paged.put(f"{prefix}{index:02d}", b"x")
+        client = paged.client
+        read_range = client.get_range_response
+        calls: list[int | None] = []
+
+        def read_then_compact(*args: object, **kwargs: object) -> object:
+            calls.append(kwargs.get("revision"))  # type: ignore[arg-type]
+            answer = read_range(*args, **kwargs)
+            if len(calls) == 1:  # between the first page and the second: a write, then a compaction past it
+                paged.put(f"{prefix}10", b"late")
+                paged.compact(paged.revision())
+            return answer
+
+        client.get_range_response = read_then_compact  # type: ignore[method-assign]
+        keys, revision = paged.range_at(prefix)
+        assert [kv.key.removeprefix(prefix) for kv in keys] == [f"{index:02d}" for index in range(11)]
+        assert calls[0] is None and calls[1] is not None and calls[1] < revision  # the second page hit the compaction
+        assert calls[2] is None  # read again from the first page, at the newest revision
+    finally:
+        paged.close()

@@ -70,7 +70,7 @@ def _check_endpoint(_: object, attribute: attrs.Attribute[Any], value: tuple[str
 RANGE_PAGE_KEYS = 1000
 """How many keys one answer of a prefix read holds at most (`EtcdOptions.range_page`). gRPC refuses an answer over
 4 MB: an event log of 30,000 step records was 5.3 MB in one answer, and its reader failed with
-`RESOURCE_EXHAUSTED`. A thousand such records are about 170 kB."""
+`RESOURCE_EXHAUSTED`. A thousand such records are about 180 kB."""
 
 
 @attrs.frozen

@@ -136,7 +136,8 @@ class PrefixWatch:
         )
 
     def _load_snapshot(self) -> None:
-        if self.puts_only:  # nothing to reconcile deletions with: only the revision to start from
+        if self.puts_only:  # no snapshot (None): nothing to reconcile deletions with, only where to start
+            self._snapshot = None
             self._next_revision = (self._kv.revision() + 1 if self._start_revision is None
                                    else self._start_revision)
             return
@@ -165,12 +166,9 @@ class PrefixWatch:
 
     def create_request(self) -> Any:
         """The request that creates this watch's server-side watch, from the revision after the last delivered."""
-        if self.puts_only:
-            return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-                key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision,
-                filters=[etcdrpc.WatchCreateRequest.NODELETE]))
+        wanted = {"filters": [etcdrpc.WatchCreateRequest.NODELETE]} if self.puts_only else {"prev_kv": True}
         return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-            key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision, prev_kv=True))
+            key=self.prefix.encode(), range_end=self._range_end, start_revision=self._next_revision, **wanted))
 
     # -- delivery (this watch's own thread) --------------------------------------------------------
 
@@ -231,13 +229,9 @@ class PrefixWatch:
             if revision < self._next_revision:
                 continue  # already delivered before a reconnect
             last = revision if last is None else max(last, revision)
+            if self.puts_only and raw.type == kv_pb2.Event.DELETE:
+                continue  # etcd leaves them out (NODELETE); never pass one on
             key = raw.kv.key.decode()
-            if self.puts_only:
-                if raw.type != kv_pb2.Event.DELETE:  # etcd filtered them out; never pass one on
-                    self._safe_callback(WatchEvent(EventKind.PUT, key, bytes(raw.kv.value), revision, None,
-                                                   create_revision=int(raw.kv.create_revision),
-                                                   lease=int(raw.kv.lease)))
-                continue
             known = self._snapshot.get(key) if self._snapshot is not None else None
             prev = bytes(raw.prev_kv.value) if raw.HasField("prev_kv") else (known.value if known else None)
             if raw.type == kv_pb2.Event.DELETE:
@@ -256,15 +250,13 @@ class PrefixWatch:
     def _relist(self) -> None:
         """Reconcile the snapshot with the prefix as it is now, deliver the difference, resume after it."""
         kvs, revision = self._kv.range_at(self.prefix)
-        if self.puts_only:
-            self._relist_puts(kvs, revision)
-            return
         current = {kv.key: kv for kv in kvs}
         old = self._snapshot
         events: list[WatchEvent] = []
         if old is None:
-            log.warning("watch %s: the history before its start revision %d was compacted; keys deleted before "
-                        "the relist at %d cannot be reported", self.prefix, self._next_revision, revision)
+            if not self.puts_only:  # a puts-only watch reports no deletion anyway, and keeps no snapshot
+                log.warning("watch %s: the history before its start revision %d was compacted; keys deleted "
+                            "before the relist at %d cannot be reported", self.prefix, self._next_revision, revision)
             old = {}
         for key, before in old.items():
             now = current.get(key)
@@ -283,19 +275,7 @@ class PrefixWatch:
         events.sort(key=lambda e: (e.revision, e.kind is EventKind.PUT, e.key))
         log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d changes delivered",
                     self.prefix, revision, self._next_revision, len(events))
-        self._snapshot = current
-        self._deliver_relisted(events, revision)
-
-    def _relist_puts(self, kvs: list[KeyValue], revision: int) -> None:
-        """A puts-only watch's relist: the keys written since the last delivered revision, in revision order."""
-        events = [WatchEvent(EventKind.PUT, kv.key, kv.value, kv.mod_revision, None, relisted=True,
-                             create_revision=kv.create_revision, lease=kv.lease)
-                  for kv in sorted(kvs, key=lambda kv: kv.mod_revision) if kv.mod_revision >= self._next_revision]
-        log.warning("watch %s: relisted at revision %d after missing revisions from %d: %d keys written since",
-                    self.prefix, revision, self._next_revision, len(events))
-        self._deliver_relisted(events, revision)
-
-    def _deliver_relisted(self, events: list[WatchEvent], revision: int) -> None:
+        self._snapshot = None if self.puts_only else current
         self._next_revision = revision + 1
         self.relists += 1
         for event in events:

@@ -387,13 +387,11 @@ class EtcdEventFollower:
         with self._lock:
             floor = max(self._watched_to, self._read_to)
             fresh = [item for item in items if item.mod_revision > floor]
-        records = sorted(((_parse_etcd_record(item.key, item.value), item.key) for item in fresh),
-                         key=lambda pair: (pair[0].t, pair[1]))
-        with self._lock:
-            newest = max((item.mod_revision for item in fresh), default=0)
-            fresh_keys = {item.key for item in fresh if item.mod_revision > self._watched_to}
-            self._pending.extend(record for record, key in records if key in fresh_keys)
-            self._read_to = max(self._read_to, newest)
+        records = sorted(((_parse_etcd_record(item.key, item.value), item.key, item.mod_revision) for item in fresh),
+                         key=lambda row: (row[0].t, row[1]))
+        with self._lock:  # the watch may have delivered some of them meanwhile, in revision order
+            self._pending.extend(record for record, _, revision in records if revision > self._watched_to)
+            self._read_to = max([self._read_to, *(revision for *_, revision in records)])
 
     def poll(self, *, final: bool = False) -> list[Event]:
         """The records added since the last call. ``final``: the last call, once every writer has closed its

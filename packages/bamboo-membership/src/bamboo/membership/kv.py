@@ -13,9 +13,11 @@ membership store relies on:
   etcd transaction as the write. A writer whose record is gone (its lease revoked or expired) or was
   replaced by a newer registration gets `FencedError`, and nothing is written;
 - **watches that lose nothing** (`bamboo.membership.watch`): every watch of one client shares one gRPC
-  stream; after it breaks each resumes from the revision after the last one it delivered, and one whose
+  stream (`bamboo.membership.watch_stream`); after it breaks each resumes from the revision after the last one it delivered, and one whose
   revision etcd compacted meanwhile relists its prefix and delivers the difference (`relisted=True`).
-  A watch's first registration is retried within `watch_start_timeout`;
+  A watch's first registration is retried within `watch_start_timeout`; a puts-only watch gets no deletions;
+- **paged reads**: a prefix is read in pages of `range_page` keys, all at one revision, so no answer passes
+  gRPC's 4 MB limit;
 - **one keepalive stream**: every lease refresh of the client goes over one long-lived stream
   (`bamboo.membership.streams`), not a stream per refresh.
 

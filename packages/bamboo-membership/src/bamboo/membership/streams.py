@@ -4,7 +4,7 @@ A unary etcd call costs a Python client about 0.5 ms of CPU; opening a stream fo
 the etcd client library does, about 2 ms. At one refresh every TTL/3 that is 0.3% of a core per agent, and
 all of a 2-core machine for a thousand emulated agents. So, as etcd's own Go client does, each `EtcdKV`
 keeps one `LeaseKeepAlive` stream open and sends every refresh of every lease on it (`KeepAliveStream`,
-0.4 ms a refresh), and one `Watch` stream for all of its watches (`bamboo.membership.watch`).
+0.4 ms a refresh), and one `Watch` stream for all of its watches (`bamboo.membership.watch_stream`).
 
 A thread blocked in a gRPC call wakes ten times a second inside gRPC (`grpc._common.MAXIMUM_WAIT_TIMEOUT`,
 0.1 s), so that a signal reaches a main thread blocked there; on Linux a signal interrupts such a wait anyway.

@@ -10,12 +10,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 from bamboo.bench import timeouts
-from bamboo.bench.emulated.processes import stopped_like_ctrl_c
+from bamboo.bench.emulated.run_watch import wait_first_step
+from bamboo.bench.emulated.stop_signals import pause, stop_signals_deferred, stopped_like_ctrl_c
 from bamboo.bench.measured import compare
 
 
@@ -48,6 +51,54 @@ def test_the_first_stop_signal_raises_keyboard_interrupt_the_next_do_not_cut_the
             cleaned = True
     assert cleaned
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_signal_in_a_deferred_block_waits_for_its_next_pause() -> None:
+    steps: list[str] = []
+    with stopped_like_ctrl_c(), pytest.raises(KeyboardInterrupt, match="SIGTERM"), stop_signals_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)  # as if it came during an etcd call of the loop
+        steps.append("the call went on")
+        time.sleep(0.01)  # a plain sleep, a call that returns: neither raises
+        steps.append("and the next")
+        pause(0)
+        steps.append("not reached")
+    assert steps == ["the call went on", "and the next"]
+
+
+def test_a_stop_signal_during_a_pause_interrupts_its_sleep_and_one_before_the_block_ends_raises_there() -> None:
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+    started = time.monotonic()
+    with stopped_like_ctrl_c(), pytest.raises(KeyboardInterrupt, match="SIGTERM"), stop_signals_deferred():
+        timer.start()
+        pause(60)
+    assert time.monotonic() - started < 30
+    with stopped_like_ctrl_c(), pytest.raises(KeyboardInterrupt, match="SIGHUP"), stop_signals_deferred():
+        os.kill(os.getpid(), signal.SIGHUP)
+    pause(0)  # outside stopped_like_ctrl_c: only a sleep
+
+
+def test_the_launchers_wait_for_the_first_step_is_not_interrupted_inside_its_etcd_reads() -> None:
+    # The signal lands while the loop reads etcd (here, inside get_prefix); it surfaces at the loop's pause, after
+    # the read returned: a gRPC call cut short by it could leave its channel unable to close (grpc/grpc#19973).
+    reads: list[str] = []
+
+    class _KV:
+        def get_prefix(self, prefix: str) -> list[object]:
+            reads.append("started")
+            if len(reads) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)
+            reads.append("returned")
+            return []
+
+    membership = types.SimpleNamespace(kv=_KV(), keys=types.SimpleNamespace(decision=lambda name: name),
+                                       get_decision=lambda name: None)
+    recorder = types.SimpleNamespace(last_step=0)
+    cluster = types.SimpleNamespace(snapshot=dict)
+    with stopped_like_ctrl_c(), pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        wait_first_step(recorder, cluster, membership, time.monotonic() + 60, Path("."),  # type: ignore[arg-type]
+                        lambda line: None)
+    assert reads == ["started", "returned"]
 
 
 def test_sigterm_stops_the_run_and_every_node_it_started(tmp_path: Path) -> None:

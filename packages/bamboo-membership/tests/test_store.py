@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import attrs
 import pytest
 from bamboo.membership.kv import EtcdKV, EtcdOptions, EventKind, FencedError, Guard, WatchEvent
 from bamboo.membership.records import (
@@ -291,3 +292,24 @@ def test_a_fence_must_be_a_node_of_the_same_job(store: MembershipStore) -> None:
         Guard(node="n", key="k", create_revision=1, lease=True)
     with pytest.raises(TypeError, match="'lease' must be <class 'int'>"):
         Guard(node="n", key="k", create_revision=1, lease=1.0)
+
+
+def test_a_client_whose_channel_cannot_close_is_left_after_the_close_timeout(
+        options: EtcdOptions, caplog: pytest.LogCaptureFixture) -> None:
+    # What a call cut short by a signal handler's KeyboardInterrupt leaves (grpc/grpc#19973): a channel whose close
+    # waits forever. The launcher stopped by SIGTERM while it read etcd hung in that close instead of exiting.
+    kv = EtcdKV(attrs.evolve(options, close_timeout=0.2))
+    kv.put("/close-test/a", "1")
+    real_close = kv.client.close
+    release = threading.Event()
+    kv.client.close = release.wait  # type: ignore[method-assign]
+    try:
+        closer = threading.Thread(target=kv.close, daemon=True)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive(), "close waited on the channel past its close_timeout"
+        assert kv.closed
+        assert "did not close within 0.2 s" in caplog.text
+    finally:
+        release.set()
+        real_close()

@@ -431,6 +431,16 @@ class EtcdKV:
         if self._watches is not None:
             self._watches.close()
         self._keepalive.close()
+        # On a thread of its own, bounded: a channel whose call a signal handler's exception cut short can wait
+        # forever in its close (ETCD_CLOSE_TIMEOUT_S); the daemon thread then does not keep the program alive.
+        closer = threading.Thread(target=self._close_client, name="bamboo-etcd-close", daemon=True)
+        closer.start()
+        closer.join(self.options.close_timeout)
+        if closer.is_alive():
+            log.warning("the etcd client's channel did not close within %.1f s (a call interrupted by a signal, "
+                           "grpc/grpc#19973); left open", self.options.close_timeout)
+
+    def _close_client(self) -> None:
         with contextlib.suppress(Exception):
             self._client.close()
 

@@ -94,6 +94,7 @@ class EtcdOptions:
     reconnect_backoff_max: float = attrs.field(default=timeouts.ETCD_RECONNECT_BACKOFF_MAX_S, validator=_POSITIVE)
     watch_retry_interval: float = attrs.field(default=timeouts.WATCH_RETRY_INTERVAL_S, validator=_POSITIVE)
     watch_start_timeout: float = attrs.field(default=timeouts.WATCH_START_TIMEOUT_S, validator=_POSITIVE)
+    close_timeout: float = attrs.field(default=timeouts.ETCD_CLOSE_TIMEOUT_S, validator=_POSITIVE)
     range_page: int = attrs.field(default=RANGE_PAGE_KEYS, validator=[attrs.validators.instance_of(int),
                                                                       attrs.validators.ge(1)])
 

@@ -17,6 +17,7 @@ __all__ = [
     "C10D_POLL_MAX_S",
     "C10D_POLL_MIN_S",
     "C10D_STORE_TIMEOUT_S",
+    "ETCD_CLOSE_TIMEOUT_S",
     "ETCD_HEALTH_POLL_S",
     "ETCD_HEALTH_TIMEOUT_S",
     "ETCD_RECONNECT_BACKOFF_MAX_S",
@@ -57,6 +58,12 @@ clients reconnect within this long. Nothing fails when it elapses; it only space
 ETCD_RECONNECT_BACKOFF_MIN_S = 0.1
 """First (and shortest) gRPC reconnect backoff to etcd (`EtcdOptions.reconnect_backoff_min`): a client whose
 connection broke tries again after this long, then backs off up to `ETCD_RECONNECT_BACKOFF_MAX_S`."""
+
+ETCD_CLOSE_TIMEOUT_S = 5.0
+"""Bound on closing a client's gRPC channel (`EtcdOptions.close_timeout`). A channel whose call was cut short by an
+exception from a signal handler (Ctrl-C's KeyboardInterrupt raised inside the call) can wait forever in its close
+(grpc/grpc#19973; reproduced with grpcio 1.85): past this, `EtcdKV.close` logs a warning and leaves the channel
+to a daemon thread, and the program exits anyway."""
 
 WATCH_RETRY_INTERVAL_S = 0.2
 """Pause between two attempts to (re)create a broken watch stream (`EtcdOptions.watch_retry_interval`).

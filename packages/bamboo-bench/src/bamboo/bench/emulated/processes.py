@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -18,7 +17,7 @@ from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.bench.emulated.forkserver import ForkServer
 from bamboo.launch.forkserver import FORK_SERVER_ENV, ForkedProcess
 
-__all__ = ["STOP_SIGNALS", "ProcessCluster", "kill_process_group", "stopped_like_ctrl_c"]
+__all__ = ["ProcessCluster", "kill_process_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,33 +29,6 @@ def kill_process_group(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""The signals that stop ``bamboo-launch run``, ``bamboo-bench compare`` and ``bamboo-bench measure``: Ctrl-C,
-``kill``, ``timeout``, a CI job cancelled, the terminal closed."""
-
-
-@contextlib.contextmanager
-def stopped_like_ctrl_c(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
-    """Within it, the first of ``signals`` raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that a
-    run's clean-up kills its nodes and its etcd; the signals that follow are ignored, so that they do not cut
-    that clean-up short (a terminal's Ctrl-C reaches ``compare`` and its ``measure`` run together, and
-    ``compare`` then sends that run SIGTERM). Each node runs in a session of its own: with the default action, a
-    run stopped by ``timeout`` left its agents running, still retrying their etcd, long after it ended."""
-    fired: list[int] = []
-
-    def interrupt(number: int, _frame: object) -> None:
-        if not fired:
-            fired.append(number)
-            raise KeyboardInterrupt(signal.Signals(number).name)
-
-    previous = {number: signal.signal(number, interrupt) for number in signals}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 class ProcessCluster:

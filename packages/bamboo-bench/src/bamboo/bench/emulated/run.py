@@ -53,6 +53,7 @@ from bamboo.bench.emulated.run_results import (
 )
 from bamboo.bench.emulated.run_results import dumps_result as dumps_result
 from bamboo.bench.emulated.run_watch import EventRecorder, wait_end, wait_first_step
+from bamboo.bench.emulated.stop_signals import stop_signals_deferred
 
 if TYPE_CHECKING:
     from bamboo.bench.emulated.forkserver import ForkServer
@@ -118,7 +119,8 @@ def run_cluster(
 
     try:
         say(f"starting {len(initial)} agents")
-        market.run_due()  # the initial nodes start now; the rest of the plan waits for the first step
+        with stop_signals_deferred():  # a stop raised inside Popen() would lose a node that had started
+            market.run_due()  # the initial nodes start now; the rest of the plan waits for the first step
         if at_start is not None:
             handles = handles_of({})
             threading.Thread(target=at_start, args=(handles,), name="bamboo-run-at-start", daemon=True).start()

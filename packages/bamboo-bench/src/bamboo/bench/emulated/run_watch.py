@@ -1,6 +1,7 @@
 """How the launcher of an emulated cluster follows its job: the job's event log mirrored from etcd into a local
 file (:class:`EventRecorder`), the wait for the first training step (or the reason there is none), and the wait
-for the job's end with its progress lines or live view."""
+for the job's end with its progress lines or live view; a stop signal is raised only between their polls, where
+the main thread is in no gRPC call and holds no lock."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.bench.emulated.run_options import RunError
+from bamboo.bench.emulated.stop_signals import pause, stop_signals_deferred
 from bamboo.launch import timeouts
 
 if TYPE_CHECKING:
@@ -109,9 +111,11 @@ def last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
+@stop_signals_deferred()
 def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership: MembershipStore,
                     deadline: float, log_dir: Path, say: Callable[[str], None]) -> JobLayout | None:
-    """The layout that trains, once a training step was recorded; RunError when the job cannot start."""
+    """The layout that trains, once a training step was recorded; RunError when the job cannot start. A stop
+    signal (Ctrl-C, SIGTERM) meanwhile is raised between two polls (:mod:`~bamboo.bench.emulated.stop_signals`)."""
     from bamboo.launch.coordinator import read_layout
     from bamboo.launch.records import JobEnd, WorkerError, read_record
 
@@ -140,9 +144,10 @@ def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership
             reported.add(node)
         if time.monotonic() > deadline:
             raise RunError("no training step before the run's timeout")
-        time.sleep(emulated_timeouts.RUN_POLL_S)
+        pause(emulated_timeouts.RUN_POLL_S)
 
 
+@stop_signals_deferred()
 def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: float, events: Callable[[], list[Event]],
              live: bool, say: Callable[[str], None], progress_every: int = 10,
              nodes_to_come: Callable[[], bool] = lambda: False) -> bool:
@@ -153,7 +158,8 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
     (a bulk preemption took every node) is still running while ``nodes_to_come()`` (the market will start
     another node) and the cluster is not closed: the job goes on from its newest checkpoint once the new nodes form
     a pipeline. A closed cluster (the run was stopped) starts no node: a stopped run whose market had nodes still to
-    start waited for them until its timeout.
+    start waited for them until its timeout. A stop signal (Ctrl-C, SIGTERM) meanwhile is raised between two polls
+    (:mod:`~bamboo.bench.emulated.stop_signals`).
     """
     from bamboo.launch.records import JobEnd, read_record
 
@@ -182,7 +188,7 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
             line = lines.line(state)
             if line is not None:
                 say(line)
-            time.sleep(emulated_timeouts.PROGRESS_POLL_S)
+            pause(emulated_timeouts.PROGRESS_POLL_S)
         state.apply_all(events())
         if state.step is not None and state.step != lines.last:
             say(state.progress_line())  # the last step too
@@ -195,6 +201,6 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
             if time.monotonic() > deadline:
                 return True
             view.update()
-            time.sleep(emulated_timeouts.LIVE_REFRESH_S)
+            pause(emulated_timeouts.LIVE_REFRESH_S)
         view.update()
     return False

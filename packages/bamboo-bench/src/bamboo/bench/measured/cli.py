@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 from bamboo.bench import timeouts
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, positive_float, positive_int, zones
-from bamboo.bench.emulated.processes import stopped_like_ctrl_c
+from bamboo.bench.emulated.stop_signals import stopped_like_ctrl_c
 from bamboo.bench.measured.compare import Comparison, default_out, run_compare
 from bamboo.bench.measured.figure import plot_comparison
 from bamboo.bench.measured.options import (

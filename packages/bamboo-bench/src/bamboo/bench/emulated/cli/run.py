@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
-from bamboo.bench.emulated.processes import stopped_like_ctrl_c
 from bamboo.bench.emulated.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
 from bamboo.bench.emulated.run_options import Verification
+from bamboo.bench.emulated.stop_signals import stopped_like_ctrl_c
 from bamboo.bench.value import compute_report, format_report, plot_report
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.events import read_events

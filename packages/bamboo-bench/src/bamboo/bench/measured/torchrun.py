@@ -81,6 +81,7 @@ from bamboo.bench.emulated.market import (
 )
 from bamboo.bench.emulated.run import RunOptions, initial_plan
 from bamboo.bench.emulated.run_results import last_step
+from bamboo.bench.emulated.stop_signals import pause, stop_signals_deferred
 from bamboo.bench.measured.baseline import (
     SPEC_ENV,
     BaselineSpec,
@@ -399,72 +400,74 @@ def run_checkpoint_restart(
     job_restarts = 0
     interval: CheckpointInterval | None = None
     try:
-        say(f"starting {len(initial)} torchrun agents (job {job}, --nnodes {options.stages * options.min_pipelines}:"
-            f"{max_nodes}, run dir {run_dir})")
-        market.run_due()
-        while not (base / "starts.jsonl").exists():
-            error = _worker_error(base)
-            if error is not None:
-                raise BaselineError(f"a worker cannot start: {error}")
-            if not cluster.alive():
-                raise BaselineError("every agent exited before the first step: " + "; ".join(
-                    f"{node}: {_tail(run_dir / 'logs' / (node + '.log'))}" for node in sorted(cluster.processes)))
-            if time.monotonic() > deadline:
-                raise BaselineError(f"no training step within the timeout of {options.timeout_s:g} s")
-            time.sleep(0.05)
-        training.set()
-        clock.start_now()
-        say("training started; replaying the trace")
-        market.start()
-        if during is not None:
-            handles = BaselineHandles(cluster=cluster, events=events_path, kill=kill, add=add, alive=cluster.alive,
-                                      steps=lambda: last_step(events_path), roles=lambda: current_roles(base),
-                                      stop=stop.set)
-            threading.Thread(target=during, args=(handles,), name="baseline-during", daemon=True).start()
-        done_at: float | None = None
-        dropped_said: set[str] = set()
-        while True:
-            if interval is None and (base / "interval.json").exists():
-                interval = CheckpointInterval.from_dict(json.loads((base / "interval.json").read_text()))
-                say(f"checkpoints: {interval.describe()}")
-            for node in sorted(watch.dropped().keys() - dropped_said):
-                dropped_said.add(node)
-                say(f"warning: torchrun dropped {node}'s live agent from its rendezvous (its heartbeats came late): "
-                    "from here on its restarts are not torchrun's usual ones")
-            if stop.is_set():
-                say("stopped before the last step")
-                break
-            error = _worker_error(base)
-            if error is not None:
-                raise BaselineError(f"a worker failed: {error}")
-            alive = cluster.alive()
-            if (base / "done").exists():
-                done_at = done_at or time.monotonic()
-                if not alive or time.monotonic() - done_at > options.finish_grace_s:
+        # A stop signal waits for the loops' next pause: raised in a Popen.poll, it could leave a lock held.
+        with stop_signals_deferred():
+            say(f"starting {len(initial)} torchrun agents (job {job}, --nnodes {options.stages * options.min_pipelines}:"
+                f"{max_nodes}, run dir {run_dir})")
+            market.run_due()
+            while not (base / "starts.jsonl").exists():
+                error = _worker_error(base)
+                if error is not None:
+                    raise BaselineError(f"a worker cannot start: {error}")
+                if not cluster.alive():
+                    raise BaselineError("every agent exited before the first step: " + "; ".join(
+                        f"{node}: {_tail(run_dir / 'logs' / (node + '.log'))}" for node in sorted(cluster.processes)))
+                if time.monotonic() > deadline:
+                    raise BaselineError(f"no training step within the timeout of {options.timeout_s:g} s")
+                pause(0.05)
+            training.set()
+            clock.start_now()
+            say("training started; replaying the trace")
+            market.start()
+            if during is not None:
+                handles = BaselineHandles(cluster=cluster, events=events_path, kill=kill, add=add, alive=cluster.alive,
+                                          steps=lambda: last_step(events_path), roles=lambda: current_roles(base),
+                                          stop=stop.set)
+                threading.Thread(target=during, args=(handles,), name="baseline-during", daemon=True).start()
+            done_at: float | None = None
+            dropped_said: set[str] = set()
+            while True:
+                if interval is None and (base / "interval.json").exists():
+                    interval = CheckpointInterval.from_dict(json.loads((base / "interval.json").read_text()))
+                    say(f"checkpoints: {interval.describe()}")
+                for node in sorted(watch.dropped().keys() - dropped_said):
+                    dropped_said.add(node)
+                    say(f"warning: torchrun dropped {node}'s live agent from its rendezvous (its heartbeats came late): "
+                        "from here on its restarts are not torchrun's usual ones")
+                if stop.is_set():
+                    say("stopped before the last step")
                     break
-            elif not alive:
-                machines = cluster.machines()
-                why = "; ".join(f"{node}: {_tail(run_dir / 'logs' / (node + '.log'), 1)}" for node in sorted(machines))
-                if job_restarts >= options.max_job_restarts:
-                    raise BaselineError(f"every agent exited before the last step, {job_restarts} job restarts "
-                                        f"already: {why}")
-                job_restarts += 1
-                current["rendezvous"] = f"{job}-{job_restarts}"
-                current["command"] = torchrun_command(options, current["rendezvous"], store.port, max_nodes)
-                say(f"every torchrun agent exited before the last step ({why}); restarting the job on "
-                    f"{len(machines)} machines, rendezvous {current['rendezvous']}")
-                for node in sorted(machines):
-                    cluster.restart_agent(node)
-            else:
-                for node in sorted(cluster.machines()):
-                    if started_on.get(node) != current["rendezvous"] and cluster.processes[node].poll() is not None:
-                        say(f"{node}'s agent was started on an older rendezvous; starting it on "
-                            f"{current['rendezvous']}")
+                error = _worker_error(base)
+                if error is not None:
+                    raise BaselineError(f"a worker failed: {error}")
+                alive = cluster.alive()
+                if (base / "done").exists():
+                    done_at = done_at or time.monotonic()
+                    if not alive or time.monotonic() - done_at > options.finish_grace_s:
+                        break
+                elif not alive:
+                    machines = cluster.machines()
+                    why = "; ".join(f"{node}: {_tail(run_dir / 'logs' / (node + '.log'), 1)}" for node in sorted(machines))
+                    if job_restarts >= options.max_job_restarts:
+                        raise BaselineError(f"every agent exited before the last step, {job_restarts} job restarts "
+                                            f"already: {why}")
+                    job_restarts += 1
+                    current["rendezvous"] = f"{job}-{job_restarts}"
+                    current["command"] = torchrun_command(options, current["rendezvous"], store.port, max_nodes)
+                    say(f"every torchrun agent exited before the last step ({why}); restarting the job on "
+                        f"{len(machines)} machines, rendezvous {current['rendezvous']}")
+                    for node in sorted(machines):
                         cluster.restart_agent(node)
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.1)
+                else:
+                    for node in sorted(cluster.machines()):
+                        if started_on.get(node) != current["rendezvous"] and cluster.processes[node].poll() is not None:
+                            say(f"{node}'s agent was started on an older rendezvous; starting it on "
+                                f"{current['rendezvous']}")
+                            cluster.restart_agent(node)
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                pause(0.1)
     finally:
         watch.stop()
         market.stop(timeout=5.0)

@@ -80,3 +80,37 @@ def test_stage_state_moves_between_processes_bit_for_bit() -> None:
         for mine, theirs in zip(piece.optimizer.state.values(), other.optimizer.state.values(), strict=True):
             assert all(torch.equal(mine[key], theirs[key]) for key in ("exp_avg", "exp_avg_sq", "step"))
         assert piece.optimizer.param_groups[0]["lr"] == other.optimizer.param_groups[0]["lr"]
+
+
+def test_the_wire_format_gives_back_every_tensor_bit_for_bit_and_every_other_value_as_it_was() -> None:
+    from bamboo.rc.transfer import pack_states, unpack_states
+
+    wide = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    states = {0: {"layers": {"w": torch.randn(3, 5), "half": torch.randn(7).half(), "bf": torch.randn(5).bfloat16(),
+                             "strided": wide.t(), "empty": torch.empty(0, 4)},
+                  "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 5)}},
+                                "param_groups": [{"lr": 0.1, "params": [0], "betas": (0.9, 0.999)}]},
+                  "scheduler": None, "steps": 3, "loss_scale": {"scale": 2.0 ** 15}},
+              2: {"flags": torch.tensor([True, False, True]), "ids": torch.tensor([1, -2, 3], dtype=torch.int64)}}
+    buffer = pack_states(states)
+    assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+    back = unpack_states(buffer)
+
+    def same(a: object, b: object) -> None:
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.contiguous().view(-1).view(torch.uint8) if a.numel() else a, b.view(-1).view(
+                torch.uint8) if b.numel() else b)
+            assert b.untyped_storage().nbytes() == b.numel() * b.element_size()  # its own copy, not the buffer
+        elif isinstance(a, dict):
+            assert isinstance(b, dict) and a.keys() == b.keys()
+            for key in a:
+                same(a[key], b[key])
+        elif isinstance(a, (list, tuple)):
+            assert type(a) is type(b) and len(a) == len(b)
+            for x, y in zip(a, b, strict=True):
+                same(x, y)
+        else:
+            assert a == b
+
+    same(states, back)

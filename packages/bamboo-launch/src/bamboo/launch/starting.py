@@ -212,7 +212,7 @@ def move_state(run: WorkerSession, layout: JobLayout, old: StageExecutor | None,
     if executor is not None and old is not None:
         for stage, piece in executor.slices.items():
             if stage in old.slices and old.slices[stage].steps == layout.start_step:
-                piece.load_state_bytes(old.slices[stage].state_bytes())
+                piece.load_state(old.slices[stage].snapshot())  # cloned tensors: no serialisation
     if group is None:
         return
     members = transfer_participants_of(layout)

@@ -254,7 +254,13 @@ class TrainableSlice:
         return _cloned(self._state(), device)
 
     def load_state_bytes(self, data: bytes) -> None:
-        state = torch.load(io.BytesIO(data), weights_only=False, map_location=self.device)
+        """Load what :meth:`state_bytes` serialised."""
+        self.load_state(torch.load(io.BytesIO(data), weights_only=False, map_location=self.device))
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Load a state as :meth:`snapshot` gives it (or as a transfer unpacks it): the parameters are copied in; the
+        optimizer keeps the given tensors as its state (moved to the parameters' device), so they must be this
+        slice's own, not another live slice's."""
         self.layers.load_state_dict(state["layers"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:

@@ -1,25 +1,98 @@
 """Moving a stage's state between processes over torch.distributed.
 
-After a consecutive failure the launcher rebuilds the lost stages from the copies that survive
-(data-parallel peers, shadows). :func:`export_stage_state` sends everything a stage needs to
-continue exactly (parameters, optimizer state, LR-scheduler state, step counter, and the replica
-of the successor when there is one) to another process over a gloo group;
-:func:`import_stage_state` receives it and loads it into that process's slices. The payload is
-`torch.save` bytes in a uint8 tensor, sent in 1 MiB chunks behind an 8-byte length.
+After a consecutive failure, and at the switch to a layout prepared while the old one trained, the launcher
+rebuilds stages from the copies that survive (data-parallel peers, shadows). :func:`export_stage_state` sends
+everything a stage needs to continue exactly (parameters, optimizer state, LR-scheduler state, step counter, and
+the replica of the successor when there is one) to another process over a gloo group; :func:`import_stage_state`
+receives it and loads it into that process's slices.
+
+The wire format (:func:`pack_states`) is one uint8 buffer: the length of a pickled skeleton of the states (every
+tensor replaced by its slot: dtype, shape and offset), the skeleton, then the tensors' raw bytes, each at a
+16-byte boundary; it goes in 1 MiB chunks behind its length. It replaced ``torch.save`` bytes inside
+``torch.save``: a prepared switch spent most of its pause serialising (44 ms to save and 34 ms to load 1.6 MB on
+a loaded machine, for bytes that take about a millisecond to copy).
 """
 
 from __future__ import annotations
 
-import io
+import pickle
+from typing import Any
 
+import attrs
 import torch
 from bamboo.rc.comm import chunk_views
 from bamboo.rc.state import TrainableSlice
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-__all__ = ["export_stage_state", "import_stage_state"]
+__all__ = ["export_stage_state", "import_stage_state", "pack_states", "unpack_states"]
 
 _TAG_LENGTH, _TAG_DATA = 7001, 7002
+_ALIGN = 16
+"""Every tensor's bytes start at a multiple of this in the buffer, so that a view of them as any dtype is aligned."""
+
+
+@attrs.frozen
+class _Slot:
+    """Where one tensor of the skeleton lies among the tensors' bytes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def pack_states(states: dict[int, dict[str, Any]]) -> torch.Tensor:
+    """``states`` (stage -> a slice's state, as :meth:`TrainableSlice.snapshot` gives it) as one uint8 buffer: an
+    8-byte skeleton length, the pickled skeleton, then every tensor's bytes (copied to the CPU)."""
+    placed: list[tuple[torch.Tensor, _Slot]] = []
+    end = 0
+
+    def strip(value: Any) -> Any:
+        nonlocal end
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            slot = _Slot(value.dtype, tuple(value.shape), _aligned(end), flat.numel() * flat.element_size())
+            end = slot.offset + slot.nbytes
+            placed.append((flat, slot))
+            return slot
+        if isinstance(value, dict):
+            return {key: strip(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(item) for item in value)
+        return value
+
+    skeleton = pickle.dumps(strip(states), protocol=pickle.HIGHEST_PROTOCOL)
+    start = _aligned(8 + len(skeleton))
+    buffer = torch.empty(start + end, dtype=torch.uint8)
+    buffer[:8] = torch.tensor([len(skeleton)], dtype=torch.int64).view(torch.uint8)
+    buffer[8:8 + len(skeleton)] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+    for flat, slot in placed:
+        if slot.nbytes:
+            buffer[start + slot.offset:start + slot.offset + slot.nbytes] = flat.view(torch.uint8)
+    return buffer
+
+
+def unpack_states(buffer: torch.Tensor) -> dict[int, dict[str, Any]]:
+    """The states :func:`pack_states` packed into ``buffer``, every tensor a copy of its own (on the CPU)."""
+    length = int(buffer[:8].view(torch.int64)[0])
+    skeleton = pickle.loads(buffer[8:8 + length].numpy().tobytes())
+    start = _aligned(8 + length)
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, _Slot):
+            raw = buffer[start + value.offset:start + value.offset + value.nbytes]
+            return raw.view(value.dtype).reshape(value.shape).clone()
+        if isinstance(value, dict):
+            return {key: fill(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(fill(item) for item in value)
+        return value
+
+    return fill(skeleton)
 
 
 def export_stage_state(slices: dict[int, TrainableSlice], group: ProcessGroupGloo, dst: int) -> int:
@@ -27,9 +100,7 @@ def export_stage_state(slices: dict[int, TrainableSlice], group: ProcessGroupGlo
 
     Returns the number of bytes sent.
     """
-    buffer = io.BytesIO()
-    torch.save({stage: piece.state_bytes() for stage, piece in slices.items()}, buffer)
-    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    data = pack_states({stage: piece.snapshot() for stage, piece in slices.items()})
     group.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, _TAG_LENGTH).wait()
     for index, chunk in enumerate(chunk_views(data)):
         group.send([chunk], dst, _TAG_DATA * 1024 + index).wait()
@@ -46,10 +117,10 @@ def import_stage_state(slices: dict[int, TrainableSlice], group: ProcessGroupGlo
     data = torch.empty(int(length[0]), dtype=torch.uint8)
     for index, chunk in enumerate(chunk_views(data)):
         group.recv([chunk], src, _TAG_DATA * 1024 + index).wait()
-    states = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    states = unpack_states(data)
     missing = sorted(set(states) - set(slices))
     if missing:
         raise ValueError(f"received state for stages {missing}, which have no slice here")
     for stage, state in states.items():
-        slices[stage].load_state_bytes(state)
+        slices[stage].load_state(state)
     return sorted(states)

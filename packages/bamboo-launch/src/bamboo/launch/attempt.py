@@ -267,4 +267,7 @@ def await_outcome(
                 return Outcome(go=written.go, reason=written.reason, won=decision.won)
         except StoreError as failure:  # etcd restarting: ask again
             say(f"attempt of generation {generation}: etcd unreadable ({failure}); asking again")
+        else:
+            if not published and node in new_owners and progress()[0]:
+                continue  # its part ended during this round's reads: its up record now, not one poll later
         sleep(ready_poll_s if published or (node not in new_owners and progress()[0]) else poll_s)

@@ -100,7 +100,7 @@ def export_stage_state(slices: dict[int, TrainableSlice], group: ProcessGroupGlo
 
     Returns the number of bytes sent.
     """
-    data = pack_states({stage: piece.snapshot() for stage, piece in slices.items()})
+    data = pack_states({stage: piece.snapshot("cpu") for stage, piece in slices.items()})  # copied once, to host
     group.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, _TAG_LENGTH).wait()
     for index, chunk in enumerate(chunk_views(data)):
         group.send([chunk], dst, _TAG_DATA * 1024 + index).wait()

@@ -122,7 +122,8 @@ the report it was found when its lease expired (the TTL: 2 s of a measured 2.6 s
 probes it: a dead one is confirmed and its lease revoked at once, a slow one answers and is left alone."""
 
 ATTEMPT_POLL_S = 0.2
-"""How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership."""
+"""How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership while its own
+part runs. The end of that part does not wait for it: the node publishes that it is up at once."""
 
 ATTEMPT_READY_POLL_S = 0.02
 """How often a node of a reconfiguration attempt whose own part is done checks the outcome and the nodes up

@@ -438,7 +438,7 @@ class EtcdKV:
         closer.join(self.options.close_timeout)
         if closer.is_alive():
             log.warning("the etcd client's channel did not close within %.1f s (a call interrupted by a signal, "
-                           "grpc/grpc#19973); left open", self.options.close_timeout)
+                        "grpc/grpc#19973); left open", self.options.close_timeout)
 
     def _close_client(self) -> None:
         with contextlib.suppress(Exception):

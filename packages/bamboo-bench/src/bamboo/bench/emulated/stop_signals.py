@@ -44,9 +44,9 @@ class _StopState:
 _state = _StopState()
 
 
-def _interrupt() -> KeyboardInterrupt:
+def _interrupt(number: int) -> KeyboardInterrupt:
     _state.raised = True
-    return KeyboardInterrupt(signal.Signals(_state.signal).name if _state.signal is not None else "stop")
+    return KeyboardInterrupt(signal.Signals(number).name)
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def stopped_like_ctrl_c(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> I
             return
         _state.signal = number
         if not _state.deferring or _state.sleeping:
-            raise _interrupt()
+            raise _interrupt(number)
 
     previous = {number: signal.signal(number, on_signal) for number in signals}
     try:
@@ -78,7 +78,7 @@ def stopped_like_ctrl_c(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> I
 
 def _raise_if_stopped() -> None:
     if _state.signal is not None and not _state.raised:
-        raise _interrupt()
+        raise _interrupt(_state.signal)
 
 
 @contextlib.contextmanager

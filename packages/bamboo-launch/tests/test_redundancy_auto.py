@@ -4,11 +4,14 @@ layout that carries it, the flags that take it, and the report and live view tha
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
 import pytest
 from bamboo.bench.value import compute_report, format_report
+from bamboo.launch import events as events_module
+from bamboo.launch import redundancy
 from bamboo.launch.cli import main
 from bamboo.launch.coordinator_layouts import first_layout
 from bamboo.launch.events import (
@@ -19,6 +22,7 @@ from bamboo.launch.events import (
     Step,
     event_from_dict,
     event_to_dict,
+    read_etcd_events,
 )
 from bamboo.launch.live import LiveState
 from bamboo.launch.redundancy import (
@@ -81,6 +85,34 @@ def test_the_step_time_is_the_newest_generations_median_in_the_mode_it_ran() -> 
     events = [_choice(0, "none"), *_steps(0, [1.0, 1.0, 1.0]), _choice(1, "eflb", t=9.0),
               *_steps(1, [9.0, 2.0, 2.5, 2.0], t0=10.0)]
     assert measured_step(events) == (2.25, "eflb")
+
+
+def test_the_step_time_is_the_median_of_the_newest_steps_and_a_decision_types_no_other_step_record(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A day-long generation's log holds its last 20,000 steps; the measured step is that of its newest
+    MEASURED_STEPS (here 3), and the read behind a layout's choice types those steps and every other record, not
+    the rest (0.85 s of every decision at the log's cap)."""
+    monkeypatch.setattr(redundancy, "MEASURED_STEPS", 3)
+    events = [_choice(0, "none"), *_steps(0, [1.0, 1.0]), _choice(1, "eflb", t=9.0),
+              *_steps(1, [9.0, 9.0, 2.0, 2.5, 2.0], t0=10.0), Join(t=0.5, node="n0", zone="a")]
+    assert measured_step(events) == (2.0, "eflb")
+    items = [SimpleNamespace(key=f"/bamboo/auto/events/w/{i:010d}", value=json.dumps(event_to_dict(e)).encode())
+             for i, e in enumerate(events)]
+    typed: list[str] = []
+    real = events_module.event_from_dict
+
+    def counting(record: Any) -> Any:
+        typed.append(record["kind"])
+        return real(record)
+
+    monkeypatch.setattr(events_module, "event_from_dict", counting)
+    kv = SimpleNamespace(get_prefix=lambda prefix: items)
+    read = read_etcd_events(kv, "auto", select=redundancy._choice_records)  # type: ignore[arg-type]
+    assert typed.count("step") == 3 and len(typed) == 3 + 3  # the three newest steps, two choices and the join
+    assert measured_step(read) == (2.0, "eflb")
+    spec = _spec()
+    assert redundancy.mode_for(spec, _layout(spec).plan, kv, now=3600.0) == choose_mode(  # type: ignore[arg-type]
+        spec, _layout(spec).plan, events, 3600.0 - spec.created_unix)
 
 
 def test_the_rate_is_the_jobs_preemptions_per_node_hour_weighed_against_the_prior() -> None:

@@ -6,19 +6,20 @@ registrations are real leases and whose detectors record the sweeps they are ask
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import attrs
 import pytest
-from bamboo.launch.accounting import last_step_end_unix, steps_reached
+from bamboo.launch.accounting import last_step_end_unix, progress_records, steps_reached
 from bamboo.launch.coordinator import Coordinator, published_events, read_layout
 from bamboo.launch.coordinator_failures import ZONE_SWEEP_MIN_SHARE
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
-from bamboo.launch.events import Checkpoint, EtcdEventLog, Step
+from bamboo.launch.events import Checkpoint, EtcdEventLog, Step, event_to_dict, read_etcd_events
 from bamboo.launch.notices import publish_failure_event
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView, SweepResult
@@ -515,6 +516,36 @@ def test_the_steps_a_lost_generation_reached_are_its_step_records_after_its_barr
     assert steps_reached(events, restarted, created) == 2  # nothing after its barrier: its start step
     assert steps_reached([*events, step(11.0, 3), step(12.0, 4)], restarted, created) == 4
     assert restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path)).barrier_step == 0
+
+
+def test_a_restart_s_read_of_the_log_types_two_step_records_and_finds_the_same_progress(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bamboo.launch import events as events_module
+
+    spec = _spec("j")
+    created = 1000.0
+    first = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    restarted = restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path), reached=3)
+    assert restarted is not None
+    restarted = attrs.evolve(restarted, barrier_unix=created + 10.0)
+    records = [Step(t=1.0 + i, step=i + 1, samples=8, loss=1.0, nodes_active=4, duration_s=0.1) for i in range(9)]
+    records += [Step(t=12.0 + i, step=3 + i, samples=8, loss=1.0, nodes_active=2, duration_s=0.1, generation=1)
+                for i in range(40)]  # generation 1's own (its clock behind: t below the others' once)
+    records += [Step(t=11.5, step=40, samples=8, loss=1.0, nodes_active=2, duration_s=0.1, generation=1),
+                Checkpoint(t=2.1, step=2, path="p", bytes=1, duration_s=0.1)]
+    items = [SimpleNamespace(key=f"/bamboo/j/events/w/{i:010d}", value=json.dumps(event_to_dict(e)).encode())
+             for i, e in enumerate(records)]
+    typed: list[object] = []
+    real = events_module.event_from_dict
+    monkeypatch.setattr(events_module, "event_from_dict", lambda record: typed.append(record) or real(record))
+    kv = SimpleNamespace(get_prefix=lambda prefix: items)
+    for layout in (first, restarted):
+        typed.clear()
+        read = read_etcd_events(kv, "j", select=progress_records(layout, created))  # type: ignore[arg-type]
+        assert len(typed) <= 2
+        assert steps_reached(read, layout, created) == steps_reached(records, layout, created)
+        assert last_step_end_unix(read, layout, created) == last_step_end_unix(records, layout, created)
+    assert steps_reached(read, restarted, created) == 42
 
 
 def test_records_that_name_their_generation_are_counted_whatever_the_writers_clocks(tmp_path: Path) -> None:

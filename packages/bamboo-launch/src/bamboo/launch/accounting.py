@@ -9,16 +9,17 @@ every restore's pause and source.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import attrs
 from bamboo.launch.event_records import Event, Failover, Reconfiguration, Restore, RunStart, Startup, Step
+from bamboo.launch.json_types import JSON
 
 if TYPE_CHECKING:
     from bamboo.reconfig import JobLayout
 
-__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount", "last_step_end_unix", "steps_reached"]
+__all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount", "last_step_end_unix", "progress_records", "steps_reached"]
 
 PAUSE_PARTS = ("decide_s", "barrier_s", "transfers_s", "group_builds_s", "first_step_s")
 """The parts of a reconfiguration's pause, in the ``reconfiguration`` record and the report."""
@@ -180,9 +181,36 @@ def last_step_end_unix(events: Iterable[Event], lost: JobLayout, created_unix: f
 
 
 def _own_steps(events: Iterable[Event], lost: JobLayout, created_unix: float) -> list[Step]:
-    since = 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
+    since = _barrier_t(lost, created_unix)
 
     def its_own(record: Step) -> bool:
         return record.generation == lost.generation if record.generation is not None else record.t > since
 
     return [e for e in events if isinstance(e, Step) and its_own(e)]
+
+
+def _barrier_t(lost: JobLayout, created_unix: float) -> float:
+    return 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
+
+
+def progress_records(lost: JobLayout, created_unix: float) -> Callable[[list[JSON]], Callable[[JSON], bool]]:
+    """A ``select`` for ``read_etcd_events`` that keeps what :func:`steps_reached` and :func:`last_step_end_unix`
+    need of generation ``lost``: of its own step records (judged as there), the one of the highest step and the one
+    that ended last. The other records are not typed: a restart's decision typed the whole log, up to 20,000 step
+    records (about 0.4 s of its 0.8 s read at that size)."""
+    since = _barrier_t(lost, created_unix)
+
+    def select(records: list[JSON]) -> Callable[[JSON], bool]:
+        own = []
+        for record in records:
+            if not isinstance(record, dict) or record.get("kind") != Step.KIND:
+                continue
+            generation, t, step = record.get("generation"), record.get("t"), record.get("step")
+            if not isinstance(t, (int, float)) or not isinstance(step, int):
+                continue
+            if (generation == lost.generation) if generation is not None else t > since:
+                own.append(record)
+        kept = {id(max(own, key=lambda r: r["step"])), id(max(own, key=lambda r: r["t"]))} if own else set()
+        return lambda record: id(record) in kept
+
+    return select

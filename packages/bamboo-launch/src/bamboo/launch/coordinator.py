@@ -48,7 +48,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
-from bamboo.launch.accounting import last_step_end_unix, steps_reached
+from bamboo.launch.accounting import last_step_end_unix, progress_records, steps_reached
 from bamboo.launch.coordinator_failures import FailurePublisher
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.notices import published_events
@@ -418,10 +418,10 @@ class Coordinator(FailurePublisher):
         is assumed: the figure only says how many steps are trained again, and the pause counts from now)."""
         from bamboo.launch.events import EventLogError, read_etcd_events
 
+        created = self.spec.created_unix
         try:
-            events = read_etcd_events(self.membership.kv, self.spec.job)
+            events = read_etcd_events(self.membership.kv, self.spec.job, select=progress_records(layout, created))
         except (EventLogError, StoreError) as error:
             log.warning("the steps generation %d reached are unknown: %s", layout.generation, error)
             return None
-        created = self.spec.created_unix
         return steps_reached(events, layout, created), last_step_end_unix(events, layout, created)

@@ -12,8 +12,8 @@ weights among its layers (:mod:`bamboo.rc.ties`) and, with fp16, the loss-scale 
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from bamboo.rc.config import TrainingConfig, build_optimizer, build_scheduler
@@ -24,7 +24,10 @@ from bamboo.rc.rng import run_layers
 from bamboo.rc.ties import local_sums, model_ties, slice_ties, squared_norm
 from torch import nn
 
-__all__ = ["NORM_PIECE", "ReusedBuffers", "SpareBuffers", "TrainableSlice", "clip_coefficient", "snapshot_bytes"]
+Leaf = TypeVar("Leaf")
+
+__all__ = ["NORM_PIECE", "ReusedBuffers", "SpareBuffers", "TrainableSlice", "clip_coefficient", "map_leaves",
+           "snapshot_bytes"]
 
 NORM_PIECE = 1 << 20
 """Entries per piece of :meth:`TrainableSlice.squared_grad_norm` (8 MiB of float64 scratch at most)."""
@@ -277,11 +280,18 @@ def snapshot_bytes(state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _cloned(value: Any, device: str | None = None) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone() if device is None else value.detach().to(device, copy=True)
+def map_leaves(value: Any, leaf: type[Leaf], replace: Callable[[Leaf], Any]) -> Any:
+    """``value`` (a state: dicts, lists and tuples of tensors and plain values) with every instance of ``leaf``
+    in it replaced by ``replace(instance)``; the containers are new, the other values the same."""
+    if isinstance(value, leaf):
+        return replace(value)
     if isinstance(value, dict):
-        return {key: _cloned(item, device) for key, item in value.items()}
+        return {key: map_leaves(item, leaf, replace) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(item, device) for item in value)
+        return type(value)(map_leaves(item, leaf, replace) for item in value)
     return value
+
+
+def _cloned(value: Any, device: str | None = None) -> Any:
+    return map_leaves(value, torch.Tensor, lambda tensor: tensor.detach().clone() if device is None
+                      else tensor.detach().to(device, copy=True))

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 from bamboo.rc.comm import chunk_views
-from bamboo.rc.state import TrainableSlice
+from bamboo.rc.state import TrainableSlice, map_leaves
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 __all__ = ["export_stage_state", "import_stage_state", "pack_states", "unpack_states"]
@@ -51,21 +51,15 @@ def pack_states(states: dict[int, dict[str, Any]]) -> torch.Tensor:
     placed: list[tuple[torch.Tensor, _Slot]] = []
     end = 0
 
-    def strip(value: Any) -> Any:
+    def place(tensor: torch.Tensor) -> _Slot:
         nonlocal end
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().cpu().contiguous().reshape(-1)
-            slot = _Slot(value.dtype, tuple(value.shape), _aligned(end), flat.numel() * flat.element_size())
-            end = slot.offset + slot.nbytes
-            placed.append((flat, slot))
-            return slot
-        if isinstance(value, dict):
-            return {key: strip(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(item) for item in value)
-        return value
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        slot = _Slot(tensor.dtype, tuple(tensor.shape), _aligned(end), flat.numel() * flat.element_size())
+        end = slot.offset + slot.nbytes
+        placed.append((flat, slot))
+        return slot
 
-    skeleton = pickle.dumps(strip(states), protocol=pickle.HIGHEST_PROTOCOL)
+    skeleton = pickle.dumps(map_leaves(states, torch.Tensor, place), protocol=pickle.HIGHEST_PROTOCOL)
     start = _aligned(8 + len(skeleton))
     buffer = torch.empty(start + end, dtype=torch.uint8)
     buffer[:8] = torch.tensor([len(skeleton)], dtype=torch.int64).view(torch.uint8)
@@ -82,17 +76,11 @@ def unpack_states(buffer: torch.Tensor) -> dict[int, dict[str, Any]]:
     skeleton = pickle.loads(buffer[8:8 + length].numpy().tobytes())
     start = _aligned(8 + length)
 
-    def fill(value: Any) -> Any:
-        if isinstance(value, _Slot):
-            raw = buffer[start + value.offset:start + value.offset + value.nbytes]
-            return raw.view(value.dtype).reshape(value.shape).clone()
-        if isinstance(value, dict):
-            return {key: fill(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(fill(item) for item in value)
-        return value
+    def fill(slot: _Slot) -> torch.Tensor:
+        raw = buffer[start + slot.offset:start + slot.offset + slot.nbytes]
+        return raw.view(slot.dtype).reshape(slot.shape).clone()
 
-    return fill(skeleton)
+    return map_leaves(skeleton, _Slot, fill)
 
 
 def export_stage_state(slices: dict[int, TrainableSlice], group: ProcessGroupGloo, dst: int) -> int:

@@ -404,6 +404,26 @@ def test_a_new_coordinator_records_the_layout_s_nodes_lost_before_it_followed_th
     assert old_events.written == []
 
 
+def test_a_node_that_handed_over_and_then_was_confirmed_dead_has_one_preemption_record(
+        membership: MembershipStore) -> None:
+    """n1 handed its stage over after its notice and left; a peer whose operation with it failed as it left
+    reported it, and the coordinator confirmed it dead. Its preemption is recorded once, by the hand-over (a loaded
+    make test met two records, and the report counts a node preempted twice as an error)."""
+    from bamboo.launch.worker import _hand_over
+
+    spec = _spec(membership.keys.job)
+    coordinator, _, coordinator_events = _coordinator(membership, "n0", "a", spec)
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    worker_events = Events()
+    run = SimpleNamespace(membership=membership, node="n1", log=worker_events, notice_deadline=None,
+                          context=SimpleNamespace(zone="b"))
+    _hand_over(run, layout, SimpleNamespace(step=10, stage=1, pipeline=0))  # type: ignore[arg-type]
+    coordinator._confirm_lost("n1", "rank 3: 1AR failed in epoch 0 (reported by n2); probe refused")
+    assert [(e.node, e.zone) for e in worker_events.written] == [("n1", "b")]
+    assert coordinator_events.written == []
+    assert membership.get_decision("handover-n1") is not None
+
+
 def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(membership: MembershipStore) -> None:
     """Every node of the layout gone, no in-memory copy and no checkpoint: the job does not end; once warm nodes
     can form a pipeline, the coordinator starts it over from its seeded initial state (step 0)."""

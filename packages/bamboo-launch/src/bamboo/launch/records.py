@@ -14,7 +14,7 @@ Decisions live under ``/bamboo/<job>/decisions/<name>`` and are written first-wr
 | ``g<G>-up-<node>`` | :class:`NodeUp` | each node of attempt G once its part is done |
 | ``g<G>-outcome`` | :class:`AttemptOutcome` | the first node that can tell whether attempt G goes ahead |
 | ``g<g>-epoch-<e>`` | ``bamboo.rc.FailureEvent`` | the elected coordinator: the ranks of generation g that died |
-| ``preempted-<node>`` | :class:`Preempted` | the coordinator, once per confirmed node (the ``preemption`` event) |
+| ``preempted-<node>`` | :class:`Preempted` | the coordinator, once per confirmed node, or the node itself when it hands its stage over after a notice; its writer writes the ``preemption`` event |
 | ``warm-<node>`` | :class:`WorkerWarm` | a worker once its model is built and it waits for a role |
 | ``error-<node>`` | :class:`WorkerError` | a worker that failed: its last exception line |
 | ``end`` | :class:`JobEnd` | the first worker that finished the job, or found that it cannot go on |
@@ -237,7 +237,8 @@ def outcome_name(generation: int) -> str:
 
 @attrs.frozen
 class Preempted(_Record):
-    """A node the coordinator confirmed dead (the ``preemption`` event is written once per node)."""
+    """A node the coordinator confirmed dead, or that left after its notice (the ``preemption`` event is written once
+    per node, by whoever wrote this first)."""
 
     NAME: ClassVar[str] = "preemption record"
     node: str = attrs.field(validator=_node)

@@ -57,7 +57,7 @@ from bamboo.launch.event_records import WorkerPhase
 from bamboo.launch.generation import Ending, WorkerState, pipeline_batches, train_generation
 from bamboo.launch.hooks import TrainingHooks
 from bamboo.launch.prepare import Preparation, Prepared, close_prepared, finalize, switch_part
-from bamboo.launch.records import BarrierReady, JobEnd, WorkerError, WorkerWarm
+from bamboo.launch.records import BarrierReady, JobEnd, Preempted, WorkerError, WorkerWarm
 from bamboo.launch.roles import Role, wait_role
 from bamboo.launch.session import JobCannotContinue, WorkerSession, decision_prefix, fenced, read_spec
 from bamboo.launch.spec import WORKER_DONE, WORKER_ERROR, JobSpec, Program, WorkerContext
@@ -374,16 +374,17 @@ def _release(holding: _Holding) -> None:
 
 
 def _hand_over(run: WorkerSession, layout: JobLayout, executor: StageExecutor) -> None:
-    """This node left at a step boundary after its preemption notice: record the hand-over's event (the executor
-    already published it, first writer wins, before it left; ``publish_next_event`` finds it, and publishes it
-    only if it is missing), the node's preemption, and tell its agent."""
+    """This node left at a step boundary after its notice: record the hand-over's event (unless its executor did),
+    the node's preemption once (the ``preempted-<node>`` decision, which the coordinator takes too when a peer
+    reports this node as it leaves), and tell its agent."""
     from bamboo.launch.events import Preemption
     from bamboo.launch.notices import publish_next_event
 
-    rank = layout.ranks[run.node]
-    event = publish_next_event(run.membership, layout.generation, [rank], handover=True)
+    event = publish_next_event(run.membership, layout.generation, [layout.ranks[run.node]], handover=True)
     notice = max(0.0, (run.notice_deadline or time.time()) - time.time())
-    run.log.write(Preemption(t=run.log.now(), node=run.node, zone=run.context.zone or "default", notice_s=notice))
+    left = Preempted(run.node, run.context.zone or "default", "notice: handed over")
+    if run.membership.decide(f"preempted-{run.node}", left.to_dict()).won:
+        run.log.write(Preemption(t=run.log.now(), node=run.node, zone=left.zone, notice_s=notice))
     run.membership.decide(f"handover-{run.node}", {"v": 1, "node": run.node, "step": executor.step,
                                                    "generation": layout.generation, "epoch": event.epoch})
     print(f"node {run.node}: handed stage {executor.stage} of pipeline {executor.pipeline} over to its shadow "

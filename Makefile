@@ -10,7 +10,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 help:
 	@echo "make setup   create .venv and install torch, deepspeed, etcd and every package (idempotent)"
 	@echo "make test    setup, ruff, the import contracts (lint-imports), then pytest over every package and tests/"
-	@echo "             in two xdist lanes (cluster tests one at a time; PYTEST_ARGS='-n 0' runs it in one process)"
+	@echo "             in three xdist lanes (cluster tests one at a time; PYTEST_ARGS='-n 0' runs it in one process)"
 	@echo "make demo    setup, then run the project's main job"
 	@echo "make proto   regenerate the gRPC/protobuf stubs from proto/"
 	@echo "make bench   run the benchmarks (slow; they print ratios against baselines measured in the same run)"
@@ -26,7 +26,7 @@ lint: setup
 # the suite starts would otherwise compile the sources it imports again (about 0.2 CPU-s each).
 test: setup lint
 	@$(PY) -m compileall -q -j 0 packages > /dev/null
-	@$(PY) -m pytest -n 2 $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n 3 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc
 

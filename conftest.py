@@ -1,16 +1,19 @@
-"""Test-suite wide settings: the one test clock (:class:`FakeClock`, fixture ``fake_clock``) and the two lanes of
+"""Test-suite wide settings: the one test clock (:class:`FakeClock`, fixture ``fake_clock``) and the lanes of
 ``make test``.
 
-``make test`` runs pytest with two xdist workers (``-n 2``) under :class:`ClusterLane` scheduling. Every test
+``make test`` runs pytest with three xdist workers (``-n 3``) under :class:`ClusterLane` scheduling. Every test
 that starts a cluster of agents and workers (``CLUSTER_TESTS``) is one work unit, so those run one after
 another on one worker: two clusters side by side on the 2-core machine would starve each other's lease
 keep-alives (a 2 s TTL) and turn a slow machine into false failures. Every other test is its own unit,
-spread over both workers, filling the CPU that a cluster test leaves idle (its waits for leases, its
+spread over the other two workers, filling the CPU that a cluster test leaves idle (its waits for leases, its
 single-process phases); a worker running those lowers its priority (`BACKGROUND_NICE`), so a cluster test
-keeps most of the CPU when both lanes want it. The tests in ``BACKGROUND_PROCESS_TESTS`` start processes
-as well but do not depend on answers in time, and spend most of their time waiting: they come first in the
-other lane, beside the cluster tests, and the short tests fill both lanes after them, so that the two end
-together. A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
+keeps most of the CPU when the lanes want more than there is. The tests in ``BACKGROUND_PROCESS_TESTS`` start
+processes as well but do not depend on answers in time, and spend most of their time waiting: they come first
+in the other lanes, beside the cluster tests, and the short tests fill every lane after them, so that the lanes
+end together. Three lanes rather than two: on the 2-core machine the suite kept about 16% of the CPU idle with
+two (a cluster test waiting on a lease, a short test waiting on its subprocess), and a third lane of niced short
+tests takes that up (measured: 522 and 555 s with three, 570 to 582 s with two, the same tests). A plain
+``pytest`` (no ``-n``) runs everything in one process, as before.
 
 (xdist's own ``--dist loadgroup`` would do this with a marker, but xdist 3.8 tags the group onto a test id
 that pytest 9.2 no longer reads; the scheduler below needs no marker.)
@@ -126,7 +129,7 @@ CLUSTER_TESTS = (
 
 #: Tests that start clusters too but whose verdict does not hang on a lease or a probe answering in time
 #: (they check records and exit statuses, not how many failures the run saw; runs without failures use 10 s
-#: leases): they run in the other lane, lowered in priority further than every test there, and first, while the
+#: leases): they run in the other lanes, lowered in priority further than every test there, and first, while the
 #: cluster lane runs. They are long and mostly wait (``bamboo-bench compare`` uses about half a core); run last, as
 #: they once were when the cluster lane was the suite's critical path, the last of them kept one lane busy and
 #: the other idle for about 90 s after every other test had ended. ``bamboo-bench compare`` (three systems one
@@ -177,7 +180,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cluster tests first: the scheduler hands work out in collection order, so the long lane starts
-    at once instead of after every short test; then the background process tests, the first the other lane runs;
+    at once instead of after every short test; then the background process tests, the first the other lanes run;
     then every other test."""
     paths = {item: _relative(item) for item in items}
     clusters = [item for item in items if is_cluster_test(paths[item])]

@@ -42,7 +42,7 @@ DEFAULT_ETCD_BINARY = "/usr/bin/etcd"
 ETCD_NICENESS = -10
 """The niceness an emulated cluster's server asks for (`EmbeddedEtcd(niceness=...)`; it gets it where this process
 is root, and runs at this process's own priority otherwise). On a machine shared with training (an emulated
-cluster; a test suite's two lanes), etcd starved of CPU answered nothing for up to 2 s (measured: its threads
+cluster; a test suite's parallel lanes), etcd starved of CPU answered nothing for up to 2 s (measured: its threads
 waited 0.8 to 1.0 s per second on the run queue while they ran 0.15 s, and 0.4 to 0.5 s at this niceness), and
 every lease that was due for a refresh meanwhile expired: live nodes were declared dead. Not the default: with a
 thousand agents on two cores (`bench_scale.py`), a server at this priority delayed the agents that read its

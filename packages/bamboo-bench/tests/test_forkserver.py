@@ -141,6 +141,25 @@ def test_a_killed_group_reports_the_signal_and_a_command_it_cannot_run_is_refuse
         server.start(["ip", "netns", "exec", "n1", sys.executable, "-m", "json.tool"])
 
 
+def test_a_process_leads_its_group_as_soon_as_it_is_started(server: ForkServer, child: Path) -> None:
+    """A kill of the new group right after the start lands: the server sets the child's group before it answers
+    (the child alone did it only after the answer in about half of these starts, and a killpg then found no
+    group)."""
+    started = [server.start([sys.executable, str(child), "sleep"], env={}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, process_group=0) for _ in range(20)]
+    try:
+        leaders = [os.getpgid(process.pid) == process.pid for process in started]
+        for process in started:
+            os.killpg(process.pid, signal.SIGKILL)
+        assert [process.wait(30) for process in started] == [-signal.SIGKILL] * len(started)
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)
+    assert all(leaders), f"{leaders.count(False)} of {len(started)} started processes did not lead their group yet"
+
+
 def test_run_to_end_uses_the_named_server_and_kills_what_outruns_its_timeout(
     server: ForkServer, child: Path, tmp_path: Path,
 ) -> None:

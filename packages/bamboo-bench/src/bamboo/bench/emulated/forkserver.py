@@ -203,6 +203,13 @@ def _fork_one(connection: socket.socket, inherited: list[int]) -> int | None:
         _become(connection, request, kind, name, argv, fds)  # never returns
     for fd in fds:
         os.close(fd)
+    group = request["process_group"]
+    if isinstance(group, int):
+        # The child joins its group itself too, but maybe only after the requester has its pid: a kill of the
+        # group sent in between (a preemption that lands as a node starts) found no such group, and the node
+        # lived on. Set here as well, before the answer, the group exists once the requester knows the pid.
+        with contextlib.suppress(OSError):  # the child got there first and ran on, or is gone already
+            os.setpgid(pid, group)
     try:
         connection.sendall(f"{pid}\n".encode())
     except OSError:

@@ -143,6 +143,15 @@ BACKGROUND_PROCESS_TESTS = (  # in the order they start: the longest first
 )
 
 
+#: Test modules whose tests share a costly module-scoped fixture: each runs on one worker, as one work unit, so the
+#: fixture is made once. Spread one test per unit over three workers, the packaging tests built every package's
+#: wheels three times (about 10 CPU-s each), and the agent TLS tests made their certificates twice.
+ONE_WORKER_MODULES = (
+    "tests/test_packaging.py",
+    "packages/bamboo-membership/tests/test_agent_auth.py",
+)
+
+
 def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == root or path.startswith(root + "/") for root in roots)
 
@@ -164,6 +173,15 @@ BACKGROUND_PROCESS_NICE = 15
 
 def _relative(item: pytest.Item) -> str:
     return Path(str(item.path)).resolve().relative_to(Path(str(item.config.rootpath))).as_posix()
+
+
+def lane_scope(nodeid: str) -> str:
+    """The xdist work unit of the test ``nodeid``: ``"clusters"`` for every cluster test (one lane, one at a time),
+    its module's path for a test of ``ONE_WORKER_MODULES``, and the test itself otherwise."""
+    path = nodeid.split("::", 1)[0]
+    if is_cluster_test(path):
+        return "clusters"
+    return path if path in ONE_WORKER_MODULES else nodeid
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -191,11 +209,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """xdist's load-scope scheduling with one scope for every cluster test, and one per test otherwise."""
+    """xdist's load-scope scheduling with one scope for every cluster test, one per module of
+    ``ONE_WORKER_MODULES``, and one per test otherwise."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ClusterLane(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return "clusters" if is_cluster_test(nodeid.split("::", 1)[0]) else nodeid
+            return lane_scope(nodeid)
 
     return ClusterLane(config, log)

@@ -209,8 +209,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     background.sort(key=lambda item: [_under(paths[item], (root,)) for root in BACKGROUND_PROCESS_TESTS], reverse=True)
     grouped = set(clusters) | set(background)
     rest = [item for item in items if item not in grouped]
-    slow = [item for item in rest if item.get_closest_marker("slow") is not None]
-    items[:] = clusters + background + slow + [item for item in rest if item.get_closest_marker("slow") is None]
+    rest.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the slow ones first, in order
+    items[:] = clusters + background + rest
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -182,15 +182,17 @@ def last_step_end_unix(events: Iterable[Event], lost: JobLayout, created_unix: f
 
 def _own_steps(events: Iterable[Event], lost: JobLayout, created_unix: float) -> list[Step]:
     since = _barrier_t(lost, created_unix)
-
-    def its_own(record: Step) -> bool:
-        return record.generation == lost.generation if record.generation is not None else record.t > since
-
-    return [e for e in events if isinstance(e, Step) and its_own(e)]
+    return [e for e in events if isinstance(e, Step) and _is_own(e.generation, e.t, lost, since)]
 
 
 def _barrier_t(lost: JobLayout, created_unix: float) -> float:
     return 0.0 if lost.barrier_unix is None else lost.barrier_unix - created_unix
+
+
+def _is_own(generation: int | None, t: float, lost: JobLayout, since: float) -> bool:
+    """Whether a step record of ``generation`` written at ``t`` belongs to generation ``lost`` (judged as
+    :func:`steps_reached` says); ``since`` is ``lost``'s barrier on the log's clock."""
+    return generation == lost.generation if generation is not None else t > since
 
 
 def progress_records(lost: JobLayout, created_unix: float) -> Callable[[list[JSON]], Callable[[JSON], bool]]:
@@ -208,7 +210,7 @@ def progress_records(lost: JobLayout, created_unix: float) -> Callable[[list[JSO
             generation, t, step = record.get("generation"), record.get("t"), record.get("step")
             if not isinstance(t, (int, float)) or not isinstance(step, int):
                 continue
-            if (generation == lost.generation) if generation is not None else t > since:
+            if (generation is None or isinstance(generation, int)) and _is_own(generation, t, lost, since):
                 own.append(record)
         kept = {id(max(own, key=lambda r: r["step"])), id(max(own, key=lambda r: r["t"]))} if own else set()
         return lambda record: id(record) in kept

@@ -147,6 +147,56 @@ def test_a_node_whose_own_part_runs_reports_nobody() -> None:
     assert not outcome.go and reported == []  # its own transfers may be what the others wait for
 
 
+def test_a_node_waiting_for_the_others_reports_the_owners_not_up_once_before_its_part_is_done() -> None:
+    """A new owner killed before it joined the group's rendezvous fails nobody's operation: the others' parts wait
+    for it at the rendezvous and never finish. Waiting there over ``straggler_s`` reports it (measured: an attempt
+    that waited 1.8 s for a dead owner's lease, and its coordinator died meanwhile)."""
+    membership = _Membership({"a", "b", "c"})
+    reported: list[tuple[str, float]] = []
+
+    def suspect(node: str) -> None:
+        reported.append((node, membership.time))
+        if node == "b":
+            membership.nodes.discard(node)  # refused: confirmed and its lease revoked; "c" answered the probe
+
+    outcome = await_outcome(membership, 5, "a", {"a", "b", "c"}, {"a", "b", "c"}, lambda: (False, None), 60.0,
+                            clock=membership.clock, sleep=membership.sleep, suspect=suspect, straggler_s=0.5,
+                            waiting=lambda: True)
+    assert [node for node, _ in reported] == ["b", "c"]  # each once, both alike: this node cannot tell which
+    assert 0.5 <= reported[0][1] < 0.5 + 0.2 + 1e-9  # within one running part's poll after the wait
+    assert not outcome.go and "b left the membership" in outcome.reason
+
+
+def test_waits_with_pauses_between_them_report_nobody() -> None:
+    """A rendezvous that waits a moment for each of several live peers is not waiting for a dead one."""
+    membership = _Membership({"a", "b"})
+    polls: list[float] = []
+
+    def waiting() -> bool:
+        polls.append(membership.time)
+        return len(polls) % 2 == 1
+
+    reported: list[str] = []
+    outcome = await_outcome(membership, 5, "a", {"a", "b"}, {"a", "b"}, lambda: (False, None), 3.0,
+                            clock=membership.clock, sleep=membership.sleep, suspect=reported.append,
+                            straggler_s=0.3, waiting=waiting)
+    assert reported == [] and not outcome.go and len(polls) > 4
+
+
+def test_a_node_waiting_then_done_reports_an_owner_still_not_up_again() -> None:
+    """The report while waiting found the owner alive; once this node's part is done, the owner still not up after
+    ``straggler_s`` is reported once more (it may have died since)."""
+    membership = _Membership({"a", "b"})
+    reported: list[tuple[str, float]] = []
+    outcome = await_outcome(membership, 5, "a", {"a", "b"}, {"a", "b"}, lambda: (membership.time >= 1.0, None),
+                            3.0, clock=membership.clock, sleep=membership.sleep,
+                            suspect=lambda node: reported.append((node, membership.time)), straggler_s=0.5,
+                            waiting=lambda: True)
+    assert [node for node, _ in reported] == ["b", "b"]
+    assert reported[0][1] < 1.0 <= reported[1][1] - 0.5
+    assert not outcome.go
+
+
 def _store() -> AbandonableStore:
     return AbandonableStore(dist.HashStore())
 
@@ -185,6 +235,22 @@ def test_abandoning_ends_a_wait_in_progress() -> None:
     assert part.join(30)
     done, error = part.progress()
     assert done and isinstance(error, AttemptAbandonedError)
+
+
+def test_the_store_says_while_a_wait_for_a_key_not_set_yet_is_in_progress() -> None:
+    store = _store()
+    store.set("here", b"1")
+    store.wait(["here"])
+    assert not store.waiting  # the key was there: no wait
+    part = StartThread(lambda: store.get("later"), name="test-waiting")
+    for _ in range(3000):
+        if store.waiting:
+            break
+        part.join(0.01)
+    assert store.waiting
+    store.set("later", b"2")
+    assert part.join(30) and part.result == b"2"
+    assert not store.waiting
 
 
 def test_a_wait_without_the_key_times_out() -> None:

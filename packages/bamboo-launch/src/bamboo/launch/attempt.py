@@ -60,13 +60,16 @@ class AttemptAbandonedError(RuntimeError):
 class AbandonableStore(dist.Store):
     """A c10d store over ``inner`` whose every call raises :class:`AttemptAbandonedError` once
     :meth:`abandon` was called; waits poll ``inner`` (1 ms, doubling to ``poll_max_s``) so that a
-    wait in progress ends too."""
+    wait in progress ends too. :attr:`waiting` says whether a wait for keys not set yet is in progress: the
+    part using the store waits for other nodes (a group's rendezvous), not on its own work."""
 
     def __init__(self, inner: dist.Store, poll_max_s: float = timeouts.ATTEMPT_STORE_POLL_MAX_S) -> None:
         super().__init__()
         self.inner = inner
         self.poll_max_s = poll_max_s
         self._abandoned = threading.Event()
+        self._waits = 0
+        self._waits_lock = threading.Lock()
         self.set_timeout(inner.timeout)
 
     def abandon(self) -> None:
@@ -76,6 +79,11 @@ class AbandonableStore(dist.Store):
     def abandoned(self) -> bool:
         return self._abandoned.is_set()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a call is waiting for keys that other nodes have not set yet."""
+        return self._waits > 0
+
     def _check(self) -> None:
         if self._abandoned.is_set():
             raise AttemptAbandonedError("this reconfiguration attempt was abandoned")
@@ -83,15 +91,24 @@ class AbandonableStore(dist.Store):
     def _wait_for(self, keys: Sequence[str], timeout: datetime.timedelta | None) -> None:
         limit = (timeout if timeout is not None else self.timeout).total_seconds()
         deadline = time.monotonic() + limit
-        pause = 0.001
-        while True:
-            self._check()
-            if self.inner.check(list(keys)):
-                return
-            if limit > 0 and time.monotonic() >= deadline:
-                raise TimeoutError(f"keys {list(keys)} not set within {limit:.1f} s")
-            self._abandoned.wait(pause)
-            pause = min(pause * 2, self.poll_max_s)
+        self._check()
+        if self.inner.check(list(keys)):
+            return
+        with self._waits_lock:
+            self._waits += 1
+        try:
+            pause = 0.001
+            while True:
+                if limit > 0 and time.monotonic() >= deadline:
+                    raise TimeoutError(f"keys {list(keys)} not set within {limit:.1f} s")
+                self._abandoned.wait(pause)
+                pause = min(pause * 2, self.poll_max_s)
+                self._check()
+                if self.inner.check(list(keys)):
+                    return
+        finally:
+            with self._waits_lock:
+                self._waits -= 1
 
     def set(self, key: str, value: str | bytes) -> None:
         self._check()
@@ -208,6 +225,7 @@ def await_outcome(
     up_record: Callable[[], NodeUp] | None = None,
     suspect: Callable[[str], None] | None = None,
     straggler_s: float = timeouts.STRAGGLER_S,
+    waiting: Callable[[], bool] | None = None,
 ) -> Outcome:
     """Wait for the outcome of attempt ``generation``, writing it (first writer wins) when this node can tell.
 
@@ -218,14 +236,17 @@ def await_outcome(
     unreachable etcd only delays the answer. ``up_record()`` is this node's ``up`` record (default: its
     name alone); the outcome records when it was written. It polls every ``poll_s`` while its own part runs,
     every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited). ``suspect(node)``,
-    when given, is called once for each new owner not up ``straggler_s`` after this node's own part was done: the
-    node's agent probes it, and a dead one leaves the membership at once (the attempt is then abandoned for it).
+    when given, is called for each new owner not up ``straggler_s`` after this node's own part was done, and
+    once before that if ``waiting()`` (this node's part waits for other nodes, as at a group's rendezvous, which
+    a node killed before it joined leaves waiting) held over ``straggler_s`` of polls: the node's agent probes
+    it, and a dead one leaves the membership at once (the attempt is then abandoned for it); a live one answers
+    and is left alone. A running part that is not waiting reports nobody: the others may be waiting for it.
     """
     deadline = clock() + timeout_s
     published = False
     up: set[str] = set()
-    done_at: float | None = None  # when this node's own part was done
-    suspected: set[str] = set()
+    since: dict[str, float] = {}  # when this node's part was first seen waiting for the others, and done
+    suspected: dict[str, set[str]] = {"waiting": set(), "done": set()}
     while True:
         verdict: tuple[bool, str] | None = None
         try:
@@ -253,11 +274,13 @@ def await_outcome(
                     verdict = (True, "every node is up")
                 elif clock() > deadline:
                     verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
-                elif finished and suspect is not None:
-                    done_at = clock() if done_at is None else done_at
-                    if clock() - done_at >= straggler_s:
-                        for other in sorted(set(new_owners) - up - suspected - {node}):
-                            suspected.add(other)
+                elif suspect is not None:
+                    state = "done" if finished else "waiting" if waiting is not None and waiting() else None
+                    if state != "waiting":
+                        since.pop("waiting", None)  # waits must follow each other without a pause to count
+                    if state is not None and clock() - since.setdefault(state, clock()) >= straggler_s:
+                        for other in sorted(set(new_owners) - up - suspected[state] - {node}):
+                            suspected[state].add(other)
                             suspect(other)
             if verdict is not None:
                 decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict, at=time.time()).to_dict())

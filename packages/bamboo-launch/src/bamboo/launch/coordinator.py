@@ -21,8 +21,8 @@ carries on where the old one stopped. Its duties:
   (:mod:`bamboo.launch.coordinator_failures`).
 - **Preemption records.** Once per lost node (decision ``preempted-<node>``), confirmed or gone with a
   whole layout before any probe reported it, a ``preemption`` event for the report (billing stops). A newly
-  elected coordinator also records the layout's nodes that had left the membership unreported before it
-  followed it (a bulk kill that took the coordinator and a node's neighbours too).
+  elected coordinator also records the nodes (of the layout, or warm on standby) that had left the membership
+  unreported before it followed it (a bulk kill that took the coordinator and a node's neighbours too).
 - **The first layout.** As soon as the job's spec asks for it (``min_nodes`` registered, P x D by
   default), it places the registered nodes with :func:`bamboo.reconfig.plan_layout` and writes
   generation 0 with compare-and-swap (only when there is no layout yet). Nodes that register later wait
@@ -39,6 +39,7 @@ gone) cannot write anything more.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -52,13 +53,21 @@ from bamboo.launch.accounting import last_step_end_unix, progress_records, steps
 from bamboo.launch.coordinator_failures import FailurePublisher
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.notices import published_events
-from bamboo.launch.records import AttemptOutcome, Leader, outcome_name, read_record
+from bamboo.launch.records import (
+    AttemptOutcome,
+    Leader,
+    WorkerWarm,
+    node_of_decision,
+    outcome_name,
+    read_record,
+)
 from bamboo.launch.redundancy import with_mode
 from bamboo.launch.spec import JobSpec
 from bamboo.membership.kv import StoreError
 from bamboo.membership.members import EMPTY_VIEW, MembershipView
 from bamboo.membership.probing import connect_probe
 from bamboo.rc import FailureEvent
+from bamboo.reconfig import RecordError
 
 if TYPE_CHECKING:
     from bamboo.launch.events import EventWriter
@@ -264,21 +273,30 @@ class Coordinator(FailurePublisher):
         return True
 
     def _catch_up_lost(self, layout: JobLayout | None) -> None:
-        """Once per election, after the failures known were published: a node of the current layout that is
-        neither registered nor reported left the membership before this agent followed it (its lease expired
-        while its killed coordinator no longer watched, and no neighbour of it was left to report it). It gets its
-        preemption record now; a node that handed its stage over after a notice recorded its own."""
+        """Once per election, after the failures known were published: a node of the current layout, or a node
+        whose worker became warm (a standby or joining node), that is neither registered nor recorded left the
+        membership before this agent followed it (its lease expired while its killed coordinator no longer
+        watched, and no neighbour of it was left to report it). It gets its preemption record now; a node that
+        handed its stage over after a notice recorded its own. Two prefix reads, whatever the job's history."""
         if not self._catch_up or layout is None:
             return
         self._catch_up = False
         if self._end_key is not None and self._end_key.value is not None:
             return  # the job ended: its nodes leave on purpose
         registered = self.membership.list_nodes(skip_malformed=True)  # read now: a view may predate the following
-        for node in sorted(layout.ranks):
-            if node in registered or node in self._preempted or node == self.node:
-                continue
-            if self.membership.get_decision(f"handover-{node}") is None:
-                self._confirm_lost(node, "its lease expired before this coordinator took over")
+        known = set(layout.ranks)
+        for item in self._warm_records.items() if self._warm_records is not None else []:
+            known.add(node := node_of_decision(item.key, "warm-"))
+            with contextlib.suppress(ValueError, RecordError):  # a malformed record still names its node
+                zone = WorkerWarm.from_dict(json.loads(item.value)).zone
+                if zone:
+                    self._zones.setdefault(node, zone)
+        recorded = {node_of_decision(item.key, "preempted-")
+                    for item in self.membership.kv.get_prefix(self.membership.keys.decision("preempted-"))}
+        recorded |= {node_of_decision(item.key, "handover-")
+                     for item in self.membership.kv.get_prefix(self.membership.keys.decision("handover-"))}
+        for node in sorted(known - set(registered) - recorded - self._preempted - {self.node}):
+            self._confirm_lost(node, "its lease expired before this coordinator took over")
 
     def _loop(self) -> None:
         polled = True

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
+from bamboo.launch.records import node_of_decision
 
 if TYPE_CHECKING:
     from bamboo.launch.copy_service import CopyService
@@ -100,8 +101,7 @@ def build_view(
 
 def warm_standby(membership: MembershipStore, registered: Iterable[str]) -> list[str]:
     """The registered nodes whose worker is warm (it published ``warm-<node>``)."""
-    warm = {item.key.rsplit("/", 1)[-1].removeprefix("warm-")
-            for item in membership.kv.get_prefix(membership.keys.decision("warm-"))}
+    warm = {node_of_decision(item.key, "warm-") for item in membership.kv.get_prefix(membership.keys.decision("warm-"))}
     return sorted(node for node in registered if node in warm)
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "StopDecision",
     "WorkerError",
     "WorkerWarm",
+    "node_of_decision",
     "outcome_name",
     "read_record",
 ]
@@ -230,6 +231,12 @@ class AttemptOutcome(_Record):
     """When it was written (wall clock)."""
 
 
+def node_of_decision(key: str, kind: str) -> str:
+    """The node that the decision at etcd key ``.../<kind><node>`` names (``kind``: ``warm-``, ``preempted-``,
+    ``handover-``)."""
+    return key.rsplit("/", 1)[-1].removeprefix(kind)
+
+
 def outcome_name(generation: int) -> str:
     """The decision that holds the :class:`AttemptOutcome` of the start of layout generation ``generation``."""
     return f"g{generation}-outcome"
@@ -253,6 +260,8 @@ class WorkerWarm(_Record):
     NAME: ClassVar[str] = "warm record"
     node: str = attrs.field(validator=_node)
     at: float = attrs.field(validator=_finite)
+    zone: str | None = attrs.field(default=None, validator=_optional_string)
+    """The node's zone: what its preemption record says if it is lost while no coordinator follows the membership."""
 
 
 @attrs.frozen

@@ -140,7 +140,7 @@ def train(context: WorkerContext, program: Program | None = None,
     if len(program.layers) != len(spec.layers):
         raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the job's spec has "
                            f"{len(spec.layers)}: every process of the script must build the same model")
-    run.membership.decide(f"warm-{node}", WorkerWarm(node, time.time()).to_dict())
+    run.membership.decide(f"warm-{node}", WorkerWarm(node, time.time(), run.context.zone).to_dict())
     clock.warm = time.time()
     state = WorkerState(startup=clock)
     role = wait_role(run, -1)

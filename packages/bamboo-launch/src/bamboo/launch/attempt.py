@@ -208,6 +208,31 @@ def up_name(generation: int, node: str) -> str:
     return f"g{generation}-up-{node}"
 
 
+@attrs.define
+class _Stragglers:
+    """Who :func:`await_outcome` reported as a suspect (see there): each owner not up once while this node's part
+    waits for the others, and once after its part is done, each after ``straggler_s`` in that state."""
+
+    node: str
+    suspect: Callable[[str], None] | None
+    straggler_s: float
+    clock: Callable[[], float]
+    since: dict[str, float] = attrs.field(factory=dict)
+    reported: dict[str, set[str]] = attrs.field(factory=lambda: {"waiting": set(), "done": set()})
+
+    def look(self, state: str | None, not_up: set[str]) -> None:
+        """This node's part is ``"waiting"``, ``"done"`` or neither (None) now; ``not_up``: the owners not up."""
+        if self.suspect is None:
+            return
+        if state != "waiting":
+            self.since.pop("waiting", None)  # waits must follow each other without a pause to count
+        if state is None or self.clock() - self.since.setdefault(state, self.clock()) < self.straggler_s:
+            return
+        for other in sorted(not_up - self.reported[state] - {self.node}):
+            self.reported[state].add(other)
+            self.suspect(other)
+
+
 def await_outcome(
     membership: MembershipStore,
     generation: int,
@@ -245,8 +270,7 @@ def await_outcome(
     deadline = clock() + timeout_s
     published = False
     up: set[str] = set()
-    since: dict[str, float] = {}  # when this node's part was first seen waiting for the others, and done
-    suspected: dict[str, set[str]] = {"waiting": set(), "done": set()}
+    stragglers = _Stragglers(node, suspect, straggler_s, clock)
     while True:
         verdict: tuple[bool, str] | None = None
         try:
@@ -274,14 +298,9 @@ def await_outcome(
                     verdict = (True, "every node is up")
                 elif clock() > deadline:
                     verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
-                elif suspect is not None:
-                    state = "done" if finished else "waiting" if waiting is not None and waiting() else None
-                    if state != "waiting":
-                        since.pop("waiting", None)  # waits must follow each other without a pause to count
-                    if state is not None and clock() - since.setdefault(state, clock()) >= straggler_s:
-                        for other in sorted(set(new_owners) - up - suspected[state] - {node}):
-                            suspected[state].add(other)
-                            suspect(other)
+                else:
+                    stragglers.look("done" if finished else "waiting" if waiting is not None and waiting() else None,
+                                    set(new_owners) - up)
             if verdict is not None:
                 decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict, at=time.time()).to_dict())
                 if decision.won:

@@ -161,26 +161,20 @@ def test_a_node_waiting_for_the_others_reports_the_owners_not_up_once_before_its
 
     outcome = await_outcome(membership, 5, "a", {"a", "b", "c"}, {"a", "b", "c"}, lambda: (False, None), 60.0,
                             clock=membership.clock, sleep=membership.sleep, suspect=suspect, straggler_s=0.5,
-                            waiting=lambda: True)
+                            waited_s=lambda: membership.time)  # waiting since the attempt began
     assert [node for node, _ in reported] == ["b", "c"]  # each once, both alike: this node cannot tell which
     assert 0.5 <= reported[0][1] < 0.5 + 0.2 + 1e-9  # within one running part's poll after the wait
     assert not outcome.go and "b left the membership" in outcome.reason
 
 
-def test_waits_with_pauses_between_them_report_nobody() -> None:
+def test_short_waits_report_nobody() -> None:
     """A rendezvous that waits a moment for each of several live peers is not waiting for a dead one."""
     membership = _Membership({"a", "b"})
-    polls: list[float] = []
-
-    def waiting() -> bool:
-        polls.append(membership.time)
-        return len(polls) % 2 == 1
-
     reported: list[str] = []
     outcome = await_outcome(membership, 5, "a", {"a", "b"}, {"a", "b"}, lambda: (False, None), 3.0,
                             clock=membership.clock, sleep=membership.sleep, suspect=reported.append,
-                            straggler_s=0.3, waiting=waiting)
-    assert reported == [] and not outcome.go and len(polls) > 4
+                            straggler_s=0.3, waited_s=lambda: membership.time % 0.25)
+    assert reported == [] and not outcome.go and membership.time > 3.0
 
 
 def test_a_node_waiting_then_done_reports_an_owner_still_not_up_again() -> None:
@@ -191,7 +185,7 @@ def test_a_node_waiting_then_done_reports_an_owner_still_not_up_again() -> None:
     outcome = await_outcome(membership, 5, "a", {"a", "b"}, {"a", "b"}, lambda: (membership.time >= 1.0, None),
                             3.0, clock=membership.clock, sleep=membership.sleep,
                             suspect=lambda node: reported.append((node, membership.time)), straggler_s=0.5,
-                            waiting=lambda: True)
+                            waited_s=lambda: membership.time)
     assert [node for node, _ in reported] == ["b", "b"]
     assert reported[0][1] < 1.0 <= reported[1][1] - 0.5
     assert not outcome.go
@@ -237,20 +231,21 @@ def test_abandoning_ends_a_wait_in_progress() -> None:
     assert done and isinstance(error, AttemptAbandonedError)
 
 
-def test_the_store_says_while_a_wait_for_a_key_not_set_yet_is_in_progress() -> None:
+def test_the_store_says_how_long_a_wait_for_a_key_not_set_yet_has_lasted() -> None:
     store = _store()
     store.set("here", b"1")
     store.wait(["here"])
-    assert not store.waiting  # the key was there: no wait
+    assert store.waited_s() == 0.0  # the key was there: no wait
     part = StartThread(lambda: store.get("later"), name="test-waiting")
     for _ in range(3000):
-        if store.waiting:
+        if store.waited_s() > 0.05:
             break
         part.join(0.01)
-    assert store.waiting
+    first = store.waited_s()
+    assert first > 0.05 and store.waited_s() >= first  # it grows while the wait lasts
     store.set("later", b"2")
     assert part.join(30) and part.result == b"2"
-    assert not store.waiting
+    assert store.waited_s() == 0.0  # and is over when the wait ends
 
 
 def test_a_wait_without_the_key_times_out() -> None:

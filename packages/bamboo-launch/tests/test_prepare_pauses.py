@@ -142,3 +142,35 @@ def test_every_decision_of_a_generation_is_under_the_prefix_a_waiting_worker_fol
     # the decisions written while a job trains do not wake a waiting worker
     assert not any(name.startswith(GENERATION_DECISIONS) for name in ("checkpoint-10-0", "warm-n1", "handover-n1",
                                                                         "error-n1", "preempted-n1", "end"))
+
+
+def test_a_build_waiting_for_the_others_reports_the_nodes_not_built_once() -> None:
+    """A joiner killed before it joined the groups' rendezvous leaves the others' builds waiting while the current
+    layout trains on; once a build has waited STRAGGLER_S, its node reports the nodes not built yet (not itself,
+    not the built ones), once."""
+    from types import SimpleNamespace
+
+    from bamboo.launch import timeouts
+    from bamboo.launch.prepare import Preparation, Prepared, built_name
+
+    reported: list[tuple[str, str]] = []
+    built = [SimpleNamespace(key=f"/bamboo/job/decisions/{built_name(8, 'b')}")]
+    membership = SimpleNamespace(keys=SimpleNamespace(decision=lambda name: f"/bamboo/job/decisions/{name}"),
+                                 kv=SimpleNamespace(get_prefix=lambda prefix: [i for i in built if i.key.startswith(prefix)]))
+    layout = _layout(7, 0)  # generation 8: owners a and b
+    joined = attrs.evolve(layout, plan=attrs.evolve(layout.plan, owners=[["a", "b"], ["c", "d"]],
+                                                    microbatches=(2, 2)), history=[(0, 1), (7, 2)])
+    preparation = Preparation.__new__(Preparation)
+    waited = [0.0]
+    preparation.run = SimpleNamespace(node="a", membership=membership,
+                                      report_suspect=lambda node, reason: reported.append((node, reason)))
+    preparation.prepared, preparation.layout = Prepared(0, joined, 0), joined
+    preparation.store = SimpleNamespace(waited_s=lambda: waited[0])
+    preparation.reported = False
+    preparation.report_stragglers()
+    assert reported == []  # not waiting
+    waited[0] = timeouts.STRAGGLER_S
+    preparation.report_stragglers()
+    preparation.report_stragglers()
+    assert [node for node, _ in reported] == ["c", "d"]
+    assert reported[0][1] == f"not built in prepared generation 8 after {timeouts.STRAGGLER_S:g} s"

@@ -60,15 +60,15 @@ class AttemptAbandonedError(RuntimeError):
 class AbandonableStore(dist.Store):
     """A c10d store over ``inner`` whose every call raises :class:`AttemptAbandonedError` once
     :meth:`abandon` was called; waits poll ``inner`` (1 ms, doubling to ``poll_max_s``) so that a
-    wait in progress ends too. :attr:`waiting` says whether a wait for keys not set yet is in progress: the
-    part using the store waits for other nodes (a group's rendezvous), not on its own work."""
+    wait in progress ends too. :meth:`waited_s` says how long a wait for keys not set yet has been in progress:
+    the part using the store waits for other nodes (a group's rendezvous), not on its own work."""
 
     def __init__(self, inner: dist.Store, poll_max_s: float = timeouts.ATTEMPT_STORE_POLL_MAX_S) -> None:
         super().__init__()
         self.inner = inner
         self.poll_max_s = poll_max_s
         self._abandoned = threading.Event()
-        self._waits = 0
+        self._waits: dict[int, float] = {}  # each wait in progress: when it began (time.monotonic)
         self._waits_lock = threading.Lock()
         self.set_timeout(inner.timeout)
 
@@ -79,10 +79,11 @@ class AbandonableStore(dist.Store):
     def abandoned(self) -> bool:
         return self._abandoned.is_set()
 
-    @property
-    def waiting(self) -> bool:
-        """Whether a call is waiting for keys that other nodes have not set yet."""
-        return self._waits > 0
+    def waited_s(self) -> float:
+        """How long the oldest call now waiting for keys that other nodes have not set yet has waited (0: none)."""
+        with self._waits_lock:
+            began = min(self._waits.values(), default=None)
+        return 0.0 if began is None else time.monotonic() - began
 
     def _check(self) -> None:
         if self._abandoned.is_set():
@@ -94,8 +95,9 @@ class AbandonableStore(dist.Store):
         self._check()
         if self.inner.check(list(keys)):
             return
+        wait = object()
         with self._waits_lock:
-            self._waits += 1
+            self._waits[id(wait)] = time.monotonic()
         try:
             pause = 0.001
             while True:
@@ -108,7 +110,7 @@ class AbandonableStore(dist.Store):
                     return
         finally:
             with self._waits_lock:
-                self._waits -= 1
+                del self._waits[id(wait)]
 
     def set(self, key: str, value: str | bytes) -> None:
         self._check()
@@ -211,24 +213,26 @@ def up_name(generation: int, node: str) -> str:
 @attrs.define
 class _Stragglers:
     """Who :func:`await_outcome` reported as a suspect (see there): each owner not up once while this node's part
-    waits for the others, and once after its part is done, each after ``straggler_s`` in that state."""
+    has waited ``straggler_s`` for the others, and once ``straggler_s`` after its part is done."""
 
     node: str
     suspect: Callable[[str], None] | None
     straggler_s: float
     clock: Callable[[], float]
-    since: dict[str, float] = attrs.field(factory=dict)
+    done_at: float | None = None
     reported: dict[str, set[str]] = attrs.field(factory=lambda: {"waiting": set(), "done": set()})
 
-    def look(self, state: str | None, not_up: set[str]) -> None:
-        """This node's part is ``"waiting"``, ``"done"`` or neither (None) now; ``not_up``: the owners not up."""
+    def look(self, finished: bool, waited_s: float, not_up: set[str]) -> None:
+        """This node's part is ``finished`` or not, and has waited ``waited_s`` for the others (0: it does not
+        wait now); ``not_up``: the owners not up."""
         if self.suspect is None:
             return
-        if state != "waiting":
-            self.since.pop("waiting", None)  # waits must follow each other without a pause to count
-        if state is None or self.clock() - self.since.setdefault(state, self.clock()) < self.straggler_s:
-            return
-        for other in sorted(not_up - self.reported[state] - {self.node}):
+        if finished:
+            self.done_at = self.clock() if self.done_at is None else self.done_at
+            state = "done" if self.clock() - self.done_at >= self.straggler_s else None
+        else:
+            state = "waiting" if waited_s >= self.straggler_s else None
+        for other in sorted(not_up - self.reported[state] - {self.node}) if state is not None else ():
             self.reported[state].add(other)
             self.suspect(other)
 
@@ -250,7 +254,7 @@ def await_outcome(
     up_record: Callable[[], NodeUp] | None = None,
     suspect: Callable[[str], None] | None = None,
     straggler_s: float = timeouts.STRAGGLER_S,
-    waiting: Callable[[], bool] | None = None,
+    waited_s: Callable[[], float] | None = None,
 ) -> Outcome:
     """Wait for the outcome of attempt ``generation``, writing it (first writer wins) when this node can tell.
 
@@ -262,10 +266,10 @@ def await_outcome(
     name alone); the outcome records when it was written. It polls every ``poll_s`` while its own part runs,
     every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited). ``suspect(node)``,
     when given, is called for each new owner not up ``straggler_s`` after this node's own part was done, and
-    once before that if ``waiting()`` (this node's part waits for other nodes, as at a group's rendezvous, which
-    a node killed before it joined leaves waiting) held over ``straggler_s`` of polls: the node's agent probes
-    it, and a dead one leaves the membership at once (the attempt is then abandoned for it); a live one answers
-    and is left alone. A running part that is not waiting reports nobody: the others may be waiting for it.
+    once before that when ``waited_s()`` (how long this node's part has waited for other nodes, as at a group's
+    rendezvous, which a node killed before it joined leaves waiting) reaches ``straggler_s``: the node's agent
+    probes it, and a dead one leaves the membership at once (the attempt is then abandoned for it); a live one
+    answers and is left alone. A running part that is not waiting reports nobody: the others may wait for it.
     """
     deadline = clock() + timeout_s
     published = False
@@ -299,8 +303,7 @@ def await_outcome(
                 elif clock() > deadline:
                     verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
                 else:
-                    stragglers.look("done" if finished else "waiting" if waiting is not None and waiting() else None,
-                                    set(new_owners) - up)
+                    stragglers.look(finished, waited_s() if waited_s is not None else 0.0, set(new_owners) - up)
             if verdict is not None:
                 decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict, at=time.time()).to_dict())
                 if decision.won:

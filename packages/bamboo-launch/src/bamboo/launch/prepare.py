@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 from bamboo.launch import timeouts
 from bamboo.launch.attempt import AbandonableStore, StartThread, outcome_name
-from bamboo.launch.records import AttemptOutcome, NodeBuilt, PreparedLayout, StopDecision, read_record
+from bamboo.launch.records import (
+    AttemptOutcome,
+    NodeBuilt,
+    PreparedLayout,
+    StopDecision,
+    node_of_decision,
+    read_record,
+)
 from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.launch.starting import StartMarks, build_engine, release_executor, transfer_group
 
@@ -230,6 +237,7 @@ class Preparation:
         self.layout = prepared.layout
         self.store = AbandonableStore(run.store)
         self.marks = StartMarks()
+        self.reported = False
         self.thread = StartThread(self._build, name=f"bamboo-prepare-g{self.layout.generation}")
 
     def _build(self) -> tuple[Engine | None, ProcessGroupGloo | None]:
@@ -242,6 +250,21 @@ class Preparation:
         self.marks.built = time.time()
         run.membership.decide(built_name(layout.generation, run.node), NodeBuilt(run.node, self.marks.built).to_dict())
         return engine, group
+
+    def report_stragglers(self) -> None:
+        """Once this node's build has waited :data:`~bamboo.launch.timeouts.STRAGGLER_S` for the others (a node
+        killed before it joined the groups' rendezvous leaves it waiting, while the current layout trains on),
+        report the nodes of the layout not built yet to this node's agent, once: its probe confirms a dead one,
+        whose lease is revoked, and the evaluator abandons the attempt then instead of at its lease's expiry."""
+        if self.reported or self.store.waited_s() < timeouts.STRAGGLER_S:
+            return
+        self.reported = True
+        run, generation = self.run, self.layout.generation
+        prefix = built_name(generation, "")
+        built = {node_of_decision(item.key, prefix)
+                 for item in run.membership.kv.get_prefix(run.membership.keys.decision(prefix))}
+        for node in sorted(self.prepared.needs() - built - {run.node}):
+            run.report_suspect(node, f"not built in prepared generation {generation} after {timeouts.STRAGGLER_S:g} s")
 
     def built(self) -> tuple[Engine | None, ProcessGroupGloo | None]:
         """The engine and the transfer group, once built (raises the build's error)."""

@@ -144,7 +144,7 @@ def follow_attempt(run: WorkerSession, layout: JobLayout, part: StartThread[T], 
                             up_record=lambda: marks.up(run.node),
                             suspect=lambda other: run.report_suspect(
                                 other, f"not up in the attempt of generation {generation} after {timeouts.STRAGGLER_S:g} s"),
-                            waiting=lambda: store.waiting)
+                            waited_s=store.waited_s)
     if outcome.go:
         part.join(run.timeouts.group)  # every owner is up, so every transfer of this node is done
         done, error = part.progress()

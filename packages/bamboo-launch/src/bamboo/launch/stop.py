@@ -234,6 +234,8 @@ class Boundary:
             return
         if self.preparation is None and run.node in prepared.needs():
             self.preparation = Preparation(run, prepared)
+        if self.preparation is not None:
+            self.preparation.report_stragglers()
 
     def _propose(self, facts: ExecutorFacts, scan: PreparedScan) -> PreparedScan:
         """The evaluator: the job's end, the stop that switches to a prepared layout built everywhere, or a new

@@ -166,11 +166,15 @@ def test_a_build_waiting_for_the_others_reports_the_nodes_not_built_once() -> No
                                       report_suspect=lambda node, reason: reported.append((node, reason)))
     preparation.prepared, preparation.layout = Prepared(0, joined, 0), joined
     preparation.store = SimpleNamespace(waited_s=lambda: waited[0])
-    preparation.reported = False
+    preparation.reporter = None
     preparation.report_stragglers()
-    assert reported == []  # not waiting
+    assert reported == [] and preparation.reporter is None  # not waiting
     waited[0] = timeouts.STRAGGLER_S
     preparation.report_stragglers()
+    reporter = preparation.reporter
+    assert reporter is not None
+    reporter.join(30)
     preparation.report_stragglers()
+    assert preparation.reporter is reporter  # once
     assert [node for node, _ in reported] == ["c", "d"]
     assert reported[0][1] == f"not built in prepared generation 8 after {timeouts.STRAGGLER_S:g} s"

@@ -30,6 +30,8 @@ index, and no layout is prepared after it.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -46,6 +48,7 @@ from bamboo.launch.records import (
 )
 from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.launch.starting import StartMarks, build_engine, release_executor, transfer_group
+from bamboo.membership.kv import StoreError
 
 if TYPE_CHECKING:
     from bamboo.membership import MembershipStore
@@ -237,7 +240,8 @@ class Preparation:
         self.layout = prepared.layout
         self.store = AbandonableStore(run.store)
         self.marks = StartMarks()
-        self.reported = False
+        self.reporter: threading.Thread | None = None
+        """The thread that reports the nodes not built (:meth:`report_stragglers`), once started."""
         self.thread = StartThread(self._build, name=f"bamboo-prepare-g{self.layout.generation}")
 
     def _build(self) -> tuple[Engine | None, ProcessGroupGloo | None]:
@@ -254,15 +258,24 @@ class Preparation:
     def report_stragglers(self) -> None:
         """Once this node's build has waited :data:`~bamboo.launch.timeouts.STRAGGLER_S` for the others (a node
         killed before it joined the groups' rendezvous leaves it waiting, while the current layout trains on),
-        report the nodes of the layout not built yet to this node's agent, once: its probe confirms a dead one,
-        whose lease is revoked, and the evaluator abandons the attempt then instead of at its lease's expiry."""
-        if self.reported or self.store.waited_s() < timeouts.STRAGGLER_S:
+        report the nodes of the layout not built yet to this node's agent, once, from a thread of its own (this is
+        called at a step boundary): the agent's probe confirms a dead one, whose lease is revoked, and the
+        evaluator abandons the attempt then instead of at its lease's expiry."""
+        if self.reporter is not None or self.store.waited_s() < timeouts.STRAGGLER_S:
             return
-        self.reported = True
+        self.reporter = threading.Thread(target=self._report_not_built, name="bamboo-prepare-stragglers", daemon=True)
+        self.reporter.start()
+
+    def _report_not_built(self) -> None:
         run, generation = self.run, self.layout.generation
         prefix = built_name(generation, "")
-        built = {node_of_decision(item.key, prefix)
-                 for item in run.membership.kv.get_prefix(run.membership.keys.decision(prefix))}
+        try:
+            built = {node_of_decision(item.key, prefix)
+                     for item in run.membership.kv.get_prefix(run.membership.keys.decision(prefix))}
+        except StoreError as error:  # etcd restarting: the lease of a dead node still expires
+            print(f"node {run.node}: could not read which nodes of generation {generation} are built: {error}",
+                  file=sys.stderr, flush=True)
+            return
         for node in sorted(self.prepared.needs() - built - {run.node}):
             run.report_suspect(node, f"not built in prepared generation {generation} after {timeouts.STRAGGLER_S:g} s")
 

@@ -21,9 +21,9 @@ removals of the machines it kept. Traces are converted into the generic CSV form
 folder (never into the repository).
 
 For each run it prints the steps' share of the training window (first step to last), the start-up, each
-reconfiguration's pause with its parts (decide, barrier, transfers, group builds, first step; ``prepared``
-when it was built while the old layout trained), each restore's pause and source (a peer's memory, or disk),
-the value (samples/s per $/h over the training window, at $0.918/h spot and $3.06/h on demand) against the
+reconfiguration's pause with its parts (waiting for nodes, decide, barrier, transfers, group builds, first step;
+``prepared`` when it was built while the old layout trained), each restore's pause and source (a peer's memory, or
+disk), the value (samples/s per $/h over the training window, at $0.918/h spot and $3.06/h on demand) against the
 on-demand run's, and whether the final parameters equal the fault-free run's (``--verify``). Then one
 reconfiguration (7 nodes, one on standby; the node of stage 1 of pipeline 0 killed at step 10, the standby node
 put in), before make before break (``BAMBOO_LAUNCH_BREAK_BEFORE_MAKE=1``: decided and built at the barrier)
@@ -154,7 +154,7 @@ def pauses_of(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     for event in read_events(run_dir / "events.jsonl"):
         if isinstance(event, Reconfiguration):
             reconfigurations.append({"reason": event.reason, "pause_s": event.duration_s, "prepared": event.prepared,
-                                     "restore": False,
+                                     "restore": False, "nodes_s": event.nodes_s,
                                      "decide_s": event.decide_s, "barrier_s": event.barrier_s,
                                      "transfers_s": event.transfers_s, "group_builds_s": event.group_builds_s,
                                      "first_step_s": event.first_step_s, "attempts": event.attempts})
@@ -229,7 +229,7 @@ def one_reconfiguration(work: Path, before: bool, timeout_s: float) -> dict[str,
     [record] = [e for e in read_events(result.events) if isinstance(e, Reconfiguration)][:1]
     diff = compare_with_reference(result, options)["max_relative_diff"]
     return {"mode": "before (barrier)" if before else "after (prepared)", "pause_s": record.duration_s,
-            "prepared": record.prepared, "decide_s": record.decide_s, "barrier_s": record.barrier_s,
+            "prepared": record.prepared, "nodes_s": record.nodes_s, "decide_s": record.decide_s, "barrier_s": record.barrier_s,
             "transfers_s": record.transfers_s, "group_builds_s": record.group_builds_s,
             "first_step_s": record.first_step_s, "bytes_moved": record.bytes_moved, "max_relative_diff": diff}
 
@@ -257,10 +257,10 @@ def print_run(result: dict[str, Any]) -> None:
     print(f"  steps' share of the window  {100 * result['step_share']:.1f}%   start-up {result['startup_s']:.1f} s")
     print(f"  value                       {result['value']:.3f} samples/s per $/h, on-demand "
           f"{result['on_demand_value']:.3f}: {result['value_vs_on_demand']:.2f}x")
-    print("  reconfiguration pauses (s)  total  decide barrier transfers groups first-step")
+    print("  reconfiguration pauses (s)  total  nodes  decide barrier transfers groups first-step")
     for item in result["reconfigurations"]:
         kind = "restore" if item["restore"] else "prepared" if item["prepared"] else "barrier"
-        print(f"    {kind:<26}{item['pause_s']:6.2f} "
+        print(f"    {kind:<26}{item['pause_s']:6.2f} {item['nodes_s'] or 0:6.2f} "
               f"{item['decide_s'] or 0:7.2f} {item['barrier_s'] or 0:7.2f} {item['transfers_s'] or 0:9.2f} "
               f"{item['group_builds_s'] or 0:6.2f} {item['first_step_s'] or 0:10.2f}  {item['reason'][:40]}")
     for item in result["restores"]:

@@ -27,7 +27,9 @@ def test_a_classic_pause_is_the_barrier_the_decision_the_builds_and_the_transfer
     assert pause.transfers_s == pytest.approx(1.5)
     assert pause.barrier_s == pytest.approx(6.2 - 1.0 - 2.5 - 1.5)
     assert pause.total_s == pytest.approx(6.5) and pause.first_step_s == 0.3
-    assert pause.line() == "6.50 s (decide 1.00, barrier 1.20, transfers 1.50, group builds 2.50, first step 0.30)"
+    assert pause.nodes_s == 0.0  # every node was warm before the holders stopped
+    assert pause.line() == ("6.50 s (nodes 0.00, decide 1.00, barrier 1.20, transfers 1.50, group builds 2.50, "
+                            "first step 0.30)")
 
 
 def test_a_prepared_pause_counts_neither_the_plan_nor_the_builds_done_while_training() -> None:
@@ -178,3 +180,29 @@ def test_a_build_waiting_for_the_others_reports_the_nodes_not_built_once() -> No
     assert preparation.reporter is reporter  # once
     assert [node for node, _ in reported] == ["c", "d"]
     assert reported[0][1] == f"not built in prepared generation 8 after {timeouts.STRAGGLER_S:g} s"
+
+
+def test_a_restore_after_every_holder_was_lost_counts_the_wait_for_new_nodes_apart_from_the_decision() -> None:
+    """Every holder lost at t0 = 10 (the lost layout's last step): machines came back, and the last new worker was
+    warm at 20.6; the coordinator's layout reached the critical node at 20.7. The 10.6 s are the nodes' wait (their
+    arrival and start), not the decision's."""
+    ups = [NodeUp("n1", at=21.2, warm=19.8, planned=20.65, built=20.9, state=21.1),
+           NodeUp("n2", at=21.3, warm=20.6, planned=20.7, built=21.0, state=21.25)]  # the critical node
+    pause = pause_breakdown(t0=10.0, go=21.4, ups=ups)
+    assert pause.nodes_s == pytest.approx(10.6) and pause.decide_s == pytest.approx(0.1)
+    assert pause.group_builds_s == pytest.approx(0.3) and pause.transfers_s == pytest.approx(0.25)
+    assert pause.barrier_s == pytest.approx(11.4 - 10.6 - 0.1 - 0.3 - 0.25)
+    assert pause.total_s == pytest.approx(11.4)
+    # a layout planned before its last node was warm (a redo after its start): the wait ends at the plan
+    early = pause_breakdown(t0=10.0, go=12.0, ups=[NodeUp("n1", at=11.9, warm=11.5, planned=11.0, built=11.6,
+                                                           state=11.8)])
+    assert early.nodes_s == pytest.approx(1.0) and early.decide_s == 0.0
+
+
+def test_a_joiner_warm_after_the_holders_stopped_is_not_a_wait_for_nodes() -> None:
+    """A layout decided at a barrier does not wait for a node that is still starting: a joiner that happened to be
+    warm after the holders stopped leaves the decision's time to the decision."""
+    ups = [NodeUp("a", at=14.0, stopped=10.0, planned=11.0, built=12.0, state=13.0),
+           NodeUp("j", at=13.5, warm=10.5, planned=11.0, built=12.5, state=13.4)]
+    pause = pause_breakdown(t0=10.0, go=14.0, ups=ups)
+    assert pause.nodes_s == 0.0 and pause.decide_s == pytest.approx(1.0)

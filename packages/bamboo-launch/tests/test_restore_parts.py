@@ -123,7 +123,7 @@ def test_next_history_cuts_the_abandoned_generations() -> None:
 
 def test_restore_record_round_trip_and_validation(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    pause = PauseBreakdown(total_s=2.5, decide_s=0.5, barrier_s=1.0, transfers_s=0.75, group_builds_s=0.25,
+    pause = PauseBreakdown(total_s=2.5, nodes_s=0.0, decide_s=0.5, barrier_s=1.0, transfers_s=0.75, group_builds_s=0.25,
                            first_step_s=0.0)
     with EventLog(path) as log:
         write_reconfiguration(log, _layout(7), pause, stages=3, prepared=False, restore_source=None)  # no restore

@@ -2,8 +2,8 @@
 
 :class:`TimeAccount` reads records in ``t`` order (:meth:`TimeAccount.apply`) and keeps the start-up, the
 training window and the steps' share of it, the failover pauses, and every reconfiguration's pause with its
-parts (decide, barrier, transfers, group builds, first step; :mod:`bamboo.launch.pauses` measures them) and
-every restore's pause and source.
+parts (waiting for nodes, decide, barrier, transfers, group builds, first step; :mod:`bamboo.launch.pauses`
+measures them) and every restore's pause and source.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PAUSE_PARTS", "STARTUP_PARTS", "TimeAccount", "last_step_end_unix", "progress_records", "steps_reached"]
 
-PAUSE_PARTS = ("decide_s", "barrier_s", "transfers_s", "group_builds_s", "first_step_s")
+PAUSE_PARTS = ("nodes_s", "decide_s", "barrier_s", "transfers_s", "group_builds_s", "first_step_s")
 """The parts of a reconfiguration's pause, in the ``reconfiguration`` record and the report."""
 STARTUP_PARTS = ("process_s", "imports_s", "model_s", "wait_s", "model_build_s", "group_build_s", "first_step_s")
 """The phases of a worker's start, in the ``startup`` record and the report."""

@@ -24,7 +24,7 @@ and the kind's own keys:
   first node that stopped training to the new layout's go, plus what its first step took beyond a
   usual step), ``attempts`` (int, optional, default 1: more when a node died while the new layout
   started and it was redone), and, optionally, the pause broken down (:mod:`bamboo.launch.pauses`):
-  ``decide_s``, ``barrier_s``, ``transfers_s``, ``group_builds_s``, ``first_step_s`` (floats), whether
+  ``nodes_s``, ``decide_s``, ``barrier_s``, ``transfers_s``, ``group_builds_s``, ``first_step_s`` (floats), whether
   the new layout was ``prepared`` while the old one trained (make before break), its ``generation``;
 - ``checkpoint``: ``step`` (int), ``path`` (str), ``bytes`` (int), ``duration_s`` (float);
 - ``restore``: ``step`` (int, the step training restarts from), ``path`` (str, the checkpoint's
@@ -170,6 +170,7 @@ class Reconfiguration:
     duration_s: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     attempts: int = attrs.field(default=1, validator=_POSITIVE_INT)
     """Starts it took: more than 1 when a node died while it started and the decision was redone."""
+    nodes_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
     decide_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
     barrier_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))
     transfers_s: float | None = attrs.field(default=None, validator=_V.optional(_NON_NEGATIVE_TIME))

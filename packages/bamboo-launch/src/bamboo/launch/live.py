@@ -141,11 +141,12 @@ def describe_event(event: Event) -> str:
 
 
 def _pause(event: Reconfiguration) -> str:
-    """``0.52s (decide 0.01, barrier 0.10, transfers 0.20, groups 0.00, first step 0.21)``, or the total alone
-    for a record written without its parts."""
+    """``0.52s (nodes 0.00, decide 0.01, barrier 0.10, transfers 0.20, groups 0.00, first step 0.21)``, or the
+    total alone for a record written without its parts."""
     if event.barrier_s is None:
         return f"{event.duration_s:.2f}s"
-    return (f"{event.duration_s:.2f}s (decide {event.decide_s or 0:.2f}, barrier {event.barrier_s:.2f}, transfers "
+    return (f"{event.duration_s:.2f}s (nodes {event.nodes_s or 0:.2f}, decide {event.decide_s or 0:.2f}, barrier "
+            f"{event.barrier_s:.2f}, transfers "
             f"{event.transfers_s or 0:.2f}, groups {event.group_builds_s or 0:.2f}, first step "
             f"{event.first_step_s or 0:.2f})")
 
@@ -380,7 +381,8 @@ def render_live(state: LiveState) -> Panel:
         rows.append([
             _cell("pause p50", f" {p50:.2f}s ", "max", f" {most:.2f}s"),
             _cell("prepared", f" {time.prepared}/{len(time.pauses)}"),
-            _cell("decide", f" {parts['decide_s']:.2f}s ", "barrier", f" {parts['barrier_s']:.2f}s"),
+            _cell("nodes", f" {parts['nodes_s']:.2f}s ", "decide", f" {parts['decide_s']:.2f}s ", "barrier",
+                  f" {parts['barrier_s']:.2f}s"),
             _cell("transfers", f" {parts['transfers_s']:.2f}s ", "groups", f" {parts['group_builds_s']:.2f}s ",
                   "first step", f" {parts['first_step_s']:.2f}s"),
         ])

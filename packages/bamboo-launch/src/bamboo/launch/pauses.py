@@ -7,8 +7,13 @@ of the old layout's last step, since no holder lived to say when it stopped) to 
 new layout says in its ``up`` record (:class:`bamboo.launch.records.NodeUp`) when each part of its start
 ended; the part of the node that came up last (the *critical* node) is the pause's path:
 
-- ``decide_s``: from the last holder stopping to the critical node having the layout (the barrier's
-  planning, and the time to notice it). Zero when the layout was decided while the old one trained;
+- ``nodes_s``: when no holder lived (every one was lost), from ``t0`` to the last node of the new layout
+  becoming warm (its worker started and its model built): the wait for machines to arrive and start, which no
+  decision can shorten. Zero when a holder lived: a layout decided at a barrier never waits for a node that is
+  still starting;
+- ``decide_s``: from the last holder stopping (or from the last node becoming warm) to the critical node
+  having the layout (the barrier's planning, and the time to notice it). Zero when the layout was decided
+  while the old one trained;
 - ``group_builds_s``: its engine (its stages' layers) and gloo groups, as far as they were built after
   it had the layout and every holder had stopped. Zero when they were built while the old layout trained;
 - ``transfers_s``: its stages' state put in place after that (local copies, transfers from peers, a
@@ -36,6 +41,7 @@ class PauseBreakdown:
     """One reconfiguration's pause and its parts, in seconds (see the module docstring)."""
 
     total_s: float = attrs.field(validator=attrs.validators.ge(0.0))
+    nodes_s: float = attrs.field(validator=attrs.validators.ge(0.0))
     decide_s: float = attrs.field(validator=attrs.validators.ge(0.0))
     barrier_s: float = attrs.field(validator=attrs.validators.ge(0.0))
     transfers_s: float = attrs.field(validator=attrs.validators.ge(0.0))
@@ -43,8 +49,8 @@ class PauseBreakdown:
     first_step_s: float = attrs.field(validator=attrs.validators.ge(0.0))
 
     def line(self) -> str:
-        """``0.52 s (decide 0.01, barrier 0.10, transfers 0.20, group builds 0.00, first step 0.21)``."""
-        return (f"{self.total_s:.2f} s (decide {self.decide_s:.2f}, barrier {self.barrier_s:.2f}, transfers "
+        """``0.52 s (nodes 0.00, decide 0.01, barrier 0.10, transfers 0.20, group builds 0.00, first step 0.21)``."""
+        return (f"{self.total_s:.2f} s (nodes {self.nodes_s:.2f}, decide {self.decide_s:.2f}, barrier {self.barrier_s:.2f}, transfers "
                 f"{self.transfers_s:.2f}, group builds {self.group_builds_s:.2f}, first step {self.first_step_s:.2f})")
 
 
@@ -61,19 +67,22 @@ def pause_breakdown(t0: float, go: float, ups: Sequence[NodeUp], first_step_s: f
 
     stopped = [up.stopped for up in ups if up.stopped is not None]
     last_stopped = max(stopped, default=t0)
+    # With no holder, the layout waited for its nodes to be warm; with one, it did not (see the module docstring).
+    last_warm = last_stopped if stopped else max((up.warm for up in ups if up.warm is not None), default=t0)
     critical = max(ups, key=lambda up: up.at if up.at is not None else t0, default=None)
-    decide = builds = transfers = 0.0
+    nodes = decide = builds = transfers = 0.0
     if critical is not None:
         planned = critical.planned if critical.planned is not None else last_stopped
-        decide = span(last_stopped, planned)
+        nodes = span(last_stopped, min(last_warm, planned))
+        decide = span(max(last_stopped, min(last_warm, planned)), planned)
         ready = max(planned, last_stopped)
         built = critical.built if critical.built is not None else ready
         builds = span(ready, built)
         transfers = span(max(ready, built), critical.state)
-    barrier = max(0.0, window - decide - builds - transfers)
+    barrier = max(0.0, window - nodes - decide - builds - transfers)
     first = max(0.0, first_step_s)
-    return PauseBreakdown(total_s=window + first, decide_s=decide, barrier_s=barrier, transfers_s=transfers,
-                          group_builds_s=builds, first_step_s=first)
+    return PauseBreakdown(total_s=window + first, nodes_s=nodes, decide_s=decide, barrier_s=barrier,
+                          transfers_s=transfers, group_builds_s=builds, first_step_s=first)
 
 
 def first_step_excess(first: float, usual: Sequence[float]) -> float:

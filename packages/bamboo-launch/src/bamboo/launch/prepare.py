@@ -239,7 +239,7 @@ class Preparation:
         self.prepared = prepared
         self.layout = prepared.layout
         self.store = AbandonableStore(run.store)
-        self.marks = StartMarks()
+        self.marks = StartMarks(warm=run.warm_at)
         self.reporter: threading.Thread | None = None
         """The thread that reports the nodes not built (:meth:`report_stragglers`), once started."""
         self.thread = StartThread(self._build, name=f"bamboo-prepare-g{self.layout.generation}")

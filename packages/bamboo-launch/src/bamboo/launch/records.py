@@ -181,8 +181,9 @@ class BarrierReady(_Record):
 class NodeUp(_Record):
     """A node of an attempt finished its part (engine built, state received or sent), and when each part of it
     ended (wall clock; None for a part it did not have): ``stopped`` training the previous layout (a holder),
-    ``planned`` (it had the layout), ``built`` (its engine and groups), ``state`` (its stages' state in place),
-    ``at`` (it published this). :mod:`bamboo.launch.pauses` breaks the reconfiguration's pause down from them."""
+    ``warm`` (its worker had started and built its model: a node new to the job), ``planned`` (it had the
+    layout), ``built`` (its engine and groups), ``state`` (its stages' state in place), ``at`` (it published
+    this). :mod:`bamboo.launch.pauses` breaks the reconfiguration's pause down from them."""
 
     NAME: ClassVar[str] = "up record"
     node: str = attrs.field(validator=_node)
@@ -191,6 +192,7 @@ class NodeUp(_Record):
     planned: float | None = attrs.field(default=None, validator=_optional_finite)
     built: float | None = attrs.field(default=None, validator=_optional_finite)
     state: float | None = attrs.field(default=None, validator=_optional_finite)
+    warm: float | None = attrs.field(default=None, validator=_optional_finite)
 
 
 @attrs.frozen

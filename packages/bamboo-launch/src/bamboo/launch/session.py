@@ -76,6 +76,8 @@ class WorkerSession:
         self.layers = self.spec.reconfig_layers()
         self.copies: CopyService | None = None
         """This worker's in-memory copies (None: it keeps none)."""
+        self.warm_at: float | None = None
+        """When this worker became warm (its model built, waiting for a role; wall clock), once it has."""
         self.notice_deadline: float | None = None  # this node's preemption deadline, once its agent was told
         self._notice_watch = self.membership.watch_notices(self._on_notice)
         found = self.kv.get(self.membership.keys.notice(self.node))

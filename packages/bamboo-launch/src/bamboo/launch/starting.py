@@ -61,16 +61,18 @@ def release_executor(old: StageExecutor) -> None:
 class StartMarks:
     """When each part of this node's start ended (wall clock), for its ``up`` record (see
     :mod:`bamboo.launch.pauses`): it ``stopped`` training the previous layout (None: a node that held nothing),
-    had the layout (``planned``), built its engine and groups (``built``), and had its state (``state``)."""
+    its worker became ``warm`` (its model built, waiting for a role), it had the layout (``planned``), built its
+    engine and groups (``built``), and had its state (``state``)."""
 
     stopped: float | None = None
+    warm: float | None = None
     planned: float = attrs.field(factory=time.time)
     built: float | None = None
     state: float | None = None
 
     def up(self, node: str) -> NodeUp:
         return NodeUp(node, at=time.time(), stopped=self.stopped, planned=self.planned, built=self.built,
-                      state=self.state)
+                      state=self.state, warm=self.warm)
 
 
 def build_engine(run: WorkerSession, layout: JobLayout, store: Store) -> Engine:
@@ -112,7 +114,7 @@ def start_attempt(run: WorkerSession, layout: JobLayout, old: StageExecutor | No
     from bamboo.launch.attempt import AbandonableStore, StartThread
 
     store = AbandonableStore(run.store)
-    marks = StartMarks(stopped=stopped)
+    marks = StartMarks(stopped=stopped, warm=run.warm_at)
     part: StartThread[Engine | None]
     if run.node in layout.ranks:
         part = StartThread(lambda: start_engine(run, layout, old, store, marks), name=f"bamboo-start-g{layout.generation}")

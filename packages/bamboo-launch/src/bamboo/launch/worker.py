@@ -140,8 +140,8 @@ def train(context: WorkerContext, program: Program | None = None,
     if len(program.layers) != len(spec.layers):
         raise RuntimeError(f"this worker's model has {len(program.layers)} layers, the job's spec has "
                            f"{len(spec.layers)}: every process of the script must build the same model")
-    run.membership.decide(f"warm-{node}", WorkerWarm(node, time.time(), run.context.zone).to_dict())
-    clock.warm = time.time()
+    clock.warm = run.warm_at = time.time()
+    run.membership.decide(f"warm-{node}", WorkerWarm(node, run.warm_at, run.context.zone).to_dict())
     state = WorkerState(startup=clock)
     role = wait_role(run, -1)
     clock.role = time.time()
@@ -307,7 +307,7 @@ def _start_switch(run: WorkerSession, holding: _Holding, start: Ending) -> Start
         preparation = Preparation(run, prepared)
     part: StartThread[Started]
     if preparation is None:  # no part in it: it follows the outcome, then goes to standby
-        marks, store = StartMarks(stopped=holding.stopped), AbandonableStore(run.store)
+        marks, store = StartMarks(stopped=holding.stopped, warm=run.warm_at), AbandonableStore(run.store)
         part = StartThread(lambda: (None, layout), name=f"bamboo-follow-g{layout.generation}")
     else:
         marks, store = preparation.marks, preparation.store

@@ -89,7 +89,8 @@ def write_reconfiguration(log: EventWriter, layout: JobLayout, pause: PauseBreak
     copy of an earlier step, from ``restore_source``: ``memory``, ``disk`` or ``initial``)."""
     log.write(Reconfiguration(t=log.now(), reason=layout.reason, pipelines=layout.pipelines, stages=stages,
                               standby=len(layout.standby), bytes_moved=layout.transfers.bytes_moved,
-                              duration_s=pause.total_s, attempts=layout.attempt + 1, decide_s=pause.decide_s,
+                              duration_s=pause.total_s, attempts=layout.attempt + 1, nodes_s=pause.nodes_s,
+                              decide_s=pause.decide_s,
                               barrier_s=pause.barrier_s, transfers_s=pause.transfers_s,
                               group_builds_s=pause.group_builds_s, first_step_s=pause.first_step_s,
                               prepared=prepared, generation=layout.generation))

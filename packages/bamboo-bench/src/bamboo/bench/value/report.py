@@ -143,6 +143,7 @@ class Report:
     reconfiguration_pause_p50_s: float | None = None
     reconfiguration_pause_max_s: float | None = None
     prepared_reconfigurations: int = 0
+    pause_nodes_s: float = 0.0
     pause_decide_s: float = 0.0
     pause_barrier_s: float = 0.0
     pause_transfers_s: float = 0.0
@@ -285,7 +286,8 @@ def _pauses_and_startup(account: TimeAccount) -> dict[str, Any]:
     restores = [pause for pause, _source in account.restores]
     return {
         "reconfiguration_pause_p50_s": account.pause_p50_s, "reconfiguration_pause_max_s": account.pause_max_s,
-        "prepared_reconfigurations": account.prepared, "pause_decide_s": parts["decide_s"],
+        "prepared_reconfigurations": account.prepared, "pause_nodes_s": parts["nodes_s"],
+        "pause_decide_s": parts["decide_s"],
         "pause_barrier_s": parts["barrier_s"], "pause_transfers_s": parts["transfers_s"],
         "pause_group_builds_s": parts["group_builds_s"], "pause_first_step_s": parts["first_step_s"],
         "restores_from_memory": sum(source == "memory" for _pause, source in account.restores),
@@ -314,7 +316,8 @@ def format_report(report: Report) -> str:
         f"{report.reconfiguration_s:.3f} s; {report.consecutive_failures} after a consecutive failure)",
         f"  pauses           reconfigurations p50 {seconds(report.reconfiguration_pause_p50_s)}, max "
         f"{seconds(report.reconfiguration_pause_max_s)} ({report.prepared_reconfigurations} prepared while training); "
-        f"in all: decide {report.pause_decide_s:.2f} s, barrier {report.pause_barrier_s:.2f} s, transfers "
+        f"in all: waiting for nodes {report.pause_nodes_s:.2f} s, decide {report.pause_decide_s:.2f} s, barrier "
+        f"{report.pause_barrier_s:.2f} s, transfers "
         f"{report.pause_transfers_s:.2f} s, group builds {report.pause_group_builds_s:.2f} s, first steps "
         f"{report.pause_first_step_s:.2f} s",
         f"  restores         {report.restores} ({report.restores_from_memory} from a peer's memory, the rest from "

@@ -567,7 +567,7 @@ def test_the_steps_a_lost_generation_reached_are_its_step_records_after_its_barr
     assert restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path)).barrier_step == 0
 
 
-def test_a_restart_s_read_of_the_log_types_two_step_records_and_finds_the_same_progress(
+def test_a_restart_s_read_of_the_log_types_three_step_records_at_most_and_finds_the_same_progress(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bamboo.launch import events as events_module
 
@@ -591,7 +591,7 @@ def test_a_restart_s_read_of_the_log_types_two_step_records_and_finds_the_same_p
     for layout in (first, restarted):
         typed.clear()
         read = read_etcd_events(kv, "j", select=progress_records(layout, created))  # type: ignore[arg-type]
-        assert len(typed) <= 2
+        assert len(typed) <= 3  # its own highest and last steps, and the last step before it
         assert steps_reached(read, layout, created) == steps_reached(records, layout, created)
         assert last_step_end_unix(read, layout, created) == last_step_end_unix(records, layout, created)
     assert steps_reached(read, restarted, created) == 42
@@ -638,6 +638,11 @@ def test_a_restart_after_every_holder_was_lost_counts_its_pause_from_the_lost_ge
     assert steps_reached(events, restarted, created) == 2  # the lost generation's last step is not the restart's
     unknown = restart_layout(spec, first, ["w1", "w2"], {"w1": "a", "w2": "b"}, 2, str(tmp_path))
     assert unknown is not None and unknown.barrier_unix is not None and unknown.barrier_unix > 1002.5  # now
+    # An attempt lost before its first step (every node of it killed while it started) trained nothing since the
+    # generation it came from: the restart after it counts from that generation's last step, not from its decision.
+    attempt = attrs.evolve(restarted, barrier_unix=created + 3.0)  # generation 1, started from generation 0
+    assert last_step_end_unix(events, attempt, created) == 1002.5
+    assert last_step_end_unix([step(2.0, 7, 3)], attempt, created) is None  # only a later generation's record
 
 
 def test_redo_start_layout_repeats_an_abandoned_first_start_on_the_nodes_left(tmp_path: Path) -> None:

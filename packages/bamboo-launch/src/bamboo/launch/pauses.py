@@ -2,7 +2,8 @@
 
 The pause runs from the first node that stopped training the old layout (``t0``: the first holder at the
 barrier, or at the switch of a layout prepared while the old one trained; when every holder was lost, the end
-of the old layout's last step, since no holder lived to say when it stopped) to the new layout's ``go``
+of the last step trained, by the old layout or the one before it, since no holder lived to say when it stopped)
+to the new layout's ``go``
 (every node of it up), plus what the new layout's first step took beyond a usual step. Every node of the
 new layout says in its ``up`` record (:class:`bamboo.launch.records.NodeUp`) when each part of its start
 ended; the part of the node that came up last (the *critical* node) is the pause's path:
@@ -49,9 +50,11 @@ class PauseBreakdown:
     first_step_s: float = attrs.field(validator=attrs.validators.ge(0.0))
 
     def line(self) -> str:
-        """``0.52 s (nodes 0.00, decide 0.01, barrier 0.10, transfers 0.20, group builds 0.00, first step 0.21)``."""
-        return (f"{self.total_s:.2f} s (nodes {self.nodes_s:.2f}, decide {self.decide_s:.2f}, barrier {self.barrier_s:.2f}, transfers "
-                f"{self.transfers_s:.2f}, group builds {self.group_builds_s:.2f}, first step {self.first_step_s:.2f})")
+        """``0.52 s (nodes 0.00, decide 0.01, barrier 0.10, transfers 0.20, group builds 0.00, first step
+        0.21)``."""
+        return (f"{self.total_s:.2f} s (nodes {self.nodes_s:.2f}, decide {self.decide_s:.2f}, barrier "
+                f"{self.barrier_s:.2f}, transfers {self.transfers_s:.2f}, group builds {self.group_builds_s:.2f}, "
+                f"first step {self.first_step_s:.2f})")
 
 
 def pause_breakdown(t0: float, go: float, ups: Sequence[NodeUp], first_step_s: float = 0.0) -> PauseBreakdown:

@@ -78,7 +78,7 @@ def reconfiguration_pause(membership: MembershipStore, layout: JobLayout, first_
     go = outcome.at if outcome is not None and outcome.at is not None else time.time()
     stopped = [up.stopped for up in ups if up.stopped is not None]
     t0 = min(stopped, default=None)
-    if t0 is None:  # nobody held state (a restart of every stage): from the lost layout's last step (barrier_unix)
+    if t0 is None:  # nobody held state (a restart of every stage): from the last step trained (barrier_unix)
         t0 = float(layout.barrier_unix) if layout.barrier_unix is not None else go
     return pause_breakdown(t0, go, ups, first_step_excess(first_step_s, usual))
 

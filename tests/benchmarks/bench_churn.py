@@ -229,8 +229,8 @@ def one_reconfiguration(work: Path, before: bool, timeout_s: float) -> dict[str,
     [record] = [e for e in read_events(result.events) if isinstance(e, Reconfiguration)][:1]
     diff = compare_with_reference(result, options)["max_relative_diff"]
     return {"mode": "before (barrier)" if before else "after (prepared)", "pause_s": record.duration_s,
-            "prepared": record.prepared, "nodes_s": record.nodes_s, "decide_s": record.decide_s, "barrier_s": record.barrier_s,
-            "transfers_s": record.transfers_s, "group_builds_s": record.group_builds_s,
+            "prepared": record.prepared, "nodes_s": record.nodes_s, "decide_s": record.decide_s,
+            "barrier_s": record.barrier_s, "transfers_s": record.transfers_s, "group_builds_s": record.group_builds_s,
             "first_step_s": record.first_step_s, "bytes_moved": record.bytes_moved, "max_relative_diff": diff}
 
 

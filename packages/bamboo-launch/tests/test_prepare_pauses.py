@@ -157,8 +157,9 @@ def test_a_build_waiting_for_the_others_reports_the_nodes_not_built_once() -> No
 
     reported: list[tuple[str, str]] = []
     built = [SimpleNamespace(key=f"/bamboo/job/decisions/{built_name(8, 'b')}")]
-    membership = SimpleNamespace(keys=SimpleNamespace(decision=lambda name: f"/bamboo/job/decisions/{name}"),
-                                 kv=SimpleNamespace(get_prefix=lambda prefix: [i for i in built if i.key.startswith(prefix)]))
+    membership = SimpleNamespace(
+        keys=SimpleNamespace(decision=lambda name: f"/bamboo/job/decisions/{name}"),
+        kv=SimpleNamespace(get_prefix=lambda prefix: [i for i in built if i.key.startswith(prefix)]))
     layout = _layout(7, 0)  # generation 8: owners a and b
     joined = attrs.evolve(layout, plan=attrs.evolve(layout.plan, owners=[["a", "b"], ["c", "d"]],
                                                     microbatches=(2, 2)), history=[(0, 1), (7, 2)])

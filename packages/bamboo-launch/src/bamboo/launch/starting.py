@@ -145,7 +145,8 @@ def follow_attempt(run: WorkerSession, layout: JobLayout, part: StartThread[T], 
                             say=lambda line: print(f"node {run.node}: {line}", flush=True),
                             up_record=lambda: marks.up(run.node),
                             suspect=lambda other: run.report_suspect(
-                                other, f"not up in the attempt of generation {generation} after {timeouts.STRAGGLER_S:g} s"),
+                                other,
+                                f"not up in the attempt of generation {generation} after {timeouts.STRAGGLER_S:g} s"),
                             waited_s=store.waited_s)
     if outcome.go:
         part.join(run.timeouts.group)  # every owner is up, so every transfer of this node is done

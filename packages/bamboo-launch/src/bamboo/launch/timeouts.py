@@ -118,9 +118,10 @@ STRAGGLER_S = 0.5
 """How long a holder at a barrier waits for another holder's ``ready`` record, and a node of a reconfiguration
 attempt whose own part is done waits for another owner's ``up`` record (or whose part, or its build of a prepared
 layout, has waited as long at the new groups' rendezvous, where an owner killed before it joined leaves it),
-before it reports that node to its agent as a suspect (once each). Between two layouts no data flows, so a node killed there fails no peer's operation: without
-the report it was found when its lease expired (the TTL: 2 s of a measured 2.6 s decision). The agent's detector
-probes it: a dead one is confirmed and its lease revoked at once, a slow one answers and is left alone."""
+before it reports that node to its agent as a suspect (once each). Between two layouts no data flows, so a node
+killed there fails no peer's operation: without the report it was found when its lease expired (the TTL: 2 s of a
+measured 2.6 s decision). The agent's detector probes it: a dead one is confirmed and its lease revoked at once, a
+slow one answers and is left alone."""
 
 ATTEMPT_POLL_S = 0.2
 """How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership while its own

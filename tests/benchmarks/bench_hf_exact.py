@@ -41,6 +41,7 @@ def run_row(model: str, precision: str, steps: int, kill_at: float, work: Path) 
         [sys.executable, "-m", "bamboo.launch", "run", "--nodes", "5", "--stages", "2", "--pipelines", "2",
          "--steps", str(steps), "--zones", "a,b,c", "--time-scale", "1", "--preemptions", str(trace),
          "--run-dir", str(run_dir), "--verify", "--json", "--no-live", "--timeout", "1500",
+         "--preload", f"transformers.models.{model}.modeling_{model}",
          "--", str(EXAMPLES / "train_hf.py"), "--model", model, "--precision", precision, "--tokens", str(tokens)],
         capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started

@@ -192,6 +192,51 @@ def test_run_to_end_forks_from_the_server_this_process_started_when_the_environm
         assert int(_lines(tmp_path / "out.log")[-1]) == parent
 
 
+def test_a_preloaded_module_is_in_every_forked_process_and_one_that_does_not_import_is_named(
+    server: ForkServer, tmp_path: Path,
+) -> None:
+    """``--preload``: a training script's heavy imports, made once by the server. A module nothing else imports
+    (``colorsys``) is there in a process forked from a server that preloads it, before the process imports
+    anything; a module that does not import keeps the server from starting, with its name in the error."""
+    script = tmp_path / "has.py"
+    script.write_text("import sys\nprint('colorsys' in sys.modules)\n")
+    with_it = ForkServer(preload=("json", "colorsys"))
+    try:
+        for named, found in ((server, "False"), (with_it, "True")):
+            with open(tmp_path / "out.log", "wb") as out:
+                assert run_to_end([sys.executable, str(script)], env={FORK_SERVER_ENV: named.address}, stdout=out,
+                                  timeout_s=30) == 0
+            assert _lines(tmp_path / "out.log")[-1] == found
+    finally:
+        with_it.close()
+    with pytest.raises(ForkServerError, match="cannot import no_such_module_here: ModuleNotFoundError"):
+        ForkServer(preload=("json", "no_such_module_here"))
+
+
+def test_the_shared_server_of_each_preload_is_started_once_and_runs_the_launcher_s_own_scripts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bamboo.bench.emulated import forkserver as server_module
+    from bamboo.launch import forkserver
+
+    monkeypatch.setattr(server_module, "PRELOAD", ("json",))
+    monkeypatch.setattr(server_module, "_shared", {})
+    monkeypatch.setattr(forkserver, "_local", None)
+    plain = server_module.shared_fork_server()
+    try:
+        preloading = server_module.shared_fork_server(("colorsys",))
+        assert preloading is not plain and server_module.shared_fork_server(("colorsys",)) is preloading
+        script = tmp_path / "has.py"
+        script.write_text("import sys\nprint('colorsys' in sys.modules)\n")
+        with open(tmp_path / "out.log", "wb") as out:  # the launcher's describe run: from the server it asked for
+            assert run_to_end([sys.executable, str(script)], env={}, stdout=out, timeout_s=30) == 0
+        assert _lines(tmp_path / "out.log")[-1] == "True"
+        assert server_module.shared_fork_server() is plain
+    finally:
+        for started in server_module._shared.values():
+            started.close()
+
+
 def test_without_a_server_spawn_execs_the_command(child: Path) -> None:
     process = spawn([sys.executable, str(child), "4"], env={k: v for k, v in os.environ.items()
                                                            if k != FORK_SERVER_ENV})

@@ -2,11 +2,13 @@
 
 Make a token file from text that ships with Python, then train on an emulated spot cluster with a kill and
 a joiner (the trace kills node1 and the standby node takes its place), check the result against a
-fault-free single-process run, and export a folder that ``transformers`` loads::
+fault-free single-process run, and export a folder that ``transformers`` loads (``--preload`` imports the model's
+code once, in the interpreter the nodes are forked from, instead of in every worker)::
 
     python packages/bamboo-launch/examples/stdlib_tokens.py /tmp/stdlib.bin
     bamboo-launch run --nodes 5 --stages 2 --pipelines 2 --steps 30 --zones a,b,c --time-scale 1 \\
-        --preemptions packages/bamboo-launch/examples/kill_node1.csv --run-dir /tmp/hf-run --verify -- \\
+        --preemptions packages/bamboo-launch/examples/kill_node1.csv --run-dir /tmp/hf-run --verify \\
+        --preload transformers.models.gpt2.modeling_gpt2 -- \\
         packages/bamboo-launch/examples/train_hf.py --model gpt2 --tokens /tmp/stdlib.bin
     bamboo-launch export /tmp/hf-run --format hf -o /tmp/hf-model
     python -c "import transformers; print(transformers.AutoModelForCausalLM.from_pretrained('/tmp/hf-model'))"

@@ -76,8 +76,8 @@ class ForkServer(ForkClient):
         line = self._server.stdout.readline().decode().strip() if ready else ""
         if line != "ready":
             self.close()
-            raise ForkServerError(f"the fork server did not start within {start_timeout_s:g} s "
-                                  f"(it printed {line!r}, exit status {self._server.poll()})")
+            why = line or f"it said nothing within {start_timeout_s:g} s"
+            raise ForkServerError(f"the fork server did not start ({why}; exit status {self._server.poll()})")
 
     def alive(self) -> bool:
         return self._server.poll() is None
@@ -97,7 +97,7 @@ class ForkServer(ForkClient):
                 path.rmdir() if path.is_dir() else path.unlink()
 
 
-_shared: ForkServer | None = None
+_shared: dict[tuple[str, ...], ForkServer] = {}  # by the modules preloaded beyond PRELOAD
 _shared_lock = threading.Lock()
 
 EXEC_SIGNALS: dict[signal.Signals, Callable[[int, FrameType | None], object] | int] = {
@@ -112,15 +112,18 @@ SIGPIPE and SIGXFSZ at start-up (a write to a closed socket raises ``BrokenPipeE
 killed gets an error it reports, not a SIGPIPE that kills it (status -13) as a second, false failure."""
 
 
-def shared_fork_server() -> ForkServer:
-    """This process's fork server, started on first use and stopped when the process exits."""
-    global _shared
+def shared_fork_server(extra: Sequence[str] = ()) -> ForkServer:
+    """This process's fork server that has also imported ``extra`` (a training script's own heavy imports, after
+    :data:`PRELOAD`), started on first use and stopped when the process exits; it becomes the server that
+    :func:`bamboo.launch.forkserver.run_to_end` uses."""
+    key = tuple(extra)
     with _shared_lock:
-        if _shared is None or not _shared.alive():
-            _shared = ForkServer()
-            atexit.register(_shared.close)
-            use_local_server(_shared)
-        return _shared
+        server = _shared.get(key)
+        if server is None or not server.alive():
+            server = _shared[key] = ForkServer((*PRELOAD, *key))
+            atexit.register(server.close)
+        use_local_server(server)
+        return server
 
 
 # ---- the server -----------------------------------------------------------------------------------------
@@ -132,7 +135,11 @@ def serve(address: str, preload: Sequence[str]) -> None:
     import importlib
 
     for name in preload:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # told to the launcher instead of "ready" (ForkServer's error names it)
+            print(f"cannot import {name}: {type(error).__name__}: {error}", flush=True)
+            sys.exit(1)
     gc.freeze()  # the children's collections leave the preloaded heap alone (bamboo.rc.worker.heap_frozen_for_forks)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)

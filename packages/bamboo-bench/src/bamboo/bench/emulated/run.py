@@ -315,7 +315,7 @@ def _fork_server(options: RunOptions, say: Callable[[str], None]) -> ForkServer 
     from bamboo.launch.forkserver import ForkServerError
 
     try:
-        return shared_fork_server()
+        return shared_fork_server(options.preload)
     except ForkServerError as error:
         say(f"{error}; starting every node by exec instead")
         return None

@@ -32,6 +32,7 @@ class RunError(RuntimeError):
 
 
 _POSITIVE = attrs.validators.gt(0)
+_MODULE_NAME = attrs.validators.deep_iterable(attrs.validators.matches_re(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"))
 
 
 def _script_file(instance: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -97,6 +98,10 @@ class RunOptions:
     fork_server: bool = True
     """Fork every node's agent and worker from one preloaded interpreter (:mod:`bamboo.bench.emulated.forkserver`)
     instead of exec'ing each; the same processes, groups and files."""
+    preload: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_MODULE_NAME)
+    """Modules the fork server imports too, before it forks a node (``--preload``): a training script's own heavy
+    imports, which every worker would otherwise import by itself (a Hugging Face model's code: about 3.8 CPU-s a
+    worker for GPT-2)."""
     script: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_script_file)
     """``SCRIPT ARGS``: a training script calling :func:`bamboo.launch.train_worker`; empty: the built-in example."""
 
@@ -106,6 +111,8 @@ class RunOptions:
                 f"--nodes {self.nodes} cannot hold {self.pipelines} pipelines of {self.stages} stages "
                 f"(needs at least {self.stages * self.pipelines})"
             )
+        if self.preload and not self.fork_server:
+            raise ValueError(f"--preload {' '.join(self.preload)} needs the fork server: drop --no-fork-server")
         if self.resume and self.checkpoint_dir is None and self.run_dir is None:
             raise ValueError("--resume needs --checkpoint-dir, or the --run-dir of the run to resume (its checkpoints)")
 

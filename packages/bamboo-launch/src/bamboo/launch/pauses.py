@@ -8,13 +8,15 @@ to the new layout's ``go``
 new layout says in its ``up`` record (:class:`bamboo.launch.records.NodeUp`) when each part of its start
 ended; the part of the node that came up last (the *critical* node) is the pause's path:
 
-- ``nodes_s``: when no holder lived (every one was lost), from ``t0`` to the last node of the new layout
-  becoming warm (its worker started and its model built): the wait for machines to arrive and start, which no
-  decision can shorten. Zero when a holder lived: a layout decided at a barrier never waits for a node that is
-  still starting;
-- ``decide_s``: from the last holder stopping (or from the last node becoming warm) to the critical node
-  having the layout (the barrier's planning, and the time to notice it). Zero when the layout was decided
-  while the old one trained;
+- ``nodes_s``: the wait for machines to arrive and start, which no decision can shorten. When no holder lived
+  (every one was lost), from ``t0`` to the last node of the new layout becoming warm (its worker started and
+  its model built). When holders lived but were fewer than one pipeline's ``stages``, the barrier could not plan
+  until enough new nodes were warm (it waits, holding the state): from the last holder stopping to the moment
+  the holders and the new layout's warm nodes first numbered ``stages``. Zero when the holders alone could form
+  a pipeline: such a barrier never waits for a node that is still starting;
+- ``decide_s``: from the end of that wait (or from the last holder stopping) to the critical node having the
+  layout (the barrier's planning, and the time to notice it). Zero when the layout was decided while the old
+  one trained;
 - ``group_builds_s``: its engine (its stages' layers) and gloo groups, as far as they were built after
   it had the layout and every holder had stopped. Zero when they were built while the old layout trained;
 - ``transfers_s``: its stages' state put in place after that (local copies, transfers from peers, a
@@ -57,9 +59,11 @@ class PauseBreakdown:
                 f"first step {self.first_step_s:.2f})")
 
 
-def pause_breakdown(t0: float, go: float, ups: Sequence[NodeUp], first_step_s: float = 0.0) -> PauseBreakdown:
+def pause_breakdown(t0: float, go: float, ups: Sequence[NodeUp], first_step_s: float = 0.0, *,
+                    stages: int) -> PauseBreakdown:
     """The pause from ``t0`` (the first node that stopped) to ``go``, broken down by the ``up`` records of the
-    new layout's nodes, plus ``first_step_s``, the first step's excess (:func:`first_step_excess`)."""
+    new layout's nodes (of ``stages`` stages a pipeline), plus ``first_step_s``, the first step's excess
+    (:func:`first_step_excess`)."""
     go = max(go, t0)
     window = go - t0
 
@@ -70,8 +74,7 @@ def pause_breakdown(t0: float, go: float, ups: Sequence[NodeUp], first_step_s: f
 
     stopped = [up.stopped for up in ups if up.stopped is not None]
     last_stopped = max(stopped, default=t0)
-    # With no holder, the layout waited for its nodes to be warm; with one, it did not (see the module docstring).
-    last_warm = last_stopped if stopped else max((up.warm for up in ups if up.warm is not None), default=t0)
+    last_warm = _enough_nodes_at(ups, stopped, last_stopped, stages)
     critical = max(ups, key=lambda up: up.at if up.at is not None else t0, default=None)
     nodes = decide = builds = transfers = 0.0
     if critical is not None:
@@ -86,6 +89,19 @@ def pause_breakdown(t0: float, go: float, ups: Sequence[NodeUp], first_step_s: f
     first = max(0.0, first_step_s)
     return PauseBreakdown(total_s=window + first, nodes_s=nodes, decide_s=decide, barrier_s=barrier,
                           transfers_s=transfers, group_builds_s=builds, first_step_s=first)
+
+
+def _enough_nodes_at(ups: Sequence[NodeUp], stopped: Sequence[float], last_stopped: float, stages: int) -> float:
+    """When the new layout's nodes first sufficed to plan it (see ``nodes_s`` in the module docstring): with no
+    holder, when its last node was warm; with holders, when they and the new nodes warm by then first numbered
+    one pipeline (``last_stopped`` when the holders alone did)."""
+    warm = sorted(up.warm for up in ups if up.warm is not None and up.stopped is None)
+    if not stopped:
+        return warm[-1] if warm else last_stopped
+    missing = stages - len(stopped)
+    if missing <= 0 or not warm:
+        return last_stopped
+    return max(last_stopped, warm[min(missing, len(warm)) - 1])
 
 
 def first_step_excess(first: float, usual: Sequence[float]) -> float:

@@ -80,7 +80,7 @@ def reconfiguration_pause(membership: MembershipStore, layout: JobLayout, first_
     t0 = min(stopped, default=None)
     if t0 is None:  # nobody held state (a restart of every stage): from the last step trained (barrier_unix)
         t0 = float(layout.barrier_unix) if layout.barrier_unix is not None else go
-    return pause_breakdown(t0, go, ups, first_step_excess(first_step_s, usual))
+    return pause_breakdown(t0, go, ups, first_step_excess(first_step_s, usual), stages=layout.stages)
 
 
 def write_reconfiguration(log: EventWriter, layout: JobLayout, pause: PauseBreakdown, *, stages: int,

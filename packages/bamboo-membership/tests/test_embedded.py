@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,19 @@ def test_a_port_it_picked_and_lost_before_the_start_is_picked_again() -> None:
 def test_free_port_stays_below_the_ephemeral_range() -> None:
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert all(20000 <= free_port() < low for _ in range(20))
+
+
+def test_a_server_left_running_is_stopped_when_its_process_exits(tmp_path: Path) -> None:
+    """A script that starts an etcd and forgets to stop it leaves none behind once it exits normally."""
+    script = ("import sys\nfrom pathlib import Path\nfrom bamboo.membership import EmbeddedEtcd\n"
+              "etcd = EmbeddedEtcd(Path(sys.argv[1])).start()\nprint(etcd.pid, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "data")], capture_output=True, text=True,
+                          timeout=60, check=True)
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            raise AssertionError(f"etcd {pid} outlived the process that started it")
+        time.sleep(0.05)
+    assert (tmp_path / "data").is_dir()  # its data is kept

@@ -8,6 +8,9 @@ Given `niceness` below 0 (an emulated cluster passes `ETCD_NICENESS`), the serve
 where this process may raise one (root): the cluster's control plane, which on real machines runs apart from the
 training, and every lease depends on it.
 
+A server this process started and never stopped is stopped when this process exits normally (its data is kept), so
+a script or a test that forgets `stop()` leaves no etcd behind; a process that is killed cannot do that.
+
 Timeouts (all in seconds, constructor arguments; defaults in `bamboo.membership.timeouts`):
 - `start_timeout` (`ETCD_START_TIMEOUT_S`, 20): how long `start()` waits for `/health` before giving up;
 - `stop_timeout` (`ETCD_STOP_TIMEOUT_S`, 10): how long `stop()` waits after SIGTERM before sending SIGKILL;
@@ -16,6 +19,7 @@ Timeouts (all in seconds, constructor arguments; defaults in `bamboo.membership.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -47,6 +51,19 @@ waited 0.8 to 1.0 s per second on the run queue while they ran 0.15 s, and 0.4 t
 every lease that was due for a refresh meanwhile expired: live nodes were declared dead. Not the default: with a
 thousand agents on two cores (`bench_scale.py`), a server at this priority delayed the agents that read its
 events (10 kills at once seen by all at p99 170 to 335 ms, against 141 to 231 ms at niceness 0)."""
+
+
+_RUNNING: dict[int, tuple[int, EmbeddedEtcd]] = {}  # by id: (the pid that started it, the server)
+
+
+def _stop_left_running() -> None:
+    """At this process's exit: stop every server it started and left running (not a forked child's parent's)."""
+    for owner, server in list(_RUNNING.values()):
+        if owner == os.getpid():
+            server.stop()
+
+
+atexit.register(_stop_left_running)
 
 
 class EtcdStartError(RuntimeError):
@@ -226,6 +243,7 @@ class EmbeddedEtcd:
             self._proc = subprocess.Popen(
                 self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
+            _RUNNING[id(self)] = (os.getpid(), self)
         finally:
             log.close()
         deadline = time.monotonic() + self.start_timeout
@@ -257,6 +275,7 @@ class EmbeddedEtcd:
 
     def stop(self) -> None:
         """Stop the server by PID: SIGTERM, then SIGKILL after `stop_timeout` seconds. Data is kept."""
+        _RUNNING.pop(id(self), None)
         if self._proc is None:
             return
         if self._proc.poll() is None:
@@ -270,6 +289,7 @@ class EmbeddedEtcd:
 
     def kill(self) -> None:
         """SIGKILL the server by PID (a crash); the data dir is kept for `restart()`."""
+        _RUNNING.pop(id(self), None)
         if self._proc is None:
             return
         if self._proc.poll() is None:

@@ -232,7 +232,9 @@ class _Stragglers:
             state = "done" if self.clock() - self.done_at >= self.straggler_s else None
         else:
             state = "waiting" if waited_s >= self.straggler_s else None
-        for other in sorted(not_up - self.reported[state] - {self.node}) if state is not None else ():
+        if state is None:
+            return
+        for other in sorted(not_up - self.reported[state] - {self.node}):
             self.reported[state].add(other)
             self.suspect(other)
 

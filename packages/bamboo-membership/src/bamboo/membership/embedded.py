@@ -53,12 +53,12 @@ thousand agents on two cores (`bench_scale.py`), a server at this priority delay
 events (10 kills at once seen by all at p99 170 to 335 ms, against 141 to 231 ms at niceness 0)."""
 
 
-_RUNNING: dict[int, tuple[int, EmbeddedEtcd]] = {}  # by id: (the pid that started it, the server)
+_RUNNING: dict[EmbeddedEtcd, int] = {}  # each server started and not stopped: the pid that started it
 
 
 def _stop_left_running() -> None:
     """At this process's exit: stop every server it started and left running (not a forked child's parent's)."""
-    for owner, server in list(_RUNNING.values()):
+    for server, owner in list(_RUNNING.items()):
         if owner == os.getpid():
             server.stop()
 
@@ -243,7 +243,7 @@ class EmbeddedEtcd:
             self._proc = subprocess.Popen(
                 self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
-            _RUNNING[id(self)] = (os.getpid(), self)
+            _RUNNING[self] = os.getpid()
         finally:
             log.close()
         deadline = time.monotonic() + self.start_timeout
@@ -275,7 +275,7 @@ class EmbeddedEtcd:
 
     def stop(self) -> None:
         """Stop the server by PID: SIGTERM, then SIGKILL after `stop_timeout` seconds. Data is kept."""
-        _RUNNING.pop(id(self), None)
+        _RUNNING.pop(self, None)
         if self._proc is None:
             return
         if self._proc.poll() is None:
@@ -289,7 +289,7 @@ class EmbeddedEtcd:
 
     def kill(self) -> None:
         """SIGKILL the server by PID (a crash); the data dir is kept for `restart()`."""
-        _RUNNING.pop(id(self), None)
+        _RUNNING.pop(self, None)
         if self._proc is None:
             return
         if self._proc.poll() is None:

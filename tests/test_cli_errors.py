@@ -90,6 +90,7 @@ def test_every_command_with_bad_input_or_no_etcd_says_one_line(tmp_path: Path,
         (["report", "--etcd", dead, "--job", "j"], (dead,)),
         (["report", str(log)], (f"{log}:1",)),
         (["watch", "--etcd", dead, "--job", "j", "--once"], (dead,)),
+        (["watch", "--etcd", dead, "--job", "j"], (dead,)),  # the live view: refused before it is drawn
         (["finish", "--etcd", dead, "--job", "j"], (dead,)),
         (["finish", "--etcd", dead], ("--job",)),
         (["export", str(tmp_path / "none"), "-o", str(tmp_path / "m.pt")], ("none",)),
@@ -101,6 +102,8 @@ def test_every_command_with_bad_input_or_no_etcd_says_one_line(tmp_path: Path,
         status = main(argv)
         captured = capsys.readouterr()
         _check(status, captured.out, captured.err, *phrases)
+        if argv[0] == "watch":
+            assert captured.out == "", captured.out  # no empty view drawn before the error
     from bamboo.bench.cli import main as bench
 
     bench_cases: list[tuple[list[str], tuple[str, ...]]] = [

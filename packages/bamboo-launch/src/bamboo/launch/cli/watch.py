@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             Console().print(render_live(state))
         return 0
+    state.apply_all(follower.poll())  # an etcd that does not answer fails here, before the view is drawn
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:

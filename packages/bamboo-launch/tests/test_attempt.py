@@ -1,17 +1,26 @@
-"""Unit tests of one reconfiguration attempt's outcome (`bamboo.launch.attempt`), on an in-memory membership."""
+"""Unit tests of one reconfiguration attempt's outcome (`bamboo.launch.attempt`), on an in-memory membership (the
+outcome's watch on a real etcd)."""
 
 from __future__ import annotations
 
 import datetime
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import pytest
 import torch.distributed as dist
-from bamboo.launch.attempt import AbandonableStore, AttemptAbandonedError, StartThread, await_outcome
-from bamboo.launch.records import AttemptOutcome, NodeUp
+from bamboo.launch.attempt import (
+    AbandonableStore,
+    AttemptAbandonedError,
+    AttemptWake,
+    StartThread,
+    await_outcome,
+)
+from bamboo.launch.records import AttemptOutcome, NodeUp, outcome_name
+from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 
 
 @attrs.frozen
@@ -293,6 +302,80 @@ def test_an_abandoned_start_hands_its_result_to_the_cleanup_now_or_when_it_ends(
     failed.abandon(cleaned.append)  # no result: nothing to clean up
     assert failed.join(30) and isinstance(failed.progress()[1], ZeroDivisionError)
     assert cleaned == ["engine 1", "engine 2"]
+
+
+
+def test_start_thread_sets_the_wakes_it_is_given_when_its_work_ends() -> None:
+    release = threading.Event()
+    running = StartThread(lambda: release.wait(30), name="test-wake-running")
+    early = threading.Event()
+    running.wake_on_end(early)
+    assert not early.is_set()
+    release.set()
+    assert early.wait(30)
+    late = threading.Event()
+    running.wake_on_end(late)  # given after the end: set at once
+    assert late.is_set()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd")).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def real_membership(etcd: EmbeddedEtcd, request: pytest.FixtureRequest) -> Iterator[MembershipStore]:
+    kv = EtcdKV(EtcdOptions(endpoints=(etcd.endpoint,)))
+    yield MembershipStore(kv, request.node.name[:60])
+    kv.close()
+
+
+def test_an_abort_written_by_another_node_ends_the_wait_of_a_node_whose_part_is_blocked(
+    real_membership: MembershipStore,
+) -> None:
+    """A node's part blocked on a dead peer: the other node's ``abort`` reaches its wait through the outcome's
+    watch, not its next poll (here a poll of 600 s, which the test would wait out)."""
+    blocked = threading.Event()
+    part = StartThread(lambda: blocked.wait(600), name="test-blocked-part")
+    wake = AttemptWake(real_membership, 7, part)
+    outcomes: list[Any] = []
+    sleeping = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        sleeping.set()
+        wake.sleep(seconds)
+
+    waiting = threading.Thread(target=lambda: outcomes.append(await_outcome(
+        real_membership, 7, "b", {"a", "b"}, set(), part.progress, 3600.0, poll_s=600.0, sleep=sleep)))
+    try:
+        waiting.start()
+        assert sleeping.wait(60)  # its first round found nothing to decide: it waits for the next
+        real_membership.decide(outcome_name(7), AttemptOutcome(False, "a could not start its part").to_dict())
+        waiting.join(60)
+        assert not waiting.is_alive()
+        assert outcomes[0].go is False and outcomes[0].reason == "a could not start its part"
+        assert not part.progress()[0]  # its part still blocked: only the outcome ended the wait
+    finally:
+        blocked.set()
+        wake.close()
+        waiting.join(60)
+
+
+def test_the_end_of_the_part_ends_a_sleep_and_wakes_once(real_membership: MembershipStore) -> None:
+    release = threading.Event()
+    part = StartThread(lambda: release.wait(600), name="test-ending-part")
+    wake = AttemptWake(real_membership, 8, part)
+    try:
+        sleeper = threading.Thread(target=lambda: wake.sleep(600))
+        sleeper.start()
+        release.set()
+        sleeper.join(60)
+        assert not sleeper.is_alive()
+        assert not wake._woken.is_set()  # that wake is spent: the next sleep lasts its poll
+    finally:
+        wake.close()
 
 
 # ---- the redone decision (bamboo.launch.barrier.plan_next) ---------------------------------------------------

@@ -33,6 +33,7 @@ so does a restart of every stage from a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -44,11 +45,12 @@ import torch.distributed as dist
 from bamboo.launch import timeouts
 from bamboo.launch.records import AttemptOutcome, NodeUp, outcome_name
 from bamboo.membership.kv import StoreError
+from bamboo.membership.watched import WatchedKey
 
 if TYPE_CHECKING:
     from bamboo.membership import MembershipStore
 
-__all__ = ["AbandonableStore", "AttemptAbandonedError", "Outcome", "StartThread", "await_outcome"]
+__all__ = ["AbandonableStore", "AttemptAbandonedError", "AttemptWake", "Outcome", "StartThread", "await_outcome"]
 
 T = TypeVar("T")
 
@@ -158,6 +160,7 @@ class StartThread(Generic[T]):
         self._work: Callable[[], T] | None = work
         self._lock = threading.Lock()
         self._cleanup: Callable[[T], None] | None = None
+        self._wakes: list[threading.Event] = []  # set too when the work ends (wake_on_end)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -178,7 +181,11 @@ class StartThread(Generic[T]):
                 if cleanup is not None and result is not None:
                     cleanup(result)
             finally:
-                self._done.set()
+                with self._lock:
+                    self._done.set()
+                    wakes = list(self._wakes)
+                for wake in wakes:
+                    wake.set()
 
     def abandon(self, cleanup: Callable[[T], None]) -> None:
         """The attempt was given up: ``cleanup(result)`` is called with the work's result (not None), now if
@@ -192,8 +199,44 @@ class StartThread(Generic[T]):
     def progress(self) -> tuple[bool, BaseException | None]:
         return self._done.is_set(), self.error
 
+    def wake_on_end(self, wake: threading.Event) -> None:
+        """Set ``wake`` too when the work ends (now, if it has ended)."""
+        with self._lock:
+            self._wakes.append(wake)
+            ended = self._done.is_set()
+        if ended:
+            wake.set()
+
     def join(self, timeout_s: float) -> bool:
         return self._done.wait(timeout_s)
+
+
+class AttemptWake:
+    """What :func:`await_outcome`'s sleeps wait on in a worker (``sleep=wake.sleep``): each ends as soon as the
+    attempt's outcome is written (a watch of its decision) or this node's part ends, else after its poll.
+
+    A node whose part is blocked (a transfer or a group's rendezvous with a node killed meanwhile) learned of the
+    ``abort`` that another node wrote only at its next poll, :data:`~bamboo.launch.timeouts.ATTEMPT_POLL_S`
+    later, plus that round's reads: under heavy churn it reached the next barrier 0.33 and 0.44 s after the node
+    that wrote it, and the reconfiguration paused that much longer. An etcd that cannot be read when the watch
+    starts leaves the polls alone. ``close()`` ends the watch."""
+
+    def __init__(self, membership: MembershipStore, generation: int, part: StartThread[T]) -> None:
+        self._woken = threading.Event()
+        self._outcome: WatchedKey | None = None
+        with contextlib.suppress(StoreError):
+            self._outcome = WatchedKey(membership.kv, membership.keys.decision(outcome_name(generation)),
+                                       on_change=lambda _found: self._woken.set())
+        part.wake_on_end(self._woken)
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``, or less when the outcome is written or the part ends; either wakes one round."""
+        self._woken.wait(seconds)
+        self._woken.clear()
+
+    def close(self) -> None:
+        if self._outcome is not None:
+            self._outcome.close()
 
 
 @attrs.frozen

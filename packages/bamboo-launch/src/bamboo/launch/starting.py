@@ -128,26 +128,23 @@ def follow_attempt(run: WorkerSession, layout: JobLayout, part: StartThread[T], 
                    marks: StartMarks) -> T | Abandoned | None:
     """Wait for the outcome of attempt ``layout`` while ``part`` (a :class:`bamboo.launch.attempt.StartThread`)
     does this node's part: its result on ``go``, :data:`ABANDONED` (the part given up) on ``abort``."""
-    from bamboo.launch.attempt import await_outcome
+    from bamboo.launch.attempt import AttemptWake, await_outcome
 
     generation = layout.generation
     owners = set(layout.ranks)
     sources = {transfer.source for transfer in layout.transfers.transfers}
-
-    def pause(seconds: float) -> None:  # returns as soon as this node's part ends: its up or its error at once
-        if part.progress()[0]:
-            time.sleep(seconds)
-        else:
-            part.join(seconds)
-
-    outcome = await_outcome(run.membership, generation, run.node, owners, owners | sources, part.progress,
-                            run.spec.reconfigure_timeout_s, sleep=pause,
-                            say=lambda line: print(f"node {run.node}: {line}", flush=True),
-                            up_record=lambda: marks.up(run.node),
-                            suspect=lambda other: run.report_suspect(
-                                other,
-                                f"not up in the attempt of generation {generation} after {timeouts.STRAGGLER_S:g} s"),
-                            waited_s=store.waited_s)
+    wake = AttemptWake(run.membership, generation, part)  # the outcome written or this part's end: at once
+    try:
+        outcome = await_outcome(run.membership, generation, run.node, owners, owners | sources, part.progress,
+                                run.spec.reconfigure_timeout_s, sleep=wake.sleep,
+                                say=lambda line: print(f"node {run.node}: {line}", flush=True),
+                                up_record=lambda: marks.up(run.node),
+                                suspect=lambda other: run.report_suspect(
+                                    other, f"not up in the attempt of generation {generation} after "
+                                           f"{timeouts.STRAGGLER_S:g} s"),
+                                waited_s=store.waited_s)
+    finally:
+        wake.close()
     if outcome.go:
         part.join(run.timeouts.group)  # every owner is up, so every transfer of this node is done
         done, error = part.progress()

@@ -125,7 +125,8 @@ slow one answers and is left alone."""
 
 ATTEMPT_POLL_S = 0.2
 """How often a node of a reconfiguration attempt checks its outcome, the nodes up and the membership while its own
-part runs. The end of that part does not wait for it: the node publishes that it is up at once."""
+part runs. Neither the end of that part nor an outcome another node writes waits for it: either wakes the node at
+once (`bamboo.launch.attempt.AttemptWake`), which then publishes that it is up, or follows the outcome."""
 
 ATTEMPT_READY_POLL_S = 0.02
 """How often a node of a reconfiguration attempt whose own part is done checks the outcome and the nodes up

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,6 @@ from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions
 
 LAYER = {"param_bytes": 400, "optimizer_bytes": 800, "compute_cost": 100.0}
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd")).start()
-    yield server
-    server.close()
 
 
 def _write_spec(etcd: EmbeddedEtcd, job: str, **changes: object) -> JobSpec:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -20,7 +19,7 @@ from bamboo.launch.attempt import (
     await_outcome,
 )
 from bamboo.launch.records import AttemptOutcome, NodeUp, outcome_name
-from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
+from bamboo.membership import MembershipStore
 
 
 @attrs.frozen
@@ -318,28 +317,14 @@ def test_start_thread_sets_the_wakes_it_is_given_when_its_work_ends() -> None:
     assert late.is_set()
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd")).start()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def real_membership(etcd: EmbeddedEtcd, request: pytest.FixtureRequest) -> Iterator[MembershipStore]:
-    kv = EtcdKV(EtcdOptions(endpoints=(etcd.endpoint,)))
-    yield MembershipStore(kv, request.node.name[:60])
-    kv.close()
-
-
 def test_an_abort_written_by_another_node_ends_the_wait_of_a_node_whose_part_is_blocked(
-    real_membership: MembershipStore,
+    membership: MembershipStore,
 ) -> None:
     """A node's part blocked on a dead peer: the other node's ``abort`` reaches its wait through the outcome's
     watch, not its next poll (here a poll of 600 s, which the test would wait out)."""
     blocked = threading.Event()
     part = StartThread(lambda: blocked.wait(600), name="test-blocked-part")
-    wake = AttemptWake(real_membership, 7, part)
+    wake = AttemptWake(membership, 7, part)
     outcomes: list[Any] = []
     sleeping = threading.Event()
 
@@ -348,11 +333,11 @@ def test_an_abort_written_by_another_node_ends_the_wait_of_a_node_whose_part_is_
         wake.sleep(seconds)
 
     waiting = threading.Thread(target=lambda: outcomes.append(await_outcome(
-        real_membership, 7, "b", {"a", "b"}, set(), part.progress, 3600.0, poll_s=600.0, sleep=sleep)))
+        membership, 7, "b", {"a", "b"}, set(), part.progress, 3600.0, poll_s=600.0, sleep=sleep)))
     try:
         waiting.start()
         assert sleeping.wait(60)  # its first round found nothing to decide: it waits for the next
-        real_membership.decide(outcome_name(7), AttemptOutcome(False, "a could not start its part").to_dict())
+        membership.decide(outcome_name(7), AttemptOutcome(False, "a could not start its part").to_dict())
         waiting.join(60)
         assert not waiting.is_alive()
         assert outcomes[0].go is False and outcomes[0].reason == "a could not start its part"
@@ -363,10 +348,10 @@ def test_an_abort_written_by_another_node_ends_the_wait_of_a_node_whose_part_is_
         waiting.join(60)
 
 
-def test_the_end_of_the_part_ends_a_sleep_and_wakes_once(real_membership: MembershipStore) -> None:
+def test_the_end_of_the_part_ends_a_sleep_and_wakes_once(membership: MembershipStore) -> None:
     release = threading.Event()
     part = StartThread(lambda: release.wait(600), name="test-ending-part")
-    wake = AttemptWake(real_membership, 8, part)
+    wake = AttemptWake(membership, 8, part)
     try:
         sleeper = threading.Thread(target=lambda: wake.sleep(600))
         sleeper.start()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
@@ -23,7 +22,7 @@ from bamboo.launch.events import Checkpoint, EtcdEventLog, Step, event_to_dict, 
 from bamboo.launch.notices import publish_failure_event
 from bamboo.launch.records import Preempted, WorkerWarm
 from bamboo.launch.spec import JobSpec
-from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore, MembershipView, SweepResult
+from bamboo.membership import MembershipStore, MembershipView, SweepResult
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.rc import FailureEvent
 
@@ -101,20 +100,6 @@ class Events:
     def write(self, event: Any) -> None:
         with self._lock:
             self.written.append(event)
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd")).start()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def membership(etcd: EmbeddedEtcd, request: pytest.FixtureRequest) -> Iterator[MembershipStore]:
-    kv = EtcdKV(EtcdOptions(endpoints=(etcd.endpoint,)))
-    yield MembershipStore(kv, request.node.name.replace("[", "-").replace("]", "")[:60])
-    kv.close()
 
 
 def _spec(job: str, **changes: Any) -> JobSpec:

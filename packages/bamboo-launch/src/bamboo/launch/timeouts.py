@@ -135,12 +135,15 @@ ATTEMPT_READY_POLL_S = 0.02
 ATTEMPT_STORE_POLL_MAX_S = 0.02
 """Longest pause between reads of an attempt's abandonable c10d store while it waits for a key."""
 
-ABANDONED_JOIN_S = 0.25
+ABANDONED_JOIN_S = 0.06
 """How long a node waits for the thread of an abandoned attempt to end before it goes on (to the barrier, or back
-to warm). A thread ends within one read of the attempt's store once it is abandoned (``ATTEMPT_STORE_POLL_MAX_S``);
-one blocked in gloo on a peer does not, dead or abandoned too: it is left behind, reads the old stage state only,
-and ends at the group's timeout or when the peer's connection closes, freeing what it holds. It was 2 s, which
-two live nodes blocked on each other's transfer spent in full, inside a measured reconfiguration's pause."""
+to warm). A thread ends within one read of the attempt's store once it is abandoned (``ATTEMPT_STORE_POLL_MAX_S``,
+three of them fit); one blocked in gloo on a peer does not, dead or abandoned too: it is left behind, reads the old
+stage state only, and ends at the group's timeout or when the peer's connection closes, freeing what it holds.
+It was 2 s, which two live nodes blocked on each other's transfer spent in full, inside a measured
+reconfiguration's pause; then 0.25 s, which a node blocked on a joiner killed during the switch still spent in
+full: under heavy churn it reached the next barrier 0.23 s after the others, and every abandoned switch paused
+that much longer."""
 
 COPY_TRANSFER_S = 10.0
 """Deadline of one in-memory copy sent to a keeper, or fetched from one for a restore (connection and each

@@ -405,6 +405,7 @@ class _Run:
         self.membership = self
         self.kv = _Kv(self)
         self.keys = _Keys()
+        self.event_reader = None  # the mode choice reads the log through ``kv``
 
     def list_nodes(self, *, skip_malformed: bool = False) -> dict[str, _Record]:
         return {node: _Record(zone) for node, zone in self.zones.items()}

@@ -1,5 +1,5 @@
-"""Tests of the JSON-lines event log: round trips through a file and through dicts, malformed records, and
-several writers sharing one file."""
+"""Tests of the JSON-lines event log: round trips through a file and through dicts, malformed records, several
+writers sharing one file, and the job's log in etcd followed and read again (a real etcd for the reader)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from bamboo.launch.events import (
     EtcdEventFollower,
+    EtcdEventReader,
     EventLog,
     EventLogError,
     Join,
@@ -17,9 +18,10 @@ from bamboo.launch.events import (
     event_from_dict,
     event_to_dict,
     events_prefix,
+    read_etcd_events,
     read_events,
 )
-from bamboo.membership import EventKind, KeyValue, WatchEvent
+from bamboo.membership import EventKind, KeyValue, MembershipStore, WatchEvent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -214,3 +216,64 @@ def test_a_reader_told_of_each_record_takes_it_as_it_comes() -> None:
     kv.deliver()
     assert arrivals == [[1]]  # the late delivery is no new record
     follower.close()
+
+
+class _CountingKV:
+    """A store that passes every call to ``kv`` and counts the records its reads returned."""
+
+    def __init__(self, kv: object) -> None:
+        self.kv = kv
+        self.returned = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kv, name)
+
+    def range_at(self, prefix: str, revision: int | None = None, *, changed_after: int = 0) -> object:
+        items, at = self.kv.range_at(prefix, revision, changed_after=changed_after)  # type: ignore[attr-defined]
+        self.returned += len(items)
+        return items, at
+
+
+def test_the_reader_takes_only_what_was_written_since_its_last_read_and_rereads_after_a_deletion(
+    membership: MembershipStore,
+) -> None:
+    job = membership.keys.job
+    prefix = events_prefix(job)
+    kv = _CountingKV(membership.kv)
+
+    def put(key: str, step: int) -> None:
+        record = Step(t=float(step), step=step, samples=4, loss=1.0, nodes_active=2, duration_s=0.1)
+        membership.kv.put(f"{prefix}{key}", json.dumps(event_to_dict(record)).encode())
+
+    for step in range(1, 6):
+        put(f"w/{step:04d}", step)
+    reader = EtcdEventReader(kv, job)  # type: ignore[arg-type]
+    assert [event.step for event in reader.read()] == [1, 2, 3, 4, 5]  # type: ignore[attr-defined]
+    assert kv.returned == 5
+    put("w/0006", 6)
+    put("v/0001", 7)  # a new writer
+    assert [event.step for event in reader.read()] == [1, 2, 3, 4, 5, 6, 7]  # type: ignore[attr-defined]
+    assert kv.returned == 5 + 2  # only the two new records came from etcd
+    assert reader.read(select=lambda records: lambda record: record["step"] > 5) == read_etcd_events(
+        membership.kv, job, select=lambda records: lambda record: record["step"] > 5)
+    membership.kv.delete(f"{prefix}w/0001")  # the oldest step record, deleted at the log's cap
+    put("w/0008", 8)
+    assert [event.step for event in reader.read()] == [2, 3, 4, 5, 6, 7, 8]  # type: ignore[attr-defined]
+    assert kv.returned == 7 + 1 + 7  # the new record, then the whole log again
+    put("w/0002", 9)  # a record written again under its key: read, and typed, again
+    assert [event.step for event in reader.read()] == [3, 4, 5, 6, 7, 8, 9]  # type: ignore[attr-defined]
+
+
+def test_the_reader_reads_a_store_without_revision_reads_whole_each_time() -> None:
+    records = [KeyValue(key=f"{events_prefix('j')}w/{step:04d}", value=json.dumps(event_to_dict(
+        Step(t=float(step), step=step, samples=4, loss=1.0, nodes_active=2, duration_s=0.1))).encode(),
+        create_revision=step, mod_revision=step) for step in (2, 1)]
+
+    class _PlainKV:
+        def get_prefix(self, prefix: str) -> list[KeyValue]:
+            return list(records)
+
+    reader = EtcdEventReader(_PlainKV(), "j")  # type: ignore[arg-type]
+    assert [event.step for event in reader.read()] == [1, 2]  # type: ignore[attr-defined]
+    records.pop()
+    assert [event.step for event in reader.read()] == [2]  # type: ignore[attr-defined]

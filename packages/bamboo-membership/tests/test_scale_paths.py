@@ -323,3 +323,26 @@ def test_a_paged_read_that_etcd_compacts_under_it_is_read_again_at_the_newest_re
         assert calls[2] is None  # read again from the first page, at the newest revision
     finally:
         paged.close()
+
+
+def test_a_read_of_what_changed_after_a_revision_takes_only_the_new_keys_across_pages(options: EtcdOptions,
+                                                                                      job: str) -> None:
+    """`range_at(prefix, changed_after=R)`: the keys written after revision R (etcd's `min_mod_revision`), in
+    pages as a whole read; `count_prefix` counts the keys at a revision without their values."""
+    prefix = f"/bamboo/{job}/since/"
+    paged = EtcdKV(attrs.evolve(options, range_page=2))
+    try:
+        for index in range(5):
+            paged.put(f"{prefix}{index:02d}", b"old")
+        _, revision = paged.range_at(prefix)
+        assert paged.count_prefix(prefix, revision) == 5
+        for index in (1, 5, 6, 7):
+            paged.put(f"{prefix}{index:02d}", b"new")
+        paged.delete(f"{prefix}03")
+        changed, at = paged.range_at(prefix, changed_after=revision)
+        assert [(kv.key.removeprefix(prefix), kv.value) for kv in changed] == [
+            ("01", b"new"), ("05", b"new"), ("06", b"new"), ("07", b"new")]
+        assert paged.count_prefix(prefix, at) == 7 and paged.count_prefix(prefix, revision) == 5
+        assert paged.range_at(prefix, changed_after=at) == ([], at)
+    finally:
+        paged.close()

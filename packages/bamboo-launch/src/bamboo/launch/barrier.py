@@ -81,7 +81,7 @@ def _redo_start(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | N
         planned = redo_start_layout(run.spec, live_restore(run.membership.kv, run.spec, lost, records), sorted(records),
                                     zones)
         if planned is not None:
-            planned = with_mode(run.spec, planned, run.membership.kv)
+            planned = with_mode(run.spec, planned, run.membership.kv, reader=run.event_reader)
             return JobLayout.from_dict(run.membership.decide(name, planned.to_dict()).value)
         if time.monotonic() >= next_say:
             print(f"node {run.node}: generation {lost.generation} was abandoned before its first step and the "
@@ -184,7 +184,7 @@ def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady
         raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
                                 "pipelines")
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
-    chosen = mode_for(spec, plan, run.membership.kv, lost=dead)  # their records may still be on their way
+    chosen = mode_for(spec, plan, run.membership.kv, lost=dead, reader=run.event_reader)  # their records may still be on their way
     transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
     mode, start, restore = StartMode.PEERS, step, None
     if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy

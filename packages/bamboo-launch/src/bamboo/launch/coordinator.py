@@ -114,10 +114,13 @@ class Coordinator(FailurePublisher):
         clock: Callable[[], float] = time.monotonic,
         say: Callable[[str], None] = lambda line: None,
     ) -> None:
+        from bamboo.launch.events import EtcdEventReader
+
         self.membership = membership
         self.agent = agent
         self.node = agent.node_id
         self.spec = spec
+        self._events_read = EtcdEventReader(membership.kv, spec.job)  # the job's log: its new records at each read
         self.events = events
         self.clock = clock
         self.say = say
@@ -365,7 +368,7 @@ class Coordinator(FailurePublisher):
         if len(zones) < self.spec.first_layout_nodes:
             return
         try:
-            layout = with_mode(self.spec, first_layout(self.spec, dict(zones)), self.membership.kv)
+            layout = with_mode(self.spec, first_layout(self.spec, dict(zones)), self.membership.kv, reader=self._events_read)
         except RuntimeError as error:  # --resume without a good checkpoint
             from bamboo.launch.records import JobEnd
 
@@ -396,7 +399,7 @@ class Coordinator(FailurePublisher):
             zones = {**layout.zones, **self.registered_zones()}
             redo = redo_start_layout(self.spec, live_restore(self.membership.kv, self.spec, layout, registered),
                                      warm_standby(self.membership, registered), zones)
-            redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv)
+            redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv, reader=self._events_read)
             current = self._layout_key.value if self._layout_key is not None else None
             if redo is not None and current is not None and self._write_layout(redo, current.mod_revision):
                 self.say(f"every node of generation {layout.generation} is gone before its first step: its start "
@@ -414,7 +417,7 @@ class Coordinator(FailurePublisher):
                                  stopped_unix=None if progress is None else progress[1])
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
-        restart = with_mode(self.spec, restart, self.membership.kv)
+        restart = with_mode(self.spec, restart, self.membership.kv, reader=self._events_read)
         current = self._layout_key.value if self._layout_key is not None else None
         if current is not None and self._write_layout(restart, current.mod_revision):
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
@@ -434,11 +437,11 @@ class Coordinator(FailurePublisher):
         """From the job's event log in etcd: the last step ``layout`` completed (:func:`steps_reached`) and when it
         ended (:func:`last_step_end_unix`); None (and a warning) when the log cannot be read (then its start step
         is assumed: the figure only says how many steps are trained again, and the pause counts from now)."""
-        from bamboo.launch.events import EventLogError, read_etcd_events
+        from bamboo.launch.events import EventLogError
 
         created = self.spec.created_unix
         try:
-            events = read_etcd_events(self.membership.kv, self.spec.job, select=progress_records(layout, created))
+            events = self._events_read.read(select=progress_records(layout, created))
         except (EventLogError, StoreError) as error:
             log.warning("the steps generation %d reached are unknown: %s", layout.generation, error)
             return None

@@ -63,6 +63,7 @@ __all__ = [
     "Checkpoint",
     "EtcdEventFollower",
     "EtcdEventLog",
+    "EtcdEventReader",
     "Event",
     "EventLog",
     "EventLogError",
@@ -347,13 +348,71 @@ def read_etcd_events(kv: KeyValueStore, job: str,
 
     ``select``, when given, sees every record's JSON first and returns which of them to type and keep: a reader
     that needs few of them skips the validation of the rest (at the log's cap of 20,000 step records, about 40 us
-    each of the 0.85 s a whole read took)."""
-    items = kv.get_prefix(events_prefix(job))
-    decoded = [(item.key, _decoded_etcd_record(item.key, item.value)) for item in items]
+    each of the 0.85 s a whole read took). A process that reads the log again and again keeps an
+    :class:`EtcdEventReader` instead."""
+    decoded = [(item.key, _decoded_etcd_record(item.key, item.value)) for item in kv.get_prefix(events_prefix(job))]
+    return _typed_events(decoded, select)
+
+
+def _typed_events(decoded: list[tuple[str, JSON]], select: Callable[[list[JSON]], Callable[[JSON], bool]] | None,
+                  typed: dict[str, Event] | None = None) -> list[Event]:
+    """``decoded`` (key, JSON) typed where ``select`` wants them, sorted by ``t`` then key; ``typed`` keeps each
+    record typed once, by key, for the next call."""
     wanted = select([record for _, record in decoded]) if select is not None else None
-    parsed = [(_typed_etcd_record(key, record), key) for key, record in decoded if wanted is None or wanted(record)]
+    known = {} if typed is None else typed
+    parsed = []
+    for key, record in decoded:
+        if wanted is None or wanted(record):
+            event = known.get(key)
+            if event is None:
+                event = known[key] = _typed_etcd_record(key, record)
+            parsed.append((event, key))
     parsed.sort(key=lambda pair: (pair[0].t, pair[1]))
     return [event for event, _ in parsed]
+
+
+class EtcdEventReader:
+    """A job's event log in etcd for a process that reads it again and again (each layout decision with
+    ``--redundancy auto``, the coordinator's checks of how far a layout trained): :meth:`read` is
+    :func:`read_etcd_events`, but each read after the first takes only the records written since the one
+    before (``range_at(..., changed_after=)``) and keeps them decoded, and typed once wanted. Replayed on a 400-step run's etcd, a whole
+    read with the mode choice's selection took about 20 ms, and it grows with the log.
+
+    When etcd holds fewer records than were kept (the oldest step records deleted at the log's cap), the next
+    read takes the whole log again. A store without ``range_at`` and ``count_prefix`` is read whole each time.
+    Reads may come from several threads."""
+
+    def __init__(self, kv: KeyValueStore, job: str) -> None:
+        self._kv, self.job = kv, job
+        self._records: dict[str, JSON] = {}
+        self._typed: dict[str, Event] = {}  # the records typed so far, by key
+        self._revision = 0  # the etcd revision of the last read (0: none yet)
+        self._lock = threading.Lock()
+
+    def read(self, select: Callable[[list[JSON]], Callable[[JSON], bool]] | None = None) -> list[Event]:
+        with self._lock:
+            self._update()
+            return _typed_events(list(self._records.items()), select, self._typed)
+
+    def _update(self) -> None:
+        prefix = events_prefix(self.job)
+        range_at = getattr(self._kv, "range_at", None)
+        count = getattr(self._kv, "count_prefix", None)
+        if range_at is None or count is None:
+            self._records = {item.key: _decoded_etcd_record(item.key, item.value)
+                             for item in self._kv.get_prefix(prefix)}
+            self._typed.clear()
+            return
+        items, revision = range_at(prefix, changed_after=self._revision)
+        fresh = {item.key: _decoded_etcd_record(item.key, item.value) for item in items}
+        if self._revision and len(self._records.keys() | fresh.keys()) != count(prefix, revision):
+            items, revision = range_at(prefix)  # records deleted since the last read: the whole log again
+            self._records, self._typed = {}, {}
+            fresh = {item.key: _decoded_etcd_record(item.key, item.value) for item in items}
+        for key in fresh.keys() & self._typed.keys():  # rewritten: typed again when next wanted
+            del self._typed[key]
+        self._records.update(fresh)
+        self._revision = revision
 
 
 class EtcdEventFollower:

@@ -217,7 +217,7 @@ def plan_prepared(run: WorkerSession, base: JobLayout, executor: ExecutorFacts, 
     mode = layout_mode(spec, base)
     holds = {node: list(stage_slices(base.stage_bounds, rank % base.stages, mode)) for node, rank in live.items()}
     held = base.holdings_of_stages({node: holds.get(node, ()) for node in usable})
-    chosen = mode_for(spec, plan, run.membership.kv)
+    chosen = mode_for(spec, plan, run.membership.kv, reader=run.event_reader)
     transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
     if transfers.restore_from_checkpoint:
         raise ValueError(f"stage(s) {list(transfers.stages_without_copy)} have no live copy")

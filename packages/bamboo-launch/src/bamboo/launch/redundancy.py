@@ -55,6 +55,7 @@ from bamboo.launch.timeouts import AUTO_PRIOR_NODE_HOURS
 from bamboo.rc.timeouts import ASSUMED_STEP_S, DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 
 if TYPE_CHECKING:
+    from bamboo.launch.events import EtcdEventReader
     from bamboo.membership import KeyValueStore
     from bamboo.reconfig import JobLayout, Layout, ModeChoice
     from bamboo.schedule import FailureModel
@@ -193,18 +194,20 @@ def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: flo
                       preemptions_per_node_hour=round(rate, 6))
 
 
-def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None = None,
-             lost: Iterable[str] = ()) -> ModeChoice | None:
+def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore | None, now: float | None = None,
+             lost: Iterable[str] = (), *, reader: EtcdEventReader | None = None) -> ModeChoice | None:
     """The :class:`bamboo.reconfig.ModeChoice` of a generation placed by ``plan`` when the job's redundancy is
     ``auto`` (:func:`choose_mode`, from the job's event log in etcd, ``kv``, and the nodes known ``lost``; a log
-    that cannot be read counts as empty), None otherwise."""
+    that cannot be read counts as empty), None otherwise. ``reader``, where the caller keeps one, reads the log
+    instead of ``kv``: only what was written since its last read."""
     if spec.redundancy != AUTO:
         return None
     from bamboo.launch.events import EventLogError, read_etcd_events
     from bamboo.membership.kv import StoreError
 
     try:
-        events = read_etcd_events(kv, spec.job, select=_choice_records)
+        events = (reader.read(select=_choice_records) if reader is not None
+                  else read_etcd_events(kv, spec.job, select=_choice_records) if kv is not None else [])
     except (EventLogError, StoreError):
         events = []
     now_t = max(0.0, (time.time() if now is None else now) - spec.created_unix)
@@ -230,9 +233,10 @@ def _choice_records(records: list[JSON]) -> Callable[[JSON], bool]:
     return lambda record: not isinstance(record, dict) or record.get("kind") != Step.KIND or id(record) in kept
 
 
-def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore) -> JobLayout:
+def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore | None, *,
+              reader: EtcdEventReader | None = None) -> JobLayout:
     """``layout`` (a ``JobLayout`` that moves no state between peers) with its mode chosen (:func:`mode_for`)."""
-    chosen = mode_for(spec, layout.plan, kv)
+    chosen = mode_for(spec, layout.plan, kv, reader=reader)
     return layout if chosen is None else attrs.evolve(layout, redundancy=chosen)
 
 

@@ -55,7 +55,7 @@ class WorkerSession:
     """One worker's connections and view of the job across layouts."""
 
     def __init__(self, context: WorkerContext, program: Program) -> None:
-        from bamboo.launch.events import EtcdEventLog
+        from bamboo.launch.events import EtcdEventLog, EtcdEventReader
         from bamboo.launch.notices import PatientKV
         from bamboo.membership import AgentClient, EtcdKV, EtcdStore, MembershipStore, c10d_prefix
         from bamboo.rc import CommTimeouts
@@ -73,6 +73,8 @@ class WorkerSession:
         self.agent = AgentClient(context.agent_address, name=f"worker-{self.node}", **agent_auth(context))
         self.log = EtcdEventLog(self.membership.kv, context.job, f"{self.node}.worker.{os.getpid()}",
                                 self.spec.created_unix, guard=self.membership.guard)
+        self.event_reader = EtcdEventReader(self.membership.kv, context.job)
+        """The job's event log, read for each layout this worker decides (only what is new at each read)."""
         self.layers = self.spec.reconfig_layers()
         self.copies: CopyService | None = None
         """This worker's in-memory copies (None: it keeps none)."""

@@ -233,8 +233,11 @@ class EtcdKV:
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         return self.range_at(prefix)[0]
 
-    def range_at(self, prefix: str, revision: int | None = None) -> tuple[list[KeyValue], int]:
-        """Every key under `prefix` (at `revision`, default now) and the revision read at.
+    def range_at(self, prefix: str, revision: int | None = None, *,
+                 changed_after: int = 0) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix` (at `revision`, default now) and the revision read at; with `changed_after`,
+        only the keys written after that revision (etcd's `min_mod_revision`: a reader that keeps what it read
+        before takes only what is new).
 
         Raises `RevisionOutOfRange` when etcd compacted `revision` away or has not reached it yet. Without
         `revision`, a compaction between two pages of the read makes it read again, at the newest revision.
@@ -242,13 +245,14 @@ class EtcdKV:
         what = f"list {prefix}" + ("" if revision is None else f" at revision {revision}")
         while True:
             try:
-                return self._read_prefix(what, prefix, revision)
+                return self._read_prefix(what, prefix, revision, changed_after)
             except RevisionOutOfRange as exc:
                 if revision is not None:
                     raise
                 log.debug("%s: %s; reading it again", what, exc)
 
-    def _read_prefix(self, what: str, prefix: str, revision: int | None) -> tuple[list[KeyValue], int]:
+    def _read_prefix(self, what: str, prefix: str, revision: int | None,
+                     changed_after: int = 0) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` and the revision read at, in pages of `options.range_page` keys, each page at
         the revision of the first (or at `revision`), so that the pages make one consistent read."""
         start, end = prefix.encode(), etcd_utils.prefix_range_end(prefix.encode())
@@ -256,7 +260,8 @@ class EtcdKV:
 
         def read(first: bytes, at: int | None) -> Any:
             try:
-                return self._client.get_range_response(first, end, limit=self.options.range_page, revision=at)
+                return self._client.get_range_response(first, end, limit=self.options.range_page, revision=at,
+                                                       min_mod_revision=changed_after + 1 if changed_after else None)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
                     detail = exc.details() or ""
@@ -273,6 +278,13 @@ class EtcdKV:
             if not resp.more or not resp.kvs:
                 return out, revision
             start = bytes(resp.kvs[-1].key) + b"\0"  # the next key after the last one read
+
+    def count_prefix(self, prefix: str, revision: int) -> int:
+        """How many keys are under `prefix` at `revision` (etcd counts them; no value is sent)."""
+        start, end = prefix.encode(), etcd_utils.prefix_range_end(prefix.encode())
+        resp = self._call(f"count {prefix}", lambda: self._client.get_range_response(start, end, count_only=True,
+                                                                                     revision=revision))
+        return int(resp.count)
 
     def revision(self) -> int:
         resp = self._call("status", lambda: self._client.get_response("/"))

@@ -184,7 +184,8 @@ def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady
         raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
                                 "pipelines")
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
-    chosen = mode_for(spec, plan, run.membership.kv, lost=dead, reader=run.event_reader)  # their records may still be on their way
+    # the dead nodes' records may still be on their way
+    chosen = mode_for(spec, plan, run.membership.kv, lost=dead, reader=run.event_reader)
     transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
     mode, start, restore = StartMode.PEERS, step, None
     if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy

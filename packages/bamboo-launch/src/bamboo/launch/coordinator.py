@@ -368,7 +368,8 @@ class Coordinator(FailurePublisher):
         if len(zones) < self.spec.first_layout_nodes:
             return
         try:
-            layout = with_mode(self.spec, first_layout(self.spec, dict(zones)), self.membership.kv, reader=self._events_read)
+            layout = with_mode(self.spec, first_layout(self.spec, dict(zones)), self.membership.kv,
+                               reader=self._events_read)
         except RuntimeError as error:  # --resume without a good checkpoint
             from bamboo.launch.records import JobEnd
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from bamboo.launch.barrier import plan_next, publish_layout
 from bamboo.launch.coordinator import Coordinator
-from bamboo.launch.events import EtcdEventLog, Join, Step
+from bamboo.launch.events import EtcdEventLog, EtcdEventReader, Join, Step
 from bamboo.launch.notices import EtcdFailureNotices
 from bamboo.launch.records import BarrierReady, StopDecision, WorkerWarm
 from bamboo.launch.role_watch import RoleWatch
@@ -114,6 +114,7 @@ class SimNode:
         self.agent.start()
         emit(ev="registered", node=self.node, t=time.monotonic())
         self.fenced = self.host.store.fenced(self.agent.registration)
+        self.event_reader = EtcdEventReader(self.fenced.kv, spec.job)  # as the worker's session keeps one
         pid = os.getpid()
         self.events = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.agent.{pid}", spec.created_unix,
                                    guard=self.fenced.guard)
@@ -238,7 +239,8 @@ class SimNode:
         layout = self.layout
         if not self.alive or self.rank is None or self.rank != min(self.live_ranks()):
             return
-        run = SimpleNamespace(membership=self.fenced, layers=self.host.layers, spec=self.host.spec)
+        run = SimpleNamespace(membership=self.fenced, layers=self.host.layers, spec=self.host.spec,
+                              event_reader=self.event_reader)
         executor = SimpleNamespace(step=self.step, dead=set(self.dead_ranks))
         reason = reconfiguration_reason(run, layout, executor)  # type: ignore[arg-type]
         proposal = None if reason is None else StopDecision(self.step + 2, reason)  # met at the barrier
@@ -291,7 +293,8 @@ class SimNode:
         finally:
             watch.cancel()
         all_ready = time.monotonic()
-        run = SimpleNamespace(membership=self.fenced, layers=self.host.layers, spec=self.host.spec)
+        run = SimpleNamespace(membership=self.fenced, layers=self.host.layers, spec=self.host.spec,
+                              event_reader=self.event_reader)
         planned = plan_next(run, base, ready, 0, "bench: rebuild redundancy")
         value = self.fenced.decide(f"g{base.generation}-next", planned.to_dict()).value
         from bamboo.reconfig import JobLayout

@@ -120,7 +120,7 @@ class Coordinator(FailurePublisher):
         self.agent = agent
         self.node = agent.node_id
         self.spec = spec
-        self._events_read = EtcdEventReader(membership.kv, spec.job)  # the job's log: its new records at each read
+        self._event_reader = EtcdEventReader(membership.kv, spec.job)  # the job's log: its new records at each read
         self.events = events
         self.clock = clock
         self.say = say
@@ -369,7 +369,7 @@ class Coordinator(FailurePublisher):
             return
         try:
             layout = with_mode(self.spec, first_layout(self.spec, dict(zones)), self.membership.kv,
-                               reader=self._events_read)
+                               reader=self._event_reader)
         except RuntimeError as error:  # --resume without a good checkpoint
             from bamboo.launch.records import JobEnd
 
@@ -400,7 +400,7 @@ class Coordinator(FailurePublisher):
             zones = {**layout.zones, **self.registered_zones()}
             redo = redo_start_layout(self.spec, live_restore(self.membership.kv, self.spec, layout, registered),
                                      warm_standby(self.membership, registered), zones)
-            redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv, reader=self._events_read)
+            redo = None if redo is None else with_mode(self.spec, redo, self.membership.kv, reader=self._event_reader)
             current = self._layout_key.value if self._layout_key is not None else None
             if redo is not None and current is not None and self._write_layout(redo, current.mod_revision):
                 self.say(f"every node of generation {layout.generation} is gone before its first step: its start "
@@ -418,7 +418,7 @@ class Coordinator(FailurePublisher):
                                  stopped_unix=None if progress is None else progress[1])
         if restart is None:
             return  # not enough warm nodes for one pipeline yet: wait for the market to add some
-        restart = with_mode(self.spec, restart, self.membership.kv, reader=self._events_read)
+        restart = with_mode(self.spec, restart, self.membership.kv, reader=self._event_reader)
         current = self._layout_key.value if self._layout_key is not None else None
         if current is not None and self._write_layout(restart, current.mod_revision):
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
@@ -442,7 +442,7 @@ class Coordinator(FailurePublisher):
 
         created = self.spec.created_unix
         try:
-            events = self._events_read.read(select=progress_records(layout, created))
+            events = self._event_reader.read(select=progress_records(layout, created))
         except (EventLogError, StoreError) as error:
             log.warning("the steps generation %d reached are unknown: %s", layout.generation, error)
             return None

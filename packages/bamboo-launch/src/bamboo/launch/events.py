@@ -54,7 +54,7 @@ from bamboo.launch.json_types import JSON
 from bamboo.membership.kv import FencedError, StoreError, StoreUnavailableError
 
 if TYPE_CHECKING:
-    from bamboo.membership import Guard, KeyValueStore, WatchEvent
+    from bamboo.membership import Guard, KeyValue, KeyValueStore, WatchEvent
     from bamboo.membership.kv_base import WatchHandle
 
 __all__ = [
@@ -371,6 +371,10 @@ def _typed_events(decoded: list[tuple[str, JSON]], select: Callable[[list[JSON]]
     return [event for event, _ in parsed]
 
 
+def _decoded_by_key(items: Iterable[KeyValue]) -> dict[str, JSON]:
+    return {item.key: _decoded_etcd_record(item.key, item.value) for item in items}
+
+
 class EtcdEventReader:
     """A job's event log in etcd for a process that reads it again and again (each layout decision with
     ``--redundancy auto``, the coordinator's checks of how far a layout trained): :meth:`read` is
@@ -400,16 +404,15 @@ class EtcdEventReader:
         range_at = getattr(self._kv, "range_at", None)
         count = getattr(self._kv, "count_prefix", None)
         if range_at is None or count is None:
-            self._records = {item.key: _decoded_etcd_record(item.key, item.value)
-                             for item in self._kv.get_prefix(prefix)}
+            self._records = _decoded_by_key(self._kv.get_prefix(prefix))
             self._typed.clear()
             return
         items, revision = range_at(prefix, changed_after=self._revision)
-        fresh = {item.key: _decoded_etcd_record(item.key, item.value) for item in items}
+        fresh = _decoded_by_key(items)
         if self._revision and len(self._records.keys() | fresh.keys()) != count(prefix, revision):
             items, revision = range_at(prefix)  # records deleted since the last read: the whole log again
             self._records, self._typed = {}, {}
-            fresh = {item.key: _decoded_etcd_record(item.key, item.value) for item in items}
+            fresh = _decoded_by_key(items)
         for key in fresh.keys() & self._typed.keys():  # rewritten: typed again when next wanted
             del self._typed[key]
         self._records.update(fresh)

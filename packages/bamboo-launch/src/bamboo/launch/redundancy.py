@@ -194,7 +194,7 @@ def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: flo
                       preemptions_per_node_hour=round(rate, 6))
 
 
-def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore | None, now: float | None = None,
+def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None = None,
              lost: Iterable[str] = (), *, reader: EtcdEventReader | None = None) -> ModeChoice | None:
     """The :class:`bamboo.reconfig.ModeChoice` of a generation placed by ``plan`` when the job's redundancy is
     ``auto`` (:func:`choose_mode`, from the job's event log in etcd, ``kv``, and the nodes known ``lost``; a log
@@ -207,7 +207,7 @@ def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore | None, now: float |
 
     try:
         events = (reader.read(select=_choice_records) if reader is not None
-                  else read_etcd_events(kv, spec.job, select=_choice_records) if kv is not None else [])
+                  else read_etcd_events(kv, spec.job, select=_choice_records))
     except (EventLogError, StoreError):
         events = []
     now_t = max(0.0, (time.time() if now is None else now) - spec.created_unix)
@@ -233,7 +233,7 @@ def _choice_records(records: list[JSON]) -> Callable[[JSON], bool]:
     return lambda record: not isinstance(record, dict) or record.get("kind") != Step.KIND or id(record) in kept
 
 
-def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore | None, *,
+def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore, *,
               reader: EtcdEventReader | None = None) -> JobLayout:
     """``layout`` (a ``JobLayout`` that moves no state between peers) with its mode chosen (:func:`mode_for`)."""
     chosen = mode_for(spec, layout.plan, kv, reader=reader)

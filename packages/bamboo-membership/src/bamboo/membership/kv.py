@@ -116,6 +116,11 @@ def _guard_compares(guard: Guard) -> list[Any]:
     return [etcd_txn.Create(guard.key) == guard.create_revision, _LeaseIs(guard.key) == guard.lease]
 
 
+def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
+    """The first key and the range end of every key under ``prefix``."""
+    return prefix.encode(), etcd_utils.prefix_range_end(prefix.encode())
+
+
 class EtcdKV:
     """`KeyValueStore` over a real etcd v3 server, through `pyetcd`."""
 
@@ -255,7 +260,7 @@ class EtcdKV:
                      changed_after: int = 0) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` and the revision read at, in pages of `options.range_page` keys, each page at
         the revision of the first (or at `revision`), so that the pages make one consistent read."""
-        start, end = prefix.encode(), etcd_utils.prefix_range_end(prefix.encode())
+        start, end = _prefix_range(prefix)
         out: list[KeyValue] = []
 
         def read(first: bytes, at: int | None) -> Any:
@@ -281,7 +286,7 @@ class EtcdKV:
 
     def count_prefix(self, prefix: str, revision: int) -> int:
         """How many keys are under `prefix` at `revision` (etcd counts them; no value is sent)."""
-        start, end = prefix.encode(), etcd_utils.prefix_range_end(prefix.encode())
+        start, end = _prefix_range(prefix)
         resp = self._call(f"count {prefix}", lambda: self._client.get_range_response(start, end, count_only=True,
                                                                                      revision=revision))
         return int(resp.count)

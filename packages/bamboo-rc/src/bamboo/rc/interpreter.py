@@ -50,7 +50,7 @@ from bamboo.rc.device import to_device
 from bamboo.rc.interpreter_allreduces import InterpreterAllReduces
 from bamboo.rc.interpreter_commit import InterpreterCommit
 from bamboo.rc.interpreter_transfers import _TAG_ACT, _TAG_GRAD, _TAG_HEADER, _tag
-from bamboo.rc.precision import autocast, backward
+from bamboo.rc.precision import autocast, backward, backward_through
 from bamboo.rc.rng import global_microbatch
 from bamboo.schedule import Instruction, Kind
 
@@ -152,7 +152,7 @@ class StageInterpreter(InterpreterCommit):
         if grad is None:
             backward(output, self.slices[s].loss_scale)  # the loss, scaled with fp16
         else:
-            torch.autograd.backward(output, grad)
+            backward_through(output, grad)
         if s > 0 and x is not None:
             self.input_grads[(s, k)] = x.grad  # type: ignore[assignment]
 

@@ -43,6 +43,7 @@ __all__ = [
     "StepOutcome",
     "autocast",
     "backward",
+    "backward_through",
     "clip_coefficient",
     "step_outcome",
 ]
@@ -195,3 +196,22 @@ def autocast(precision: Precision, device: torch.device | str = "cpu") -> contex
 def backward(loss: torch.Tensor, loss_scale: LossScale | None) -> None:
     """``loss.backward()``, with the loss multiplied by the loss scale first when there is one."""
     (loss if loss_scale is None else loss * loss_scale.scale).backward()
+
+
+def backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """``torch.autograd.backward(output, grad)``: the backward pass of a stage that is not the last, from the
+    gradient of its output (already scaled, with fp16, by the last stage's :func:`backward`).
+
+    It calls autograd's engine as ``torch.autograd.backward`` does, with the same arguments, so the gradients are
+    the same bits; it leaves out the Python checks in front of it, which import torch's symbolic shapes (and sympy
+    through them) on their first call with a gradient: 0.4 to 0.6 CPU-s in every worker process, beside the
+    2 CPU-s of importing torch and bamboo. A gradient whose shape or dtype class differs from the output's (a
+    bug) goes through ``torch.autograd.backward``, which raises torch's own error, as does a torch without the
+    engine call.
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if (run is None or type(output) is not torch.Tensor or type(grad) is not torch.Tensor
+            or output.shape != grad.shape or output.dtype.is_complex != grad.dtype.is_complex):
+        torch.autograd.backward(output, grad)
+        return
+    run((output,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)

@@ -43,10 +43,9 @@ class ForkedRanks:
 
     def __enter__(self) -> ForkedRanks:
         import torch
-        from bamboo.rc.worker import heap_frozen_for_forks, preload_autograd
+        from bamboo.rc.worker import heap_frozen_for_forks
         from torch.distributed import TCPStore
 
-        preload_autograd()  # each child would import it on its first backward
         self._folder = tempfile.TemporaryDirectory(prefix="bamboo-forked-ranks-")
         out = Path(self._folder.name)
         reader, writer = os.pipe()

@@ -35,7 +35,7 @@ from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.timeouts import CommTimeouts
 from torch.distributed import TCPStore
 
-__all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "heap_frozen_for_forks", "preload_autograd",
+__all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "heap_frozen_for_forks",
            "run_worker", "worker_main"]
 
 
@@ -56,16 +56,6 @@ def heap_frozen_for_forks() -> Iterator[None]:
         gc.unfreeze()
 
 
-def preload_autograd() -> None:
-    """Import now what torch's first backward with an explicit gradient imports lazily.
-
-    ``torch.autograd.backward`` imports ``torch.fx.experimental.symbolic_shapes`` (and through it sympy) the first
-    time it is given a gradient tensor, as every stage but the last is: about 0.9 CPU-s. A parent that forks
-    workers calls this first, so every child inherits the module instead of importing it on its own.
-    """
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401 - imported for its side effect (sys.modules)
-
-
 def exact_mode() -> None:
     """One intra-op thread and deterministic algorithms: the same math gives the same bits (on a GPU too:
     cuBLAS's fixed workspace is set before CUDA starts, :func:`bamboo.rc.device.exact_kernels`).
@@ -75,7 +65,6 @@ def exact_mode() -> None:
     compiler nothing here runs. So the eager flag is set alone (the public call where torch lacks the private one).
     """
     exact_kernels()
-    preload_autograd()  # a parent that forks workers calls this first: they inherit the import
     torch.set_num_threads(1)
     set_eager_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
     if set_eager_flag is None:

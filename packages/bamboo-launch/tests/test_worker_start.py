@@ -1,4 +1,5 @@
-"""A worker's start rides out an etcd that is down: its first read (the job's spec) waits instead of failing.
+"""A worker's start rides out an etcd that is down: its first read (the job's spec) waits instead of failing;
+and what it imports only to plan at a barrier waits for its first step.
 
 Before, only the reads after the start went through the patient store: one refused connection at the start
 killed the worker, and its peers then waited out the gloo group timeout for it.
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import pytest
 from bamboo.launch import notices
+from bamboo.launch.generation import WorkerState, _first_step_records
 from bamboo.launch.spec import EtcdAccess, JobSpec, WorkerContext
 from bamboo.launch.worker import _spec_of
+from bamboo.launch.worker_records import StartupClock
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
 
 
@@ -48,3 +51,20 @@ def test_the_spec_read_at_a_worker_start_waits_for_a_restarting_etcd(
         assert read.get("spec") == spec
     finally:
         server.close()
+
+
+def test_the_planning_solver_is_preloaded_after_the_first_step_once() -> None:
+    """The worker's session starts the import of the barrier's solver (scipy.optimize) when its first step is done
+    (with the ``startup`` record), not while the worker starts: once per worker, whatever layouts follow."""
+    written: list[object] = []
+    preloads: list[str] = []
+    log = types.SimpleNamespace(write=written.append, now=lambda: 1.0)
+    run = types.SimpleNamespace(log=log, node="node0", preload_planning=lambda: preloads.append("node0"))
+    state = WorkerState(startup=StartupClock())
+    engine = types.SimpleNamespace(build_seconds={"model": 0.1, "groups": 0.2})
+    layout = types.SimpleNamespace(generation=0, ranks={"node0": 0})
+    assert preloads == []
+    for _ in range(3):
+        _first_step_records(run, layout, engine, state, 0.5, prepared=False)  # type: ignore[arg-type]
+    assert preloads == ["node0"]
+    assert [type(record).__name__ for record in written] == ["Startup"]

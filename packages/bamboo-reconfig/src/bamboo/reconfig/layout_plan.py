@@ -41,10 +41,11 @@ _STATE_RANK = {NodeState.ACTIVE: 0, NodeState.STANDBY: 1, NodeState.JOINING: 2, 
 
 
 def preload_assignment() -> None:
-    """Import now the solver that :func:`plan_layout` imports on its first use: scipy.optimize, about 1.3 CPU-s
-    after torch on the 2-core development machine. A process that plans at a reconfiguration's barrier (every holder of stage state)
-    calls it while nothing waits on it, in a background thread or before it forks workers; a measured
-    heavy-churn reconfiguration had paid the import inside its pause."""
+    """Import now the solver that :func:`plan_layout` imports on its first use: scipy.optimize, 0.4 to 0.6 CPU-s
+    after torch on the 2-core development machine. A process that plans at a reconfiguration's barrier (every
+    holder of stage state) calls it while nothing waits on it, in a background thread after its first step
+    (bamboo-launch's worker) or before it forks workers; a measured heavy-churn reconfiguration had paid the
+    import inside its pause."""
     import scipy.optimize  # noqa: F401 - imported for its side effect (sys.modules)
 
 def pipeline_count(usable: int, stages: int, target_pipelines: int, global_batch: int) -> int:
@@ -213,7 +214,7 @@ def _assign_slots(
         if all(not holdings.get(node.id) for node in nodes):
             order = list(range(len(nodes)))
         else:
-            # imported here (scipy.optimize takes about 1.3 CPU-s to import, paid by every agent otherwise); a
+            # imported here (scipy.optimize takes 0.4 to 0.6 CPU-s to import, paid by every agent otherwise); a
             # worker, which plans at a barrier, imports it beforehand, off the pause: preload_assignment
             from scipy.optimize import linear_sum_assignment
 

@@ -661,6 +661,47 @@ def test_redo_start_layout_refuses_a_start_that_holders_decide(tmp_path: Path) -
         redo_start_layout(spec, lost, ["n0", "n1"], {"n0": "a", "n1": "b"})
 
 
+def test_a_node_left_waiting_for_dead_survivors_goes_on_with_the_job_s_newer_layout(
+    membership: MembershipStore, tmp_path: Path,
+) -> None:
+    """A node that held nothing in an abandoned start from survivors' state waits for the survivors' decision of
+    the next attempt, and takes it when it comes; once the job publishes a newer layout without that decision
+    (every survivor lost, the coordinator restarted every stage), it goes on with that layout at once instead of
+    waiting out the build timeout."""
+    from bamboo.launch.barrier import next_attempt_layout
+    from bamboo.launch.session import decision_prefix
+
+    spec = _spec(membership.keys.job)
+    zones = {"n0": "a", "n1": "b", "s8": "b", "s9": "a"}
+    lost = attrs.evolve(first_layout(spec, zones), generation=1, survivors=("n0", "n1"), base_generation=0)
+    current: dict[str, Any] = {"layout": lost}
+    changes = threading.Event()
+
+    def wait_decision(name: str, timeout: float) -> Any:  # WorkerSession's: a poll of the decision alone
+        while (found := membership.get_decision(name)) is None:
+            changes.wait(0.02)
+        return found.value
+
+    run = SimpleNamespace(membership=membership, ended=lambda: None, layout=lambda: current["layout"],
+                          timeouts=SimpleNamespace(build=60.0), wait_decision=wait_decision,
+                          roles=SimpleNamespace(changes=lambda: 0, wait_change=lambda seen, timeout: changes.wait(timeout)))
+    decided = attrs.evolve(lost, generation=2, attempt=1, survivors=("n0",))
+    membership.decide(f"{decision_prefix(0, 1)}next", decided.to_dict())
+    assert next_attempt_layout(run, lost) == decided  # type: ignore[arg-type]
+    lost_again = attrs.evolve(decided, generation=2)
+    restart = restart_layout(spec, lost_again, ["s8", "s9"], zones, 4, str(tmp_path))
+    assert restart is not None
+    got: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: got.update(layout=next_attempt_layout(run, lost_again)), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "it went on before the job did"
+    current["layout"] = restart
+    changes.set()
+    waiter.join(10.0)
+    assert not waiter.is_alive() and got["layout"] == restart
+
+
 def test_an_auto_jobs_first_layout_names_the_mode_its_rate_pays_for(membership: MembershipStore) -> None:
     """P = 2, D = 2, M = 4, 1,000 steps without checkpoints or in-memory copies: no preemption expected, nothing
     pays for redundancy; at the rate the job was given (no history of its own yet) a lazy copy pays, since a
@@ -703,6 +744,57 @@ def test_a_survivor_left_out_of_a_layout_that_went_ahead_does_not_hold_up_its_re
     coordinator.round()
     restart = read_layout(membership)
     assert restart.generation == 2 and set(restart.ranks) == {"s8", "s9"} and restart.restore is not None
+
+
+def test_an_abandoned_start_whose_survivors_are_all_gone_is_restarted_though_its_joiners_live(
+    membership: MembershipStore,
+) -> None:
+    """Generation 1 starts from the state that survivors n0 and n1 held at the barrier, with joiners s8 and s9 in
+    its ranks; its start is abandoned, then both survivors are lost. s8 and s9 hold nothing and the decision of
+    the next attempt, which only survivors take, never comes: the coordinator restarts every stage on the warm
+    nodes, s8 and s9 among them, instead of waiting for them to be lost too. While the outcome is not decided,
+    or a survivor lives, it waits; the live joiners' losses are never recorded."""
+    from bamboo.launch.coordinator import read_layout
+    from bamboo.launch.records import AttemptOutcome, outcome_name
+
+    spec = _spec(membership.keys.job)
+    coordinator, _, events = _coordinator(membership, "s9", "a", spec)
+    first = first_layout(spec, {"n0": "a", "n1": "b", "s8": "b", "s9": "a"})
+    layout = attrs.evolve(first, generation=1, survivors=("n0", "n1"), base_generation=0,
+                          history=((0, 2), (4, 2)), start_step=4, barrier_step=4)
+    membership.put_layout(layout.to_dict(), 0)
+    FakeAgent(membership, "s8", "b")
+    for node in ("s8", "s9"):
+        membership.decide(f"warm-{node}", {"v": 1, "node": node, "at": 1.0})
+    coordinator.round()
+    assert read_layout(membership).generation == 1  # no outcome yet: the start may still go ahead
+    membership.decide(outcome_name(1), AttemptOutcome(False, "n1 left the membership", at=1.0).to_dict())
+    coordinator.round()
+    restart = read_layout(membership)
+    assert restart.generation == 2 and set(restart.ranks) == {"s8", "s9"} and restart.restore is not None
+    assert restart.reason == "every holder lost"
+    assert sorted(e.node for e in events.written) == ["n0", "n1"]  # the joiners live: no loss of theirs
+
+
+def test_an_abandoned_start_with_a_survivor_alive_waits_for_its_next_attempt(membership: MembershipStore) -> None:
+    """The same abandoned start, one survivor (n0) still registered: it decides the next attempt, and the
+    coordinator writes nothing."""
+    from bamboo.launch.coordinator import read_layout
+    from bamboo.launch.records import AttemptOutcome, outcome_name
+
+    spec = _spec(membership.keys.job)
+    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    first = first_layout(spec, {"n0": "a", "n1": "b", "s8": "b", "s9": "a"})
+    layout = attrs.evolve(first, generation=1, survivors=("n0", "n1"), base_generation=0,
+                          history=((0, 2), (4, 2)), start_step=4, barrier_step=4)
+    membership.put_layout(layout.to_dict(), 0)
+    for node in ("s8", "n0"):
+        FakeAgent(membership, node, "b")
+    for node in ("s8", "s9", "n0"):
+        membership.decide(f"warm-{node}", {"v": 1, "node": node, "at": 1.0})
+    membership.decide(outcome_name(1), AttemptOutcome(False, "n1 left the membership", at=1.0).to_dict())
+    coordinator.round()
+    assert read_layout(membership).generation == 1
 
 
 def test_an_agent_that_confirms_a_failure_probes_the_coordinator_that_must_publish_it(

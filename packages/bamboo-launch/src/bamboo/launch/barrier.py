@@ -37,24 +37,49 @@ def next_attempt_layout(run: WorkerSession, layout: JobLayout) -> JobLayout | No
     """For a node that held no state in the abandoned attempt ``layout``: the next attempt's layout (None once
     the job has ended).
 
-    When nodes held state at the barrier it starts from (``layout.survivors``), they decide the next layout.
-    A start that no node's state goes into (no survivors: the first layout, or the coordinator's restart of
-    every stage from a checkpoint) is redone by whichever of its nodes decides first, on the nodes registered
-    now: no step of it was trained, so nothing is lost.
+    When nodes held state at the barrier it starts from (``layout.survivors``), they decide the next layout, or
+    the job goes on without their decision (:func:`_survivors_next`). A start that no node's state goes into (no
+    survivors: the first layout, or the coordinator's restart of every stage from a checkpoint) is redone by
+    whichever of its nodes decides first, on the nodes registered now: no step of it was trained, so nothing is
+    lost.
     """
-    from bamboo.reconfig import JobLayout
-
     root = layout.generation if layout.base_generation is None else int(layout.base_generation)
     name = f"{decision_prefix(root, layout.attempt + 1)}next"
-    value: JobLayout | None
-    if layout.survivors:
-        value = JobLayout.from_dict(run.wait_decision(name, run.timeouts.build))
-    else:
-        value = _redo_start(run, layout, name)
-        if value is None:
-            return None
+    value = _survivors_next(run, layout, name) if layout.survivors else _redo_start(run, layout, name)
+    if value is None:
+        return None
     publish_layout(run, value)
     return value
+
+
+def _survivors_next(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | None:
+    """The layout that the survivors of the abandoned start ``lost`` decide next (decision ``name``), or the job's
+    layout once a generation after ``lost`` is published without that decision; None once the job has ended.
+
+    A newer layout means the job went on without this decision: the survivors' own next attempt, or, once every
+    survivor was lost, the coordinator's restart of every stage from the nearest copy. This node held no state in
+    ``lost``, so it goes on from the job's layout. Waiting for the decision alone, a node waited out the build
+    timeout (``CommTimeouts.build``, 120 s) while the job had moved on: under heavy churn a live, warm node sat
+    out a restore that was waiting for nodes."""
+    from bamboo.reconfig import JobLayout
+
+    deadline = time.monotonic() + run.timeouts.build
+    while True:
+        seen = run.roles.changes()
+        if run.ended() is not None:
+            return None
+        try:
+            found = run.membership.get_decision(name)
+        except StoreError:  # etcd restarting: look again
+            found = None
+        if found is not None:
+            return JobLayout.from_dict(found.value)
+        current = run.layout()
+        if current is not None and current.generation > lost.generation:
+            return current
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"decision {name} not taken within {run.timeouts.build:g} s")
+        run.roles.wait_change(seen, timeouts.DECISION_POLL_S)
 
 
 def _redo_start(run: WorkerSession, lost: JobLayout, name: str) -> JobLayout | None:

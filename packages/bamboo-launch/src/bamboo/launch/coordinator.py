@@ -390,12 +390,13 @@ class Coordinator(FailurePublisher):
         if layout is None or (self._end_key is not None and self._end_key.value is not None):
             return
         registered = self.view().nodes
-        # A survivor left out of a start that went ahead is on standby: it must not hold the restart up.
-        if any(n in registered for n in layout.ranks) or (
-                any(n in registered for n in layout.survivors) and not self._went_ahead(layout)):
+        if any(n in registered for n in layout.ranks) and not self._holders_gone_from_abandoned(layout, registered):
             return
-        for node in sorted(layout.ranks):  # gone together, some before any probe reported them: their leases expired
-            self._confirm_lost(node, "its lease expired")
+        # A survivor left out of a start that went ahead is on standby: it must not hold the restart up.
+        if any(n in registered for n in layout.survivors) and not self._went_ahead(layout):
+            return
+        for node in sorted(n for n in layout.ranks if n not in registered):  # gone together, some before any probe
+            self._confirm_lost(node, "its lease expired")  # reported them: their leases expired
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
             zones = {**layout.zones, **self.registered_zones()}
             redo = redo_start_layout(self.spec, live_restore(self.membership.kv, self.spec, layout, registered),
@@ -428,6 +429,17 @@ class Coordinator(FailurePublisher):
         """Whether the start of ``layout`` went ahead (outcome ``go``): then the survivors it left out hold nothing."""
         outcome = read_record(AttemptOutcome, self.membership.get_decision(outcome_name(layout.generation)))
         return outcome is not None and outcome.go
+
+    def _holders_gone_from_abandoned(self, layout: JobLayout, registered: Mapping[str, object]) -> bool:
+        """Whether ``layout`` is a start from survivors' state (``layout.survivors``) that was abandoned (outcome
+        ``abort``) and every survivor is gone: its other nodes, registered or not, hold nothing, and the decision
+        of its next attempt, which only survivors take, never comes. Then it is orphaned as if every node of it
+        were gone (measured under heavy churn: a live node of such a start, waiting for that decision, kept
+        the restart from being written for 90 s while warm nodes waited)."""
+        if not layout.survivors or any(n in registered for n in layout.survivors):
+            return False
+        outcome = read_record(AttemptOutcome, self.membership.get_decision(outcome_name(layout.generation)))
+        return outcome is not None and not outcome.go
 
     def _trained_none(self, layout: JobLayout) -> bool:
         """Whether ``layout`` trained no step (its event log has no step record of it); False when unknown."""

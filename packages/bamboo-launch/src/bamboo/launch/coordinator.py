@@ -425,9 +425,13 @@ class Coordinator(FailurePublisher):
             self.say(f"every node of generation {layout.generation} is gone: generation {restart.generation} "
                      f"restarts from the checkpoint of step {step} on {', '.join(restart.ranks)}")
 
+    def _outcome(self, layout: JobLayout) -> AttemptOutcome | None:
+        """The outcome of the start of ``layout`` (None while it is undecided)."""
+        return read_record(AttemptOutcome, self.membership.get_decision(outcome_name(layout.generation)))
+
     def _went_ahead(self, layout: JobLayout) -> bool:
         """Whether the start of ``layout`` went ahead (outcome ``go``): then the survivors it left out hold nothing."""
-        outcome = read_record(AttemptOutcome, self.membership.get_decision(outcome_name(layout.generation)))
+        outcome = self._outcome(layout)
         return outcome is not None and outcome.go
 
     def _holders_gone_from_abandoned(self, layout: JobLayout, registered: Mapping[str, object]) -> bool:
@@ -438,7 +442,7 @@ class Coordinator(FailurePublisher):
         the restart from being written for 90 s while warm nodes waited)."""
         if not layout.survivors or any(n in registered for n in layout.survivors):
             return False
-        outcome = read_record(AttemptOutcome, self.membership.get_decision(outcome_name(layout.generation)))
+        outcome = self._outcome(layout)
         return outcome is not None and not outcome.go
 
     def _trained_none(self, layout: JobLayout) -> bool:

@@ -746,6 +746,23 @@ def test_a_survivor_left_out_of_a_layout_that_went_ahead_does_not_hold_up_its_re
     assert restart.generation == 2 and set(restart.ranks) == {"s8", "s9"} and restart.restore is not None
 
 
+def _abandoned_start_of_survivors(membership: MembershipStore, alive: tuple[str, ...]) -> tuple[Coordinator, Events]:
+    """Generation 1, started from the state of survivors n0 and n1, with joiners s8 and s9 among its ranks; the
+    coordinator runs on s9, and the nodes ``alive`` are registered too; every live node is warm. Returns the
+    coordinator and its event writer."""
+    spec = _spec(membership.keys.job)
+    coordinator, _, events = _coordinator(membership, "s9", "a", spec)
+    first = first_layout(spec, {"n0": "a", "n1": "b", "s8": "b", "s9": "a"})
+    layout = attrs.evolve(first, generation=1, survivors=("n0", "n1"), base_generation=0,
+                          history=((0, 2), (4, 2)), start_step=4, barrier_step=4)
+    membership.put_layout(layout.to_dict(), 0)
+    for node in alive:
+        FakeAgent(membership, node, "b")
+    for node in ("s9", *alive):
+        membership.decide(f"warm-{node}", {"v": 1, "node": node, "at": 1.0})
+    return coordinator, events
+
+
 def test_an_abandoned_start_whose_survivors_are_all_gone_is_restarted_though_its_joiners_live(
     membership: MembershipStore,
 ) -> None:
@@ -757,15 +774,7 @@ def test_an_abandoned_start_whose_survivors_are_all_gone_is_restarted_though_its
     from bamboo.launch.coordinator import read_layout
     from bamboo.launch.records import AttemptOutcome, outcome_name
 
-    spec = _spec(membership.keys.job)
-    coordinator, _, events = _coordinator(membership, "s9", "a", spec)
-    first = first_layout(spec, {"n0": "a", "n1": "b", "s8": "b", "s9": "a"})
-    layout = attrs.evolve(first, generation=1, survivors=("n0", "n1"), base_generation=0,
-                          history=((0, 2), (4, 2)), start_step=4, barrier_step=4)
-    membership.put_layout(layout.to_dict(), 0)
-    FakeAgent(membership, "s8", "b")
-    for node in ("s8", "s9"):
-        membership.decide(f"warm-{node}", {"v": 1, "node": node, "at": 1.0})
+    coordinator, events = _abandoned_start_of_survivors(membership, alive=("s8",))
     coordinator.round()
     assert read_layout(membership).generation == 1  # no outcome yet: the start may still go ahead
     membership.decide(outcome_name(1), AttemptOutcome(False, "n1 left the membership", at=1.0).to_dict())
@@ -782,16 +791,7 @@ def test_an_abandoned_start_with_a_survivor_alive_waits_for_its_next_attempt(mem
     from bamboo.launch.coordinator import read_layout
     from bamboo.launch.records import AttemptOutcome, outcome_name
 
-    spec = _spec(membership.keys.job)
-    coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
-    first = first_layout(spec, {"n0": "a", "n1": "b", "s8": "b", "s9": "a"})
-    layout = attrs.evolve(first, generation=1, survivors=("n0", "n1"), base_generation=0,
-                          history=((0, 2), (4, 2)), start_step=4, barrier_step=4)
-    membership.put_layout(layout.to_dict(), 0)
-    for node in ("s8", "n0"):
-        FakeAgent(membership, node, "b")
-    for node in ("s8", "s9", "n0"):
-        membership.decide(f"warm-{node}", {"v": 1, "node": node, "at": 1.0})
+    coordinator, _ = _abandoned_start_of_survivors(membership, alive=("s8", "n0"))
     membership.decide(outcome_name(1), AttemptOutcome(False, "n1 left the membership", at=1.0).to_dict())
     coordinator.round()
     assert read_layout(membership).generation == 1

@@ -682,9 +682,9 @@ def test_a_node_left_waiting_for_dead_survivors_goes_on_with_the_job_s_newer_lay
             changes.wait(0.02)
         return found.value
 
+    roles = SimpleNamespace(changes=lambda: 0, wait_change=lambda seen, timeout: changes.wait(timeout))
     run = SimpleNamespace(membership=membership, ended=lambda: None, layout=lambda: current["layout"],
-                          timeouts=SimpleNamespace(build=60.0), wait_decision=wait_decision,
-                          roles=SimpleNamespace(changes=lambda: 0, wait_change=lambda seen, timeout: changes.wait(timeout)))
+                          timeouts=SimpleNamespace(build=60.0), wait_decision=wait_decision, roles=roles)
     decided = attrs.evolve(lost, generation=2, attempt=1, survivors=("n0",))
     membership.decide(f"{decision_prefix(0, 1)}next", decided.to_dict())
     assert next_attempt_layout(run, lost) == decided  # type: ignore[arg-type]

@@ -395,8 +395,9 @@ class Coordinator(FailurePublisher):
         # A survivor left out of a start that went ahead is on standby: it must not hold the restart up.
         if any(n in registered for n in layout.survivors) and not self._went_ahead(layout):
             return
-        for node in sorted(n for n in layout.ranks if n not in registered):  # gone together, some before any probe
-            self._confirm_lost(node, "its lease expired")  # reported them: their leases expired
+        # Gone together, some before any probe reported them: their leases expired.
+        for node in sorted(n for n in layout.ranks if n not in registered):
+            self._confirm_lost(node, "its lease expired")
         if not layout.survivors and self._trained_none(layout):  # nothing lost: its start is redone
             zones = {**layout.zones, **self.registered_zones()}
             redo = redo_start_layout(self.spec, live_restore(self.membership.kv, self.spec, layout, registered),

@@ -160,6 +160,22 @@ def test_adjacent_victims_raise_consecutive_failure_at_the_start_of_the_iteratio
     assert relative <= 1e-6
 
 
+def test_a_consecutive_failure_in_one_pipeline_ends_the_other_pipelines_commit_without_waiting() -> None:
+    """P = 4, D = 2: pipeline 1 loses stage 3 before its all-reduce and stage 2 after its own (a consecutive pair).
+    Pipeline 0's stage 3 never completes its all-reduce and leaves for the barrier; its stages 0 to 2 complete
+    theirs and wait in the commit for it. Every survivor keeps its groups until all have left (as in
+    bamboo-launch), so they learn that it left from the store: not after the group timeout, and not from a
+    connection closed after the build timeout, both of which outlast the run's deadline here."""
+    kills = (KillPoint(3, 1, "3AR", step=1), KillPoint(2, 1, "2OPT", step=1))
+    timeouts = CommTimeouts(group=120.0, build=120.0, confirm=15.0)
+    result = run_verify(4, 2, 3, "eflb", timeouts=timeouts, deadline_s=45, kills=kills)
+    assert set(result.killed) == {6, 7}
+    assert result.consecutive is not None and "consecutive failure in pipeline 1: lost stages [2, 3]" in result.consecutive
+    assert {rank: code for rank, code in result.worker_exit_codes.items() if rank not in result.killed} == dict.fromkeys(
+        range(6), 3)  # every survivor left the failed iteration
+    assert result.compared_at_step == 1 and result.max_relative_diff <= 1e-6
+
+
 def test_without_redundancy_a_kill_is_a_typed_peer_failure(capfd: pytest.CaptureFixture[str]) -> None:
     result = run_verify(3, 1, 2, "none", timeouts=TIMEOUTS, deadline_s=120, kills=(KillPoint(1, 0, "1F1", 0),))
     assert not result.passed

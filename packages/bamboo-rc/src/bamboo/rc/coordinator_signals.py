@@ -7,7 +7,8 @@ live rank committed the step (``passed/<step>/<rank>``), and publishes its hand-
 epoch's event, first writer wins (:meth:`CoordinatorSignals.claim_handover`). The **group barrier**
 (``ready/e<version>/<group>/<rank>``: a gloo group's first build in an epoch waits until every member is
 about to build it, noticing failures meanwhile) and the **finish barrier** (``finished/<rank>``) are
-here too.
+here too, as is the mark of a node that **left** the layout after a consecutive failure (``left/<rank>``):
+a collective it had not completed never will be.
 """
 
 from __future__ import annotations
@@ -124,6 +125,18 @@ class CoordinatorSignals(CoordinatorState):
                 absent = [rank for rank, key in keys.items() if not self.store.check([key])]
                 self.report_stragglers(absent, set(), f"the build of group {group}")
             self.clock.sleep(STORE_POLL_S)
+
+    def announce_left(self) -> None:
+        """Tell the others that this node left the layout's iteration for the barrier (a consecutive failure).
+
+        A collective this node had not completed never will be: its other members, alive and waiting in it,
+        give up at once (:meth:`any_left`) instead of after the group timeout."""
+        self.store.set(self._key("left", self.rank), "1")
+
+    def any_left(self, members: Sequence[int]) -> bool:
+        """Whether a member of ``members`` other than this node left for the barrier (:meth:`announce_left`;
+        one store check per member)."""
+        return any(self.store.check([self._key("left", rank)]) for rank in members if rank != self.rank)
 
     def announce_finished(self) -> None:
         self.store.set(self._key("finished", self.rank), "1")

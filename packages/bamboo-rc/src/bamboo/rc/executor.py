@@ -380,6 +380,19 @@ class StageExecutor(ExecutorHandover):
                 live = [r for r in range(self.layout.world) if r not in self.dead]
                 raise RuntimeError(f"not every live rank of {live} finished within {self.timeouts.build} s")
             self.clock.sleep(FINISH_POLL_S)
+    def leave_together(self) -> None:
+        """After a consecutive failure (every survivor leaves the iteration): wait until every live node has
+        left too, within the build timeout, keeping this node's groups open meanwhile, as a node of
+        ``bamboo-launch`` does while it goes to the barrier. A survivor still waiting in a collective with this
+        node learns why from the store (:meth:`~bamboo.rc.coordinator_signals.CoordinatorSignals.any_left`),
+        not from a connection this node's exit closed."""
+        if not self.coordinator.watching:
+            return
+        self.coordinator.announce_finished()
+        deadline = self.clock.monotonic() + self.timeouts.build
+        while not self.coordinator.everyone_finished() and self.clock.monotonic() < deadline:
+            self.clock.sleep(FINISH_POLL_S)
+
     def release(self) -> None:
         """Let this executor go (a layout that ended; its state was handed to the next one): its gloo groups
         are freed once the operations posted on them have finished (:func:`bamboo.rc.comm.keep_until_settled`),

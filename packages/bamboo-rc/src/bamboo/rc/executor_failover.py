@@ -148,6 +148,7 @@ class ExecutorFailover:
             )
         except ConsecutiveFailure:
             self.interpreter.abandon_iteration()
+            self.coordinator.announce_left()  # the live members of a collective it never joins stop waiting
             raise
         if not agreement.victims:
             return stream  # hand-overs only: nothing was lost

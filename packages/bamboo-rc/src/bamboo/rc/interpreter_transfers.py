@@ -111,13 +111,17 @@ class InterpreterTransfers(InterpreterState):
 
     def _interrupter(self, group: str) -> Callable[[], None]:
         """While blocked in a collective on `group`: raise FailureNoticed if a confirmed failure
-        removed a member of it. A collective whose members all live is left to complete (the
+        removed a member of it, or made a live member leave for the barrier (a consecutive failure
+        elsewhere: it will never post its part). Any other collective is left to complete (the
         event is noticed again at the next blocking point), so it is never posted twice."""
 
         def interrupt() -> None:
             self._post_built()
             event = self.coordinator.pending_event()
-            if event is not None and set(event.victims) & set(self.groups.members[group]):
+            if event is None:
+                return
+            members = self.groups.members[group]
+            if set(event.victims) & set(members) or self.coordinator.any_left(members):
                 raise FailureNoticed(event)
 
         return interrupt

@@ -156,6 +156,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     except ConsecutiveFailure as failure:
         consecutive = str(failure)
         executor.apply_replica_updates()
+        executor.leave_together()
     except HandedOver:
         left = True
     report = {

@@ -761,11 +761,9 @@ def test_a_failure_in_the_pipeline_of_a_leaver_still_there_is_agreed_on_and_the_
 
 def _leaver_at_handover_boundary(store: object) -> object:
     """Rank 6 itself, after the commit of step 3, with a notice whose deadline is far off."""
-    from bamboo.rc.records import NoticeRecord
-
     executor = _executor_at_handover_boundary(2, store)
     executor.leaving, executor.handover_step = True, 3  # type: ignore[attr-defined]
-    store.set(f"bamboo/{JOB}/notice/6", NoticeRecord(4.0e9).to_json())  # type: ignore[attr-defined]
+    executor.coordinator.tell_notice(4.0e9)  # type: ignore[attr-defined]
     return executor
 
 

@@ -160,11 +160,9 @@ class WorkerSession:
         """Hand this node's preemption deadline to the runtime (once per executor): at the start of its next
         step it hands its stage over after that step if the deadline leaves time, else it keeps going and
         its death at the deadline is an ordinary failure."""
-        from bamboo.rc.records import NoticeRecord
-
         if self.notice_deadline is None or id(executor) in told:
             return
-        self.store.set(executor.coordinator.notice_key(), NoticeRecord(self.notice_deadline).to_json())
+        executor.coordinator.tell_notice(self.notice_deadline)
         told.add(id(executor))
 
     def close(self) -> None:

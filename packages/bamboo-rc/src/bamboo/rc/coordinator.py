@@ -27,8 +27,9 @@ and imports no torch, so it is tested in-process with a dictionary for a store. 
   disagree (some in a failover's remainder, some not) are an
   :class:`~bamboo.rc.failures.AgreementError`;
 - **hand-over events** (a node that left at an iteration boundary after a preemption notice:
-  its pipeline switches to the merged schedule), the notice and hand-over keys
-  (``notice/<rank>``, ``handover/d<p>/<step>/<rank>``, ``handover/any/<step>``,
+  its pipeline switches to the merged schedule; the notice itself is told in-process,
+  :meth:`~bamboo.rc.coordinator_signals.CoordinatorSignals.tell_notice`), the hand-over keys
+  (``handover/d<p>/<step>/<rank>``, ``handover/any/<step>``,
   ``handover_cancelled/<step>/<rank>``, ``passed/<step>/<rank>``). The leaver publishes its own
   hand-over event, first writer wins, as the epoch after the last event it applied
   (:meth:`FailoverCoordinator.claim_handover`): a failure published first takes that epoch, and the

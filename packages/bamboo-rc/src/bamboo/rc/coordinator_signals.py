@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from bamboo.rc.coordinator_state import CoordinatorState
 from bamboo.rc.failures import FailureEvent
-from bamboo.rc.records import HandoverRecord, NoticeRecord
+from bamboo.rc.records import HandoverRecord
 from bamboo.rc.timeouts import STORE_POLL_S, STRAGGLER_S
 
 __all__ = ["CoordinatorSignals"]
@@ -31,16 +31,17 @@ class CoordinatorSignals(CoordinatorState):
         """P = 1: whether any live node announced that it leaves after step `step`."""
         return bool(self.handover_leavers(step))
 
-    def notice_key(self) -> str:
-        """Where this node's agent writes the :class:`~bamboo.rc.records.NoticeRecord` of a preemption."""
-        return self._key("notice", self.rank)
+    _notice_deadline: float | None = None
+
+    def tell_notice(self, deadline: float) -> None:
+        """This node will be preempted at ``deadline`` (wall clock, seconds since the Unix epoch): told in-process by
+        whoever learnt of it (the launcher's worker from its agent, a verify worker's fault injector). No store
+        round trip: the node checks at the start of every iteration (:meth:`notice_deadline`)."""
+        self._notice_deadline = deadline
 
     def notice_deadline(self) -> float | None:
         """The preemption deadline this node was told of (wall clock), if any."""
-        key = self.notice_key()
-        if not self.store.check([key]):
-            return None
-        return NoticeRecord.from_json(self.store.get(key)).deadline
+        return self._notice_deadline
 
     def announce_handover(self, step: int) -> None:
         """Tell the others that this node leaves after step `step`."""

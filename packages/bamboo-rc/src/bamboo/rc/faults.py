@@ -8,8 +8,8 @@ around each instruction; `verify`, `soak` and the chaos tests give their workers
 - SIGKILLs its own process at a :class:`KillPoint` (after writing a :class:`KillRecord` under
   ``bamboo/<job>/killed_at/<rank>``, which tells the parent which point fired and when), or when
   the preemption deadline of a notice the node did not hand over for has passed;
-- tells the node of a :class:`NoticePoint` that it will be preempted (writes the
-  :class:`~bamboo.rc.records.NoticeRecord` an agent would write);
+- tells the node of a :class:`NoticePoint` that it will be preempted (as a launcher's worker tells it
+  of its agent's notice);
 - marks, for ``KillPoint.hold_confirmation_until``, that a node executed an instruction
   (``bamboo/<job>/reached/<rank>/<step>/<instruction>``), so the parent can hold back a
   confirmation until then.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from bamboo.rc.ports import Clock, SystemClock
-from bamboo.rc.records import RECORD_VERSION, JsonRecord, NoticeRecord, RecordReader
+from bamboo.rc.records import RECORD_VERSION, JsonRecord, RecordReader
 from bamboo.rc.timeouts import NOTICE_LEAD_S
 from bamboo.schedule import Instruction
 
@@ -153,8 +153,7 @@ class FaultInjector:
         """Tell the node of a notice point at its step that it will be preempted."""
         for point in self.notice_points:
             if point.step == executor.step:
-                notice = NoticeRecord(self.clock.time() + point.lead_s)
-                executor.store.set(executor.coordinator.notice_key(), notice.to_json())
+                executor.coordinator.tell_notice(self.clock.time() + point.lead_s)
 
     def before_instruction(
         self, executor: StageExecutor, instruction: Instruction, index: int, length: int, recovering: bool

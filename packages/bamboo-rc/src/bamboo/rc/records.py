@@ -10,7 +10,6 @@ Every value that crosses a process boundary is one of these (the keys live under
   agreement on the cut, with the :class:`CommitResult` of its last commit;
 - :class:`HandoverRecord` (``handover/d<p>/<step>/<rank>``): a node leaves at an iteration
   boundary after a preemption notice (``handover_cancelled/<step>/<rank>`` withdraws it);
-- :class:`NoticeRecord` (``notice/<rank>``): the node will be preempted at a deadline;
 - :class:`FailoverRecord`: what one failover did and when (``StageExecutor.failovers``; verify's
   workers hand them to their parent).
 
@@ -35,7 +34,6 @@ __all__ = [
     "FailureEvent",
     "HandoverRecord",
     "JsonRecord",
-    "NoticeRecord",
     "ProgressRecord",
     "RecordError",
     "RecordReader",
@@ -280,24 +278,6 @@ class HandoverRecord(JsonRecord):
     def from_dict(cls, data: Mapping[str, Any]) -> HandoverRecord:
         read = RecordReader(cls.RECORD, data)
         return cls(read.integer("rank"), read.integer("pipeline"), read.integer("node"), read.integer("step"))
-
-
-
-@attrs.frozen
-class NoticeRecord(JsonRecord):
-    """The node will be preempted at ``deadline`` (wall clock, seconds since the Unix epoch)."""
-
-    RECORD: ClassVar[str] = "preemption notice"
-
-    deadline: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"v": RECORD_VERSION, "deadline": self.deadline}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> NoticeRecord:
-        return cls(RecordReader(cls.RECORD, data).number("deadline"))
-
 
 
 def _victims_by_pipeline(value: Mapping[int, Iterable[int]]) -> dict[int, tuple[int, ...]]:

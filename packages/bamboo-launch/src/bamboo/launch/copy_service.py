@@ -6,7 +6,8 @@ and clones the state of every stage the node holds at that step (a memory copy, 
 stage of the built-in example). One background thread does the rest: it serialises each clone, keeps it,
 sends the ones of the stages this node writes (pipeline 0's host of each stage) to their keepers, and
 publishes the node's index in etcd. When the thread is behind, a newer clone of a stage replaces the one
-waiting, so training never waits for it.
+waiting, so training never waits for it. A clone the checkpoint took at the same step is reused, and so are
+its bytes (:class:`StageSnapshot`): each stage is serialised once per step, for both.
 """
 
 from __future__ import annotations
@@ -42,7 +43,26 @@ if TYPE_CHECKING:
     from bamboo.rc import StageExecutor
     from bamboo.reconfig import JobLayout
 
-__all__ = ["CopyService", "holding_of"]
+__all__ = ["CopyService", "StageSnapshot", "holding_of"]
+
+
+class StageSnapshot:
+    """A stage's state cloned at a step (``TrainableSlice.snapshot()``: torch state dicts) and its bytes
+    (``bamboo.rc.state.snapshot_bytes``), serialised once, in whichever background thread asks first: the
+    checkpoint's writer and the copy service share them."""
+
+    def __init__(self, state: dict[str, object]) -> None:
+        self.state = state
+        self._data: bytes | None = None
+        self._lock = threading.Lock()
+
+    def data(self) -> bytes:
+        with self._lock:
+            if self._data is None:
+                from bamboo.rc.state import snapshot_bytes
+
+                self._data = snapshot_bytes(self.state)
+            return self._data
 
 
 @attrs.frozen
@@ -50,8 +70,8 @@ class _Pending:
     step: int
     stage: int
     layers: tuple[int, int]
-    state: dict[str, object]
-    """The stage's snapshot (``TrainableSlice.snapshot``: torch state dicts), opaque here: its bytes are sent."""
+    state: StageSnapshot
+    """The stage's snapshot, opaque here: its bytes are kept and sent."""
     lineage: str
     holding: Holding | None
     """Who holds each stage, when this copy goes to keepers too (see :func:`memcopy.plan_keepers`)."""
@@ -85,7 +105,7 @@ class CopyService:
         self._thread.start()
 
     def take(self, executor: StageExecutor, layout: JobLayout, *, sends: bool,
-             clones: dict[int, dict[str, object]] | None = None) -> None:
+             clones: dict[int, StageSnapshot] | None = None) -> None:
         """Clone every stage ``executor`` holds at its current step (on the training thread); with ``sends``,
         the ones it hosts go to keepers too. ``clones``: stages already cloned at this step (by the checkpoint),
         reused instead of cloned again."""
@@ -99,7 +119,7 @@ class CopyService:
             holding = every if stage in executor.hosted else None
             clone = (clones or {}).get(stage)
             pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop),
-                               piece.snapshot() if clone is None else clone, line, holding)
+                               StageSnapshot(piece.snapshot()) if clone is None else clone, line, holding)
             with self._wake:
                 self._pending[stage] = pending  # an older clone still waiting is replaced
                 self._wake.notify()
@@ -157,9 +177,7 @@ class CopyService:
             time.sleep(timeouts.COPY_INDEX_S)
 
     def _keep_and_send(self, item: _Pending) -> None:
-        from bamboo.rc.state import snapshot_bytes
-
-        data = snapshot_bytes(item.state)
+        data = item.state.data()
         copy = Copy(item.stage, item.step, item.layers, data, hashlib.sha256(data).hexdigest(), item.lineage)
         self.store.put(copy)
         if item.holding is None:

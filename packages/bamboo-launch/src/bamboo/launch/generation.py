@@ -29,6 +29,7 @@ from bamboo.launch.worker_phases import Ending
 from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
 
 if TYPE_CHECKING:
+    from bamboo.launch.copy_service import StageSnapshot
     from bamboo.rc import Engine, FailoverRecord, PeerFailure, StageExecutor
     from bamboo.rc.checkpoint_async import AsyncCheckpointer
     from bamboo.rc.checkpoint_files import CheckpointInfo
@@ -177,7 +178,7 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
         log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
                        nodes_active=spec.stages * layout.pipelines - len(executor.dead),
                        duration_s=duration, generation=layout.generation))
-    clones: dict[int, dict[str, object]] = {}  # stage -> its state cloned at this step, for whoever needs it next
+    clones: dict[int, StageSnapshot] = {}  # stage -> its state cloned at this step, for whoever needs it next
     copies = run.copies if run.copies is not None and executor.step % spec.memory_copy_every == 0 else None
     if copies is not None:  # before any clone: the checkpoint's clones are then those the copies would take
         executor.apply_replica_updates()
@@ -252,7 +253,7 @@ def reports_the_job(executor: StageExecutor) -> bool:
 
 def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
                checkpointers: dict[int, AsyncCheckpointer], torch: ModuleType, *,
-               final: bool = False, clones: dict[int, dict[str, object]] | None = None) -> None:
+               final: bool = False, clones: dict[int, StageSnapshot] | None = None) -> None:
     """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
     ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
 
@@ -260,8 +261,10 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
     layers (``layers``) and the run's ``history`` so far (the pipelines of each generation), which is what
     ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
     succeeded: a node declared dead writes no checkpoint. The state is only cloned here (serialised in the writer
-    thread); each clone taken goes into ``clones`` too, so that an in-memory copy at the same step reuses it.
+    thread); each clone taken goes into ``clones`` too, so that an in-memory copy at the same step reuses it and
+    its bytes.
     """
+    from bamboo.launch.copy_service import StageSnapshot
     from bamboo.launch.events import Checkpoint
     from bamboo.rc.checkpoint_async import AsyncCheckpointer
     from bamboo.rc.checkpoint_files import stage_shard
@@ -276,7 +279,8 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
         run.membership.decide(f"checkpoint-{step}-{shard}", {"v": 1, "node": run.node})
 
     def shard(stage: int) -> dict[str, object]:  # on the training thread a clone only: serialised in the writer's
-        clone = executor.slices[stage].snapshot(device="cpu")  # in host memory: a pending checkpoint takes no accelerator memory
+        # in host memory: a pending checkpoint takes no accelerator memory
+        clone = StageSnapshot(executor.slices[stage].snapshot(device="cpu"))
         if clones is not None:
             clones[stage] = clone
         return {"state": clone,
@@ -295,9 +299,9 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
 
 
 def _serialised_state(shard: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint shard whose ``state`` (a slice's ``snapshot()``) is serialised as the shard format stores it
-    (the bytes of ``state_bytes()``, a uint8 tensor); run in the checkpoint's writer thread."""
+    """A checkpoint shard whose ``state`` (a :class:`~bamboo.launch.copy_service.StageSnapshot`) is serialised as
+    the shard format stores it (the bytes of ``state_bytes()``, a uint8 tensor); run in the checkpoint's writer
+    thread."""
     import torch
-    from bamboo.rc.state import snapshot_bytes
 
-    return {**shard, "state": torch.frombuffer(bytearray(snapshot_bytes(shard["state"])), dtype=torch.uint8)}
+    return {**shard, "state": torch.frombuffer(bytearray(shard["state"].data()), dtype=torch.uint8)}

@@ -113,16 +113,17 @@ class CopyService:
         step, dead = executor.step, set(executor.dead)
         line = lineage(layout.history, step)
         every = holding_of(layout, dead) if sends else None  # the same for each stage this node sends
+        taken: dict[int, _Pending] = {}
         for stage, piece in executor.slices.items():
             if piece.steps != step:
                 continue
             holding = every if stage in executor.hosted else None
             clone = (clones or {}).get(stage)
-            pending = _Pending(step, stage, (piece.indices.start, piece.indices.stop),
-                               StageSnapshot(piece.snapshot()) if clone is None else clone, line, holding)
-            with self._wake:
-                self._pending[stage] = pending  # an older clone still waiting is replaced
-                self._wake.notify()
+            taken[stage] = _Pending(step, stage, (piece.indices.start, piece.indices.stop),
+                                    StageSnapshot(piece.snapshot()) if clone is None else clone, line, holding)
+        with self._wake:  # woken once every clone is taken: its serialising would hold the GIL against them
+            self._pending.update(taken)  # an older clone still waiting is replaced
+            self._wake.notify()
 
     def load(self, stage: int, step: int, sources: tuple[str, ...], bounds: tuple[int, int], line: str) -> bytes | bytearray:
         """The bytes of ``stage`` at ``step`` of lineage ``line``: from this node's memory, or from the first of

@@ -13,6 +13,7 @@ keep their state and their warm processes (:func:`_barrier_without_redundancy`).
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -182,12 +183,15 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
     copies = run.copies if run.copies is not None and executor.step % spec.memory_copy_every == 0 else None
     if copies is not None:  # before any clone: the checkpoint's clones are then those the copies would take
         executor.apply_replica_updates()
+    saves: list[Callable[[], None]] = []
     if spec.checkpoint_dir is not None and reports_the_job(executor):
         finishing = stop is not None and stop.finish and executor.step >= stop.step
-        checkpoint(run, layout, executor, state.checkpointers, torch, final=executor.step >= spec.steps or finishing,
-                   clones=clones)
+        saves = checkpoint(run, layout, executor, state.checkpointers, torch,
+                           final=executor.step >= spec.steps or finishing, clones=clones)
     if copies is not None:
         copies.take(executor, layout, sends=reports_the_job(executor), clones=clones)
+    for save in saves:  # the writers wake once every clone of the boundary is taken: no GIL taken from them
+        save()
     if hooks is not None:
         run_step_hooks(engine, hooks)
     return len(executor.failovers)
@@ -253,7 +257,7 @@ def reports_the_job(executor: StageExecutor) -> bool:
 
 def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
                checkpointers: dict[int, AsyncCheckpointer], torch: ModuleType, *,
-               final: bool = False, clones: dict[int, StageSnapshot] | None = None) -> None:
+               final: bool = False, clones: dict[int, StageSnapshot] | None = None) -> list[Callable[[], None]]:
     """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
     ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
 
@@ -262,7 +266,8 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
     ``--resume`` and ``bamboo-launch export`` read. A shard commits only after a fenced write to etcd
     succeeded: a node declared dead writes no checkpoint. The state is only cloned here (serialised in the writer
     thread); each clone taken goes into ``clones`` too, so that an in-memory copy at the same step reuses it and
-    its bytes.
+    its bytes. Returns the saves, to call once the boundary's other clones are taken: a save wakes its writer,
+    whose serialising would hold the GIL against those clones.
     """
     from bamboo.launch.copy_service import StageSnapshot
     from bamboo.launch.events import Checkpoint
@@ -287,15 +292,16 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
                 "layers": torch.tensor(list(executor.slices[stage].indices), dtype=torch.int64),
                 "history": torch.tensor([list(item) for item in layout.history], dtype=torch.int64)}
 
+    saves: list[Callable[[], None]] = []
+    step = executor.step
     for stage in executor.hosted:
         if stage not in checkpointers:
             checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=stage_shard(stage),
                                                      every_steps=spec.checkpoint_every, on_commit=committed,
                                                      before_commit=may_commit, prepare=_serialised_state)
-        if final and executor.step % spec.checkpoint_every:
-            checkpointers[stage].save(executor.step, shard(stage), cloned=True)
-        else:
-            checkpointers[stage].maybe_save(executor.step, lambda stage=stage: shard(stage), cloned=True)
+        if final or step % spec.checkpoint_every == 0:
+            saves.append(functools.partial(checkpointers[stage].save, step, shard(stage), cloned=True))
+    return saves
 
 
 def _serialised_state(shard: dict[str, Any]) -> dict[str, Any]:

@@ -157,19 +157,28 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         fork_server=False)  # every process exec'd and importing torch, as the baselines' are and real machines' are
     warm: dict[str, float] = {}
     stopped = threading.Event()
+    # ``during`` runs in a thread that run_cluster does not wait for, and so does its reader of the warm records:
+    # once run_cluster returned (``ended``), neither adds to ``warm`` while the measurement iterates it
+    # ("dictionary changed size during iteration" once ended a compare run)
+    ended = threading.Event()
+    warm_lock = threading.Lock()
 
     def during(handles: RunHandles) -> None:
         def poll() -> None:
             try:
-                for item in handles.membership.kv.get_prefix(handles.membership.keys.decision("warm-")):
-                    record = WorkerWarm.from_dict(json.loads(item.value))
-                    warm.setdefault(record.node, record.at)
+                items = handles.membership.kv.get_prefix(handles.membership.keys.decision("warm-"))
+                records = [WorkerWarm.from_dict(json.loads(item.value)) for item in items]
+                with warm_lock:
+                    if ended.is_set():
+                        return
+                    for record in records:
+                        warm.setdefault(record.node, record.at)
             except Exception as error:  # etcd closing at the run's end: the last poll came before
                 if not stopped.is_set():
                     say(f"could not read the warm records: {error}")
 
         def watch() -> None:
-            while not stopper.done.wait(timeouts.MEASURE_WARM_POLL_S) and not stopped.is_set():
+            while not ended.wait(timeouts.MEASURE_WARM_POLL_S) and not stopper.done.is_set() and not stopped.is_set():
                 poll()
 
         threading.Thread(target=watch, name="measure-warm", daemon=True).start()
@@ -183,6 +192,9 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         result = run_cluster(run_options, progress=say, during=during)
     except RunError as error:
         raise MeasureError(f"{options.system}: {error} (node logs: {run_dir / 'logs'})") from None
+    finally:
+        with warm_lock:
+            ended.set()
     if result.job_error and not stopped.is_set():
         raise MeasureError(f"{options.system}: the job failed: {result.job_error} (node logs: {run_dir / 'logs'})")
     if result.timed_out:

@@ -24,14 +24,16 @@ __all__ = ["CoordinatorSignals"]
 
 
 class CoordinatorSignals(CoordinatorState):
-    """The coordinator's notices, hand-overs and barriers: keys in the store, written and polled."""
+    """The coordinator's notices, hand-overs and barriers: keys in the store, written and polled (but a
+    preemption notice, told in-process)."""
+
+    _notice_deadline: float | None = None
+    """This node's preemption deadline, once told (:meth:`tell_notice`); not in the store."""
 
     # --------------------------------------------------------------------------------- hand-over
     def ring_handover_announced(self, step: int) -> bool:
         """P = 1: whether any live node announced that it leaves after step `step`."""
         return bool(self.handover_leavers(step))
-
-    _notice_deadline: float | None = None
 
     def tell_notice(self, deadline: float) -> None:
         """This node will be preempted at ``deadline`` (wall clock, seconds since the Unix epoch): told in-process by

@@ -380,6 +380,7 @@ class StageExecutor(ExecutorHandover):
                 live = [r for r in range(self.layout.world) if r not in self.dead]
                 raise RuntimeError(f"not every live rank of {live} finished within {self.timeouts.build} s")
             self.clock.sleep(FINISH_POLL_S)
+
     def leave_together(self) -> None:
         """After a consecutive failure (every survivor leaves the iteration): wait until every live node has
         left too, within the build timeout, keeping this node's groups open meanwhile, as a node of

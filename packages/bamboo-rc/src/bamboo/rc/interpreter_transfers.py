@@ -111,8 +111,8 @@ class InterpreterTransfers(InterpreterState):
 
     def _interrupter(self, group: str) -> Callable[[], None]:
         """While blocked in a collective on `group`: raise FailureNoticed if a confirmed failure
-        removed a member of it, or made a live member leave for the barrier (a consecutive failure
-        elsewhere: it will never post its part). Any other collective is left to complete (the
+        removed a member of it, or made a live member leave for the barrier (a consecutive failure:
+        it will never post its part). Any other collective is left to complete (the
         event is noticed again at the next blocking point), so it is never posted twice."""
 
         def interrupt() -> None:

@@ -165,11 +165,14 @@ def test_a_consecutive_failure_in_one_pipeline_ends_the_other_pipelines_commit_w
     Pipeline 0's stage 3 never completes its all-reduce and leaves for the barrier; its stages 0 to 2 complete
     theirs and wait in the commit for it. Every survivor keeps its groups until all have left (as in
     bamboo-launch), so they learn that it left from the store: not after the group timeout, and not from a
-    connection closed after the build timeout, both of which outlast the run's deadline here."""
-    kills = (KillPoint(3, 1, "3AR", step=1), KillPoint(2, 1, "2OPT", step=1))
+    connection closed after the build timeout, both of which outlast the run's deadline here. Stage 3's death is
+    confirmed only once stage 2 has run on to the instruction before its own kill point: confirmed sooner, stage 2
+    would take stage 3 over instead (a loaded machine did that once)."""
+    kills = (KillPoint(3, 1, "3AR", step=1, hold_confirmation_until=(2, 1, "2SY>1", 1)),
+             KillPoint(2, 1, "2OPT", step=1))
     timeouts = CommTimeouts(group=120.0, build=120.0, confirm=15.0)
     result = run_verify(4, 2, 3, "eflb", timeouts=timeouts, deadline_s=45, kills=kills)
-    assert set(result.killed) == {6, 7}
+    assert set(result.killed) == {6, 7} and not result.unfired_kills
     assert result.consecutive is not None and "consecutive failure in pipeline 1: lost stages [2, 3]" in result.consecutive
     assert {rank: code for rank, code in result.worker_exit_codes.items() if rank not in result.killed} == dict.fromkeys(
         range(6), 3)  # every survivor left the failed iteration

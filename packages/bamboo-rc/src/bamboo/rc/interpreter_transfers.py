@@ -19,6 +19,7 @@ import torch
 from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, wait_works
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.interpreter_state import InterpreterState
+from bamboo.rc.timeouts import LEFT_POLL_S
 from bamboo.schedule import Instruction
 
 __all__ = ["InterpreterTransfers"]
@@ -115,14 +116,22 @@ class InterpreterTransfers(InterpreterState):
         it will never post its part). Any other collective is left to complete (the
         event is noticed again at the next blocking point), so it is never posted twice."""
 
+        next_left_check = 0.0  # the members' left marks are read every LEFT_POLL_S, not at every poll
+
         def interrupt() -> None:
+            nonlocal next_left_check
             self._post_built()
             event = self.coordinator.pending_event()
             if event is None:
                 return
             members = self.groups.members[group]
-            if set(event.victims) & set(members) or self.coordinator.any_left(members):
+            if set(event.victims) & set(members):
                 raise FailureNoticed(event)
+            now = self.coordinator.clock.monotonic()
+            if now >= next_left_check:
+                next_left_check = now + LEFT_POLL_S
+                if self.coordinator.any_left(members):
+                    raise FailureNoticed(event)
 
         return interrupt
 

@@ -25,6 +25,7 @@ __all__ = [
     "EVENT_POLL_S",
     "FINISH_POLL_S",
     "GROUP_S",
+    "LEFT_POLL_S",
     "NOTICE_LEAD_S",
     "NOTICE_POLL_S",
     "STORE_POLL_S",
@@ -93,6 +94,12 @@ the failure authority as a suspect, once per wait: the authority probes it, so a
 flowed to it (a survivor killed during another's failover, a member killed before it joined a new layout's
 group) is confirmed at once instead of when its lease runs out (its TTL: 2 s by default, more in production), and
 a slow one answers the probe and is left alone. Well above an agreement's usual wait (tens of milliseconds)."""
+
+LEFT_POLL_S = 0.2
+"""How often a worker blocked in a collective, while a failure event is pending, reads whether a live member left
+for the barrier after a consecutive failure (``left/<rank>``, one store read per member). Slower than
+``NOTICE_POLL_S``: the read goes to etcd under bamboo-launch, and every node waiting in a collective during a
+failover elsewhere makes it; a member that left is rare, and this bounds how long it is waited for."""
 
 EVENT_POLL_S = 0.005
 """How often :meth:`StoreFailureNotices.wait` reads the store again for the event it waits for.

@@ -299,7 +299,7 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
             checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=stage_shard(stage),
                                                      every_steps=spec.checkpoint_every, on_commit=committed,
                                                      before_commit=may_commit, prepare=_serialised_state)
-        if final or step % spec.checkpoint_every == 0:
+        if final or checkpointers[stage].due(step):
             saves.append(functools.partial(checkpointers[stage].save, step, shard(stage), cloned=True))
     return saves
 

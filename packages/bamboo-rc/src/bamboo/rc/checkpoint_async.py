@@ -55,7 +55,7 @@ class AsyncCheckpointer:
     Args:
         directory: where step folders go (created if missing).
         shard: this writer's shard name (one per pipeline stage, say ``stage-2``).
-        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
+        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (:meth:`due`).
         keep: how many of this shard's newest checkpoints to keep; older files of this shard are
             deleted after each commit (and their folder, once empty).
         on_commit: called in the writer thread with each committed shard's :class:`CheckpointInfo`
@@ -119,11 +119,15 @@ class AsyncCheckpointer:
                 logger.warning("removing partial checkpoint file %s left by an earlier writer", entry)
                 entry.unlink(missing_ok=True)
 
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is on the period (``every_steps``)."""
+        return step % self.every_steps == 0
+
     def maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
                    cloned: bool = False) -> bool:
-        """Save if ``step`` is on the period; ``state`` may be a callable, called only then (``cloned``: as
-        :meth:`save`)."""
-        if step % self.every_steps != 0:
+        """Save if ``step`` is on the period (:meth:`due`); ``state`` may be a callable, called only then
+        (``cloned``: as :meth:`save`)."""
+        if not self.due(step):
             return False
         self.save(step, state() if callable(state) else state, cloned=cloned)
         return True

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -234,8 +235,13 @@ def test_rendered_manifests_train_a_job_exactly(tmp_path: Path, etcd: EmbeddedEt
             log.close()
         deadline = time.monotonic() + JOB_TIMEOUT_S
         token = secret_data(secrets_by_name[f"{JOB}-agent-token"])["token"].decode()
-        for pod in pods:
-            check_agent_requires_the_token(f"{pod.ip}:{port}", token, pod.name, processes[pod.name], deadline)
+        # Every agent at once: the job trains as soon as every node is up (its workers start with the agents), so
+        # agents checked one after another may have finished it before the last one's turn.
+        with futures.ThreadPoolExecutor(len(pods)) as pool:
+            checks = [pool.submit(check_agent_requires_the_token, f"{pod.ip}:{port}", token, pod.name,
+                                  processes[pod.name], deadline) for pod in pods]
+        for check in checks:
+            check.result()
         codes = {}
         for name, process in processes.items():
             try:

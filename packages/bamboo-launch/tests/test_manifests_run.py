@@ -170,7 +170,11 @@ def check_agent_requires_the_token(address: str, token: str, node: str, process:
     from bamboo.membership.v1 import membership_pb2 as pb
     from bamboo.membership.v1 import membership_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    # Retried every 0.1 s: gRPC's own reconnect backoff (1 s, growing) outlasted a job of a few seconds whose agents
+    # began to serve just after the first try.
+    backoff = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 100),
+               ("grpc.min_reconnect_backoff_ms", 100)]
+    with grpc.insecure_channel(address, options=backoff) as channel:
         while True:
             try:
                 grpc.channel_ready_future(channel).result(timeout=1.0)

@@ -114,7 +114,7 @@ class _FakeWorker:
         return -9
 
 
-def test_the_agent_prestarts_the_builtin_worker_and_adopts_it_unless_the_job_runs_a_script(
+def test_the_agent_prestarts_its_worker_and_adopts_it_unless_the_job_runs_another_program(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     started: list[tuple[list[str], dict[str, str]]] = []
@@ -144,7 +144,9 @@ def test_the_agent_prestarts_the_builtin_worker_and_adopts_it_unless_the_job_run
     assert WorkerContext.from_json(stale.read_text()) == _context(tmp_path)
     scripted = attrs.evolve(spec, script=("train.py",))
     other = _FakeWorker()
-    assert run(scripted, other) is not other and other.signals  # the job runs a script: that one starts instead
+    assert run(scripted, other) is not other and other.signals  # the stored spec runs a script: it starts instead
     assert started[1][0][1:] == ["train.py"]
-    with_script = attrs.evolve(options, spec={"script": ("train.py",)})
-    assert supervisor.prestart_worker(with_script) is None  # a script worker starts with its context, as before
+    options = attrs.evolve(options, spec={"script": ("train.py", "--lr", "3")})  # given the script: that one starts
+    prestarted = supervisor.prestart_worker(options)
+    assert started[2][0][1:] == ["train.py", "--lr", "3"] and started[2][1][ENV_CONTEXT] == str(stale)
+    assert run(attrs.evolve(spec, script=("train.py", "--lr", "3")), prestarted) is prestarted and len(started) == 3

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,18 +97,19 @@ class Supervisor:
                              agent_tls_key=options.tls_key, agent_tls_server_name=options.tls_server_name)
 
     def spawn(self) -> Worker:
-        """This incarnation's worker, its context written: the one started with the agent where it can serve (the
-        built-in example's, alive), else a new one."""
+        """This incarnation's worker, its context written: the one started with the agent when it runs the job's
+        program (:func:`prestart_worker`; one that has exited already is supervised as any worker that exits),
+        else a new one."""
         path = context_path(self.options, self.node)
         prestarted, self.prestarted = self.prestarted, None
-        if prestarted is not None and (self.spec.script or prestarted.poll() is not None):
-            kill_worker(prestarted)  # the stored spec runs a script, or it died: the right worker starts below
+        if prestarted is not None and self.spec.script != tuple(self.options.spec.get("script", ())):
+            kill_worker(prestarted)  # the stored spec runs another program (a script the agent was not given)
             prestarted = None
         self.context().write(path)
         if prestarted is not None:
             self.say(f"node {self.node}: its worker, started with the agent, has its context")
             return prestarted
-        command, variables = worker_command(self.spec, path, self.node)
+        command, variables = worker_command(self.spec.script, path, self.node)
         self.say(f"node {self.node}: spawning its worker")
         return start_worker(self.options, command, variables)
 
@@ -164,17 +165,17 @@ def context_path(options: AgentOptions, node: str) -> Path:
     return folder / f"{node}.json"
 
 
-def prestart_worker(options: AgentOptions) -> Worker | None:
-    """Start the built-in example's worker of the agent's first incarnation now, before the agent registers, so that
-    its imports (torch and the runtime: seconds on a fresh machine) overlap the agent's own start; it waits for its
-    context, which :meth:`Supervisor.spawn` writes once the agent has registered. None for a job whose script the
-    agent was given (a script imports its own modules first; it starts with its context, as before). A stale
-    context file of the node from an earlier run in the same folder goes first: it would start the worker early."""
-    if options.spec.get("script"):
-        return None
+def prestart_worker(options: AgentOptions) -> Worker:
+    """Start the worker of the agent's first incarnation now, before the agent registers, so that its imports
+    (torch, the runtime and the script's own: seconds on a fresh machine) overlap the agent's start and the first
+    agent's description of the model; it waits for its context (:mod:`bamboo.launch.worker`), which
+    :meth:`Supervisor.spawn` writes once the agent has registered. It runs the program the agent was given (the
+    script after ``--``, or the built-in example); :meth:`Supervisor.spawn` replaces it when the job's stored
+    spec runs another. A stale context file of the node from an earlier run in the same folder goes first: it
+    would let the worker go on before the agent has registered."""
     path = context_path(options, options.node)
     path.unlink(missing_ok=True)
-    command, variables = worker_command(None, path, options.node)
+    command, variables = worker_command(options.spec.get("script", ()), path, options.node)
     return start_worker(options, command, variables)
 
 
@@ -192,13 +193,13 @@ def start_worker(options: AgentOptions, command: list[str], variables: dict[str,
                  niceness=WORKER_NICENESS if shutil.which("nice") is not None else 0)
 
 
-def worker_command(spec: JobSpec | None, context_path: Path, node: str) -> tuple[list[str], dict[str, str]]:
-    """The worker's command line and the variables added to the agent's environment for it (``spec`` None: the
-    built-in example's)."""
-    if spec is not None and spec.script:
+def worker_command(script: Sequence[str], context_path: Path, node: str) -> tuple[list[str], dict[str, str]]:
+    """The worker's command line and the variables added to the agent's environment for it: ``python SCRIPT
+    ARGS`` for the job's ``script`` (``JobSpec.script``), else the built-in example's worker."""
+    if script:
         from bamboo.launch.script import worker_environment
 
-        return [sys.executable, *spec.script], worker_environment(context_path=context_path, node=node)
+        return [sys.executable, *script], worker_environment(context_path=context_path, node=node)
     return [sys.executable, "-m", "bamboo.launch.worker"], {ENV_CONTEXT: str(context_path)}
 
 

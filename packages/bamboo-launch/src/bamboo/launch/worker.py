@@ -1,13 +1,13 @@
 """One training worker of a bamboo-launch job: the bamboo-rc engine of one node, through every layout.
 
-Its agent (:mod:`bamboo.launch.agent`) starts it: ``python -m bamboo.launch.worker`` for the built-in example
-(as the agent starts: it imports torch and the runtime, then waits for its context file), or ``python SCRIPT ARGS``
-for a user script (which calls :func:`bamboo.launch.train_worker`) once the agent has registered, in the agent's
-process group (a kill of the machine takes both), with ``BAMBOO_WORKER_CONTEXT`` naming its
-:class:`~bamboo.launch.spec.WorkerContext`. The worker
+Its agent (:mod:`bamboo.launch.agent`) starts it as the agent starts: ``python -m bamboo.launch.worker`` for the
+built-in example, or ``python SCRIPT ARGS`` for a user script (which calls :func:`bamboo.launch.train_worker`), in
+the agent's process group (a kill of the machine takes both), with ``BAMBOO_WORKER_CONTEXT`` naming its
+:class:`~bamboo.launch.spec.WorkerContext`, a file the agent writes once registered. The worker imports torch and
+the runtime (and the script's own modules) while the agent starts, then waits for that file. Then it
 
-- reads the job's spec from etcd, builds its program (torch, DeepSpeed and the script are imported
-  now), and publishes ``warm-<node>``: from then on it is a *warm joiner*;
+- reads the job's spec from etcd, builds its program (what the imports above left: DeepSpeed, the model)
+  and publishes ``warm-<node>``: from then on it is a *warm joiner*;
 - waits for a role (:mod:`bamboo.launch.roles`): a layout in etcd that places its node (generation 0, or
   a later one), a layout being prepared that does (it builds its part while the others train), or the
   job's end;

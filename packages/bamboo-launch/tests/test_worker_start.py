@@ -8,6 +8,7 @@ killed the worker, and its peers then waited out the gloo group timeout for it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import types
@@ -127,7 +128,7 @@ def test_the_agent_prestarts_its_worker_and_adopts_it_unless_the_job_runs_anothe
     monkeypatch.setattr(supervisor.Supervisor, "context", lambda self: _context(tmp_path))
     options = AgentOptions(job="j", etcd=EtcdAccess(endpoints=("127.0.0.1:2379",)), node="node0",
                            run_dir=str(tmp_path))
-    stale = tmp_path / "workers" / "node0.json"
+    stale = tmp_path / "workers" / f"node0.{os.getpid()}.json"
     stale.parent.mkdir()
     stale.write_text("{}")  # an earlier run's context: it must not start the new worker before registration
     prestarted = supervisor.prestart_worker(options)

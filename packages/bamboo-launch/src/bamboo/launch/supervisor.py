@@ -159,10 +159,12 @@ class Supervisor:
 
 
 def context_path(options: AgentOptions, node: str) -> Path:
-    """Where the agent writes ``node``'s worker context (``RUN_DIR/workers/<node>.json``; the folder is made)."""
+    """Where this agent process writes ``node``'s worker context (``RUN_DIR/workers/<node>.<agent pid>.json``; the
+    folder is made): its own file, which no other agent started with the same ``--node`` (a mistake it refuses
+    at its registration) removes or writes while this agent's worker waits for it."""
     folder = Path(options.run_dir) / "workers"
     folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"{node}.json"
+    return folder / f"{node}.{os.getpid()}.json"
 
 
 def prestart_worker(options: AgentOptions) -> Worker:
@@ -171,8 +173,8 @@ def prestart_worker(options: AgentOptions) -> Worker:
     agent's description of the model; it waits for its context (:mod:`bamboo.launch.worker`), which
     :meth:`Supervisor.spawn` writes once the agent has registered. It runs the program the agent was given (the
     script after ``--``, or the built-in example); :meth:`Supervisor.spawn` replaces it when the job's stored
-    spec runs another. A stale context file of the node from an earlier run in the same folder goes first: it
-    would let the worker go on before the agent has registered."""
+    spec runs another. A stale file of that name (an earlier agent with this pid, in the same folder) goes first:
+    it would let the worker go on before the agent has registered."""
     path = context_path(options, options.node)
     path.unlink(missing_ok=True)
     command, variables = worker_command(options.spec.get("script", ()), path, options.node)

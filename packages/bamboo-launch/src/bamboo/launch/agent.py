@@ -14,8 +14,8 @@ exactly this command); ``bamboo-launch run`` starts the same agents as local pro
 3. **takes part in the job-wide duties** (:class:`bamboo.launch.coordinator.Coordinator`): the agent
    elected through etcd publishes confirmed failures and writes the first layout;
 4. **spawns its worker at once** (:mod:`bamboo.launch.worker`): the worker imports torch and the model
-   and waits, warm, for a role in a layout. The worker starts with the agent, before step 1, and reads its
-   context once the agent has registered, so its imports overlap the agent's start
+   and waits, warm, for a role in a layout. The worker is started first of all, before the spec is agreed
+   on, and reads its context once the agent has registered, so its imports overlap the agent's start
    (:func:`bamboo.launch.supervisor.prestart_worker`);
 5. **supervises it.** When the job's end record appears, the agent waits for its worker and exits 0 (or
    1 with the job's error). When its worker dies while the agent lives, or the agent learns that it was

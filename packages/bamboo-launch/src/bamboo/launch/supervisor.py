@@ -143,6 +143,7 @@ class Supervisor:
             return True
 
     def stop(self, *, leave: bool) -> None:
+        context_path(self.options, self.node).unlink(missing_ok=True)  # read once, at the worker's start
         self.coordinator.stop()
         self.end.close()
         self.events.close()

@@ -124,9 +124,9 @@ class StartupClock:
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else max(0.0, end - start)
 
+        ready = max((mark for mark in (self.imported, self.context) if mark is not None), default=None)
         return Startup(t=log.now(), node=node, process_s=span(self.spawned, self.entered),
-                       imports_s=span(self.entered, self.imported),
-                       model_s=span(max(self.imported or 0.0, self.context or 0.0) or None, self.warm),
+                       imports_s=span(self.entered, self.imported), model_s=span(ready, self.warm),
                        wait_s=span(self.warm, self.role), model_build_s=self.model_build_s,
                        group_build_s=self.group_build_s, first_step_s=first_step_s)
 

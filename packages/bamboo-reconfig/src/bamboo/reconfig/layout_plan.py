@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-import numpy as np
 from bamboo.reconfig.model import ClusterView, LayerSpec, Layout, Node, NodeState
 from bamboo.reconfig.partition import InfeasibleSplit, split_layers
 from bamboo.reconfig.placement import (
@@ -214,8 +213,10 @@ def _assign_slots(
         if all(not holdings.get(node.id) for node in nodes):
             order = list(range(len(nodes)))
         else:
-            # imported here (scipy.optimize takes 0.4 to 0.6 CPU-s to import, paid by every agent otherwise); a
-            # worker, which plans at a barrier, imports it beforehand, off the pause: preload_assignment
+            # imported here (scipy.optimize takes 0.4 to 0.6 CPU-s to import, numpy 0.14, paid by every agent
+            # otherwise); a worker, which plans at a barrier, imports them beforehand, off the pause:
+            # preload_assignment
+            import numpy as np
             from scipy.optimize import linear_sum_assignment
 
             cost = np.array([[row[stage] for _ring, stage in slots] for row in rows], dtype=np.float64)

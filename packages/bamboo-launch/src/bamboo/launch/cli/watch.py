@@ -16,7 +16,6 @@ from bamboo.launch import timeouts
 from bamboo.launch.cli.common import add_etcd_source, check_source, etcd_kv, fail
 from bamboo.launch.events import EtcdEventFollower
 from bamboo.launch.live import DEFAULT_WINDOW, EventFollower, LiveState, LiveView, render_live
-from rich.console import Console
 
 __all__ = ["add_parser", "run"]
 
@@ -53,6 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``watch``: the live view until the run ends (or its state once, with ``--once``)."""
+    from rich.console import Console  # here, not above: every bamboo-launch command would import rich
+
     if args.json and not args.once:
         fail("--json needs --once (the live view is for a terminal)")
     check_source(args, [args.events] if args.events else [])

@@ -239,8 +239,8 @@ def test_rendered_manifests_train_a_job_exactly(tmp_path: Path, etcd: EmbeddedEt
             log.close()
         deadline = time.monotonic() + JOB_TIMEOUT_S
         token = secret_data(secrets_by_name[f"{JOB}-agent-token"])["token"].decode()
-        # Every agent at once: the job trains as soon as every node is up (its workers start with the agents), so
-        # agents checked one after another may have finished it before the last one's turn.
+        # Every agent at once: the job trains as soon as every node is up, so agents checked one after another
+        # may have finished it before the last one's turn.
         with futures.ThreadPoolExecutor(len(pods)) as pool:
             checks = [pool.submit(check_agent_requires_the_token, f"{pod.ip}:{port}", token, pod.name,
                                   processes[pod.name], deadline) for pod in pods]

@@ -99,10 +99,10 @@ def _spec(script: tuple[str, ...] = (), **changes: object) -> JobSpec:
 
 def test_the_agent_spawns_the_builtin_worker_or_the_script(tmp_path: Path) -> None:
     context = tmp_path / "node0.json"
-    command, env = worker_command(_spec().script, context, "node0")
+    command, env = worker_command(_spec(), context, "node0")
     assert command == [sys.executable, "-m", "bamboo.launch.worker"]
     assert env == {ENV_CONTEXT: str(context)}
-    command, env = worker_command(_spec(("/x/train.py", "--lr", "3")).script, context, "node0")
+    command, env = worker_command(_spec(("/x/train.py", "--lr", "3")), context, "node0")
     assert command == [sys.executable, "/x/train.py", "--lr", "3"]
     assert (env[ENV_MODE], env[ENV_CONTEXT], env[ENV_NODE]) == ("worker", str(context), "node0")
 

@@ -14,9 +14,7 @@ exactly this command); ``bamboo-launch run`` starts the same agents as local pro
 3. **takes part in the job-wide duties** (:class:`bamboo.launch.coordinator.Coordinator`): the agent
    elected through etcd publishes confirmed failures and writes the first layout;
 4. **spawns its worker at once** (:mod:`bamboo.launch.worker`): the worker imports torch and the model
-   and waits, warm, for a role in a layout. The worker is started first of all, before the spec is agreed
-   on, and reads its context once the agent has registered, so its imports overlap the agent's start
-   (:func:`bamboo.launch.supervisor.prestart_worker`);
+   and waits, warm, for a role in a layout;
 5. **supervises it.** When the job's end record appears, the agent waits for its worker and exits 0 (or
    1 with the job's error). When its worker dies while the agent lives, or the agent learns that it was
    declared dead (its lease is gone: a partition longer than the TTL), it kills its worker and comes
@@ -54,15 +52,7 @@ from bamboo.launch.agent_options import split_flags as split_flags
 from bamboo.launch.agent_spec import describe_model, ensure_spec, new_spec
 from bamboo.launch.agent_spec import refuse_used_checkpoint_dir as refuse_used_checkpoint_dir
 from bamboo.launch.spec import AGENT_JOB_FAILED, AGENT_USAGE
-from bamboo.launch.supervisor import (
-    AGENT_PREEMPTED,
-    WORKER_NICENESS,
-    Supervisor,
-    kill_worker,
-    prestart_worker,
-    supervise,
-    worker_command,
-)
+from bamboo.launch.supervisor import AGENT_PREEMPTED, WORKER_NICENESS, Supervisor, supervise, worker_command
 
 __all__ = [
     "AGENT_PREEMPTED",
@@ -136,7 +126,6 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
 
     say = say or say_line
     Path(options.run_dir).mkdir(parents=True, exist_ok=True)
-    prestarted = prestart_worker(options)  # its imports overlap this agent's start; it waits for its context
     kv = EtcdKV(options.etcd.options())
     membership = MembershipStore(kv, options.job)
     try:
@@ -150,8 +139,7 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
         incarnation, previous = 1, None
         while True:
             node = options.node if incarnation == 1 else f"{options.node}.{incarnation}"
-            supervisor = Supervisor(options, spec, membership, node, zone, say, wake, returns=previous,
-                                    prestarted=prestarted if incarnation == 1 else None)
+            supervisor = Supervisor(options, spec, membership, node, zone, say, wake, returns=previous)
             # every incarnation joins (its old identity's preemption record stops that one's billing): a report must
             # never meet the preemption of a node that never joined
             supervisor.start(announce=True, wrote_spec=wrote and incarnation == 1)
@@ -174,6 +162,4 @@ def run_agent(options: AgentOptions, say: Callable[[str], None] | None = None) -
         print(f"bamboo-launch agent: error: {error}", file=sys.stderr, flush=True)
         return AGENT_USAGE
     finally:
-        if prestarted is not None:  # ended already, unless the agent stops before it had its context
-            kill_worker(prestarted)
         kv.close()

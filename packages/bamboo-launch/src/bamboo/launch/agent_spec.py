@@ -3,11 +3,14 @@ in a child process so that an agent never imports torch), every other one checks
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,9 +20,11 @@ from bamboo.launch.forkserver import run_to_end
 from bamboo.launch.spec import JobSpec, ModelDescription, SpecFields
 
 if TYPE_CHECKING:
-    from bamboo.membership import MembershipStore
+    from bamboo.membership import KeyValueStore, MembershipStore
 
 __all__ = ["describe_model", "ensure_spec", "new_spec", "refuse_used_checkpoint_dir"]
+
+logger = logging.getLogger(__name__)
 
 
 def describe_model(fields: SpecFields, log: Path, *, in_process: bool = False) -> ModelDescription:
@@ -82,7 +87,8 @@ def ensure_spec(membership: MembershipStore, options: AgentOptions,
         if "stages" not in options.spec or "pipelines" not in options.spec:
             raise AgentError(f"job {options.job} has no spec in etcd yet: the first agent needs --stages and "
                              "--pipelines to create it")
-        lease = kv.grant_lease(max(1, int(options.spec.get("ttl", 2))) + 8)
+        lease_ttl = max(1, int(options.spec.get("ttl", 2))) + 8
+        lease = kv.grant_lease(lease_ttl)
         won, holder = kv.create(membership.keys.root + "spec-writer", options.node.encode(), lease=lease)
         if not won:
             kv.revoke_lease(lease)
@@ -97,11 +103,38 @@ def ensure_spec(membership: MembershipStore, options: AgentOptions,
             fields = SpecFields(**options.spec)
             log = Path(options.run_dir) / "logs" / f"describe-{options.node}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            spec = new_spec(options.job, fields, describe_model(fields, log))
+            with _kept_alive(kv, lease, lease_ttl):
+                description = describe_model(fields, log)
+            spec = new_spec(options.job, fields, description)
             won, stored = kv.create(key, spec.to_json().encode())
             return (spec, True) if won else (JobSpec.from_json(stored.value), False)
         finally:
             kv.revoke_lease(lease)
+
+
+@contextlib.contextmanager
+def _kept_alive(kv: KeyValueStore, lease: int, ttl_s: float) -> Iterator[None]:
+    """Refresh ``lease`` every third of ``ttl_s`` while the body runs. The model's description can outlast the
+    spec writer's lease (a large model, a loaded machine): lapsed, it let a second agent describe the model too
+    (measured: a 19 s description on a loaded 2-core machine, then a second one beside it). A refresh that fails
+    (etcd away) ends the refreshes; the spec itself stays first-writer-wins."""
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(ttl_s / 3):
+            try:
+                kv.refresh_lease(lease)
+            except Exception as error:  # etcd away: the lease may lapse, and another agent describe it as well
+                logger.warning("could not refresh the spec writer's lease: %s", error)
+                return
+
+    thread = threading.Thread(target=refresh, name="spec-writer-lease", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def refuse_used_checkpoint_dir(directory: str | None, resume: bool) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict, TypeVar, cast
@@ -368,17 +367,11 @@ class WorkerContext:
         return _from_dict(cls, "worker context", _loads("worker context", text))
 
     @classmethod
-    def from_environment(cls, *, poll_s: float | None = None,
-                         sleep: Callable[[float], None] = time.sleep) -> WorkerContext:
-        """The context named by ``BAMBOO_WORKER_CONTEXT`` (a clear error when it is not set). With ``poll_s``, a
-        file not there yet is waited for, looked for every ``poll_s``: the worker of an agent that started it
-        before registering (:func:`bamboo.launch.supervisor.prestart_worker`), which writes the file once it has
-        registered (the worker ends with its agent meanwhile, :mod:`bamboo.launch.agent_watch`)."""
+    def from_environment(cls) -> WorkerContext:
+        """The context named by ``BAMBOO_WORKER_CONTEXT`` (a clear error when it is not set)."""
         path = os.environ.get(ENV_CONTEXT)
         if not path:
             raise RuntimeError(f"{ENV_CONTEXT} is not set: workers are started by `bamboo-launch agent`")
-        while poll_s is not None and not Path(path).exists():
-            sleep(poll_s)
         return cls.from_json(Path(path).read_text())
 
     def write(self, path: Path) -> None:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,11 +27,7 @@ from bamboo.launch.worker_records import SPAWNED_ENV
 if TYPE_CHECKING:
     from bamboo.membership import MembershipStore, TlsFiles
 
-__all__ = ["AGENT_PREEMPTED", "WORKER_NICENESS", "Supervisor", "kill_worker", "prestart_worker", "supervise",
-           "worker_command"]
-
-Worker = subprocess.Popen[bytes] | ForkedProcess
-"""A worker process, exec'd or forked from an emulated cluster's fork server."""
+__all__ = ["AGENT_PREEMPTED", "WORKER_NICENESS", "Supervisor", "kill_worker", "supervise", "worker_command"]
 
 WORKER_NICENESS = 5
 """How much lower than its agent's the worker's CPU priority is (niceness added with ``nice``). A worker can
@@ -46,10 +42,8 @@ class Supervisor:
     """One incarnation of the agent: its registration, coordinator and worker."""
 
     def __init__(self, options: AgentOptions, spec: JobSpec, membership: MembershipStore, node: str,
-                 zone: str, say: Callable[[str], None], wake: threading.Event, returns: str | None = None,
-                 prestarted: Worker | None = None) -> None:
+                 zone: str, say: Callable[[str], None], wake: threading.Event, returns: str | None = None) -> None:
         self.options, self.wake = options, wake  # wake: look again (the job's end, the worker's exit, SIGTERM)
-        self.prestarted = prestarted  # this node's worker, started with the agent (prestart_worker)
         self.spec = spec
         self.membership = membership
         self.node = node
@@ -96,22 +90,23 @@ class Supervisor:
                              agent_tls_ca=options.tls_ca, agent_tls_cert=options.tls_cert,
                              agent_tls_key=options.tls_key, agent_tls_server_name=options.tls_server_name)
 
-    def spawn(self) -> Worker:
-        """This incarnation's worker, its context written: the one started with the agent when it runs the job's
-        program (:func:`prestart_worker`; one that has exited already is supervised as any worker that exits),
-        else a new one."""
-        path = context_path(self.options, self.node)
-        prestarted, self.prestarted = self.prestarted, None
-        if prestarted is not None and self.spec.script != tuple(self.options.spec.get("script", ())):
-            kill_worker(prestarted)  # the stored spec runs another program (a script the agent was not given)
-            prestarted = None
+    def spawn(self) -> subprocess.Popen[bytes] | ForkedProcess:
+        folder = Path(self.options.run_dir) / "workers"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{self.node}.json"
         self.context().write(path)
-        if prestarted is not None:
-            self.say(f"node {self.node}: its worker, started with the agent, has its context")
-            return prestarted
-        command, variables = worker_command(self.spec.script, path, self.node)
+        command, variables = worker_command(self.spec, path, self.node)
+        variables[SPAWNED_ENV] = repr(time.time())  # the worker's start-up record counts from here
+        variables[AGENT_PID_ENV] = str(os.getpid())  # the worker ends with this agent, whoever forks it
+        if self.options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
+            variables["BAMBOO_GLOO_HOST"] = self.options.host
+        if self.options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it
+            variables["BAMBOO_DEVICE"] = self.options.device
         self.say(f"node {self.node}: spawning its worker")
-        return start_worker(self.options, command, variables)
+        # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.
+        # On an emulated cluster's node, it is forked from the cluster's preloaded interpreter.
+        return spawn(command, env={**os.environ, **variables},
+                     niceness=WORKER_NICENESS if shutil.which("nice") is not None else 0)
 
     def ended(self, *, fresh: bool = False) -> JobEnd | None:
         """The job's end record, once written (followed by a watch: no request; ``fresh`` reads etcd now)."""
@@ -143,7 +138,6 @@ class Supervisor:
             return True
 
     def stop(self, *, leave: bool) -> None:
-        context_path(self.options, self.node).unlink(missing_ok=True)  # read once, at the worker's start
         self.coordinator.stop()
         self.end.close()
         self.events.close()
@@ -159,50 +153,12 @@ class Supervisor:
             self.say(f"node {self.node}: could not revoke its lease ({error}); it expires after {self.spec.ttl} s")
 
 
-def context_path(options: AgentOptions, node: str) -> Path:
-    """Where this agent process writes ``node``'s worker context (``RUN_DIR/workers/<node>.<agent pid>.json``; the
-    folder is made): its own file, which no other agent started with the same ``--node`` (a mistake it refuses
-    at its registration) removes or writes while this agent's worker waits for it."""
-    folder = Path(options.run_dir) / "workers"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"{node}.{os.getpid()}.json"
-
-
-def prestart_worker(options: AgentOptions) -> Worker:
-    """Start the worker of the agent's first incarnation now, before the agent registers, so that its imports
-    (torch, the runtime and the script's own: seconds on a fresh machine) overlap the agent's start and the first
-    agent's description of the model; it waits for its context (:mod:`bamboo.launch.worker`), which
-    :meth:`Supervisor.spawn` writes once the agent has registered. It runs the program the agent was given (the
-    script after ``--``, or the built-in example); :meth:`Supervisor.spawn` replaces it when the job's stored
-    spec runs another. A stale file of that name (an earlier agent with this pid, in the same folder) goes first:
-    it would let the worker go on before the agent has registered."""
-    path = context_path(options, options.node)
-    path.unlink(missing_ok=True)
-    command, variables = worker_command(options.spec.get("script", ()), path, options.node)
-    return start_worker(options, command, variables)
-
-
-def start_worker(options: AgentOptions, command: list[str], variables: dict[str, str]) -> Worker:
-    """Start the worker ``command`` with ``variables`` and the agent's own added to this process's environment."""
-    variables[SPAWNED_ENV] = repr(time.time())  # the worker's start-up record counts from here
-    variables[AGENT_PID_ENV] = str(os.getpid())  # the worker ends with this agent, whoever forks it
-    if options.host not in ("0.0.0.0", "::"):  # gloo listens where the agent does (the pod IP)
-        variables["BAMBOO_GLOO_HOST"] = options.host
-    if options.device is not None:  # bamboo.rc.device.DEVICE_ENV: the worker's initialize reads it
-        variables["BAMBOO_DEVICE"] = options.device
-    # The worker stays in this process group: a kill of the machine (or of the emulated node) takes both.
-    # On an emulated cluster's node, it is forked from the cluster's preloaded interpreter.
-    return spawn(command, env={**os.environ, **variables},
-                 niceness=WORKER_NICENESS if shutil.which("nice") is not None else 0)
-
-
-def worker_command(script: Sequence[str], context_path: Path, node: str) -> tuple[list[str], dict[str, str]]:
-    """The worker's command line and the variables added to the agent's environment for it: ``python SCRIPT
-    ARGS`` for the job's ``script`` (``JobSpec.script``), else the built-in example's worker."""
-    if script:
+def worker_command(spec: JobSpec, context_path: Path, node: str) -> tuple[list[str], dict[str, str]]:
+    """The worker's command line and the variables added to the agent's environment for it."""
+    if spec.script:
         from bamboo.launch.script import worker_environment
 
-        return [sys.executable, *script], worker_environment(context_path=context_path, node=node)
+        return [sys.executable, *spec.script], worker_environment(context_path=context_path, node=node)
     return [sys.executable, "-m", "bamboo.launch.worker"], {ENV_CONTEXT: str(context_path)}
 
 
@@ -219,7 +175,7 @@ def agent_token(options: AgentOptions) -> str | None:
     return Path(options.token_file).read_text().strip() if options.token_file else None
 
 
-def kill_worker(worker: Worker) -> None:
+def kill_worker(worker: subprocess.Popen[bytes] | ForkedProcess) -> None:
     if worker.poll() is None:
         worker.send_signal(signal.SIGKILL)
         worker.wait()

@@ -36,7 +36,6 @@ __all__ = [
     "SPEC_WAIT_S",
     "THREAD_JOIN_S",
     "WATCH_POLL_S",
-    "WORKER_CONTEXT_POLL_S",
     "WORKER_EXIT_GRACE_S",
     "WORKER_POLL_S",
 ]
@@ -77,10 +76,6 @@ SPEC_WAIT_S = 600.0
 
 WORKER_EXIT_GRACE_S = 30.0
 """Once the job has ended, how long an agent waits for its worker to exit by itself before killing it."""
-
-WORKER_CONTEXT_POLL_S = 0.02
-"""How often a worker that its agent started before registering (so that the worker's imports overlap the agent's
-start) looks for the context file the agent writes once registered. It waits as long as its agent lives."""
 
 SCRIPT_DESCRIBE_TIMEOUT_S = 300.0
 """How long a user script may take to describe its model (``describe`` mode) before it is an error."""

@@ -1,13 +1,13 @@
 """One training worker of a bamboo-launch job: the bamboo-rc engine of one node, through every layout.
 
-Its agent (:mod:`bamboo.launch.agent`) starts it as the agent starts: ``python -m bamboo.launch.worker`` for the
-built-in example, or ``python SCRIPT ARGS`` for a user script (which calls :func:`bamboo.launch.train_worker`), in
-the agent's process group (a kill of the machine takes both), with ``BAMBOO_WORKER_CONTEXT`` naming its
-:class:`~bamboo.launch.spec.WorkerContext`, a file the agent writes once registered. The worker imports torch and
-the runtime (and the script's own modules) while the agent starts, then waits for that file. Then it
+Its agent (:mod:`bamboo.launch.agent`) spawns it as soon as the agent has registered:
+``python -m bamboo.launch.worker`` for the built-in example, or ``python SCRIPT ARGS`` for a user script
+(which calls :func:`bamboo.launch.train_worker`), in the agent's process group (a kill of the machine
+takes both), with ``BAMBOO_WORKER_CONTEXT`` naming its :class:`~bamboo.launch.spec.WorkerContext`. The
+worker
 
-- reads the job's spec from etcd, builds its program (what the imports above left: DeepSpeed, the model)
-  and publishes ``warm-<node>``: from then on it is a *warm joiner*;
+- reads the job's spec from etcd, builds its program (torch, DeepSpeed and the script are imported
+  now), and publishes ``warm-<node>``: from then on it is a *warm joiner*;
 - waits for a role (:mod:`bamboo.launch.roles`): a layout in etcd that places its node (generation 0, or
   a later one), a layout being prepared that does (it builds its part while the others train), or the
   job's end;
@@ -52,7 +52,6 @@ import traceback
 from typing import TYPE_CHECKING
 
 import attrs
-from bamboo.launch import timeouts
 from bamboo.launch.barrier import next_attempt_layout, next_layout, publish_layout
 from bamboo.launch.event_records import WorkerPhase
 from bamboo.launch.generation import Ending, WorkerState, pipeline_batches, train_generation
@@ -88,7 +87,7 @@ from bamboo.launch.worker_phases import (
     next_phase,
     phase_change,
 )
-from bamboo.launch.worker_records import StartupClock, WorkerReport, imports_done
+from bamboo.launch.worker_records import StartupClock, WorkerReport
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -114,18 +113,21 @@ class _Holding:
     stopped: float | None = None
 
 
-def train(context: WorkerContext, program: Program | None = None, hooks: TrainingHooks | None = None,
-          clock: StartupClock | None = None) -> WorkerReport | None:
+def train(context: WorkerContext, program: Program | None = None,
+          hooks: TrainingHooks | None = None) -> WorkerReport | None:
     """Train ``program`` (default: the built-in example) as ``context.node`` through every layout it has a
     role in; returns the final report (None when the job ended without needing this node, or after it handed
     its stage over).
 
     ``hooks`` (a script's ``on_step`` and ``evaluate``, :mod:`bamboo.launch.hooks`) run after every step
-    that completes, once its records and checkpoint are written; ``clock`` has the start's marks so far."""
+    that completes, once its records and checkpoint are written."""
+    clock = StartupClock()
+    import torch  # noqa: F401  (the imports phase of the start-up: torch, then the runtime)
     from bamboo.launch.example import example_program
+    from bamboo.rc.worker import exact_mode
 
-    clock = clock or imports_done()
-    clock.context = clock.context or time.time()
+    exact_mode()
+    clock.imported = time.time()
     if program is None:
         spec = _spec_of(context)
         program = example_program(spec.size, spec.config, spec.seed)
@@ -440,9 +442,8 @@ def run_worker(program: Program | None, hooks: TrainingHooks | None = None) -> N
     context: WorkerContext | None = None
     _die_with_agent()
     try:
-        clock = imports_done()  # before the context: a prestarted worker's agent writes it once registered
-        context = WorkerContext.from_environment(poll_s=timeouts.WORKER_CONTEXT_POLL_S)
-        train(context, program, hooks, clock)
+        context = WorkerContext.from_environment()
+        train(context, program, hooks)
     except BaseException as error:
         traceback.print_exc()
         code = WORKER_ERROR

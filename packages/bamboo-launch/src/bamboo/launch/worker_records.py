@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from bamboo.reconfig import JobLayout
     from torch import Tensor
 
-__all__ = ["SPAWNED_ENV", "StartupClock", "WorkerReport", "imports_done", "reconfiguration_pause",
-           "write_reconfiguration"]
+__all__ = ["SPAWNED_ENV", "StartupClock", "WorkerReport", "reconfiguration_pause", "write_reconfiguration"]
 
 SPAWNED_ENV = "BAMBOO_WORKER_SPAWNED_UNIX"
 """Set by the agent when it spawns its worker: the wall-clock time of the spawn (the ``process_s`` phase)."""
@@ -112,9 +111,6 @@ class StartupClock:
     entered: float = attrs.field(factory=lambda: _process_start() or time.time())
     """When the worker's process started (before its imports)."""
     imported: float | None = None
-    context: float | None = None
-    """When it had its context: later than ``imported`` where its agent started it before registering and the
-    imports ended first; that wait is the agent's own start, in no phase of the worker's."""
     warm: float | None = None
     role: float | None = None
     model_build_s: float | None = None
@@ -124,25 +120,10 @@ class StartupClock:
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else max(0.0, end - start)
 
-        ready = max((mark for mark in (self.imported, self.context) if mark is not None), default=None)
         return Startup(t=log.now(), node=node, process_s=span(self.spawned, self.entered),
-                       imports_s=span(self.entered, self.imported), model_s=span(ready, self.warm),
+                       imports_s=span(self.entered, self.imported), model_s=span(self.imported, self.warm),
                        wait_s=span(self.warm, self.role), model_build_s=self.model_build_s,
                        group_build_s=self.group_build_s, first_step_s=first_step_s)
-
-
-def imports_done() -> StartupClock:
-    """Import torch and the runtime (the ``imports`` phase of this worker's start) in exact mode; the start-up
-    clock with its ``imported`` mark set. A worker does this before it reads its context, which the agent of a
-    prestarted worker writes only once it has registered."""
-    clock = StartupClock()
-    import torch  # noqa: F401  (torch, then the runtime)
-    from bamboo.launch.example import example_program  # noqa: F401
-    from bamboo.rc.worker import exact_mode
-
-    exact_mode()
-    clock.imported = time.time()
-    return clock
 
 
 def _process_start() -> float | None:

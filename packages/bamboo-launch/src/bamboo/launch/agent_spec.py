@@ -4,10 +4,7 @@ in a child process so that an agent never imports torch), every other one checks
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.agent_options import AgentError, AgentOptions
-from bamboo.launch.forkserver import run_to_end
 from bamboo.launch.spec import JobSpec, ModelDescription, SpecFields
 
 if TYPE_CHECKING:
@@ -27,12 +23,12 @@ __all__ = ["describe_model", "ensure_spec", "new_spec", "refuse_used_checkpoint_
 logger = logging.getLogger(__name__)
 
 
-def describe_model(fields: SpecFields, log: Path, *, in_process: bool = False) -> ModelDescription:
+def describe_model(fields: SpecFields, log: Path) -> ModelDescription:
     """The model's description for the job's spec fields ``fields``: ``{"layers", "config", "micro_batches"}``.
 
-    A script is run in ``describe`` mode in a child process (its output goes to ``log``). The built-in
-    example is described in a child process too, so that an agent never imports torch, unless
-    ``in_process`` (the emulated cluster's launcher, which imports torch anyway).
+    A script is run in ``describe`` mode in a child process (its output goes to ``log``), so that an agent never
+    imports torch. The built-in example's follows from its size (:func:`bamboo.launch.example.describe_example`),
+    here, without torch.
     """
     from bamboo.launch.script import ScriptError, describe_script
 
@@ -44,19 +40,9 @@ def describe_model(fields: SpecFields, log: Path, *, in_process: bool = False) -
                                    timeout_s=timeouts.SCRIPT_DESCRIBE_TIMEOUT_S)
         except ScriptError as error:
             raise AgentError(str(error)) from None
-    layers = int(fields.get("size", {}).get("layers", 4))
-    if in_process:
-        from bamboo.launch.example import EXAMPLE_CONFIG, describe_program, example_program
+    from bamboo.launch.example import DEFAULT_LAYERS, describe_example
 
-        return describe_program(example_program({"layers": layers}, dict(EXAMPLE_CONFIG), 0), pipelines)
-    out = log.with_suffix(".json")
-    with open(log, "wb") as sink:
-        status = run_to_end([sys.executable, "-m", "bamboo.launch.example", "--layers", str(layers),
-                             "--pipelines", str(pipelines), "--out", str(out)],
-                            env=os.environ, stdout=sink, timeout_s=timeouts.SCRIPT_DESCRIBE_TIMEOUT_S)
-    if status != 0:
-        raise AgentError(f"the built-in example could not be described (status {status}, log: {log})")
-    return json.loads(out.read_text())
+    return describe_example(int(fields.get("size", {}).get("layers", DEFAULT_LAYERS)), pipelines)
 
 
 def new_spec(job: str, fields: SpecFields, description: ModelDescription) -> JobSpec:

@@ -12,6 +12,9 @@ Nothing is silently ignored:
 - every other key it does not support, and every enabled feature it does not have (ZeRO stage 1
   and above, the ``comet`` monitor, ``fp16`` and ``bf16`` both enabled), raises :class:`ConfigError`
   naming that key.
+
+Reading a config imports no torch (an agent reads the built-in example's); building its optimizer and schedule
+(:func:`build_optimizer`, :func:`build_scheduler`) does.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-from bamboo.rc.optim import SGD, Adam, Optimizer, WarmupSchedule
-from bamboo.rc.precision import LossScaleConfig
+from bamboo.rc.loss_scale import LossScaleConfig
+
+if TYPE_CHECKING:
+    import torch
+    from bamboo.rc.optim import Optimizer, WarmupSchedule
 
 __all__ = [
     "MONITORS",
@@ -368,6 +373,8 @@ def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Param
     DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is false. The weight decay defaults are torch's:
     0.01 for AdamW, 0 for Adam and SGD.
     """
+    from bamboo.rc.optim import SGD, Adam  # torch: reading a config needs none
+
     params = dict(config.params)
     params.pop("torch_adam", None)
     params.pop("fused", None)
@@ -390,6 +397,8 @@ def build_scheduler(config: SchedulerConfig | None, optimizer: Optimizer) -> War
     """
     if config is None:
         return None
+    from bamboo.rc.optim import WarmupSchedule  # torch: reading a config needs none
+
     params = config.params
     low = float(params.get("warmup_min_lr", 0.0))
     default_high = optimizer.param_groups[0]["lr"] if config.type == "warmuplr" else 0.001

@@ -20,8 +20,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
-import attrs
 import torch
+from bamboo.rc.gpt_size import VOCAB_SIZE, GPTSize, layer_cost
 from bamboo.rc.rng import RNG_LOCK
 from bamboo.reconfig import LayerSpec as LayerCost
 from bamboo.reconfig import split_layers
@@ -48,30 +48,6 @@ __all__ = [
 
 StageBounds = tuple[tuple[int, int], ...]
 """Half-open layer ranges ``(start, end)``, one per stage, contiguous from layer 0 to the last."""
-
-VOCAB_SIZE = 256
-
-
-_POSITIVE = attrs.validators.ge(1)
-_DROPOUT = attrs.validators.and_(attrs.validators.ge(0), attrs.validators.lt(1))
-"""A dropout probability: in [0, 1)."""
-
-
-@attrs.frozen
-class GPTSize:
-    """The size of the example decoder, from tiny upwards."""
-
-    layers: int = attrs.field(default=4, validator=_POSITIVE)
-    width: int = attrs.field(default=64, validator=_POSITIVE)
-    heads: int = attrs.field(default=4, validator=_POSITIVE)
-    sequence: int = attrs.field(default=32, validator=_POSITIVE)
-    dropout: float = attrs.field(default=0.0, converter=float, validator=_DROPOUT)
-    """Dropout probability after the embedding, the attention and the MLP (GPT-2's places); 0 = none."""
-
-    def __attrs_post_init__(self) -> None:
-        if self.width % self.heads:
-            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
-
 
 class ByteEmbedding(nn.Module):
     """Token (byte) plus learned position embedding: int64 [b, t] -> float [b, t, width]."""
@@ -193,17 +169,13 @@ class _SkipRandomFillOnMeta(TorchFunctionMode):
 
 
 def layer_costs(specs: Sequence[Any]) -> list[LayerCost]:
-    """bamboo-reconfig's cost of each layer: its parameters in fp32 (4 bytes each), Adam's state
-    (8 bytes each), and a compute cost equal to its parameter count.
+    """bamboo-reconfig's cost of each layer (:func:`bamboo.rc.gpt_size.layer_cost` of its parameter count).
 
     Each layer is built once to count its parameters, on the meta device where it can be (no
     memory, no random numbers drawn), else on the CPU with the random state restored afterwards.
     """
-    costs = []
-    for index, spec in enumerate(specs):
-        params = sum(p.numel() for p in inspect_layer(spec, index).parameters())
-        costs.append(LayerCost(param_bytes=4 * params, optimizer_bytes=8 * params, compute_cost=float(params)))
-    return costs
+    return [layer_cost(sum(p.numel() for p in inspect_layer(spec, index).parameters()))
+            for index, spec in enumerate(specs)]
 
 
 def inspect_layer(spec: Any, index: int) -> nn.Module:

@@ -3,7 +3,6 @@ agent's ``bamboo-launch agent`` command line, and the job's spec, written before
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,11 +95,10 @@ def run_spec_fields(options: RunOptions, min_nodes: int) -> SpecFields:
 def write_spec(kv: KeyValueStore, membership: MembershipStore, job: str, options: RunOptions, min_nodes: int,
                run_dir: Path, say: Callable[[str], None]) -> None:
     """Write the job's spec (and its ``run_start`` record) before any agent starts, so that no agent has to
-    read the model: the launcher describes it, as the first agent of a job started by hand would. The built-in
-    example is described in this process where torch is loaded already (a test's process), and otherwise in a
-    child, forked from the fork server when one runs (:func:`bamboo.launch.forkserver.run_to_end`): the launcher
-    itself never imports torch to start a job. The agents check their flags against it as against any stored
-    spec."""
+    read the model: the launcher describes it, as the first agent of a job started by hand would
+    (:func:`bamboo.launch.agent_spec.describe_model`: the built-in example from its size, a script in a child
+    process), so that the launcher itself never imports torch to start a job. The agents check their flags against
+    it as against any stored spec."""
     from bamboo.launch.agent_options import AgentError
     from bamboo.launch.agent_spec import describe_model, new_spec
     from bamboo.launch.events import EtcdEventLog, RunStart
@@ -108,8 +106,7 @@ def write_spec(kv: KeyValueStore, membership: MembershipStore, job: str, options
     fields = run_spec_fields(options, min_nodes)
     say("reading the model")
     try:
-        spec = new_spec(job, fields, describe_model(fields, run_dir / "logs" / "describe.log",
-                                                        in_process="torch" in sys.modules))
+        spec = new_spec(job, fields, describe_model(fields, run_dir / "logs" / "describe.log"))
     except AgentError as error:
         raise RunError(str(error)) from None
     won, _ = kv.create(membership.keys.root + "spec", spec.to_json().encode())

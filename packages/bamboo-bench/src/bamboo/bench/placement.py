@@ -19,7 +19,6 @@ from typing import NamedTuple
 import numpy as np
 from bamboo.reconfig.layout_plan import ARRANGEMENT_SEARCH_BUDGET
 from bamboo.reconfig.placement import ring_arrangements
-from scipy.optimize import linear_sum_assignment
 
 __all__ = ["NOT_A_HOLDER", "plan_placement", "plan_replica_ring"]
 
@@ -196,6 +195,9 @@ def plan_placement(usable: Sequence[tuple[int, int, int]], stages: int, pipeline
         slot_stages = [stage for _ring, stage in slots]
         columns = _greedy_assignment(stages_held, slot_stages, stages)
         if columns is None:
+            # imported here: scipy.optimize takes 0.4 to 0.6 CPU-s, which every importer of the simulator paid
+            from scipy.optimize import linear_sum_assignment
+
             cost = _missing_layers(stages).take(stages_held, axis=0).take(slot_stages, axis=1)
             columns = linear_sum_assignment(cost)[1].tolist()
         for node, column in zip(nodes, columns, strict=True):

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bamboo.bench.plot import binned_mean, plot_runs
 from bamboo.bench.profile import ModelProfile
 from bamboo.bench.simulator import Policy, Strategy, simulate_run, simulate_synthetic
 from bamboo.bench.synthetic import SyntheticSpec, generate_trace
@@ -16,6 +15,8 @@ from hypothesis import strategies as st
 
 
 def test_binned_mean_of_a_step_function() -> None:
+    from bamboo.bench.plot import binned_mean  # here: collecting the suite need not import matplotlib
+
     # 0-10 s: 2, 10-30 s: 5, 30-40 s: 0; two bins of 20 s.
     hours, means = binned_mean(np.array([0.0, 10.0, 30.0]), np.array([2.0, 5.0, 0.0]), 40.0, 2)
     assert list(means) == pytest.approx([(2 * 10 + 5 * 10) / 20, (5 * 10 + 0) / 20])
@@ -25,6 +26,8 @@ def test_binned_mean_of_a_step_function() -> None:
 
 
 def test_plot_of_synthetic_runs(tiny_profile: ModelProfile, tmp_path: Path) -> None:
+    from bamboo.bench.plot import plot_runs  # here: collecting the suite need not import matplotlib
+
     spec = SyntheticSpec(preemption_probability=0.3, desired_nodes=8, zones=2)
     runs = [
         simulate_synthetic(spec, 1, tiny_profile, strategy, target_samples=50_000, max_hours=100, record=True)

@@ -25,7 +25,6 @@ from bamboo.bench.trace import EventKind, Trace, TraceEvent
 from bamboo.reconfig import InfeasibleSplit, Reason, When, decide, plan_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.optimize import linear_sum_assignment
 
 
 @attrs.frozen
@@ -99,6 +98,8 @@ def test_decision_equals_decide(cluster: Cluster, zone_aware: bool) -> None:
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), stages=st.integers(2, 7))
 def test_greedy_assignment_is_scipys_whenever_it_answers(data: st.DataObject, stages: int) -> None:
+    from scipy.optimize import linear_sum_assignment
+
     count = data.draw(st.integers(1, 16))
     held = data.draw(st.lists(st.integers(NOT_A_HOLDER, stages - 1), min_size=count, max_size=count))
     slot_stages = data.draw(st.lists(st.integers(0, stages - 1), min_size=count, max_size=count))

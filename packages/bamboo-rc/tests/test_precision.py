@@ -13,8 +13,6 @@ from bamboo.rc.precision import LossScale, LossScaleConfig, LossScaleError, clip
 from bamboo.rc.reference import reference_step
 from bamboo.rc.state import TrainableSlice
 from bamboo.rc.ties import model_ties, tied_weights
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
-from deepspeed.runtime.fp16 import loss_scaler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -28,12 +26,18 @@ from torch import nn
 def test_the_loss_scale_follows_deepspeeds_dynamic_loss_scaler(
     power: int, window: int, hysteresis: int, consecutive: bool, minimum: float, overflows: list[bool],
 ) -> None:
+    from deepspeed.runtime.fp16 import (
+        loss_scaler,  # imported here: collecting the suite need not import deepspeed
+    )
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loss_scaler, "dist", types.SimpleNamespace(get_rank=lambda: 1))  # no process group, no log
         _compare(power, window, hysteresis, consecutive, minimum, overflows)
 
 
 def _compare(power: int, window: int, hysteresis: int, consecutive: bool, minimum: float, overflows: list[bool]) -> None:
+    from deepspeed.runtime.fp16 import loss_scaler
+
     config = LossScaleConfig(initial_scale_power=power, loss_scale_window=window, hysteresis=hysteresis,
                              consecutive_hysteresis=consecutive, min_loss_scale=minimum)
     theirs = loss_scaler.DynamicLossScaler(init_scale=2**power, scale_window=window, min_scale=minimum,
@@ -115,6 +119,8 @@ def _logits(module: _Embedding, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def test_deepspeeds_tied_layer_spec_trains_like_one_shared_weight() -> None:
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
     specs = [TiedLayerSpec("embed", _Embedding), LayerSpec(nn.Linear, 8, 8),
              TiedLayerSpec("embed", _Embedding, forward_fn=_logits)]
     assert model_ties(specs) == {"embed": [(0, "weight"), (2, "weight")]}

@@ -1,5 +1,6 @@
-"""How the agents of a job agree on its spec: the first writes it (after reading the model's description,
-in a child process so that an agent never imports torch), every other one checks its flags against it."""
+"""How the agents of a job agree on its spec: the first writes it (after reading the model's description: a
+script's in a child process, so that an agent never imports torch, the built-in example's from its size), every
+other one checks its flags against it."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ per pipeline: the JSON a user script writes in ``describe`` mode) follows from i
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -76,7 +77,7 @@ def describe_example(layers: int, pipelines: int) -> ModelDescription:
     from bamboo.rc.config import load_config
     from bamboo.rc.gpt_size import GPTSize, layer_cost
 
-    config = dict(EXAMPLE_CONFIG)
+    config = copy.deepcopy(EXAMPLE_CONFIG)  # the caller's own: the spec may keep it
     return {
         "layers": [layer_cost(count).to_dict() for count in GPTSize(layers=layers).layer_parameters()],
         "config": config,

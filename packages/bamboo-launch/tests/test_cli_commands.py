@@ -82,3 +82,18 @@ def test_a_declared_command_is_parsed_and_run_and_listed_in_order(
     choices = cli.build_parser()._subparsers._group_actions[0].metavar  # type: ignore[union-attr]
     assert choices == "{agent,run,export,k8s,market,report,watch,finish,zzz}"
     capsys.readouterr()
+
+
+def test_one_of_this_package_s_commands_reads_no_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bamboo-launch agent`` (every machine's start) parses without loading the declared commands' modules;
+    the full parser, for ``--help`` or a declared command, still lists them all."""
+    def entry_points(group: str) -> list[_Point]:
+        raise AssertionError(f"read the entry points of {group}")
+
+    monkeypatch.setattr(cli, "entry_points", entry_points)
+    args = cli._parse(["agent", "--job", "j", "--etcd", "127.0.0.1:2379", "--stages", "2", "--pipelines", "1"])
+    assert (args.command, args.job) == ("agent", "j")
+    for name in ("export", "k8s", "watch", "finish"):
+        assert list(cli.build_parser(name)._subparsers._group_actions[0].choices) == [name]  # type: ignore[union-attr]
+    monkeypatch.undo()
+    assert "run" in cli.build_parser("run")._subparsers._group_actions[0].choices  # type: ignore[union-attr]

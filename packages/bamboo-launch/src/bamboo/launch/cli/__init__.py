@@ -91,20 +91,30 @@ def _add_missing(subparsers: argparse._SubParsersAction, name: str) -> None:
     stub.set_defaults(handler=_missing, script=[])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (also used to render ``--help`` in the README)."""
+LOCAL_COMMANDS = {module.__name__.rsplit(".", 1)[-1]: module for module in COMMANDS}
+"""This package's subcommands' modules, by name."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full argument parser (also used to render ``--help`` in the README), or, given one of this package's
+    own subcommands, the parser of that one alone: what ``bamboo-launch agent`` parses on every machine, without
+    reading the entry points or importing the declared commands' modules (bamboo-bench's emulated cluster and
+    report, and the rich they draw with)."""
     parser = OneLineParser(
         prog="bamboo-launch",
         description="Bamboo's launcher: the agent every machine of a job runs, training runs on an emulated spot "
         "cluster, Kubernetes manifests, the emulated spot market, run reports and the live view.",
     )
-    modules = {module.__name__.rsplit(".", 1)[-1]: module for module in COMMANDS}
+    if command in LOCAL_COMMANDS:
+        subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + command + ",...}")
+        LOCAL_COMMANDS[command].add_parser(subparsers)
+        return parser
     declared = declared_commands()
-    names = [name for name in ORDER if name in modules or name in declared or name in PLUGGED_COMMANDS]
+    names = [name for name in ORDER if name in LOCAL_COMMANDS or name in declared or name in PLUGGED_COMMANDS]
     names += sorted(name for name in declared if name not in names)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
     for name in names:
-        module = modules.get(name) or declared.get(name)
+        module = LOCAL_COMMANDS.get(name) or declared.get(name)
         if module is None:
             _add_missing(subparsers, name)
         else:
@@ -120,7 +130,7 @@ def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _parse(words: list[str]) -> argparse.Namespace:
-    parser = build_parser()
+    parser = build_parser(words[0] if words else None)
     arguments, script = _split_script(words)
     args, unknown = parser.parse_known_args(arguments)
     if getattr(args, "handler", None) is _missing:

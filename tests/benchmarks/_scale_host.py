@@ -77,12 +77,12 @@ class TimedNotices(EtcdFailureNotices):
         self._told: set[int] = set()
         super().__init__(*args)
 
-    def _store(self, key: str, value: bytes) -> None:
-        super()._store(key, value)
-        event = FailureEvent.from_json(value)
-        if event.epoch not in self._told:
+    def _store(self, key: str, value: bytes) -> FailureEvent | None:
+        event = super()._store(key, value)  # parsed once, as a worker does
+        if event is not None and event.epoch not in self._told:
             self._told.add(event.epoch)
             self._sim.failure_seen(self.generation, event)
+        return event
 
 
 class SimNode:

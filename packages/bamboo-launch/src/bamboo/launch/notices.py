@@ -149,15 +149,17 @@ class EtcdFailureNotices:
             self._store(item.key, item.value)
         return watched
 
-    def _store(self, key: str, value: bytes) -> None:
+    def _store(self, key: str, value: bytes) -> FailureEvent | None:
+        """Keep the event published at ``key`` and wake the waiters; returns it (None when malformed)."""
         try:
             event = FailureEvent.from_json(value)
         except (ValueError, TypeError, KeyError) as error:
             log.error("ignoring malformed failure event at %s: %s", key, error)
-            return
+            return None
         with self._cond:
             self._events[event.epoch] = event
             self._cond.notify_all()
+        return event
 
     def _on_watch(self, event: WatchEvent) -> None:
         if event.value:

@@ -19,8 +19,9 @@
 ``run`` and ``market`` belong to the emulated cluster, and ``report`` to a run's value, layers of bamboo-bench
 above this package, which this package never imports: a package declares such subcommands in the
 ``bamboo.launch.commands`` entry-point group (``NAME = "module"``, a module with ``add_parser(subparsers)``), read
-here with :mod:`importlib.metadata`. When none declares one of them (bamboo-bench is not installed), the command
-prints one line that says so and exits with status 2.
+here with :mod:`importlib.metadata` (not for a command of this package's own, which parses alone: every machine's
+agent starts without them). When none declares one of them (bamboo-bench is not installed), the command prints one
+line that says so and exits with status 2.
 
 Every flag's default comes from the options class it fills (``AgentOptions``, ``JobSpec``, ``K8sConfig``; ``run``'s
 come from bamboo-bench's ``RunOptions``) or from a ``timeouts`` module. Bad input, and an etcd that does not answer, print one line,

@@ -48,8 +48,8 @@ __all__ = ["agent_spec_fields", "build_parser", "main"]
 TRACEBACK_ENV = "BAMBOO_TRACEBACK"
 """Set (to anything) to see the traceback of an internal error instead of its one line."""
 
-COMMANDS = (agent, export, k8s, watch, finish)
-"""This package's subcommands' modules."""
+LOCAL_COMMANDS = {module.__name__.rsplit(".", 1)[-1]: module for module in (agent, export, k8s, watch, finish)}
+"""This package's subcommands' modules, by name."""
 
 ENTRY_POINT_GROUP = "bamboo.launch.commands"
 """The entry-point group in which other packages declare subcommands of ``bamboo-launch`` (name = module)."""
@@ -90,10 +90,6 @@ def _add_missing(subparsers: argparse._SubParsersAction, name: str) -> None:
     line is what shows)."""
     stub = subparsers.add_parser(name, help="(needs bamboo-bench)", add_help=False)
     stub.set_defaults(handler=_missing, script=[])
-
-
-LOCAL_COMMANDS = {module.__name__.rsplit(".", 1)[-1]: module for module in COMMANDS}
-"""This package's subcommands' modules, by name."""
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -434,7 +434,6 @@ def main() -> None:
     parser.add_argument("--nodes", required=True, help="node@zone,node@zone,...")
     parser.add_argument("--step-s", type=float, required=True)
     args = parser.parse_args()
-    import scipy.optimize  # noqa: F401  the planner's, imported once here as a warm worker would have it
     threading.Thread(target=_write_out, name="stub-out", daemon=True).start()
     host = Host(args)
     emit(ev="prepared", ports={node: sim.port for node, sim in host.nodes.items()}, pid=os.getpid())

@@ -95,29 +95,6 @@ def test_decision_equals_decide(cluster: Cluster, zone_aware: bool) -> None:
     assert (Reason.REBUILD_REDUNDANCY in reasons) == bool(dead)
 
 
-@settings(max_examples=300, deadline=None)
-@given(data=st.data(), stages=st.integers(2, 7))
-def test_greedy_assignment_is_scipys_whenever_it_answers(data: st.DataObject, stages: int) -> None:
-    from scipy.optimize import linear_sum_assignment
-
-    count = data.draw(st.integers(1, 16))
-    held = data.draw(st.lists(st.integers(NOT_A_HOLDER, stages - 1), min_size=count, max_size=count))
-    slot_stages = data.draw(st.lists(st.integers(0, stages - 1), min_size=count, max_size=count))
-    greedy = placement._greedy_assignment(held, slot_stages, stages)
-    cost = placement._missing_layers(stages).take(held, axis=0).take(slot_stages, axis=1)
-    rows, columns = linear_sum_assignment(cost)
-    assert rows.tolist() == list(range(count))
-    if greedy is not None:
-        assert greedy == columns.tolist()
-
-
-def test_greedy_assignment_answers_or_defers() -> None:
-    # Holders of stages 0 and 1 find their stages free; the standby node takes the lowest free column.
-    assert placement._greedy_assignment([0, 1, NOT_A_HOLDER], [1, 0, 2], 4) == [1, 0, 2]
-    # The second holder of stage 0 finds its only cheapest column taken: scipy decides.
-    assert placement._greedy_assignment([0, 0], [0, 1], 4) is None
-
-
 def test_the_depth_is_never_lowered() -> None:
     # Five usable nodes for P=6: plan_layout would lower P if memory allowed; the view's node memory does
     # not, so no pipeline forms (the profile has step times for depth P only).

@@ -55,20 +55,17 @@ def test_the_spec_read_at_a_worker_start_waits_for_a_restarting_etcd(
         server.close()
 
 
-def test_the_planning_solver_is_preloaded_after_the_first_step_once() -> None:
-    """The worker's session starts the import of the barrier's solver (scipy.optimize) when its first step is done
-    (with the ``startup`` record), not while the worker starts: once per worker, whatever layouts follow."""
+def test_the_startup_record_is_written_after_the_first_step_once() -> None:
+    """The worker writes its ``startup`` record when its first step is done: once per worker, whatever layouts
+    follow."""
     written: list[object] = []
-    preloads: list[str] = []
     log = types.SimpleNamespace(write=written.append, now=lambda: 1.0)
-    run = types.SimpleNamespace(log=log, node="node0", preload_planning=lambda: preloads.append("node0"))
+    run = types.SimpleNamespace(log=log, node="node0")
     state = WorkerState(startup=StartupClock())
     engine = types.SimpleNamespace(build_seconds={"model": 0.1, "groups": 0.2})
     layout = types.SimpleNamespace(generation=0, ranks={"node0": 0})
-    assert preloads == []
     for _ in range(3):
         _first_step_records(run, layout, engine, state, 0.5, prepared=False)  # type: ignore[arg-type]
-    assert preloads == ["node0"]
     assert [type(record).__name__ for record in written] == ["Startup"]
 
 

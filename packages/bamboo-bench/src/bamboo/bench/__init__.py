@@ -25,7 +25,7 @@
 
 Importing the package imports none of its modules: each name above is loaded on first use (``from
 bamboo.bench import Trace`` imports ``bamboo.bench.trace`` only), so bamboo-launch's agents and workers, which
-use the ``--preemptions`` reader and the argparse helpers, never load the simulator (scipy) they do not run.
+use the ``--preemptions`` reader and the argparse helpers, never load the simulator (numpy) they do not run.
 """
 
 from __future__ import annotations

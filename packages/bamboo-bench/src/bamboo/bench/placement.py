@@ -2,9 +2,8 @@
 
 `plan_placement` gives the owners grid that ``bamboo.reconfig.plan_layout`` gives for the same nodes, zones and
 held stages, at about 50 µs per layout instead of 1.2 ms (``bamboo.bench.policy`` describes how the simulator's
-state maps onto the planner's view, and the tests that hold the two together). Where the planner matches nodes
-to slots with scipy's ``linear_sum_assignment``, it takes the answer from a greedy pass when scipy's algorithm is
-forced to the same choice, and from scipy otherwise.
+state maps onto the planner's view, and the tests that hold the two together). It matches nodes to slots with
+the planner's own function (``bamboo.reconfig.assignment.cheapest_order``).
 
 `plan_replica_ring` is the same placement rule for pure data parallelism (P = 1), which bamboo-reconfig does not
 plan: the replicas form one ring whose neighbours sit in different zones wherever the zone counts allow.
@@ -17,6 +16,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+from bamboo.reconfig.assignment import cheapest_order
 from bamboo.reconfig.layout_plan import ARRANGEMENT_SEARCH_BUDGET
 from bamboo.reconfig.placement import ring_arrangements
 
@@ -192,17 +192,10 @@ def plan_placement(usable: Sequence[tuple[int, int, int]], stages: int, pipeline
             for (ring, stage), node in zip(slots, nodes, strict=True):
                 owners[ring][stage] = node
             continue
-        slot_stages = [stage for _ring, stage in slots]
-        columns = _greedy_assignment(stages_held, slot_stages, stages)
-        if columns is None:
-            # imported here: scipy.optimize takes 0.4 to 0.6 CPU-s, which every importer of the simulator paid
-            from scipy.optimize import linear_sum_assignment
-
-            cost = _missing_layers(stages).take(stages_held, axis=0).take(slot_stages, axis=1)
-            columns = linear_sum_assignment(cost)[1].tolist()
-        for node, column in zip(nodes, columns, strict=True):
-            ring, stage = slots[column]
-            owners[ring][stage] = node
+        costs = _missing_layers(stages).take(stages_held, axis=0).astype(int).tolist()
+        order = cheapest_order(costs, [stage for _ring, stage in slots])
+        for (ring, stage), node_index in zip(slots, order, strict=True):
+            owners[ring][stage] = nodes[node_index]
     return owners
 
 
@@ -243,72 +236,6 @@ def plan_replica_ring(usable: Sequence[tuple[int, int, int]], pipelines: int) ->
     for position, node in zip(positions, sequence, strict=True):
         owners[position] = [node]
     return owners
-
-
-@functools.lru_cache(maxsize=64)
-def _cost_levels(stages: int) -> dict[int, tuple[tuple[int, ...] | None, ...]]:
-    """For each held stage (and `NOT_A_HOLDER`), the new stages grouped by layers to fetch, fewest first.
-
-    A group that holds every stage is None: any column of the zone is in it.
-    """
-    table = _missing_layers(stages)
-    levels: dict[int, tuple[tuple[int, ...] | None, ...]] = {}
-    for held in [*range(stages), NOT_A_HOLDER]:
-        row = table[held].tolist()
-        groups = [tuple(s for s in range(stages) if row[s] == cost) for cost in sorted(set(row))]
-        levels[held] = tuple(None if len(group) == stages else group for group in groups)
-    return levels
-
-
-def _greedy_assignment(stages_held: Sequence[int], slot_stages: Sequence[int], stages: int) -> list[int] | None:
-    """``linear_sum_assignment``'s columns for this zone's cost matrix, when a greedy pass can tell; else None.
-
-    scipy's solver (shortest augmenting paths, rows in order) gives row i the lowest-numbered free column
-    among those of the row's smallest cost whenever one of them is free: its dual variables stay zero
-    for the columns and no path runs through an assigned column. When some row's cheapest columns are
-    all taken that argument ends, and the caller asks scipy itself. The tests check both against
-    ``plan_layout``, which calls scipy.
-    """
-    count = len(slot_stages)
-    columns_at: dict[int, list[int]] = {}
-    for column, stage in enumerate(slot_stages):
-        if stage in columns_at:
-            columns_at[stage].append(column)
-        else:
-            columns_at[stage] = [column]
-    levels = _cost_levels(stages)
-    taken = [False] * count
-    lowest_free = 0
-    result = []
-    for held in stages_held:
-        pick = -1
-        for group in levels[held]:
-            if group is None:
-                while taken[lowest_free]:
-                    lowest_free += 1
-                pick = lowest_free
-                break
-            present = False
-            for stage in group:
-                at = columns_at.get(stage)
-                if at:
-                    present = True
-                    for column in at:
-                        if not taken[column]:
-                            if pick < 0 or column < pick:
-                                pick = column
-                            break
-            if present:
-                if pick < 0:
-                    return None
-                break
-        if pick < 0:
-            # No group of this row is present among the columns: impossible (the last group is every
-            # stage left), kept as scipy's case for safety.
-            return None
-        taken[pick] = True
-        result.append(pick)
-    return result
 
 
 @functools.lru_cache(maxsize=1024)

@@ -5,9 +5,8 @@ They are the rules of ``bamboo.reconfig.plan_layout`` and ``bamboo.reconfig.deci
 integers because a sweep makes millions of them (on 40 to 48 nodes, building a ``ClusterView`` and calling
 bamboo-reconfig costs about 1.2 ms per layout and 0.24 ms per decision; these functions about 50 µs per
 layout and a few µs per decision). The placements, `plan_placement` and `plan_replica_ring`, are
-``bamboo.bench.placement``'s (re-exported here); this module holds the decisions and the view. Where the planner
-matches nodes to slots with scipy's ``linear_sum_assignment``, `plan_placement` takes the answer from a greedy
-pass when scipy's algorithm is forced to the same choice, and from scipy otherwise. The simulator state maps
+``bamboo.bench.placement``'s (re-exported here); this module holds the decisions and the view. `plan_placement`
+matches nodes to slots with the planner's own function (``bamboo.reconfig.assignment.cheapest_order``). The simulator state maps
 onto the planner's inputs like this (``system_view`` builds that ``ClusterView``):
 
 - Nodes that are allocated but still starting are not in the view (they have not registered yet). The

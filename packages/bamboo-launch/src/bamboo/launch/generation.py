@@ -208,7 +208,6 @@ def _first_step_records(run: WorkerSession, layout: JobLayout, engine: Engine, s
         clock.model_build_s = engine.build_seconds.get("model")
         clock.group_build_s = engine.build_seconds.get("groups")
         log.write(clock.record(log, run.node, duration))
-        run.preload_planning()
     ranks = layout.ranks
     if layout.generation == 0 or ranks[run.node] != min(ranks.values()):
         return

@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -21,7 +20,6 @@ from bamboo.launch.json_types import JSONObject
 from bamboo.launch.records import JobEnd, RecordError
 from bamboo.launch.role_watch import RoleWatch
 from bamboo.launch.spec import WORKER_ERROR, JobSpec, Program, WorkerContext
-from bamboo.reconfig import preload_assignment
 
 if TYPE_CHECKING:
     import grpc
@@ -88,17 +86,6 @@ class WorkerSession:
         self._end_watch = self.kv.watch_prefix(self.membership.keys.decision("end"), self._on_end)
         self.roles = RoleWatch(self.membership, self.node, follow_decisions=True)
         """The job's layout and end, followed by watches (no etcd read per look)."""
-
-    def preload_planning(self) -> None:
-        """Import, in a background thread, what this worker's first barrier imports to plan the next layout
-        (:func:`bamboo.reconfig.preload_assignment`, 0.4 to 0.6 CPU-s), so that no barrier's pause pays it.
-
-        Called after the worker's first step, not at its start: only a node that holds stage state plans at a
-        barrier, and it holds state once it has trained. Started with the session, the import competed with the
-        worker's own start-up, and on a restore after every holder was lost, with the start of every new node's
-        worker on the same cores. A node that receives state at a switch and meets a barrier before its first
-        step imports it there."""
-        threading.Thread(target=preload_assignment, name="bamboo-preload", daemon=True).start()
 
     def report_suspect(self, node: str, reason: str) -> None:
         """Tell this node's agent that ``node`` failed an operation (its detector probes it, and a confirmed failure

@@ -25,7 +25,7 @@ from bamboo.reconfig.job_layout import (
     RestorePoint,
     StartMode,
 )
-from bamboo.reconfig.layout_plan import microbatch_shares, pipeline_count, plan_layout, preload_assignment
+from bamboo.reconfig.layout_plan import microbatch_shares, pipeline_count, plan_layout
 from bamboo.reconfig.model import (
     ClusterView,
     LayerSpec,
@@ -77,7 +77,6 @@ __all__ = [
     "pipeline_count",
     "plan_layout",
     "plan_transfers",
-    "preload_assignment",
     "same_zone_pairs",
     "split_layers",
     "stage_costs",

@@ -9,7 +9,8 @@ The policy (paper §5; docs/architecture.md, "A reconfiguration"):
 3. Zone-aware placement with the minimum possible number of same-zone neighbours (``placement``).
 4. Among placements that reach that minimum, nodes stay where they already hold the state they need:
    each ring's zone arrangement is picked to match the holders of each stage, and within each zone the
-   nodes are matched to slots by a minimum-cost assignment of the bytes each would have to fetch.
+   nodes are matched to slots by a minimum-cost assignment of the bytes each would have to fetch
+   (``assignment``: exact, between the few kinds of node and slot).
 5. The layers are split into P stages by compute cost, within node memory (``partition``).
 6. The global batch is unchanged: with D' pipelines each runs ``B // D'`` microbatches and the first
    ``B % D'`` run one more (``Layout.microbatches`` states the shares).
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from bamboo.reconfig.assignment import cheapest_order
 from bamboo.reconfig.model import ClusterView, LayerSpec, Layout, Node, NodeState
 from bamboo.reconfig.partition import InfeasibleSplit, split_layers
 from bamboo.reconfig.placement import (
@@ -37,15 +39,6 @@ ARRANGEMENT_SEARCH_BUDGET = 200_000
 
 _STATE_RANK = {NodeState.ACTIVE: 0, NodeState.STANDBY: 1, NodeState.JOINING: 2, NodeState.PREEMPTED: 3}
 
-
-
-def preload_assignment() -> None:
-    """Import now the solver that :func:`plan_layout` imports on its first use: scipy.optimize, 0.4 to 0.6 CPU-s
-    after torch on the 2-core development machine. A process that plans at a reconfiguration's barrier (every
-    holder of stage state) calls it while nothing waits on it, in a background thread after its first step
-    (bamboo-launch's worker) or before it forks workers; a measured heavy-churn reconfiguration had paid the
-    import inside its pause."""
-    import scipy.optimize  # noqa: F401 - imported for its side effect (sys.modules)
 
 def pipeline_count(usable: int, stages: int, target_pipelines: int, global_batch: int) -> int:
     """D' = min(D, usable // P, global batch): whole pipelines only, each with at least one microbatch."""
@@ -213,17 +206,7 @@ def _assign_slots(
         if all(not holdings.get(node.id) for node in nodes):
             order = list(range(len(nodes)))
         else:
-            # imported here (scipy.optimize takes 0.4 to 0.6 CPU-s to import, numpy 0.14, paid by every agent
-            # otherwise); a worker, which plans at a barrier, imports them beforehand, off the pause:
-            # preload_assignment
-            import numpy as np
-            from scipy.optimize import linear_sum_assignment
-
-            cost = np.array([[row[stage] for _ring, stage in slots] for row in rows], dtype=np.float64)
-            node_index, slot_index = linear_sum_assignment(cost)
-            order = [0] * len(slots)
-            for n, s in zip(node_index, slot_index, strict=True):
-                order[s] = n
+            order = cheapest_order(rows, [stage for _ring, stage in slots])
         for slot_position, (ring, stage) in enumerate(slots):
             owners[ring][stage] = nodes[order[slot_position]].id
     return owners

@@ -48,11 +48,10 @@ from bamboo.launch.forkserver import ForkClient, ForkServerError, module_or_scri
 
 __all__ = ["PRELOAD", "ForkServer", "serve", "shared_fork_server"]
 
-PRELOAD = ("torch", "torch.distributed", "scipy.optimize", "bamboo.rc.engine", "bamboo.rc.worker", "bamboo.launch.worker",
+PRELOAD = ("torch", "torch.distributed", "bamboo.rc.engine", "bamboo.rc.worker", "bamboo.launch.worker",
            "bamboo.launch.copy_service", "bamboo.launch.cli", "bamboo.launch.agent")
-"""The modules the server imports before it forks anything. ``scipy.optimize`` is what a holder's first barrier
-imports to plan the next layout (:func:`bamboo.reconfig.preload_assignment`). (torch's symbolic shapes, and sympy
-through them, are not among them: a stage's backward from a received gradient no longer imports them,
+"""The modules the server imports before it forks anything. (torch's symbolic shapes, and sympy through them, are
+not among them: a stage's backward from a received gradient no longer imports them,
 :func:`bamboo.rc.precision.backward_through`.)"""
 
 _OWN_GROUP = 0  # "process_group": lead a new group

@@ -42,6 +42,12 @@ def _missing_layers(stages: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
+def _missing_layer_rows(stages: int) -> tuple[tuple[int, ...], ...]:
+    """`_missing_layers` as tuples of ints (row -1, the last, is a non-holder's), for the slot assignment."""
+    return tuple(tuple(int(count) for count in row) for row in _missing_layers(stages).tolist())
+
+
+@functools.lru_cache(maxsize=64)
 def _fit_stage(stages: int) -> tuple[int, ...]:
     """The first new stage a holder of old stage h can own without fetching anything (the planner's "fits")."""
     table = _missing_layers(stages)
@@ -192,8 +198,8 @@ def plan_placement(usable: Sequence[tuple[int, int, int]], stages: int, pipeline
             for (ring, stage), node in zip(slots, nodes, strict=True):
                 owners[ring][stage] = node
             continue
-        costs = _missing_layers(stages).take(stages_held, axis=0).astype(int).tolist()
-        order = cheapest_order(costs, [stage for _ring, stage in slots])
+        rows = _missing_layer_rows(stages)
+        order = cheapest_order([rows[held] for held in stages_held], [stage for _ring, stage in slots])
         for (ring, stage), node_index in zip(slots, order, strict=True):
             owners[ring][stage] = nodes[node_index]
     return owners

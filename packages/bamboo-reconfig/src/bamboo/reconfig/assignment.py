@@ -5,10 +5,10 @@ A new layout places each zone's nodes at that zone's slots so that they fetch th
 that owned one stage of the old layout hold the same layers, and a new node holds none. So however large the
 zone, its square cost matrix has at most P + 1 distinct rows (kinds of node) and P distinct columns (kinds
 of slot). :func:`cheapest_order` solves the problem between the kinds, a transportation problem with a
-handful of sources and sinks, exactly: when every node can sit at one of its own cheapest slots, by filling
-them in order (the usual case: holders stay where their state is, new nodes take what is left); otherwise by
-successive shortest paths over the residual network. Then it deals each kind's nodes out to slots in a fixed
-order. It is pure Python and needs no solver library: a worker
+handful of sources and sinks, exactly, by the primal-dual (Hungarian) method: every node kind first fills the
+slot kinds where it is cheapest, in order (the usual case ends there: holders stay where their state is, new
+nodes take what is left); what is left is shipped along shortest paths of reduced cost, whose dual prices
+prove the result least. Then it deals each kind's nodes out to slots in a fixed order. It is pure Python and needs no solver library: a worker
 that plans the next layout at a barrier imports nothing for it.
 
 Ties between equally cheap matchings are broken by the inputs' order alone (nodes in the order given, kinds
@@ -31,106 +31,102 @@ def cheapest_order(costs: Sequence[Sequence[int]], slot_kinds: Sequence[int]) ->
     """
     if len(costs) != len(slot_kinds):
         raise ValueError(f"{len(costs)} nodes for {len(slot_kinds)} slots: a matching needs as many of each")
-    rows: list[tuple[int, ...]] = []
-    kind_of_node: list[int] = []
-    for row in costs:
-        key = tuple(row)
-        if key not in rows:
-            rows.append(key)
-        kind_of_node.append(rows.index(key))
+    kind_at: dict[tuple[int, ...], int] = {}
+    kind_of_node = [kind_at.setdefault(tuple(row), len(kind_at)) for row in costs]
     columns = sorted(set(slot_kinds))
-    supply = [kind_of_node.count(k) for k in range(len(rows))]
-    demand = [list(slot_kinds).count(column) for column in columns]
-    cost = [[row[column] for column in columns] for row in rows]
-    flow = _everyone_at_their_cheapest(supply, demand, cost) or _transport(supply, demand, cost)
-    waiting = [deque(n for n, kind in enumerate(kind_of_node) if kind == k) for k in range(len(rows))]
-    order = []
+    column_at = {column: index for index, column in enumerate(columns)}
+    rows = list(kind_at)
+    supply = [0] * len(rows)
+    for kind in kind_of_node:
+        supply[kind] += 1
+    demand = [0] * len(columns)
     for slot_kind in slot_kinds:
-        column = columns.index(slot_kind)
-        kind = next(k for k in range(len(rows)) if flow[k][column] > 0)
-        flow[kind][column] -= 1
-        order.append(waiting[kind].popleft())
-    return order
-
-
-def _everyone_at_their_cheapest(supply: Sequence[int], demand: Sequence[int],
-                                cost: Sequence[Sequence[int]]) -> list[list[int]] | None:
-    """A flow in which every node pays its own least cost, when one is found by filling each kind's cheapest
-    slot kinds in order (kinds of node in order); None otherwise. No flow costs less than that, so it is a
-    least-cost flow: the usual case (the holders stay, new nodes take what is left) needs no search."""
-    left = list(demand)
-    flow = [[0] * len(demand) for _ in supply]
-    for kind, amount in enumerate(supply):
-        cheapest = min(cost[kind])
-        for column, unit in enumerate(cost[kind]):
-            if unit == cheapest and amount:
-                placed = min(amount, left[column])
-                flow[kind][column] += placed
-                left[column] -= placed
-                amount -= placed
-        if amount:
-            return None
-    return flow
+        demand[column_at[slot_kind]] += 1
+    flow = _transport(supply, demand, [[row[column] for column in columns] for row in rows])
+    waiting: list[deque[int]] = [deque() for _ in rows]
+    for node, kind in enumerate(kind_of_node):
+        waiting[kind].append(node)
+    givers: list[deque[int]] = [deque() for _ in columns]
+    for kind, sent in enumerate(flow):
+        for column, count in enumerate(sent):
+            if count:
+                givers[column].extend([kind] * count)
+    return [waiting[givers[column_at[slot_kind]].popleft()].popleft() for slot_kind in slot_kinds]
 
 
 def _transport(supply: Sequence[int], demand: Sequence[int], cost: Sequence[Sequence[int]]) -> list[list[int]]:
-    """The least-cost flow from sources (``supply``) to sinks (``demand``, the same total): ``flow[i][j]``.
+    """The least-cost flow from node kinds (``supply``) to slot kinds (``demand``, the same total): ``flow[k][j]``.
 
-    Successive shortest paths: each round sends as much as it can along a cheapest path of the residual network
-    (Bellman-Ford, as it may have negative arcs). The network has ``len(supply) + len(demand) + 2`` vertices.
+    Prices ``row[k]`` and ``column[j]`` keep every reduced cost ``cost[k][j] + row[k] - column[j]`` at 0 or more
+    and at exactly 0 wherever there is flow; a full flow with such prices is least (linear programming duality).
+    They start at ``row[k] = -min(cost[k])`` and ``column[j] = 0``, and each kind first fills its zero-cost
+    columns in order. While some kind has units left, a Dijkstra search from every such kind, over forward arcs
+    (kind to column, at the reduced cost) and backward ones (column to a kind that sends it flow, at 0), finds
+    the nearest column with room; the prices move by the distances, which keeps them valid and makes the path
+    cost 0, and as much as fits is shipped along it.
     """
-    sources, sinks = len(supply), len(demand)
-    start, end = sources + sinks, sources + sinks + 1
-    heads: list[int] = []  # arc a goes to heads[a]; arc a ^ 1 is its reverse
-    room: list[int] = []
-    price: list[int] = []
-    arcs_of: list[list[int]] = [[] for _ in range(sources + sinks + 2)]
-
-    def arc(tail: int, head: int, capacity: int, unit: int) -> None:
-        for a, b, c, u in ((tail, head, capacity, unit), (head, tail, 0, -unit)):
-            arcs_of[a].append(len(heads))
-            heads.append(b)
-            room.append(c)
-            price.append(u)
-
-    total = sum(supply)
-    for i, amount in enumerate(supply):
-        arc(start, i, amount, 0)
-    for i in range(sources):
-        for j in range(sinks):
-            arc(i, sources + j, total, cost[i][j])
-    for j, amount in enumerate(demand):
-        arc(sources + j, end, amount, 0)
-
-    sent = 0
-    while sent < total:
-        distance: list[float] = [float("inf")] * len(arcs_of)
-        via = [-1] * len(arcs_of)
-        distance[start] = 0
-        for _ in range(len(arcs_of) - 1):  # Bellman-Ford, in the fixed arc order
-            changed = False
-            for tail, arcs in enumerate(arcs_of):
-                if distance[tail] == float("inf"):
-                    continue
-                for a in arcs:
-                    if room[a] > 0 and distance[tail] + price[a] < distance[heads[a]]:
-                        distance[heads[a]] = distance[tail] + price[a]
-                        via[heads[a]] = a
-                        changed = True
-            if not changed:
+    kinds, columns = len(supply), len(demand)
+    flow = [[0] * columns for _ in range(kinds)]
+    left, room = list(supply), list(demand)
+    row_price = [-min(row) for row in cost]
+    column_price = [0] * columns
+    for k in range(kinds):
+        for j in range(columns):
+            if left[k] and room[j] and cost[k][j] + row_price[k] == 0:
+                amount = min(left[k], room[j])
+                flow[k][j] += amount
+                left[k] -= amount
+                room[j] -= amount
+    infinity = float("inf")
+    while any(left):
+        to_kind: list[float] = [0 if left[k] else infinity for k in range(kinds)]
+        to_column: list[float] = [infinity] * columns
+        kind_before = [-1] * columns  # the kind a column was reached from (a forward arc)
+        column_before = [-1] * kinds  # the column a kind was reached from (a backward arc)
+        kind_done, column_done = [False] * kinds, [False] * columns
+        while True:
+            nearest, is_kind, at = infinity, True, -1
+            for k in range(kinds):
+                if not kind_done[k] and to_kind[k] < nearest:
+                    nearest, is_kind, at = to_kind[k], True, k
+            for j in range(columns):
+                if not column_done[j] and to_column[j] < nearest:
+                    nearest, is_kind, at = to_column[j], False, j
+            if at < 0:
+                raise ValueError(f"supply {list(supply)} cannot meet demand {list(demand)}")
+            if is_kind:
+                kind_done[at] = True
+                base = nearest + row_price[at]
+                for j in range(columns):
+                    if not column_done[j] and base + cost[at][j] - column_price[j] < to_column[j]:
+                        to_column[j] = base + cost[at][j] - column_price[j]
+                        kind_before[j] = at
+                continue
+            column_done[at] = True
+            if room[at]:
                 break
-        if via[end] < 0:
-            raise ValueError(f"supply {list(supply)} cannot meet demand {list(demand)}")
-        path = []
-        vertex = end
-        while vertex != start:
-            path.append(via[vertex])
-            vertex = heads[via[vertex] ^ 1]
-        amount = min(room[a] for a in path)
-        for a in path:
-            room[a] -= amount
-            room[a ^ 1] += amount
-        sent += amount
-    # the arc from source i to sink j is the (i * sinks + j)-th middle arc; its reverse holds the flow sent
-    first_middle = 2 * sources
-    return [[room[first_middle + 2 * (i * sinks + j) + 1] for j in range(sinks)] for i in range(sources)]
+            for k in range(kinds):
+                if not kind_done[k] and flow[k][at] and nearest < to_kind[k]:
+                    to_kind[k] = nearest  # a backward arc costs 0: the forward arc it undoes is tight
+                    column_before[k] = at
+        target, reach = at, nearest
+        for k in range(kinds):
+            row_price[k] += int(min(to_kind[k], reach))
+        for j in range(columns):
+            column_price[j] += int(min(to_column[j], reach))
+        path: list[tuple[int, int, int]] = []  # (kind, column, +1 forward or -1 backward)
+        amount, j = room[target], target
+        while True:
+            k = kind_before[j]
+            path.append((k, j, 1))
+            if column_before[k] < 0:
+                amount = min(amount, left[k])
+                break
+            j = column_before[k]
+            path.append((k, j, -1))
+            amount = min(amount, flow[k][j])
+        for k, j, sign in path:
+            flow[k][j] += sign * amount
+        left[path[-1][0]] -= amount
+        room[target] -= amount
+    return flow

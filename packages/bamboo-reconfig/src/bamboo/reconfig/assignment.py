@@ -8,8 +8,8 @@ of slot). :func:`cheapest_order` solves the problem between the kinds, a transpo
 handful of sources and sinks, exactly, by the primal-dual (Hungarian) method: every node kind first fills the
 slot kinds where it is cheapest, in order (the usual case ends there: holders stay where their state is, new
 nodes take what is left); what is left is shipped along shortest paths of reduced cost, whose dual prices
-prove the result least. Then it deals each kind's nodes out to slots in a fixed order. It is pure Python and needs no solver library: a worker
-that plans the next layout at a barrier imports nothing for it.
+prove the result least. Then it deals each kind's nodes out to slots in a fixed order. It is pure Python and
+needs no solver library: a worker that plans the next layout at a barrier imports nothing for it.
 
 Ties between equally cheap matchings are broken by the inputs' order alone (nodes in the order given, kinds
 in the order they first appear), so every node that plans with the same inputs gets the same matching.
@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Sequence
 
 __all__ = ["cheapest_order"]
+
+_INFINITY = float("inf")
 
 
 def cheapest_order(costs: Sequence[Sequence[int]], slot_kinds: Sequence[int]) -> list[int]:
@@ -60,10 +62,9 @@ def _transport(supply: Sequence[int], demand: Sequence[int], cost: Sequence[Sequ
     Prices ``row[k]`` and ``column[j]`` keep every reduced cost ``cost[k][j] + row[k] - column[j]`` at 0 or more
     and at exactly 0 wherever there is flow; a full flow with such prices is least (linear programming duality).
     They start at ``row[k] = -min(cost[k])`` and ``column[j] = 0``, and each kind first fills its zero-cost
-    columns in order. While some kind has units left, a Dijkstra search from every such kind, over forward arcs
-    (kind to column, at the reduced cost) and backward ones (column to a kind that sends it flow, at 0), finds
-    the nearest column with room; the prices move by the distances, which keeps them valid and makes the path
-    cost 0, and as much as fits is shipped along it.
+    columns in order. While some kind has units left, a search (:class:`_Search`) finds the nearest column with
+    room; the prices move by the distances (by at most the column's), which keeps them valid and makes the path
+    cost 0, and as much as fits is shipped along it: forward arcs gain flow, backward ones lose it.
     """
     kinds, columns = len(supply), len(demand)
     flow = [[0] * columns for _ in range(kinds)]
@@ -77,52 +78,22 @@ def _transport(supply: Sequence[int], demand: Sequence[int], cost: Sequence[Sequ
                 flow[k][j] += amount
                 left[k] -= amount
                 room[j] -= amount
-    infinity = float("inf")
     while any(left):
-        to_kind: list[float] = [0 if left[k] else infinity for k in range(kinds)]
-        to_column: list[float] = [infinity] * columns
-        kind_before = [-1] * columns  # the kind a column was reached from (a forward arc)
-        column_before = [-1] * kinds  # the column a kind was reached from (a backward arc)
-        kind_done, column_done = [False] * kinds, [False] * columns
-        while True:
-            nearest, is_kind, at = infinity, True, -1
-            for k in range(kinds):
-                if not kind_done[k] and to_kind[k] < nearest:
-                    nearest, is_kind, at = to_kind[k], True, k
-            for j in range(columns):
-                if not column_done[j] and to_column[j] < nearest:
-                    nearest, is_kind, at = to_column[j], False, j
-            if at < 0:
-                raise ValueError(f"supply {list(supply)} cannot meet demand {list(demand)}")
-            if is_kind:
-                kind_done[at] = True
-                base = nearest + row_price[at]
-                for j in range(columns):
-                    if not column_done[j] and base + cost[at][j] - column_price[j] < to_column[j]:
-                        to_column[j] = base + cost[at][j] - column_price[j]
-                        kind_before[j] = at
-                continue
-            column_done[at] = True
-            if room[at]:
-                break
-            for k in range(kinds):
-                if not kind_done[k] and flow[k][at] and nearest < to_kind[k]:
-                    to_kind[k] = nearest  # a backward arc costs 0: the forward arc it undoes is tight
-                    column_before[k] = at
-        target, reach = at, nearest
+        search = _Search(cost, flow, left, room, row_price, column_price)
+        target, reach = search.nearest_room()
         for k in range(kinds):
-            row_price[k] += int(min(to_kind[k], reach))
+            row_price[k] += int(min(search.to_kind[k], reach))
         for j in range(columns):
-            column_price[j] += int(min(to_column[j], reach))
+            column_price[j] += int(min(search.to_column[j], reach))
         path: list[tuple[int, int, int]] = []  # (kind, column, +1 forward or -1 backward)
         amount, j = room[target], target
         while True:
-            k = kind_before[j]
+            k = search.kind_before[j]
             path.append((k, j, 1))
-            if column_before[k] < 0:
+            if search.column_before[k] < 0:
                 amount = min(amount, left[k])
                 break
-            j = column_before[k]
+            j = search.column_before[k]
             path.append((k, j, -1))
             amount = min(amount, flow[k][j])
         for k, j, sign in path:
@@ -130,3 +101,49 @@ def _transport(supply: Sequence[int], demand: Sequence[int], cost: Sequence[Sequ
         left[path[-1][0]] -= amount
         room[target] -= amount
     return flow
+
+
+class _Search:
+    """One Dijkstra search of :func:`_transport`: from every kind with units left (at distance 0), over forward
+    arcs (kind to column, at the reduced cost) and backward ones (column to a kind that sends it flow, at 0: the
+    forward arc it undoes is tight), to the nearest column with room. Ties go to kinds, then to lower indices."""
+
+    def __init__(self, cost: Sequence[Sequence[int]], flow: list[list[int]], left: list[int], room: list[int],
+                 row_price: list[int], column_price: list[int]) -> None:
+        self.cost, self.flow, self.room = cost, flow, room
+        self.row_price, self.column_price = row_price, column_price
+        self.to_kind: list[float] = [0 if units else _INFINITY for units in left]
+        self.to_column: list[float] = [_INFINITY] * len(room)
+        self.kind_before = [-1] * len(room)  # the kind a column was reached from (a forward arc)
+        self.column_before = [-1] * len(left)  # the column a kind was reached from (a backward arc)
+
+    def nearest_room(self) -> tuple[int, int]:
+        """The nearest column with room and its distance; the distances and the tree stay in ``self``."""
+        kinds, columns = len(self.to_kind), len(self.to_column)
+        kind_done, column_done = [False] * kinds, [False] * columns
+        while True:
+            nearest, is_kind, at = _INFINITY, True, -1
+            for k in range(kinds):
+                if not kind_done[k] and self.to_kind[k] < nearest:
+                    nearest, is_kind, at = self.to_kind[k], True, k
+            for j in range(columns):
+                if not column_done[j] and self.to_column[j] < nearest:
+                    nearest, is_kind, at = self.to_column[j], False, j
+            if at < 0:
+                raise ValueError(f"no column with room is reachable (room {self.room})")
+            if is_kind:
+                kind_done[at] = True
+                base = nearest + self.row_price[at]
+                for j in range(columns):
+                    reduced = base + self.cost[at][j] - self.column_price[j]
+                    if not column_done[j] and reduced < self.to_column[j]:
+                        self.to_column[j] = reduced
+                        self.kind_before[j] = at
+                continue
+            column_done[at] = True
+            if self.room[at]:
+                return at, int(nearest)
+            for k in range(kinds):
+                if not kind_done[k] and self.flow[k][at] and nearest < self.to_kind[k]:
+                    self.to_kind[k] = nearest
+                    self.column_before[k] = at

@@ -10,11 +10,14 @@
   first layout, transfer plan or checkpoint restore point), as every node reads it from etcd.
 - ``plan_transfers(old, new, holders)``: each new owner fetches only the layers it lacks, from a surviving
   holder, in rounds where no node sends or receives two transfers at once; or "restore from checkpoint".
+- ``cheapest_order(costs, slot_kinds)``: the least-cost matching of nodes to slots that ``plan_layout`` uses
+  within each zone, exact and pure Python (nodes and slots come in few kinds).
 
 Every value class is frozen, validated, and round-trips through JSON (``to_dict``/``from_dict``,
 ``to_json``/``from_json``). Outputs do not depend on input order.
 """
 
+from bamboo.reconfig.assignment import cheapest_order
 from bamboo.reconfig.decide import Decision, Reason, When, decide
 from bamboo.reconfig.job_layout import (
     LAYOUT_VERSION,
@@ -67,6 +70,7 @@ __all__ = [
     "Transfer",
     "TransferPlan",
     "When",
+    "cheapest_order",
     "decide",
     "holdings_from_layout",
     "microbatch_shares",

@@ -2,8 +2,8 @@
 
 The simulator's ``bamboo`` strategy takes every placement and every reconfiguration decision from here.
 They are the rules of ``bamboo.reconfig.plan_layout`` and ``bamboo.reconfig.decide``, computed on plain
-integers because a sweep makes millions of them (on 40 to 48 nodes, building a ``ClusterView`` and calling
-bamboo-reconfig costs about 1.2 ms per layout and 0.24 ms per decision; these functions about 50 µs per
+integers because a sweep makes millions of them (on 48 nodes, building a ``ClusterView`` and calling
+bamboo-reconfig costs about 2.3 ms per layout and 0.24 ms per decision; these functions about 0.37 ms per
 layout and a few µs per decision). The placements, `plan_placement` and `plan_replica_ring`, are
 ``bamboo.bench.placement``'s (re-exported here); this module holds the decisions and the view. `plan_placement`
 matches nodes to slots with the planner's own function (``bamboo.reconfig.assignment.cheapest_order``). The simulator state maps

@@ -69,15 +69,21 @@ def _transport(supply: Sequence[int], demand: Sequence[int], cost: Sequence[Sequ
     kinds, columns = len(supply), len(demand)
     flow = [[0] * columns for _ in range(kinds)]
     left, room = list(supply), list(demand)
-    row_price = [-min(row) for row in cost]
+    row_price = []
     column_price = [0] * columns
-    for k in range(kinds):
-        for j in range(columns):
-            if left[k] and room[j] and cost[k][j] + row_price[k] == 0:
-                amount = min(left[k], room[j])
-                flow[k][j] += amount
-                left[k] -= amount
+    for k, row in enumerate(cost):
+        floor = min(row)
+        row_price.append(-floor)
+        units = left[k]
+        for j, unit in enumerate(row):
+            if unit == floor and room[j]:
+                amount = units if units < room[j] else room[j]
+                flow[k][j] = amount
                 room[j] -= amount
+                units -= amount
+                if not units:
+                    break
+        left[k] = units
     while any(left):
         search = _Search(cost, flow, left, room, row_price, column_price)
         target, reach = search.nearest_room()

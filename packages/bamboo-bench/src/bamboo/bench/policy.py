@@ -6,8 +6,8 @@ integers because a sweep makes millions of them (on 48 nodes, building a ``Clust
 bamboo-reconfig costs about 2.3 ms per layout and 0.24 ms per decision; these functions about 0.37 ms per
 layout and a few µs per decision). The placements, `plan_placement` and `plan_replica_ring`, are
 ``bamboo.bench.placement``'s (re-exported here); this module holds the decisions and the view. `plan_placement`
-matches nodes to slots with the planner's own function (``bamboo.reconfig.assignment.cheapest_order``). The simulator state maps
-onto the planner's inputs like this (``system_view`` builds that ``ClusterView``):
+matches nodes to slots with the planner's own function (``bamboo.reconfig.assignment.cheapest_order``). The
+simulator state maps onto the planner's inputs like this (``system_view`` builds that ``ClusterView``):
 
 - Nodes that are allocated but still starting are not in the view (they have not registered yet). The
   owners of the current layout are ``active`` (with their slot) or ``preempted``; every other live node is

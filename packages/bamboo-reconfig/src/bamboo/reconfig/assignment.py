@@ -63,7 +63,7 @@ def _transport(supply: Sequence[int], demand: Sequence[int], cost: Sequence[Sequ
     and at exactly 0 wherever there is flow; a full flow with such prices is least (linear programming duality).
     They start at ``row[k] = -min(cost[k])`` and ``column[j] = 0``, and each kind first fills its zero-cost
     columns in order. While some kind has units left, a search (:class:`_Search`) finds the nearest column with
-    room; the prices move by the distances (by at most the column's), which keeps them valid and makes the path
+    room; the prices move by the distances (capped at that column's), which keeps them valid and makes the path
     cost 0, and as much as fits is shipped along it: forward arcs gain flow, backward ones lose it.
     """
     kinds, columns = len(supply), len(demand)

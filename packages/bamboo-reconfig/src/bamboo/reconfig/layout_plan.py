@@ -203,10 +203,8 @@ def _assign_slots(
     for zone, slots in sorted(slots_by_zone.items()):
         nodes = nodes_by_zone[zone]
         rows = [missing_bytes[holdings.get(node.id, frozenset())] for node in nodes]
-        if all(not holdings.get(node.id) for node in nodes):
-            order = list(range(len(nodes)))
-        else:
-            order = cheapest_order(rows, [stage for _ring, stage in slots])
+        # nodes that hold nothing are one kind: they are dealt out in id order, the order the slots were listed in
+        order = cheapest_order(rows, [stage for _ring, stage in slots])
         for slot_position, (ring, stage) in enumerate(slots):
             owners[ring][stage] = nodes[order[slot_position]].id
     return owners

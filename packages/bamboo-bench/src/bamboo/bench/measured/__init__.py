@@ -10,6 +10,8 @@ Bamboo against the systems users run instead, each one trained for real on the s
 - :mod:`~bamboo.bench.measured.run`: ``bamboo-bench measure SYSTEM``, one system's run and its measured profile
   (:func:`run_measured`); :mod:`~bamboo.bench.measured.measure` reads a run's constants from its event log
   (:func:`measure_events`) and makes them a simulator profile (:func:`measured_profile`);
+  :mod:`~bamboo.bench.measured.progress` says where its training stood when its window ended
+  (:func:`progress_at_end`: the samples it kept, as the simulator counts them);
 - :mod:`~bamboo.bench.measured.torchrun`: the checkpoint/restart baseline, torchrun elastic agents training
   DeepSpeed's ``PipelineEngine`` with checkpoints every K steps (:func:`run_checkpoint_restart`), its pure
   parts in :mod:`~bamboo.bench.measured.baseline`, its machines in :mod:`~bamboo.bench.measured.machines` and its
@@ -39,6 +41,7 @@ from bamboo.bench.measured.options import (
     MeasureOptions,
     parse_systems,
 )
+from bamboo.bench.measured.progress import Progress, progress_at_end
 from bamboo.bench.measured.run import run_measured
 from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, summarise
 from bamboo.bench.measured.torchrun import (
@@ -61,6 +64,7 @@ __all__ = [
     "MeasureError",
     "MeasureOptions",
     "Measurements",
+    "Progress",
     "RestartCost",
     "Spread",
     "SystemResult",
@@ -69,6 +73,7 @@ __all__ = [
     "measure_events",
     "measured_profile",
     "parse_systems",
+    "progress_at_end",
     "run_checkpoint_restart",
     "run_compare",
     "run_measured",

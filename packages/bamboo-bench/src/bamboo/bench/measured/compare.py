@@ -456,7 +456,7 @@ def run_compare(options: CompareOptions, status: Callable[[str], None] | None = 
         report = measured["report"]
         price = float(measured["price_per_node_hour"])
         window_s, throughput, lost_s = window_figures(report, float(measured["measurements"]["market_start_s"]),
-                                                      options.duration_s)
+                                                      options.duration_s, measured.get("progress"))
         cost_per_hour = report["avg_nodes"] * price
         results[system] = SystemResult(
             system=system, throughput=throughput, node_hours=report["node_hours"],
@@ -474,22 +474,25 @@ def run_compare(options: CompareOptions, status: Callable[[str], None] | None = 
     return Comparison(options=options, trace=trace, results=results, long_run=long_run)
 
 
-def window_figures(report: Mapping[str, Any], market_start_s: float,
-                   duration_s: float | None) -> tuple[float, float, float]:
+def window_figures(report: Mapping[str, Any], market_start_s: float, duration_s: float | None,
+                   progress: Mapping[str, Any] | None = None) -> tuple[float, float, float]:
     """A measured run's window, throughput and time lost, as the simulator counts them: ``(window_s,
     throughput, lost_s)``.
 
     With ``--duration`` every system is stopped ``duration_s`` after its first step, so its window is
     ``market_start_s + duration_s`` from its start, whether or not it was training then: a checkpoint/restart
     run stopped in the middle of a restart paid for that time and trained nothing in it. Throughput is the
-    samples over the window, and the time after the last step counts as lost, beside the report's own lost
-    time (start-up, failovers, reconfigurations, restores, redone steps). With ``--steps`` the window ends at
-    the last step and the report's figures stand.
+    samples where training stood at the end (``progress``: :mod:`bamboo.bench.measured.progress`; steps a
+    restart had not trained again are lost, as to the simulator) over the window; the time after the last step
+    and the lost steps' count as lost, beside the report's own lost time (start-up, pauses, redone steps). With
+    ``--steps`` the window ends at the last step and the report's figures stand.
     """
-    training_s = float(report["training_s"])
-    window_s = training_s if duration_s is None else max(training_s, market_start_s + duration_s)
-    throughput = float(report["samples"]) / window_s
-    return window_s, throughput, float(report["lost_s"]) + (window_s - training_s)
+    training_s, kept = float(report["training_s"]), progress or {"samples": report["samples"], "discarded_s": 0.0}
+    if duration_s is None:
+        return training_s, float(report["samples"]) / training_s, float(report["lost_s"])
+    window_s = max(training_s, market_start_s + duration_s)
+    lost_s = float(report["lost_s"]) + (window_s - training_s) + float(kept["discarded_s"])
+    return window_s, float(kept["samples"]) / window_s, lost_s
 
 
 def default_out() -> Path:

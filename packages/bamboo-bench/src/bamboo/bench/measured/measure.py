@@ -66,6 +66,7 @@ import attrs
 from bamboo.bench import timeouts
 from bamboo.bench.measured.baseline import RestartCost
 from bamboo.bench.measured.options import SYSTEMS, MeasureError
+from bamboo.bench.measured.progress import interruptions
 from bamboo.bench.profile import ModelProfile, Timing
 from bamboo.launch.events import (
     Checkpoint,
@@ -193,19 +194,9 @@ def _sort_intervals(ordered: Sequence[Event], steps: Sequence[Step], system: str
 
 def _restart_times(ordered: Sequence[Event], start: RunStart, restarts: Sequence[RestartCost],
                    registered_unix: Mapping[str, float]) -> tuple[list[float], list[float]]:
-    """Seconds from each restart's last interruption to its first step: ``(after kills, after joins)``.
-
-    With ``registered_unix`` (when each node's agent entered the rendezvous), a join interrupts when its agent
-    entered, and a node killed before that (its join and its kill) interrupted nothing; without it, at the join
-    and at every kill."""
-    added = [e for e in ordered if isinstance(e, Join) and e.t > timeouts.MEASURE_JOIN_AFTER_START_S]
-    killed = [e for e in ordered if isinstance(e, Preemption)]
-    if registered_unix:
-        entered = [(registered_unix[e.node], "join") for e in added if e.node in registered_unix]
-        killed = [e for e in killed if e.node in registered_unix]
-    else:
-        entered = [(start.unix_time + e.t, "join") for e in added]
-    changes = sorted([(start.unix_time + e.t, "kill") for e in killed] + entered)
+    """Seconds from each restart's last interruption (:func:`~bamboo.bench.measured.progress.interruptions`) to
+    its first step: ``(after kills, after joins)``."""
+    changes = interruptions(ordered, start, registered_unix)
     kills: list[float] = []
     joins: list[float] = []
     for restart in restarts:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 from bamboo.bench import timeouts
 from bamboo.bench.emulated.run import RunError, RunHandles, RunOptions, run_cluster
 from bamboo.bench.measured.baseline import RestartCost
@@ -31,6 +32,7 @@ from bamboo.bench.measured.measure import (
     step_time_measured,
 )
 from bamboo.bench.measured.options import MeasureError, MeasureOptions
+from bamboo.bench.measured.progress import progress_at_end
 from bamboo.bench.measured.torchrun import (
     BaselineError,
     BaselineHandles,
@@ -123,6 +125,8 @@ def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | N
         raise MeasureError(f"{options.system}: {error} (run dir {run_dir})") from None
     measured = measure_events(events, options.system, warm_unix=warm, restarts=restarts,
                               checkpoint_every=checkpoint_every)
+    progress = progress_at_end(events, restarts_at_interruptions=options.system == "checkpoint",
+                               registered_unix=warm if options.system == "checkpoint" else None)
     profile = measured_profile(measured, name=f"measured-{options.system}", spot_price=options.spot_price,
                                on_demand_price=options.on_demand_price)
     profile_path = run_dir / "profile.json"
@@ -136,6 +140,7 @@ def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | N
         "price_per_node_hour": price,
         "report": report.to_dict(),
         "measurements": measured.to_dict(),
+        "progress": attrs.asdict(progress),
         "timeline": {"times": list(timeline.times), "nodes": list(timeline.nodes),
                      "throughput": list(timeline.throughput), "preemptions": list(timeline.preemption_times)},
         **extra,

@@ -44,6 +44,11 @@ COMMANDS = {
                          "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c "
                          "--time-scale 60 --nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 "
                          "--long-run ../shared/traces/bamboo/p3-trace.csv --json"),
+    "heavy_churn": ("Issue 34's acceptance: its heavy-churn command (synthetic preemptions at 0.5 per node-hour, x240, "
+                    "default leases) run ten times one after the other, each checked bit for bit against a "
+                    "fault-free run; one row per run.",
+                    "for i in $(seq 10); do bamboo-launch run --nodes 6 --stages 3 --pipelines 2 --preemptions "
+                    "synthetic:0.5 --hours 24 --seed 2 --time-scale 240 --steps 400 --verify --no-live --json; done"),
     "demo": ("The main job of `make demo`: 8 emulated spot nodes, P = 4, D = 2, synthetic preemptions, failovers "
              "and reconfigurations, checked bit for bit against a fault-free run.",
              "bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps 500 --preemptions "

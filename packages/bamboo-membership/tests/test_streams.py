@@ -34,12 +34,15 @@ def test_an_idle_watch_stream_s_reader_sleeps_until_a_message_comes(kv: EtcdKV, 
         monkeypatch.setattr(grpc._common, "_wait_once", counted)
         kv.put(f"/bamboo/{job}/idle/a", b"1")  # the reader's next wait starts under the counting function
         assert got.wait(10)
+        time.sleep(0.5)  # the message's own notifications of the call's state (under load, up to 6 in make test)
+        settled = len(wakes)
         time.sleep(1.0)
-        # Every wait of the reader takes the long slice. It ends when gRPC notifies the call's condition: the
-        # message, and under load a few more notifications of the call's state (3 once in make test); with
-        # gRPC's 0.1 s slice the slices alone woke it about ten times in this second.
+        # Every wait of the reader takes the long slice, and an idle second wakes it (nearly) never: a wait ends
+        # when gRPC notifies the call's condition. With gRPC's 0.1 s slice the slices alone woke it about ten
+        # times in this second.
         assert set(wakes) <= {timeouts.GRPC_WAIT_SLICE_S}, wakes
-        assert len(wakes) <= 5, f"the idle reader woke {len(wakes)} times in a second (slices {wakes[:8]})"
+        idle = wakes[settled:]
+        assert len(idle) <= 2, f"the idle reader woke {len(idle)} times in a second (slices {idle[:8]})"
         got.clear()
         kv.put(f"/bamboo/{job}/idle/b", b"2")
         assert got.wait(10)  # a message still wakes it at once

@@ -34,7 +34,7 @@ def test_an_idle_watch_stream_s_reader_sleeps_until_a_message_comes(kv: EtcdKV, 
         monkeypatch.setattr(grpc._common, "_wait_once", counted)
         kv.put(f"/bamboo/{job}/idle/a", b"1")  # the reader's next wait starts under the counting function
         assert got.wait(10)
-        time.sleep(0.5)  # the message's own notifications of the call's state (under load, up to 6 in make test)
+        time.sleep(0.5)  # the message and its notifications of the call's state (6 wakes once in make test)
         settled = len(wakes)
         time.sleep(1.0)
         # Every wait of the reader takes the long slice, and an idle second wakes it (nearly) never: a wait ends

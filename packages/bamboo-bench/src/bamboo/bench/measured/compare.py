@@ -476,8 +476,7 @@ def run_compare(options: CompareOptions, status: Callable[[str], None] | None = 
 
 def window_figures(report: Mapping[str, Any], market_start_s: float, duration_s: float | None,
                    progress: Mapping[str, Any] | None = None) -> tuple[float, float, float]:
-    """A measured run's window, throughput and time lost, as the simulator counts them: ``(window_s,
-    throughput, lost_s)``.
+    """A measured run's ``(window_s, throughput, lost_s)``, as the simulator counts them.
 
     With ``--duration`` every system is stopped ``duration_s`` after its first step, so its window is
     ``market_start_s + duration_s`` from its start, whether or not it was training then: a checkpoint/restart
@@ -487,9 +486,10 @@ def window_figures(report: Mapping[str, Any], market_start_s: float, duration_s:
     and the lost steps' count as lost, beside the report's own lost time (start-up, pauses, redone steps). With
     ``--steps`` the window ends at the last step and the report's figures stand.
     """
-    training_s, kept = float(report["training_s"]), progress or {"samples": report["samples"], "discarded_s": 0.0}
+    training_s = float(report["training_s"])
     if duration_s is None:
         return training_s, float(report["samples"]) / training_s, float(report["lost_s"])
+    kept = progress or {"samples": report["samples"], "discarded_s": 0.0}
     window_s = max(training_s, market_start_s + duration_s)
     lost_s = float(report["lost_s"]) + (window_s - training_s) + float(kept["discarded_s"])
     return window_s, float(kept["samples"]) / window_s, lost_s

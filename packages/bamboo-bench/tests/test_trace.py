@@ -164,3 +164,20 @@ def test_a_launched_job_s_synthetic_trace_starts_with_every_node_for_every_seed(
         at_start = [e for e in trace.events() if e.time_s == 0.0]
         assert len(at_start) == 8 and all(e.kind is EventKind.ADD for e in at_start), seed
         assert any(e.kind is EventKind.REMOVE for e in trace.events()), seed  # the market still preempts
+
+
+def test_a_trace_file_that_holds_more_machines_than_nodes_is_named_in_one_line() -> None:
+    """``--nodes`` sizes a synthetic trace only: a file of 55 machines runs 55 emulated nodes, which ``run`` and
+    ``compare`` say before they start."""
+    from bamboo.bench.emulated.market import ActionKind, MarketAction
+    from bamboo.bench.emulated.run import _peak
+    from bamboo.bench.preemptions import size_notice
+
+    notice = size_notice("gcp.txt", 55, 7)
+    assert notice is not None and "55 machines" in notice and "--nodes 7" in notice and "\n" not in notice
+    assert size_notice("gcp.txt", 7, 7) is None
+    assert size_notice("synthetic:0.5", 55, 7) is None
+    plan = [MarketAction(0.0, ActionKind.ADD, "a", "z"), MarketAction(0.0, ActionKind.ADD, "b", "z"),
+            MarketAction(1.0, ActionKind.NOTIFY, "a", "z"), MarketAction(2.0, ActionKind.KILL, "a", "z"),
+            MarketAction(3.0, ActionKind.ADD, "c", "z"), MarketAction(3.0, ActionKind.ADD, "d", "z")]
+    assert _peak(plan) == 3 and _peak([]) == 0

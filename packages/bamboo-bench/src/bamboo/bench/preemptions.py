@@ -11,7 +11,10 @@ the paper's model (:mod:`bamboo.bench.synthetic`) at per-hour preemption probabi
 - a synthetic trace's zones are named by ``zones`` (its zone count is theirs; 3 without them);
 - a file whose events carry one zone (the paper's EC2 CSV) is spread round-robin over ``zones``, in order of
   each node's first appearance (:func:`assign_zones`), so zone-aware placement and bulk losses have
-  something to work with; a file that has zones of its own refuses ``zones``.
+  something to work with; a file that has zones of its own refuses ``zones``;
+- a file is replayed as it is, whatever ``nodes``: every machine it holds runs as an emulated node, and
+  ``bamboo-launch run`` and ``bamboo-bench compare`` say so in one line (:func:`size_notice`) when it holds more
+  machines at once than ``--nodes``.
 
 Every error is a :class:`PreemptionsError` (a ``ValueError``) whose one line names the flag and the value.
 """
@@ -28,7 +31,8 @@ from bamboo.bench.loaders import load_trace
 from bamboo.bench.synthetic import SyntheticSpec, generate_trace
 from bamboo.bench.trace import Trace, TraceEvent
 
-__all__ = ["DEFAULT_SYNTHETIC_ZONES", "SYNTHETIC_PREFIX", "PreemptionsError", "assign_zones", "load_preemptions", "synthetic_rate"]
+__all__ = ["DEFAULT_SYNTHETIC_ZONES", "SYNTHETIC_PREFIX", "PreemptionsError", "assign_zones", "load_preemptions",
+           "size_notice", "synthetic_rate"]
 
 SYNTHETIC_PREFIX = "synthetic:"
 """``synthetic:RATE`` names the paper's synthetic model instead of a file."""
@@ -102,3 +106,13 @@ def load_preemptions(text: str, *, nodes: int, zones: Sequence[str] | None = Non
     zone_of = assign_zones(trace.events(), zones)
     events = [TraceEvent(e.time_s, e.kind, e.node, zone_of[e.node]) for e in trace.events()]
     return Trace.from_events(trace.name, events, duration_s=trace.duration_s)
+
+
+def size_notice(text: str, peak: int, nodes: int) -> str | None:
+    """One line for a trace file that holds more machines at once (``peak``) than ``--nodes``, which sizes only
+    a synthetic trace: every machine of a file runs as an emulated node, and dozens of them on a few cores
+    measure the cores more than the system. None when there is nothing to say."""
+    if synthetic_rate(text) is not None or peak <= nodes:
+        return None
+    return (f"note: the trace {text} holds up to {peak} machines at once, more than --nodes {nodes} (which sizes "
+            "a synthetic trace only); each of them runs as an emulated node")

@@ -29,6 +29,7 @@ Its parts: :mod:`bamboo.bench.emulated.run_options` (what a run takes and leaves
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import sys
 import tempfile
@@ -91,6 +92,11 @@ def run_cluster(
     say = progress or (lambda message: None)
     started = time.monotonic()
     plan = initial_plan(options)
+    if options.preemptions is not None:
+        from bamboo.bench.preemptions import size_notice  # loaded with the trace: the launcher's only
+
+        if notice := size_notice(options.preemptions, _peak(plan), options.nodes):
+            say(notice)
     options = _with_market_prior(options, plan, say)
     initial = [action for action in plan if action.kind is ActionKind.ADD and action.at_s == 0]
     if len(initial) < options.stages * options.pipelines:
@@ -156,6 +162,12 @@ def run_cluster(
                      failed_ranks=failed_ranks, failed_nodes=failed_nodes, node_of_rank=node_of_rank,
                      exit_codes=codes, timed_out=timed_out, seconds=time.monotonic() - started, job_error=job_error,
                      worker_errors=worker_errors)
+
+
+def _peak(plan: Sequence[MarketAction]) -> int:
+    """The most machines the market's ``plan`` holds at once."""
+    steps = (1 if action.kind is ActionKind.ADD else -1 if action.kind is ActionKind.KILL else 0 for action in plan)
+    return max(itertools.accumulate(steps), default=0)
 
 
 def _with_market_prior(options: RunOptions, plan: Sequence[MarketAction],

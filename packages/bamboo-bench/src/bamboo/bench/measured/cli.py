@@ -22,7 +22,7 @@ import attrs
 from bamboo.bench import timeouts
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, positive_float, positive_int, zones
 from bamboo.bench.emulated.stop_signals import stopped_like_ctrl_c
-from bamboo.bench.measured.compare import Comparison, default_out, run_compare
+from bamboo.bench.measured.compare import Comparison, default_out, prepare_trace, run_compare
 from bamboo.bench.measured.figure import plot_comparison
 from bamboo.bench.measured.options import (
     BAMBOO_REDUNDANCY,
@@ -34,6 +34,7 @@ from bamboo.bench.measured.options import (
 )
 from bamboo.bench.measured.run import run_measured
 from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, spread_records, summarise
+from bamboo.bench.preemptions import size_notice
 from bamboo.bench.value import Report, format_report
 from bamboo.launch.spec import REDUNDANCY
 from rich.console import Console
@@ -245,6 +246,8 @@ def _run_compare(args: argparse.Namespace, console: Console, out: Console) -> in
         on_demand_price=args.on_demand_price, layers=args.layers, script=tuple(getattr(args, "script", ()) or ()),
         timeout_s=args.timeout, long_run=args.long_run, long_run_nodes=args.long_run_nodes, redundancy=args.redundancy,
         steady=args.steady)
+    if notice := size_notice(options.preemptions, int(prepare_trace(options).alive_series()[1].max()), options.nodes):
+        console.print(f"compare: {notice}")
     if args.out is None:  # a new folder only once the options hold: a refused command leaves nothing behind
         options = attrs.evolve(options, out=default_out())
     console.print(f"compare: files in {options.out}")

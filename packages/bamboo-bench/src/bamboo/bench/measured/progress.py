@@ -80,9 +80,7 @@ def progress_at_end(events: Sequence[Event], *, restarts_at_interruptions: bool,
         if later:
             committed = [e.step for e in ordered if isinstance(e, Checkpoint) and e.t <= later[0]]
             position = min(position, max(committed, default=0))
-    newest: dict[int, Step] = {}
-    for record in steps:
-        newest[record.step] = record
+    newest = {record.step: record for record in steps}  # in time order: each step's newest record wins
     discarded = [record for step, record in newest.items() if step > position]
     return Progress(step=position, samples=sum(r.samples for s, r in newest.items() if s <= position),
                     discarded_steps=len(discarded), discarded_s=sum(r.duration_s for r in discarded))

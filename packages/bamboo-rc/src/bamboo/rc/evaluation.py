@@ -32,7 +32,6 @@ evaluation's barrier, once every member is known to be done with them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -43,6 +42,7 @@ from bamboo.rc.device import to_device
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.precision import autocast
 from bamboo.rc.timeouts import STORE_POLL_S
+from bamboo.rc.waiter import TransferWaiter
 from bamboo.schedule import Instruction, Kind
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class ForwardOnlyPass:
         self.count = 0
         """Evaluations started (every node starts the same ones, so the count names them job-wide)."""
         self._finished: GroupTable | None = None
-        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._waiter: TransferWaiter | None = None
 
     # ---------------------------------------------------------------------------------- views
     @property
@@ -279,14 +279,10 @@ class ForwardOnlyPass:
                 wait_works(works)
                 return
             if self._waiter is None:
-                self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="bamboo-eval")
-            done = self._waiter.submit(wait_works, works)
-            while True:
-                try:
-                    done.result(timeout=self.executor.timeouts.poll)
-                    return
-                except concurrent.futures.TimeoutError:
-                    coordinator.raise_if_noticed()
+                self._waiter = TransferWaiter(max_threads=2, name="bamboo-eval")
+            done = self._waiter.submit(works)
+            while not done.wait(self.executor.timeouts.poll):
+                coordinator.raise_if_noticed()
         except RuntimeError as error:
             raise PeerFailure(peer, self.executor.layout.name(peer), what, error) from error
 

@@ -14,7 +14,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-from bamboo.rc.comm import wait_works
 from bamboo.rc.interpreter_allreduces import InterpreterAllReduces
 from bamboo.rc.interpreter_transfers import _TAG_SYNC, _segments, _tag
 from bamboo.rc.precision import step_outcome
@@ -48,7 +47,7 @@ class InterpreterCommit(InterpreterAllReduces):
         works: list[object] = []
         for segment, piece in enumerate(_segments(payload)):
             works += self.groups.post_send(group, piece, shadow, _tag(_TAG_SYNC, s, segment), key)
-        handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
+        handle = works if self._waiter is None else self._waiter.submit(works)
         self._pending[key] = (instruction.peer, handle, payload)
         self._posted_syncs[key] = instruction
         self.sync_bytes += payload.numel() * payload.element_size()

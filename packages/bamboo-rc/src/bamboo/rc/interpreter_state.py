@@ -8,7 +8,6 @@ that add their methods to it, one module each.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice
 from bamboo.rc.ties import TiedWeights
 from bamboo.rc.transport import HostStaging
+from bamboo.rc.waiter import TransferWaiter
 from bamboo.schedule import Instruction
 
 __all__ = ["InterpreterState", "Key", "Posted"]
@@ -81,7 +81,7 @@ class InterpreterState:
         """The result of the last commit this node completed (published with its progress after a failure)."""
         self.sync_bytes = 0
         self.kind_seconds: dict[str, float] = {}
-        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=8) if coordinator.watching else None
+        self._waiter = TransferWaiter() if coordinator.watching else None
         self._pending: dict[str, tuple[int, object, torch.Tensor | None]] = {}
         """Transfers a confirmed failure interrupted: instruction text -> (peer node, handle, buffer)."""
         self._segmented: dict[str, tuple[int, torch.Tensor, int]] = {}
@@ -109,7 +109,7 @@ class InterpreterState:
     def close(self) -> None:
         """End the idle threads that wait on transfers (one still waiting ends with its transfer)."""
         if self._waiter is not None:
-            self._waiter.shutdown(wait=False)
+            self._waiter.close()
 
     def reset_iteration(self) -> None:
         """Forget every tensor of the current iteration (the stash too)."""

@@ -11,7 +11,6 @@ This module also holds the message tags every transfer of the interpreter uses.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, wait_works
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.interpreter_state import InterpreterState
 from bamboo.rc.timeouts import LEFT_POLL_S
+from bamboo.rc.waiter import WaitHandle
 from bamboo.schedule import Instruction
 
 __all__ = ["InterpreterTransfers"]
@@ -70,7 +70,7 @@ class InterpreterTransfers(InterpreterState):
             _, handle, buffer = self._pending.pop(key)
         else:
             works, buffer = post()
-            handle = works if self._waiter is None else self._waiter.submit(wait_works, works)
+            handle = works if self._waiter is None else self._waiter.submit(works)
             if buffer is not None and self._replica_updates:
                 # A receive waits for its peer's work: idle time, where the replicas take the optimizer step of
                 # the last iteration (due before their next use) instead of at the end of this one.
@@ -81,20 +81,19 @@ class InterpreterTransfers(InterpreterState):
             except RuntimeError as exc:
                 raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
             return buffer
-        assert isinstance(handle, concurrent.futures.Future)
+        assert isinstance(handle, WaitHandle)
         while True:
             try:
-                handle.result(timeout=self.groups.timeouts.poll)
-                return buffer
-            except concurrent.futures.TimeoutError:
-                self._post_built()
-                event = self.coordinator.pending_event()
-                if event is not None:
-                    assert instruction.peer is not None
-                    self._pending[key] = (instruction.peer, handle, buffer)
-                    raise FailureNoticed(event) from None
+                if handle.wait(self.groups.timeouts.poll):
+                    return buffer
             except RuntimeError as exc:
                 raise PeerFailure(peer, self.layout.name(peer), key, exc) from exc
+            self._post_built()
+            event = self.coordinator.pending_event()
+            if event is not None:
+                assert instruction.peer is not None
+                self._pending[key] = (instruction.peer, handle, buffer)
+                raise FailureNoticed(event) from None
 
     def forget_transfers_with(self, victims: Collection[int]) -> list[str]:
         """Drop the interrupted transfers whose peer is one of `victims` (nodes of this pipeline that a

@@ -306,6 +306,7 @@ class StageExecutor(ExecutorHandover):
         while True:
             try:
                 while index < len(stream):
+                    self.interpreter.post_ahead(stream, index)
                     self._run(stream[index], index, len(stream), recovering)
                     index += 1
                 loss = self.interpreter.commit(self.hosted)

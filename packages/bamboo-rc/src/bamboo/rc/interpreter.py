@@ -42,7 +42,7 @@ this module: the instruction handlers and the dispatch table.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -57,6 +57,7 @@ from bamboo.schedule import Instruction, Kind
 __all__ = ["StageInterpreter"]
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+_RECEIVES = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 
 
 class StageInterpreter(InterpreterCommit):
@@ -70,6 +71,42 @@ class StageInterpreter(InterpreterCommit):
         self._handlers[instruction.kind](self, instruction)
         code = instruction.kind.value
         self.kind_seconds[code] = self.kind_seconds.get(code, 0.0) + time.perf_counter() - started
+
+    def post_ahead(self, stream: Sequence[Instruction], index: int) -> None:
+        """Before `stream[index]` runs, post the first receive of an activation or a gradient after it, so that its
+        sender does not wait for this node to get there.
+
+        A gloo send completes only once its receiver has posted the matching receive: in 1F1B a stage that sends
+        while its neighbour computes would wait for that computation to end. The receive is posted only where
+        nothing can block (its shape known, its group built) and is kept as posted under its instruction's text,
+        which resumes it when it runs, as an interrupted transfer (:meth:`_transfer`).
+
+        Only without failovers (redundancy ``none``, where a failure ends the executor): a failover's cut
+        (`bamboo.schedule.cut_problem`) takes a completed send to mean that its receive ran, as a blocking
+        send does; a send into a receive posted ahead breaks that, and the cut would not pair up."""
+        if self.coordinator.watching or stream[index].kind in _RECEIVES:
+            return
+        for ahead in stream[index + 1:]:
+            if ahead.kind in _RECEIVES:
+                break
+        else:
+            return
+        key = str(ahead)
+        if key in self._pending or key in self._segmented:
+            return
+        s, k = ahead.stage, ahead.microbatch
+        assert k is not None and ahead.peer is not None
+        peer = self._peer_rank(ahead.peer)
+        if ahead.kind is Kind.RECV_ACT:
+            meta, tag = self._act_meta.get(peer), _tag(_TAG_ACT, s, k)
+        else:
+            meta, tag = self._output_meta.get(s), _tag(_TAG_GRAD, s, k)
+        group = self._group_for(peer)
+        if meta is None or group not in self.groups.groups or self._needs_barrier(group):
+            return
+        buffer = self.staging.inbound_buffer(*meta)
+        works = self.groups.post_recv(group, buffer, peer, tag, key)
+        self._pending[key] = (ahead.peer, works if self._waiter is None else self._waiter.submit(works), buffer)
 
     def _load(self, instruction: Instruction) -> None:
         k = instruction.microbatch

@@ -86,11 +86,12 @@ class StageInterpreter(InterpreterCommit):
         send does; a send into a receive posted ahead breaks that, and the cut would not pair up."""
         if self.coordinator.watching or stream[index].kind in _RECEIVES:
             return
-        for ahead in stream[index + 1:]:
-            if ahead.kind in _RECEIVES:
-                break
-        else:
+        later = index + 1  # the scan stops at the first receive, a few instructions on: no slice of the stream
+        while later < len(stream) and stream[later].kind not in _RECEIVES:
+            later += 1
+        if later == len(stream):
             return
+        ahead = stream[later]
         key = str(ahead)
         if key in self._pending or key in self._segmented:
             return

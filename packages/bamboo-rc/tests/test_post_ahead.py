@@ -26,6 +26,7 @@ class FakeInterpreter:
 
     post_ahead = StageInterpreter.post_ahead
     _group_for = StageInterpreter._group_for
+    _receive_spec = StageInterpreter._receive_spec
 
     def __init__(self, rank: int, watching: bool = False) -> None:
         self.rank = rank

@@ -95,19 +95,25 @@ class StageInterpreter(InterpreterCommit):
         key = str(ahead)
         if key in self._pending or key in self._segmented:
             return
-        s, k = ahead.stage, ahead.microbatch
-        assert k is not None and ahead.peer is not None
-        peer = self._peer_rank(ahead.peer)
-        if ahead.kind is Kind.RECV_ACT:
-            meta, tag = self._act_meta.get(peer), _tag(_TAG_ACT, s, k)
-        else:
-            meta, tag = self._output_meta.get(s), _tag(_TAG_GRAD, s, k)
+        peer, meta, tag = self._receive_spec(ahead)
         group = self._group_for(peer)
         if meta is None or group not in self.groups.groups or self._needs_barrier(group):
             return
         buffer = self.staging.inbound_buffer(*meta)
         works = self.groups.post_recv(group, buffer, peer, tag, key)
         self._pending[key] = (ahead.peer, works if self._waiter is None else self._waiter.submit(works), buffer)
+
+    def _receive_spec(self, instruction: Instruction) -> tuple[int, tuple[tuple[int, ...], torch.dtype] | None, int]:
+        """An activation's or a gradient's receive: the peer's rank, the message's shape and dtype (None until they
+        are known: an activation's from its first message from that peer, a gradient's from the stage's first
+        forward here), and its tag."""
+        s, k = instruction.stage, instruction.microbatch
+        assert k is not None and instruction.peer is not None
+        peer = self._peer_rank(instruction.peer)
+        if instruction.kind is Kind.RECV_ACT:
+            return peer, self._act_meta.get(peer), _tag(_TAG_ACT, s, k)
+        output = self._output_meta.get(s)
+        return peer, None if output is None else (tuple(output[0]), output[1]), _tag(_TAG_GRAD, s, k)
 
     def _load(self, instruction: Instruction) -> None:
         k = instruction.microbatch
@@ -116,14 +122,12 @@ class StageInterpreter(InterpreterCommit):
 
     def _recv_act(self, instruction: Instruction) -> None:
         s, k = instruction.stage, instruction.microbatch
-        assert k is not None and instruction.peer is not None
-        peer = self._peer_rank(instruction.peer)
-        if peer not in self._act_meta:
+        peer, meta, tag = self._receive_spec(instruction)
+        if meta is None:
             header = self._recv(instruction, torch.zeros(8, dtype=torch.int64), peer, _tag(_TAG_HEADER, s, 0))
             ndim = int(header[0])
-            self._act_meta[peer] = (tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
-        shape, dtype = self._act_meta[peer]
-        received = self._recv(instruction, self.staging.inbound_buffer(shape, dtype), peer, _tag(_TAG_ACT, s, k))
+            meta = self._act_meta[peer] = (tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
+        received = self._recv(instruction, self.staging.inbound_buffer(*meta), peer, tag)
         buffer = self.staging.inbound(received)
         self.inputs[(s, k)] = buffer.requires_grad_(buffer.is_floating_point())
 
@@ -171,10 +175,9 @@ class StageInterpreter(InterpreterCommit):
 
     def _recv_grad(self, instruction: Instruction) -> None:
         s, k = instruction.stage, instruction.microbatch
-        assert k is not None and instruction.peer is not None
-        peer = self._peer_rank(instruction.peer)
-        shape, dtype = self._output_meta[s]
-        received = self._recv(instruction, self.staging.inbound_buffer(shape, dtype), peer, _tag(_TAG_GRAD, s, k))
+        peer, meta, tag = self._receive_spec(instruction)
+        assert meta is not None, f"{instruction}: no forward of stage {s} ran here before its gradient came"
+        received = self._recv(instruction, self.staging.inbound_buffer(*meta), peer, tag)
         self.out_grads[(s, k)] = self.staging.inbound(received)
 
     def _output_grad(self, s: int, k: int) -> torch.Tensor | None:

@@ -13,16 +13,28 @@ of the same steps (bound 1e-6 relative).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
 from bamboo.launch.events import Failover, Join, Reconfiguration, Restore, read_events
+from bamboo.launch.memcopy import read_indexes
 
 pytestmark = pytest.mark.timeout(240)
 
 TOLERANCE = 1e-6
+
+
+def keeper_holds_stage_1(handles: RunHandles, deadline_s: float = 60.0) -> None:
+    """Wait until a node other than stage 1's host keeps a copy of stage 1 in memory."""
+    host, job = handles.node_of_rank[1], handles.membership.keys.job
+    deadline = time.monotonic() + deadline_s
+    while not any(1 in index.copies for node, index in read_indexes(handles.membership.kv, job).items() if node != host):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no keeper held a copy of stage 1 within {deadline_s} s")
+        time.sleep(0.05)
 
 
 def test_a_stage_lost_without_redundancy_restores_from_memory_at_the_barrier_in_warm_workers(
@@ -37,6 +49,10 @@ def test_a_stage_lost_without_redundancy_restores_from_memory_at_the_barrier_in_
 
     def kill_stage_1_at_step_8(handles: RunHandles) -> None:
         until_step(handles, 8)
+        # The scenario's premise: a keeper holds a copy of stage 1. Its copies go out in the background, and under
+        # a loaded make test they may not have reached a keeper by step 8 (once the restore found no step kept in
+        # memory for every stage, and the job restarted from step 0).
+        keeper_holds_stage_1(handles)
         killed.append(handles.node_of_rank[1])
         handles.preempt(killed[0])
         finish_when(handles, lambda events: any(isinstance(e, Restore) for e in events))

@@ -1,6 +1,8 @@
 """Receives posted ahead: which receive the interpreter posts before a send or a computation, and when it does not.
 
-The exactness of training with them is covered by the verify matrix (`test_verify.py`, redundancy ``none``)."""
+The exactness of training with them is covered by the verify matrix (`test_verify.py`), and with failures while
+messages are in flight by the failover tests (`test_failover.py`); the cuts they leave by
+`packages/bamboo-schedule/tests/test_failover_ahead.py`."""
 
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ class FakeInterpreter:
     _group_for = StageInterpreter._group_for
     _receive_spec = StageInterpreter._receive_spec
 
-    def __init__(self, rank: int, watching: bool = False) -> None:
+    def __init__(self, rank: int, receives_ahead: bool = True) -> None:
         self.rank = rank
-        self.coordinator = SimpleNamespace(watching=watching)
+        self.receives_ahead = receives_ahead
         self.groups = FakeGroups()
         self.staging = SimpleNamespace(inbound_buffer=lambda shape, dtype: torch.empty(shape, dtype=dtype))
         self._waiter = None
@@ -74,11 +76,11 @@ def test_a_gradient_is_posted_ahead_after_the_stage_s_first_forward() -> None:
     assert [posted[3] for posted in interpreter.groups.posted] == ["0RG1<1"]
 
 
-def test_nothing_is_posted_ahead_where_failovers_take_cuts_or_at_a_receive_or_on_an_unbuilt_group() -> None:
-    watching = FakeInterpreter(rank=1, watching=True)
-    watching._act_meta[0] = ((2, 8, 4), torch.float32)
+def test_nothing_is_posted_ahead_in_efeb_or_at_a_receive_or_on_an_unbuilt_group() -> None:
+    efeb = FakeInterpreter(rank=1, receives_ahead=False)
+    efeb._act_meta[0] = ((2, 8, 4), torch.float32)
     instructions = stream(1)
-    watching.post_ahead(instructions, 1)
+    efeb.post_ahead(instructions, 1)
     at_receive = FakeInterpreter(rank=1)
     at_receive._act_meta[0] = ((2, 8, 4), torch.float32)
     at_receive.post_ahead(instructions, 0)  # 1RA0<0 itself: posted where it runs
@@ -86,4 +88,4 @@ def test_nothing_is_posted_ahead_where_failovers_take_cuts_or_at_a_receive_or_on
     unbuilt._act_meta[0] = ((2, 8, 4), torch.float32)
     unbuilt.groups.groups.clear()
     unbuilt.post_ahead(instructions, 1)
-    assert watching.groups.posted == at_receive.groups.posted == unbuilt.groups.posted == []
+    assert efeb.groups.posted == at_receive.groups.posted == unbuilt.groups.posted == []

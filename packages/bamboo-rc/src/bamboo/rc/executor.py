@@ -162,7 +162,7 @@ class StageExecutor(ExecutorHandover):
         self.interpreter = StageInterpreter(
             self.slices, self.loss_fn, config, layout, stage, pipeline, self.groups, self.coordinator,
             keeps_contributions=self.redundancy != "none", device=self.device,
-            ties=tied_weights(self.specs) if not ring else None,
+            ties=tied_weights(self.specs) if not ring else None, receives_ahead=RCMode(self.redundancy).receives_ahead,
         )
         self.ring: RingNode | None = None
         """P = 1 with redundancy: this node of the shadow ring (see :mod:`bamboo.rc.ring`)."""

@@ -81,10 +81,10 @@ class StageInterpreter(InterpreterCommit):
         nothing can block (its shape known, its group built) and is kept as posted under its instruction's text,
         which resumes it when it runs, as an interrupted transfer (:meth:`_transfer`).
 
-        Only without failovers (redundancy ``none``, where a failure ends the executor): a failover's cut
-        (`bamboo.schedule.cut_problem`) takes a completed send to mean that its receive ran, as a blocking
-        send does; a send into a receive posted ahead breaks that, and the cut would not pair up."""
-        if self.coordinator.watching or stream[index].kind in _RECEIVES:
+        A failure can strike while such a message is in flight (sent, its receive not run): a failover's cut allows
+        for it (`bamboo.schedule.engine.received_ahead`), and the failover schedule keeps the receive, which then
+        takes the data already there. Not in efeb (:attr:`receives_ahead`, `RCMode.receives_ahead`)."""
+        if not self.receives_ahead or stream[index].kind in _RECEIVES:
             return
         later = index + 1  # the scan stops at the first receive, a few instructions on: no slice of the stream
         while later < len(stream) and stream[later].kind not in _RECEIVES:

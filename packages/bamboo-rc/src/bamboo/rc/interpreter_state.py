@@ -52,6 +52,7 @@ class InterpreterState:
         keeps_contributions: bool = True,
         device: torch.device | None = None,
         ties: TiedWeights | None = None,
+        receives_ahead: bool = True,
     ) -> None:
         self.slices = slices
         self.loss_fn = loss_fn
@@ -68,6 +69,9 @@ class InterpreterState:
         """Whether each all-reduce keeps a copy of what it contributed, to be redone or posted again after a
         failure. Only with redundancy: without, a failure ends the run, and the copy would cost a fresh
         gradient-sized tensor every step."""
+        self.receives_ahead = receives_ahead
+        """Whether each activation or gradient receive is posted ahead of its turn (:meth:`StageInterpreter.post_ahead`):
+        the schedule's `RCMode.receives_ahead` (all modes but efeb)."""
         self.device = device or torch.device("cpu")
         """Where the slices, the activations and the gradients live (:mod:`bamboo.rc.device`); messages and
         the all-reduced gradients are in host memory, staged by :attr:`staging`."""

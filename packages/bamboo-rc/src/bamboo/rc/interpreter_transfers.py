@@ -71,10 +71,10 @@ class InterpreterTransfers(InterpreterState):
         else:
             works, buffer = post()
             handle = works if self._waiter is None else self._waiter.submit(works)
-            if buffer is not None and self._replica_updates:
-                # A receive waits for its peer's work: idle time, where the replicas take the optimizer step of
-                # the last iteration (due before their next use) instead of at the end of this one.
-                self.apply_replica_updates()
+        if buffer is not None and self._replica_updates:
+            # A receive waits for its peer's work: idle time, where the replicas take the optimizer step of the last
+            # iteration (due before their next use) instead of at the end of this one.
+            self.apply_replica_updates()
         if isinstance(handle, list):
             try:
                 wait_works(handle)

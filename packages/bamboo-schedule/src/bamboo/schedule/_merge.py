@@ -13,7 +13,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 
 from bamboo.schedule._tasks import CostFn, KindStageCost, unit_cost
-from bamboo.schedule.engine import counterpart, posted_before
+from bamboo.schedule.engine import counterpart, posted_before, received_ahead
 from bamboo.schedule.ir import BUFFERED_SENDS, Instruction, Kind, Schedule
 from bamboo.schedule.validate import ScheduleError, _provides, _requires
 
@@ -95,6 +95,8 @@ def merge_lanes(
 
     # (receiver, stage) of replica syncs posted and not yet received: those sends are buffered (`BUFFERED_SENDS`)
     posted = posted_before(executed)
+    # (receiver, receive) of activations and gradients already sent into a receive posted ahead: each runs alone
+    ahead = received_ahead({n: executed[n] for n in nodes})
 
     def satisfied(n: int, requires: tuple) -> bool:
         if not requires:
@@ -128,7 +130,10 @@ def merge_lanes(
             if entry[1] and not satisfied(n, entry[1]):
                 continue
             m = instr.peer
-            if m is not None and instr.kind is Kind.SYNC_RECV:
+            if m is not None and ahead and (n, instr) in ahead:
+                ahead.discard((n, instr))
+                m = None
+            elif m is not None and instr.kind is Kind.SYNC_RECV:
                 if (n, instr.stage) not in posted:
                     continue
                 posted.discard((n, instr.stage))

@@ -2,7 +2,8 @@
 
 `progress_at` places the failure moment on a timeline of the schedule (by default the unit-cost
 execution) and counts each node's completed instructions; `cut_problem` says why a set of completed
-prefixes is not a consistent cut (a message received but never sent). `failover_schedule` and
+prefixes is not a consistent cut (a message received but never sent). A message sent and not yet received is
+in flight: its receive was posted ahead (`bamboo.schedule.engine.received_ahead`). `failover_schedule` and
 `validate_failover` both check the cut with it.
 """
 
@@ -11,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from bamboo.schedule._gc import gc_paused
-from bamboo.schedule.engine import ExecutionError, StageTable, Timeline, check_execution, execute
+from bamboo.schedule.engine import (
+    ExecutionError,
+    StageTable,
+    Timeline,
+    check_execution,
+    counterpart,
+    execute,
+    received_ahead,
+)
 from bamboo.schedule.ir import COMM_KINDS, Instruction, Kind, Schedule
 
 __all__ = ["cut_problem", "progress_at"]
@@ -56,14 +65,24 @@ def progress_at(
     return progress
 
 
-def cut_problem(executed: Mapping[int, Sequence[Instruction]]) -> str | None:
+def cut_problem(executed: Mapping[int, Sequence[Instruction]], receives_ahead: bool = True) -> str | None:
     """Why the completed prefixes are not a consistent cut (a message received but never sent), or None.
 
-    Messages with nodes whose progress is unknown (victims without an entry) are left out.
+    Messages with nodes whose progress is unknown (victims without an entry) are left out. With
+    ``receives_ahead`` (`RCMode.receives_ahead`), a send may complete into its receiver's next activation or
+    gradient receive, posted ahead: the cut holds such messages in flight (`received_ahead`), and a message
+    received within the prefixes may have been sent before its receiver got there.
     """
-    prefixes = {n: tuple(i for i in s if i.peer is None or i.peer in executed) for n, s in executed.items()}
+    in_flight = {(m, receive.peer, counterpart(receive, m)) for m, receive in received_ahead(executed)
+                 } if receives_ahead else set()
+    prefixes = {
+        n: tuple(
+            i for i in s if (i.peer is None or i.peer in executed) and not (in_flight and (i.peer, n, i) in in_flight)
+        )
+        for n, s in executed.items()
+    }
     try:
-        check_execution(prefixes)
+        check_execution(prefixes, receives_ahead=receives_ahead)
     except ExecutionError as error:
         return str(error)
     return None

@@ -11,6 +11,10 @@ costs its node its own duration and the node goes on; the data lands after the t
 ``buffered`` row, else the send's duration), and the receive (``RY``) starts once both its node and the data are
 there. `check_execution` follows the same rules.
 
+A failover's cut can hold one more kind of message in flight: an activation or a gradient whose send completed
+while its receive had not run yet, because the receiver had posted that receive ahead (`received_ahead`). The data
+waits in the posted receive; the receive then runs without its partner (`check_execution`'s ``ahead``).
+
 Errors are typed and carry where they happened, so the validator can mark the bad cell:
 `Deadlock` (some nodes wait forever; the blocked heads are given) and `Mismatch` (two nodes are at a
 send and a receive towards each other, but for different tensors, so FIFO matching would pair the
@@ -39,6 +43,7 @@ __all__ = [
     "execute",
     "execute_from",
     "posted_before",
+    "received_ahead",
 ]
 
 Cell = tuple[int, int]
@@ -69,6 +74,8 @@ _PAIR.update({v: k for k, v in list(_PAIR.items())})
 _BUFFERED = BUFFERED_SENDS
 _BUFFERED_RECEIVES = frozenset(_PAIR[kind] for kind in BUFFERED_SENDS)
 _BUFFERED_ANY = _BUFFERED | _BUFFERED_RECEIVES
+_AHEAD_SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
+_AHEAD_RECEIVES = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 _OFFSET = {Kind.SEND_ACT: 1, Kind.RECV_ACT: -1, Kind.SEND_GRAD: -1, Kind.RECV_GRAD: 1}
 
 
@@ -158,19 +165,63 @@ def posted_before(executed: Mapping[int, Sequence[Instruction]]) -> set[tuple[in
     return {(peer, stage) for peer, stage in posted - taken if peer is not None}
 
 
+def received_ahead(executed: Mapping[int, Sequence[Instruction]]) -> set[tuple[int, Instruction]]:
+    """(receiver, receive) of the activations and gradients sent in ``executed`` (completed prefixes) whose receive
+    is not in its receiver's prefix.
+
+    A runtime that posts a receive ahead of its turn (bamboo-rc's ``StageInterpreter.post_ahead``: a blocking send
+    completes only once its receive is posted) lets such a send complete first: the data waits in the posted
+    receive, which then runs without its partner. Only messages between nodes of ``executed`` count.
+    """
+    ahead: set[tuple[int, Instruction]] = set()
+    done: dict[int, set[Instruction]] = {}
+    for n, stream in executed.items():
+        for instr in stream:
+            m = instr.peer
+            if m is None or instr.kind not in _AHEAD_SENDS or m not in executed:
+                continue
+            if m not in done:
+                done[m] = set(executed[m])
+            receive = counterpart(instr, n)
+            if receive not in done[m]:
+                ahead.add((m, receive))
+    return ahead
+
+
 @gc_paused
 def check_execution(
-    streams: Mapping[int, Sequence[Instruction]], posted: Collection[tuple[int, int]] = ()
+    streams: Mapping[int, Sequence[Instruction]],
+    posted: Collection[tuple[int, int]] = (),
+    ahead: Collection[tuple[int, Instruction]] = (),
+    receives_ahead: bool = False,
 ) -> None:
     """`execute` without durations or a timeline: only raise `Deadlock` or `Mismatch` (the validator's use).
 
     ``posted`` are buffered sends already posted before these streams start ((receiver, stage), from
-    `posted_before`). Nodes are visited in the same order as in `execute`, so the same error is raised.
+    `posted_before`); ``ahead`` are receives whose data came before these streams start ((receiver, receive), from
+    `received_ahead`): each runs without its partner. Nodes are visited in the same order as in `execute`, so the
+    same error is raised.
+
+    With ``receives_ahead``, each node has its next activation or gradient receive posted (its first from its
+    current instruction on, as bamboo-rc's ``StageInterpreter.post_ahead`` does), and a send into it completes at
+    once; the data waits there until the receiver gets to it. A cut's check (`bamboo.schedule.cut`) runs so.
     """
     pos = dict.fromkeys(streams, 0)
     work = deque(streams)
     pair_kind, offset = _PAIR, _OFFSET
     posted = set(posted)
+    ahead = set(ahead)
+    following: dict[int, list[int]] = {}  # with receives_ahead: node -> index -> the index of its next receive
+
+    def posted_receive(m: int, j: int) -> Instruction | None:
+        if m not in following:
+            other_stream = streams[m]
+            nexts = [len(other_stream)] * (len(other_stream) + 1)
+            for index in range(len(other_stream) - 1, -1, -1):
+                nexts[index] = index if other_stream[index].kind in _AHEAD_RECEIVES else nexts[index + 1]
+            following[m] = nexts
+        r = following[m][j]
+        return streams[m][r] if r < len(streams[m]) else None
     while work:
         n = work.popleft()
         stream = streams[n]
@@ -180,6 +231,10 @@ def check_execution(
             instr = stream[i]
             m = instr.peer
             if m is None:
+                i += 1
+                continue
+            if ahead and (n, instr) in ahead:
+                ahead.discard((n, instr))
                 i += 1
                 continue
             other_stream = streams.get(m)
@@ -198,11 +253,20 @@ def check_execution(
                 i += 1
                 continue
             j = pos[m]
+            if receives_ahead and kind in _AHEAD_SENDS:
+                receive = posted_receive(m, j)
+                if receive is not None and (m, receive) not in ahead and receive == counterpart(instr, n):
+                    ahead.add((m, receive))  # it lands in the receive posted ahead
+                    work.append(m)
+                    i += 1
+                    continue
             if j >= len(other_stream):
                 break
             other = other_stream[j]
             if other.peer != n or (kind in SENDS) == (other.kind in SENDS) or other.kind in _BUFFERED_ANY:
                 break
+            if ahead and (m, other) in ahead:
+                break  # the peer first takes a message that came ahead
             if (
                 other.kind is not pair_kind[kind]
                 or other.stage != instr.stage + offset.get(kind, 0)

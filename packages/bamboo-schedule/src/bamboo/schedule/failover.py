@@ -143,7 +143,7 @@ def failover_schedule(
             raise ValueError(f"progress {index!r} of node {n} out of range 0..{len(schedule.streams[n])}")
         done[n] = index
     executed = {n: schedule.streams[n][:i] for n, i in done.items()}
-    problem = cut_problem(executed)
+    problem = cut_problem(executed, rc.receives_ahead)
     if problem:
         raise ValueError(f"inconsistent cut: the completed prefixes do not pair up: {problem}")
     ran = {n: set(executed[n]) for n in survivors}  # what each survivor completed, for lookups

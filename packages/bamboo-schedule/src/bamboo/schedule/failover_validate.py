@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from bamboo.schedule._gc import gc_paused
 from bamboo.schedule.cut import cut_problem
-from bamboo.schedule.engine import ExecutionError, check_execution, posted_before
+from bamboo.schedule.engine import ExecutionError, check_execution, posted_before, received_ahead
 from bamboo.schedule.failover_plan import FailoverPlan
 from bamboo.schedule.ir import Kind
 from bamboo.schedule.validate import ScheduleError, dependency_problem, shape_problem
@@ -45,7 +45,7 @@ def validate_failover(plan: FailoverPlan) -> None:
         raise error
 
     # the cut: survivors' prefixes (and victims', when known) must pair up among themselves
-    problem = None if plan._cut_already_checked() else cut_problem(plan.executed)
+    problem = None if plan._cut_already_checked() else cut_problem(plan.executed, rc.receives_ahead)
     if problem:
         fail(f"inconsistent cut: the completed prefixes do not pair up: {problem}", [])
     found = shape_problem(remainder.streams, P, M)
@@ -56,7 +56,8 @@ def validate_failover(plan: FailoverPlan) -> None:
             if instr.peer is not None and instr.peer not in remainder.streams:
                 fail(f"node {n} {instr} talks to failed node {instr.peer}", [(n, split[n] + i)])
     try:
-        check_execution(remainder.streams, posted_before(plan.executed))
+        check_execution(remainder.streams, posted_before(plan.executed),
+                        received_ahead({n: plan.executed[n] for n in survivors}))
     except ExecutionError as error:
         fail(str(error), [(n, split[n] + i) for n, i in error.cells])
     found = dependency_problem(full, P, M, rc)

@@ -92,6 +92,14 @@ class RCMode(enum.Enum):
     EFEB = "efeb"
     """Eager FRC, eager BRC: the shadow runs both redundant passes every iteration."""
 
+    @property
+    def receives_ahead(self) -> bool:
+        """Whether a node may post its next activation or gradient receive before its turn, so that a send into it
+        completes while the receiver still works (a failover's cut then holds messages in flight:
+        `bamboo.schedule.engine.received_ahead`). Not in efeb: a failover drops the shadow's copies of the
+        successor's gradients for the rest of the iteration, and one posted ahead would stay posted."""
+        return self is not RCMode.EFEB
+
 
 _CODES = {kind.value: kind for kind in Kind}
 _FORM = re.compile(r"^(\d+)([A-Z]+)(\d+)?(?:([<>])(\d+))?$")

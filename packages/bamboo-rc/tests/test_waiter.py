@@ -40,8 +40,9 @@ def test_a_handle_is_not_done_until_every_work_completed_and_stays_done() -> Non
     handle = waiter.submit([first, second])
     assert handle.wait(0.01) is False
     first.finish.set()
-    assert handle.wait(0.01) is False
+    assert handle.wait(0.01) is False and not handle.done()
     second.finish.set()
+    assert wait_until(handle.done)  # done() polls without waiting or raising
     assert handle.wait(5.0) is True
     assert handle.wait(0.0) is True  # polled again after it completed: still done, no second wait on the works
     assert (first.waited, second.waited) == (1, 1)
@@ -53,6 +54,7 @@ def test_a_failed_work_raises_its_error_where_the_handle_is_polled() -> None:
     work = BlockingWork(error="Connection closed by peer")
     handle = waiter.submit([work])
     work.finish.set()
+    assert wait_until(handle.done)  # a failed work is done too; its error comes where the handle is waited on
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         handle.wait(5.0)
     with pytest.raises(RuntimeError, match="Connection closed by peer"):

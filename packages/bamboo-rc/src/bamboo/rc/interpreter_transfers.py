@@ -38,6 +38,14 @@ def _never_posted() -> tuple[list[object], torch.Tensor | None]:
     raise RuntimeError("a posted transfer was lost before it completed")
 
 
+def _completed(handle: object) -> bool:
+    """Whether a posted transfer's works completed (a `WaitHandle`, or the works themselves), without waiting."""
+    if isinstance(handle, WaitHandle):
+        return handle.done()
+    assert isinstance(handle, list)
+    return all(work.is_completed() for work in handle)
+
+
 def _segments(flat: torch.Tensor) -> list[torch.Tensor]:
     """Split a large 1-D payload into messages that each fit MAX_CHUNKS chunks."""
     per_message = max(1, MAX_CHUNKS * CHUNK_BYTES // flat.element_size())
@@ -68,10 +76,12 @@ class InterpreterTransfers(InterpreterState):
         key = str(instruction)
         if key in self._pending:
             _, handle, buffer = self._pending.pop(key)
+            waits = buffer is not None and not _completed(handle)  # a receive posted ahead may have its data already
         else:
             works, buffer = post()
             handle = works if self._waiter is None else self._waiter.submit(works)
-        if buffer is not None and self._replica_updates:
+            waits = buffer is not None
+        if waits and self._replica_updates:
             # A receive waits for its peer's work: idle time, where the replicas take the optimizer step of the last
             # iteration (due before their next use) instead of at the end of this one.
             self.apply_replica_updates()

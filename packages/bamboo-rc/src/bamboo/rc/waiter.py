@@ -48,6 +48,10 @@ class WaitHandle:
             raise self.error
         return True
 
+    def done(self) -> bool:
+        """Whether the works completed or failed (never blocks, never raises)."""
+        return self._finished or not self._done.locked()
+
     def _complete(self) -> None:
         try:
             wait_works(self.works)

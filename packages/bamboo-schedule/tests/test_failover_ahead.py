@@ -91,28 +91,21 @@ def test_a_send_into_a_receive_posted_ahead_is_in_flight_not_an_inconsistent_cut
         check_execution(rest)
 
 
-@st.composite
-def ahead_cases(draw: st.DrawFn) -> tuple[str, int, int, str, frozenset[int], int]:
-    stages = draw(st.integers(2, 8))
-    microbatches = draw(st.integers(1, 12))
-    victims = draw(st.sets(st.integers(0, stages - 1), min_size=1, max_size=max(1, stages // 2)))
-    assume(all((v + 1) % stages not in victims for v in victims))
-    return (
-        draw(st.sampled_from(["1f1b", "gpipe"])),
-        stages,
-        microbatches,
-        draw(st.sampled_from(["lflb", "eflb"])),
-        frozenset(victims),
-        draw(st.integers(0, 2**31)),
-    )
-
-
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=ahead_cases())
-def test_failover_from_a_cut_with_receives_posted_ahead_validates(case) -> None:  # type: ignore[no-untyped-def]
-    policy, stages, microbatches, rc, victims, seed = case
+@given(
+    policy=st.sampled_from(["1f1b", "gpipe"]),
+    stages=st.integers(2, 8),
+    microbatches=st.integers(1, 12),
+    rc=st.sampled_from(["lflb", "eflb"]),
+    data=st.data(),
+)
+def test_failover_from_a_cut_with_receives_posted_ahead_validates(  # type: ignore[no-untyped-def]
+    policy, stages, microbatches, rc, data
+) -> None:
+    victims = data.draw(st.sets(st.integers(0, stages - 1), min_size=1, max_size=max(1, stages // 2)), "victims")
+    assume(all((v + 1) % stages not in victims for v in victims))
     schedule = generate(policy, stages, microbatches, rc)
-    progress, came = cut_with_receives_ahead(schedule.streams, seed)
+    progress, came = cut_with_receives_ahead(schedule.streams, data.draw(st.integers(0, 2**31), "seed"))
     plan = failover_schedule(schedule, victims, progress)
     validate_failover(plan)
     for m, receive in came:  # a survivor's receive whose data came ahead stays in its remainder, and runs alone

@@ -39,7 +39,9 @@ def _never_posted() -> tuple[list[object], torch.Tensor | None]:
 
 
 def _completed(handle: object) -> bool:
-    """Whether a posted transfer's works completed (a `WaitHandle`, or the works themselves), without waiting."""
+    """Whether a posted transfer's works completed (a `WaitHandle`, or the works themselves), without waiting.
+    gloo's point-to-point works say so only once waited on: without a waiter (no failure notices), a receive posted
+    ahead always counts as waiting."""
     if isinstance(handle, WaitHandle):
         return handle.done()
     assert isinstance(handle, list)

@@ -73,12 +73,11 @@ def cut_problem(executed: Mapping[int, Sequence[Instruction]], receives_ahead: b
     gradient receive, posted ahead: the cut holds such messages in flight (`received_ahead`), and a message
     received within the prefixes may have been sent before its receiver got there.
     """
-    in_flight = {(m, receive.peer, counterpart(receive, m)) for m, receive in received_ahead(executed)
+    # (sender, send) of each message in flight: left out of the prefixes, as a receive posted ahead took it
+    in_flight = {(receive.peer, counterpart(receive, m)) for m, receive in received_ahead(executed)
                  } if receives_ahead else set()
     prefixes = {
-        n: tuple(
-            i for i in s if (i.peer is None or i.peer in executed) and not (in_flight and (i.peer, n, i) in in_flight)
-        )
+        n: tuple(i for i in s if (i.peer is None or i.peer in executed) and not (in_flight and (n, i) in in_flight))
         for n, s in executed.items()
     }
     try:

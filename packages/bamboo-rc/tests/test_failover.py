@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from bamboo.rc.cli import main
 from bamboo.rc.faults import KillPoint, NoticePoint
@@ -177,6 +178,9 @@ def test_a_consecutive_failure_in_one_pipeline_ends_the_other_pipelines_commit_w
     assert {rank: code for rank, code in result.worker_exit_codes.items() if rank not in result.killed} == dict.fromkeys(
         range(6), 3)  # every survivor left the failed iteration
     assert result.compared_at_step == 1 and result.max_relative_diff <= 1e-6
+    assert result.refused_exactly and not result.passed  # what soak counts apart from wrong results and hangs
+    assert not attrs.evolve(result, max_relative_diff=1.0).refused_exactly
+    assert not attrs.evolve(result, consecutive=None, max_relative_diff=1.0).refused_exactly
 
 
 def test_without_redundancy_a_kill_is_a_typed_peer_failure(capfd: pytest.CaptureFixture[str]) -> None:

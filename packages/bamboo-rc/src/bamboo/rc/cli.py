@@ -303,9 +303,14 @@ def _soak(args: argparse.Namespace) -> int:
     for index, (kills, result) in enumerate(outcomes):
         if not result.passed:
             given = f" with {notices[index][0]}" if notices else ""
+            refused = f", refused: {result.consecutive}" if result.consecutive else ""
             print(f"FAIL {kills}{given}: max relative {result.max_relative_diff:.3e}, "
-                  f"exit codes {result.worker_exit_codes}")
+                  f"exit codes {result.worker_exit_codes}{refused}")
     print(f"soak: {passed}/{len(outcomes)} kill points matched the reference ({100.0 * passed / len(outcomes):.1f}%)")
+    refusals = sum(1 for _, result in outcomes if result.refused_exactly)
+    if refusals:
+        print(f"soak: {refusals} of the {len(outcomes) - passed} misses were refusals with the survivors exact at the "
+              f"start of the failed step (a consecutive failure or a lost contribution: the job restores)")
     if not notices:  # with notices, every run kills one node
         killed_two = sum(1 for _, result in outcomes if len(result.killed) >= 2)
         print(f"soak: {killed_two}/{len(outcomes)} runs killed two nodes (a kill point fires only if its node "

@@ -118,6 +118,13 @@ class VerifyResult:
     (the most the stash held on the GPU at once) and ``staged_bytes`` (message bytes copied between the GPU and
     host buffers)."""
 
+    @property
+    def refused_exactly(self) -> bool:
+        """A consecutive failure (or a lost contribution) stopped the run, and the survivors equal the reference at
+        the start of the failed step: the refusal the failure model documents (the job restores), not a wrong
+        result or a hang."""
+        return self.consecutive is not None and self.max_relative_diff <= RELATIVE_TOLERANCE
+
     def pause_seconds(self, failover: FailoverRecord) -> tuple[float, float | None] | None:
         """The failover's pause as the survivors of its pipeline saw it: seconds from the kill to the last of them
         resuming, and to the last of them ending the failed step (None when unknown); None when the kill time is

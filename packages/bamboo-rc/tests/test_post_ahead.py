@@ -29,6 +29,7 @@ class FakeInterpreter:
     post_ahead = StageInterpreter.post_ahead
     _group_for = StageInterpreter._group_for
     _receive_spec = StageInterpreter._receive_spec
+    _handle = StageInterpreter._handle
 
     def __init__(self, rank: int, receives_ahead: bool = True) -> None:
         self.rank = rank

@@ -101,7 +101,7 @@ class StageInterpreter(InterpreterCommit):
             return
         buffer = self.staging.inbound_buffer(*meta)
         works = self.groups.post_recv(group, buffer, peer, tag, key)
-        self._pending[key] = (ahead.peer, works if self._waiter is None else self._waiter.submit(works), buffer)
+        self._pending[key] = (ahead.peer, self._handle(works), buffer)
 
     def _receive_spec(self, instruction: Instruction) -> tuple[int, tuple[tuple[int, ...], torch.dtype] | None, int]:
         """An activation's or a gradient's receive: the peer's rank, the message's shape and dtype (None until they

@@ -47,7 +47,7 @@ class InterpreterCommit(InterpreterAllReduces):
         works: list[object] = []
         for segment, piece in enumerate(_segments(payload)):
             works += self.groups.post_send(group, piece, shadow, _tag(_TAG_SYNC, s, segment), key)
-        handle = works if self._waiter is None else self._waiter.submit(works)
+        handle = self._handle(works)
         self._pending[key] = (instruction.peer, handle, payload)
         self._posted_syncs[key] = instruction
         self.sync_bytes += payload.numel() * payload.element_size()

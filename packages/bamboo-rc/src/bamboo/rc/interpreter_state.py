@@ -23,7 +23,7 @@ from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice
 from bamboo.rc.ties import TiedWeights
 from bamboo.rc.transport import HostStaging
-from bamboo.rc.waiter import TransferWaiter
+from bamboo.rc.waiter import TransferWaiter, WaitHandle
 from bamboo.schedule import Instruction
 
 __all__ = ["InterpreterState", "Key", "Posted"]
@@ -114,6 +114,11 @@ class InterpreterState:
         """End the idle threads that wait on transfers (one still waiting ends with its transfer)."""
         if self._waiter is not None:
             self._waiter.close()
+
+    def _handle(self, works: list[object]) -> list[object] | WaitHandle:
+        """What a posted transfer is waited on by: its works themselves without failure notices, else a helper's
+        :class:`~bamboo.rc.waiter.WaitHandle` (the node polls for failures while it waits)."""
+        return works if self._waiter is None else self._waiter.submit(works)
 
     def reset_iteration(self) -> None:
         """Forget every tensor of the current iteration (the stash too)."""

@@ -39,13 +39,10 @@ def _never_posted() -> tuple[list[object], torch.Tensor | None]:
 
 
 def _completed(handle: object) -> bool:
-    """Whether a posted transfer's works completed (a `WaitHandle`, or the works themselves), without waiting.
-    gloo's point-to-point works say so only once waited on: without a waiter (no failure notices), a receive posted
-    ahead always counts as waiting."""
-    if isinstance(handle, WaitHandle):
-        return handle.done()
-    assert isinstance(handle, list)
-    return all(work.is_completed() for work in handle)
+    """Whether a posted transfer is known to have completed, without waiting: only a helper's `WaitHandle` can say.
+    gloo's point-to-point works report completion only once waited on, so the works themselves (no failure notices,
+    no helper) always count as still waiting."""
+    return isinstance(handle, WaitHandle) and handle.done()
 
 
 def _segments(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -81,7 +78,7 @@ class InterpreterTransfers(InterpreterState):
             waits = buffer is not None and not _completed(handle)  # a receive posted ahead may have its data already
         else:
             works, buffer = post()
-            handle = works if self._waiter is None else self._waiter.submit(works)
+            handle = self._handle(works)
             waits = buffer is not None
         if waits and self._replica_updates:
             # A receive waits for its peer's work: idle time, where the replicas take the optimizer step of the last

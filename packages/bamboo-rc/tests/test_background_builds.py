@@ -310,3 +310,19 @@ def test_allreduces_posted_again_after_a_hand_over_are_posted_once_built_and_sum
             table.release()
 
     assert _run_ranks([lambda: rank(1, 0, 1.0), lambda: rank(3, 1, 2.0)]) == [[3.0] * 3, [3.0] * 3]
+
+
+def test_a_failed_eager_build_is_raised_at_the_groups_first_use_in_its_epoch_only(store: TCPStore) -> None:
+    """A member that builds its side and dies at once fails the others' eager builds (`executor.connect`);
+    that failure waits for the group's first use, where it is a PeerFailure naming the other members,
+    and a later epoch's group forgets it."""
+    table = _table(store, 0, group_timeout=1.0)
+    table.set_members(0, {"a": [0, 1]})
+    table.build_eagerly("a")  # rank 1 never joins: the build times out, and nothing is raised here
+    assert "a" not in table.groups
+    with pytest.raises(PeerFailure) as failure:
+        table.group("a")
+    assert failure.value.peers == (1,) and "the first build of a" in str(failure.value)
+    table.build_eagerly("a")
+    table.set_members(1, {"a": [0, 2]})
+    assert table.failed_builds == {}

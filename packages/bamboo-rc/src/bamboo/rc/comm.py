@@ -206,6 +206,9 @@ class GroupTable:
         self._prune_at: dict[str, int] = {}
         self.building: dict[str, concurrent.futures.Future[ProcessGroupGloo]] = {}
         """The groups being built in the background (:meth:`start_builds`), by name."""
+        self.failed_builds: dict[str, tuple[int, PeerFailure]] = {}
+        """(the group's version, the failure) of each group whose eager first build failed
+        (:meth:`build_eagerly`): raised at the group's next use in that version."""
 
     def set_members(self, epoch: int, members: dict[str, Sequence[int]]) -> None:
         for name in list(self.members):
@@ -221,6 +224,7 @@ class GroupTable:
         release_settled()  # the groups retired earlier whose operations have finished since
 
     def _retire(self, name: str) -> None:
+        self.failed_builds.pop(name, None)
         self.building.pop(name, None)  # a build in flight ends on its own (by the group timeout at the latest)
         group = self.groups.pop(name, None)
         works = self.works.pop(name, [])
@@ -291,6 +295,7 @@ class GroupTable:
         `barrier` (it returns once every member is about to build the group) and start the build in the
         background; then wait for the build, calling `interrupt` meanwhile (:meth:`wait_built`), so that a
         member that dies after the barrier and before it joins is noticed instead of waited for."""
+        self.raise_failed_build(name)
         if name not in self.groups and name not in self.building:
             barrier()
             self.start_build(name)
@@ -322,12 +327,30 @@ class GroupTable:
         build was started in the background)."""
         group = self.groups.get(name)
         if group is None:
+            self.raise_failed_build(name)
             if name in self.building:
                 self.wait_built(name, f"the build of {name}")
                 return self.groups[name]
             group = build_gloo_group(*self._build_arguments(name, self.store))
             self.groups[name] = group
         return group
+
+    def build_eagerly(self, name: str) -> None:
+        """Build group `name` now, before the first step. A member may build its side and die at once
+        (a kill at its first instruction) while the others still connect: their build fails, and that
+        failure is kept and raised, as a PeerFailure naming the other members, at the group's first use
+        (inside a step, where a failure can be failed over) instead of here."""
+        try:
+            self.group(name)
+        except RuntimeError as exc:
+            self.failed_builds[name] = (self.versions[name], self.collective_failure(
+                name, f"the first build of {name}", exc))
+
+    def raise_failed_build(self, name: str) -> None:
+        """Raise the failure of group `name`'s eager build, once, if it is of the group's current version."""
+        failed = self.failed_builds.pop(name, None)
+        if failed is not None and failed[0] == self.versions.get(name) and name not in self.groups:
+            raise failed[1]
 
     def name_of(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")

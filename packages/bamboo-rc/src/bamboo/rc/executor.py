@@ -197,15 +197,7 @@ class StageExecutor(ExecutorHandover):
         for name in sorted(self.groups.members):
             ranks = self.groups.members[name]
             if self.rank in ranks and len(ranks) > 1 and (not name.startswith("p2p") or self._near(ranks)):
-                try:
-                    self.groups.group(name)
-                except RuntimeError as exc:
-                    if self.ring is None:
-                        raise
-                    # P = 1: a member built its side and died at once (a kill at its first
-                    # instruction); the ring's first use of the group reports it, and fails over
-                    self.ring.unbuilt = (self.groups.versions[name], self.groups.collective_failure(
-                        name, f"the first build of {name}", exc))
+                self.groups.build_eagerly(name)
 
     def _near(self, ranks: Sequence[int]) -> bool:
         a, b = (self.layout.position(r)[0] for r in ranks)

@@ -151,9 +151,6 @@ class RingNode:
         """(step, reduced gradients, every microbatch's loss) of the last step this node committed."""
         self.done = 0
         """Instructions completed in the current step (published with the progress after a failure)."""
-        self.unbuilt: tuple[int, PeerFailure] | None = None
-        """(the group's version, the failure) when the first build of the all-reduce's group failed:
-        raised by the next all-reduce of that version (a later epoch builds a new group)."""
         self._own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads_zero = False
         """Whether the slice's gradients are all zero (set by a zeroing or a commit, cleared by a backward),
@@ -317,11 +314,6 @@ class RingNode:
             losses[share * self.micro_batches : (share + 1) * self.micro_batches] = torch.tensor(
                 self.shares[share][1], dtype=torch.float64
             )
-        if self.unbuilt is not None:
-            version, failure = self.unbuilt
-            self.unbuilt = None
-            if version == self.groups.versions[GROUP] and GROUP not in self.groups.groups:
-                raise failure
         self._await_group()
         works = self.groups.post_all_to_all(
             GROUP, received, sent, [len(shares_of[m]) * chunk for m in members],

@@ -53,7 +53,7 @@ from bamboo.rc.comm import GroupTable
 from bamboo.rc.config import TrainingConfig
 from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.device import to_device
-from bamboo.rc.failures import FailureNoticed, PeerFailure
+from bamboo.rc.failures import FailureNoticed
 from bamboo.rc.layout import Layout
 from bamboo.rc.precision import autocast, backward
 from bamboo.rc.records import CommitResult

@@ -25,7 +25,7 @@ from bamboo.rc.failures import (
     StoreFailureNotices,
 )
 from bamboo.rc.layout import Layout
-from bamboo.rc.records import CommitResult, HandoverRecord, ProgressRecord, SuspicionRecord
+from bamboo.rc.records import CommitResult, HandoverRecord, ProgressRecord, ReducedRecord, SuspicionRecord
 from bamboo.rc.timeouts import STRAGGLER_S, CommTimeouts
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
 from bamboo.schedule import merged_schedule, one_f_one_b, progress_at, validate_failover
@@ -195,7 +195,7 @@ def test_a_survivor_that_never_publishes_times_the_agreement_out_on_the_injected
 ) -> None:
     cluster = Cluster(4, clock)
     cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
-    with pytest.raises(AgreementError, match=r"survivors \[3\] of pipeline 0 did not publish their progress"):
+    with pytest.raises(AgreementError, match=r"survivors \[3\] \(global ranks\) of pipeline 0 did not publish their progress"):
         cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
     assert TIMEOUTS.confirm < cluster.clock.t < TIMEOUTS.confirm + 0.01
 
@@ -236,7 +236,7 @@ def test_a_survivor_missing_from_the_agreement_is_reported_once_as_a_suspect_aft
     cluster = Cluster(4, clock)
     cluster.nodes[1].begin(FailureEvent(1, [2]), 0, step=1)
     seen = _suspicions(cluster)
-    with pytest.raises(AgreementError, match=r"survivors \[3\] of pipeline 0 did not publish"):
+    with pytest.raises(AgreementError, match=r"survivors \[3\] \(global ranks\) of pipeline 0 did not publish"):
         cluster.nodes[0].agree(FailureEvent(1, [2]), 0, step=1)
     assert list(seen) == [f"bamboo/{JOB}/suspect/1/0/3"]  # node 1 published: only node 3, and once
     assert STRAGGLER_S <= seen[f"bamboo/{JOB}/suspect/1/0/3"] < STRAGGLER_S + 0.01
@@ -422,7 +422,7 @@ def test_a_failure_after_a_hand_over_met_in_the_same_agreement_is_judged_on_the_
     other = node(0, 0)
     pending_other = other.begin(FailureEvent(1, [6], handover=True), 7, step=2)
     assert pending_other.poll() is None  # absorbs epoch 2
-    assert other.epoch == 2 and pending_other.missing() == (1, [1, 3])  # not node 2: it left
+    assert other.epoch == 2 and pending_other.missing() == (1, [5, 7])  # ranks of nodes 1 and 3, not 2: it left
     survivors = {n: node(1, n) for n in (1, 3)}
     pending = {}
     for n, coordinator in survivors.items():  # they applied the hand-over at the boundary, then lost node 0
@@ -855,15 +855,18 @@ def test_every_node_tells_a_leaver_it_passed_the_step_and_nobody_writes_when_no_
 
 
 def _agree_everywhere(coordinators: dict[tuple[int, int], FailoverCoordinator],
-                      where: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], object]:
-    """Every survivor begins the agreement on the pending event at (done, step) and polls it to the end;
-    returns what each got: its Agreement, or the error it raised."""
+                      where: dict[tuple[int, int], tuple[int, int]],
+                      reduced: dict[tuple[int, int], dict[int, tuple[int, ...]]] | None = None,
+                      ) -> dict[tuple[int, int], object]:
+    """Every survivor begins the agreement on the pending event at (done, step), with the all-reduces it
+    completed (`reduced`, none by default), and polls it to the end; returns what each got: its Agreement, or
+    the error it raised."""
     pending, outcome = {}, {}
     for key, coordinator in coordinators.items():
         event = coordinator.pending_event()
         assert event is not None, key
         done, step = where[key]
-        pending[key] = coordinator.begin(event, done, step)
+        pending[key] = coordinator.begin(event, done, step, reduced=(reduced or {}).get(key))
     for key, p in pending.items():
         try:
             outcome[key] = p.poll()
@@ -910,3 +913,54 @@ def test_a_redo_another_pipeline_committed_and_lost_the_stage_of_is_a_lost_contr
         assert (error.pipeline, error.lost_stages, error.step, error.other, error.other_step) == (0, (1,), 90, 1, 91)
         assert "pipeline 0 must redo stage 1's all-reduce of step 90" in str(error)
     assert all(0 not in coordinators[key].recovering for key in coordinators)  # nothing of epoch 2 was agreed on
+
+
+@pytest.mark.parametrize("redo_completed", [False, True])
+def test_a_redo_of_an_earlier_failover_whose_partner_is_lost_a_step_later_is_judged_by_its_witness(
+    redo_completed: bool, clock: FakeClock
+) -> None:
+    # The other order of the test above (seen in a soak, P = 4, D = 2, eflb). Pipeline 0 loses its node of
+    # stage 1 in step 90 before its shadow got the step's sync: the shadow (node 0) redoes stage 1's all-reduce
+    # of step 90, which pipeline 1's node of stage 1 (a step ahead) must join with its kept contribution. That
+    # node then dies in step 91. If it died before it joined, the redo can only wait forever (or sum step 91's
+    # contributions): every node raises LostContribution. Only the redo's host knows whether it completed, so
+    # it publishes that when it learns of the loss, and every node decides on its record. Before, no node
+    # checked, and the run hung.
+    store = FakeStore()
+    layout, schedule = Layout(3, 2), one_f_one_b(3, 4, rc="lflb")
+    authority = StoreFailureNotices(store, JOB)
+    coordinators = {
+        (d, n): FailoverCoordinator(store, JOB, layout, d, n, schedule, StoreFailureNotices(store, JOB, clock),
+                                    TIMEOUTS, clock)
+        for d in (0, 1) for n in (0, 2)
+    }
+    stream = schedule.streams[0]
+    waiting_for_the_sync = len(stream) - 1
+    assert str(stream[waiting_for_the_sync]) == "1RY<1"
+    in_commit = len(schedule.streams[2])
+    authority.publish(FailureEvent(1, [layout.rank(1, 0)]))
+    where = {(0, 0): (waiting_for_the_sync, 90), (0, 2): (in_commit, 90), (1, 0): (0, 91), (1, 2): (0, 91)}
+    first = _agree_everywhere(coordinators, where)
+    assert all(not isinstance(agreement, Exception) for agreement in first.values()), first
+    assert coordinators[(0, 0)].placements[0][1] == 0  # node 0 took stage 1 over, and redoes its all-reduce
+    authority.publish(FailureEvent(2, [layout.rank(1, 1)]))
+    witness = (0, 0)
+    reduced = {witness: {0: (89, 90), 1: (90,) if redo_completed else ()}}
+    where = {(0, 0): (40, 90), (0, 2): (in_commit, 90), (1, 0): (2, 91), (1, 2): (0, 91)}
+    pending = {key: coordinators[key].begin(FailureEvent(2, [layout.rank(1, 1)]), *where[key],
+                                             reduced=reduced.get(key)) for key in coordinators if key != witness}
+    assert pending[(1, 0)].poll() is None and pending[(1, 0)].missing() == (0, [layout.rank(0, 0)])
+    second = _agree_everywhere({witness: coordinators[witness]}, where, reduced)
+    for key, p in pending.items():
+        try:
+            second[key] = p.poll()
+        except LostContribution as error:
+            second[key] = error
+    if redo_completed:
+        assert all(not isinstance(agreement, Exception) for agreement in second.values()), second
+        return
+    for key, error in second.items():
+        assert isinstance(error, LostContribution), (key, error)
+        assert (error.pipeline, error.lost_stages, error.step, error.other, error.other_step) == (0, (1,), 90, 1, 91)
+    record = ReducedRecord.from_json(store.get(coordinators[witness].reduced_key(layout.rank(1, 1), 0)))
+    assert record == ReducedRecord(90, {0: (89, 90), 1: ()}) and not record.has_completed(1, 90)

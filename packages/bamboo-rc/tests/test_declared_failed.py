@@ -32,7 +32,7 @@ class _Node(ExecutorFailover):
         self.clock = clock  # type: ignore[assignment]
         self.hosted = (0,)
         self.step = 7
-        self.interpreter = SimpleNamespace(last_commit=None)  # type: ignore[assignment]
+        self.interpreter = SimpleNamespace(last_commit=None, completed_allreduces=dict)  # type: ignore[assignment]
         self.coordinator = _Coordinator()  # type: ignore[assignment]
 
 

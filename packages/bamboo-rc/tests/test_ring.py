@@ -183,7 +183,7 @@ def test_a_node_that_never_publishes_times_the_ring_agreement_out_on_the_injecte
     clock: FakeClock
 ) -> None:
     ring = Ring(3, clock)
-    with pytest.raises(AgreementError, match=r"survivors \[2\] of the ring did not publish their progress in epoch 1"):
+    with pytest.raises(AgreementError, match=r"survivors \[2\] \(global ranks\) of the ring did not publish their progress in epoch 1"):
         ring.nodes[0].agree_ring(FailureEvent(1, [1]), 0, 1)
     assert TIMEOUTS.confirm < ring.clock.t < TIMEOUTS.confirm + 0.01
 

@@ -58,7 +58,7 @@ groups.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from bamboo.rc.agreement import Agreement, PipelinePlan, RingAgreement
@@ -90,11 +90,12 @@ class FailoverCoordinator(CoordinatorSignals):
     # --------------------------------------------------------------------------------- agreement
     def begin(
         self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None,
-        last_commit: CommitResult | None = None,
+        last_commit: CommitResult | None = None, reduced: Mapping[int, Collection[int]] | None = None,
     ) -> PendingFailover:
         """Start agreeing on `event`: this node had completed `done` instructions of its current
-        stream in step `step` (`done` is the stream's length while it waits in the commit), and
-        `last_commit` is the result of the last commit it completed (that of step `step - 1`).
+        stream in step `step` (`done` is the stream's length while it waits in the commit),
+        `last_commit` is the result of the last commit it completed (that of step `step - 1`), and
+        `reduced` maps each stage it holds to the steps whose all-reduce of it it completed.
         :meth:`PendingFailover.poll` finishes it (:meth:`agree` does both).
 
         `on_event` is called after each event is applied (this one and any later one met on the
@@ -103,20 +104,20 @@ class FailoverCoordinator(CoordinatorSignals):
         whichever events a node learns of together.
         """
         in_remainder = self.recovering.get(self.pipeline, (None, -1))[1] == step
-        pending = PendingFailover(self, done, step, in_remainder, on_event, last_commit)
+        pending = PendingFailover(self, done, step, in_remainder, on_event, last_commit, reduced)
         pending.absorb(event)
         return pending
 
     def agree(
         self, event: FailureEvent, done: int, step: int, on_event: Callable[[FailureEvent], None] | None = None,
-        last_commit: CommitResult | None = None,
+        last_commit: CommitResult | None = None, reduced: Mapping[int, Collection[int]] | None = None,
     ) -> Agreement:
         """Agree on `event` with the other survivors (blocking; see the module docstring and :meth:`begin`).
 
         Raises ConsecutiveFailure, or AgreementError when the survivors disagree or some did not
         publish their progress within the confirm timeout.
         """
-        return self._settle(self.begin(event, done, step, on_event, last_commit))
+        return self._settle(self.begin(event, done, step, on_event, last_commit, reduced))
 
     def _settle(self, pending: PendingFailover | PendingRingFailover) -> Any:
         """Poll `pending` until it agrees; the confirm timeout restarts with every later event. The survivors that
@@ -137,7 +138,7 @@ class FailoverCoordinator(CoordinatorSignals):
                 pipeline, missing = pending.missing()
                 where = "the ring" if pipeline < 0 else f"pipeline {pipeline}"
                 raise AgreementError(
-                    f"survivors {missing} of {where} did not publish their progress in epoch "
+                    f"survivors {missing} (global ranks) of {where} did not publish their progress in epoch "
                     f"{self.epoch} within {self.timeouts.confirm} s"
                 )
             elif now >= check_stragglers_at:

@@ -131,6 +131,11 @@ class CoordinatorState:
     def progress_key(self, pipeline: int, lost: set[int] | frozenset[int], node: int) -> str:
         return self._key("progress", f"d{pipeline}", "v" + "-".join(map(str, sorted(lost))), f"n{node}")
 
+    def reduced_key(self, lost: int, rank: int) -> str:
+        """Where rank `rank` publishes its :class:`~bamboo.rc.records.ReducedRecord` when it learns that rank
+        `lost` died."""
+        return self._key("reduced", f"r{lost}", f"n{rank}")
+
     def surviving_copies(self, stage: int, layouts: dict[int, Schedule] | None = None) -> list[tuple[str, int]]:
         """Where copies of `stage` survive, judged on `layouts` (default: the current ones): the
         same stage in other pipelines, and the live replica of its shadow (if the stage has one)."""

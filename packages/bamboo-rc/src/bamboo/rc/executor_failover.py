@@ -144,7 +144,8 @@ class ExecutorFailover:
         hosted = self.hosted
         try:
             agreement = self.coordinator.agree(
-                event, done, self.step, on_event=self._after_event, last_commit=self.interpreter.last_commit
+                event, done, self.step, on_event=self._after_event, last_commit=self.interpreter.last_commit,
+                reduced=self.interpreter.completed_allreduces(),
             )
         except ConsecutiveFailure:
             self.interpreter.abandon_iteration()

@@ -71,6 +71,18 @@ class InterpreterAllReduces(InterpreterTransfers):
                 self._spare_grads.give_back(key[0], kept)  # never posted: redos and reposts send copies
         self._reduced[s] = (flat, torch.cat([loss.float(), torch.tensor([float(piece.steps + 1)])]))
 
+    def completed_allreduces(self) -> dict[int, tuple[int, ...]]:
+        """Stage -> the steps whose all-reduce of that stage this node completed and still keeps a contribution
+        of (the current step and the one before), or posted and finished without an error though no one
+        waited for it yet (never blocks)."""
+        completed: dict[int, set[int]] = {}
+        for stage, step in self._contributions:
+            completed.setdefault(stage, set()).add(step)
+        for stage, (works, _, _, contribution, _) in self._reducing.items():
+            if works is not None and _finished_well(works):
+                completed.setdefault(stage, set()).add(contribution[0])
+        return {stage: tuple(sorted(steps)) for stage, steps in sorted(completed.items())}
+
     def wait_posted_allreduces(self) -> None:
         """Wait until every posted data-parallel all-reduce completed (so the peers completed it too)."""
         self._post_waiting(block=True)
@@ -184,3 +196,16 @@ class InterpreterAllReduces(InterpreterTransfers):
                 assert pending_step is not None
                 if pending_step > step or redone:
                     self._post_again(v, pending[3])
+
+
+def _finished_well(works: Sequence[object]) -> bool:
+    """Whether every one of `works` (collectives) completed without an error: a completed work's wait returns at
+    once, or raises its error."""
+    if not all(work.is_completed() for work in works):  # type: ignore[attr-defined]
+        return False
+    try:
+        for work in works:
+            work.wait()  # type: ignore[attr-defined]
+    except RuntimeError:
+        return False
+    return True

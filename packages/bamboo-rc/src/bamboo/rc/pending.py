@@ -10,13 +10,13 @@ starts them and polls them to the end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 import attrs
 from bamboo.rc.agreement import Agreement, PipelinePlan, RingAgreement
 from bamboo.rc.coordinator_state import CoordinatorState
 from bamboo.rc.failures import AgreementError, ConsecutiveFailure, FailureEvent, LostContribution
-from bamboo.rc.records import CommitResult, ProgressRecord
+from bamboo.rc.records import CommitResult, ProgressRecord, ReducedRecord
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
 from bamboo.schedule import FailoverPlan, Kind, check_victims, placement_after
 
@@ -27,9 +27,10 @@ class PendingFailover:
     """One failover agreement in progress on one node (:meth:`FailoverCoordinator.begin`).
 
     :meth:`absorb` applies an event (more victims restart the agreement); :meth:`poll` returns the
-    :class:`Agreement` once every survivor of every failed pipeline published its progress, and
-    None while one is missing (absorbing a later event if one arrived). `on_event` is called after
-    each event is applied.
+    :class:`Agreement` once every survivor of every failed pipeline published its progress (and every
+    witness of an earlier redo its :class:`ReducedRecord`, :meth:`_witnesses`), and None while one is
+    missing (absorbing a later event if one arrived). `on_event` is called after each event is applied.
+    `reduced` maps each stage this node holds to the steps whose all-reduce of it this node completed.
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class PendingFailover:
         in_remainder: bool,
         on_event: Callable[[FailureEvent], None] | None,
         last_commit: CommitResult | None = None,
+        reduced: Mapping[int, Collection[int]] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.done = done
@@ -47,6 +49,7 @@ class PendingFailover:
         self.in_remainder = in_remainder
         self.on_event = on_event
         self.last_commit = last_commit
+        self.reduced = ReducedRecord(step, reduced or {})
         self.victims: dict[int, set[int]] = {}
         # The copies of lost stages are judged on the placements before this failover: when the
         # victims' deaths are confirmed in separate events, a first victim's stage has already
@@ -72,6 +75,8 @@ class PendingFailover:
         for rank in new_dead:
             stage, pipeline = c.layout.position(rank)
             self.victims.setdefault(pipeline, set()).add(stage)
+            if self._may_witness(rank):
+                c.store.set(c.reduced_key(rank, c.rank), self.reduced.to_json())
         for pipeline, lost in self.victims.items():
             before = self.layouts_before[pipeline]
             try:
@@ -87,17 +92,57 @@ class PendingFailover:
             record = ProgressRecord(self.done, self.step, self.in_remainder, self.last_commit)
             c.store.set(c.progress_key(c.pipeline, mine, c.node), record.to_json())
 
+    def _may_witness(self, lost: int) -> bool:
+        """Whether this node may be asked what its all-reduces had done when rank `lost` died: `lost` is of another
+        pipeline and held a stage that this node holds or shadows. A superset of the witnesses any node waits for
+        (:meth:`_witnesses`), whichever earlier agreements this node has decided when it learns of the loss."""
+        c = self.coordinator
+        node, pipeline = c.layout.position(lost)
+        if pipeline == c.pipeline:
+            return False
+        mine = set()
+        for schedule in (self.layouts_before[c.pipeline], c.layouts[c.pipeline]):
+            mine |= set(schedule.stages_on(c.node)) | {s for s, shadow in enumerate(schedule.shadows) if shadow == c.node}
+        return bool(mine & set(self.layouts_before[pipeline].stages_on(node)))
+
+    def _witnesses(self) -> list[tuple[int, int, int, int, int, int]]:
+        """The redos of earlier agreements that a loss in this one may leave without a contribution:
+        (pipeline d', stage v, step s', lost rank, pipeline d of the lost rank, witness rank) for each pipeline d'
+        that runs the plan of an earlier failover redoing stage v's all-reduce of step s', and loses nobody
+        here, while this agreement loses pipeline d's holder of v. That holder had to join the redo; if it died
+        before it did, its contribution died with it. The witness is d''s holder of v (the node that redoes
+        it), which publishes whether the redo had completed (:class:`ReducedRecord`) when it learned of the loss.
+        """
+        c = self.coordinator
+        found = []
+        for pipeline, lost in sorted(self.victims.items()):
+            for node in sorted(lost):
+                rank = c.layout.rank(node, pipeline)
+                for stage in self.layouts_before[pipeline].stages_on(node):
+                    for other, (plan, step) in sorted(c.recovering.items()):
+                        if other in self.victims or stage not in _redone_allreduces(plan):
+                            continue
+                        witness = c.layout.rank(c.layouts[other].placement[stage], other)
+                        if witness not in c.dead:
+                            found.append((other, stage, step, rank, pipeline, witness))
+        return found
+
     def survivors(self, pipeline: int) -> list[int]:
         return [n for n in self.layouts_before[pipeline].nodes if n not in self.victims[pipeline]]
 
     def missing(self) -> tuple[int, list[int]]:
         """The first failed pipeline (by number) some of whose survivors did not publish their
-        progress yet, and those survivors; (-1, []) when none is missing."""
+        progress yet, and those survivors' global ranks; then a pipeline whose witness of an earlier redo did not
+        publish its record (:meth:`_witnesses`), and the witness's rank; (-1, []) when none is missing."""
         c = self.coordinator
         for pipeline, lost in sorted(self.victims.items()):
-            absent = [n for n in self.survivors(pipeline) if not c.store.check([c.progress_key(pipeline, lost, n)])]
+            absent = [c.layout.rank(n, pipeline) for n in self.survivors(pipeline)
+                      if not c.store.check([c.progress_key(pipeline, lost, n)])]
             if absent:
                 return pipeline, absent
+        for other, _, _, lost, _, witness in self._witnesses():
+            if not c.store.check([c.reduced_key(lost, witness)]):
+                return other, [witness]
         return -1, []
 
     def poll(self) -> Agreement | None:
@@ -126,6 +171,7 @@ class PendingFailover:
             planned = c.plan(pipeline, lost, done, recovering, max(r.step for r in progress.values()))
             plans[pipeline] = attrs.evolve(planned, lagging=lagging, commit=commit)
         self._check_redos_can_be_joined(plans)
+        self._check_earlier_redos_were_joined(plans)
         for pipeline, planned in plans.items():
             c.recovering[pipeline] = (planned.plan, planned.step)
             c.layouts[pipeline] = planned.plan.steady
@@ -149,6 +195,25 @@ class PendingFailover:
                         after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}
                         copies = {stage: c.surviving_copies(stage, after)}
                         raise LostContribution(pipeline, stage, planned.step, other, step, copies)
+
+    def _check_earlier_redos_were_joined(self, plans: dict[int, PipelinePlan]) -> None:
+        """Raise :class:`LostContribution` when pipeline d' still redoes stage v's all-reduce of step s' (the plan of
+        an earlier agreement) and this agreement loses, in step s' + 1, the node of pipeline d that held v: d
+        committed step s' with that node's contribution, which had to join the redo, and the redo's witness
+        (:meth:`_witnesses`) says it had not completed when the loss was learned of. Had it completed, nothing is
+        lost. (In step s', d's own plan redoes the same all-reduce, and the two redos meet.)
+
+        Every node reads the same witness records, so every node raises it, or none."""
+        c = self.coordinator
+        for other, stage, step, lost, pipeline, witness in self._witnesses():
+            planned = plans.get(pipeline)
+            if planned is None or planned.step != step + 1:
+                continue
+            record = ReducedRecord.from_json(c.store.get(c.reduced_key(lost, witness)))
+            if not record.has_completed(stage, step):
+                after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}
+                raise LostContribution(other, stage, step, pipeline, planned.step,
+                                       {stage: c.surviving_copies(stage, after)})
 
     def _settle_commit(
         self, pipeline: int, progress: dict[int, ProgressRecord]

@@ -8,6 +8,9 @@ Every value that crosses a process boundary is one of these (the keys live under
 - :class:`SuspicionRecord` (``suspect/<e>/<reporter>/<peer>``): a worker saw a peer fail;
 - :class:`ProgressRecord` (``progress/d<p>/v<victims>/n<node>``): a survivor's progress, for the
   agreement on the cut, with the :class:`CommitResult` of its last commit;
+- :class:`ReducedRecord` (``reduced/r<lost>/n<rank>``): the data-parallel all-reduces a node had completed
+  when it learned that a node of another pipeline holding one of its stages was lost (a witness for a
+  redo of an earlier failover that the lost node had to join);
 - :class:`HandoverRecord` (``handover/d<p>/<step>/<rank>``): a node leaves at an iteration
   boundary after a preemption notice (``handover_cancelled/<step>/<rank>`` withdraws it);
 - :class:`FailoverRecord`: what one failover did and when (``StageExecutor.failovers``; verify's
@@ -37,6 +40,7 @@ __all__ = [
     "ProgressRecord",
     "RecordError",
     "RecordReader",
+    "ReducedRecord",
     "SuspicionRecord",
     "decode_json",
 ]
@@ -257,6 +261,42 @@ class ProgressRecord(JsonRecord):
         if commit is not None:
             commit = CommitResult.from_dict(commit, f"{cls.RECORD}: key 'commit'")
         return cls(read.integer("done"), read.integer("step"), read.boolean("remainder"), commit)
+
+
+def _steps_by_stage(value: Mapping[int, Iterable[int]]) -> dict[int, tuple[int, ...]]:
+    return {int(stage): tuple(sorted(steps)) for stage, steps in sorted(value.items())}
+
+
+@attrs.frozen
+class ReducedRecord(JsonRecord):
+    """What a node had done when it learned of a loss in another pipeline: it was in step ``step``, and
+    ``completed`` maps each stage it holds to the steps whose data-parallel all-reduce of that stage it
+    had completed (kept as contributions: the current step and the one before)."""
+
+    RECORD: ClassVar[str] = "reduced"
+
+    step: int = attrs.field(validator=_NON_NEGATIVE_INT)
+    completed: dict[int, tuple[int, ...]] = attrs.field(factory=dict, converter=_steps_by_stage)
+
+    def has_completed(self, stage: int, step: int) -> bool:
+        """Whether stage `stage`'s all-reduce of step `step` had completed here (a later step implies it)."""
+        return self.step > step or step in self.completed.get(stage, ())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": RECORD_VERSION, "step": self.step,
+                "completed": {str(stage): list(steps) for stage, steps in self.completed.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReducedRecord:
+        read = RecordReader(cls.RECORD, data)
+        completed = read.int_map("completed", "stages to lists of steps")
+        assert completed is not None
+        for stage, steps in completed.items():
+            if not isinstance(steps, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                  for t in steps):
+                raise RecordError(f"{cls.RECORD}: key 'completed' must map stages to lists of steps (integers "
+                                  f">= 0), got {steps!r} for stage {stage}")
+        return cls(read.integer("step"), completed)
 
 
 @attrs.frozen

@@ -875,6 +875,25 @@ def _agree_everywhere(coordinators: dict[tuple[int, int], FailoverCoordinator],
     return outcome
 
 
+def _three_stages_two_pipelines(clock: FakeClock) -> tuple[
+    FakeStore, Layout, StoreFailureNotices, dict[tuple[int, int], FailoverCoordinator], tuple[int, int]
+]:
+    """P = 3, D = 2, lflb: one store, its authority, the coordinators of nodes 0 and 2 of both pipelines (node 1
+    of each is the one that dies), and where nodes 0 and 2 are when node 1 dies before its sync: node 0 waiting
+    for the sync of stage 1 (its last instruction), node 2 in the commit (its stream done)."""
+    store = FakeStore()
+    layout, schedule = Layout(3, 2), one_f_one_b(3, 4, rc="lflb")
+    coordinators = {
+        (d, n): FailoverCoordinator(store, JOB, layout, d, n, schedule, StoreFailureNotices(store, JOB, clock),
+                                    TIMEOUTS, clock)
+        for d in (0, 1) for n in (0, 2)
+    }
+    stream = schedule.streams[0]
+    waiting_for_the_sync = len(stream) - 1
+    assert str(stream[waiting_for_the_sync]) == "1RY<1"
+    return store, layout, StoreFailureNotices(store, JOB), coordinators, (waiting_for_the_sync, len(schedule.streams[2]))
+
+
 @pytest.mark.parametrize("other_step", [91, 90])
 def test_a_redo_another_pipeline_committed_and_lost_the_stage_of_is_a_lost_contribution(
     other_step: int, clock: FakeClock
@@ -885,18 +904,7 @@ def test_a_redo_another_pipeline_committed_and_lost_the_stage_of_is_a_lost_contr
     # redoes the all-reduce of step 90. Pipeline 1's contribution to it died with its node: the redo could
     # only wait forever (or sum step 91's), so every node raises LostContribution and the job restores.
     # When both pipelines lost the stage in the same step, both shadows redo that step's all-reduce: no error.
-    store = FakeStore()
-    layout, schedule = Layout(3, 2), one_f_one_b(3, 4, rc="lflb")
-    authority = StoreFailureNotices(store, JOB)
-    coordinators = {
-        (d, n): FailoverCoordinator(store, JOB, layout, d, n, schedule, StoreFailureNotices(store, JOB, clock),
-                                    TIMEOUTS, clock)
-        for d in (0, 1) for n in (0, 2)
-    }
-    stream = schedule.streams[0]
-    waiting_for_the_sync = len(stream) - 1
-    assert str(stream[waiting_for_the_sync]) == "1RY<1"
-    in_commit = len(schedule.streams[2])
+    _, layout, authority, coordinators, (waiting_for_the_sync, in_commit) = _three_stages_two_pipelines(clock)
     authority.publish(FailureEvent(1, [layout.rank(1, 1)]))
     first = _agree_everywhere(coordinators, {(0, 0): (waiting_for_the_sync, 90), (0, 2): (in_commit, 90),
                                              (1, 0): (0, other_step), (1, 2): (0, other_step)})
@@ -926,18 +934,7 @@ def test_a_redo_of_an_earlier_failover_whose_partner_is_lost_a_step_later_is_jud
     # contributions): every node raises LostContribution. Only the redo's host knows whether it completed, so
     # it publishes that when it learns of the loss, and every node decides on its record. Before, no node
     # checked, and the run hung.
-    store = FakeStore()
-    layout, schedule = Layout(3, 2), one_f_one_b(3, 4, rc="lflb")
-    authority = StoreFailureNotices(store, JOB)
-    coordinators = {
-        (d, n): FailoverCoordinator(store, JOB, layout, d, n, schedule, StoreFailureNotices(store, JOB, clock),
-                                    TIMEOUTS, clock)
-        for d in (0, 1) for n in (0, 2)
-    }
-    stream = schedule.streams[0]
-    waiting_for_the_sync = len(stream) - 1
-    assert str(stream[waiting_for_the_sync]) == "1RY<1"
-    in_commit = len(schedule.streams[2])
+    store, layout, authority, coordinators, (waiting_for_the_sync, in_commit) = _three_stages_two_pipelines(clock)
     authority.publish(FailureEvent(1, [layout.rank(1, 0)]))
     where = {(0, 0): (waiting_for_the_sync, 90), (0, 2): (in_commit, 90), (1, 0): (0, 91), (1, 2): (0, 91)}
     first = _agree_everywhere(coordinators, where)

@@ -13,6 +13,7 @@ from bamboo.rc.records import (
     HandoverRecord,
     ProgressRecord,
     RecordError,
+    ReducedRecord,
     SuspicionRecord,
 )
 
@@ -30,6 +31,7 @@ RECORDS = [
     KillRecord(3, 1_700_000_000.25, "1:0@1F2/1"),
     FAILOVER,
     FAILOVER.ended(10.5, {"F": 0.75, "BR": 0.25}),
+    ReducedRecord(7, {3: (6, 7), 0: (7,)}),
 ]
 
 
@@ -75,6 +77,8 @@ def test_an_unknown_version_or_a_missing_key_is_rejected(record: object) -> None
         (FailoverRecord.from_dict, {**FAILOVER.to_dict(), "kinds_before": {"F": "fast"}},
          "failover record: key 'kinds_before' must be an object from names to seconds"),
         (SuspicionRecord.from_dict, [1, 2], "suspicion: must be a JSON object, got list"),
+        (ReducedRecord.from_dict, {"v": 1, "step": 7, "completed": {"0": [7, -1]}},
+         "reduced: key 'completed' must map stages to lists of steps, got [7, -1] for stage 0"),
     ],
 )
 def test_a_malformed_value_is_named(reader, data, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -102,3 +106,11 @@ def test_built_records_refuse_counts_that_are_not_ints_at_least_zero() -> None:
         ProgressRecord(done=0, step=True)
     with pytest.raises(TypeError, match="'step' must be <class 'int'>"):
         ProgressRecord(done=0, step=1.0)
+
+
+def test_a_witness_record_says_whether_an_all_reduce_had_completed() -> None:
+    record = ReducedRecord(7, {3: (7, 6)})
+    assert record.completed == {3: (6, 7)}
+    assert record.has_completed(3, 6) and record.has_completed(3, 7)
+    assert not record.has_completed(0, 7)  # never reduced here in step 7
+    assert record.has_completed(0, 6)  # this node is past step 6: every all-reduce of it completed

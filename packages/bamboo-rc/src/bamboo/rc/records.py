@@ -116,6 +116,17 @@ class RecordReader:
             raise self._bad(key, f"an object from {what}", value)
         return {int(k): v for k, v in value.items()}
 
+    def int_lists(self, key: str, keys: str, items: str) -> dict[int, tuple[int, ...]]:
+        """A JSON object from integers (`keys`, written as strings) to lists of integers >= 0 (`items`)."""
+        value = self.int_map(key, f"{keys} to lists of {items}")
+        assert value is not None
+        for name, listed in value.items():
+            if not isinstance(listed, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                   for i in listed):
+                raise RecordError(f"{self.what}: key {key!r} must map {keys} to lists of {items}, got {listed!r} "
+                                  f"for {keys.removesuffix('s')} {name}")
+        return {name: tuple(listed) for name, listed in value.items()}
+
     def seconds_map(self, key: str, optional: bool = False) -> dict[str, float] | None:
         value = self._get(key)
         if value is None and optional:
@@ -289,13 +300,7 @@ class ReducedRecord(JsonRecord):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReducedRecord:
         read = RecordReader(cls.RECORD, data)
-        completed = read.int_map("completed", "stages to lists of steps")
-        assert completed is not None
-        for stage, steps in completed.items():
-            if not isinstance(steps, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                                  for t in steps):
-                raise RecordError(f"{cls.RECORD}: key 'completed' must map stages to lists of steps (integers "
-                                  f">= 0), got {steps!r} for stage {stage}")
+        completed = read.int_lists("completed", "stages", "steps")
         return cls(read.integer("step"), completed)
 
 
@@ -391,14 +396,7 @@ class FailoverRecord(JsonRecord):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FailoverRecord:
         read = RecordReader(cls.RECORD, data)
-        victims = read.int_map("victims", "pipelines to lists of nodes")
-        assert victims is not None
-        for pipeline, nodes in victims.items():
-            if not isinstance(nodes, list) or any(isinstance(n, bool) or not isinstance(n, int) for n in nodes):
-                raise RecordError(
-                    f"failover record: key 'victims' must map pipelines to lists of nodes, got {nodes!r} "
-                    f"for pipeline {pipeline}"
-                )
+        victims = read.int_lists("victims", "pipelines", "nodes")
         cut = read.int_map("cut", "nodes to instruction counts", optional=True)
         if cut is not None and any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in cut.values()):
             raise RecordError(f"failover record: key 'cut' must map nodes to instruction counts, got {data['cut']!r}")

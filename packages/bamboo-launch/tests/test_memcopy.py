@@ -13,6 +13,7 @@ from bamboo.launch.memcopy import (
     CopyStore,
     Holding,
     fetch_copy,
+    kept_elsewhere_step,
     lineage,
     memory_restore,
     plan_keepers,
@@ -38,6 +39,77 @@ def test_a_store_keeps_the_newest_steps_of_each_stage_and_says_so() -> None:
     assert copies == {1: {5: lineage(HISTORY, 5), 6: lineage(HISTORY, 6)}, 0: {6: lineage(HISTORY, 6)}}
     assert layers == {1: (2, 4), 0: (0, 2)}
     assert store.get(1, 4) is None and store.get(1, 6) is not None and len(changes) == 5
+
+
+def test_a_stages_pinned_step_outlives_its_newest_steps_until_the_pin_moves() -> None:
+    store = CopyStore(keep=2)
+    store.put(_copy(0, 10))
+    store.put(_copy(1, 10))
+    store.pin(0, 10)
+    for step in (20, 30, 40):
+        store.put(_copy(0, step))
+        store.put(_copy(1, step))
+    assert sorted(store.index()[0][0]) == [10, 30, 40] and sorted(store.index()[0][1]) == [30, 40]
+    store.pin(0, 30)  # the pin moves: 10 goes, 30 stays once it is no longer among the newest
+    store.put(_copy(0, 50))
+    assert sorted(store.index()[0][0]) == [30, 40, 50] and store.pinned() == {0: 30}
+    store.pin(0, None)
+    assert sorted(store.index()[0][0]) == [40, 50]
+
+
+def test_the_pinned_step_is_the_newest_one_every_stage_has_on_a_keeper() -> None:
+    """Hosts a, b, c train stages 0, 1, 2 and keep their newest steps; their keepers fall behind by different
+    amounts. Only steps kept off each stage's own hosts count: those outlive the hosts."""
+    holding = Holding(owners=(("a",), ("b",), ("c",)), placed=("a", "b", "c"))
+    indexes = {
+        "a": _index("a", "a", {0: (30, 40, 50)}), "b": _index("b", "b", {1: (30, 40, 50)}),
+        "c": _index("c", "c", {2: (30, 40, 50)}),
+        "k1": _index("k1", "b", {0: (20, 30, 40), 2: (10, 20)}), "k2": _index("k2", "c", {1: (20, 30, 50)}),
+    }
+    assert kept_elsewhere_step(indexes, holding) == 20
+    indexes["k3"] = _index("k3", "a", {2: (30, 40)})
+    assert kept_elsewhere_step(indexes, holding) == 30  # 40: not on stage 1's keeper; 50: on none of stage 0's
+    del indexes["k1"]
+    assert kept_elsewhere_step(indexes, holding) is None  # stage 0 on its host only
+
+
+def _replay(sends: tuple[set[int], ...], pins: bool, steps: int = 12) -> dict[str, CopyIndex]:
+    """Hosts h0..h2 train stages 0..2 and keep a copy at every step; host i sends the copy of step t to its keeper
+    ki when t is in ``sends[i]`` (a background thread that falls behind sends only the newest copy it has), setting
+    the pin first when ``pins``, as `CopyService` does. Returns every node's index at the end."""
+    holding = Holding(owners=(("h0",), ("h1",), ("h2",)), placed=("h0", "h1", "h2"))
+    stores = {name: CopyStore() for name in ("h0", "h1", "h2", "k0", "k1", "k2")}
+
+    def indexes() -> dict[str, CopyIndex]:
+        return {name: CopyIndex(name, name, name, *store.index()) for name, store in stores.items()}
+
+    for step in range(1, steps + 1):
+        for stage in range(3):
+            stores[f"h{stage}"].put(_copy(stage, step))
+            if step in sends[stage]:
+                if pins:
+                    pin = kept_elsewhere_step(indexes(), holding)
+                    stores[f"h{stage}"].pin(stage, pin)
+                    stores[f"k{stage}"].pin(stage, pin)
+                stores[f"k{stage}"].put(_copy(stage, step))
+    return indexes()
+
+
+@pytest.mark.parametrize("pins", [False, True])
+def test_pins_keep_a_step_every_stage_has_when_the_keepers_fall_behind_unevenly(pins: bool) -> None:
+    """Keepers that fall behind by different amounts hold no step in common, and the hosts move on: losing every
+    host, or one host whose keeper lags far, left no step to restore from memory. The pinned step is one."""
+    history = ((0, 2), (5, 1))
+    keepers = {"k0", "k1", "k2"}
+    uneven = _replay((set(range(1, 13)), {1, 5, 9}, {1, 2, 4, 7, 10}), pins)
+    every_host_lost = memory_restore(uneven, BOUNDS, keepers, history)
+    far_behind = _replay(({1, 5}, set(range(1, 13)), set(range(1, 13))), pins)
+    one_host_lost = memory_restore(far_behind, BOUNDS, keepers | {"h1", "h2"}, history)
+    if not pins:
+        assert every_host_lost is None and one_host_lost is None
+        return
+    assert every_host_lost == (1, {0: ("k0",), 1: ("k1",), 2: ("k2",)})
+    assert one_host_lost is not None and one_host_lost[0] == 5 and one_host_lost[1][0] == ("k0",)
 
 
 def test_an_index_round_trips_and_refuses_an_unknown_version() -> None:
@@ -112,8 +184,8 @@ def test_a_copy_travels_to_a_keeper_and_back_with_the_job_token() -> None:
     server = CopyServer(store, "127.0.0.1", token="secret")
     try:
         copy = _copy(2, 9, b"x" * 3_000_000)
-        send_copy(server.address, copy, token="secret")
-        assert store.get(2, 9) == copy
+        send_copy(server.address, copy, token="secret", pin=5)
+        assert store.get(2, 9) == copy and store.pinned() == {2: 5}  # the host's pin of its stage
         assert fetch_copy(server.address, 2, 9, token="secret") == copy
         with pytest.raises(RuntimeError, match="bad token"):
             fetch_copy(server.address, 2, 9, token="wrong")

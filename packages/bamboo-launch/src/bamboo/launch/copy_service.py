@@ -30,6 +30,7 @@ from bamboo.launch.memcopy import (
     Holding,
     copies_prefix,
     fetch_copy,
+    kept_elsewhere_step,
     lineage,
     plan_keepers,
     read_indexes,
@@ -188,9 +189,11 @@ class CopyService:
         except Exception as error:  # etcd restarting: this copy stays here only; the next one is sent
             print(f"node {self.node}: could not read the keepers of stage {item.stage}: {error}", file=sys.stderr)
             return
+        pin = kept_elsewhere_step(indexes, item.holding)  # common to every stage's keepers: kept here and there
+        self.store.pin(item.stage, pin)
         for keeper in plan_keepers(indexes, item.holding)[item.stage]:
             try:
-                send_copy(indexes[keeper].address, copy, self.token)
+                send_copy(indexes[keeper].address, copy, self.token, pin=pin)
             except (OSError, RuntimeError) as error:  # a keeper that died meanwhile: the next copy goes elsewhere
                 print(f"node {self.node}: the copy of stage {item.stage} at step {item.step} did not reach {keeper}: "
                       f"{error}", file=sys.stderr, flush=True)

@@ -24,7 +24,13 @@ first of them that answers (:func:`fetch_copy`), checking its SHA-256 (a keeper 
 bytes are checked where they are used, :func:`verified`).
 
 A stage survives in memory as long as one of its holders or keepers lives; the job restores from memory as
-long as every stage does at one common step (see ``docs/failure-model.md``). This module never imports torch
+long as every stage does at one common step (see ``docs/failure-model.md``). The keepers of different stages
+fall behind by different amounts (each host's background thread sends only the newest copy it has when it
+gets to it), so their newest steps need not meet, and each node's own copies move on: a restore that lost a
+host could find no step at which every stage is kept. So each host also *pins* the newest step at which every
+stage has a copy on a keeper (:func:`kept_elsewhere_step`, from the indexes it reads to send), keeps its own
+copy of that step, and tells its keepers with each copy it sends, which keep it too (:meth:`CopyStore.pin`):
+that step stays common until a newer one is. This module never imports torch
 at import time: the agents' coordinator plans restores with it.
 """
 
@@ -48,7 +54,8 @@ if TYPE_CHECKING:
     from bamboo.membership import KeyValueStore
 
 __all__ = ["KEEPERS", "KEEP_STEPS", "Copy", "CopyIndex", "CopyServer", "CopyStore", "Holding", "copies_prefix",
-           "fetch_copy", "lineage", "memory_restore", "plan_keepers", "read_indexes", "send_copy", "verified"]
+           "fetch_copy", "kept_elsewhere_step", "lineage", "memory_restore", "plan_keepers", "read_indexes",
+           "send_copy", "verified"]
 
 KEEPERS = 2
 """How many keepers the host of a stage in pipeline 0 sends each copy to (besides its own)."""
@@ -112,21 +119,52 @@ class Copy:
 
 
 class CopyStore:
-    """The copies a node keeps: the :data:`KEEP_STEPS` newest steps of each stage (thread-safe)."""
+    """The copies a node keeps: the :data:`KEEP_STEPS` newest steps of each stage, and each stage's pinned step
+    (thread-safe).
+
+    A stage's pin is the step its host wants kept: the newest one every stage's keepers hold
+    (:func:`kept_elsewhere_step`); the host sets it in its own store and in its keepers' with each copy it sends,
+    and a later host of the stage replaces it."""
 
     def __init__(self, keep: int = KEEP_STEPS, on_change: Callable[[], None] = lambda: None) -> None:
         self.keep = keep
         self.on_change = on_change
         self._copies: dict[tuple[int, int], Copy] = {}
+        self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def put(self, copy: Copy) -> None:
         with self._lock:
             self._copies[(copy.stage, copy.step)] = copy
-            steps = sorted((step for stage, step in self._copies if stage == copy.stage), reverse=True)
-            for old in steps[self.keep:]:
-                del self._copies[(copy.stage, old)]
+            self._evict(copy.stage)
         self.on_change()
+
+    def pin(self, stage: int, step: int | None) -> None:
+        """Keep ``stage``'s copy of ``step`` (None: no step) besides its newest ones, in place of its last pin."""
+        with self._lock:
+            if self._pins.get(stage) == step:
+                return
+            if step is None:
+                del self._pins[stage]
+            else:
+                self._pins[stage] = step
+            before = len(self._copies)
+            self._evict(stage)
+            changed = len(self._copies) != before
+        if changed:
+            self.on_change()
+
+    def pinned(self) -> dict[int, int]:
+        """Stage -> its pinned step."""
+        with self._lock:
+            return dict(self._pins)
+
+    def _evict(self, stage: int) -> None:
+        """Drop ``stage``'s copies beyond its newest :attr:`keep` steps, but its pinned one (the lock held)."""
+        steps = sorted((step for s, step in self._copies if s == stage), reverse=True)
+        for old in steps[self.keep:]:
+            if old != self._pins.get(stage):
+                del self._copies[(stage, old)]
 
     def get(self, stage: int, step: int) -> Copy | None:
         with self._lock:
@@ -205,6 +243,8 @@ class CopyServer:
                 _send_message(sock, {"error": "bad token"})
                 return
             if header.get("op") == "put":  # kept as sent: whoever uses the copy checks its SHA-256 (verified)
+                pin = header.get("pin")
+                self.store.pin(int(header["stage"]), None if pin is None else int(pin))
                 self.store.put(Copy(int(header["stage"]), int(header["step"]), tuple(header["layers"]), data,
                                     str(header["sha256"]), str(header["lineage"])))
                 _send_message(sock, {"ok": True})
@@ -236,12 +276,13 @@ def _connect(address: str) -> socket.socket:
     return sock
 
 
-def send_copy(address: str, copy: Copy, token: str = "") -> None:
-    """Send ``copy`` to the keeper at ``address``; raises OSError or RuntimeError when it is not kept."""
+def send_copy(address: str, copy: Copy, token: str = "", pin: int | None = None) -> None:
+    """Send ``copy`` to the keeper at ``address``, with the step of its stage the keeper is to keep besides the
+    newest (``pin``, :meth:`CopyStore.pin`); raises OSError or RuntimeError when it is not kept."""
     with _connect(address) as sock:
         _send_message(sock, {"op": "put", "token": token, "stage": copy.stage, "step": copy.step,
                              "layers": list(copy.layers), "bytes": len(copy.data), "sha256": copy.sha256,
-                             "lineage": copy.lineage}, copy.data)
+                             "lineage": copy.lineage, "pin": pin}, copy.data)
         answer, _ = _receive_message(sock)
     if not answer.get("ok"):
         raise RuntimeError(f"{address} did not keep stage {copy.stage} at step {copy.step}: {answer.get('error')}")
@@ -321,6 +362,18 @@ def plan_keepers(indexes: Mapping[str, CopyIndex], holding: Holding, count: int 
             kept[node] += 1
         plan.append(chosen)
     return plan
+
+
+def kept_elsewhere_step(indexes: Mapping[str, CopyIndex], holding: Holding) -> int | None:
+    """The newest step at which every stage of ``holding`` has a copy in the memory of a node that does not train
+    it (a keeper: it outlives the stage's owners), by ``indexes``; None when there is none. Copies of any lineage
+    count: a pin only keeps a copy, the restore checks the lineage."""
+    kept: list[set[int]] = []
+    for stage, owners in enumerate(holding.owners):
+        kept.append({step for node, index in indexes.items() if node not in owners
+                     for step in index.copies.get(stage, {})})
+    common = set.intersection(*kept) if kept else set()
+    return max(common, default=None)
 
 
 def memory_restore(indexes: Mapping[str, CopyIndex], bounds: Sequence[Sequence[int]], alive: Iterable[str],

@@ -18,11 +18,11 @@ from bamboo.rc.failures import FailureEvent, FailureNoticed, FailureNotices, Pee
 from bamboo.rc.layout import Layout
 from bamboo.rc.ports import Clock, KeyValueStore, SystemClock
 from bamboo.rc.timeouts import CommTimeouts
-from bamboo.schedule import FailoverPlan, Schedule, merged_schedule
+from bamboo.schedule import FailoverPlan, Kind, Schedule, merged_schedule
 from bamboo.schedule.engine import counterpart
 from bamboo.schedule.failover import failover_schedule
 
-__all__ = ["CoordinatorState"]
+__all__ = ["CoordinatorState", "redone_allreduces", "taken_over"]
 
 
 class CoordinatorState:
@@ -56,6 +56,8 @@ class CoordinatorState:
         self.placements: dict[int, tuple[int, ...]] = {d: schedule.placement for d in range(layout.pipelines)}
         self.recovering: dict[int, tuple[FailoverPlan, int]] = {}
         """Pipeline -> (the failover plan whose remainder it runs or ran, the step of that plan)."""
+        self._redone: tuple[FailoverPlan | None, frozenset[int]] = (None, frozenset())
+        """(this pipeline's last failover plan, the stages whose all-reduce it redoes): :meth:`note_allreduce_completed`."""
 
     def _key(self, *parts: object) -> str:
         return "/".join(["bamboo", self.job, *map(str, parts)])
@@ -136,6 +138,22 @@ class CoordinatorState:
         `lost` died."""
         return self._key("reduced", f"r{lost}", f"n{rank}")
 
+    def redone_key(self, pipeline: int, stage: int, step: int) -> str:
+        """Set once pipeline `pipeline`'s redo of stage `stage`'s all-reduce of step `step` has completed."""
+        return self._key("redone", f"d{pipeline}", f"s{stage}", f"t{step}")
+
+    def note_allreduce_completed(self, stage: int, step: int) -> None:
+        """Stage `stage`'s all-reduce of step `step` completed here: if it redoes a lost stage's all-reduce (this
+        pipeline's failover plan of that step, :func:`redone_allreduces`), say so in the store
+        (:meth:`redone_key`), where a later agreement that loses a node which had to join it reads it."""
+        known = self.recovering.get(self.pipeline)
+        if known is None or known[1] != step:
+            return
+        if self._redone[0] is not known[0]:
+            self._redone = (known[0], frozenset(redone_allreduces(known[0])))
+        if stage in self._redone[1]:
+            self.store.set(self.redone_key(self.pipeline, stage, step), b"1")
+
     def surviving_copies(self, stage: int, layouts: dict[int, Schedule] | None = None) -> list[tuple[str, int]]:
         """Where copies of `stage` survive, judged on `layouts` (default: the current ones): the
         same stage in other pipelines, and the live replica of its shadow (if the stage has one)."""
@@ -195,3 +213,21 @@ class CoordinatorState:
         for pipeline, nodes in leavers.items():
             self.layouts[pipeline] = merged_schedule(self.layouts[pipeline], nodes)
             self.placements[pipeline] = self.layouts[pipeline].placement
+
+
+def taken_over(plan: FailoverPlan) -> set[int]:
+    """The stages a failover plan (and the earlier plans of its iteration) moved onto their shadows."""
+    before, after = plan.schedule.placement, plan.remainder.placement
+    moved = {stage for stage, node in enumerate(before) if after[stage] != node}
+    return moved if plan.earlier is None else moved | taken_over(plan.earlier)
+
+
+def redone_allreduces(plan: FailoverPlan) -> set[int]:
+    """The stages taken over by `plan` whose all-reduce its remainder redoes (their victim had not finished)."""
+    taken = taken_over(plan)
+    return {
+        instruction.stage
+        for stream in plan.remainder.streams.values()
+        for instruction in stream
+        if instruction.kind is Kind.ALLREDUCE and instruction.stage in taken
+    }

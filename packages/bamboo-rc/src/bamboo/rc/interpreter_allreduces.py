@@ -66,6 +66,7 @@ class InterpreterAllReduces(InterpreterTransfers):
         piece.load_flat_grads(flat)
         if self.layout.pipelines > 1 and self.keeps_contributions:  # in case a lost peer's shadow redoes it
             self._contributions[(s, contribution[0])] = (contribution[1], contribution[2])
+            self.coordinator.note_allreduce_completed(s, contribution[0])  # a redo of ours: said for later agreements
             for key in [k for k in self._contributions if k[1] < contribution[0] - 1]:
                 kept, _ = self._contributions.pop(key)
                 self._spare_grads.give_back(key[0], kept)  # never posted: redos and reposts send copies

@@ -14,11 +14,11 @@ from collections.abc import Callable, Collection, Mapping
 
 import attrs
 from bamboo.rc.agreement import Agreement, PipelinePlan, RingAgreement
-from bamboo.rc.coordinator_state import CoordinatorState
+from bamboo.rc.coordinator_state import CoordinatorState, redone_allreduces, taken_over
 from bamboo.rc.failures import AgreementError, ConsecutiveFailure, FailureEvent, LostContribution
 from bamboo.rc.records import CommitResult, ProgressRecord, ReducedRecord
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
-from bamboo.schedule import FailoverPlan, Kind, check_victims, placement_after
+from bamboo.schedule import check_victims, placement_after
 
 __all__ = ["PendingFailover", "PendingRingFailover"]
 
@@ -111,7 +111,10 @@ class PendingFailover:
         that runs the plan of an earlier failover redoing stage v's all-reduce of step s', and loses nobody
         here, while this agreement loses pipeline d's holder of v. That holder had to join the redo; if it died
         before it did, its contribution died with it. The witness is d''s holder of v (the node that redoes
-        it), which publishes whether the redo had completed (:class:`ReducedRecord`) when it learned of the loss.
+        it), which publishes whether the redo had completed (:class:`ReducedRecord`) when it learned of the loss,
+        unless it wrote that the redo completed before (:meth:`CoordinatorState.note_allreduce_completed`): the host
+        waits for every all-reduce before its commit, whose collective heeds only failures of its own pipeline, so
+        a host in its commit has written it, and nobody waits for a host that cannot answer.
         """
         c = self.coordinator
         found = []
@@ -120,7 +123,7 @@ class PendingFailover:
                 rank = c.layout.rank(node, pipeline)
                 for stage in self.layouts_before[pipeline].stages_on(node):
                     for other, (plan, step) in sorted(c.recovering.items()):
-                        if other in self.victims or stage not in _redone_allreduces(plan):
+                        if other in self.victims or stage not in redone_allreduces(plan):
                             continue
                         witness = c.layout.rank(c.layouts[other].placement[stage], other)
                         if witness not in c.dead:
@@ -140,8 +143,8 @@ class PendingFailover:
                       if not c.store.check([c.progress_key(pipeline, lost, n)])]
             if absent:
                 return pipeline, absent
-        for other, _, _, lost, _, witness in self._witnesses():
-            if not c.store.check([c.reduced_key(lost, witness)]):
+        for other, stage, step, lost, _, witness in self._witnesses():
+            if not c.store.check([c.redone_key(other, stage, step)]) and not c.store.check([c.reduced_key(lost, witness)]):
                 return other, [witness]
         return -1, []
 
@@ -189,9 +192,9 @@ class PendingFailover:
         c = self.coordinator
         latest = {**c.recovering, **{d: (planned.plan, planned.step) for d, planned in plans.items()}}
         for pipeline, planned in sorted(plans.items()):
-            for stage in sorted(_redone_allreduces(planned.plan)):
+            for stage in sorted(redone_allreduces(planned.plan)):
                 for other, (plan, step) in sorted(latest.items()):
-                    if other != pipeline and step > planned.step and stage in _taken_over(plan):
+                    if other != pipeline and step > planned.step and stage in taken_over(plan):
                         after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}
                         copies = {stage: c.surviving_copies(stage, after)}
                         raise LostContribution(pipeline, stage, planned.step, other, step, copies)
@@ -209,6 +212,8 @@ class PendingFailover:
             planned = plans.get(pipeline)
             if planned is None or planned.step != step + 1:
                 continue
+            if c.store.check([c.redone_key(other, stage, step)]):
+                continue  # the redo's host wrote that it completed, and it may be in its commit, where it notices nothing
             record = ReducedRecord.from_json(c.store.get(c.reduced_key(lost, witness)))
             if not record.has_completed(stage, step):
                 after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}
@@ -287,24 +292,6 @@ class PendingFailover:
                 f"here is for step {None if known is None else known[1]}"
             )
         return True
-
-
-def _taken_over(plan: FailoverPlan) -> set[int]:
-    """The stages a failover plan (and the earlier plans of its iteration) moved onto their shadows."""
-    before, after = plan.schedule.placement, plan.remainder.placement
-    moved = {stage for stage, node in enumerate(before) if after[stage] != node}
-    return moved if plan.earlier is None else moved | _taken_over(plan.earlier)
-
-
-def _redone_allreduces(plan: FailoverPlan) -> set[int]:
-    """The stages taken over by `plan` whose all-reduce its remainder redoes (their victim had not finished)."""
-    taken = _taken_over(plan)
-    return {
-        instruction.stage
-        for stream in plan.remainder.streams.values()
-        for instruction in stream
-        if instruction.kind is Kind.ALLREDUCE and instruction.stage in taken
-    }
 
 
 class PendingRingFailover:

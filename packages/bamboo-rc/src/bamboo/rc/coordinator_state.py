@@ -56,8 +56,8 @@ class CoordinatorState:
         self.placements: dict[int, tuple[int, ...]] = {d: schedule.placement for d in range(layout.pipelines)}
         self.recovering: dict[int, tuple[FailoverPlan, int]] = {}
         """Pipeline -> (the failover plan whose remainder it runs or ran, the step of that plan)."""
-        self._redone: tuple[FailoverPlan | None, frozenset[int]] = (None, frozenset())
-        """(this pipeline's last failover plan, the stages whose all-reduce it redoes): :meth:`note_allreduce_completed`."""
+        self._redone: dict[int, tuple[FailoverPlan, frozenset[int]]] = {}
+        """id(plan) -> (the plan, the stages whose all-reduce it redoes): :meth:`redone_stages`."""
 
     def _key(self, *parts: object) -> str:
         return "/".join(["bamboo", self.job, *map(str, parts)])
@@ -147,12 +147,18 @@ class CoordinatorState:
         pipeline's failover plan of that step, :func:`redone_allreduces`), say so in the store
         (:meth:`redone_key`), where a later agreement that loses a node which had to join it reads it."""
         known = self.recovering.get(self.pipeline)
-        if known is None or known[1] != step:
-            return
-        if self._redone[0] is not known[0]:
-            self._redone = (known[0], frozenset(redone_allreduces(known[0])))
-        if stage in self._redone[1]:
+        if known is not None and known[1] == step and stage in self.redone_stages(known[0]):
             self.store.set(self.redone_key(self.pipeline, stage, step), b"1")
+
+    def redone_stages(self, plan: FailoverPlan) -> frozenset[int]:
+        """:func:`redone_allreduces` of `plan`, remembered for the plans in :attr:`recovering` (an agreement asks
+        at every poll, and a plan's streams are long)."""
+        cached = self._redone.get(id(plan))
+        if cached is None or cached[0] is not plan:
+            live = {id(known) for known, _ in self.recovering.values()}
+            self._redone = {key: value for key, value in self._redone.items() if key in live}
+            cached = self._redone[id(plan)] = (plan, frozenset(redone_allreduces(plan)))
+        return cached[1]
 
     def surviving_copies(self, stage: int, layouts: dict[int, Schedule] | None = None) -> list[tuple[str, int]]:
         """Where copies of `stage` survive, judged on `layouts` (default: the current ones): the

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 
 import attrs
 from bamboo.rc.agreement import Agreement, PipelinePlan, RingAgreement
-from bamboo.rc.coordinator_state import CoordinatorState, redone_allreduces, taken_over
+from bamboo.rc.coordinator_state import CoordinatorState, taken_over
 from bamboo.rc.failures import AgreementError, ConsecutiveFailure, FailureEvent, LostContribution
 from bamboo.rc.records import CommitResult, ProgressRecord, ReducedRecord
 from bamboo.schedule import ConsecutiveFailure as LostEveryCopy
@@ -123,7 +123,7 @@ class PendingFailover:
                 rank = c.layout.rank(node, pipeline)
                 for stage in self.layouts_before[pipeline].stages_on(node):
                     for other, (plan, step) in sorted(c.recovering.items()):
-                        if other in self.victims or stage not in redone_allreduces(plan):
+                        if other in self.victims or stage not in c.redone_stages(plan):
                             continue
                         witness = c.layout.rank(c.layouts[other].placement[stage], other)
                         if witness not in c.dead:
@@ -192,7 +192,7 @@ class PendingFailover:
         c = self.coordinator
         latest = {**c.recovering, **{d: (planned.plan, planned.step) for d, planned in plans.items()}}
         for pipeline, planned in sorted(plans.items()):
-            for stage in sorted(redone_allreduces(planned.plan)):
+            for stage in sorted(c.redone_stages(planned.plan)):
                 for other, (plan, step) in sorted(latest.items()):
                     if other != pipeline and step > planned.step and stage in taken_over(plan):
                         after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}

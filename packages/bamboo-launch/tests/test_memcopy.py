@@ -12,6 +12,7 @@ from bamboo.launch.memcopy import (
     CopyServer,
     CopyStore,
     Holding,
+    catch_up_step,
     fetch_copy,
     kept_elsewhere_step,
     lineage,
@@ -73,10 +74,12 @@ def test_the_pinned_step_is_the_newest_one_every_stage_has_on_a_keeper() -> None
     assert kept_elsewhere_step(indexes, holding) is None  # stage 0 on its host only
 
 
-def _replay(sends: tuple[set[int], ...], pins: bool, steps: int = 12) -> dict[str, CopyIndex]:
-    """Hosts h0..h2 train stages 0..2 and keep a copy at every step; host i sends the copy of step t to its keeper
-    ki when t is in ``sends[i]`` (a background thread that falls behind sends only the newest copy it has), setting
-    the pin first when ``pins``, as `CopyService` does. Returns every node's index at the end."""
+def _replay(sends: tuple[set[int], ...], mode: str, steps: int = 12) -> dict[str, CopyIndex]:
+    """Hosts h0..h2 train stages 0..2 and keep a copy at every step; host i sends a copy to its keeper ki at each
+    step in ``sends[i]`` (a background thread that falls behind sends only then), as `CopyService` does in
+    ``mode``: "newest" (its newest copy, nothing pinned), "pins" (also the pin, set first), or "pins and catch-up"
+    (also the step the others' keepers share, :func:`catch_up_step`, in place of its newest). Returns every node's
+    index at the end."""
     holding = Holding(owners=(("h0",), ("h1",), ("h2",)), placed=("h0", "h1", "h2"))
     stores = {name: CopyStore() for name in ("h0", "h1", "h2", "k0", "k1", "k2")}
 
@@ -85,31 +88,52 @@ def _replay(sends: tuple[set[int], ...], pins: bool, steps: int = 12) -> dict[st
 
     for step in range(1, steps + 1):
         for stage in range(3):
-            stores[f"h{stage}"].put(_copy(stage, step))
-            if step in sends[stage]:
-                if pins:
-                    pin = kept_elsewhere_step(indexes(), holding)
-                    stores[f"h{stage}"].pin(stage, pin)
-                    stores[f"k{stage}"].pin(stage, pin)
-                stores[f"k{stage}"].put(_copy(stage, step))
+            host, keeper = stores[f"h{stage}"], stores[f"k{stage}"]
+            host.put(_copy(stage, step))
+            if step not in sends[stage]:
+                continue
+            sent = step
+            if mode != "newest":
+                pin = kept_elsewhere_step(indexes(), holding)
+                host.pin(stage, pin)
+                keeper.pin(stage, pin)
+            if mode == "pins and catch-up":
+                sent = catch_up_step(indexes(), holding, stage, host.steps(stage)) or step
+            keeper.put(_copy(stage, sent))
     return indexes()
 
 
-@pytest.mark.parametrize("pins", [False, True])
-def test_pins_keep_a_step_every_stage_has_when_the_keepers_fall_behind_unevenly(pins: bool) -> None:
+@pytest.mark.parametrize("mode", ["newest", "pins", "pins and catch-up"])
+def test_pins_keep_a_step_every_stage_has_when_the_keepers_fall_behind_unevenly(mode: str) -> None:
     """Keepers that fall behind by different amounts hold no step in common, and the hosts move on: losing every
-    host, or one host whose keeper lags far, left no step to restore from memory. The pinned step is one."""
+    host, or one host whose keeper lags far, left no step to restore from memory. The pinned step is one; a host
+    that catches up to the step the others' keepers share makes a newer one."""
     history = ((0, 2), (5, 1))
     keepers = {"k0", "k1", "k2"}
-    uneven = _replay((set(range(1, 13)), {1, 5, 9}, {1, 2, 4, 7, 10}), pins)
+    uneven = _replay((set(range(1, 13)), {1, 5, 9}, {1, 2, 4, 7, 10}), mode)
     every_host_lost = memory_restore(uneven, BOUNDS, keepers, history)
-    far_behind = _replay(({1, 5}, set(range(1, 13)), set(range(1, 13))), pins)
+    far_behind = _replay(({1, 5}, set(range(1, 13)), set(range(1, 13))), mode)
     one_host_lost = memory_restore(far_behind, BOUNDS, keepers | {"h1", "h2"}, history)
-    if not pins:
+    if mode == "newest":
         assert every_host_lost is None and one_host_lost is None
         return
-    assert every_host_lost == (1, {0: ("k0",), 1: ("k1",), 2: ("k2",)})
-    assert one_host_lost is not None and one_host_lost[0] == 5 and one_host_lost[1][0] == ("k0",)
+    assert every_host_lost is not None and one_host_lost is not None
+    # h0 sent step 5 (pins) or, catching up, step 4, the newest the other keepers had then: either is kept
+    assert one_host_lost[0] == (5 if mode == "pins" else 4) and one_host_lost[1][0] == ("k0",)
+    assert every_host_lost[1] == {0: ("k0",), 1: ("k1",), 2: ("k2",)}
+    # pins alone keep step 1, the last one all three sent; catching up, the laggards send steps the others' keepers
+    # already have, and step 7 is common by the end
+    assert every_host_lost[0] == (1 if mode == "pins" else 7)
+
+
+def test_a_host_behind_catches_up_to_the_step_the_other_keepers_share_while_it_keeps_it() -> None:
+    holding = Holding(owners=(("a",), ("b",), ("c",)), placed=("a", "b", "c"))
+    indexes = {"k0": _index("k0", "x", {0: (7, 8, 9)}), "k1": _index("k1", "y", {1: (8, 9)}),
+               "k2": _index("k2", "z", {2: (4,)})}
+    assert catch_up_step(indexes, holding, 2, kept=(8, 9, 10)) == 9  # shared by stages 0 and 1, kept by c
+    assert catch_up_step(indexes, holding, 2, kept=(10, 11, 12)) is None  # c no longer has 8 or 9: its newest
+    indexes["k2"] = _index("k2", "z", {2: (9,)})
+    assert catch_up_step(indexes, holding, 2, kept=(9, 10)) is None  # its keeper has 9 already
 
 
 def test_an_index_round_trips_and_refuses_an_unknown_version() -> None:

@@ -28,6 +28,7 @@ from bamboo.launch.memcopy import (
     CopyServer,
     CopyStore,
     Holding,
+    catch_up_step,
     copies_prefix,
     fetch_copy,
     kept_elsewhere_step,
@@ -191,11 +192,14 @@ class CopyService:
             return
         pin = kept_elsewhere_step(indexes, item.holding)  # common to every stage's keepers: kept here and there
         self.store.pin(item.stage, pin)
+        behind = catch_up_step(indexes, item.holding, item.stage, self.store.steps(item.stage))
+        if behind is not None and behind != copy.step:  # the step the others' keepers share, which ours lack
+            copy = self.store.get(item.stage, behind) or copy
         for keeper in plan_keepers(indexes, item.holding)[item.stage]:
             try:
                 send_copy(indexes[keeper].address, copy, self.token, pin=pin)
             except (OSError, RuntimeError) as error:  # a keeper that died meanwhile: the next copy goes elsewhere
-                print(f"node {self.node}: the copy of stage {item.stage} at step {item.step} did not reach {keeper}: "
+                print(f"node {self.node}: the copy of stage {item.stage} at step {copy.step} did not reach {keeper}: "
                       f"{error}", file=sys.stderr, flush=True)
 
     def _publish(self) -> None:

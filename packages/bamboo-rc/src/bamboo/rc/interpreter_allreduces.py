@@ -182,11 +182,13 @@ class InterpreterAllReduces(InterpreterTransfers):
             if redone and pending_step != step:  # ours of `step` completed (or is not posted yet)
                 contribution = self._contributions.get((v, step))
                 if contribution is not None:
+                    # Posted, not waited for: nothing here needs the sum, and the shadow may post its redo only
+                    # after a later agreement that this node must take part in (its own pipeline failing
+                    # meanwhile), which a wait that heeds only this group's failures would never reach. The work
+                    # keeps its tensors until the shadow joins (the group table keeps the work).
                     flat, loss = contribution
                     self._announce_group(group, self._interrupter(group))
-                    self.groups.allreduce(
-                        group, [flat.clone(), loss.clone()], f"redo of {v}AR", self._interrupter(group)
-                    )
+                    self.groups.post_allreduce(group, [flat.clone(), loss.clone()], f"redo of {v}AR")
                 elif pending_step is not None or self.step > step:  # past that step, nothing stored: no exact redo
                     raise RuntimeError(
                         f"stage {v}: the shadow redoes the all-reduce of step {step}, but this node is in step "

@@ -25,7 +25,11 @@ and imports no torch, so it is tested in-process with a dictionary for a store. 
   further failure during the wait restarts the agreement with every victim so far; a victim
   without a live shadow is a :class:`~bamboo.rc.failures.ConsecutiveFailure`; survivors that
   disagree (some in a failover's remainder, some not) are an
-  :class:`~bamboo.rc.failures.AgreementError`;
+  :class:`~bamboo.rc.failures.AgreementError`. A redo decided in an earlier agreement whose
+  other-pipeline partner this one loses is judged by its host: its completion mark
+  (``redone/d<p>/s<stage>/t<step>``) or the all-reduces it had completed when it learned of the loss
+  (a :class:`~bamboo.rc.records.ReducedRecord` under ``reduced/r<lost>/n<rank>``); one not completed is a
+  :class:`~bamboo.rc.failures.LostContribution` on every node;
 - **hand-over events** (a node that left at an iteration boundary after a preemption notice:
   its pipeline switches to the merged schedule; the notice itself is told in-process,
   :meth:`~bamboo.rc.coordinator_signals.CoordinatorSignals.tell_notice`), the hand-over keys

@@ -100,7 +100,7 @@ class PendingFailover:
         node, pipeline = c.layout.position(lost)
         if pipeline == c.pipeline:
             return False
-        mine = set()
+        mine: set[int] = set()
         for schedule in (self.layouts_before[c.pipeline], c.layouts[c.pipeline]):
             mine |= set(schedule.stages_on(c.node)) | {s for s, shadow in enumerate(schedule.shadows) if shadow == c.node}
         return bool(mine & set(self.layouts_before[pipeline].stages_on(node)))
@@ -195,9 +195,7 @@ class PendingFailover:
             for stage in sorted(c.redone_stages(planned.plan)):
                 for other, (plan, step) in sorted(latest.items()):
                     if other != pipeline and step > planned.step and stage in taken_over(plan):
-                        after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}
-                        copies = {stage: c.surviving_copies(stage, after)}
-                        raise LostContribution(pipeline, stage, planned.step, other, step, copies)
+                        raise LostContribution(pipeline, stage, planned.step, other, step, _copies_after(c, plans, stage))
 
     def _check_earlier_redos_were_joined(self, plans: dict[int, PipelinePlan]) -> None:
         """Raise :class:`LostContribution` when pipeline d' still redoes stage v's all-reduce of step s' (the plan of
@@ -216,9 +214,7 @@ class PendingFailover:
                 continue  # the redo's host wrote that it completed, and it may be in its commit, where it notices nothing
             record = ReducedRecord.from_json(c.store.get(c.reduced_key(lost, witness)))
             if not record.has_completed(stage, step):
-                after = {**c.layouts, **{d: p.plan.steady for d, p in plans.items()}}
-                raise LostContribution(other, stage, step, pipeline, planned.step,
-                                       {stage: c.surviving_copies(stage, after)})
+                raise LostContribution(other, stage, step, pipeline, planned.step, _copies_after(c, plans, stage))
 
     def _settle_commit(
         self, pipeline: int, progress: dict[int, ProgressRecord]
@@ -292,6 +288,12 @@ class PendingFailover:
                 f"here is for step {None if known is None else known[1]}"
             )
         return True
+
+
+def _copies_after(c: CoordinatorState, plans: dict[int, PipelinePlan], stage: int) -> dict[int, list[tuple[str, int]]]:
+    """Where `stage` survives once `plans` are in force (what a :class:`LostContribution` reports)."""
+    after = {**c.layouts, **{d: planned.plan.steady for d, planned in plans.items()}}
+    return {stage: c.surviving_copies(stage, after)}
 
 
 class PendingRingFailover:

@@ -11,6 +11,7 @@ import attrs
 import pytest
 from bamboo.bench.emulated.market import ActionKind
 from bamboo.bench.emulated.run import RunOptions, agent_command, initial_plan, run_spec_fields
+from bamboo.bench.emulated.run_watch import RunEnd
 from bamboo.launch.cli import agent_spec_fields, build_parser, main
 
 
@@ -261,19 +262,68 @@ def test_a_run_whose_every_node_is_gone_waits_for_the_markets_next_node(tmp_path
 
     deadline = time.monotonic() + 60
     assert wait_end(_EmptyCluster(), _Decisions(), deadline, events, False, said.append,
-                    nodes_to_come=nodes_to_come) is False
+                    nodes_to_come=nodes_to_come) == RunEnd(stalled="every node was preempted and the market starts no other")
     assert len(asked) == 3
     assert said == ["every node is gone and the job has not ended: waiting for the market's next node"]
 
     ended = _Decisions()
     ended.end = Decision(name="end", value=JobEnd(steps=7, node="n0").to_dict(), won=False, revision=1)
     asked.clear()
-    assert wait_end(_EmptyCluster(), ended, deadline, events, False, said.append, nodes_to_come=lambda: True) is False
+    assert wait_end(_EmptyCluster(), ended, deadline, events, False, said.append, nodes_to_come=lambda: True) == RunEnd()
     assert len(said) == 1  # the job had ended: nothing to wait for
     # stopped (its cluster closed, as bamboo-bench measure does at --duration): the market starts no node any more
     assert wait_end(_EmptyCluster(closed=True), _Decisions(), deadline, events, False, said.append,
-                    nodes_to_come=lambda: True) is False
+                    nodes_to_come=lambda: True) == RunEnd()
     assert len(said) == 1
+
+
+class _ShortCluster:
+    """A cluster with one live agent (too few for a pipeline) that stays up."""
+
+    closed = False
+
+    def alive(self) -> list[str]:
+        return ["node5"]
+
+
+class _StepClock:
+    """A monotonic clock that moves ``tick_s`` at each reading."""
+
+    def __init__(self, tick_s: float) -> None:
+        self.now, self.tick_s = 0.0, tick_s
+
+    def __call__(self) -> float:
+        self.now += self.tick_s
+        return self.now
+
+
+def test_a_run_whose_market_ran_dry_with_too_few_nodes_stops_once_no_step_comes(monkeypatch) -> None:
+    """The market has no node left to start and the one node alive cannot form a pipeline: the run stops once no
+    step came for MARKET_DRY_STALL_S, and says why, instead of waiting to its deadline. A step meanwhile (a pipeline
+    that failed over trains on fewer nodes than stages), a node still to come, or enough nodes keep it going."""
+    from bamboo.bench.emulated import run_watch
+    from bamboo.bench.emulated import timeouts as emulated_timeouts
+    from bamboo.bench.emulated.run_watch import wait_end
+
+    monkeypatch.setattr(run_watch, "pause", lambda seconds: None)  # the time is the test clock's
+    tick = emulated_timeouts.MARKET_DRY_STALL_S / 4
+    short = "the 1 node left cannot form a pipeline of 3 stages"
+    said: list[str] = []
+    clock = _StepClock(tick)
+    end = wait_end(_ShortCluster(), _Decisions(), 100 * emulated_timeouts.MARKET_DRY_STALL_S, list, False,
+                   said.append, short_of_nodes=lambda: short, last_step=lambda: 230, clock=clock)
+    assert end == RunEnd(stalled=f"the market starts no more nodes and {short}")
+    assert said[-1].startswith(end.stalled) and said[-1].endswith(": stopping the run")
+    assert emulated_timeouts.MARKET_DRY_STALL_S <= clock.now <= 3 * emulated_timeouts.MARKET_DRY_STALL_S
+
+    steps = iter(range(1000))  # a step at every poll: the run waits to its deadline
+    end = wait_end(_ShortCluster(), _Decisions(), 3 * emulated_timeouts.MARKET_DRY_STALL_S, list, False, said.append,
+                   short_of_nodes=lambda: short, last_step=lambda: next(steps), clock=_StepClock(tick))
+    assert end == RunEnd(timed_out=True)
+    for keeps_going in ({"nodes_to_come": lambda: True}, {"short_of_nodes": lambda: None}):
+        end = wait_end(_ShortCluster(), _Decisions(), 3 * emulated_timeouts.MARKET_DRY_STALL_S, list, False,
+                       said.append, **{"short_of_nodes": lambda: short, **keeps_going}, clock=_StepClock(tick))
+        assert end == RunEnd(timed_out=True)
 
 
 def test_a_run_every_node_of_which_was_preempted_says_so_and_where_it_stopped(tmp_path) -> None:
@@ -285,10 +335,11 @@ def test_a_run_every_node_of_which_was_preempted_says_so_and_where_it_stopped(tm
         for step in (1, 2, 3):
             log.write(Step(t=float(step), step=step, samples=8, loss=1.0, nodes_active=3, duration_s=0.1))
     result = RunResult(run_dir=tmp_path, events=events, reports={}, failed_ranks=(), failed_nodes=(),
-                       node_of_rank={}, exit_codes={"node0": -9, "node1": -9}, timed_out=False, seconds=10.0)
+                       node_of_rank={}, exit_codes={"node0": -9, "node1": -9}, timed_out=False, seconds=10.0,
+                       stalled="every node was preempted and the market starts no other")
     with pytest.raises(RunError, match=r"every node was preempted .* stopped at step 3, unfinished"):
         compare_with_reference(result, RunOptions(stages=2, pipelines=1, steps=5))
-    exited = attrs.evolve(result, exit_codes={"node0": -9, "node1": 1})  # one crashed: not a preemption
+    exited = attrs.evolve(result, exit_codes={"node0": -9, "node1": 1}, stalled=None)  # one crashed: the job ended
     with pytest.raises(RunError, match="no worker wrote a final report"):
         compare_with_reference(exited, RunOptions(stages=2, pipelines=1, steps=5))
 

@@ -114,6 +114,7 @@ def run_cluster(
     market = SpotMarket(plan, cluster, on_action=_market_lines(say), clock=clock)
     recorder = EventRecorder(kv, job, events_path)
     timed_out = False
+    stalled: str | None = None
     node_of_rank: dict[int, str] = {}
     failed_ranks: tuple[int, ...] = ()
     failed_nodes: tuple[str, ...] = ()
@@ -141,8 +142,11 @@ def run_cluster(
         if during is not None:
             handles = handles_of(node_of_rank)
             threading.Thread(target=during, args=(handles,), name="bamboo-run-during", daemon=True).start()
-        timed_out = wait_end(cluster, membership, started + options.timeout_s, recorder.recorded, options.live, say,
-                              options.progress_every, nodes_to_come=lambda: market.adds_pending)
+        end = wait_end(cluster, membership, started + options.timeout_s, recorder.recorded, options.live, say,
+                       options.progress_every, nodes_to_come=lambda: market.adds_pending,
+                       short_of_nodes=lambda: _short_of_nodes(cluster, options.stages),
+                       last_step=lambda: recorder.last_step)
+        timed_out, stalled = end.timed_out, end.stalled
     finally:
         market.stop(timeout=emulated_timeouts.MARKET_STOP_S)
         cluster.close()
@@ -161,7 +165,14 @@ def run_cluster(
     return RunResult(run_dir=run_dir, events=events_path, reports=load_reports(run_dir / "out"),
                      failed_ranks=failed_ranks, failed_nodes=failed_nodes, node_of_rank=node_of_rank,
                      exit_codes=codes, timed_out=timed_out, seconds=time.monotonic() - started, job_error=job_error,
-                     worker_errors=worker_errors)
+                     worker_errors=worker_errors, stalled=stalled)
+
+
+def _short_of_nodes(cluster: ProcessCluster, stages: int) -> str | None:
+    """Why the nodes alive cannot form one pipeline of ``stages`` (None: they are enough)."""
+    alive = len(cluster.alive())
+    nodes = "1 node" if alive == 1 else f"{alive} nodes"
+    return None if alive >= stages else f"the {nodes} left cannot form a pipeline of {stages} stages"
 
 
 def _peak(plan: Sequence[MarketAction]) -> int:

@@ -149,6 +149,9 @@ class RunResult:
     job_error: str | None = None
     worker_errors: tuple[tuple[str, str], ...] = ()
     """``(node, last exception line)`` of every worker that failed with an exception, the earliest first."""
+    stalled: str | None = None
+    """Why the run stopped before its job ended, with no market node left to start (every node gone, or too few
+    for one pipeline): None when the job ended, the run timed out or it was stopped."""
 
     @property
     def consecutive(self) -> str | None:

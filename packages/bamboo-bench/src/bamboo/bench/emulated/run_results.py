@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from bamboo.membership import MembershipStore
 
 __all__ = ["compare_with_reference", "dumps_result", "last_step", "load_reports", "read_failures", "read_worker_errors",
-           "save_records"]
+           "save_records", "unfinished"]
 
 
 def read_failures(membership: MembershipStore) -> tuple[tuple[int, ...], tuple[str, ...], str | None]:
@@ -61,6 +61,12 @@ def load_reports(out: Path) -> dict[int, WorkerReport]:
     return reports
 
 
+def unfinished(result: RunResult) -> str:
+    """What a run that stopped with its job unfinished (``result.stalled``) says: why, where, and what goes on."""
+    return (f"{result.stalled}: the job stopped at step {last_step(result.events)}, unfinished (a longer trace, or "
+            f"--resume from its checkpoints in {result.run_dir / 'checkpoints'}, goes on)")
+
+
 def compare_with_reference(result: RunResult, options: RunOptions) -> Verification:
     """Compare every surviving worker's hosted stages with a fault-free single-process run.
 
@@ -79,11 +85,8 @@ def compare_with_reference(result: RunResult, options: RunOptions) -> Verificati
     if result.timed_out:
         raise RunError(f"the run did not finish within --timeout {options.timeout_s:g} s (after {result.steps_done} "
                        "steps): nothing to verify")
-    if not result.reports and result.exit_codes and all(code is not None and code < 0
-                                                        for code in result.exit_codes.values()):
-        raise RunError(f"every node was preempted and the trace started no other: the job stopped at step "
-                       f"{last_step(result.events)}, unfinished (nothing to verify; a longer trace, or --resume "
-                       f"from its checkpoints in {result.run_dir / 'checkpoints'}, goes on)")
+    if result.stalled is not None:
+        raise RunError(unfinished(result))
     if not result.reports:
         raise RunError(f"no worker wrote a final report under {result.run_dir / 'out'}")
     spec = JobSpec.from_json((result.run_dir / "spec.json").read_text())

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.bench.emulated.run_options import RunError
 from bamboo.bench.emulated.stop_signals import pause, stop_signals_deferred
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from bamboo.membership import KeyValueStore, MembershipStore
     from bamboo.reconfig import JobLayout
 
-__all__ = ["EventRecorder", "last_line", "wait_end", "wait_first_step"]
+__all__ = ["EventRecorder", "RunEnd", "last_line", "wait_end", "wait_first_step"]
 
 
 class EventRecorder:
@@ -147,43 +148,96 @@ def wait_first_step(recorder: EventRecorder, cluster: ProcessCluster, membership
         pause(emulated_timeouts.RUN_POLL_S)
 
 
+@attrs.frozen
+class RunEnd:
+    """How :func:`wait_end` returned: the deadline came first (``timed_out``), or the run stopped with its job
+    unfinished and no node left for the market to start (``stalled``: why; None when the job ended, or the run was
+    stopped)."""
+
+    timed_out: bool = False
+    stalled: str | None = None
+
+
+class _EndWatch:
+    """Whether an emulated run is still running (:meth:`running`), and why it stopped when its market ran dry."""
+
+    def __init__(self, cluster: ProcessCluster, membership: MembershipStore, say: Callable[[str], None],
+                 nodes_to_come: Callable[[], bool], short_of_nodes: Callable[[], str | None],
+                 last_step: Callable[[], int], clock: Callable[[], float]) -> None:
+        self.cluster, self.membership, self.say = cluster, membership, say
+        self.nodes_to_come, self.short_of_nodes, self.last_step, self.clock = (nodes_to_come, short_of_nodes,
+                                                                               last_step, clock)
+        self.stalled: str | None = None
+        self._emptied = False
+        self._progress: tuple[int, float] | None = None  # (the last step seen, when it was first seen)
+
+    def running(self) -> bool:
+        if self.cluster.alive():
+            self._emptied = False
+            return not self._dry_and_stuck()
+        if self.cluster.closed or self._job_ended():
+            return False  # closed: the run was stopped (bamboo-bench measure's --duration), and no node starts
+        if self.nodes_to_come():
+            return self._wait_for_a_node()
+        self.stalled = "every node was preempted and the market starts no other"
+        return False
+
+    def _wait_for_a_node(self) -> bool:
+        if not self._emptied:
+            self.say("every node is gone and the job has not ended: waiting for the market's next node")
+            self._emptied = True
+        return True
+
+    def _job_ended(self) -> bool:
+        from bamboo.launch.records import JobEnd, read_record
+
+        return read_record(JobEnd, self.membership.get_decision("end")) is not None
+
+    def _dry_and_stuck(self) -> bool:
+        """Whether the market starts no more nodes, the nodes alive are too few for one pipeline, and no step came
+        for :data:`~bamboo.bench.emulated.timeouts.MARKET_DRY_STALL_S`: then no step ever will."""
+        short = None if self.cluster.closed or self.nodes_to_come() else self.short_of_nodes()
+        if short is None:
+            self._progress = None
+            return False
+        step, now = self.last_step(), self.clock()
+        if self._progress is None or self._progress[0] != step:
+            self._progress = (step, now)
+            return False
+        if now - self._progress[1] < emulated_timeouts.MARKET_DRY_STALL_S or self._job_ended():
+            return False
+        self.stalled = f"the market starts no more nodes and {short}"
+        self.say(f"{self.stalled}, and no step came for {now - self._progress[1]:.0f} s: stopping the run")
+        return True
+
+
 @stop_signals_deferred()
 def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: float, events: Callable[[], list[Event]],
              live: bool, say: Callable[[str], None], progress_every: int = 10,
-             nodes_to_come: Callable[[], bool] = lambda: False) -> bool:
-    """Wait until the job has ended and every agent has exited; True if the deadline came first. ``events`` gives
-    the job's records added since its last call (:meth:`EventRecorder.recorded`).
+             nodes_to_come: Callable[[], bool] = lambda: False,
+             short_of_nodes: Callable[[], str | None] = lambda: None, last_step: Callable[[], int] = lambda: 0,
+             clock: Callable[[], float] = time.monotonic) -> RunEnd:
+    """Wait until the job has ended and every agent has exited, or the ``deadline`` (on ``clock``) came. ``events``
+    gives the job's records added since its last call (:meth:`EventRecorder.recorded`).
 
     An agent exits once the job's end record is in etcd. A cluster with no agent left whose job has not ended
     (a bulk preemption took every node) is still running while ``nodes_to_come()`` (the market will start
     another node) and the cluster is not closed: the job goes on from its newest checkpoint once the new nodes form
     a pipeline. A closed cluster (the run was stopped) starts no node: a stopped run whose market had nodes still to
-    start waited for them until its timeout. A stop signal (Ctrl-C, SIGTERM) meanwhile is raised between two polls
+    start waited for them until its timeout. When the market has no node left to start and ``short_of_nodes()``
+    says why the nodes alive cannot form a pipeline (None: they can), the run stops once no step came
+    (``last_step()``) for :data:`~bamboo.bench.emulated.timeouts.MARKET_DRY_STALL_S`, rather than at its timeout.
+    A stop signal (Ctrl-C, SIGTERM) meanwhile is raised between two polls
     (:mod:`~bamboo.bench.emulated.stop_signals`).
     """
-    from bamboo.launch.records import JobEnd, read_record
-
-    emptied = False
-
-    def running() -> bool:
-        nonlocal emptied
-        if cluster.alive():
-            emptied = False
-            return True
-        if cluster.closed or not nodes_to_come() or read_record(JobEnd, membership.get_decision("end")) is not None:
-            return False  # closed: the run was stopped (bamboo-bench measure's --duration), and no node starts
-        if not emptied:
-            say("every node is gone and the job has not ended: waiting for the market's next node")
-            emptied = True
-        return True
-
+    watch = _EndWatch(cluster, membership, say, nodes_to_come, short_of_nodes, last_step, clock)
     if not live:
         from bamboo.launch.live import LiveState, ProgressLines
 
         state, lines = LiveState(), ProgressLines(progress_every)
-        while running():
-            if time.monotonic() > deadline:
-                return True
+        while watch.running():
+            if clock() > deadline:
+                return RunEnd(timed_out=True)
             state.apply_all(events())
             line = lines.line(state)
             if line is not None:
@@ -192,15 +246,15 @@ def wait_end(cluster: ProcessCluster, membership: MembershipStore, deadline: flo
         state.apply_all(events())
         if state.step is not None and state.step != lines.last:
             say(state.progress_line())  # the last step too
-        return False
+        return RunEnd(stalled=watch.stalled)
     from bamboo.launch.live import LiveView
     from rich.console import Console
 
     with LiveView(events, Console(stderr=True)) as view:  # redrawn at most once a second
-        while running():
-            if time.monotonic() > deadline:
-                return True
+        while watch.running():
+            if clock() > deadline:
+                return RunEnd(timed_out=True)
             view.update()
             pause(emulated_timeouts.LIVE_REFRESH_S)
         view.update()
-    return False
+    return RunEnd(stalled=watch.stalled)

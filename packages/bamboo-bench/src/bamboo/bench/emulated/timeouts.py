@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "FORK_SERVER_START_S",
     "LIVE_REFRESH_S",
+    "MARKET_DRY_STALL_S",
     "MARKET_STOP_S",
     "PROGRESS_POLL_S",
     "REAP_TIMEOUT_S",
@@ -35,6 +36,12 @@ PROGRESS_POLL_S = 0.25
 LIVE_REFRESH_S = 0.25
 """How often the live view of ``bamboo-launch run`` reads the event log again (it is redrawn when records
 arrived, at most every :data:`bamboo.launch.timeouts.LIVE_REDRAW_S`)."""
+
+MARKET_DRY_STALL_S = 30.0
+"""How long ``bamboo-launch run`` waits without a new step, once its market has no node left to start and the nodes
+alive are too few for one pipeline, before it stops the run (say why and exit 1) instead of waiting to its
+``--timeout`` for nodes that will never come. A pipeline that failed over trains on fewer nodes than stages, and
+its steps keep the run going."""
 
 MARKET_STOP_S = 10.0
 """How long ``bamboo-launch run`` waits for the market's thread to stop at the end."""

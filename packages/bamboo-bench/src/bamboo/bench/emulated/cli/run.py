@@ -16,6 +16,7 @@ from typing import Any
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
 from bamboo.bench.emulated.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
 from bamboo.bench.emulated.run_options import Verification
+from bamboo.bench.emulated.run_results import unfinished
 from bamboo.bench.emulated.stop_signals import stopped_like_ctrl_c
 from bamboo.bench.value import compute_report, format_report, plot_report
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
@@ -254,6 +255,9 @@ def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
         if diff > VERIFY_TOLERANCE:
             status = 1
     if result.timed_out:
+        status = 1
+    if result.stalled is not None:  # (with --verify, compare_with_reference has said it already)
+        extra["stopped"] = unfinished(result)
         status = 1
     if args.plot:
         plot_report(events, args.plot)

@@ -315,13 +315,16 @@ def test_a_retired_group_is_kept_until_the_operations_posted_on_it_have_finished
         def is_completed(self) -> bool:
             return self.done
 
-    class Group:  # stands for a built gloo group: allreduce posts a work
+    class Group:  # stands for a built gloo group: a collective posts a work
         def __init__(self) -> None:
             self.posted: list[Work] = []
 
         def allreduce(self, _tensors: object) -> Work:
             self.posted.append(Work())
             return self.posted[-1]
+
+        def allgather(self, _outputs: object, tensors: object) -> Work:  # three members add in order: a gather
+            return self.allreduce(tensors)
 
     kept_before = comm.kept_groups()
     table = GroupTable(FakeStore(), JOB, 4, TIMEOUTS, {})  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from bamboo.rc.failures import PeerFailure
+from bamboo.rc.ordered_sum import post_ordered_sum
 from bamboo.rc.timeouts import COLLECTIVE_SPIN_S, CommTimeouts
 from torch.distributed import PrefixStore, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
@@ -383,12 +384,16 @@ class GroupTable:
         return PeerFailure(others, f"a member of {group}", instruction, cause)
 
     def post_allreduce(self, group: str, tensors: Sequence[torch.Tensor], instruction: str) -> list[object]:
-        """Start summing `tensors` in place over `group`; returns the works (none for one member)."""
-        if len(self.members[group]) < 2:
+        """Start summing `tensors` in place over `group`; returns the works (none for one member). Three members
+        or more add in member order, the reference's (:mod:`bamboo.rc.ordered_sum`); two need no care."""
+        size = len(self.members[group])
+        if size < 2:
             return []
         pg = self.group(group)
         try:
-            return self._posted(group, [pg.allreduce([tensor]) for tensor in tensors])
+            if size == 2:  # a + b == b + a: gloo's sum is the reference's
+                return self._posted(group, [pg.allreduce([tensor]) for tensor in tensors])
+            return self._posted(group, [post_ordered_sum(pg, tensor, size) for tensor in tensors])
         except RuntimeError as exc:
             raise self.collective_failure(group, instruction, exc) from exc
 

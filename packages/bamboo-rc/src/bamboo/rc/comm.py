@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from bamboo.rc.failures import PeerFailure
 from bamboo.rc.ordered_sum import post_ordered_sum
+from bamboo.rc.state import SpareBuffers
 from bamboo.rc.timeouts import COLLECTIVE_SPIN_S, CommTimeouts
 from torch.distributed import PrefixStore, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
@@ -210,6 +211,8 @@ class GroupTable:
         self.failed_builds: dict[str, tuple[int, PeerFailure]] = {}
         """(the group's version, the failure) of each group whose eager first build failed
         (:meth:`build_eagerly`): raised at the group's next use in that version."""
+        self._gathers = SpareBuffers()
+        """The gather buffers of the ordered sums (:mod:`bamboo.rc.ordered_sum`), reused from step to step."""
 
     def set_members(self, epoch: int, members: dict[str, Sequence[int]]) -> None:
         for name in list(self.members):
@@ -393,7 +396,7 @@ class GroupTable:
         try:
             if size == 2:  # a + b == b + a: gloo's sum is the reference's
                 return self._posted(group, [pg.allreduce([tensor]) for tensor in tensors])
-            return self._posted(group, [post_ordered_sum(pg, tensor, size) for tensor in tensors])
+            return self._posted(group, [post_ordered_sum(pg, tensor, size, self._gathers) for tensor in tensors])
         except RuntimeError as exc:
             raise self.collective_failure(group, instruction, exc) from exc
 

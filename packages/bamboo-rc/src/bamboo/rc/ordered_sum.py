@@ -13,15 +13,20 @@ once. A data-parallel group lists its members in pipeline order (:meth:`bamboo.r
 so the sum is the reference's element by element, whoever computed which share.
 
 The cost is the gather: each member receives every other member's tensor (D - 1 of them, where the ring moves
-about two), held in host memory until the sum.
+about two), held in host memory until the sum. Gradient-sized gather buffers come from a pool (``spares``) and go
+back to it once summed: a fresh one costs its page faults again at every step.
 """
 
 from __future__ import annotations
 
 import torch
+from bamboo.rc.state import SpareBuffers
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-__all__ = ["OrderedSum", "post_ordered_sum"]
+__all__ = ["POOLED_FROM", "OrderedSum", "post_ordered_sum"]
+
+POOLED_FROM = 1 << 16
+"""Elements from which an fp32 tensor's gather buffers come from the pool (smaller ones are cheap to allocate)."""
 
 
 class OrderedSum:
@@ -30,10 +35,13 @@ class OrderedSum:
     It answers as a gloo work does (``is_completed``, ``get_future``, ``wait``): the interpreter waits on it,
     polls it and keeps it like any collective of its group."""
 
-    def __init__(self, work: object, tensor: torch.Tensor, gathered: list[torch.Tensor]) -> None:
+    def __init__(self, work: object, tensor: torch.Tensor, gathered: list[torch.Tensor],
+                 spares: SpareBuffers | None = None) -> None:
         self._work = work
         self._tensor = tensor
         self._gathered: list[torch.Tensor] | None = gathered
+        self._spares = spares
+        """Where the gather buffers go back once summed (None: they were allocated for this sum alone)."""
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())  # type: ignore[attr-defined]
@@ -49,10 +57,20 @@ class OrderedSum:
             self._tensor.copy_(gathered[0])
             for share in gathered[1:]:
                 self._tensor.add_(share)
+            if self._spares is not None:  # the gather is done and summed: nothing reads or writes them any more
+                for slot, buffer in enumerate(gathered):
+                    self._spares.give_back((buffer.numel(), slot), buffer)
         return True
 
 
-def post_ordered_sum(pg: ProcessGroupGloo, tensor: torch.Tensor, members: int) -> OrderedSum:
-    """Post the all-gather of ``tensor`` over ``pg`` (of ``members`` members); its :class:`OrderedSum`."""
-    gathered = [torch.empty_like(tensor) for _ in range(members)]
-    return OrderedSum(pg.allgather([gathered], [tensor]), tensor, gathered)
+def post_ordered_sum(pg: ProcessGroupGloo, tensor: torch.Tensor, members: int,
+                     spares: SpareBuffers | None = None) -> OrderedSum:
+    """Post the all-gather of ``tensor`` over ``pg`` (of ``members`` members); its :class:`OrderedSum`. An fp32
+    tensor of :data:`POOLED_FROM` elements or more gathers into buffers of ``spares``, when given."""
+    pooled = spares is not None and tensor.dtype == torch.float32 and tensor.numel() >= POOLED_FROM
+    if pooled:
+        assert spares is not None
+        gathered = [spares.take((tensor.numel(), slot), tensor.numel()).view_as(tensor) for slot in range(members)]
+    else:
+        gathered = [torch.empty_like(tensor) for _ in range(members)]
+    return OrderedSum(pg.allgather([gathered], [tensor]), tensor, gathered, spares if pooled else None)

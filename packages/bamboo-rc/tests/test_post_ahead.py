@@ -6,12 +6,10 @@ messages are in flight by the failover tests (`test_failover.py`); the cuts they
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
 from bamboo.rc.interpreter import StageInterpreter
-from bamboo.rc.state import ReusedBuffers
 from bamboo.schedule import Instruction, generate
 
 
@@ -29,10 +27,6 @@ class FakeInterpreter:
     """The state `post_ahead` reads, on rank `rank` of one pipeline (node = rank)."""
 
     post_ahead = StageInterpreter.post_ahead
-    post_syncs_ahead = StageInterpreter.post_syncs_ahead
-    _post_sync_receive = StageInterpreter._post_sync_receive
-    _sync_size = StageInterpreter._sync_size
-    _sync_recv = StageInterpreter._sync_recv
     _group_for = StageInterpreter._group_for
     _receive_spec = StageInterpreter._receive_spec
     _handle = StageInterpreter._handle
@@ -47,19 +41,6 @@ class FakeInterpreter:
         self._segmented: dict[str, object] = {}
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._output_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        self._sync_receives: tuple[object, tuple[tuple[int, Instruction], ...]] = (None, ())
-        self._replica_updates: dict[int, object] = {}
-        self._received_syncs: dict[int, torch.Tensor] = {}
-        self._sync_buffers = ReusedBuffers()
-        self.slices = {(rank + 1) % 2: SimpleNamespace(numel=lambda: 10)}  # the replica this node keeps in sync
-        self.applied: list[int] = []
-
-    def _apply_replica_update(self, stage: int) -> None:
-        self.applied.append(stage)
-
-    def _receive_segments(self, instruction: Instruction, make: Callable[[], torch.Tensor], peer: int,
-                          stage: int) -> torch.Tensor:
-        return make()  # (the transfer itself resumes the receive posted ahead: `_transfer`)
 
     def _peer_rank(self, node: int) -> int:
         return node
@@ -68,8 +49,8 @@ class FakeInterpreter:
         return False
 
 
-def stream(node: int, rc: str = "none") -> list[Instruction]:
-    return list(generate("1f1b", 2, 4, rc=rc).streams[node])
+def stream(node: int) -> list[Instruction]:
+    return list(generate("1f1b", 2, 4, rc="none").streams[node])
 
 
 def test_the_next_activation_is_posted_before_a_computation_once_its_shape_is_known() -> None:
@@ -109,38 +90,3 @@ def test_nothing_is_posted_ahead_in_efeb_or_at_a_receive_or_on_an_unbuilt_group(
     unbuilt.groups.groups.clear()
     unbuilt.post_ahead(instructions, 1)
     assert efeb.groups.posted == at_receive.groups.posted == unbuilt.groups.posted == []
-
-
-def test_a_replica_sync_is_posted_ahead_once_the_replica_took_its_last_update() -> None:
-    """Node 0 keeps stage 1's replica (lflb): the receive of stage 1's sync is posted early in the iteration, into the
-    sync buffer, once the replica took the last update (which lives in that buffer until then); once, and not in
-    efeb."""
-    interpreter, instructions = FakeInterpreter(rank=0), stream(0, "lflb")
-    sync = next(i for i in instructions if str(i) == "1RY<1")
-    interpreter._replica_updates[1] = object()
-    interpreter.post_ahead(instructions, 0)
-    assert interpreter.groups.posted == []  # the buffer still holds the last update
-    del interpreter._replica_updates[1]
-    interpreter.post_ahead(instructions, 1)
-    interpreter.post_ahead(instructions, 2)
-    assert interpreter.groups.posted == [("p2p-0-1", (12,), 1, "1RY<1")]  # 10 gradients, the loss, the step
-    peer, _, buffer = interpreter._pending["1RY<1"]
-    assert peer == 1 and buffer is interpreter._sync_buffers.get(("in", 1), 12)
-    interpreter.post_ahead(instructions, instructions.index(sync))  # the RY itself: nothing more to post
-    assert len(interpreter.groups.posted) == 1
-    efeb = FakeInterpreter(rank=0, receives_ahead=False)
-    efeb.post_ahead(stream(0, "efeb"), 0)
-    assert efeb.groups.posted == []
-
-
-def test_a_sync_posted_ahead_is_taken_from_its_own_buffer_even_after_the_cache_dropped_it() -> None:
-    """A failover that drops another transfer drops the cached sync buffers too: the `RY` must take the buffer its
-    receive was posted on, where the data lands, not a fresh one."""
-    interpreter, instructions = FakeInterpreter(rank=0), stream(0, "lflb")
-    sync = next(i for i in instructions if str(i) == "1RY<1")
-    interpreter.post_ahead(instructions, 0)
-    _, _, posted = interpreter._pending["1RY<1"]
-    interpreter._sync_buffers.drop()
-    interpreter._sync_recv(sync)
-    assert interpreter._received_syncs[1] is posted
-    assert interpreter.applied == [1]

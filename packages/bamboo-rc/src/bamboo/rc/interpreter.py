@@ -83,12 +83,8 @@ class StageInterpreter(InterpreterCommit):
 
         A failure can strike while such a message is in flight (sent, its receive not run): a failover's cut allows
         for it (`bamboo.schedule.engine.received_ahead`), and the failover schedule keeps the receive, which then
-        takes the data already there. The replica syncs' receives are posted ahead too (:meth:`post_syncs_ahead`).
-        Not in efeb (:attr:`receives_ahead`, `RCMode.receives_ahead`)."""
-        if not self.receives_ahead:
-            return
-        self.post_syncs_ahead(stream, index)
-        if stream[index].kind in _RECEIVES:
+        takes the data already there. Not in efeb (:attr:`receives_ahead`, `RCMode.receives_ahead`)."""
+        if not self.receives_ahead or stream[index].kind in _RECEIVES:
             return
         later = index + 1  # the scan stops at the first receive, a few instructions on: no slice of the stream
         while later < len(stream) and stream[later].kind not in _RECEIVES:

@@ -5,8 +5,7 @@ pipeline of the squared gradient norm and the loss, preceded by one of the tied 
 model ties weights across stages; then every hosted stage steps with the global clip coefficient, or skips the
 step after an fp16 overflow). `SY` posts a stage's reduced gradients to its shadow as a buffered send,
 completed before the commit; `RY` receives the owner's, and the replica steps with them, and the same tied
-sums, right before its next use. A node posts its `RY` receives ahead (:meth:`InterpreterCommit.post_syncs_ahead`),
-so that the owner's sync lands while this node still works.
+sums, right before its next use.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from bamboo.rc.interpreter_transfers import _TAG_SYNC, _segments, _tag
 from bamboo.rc.precision import step_outcome
 from bamboo.rc.records import CommitResult
 from bamboo.rc.ties import squared_norm
-from bamboo.schedule import Instruction, Kind
+from bamboo.schedule import Instruction
 
 __all__ = ["InterpreterCommit"]
 
@@ -58,45 +57,10 @@ class InterpreterCommit(InterpreterAllReduces):
         s = instruction.stage
         self._apply_replica_update(s)  # lflb never runs the replica: apply the last update now
         owner = self._peer_rank(instruction.peer)
-        ahead = self._pending.get(str(instruction))  # posted ahead: into its own buffer, kept even if the cache dropped
         # Reused: the last update, applied just now, was the only other user of the buffer.
         self._received_syncs[s] = self._receive_segments(
-            instruction,
-            lambda: ahead[2] if ahead is not None and ahead[2] is not None
-            else self._sync_buffers.get(("in", s), self._sync_size(s)),
-            owner, s,
+            instruction, lambda: self._sync_buffers.get(("in", s), self._sync_size(s)), owner, s
         )
-
-    def post_syncs_ahead(self, stream: Sequence[Instruction], index: int) -> None:
-        """Before `stream[index]` runs, post the receive of every replica sync (`RY`) still ahead in `stream` whose
-        buffer is free (the replica took its last update), so that the owner's sync lands while this node works: the
-        owner's send completes as soon as it is posted, and the `RY` finds its data there instead of starting the
-        transfer at the end of the iteration, where both nodes wait for it before the commit.
-
-        It is posted as an interrupted transfer is kept (under the instruction's text, which resumes it), where
-        nothing can block (its group built), and only when the payload is one message. The schedule already lets a
-        sync wait between its send and its receive (`SY` is a buffered send), so a cut is unchanged: a failover
-        drops it with the other transfers of a victim owner, and otherwise the remainder's `RY` resumes it."""
-        if self._sync_receives[0] is not stream:
-            self._sync_receives = (stream, tuple((at, x) for at, x in enumerate(stream) if x.kind is Kind.SYNC_RECV))
-        for position, instruction in self._sync_receives[1]:
-            if position > index:
-                self._post_sync_receive(instruction)
-
-    def _post_sync_receive(self, instruction: Instruction) -> None:
-        s, key = instruction.stage, str(instruction)
-        if key in self._pending or key in self._segmented or s in self._replica_updates:
-            return
-        assert instruction.peer is not None
-        owner = self._peer_rank(instruction.peer)
-        group = self._group_for(owner)
-        if group not in self.groups.groups or self._needs_barrier(group):
-            return
-        payload = self._sync_buffers.get(("in", s), self._sync_size(s))
-        if len(_segments(payload)) != 1:
-            return  # a payload of several messages is received one message at a time (_receive_segments)
-        works = self.groups.post_recv(group, payload, owner, _tag(_TAG_SYNC, s, 0), key)
-        self._pending[key] = (instruction.peer, self._handle(works), payload)
 
     def _sync_size(self, s: int) -> int:
         """Elements of stage s's replica sync: its gradients, the reduced loss and the step number."""

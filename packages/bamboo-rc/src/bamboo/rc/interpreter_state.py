@@ -8,7 +8,7 @@ that add their methods to it, one module each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,12 +89,10 @@ class InterpreterState:
         self._pending: dict[str, tuple[int, object, torch.Tensor | None]] = {}
         """Transfers a confirmed failure interrupted: instruction text -> (peer node, handle, buffer)."""
         self._segmented: dict[str, tuple[int, torch.Tensor, int]] = {}
-        """Payloads sent in several messages that a failure interrupted: instruction text -> (peer node, the
-        payload, the segment to resume at)."""
         self._posted_syncs: dict[str, Instruction] = {}
         """Replica syncs posted and not yet waited for (their handles are in `_pending`): text -> instruction."""
-        self._sync_receives: tuple[Sequence[Instruction] | None, tuple[tuple[int, Instruction], ...]] = (None, ())
-        """The stream whose replica sync receives were listed last, and each one's index in it."""
+        """Payloads sent in several messages that a failure interrupted: instruction text -> (peer node, the
+        payload, the segment to resume at)."""
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, StepOutcome, dict[str, torch.Tensor]]] = {}

@@ -1,5 +1,5 @@
-"""Benchmark: the fault-free step of pure data parallelism (P = 1) with exact redundancy, against a plain
-all-reduce, same run.
+"""Benchmark: the fault-free step of pure data parallelism (P = 1) with exact redundancy, against no redundancy
+(`--redundancy none`), same run.
 
 Run: `flock /tmp/bamboo-heavy.lock .venv/bin/python tests/benchmarks/bench_dp_step.py` (`--help` for the flags).
 Not collected by pytest. Ratios are printed, not asserted.

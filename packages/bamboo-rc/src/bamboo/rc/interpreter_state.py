@@ -89,10 +89,10 @@ class InterpreterState:
         self._pending: dict[str, tuple[int, object, torch.Tensor | None]] = {}
         """Transfers a confirmed failure interrupted: instruction text -> (peer node, handle, buffer)."""
         self._segmented: dict[str, tuple[int, torch.Tensor, int]] = {}
-        self._posted_syncs: dict[str, Instruction] = {}
-        """Replica syncs posted and not yet waited for (their handles are in `_pending`): text -> instruction."""
         """Payloads sent in several messages that a failure interrupted: instruction text -> (peer node, the
         payload, the segment to resume at)."""
+        self._posted_syncs: dict[str, Instruction] = {}
+        """Replica syncs posted and not yet waited for (their handles are in `_pending`): text -> instruction."""
         self._act_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, StepOutcome, dict[str, torch.Tensor]]] = {}

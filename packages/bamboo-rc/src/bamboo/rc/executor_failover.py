@@ -11,8 +11,10 @@ changed are built again for the new epoch (:meth:`ExecutorFailover._after_event`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from bamboo.rc.agreement import Agreement
 from bamboo.rc.comm import GroupTable
 from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import ConsecutiveFailure, DeclaredFailed, FailureEvent, FailureNoticed, PeerFailure
@@ -153,9 +155,7 @@ class ExecutorFailover:
             raise
         if not agreement.victims:
             return stream  # hand-overs only: nothing was lost
-        for pipeline, planned in agreement.plans.items():
-            if pipeline != self.pipeline:
-                self.interpreter.join_redone_allreduces(planned.plan, agreement.victims[pipeline], planned.step, hosted)
+        interrupted = self._join_redos(agreement, hosted)
         own = agreement.plans.get(self.pipeline)
         if own is not None and self.node in own.lagging:
             # The victim died during the commit's all-reduce, which the other survivors completed:
@@ -170,9 +170,28 @@ class ExecutorFailover:
             kinds_before=self.kind_seconds,
         ))
         if own is None:
-            return stream  # our pipeline lost nobody: resume where we were (same stream, same index)
-        if own.cut[self.node] > done:
-            self.interpreter.execute(stream[done])  # the interrupted transfer: its partner completed it
-        self.interpreter.forget_transfers_with(agreement.victims[self.pipeline])
-        self.interpreter.apply_replica_updates()
-        return list(own.plan.remainder.streams[self.node])
+            resumed = stream  # our pipeline lost nobody: resume where we were (same stream, same index)
+        else:
+            if own.cut[self.node] > done:
+                self.interpreter.execute(stream[done])  # the interrupted transfer: its partner completed it
+            self.interpreter.forget_transfers_with(agreement.victims[self.pipeline])
+            self.interpreter.apply_replica_updates()
+            resumed, done = list(own.plan.remainder.streams[self.node]), 0
+        if interrupted is not None:  # noticed where this stream resumes, as if at its next instruction
+            return self._fail_over(interrupted, resumed, done)
+        return resumed
+
+    def _join_redos(self, agreement: Agreement, hosted: Sequence[int]) -> PeerFailure | FailureNoticed | None:
+        """Join the redone all-reduces of the other pipelines' plans (:meth:`StageInterpreter.join_redone_allreduces`).
+        A failure of a member of a redo's group before this node could join it ends the joins and is returned:
+        the caller agrees on it with the others next, who judge whether that redo can still be exact
+        (:class:`~bamboo.rc.failures.LostContribution` when the failed member's contribution died with it)."""
+        for pipeline, planned in agreement.plans.items():
+            if pipeline == self.pipeline:
+                continue
+            try:
+                self.interpreter.join_redone_allreduces(planned.plan, agreement.victims[pipeline], planned.step,
+                                                        hosted)
+            except (PeerFailure, FailureNoticed) as failure:
+                return failure
+        return None

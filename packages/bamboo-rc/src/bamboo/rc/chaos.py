@@ -37,6 +37,7 @@ import random
 from collections.abc import Callable
 
 from bamboo.rc.faults import KillPoint, NoticePoint
+from bamboo.rc.gpt_size import GPTSize
 from bamboo.rc.reference import ReferenceResult
 from bamboo.rc.ring import fault_free_ring_stream
 from bamboo.rc.timeouts import (
@@ -205,16 +206,17 @@ def run_chaos(
     on_result: Callable[[tuple[KillPoint, ...], VerifyResult], None] | None = None,
     pipelines: int = 1,
     notices: list[tuple[NoticePoint, ...]] | None = None,
+    size: GPTSize | None = None,
 ) -> list[tuple[tuple[KillPoint, ...], VerifyResult]]:
-    """Run every plan through verify (P=`stages`, D=`pipelines`), with `notices[i]` given during plan i when
-    given; returns (plan, result) pairs."""
+    """Run every plan through verify (P=`stages`, D=`pipelines`, the example model of `size`, default the
+    smallest), with `notices[i]` given during plan i when given; returns (plan, result) pairs."""
     if notices is not None and len(notices) != len(plans):
         raise ValueError(f"{len(notices)} sets of notices for {len(plans)} kill plans")
     timeouts = CommTimeouts(group=CHAOS_GROUP_S, build=CHAOS_BUILD_S, confirm=CHAOS_CONFIRM_S)
     outcomes = []
     references: dict[int, ReferenceResult] = {}  # one configuration: its reference is trained once per step
     for index, plan in enumerate(plans):
-        result = run_verify(stages, pipelines, steps, redundancy, timeouts=timeouts, deadline_s=CHAOS_DEADLINE_S,
+        result = run_verify(stages, pipelines, steps, redundancy, size=size, timeouts=timeouts, deadline_s=CHAOS_DEADLINE_S,
                             kills=plan, kills_must_fire=False, notice_points=notices[index] if notices else (),
                             references=references)
         outcomes.append((plan, result))

@@ -152,6 +152,9 @@ def _add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_positive_int, default=3, help="training steps per run (default 3)")
     parser.add_argument("--redundancy", choices=("lflb", "eflb", "efeb"), default="eflb",
                         help="redundancy mode (default eflb)")
+    parser.add_argument("--width", type=_positive_int, default=64,
+                        help="width of the example model (default 64; at 128 and more each stage's data-parallel "
+                             "sum is split in two phases, see bamboo.rc.two_phase_sum)")
     parser.add_argument("--notices", action="store_true",
                         help="every run also gives a node of another pipeline (ring node, with P = 1) a preemption "
                              "notice with time to hand over, from step 1 on, and the kill comes in that step or a later "
@@ -277,6 +280,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _soak(args: argparse.Namespace) -> int:
     from bamboo.rc.chaos import random_handover_plans, random_kill_points, run_chaos
+    from bamboo.rc.model import GPTSize
     from rich.progress import Progress
 
     if args.stages == 2:
@@ -298,7 +302,7 @@ def _soak(args: argparse.Namespace) -> int:
     with Progress() as progress:
         task = progress.add_task("kill points", total=len(plans))
         outcomes = run_chaos(plans, args.stages, args.steps, args.redundancy, on_result=lambda *_: progress.advance(task),
-                             pipelines=pipelines, notices=notices)
+                             pipelines=pipelines, notices=notices, size=GPTSize(width=args.width))
     passed = sum(1 for _, result in outcomes if result.passed)
     for index, (kills, result) in enumerate(outcomes):
         if not result.passed:

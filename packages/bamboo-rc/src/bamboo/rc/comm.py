@@ -33,6 +33,7 @@ from bamboo.rc.failures import PeerFailure
 from bamboo.rc.ordered_sum import post_ordered_sum
 from bamboo.rc.state import SpareBuffers
 from bamboo.rc.timeouts import COLLECTIVE_SPIN_S, CommTimeouts
+from bamboo.rc.two_phase_sum import SumDispatcher
 from torch.distributed import PrefixStore, Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
@@ -212,7 +213,9 @@ class GroupTable:
         """(the group's version, the failure) of each group whose eager first build failed
         (:meth:`build_eagerly`): raised at the group's next use in that version."""
         self._gathers = SpareBuffers()
-        """The gather buffers of the ordered sums (:mod:`bamboo.rc.ordered_sum`), reused from step to step."""
+        """The gather buffers of the ordered sums (:mod:`bamboo.rc.ordered_sum`, :mod:`bamboo.rc.two_phase_sum`),
+        reused from step to step."""
+        self._dispatchers: dict[str, SumDispatcher] = {}  # the posting thread of each group post_exact_sum used
 
     def set_members(self, epoch: int, members: dict[str, Sequence[int]]) -> None:
         for name in list(self.members):
@@ -231,6 +234,9 @@ class GroupTable:
         self.failed_builds.pop(name, None)
         self.building.pop(name, None)  # a build in flight ends on its own (by the group timeout at the latest)
         group = self.groups.pop(name, None)
+        dispatcher = self._dispatchers.pop(name, None)
+        if dispatcher is not None:
+            dispatcher.close()
         works = self.works.pop(name, [])
         self._prune_at.pop(name, None)
         if group is not None:
@@ -399,6 +405,19 @@ class GroupTable:
             return self._posted(group, [post_ordered_sum(pg, tensor, size, self._gathers) for tensor in tensors])
         except RuntimeError as exc:
             raise self.collective_failure(group, instruction, exc) from exc
+
+    def post_exact_sum(self, group: str, tensors: Sequence[torch.Tensor], instruction: str) -> list[object]:
+        """:meth:`post_allreduce` at about a ring's cost: three members or more queue the sums on the group's
+        :class:`~bamboo.rc.two_phase_sum.SumDispatcher`, which posts everything on the group from then on."""
+        size = len(self.members[group])
+        if size < 3:
+            return self.post_allreduce(group, tensors, instruction)
+        pg = self.group(group)
+        dispatcher = self._dispatchers.get(group)
+        if dispatcher is None or dispatcher.pg is not pg:
+            rank = self.members[group].index(self.rank)
+            dispatcher = self._dispatchers[group] = SumDispatcher(pg, size, rank, group, self._gathers)
+        return self._posted(group, [dispatcher.post(tensor) for tensor in tensors])
 
     def post_all_to_all(self, group: str, out: torch.Tensor, data: torch.Tensor, out_sizes: Sequence[int],
                         in_sizes: Sequence[int], instruction: str) -> list[object]:

@@ -43,7 +43,7 @@ class InterpreterAllReduces(InterpreterTransfers):
             contribution = (self.step, self._spare_grads.take(s, n).copy_(flat), loss.clone())
         group = f"dp-s{s}"
         self._await_group_members(group, str(instruction))
-        works = self.groups.post_allreduce(group, [flat, loss], str(instruction))
+        works = self.groups.post_exact_sum(group, [flat, loss], str(instruction))
         self._reducing[s] = (works, flat, loss, contribution, self.groups.members[group])
 
     def _wait_reduction(self, s: int) -> None:
@@ -146,7 +146,7 @@ class InterpreterAllReduces(InterpreterTransfers):
                 self.groups.wait_built(group, f"{stage}AR (again)", interrupt)
             elif len(members) > 1 and not self.groups.ready(group):  # a failed build is raised when blocking
                 continue
-            posted = self.groups.post_allreduce(group, [flat, loss], f"{stage}AR (again)")
+            posted = self.groups.post_exact_sum(group, [flat, loss], f"{stage}AR (again)")
             self._reducing[stage] = (posted, flat, loss, contribution, members)
 
     def join_redone_allreduces(self, plan: FailoverPlan, lost: set[int] | frozenset[int], step: int,
@@ -188,7 +188,7 @@ class InterpreterAllReduces(InterpreterTransfers):
                     # keeps its tensors until the shadow joins (the group table keeps the work).
                     flat, loss = contribution
                     self._announce_group(group, self._interrupter(group))
-                    self.groups.post_allreduce(group, [flat.clone(), loss.clone()], f"redo of {v}AR")
+                    self.groups.post_exact_sum(group, [flat.clone(), loss.clone()], f"redo of {v}AR")
                 elif pending_step is not None or self.step > step:  # past that step, nothing stored: no exact redo
                     raise RuntimeError(
                         f"stage {v}: the shadow redoes the all-reduce of step {step}, but this node is in step "

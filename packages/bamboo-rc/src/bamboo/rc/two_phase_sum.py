@@ -1,0 +1,168 @@
+"""The data-parallel all-reduce of three pipelines or more, exact and at about a ring's cost.
+
+The reference adds pipeline 0's gradients, then pipeline 1's, and so on; gloo's own all-reduce adds each piece
+of the tensor in an order of its own, so three members or more must add in member order themselves
+(:mod:`bamboo.rc.ordered_sum` says why). Gathering every member's whole tensor does that, but moves D - 1 tensors
+into each member. Here the sum is split in two phases, as a ring's all-reduce is:
+
+1. an all-to-all: member j receives piece j of every member's tensor, and adds those pieces in member order;
+2. an all-gather of the summed pieces.
+
+Each phase moves (D - 1) / D of the tensor in and out of each member.
+
+The second phase needs the first one's result on every member, and a member may post its part and never come
+back (a node that joins another pipeline's redone all-reduce posts its stored contribution and goes on). So a
+:class:`SumDispatcher`, one per group and its own thread, posts both phases of every sum of its group. The
+thread also posts the small sums, whole (an all-gather, added in order). gloo matches a group's collectives in
+posting order, so every member posts its sums in the same order, one after the other: phase 1 of a sum, then
+(once it completed) its phase 2, then the next sum. Nothing else may be posted on a group a dispatcher posts
+on. The caller's thread only queues the sum, and at :meth:`TwoPhaseSum.wait` copies the result out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+
+import torch
+from bamboo.rc.state import SpareBuffers
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+__all__ = ["SPLIT_FROM", "SumDispatcher", "TwoPhaseSum"]
+
+SPLIT_FROM = 1 << 16
+"""Elements from which a sum is split in two phases; a smaller tensor is gathered whole and added in order."""
+
+
+class TwoPhaseSum:
+    """A queued sum of ``tensor`` over a group, in member order, written into ``tensor`` by :meth:`wait`.
+
+    It answers as a gloo work does (``is_completed``, ``get_future``, ``wait``): the interpreter waits on it,
+    polls it and keeps it like any collective of its group. It is completed once its last phase completed, or
+    once a phase failed (then :meth:`wait` raises that phase's error)."""
+
+    def __init__(self, tensor: torch.Tensor, members: int, rank: int, spares: SpareBuffers | None) -> None:
+        self.tensor = tensor
+        self.members, self.rank = members, rank
+        self.split = tensor.numel() >= SPLIT_FROM
+        piece = -(-tensor.numel() // members)
+        self.piece = piece if self.split else tensor.numel()
+        pooled = spares is not None and tensor.dtype == torch.float32 and tensor.numel() >= SPLIT_FROM
+        self._spares = spares if pooled else None
+        size = self.piece * members
+        # Taken here, in the caller's thread, and given back in wait(), in the same thread: the pool is not shared.
+        self.received = self._buffer(("received", size), size)
+        """Phase 1's output: piece ``rank`` of every member's tensor (or, unsplit, every member's tensor)."""
+        self.result = self._buffer(("result", size), size) if self.split else self.received
+        """Phase 2's output: every summed piece, in order."""
+        self._last: object | None = None  # the work of the last phase posted
+        self._error: BaseException | None = None
+        self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._copied = False
+
+    def _buffer(self, key: tuple[str, int], size: int) -> torch.Tensor:
+        if self._spares is not None:
+            return self._spares.take(key, size)
+        return torch.empty(size, dtype=self.tensor.dtype)
+
+    # -- run by the dispatcher's thread --------------------------------------------------------------------
+    def run(self, pg: ProcessGroupGloo) -> None:
+        """Post this sum's phases on ``pg``, waiting for phase 1 before phase 2. Never raises: an error is kept
+        for :meth:`wait`, and marks the sum completed."""
+        try:
+            flat = self.tensor.reshape(-1)
+            if not self.split:
+                pieces = list(self.received.split(self.piece))
+                self._finish_with(pg.allgather([pieces], [flat]))
+                return
+            size = self.piece * self.members
+            if flat.numel() == size and flat.is_contiguous():
+                source = flat
+            else:  # padded to a whole number of pieces
+                source = self.result  # free until phase 2: phase 1 reads from it
+                source[:flat.numel()].copy_(flat)
+                source[flat.numel():].zero_()
+            pg.alltoall_base(self.received, source, [self.piece] * self.members,
+                             [self.piece] * self.members).wait()  # type: ignore[attr-defined]
+            summed = self.received.split(self.piece)
+            own = summed[0].clone()
+            for share in summed[1:]:
+                own.add_(share)
+            self._finish_with(pg.allgather([list(self.result.split(self.piece))], [own]))
+        except Exception as error:
+            self._error = error
+            self._future.set_result(None)
+
+    def _finish_with(self, work: object) -> None:
+        self._last = work
+        work.get_future().add_done_callback(lambda _future: self._future.set_result(None))  # type: ignore[attr-defined]
+
+    # -- the caller's side ------------------------------------------------------------------------------------
+    def is_completed(self) -> bool:
+        return self._future.done() and (self._last is None or bool(self._last.is_completed()))  # type: ignore[attr-defined]
+
+    def get_future(self) -> concurrent.futures.Future[None]:
+        """Done once the sum completed or failed (for a done callback, as a gloo work's future is used)."""
+        return self._future
+
+    def wait(self, timeout: object = None) -> bool:
+        """Wait for the last phase (raising a phase's error, as a gloo work does), then write the sum into the
+        tensor, once, and give the buffers back."""
+        self._future.result()
+        if self._error is not None:
+            raise self._error
+        assert self._last is not None
+        self._last.wait()  # type: ignore[attr-defined]
+        if not self._copied:
+            self._copied = True
+            flat = self.tensor.view(-1)
+            if self.split:
+                flat.copy_(self.result[:flat.numel()])
+            else:
+                pieces = self.received.split(self.piece)
+                flat.copy_(pieces[0])
+                for share in pieces[1:]:
+                    flat.add_(share)
+            if self._spares is not None:  # nothing posted reads or writes them any more
+                size = self.piece * self.members
+                self._spares.give_back(("received", size), self.received)
+                if self.split:
+                    self._spares.give_back(("result", size), self.result)
+        return True
+
+
+class SumDispatcher:
+    """Posts the sums of one group (``pg``, of ``members`` members, this process at ``rank``) on its own thread,
+    in the order they were queued (:mod:`bamboo.rc.two_phase_sum`). :meth:`close` ends the thread once the
+    sums queued before it were posted."""
+
+    def __init__(self, pg: ProcessGroupGloo, members: int, rank: int, name: str,
+                 spares: SpareBuffers | None = None) -> None:
+        self.pg = pg
+        self._pg: ProcessGroupGloo | None = pg  # None once closed
+        self.members, self.rank, self.name = members, rank, name
+        self._spares = spares
+        self._queue: queue.SimpleQueue[TwoPhaseSum | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def post(self, tensor: torch.Tensor) -> TwoPhaseSum:
+        """Queue the sum of ``tensor`` (in place, at :meth:`TwoPhaseSum.wait`)."""
+        if self._pg is None:
+            raise RuntimeError(f"the sums of group {self.name} were closed")
+        work = TwoPhaseSum(tensor, self.members, self.rank, self._spares)
+        self._queue.put(work)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(self._pg,), name=f"bamboo-sums-{self.name}",
+                                            daemon=True)
+            self._thread.start()
+        return work
+
+    def close(self) -> None:
+        """No more sums: the thread posts those queued and ends, and lets the group go."""
+        self._pg = None
+        self._queue.put(None)
+
+    def _run(self, pg: ProcessGroupGloo) -> None:
+        while (work := self._queue.get()) is not None:
+            work.run(pg)

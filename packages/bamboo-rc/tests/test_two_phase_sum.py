@@ -104,3 +104,32 @@ def test_a_member_that_posts_and_goes_on_completes_the_others_sums() -> None:
     assert sorted(results) == [0, 1, 2]
     for rank in results:
         assert torch.equal(results[rank], expected), rank
+
+
+class _BrokenGroup:
+    """A group whose first all-to-all fails; it counts what is posted on it."""
+
+    def __init__(self) -> None:
+        self.posted = 0
+
+    def alltoall_base(self, *args: object) -> object:
+        self.posted += 1
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_after_a_failed_sum_the_sums_queued_behind_it_fail_unposted() -> None:
+    group = _BrokenGroup()
+    dispatcher = SumDispatcher(group, MEMBERS, 0, "dp-s2")  # type: ignore[arg-type]
+    works = [dispatcher.post(torch.zeros(SPLIT_FROM)) for _ in range(3)]
+    for work in works:
+        assert work.get_future().result(timeout=30) is None
+        assert work.is_completed()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        works[0].wait()
+    for work in works[1:]:
+        with pytest.raises(RuntimeError, match="an earlier sum on dp-s2 failed: Connection closed by peer"):
+            work.wait()
+    assert group.posted == 1
+    dispatcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        dispatcher.post(torch.zeros(4))

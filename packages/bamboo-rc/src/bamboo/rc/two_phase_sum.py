@@ -57,7 +57,8 @@ class TwoPhaseSum:
         self.result = self._buffer(("result", size), size) if self.split else self.received
         """Phase 2's output: every summed piece, in order."""
         self._last: object | None = None  # the work of the last phase posted
-        self._error: BaseException | None = None
+        self.error: Exception | None = None
+        """Why the sum failed (raised by :meth:`wait`), or None."""
         self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._copied = False
 
@@ -90,9 +91,13 @@ class TwoPhaseSum:
             for share in summed[1:]:
                 own.add_(share)
             self._finish_with(pg.allgather([list(self.result.split(self.piece))], [own]))
-        except Exception as error:
-            self._error = error
-            self._future.set_result(None)
+        except Exception as error:  # kept for wait(): an error that ended the thread would leave the sum pending
+            self.fail(error)
+
+    def fail(self, error: Exception) -> None:
+        """End this sum with ``error`` (raised by :meth:`wait`)."""
+        self.error = error
+        self._future.set_result(None)
 
     def _finish_with(self, work: object) -> None:
         self._last = work
@@ -110,8 +115,8 @@ class TwoPhaseSum:
         """Wait for the last phase (raising a phase's error, as a gloo work does), then write the sum into the
         tensor, once, and give the buffers back."""
         self._future.result()
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         assert self._last is not None
         self._last.wait()  # type: ignore[attr-defined]
         if not self._copied:
@@ -164,5 +169,14 @@ class SumDispatcher:
         self._queue.put(None)
 
     def _run(self, pg: ProcessGroupGloo) -> None:
+        """Post each queued sum in turn. After a failed one, the rest fail at once, unposted: the members' posting
+        orders may have parted there (one completed a phase that another did not), and a failure retires the
+        group anyway."""
+        failed: str | None = None
         while (work := self._queue.get()) is not None:
+            if failed is not None:
+                work.fail(RuntimeError(f"an earlier sum on {self.name} failed: {failed}"))
+                continue
             work.run(pg)
+            if work.error is not None:
+                failed = str(work.error)

@@ -7,8 +7,8 @@ Not collected by pytest. Ratios are printed, not asserted.
 For each D in `--replicas`, `bamboo.rc.verify.run_verify` trains the example decoder with P = 1 and D
 replicas (one process each, `--steps` steps, one microbatch per replica and step, SGD) as:
 1. `none` (the baseline): no redundancy, so the step ends with one all-reduce of the gradients: gloo's, as
-   DDP's, with D = 2; with D >= 3 an all-gather and the sum in replica order (`bamboo.rc.ordered_sum`, exact,
-   moving D - 1 gradients per node where gloo's ring moves about two);
+   DDP's, with D = 2; with D >= 3 the exact sum in replica order in two phases (`bamboo.rc.two_phase_sum`: an
+   all-to-all, each node adds its piece's shares in order, an all-gather), moving about what gloo's ring moves;
 2. `lflb`: the shadow ring, lazy. Its step ends with the exact reduction (`bamboo.rc.ring`: an all-to-all of
    gradient chunks, each node adds its chunk's shares in share order, a second all-to-all of the sums), which
    adds the shares in one fixed order whichever node computed them;

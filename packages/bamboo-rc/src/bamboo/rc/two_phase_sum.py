@@ -6,9 +6,10 @@ of the tensor in an order of its own, so three members or more must add in membe
 into each member. Here the sum is split in two phases, as a ring's all-reduce is:
 
 1. an all-to-all: member j receives piece j of every member's tensor, and adds those pieces in member order;
-2. an all-gather of the summed pieces.
+2. a second all-to-all: member j sends its summed piece to every member, which writes it into its tensor.
 
-Each phase moves (D - 1) / D of the tensor in and out of each member.
+Each phase moves (D - 1) / D of the tensor in and out of each member, with no copy of the whole tensor
+(gloo's all-gather would flatten its outputs and copy them back).
 
 The second phase needs the first one's result on every member, and a member may post its part and never come
 back (a node that joins another pipeline's redone all-reduce posts its stored contribution and goes on). So a
@@ -16,7 +17,7 @@ back (a node that joins another pipeline's redone all-reduce posts its stored co
 thread also posts the small sums, whole (an all-gather, added in order). gloo matches a group's collectives in
 posting order, so every member posts its sums in the same order, one after the other: phase 1 of a sum, then
 (once it completed) its phase 2, then the next sum. Nothing else may be posted on a group a dispatcher posts
-on. The caller's thread only queues the sum, and at :meth:`TwoPhaseSum.wait` copies the result out.
+on. The caller's thread only queues the sum and waits for it.
 """
 
 from __future__ import annotations
@@ -45,52 +46,58 @@ class TwoPhaseSum:
     def __init__(self, tensor: torch.Tensor, members: int, rank: int, spares: SpareBuffers | None) -> None:
         self.tensor = tensor
         self.members, self.rank = members, rank
-        self.split = tensor.numel() >= SPLIT_FROM
-        piece = -(-tensor.numel() // members)
-        self.piece = piece if self.split else tensor.numel()
-        pooled = spares is not None and tensor.dtype == torch.float32 and tensor.numel() >= SPLIT_FROM
+        numel = tensor.numel()
+        self.split = numel >= SPLIT_FROM and tensor.is_contiguous()
+        if self.split:  # pieces of ceil(numel / members), the last one shorter
+            piece = -(-numel // members)
+            self.sizes = [piece] * (members - 1) + [numel - piece * (members - 1)]
+        else:  # gathered whole
+            self.sizes = [numel] * members
+        mine = self.sizes[rank] if self.split else numel
+        pooled = spares is not None and tensor.dtype == torch.float32 and self.split
         self._spares = spares if pooled else None
-        size = self.piece * members
+        self._size = mine * members
         # Taken here, in the caller's thread, and given back in wait(), in the same thread: the pool is not shared.
-        self.received = self._buffer(("received", size), size)
-        """Phase 1's output: piece ``rank`` of every member's tensor (or, unsplit, every member's tensor)."""
-        self.result = self._buffer(("result", size), size) if self.split else self.received
-        """Phase 2's output: every summed piece, in order."""
+        self.received = self._buffer("received")
+        """Phase 1's output: this member's piece of every member's tensor, in member order (unsplit: every
+        member's tensor)."""
+        self.sending = self._buffer("sending") if self.split else self.received
+        """Phase 2's input: the summed piece, once for each member."""
         self._last: object | None = None  # the work of the last phase posted
         self.error: Exception | None = None
         """Why the sum failed (raised by :meth:`wait`), or None."""
         self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._copied = False
+        self._summed = False
 
-    def _buffer(self, key: tuple[str, int], size: int) -> torch.Tensor:
+    def _buffer(self, name: str) -> torch.Tensor:
         if self._spares is not None:
-            return self._spares.take(key, size)
-        return torch.empty(size, dtype=self.tensor.dtype)
+            return self._spares.take((name, self._size), self._size)
+        return torch.empty(self._size, dtype=self.tensor.dtype)
 
     # -- run by the dispatcher's thread --------------------------------------------------------------------
     def run(self, pg: ProcessGroupGloo) -> None:
         """Post this sum's phases on ``pg``, waiting for phase 1 before phase 2. Never raises: an error is kept
-        for :meth:`wait`, and marks the sum completed."""
+        for :meth:`wait`, and marks the sum completed.
+
+        Split, phase 1 sends piece j of the tensor to member j, and phase 2 writes every member's summed piece
+        straight into the tensor (which the caller does not read before :meth:`wait`, as with gloo's own
+        all-reduce)."""
         try:
-            flat = self.tensor.reshape(-1)
             if not self.split:
-                pieces = list(self.received.split(self.piece))
-                self._finish_with(pg.allgather([pieces], [flat]))
+                pieces = list(self.received.split(self.tensor.numel()))
+                self._finish_with(pg.allgather([pieces], [self.tensor.reshape(-1)]))
                 return
-            size = self.piece * self.members
-            if flat.numel() == size and flat.is_contiguous():
-                source = flat
-            else:  # padded to a whole number of pieces
-                source = self.result  # free until phase 2: phase 1 reads from it
-                source[:flat.numel()].copy_(flat)
-                source[flat.numel():].zero_()
-            pg.alltoall_base(self.received, source, [self.piece] * self.members,
-                             [self.piece] * self.members).wait()  # type: ignore[attr-defined]
-            summed = self.received.split(self.piece)
-            own = summed[0].clone()
-            for share in summed[1:]:
-                own.add_(share)
-            self._finish_with(pg.allgather([list(self.result.split(self.piece))], [own]))
+            flat = self.tensor.view(-1)
+            mine = self.sizes[self.rank]
+            pg.alltoall_base(self.received, flat, [mine] * self.members,
+                             self.sizes).wait()  # type: ignore[attr-defined]
+            shares = self.received.view(self.members, mine)
+            rows = self.sending.view(self.members, mine)
+            rows[0].copy_(shares[0])
+            for share in shares[1:]:
+                rows[0].add_(share)
+            rows[1:].copy_(rows[0].expand(self.members - 1, mine))
+            self._finish_with(pg.alltoall_base(flat, self.sending, self.sizes, [mine] * self.members))
         except Exception as error:  # kept for wait(): an error that ended the thread would leave the sum pending
             self.fail(error)
 
@@ -112,28 +119,24 @@ class TwoPhaseSum:
         return self._future
 
     def wait(self, timeout: object = None) -> bool:
-        """Wait for the last phase (raising a phase's error, as a gloo work does), then write the sum into the
-        tensor, once, and give the buffers back."""
+        """Wait for the last phase (raising a phase's error, as a gloo work does); unsplit, add the gathered
+        tensors into the tensor in member order, once. Then give the buffers back."""
         self._future.result()
         if self.error is not None:
             raise self.error
         assert self._last is not None
         self._last.wait()  # type: ignore[attr-defined]
-        if not self._copied:
-            self._copied = True
-            flat = self.tensor.view(-1)
-            if self.split:
-                flat.copy_(self.result[:flat.numel()])
-            else:
-                pieces = self.received.split(self.piece)
-                flat.copy_(pieces[0])
-                for share in pieces[1:]:
+        if not self._summed:
+            self._summed = True
+            if not self.split:
+                flat = self.tensor.view(-1)
+                gathered = self.received.split(self.tensor.numel())
+                flat.copy_(gathered[0])
+                for share in gathered[1:]:
                     flat.add_(share)
             if self._spares is not None:  # nothing posted reads or writes them any more
-                size = self.piece * self.members
-                self._spares.give_back(("received", size), self.received)
-                if self.split:
-                    self._spares.give_back(("result", size), self.result)
+                self._spares.give_back(("received", self._size), self.received)
+                self._spares.give_back(("sending", self._size), self.sending)
         return True
 
 

@@ -837,3 +837,14 @@ def test_a_round_after_registrations_only_does_not_read_the_reports_back(members
     assert not any(prefix.startswith(membership.keys.failures) for prefix in reads) and events.written == []
     assert coordinator.round()
     assert list(published_events(membership, 0)) == [1] and [e.node for e in events.written] == ["n3"]
+
+
+def test_layouts_split_the_global_batch_evenly_or_leave_the_spare_pipeline_on_standby() -> None:
+    """16 microbatches (P = 2, D = 4, 4 each) on nodes for 3 pipelines: 2 pipelines of 8, not a job that dies
+    for a global batch it cannot split (the runtime runs the same number of microbatches in every pipeline)."""
+    spec = _spec("even", stages=2, pipelines=4, micro_batches=4)
+    zones = {f"n{i}": "ab"[i % 2] for i in range(7)}
+    first = first_layout(spec, zones)
+    assert first.plan.microbatches == (8, 8) and len(first.plan.standby) == 3
+    again = restart_layout(spec, first, sorted(zones), zones, step=3, path="/ckpt/step-3")
+    assert again is not None and again.plan.microbatches == (8, 8)

@@ -201,3 +201,28 @@ def test_owners_without_redundancy_fetch_their_own_stage_only(build, twelve) -> 
     for transfer in own_only.transfers:
         slot = new.slots()[transfer.destination]
         assert set(transfer.layers) <= set(new.stage_layer_range(slot.stage))
+
+
+def test_with_even_shares_the_pipelines_divide_the_global_batch_and_no_reconfiguration_chases_a_third(build) -> None:
+    """P = 2, D = 4, 16 microbatches; one pipeline's node is lost and nobody replaces it: 7 nodes could run 3
+    pipelines, but 16 microbatches do not split evenly over 3, so the live runtime's layout runs 2 pipelines of 8
+    (the spare pipeline's nodes wait on standby), and `decide` sees no new pipeline to form while it stays so."""
+    from bamboo.reconfig import pipeline_count
+
+    assert [pipeline_count(usable, 2, 4, 16, even_shares=True) for usable in range(1, 10)] == [0, 1, 1, 2, 2, 2, 2, 4, 4]
+    assert pipeline_count(7, 2, 4, 16) == 3  # the planner's own rule: uneven shares
+    assert pipeline_count(8, 2, 4, 12, even_shares=True) == 4 and pipeline_count(6, 2, 4, 12, even_shares=True) == 3
+    nodes = build.zoned_nodes(8, "ab")
+    first = plan_layout(ClusterView(nodes=nodes, target_stages=2, target_pipelines=4, global_batch=16,
+                                    layers=build.uniform_layers(4), even_shares=True))
+    assert first.microbatches == (4, 4, 4, 4)
+    lost = first.owners[1][0]
+    after = build.view_after(first, build.with_states(nodes, {lost: "preempted"}), even_shares=True)
+    new = plan_layout(after)
+    assert new.microbatches == (8, 8) and len(new.standby) == 3
+    uneven = plan_layout(build.view_after(first, build.with_states(nodes, {lost: "preempted"})))
+    assert uneven.microbatches == (6, 5, 5)  # without the rule
+    waiting = build.with_states([n for n in nodes if n.id != lost], dict.fromkeys(new.standby, "standby"))
+    assert Reason.NEW_PIPELINE in decide(build.view_after(new, waiting, target_pipelines=4)).reasons  # 3 > 2
+    assert Reason.NEW_PIPELINE not in decide(build.view_after(new, waiting, target_pipelines=4,
+                                                              even_shares=True)).reasons

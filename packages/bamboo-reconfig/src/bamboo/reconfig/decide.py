@@ -182,13 +182,14 @@ def decide(view: ClusterView) -> Decision:
         )
         details.append(f"{carried}; {waiting} replacement(s) waiting")
         concerned.update(degraded)
-    possible = pipeline_count(usable, stages, view.target_pipelines, view.global_batch)
+    possible = pipeline_count(usable, stages, view.target_pipelines, view.global_batch, view.even_shares)
     deeper = _deeper_stages(view, usable) if waiting and stages < view.target_stages else None
     if deeper is not None:
         reasons.append(Reason.NEW_PIPELINE)
         details.append(
             f"{waiting} waiting node(s) with the survivors can run "
-            f"{pipeline_count(usable, deeper, view.target_pipelines, view.global_batch)} pipeline(s) of {deeper} "
+            f"{pipeline_count(usable, deeper, view.target_pipelines, view.global_batch, view.even_shares)} pipeline(s) "
+            f"of {deeper} "
             f"stages, back towards the target depth, instead of {layout.num_pipelines} of {stages}"
         )
     elif waiting and possible > layout.num_pipelines:

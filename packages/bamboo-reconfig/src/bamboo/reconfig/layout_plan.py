@@ -40,9 +40,14 @@ ARRANGEMENT_SEARCH_BUDGET = 200_000
 _STATE_RANK = {NodeState.ACTIVE: 0, NodeState.STANDBY: 1, NodeState.JOINING: 2, NodeState.PREEMPTED: 3}
 
 
-def pipeline_count(usable: int, stages: int, target_pipelines: int, global_batch: int) -> int:
-    """D' = min(D, usable // P, global batch): whole pipelines only, each with at least one microbatch."""
-    return min(target_pipelines, usable // stages, global_batch)
+def pipeline_count(usable: int, stages: int, target_pipelines: int, global_batch: int, even_shares: bool = False) -> int:
+    """D' = min(D, usable // P, global batch): whole pipelines only, each with at least one microbatch. With
+    ``even_shares``, the largest D' up to that which divides the global batch (every pipeline runs the same number
+    of microbatches, as the live runtime needs: 16 microbatches over nodes for 3 pipelines run as 2 of 8)."""
+    count = min(target_pipelines, usable // stages, global_batch)
+    while even_shares and count > 1 and global_batch % count:
+        count -= 1
+    return count
 
 
 def microbatch_shares(global_batch: int, pipelines: int) -> tuple[int, ...]:
@@ -88,7 +93,7 @@ def plan_layout(view: ClusterView) -> Layout:
     """The new layout for ``view``: same inputs (in any order) give the same layout."""
     usable = list(view.usable_nodes)
     stages, bounds = choose_depth(view, len(usable))
-    rings = pipeline_count(len(usable), stages, view.target_pipelines, view.global_batch)
+    rings = pipeline_count(len(usable), stages, view.target_pipelines, view.global_batch, view.even_shares)
     holdings = held_layers(view)
 
     def preference(node: Node) -> tuple[int, int]:

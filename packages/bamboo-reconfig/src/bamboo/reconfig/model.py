@@ -371,6 +371,9 @@ class ClusterView:
     layers: tuple[LayerSpec, ...] = attrs.field(converter=_to_layers)
     layout: Layout | None = attrs.field(default=None)
     node_memory_bytes: int | None = attrs.field(default=None)
+    even_shares: bool = attrs.field(default=False)
+    """Whether every pipeline must run the same number of microbatches (the live runtime's rule): then the
+    number of pipelines divides the global batch (:func:`~bamboo.reconfig.layout_plan.pipeline_count`)."""
 
     def __attrs_post_init__(self) -> None:
         counts = Counter(node.id for node in self.nodes)

@@ -848,3 +848,19 @@ def test_layouts_split_the_global_batch_evenly_or_leave_the_spare_pipeline_on_st
     assert first.plan.microbatches == (8, 8) and len(first.plan.standby) == 3
     again = restart_layout(spec, first, sorted(zones), zones, step=3, path="/ckpt/step-3")
     assert again is not None and again.plan.microbatches == (8, 8)
+
+
+def test_a_global_batch_that_some_fewer_pipelines_cannot_split_is_said_once_at_the_start() -> None:
+    """The note the spec's writer prints: which pipeline counts the global batch splits over, what nodes for one of
+    the others do, and a global batch that splits over every count when there is one at most twice as large."""
+    note = _spec("note", stages=2, pipelines=4, micro_batches=4).uneven_pipelines_note()
+    assert note == ("the global batch of 16 microbatches splits evenly over 4, 2 or 1 pipeline(s), not 3: with nodes "
+                    "for 3 pipelines, only 2 run and the rest of the nodes wait on standby (a global batch of 24, "
+                    "gradient_accumulation_steps 6 at 4 pipelines, splits over every count)")
+    eight = _spec("note", stages=2, pipelines=8, micro_batches=8).uneven_pipelines_note()
+    assert eight is not None and "not 7, 6, 5 or 3: with nodes for 7 pipelines, only 4 run" in eight
+    assert "gradient_accumulation_steps" not in eight  # 840 would be far more than 64
+    odd = _spec("note", stages=2, pipelines=3, micro_batches=5).uneven_pipelines_note()
+    assert odd is not None and "only 1 runs" in odd
+    for pipelines, micro_batches in [(4, 3), (2, 5), (3, 2), (1, 7)]:
+        assert _spec("note", stages=2, pipelines=pipelines, micro_batches=micro_batches).uneven_pipelines_note() is None

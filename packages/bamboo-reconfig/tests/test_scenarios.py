@@ -226,3 +226,19 @@ def test_with_even_shares_the_pipelines_divide_the_global_batch_and_no_reconfigu
     assert Reason.NEW_PIPELINE in decide(build.view_after(new, waiting, target_pipelines=4)).reasons  # 3 > 2
     assert Reason.NEW_PIPELINE not in decide(build.view_after(new, waiting, target_pipelines=4,
                                                               even_shares=True)).reasons
+
+
+def test_the_even_pipeline_counts_are_the_counts_even_shares_can_choose() -> None:
+    """Every count `pipeline_count` chooses with ``even_shares``, for any number of nodes, is one of
+    `even_pipeline_counts`, and every one of those is chosen for some number of nodes."""
+    from bamboo.reconfig import even_pipeline_counts, pipeline_count
+
+    assert even_pipeline_counts(16, 4) == (4, 2, 1)
+    assert even_pipeline_counts(64, 8) == (8, 4, 2, 1)
+    assert even_pipeline_counts(12, 4) == (4, 3, 2, 1)
+    assert even_pipeline_counts(3, 8) == (3, 1)  # never more pipelines than microbatches
+    for global_batch, target in [(16, 4), (64, 8), (15, 3), (12, 4), (7, 8)]:
+        chosen = {pipeline_count(usable, 2, target, global_batch, even_shares=True) for usable in range(2, 2 * target + 3)}
+        assert chosen == set(even_pipeline_counts(global_batch, target)), (global_batch, target)
+    with pytest.raises(ValueError, match="got 0 and 4"):
+        even_pipeline_counts(0, 4)

@@ -94,7 +94,12 @@ def ensure_spec(membership: MembershipStore, options: AgentOptions,
                 description = describe_model(fields, log)
             spec = new_spec(options.job, fields, description)
             won, stored = kv.create(key, spec.to_json().encode())
-            return (spec, True) if won else (JobSpec.from_json(stored.value), False)
+            if not won:
+                return JobSpec.from_json(stored.value), False
+            note = spec.uneven_pipelines_note()
+            if note:
+                say(note)
+            return spec, True
         finally:
             kv.revoke_lease(lease)
 

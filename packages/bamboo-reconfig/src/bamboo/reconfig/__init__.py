@@ -28,7 +28,7 @@ from bamboo.reconfig.job_layout import (
     RestorePoint,
     StartMode,
 )
-from bamboo.reconfig.layout_plan import microbatch_shares, pipeline_count, plan_layout
+from bamboo.reconfig.layout_plan import even_pipeline_counts, microbatch_shares, pipeline_count, plan_layout
 from bamboo.reconfig.model import (
     ClusterView,
     LayerSpec,
@@ -72,6 +72,7 @@ __all__ = [
     "When",
     "cheapest_order",
     "decide",
+    "even_pipeline_counts",
     "holdings_from_layout",
     "microbatch_shares",
     "minimum_rounds",

@@ -50,6 +50,14 @@ def pipeline_count(usable: int, stages: int, target_pipelines: int, global_batch
     return count
 
 
+def even_pipeline_counts(global_batch: int, pipelines: int) -> tuple[int, ...]:
+    """The pipeline counts from ``pipelines`` down to 1 that divide ``global_batch``: the only counts a layout with
+    ``even_shares`` runs (16 microbatches over up to 4 pipelines: 4, 2 and 1; nodes for 3 run 2)."""
+    if global_batch < 1 or pipelines < 1:
+        raise ValueError(f"global_batch and pipelines must be >= 1, got {global_batch} and {pipelines}")
+    return tuple(count for count in range(min(pipelines, global_batch), 0, -1) if global_batch % count == 0)
+
+
 def microbatch_shares(global_batch: int, pipelines: int) -> tuple[int, ...]:
     """Each pipeline's microbatches so that they add up to the global batch; the first ones take the rest."""
     if pipelines == 0:

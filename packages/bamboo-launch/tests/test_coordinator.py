@@ -864,3 +864,24 @@ def test_a_global_batch_that_some_fewer_pipelines_cannot_split_is_said_once_at_t
     assert odd is not None and "only 1 runs" in odd
     for pipelines, micro_batches in [(4, 3), (2, 5), (3, 2), (1, 7)]:
         assert _spec("note", stages=2, pipelines=pipelines, micro_batches=micro_batches).uneven_pipelines_note() is None
+
+
+def test_the_agent_that_writes_the_spec_says_the_note_and_the_others_do_not(membership: MembershipStore,
+                                                                             tmp_path: Path) -> None:
+    """`ensure_spec`: the first agent of a job (the built-in example, 4 microbatches a pipeline at D = 4) writes
+    the spec and says the global batch's note once; an agent that finds the spec stored says nothing of it."""
+    from bamboo.launch.agent_options import AgentOptions
+    from bamboo.launch.agent_spec import ensure_spec
+    from bamboo.launch.spec import EtcdAccess, SpecFields
+
+    def options(node: str) -> AgentOptions:
+        return AgentOptions(job=membership.keys.job, etcd=EtcdAccess(endpoints=("unused:0",)), node=node,
+                            run_dir=str(tmp_path), spec=SpecFields(stages=2, pipelines=4))
+
+    said: dict[str, list[str]] = {"n0": [], "n1": []}
+    first, written = ensure_spec(membership, options("n0"), said["n0"].append)
+    again, written_again = ensure_spec(membership, options("n1"), said["n1"].append)
+    assert written and not written_again and again == first
+    assert first.micro_batches * first.pipelines == 16
+    assert [line for line in said["n0"] if "splits evenly" in line] == [first.uneven_pipelines_note()]
+    assert not any("splits evenly" in line for line in said["n1"])

@@ -43,6 +43,9 @@ class _Engine:
     def gradient_accumulation_steps(self) -> int:
         return 2
 
+    def microbatch_share(self) -> tuple[int, int]:
+        return self.executor.pipeline * 2, 2
+
     def reports(self) -> bool:
         return self.reporting
 
@@ -80,6 +83,7 @@ def test_hooks_are_checked_with_the_offending_value() -> None:
     with pytest.raises(TypeError, match=r"'on_step' must be callable \(got 3 that is a <class 'int'>\)"):
         TrainingHooks(on_step=3)  # type: ignore[arg-type]
     assert list(evaluation_batches(Evaluation(lambda step, index: (step, index), 1), 7, 0, 2)) == [(7, 0), (7, 1)]
+    assert list(evaluation_batches(Evaluation(lambda step, index: (step, index), 1), 7, 6, 5))[-1] == (7, 10)
 
 
 def test_a_front_door_script_under_the_launcher_is_told_to_call_train_worker(tmp_path: Path) -> None:

@@ -158,8 +158,10 @@ def test_train_worker_outside_the_launcher_is_a_clear_error(monkeypatch: pytest.
 
 
 def test_pipeline_batches_take_their_share_of_each_global_batch() -> None:
-    batches = pipeline_batches(lambda step, index: (step, index), pipeline=1, micro_batches=3, first_step=5)
+    batches = pipeline_batches(lambda step, index: (step, index), first=3, count=3, first_step=5)
     assert [next(batches) for _ in range(6)] == [(5, 3), (5, 4), (5, 5), (6, 3), (6, 4), (6, 5)]
+    uneven = pipeline_batches(lambda step, index: (step, index), first=6, count=5, first_step=0)  # 16 over 3: 6, 5, 5
+    assert [next(uneven) for _ in range(6)] == [(0, 6), (0, 7), (0, 8), (0, 9), (0, 10), (1, 6)]
 
 
 def test_describe_reads_the_example_model_and_config(tmp_path: Path) -> None:

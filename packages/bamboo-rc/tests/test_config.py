@@ -97,3 +97,21 @@ def test_scheduler_matches_deepspeed(kind: str, warmup_type: str) -> None:
 def test_model_sizes_name_the_bad_value(size: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         GPTSize(**size)
+
+
+def test_uneven_shares_of_the_global_batch_follow_the_layouts_split_and_check_train_batch_size() -> None:
+    """With ``global_microbatches`` (a layout of a number of pipelines that does not divide the global batch), the
+    gradient accumulation steps are one pipeline's share; the shares are bamboo-reconfig's (the first G mod D one
+    longer), each pipeline's share starts where the previous ends, and ``train_batch_size`` is checked against the
+    global batch. Without it, every pipeline runs M."""
+    from bamboo.reconfig import microbatch_shares
+
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 5}
+    uneven = load_config(base, pipelines=3, global_microbatches=16)
+    assert uneven.global_count(3) == 16 and uneven.shares(3) == microbatch_shares(16, 3) == (6, 5, 5)
+    assert [uneven.share(d, 3) for d in range(3)] == [(0, 6), (6, 5), (11, 5)]
+    assert load_config({**base, "train_batch_size": 32}, pipelines=3, global_microbatches=16).micro_batches == 5
+    with pytest.raises(ConfigError, match=r"train_batch_size 30 != train_micro_batch_size_per_gpu 2 × 16"):
+        load_config({**base, "train_batch_size": 30}, pipelines=3, global_microbatches=16)
+    even = load_config(base, pipelines=3)
+    assert even.global_count(3) == 15 and even.shares(3) == (5, 5, 5) and even.share(2, 3) == (10, 5)

@@ -73,10 +73,11 @@ def test_the_global_microbatch_index_is_the_data_iterators_order() -> None:
         data = pipeline_data_iter(sampler, pipeline, micro_batches)
         for k in range(micro_batches):
             tokens, _ = next(data)
-            index = global_microbatch(pipeline, micro_batches, k)
+            index = global_microbatch(pipeline * micro_batches, micro_batches, k)
             assert torch.equal(tokens, sampler.microbatch(0, index).tokens)
-    assert global_microbatch(1, 3, 2) == 5
-    with pytest.raises(ValueError, match=r"microbatch 3 of pipeline 0 is outside 0\.\.2"):
+    assert global_microbatch(3, 3, 2) == 5
+    assert global_microbatch(6, 5, 4) == 10  # an uneven share: 16 over 3 pipelines is 6, 5, 5
+    with pytest.raises(ValueError, match=r"microbatch 3 of the share from 0 is outside 0\.\.2"):
         global_microbatch(0, 3, 3)
 
 

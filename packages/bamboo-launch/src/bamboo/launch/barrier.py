@@ -205,7 +205,7 @@ def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady
     pipelines = len(plan.owners)
     if plan.stages != spec.stages or pipelines == 0:
         raise NotEnoughNodes(f"{len(usable)} nodes left cannot form a pipeline of {spec.stages} stages")
-    if global_batch % pipelines:
+    if spec.stages == 1 and global_batch % pipelines:  # the shadow ring's shares are even (pipelines: any)
         raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
                                 "pipelines")
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})

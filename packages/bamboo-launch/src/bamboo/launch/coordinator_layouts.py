@@ -29,7 +29,7 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> JobLayout:
     view = ClusterView(nodes=[Node(node, zone or "default", "standby") for node, zone in sorted(zones.items())],
                        target_stages=spec.stages, target_pipelines=spec.pipelines,
                        global_batch=spec.micro_batches * spec.pipelines, layers=spec.reconfig_layers(),
-                       even_shares=True)
+                       even_shares=spec.stages == 1)
     plan = plan_layout(view)
     if plan.stages != spec.stages or not plan.owners:
         raise RuntimeError(f"{len(zones)} nodes cannot form a pipeline of {spec.stages} stages")
@@ -51,9 +51,9 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: Mapping[str, str], glo
         return None
     view = ClusterView(nodes=[Node(node, zones.get(node) or "default", "standby") for node in nodes],
                        target_stages=spec.stages, target_pipelines=spec.pipelines,
-                       global_batch=global_batch, layers=spec.reconfig_layers(), even_shares=True)
+                       global_batch=global_batch, layers=spec.reconfig_layers(), even_shares=spec.stages == 1)
     plan = plan_layout(view)
-    if plan.stages != spec.stages or not plan.owners or global_batch % len(plan.owners):
+    if plan.stages != spec.stages or not plan.owners:
         return None
     return plan
 

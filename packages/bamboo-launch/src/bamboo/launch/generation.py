@@ -61,14 +61,14 @@ class WorkerState:
     """Whether this worker wrote its ``startup`` record."""
 
 
-def pipeline_batches(microbatch: Callable[[int, int], B], pipeline: int, micro_batches: int,
-                     first_step: int) -> Iterator[B]:
-    """DeepSpeed-style ``(inputs, labels)`` iterator of pipeline ``pipeline``: global microbatches
-    ``pipeline*M .. pipeline*M+M-1`` of every step from ``first_step`` on."""
+def pipeline_batches(microbatch: Callable[[int, int], B], first: int, count: int, first_step: int) -> Iterator[B]:
+    """DeepSpeed-style ``(inputs, labels)`` iterator of a pipeline whose share of the global batch is the ``count``
+    microbatches from ``first`` (:meth:`bamboo.rc.config.TrainingConfig.share`): global microbatches ``first ..
+    first+count-1`` of every step from ``first_step`` on."""
     step = first_step
     while True:
-        for k in range(micro_batches):
-            yield microbatch(step, pipeline * micro_batches + k)
+        for k in range(count):
+            yield microbatch(step, first + k)
         step += 1
 
 
@@ -84,8 +84,9 @@ def train_generation(run: WorkerSession, layout: JobLayout, engine: Engine, stat
     if chosen is not None and layout.ranks[run.node] == min(layout.ranks.values()):  # the mode it trains with, why
         run.log.write(chosen)
     boundary = Boundary(run, layout)
-    data = pipeline_batches(run.program.microbatch, executor.pipeline, layout.micro_batches, executor.step)
-    samples = executor.config.micro_batch_size * layout.micro_batches * layout.pipelines
+    config = executor.config
+    data = pipeline_batches(run.program.microbatch, *config.share(executor.pipeline, layout.pipelines), executor.step)
+    samples = config.micro_batch_size * config.global_count(layout.pipelines)
     first = True
     seen = len(executor.failovers)
     while executor.step < spec.steps:

@@ -74,11 +74,11 @@ class TrainingHooks:
     on_phase: Callable[[PhaseChange], object] | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.is_callable()))
 
 
-def evaluation_batches(evaluation: Evaluation, step: int, pipeline: int,
-                       micro_batches: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Pipeline ``pipeline``'s share of the evaluation after step ``step``: ``fn(step, pipeline*M + k)``,
-    ``k = 0 .. M-1``."""
-    return (evaluation.microbatch(step, pipeline * micro_batches + k) for k in range(micro_batches))
+def evaluation_batches(evaluation: Evaluation, step: int, first: int,
+                       count: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """A pipeline's share of the evaluation after step ``step``, the ``count`` microbatches from ``first`` (its
+    share of the global batch): ``fn(step, first + k)``, ``k = 0 .. count-1``."""
+    return (evaluation.microbatch(step, first + k) for k in range(count))
 
 
 def run_step_hooks(engine: Engine, hooks: TrainingHooks) -> StepInfo:
@@ -93,9 +93,7 @@ def run_step_hooks(engine: Engine, hooks: TrainingHooks) -> StepInfo:
         raise RuntimeError("run_step_hooks needs a step: call engine.train_batch first")
     evaluation = hooks.evaluate
     if evaluation is not None and evaluation.due(info.step):
-        executor = engine.executor
-        batches = evaluation_batches(evaluation, info.step, executor.pipeline,
-                                     engine.gradient_accumulation_steps())
+        batches = evaluation_batches(evaluation, info.step, *engine.microbatch_share())
         step = info.step
         # P = 1: a node that took over a failed node's share evaluates that share too, by global index.
         engine.eval_batch(batches, microbatch=lambda index: evaluation.microbatch(step, index))

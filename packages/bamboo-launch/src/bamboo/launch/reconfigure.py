@@ -82,8 +82,9 @@ def build_view(
     """bamboo-reconfig's ``ClusterView`` of a generation (a :class:`bamboo.reconfig.JobLayout`): its ranked
     nodes (active, or preempted when in ``dead`` or not ``alive``) and every other ``alive`` node (standby).
 
-    The global batch is the layout's, split evenly over the pipelines (the runtime runs the same number of
-    microbatches in each); P is its depth and D the job's target number of pipelines.
+    The global batch is the layout's, split over the pipelines as evenly as it goes (the first ``G mod D'`` one
+    microbatch more); with one stage (the shadow ring) only over a number of pipelines that divides it. P is its
+    depth and D the job's target number of pipelines.
     """
     from bamboo.reconfig import ClusterView, Node, StageSlot
 
@@ -97,7 +98,8 @@ def build_view(
         if node not in layout.ranks:
             nodes.append(Node(node, zones.get(node) or "default", "standby"))
     return ClusterView(nodes=nodes, target_stages=stages, target_pipelines=target_pipelines,
-                       global_batch=layout.global_batch, layers=list(layers), layout=layout.plan, even_shares=True)
+                       global_batch=layout.global_batch, layers=list(layers), layout=layout.plan,
+                       even_shares=stages == 1)  # only the shadow ring needs even shares
 
 
 def warm_standby(membership: MembershipStore, registered: Iterable[str]) -> list[str]:

@@ -231,13 +231,16 @@ class JobSpec:
         return self.min_nodes or self.stages * self.pipelines
 
     def uneven_pipelines_note(self) -> str | None:
-        """One line for the job's log when some pipeline count below ``pipelines`` does not divide the global batch
-        (None when every one does). Layouts run only counts that divide it, so that every pipeline trains the same
-        share of every step, exactly as the reference does; where the nodes left could run one of the others, the
-        nodes of the pipelines that do not run wait on standby. Suggests the least global batch that every count up
-        to ``pipelines`` divides, when it is at most twice the job's."""
+        """One line for the job's log when the job has one stage (the shadow ring, whose shares of the global batch
+        are even) and some pipeline count below ``pipelines`` does not divide the global batch (None otherwise:
+        with two stages or more, the pipelines' shares may differ by one). Its layouts run only counts that divide
+        it; where the nodes left could run one of the others, the nodes of the pipelines that do not run wait on
+        standby. Suggests the least global batch that every count up to ``pipelines`` divides, when it is at most
+        twice the job's."""
         from bamboo.reconfig import even_pipeline_counts
 
+        if self.stages > 1:
+            return None
         global_batch = self.micro_batches * self.pipelines
         even = even_pipeline_counts(global_batch, self.pipelines)
         uneven = [count for count in range(self.pipelines - 1, 1, -1) if count not in even]

@@ -80,16 +80,19 @@ def build_engine(run: WorkerSession, layout: JobLayout, store: Store) -> Engine:
     from bamboo.launch.notices import EtcdFailureNotices
     from bamboo.launch.redundancy import layout_mode
     from bamboo.rc import initialize
+    from bamboo.reconfig import microbatch_shares
 
     spec, ranks, mode = run.spec, layout.ranks, layout_mode(run.spec, layout)
     job = f"{spec.job}-g{layout.generation}"
     notices = (EtcdFailureNotices(run.membership, layout.generation, run.agent, layout.node_of_rank)
                if mode != "none" else None)
-    config = {**spec.config, "gradient_accumulation_steps": layout.micro_batches}
+    # this node's pipeline's share of the global batch (the first G mod D pipelines one microbatch more)
+    share = microbatch_shares(layout.global_batch, layout.pipelines)[ranks[run.node] // spec.stages]
+    config = {**spec.config, "gradient_accumulation_steps": share}
     return initialize(
         list(run.program.layers), config, mode, loss_fn=run.program.loss_fn, stages=spec.stages,
         rank=ranks[run.node], world_size=spec.stages * layout.pipelines, store=store, seed=spec.seed, job=job,
-        timeouts=run.timeouts, notices=notices,
+        timeouts=run.timeouts, notices=notices, global_microbatches=layout.global_batch,
         stage_bounds=layout.stage_bounds, microbatch=run.program.microbatch,
     )
 

@@ -160,6 +160,27 @@ class TrainingConfig:
     """The enabled monitors (:mod:`bamboo.rc.monitor` writes them)."""
     fp16: LossScaleConfig | None = None
     """fp16 autocast with loss scaling (:mod:`bamboo.rc.precision`); None: fp32, or bf16 with :attr:`bf16`."""
+    global_microbatches: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.ge(1)))
+    """The global batch in microbatches, where the pipelines' shares of it differ (a layout of a number of pipelines
+    that does not divide it); ``micro_batches`` is then this node's pipeline's share. None: every pipeline runs
+    ``micro_batches``."""
+
+    def global_count(self, pipelines: int) -> int:
+        """Microbatches of the global batch over ``pipelines`` pipelines."""
+        return self.micro_batches * pipelines if self.global_microbatches is None else self.global_microbatches
+
+    def shares(self, pipelines: int) -> tuple[int, ...]:
+        """Each of ``pipelines`` pipelines' microbatches, in pipeline order: the first ``G mod D`` one more than the
+        others (:func:`bamboo.reconfig.microbatch_shares`, as a layout splits the global batch)."""
+        from bamboo.reconfig import microbatch_shares
+
+        return microbatch_shares(self.global_count(pipelines), pipelines)
+
+    def share(self, pipeline: int, pipelines: int) -> tuple[int, int]:
+        """``(first, count)``: where pipeline ``pipeline``'s share starts in the global batch, and its length."""
+        shares = self.shares(pipelines)
+        return sum(shares[:pipeline]), shares[pipeline]
 
 
 def _as_int(key: str, value: object) -> int:
@@ -235,18 +256,21 @@ def _monitors(config: Mapping[str, Any]) -> list[MonitorConfig]:
     return found
 
 
-def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> TrainingConfig:
+def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1,
+                global_microbatches: int | None = None) -> TrainingConfig:
     """Parse a DeepSpeed config dict or JSON file path into a :class:`TrainingConfig`.
 
     `pipelines` (the data-parallel degree D) is only used to check `train_batch_size`, which
     must equal micro batch size × gradient accumulation steps × D when it is given. Keys that
-    change nothing in bamboo give one :class:`ConfigWarning` each.
+    change nothing in bamboo give one :class:`ConfigWarning` each. ``global_microbatches``: the global batch where
+    the pipelines' shares of it differ (:attr:`TrainingConfig.global_microbatches`; the gradient accumulation steps
+    are then this process's pipeline's share, and `train_batch_size` is checked against the global batch).
     """
     config = _read(config)
     _check_keys("", config, SUPPORTED_KEYS, _CHECKED_KEYS)
     _check_without_effect(config)
     monitors = _monitors(config)
-    micro, accumulation = _batch(config, pipelines)
+    micro, accumulation = _batch(config, pipelines, global_microbatches)
     optimizer = _optimizer(config)
     scheduler = _scheduler(config)
     bf16 = _bf16(config)
@@ -266,6 +290,7 @@ def load_config(config: Mapping[str, Any] | str | Path, pipelines: int = 1) -> T
             bf16=bf16,
             monitors=monitors,
             fp16=fp16,
+            global_microbatches=global_microbatches,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -283,15 +308,20 @@ def _read(config: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
     return config
 
 
-def _batch(config: Mapping[str, Any], pipelines: int) -> tuple[int, int]:
-    """(micro batch size, gradient accumulation steps), checked against ``train_batch_size`` when it is given."""
+def _batch(config: Mapping[str, Any], pipelines: int, global_microbatches: int | None = None) -> tuple[int, int]:
+    """(micro batch size, gradient accumulation steps), checked against ``train_batch_size`` when it is given (the
+    micro batch size times ``global_microbatches``, where the pipelines' shares differ)."""
     if "train_micro_batch_size_per_gpu" not in config:
         raise ConfigError("the DeepSpeed config needs 'train_micro_batch_size_per_gpu'")
     micro = _as_int("train_micro_batch_size_per_gpu", config["train_micro_batch_size_per_gpu"])
     accumulation = _as_int("gradient_accumulation_steps", config.get("gradient_accumulation_steps", 1))
     if "train_batch_size" in config:
         total = _as_int("train_batch_size", config["train_batch_size"])
-        if total != micro * accumulation * pipelines:
+        if global_microbatches is not None:
+            if total != micro * global_microbatches:
+                raise ConfigError(f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
+                                  f"{global_microbatches} microbatches in the global batch")
+        elif total != micro * accumulation * pipelines:
             raise ConfigError(
                 f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
                 f"gradient_accumulation_steps {accumulation} × pipelines {pipelines}"

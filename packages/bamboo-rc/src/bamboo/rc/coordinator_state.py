@@ -11,7 +11,7 @@ updates it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from bamboo.rc.agreement import PipelinePlan
 from bamboo.rc.failures import FailureEvent, FailureNoticed, FailureNotices, PeerFailure
@@ -35,7 +35,7 @@ class CoordinatorState:
         layout: Layout,
         pipeline: int,
         node: int,
-        schedule: Schedule,
+        schedule: Schedule | Mapping[int, Schedule],
         notices: FailureNotices | None = None,
         timeouts: CommTimeouts | None = None,
         clock: Clock | None = None,
@@ -51,9 +51,12 @@ class CoordinatorState:
         self.clock = clock or SystemClock()
         self.epoch = 0
         self.dead: set[int] = set()
-        self.layouts: dict[int, Schedule] = dict.fromkeys(range(layout.pipelines), schedule)
-        """The schedule each pipeline runs in its next fault-free iteration (fault-free or merged)."""
-        self.placements: dict[int, tuple[int, ...]] = {d: schedule.placement for d in range(layout.pipelines)}
+        self.layouts: dict[int, Schedule] = (
+            {d: schedule[d] for d in range(layout.pipelines)} if isinstance(schedule, Mapping)
+            else dict.fromkeys(range(layout.pipelines), schedule))
+        """The schedule each pipeline runs in its next fault-free iteration (fault-free or merged). ``schedule``
+        is every pipeline's, or one per pipeline where their shares of the global batch differ."""
+        self.placements: dict[int, tuple[int, ...]] = {d: self.layouts[d].placement for d in range(layout.pipelines)}
         self.recovering: dict[int, tuple[FailoverPlan, int]] = {}
         """Pipeline -> (the failover plan whose remainder it runs or ran, the step of that plan)."""
         self._redone: dict[int, tuple[FailoverPlan, frozenset[int]]] = {}

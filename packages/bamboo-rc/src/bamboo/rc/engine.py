@@ -80,15 +80,21 @@ class Engine:
         return self.executor.step * self.train_batch_size()
 
     def train_batch_size(self) -> int:
-        """The global batch in samples: micro batch size × M × D."""
+        """The global batch in samples: micro batch size × the global batch's microbatches (M × D)."""
         config, layout = self.executor.config, self.executor.layout
-        return config.micro_batch_size * config.micro_batches * layout.pipelines
+        return config.micro_batch_size * config.global_count(layout.pipelines)
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.executor.config.micro_batch_size
 
     def gradient_accumulation_steps(self) -> int:
         return self.executor.config.micro_batches
+
+    def microbatch_share(self) -> tuple[int, int]:
+        """``(first, count)``: this node's pipeline's share of every global batch, the ``count`` microbatches from
+        global index ``first`` (``pipeline * M`` and ``M`` where the shares are even)."""
+        executor = self.executor
+        return executor.config.share(executor.pipeline, executor.layout.pipelines)
 
     def get_lr(self) -> list[float]:
         """The learning rate of each parameter group of this node's stage, for the next step."""
@@ -246,6 +252,7 @@ def initialize(
     hook: ExecutorHook | None = None,
     microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     device: str | torch.device | None = None,
+    global_microbatches: int | None = None,
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
@@ -277,12 +284,17 @@ def initialize(
     ``cuda:LOCAL_RANK`` (modulo the GPUs present) when CUDA is present, else the CPU
     (:func:`bamboo.rc.device.resolve_device`). Messages travel in host memory either way
     (:mod:`bamboo.rc.transport`).
+
+    `global_microbatches` is the global batch in microbatches where the pipelines' shares of it differ (bamboo-launch
+    after a reconfiguration to a number of pipelines that does not divide it): the config's gradient accumulation
+    steps are then this pipeline's share (:meth:`bamboo.rc.config.TrainingConfig.shares`: the first ``G mod D``
+    pipelines one microbatch more). With one stage, the shares must be even.
     """
     _check_call(redundancy)
     specs, loss_fn, stages = _unpack_model(model, loss_fn, stages)
     layout, rank = _place(stages, rank, world_size)
     place = resolve_device(device)
-    training = load_config(config, pipelines=layout.pipelines)
+    training = load_config(config, pipelines=layout.pipelines, global_microbatches=global_microbatches)
     timeouts = timeouts or CommTimeouts()
     store = _store_client(timeouts) if store is None else store
     stage, pipeline = layout.position(rank)
@@ -291,7 +303,7 @@ def initialize(
         redundancy, choice = _resolve_auto(specs, layout, training.micro_batches, stage_bounds,
                                            preemptions_per_node_hour)
     if microbatch is not None:  # a data source whose order of samples depends on the global batch (TokenFile)
-        bind_global_batch(microbatch, training.micro_batches * layout.pipelines, training.micro_batch_size)
+        bind_global_batch(microbatch, training.global_count(layout.pipelines), training.micro_batch_size)
     build = functools.partial(
         StageExecutor, specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,

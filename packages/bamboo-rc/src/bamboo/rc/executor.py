@@ -153,7 +153,15 @@ class StageExecutor(ExecutorHandover):
             s: TrainableSlice(self.specs, indices, config, self.seed, self.device)
             for s, indices in stage_slices(self.stage_bounds, stage, self.redundancy).items()
         }
-        fault_free = one_f_one_b(layout.stages, config.micro_batches, rc="none" if ring else self.redundancy)
+        shares = config.shares(layout.pipelines)
+        if shares[pipeline] != config.micro_batches:
+            raise ValueError(f"pipeline {pipeline}'s share of the global batch is {shares[pipeline]} microbatches "
+                             f"(shares {list(shares)}), but its config runs {config.micro_batches}")
+        if ring and len(set(shares)) > 1:
+            raise ValueError(f"the shadow ring (one stage) needs even shares of the global batch, got {list(shares)}")
+        built = {count: one_f_one_b(layout.stages, count, rc="none" if ring else self.redundancy)
+                 for count in sorted(set(shares))}
+        fault_free = {d: built[count] for d, count in enumerate(shares)}  # each pipeline's, from its share
         self.coordinator = FailoverCoordinator(
             self.store, self.job, layout, pipeline, stage, fault_free, self.notices, self.timeouts, self.clock
         )

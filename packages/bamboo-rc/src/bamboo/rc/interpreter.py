@@ -141,7 +141,7 @@ class StageInterpreter(InterpreterCommit):
 
     def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
         self._apply_replica_update(stage)
-        microbatch = global_microbatch(self.pipeline, self.config.micro_batches, k)
+        microbatch = global_microbatch(*self.config.share(self.pipeline, self.layout.pipelines), k)
         with autocast(self.config, self.device):
             y = self.slices[stage].forward(x, step=self.step, microbatch=microbatch)  # F, FR, BR's FR: same masks
         if stage == self.layout.stages - 1:

@@ -165,4 +165,4 @@ class InterpreterState:
         return f"p2p-{a}-{b}"
 
     def _global_microbatches(self) -> int:
-        return self.config.micro_batches * self.layout.pipelines
+        return self.config.global_count(self.layout.pipelines)

@@ -25,6 +25,7 @@ from bamboo.rc.device import to_device
 from bamboo.rc.precision import autocast, backward
 from bamboo.rc.rng import global_microbatch
 from bamboo.rc.state import TrainableSlice
+from bamboo.reconfig import microbatch_shares
 
 __all__ = ["Microbatch", "Microbatches", "ReferenceResult", "reference_step", "train_reference"]
 
@@ -49,21 +50,23 @@ class ReferenceResult:
 def reference_step(whole: TrainableSlice, loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainingConfig,
                    microbatch: Microbatch, step: int, pipelines: int, global_microbatches: int) -> float:
     """One step of the whole model on the global batch of ``step`` (``global_microbatches`` microbatches),
-    accumulated per pipeline of ``pipelines`` and the shares added in pipeline order, as the data-parallel
-    all-reduce associates them; returns the step's mean loss."""
-    per_pipeline = global_microbatches // pipelines
+    accumulated per pipeline of ``pipelines`` (each its share, :func:`bamboo.reconfig.microbatch_shares`: the
+    first ``G mod D`` one longer) and the shares added in pipeline order, as the data-parallel all-reduce associates
+    them; returns the step's mean loss."""
     total = 0.0
     summed: torch.Tensor | None = None
-    for pipeline in range(pipelines):
+    first = 0
+    for count in microbatch_shares(global_microbatches, pipelines):
         whole.zero_grads()
-        for k in range(per_pipeline):
-            index = global_microbatch(pipeline, per_pipeline, k)
+        for k in range(count):
+            index = global_microbatch(first, count, k)
             inputs, labels = microbatch(step, index)
             with autocast(config, whole.device):
                 outputs = whole.forward(to_device(inputs, whole.device), step=step, microbatch=index)
             loss = loss_fn(outputs, to_device(labels, whole.device))
             backward(loss / global_microbatches, whole.loss_scale)
             total += float(loss.detach())
+        first += count
         share = whole.flat_grads()
         summed = share if summed is None else summed + share
     assert summed is not None
@@ -99,7 +102,7 @@ def train_reference(
 
     ``history`` lists ``(first step, pipelines)`` of every layout generation of a run whose number of pipelines
     changed (empty: `pipelines` throughout); the global batch stays ``pipelines × M`` microbatches, each
-    generation's pipelines taking an equal share of it.
+    generation's pipelines taking their shares of it (equal where their number divides it).
     """
     whole = TrainableSlice(specs, range(len(specs)), config, seed, device or torch.device("cpu"))
     whole.zero_grads()

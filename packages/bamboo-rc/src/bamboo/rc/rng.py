@@ -94,12 +94,12 @@ def layer_seed(run_seed: int, step: int, microbatch: int, layer: int) -> int:
     return int.from_bytes(digest, "little") & _SEED_MASK
 
 
-def global_microbatch(pipeline: int, micro_batches: int, k: int) -> int:
-    """The position in the global batch of microbatch ``k`` of pipeline ``pipeline`` (each of the D
-    pipelines runs ``micro_batches`` per step): ``pipeline * micro_batches + k``."""
-    if not 0 <= k < micro_batches or pipeline < 0:
-        raise ValueError(f"microbatch {k} of pipeline {pipeline} is outside 0..{micro_batches - 1}")
-    return pipeline * micro_batches + k
+def global_microbatch(first: int, count: int, k: int) -> int:
+    """The position in the global batch of microbatch ``k`` of a pipeline whose share of it is the ``count``
+    microbatches from ``first`` (:meth:`bamboo.rc.config.TrainingConfig.share`): ``first + k``."""
+    if not 0 <= k < count or first < 0:
+        raise ValueError(f"microbatch {k} of the share from {first} is outside 0..{count - 1}")
+    return first + k
 
 
 def _cuda_devices(device: torch.device | None) -> list[int]:

@@ -47,6 +47,17 @@ def test_report_numbers_by_hand(sample_run: Callable[[], list]) -> None:
     assert report.checkpoints == 1 and report.final_loss == 0.5
 
 
+def test_a_step_whose_record_was_lost_still_counts_with_the_global_batch(sample_run: Callable[[], list]) -> None:
+    """The node that writes the step records killed with a record still queued: the steps on either side show the
+    step was trained (steps run one after the other), so it counts, with every step's samples, and is reported."""
+    events = [e for e in sample_run() if not (isinstance(e, Step) and e.step == 2)]
+    report = compute_report(events)
+    assert report.steps == 4 and report.samples == 40 and report.missing_step_records == 1
+    assert report.to_dict()["missing_step_records"] == 1
+    whole = compute_report(sample_run())
+    assert whole.missing_step_records == 0 and whole.throughput == report.throughput
+
+
 def test_report_with_measured_on_demand_reference(sample_run: Callable[[], list]) -> None:
     prices = Prices(spot=1.0, on_demand=4.0, on_demand_throughput=0.02, on_demand_nodes=2)
     report = compute_report(sample_run(), prices)

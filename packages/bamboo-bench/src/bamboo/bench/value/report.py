@@ -162,6 +162,10 @@ class Report:
     redundancy_reason: str | None = None
     redundancy_lost_s_per_hour: dict[str, float] | None = None
     redundancy_choices: int = 0
+    missing_step_records: int = 0
+    """Steps the run reached that have no record (a record queued by the node that writes them, which was killed
+    before it went out): counted in ``steps`` and ``samples`` with the samples of every step (the global batch
+    is kept), no loss or duration of theirs known."""
 
     def to_dict(self) -> dict[str, Any]:
         """The report as a flat JSON-ready dict."""
@@ -223,7 +227,10 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
     first_of_step: dict[int, Step] = {}
     for record in records:
         first_of_step.setdefault(record.step, record)  # a step trained again after a restore counts once
-    samples = sum(s.samples for s in first_of_step.values())
+    # Steps run one after the other: every step between the first and the last recorded was trained, and trained
+    # the global batch, whether or not its record went out before its writer was killed.
+    missing = [step for step in range(min(first_of_step), max(first_of_step)) if step not in first_of_step]
+    samples = sum(s.samples for s in first_of_step.values()) + len(missing) * records[-1].samples
     training_s = records[-1].t - start
     if training_s <= 0:
         raise ReportError(f"the last step ends at t={records[-1].t} which is not after the start t={start}")
@@ -238,7 +245,8 @@ def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Rep
     pauses = [e.pause_s for e in ordered if isinstance(e, Failover)]
     reconfigs = [e for e in ordered if isinstance(e, Reconfiguration)]
     return Report(
-        job=job, steps=len(first_of_step), samples=samples, final_loss=records[-1].loss, duration_s=duration_s,
+        job=job, steps=len(first_of_step) + len(missing), samples=samples, final_loss=records[-1].loss,
+        duration_s=duration_s, missing_step_records=len(missing),
         training_s=training_s, throughput=throughput,
         window_throughput=samples / account.window_s if account.window_s > 0 else None,
         node_hours=node_hours, avg_nodes=avg_nodes, redone_steps=len(records) - len(first_of_step),

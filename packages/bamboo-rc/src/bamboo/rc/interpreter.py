@@ -41,6 +41,7 @@ this module: the instruction handlers and the dispatch table.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -139,9 +140,14 @@ class StageInterpreter(InterpreterCommit):
             self.inputs[key] = self.local_outputs[(stage - 1, k)].requires_grad_()
         return self.inputs[key]
 
+    @functools.cached_property
+    def _share(self) -> tuple[int, int]:
+        """This pipeline's share of the global batch, ``(first, count)``: fixed for the interpreter's layout."""
+        return self.config.share(self.pipeline, self.layout.pipelines)
+
     def _run_layers(self, stage: int, k: int, x: torch.Tensor) -> torch.Tensor:
         self._apply_replica_update(stage)
-        microbatch = global_microbatch(*self.config.share(self.pipeline, self.layout.pipelines), k)
+        microbatch = global_microbatch(*self._share, k)
         with autocast(self.config, self.device):
             y = self.slices[stage].forward(x, step=self.step, microbatch=microbatch)  # F, FR, BR's FR: same masks
         if stage == self.layout.stages - 1:

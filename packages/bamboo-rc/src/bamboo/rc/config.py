@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from bamboo.rc.loss_scale import LossScaleConfig
+from bamboo.reconfig import microbatch_shares
 
 if TYPE_CHECKING:
     import torch
@@ -173,8 +174,6 @@ class TrainingConfig:
     def shares(self, pipelines: int) -> tuple[int, ...]:
         """Each of ``pipelines`` pipelines' microbatches, in pipeline order: the first ``G mod D`` one more than the
         others (:func:`bamboo.reconfig.microbatch_shares`, as a layout splits the global batch)."""
-        from bamboo.reconfig import microbatch_shares
-
         return microbatch_shares(self.global_count(pipelines), pipelines)
 
     def share(self, pipeline: int, pipelines: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from bamboo.launch.hooks import TrainingHooks, run_step_hooks
 from bamboo.launch.prepare import abandon_prepared, scan_prepared
 from bamboo.launch.records import StopDecision
 from bamboo.launch.session import WorkerSession
+from bamboo.launch.step_records import StepRecords, worker_records_prefix
 from bamboo.launch.stop import Boundary
 from bamboo.launch.worker_phases import Ending
 from bamboo.launch.worker_records import StartupClock, reconfiguration_pause, write_reconfiguration
@@ -59,6 +60,8 @@ class WorkerState:
     usual: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=USUAL_STEPS))
     started_up: bool = False
     """Whether this worker wrote its ``startup`` record."""
+    steps: StepRecords = attrs.field(factory=StepRecords)
+    """The job's step records as this node builds them (:mod:`bamboo.launch.step_records`)."""
 
 
 def pipeline_batches(microbatch: Callable[[int, int], B], first: int, count: int, first_step: int) -> Iterator[B]:
@@ -176,10 +179,14 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
                            caught_unix=failover.caught_at, resumed_unix=failover.resumed_at,
                            step_end_unix=failover.iteration_end))
     state.failovers.extend(executor.failovers[seen:])
-    if reports_the_job(executor) and spec.stages - 1 in executor.hosted:
-        log.write(Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
-                       nodes_active=spec.stages * layout.pipelines - len(executor.dead),
-                       duration_s=duration, generation=layout.generation))
+    if executor.pipeline == 0 or executor.layout.stages == 1:  # the nodes that write the job's steps, or may take it over
+        record = Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
+                      nodes_active=spec.stages * layout.pipelines - len(executor.dead),
+                      duration_s=duration, generation=layout.generation)
+        state.steps.after_step(record, writes=reports_the_job(executor) and spec.stages - 1 in executor.hosted,
+                               events=log, kv=run.membership.kv,
+                               departed=lambda: [worker_records_prefix(spec.job, node_of_rank[rank])
+                                                 for rank in sorted(executor.dead) if rank in node_of_rank])
     clones: dict[int, StageSnapshot] = {}  # stage -> its state cloned at this step, for whoever needs it next
     copies = run.copies if run.copies is not None and executor.step % spec.memory_copy_every == 0 else None
     if copies is not None:  # before any clone: the checkpoint's clones are then those the copies would take

@@ -55,6 +55,7 @@ class WorkerSession:
     def __init__(self, context: WorkerContext, program: Program) -> None:
         from bamboo.launch.events import EtcdEventLog, EtcdEventReader
         from bamboo.launch.notices import PatientKV
+        from bamboo.launch.step_records import worker_writer
         from bamboo.membership import AgentClient, EtcdKV, EtcdStore, MembershipStore, c10d_prefix
         from bamboo.rc import CommTimeouts
 
@@ -69,7 +70,7 @@ class WorkerSession:
         self.store = EtcdStore(patient, c10d_prefix(context.job, "rc"),  # type: ignore[arg-type]
                                timeout=datetime.timedelta(seconds=self.timeouts.build))
         self.agent = AgentClient(context.agent_address, name=f"worker-{self.node}", **agent_auth(context))
-        self.log = EtcdEventLog(self.membership.kv, context.job, f"{self.node}.worker.{os.getpid()}",
+        self.log = EtcdEventLog(self.membership.kv, context.job, worker_writer(self.node, os.getpid()),
                                 self.spec.created_unix, guard=self.membership.guard)
         self.event_reader = EtcdEventReader(self.membership.kv, context.job)
         """The job's event log, read for each layout this worker decides (only what is new at each read)."""

@@ -242,7 +242,7 @@ def bamboo_kills(args: argparse.Namespace, mode: str, say: Log) -> dict[str, Any
     for index in range(args.kills):
         victim = index % replicas
         phase = PHASES[index % len(PHASES)]
-        stream = [str(i) for i in fault_free_ring_stream(victim, replicas, micro_batches, mode)]
+        stream = [str(i) for i in fault_free_ring_stream(victim, [micro_batches] * replicas, mode)]
         where = stream[min(len(stream) - 1, int(phase * len(stream)))]
         steps = args.kill_step + 2
         result = run_verify(1, replicas, steps, mode, size=GPTSize(layers=args.layers), seed=SEED,

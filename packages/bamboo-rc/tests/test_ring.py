@@ -9,6 +9,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 import pytest
+from bamboo.rc.config import load_config
 from bamboo.rc.coordinator import FailoverCoordinator
 from bamboo.rc.failures import AgreementError, FailureEvent, StoreFailureNotices
 from bamboo.rc.layout import Layout
@@ -198,7 +199,8 @@ def test_the_ring_agreement_refuses_a_pipeline_with_stages(clock: FakeClock) -> 
 
 def test_the_reduction_reuses_its_buffers_until_a_reduction_is_given_up(clock: FakeClock) -> None:
     ring = Ring(2, clock)
-    node = RingNode(None, None, None, ring.layout, 0, None, ring.nodes[0], None, "lflb", None)  # type: ignore[arg-type]
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4})
+    node = RingNode(None, None, config, ring.layout, 0, None, ring.nodes[0], None, "lflb", None)  # type: ignore[arg-type]
     received = node._scratch.get("received", 8)
     assert node._scratch.get("received", 8) is received  # the next step's reduction writes into the same tensor
     assert node._scratch.get("summed-1", 8) is not node._scratch.get("summed-0", 8)  # the last step's result stays whole
@@ -206,3 +208,16 @@ def test_the_reduction_reuses_its_buffers_until_a_reduction_is_given_up(clock: F
     in_flight = node._scratch.get("received", 12)
     node.abandon_posted()  # a given-up all-to-all may still write into `in_flight`
     assert node._scratch.get("received", 12) is not in_flight
+
+
+def test_the_shares_of_the_global_batch_are_runs_of_consecutive_microbatches_in_share_order() -> None:
+    """16 microbatches over 3 pipelines: 6, 5 and 5 (the first ``G mod D`` one longer); the fault-free streams
+    compute each node's own run, then (eager) its ring predecessor's, kept aside."""
+    from bamboo.rc.ring import fault_free_ring_stream, share_ranges
+
+    assert share_ranges([6, 5, 5]) == (range(0, 6), range(6, 11), range(11, 16))
+    lazy = [str(i) for i in fault_free_ring_stream(1, [6, 5, 5], "lflb")]
+    assert lazy == [f"0{kind}{g}" for g in range(6, 11) for kind in "LFB"] + ["0AR", "0OPT"]
+    eager = [str(i) for i in fault_free_ring_stream(0, [6, 5, 5], "eflb")]
+    aside = [f"0{kind}{g}" for g in range(11, 16) for kind in ("FR", "BR")]  # node 0 shadows the last node
+    assert eager == [f"0{kind}{g}" for g in range(6) for kind in "LFB"] + ["0AR", *aside, "0OPT"]

@@ -26,7 +26,7 @@ def test_a_killed_node_s_shadow_contributes_its_share_and_the_run_is_bit_equal(
     victim = pipelines - 1  # the last pipeline: its shadow is pipeline 0 (the ring closes)
     microbatch = victim * M + (2 if phase is Kind.FORWARD else 1)
     where = f"0{phase.value}{microbatch}"
-    assert where in {str(i) for i in fault_free_ring_stream(victim, pipelines, M, mode)}
+    assert where in {str(i) for i in fault_free_ring_stream(victim, [M] * pipelines, mode)}
     result = run_verify(1, pipelines, 3, mode, timeouts=TIMEOUTS, deadline_s=120,
                         kills=(KillPoint(0, victim, where, step=1),))
     assert result.killed == (victim,)
@@ -77,3 +77,35 @@ def test_verify_cli_runs_a_ring_with_a_kill_and_prints_the_pause(capsys: pytest.
     assert code == 0, out
     assert "max parameter difference: 0.000e+00 relative" in out
     assert "failover in step 1: victims {1: [0]}" in out and "ms from the kill until every survivor resumed" in out
+
+
+def test_verify_cli_runs_uneven_shares_in_the_ring(capsys: pytest.CaptureFixture[str]) -> None:
+    """Shares 3, 3 and 2 of 8 microbatches: the short last share's node dies, its shadow (node 0) computes it."""
+    code = main(["verify", "--stages", "1", "--pipelines", "3", "--global-microbatches", "8", "--redundancy", "eflb",
+                 "--kill", "0:2@0F7"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "max parameter difference: 0.000e+00 relative" in out and "failover in step 1: victims {2: [0]}" in out
+    assert main(["verify", "--stages", "1", "--pipelines", "3", "--global-microbatches", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "bamboo-rc: error: a global batch of 2 microbatches cannot feed 3 pipelines"
+
+
+@pytest.mark.parametrize(("mode", "pipelines", "global_microbatches", "kills"), [
+    ("lflb", 4, 10, [(1, "0F4"), (3, "0B9")]),  # shares 3, 3, 2, 2: two nodes at once, a long and a short share
+    ("efeb", 4, 10, [(0, "0FR9")]),  # node 0's eager copy of the short share it shadows
+])
+def test_uneven_shares_of_the_global_batch_fail_over_exactly_in_the_ring(
+    mode: str, pipelines: int, global_microbatches: int, kills: list[tuple[int, str]],
+) -> None:
+    """D that does not divide the global batch (a loss left 3 nodes of a ring of 4 with 8 microbatches, say): the
+    first ``G mod D`` shares are one microbatch longer; each node's stream, the ring's sum in share order and the
+    takeover of a lost share follow the shares' own lengths, and the run is bit-equal to the reference that splits
+    the global batch the same way."""
+    shares = [global_microbatches // pipelines + (d < global_microbatches % pipelines) for d in range(pipelines)]
+    for victim, where in kills:
+        assert where in {str(i) for i in fault_free_ring_stream(victim, shares, mode)}
+    result = run_verify(1, pipelines, 3, mode, timeouts=TIMEOUTS, deadline_s=120,
+                        kills=tuple(KillPoint(0, victim, where, step=1) for victim, where in kills),
+                        global_microbatches=global_microbatches)
+    assert result.killed == tuple(sorted(victim for victim, _ in kills))
+    assert result.passed and result.max_relative_diff == 0.0, result

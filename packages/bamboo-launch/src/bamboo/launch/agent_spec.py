@@ -96,9 +96,6 @@ def ensure_spec(membership: MembershipStore, options: AgentOptions,
             won, stored = kv.create(key, spec.to_json().encode())
             if not won:
                 return JobSpec.from_json(stored.value), False
-            note = spec.uneven_pipelines_note()
-            if note:
-                say(note)
             return spec, True
         finally:
             kv.revoke_lease(lease)

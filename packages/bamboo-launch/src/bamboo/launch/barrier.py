@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from bamboo.launch import timeouts
 from bamboo.launch.records import BarrierReady, read_record
 from bamboo.launch.redundancy import holds_replicas, mode_for, with_mode
-from bamboo.launch.session import JobCannotContinue, NotEnoughNodes, WorkerSession, decision_prefix
+from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.membership.kv import StoreError
 
 if TYPE_CHECKING:
@@ -201,13 +201,9 @@ def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady
     zones = {**base.zones, **{n: record.zone for n, record in records.items()}}
     view = build_view(base, zones, usable, dead, run.layers, spec.pipelines)
     plan = plan_layout(view)
-    global_batch = base.global_batch
     pipelines = len(plan.owners)
     if plan.stages != spec.stages or pipelines == 0:
         raise NotEnoughNodes(f"{len(usable)} nodes left cannot form a pipeline of {spec.stages} stages")
-    if spec.stages == 1 and global_batch % pipelines:  # the shadow ring's shares are even (pipelines: any)
-        raise JobCannotContinue(f"cannot keep the global batch of {global_batch} microbatches over {pipelines} "
-                                "pipelines")
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
     # the dead nodes' records may still be on their way
     chosen = mode_for(spec, plan, run.membership.kv, lost=dead, reader=run.event_reader)

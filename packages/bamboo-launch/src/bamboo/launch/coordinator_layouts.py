@@ -28,8 +28,7 @@ def first_layout(spec: JobSpec, zones: dict[str, str]) -> JobLayout:
 
     view = ClusterView(nodes=[Node(node, zone or "default", "standby") for node, zone in sorted(zones.items())],
                        target_stages=spec.stages, target_pipelines=spec.pipelines,
-                       global_batch=spec.micro_batches * spec.pipelines, layers=spec.reconfig_layers(),
-                       even_shares=spec.stages == 1)
+                       global_batch=spec.micro_batches * spec.pipelines, layers=spec.reconfig_layers())
     plan = plan_layout(view)
     if plan.stages != spec.stages or not plan.owners:
         raise RuntimeError(f"{len(zones)} nodes cannot form a pipeline of {spec.stages} stages")
@@ -51,7 +50,7 @@ def _place_afresh(spec: JobSpec, nodes: list[str], zones: Mapping[str, str], glo
         return None
     view = ClusterView(nodes=[Node(node, zones.get(node) or "default", "standby") for node in nodes],
                        target_stages=spec.stages, target_pipelines=spec.pipelines,
-                       global_batch=global_batch, layers=spec.reconfig_layers(), even_shares=spec.stages == 1)
+                       global_batch=global_batch, layers=spec.reconfig_layers())
     plan = plan_layout(view)
     if plan.stages != spec.stages or not plan.owners:
         return None

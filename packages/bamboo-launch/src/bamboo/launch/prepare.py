@@ -212,8 +212,6 @@ def plan_prepared(run: WorkerSession, base: JobLayout, executor: ExecutorFacts, 
     pipelines = len(plan.owners)
     if plan.stages != spec.stages or pipelines == 0:
         raise NotEnoughNodes(f"{len(usable)} nodes cannot form a pipeline of {spec.stages} stages")
-    if spec.stages == 1 and base.global_batch % pipelines:  # the shadow ring's shares are even
-        raise ValueError(f"cannot keep the global batch of {base.global_batch} microbatches over {pipelines} pipelines")
     mode = layout_mode(spec, base)
     holds = {node: list(stage_slices(base.stage_bounds, rank % base.stages, mode)) for node, rank in live.items()}
     held = base.holdings_of_stages({node: holds.get(node, ()) for node in usable})

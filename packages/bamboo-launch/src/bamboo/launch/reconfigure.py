@@ -98,8 +98,7 @@ def build_view(
         if node not in layout.ranks:
             nodes.append(Node(node, zones.get(node) or "default", "standby"))
     return ClusterView(nodes=nodes, target_stages=stages, target_pipelines=target_pipelines,
-                       global_batch=layout.global_batch, layers=list(layers), layout=layout.plan,
-                       even_shares=stages == 1)  # only the shadow ring needs even shares
+                       global_batch=layout.global_batch, layers=list(layers), layout=layout.plan)
 
 
 def warm_standby(membership: MembershipStore, registered: Iterable[str]) -> list[str]:

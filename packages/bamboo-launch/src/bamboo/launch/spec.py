@@ -230,33 +230,6 @@ class JobSpec:
         """How many registered nodes the first layout waits for."""
         return self.min_nodes or self.stages * self.pipelines
 
-    def uneven_pipelines_note(self) -> str | None:
-        """One line for the job's log when the job has one stage (the shadow ring, whose shares of the global batch
-        are even) and some pipeline count below ``pipelines`` does not divide the global batch (None otherwise:
-        with two stages or more, the pipelines' shares may differ by one). Its layouts run only counts that divide
-        it; where the nodes left could run one of the others, the nodes of the pipelines that do not run wait on
-        standby. Suggests the least global batch that every count up to ``pipelines`` divides, when it is at most
-        twice the job's."""
-        from bamboo.reconfig import even_pipeline_counts
-
-        if self.stages > 1:
-            return None
-        global_batch = self.micro_batches * self.pipelines
-        even = even_pipeline_counts(global_batch, self.pipelines)
-        uneven = [count for count in range(self.pipelines - 1, 1, -1) if count not in even]
-        if not uneven:
-            return None
-        running = max(count for count in even if count < uneven[0])
-        line = (f"the global batch of {global_batch} microbatches splits evenly over {_or(even)} pipeline(s), not "
-                f"{_or(uneven)}: with nodes for {uneven[0]} pipelines, only {running} run{'s' if running == 1 else ''} "
-                "and the rest of the nodes wait on standby")
-        every = math.lcm(*range(1, self.pipelines + 1))
-        better = -(-global_batch // every) * every
-        if better <= 2 * global_batch:
-            line += (f" (a global batch of {better}, gradient_accumulation_steps {better // self.pipelines} at "
-                     f"{self.pipelines} pipelines, splits over every count)")
-        return line
-
     def reconfig_layers(self) -> list[LayerSpec]:
         """The model's layers as bamboo-reconfig ``LayerSpec`` values."""
         from bamboo.reconfig import LayerSpec
@@ -291,12 +264,6 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
         return _from_dict(cls, "job spec", _loads("job spec", text))
-
-
-def _or(counts: Sequence[int]) -> str:
-    """``4, 2 or 1`` for (4, 2, 1)."""
-    words = [str(count) for count in counts]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
 def _show(value: object) -> str:

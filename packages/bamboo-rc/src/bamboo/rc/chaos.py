@@ -127,7 +127,7 @@ def _ring_plan(
     micro_batches = DEFAULT_CONFIG["gradient_accumulation_steps"]
 
     def point(pipeline: int, step: int, in_recovery: bool = False) -> KillPoint:
-        length = len(fault_free_ring_stream(pipeline, pipelines, micro_batches, redundancy))
+        length = len(fault_free_ring_stream(pipeline, [micro_batches] * pipelines, redundancy))
         return KillPoint(0, pipeline, str(rng.randrange(length)), step, in_recovery=in_recovery)
 
     first, second = rng.sample(range(pipelines), 2)
@@ -174,7 +174,7 @@ def random_handover_plans(
         if schedule is not None:
             length = len(schedule.streams[stage])
         else:
-            length = len(fault_free_ring_stream(victim, pipelines, micro_batches, redundancy))
+            length = len(fault_free_ring_stream(victim, [micro_batches] * pipelines, redundancy))
         kill = KillPoint(stage, victim, str(rng.randrange(length)), rng.randrange(notice.step, steps))
         plans.append((notice, kill))
     return plans

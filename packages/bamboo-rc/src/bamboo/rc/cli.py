@@ -85,6 +85,9 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--micro-batches", type=_positive_int, default=4,
                         help="microbatches per pipeline per step, M (gradient_accumulation_steps; default 4)")
+    parser.add_argument("--global-microbatches", type=_positive_int, default=None, metavar="G",
+                        help="a global batch of G microbatches split over the pipelines, the first G mod D one longer "
+                             "where D does not divide G, as bamboo-launch runs after a loss (replaces --micro-batches)")
     parser.add_argument("--micro-batch-size", type=_positive_int, default=2,
                         help="samples per microbatch (train_micro_batch_size_per_gpu; default 2)")
 
@@ -240,7 +243,7 @@ def _verify(args: argparse.Namespace) -> int:
             timeouts=CommTimeouts(group=args.group_timeout, build=args.build_timeout, confirm=args.confirm_timeout),
             notice_points=tuple(NoticePoint(stage, pipeline, step, args.notice_lead)
                                 for stage, pipeline, step in args.notice),
-            device=args.device,
+            device=args.device, global_microbatches=args.global_microbatches,
         )
     failed = {rank: code for rank, code in result.worker_exit_codes.items() if code != 0 and rank not in result.killed}
     console.print(f"P={args.stages} D={args.pipelines} steps={args.steps} redundancy={args.redundancy} "

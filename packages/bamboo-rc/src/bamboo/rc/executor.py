@@ -157,8 +157,6 @@ class StageExecutor(ExecutorHandover):
         if shares[pipeline] != config.micro_batches:
             raise ValueError(f"pipeline {pipeline}'s share of the global batch is {shares[pipeline]} microbatches "
                              f"(shares {list(shares)}), but its config runs {config.micro_batches}")
-        if ring and len(set(shares)) > 1:
-            raise ValueError(f"the shadow ring (one stage) needs even shares of the global batch, got {list(shares)}")
         built = {count: one_f_one_b(layout.stages, count, rc="none" if ring else self.redundancy)
                  for count in sorted(set(shares))}
         fault_free = {d: built[count] for d, count in enumerate(shares)}  # each pipeline's, from its share

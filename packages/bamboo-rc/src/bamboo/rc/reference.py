@@ -97,7 +97,8 @@ def train_reference(
     history: Sequence[Sequence[int]] = (),
     device: torch.device | None = None,
 ) -> ReferenceResult:
-    """Train all layers for `steps` steps on global batches of `pipelines × M` microbatches of ``data``, on
+    """Train all layers for `steps` steps on global batches of `config.global_count(pipelines)` microbatches of
+    ``data`` (`pipelines × M` unless the config sets the global batch), on
     `device` (default the CPU; a GPU reference for a pipeline on GPUs). The layer states come back in host memory.
 
     ``history`` lists ``(first step, pipelines)`` of every layout generation of a run whose number of pipelines
@@ -106,7 +107,7 @@ def train_reference(
     """
     whole = TrainableSlice(specs, range(len(specs)), config, seed, device or torch.device("cpu"))
     whole.zero_grads()
-    global_microbatches = pipelines * config.micro_batches
+    global_microbatches = config.global_count(pipelines)
     microbatch = _reader(data)
     if not isinstance(data, GlobalBatchSampler):
         bind_global_batch(microbatch, global_microbatches, config.micro_batch_size)

@@ -1,7 +1,9 @@
 """Pure data parallelism with redundancy (P = 1): one node of the shadow ring.
 
 With one stage there is no pipeline: each of the D nodes holds the whole model and trains its
-*share* of the global batch (pipeline ``d``'s M microbatches, global indices ``d·M .. d·M+M-1``).
+*share* of the global batch (pipeline ``d``'s microbatches, a run of consecutive global indices: ``d·M ..
+d·M+M-1`` when the D shares are even, and where D does not divide the global batch, the first ``G mod D`` shares one
+longer than the others, as :func:`bamboo.reconfig.microbatch_shares` splits it).
 The redundant copy of a node's work is its ring successor, the next live pipeline
 (:meth:`bamboo.rc.layout.Layout.ring_shadow`; the launcher places consecutive pipelines in
 different zones). Every node's parameters are identical after every step, so the shadow's own copy
@@ -44,7 +46,7 @@ microbatch at M = 4).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +62,8 @@ from bamboo.rc.records import CommitResult
 from bamboo.rc.state import ReusedBuffers, TrainableSlice
 from bamboo.schedule import Instruction, Kind
 
-__all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode", "fault_free_ring_stream", "share_instructions"]
+__all__ = ["EAGER_MODES", "GROUP", "MicrobatchSource", "RingNode", "fault_free_ring_stream", "share_instructions",
+           "share_ranges"]
 
 MicrobatchSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 """``(step, global microbatch index) -> (inputs, labels)``: the data, as a function of its position."""
@@ -88,11 +91,21 @@ class _Reduction:
         self.tensors = tensors
 
 
-def share_instructions(share: int, micro_batches: int, aside: bool = False) -> list[Instruction]:
-    """The instructions that compute one share: ``L``/``F``/``B`` per microbatch (``FR``/``BR`` when it is
-    the eager copy of a neighbour's share, kept aside), with global microbatch indices."""
+def share_ranges(shares: Sequence[int]) -> tuple[range, ...]:
+    """Each share's global microbatch indices, from the shares' lengths in share order
+    (:meth:`bamboo.rc.config.TrainingConfig.shares`: 16 over 3 pipelines, 0..5, 6..10 and 11..15)."""
+    ranges, first = [], 0
+    for count in shares:
+        ranges.append(range(first, first + count))
+        first += count
+    return tuple(ranges)
+
+
+def share_instructions(indices: range, aside: bool = False) -> list[Instruction]:
+    """The instructions that compute one share, its global microbatch ``indices``: ``L``/``F``/``B`` per
+    microbatch (``FR``/``BR`` when it is the eager copy of a neighbour's share, kept aside)."""
     instructions: list[Instruction] = []
-    for g in range(share * micro_batches, (share + 1) * micro_batches):
+    for g in indices:
         if aside:
             instructions += [Instruction(Kind.FRC, 0, g), Instruction(Kind.BRC, 0, g)]
         else:
@@ -101,13 +114,14 @@ def share_instructions(share: int, micro_batches: int, aside: bool = False) -> l
     return instructions
 
 
-def fault_free_ring_stream(pipeline: int, pipelines: int, micro_batches: int, redundancy: str) -> list[Instruction]:
-    """Node `pipeline`'s stream in a step without failures: its share, ``AR``, the eager copy of its
-    ring predecessor's share (eager modes, D > 1), ``OPT``."""
-    stream = share_instructions(pipeline, micro_batches)
+def fault_free_ring_stream(pipeline: int, shares: Sequence[int], redundancy: str) -> list[Instruction]:
+    """Node `pipeline`'s stream in a step without failures, each pipeline's share ``shares[d]`` microbatches long:
+    its share, ``AR``, the eager copy of its ring predecessor's share (eager modes, D > 1), ``OPT``."""
+    ranges = share_ranges(shares)
+    stream = share_instructions(ranges[pipeline])
     stream.append(Instruction(Kind.ALLREDUCE, 0))
-    if redundancy in EAGER_MODES and pipelines > 1:
-        stream += share_instructions((pipeline - 1) % pipelines, micro_batches, aside=True)
+    if redundancy in EAGER_MODES and len(shares) > 1:
+        stream += share_instructions(ranges[(pipeline - 1) % len(shares)], aside=True)
     stream.append(Instruction(Kind.OPTIMIZER, 0))
     return stream
 
@@ -147,6 +161,10 @@ class RingNode:
         self.microbatch = microbatch
         self.device = device or torch.device("cpu")
         """Where the model and the activations live; the reduction's buffers are in host memory."""
+        self.ranges = share_ranges(config.shares(layout.pipelines))
+        """Each share's global microbatch indices (the first ``G mod D`` shares one longer than the others)."""
+        self.global_microbatches = config.global_count(layout.pipelines)
+        self._share_of = {g: share for share, indices in enumerate(self.ranges) for g in indices}
         self.last_result: tuple[int, torch.Tensor, torch.Tensor] | None = None
         """(step, reduced gradients, every microbatch's loss) of the last step this node committed."""
         self.done = 0
@@ -179,14 +197,6 @@ class RingNode:
         """This step's (inputs, labels) of the node's own share, by index within the share."""
         self._own = microbatches
 
-    @property
-    def micro_batches(self) -> int:
-        return self.config.micro_batches
-
-    @property
-    def global_microbatches(self) -> int:
-        return self.micro_batches * self.layout.pipelines
-
     def owned(self) -> tuple[int, ...]:
         """The shares this node computes and contributes, in share order."""
         return self.layout.ring_shares(self.rank, self.coordinator.dead)
@@ -207,17 +217,14 @@ class RingNode:
         instructions: list[Instruction] = []
         for share in self.owned():
             if share not in self.shares:
-                instructions += share_instructions(share, self.micro_batches)
+                instructions += share_instructions(self.ranges[share])
         instructions.append(Instruction(Kind.ALLREDUCE, 0))
         if self.eager and not recovering:
             for share in self.shadowed():
                 if share not in self.aside:
-                    instructions += share_instructions(share, self.micro_batches, aside=True)
+                    instructions += share_instructions(self.ranges[share], aside=True)
         instructions.append(Instruction(Kind.OPTIMIZER, 0))
         return instructions
-
-    def _indices(self, share: int) -> range:
-        return range(share * self.micro_batches, (share + 1) * self.micro_batches)
 
     def execute(self, instruction: Instruction) -> float | None:
         """Execute one instruction (its wall time goes to ``kind_seconds``); ``OPT`` returns the step's
@@ -249,7 +256,8 @@ class RingNode:
 
     # ----------------------------------------------------------------------------- compute
     def _load(self, g: int) -> None:
-        share, k = divmod(g, self.micro_batches)
+        share = self._share_of[g]
+        k = g - self.ranges[share].start
         if share == self.layout.position(self.rank)[1] and k in self._own:
             tokens, labels = self._own[k]
         elif self.microbatch is not None:
@@ -262,7 +270,7 @@ class RingNode:
         self._loaded[g] = (to_device(tokens, self.device), to_device(labels, self.device))
 
     def _forward(self, g: int) -> None:
-        if g % self.micro_batches == 0 and not self._grads_zero:  # a share's gradients start from zero
+        if g == self.ranges[self._share_of[g]].start and not self._grads_zero:  # a share's gradients start from zero
             self.piece.zero_grads()
             self._grads_zero = True
         tokens, labels = self._loaded.pop(g)
@@ -275,10 +283,10 @@ class RingNode:
     def _backward(self, g: int, aside: bool) -> None:
         self._grads_zero = False
         backward(self._pending_losses.pop(g), self.piece.loss_scale)
-        share, k = divmod(g, self.micro_batches)
-        if k == self.micro_batches - 1:  # the share is complete: its gradients leave the buffers
+        share = self._share_of[g]
+        if g == self.ranges[share][-1]:  # the share is complete: its gradients leave the buffers
             grads = self.piece.flat_grads(out=self._scratch.get(f"share-{share}", self.piece.numel()))
-            done: Share = (grads, [self._losses.pop(i) for i in self._indices(share)])
+            done: Share = (grads, [self._losses.pop(i) for i in self.ranges[share]])
             (self.aside if aside else self.shares)[share] = done
 
     # ----------------------------------------------------------------------------- the reduction
@@ -309,11 +317,10 @@ class RingNode:
             pieces = [self.shares[share][0][start:end] for start, end in bounds for share in owned]
             sent = torch.cat(pieces, out=self._scratch.get("sent", len(owned) * n))
         received = self._scratch.get("received", d * chunk)
-        losses = torch.zeros(d * self.micro_batches, dtype=torch.float64)
+        losses = torch.zeros(self.global_microbatches, dtype=torch.float64)
         for share in owned:
-            losses[share * self.micro_batches : (share + 1) * self.micro_batches] = torch.tensor(
-                self.shares[share][1], dtype=torch.float64
-            )
+            indices = self.ranges[share]
+            losses[indices.start : indices.stop] = torch.tensor(self.shares[share][1], dtype=torch.float64)
         self._await_group()
         works = self.groups.post_all_to_all(
             GROUP, received, sent, [len(shares_of[m]) * chunk for m in members],

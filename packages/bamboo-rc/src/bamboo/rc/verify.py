@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 import torch
-from bamboo.rc.config import TrainingConfig, load_config
+from bamboo.rc.config import TrainingConfig
 from bamboo.rc.data import stdlib_corpus
 from bamboo.rc.device import resolve_device
 from bamboo.rc.executor import REDUNDANCY_MODES
@@ -54,6 +54,7 @@ from bamboo.rc.worker import (
     exact_mode,
     example_model,
     heap_frozen_for_forks,
+    run_config,
     worker_main,
 )
 from torch.distributed import TCPStore
@@ -179,6 +180,7 @@ def run_verify(
     device: str | None = None,
     model: VerifyModel | None = None,
     references: dict[int, ReferenceResult] | None = None,
+    global_microbatches: int | None = None,
 ) -> VerifyResult:
     """Run the self-check and return what it measured (see the module docstring).
 
@@ -198,11 +200,14 @@ def run_verify(
     ``references`` is a cache of reference runs by the step they were compared at, that a caller shares
     between runs of one model, config, seed, pipeline count and device (chaos runs many kill plans of one):
     a reference found there is not trained again.
+
+    ``global_microbatches`` splits a global batch of that many microbatches over the pipelines unevenly where
+    they do not divide it (the first ``G mod D`` one microbatch longer, as bamboo-launch does after a loss);
+    each worker then runs its pipeline's share in place of ``config``'s gradient accumulation steps.
     """
     _check_plan(stages, pipelines, steps, redundancy, kills)
     size = size or GPTSize()
-    config = dict(config or DEFAULT_CONFIG)
-    training = load_config(config, pipelines=pipelines)
+    config, training = run_config(dict(config or DEFAULT_CONFIG), pipelines, global_microbatches)
     layout = Layout(stages, pipelines)
     program = model or example_model(size, training.micro_batch_size, seed)
     specs = list(program.layers)
@@ -216,7 +221,8 @@ def run_verify(
         return WorkerSpec(layout=layout, stage=stage, pipeline=pipeline, store_host="127.0.0.1", store_port=0,
                           steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir,
                           stage_bounds=bounds, seed=seed, timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
-                          notice_points=tuple(notice_points), device=device, model=model)
+                          notice_points=tuple(notice_points), device=device, model=model,
+                          global_microbatches=global_microbatches)
 
     outcome = _run_workers(layout, spec_for, kills, deadline_s)
     reports = outcome.reports
@@ -225,7 +231,7 @@ def run_verify(
     cache = {} if references is None else references
     if compared_at not in cache:
         key = None if model is not None else (size, json.dumps(config, sort_keys=True), seed, pipelines, kind, device,
-                                               compared_at)
+                                               compared_at, global_microbatches)
         cache[compared_at] = _kept_reference(key, lambda: _reference(
             kind, device, specs, program.loss_fn, training, program.microbatch, compared_at, pipelines, seed))
     reference = cache[compared_at]

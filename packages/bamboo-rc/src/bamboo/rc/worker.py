@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 import torch
-from bamboo.rc.config import load_config
+from bamboo.rc.config import TrainingConfig, load_config
 from bamboo.rc.data import GlobalBatchSampler
 from bamboo.rc.device import exact_kernels, peak_memory_bytes, resolve_device
 from bamboo.rc.engine import initialize
@@ -33,9 +33,10 @@ from bamboo.rc.faults import FaultInjector, KillPoint, NoticePoint
 from bamboo.rc.layout import Layout
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.timeouts import CommTimeouts
+from bamboo.reconfig import microbatch_shares
 from torch.distributed import TCPStore
 
-__all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "heap_frozen_for_forks",
+__all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "heap_frozen_for_forks", "run_config",
            "run_worker", "worker_main"]
 
 
@@ -110,6 +111,17 @@ class WorkerSpec:
     index is ``cuda:(rank mod GPUs)``."""
     model: VerifyModel | None = None
     """A model of your own instead of the example GPT of ``size``."""
+    global_microbatches: int | None = None
+    """The global batch in microbatches where the pipelines' shares of it differ (the first ``G mod D`` pipelines
+    one longer: :meth:`bamboo.rc.config.TrainingConfig.shares`); ``config``'s gradient accumulation steps are then
+    replaced by this worker's pipeline's share. None: every pipeline runs ``config``'s."""
+
+    def worker_config(self) -> dict[str, Any]:
+        """``config`` with this worker's pipeline's share as its gradient accumulation steps (uneven shares)."""
+        if self.global_microbatches is None:
+            return self.config
+        shares = microbatch_shares(self.global_microbatches, self.layout.pipelines)
+        return {**self.config, "gradient_accumulation_steps": shares[self.pipeline]}
 
     def program(self, micro_batch_size: int) -> VerifyModel:
         """The model this worker trains: :attr:`model`, or the example GPT of :attr:`size` on its corpus."""
@@ -127,14 +139,28 @@ def example_model(size: GPTSize, micro_batch_size: int, seed: int) -> VerifyMode
     return VerifyModel(gpt_layer_specs(size), lm_loss, microbatch)
 
 
+def run_config(config: dict[str, Any], pipelines: int,
+               global_microbatches: int | None) -> tuple[dict[str, Any], TrainingConfig]:
+    """A verify run's DeepSpeed config (with ``global_microbatches``: the first pipeline's share as its gradient
+    accumulation steps, each worker taking its own: :meth:`WorkerSpec.worker_config`) and the reference's
+    training config."""
+    if global_microbatches is not None:
+        if global_microbatches < pipelines:
+            raise ValueError(f"a global batch of {global_microbatches} microbatches cannot feed {pipelines} pipelines")
+        config = {**config, "gradient_accumulation_steps": microbatch_shares(global_microbatches, pipelines)[0]}
+        config.pop("train_batch_size", None)
+    return config, load_config(config, pipelines=pipelines, global_microbatches=global_microbatches)
+
+
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train as node (spec.stage, spec.pipeline); returns the report also written to disk."""
     exact_mode()
-    config = load_config(spec.config, pipelines=spec.layout.pipelines)
+    config = load_config(spec.worker_config(), pipelines=spec.layout.pipelines,
+                         global_microbatches=spec.global_microbatches)
     store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_seconds(spec.timeouts.build))
     model = spec.program(config.micro_batch_size)
     engine = initialize(
-        list(model.layers), spec.config, spec.redundancy, loss_fn=model.loss_fn,
+        list(model.layers), spec.worker_config(), spec.redundancy, loss_fn=model.loss_fn,
         stages=spec.layout.stages, rank=spec.layout.rank(spec.stage, spec.pipeline), world_size=spec.layout.world,
         store=store, seed=spec.seed, job=spec.job, timeouts=spec.timeouts,
         notices=StoreFailureNotices(store, spec.job) if spec.redundancy != "none" else None,
@@ -142,10 +168,11 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         hook=FaultInjector.for_node(spec.stage, spec.pipeline, spec.kills, spec.notice_points),
         microbatch=model.microbatch,
         device=resolve_device(spec.device, local_rank=spec.layout.rank(spec.stage, spec.pipeline)),
+        global_microbatches=spec.global_microbatches,
     )
     executor = engine.executor
-    data = (model.microbatch(step, spec.pipeline * config.micro_batches + k)
-            for step in itertools.count() for k in range(config.micro_batches))
+    first, count = config.share(spec.pipeline, spec.layout.pipelines)
+    data = (model.microbatch(step, first + k) for step in itertools.count() for k in range(count))
     started = time.perf_counter()
     consecutive: str | None = None
     left = False

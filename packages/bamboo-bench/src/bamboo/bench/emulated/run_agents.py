@@ -112,9 +112,6 @@ def write_spec(kv: KeyValueStore, membership: MembershipStore, job: str, options
     won, _ = kv.create(membership.keys.root + "spec", spec.to_json().encode())
     if not won:
         raise RunError(f"job {job} already exists in etcd; use a new --job")
-    note = spec.uneven_pipelines_note()
-    if note:
-        say(note)
     events = EtcdEventLog(kv, job, "launcher", spec.created_unix)
     events.write(RunStart(t=events.now(), job=job, unix_time=spec.created_unix,
                           target_nodes=spec.first_layout_nodes, stages=spec.stages, pipelines=spec.pipelines))

@@ -204,7 +204,7 @@ class SimNode:
         self.agent.stop(leave=False, grace=0)  # the lease is left to expire
         for peer in [*self.peers, self.listener]:
             self.host.forget(peer)
-        emit(ev="killed", node=self.node, t=t)
+        emit(ev="killed", node=self.node, t=t, gone=time.monotonic())
         self.coordinator.stop()
         for closing in (self.roles, self.end):
             closing.close()

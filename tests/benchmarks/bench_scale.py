@@ -322,8 +322,9 @@ class Run:
             if ranks & set(e["victims"]):
                 seen_at, count = epochs.get(e["epoch"], (math.inf, len(e["victims"])))
                 epochs[e["epoch"]] = (min(seen_at, e["t"]), count)
-        self.say("  kill -> first neighbour report {:.1f} ms -> confirmed {:.1f} ms -> first node saw it {:.1f} ms "
-                 "({})".format(
+        self.say("  kill -> every victim gone {:.1f} ms; kill -> first neighbour report {:.1f} ms -> confirmed {:.1f} ms "
+                 "-> first node saw it {:.1f} ms ({})".format(
+            1e3 * (max((e.get("gone", e["t"]) for e in kills), default=math.nan) - first),
             1e3 * (min((e["t"] for e in suspects), default=math.nan) - first),
             1e3 * (max((r.detected_at for r in reports), default=math.nan) - offset - first),
             1e3 * (min(when.values(), default=math.nan) - first),

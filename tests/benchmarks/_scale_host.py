@@ -119,7 +119,7 @@ class SimNode:
         self.events = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.agent.{pid}", spec.created_unix,
                                    guard=self.fenced.guard)
         self.events.write(Join(t=self.events.now(), node=self.node, zone=self.zone))
-        self.coordinator = Coordinator(self.fenced, self.agent, spec, self.events).start()
+        self.coordinator = Coordinator(self.fenced, self.agent, spec, self.events, say=self._coordinator_said).start()
         self.end = WatchedKey(self.fenced.kv, self.fenced.keys.decision("end"))  # the supervisor's
         self.log = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.worker.{pid}", spec.created_unix,
                                 guard=self.fenced.guard)
@@ -127,6 +127,11 @@ class SimNode:
         self.roles = RoleWatch(self.fenced, self.node)
         emit(ev="started", node=self.node, t=time.monotonic())
         threading.Thread(target=self._follow_roles, name=f"stub-{self.node}", daemon=True).start()
+
+    def _coordinator_said(self, line: str) -> None:
+        """The elected coordinator's lines: the time it wrote the first layout (the start-up's breakdown)."""
+        if line.startswith("first layout:"):
+            emit(ev="first_layout_written", node=self.node, t=time.monotonic())
 
     def _follow_roles(self) -> None:
         generation = -1

@@ -226,10 +226,14 @@ class Run:
         found = self.store.get_layout()
         self.layout_bytes = len(json.dumps(found.value)) if found else 0
         startup = spread(latencies)
+        read_first = min(latencies, default=math.nan)
         registered = max((e["t"] for e in self.hosts.select("registered")), default=math.nan) - first
         started = max((e["t"] for e in self.hosts.select("started")), default=math.nan) - first
+        written = min((e["t"] for e in self.hosts.select("first_layout_written")), default=math.nan) - first
         self.say(f"start-up: the last node registered {registered:.2f} s after the first, the last stub started "
-                 f"{started:.2f} s after it")
+                 f"{started:.2f} s after it, the coordinator had written the first layout and seen it {written:.2f} s "
+                 f"after it, the first "
+                 f"node read it {read_first:.2f} s after it")
         self.say(f"start-up: every node read the first layout ({self.layout_bytes} B) {startup['max']:.2f} s after "
                  f"the first registration (p50 {startup['p50']:.2f} s)")
         self.say(f"start-up: etcd used {etcd_cpu:.2f} CPU-s, the host processes {hosts_cpu:.2f} CPU-s "

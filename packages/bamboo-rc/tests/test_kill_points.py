@@ -108,3 +108,29 @@ def test_hand_over_plans_refuse_what_cannot_mix_a_hand_over_and_a_failure() -> N
         random_handover_plans(0, 1, 1, 3, pipelines=2)
     with pytest.raises(ValueError, match="own pipeline needs at least 3 stages, got 1"):
         random_handover_plans(0, 1, 1, 3, pipelines=3, same_pipeline=True)
+
+
+@pytest.mark.parametrize(("stages", "pipelines", "global_microbatches"), [(4, 3, 10), (1, 4, 10), (3, 3, 11)])
+def test_uneven_shares_kill_within_each_victims_own_stream(stages: int, pipelines: int, global_microbatches: int) -> None:
+    """With a global batch that the pipelines do not divide, each pipeline runs its own share, so its stream's
+    length is its own: a kill point never indexes past its victim's stream, and the longest streams are reached."""
+    from bamboo.rc.chaos import pipeline_shares, random_handover_plans, random_kill_points
+    from bamboo.rc.ring import fault_free_ring_stream
+    from bamboo.schedule import one_f_one_b
+
+    shares = pipeline_shares(pipelines, global_microbatches)
+    assert sum(shares) == global_microbatches and max(shares) - min(shares) == 1
+
+    def length(stage: int, pipeline: int) -> int:
+        if stages == 1:
+            return len(fault_free_ring_stream(pipeline, shares, "eflb"))
+        return len(one_f_one_b(stages, shares[pipeline], rc="eflb").streams[stage])
+
+    plans = random_kill_points(7, 300, stages, 3, "eflb", pipelines=pipelines, global_microbatches=global_microbatches)
+    kills = [kill for plan in plans for kill in plan if not kill.in_recovery]
+    kills += [kill for _, kill in random_handover_plans(7, 300, stages, 3, "eflb", pipelines,
+                                                        global_microbatches=global_microbatches)]
+    assert all(0 <= int(kill.instruction) < length(kill.stage, kill.pipeline) for kill in kills)
+    longest = max(range(pipelines), key=lambda p: length(0, p))
+    assert max(int(k.instruction) for k in kills if k.pipeline == longest and k.stage == 0) >= length(0, longest) - 3
+    assert pipeline_shares(pipelines) == [4] * pipelines  # without a global batch: verify's 4 a pipeline

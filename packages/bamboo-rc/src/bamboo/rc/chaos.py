@@ -29,12 +29,16 @@ pipelines do not keep in step, so the failure may be confirmed before the leaver
 leaving, or after. With ``same_pipeline`` the node killed is in the leaver's own pipeline: in the leaver's
 last step (its pipeline fails over with the leaver still there: it withdraws its hand-over and stays), or
 after the hand-over, in the merged schedule, at a stage not adjacent to the leaver's.
+
+``global_microbatches`` splits a global batch of that many microbatches over the pipelines unevenly where they do
+not divide it (as bamboo-launch does after a loss): each victim's kill point is an index into its own pipeline's
+stream, which runs that pipeline's share.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from bamboo.rc.faults import KillPoint, NoticePoint
 from bamboo.rc.gpt_size import GPTSize
@@ -49,29 +53,48 @@ from bamboo.rc.timeouts import (
     CommTimeouts,
 )
 from bamboo.rc.verify import DEFAULT_CONFIG, VerifyResult, run_verify
+from bamboo.reconfig import microbatch_shares
 from bamboo.schedule import Schedule, merged_schedule, one_f_one_b
 
-__all__ = ["random_handover_plans", "random_kill_points", "run_chaos"]
+__all__ = ["pipeline_shares", "random_handover_plans", "random_kill_points", "run_chaos"]
 
 HANDOVER_LEAD_S = NOTICE_LEAD_S
 """Seconds between a chaos notice and its deadline: ample time to hand over after the step it comes in."""
 
+ScheduleOf = Callable[[int], Schedule]
+"""A pipeline's fault-free schedule, from its share of the global batch."""
+
+
+def pipeline_shares(pipelines: int, global_microbatches: int | None = None) -> list[int]:
+    """Each pipeline's microbatches: verify's gradient accumulation steps each, or its share of
+    ``global_microbatches`` (the first ``G mod D`` one longer)."""
+    if global_microbatches is None:
+        return [int(DEFAULT_CONFIG["gradient_accumulation_steps"])] * pipelines
+    return list(microbatch_shares(global_microbatches, pipelines))
+
+
+def _schedules(stages: int, shares: Sequence[int], redundancy: str) -> ScheduleOf:
+    """Each pipeline's schedule, built once per distinct share."""
+    built = {count: one_f_one_b(stages, count, rc=redundancy) for count in sorted(set(shares))}
+    return lambda pipeline: built[shares[pipeline]]
+
 
 def random_kill_points(
     seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", second_failures: bool = False,
-    pipelines: int = 1,
+    pipelines: int = 1, global_microbatches: int | None = None,
 ) -> list[tuple[KillPoint, ...]]:
     """`count` seeded kill plans for D=`pipelines` pipelines of P=`stages` stages, or for a ring of `pipelines`
     nodes when `stages` is 1 (see the module docstring)."""
     rng = random.Random(seed)
+    shares = pipeline_shares(pipelines, global_microbatches)
     if stages == 1:
-        return [_ring_plan(rng, pipelines, steps, redundancy, second_failures) for _ in range(count)]
-    schedule = one_f_one_b(stages, DEFAULT_CONFIG["gradient_accumulation_steps"], rc=redundancy)
+        return [_ring_plan(rng, shares, steps, redundancy, second_failures) for _ in range(count)]
+    schedule_of = _schedules(stages, shares, redundancy)
     pick = _pipeline_picker(rng, pipelines)
     if second_failures:
         if stages < 4 or steps < 2:
             raise ValueError(f"a second failure needs at least 4 stages and 2 steps, got {stages} and {steps}")
-        return [_second_failure(rng, schedule, stages, steps, pick) for _ in range(count)]
+        return [_second_failure(rng, schedule_of, stages, steps, pick) for _ in range(count)]
     plans = []
     for _ in range(count):
         step = rng.randrange(steps)
@@ -84,7 +107,7 @@ def random_kill_points(
             elif stages >= 4:
                 victims.append((rng.choice(_not_adjacent(first[0], stages)), pipeline))
         plan = tuple(
-            KillPoint(v, p, str(rng.randrange(len(schedule.streams[v]))), step) for v, p in sorted(victims)
+            KillPoint(v, p, str(rng.randrange(len(schedule_of(p).streams[v]))), step) for v, p in sorted(victims)
         )
         plans.append(plan)
     return plans
@@ -104,30 +127,31 @@ def _not_adjacent(stage: int, stages: int) -> list[int]:
 
 
 def _second_failure(
-    rng: random.Random, schedule: Schedule, stages: int, steps: int, pick: Callable[[], int]
+    rng: random.Random, schedule_of: ScheduleOf, stages: int, steps: int, pick: Callable[[], int]
 ) -> tuple[KillPoint, ...]:
     first, pipeline = rng.randrange(stages), pick()
     other = pick()
+    schedule, others = schedule_of(pipeline), schedule_of(other)
     second = rng.choice(_not_adjacent(first, stages)) if other == pipeline else rng.randrange(stages)
     step = rng.randrange(steps - 1)
     kill = KillPoint(first, pipeline, str(rng.randrange(len(schedule.streams[first]))), step)
     if rng.random() < 0.5:  # during the recovery: the remainder is at most the whole stream
-        again = KillPoint(second, other, str(rng.randrange(len(schedule.streams[second]))), step, in_recovery=True)
+        again = KillPoint(second, other, str(rng.randrange(len(others.streams[second]))), step, in_recovery=True)
     else:
-        later = merged_schedule(schedule, [first]).streams[second] if other == pipeline else schedule.streams[second]
+        later = merged_schedule(schedule, [first]).streams[second] if other == pipeline else others.streams[second]
         again = KillPoint(second, other, str(rng.randrange(len(later))), rng.randrange(step + 1, steps))
     return (kill, again)
 
 
 def _ring_plan(
-    rng: random.Random, pipelines: int, steps: int, redundancy: str, second_failures: bool
+    rng: random.Random, shares: Sequence[int], steps: int, redundancy: str, second_failures: bool
 ) -> tuple[KillPoint, ...]:
+    pipelines = len(shares)
     if pipelines < 2:
         raise ValueError(f"kills in a P = 1 ring need at least 2 pipelines (one survives), got {pipelines}")
-    micro_batches = DEFAULT_CONFIG["gradient_accumulation_steps"]
 
     def point(pipeline: int, step: int, in_recovery: bool = False) -> KillPoint:
-        length = len(fault_free_ring_stream(pipeline, [micro_batches] * pipelines, redundancy))
+        length = len(fault_free_ring_stream(pipeline, shares, redundancy))
         return KillPoint(0, pipeline, str(rng.randrange(length)), step, in_recovery=in_recovery)
 
     first, second = rng.sample(range(pipelines), 2)
@@ -146,7 +170,7 @@ def _ring_plan(
 
 def random_handover_plans(
     seed: int, count: int, stages: int, steps: int, redundancy: str = "eflb", pipelines: int = 2,
-    same_pipeline: bool = False,
+    same_pipeline: bool = False, global_microbatches: int | None = None,
 ) -> list[tuple[NoticePoint, KillPoint]]:
     """`count` seeded (notice, kill) pairs for D=`pipelines` pipelines of P=`stages` stages, or a ring of
     `pipelines` nodes when `stages` is 1 (see the module docstring); with `same_pipeline` (P >= 3), the kill
@@ -160,34 +184,35 @@ def random_handover_plans(
         raise ValueError(f"a hand-over and a failure in another pipeline need at least {3 if stages == 1 else 2} "
                          f"pipelines with P = {stages}, got {pipelines}")
     rng = random.Random(seed)
-    micro_batches = DEFAULT_CONFIG["gradient_accumulation_steps"]
-    schedule = one_f_one_b(stages, micro_batches, rc=redundancy) if stages > 1 else None
+    shares = pipeline_shares(pipelines, global_microbatches)
+    schedule_of = _schedules(stages, shares, redundancy) if stages > 1 else None
     plans = []
     for _ in range(count):
         if same_pipeline:
-            assert schedule is not None
-            plans.append(_same_pipeline_plan(rng, schedule, stages, steps, pipelines))
+            assert schedule_of is not None
+            plans.append(_same_pipeline_plan(rng, schedule_of, stages, steps, pipelines))
             continue
         leaver, victim = rng.sample(range(pipelines), 2)
         notice = NoticePoint(rng.randrange(stages), leaver, rng.randrange(1, steps - 1), lead_s=HANDOVER_LEAD_S)
         stage = rng.randrange(stages)
-        if schedule is not None:
-            length = len(schedule.streams[stage])
+        if schedule_of is not None:
+            length = len(schedule_of(victim).streams[stage])
         else:
-            length = len(fault_free_ring_stream(victim, [micro_batches] * pipelines, redundancy))
+            length = len(fault_free_ring_stream(victim, shares, redundancy))
         kill = KillPoint(stage, victim, str(rng.randrange(length)), rng.randrange(notice.step, steps))
         plans.append((notice, kill))
     return plans
 
 
 def _same_pipeline_plan(
-    rng: random.Random, schedule: Schedule, stages: int, steps: int, pipelines: int
+    rng: random.Random, schedule_of: ScheduleOf, stages: int, steps: int, pipelines: int
 ) -> tuple[NoticePoint, KillPoint]:
     """A notice to a node and a kill of another node of its pipeline: in the leaver's last step (the pipeline
     fails over with the leaver still there, so it withdraws and stays), or, half the time when P >= 4, in a
     later step, after the hand-over, at a stage not adjacent to the leaver's (the merged schedule's
     failover)."""
     pipeline, leaver = rng.randrange(pipelines), rng.randrange(stages)
+    schedule = schedule_of(pipeline)
     notice = NoticePoint(leaver, pipeline, rng.randrange(1, steps - 1), lead_s=HANDOVER_LEAD_S)
     later = _not_adjacent(leaver, stages)
     if later and rng.random() < 0.5:
@@ -207,6 +232,7 @@ def run_chaos(
     pipelines: int = 1,
     notices: list[tuple[NoticePoint, ...]] | None = None,
     size: GPTSize | None = None,
+    global_microbatches: int | None = None,
 ) -> list[tuple[tuple[KillPoint, ...], VerifyResult]]:
     """Run every plan through verify (P=`stages`, D=`pipelines`, the example model of `size`, default the
     smallest), with `notices[i]` given during plan i when given; returns (plan, result) pairs."""
@@ -218,7 +244,7 @@ def run_chaos(
     for index, plan in enumerate(plans):
         result = run_verify(stages, pipelines, steps, redundancy, size=size, timeouts=timeouts, deadline_s=CHAOS_DEADLINE_S,
                             kills=plan, kills_must_fire=False, notice_points=notices[index] if notices else (),
-                            references=references)
+                            references=references, global_microbatches=global_microbatches)
         outcomes.append((plan, result))
         if on_result is not None:
             on_result(plan, result)

@@ -171,6 +171,9 @@ def _add_soak_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every kill point is a first victim and then a second, non-adjacent one after the "
                              "failover: during the recovery of the same step, or in a later step (needs P >= 4, "
                              "or P = 1 and D >= 3)")
+    parser.add_argument("--global-microbatches", type=_positive_int, default=None, metavar="G",
+                        help="a global batch of G microbatches over the pipelines, the first G mod D one longer where "
+                             "D does not divide G (default: 4 microbatches a pipeline, every share equal)")
 
 
 def _notice_points(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -289,23 +292,27 @@ def _soak(args: argparse.Namespace) -> int:
     if args.stages == 2:
         raise ValueError(f"--stages {args.stages}: soak needs 1 stage (a ring of pipelines) or at least 3 stages")
     pipelines = args.pipelines or (4 if args.stages == 1 else (2 if args.notices else 1))
+    if args.global_microbatches is not None and args.global_microbatches < pipelines:
+        raise ValueError(f"a global batch of {args.global_microbatches} microbatches cannot feed {pipelines} pipelines")
     notices: list[tuple[NoticePoint, ...]] | None = None
     if args.notices:
         if args.second_failures:
             raise ValueError("--notices and --second-failures do not go together: a run mixes one hand-over and one kill")
         pairs = random_handover_plans(args.seed, args.runs, args.stages, args.steps, args.redundancy, pipelines,
-                                      same_pipeline=args.same_pipeline)
+                                      same_pipeline=args.same_pipeline, global_microbatches=args.global_microbatches)
         plans: list[tuple[KillPoint, ...]] = [(kill,) for _, kill in pairs]
         notices = [(notice,) for notice, _ in pairs]
     elif args.same_pipeline:
         raise ValueError("--same-pipeline places the kill relative to a leaver: it needs --notices")
     else:
         plans = random_kill_points(args.seed, args.runs, args.stages, args.steps, args.redundancy,
-                                   args.second_failures, pipelines=pipelines)
+                                   args.second_failures, pipelines=pipelines,
+                                   global_microbatches=args.global_microbatches)
     with Progress() as progress:
         task = progress.add_task("kill points", total=len(plans))
         outcomes = run_chaos(plans, args.stages, args.steps, args.redundancy, on_result=lambda *_: progress.advance(task),
-                             pipelines=pipelines, notices=notices, size=GPTSize(width=args.width))
+                             pipelines=pipelines, notices=notices, size=GPTSize(width=args.width),
+                             global_microbatches=args.global_microbatches)
     passed = sum(1 for _, result in outcomes if result.passed)
     for index, (kills, result) in enumerate(outcomes):
         if not result.passed:

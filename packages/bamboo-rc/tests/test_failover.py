@@ -7,7 +7,7 @@ import pytest
 from bamboo.rc.cli import main
 from bamboo.rc.faults import KillPoint, NoticePoint
 from bamboo.rc.timeouts import CommTimeouts
-from bamboo.rc.verify import run_verify
+from bamboo.rc.verify import DEFAULT_CONFIG, run_verify
 
 pytestmark = pytest.mark.slow
 
@@ -197,6 +197,23 @@ def test_preemption_notice_hands_over_at_the_boundary(stages: int, pipelines: in
     assert result.left == (pipeline * stages + stage,)
     assert not result.killed and not result.failovers  # no failure, no BRC: a planned hand-over
     assert result.passed, result
+
+
+def test_a_hand_over_in_one_pipeline_and_a_failover_in_another_post_every_ready_all_reduce_before_waiting() -> None:
+    """Pipeline 1's last stage hands over after step 1, so its shadow hosts stages 1 and 2; in step 2 pipeline 2's
+    stage 0 dies late in its stream, and pipeline 2's last node takes it over. The merged node used to wait for
+    stage 1's reduction (at ``1SY``) before it posted ``2AR``, which pipeline 2's last node waited for before it
+    received the gradients pipeline 2's stage 1 had to send before it posted ``1AR``: every worker timed out
+    (found by ``bamboo-rc soak --stages 3 --pipelines 3 --notices``). Now ``2AR`` comes before ``1SY``
+    (`bamboo.schedule.reduction_order`); exact, with even shares and uneven ones."""
+    for micro_batches, global_microbatches in ((3, None), (4, 10)):
+        config = {**DEFAULT_CONFIG, "gradient_accumulation_steps": micro_batches}
+        result = run_verify(3, 3, 3, "lflb", config=config, timeouts=CommTimeouts(group=20.0, build=30.0, confirm=15.0),
+                            deadline_s=120, kills=(KillPoint(0, 2, "14", step=2),),
+                            notice_points=(NoticePoint(2, 1, step=1, lead_s=60.0),),
+                            global_microbatches=global_microbatches)
+        assert result.left == (5,) and result.killed == (6,), result
+        assert result.passed and result.max_relative_diff == 0.0, result
 
 
 def test_preemption_notice_too_close_to_the_deadline_is_an_ordinary_failure() -> None:

@@ -77,6 +77,7 @@ from bamboo.schedule.failover_plan import (
 )
 from bamboo.schedule.failover_validate import validate_failover
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
+from bamboo.schedule.reduction_order import allreduces_before_syncs
 
 __all__ = [
     "ConsecutiveFailure",
@@ -259,7 +260,7 @@ def failover_schedule(
     lanes = {
         n: [resent[n] + remaining[n]] + ([recovery[n]] if n in recovery else []) for n in survivors
     }
-    merged = merge_lanes(lanes, executed, schedule, cost)
+    merged = allreduces_before_syncs(merge_lanes(lanes, executed, schedule, cost))
     remainder = Schedule(P, schedule.microbatches, schedule.policy, rc, placement, merged, shadows)
     plan = FailoverPlan(
         schedule,

@@ -16,6 +16,7 @@ from bamboo.schedule._gc import gc_paused
 from bamboo.schedule._linearize import linearize
 from bamboo.schedule._tasks import CostFn, build_lanes, compute_order, replica_lane, unit_cost
 from bamboo.schedule.ir import Instruction, RCMode, Schedule
+from bamboo.schedule.reduction_order import allreduces_before_syncs
 
 __all__ = ["ConsecutiveFailure", "FailoverPlan", "check_victims", "merged_schedule", "placement_after"]
 
@@ -189,4 +190,4 @@ def merged_schedule(schedule: Schedule, victims: Iterable[int], cost: CostFn = u
             if shadows[replica] == n:
                 lanes[n].append(replica_lane(schedule.policy, P, M, replica, schedule.rc))
     tasks = build_lanes(lanes, placement, P, cost)
-    return Schedule(P, M, schedule.policy, schedule.rc, placement, linearize(tasks), shadows)
+    return Schedule(P, M, schedule.policy, schedule.rc, placement, allreduces_before_syncs(linearize(tasks)), shadows)

@@ -13,6 +13,7 @@ from bamboo.schedule.cut import cut_problem
 from bamboo.schedule.engine import ExecutionError, check_execution, posted_before, received_ahead
 from bamboo.schedule.failover_plan import FailoverPlan
 from bamboo.schedule.ir import Kind
+from bamboo.schedule.reduction_order import sync_problem
 from bamboo.schedule.validate import ScheduleError, dependency_problem, shape_problem
 
 __all__ = ["validate_failover"]
@@ -49,6 +50,9 @@ def validate_failover(plan: FailoverPlan) -> None:
     if problem:
         fail(f"inconsistent cut: the completed prefixes do not pair up: {problem}", [])
     found = shape_problem(remainder.streams, P, M)
+    if found:
+        fail(found[0], [(n, split[n] + i) for n, i in found[1]])
+    found = sync_problem(remainder.streams)
     if found:
         fail(found[0], [(n, split[n] + i) for n, i in found[1]])
     for n, stream in remainder.streams.items():

@@ -11,7 +11,9 @@ the whole grid printed and the bad cell marked:
 3. accounting: every (stage, microbatch) has exactly one forward and one backward, on the node
    that runs the stage; each stage has one all-reduce and one optimizer step; redundant work is
    what the mode says (one FRC per microbatch in eager modes, one BRC in efeb);
-4. execution: sends and receives pair up in order and blocking execution cannot deadlock.
+4. a node posts every all-reduce whose gradients are ready before a replica sync, where it waits
+   for one (`bamboo.schedule.reduction_order`: across pipelines, that wait can deadlock);
+5. execution: sends and receives pair up in order and blocking execution cannot deadlock.
 
 Failover plans are checked by `bamboo.schedule.failover_validate.validate_failover`, on the same machinery.
 """
@@ -25,6 +27,7 @@ from bamboo.schedule._gc import gc_paused
 from bamboo.schedule.engine import ExecutionError, check_execution
 from bamboo.schedule.export import text_grid
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule
+from bamboo.schedule.reduction_order import sync_problem
 
 __all__ = ["ScheduleError", "dependency_problem", "shape_problem", "validate"]
 
@@ -393,6 +396,9 @@ def validate(schedule: Schedule) -> None:
             found = check()
             if found is not None:
                 raise ScheduleError(found[0], schedule.streams, found[1])
+    found = sync_problem(schedule.streams)
+    if found is not None:
+        raise ScheduleError(found[0], schedule.streams, found[1])
     try:
         check_execution(schedule.streams)
     except ExecutionError as error:

@@ -1,0 +1,72 @@
+"""A node posts every data-parallel all-reduce of its iteration before it waits for any of them.
+
+The runtime waits for a stage's data-parallel reduction at that stage's replica sync (``SY``: the reduced
+gradients go to the shadow), and the reduction completes only once the stage's host in every pipeline has posted
+its ``AR``. A node that hosts one stage posts its one ``AR`` before its ``SY``. A node that hosts two (a shadow
+after a hand-over or a failover) must post both before it waits for either: with ``1AR 1SY 2AR`` it sat in
+``1SY`` while another pipeline's host of stage 2 waited for stage 2's reduction, which needed this node's
+``2AR``, before it sent what that pipeline's host of stage 1 needed to post ``1AR``. Three pipelines, each waiting
+on the next (found by ``bamboo-rc soak --stages 3 --pipelines 3 --notices``: a hand-over in one pipeline, a
+failover in another; every worker timed out).
+
+:func:`allreduces_before_syncs` is the lowering pass that the merged and failover schedules go through: each ``AR``
+that follows one of its node's ``SY`` moves to just before the first such ``SY``, when the stage's backward work on
+that node (``B``, ``BRC``) is all done by then. Where it is not (the host of the last stage and of stage 0, whose
+backward comes last; a shadow that takes a stage over in a failover's remainder), the node waits for a reduction
+before it posts the other stage's ``AR``. In a steady schedule that wait is for a later stage's reduction, and every
+node waits in that order, so no cycle forms; a failover's remainder may invert it for its taken-over stage, which
+would need the opposite inversion in another pipeline at the same time to deadlock. (Moving the ``SY`` after the
+``AR`` instead is not safe: a merge may put a neighbour's ``RY`` of that sync before one of its own sends.)
+:func:`sync_problem` is the validator's check that no ``AR`` that could be posted before a ``SY`` comes after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from bamboo.schedule.ir import Instruction, Kind
+
+__all__ = ["allreduces_before_syncs", "sync_problem"]
+
+
+def _hoisted(stream: Sequence[Instruction]) -> list[Instruction]:
+    out = list(stream)
+    for instruction in [i for i in stream if i.kind is Kind.ALLREDUCE]:
+        at = out.index(instruction)
+        first_sync = next((i for i in range(at) if out[i].kind is Kind.SYNC_SEND), None)
+        if first_sync is None:
+            continue
+        backward = (Kind.BACKWARD, Kind.BRC)
+        last_input = max((i for i in range(at) if out[i].kind in backward and out[i].stage == instruction.stage),
+                         default=-1)
+        if last_input < first_sync:
+            out.insert(first_sync, out.pop(at))
+    return out
+
+
+def allreduces_before_syncs(streams: Mapping[int, Sequence[Instruction]]) -> dict[int, tuple[Instruction, ...]]:
+    """Each stream with every ``AR`` that follows a ``SY`` moved to just before the first one, where the stage's
+    backward work on the node allows (see the module docstring)."""
+    return {node: tuple(_hoisted(stream)) for node, stream in streams.items()}
+
+
+def sync_problem(streams: Mapping[int, Sequence[Instruction]]) -> tuple[str, list[tuple[int, int]]] | None:
+    """The first replica sync that precedes an all-reduce of its node that could have been posted before it (the
+    stage's backward work on the node all done by then: see the module docstring), with both cells; else None."""
+    backward = (Kind.BACKWARD, Kind.BRC)
+    for node in sorted(streams):
+        stream = streams[node]
+        syncs = [i for i, instruction in enumerate(stream) if instruction.kind is Kind.SYNC_SEND]
+        if not syncs:
+            continue
+        for at, instruction in enumerate(stream):
+            if instruction.kind is not Kind.ALLREDUCE or at < syncs[0]:
+                continue
+            ready = max((i for i in range(at) if stream[i].kind in backward and stream[i].stage == instruction.stage),
+                        default=-1)
+            waited = next((i for i in syncs if ready < i < at), None)
+            if waited is not None:
+                return (f"node {node} waits for a reduction at {stream[waited]} before it posts {instruction}, whose "
+                        "gradients were ready: a node posts every all-reduce it can before it waits for one",
+                        [(node, waited), (node, at)])
+    return None

@@ -1,0 +1,44 @@
+"""A node posts every all-reduce whose gradients are ready before it waits for a reduction at a replica sync
+(`bamboo.schedule.reduction_order`): the lowering pass, and the validator's check."""
+
+from __future__ import annotations
+
+import pytest
+from bamboo.schedule import Instruction, Kind, Schedule, merged_schedule, one_f_one_b, validate
+from bamboo.schedule.reduction_order import allreduces_before_syncs, sync_problem
+from bamboo.schedule.validate import ScheduleError
+
+
+def _stream(text: str) -> tuple[Instruction, ...]:
+    return tuple(Instruction.parse(cell) for cell in text.split())
+
+
+def test_a_shadow_that_hosts_two_stages_posts_both_all_reduces_before_its_sync() -> None:
+    """P = 3: the last stage left (a hand-over), its shadow runs stages 1 and 2. The linearizer ends that node's
+    iteration with 1AR 1OPT 1SY 2AR 2OPT; across pipelines, waiting in 1SY before posting 2AR deadlocked."""
+    merged = merged_schedule(one_f_one_b(3, 3, rc="lflb"), [2])
+    tail = [str(i) for i in merged.streams[1] if i.kind in (Kind.ALLREDUCE, Kind.OPTIMIZER, Kind.SYNC_SEND)]
+    assert tail == ["1AR", "1OPT", "2AR", "1SY>0", "2OPT"]
+    validate(merged)
+
+
+def test_the_pass_moves_only_an_all_reduce_whose_gradients_are_ready() -> None:
+    streams = {1: _stream("1B0 2B0 1AR 1SY>0 2AR 2OPT"), 6: _stream("6B0 6AR 6SY>5 0RG0<1 0B0 0AR")}
+    lowered = allreduces_before_syncs(streams)
+    assert [str(i) for i in lowered[1]] == ["1B0", "2B0", "1AR", "2AR", "1SY>0", "2OPT"]
+    assert lowered[6] == streams[6]  # stage 0's backward comes after the sync: its AR cannot move before it
+    assert sync_problem(lowered) is None
+    found = sync_problem(streams)
+    assert found is not None and found[1] == [(1, 3), (1, 4)] and "1SY>0 before it posts 2AR" in found[0]
+
+
+def test_the_validator_marks_a_sync_before_a_ready_all_reduce() -> None:
+    merged = merged_schedule(one_f_one_b(3, 3, rc="lflb"), [2])
+    stream = list(merged.streams[1])
+    two, sync = stream.index(Instruction.parse("2AR")), stream.index(Instruction.parse("1SY>0"))
+    stream[two], stream[sync] = stream[sync], stream[two]
+    broken = Schedule(merged.stages, merged.microbatches, merged.policy, merged.rc, merged.placement,
+                      {**merged.streams, 1: tuple(stream)}, merged.shadows)
+    with pytest.raises(ScheduleError, match="node 1 waits for a reduction at 1SY>0 before it posts 2AR") as caught:
+        validate(broken)
+    assert ">>1SY>0<<" in caught.value.grid and ">>2AR<<" in caught.value.grid

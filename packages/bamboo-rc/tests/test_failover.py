@@ -216,6 +216,19 @@ def test_a_hand_over_in_one_pipeline_and_a_failover_in_another_post_every_ready_
         assert result.passed and result.max_relative_diff == 0.0, result
 
 
+def test_efeb_last_stage_killed_after_its_all_reduce_with_two_pipelines_is_exact() -> None:
+    """Pipeline 0's last stage dies right after posting its all-reduce (``3OPT``): its shadow redoes it. The redo came
+    after the shadow's own ``2SY``, where it waited for stage 2's reduction, while pipeline 1's stage 2 waited to
+    send to its stage 1, which waited for the eager gradient that pipeline 1's last stage sends after its ``3SY``,
+    which waited for the redo: every worker timed out (found by ``bamboo-rc soak --stages 4 --pipelines 3
+    --redundancy efeb --second-failures``, 2 of 60 runs). Now the remainder's syncs follow its all-reduces where
+    blocking execution allows (`bamboo.schedule.failover`)."""
+    result = run_verify(4, 2, 3, "efeb", timeouts=CommTimeouts(group=20.0, build=30.0, confirm=15.0), deadline_s=120,
+                        kills=(KillPoint(3, 0, "28", step=1),))
+    assert result.killed == (3,), result
+    assert result.passed and result.max_relative_diff == 0.0, result
+
+
 def test_preemption_notice_too_close_to_the_deadline_is_an_ordinary_failure() -> None:
     notice = NoticePoint(2, 0, step=1, lead_s=0.0)
     result = run_verify(4, 1, 4, "eflb", timeouts=TIMEOUTS, deadline_s=120, notice_points=(notice,))

@@ -42,3 +42,19 @@ def test_the_validator_marks_a_sync_before_a_ready_all_reduce() -> None:
     with pytest.raises(ScheduleError, match="node 1 waits for a reduction at 1SY>0 before it posts 2AR") as caught:
         validate(broken)
     assert ">>1SY>0<<" in caught.value.grid and ">>2AR<<" in caught.value.grid
+
+
+def test_a_shadow_that_redoes_a_lost_stage_s_all_reduce_syncs_its_own_stage_after_it_where_it_can() -> None:
+    """efeb, P = 4: the last stage dies right after posting 3AR. Its shadow, node 2, redoes 3AR after its eager
+    backward of stage 3, which runs after its own 2SY: waiting there for stage 2's reduction deadlocked other
+    pipelines. In the remainder its 2SY now follows 3AR; the plan validates."""
+    from bamboo.schedule import failover_schedule, progress_at, validate_failover
+    from bamboo.schedule.reduction_order import syncs_after_allreduces
+
+    schedule = one_f_one_b(4, 4, rc="efeb")
+    plan = failover_schedule(schedule, [3], progress_at(schedule, {3: 28}))
+    validate_failover(plan)
+    stream = [str(i) for i in plan.remainder.streams[2]]
+    assert stream.index("3AR") < stream.index("2SY>1")
+    moved = syncs_after_allreduces({2: _stream("2AR 2SY>1 3BR0 3AR 3OPT")})
+    assert [str(i) for i in moved[2]] == ["2AR", "3BR0", "3AR", "2SY>1", "3OPT"]

@@ -61,13 +61,13 @@ lanes) and `failover_validate` (`validate_failover`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from bamboo.schedule._gc import gc_paused
 from bamboo.schedule._merge import merge_lanes
 from bamboo.schedule._tasks import CostFn, unit_cost
 from bamboo.schedule.cut import cut_problem, progress_at
-from bamboo.schedule.engine import counterpart
+from bamboo.schedule.engine import ExecutionError, check_execution, counterpart, posted_before, received_ahead
 from bamboo.schedule.failover_plan import (
     ConsecutiveFailure,
     FailoverPlan,
@@ -77,7 +77,7 @@ from bamboo.schedule.failover_plan import (
 )
 from bamboo.schedule.failover_validate import validate_failover
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
-from bamboo.schedule.reduction_order import allreduces_before_syncs
+from bamboo.schedule.reduction_order import allreduces_before_syncs, syncs_after_allreduces
 
 __all__ = [
     "ConsecutiveFailure",
@@ -260,7 +260,7 @@ def failover_schedule(
     lanes = {
         n: [resent[n] + remaining[n]] + ([recovery[n]] if n in recovery else []) for n in survivors
     }
-    merged = allreduces_before_syncs(merge_lanes(lanes, executed, schedule, cost))
+    merged = _syncs_late_where_safe(allreduces_before_syncs(merge_lanes(lanes, executed, schedule, cost)), executed)
     remainder = Schedule(P, schedule.microbatches, schedule.policy, rc, placement, merged, shadows)
     plan = FailoverPlan(
         schedule,
@@ -275,3 +275,19 @@ def failover_schedule(
     )
     object.__setattr__(plan, "_checked_cut", tuple(executed.items()))
     return plan
+
+
+def _syncs_late_where_safe(streams: dict[int, tuple[Instruction, ...]],
+                           executed: Mapping[int, Sequence[Instruction]]) -> dict[int, tuple[Instruction, ...]]:
+    """The remainder with each survivor's replica syncs after its last all-reduce, where blocking execution of the
+    remainder still completes; else as it is. A shadow that redoes a taken-over stage's all-reduce after its own
+    ``SY`` waits there for its own stage's reduction, while under ``efeb`` another pipeline's nodes wait, through the
+    eager gradient messages that follow each node's ``SY``, for that redo."""
+    later = syncs_after_allreduces(streams)
+    if later == streams:
+        return streams
+    try:
+        check_execution(later, posted_before(executed), received_ahead({n: executed[n] for n in streams}))
+    except ExecutionError:
+        return streams
+    return later

@@ -15,8 +15,10 @@ that node (``B``, ``BRC``) is all done by then. Where it is not (the host of the
 backward comes last; a shadow that takes a stage over in a failover's remainder), the node waits for a reduction
 before it posts the other stage's ``AR``. In a steady schedule that wait is for a later stage's reduction, and every
 node waits in that order, so no cycle forms; a failover's remainder may invert it for its taken-over stage, which
-would need the opposite inversion in another pipeline at the same time to deadlock. (Moving the ``SY`` after the
-``AR`` instead is not safe: a merge may put a neighbour's ``RY`` of that sync before one of its own sends.)
+can deadlock: under ``efeb`` every node sends eager gradient messages after its ``SY``, so another pipeline's nodes
+wait, through them, for the redo. There :func:`syncs_after_allreduces` moves the ``SY`` after the ``AR`` instead, and
+`bamboo.schedule.failover` keeps that only where blocking execution of the remainder still completes (a merge may
+put a neighbour's ``RY`` of that sync before one of its own sends).
 :func:`sync_problem` is the validator's check that no ``AR`` that could be posted before a ``SY`` comes after it.
 """
 
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from bamboo.schedule.ir import Instruction, Kind
 
-__all__ = ["allreduces_before_syncs", "sync_problem"]
+__all__ = ["allreduces_before_syncs", "sync_problem", "syncs_after_allreduces"]
 
 
 def _hoisted(stream: Sequence[Instruction]) -> list[Instruction]:
@@ -48,6 +50,19 @@ def allreduces_before_syncs(streams: Mapping[int, Sequence[Instruction]]) -> dic
     """Each stream with every ``AR`` that follows a ``SY`` moved to just before the first one, where the stage's
     backward work on the node allows (see the module docstring)."""
     return {node: tuple(_hoisted(stream)) for node, stream in streams.items()}
+
+
+def syncs_after_allreduces(streams: Mapping[int, Sequence[Instruction]]) -> dict[int, tuple[Instruction, ...]]:
+    """Each stream with the replica syncs that precede its last all-reduce moved to just after it, in order: the
+    remedy where an ``AR`` cannot move ahead of its node's ``SY``. Not always safe within a pipeline (see the module
+    docstring): its caller keeps the result only where blocking execution still completes."""
+    out: dict[int, tuple[Instruction, ...]] = {}
+    for node, stream in streams.items():
+        last = max((i for i, instruction in enumerate(stream) if instruction.kind is Kind.ALLREDUCE), default=0)
+        early = {i for i, instruction in enumerate(stream[:last]) if instruction.kind is Kind.SYNC_SEND}
+        kept = [instruction for i, instruction in enumerate(stream[: last + 1]) if i not in early]
+        out[node] = (*kept, *(stream[i] for i in sorted(early)), *stream[last + 1:])
+    return out
 
 
 def sync_problem(streams: Mapping[int, Sequence[Instruction]]) -> tuple[str, list[tuple[int, int]]] | None:

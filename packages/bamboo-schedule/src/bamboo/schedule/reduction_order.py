@@ -31,17 +31,20 @@ from bamboo.schedule.ir import Instruction, Kind
 __all__ = ["allreduces_before_syncs", "sync_problem", "syncs_after_allreduces"]
 
 
+_BACKWARD = (Kind.BACKWARD, Kind.BRC)
+
+
+def _ready_after(stream: Sequence[Instruction], at: int, stage: int) -> int:
+    """The index of the last backward work of ``stage`` before ``at`` (-1: none): its ``AR`` may come after it."""
+    return max((i for i in range(at) if stream[i].kind in _BACKWARD and stream[i].stage == stage), default=-1)
+
+
 def _hoisted(stream: Sequence[Instruction]) -> list[Instruction]:
     out = list(stream)
     for instruction in [i for i in stream if i.kind is Kind.ALLREDUCE]:
         at = out.index(instruction)
         first_sync = next((i for i in range(at) if out[i].kind is Kind.SYNC_SEND), None)
-        if first_sync is None:
-            continue
-        backward = (Kind.BACKWARD, Kind.BRC)
-        last_input = max((i for i in range(at) if out[i].kind in backward and out[i].stage == instruction.stage),
-                         default=-1)
-        if last_input < first_sync:
+        if first_sync is not None and _ready_after(out, at, instruction.stage) < first_sync:
             out.insert(first_sync, out.pop(at))
     return out
 
@@ -68,7 +71,6 @@ def syncs_after_allreduces(streams: Mapping[int, Sequence[Instruction]]) -> dict
 def sync_problem(streams: Mapping[int, Sequence[Instruction]]) -> tuple[str, list[tuple[int, int]]] | None:
     """The first replica sync that precedes an all-reduce of its node that could have been posted before it (the
     stage's backward work on the node all done by then: see the module docstring), with both cells; else None."""
-    backward = (Kind.BACKWARD, Kind.BRC)
     for node in sorted(streams):
         stream = streams[node]
         syncs = [i for i, instruction in enumerate(stream) if instruction.kind is Kind.SYNC_SEND]
@@ -77,8 +79,7 @@ def sync_problem(streams: Mapping[int, Sequence[Instruction]]) -> tuple[str, lis
         for at, instruction in enumerate(stream):
             if instruction.kind is not Kind.ALLREDUCE or at < syncs[0]:
                 continue
-            ready = max((i for i in range(at) if stream[i].kind in backward and stream[i].stage == instruction.stage),
-                        default=-1)
+            ready = _ready_after(stream, at, instruction.stage)
             waited = next((i for i in syncs if ready < i < at), None)
             if waited is not None:
                 return (f"node {node} waits for a reduction at {stream[waited]} before it posts {instruction}, whose "

@@ -15,7 +15,6 @@ queued can land after the check.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -26,9 +25,6 @@ from bamboo.launch.events import EventWriter, events_prefix
 from bamboo.membership import KeyValueStore, StoreError
 
 __all__ = ["StepRecords", "recorded", "worker_records_prefix", "worker_writer"]
-
-log = logging.getLogger(__name__)
-
 
 def worker_writer(node: str, pid: int) -> str:
     """The event-log writer name of node ``node``'s worker process ``pid``."""
@@ -89,8 +85,8 @@ def _write_unless_recorded(kv: KeyValueStore, events: EventWriter, prefixes: Seq
         if recorded(kv, prefixes, record):
             return
     except StoreError as error:  # the report counts a step whose record is missing; a duplicate would count twice
-        log.warning("step %d: cannot read the records of the nodes that left (%s); its record is not written again",
-                    record.step, error)
+        print(f"step {record.step}: cannot read the records of the nodes that left ({error}); its record is not "
+              "written again", file=sys.stderr, flush=True)
         return
     events.write(record)
     print(f"step {record.step}: its record was not in etcd (its writer left with it queued); written again",

@@ -43,7 +43,8 @@ _STATE_RANK = {NodeState.ACTIVE: 0, NodeState.STANDBY: 1, NodeState.JOINING: 2, 
 def pipeline_count(usable: int, stages: int, target_pipelines: int, global_batch: int, even_shares: bool = False) -> int:
     """D' = min(D, usable // P, global batch): whole pipelines only, each with at least one microbatch. With
     ``even_shares``, the largest D' up to that which divides the global batch (`even_pipeline_counts`: every pipeline
-    runs the same number of microbatches, as the shadow ring needs: 16 microbatches over nodes for 3 run as 2 of 8)."""
+    runs the same number of microbatches, for a trainer that needs equal shares: 16 microbatches over nodes for 3 run
+    as 2 of 8)."""
     count = min(target_pipelines, usable // stages, global_batch)
     return even_pipeline_counts(global_batch, count)[0] if even_shares and count > 1 else count
 

@@ -372,8 +372,9 @@ class ClusterView:
     layout: Layout | None = attrs.field(default=None)
     node_memory_bytes: int | None = attrs.field(default=None)
     even_shares: bool = attrs.field(default=False)
-    """Whether every pipeline must run the same number of microbatches (the live runtime's rule): then the
-    number of pipelines divides the global batch (:func:`~bamboo.reconfig.layout_plan.pipeline_count`)."""
+    """Whether every pipeline must run the same number of microbatches (for a trainer that cannot run uneven shares;
+    bamboo's runtime can, and bamboo-launch leaves this off): then the number of pipelines divides the global batch
+    (:func:`~bamboo.reconfig.layout_plan.pipeline_count`)."""
 
     def __attrs_post_init__(self) -> None:
         counts = Counter(node.id for node in self.nodes)

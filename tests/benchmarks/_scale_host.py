@@ -13,8 +13,9 @@ every holder publishes what it holds, and the lowest live holder plans the next 
 ``plan_next`` and publishes it. The nodes of one process share one etcd client (one channel, one watch stream,
 one keepalive stream), since a thousand Python processes do not fit two cores.
 
-A node "dies" in process, as a ``kill -9`` looks from outside: its port closes (probes are refused), its
-connections break, its lease is no longer refreshed, and nothing of it writes again.
+A node dies in process (the ``kill`` command), as a ``kill -9`` looks from outside: its port closes (probes are
+refused), its connections break, its lease is no longer refreshed, and nothing of it writes again. A node that runs
+alone in its process (``bench_scale.py --process-kills``) dies by a real ``kill -9`` of the process instead.
 
 Protocol: JSON lines. stdin: ``{"cmd": "go"|"kill"|"propose"|"stats"|"quit", ...}``. stdout: ``{"ev": ...}``
 records with ``t`` on the machine's monotonic clock (shared by every process on it).

@@ -5,8 +5,10 @@ collected by pytest (tests/test_bench_scale.py runs `--agents 16` and checks tha
 and the layout).
 
 For each N it starts one `EmbeddedEtcd`, writes the job's spec (P stages, D pipelines: 96% of the nodes in
-pipelines, the rest on standby; the first layout waits for all N), and starts N emulated nodes in
-ceil(N / --per-process) processes (`_scale_host.py`): each node is the real agent (`NodeAgent`: registration,
+pipelines, the rest on standby; the first layout waits for all N), and starts N emulated nodes in host processes
+(`_scale_host.py`), --per-process to a process (with `--process-kills`, the nodes that may be killed, drawn at
+random, three more than the kills need, one per process instead). Each node is the real agent (`NodeAgent`:
+registration,
 lease, probes, detector; the elected `Coordinator` and the layout it writes; the supervisor's watch of the
 job's end) with its worker replaced by a stub that reports steps (`_scale_host.py` says what the stub does).
 Then, on the machine's monotonic clock:
@@ -18,7 +20,16 @@ Then, on the machine's monotonic clock:
 - **one kill** (`--kills` trials): a random node of the layout (not the coordinator's) dies; from the kill to
   each live node of the layout having seen the published failure event (every one of them acts on it);
 - **1% killed at once**: max(1, N/100) nodes die together; from the first kill to each live node of the layout
-  having seen events naming them all;
+  having seen events naming them all.
+
+  A victim dies in its shared process (`_scale_host.py`: its port closed, then its connections broken), as a
+  machine that vanishes looks to its peers. With `--process-kills` the victims run alone and die by a real
+  `kill -9` of their process, back to back (a victim that became the coordinator or went on standby is replaced
+  by a node of a shared process, killed in process; the JSON's `kills` counts both kinds). On 2 cores that costs
+  more than the emulated death: the exit of each killed process's threads runs on the cores that the other
+  agents use (at 1,000 agents, 28 to 35 ms from a kill to a neighbour's first report, against 2 to 7 ms in
+  process; 133 to 142 ms for ten kills, against 6 to 7 ms), and the fifteen more processes add their own
+  clients and watches to the start-up;
 - **baseline** (same run): one etcd put of a failure event, delivered through the same watches to every node
   of the layout: the floor of any failure notice that goes through etcd;
 - **a reconfiguration at a step boundary**: the lowest live rank decides (`bamboo.reconfig.decide`: rebuild
@@ -41,6 +52,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +87,7 @@ class Hosts:
         self.cond = threading.Condition()
         self.procs: list[subprocess.Popen[str]] = []
         self.owner: dict[str, int] = {}
+        self.killed: set[int] = set()  # the hosts this benchmark killed (a victim's own process)
         for index, group in enumerate(groups):
             nodes = ",".join(f"{node}@{zone}" for node, zone in group)
             proc = subprocess.Popen([sys.executable, str(HOST), "--etcd", endpoint, "--job", JOB, "--nodes", nodes,
@@ -100,8 +113,12 @@ class Hosts:
             self.events.append({"ev": "exited", "host": index, "code": proc.wait(), "t": time.monotonic()})
             self.cond.notify_all()
 
+    def live(self) -> list[int]:
+        """The hosts not killed by this benchmark."""
+        return [index for index in range(len(self.procs)) if index not in self.killed]
+
     def send(self, command: dict[str, Any], hosts: list[int] | None = None) -> None:
-        for index in range(len(self.procs)) if hosts is None else hosts:
+        for index in self.live() if hosts is None else hosts:
             stdin = self.procs[index].stdin
             assert stdin is not None
             stdin.write(json.dumps(command) + "\n")
@@ -122,8 +139,22 @@ class Hosts:
     def stats(self) -> list[dict[str, Any]]:
         since = self.mark()
         self.send({"cmd": "stats"})
-        self.wait(lambda: len(self.select("stats", since)) >= len(self.procs), 30)
+        self.wait(lambda: len(self.select("stats", since)) >= len(self.live()), 30)
         return self.select("stats", since)
+
+    def kill_processes(self, victims: list[str]) -> None:
+        """``kill -9`` the own processes of ``victims`` at once; a ``killed`` record for each (``t`` before the
+        first signal, ``gone`` after the last, as the in-process kill records them)."""
+        hosts = sorted({self.owner[victim] for victim in victims})
+        t = time.monotonic()
+        for index in hosts:
+            self.killed.add(index)
+            os.kill(self.procs[index].pid, signal.SIGKILL)
+        gone = time.monotonic()
+        with self.cond:
+            self.events.extend({"ev": "killed", "node": victim, "t": t, "gone": gone, "host": self.owner[victim]}
+                               for victim in victims)
+            self.cond.notify_all()
 
     def close(self) -> None:
         for proc in self.procs:
@@ -153,6 +184,8 @@ class Run:
         self.lost = 0
         self.rng = random.Random(args.seed + n)
         self.checks: dict[str, int] = {}
+        self.one_percent = max(1, round(n / 100))  # the nodes killed at once
+        self.kill_counts = [0, 0]  # victims killed as processes, and in process
 
     def execute(self) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="bench-scale-") as folder, EmbeddedEtcd(Path(folder)) as etcd:
@@ -173,10 +206,18 @@ class Run:
                        min_nodes=n, redundancy="eflb", ttl=args.ttl)
         self.kv.put(self.store.keys.root + "spec", spec.to_json().encode())
         nodes = [(f"node{i:04d}", ZONES[i % len(ZONES)]) for i in range(n)]
-        groups = [nodes[i:i + args.per_process] for i in range(0, n, args.per_process)]
+        # The victims-to-be each run alone, so that a kill is a real kill -9 of their process: every socket closes
+        # at once, by the kernel. Three more than the kills need: the elected coordinator and nodes put on standby
+        # are never killed (then a victim is taken from the shared hosts and killed in process).
+        wanted = args.kills + self.one_percent + 3 if args.process_kills else 0
+        alone = set(self.rng.sample(range(n), min(wanted, n - 1)))
+        self.own_process = {nodes[i][0] for i in alone}
+        shared = [node for i, node in enumerate(nodes) if i not in alone]
+        groups = [[nodes[i]] for i in sorted(alone)] + [shared[i:i + args.per_process]
+                                                        for i in range(0, len(shared), args.per_process)]
         self.say(f"N={n}: P={self.stages} D={self.pipelines} ({self.stages * self.pipelines} in pipelines, "
-                 f"{n - self.stages * self.pipelines} on standby), {len(groups)} processes of up to "
-                 f"{args.per_process} agents")
+                 f"{n - self.stages * self.pipelines} on standby), {len(groups) - len(alone)} processes of up to "
+                 f"{args.per_process} agents and {len(alone)} of one (the nodes that may be killed)")
         self.hosts = Hosts(self.etcd.endpoint, groups, args.step_s)
         if not self.hosts.wait(lambda: len(self.hosts.select("prepared")) == len(groups), args.deadline_s * 4):
             raise RuntimeError(f"the host processes did not start: {self.hosts.select('exited')}")
@@ -185,6 +226,7 @@ class Run:
         self.cpu_at_go = self._cpu_s()
         self.hosts.send({"cmd": "go", "directory": directory, "t0": self.t0})
         result: dict[str, Any] = {"agents": n, "processes": len(groups), "agents_per_process": args.per_process,
+                                  "single_agent_processes": len(alone),
                                   "stages": self.stages, "pipelines": self.pipelines, "step_s": args.step_s}
         result.update(self._startup())
         if not any(rank is not None for rank in self.layout_ranks.values()):
@@ -203,7 +245,8 @@ class Run:
             self.say(f"{len(false)} live nodes were declared dead, e.g. {false[0].node}: {false[0].reason}")
         result["lost_events"] = self.lost
         result["crashes"] = len(self.hosts.select("error")) + sum(
-            1 for e in self.hosts.select("exited") if e["code"] != 0)
+            1 for e in self.hosts.select("exited") if e["code"] != 0 and e["host"] not in self.hosts.killed)
+        result["kills"] = {"kill -9 of its process": self.kill_counts[0], "in process": self.kill_counts[1]}
         result["errors"] = [e.get("msg") for e in self.hosts.select("error")][:5]
         result["checks"] = self.checks
         return result
@@ -243,7 +286,8 @@ class Run:
 
     def _cpu_s(self) -> tuple[float, float]:
         """CPU seconds used so far by etcd and by the host processes together."""
-        return process_cpu_s(self.etcd.pid), sum(process_cpu_s(proc.pid) for proc in self.hosts.procs)
+        return process_cpu_s(self.etcd.pid), sum(process_cpu_s(self.hosts.procs[index].pid)
+                                                 for index in self.hosts.live())
 
     def _steady(self) -> dict[str, Any]:
         window = self.args.steady_s
@@ -282,11 +326,17 @@ class Run:
         """Kill ``victims`` together; (first kill's time, each receiver's time of seeing them all)."""
         since = self.hosts.mark()
         ranks = {self.layout_ranks[v] for v in victims}
+        alone = [victim for victim in victims if victim in self.own_process]
+        if alone:
+            self.hosts.kill_processes(alone)
         by_host: dict[int, list[str]] = {}
         for victim in victims:
-            by_host.setdefault(self.hosts.owner[victim], []).append(victim)
+            if victim not in self.own_process:
+                by_host.setdefault(self.hosts.owner[victim], []).append(victim)
         for host, nodes in by_host.items():
             self.hosts.send({"cmd": "kill", "nodes": nodes}, [host])
+        self.kill_counts[0] += len(alone)
+        self.kill_counts[1] += len(victims) - len(alone)
         self.dead.update(victims)
         receivers = [node for node, rank in self.layout_ranks.items() if rank is not None and node not in self.dead]
 
@@ -349,14 +399,12 @@ class Run:
         placed = sorted(node for node, rank in self.layout_ranks.items() if rank is not None)
         single: list[float] = []
         for _ in range(self.args.kills):
-            leader = self._leader()
-            victim = self.rng.choice([node for node in placed if node not in self.dead and node != leader])
+            [victim] = self._victims(placed, 1)
             first, when = self._kill([victim])
             single += [t - first for t in when.values()]
             time.sleep(self.args.pause_s)
-        count = max(1, round(self.n / 100))
-        leader = self._leader()
-        victims = self.rng.sample([node for node in placed if node not in self.dead and node != leader], count)
+        count = self.one_percent
+        victims = self._victims(placed, count)
         first, when = self._kill(victims)
         together = [t - first for t in when.values()]
         time.sleep(self.args.pause_s)
@@ -370,6 +418,16 @@ class Run:
                 "failure_1pct_max_s": many["max"], "baseline_put_watch_p50_s": base["p50"],
                 "baseline_put_watch_p99_s": base["p99"],
                 "failure_p50_over_baseline": one["p50"] / base["p50"], "slow_confirmations": self.slow_confirmations}
+
+    def _victims(self, placed: list[str], count: int) -> list[str]:
+        """``count`` live nodes of the layout, none the elected coordinator: those in a process of their own first
+        (a real kill -9), then any (killed in their shared process)."""
+        leader = self._leader()
+        live = [node for node in placed if node not in self.dead and node != leader]
+        alone = [node for node in live if node in self.own_process]
+        chosen = self.rng.sample(alone, min(count, len(alone)))
+        rest = [node for node in live if node not in self.own_process]
+        return chosen + self.rng.sample(rest, count - len(chosen))
 
     def _baseline(self) -> list[float]:
         """One put of a failure event (naming a node already dead) and its delivery to every live node."""
@@ -453,6 +511,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--agents", default="64,256,1000", help="comma-separated numbers of agents, one run each")
     parser.add_argument("--per-process", type=int, default=125, help="agents per host process")
+    parser.add_argument("--process-kills", action="store_true",
+                        help="run the nodes that may be killed one per process and kill a victim by a kill -9 of its "
+                        "process, instead of inside its shared process (its port closed, its connections broken)")
     parser.add_argument("--stages", type=int, default=0, help="pipeline depth P (0: 4 below 64 agents, else 8)")
     parser.add_argument("--step-s", type=float, default=1.0, help="the stub workers' step time, s")
     parser.add_argument("--steady-s", type=float, default=20.0, help="the steady-state window, s")

@@ -192,6 +192,21 @@ def test_run_to_end_forks_from_the_server_this_process_started_when_the_environm
         assert int(_lines(tmp_path / "out.log")[-1]) == parent
 
 
+def test_a_preloaded_module_run_with_dash_m_runs_once_as_main_without_runpy_s_warning(tmp_path: Path) -> None:
+    """The worker's module is preloaded and run with ``-m``: it runs as after an exec, once, as ``__main__``; runpy
+    warned in every node's log ("found in sys.modules ... unpredictable behaviour") while the preloaded copy
+    stayed importable beside it."""
+    preloading = ForkServer(preload=("json", "json.tool"))
+    try:
+        log = tmp_path / "out.log"
+        with open(log, "wb") as out:
+            assert preloading.start([sys.executable, "-m", "json.tool", "--help"], env={}, stdout=out,
+                                    stderr=subprocess.STDOUT).wait(30) == 0
+        assert "usage:" in log.read_text() and "Warning" not in log.read_text(), log.read_text()
+    finally:
+        preloading.close()
+
+
 def test_a_preloaded_module_is_in_every_forked_process_and_one_that_does_not_import_is_named(
     server: ForkServer, tmp_path: Path,
 ) -> None:

@@ -188,14 +188,15 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
                                departed=lambda: [worker_records_prefix(spec.job, node_of_rank[rank])
                                                  for rank in sorted(executor.dead) if rank in node_of_rank])
     clones: dict[int, StageSnapshot] = {}  # stage -> its state cloned at this step, for whoever needs it next
-    copies = run.copies if run.copies is not None and executor.step % spec.memory_copy_every == 0 else None
+    last = executor.step >= spec.steps or (stop is not None and stop.finish and executor.step >= stop.step)
+    # No in-memory copy of the job's last step: nothing restores from it, and its keepers leave with the job.
+    due = run.copies is not None and not last and executor.step % spec.memory_copy_every == 0
+    copies = run.copies if due else None
     if copies is not None:  # before any clone: the checkpoint's clones are then those the copies would take
         executor.apply_replica_updates()
     saves: list[Callable[[], None]] = []
     if spec.checkpoint_dir is not None and reports_the_job(executor):
-        finishing = stop is not None and stop.finish and executor.step >= stop.step
-        saves = checkpoint(run, layout, executor, state.checkpointers, torch,
-                           final=executor.step >= spec.steps or finishing, clones=clones)
+        saves = checkpoint(run, layout, executor, state.checkpointers, torch, final=last, clones=clones)
     if copies is not None:
         copies.take(executor, layout, sends=reports_the_job(executor), clones=clones)
     for save in saves:  # the writers wake once every clone of the boundary is taken: no GIL taken from them

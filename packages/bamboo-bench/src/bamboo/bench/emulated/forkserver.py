@@ -264,6 +264,11 @@ def _run(kind: str, name: str) -> int:
     try:
         if kind == "module":
             sys.path[0] = os.getcwd()
+            # A module the server preloaded (the worker's) runs as after an exec: once, as __main__, not also left
+            # importable under its own name (runpy warned in every node's log that both existed; its imports stay
+            # preloaded). A package (``-m bamboo.launch``) runs its ``__main__``, which nothing preloads.
+            if not hasattr(sys.modules.get(name), "__path__"):
+                sys.modules.pop(name, None)
             runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = str(Path(name).resolve().parent)

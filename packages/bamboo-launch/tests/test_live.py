@@ -67,6 +67,23 @@ def test_state_folds_the_run() -> None:
     assert state.finished and state.now == 10.0
 
 
+def test_before_any_reconfiguration_the_first_layout_s_spare_nodes_are_on_standby_and_later_ones_join() -> None:
+    """Five nodes for two pipelines of two stages: the fifth is the first layout's standby node, not a joining
+    one (the live view said "4 active, 0 standby, 1 joining" through a run without reconfigurations); a node
+    that joins later waits for the next reconfiguration; a lost node of the layout leaves the standby one there."""
+    state = LiveState()
+    state.apply_all([RunStart(t=0.0, job="live", unix_time=0.0, target_nodes=5, stages=2, pipelines=2),
+                     *(Join(t=0.0, node=f"n{i}", zone="ab"[i % 2]) for i in range(5))])
+    assert (state.standby, state.joining) == (0, 5)  # no layout trains yet
+    state.apply(Step(t=2.0, step=0, samples=8, loss=2.5, nodes_active=4, duration_s=2.0))
+    assert (state.nodes_active, state.standby, state.joining) == (4, 1, 0)
+    state.apply(Join(t=3.0, node="n5", zone="a"))
+    assert (state.standby, state.joining) == (1, 1)
+    state.apply_all([Preemption(t=4.0, node="n0", zone="a", notice_s=0.0),
+                     Step(t=5.0, step=1, samples=8, loss=2.0, nodes_active=3, duration_s=2.0)])
+    assert (state.nodes_active, state.standby, state.joining) == (3, 1, 1)
+
+
 def test_a_restore_is_counted_and_described() -> None:
     state = LiveState(history=2)
     state.apply_all(run_events())

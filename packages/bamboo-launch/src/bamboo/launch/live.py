@@ -13,7 +13,10 @@ Three parts, so that the logic is tested without a terminal or a clock:
   steps, and little when a job steps many times a second.
 
 *Joining* nodes are nodes that have joined (and not been preempted) but are neither at work in
-the last step nor on standby after the last reconfiguration: they wait for the next one.
+the last step nor on standby after the last reconfiguration: they wait for the next one. Before the first
+reconfiguration the first layout's standby nodes are counted from the nodes alive at the first step: those of
+them, up to ``target_nodes``, that do not train (no record names the first layout's standby list; a node that
+joined after the first step waits for a reconfiguration).
 """
 
 from __future__ import annotations
@@ -174,7 +177,8 @@ class LiveState:
         self.step: int | None = None
         self.loss: float | None = None
         self.nodes_active = 0
-        self.standby = 0
+        self._standby: int | None = None  # after the last reconfiguration; None before the first one
+        self._first_nodes: frozenset[str] = frozenset()  # the nodes alive at the first step
         self.alive: dict[str, str] = {}
         self.preemptions = 0
         self.failovers = 0
@@ -196,6 +200,8 @@ class LiveState:
         self.now = max(self.now, event.t)
         self.time.apply(event)
         if isinstance(event, Step):
+            if self.step is None:
+                self._first_nodes = frozenset(self.alive)
             self.step, self.loss, self.nodes_active = event.step, event.loss, event.nodes_active
             self._steps.append(event)
             self._generation = event.generation if event.generation is not None else self._generation
@@ -216,7 +222,7 @@ class LiveState:
             self.failovers += 1
         elif isinstance(event, Reconfiguration):
             self.reconfigurations += 1
-            self.standby = event.standby
+            self._standby = event.standby
         elif isinstance(event, Checkpoint):
             self.checkpoints += 1
         elif isinstance(event, Restore):
@@ -254,6 +260,15 @@ class LiveState:
         """How many alive workers are in each phase, most first (``training``: 6, ``standby``: 2, ...)."""
         counts = collections.Counter(self.phases.values())
         return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+    @property
+    def standby(self) -> int:
+        """Alive nodes on standby: after the last reconfiguration, as it left them; before it, the first layout's
+        (see the module docstring)."""
+        if self._standby is not None:
+            return self._standby
+        first = sum(1 for node in self.alive if node in self._first_nodes)
+        return max(0, min(first, self.target_nodes) - self.nodes_active)
 
     @property
     def joining(self) -> int:

@@ -93,7 +93,7 @@ def test_every_command_with_bad_input_or_no_etcd_says_one_line(tmp_path: Path,
         (["watch", "--etcd", dead, "--job", "j"], (dead,)),  # the live view: refused before it is drawn
         (["finish", "--etcd", dead, "--job", "j"], (dead,)),
         (["finish", "--etcd", dead], ("--job",)),
-        (["export", str(tmp_path / "none"), "-o", str(tmp_path / "m.pt")], ("none",)),
+        (["export", str(tmp_path / "none"), "-o", str(tmp_path / "m.pt")], ("none: no such run directory",)),
         (["k8s", "render", "--etcd-replicas", "2"], ("--etcd-replicas",)),
         (["k8s", "validate", str(tmp_path / "x.yaml")], ("x.yaml",)),
         (["market", "--preemptions", "synthetic:2", "--dry-run"], ("RATE",)),

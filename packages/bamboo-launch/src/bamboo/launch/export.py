@@ -55,6 +55,8 @@ def export_run(run_dir: str | os.PathLike[str]) -> dict[str, Tensor]:
     """The final model of a finished run, from its workers' reports (``RUN_DIR/out/rank*.pt``)."""
     import torch
 
+    if not Path(run_dir).is_dir():
+        raise ExportError(f"{run_dir}: no such run directory")
     paths = sorted(Path(run_dir, "out").glob("rank*.pt"))
     if not paths:
         raise ExportError(f"{run_dir} has no final worker reports (out/rank*.pt): did the run finish?")

@@ -8,9 +8,8 @@ For each N it starts one `EmbeddedEtcd`, writes the job's spec (P stages, D pipe
 pipelines, the rest on standby; the first layout waits for all N), and starts N emulated nodes in host processes
 (`_scale_host.py`), --per-process to a process (with `--process-kills`, the nodes that may be killed, drawn at
 random, three more than the kills need, one per process instead). Each node is the real agent (`NodeAgent`:
-registration,
-lease, probes, detector; the elected `Coordinator` and the layout it writes; the supervisor's watch of the
-job's end) with its worker replaced by a stub that reports steps (`_scale_host.py` says what the stub does).
+registration, lease, probes, detector; the elected `Coordinator` and the layout it writes; the supervisor's watch
+of the job's end) with its worker replaced by a stub that reports steps (`_scale_host.py` says what the stub does).
 Then, on the machine's monotonic clock:
 
 - **start-up**: from the first registration to each node having read the first layout (its role, or standby);
@@ -143,8 +142,8 @@ class Hosts:
         return self.select("stats", since)
 
     def kill_processes(self, victims: list[str]) -> None:
-        """``kill -9`` the own processes of ``victims`` at once; a ``killed`` record for each (``t`` before the
-        first signal, ``gone`` after the last, as the in-process kill records them)."""
+        """``kill -9`` the processes of ``victims`` (each runs alone in its own), back to back; a ``killed`` record
+        for each (``t`` before the first signal, ``gone`` after the last, as the in-process kill records them)."""
         hosts = sorted({self.owner[victim] for victim in victims})
         t = time.monotonic()
         for index in hosts:
@@ -206,9 +205,9 @@ class Run:
                        min_nodes=n, redundancy="eflb", ttl=args.ttl)
         self.kv.put(self.store.keys.root + "spec", spec.to_json().encode())
         nodes = [(f"node{i:04d}", ZONES[i % len(ZONES)]) for i in range(n)]
-        # The victims-to-be each run alone, so that a kill is a real kill -9 of their process: every socket closes
-        # at once, by the kernel. Three more than the kills need: the elected coordinator and nodes put on standby
-        # are never killed (then a victim is taken from the shared hosts and killed in process).
+        # With --process-kills the victims-to-be each run alone, so that a kill is a real kill -9 of their process.
+        # Three more than the kills need: the elected coordinator and the nodes put on standby are never killed
+        # (when too few are left, a victim is taken from the shared hosts and killed in process).
         wanted = args.kills + self.one_percent + 3 if args.process_kills else 0
         alone = set(self.rng.sample(range(n), min(wanted, n - 1)))
         self.own_process = {nodes[i][0] for i in alone}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -187,6 +190,36 @@ def test_watch_follows_until_the_run_ends(tmp_path: Path, capsys: pytest.Capture
         log.write_all([*run_events(), RunEnd(t=12.0, steps=3)])
     assert main(["watch", str(path), "--interval", "0.05"]) == 0
     assert "finished" in capsys.readouterr().out
+
+
+def test_watch_says_it_waits_for_a_log_that_does_not_exist_yet_and_follows_it_once_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = tmp_path / "later.jsonl"
+    said: list[str] = []
+    waiting = threading.Event()
+
+    class Err(io.StringIO):  # the watch's stderr: the log is written once the watch said that it waits
+        def write(self, text: str) -> int:
+            said.append(text)
+            if "waiting for" in text:
+                waiting.set()
+            return len(text)
+
+    def write() -> None:
+        waiting.wait(30)
+        with EventLog(path) as log:
+            log.write_all([*run_events(), RunEnd(t=12.0, steps=3)])
+
+    monkeypatch.setattr(sys, "stderr", Err())
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert main(["watch", str(path), "--interval", "0.05"]) == 0
+    finally:
+        waiting.set()
+        writer.join()
+    assert f"waiting for {path} to appear" in "".join(said) and "finished" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

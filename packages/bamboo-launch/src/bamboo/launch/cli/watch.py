@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 
 from bamboo.bench.argtypes import positive_float, positive_int
@@ -73,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
             Console().print(render_live(state))
         return 0
     state.apply_all(follower.poll())  # an etcd that does not answer fails here, before the view is drawn
+    if isinstance(follower, EventFollower) and not follower.path.exists():  # a run not started yet, or a typo
+        print(f"bamboo-launch watch: waiting for {args.events} to appear (Ctrl-C to stop)", file=sys.stderr,
+              flush=True)
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:

@@ -229,6 +229,19 @@ def test_efeb_last_stage_killed_after_its_all_reduce_with_two_pipelines_is_exact
     assert result.passed and result.max_relative_diff == 0.0, result
 
 
+def test_efeb_last_of_five_stages_killed_after_its_all_reduce_with_two_pipelines_is_exact() -> None:
+    """P = 5: pipeline 0's last stage dies right after its ``4AR``. Its shadow sends its eager gradients to stage 1's
+    host on its way to the redone ``4AR``; that host waited at its ``1SY`` for stage 1's reduction before it took
+    them, while pipeline 1's stage 1 was sending to its last stage, which waited at ``4SY`` for the redo: every
+    worker timed out (``bamboo-rc soak --stages 5 --pipelines 2 --redundancy efeb --second-failures --seed 220``, 2
+    of 60 runs; 5 of 6 runs of this kill alone). Now a remainder's syncs come after the node's other work where
+    blocking execution allows (`bamboo.schedule.reduction_order.syncs_last`)."""
+    result = run_verify(5, 2, 3, "efeb", timeouts=CommTimeouts(group=20.0, build=30.0, confirm=15.0), deadline_s=120,
+                        kills=(KillPoint(4, 0, "31", step=1),))
+    assert result.killed == (4,), result
+    assert result.passed and result.max_relative_diff == 0.0, result
+
+
 def test_preemption_notice_too_close_to_the_deadline_is_an_ordinary_failure() -> None:
     notice = NoticePoint(2, 0, step=1, lead_s=0.0)
     result = run_verify(4, 1, 4, "eflb", timeouts=TIMEOUTS, deadline_s=120, notice_points=(notice,))

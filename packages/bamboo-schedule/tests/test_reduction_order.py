@@ -58,3 +58,22 @@ def test_a_shadow_that_redoes_a_lost_stage_s_all_reduce_syncs_its_own_stage_afte
     assert stream.index("3AR") < stream.index("2SY>1")
     moved = syncs_after_allreduces({2: _stream("2AR 2SY>1 3BR0 3AR 3OPT")})
     assert [str(i) for i in moved[2]] == ["2AR", "3BR0", "3AR", "2SY>1", "3OPT"]
+
+
+def test_the_syncs_of_a_remainder_follow_the_work_that_the_redo_of_a_lost_all_reduce_waits_for() -> None:
+    """efeb, P = 5: the last stage dies right after its 4AR. The shadow (node 3) sends its eager gradients to node 1
+    on its way to the redone 4AR; node 1 waited for stage 1's reduction at its 1SY before it received them, while
+    another pipeline's stage 1 could not post 1AR until that pipeline's last stage, waiting at 4SY for the redo,
+    took its gradient. In the remainder every SY now comes after the node's other work (before its closing RY)."""
+    from bamboo.schedule import failover_schedule, validate_failover
+    from bamboo.schedule.reduction_order import syncs_last
+
+    schedule = one_f_one_b(5, 4, rc="efeb")
+    plan = failover_schedule(schedule, [4], {0: 30, 1: 34, 2: 34, 3: 39})
+    validate_failover(plan)
+    streams = {n: [str(i) for i in stream] for n, stream in plan.remainder.streams.items()}
+    assert streams[1][-2:] == ["1SY>0", "2RY<2"] and streams[1].index("2RG3<3") < streams[1].index("1SY>0")
+    assert streams[2][-2:] == ["2SY>1", "3RY<3"]
+    moved = syncs_last({1: _stream("1AR 1OPT 1SY>0 2RG2<3 2BR2 2RY<2"), 2: _stream("2SY>1 3RY<3 0RY<0")})
+    assert [str(i) for i in moved[1]] == ["1AR", "1OPT", "2RG2<3", "2BR2", "1SY>0", "2RY<2"]
+    assert [str(i) for i in moved[2]] == ["2SY>1", "3RY<3", "0RY<0"]

@@ -77,7 +77,7 @@ from bamboo.schedule.failover_plan import (
 )
 from bamboo.schedule.failover_validate import validate_failover
 from bamboo.schedule.ir import Instruction, Kind, RCMode, Schedule, make
-from bamboo.schedule.reduction_order import allreduces_before_syncs, syncs_after_allreduces
+from bamboo.schedule.reduction_order import allreduces_before_syncs, syncs_after_allreduces, syncs_last
 
 __all__ = [
     "ConsecutiveFailure",
@@ -279,15 +279,18 @@ def failover_schedule(
 
 def _syncs_late_where_safe(streams: dict[int, tuple[Instruction, ...]],
                            executed: Mapping[int, Sequence[Instruction]]) -> dict[int, tuple[Instruction, ...]]:
-    """The remainder with each survivor's replica syncs after its last all-reduce, where blocking execution of the
-    remainder still completes; else as it is. A shadow that redoes a taken-over stage's all-reduce after its own
-    ``SY`` waits there for its own stage's reduction, while under ``efeb`` another pipeline's nodes wait, through the
-    eager gradient messages that follow each node's ``SY``, for that redo."""
-    later = syncs_after_allreduces(streams)
-    if later == streams:
-        return streams
-    try:
-        check_execution(later, posted_before(executed), received_ahead({n: executed[n] for n in streams}))
-    except ExecutionError:
-        return streams
-    return later
+    """The remainder with each survivor's replica syncs after its other work (`syncs_last`), else after its last
+    all-reduce (`syncs_after_allreduces`), the first of them where blocking execution of the remainder still
+    completes; else as it is. A node waits at its ``SY`` for its stage's reduction, which may need another pipeline
+    to get past a redone all-reduce of this one: under ``efeb`` that pipeline's nodes wait for the redo through
+    the eager gradient messages, and the shadow that redoes it waits for what this node does after its ``SY``
+    (`bamboo.schedule.reduction_order`)."""
+    for later in (syncs_last(streams), syncs_after_allreduces(streams)):
+        if later == streams:
+            return streams
+        try:
+            check_execution(later, posted_before(executed), received_ahead({n: executed[n] for n in streams}))
+        except ExecutionError:
+            continue
+        return later
+    return streams

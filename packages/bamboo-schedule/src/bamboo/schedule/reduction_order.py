@@ -19,6 +19,15 @@ can deadlock: under ``efeb`` every node sends eager gradient messages after its 
 wait, through them, for the redo. There :func:`syncs_after_allreduces` moves the ``SY`` after the ``AR`` instead, and
 `bamboo.schedule.failover` keeps that only where blocking execution of the remainder still completes (a merge may
 put a neighbour's ``RY`` of that sync before one of its own sends).
+
+The wait at a ``SY`` is a wait on the other pipelines, and what a node does after it, its own pipeline waits for. So
+a remainder's first choice is :func:`syncs_last`: every ``SY`` after the node's other work (before its closing
+``RY``), where blocking execution allows, else after its last ``AR``, else as it is. With ``P = 5``, ``D = 2`` under
+``efeb`` and the last stage of pipeline 0 killed right after its ``AR``, the host of stage 1 sat in its ``1SY``
+(for the stage's reduction) before it received the eager gradients that the shadow sends on its way to the redone
+``4AR``, while pipeline 1's stage 1 could not post its ``1AR``: it was sending to its last stage, which waited in
+``4SY`` for that redo (``bamboo-rc soak --stages 5 --pipelines 2 --redundancy efeb --second-failures --seed 220``,
+2 of 60 runs; every worker timed out).
 :func:`sync_problem` is the validator's check that no ``AR`` that could be posted before a ``SY`` comes after it.
 """
 
@@ -28,7 +37,7 @@ from collections.abc import Mapping, Sequence
 
 from bamboo.schedule.ir import Instruction, Kind
 
-__all__ = ["allreduces_before_syncs", "sync_problem", "syncs_after_allreduces"]
+__all__ = ["allreduces_before_syncs", "sync_problem", "syncs_after_allreduces", "syncs_last"]
 
 
 _BACKWARD = (Kind.BACKWARD, Kind.BRC)
@@ -65,6 +74,21 @@ def syncs_after_allreduces(streams: Mapping[int, Sequence[Instruction]]) -> dict
         early = {i for i, instruction in enumerate(stream[:last]) if instruction.kind is Kind.SYNC_SEND}
         kept = [instruction for i, instruction in enumerate(stream[: last + 1]) if i not in early]
         out[node] = (*kept, *(stream[i] for i in sorted(early)), *stream[last + 1:])
+    return out
+
+
+def syncs_last(streams: Mapping[int, Sequence[Instruction]]) -> dict[int, tuple[Instruction, ...]]:
+    """Each stream with its replica syncs moved, in order, after its other work and before the replica receives
+    (``RY``) that close it. Not always safe within a pipeline either: its caller keeps the result only where
+    blocking execution still completes."""
+    out: dict[int, tuple[Instruction, ...]] = {}
+    for node, stream in streams.items():
+        end = len(stream)
+        while end and stream[end - 1].kind is Kind.SYNC_RECV:
+            end -= 1
+        body = stream[:end]
+        syncs = [instruction for instruction in body if instruction.kind is Kind.SYNC_SEND]
+        out[node] = (*(i for i in body if i.kind is not Kind.SYNC_SEND), *syncs, *stream[end:])
     return out
 
 

@@ -19,6 +19,7 @@ can deadlock: under ``efeb`` every node sends eager gradient messages after its 
 wait, through them, for the redo. There :func:`syncs_after_allreduces` moves the ``SY`` after the ``AR`` instead, and
 `bamboo.schedule.failover` keeps that only where blocking execution of the remainder still completes (a merge may
 put a neighbour's ``RY`` of that sync before one of its own sends).
+:func:`sync_problem` is the validator's check that no ``AR`` that could be posted before a ``SY`` comes after it.
 
 The wait at a ``SY`` is a wait on the other pipelines, and what a node does after it, its own pipeline waits for. So
 a remainder's first choice is :func:`syncs_last`: every ``SY`` after the node's other work (before its closing
@@ -28,7 +29,6 @@ a remainder's first choice is :func:`syncs_last`: every ``SY`` after the node's 
 ``4AR``, while pipeline 1's stage 1 could not post its ``1AR``: it was sending to its last stage, which waited in
 ``4SY`` for that redo (``bamboo-rc soak --stages 5 --pipelines 2 --redundancy efeb --second-failures --seed 220``,
 2 of 60 runs; every worker timed out).
-:func:`sync_problem` is the validator's check that no ``AR`` that could be posted before a ``SY`` comes after it.
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def test_efeb_last_of_five_stages_killed_after_its_all_reduce_with_two_pipelines
     host on its way to the redone ``4AR``; that host waited at its ``1SY`` for stage 1's reduction before it took
     them, while pipeline 1's stage 1 was sending to its last stage, which waited at ``4SY`` for the redo: every
     worker timed out (``bamboo-rc soak --stages 5 --pipelines 2 --redundancy efeb --second-failures --seed 220``, 2
-    of 60 runs; 5 of 6 runs of this kill alone). Now a remainder's syncs come after the node's other work where
+    of 60 runs; 5 of 7 runs of this kill alone). Now a remainder's syncs come after the node's other work where
     blocking execution allows (`bamboo.schedule.reduction_order.syncs_last`)."""
     result = run_verify(5, 2, 3, "efeb", timeouts=CommTimeouts(group=20.0, build=30.0, confirm=15.0), deadline_s=120,
                         kills=(KillPoint(4, 0, "31", step=1),))

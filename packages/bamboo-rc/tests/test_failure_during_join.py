@@ -54,6 +54,9 @@ class _Interpreter:
         if len(self.joined) == 1:
             raise FailureNoticed(SECOND)
 
+    def finish_posted_commit(self, hosted: tuple[int, ...]) -> bool:
+        return False  # it was not in its commit
+
     def abandon_iteration(self) -> None:
         self.abandoned = True
 

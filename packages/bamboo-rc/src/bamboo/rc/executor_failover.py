@@ -150,7 +150,10 @@ class ExecutorFailover:
                 reduced=self.interpreter.completed_allreduces(),
             )
         except ConsecutiveFailure:
-            self.interpreter.abandon_iteration()
+            # Noticed in the commit, with its sums posted: the pipeline-mates may complete it (it was another
+            # pipeline's failure), so the node finishes it first if they do, and leaves at the next step with them.
+            if not self.interpreter.finish_posted_commit(hosted):
+                self.interpreter.abandon_iteration()
             self.coordinator.announce_left()  # the live members of a collective it never joins stop waiting
             raise
         if not agreement.victims:

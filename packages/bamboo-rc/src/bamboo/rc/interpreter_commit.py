@@ -11,14 +11,16 @@ sums, right before its next use.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.interpreter_allreduces import InterpreterAllReduces
 from bamboo.rc.interpreter_transfers import _TAG_SYNC, _segments, _tag
 from bamboo.rc.precision import step_outcome
 from bamboo.rc.records import CommitResult
 from bamboo.rc.ties import squared_norm
+from bamboo.rc.timeouts import LEFT_POLL_S
 from bamboo.schedule import Instruction
 
 __all__ = ["InterpreterCommit"]
@@ -102,7 +104,39 @@ class InterpreterCommit(InterpreterAllReduces):
         finally:
             self.kind_seconds["commit"] = self.kind_seconds.get("commit", 0.0) + time.perf_counter() - started
 
-    def _commit(self, hosted: Sequence[int]) -> float:
+    def finish_posted_commit(self, hosted: Sequence[int]) -> bool:
+        """Finish this step's commit, whose sums this node posted on its pipeline's group, after it left the wait
+        for another pipeline's failure and the agreement found a consecutive failure: its pipeline-mates that
+        went on waiting complete the commit and leave at the next step, so this node does the same, as it did
+        when its commit heeded only its own pipeline's failures. Returns True once committed; False, leaving
+        the iteration to be abandoned, when nothing was posted in this step on the group as it is, when a member
+        is dead, or as soon as a member left for the barrier or failed (the commit then never completes)."""
+        pipe = f"pipe-d{self.pipeline}"
+        group, members = self.groups.groups.get(pipe), self.groups.members.get(pipe, ())
+        if not self._commit_sums or set(members) & self.coordinator.dead or any(
+            step != self.step or posted_on is not group for step, posted_on, _, _ in self._commit_sums.values()
+        ):
+            return False
+        next_left_check = 0.0
+
+        def interrupt() -> None:
+            nonlocal next_left_check
+            event = self.coordinator.pending_event()
+            if event is not None and set(event.victims) & set(members):
+                raise _GaveUp
+            now = self.coordinator.clock.monotonic()
+            if now >= next_left_check:
+                next_left_check = now + LEFT_POLL_S
+                if self.coordinator.any_left(members):
+                    raise _GaveUp
+
+        try:
+            self._commit(hosted, interrupt)
+        except (_GaveUp, PeerFailure, FailureNoticed):
+            return False
+        return True
+
+    def _commit(self, hosted: Sequence[int], interrupt: Callable[[], None] | None = None) -> float:
         pipe = f"pipe-d{self.pipeline}"
         self._await_group_members(pipe, "commit")  # before anything changes: it may raise
         for s in sorted(self._reducing):
@@ -110,12 +144,40 @@ class InterpreterCommit(InterpreterAllReduces):
         self.complete_posted_syncs()  # every shadow holds its stage's step before anyone commits it
         squared, loss = self._commit_contribution(hosted)
         if self.ties:  # the tied copies' gradients summed over the pipeline (zeros from a node holding none)
-            tied = self.ties.contribution([self.slices[s].tied for s in sorted(hosted)])
-            self.groups.allreduce(pipe, [tied], "commit (tied weights' gradients)", self._interrupter(pipe))
+            tied = self._commit_sum(pipe, "commit (tied weights' gradients)",
+                                    lambda: self.ties.contribution([self.slices[s].tied for s in sorted(hosted)]),
+                                    interrupt)
             self._tie_sums = self.ties.split(tied)
-        norm_and_loss = torch.tensor([squared, loss], dtype=torch.float64)
-        self.groups.allreduce(pipe, [norm_and_loss], "commit (global gradient norm and loss)", self._interrupter(pipe))
+        norm_and_loss = self._commit_sum(pipe, "commit (global gradient norm and loss)",
+                                         lambda: torch.tensor([squared, loss], dtype=torch.float64), interrupt)
         return self._apply_commit(hosted, CommitResult(self.step, float(norm_and_loss[0]), float(norm_and_loss[1])))
+
+    def _commit_sum(self, pipe: str, what: str, contribution: Callable[[], torch.Tensor],
+                    interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """Sum `contribution()` over the pipeline's group `pipe` (one of the commit's all-reduces) and return it.
+
+        The wait gives way to any confirmed failure (FailureNoticed), of this pipeline or of another: a node in
+        its commit may have to take part in another pipeline's failover before its own pipeline can finish the
+        commit. There, its data-parallel peer may wait in the redo of a lost all-reduce (the rebuilt group's
+        build, or its sum) that needs this node, and hold up, through a transfer of its own pipeline, a node
+        whose all-reduce this node's pipeline-mates wait for before they commit: a commit that heeded only its
+        own pipeline's failures never learned of the other's, and every worker timed out. The sum stays posted
+        and is resumed when the commit runs again (it is never posted twice: gloo matches a group's collectives
+        in posting order), unless the group was rebuilt meanwhile (a failure in this pipeline) or the sum
+        failed; one that completed is not summed again in the same step. `interrupt` replaces that wait's
+        failure poll (:meth:`finish_posted_commit`)."""
+        group = self.groups.groups.get(pipe)
+        posted = self._commit_sums.get(what)
+        if posted is None or posted[0] != self.step or posted[1] is not group:
+            tensor = contribution()
+            works = self.groups.post_allreduce(pipe, [tensor], what)
+            posted = self._commit_sums[what] = (self.step, self.groups.groups.get(pipe), works, tensor)
+        try:
+            self.groups.wait_collective(pipe, posted[2], what, interrupt or self._poll)
+        except PeerFailure:
+            del self._commit_sums[what]
+            raise
+        return posted[3]
 
     def _commit_contribution(self, hosted: Sequence[int]) -> tuple[float, float]:
         """This node's part of the commit: the squared gradient norm of the `hosted` stages and the
@@ -182,3 +244,7 @@ class InterpreterCommit(InterpreterAllReduces):
         self.step += 1
         self.reset_iteration()
         return mean_loss
+
+
+class _GaveUp(Exception):
+    """:meth:`InterpreterCommit.finish_posted_commit` gives up: a member of the pipeline's group left or died."""

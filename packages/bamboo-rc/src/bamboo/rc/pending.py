@@ -113,8 +113,7 @@ class PendingFailover:
         before it did, its contribution died with it. The witness is d''s holder of v (the node that redoes
         it), which publishes whether the redo had completed (:class:`ReducedRecord`) when it learned of the loss,
         unless it wrote that the redo completed before (:meth:`CoordinatorState.note_allreduce_completed`): the host
-        waits for every all-reduce before its commit, whose collective heeds only failures of its own pipeline, so
-        a host in its commit has written it, and nobody waits for a host that cannot answer.
+        waits for every all-reduce before its commit, so a host in its commit or past it has written it.
         """
         c = self.coordinator
         found = []
@@ -211,7 +210,7 @@ class PendingFailover:
             if planned is None or planned.step != step + 1:
                 continue
             if c.store.check([c.redone_key(other, stage, step)]):
-                continue  # the redo's host wrote that it completed, and it may be in its commit, where it notices nothing
+                continue  # the redo's host wrote that it completed (before its commit): nothing was lost
             record = ReducedRecord.from_json(c.store.get(c.reduced_key(lost, witness)))
             if not record.has_completed(stage, step):
                 raise LostContribution(other, stage, step, pipeline, planned.step, _copies_after(c, plans, stage))

@@ -28,8 +28,9 @@ def _node_of_the_other_pipeline(step: int) -> InterpreterAllReduces:
     node = object.__new__(InterpreterAllReduces)
     node._reducing = {}
     node._contributions = {}
+    node._owed_joins = []
     node.step = step
-    node.groups = SimpleNamespace(members={"dp-s1": (1, 4)})
+    node.groups = SimpleNamespace(members={"dp-s1": (1, 4)}, versions={"dp-s1": 1})
     return node
 
 

@@ -156,9 +156,9 @@ class ExecutorFailover:
                 self.interpreter.abandon_iteration()
             self.coordinator.announce_left()  # the live members of a collective it never joins stop waiting
             raise
-        if not agreement.victims:
-            return stream  # hand-overs only: nothing was lost
-        interrupted = self._join_redos(agreement, hosted)
+        interrupted = self._join_redos(agreement, hosted)  # the joins a failure interrupted first
+        if not agreement.victims:  # hand-overs only: nothing was lost
+            return stream if interrupted is None else self._fail_over(interrupted, stream, done)
         own = agreement.plans.get(self.pipeline)
         if own is not None and self.node in own.lagging:
             # The victim died during the commit's all-reduce, which the other survivors completed:
@@ -185,16 +185,26 @@ class ExecutorFailover:
         return resumed
 
     def _join_redos(self, agreement: Agreement, hosted: Sequence[int]) -> PeerFailure | FailureNoticed | None:
-        """Join the redone all-reduces of the other pipelines' plans (:meth:`StageInterpreter.join_redone_allreduces`).
-        A failure of a member of a redo's group before this node could join it ends the joins and is returned:
-        the caller agrees on it with the others next, who judge whether that redo can still be exact
-        (:class:`~bamboo.rc.failures.LostContribution` when the failed member's contribution died with it)."""
-        for pipeline, planned in agreement.plans.items():
-            if pipeline == self.pipeline:
-                continue
+        """Join the redone all-reduces of the other pipelines' plans (:meth:`StageInterpreter.join_redone_allreduces`),
+        after those an earlier failure interrupted (:meth:`StageInterpreter.join_owed_allreduces`). A confirmed
+        failure while a join waits for its group, or a failure of a member of a redo's group before this node could
+        join it, ends the joins and is returned: the caller agrees on it with the others next, who judge whether
+        that redo can still be exact (:class:`~bamboo.rc.failures.LostContribution` when the failed member's
+        contribution died with it). The joins not done are owed, and resumed after that agreement where their
+        group is unchanged."""
+        plans = [(planned, agreement.victims[pipeline]) for pipeline, planned in agreement.plans.items()
+                 if pipeline != self.pipeline]
+        try:
+            self.interpreter.join_owed_allreduces()
+        except (PeerFailure, FailureNoticed) as failure:
+            for planned, lost in plans:
+                self.interpreter.owe_redone_allreduces(planned.plan, lost, planned.step, hosted)
+            return failure
+        for index, (planned, lost) in enumerate(plans):
             try:
-                self.interpreter.join_redone_allreduces(planned.plan, agreement.victims[pipeline], planned.step,
-                                                        hosted)
+                self.interpreter.join_redone_allreduces(planned.plan, lost, planned.step, hosted)
             except (PeerFailure, FailureNoticed) as failure:
+                for later, later_lost in plans[index + 1:]:  # owed too: joined once this failure is agreed on
+                    self.interpreter.owe_redone_allreduces(later.plan, later_lost, later.step, hosted)
                 return failure
         return None

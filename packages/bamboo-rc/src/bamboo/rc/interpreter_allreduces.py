@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from bamboo.rc.failures import FailureNoticed
 from bamboo.rc.interpreter_transfers import InterpreterTransfers
 from bamboo.schedule import FailoverPlan, Instruction, Kind
 
@@ -152,7 +153,43 @@ class InterpreterAllReduces(InterpreterTransfers):
     def join_redone_allreduces(self, plan: FailoverPlan, lost: set[int] | frozenset[int], step: int,
                                hosted: Sequence[int]) -> None:
         """Take part, exactly once per step, in the all-reduce of each lost stage hosted here (the
-        failover of another pipeline).
+        failover of another pipeline): :meth:`owe_redone_allreduces`, then :meth:`join_owed_allreduces`."""
+        self.owe_redone_allreduces(plan, lost, step, hosted)
+        self.join_owed_allreduces()
+
+    def owe_redone_allreduces(self, plan: FailoverPlan, lost: set[int] | frozenset[int], step: int,
+                              hosted: Sequence[int]) -> None:
+        """Note that this node owes its part in `plan`'s redo of each lost stage it hosts (joined, in the order
+        noted, by :meth:`join_owed_allreduces`), with the membership version of the stage's group now."""
+        for v in sorted(lost):
+            if v in hosted:
+                self._owed_joins.append((plan, v, step, self.groups.versions.get(f"dp-s{v}")))
+
+    def join_owed_allreduces(self) -> None:
+        """Join each redo this node owes (:meth:`_join_redone_allreduce`), in the order they were noted.
+
+        Waiting for a redo's rebuilt group, a join gives way to any confirmed failure (FailureNoticed), of a
+        member of the group or not: that failure may be of this node's own pipeline, whose survivors wait for its
+        progress in their agreement, and the group's build may wait for a member that died after that failure
+        (its death is the event after the next one, which a wait that heeds only the next event, and only if it
+        touches the group, never reads). The join stays owed, and is resumed after the agreement on that failure
+        if the group's membership is the same; a group rebuilt meanwhile (a member died or left) drops it, as the
+        agreement that changed the group decided the redo's fate (the two redos meet on the new group, or
+        :class:`~bamboo.rc.failures.LostContribution`). A join that fails otherwise is not owed any more."""
+        while self._owed_joins:
+            plan, v, step, version = self._owed_joins[0]
+            try:
+                if self.groups.versions.get(f"dp-s{v}") == version:
+                    self._join_redone_allreduce(plan, v, step)
+            except FailureNoticed:
+                raise  # still owed
+            except BaseException:
+                self._owed_joins.pop(0)
+                raise
+            self._owed_joins.pop(0)
+
+    def _join_redone_allreduce(self, plan: FailoverPlan, v: int, step: int) -> None:
+        """Take part in the all-reduce of lost stage `v`, hosted here, in `plan` (another pipeline's failover).
 
         `step` is the step in which the other pipeline failed. If the lost stage's shadow redoes
         that step's all-reduce: an all-reduce of ours for that step that already completed is
@@ -164,41 +201,38 @@ class InterpreterAllReduces(InterpreterTransfers):
         all-reduce of a later step (this node ran ahead: its pipeline committed `step` without the
         failed one) is posted again too, but only after
         the redo of `step`: gloo matches the collectives of a group in posting order, and the
-        shadow posts the redo of `step` first, so the other order would sum different steps.
+        shadow posts the redo of `step` first, so the other order would sum different steps. The only wait is
+        for the rebuilt group's build, before anything is posted: resumed, the join starts again from the top.
         """
-        for v in sorted(lost):
-            if v not in hosted:
-                continue
-            shadow = plan.remainder.placement[v]  # the node that took stage v over
-            redone = any(i.kind is Kind.ALLREDUCE and i.stage == v for i in plan.remainder.streams[shadow])
-            group = f"dp-s{v}"
-            pending = self._reducing.get(v)
-            pending_step = pending[3][0] if pending is not None else None
-            if pending_step is not None and pending_step < step:
+        shadow = plan.remainder.placement[v]  # the node that took stage v over
+        redone = any(i.kind is Kind.ALLREDUCE and i.stage == v for i in plan.remainder.streams[shadow])
+        group = f"dp-s{v}"
+        pending = self._reducing.get(v)
+        pending_step = pending[3][0] if pending is not None else None
+        if pending_step is not None and pending_step < step:
+            raise RuntimeError(
+                f"stage {v}: an all-reduce of step {pending_step} is still pending while the other pipeline "
+                f"failed in step {step}"
+            )
+        if redone and pending_step != step:  # ours of `step` completed (or is not posted yet)
+            contribution = self._contributions.get((v, step))
+            if contribution is not None:
+                # Posted, not waited for: nothing here needs the sum, and the shadow may post its redo only
+                # after a later agreement that this node must take part in (its own pipeline failing
+                # meanwhile). The work keeps its tensors until the shadow joins (the group table keeps the work).
+                flat, loss = contribution
+                self._announce_group(group, self._poll)
+                self.groups.post_exact_sum(group, [flat.clone(), loss.clone()], f"redo of {v}AR")
+            elif pending_step is not None or self.step > step:  # past that step, nothing stored: no exact redo
                 raise RuntimeError(
-                    f"stage {v}: an all-reduce of step {pending_step} is still pending while the other pipeline "
-                    f"failed in step {step}"
+                    f"stage {v}: the shadow redoes the all-reduce of step {step}, but this node is in step "
+                    f"{self.step if pending_step is None else pending_step} and kept no contribution of step "
+                    f"{step} (it did not hold the stage then)"
                 )
-            if redone and pending_step != step:  # ours of `step` completed (or is not posted yet)
-                contribution = self._contributions.get((v, step))
-                if contribution is not None:
-                    # Posted, not waited for: nothing here needs the sum, and the shadow may post its redo only
-                    # after a later agreement that this node must take part in (its own pipeline failing
-                    # meanwhile), which a wait that heeds only this group's failures would never reach. The work
-                    # keeps its tensors until the shadow joins (the group table keeps the work).
-                    flat, loss = contribution
-                    self._announce_group(group, self._interrupter(group))
-                    self.groups.post_exact_sum(group, [flat.clone(), loss.clone()], f"redo of {v}AR")
-                elif pending_step is not None or self.step > step:  # past that step, nothing stored: no exact redo
-                    raise RuntimeError(
-                        f"stage {v}: the shadow redoes the all-reduce of step {step}, but this node is in step "
-                        f"{self.step if pending_step is None else pending_step} and kept no contribution of step "
-                        f"{step} (it did not hold the stage then)"
-                    )
-            if pending is not None and pending[4] != self.groups.members[group]:
-                assert pending_step is not None
-                if pending_step > step or redone:
-                    self._post_again(v, pending[3])
+        if pending is not None and pending[4] != self.groups.members[group]:
+            assert pending_step is not None
+            if pending_step > step or redone:
+                self._post_again(v, pending[3])
 
 
 def _finished_well(works: Sequence[object]) -> bool:

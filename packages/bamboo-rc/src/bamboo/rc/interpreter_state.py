@@ -24,7 +24,7 @@ from bamboo.rc.state import ReusedBuffers, SpareBuffers, TrainableSlice
 from bamboo.rc.ties import TiedWeights
 from bamboo.rc.transport import HostStaging
 from bamboo.rc.waiter import TransferWaiter, WaitHandle
-from bamboo.schedule import Instruction
+from bamboo.schedule import FailoverPlan, Instruction
 
 __all__ = ["InterpreterState", "Key", "Posted"]
 
@@ -97,6 +97,11 @@ class InterpreterState:
         self._act_meta_sent: set[int] = set()
         self._replica_updates: dict[int, tuple[torch.Tensor, StepOutcome, dict[str, torch.Tensor]]] = {}
         self._contributions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._owed_joins: list[tuple[FailoverPlan, int, int, int | None]] = []
+        """The redos of other pipelines' lost all-reduces this node still has to join, in order: (the plan, the
+        stage, the step, the version of the stage's group when it was owed). A confirmed failure interrupts a
+        join waiting for its group; it is resumed after that failure's agreement
+        (:meth:`~bamboo.rc.interpreter_allreduces.InterpreterAllReduces.join_owed_allreduces`)."""
         self._flat_buffers = ReusedBuffers(self.device)
         """Without redundancy: by stage, the buffer its flat gradients are gathered into, step after step."""
         self._spare_grads = SpareBuffers(self.device)
@@ -154,6 +159,7 @@ class InterpreterState:
         for key in self._posted_syncs:  # the iteration's groups are built again: nothing will take them
             self._pending.pop(key, None)
         self._posted_syncs.clear()
+        self._owed_joins.clear()  # the iteration's redos are given up with it
         self.reset_iteration()
 
     def set_microbatches(self, microbatches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -18,7 +18,6 @@ import torch
 from bamboo.rc.comm import CHUNK_BYTES, MAX_CHUNKS, wait_works
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.interpreter_state import InterpreterState
-from bamboo.rc.timeouts import LEFT_POLL_S
 from bamboo.rc.waiter import WaitHandle
 from bamboo.schedule import Instruction
 
@@ -117,31 +116,6 @@ class InterpreterTransfers(InterpreterState):
         if dropped:  # a dropped receive may still be posted on its buffer
             self._sync_buffers.drop()
         return dropped
-
-    def _interrupter(self, group: str) -> Callable[[], None]:
-        """While blocked in a collective on `group`: raise FailureNoticed if a confirmed failure
-        removed a member of it, or made a live member leave for the barrier (a consecutive failure:
-        it will never post its part). Any other collective is left to complete (the
-        event is noticed again at the next blocking point), so it is never posted twice."""
-
-        next_left_check = 0.0  # the members' left marks are read every LEFT_POLL_S, not at every poll
-
-        def interrupt() -> None:
-            nonlocal next_left_check
-            self._post_built()
-            event = self.coordinator.pending_event()
-            if event is None:
-                return
-            members = self.groups.members[group]
-            if set(event.victims) & set(members):
-                raise FailureNoticed(event)
-            now = self.coordinator.clock.monotonic()
-            if now >= next_left_check:
-                next_left_check = now + LEFT_POLL_S
-                if self.coordinator.any_left(members):
-                    raise FailureNoticed(event)
-
-        return interrupt
 
     def _needs_barrier(self, group: str) -> bool:
         """Whether using `group` builds it first (its first use in an epoch) with others (callers check

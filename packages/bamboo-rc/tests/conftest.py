@@ -7,6 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from bamboo.rc.failures import FailureNoticed
+from bamboo.rc.ports import SystemClock
+from bamboo.rc.records import FailureEvent
 from bamboo.rc.testing import ForkedRanks
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -28,3 +31,33 @@ def tiny_config() -> dict:
 def forked_ranks() -> Callable[[int, Callable[[int, Any], Any]], ForkedRanks]:
     """``forked_ranks(count, member)``: a :class:`bamboo.rc.testing.ForkedRanks` to enter."""
     return ForkedRanks
+
+
+class NoticingCoordinator:
+    """A stand-in for a worker's failure coordinator, for an interpreter driven in-process: ``event`` is the
+    confirmed failure of the next epoch (None: none yet), ``dead`` the ranks known dead, ``left`` the ranks that
+    left for the barrier."""
+
+    watching = True
+
+    def __init__(self) -> None:
+        self.event: FailureEvent | None = None
+        self.clock = SystemClock()
+        self.dead: set[int] = set()
+        self.left: set[int] = set()
+
+    def pending_event(self) -> FailureEvent | None:
+        return self.event
+
+    def raise_if_noticed(self) -> None:
+        if self.event is not None:
+            raise FailureNoticed(self.event)
+
+    def any_left(self, members: tuple[int, ...]) -> bool:
+        return bool(self.left & set(members))
+
+
+@pytest.fixture
+def noticing_coordinator() -> NoticingCoordinator:
+    """A :class:`NoticingCoordinator` with no failure yet."""
+    return NoticingCoordinator()

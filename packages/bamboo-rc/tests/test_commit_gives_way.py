@@ -26,7 +26,6 @@ from bamboo.rc.config import load_config
 from bamboo.rc.failures import FailureNoticed, PeerFailure
 from bamboo.rc.interpreter import StageInterpreter
 from bamboo.rc.layout import Layout
-from bamboo.rc.ports import SystemClock
 from bamboo.rc.records import FailureEvent
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.rc.verify import DEFAULT_CONFIG
@@ -77,35 +76,12 @@ class FakeGloo:
         return work
 
 
-class FakeCoordinator:
-    """Watching for failures; `event` is the confirmed failure of the next epoch, if any; `left`, the ranks that left
-for the barrier."""
-
-    watching = True
-
-    def __init__(self) -> None:
-        self.event: FailureEvent | None = None
-        self.clock = SystemClock()
-        self.dead: set[int] = set()
-        self.left: set[int] = set()
-
-    def pending_event(self) -> FailureEvent | None:
-        return self.event
-
-    def raise_if_noticed(self) -> None:
-        if self.event is not None:
-            raise FailureNoticed(self.event)
-
-    def any_left(self, members: tuple[int, ...]) -> bool:
-        return bool(self.left & set(members))
-
-
 class FakeSlice:
     loss_scale = None  # fp32: no dynamic loss scale
 
 
 @pytest.fixture
-def node() -> Iterator[StageInterpreter]:
+def node(noticing_coordinator: object) -> Iterator[StageInterpreter]:
     """Stage 1 of pipeline 0 (P = 2, D = 2: ranks 0 and 1 in pipeline 0, ranks 2 and 3 in pipeline 1), at the
     commit of step 0 with nothing of its own to add."""
     table = GroupTable(store=None, job="commit", rank=1, timeouts=CommTimeouts(poll=0.01), names={})  # type: ignore[arg-type]
@@ -113,7 +89,7 @@ def node() -> Iterator[StageInterpreter]:
     table.groups["pipe-d0"] = FakeGloo()  # type: ignore[assignment]
     made = StageInterpreter(
         {1: FakeSlice()}, lambda *_: torch.zeros(()), load_config(DEFAULT_CONFIG), Layout(2, 2), 1, 0,  # type: ignore[dict-item]
-        table, FakeCoordinator(),  # type: ignore[arg-type]
+        table, noticing_coordinator,  # type: ignore[arg-type]
     )
     yield made
     for work in made.groups.groups["pipe-d0"].posted:  # type: ignore[attr-defined]

@@ -30,7 +30,6 @@ from bamboo.rc.executor_failover import ExecutorFailover
 from bamboo.rc.failures import FailureNoticed
 from bamboo.rc.interpreter import StageInterpreter
 from bamboo.rc.layout import Layout
-from bamboo.rc.ports import SystemClock
 from bamboo.rc.records import FailureEvent
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.rc.verify import DEFAULT_CONFIG
@@ -57,27 +56,6 @@ class FakeGloo:
         return SimpleNamespace(is_completed=lambda: False)
 
 
-class FakeCoordinator:
-    """Watching for failures; `event` is the confirmed failure of the next epoch, if any."""
-
-    watching = True
-
-    def __init__(self) -> None:
-        self.event: FailureEvent | None = None
-        self.clock = SystemClock()
-        self.dead: set[int] = set()
-
-    def pending_event(self) -> FailureEvent | None:
-        return self.event
-
-    def raise_if_noticed(self) -> None:
-        if self.event is not None:
-            raise FailureNoticed(self.event)
-
-    def any_left(self, members: tuple[int, ...]) -> bool:
-        return False
-
-
 class FakeSlice:
     loss_scale = None  # fp32: no dynamic loss scale
 
@@ -91,7 +69,7 @@ def _redo_of_stage_1() -> FailoverPlan:
 
 
 @pytest.fixture
-def node() -> Iterator[StageInterpreter]:
+def node(noticing_coordinator: object) -> Iterator[StageInterpreter]:
     """Stage 1 of pipeline 1 (P = 3, D = 2: rank 4) in step `STEP`, its 1AR of that step completed, after pipeline
     0 lost its stage 1 (rank 1): the redo's group dp-s1 is (0, 4) in epoch 1, being built in the background."""
     table = GroupTable(store=None, job="join", rank=4, timeouts=CommTimeouts(poll=0.01), names={})  # type: ignore[arg-type]
@@ -102,7 +80,7 @@ def node() -> Iterator[StageInterpreter]:
     give_up.start()
     made = StageInterpreter(
         {1: FakeSlice()}, lambda *_: torch.zeros(()), load_config(DEFAULT_CONFIG), Layout(3, 2), 1, 1,  # type: ignore[dict-item]
-        table, FakeCoordinator(),  # type: ignore[arg-type]
+        table, noticing_coordinator,  # type: ignore[arg-type]
     )
     made.step = STEP
     made._contributions[(1, STEP)] = (torch.full((4,), 3.0), torch.tensor([7.0], dtype=torch.float64))

@@ -114,7 +114,7 @@ class InterpreterCommit(InterpreterAllReduces):
         pipe = f"pipe-d{self.pipeline}"
         group, members = self.groups.groups.get(pipe), self.groups.members.get(pipe, ())
         if not self._commit_sums or set(members) & self.coordinator.dead or any(
-            step != self.step or posted_on is not group for step, posted_on, _, _ in self._commit_sums.values()
+            posted_on is not group for posted_on, _, _ in self._commit_sums.values()
         ):
             return False
         next_left_check = 0.0
@@ -168,16 +168,16 @@ class InterpreterCommit(InterpreterAllReduces):
         failure poll (:meth:`finish_posted_commit`)."""
         group = self.groups.groups.get(pipe)
         posted = self._commit_sums.get(what)
-        if posted is None or posted[0] != self.step or posted[1] is not group:
+        if posted is None or posted[0] is not group:
             tensor = contribution()
             works = self.groups.post_allreduce(pipe, [tensor], what)
-            posted = self._commit_sums[what] = (self.step, self.groups.groups.get(pipe), works, tensor)
+            posted = self._commit_sums[what] = (self.groups.groups.get(pipe), works, tensor)
         try:
-            self.groups.wait_collective(pipe, posted[2], what, interrupt or self._poll)
+            self.groups.wait_collective(pipe, posted[1], what, interrupt or self._poll)
         except PeerFailure:
             del self._commit_sums[what]
             raise
-        return posted[3]
+        return posted[2]
 
     def _commit_contribution(self, hosted: Sequence[int]) -> tuple[float, float]:
         """This node's part of the commit: the squared gradient norm of the `hosted` stages and the

@@ -145,9 +145,9 @@ class InterpreterState:
         self._received_syncs: dict[int, torch.Tensor] = {}
         self._tie_sums: dict[str, torch.Tensor] | None = None
         """The tied weights' gradients summed over the pipeline, once the commit's first all-reduce completed."""
-        self._commit_sums: dict[str, tuple[int, object, list[object], torch.Tensor]] = {}
-        """The commit's all-reduces posted in this step, by what they sum: (step, the group posted on, the works,
-        the tensor summed in place), resumed when a confirmed failure interrupted the wait
+        self._commit_sums: dict[str, tuple[object, list[object], torch.Tensor]] = {}
+        """The commit's all-reduces posted in this step (forgotten with the iteration), by what they sum: (the group
+        posted on, the works, the tensor summed in place), resumed when a confirmed failure interrupted the wait
         (:meth:`~bamboo.rc.interpreter_commit.InterpreterCommit._commit_sum`)."""
         self.stash.clear()
 

@@ -218,6 +218,60 @@ def test_failures_confirmed_in_another_pipeline_during_the_sweep_go_into_the_sam
     assert agent.detector.sweeps == [(["n2"], "swept after a confirmed failure in the layout")]
 
 
+def test_a_failure_confirmed_while_an_event_is_published_gets_its_own_event_in_the_same_round(
+    membership: MembershipStore, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A report that lands while the coordinator writes an event (heard through the detector's watch) is read
+    back and published at once, before the round's preemption records, not in the next round."""
+    from bamboo.launch import coordinator_failures
+
+    coordinator, _agent, events, ranks = _two_pipelines(membership)
+    publish = coordinator_failures.publish_failure_event
+
+    def publish_then_hear_n1(*args: Any) -> Any:
+        outcome = publish(*args)
+        if not published_events(membership, 0).get(2):  # while the first event is written, n1 is confirmed
+            report = FailureReport(node="n1", epoch=0, reason="probe refused")
+            membership.report_failure(report)
+            coordinator._on_failure(NodeFailed.from_report(report))
+        return outcome
+
+    monkeypatch.setattr(coordinator_failures, "publish_failure_event", publish_then_hear_n1)
+    membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
+    coordinator.round()
+    assert published_events(membership, 0) == {1: FailureEvent(1, [ranks["n3"]]), 2: FailureEvent(2, [ranks["n1"]])}
+    assert sorted(e.node for e in events.written) == ["n1", "n3"]  # one preemption record each
+
+
+def test_a_failure_heard_while_the_preemption_records_are_written_is_published_before_the_next_record(
+    membership: MembershipStore,
+) -> None:
+    """Ten kills at once at 1,000 nodes: the records of the first event's victims took tens of milliseconds, and
+    a victim confirmed meanwhile waited for all of them. Its event now goes out before the next record."""
+    coordinator, agent, events, ranks = _two_pipelines(membership)
+    published_when: list[dict[int, FailureEvent]] = []
+    write = events.write
+
+    def write_then_hear_n1(event: Any) -> None:
+        published_when.append(published_events(membership, 0))
+        write(event)
+        if len(published_when) == 1:  # during the first record, n1 is confirmed
+            report = FailureReport(node="n1", epoch=0, reason="probe refused")
+            membership.report_failure(report)
+            coordinator._on_failure(NodeFailed.from_report(report))
+
+    events.write = write_then_hear_n1  # type: ignore[method-assign]
+    membership.report_failure(FailureReport(node="n3", epoch=0, reason="probe refused"))
+    agent.detector.confirm_on_sweep = ["n2"]  # n3 and n2: one event, two records to write
+    coordinator.round()
+    assert published_events(membership, 0) == {1: FailureEvent(1, sorted([ranks["n2"], ranks["n3"]])),
+                                               2: FailureEvent(2, [ranks["n1"]])}
+    assert [sorted(found) for found in published_when] == [[1], [1, 2]]  # n1's event before the second record
+    coordinator.round()  # the next round writes n1's record, and publishes nothing again
+    assert sorted(e.node for e in events.written) == ["n1", "n2", "n3"]
+    assert list(published_events(membership, 0)) == [1, 2]
+
+
 def test_after_a_failure_is_published_the_waiting_nodes_of_its_zone_are_swept(membership: MembershipStore) -> None:
     """A zone's machines go together, and a standby node has no pipeline neighbour to notice: it is probed once
     the event is out (before, its lease's expiry found it, and held up the next reconfiguration meanwhile)."""

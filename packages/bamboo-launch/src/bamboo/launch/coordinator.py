@@ -131,6 +131,8 @@ class Coordinator(FailurePublisher):
         self._wake = threading.Condition()
         self._woken = False
         self._news = True  # woken by something that may have changed the failure reports (not a registration)
+        self._failures_heard = 0  # failures the detector confirmed so far (FailurePublisher reads it)
+        self._reports_read_at = 0  # the count above when the failure reports were last read from etcd
         self._stop = threading.Event()
         self._preempted: set[str] = set()
         self._catch_up = False  # elected: the layout's nodes lost before this agent followed the membership
@@ -174,6 +176,7 @@ class Coordinator(FailurePublisher):
             self._wake.notify_all()
 
     def _on_failure(self, _event: NodeFailed) -> None:
+        self._failures_heard += 1  # one writer: the detector's watch thread
         if not self.leader:
             self._holder_in_doubt = True
         self.wake()

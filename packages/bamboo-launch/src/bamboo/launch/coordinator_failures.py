@@ -199,7 +199,7 @@ class FailurePublisher:
                 self.say(f"published the failure of {', '.join(victims)}: ranks {list(event.victims)} "
                          f"(generation {layout.generation}, runtime epoch {epoch})")
                 if self._heard_since_read():  # confirmed while this event was prepared: the next event, now
-                    reports = {**self._failure_reports(), **reports}
+                    reports = self._failure_reports()
 
 
 def _pending(ranks: Mapping[str, int], reports: Mapping[str, FailureReport], covered: set[int]) -> list[int]:

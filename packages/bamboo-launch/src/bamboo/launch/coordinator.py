@@ -176,7 +176,8 @@ class Coordinator(FailurePublisher):
             self._wake.notify_all()
 
     def _on_failure(self, _event: NodeFailed) -> None:
-        self._failures_heard += 1  # one writer: the detector's watch thread
+        with self._wake:  # heard on the detector's threads, and on this one's sweeps
+            self._failures_heard += 1
         if not self.leader:
             self._holder_in_doubt = True
         self.wake()

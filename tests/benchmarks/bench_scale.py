@@ -69,7 +69,7 @@ from bamboo.launch.events import EVENTS_PER_WRITER
 from bamboo.launch.notices import epoch_decision
 from bamboo.launch.spec import JobSpec
 from bamboo.membership import EmbeddedEtcd, EtcdKV, EtcdOptions, MembershipStore
-from bamboo.membership.records import NodeFailed
+from bamboo.membership.records import NodeFailed, encode_json
 from bamboo.rc import FailureEvent
 
 HOST = Path(__file__).resolve().parent / "_scale_host.py"
@@ -266,7 +266,7 @@ class Run:
         self.checks.update(layout_expected=n, layout_read_by=len(roles))
         self.layout_ranks = {e["node"]: e["rank"] for e in self.hosts.select("role", generation=0)}
         found = self.store.get_layout()
-        self.layout_bytes = len(json.dumps(found.value)) if found else 0
+        self.layout_bytes = len(encode_json(found.value)) if found else 0  # as etcd stores it
         startup = spread(latencies)
         read_first = min(latencies, default=math.nan)
         registered = max((e["t"] for e in self.hosts.select("registered")), default=math.nan) - first

@@ -67,7 +67,9 @@ def test_round_trip_with_transfers_and_restore() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda d: d.update(v=2), "layout: unknown version 2"),
+        (lambda d: d.update(v=3), "layout: unknown version 3 (this reader knows versions 1, 2)"),
+        (lambda d: d.update(zones={"x": "a"}), "layout: key 'zones' is malformed: zone 'x' must list its nodes"),
+        (lambda d: d.update(zones={"x": ["a"], "y": ["a"]}), "node 'a' is in zones 'x' and 'y'"),
         (lambda d: d.pop("v"), "layout: missing key 'v'"),
         (lambda d: d.update(generation="3"), "layout: key 'generation' must be an integer, got '3'"),
         (lambda d: d.update(generation=True), "layout: key 'generation' must be an integer, got True"),
@@ -86,6 +88,22 @@ def test_reader_names_the_key(change: object, message: str) -> None:
     with pytest.raises(RecordError) as error:
         JobLayout.from_dict(data)
     assert message in str(error.value)
+
+
+def test_the_record_is_compact_and_a_version_1_record_still_reads() -> None:
+    layout = JobLayout(generation=0, plan=_plan(), zones={"a": "x", "b": "y", "c": "x", "d": "y", "e": "x"})
+    data = json.loads(layout.to_json())
+    assert data["v"] == 2
+    assert data["plan"]["pipelines"] == [{"microbatches": 2, "owners": ["a", "b"]},
+                                         {"microbatches": 2, "owners": ["c", "d"]}]
+    assert data["zones"] == {"x": ["a", "c", "e"], "y": ["b", "d"]}
+    # version 1 (written before): an object per stage, with its shadow, and node -> zone
+    data["v"] = 1
+    data["plan"]["pipelines"] = [{"microbatches": 2, "stages": [{"stage": 1, "owner": b, "shadow": a},
+                                                                {"stage": 0, "owner": a, "shadow": b}]}
+                                 for a, b in (("a", "b"), ("c", "d"))]
+    data["zones"] = {"a": "x", "b": "y", "c": "x", "d": "y", "e": "x"}
+    assert JobLayout.from_dict(data) == layout
 
 
 def test_reader_rejects_what_is_not_an_object() -> None:

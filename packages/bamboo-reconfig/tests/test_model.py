@@ -57,11 +57,18 @@ def test_a_one_stage_layout_is_pure_data_parallelism() -> None:
     assert Layout.from_dict(layout.to_dict()) == layout
 
 
-def test_layout_json_checks_the_shadow_convention() -> None:
-    data = small_layout().to_dict()
-    assert data["pipelines"][1]["stages"][0] == {"stage": 0, "owner": "c", "shadow": "d"}
-    data["pipelines"][1]["stages"][0]["shadow"] = "c"
+def test_layout_json_lists_owners_and_reads_the_older_per_stage_form() -> None:
+    layout = small_layout()
+    data = layout.to_dict()
+    assert data["pipelines"][1] == {"microbatches": 2, "owners": ["c", "d"]}  # the shadow of c is d: not written
+    data["pipelines"][1] = {"microbatches": 2, "stages": [{"stage": 1, "owner": "d", "shadow": "c"},
+                                                          {"stage": 0, "owner": "c", "shadow": "d"}]}
+    assert Layout.from_dict(data) == layout
+    data["pipelines"][1]["stages"][1]["shadow"] = "c"
     with pytest.raises(LayoutError, match="shadow 'c' breaks the convention"):
+        Layout.from_dict(data)
+    data["pipelines"][1] = {"microbatches": 2, "owners": "cd"}
+    with pytest.raises(LayoutError, match="pipeline 1: owners must be a list of node ids, got 'cd'"):
         Layout.from_dict(data)
 
 

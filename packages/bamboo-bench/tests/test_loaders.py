@@ -22,6 +22,7 @@ from bamboo.bench.loaders import (
     load_generic_csv,
     load_skypilot_counts,
     load_trace,
+    load_trace_folder,
     write_generic_csv,
 )
 from bamboo.bench.trace import EventKind
@@ -75,6 +76,39 @@ def test_skypilot_multi_zone_counts(traces_dir: Path) -> None:
         assert int(trace.is_add[mine].sum()) - int((~trace.is_add[mine]).sum()) == document["data"][-1]
         gap = document["metadata"]["gap_seconds"]
         assert trace.duration_s >= len(document["data"]) * gap
+
+
+def test_a_folder_of_skypilot_zones_is_the_multi_zone_trace(traces_dir: Path) -> None:
+    folder = traces_dir / "skypilot-spot-traces" / "preemption" / "4-node" / "aws-08-03-2023"
+    together, alone = load_trace(folder), load_skypilot_counts(sorted(folder.glob("*.json")))
+    assert [str(event) for event in together] == [str(event) for event in alone]
+    assert (together.name, together.zone_names, together.duration_s) == (folder.name, alone.zone_names,
+                                                                         alone.duration_s)
+
+
+def test_a_folder_of_dated_logs_starts_every_zone_at_the_earliest_row(tmp_path: Path) -> None:
+    (tmp_path / "east1b.txt").write_text("2021-12-11, 10:00:00, 2\n2021-12-11, 10:30:00, 1\n")
+    (tmp_path / "east1c.txt").write_text("2021-12-11, 09:00:00, 1\n2021-12-11, 09:10:00, 0\n")
+    (tmp_path / "asg.csv").write_text("timestamp,count\n2021-12-11T09:30:00Z,1\n")
+    (tmp_path / "events.csv").write_text("time_s,event,node,zone\n60,add,x1,west\n")
+    (tmp_path / "README.md").write_text("not a trace\n")
+    trace = load_trace_folder(tmp_path)
+    assert [str(event) for event in trace] == [
+        "+east1c-1@east1c@0s", "+x1@west@60s", "-east1c-1@east1c@600s", "+asg-1@asg@1800s",
+        "+east1b-1@east1b@3600s", "+east1b-2@east1b@3600s", "-east1b-2@east1b@5400s"]
+    assert trace.duration_s == 5400.0 and trace.name == tmp_path.name
+
+
+def test_a_folder_refuses_a_node_in_two_files_and_a_folder_without_traces(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("time_s,event,node,zone\n0,add,n1,a\n")
+    (tmp_path / "b.csv").write_text("time_s,event,node,zone\n5,add,n1,b\n")
+    with pytest.raises(TraceFormatError, match=r"node 'n1' is in both a\.csv and b\.csv"):
+        load_trace(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.md").write_text("x\n")
+    with pytest.raises(TraceFormatError, match=r"a folder with no trace file in it \(looked for .json, .txt, .csv\)"):
+        load_trace(empty)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 - Traces: `Trace` (timed add/remove events with node and zone; slicing, compression, summaries)
   and loaders for the paper's EC2 event CSV, GCP count logs, AWS count curves and Auto Scaling
-  Group count CSVs, SkyPilot count JSON and our generic CSV (`load_trace` picks the format).
+  Group count CSVs, SkyPilot count JSON and our generic CSV (`load_trace` picks the format; a folder of per-zone
+  files is one trace, `load_trace_folder`).
 - `SyntheticSpec` / `generate_trace`: the paper's synthetic preemption model, seedable.
 - `ModelProfile` / `load_profile`: model profiles as JSON data (format in the package README).
 - `simulate_run`, `simulate_synthetic`, `sweep`: the discrete-event simulator of the `Strategy`
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         load_generic_csv,
         load_skypilot_counts,
         load_trace,
+        load_trace_folder,
         write_generic_csv,
     )
     from bamboo.bench.paper import (
@@ -99,6 +101,7 @@ _MODULE_OF = {
     "load_skypilot_counts": "loaders",
     "load_table": "paper",
     "load_trace": "loaders",
+    "load_trace_folder": "loaders",
     "reproduce": "paper",
     "simulate_run": "simulator",
     "simulate_synthetic": "simulator",
@@ -144,6 +147,7 @@ __all__ = [
     "load_skypilot_counts",
     "load_table",
     "load_trace",
+    "load_trace_folder",
     "reproduce",
     "simulate_run",
     "simulate_synthetic",

@@ -16,7 +16,7 @@ __all__ = ["PREEMPTIONS_HELP", "USAGE", "OneLineParser", "default_of", "non_nega
 
 
 PREEMPTIONS_HELP = ("a trace file in any format bamboo-bench reads (the paper's EC2 CSV, a GCP log, SkyPilot JSON, "
-                    "a generic CSV), or synthetic:RATE, the paper's model at per-hour preemption probability RATE "
+                    "a generic CSV), a folder of such files (one zone each: one multi-zone trace), or synthetic:RATE, the paper's model at per-hour preemption probability RATE "
                     "(e.g. synthetic:0.1) on about --nodes nodes")
 """The ``--help`` of every command's ``--preemptions``."""
 

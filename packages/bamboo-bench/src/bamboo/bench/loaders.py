@@ -17,6 +17,9 @@ Formats (see the `SOURCE.md` beside each trace folder):
   ``12.5,remove,node7,us-east-1a``. Lines starting with ``#`` are comments; a comment
   ``# duration_s=7200`` sets the observed window (default: the last event's time).
 
+- **A folder of per-zone files** (as SkyPilot and GCP publish them): every trace file directly in it, one
+  zone each, as one trace (`load_trace_folder`).
+
 Count logs become events like this: a rise of k adds k new nodes named ``<zone>-<i>``, a drop of
 k removes the k most recently added nodes of that zone (last in, first out). A count above
 `MAX_INSTANCE_COUNT` is refused: every counted instance becomes a node with its own events.
@@ -31,7 +34,7 @@ import csv
 import datetime
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from bamboo.bench.trace import EventKind, Trace, TraceEvent
@@ -39,6 +42,7 @@ from bamboo.bench.trace import EventKind, Trace, TraceEvent
 __all__ = [
     "GENERIC_CSV_HEADER",
     "MAX_INSTANCE_COUNT",
+    "TRACE_SUFFIXES",
     "TraceFormatError",
     "load_count_csv",
     "load_count_curve",
@@ -47,6 +51,7 @@ __all__ = [
     "load_generic_csv",
     "load_skypilot_counts",
     "load_trace",
+    "load_trace_folder",
     "write_generic_csv",
 ]
 
@@ -154,10 +159,8 @@ def _count_events(
             builder.add(line, time_s, EventKind.REMOVE, stack.pop(), zone)
 
 
-def load_gcp_counts(path: Path | str, zone: str | None = None) -> Trace:
-    """Load a GCP count log (``YYYY-MM-DD, HH:MM:SS, N``); time 0 is the earliest row. Zone defaults to the file stem."""
-    path = Path(path)
-    zone = zone or path.stem
+def _gcp_rows(path: Path) -> list[tuple[datetime.datetime, int, int]]:
+    """A GCP count log's rows ``(time, line, count)``, sorted by time."""
     rows: list[tuple[datetime.datetime, int, int]] = []
     for number, raw in enumerate(_read_lines(path), start=1):
         if not raw.strip():
@@ -174,12 +177,24 @@ def load_gcp_counts(path: Path | str, zone: str | None = None) -> Trace:
         rows.append((when, number, int(parts[2])))
     if not rows:
         raise TraceFormatError(path, None, "no rows")
-    rows.sort(key=lambda r: (r[0], r[1]))
-    start = rows[0][0]
-    builder = _EventBuilder(path)
+    return sorted(rows, key=lambda r: (r[0], r[1]))
+
+
+def _dated_counts(path: Path, rows: list[tuple[datetime.datetime, int, int]], zone: str,
+                  start: datetime.datetime | None) -> Trace:
+    """Count rows with dates as a trace whose time 0 is ``start`` (default: the earliest row)."""
+    start = rows[0][0] if start is None else start
     samples = [(number, (when - start).total_seconds(), count) for when, number, count in rows]
+    builder = _EventBuilder(path)
     _count_events(path, samples, zone, builder)
     return Trace.from_events(path.stem, builder.events, duration_s=samples[-1][1])
+
+
+def load_gcp_counts(path: Path | str, zone: str | None = None, start: datetime.datetime | None = None) -> Trace:
+    """Load a GCP count log (``YYYY-MM-DD, HH:MM:SS, N``); time 0 is ``start`` (default: the earliest row; a
+    folder of zones starts them all at the earliest of its rows). Zone defaults to the file stem."""
+    path = Path(path)
+    return _dated_counts(path, _gcp_rows(path), zone or path.stem, start)
 
 
 def _whole_count(path: Path, line: int, text: str) -> int:
@@ -238,14 +253,8 @@ def _parse_timestamp(path: Path, line: int, text: str) -> datetime.datetime:
     raise TraceFormatError(path, line, f"bad timestamp {text!r} (expected ISO 8601 or 'YYYY-MM-DD HH:MM:SS')")
 
 
-def load_count_csv(path: Path | str, zone: str | None = None) -> Trace:
-    """Load an Auto Scaling Group count CSV (header ``timestamp,count`` or ``time,count``; ISO or ``YYYY-MM-DD HH:MM:SS`` times).
-
-    The counts are instance totals (CloudWatch ``GroupInServiceInstances`` and the like); rows are
-    sorted by time first. Time 0 is the earliest row; the zone defaults to the file stem.
-    """
-    path = Path(path)
-    zone = zone or path.stem
+def _count_csv_rows(path: Path) -> list[tuple[datetime.datetime, int, int]]:
+    """A ``timestamp,count`` CSV's rows ``(time, line, count)``, sorted by time."""
     rows: list[tuple[datetime.datetime, int, int]] = []
     header_seen = False
     for number, raw in enumerate(_read_lines(path), start=1):
@@ -263,12 +272,17 @@ def load_count_csv(path: Path | str, zone: str | None = None) -> Trace:
         rows.append((_parse_timestamp(path, number, parts[0]), number, _whole_count(path, number, parts[1])))
     if not rows:
         raise TraceFormatError(path, None, "no rows")
-    rows.sort(key=lambda r: (r[0], r[1]))
-    start = rows[0][0]
-    samples = [(number, (when - start).total_seconds(), count) for when, number, count in rows]
-    builder = _EventBuilder(path)
-    _count_events(path, samples, zone, builder)
-    return Trace.from_events(path.stem, builder.events, duration_s=samples[-1][1])
+    return sorted(rows, key=lambda r: (r[0], r[1]))
+
+
+def load_count_csv(path: Path | str, zone: str | None = None, start: datetime.datetime | None = None) -> Trace:
+    """Load an Auto Scaling Group count CSV (header ``timestamp,count`` or ``time,count``; ISO or ``YYYY-MM-DD HH:MM:SS`` times).
+
+    The counts are instance totals (CloudWatch ``GroupInServiceInstances`` and the like); rows are
+    sorted by time first. Time 0 is ``start`` (default: the earliest row); the zone defaults to the file stem.
+    """
+    path = Path(path)
+    return _dated_counts(path, _count_csv_rows(path), zone or path.stem, start)
 
 
 def load_skypilot_counts(paths: Sequence[Path | str] | Path | str) -> Trace:
@@ -375,32 +389,63 @@ def write_generic_csv(trace: Trace, path: Path | str) -> None:
     Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def load_trace(path: Path | str, zone: str | None = None) -> Trace:
-    """Load any supported format, chosen by extension and first line.
+TRACE_SUFFIXES = (".json", ".txt", ".csv")
+"""The files a folder of per-zone traces is read from (:func:`load_trace_folder`); others (a README) are skipped."""
 
-    ``.json``: SkyPilot counts; ``.txt``: GCP count log; otherwise the first line decides: the EC2
-    event CSV, a ``timestamp,count`` / ``time,count`` CSV, an ``x,y`` count curve (seconds, or hours
-    for ``*_scaled`` files) or our generic CSV.
+
+def load_trace_folder(folder: Path | str) -> Trace:
+    """The trace files directly in ``folder`` (:data:`TRACE_SUFFIXES`, sorted by name) as one trace of several zones,
+    as SkyPilot and GCP publish them: a file per zone, all from the same start.
+
+    SkyPilot's JSON files are read together (:func:`load_skypilot_counts`: the zone is the file name up to
+    ``_``); any other file is read by :func:`load_trace` with its name (without the suffix) as the zone of formats
+    that name none; a generic CSV keeps its own zones. The files with dates (GCP count logs, ``timestamp,count``
+    CSVs) share one time 0, the earliest of their rows, so that zones that start later start later in the trace.
+    The trace lasts as long as its longest file. A node that
+    two files name is refused (:class:`TraceFormatError` names it and both files), as is a folder without trace
+    files.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise TraceFormatError(path, None, "no such file")
+    folder = Path(folder)
+    files = sorted(item for item in folder.iterdir() if item.is_file() and item.suffix in TRACE_SUFFIXES)
+    if not files:
+        raise TraceFormatError(folder, None, f"a folder with no trace file in it (looked for {', '.join(TRACE_SUFFIXES)})")
+    formats = {item: _format_of(item) for item in files}
+    skypilot = [item for item in files if formats[item] == "skypilot"]
+    traces = [(skypilot[0], load_skypilot_counts(skypilot))] if skypilot else []
+    dated_rows = {"gcp": _gcp_rows, "count-csv": _count_csv_rows}
+    dated = {item: dated_rows[formats[item]](item) for item in files if formats[item] in dated_rows}
+    start = min((rows[0][0] for rows in dated.values()), default=None)  # dated zones share one time 0
+    traces += [(item, _dated_counts(item, rows, item.stem, start)) for item, rows in dated.items()]
+    traces += [(item, load_trace(item, item.stem)) for item in files if formats[item] not in ("skypilot", *dated_rows)]
+    events: list[TraceEvent] = []
+    owner: dict[str, Path] = {}
+    for item, trace in traces:
+        for node in trace.node_names:
+            if owner.setdefault(node, item) != item:
+                raise TraceFormatError(folder, None, f"node {node!r} is in both {owner[node].name} and {item.name}")
+        events.extend(trace.events())
+    return Trace.from_events(folder.name, events, duration_s=max(trace.duration_s for _, trace in traces))
+
+
+def _format_of(path: Path) -> str:
+    """Which format ``path`` holds: ``skypilot``, ``gcp``, ``generic``, ``ec2``, ``count-csv`` or ``count-curve``
+    (by its suffix, then its first line that is not blank or a comment)."""
     if path.suffix == ".json":
-        return load_skypilot_counts([path])
+        return "skypilot"
     if path.suffix == ".txt":
-        return load_gcp_counts(path, zone)
+        return "gcp"
     for raw in _read_lines(path):
         text = raw.strip()
         if not text or text.startswith("#"):
             continue
         if text.replace(" ", "").startswith("time_s,"):
-            return load_generic_csv(path)
+            return "generic"
         if _EC2_LINE.match(text):
-            return load_ec2_events(path, zone or "ec2")
+            return "ec2"
         if text.replace(" ", "") in _COUNT_HEADERS:
-            return load_count_csv(path, zone)
+            return "count-csv"
         if _COUNT_CURVE_LINE.match(text):
-            return load_count_curve(path, zone=zone)
+            return "count-curve"
         break
     raise TraceFormatError(
         path,
@@ -408,3 +453,27 @@ def load_trace(path: Path | str, zone: str | None = None) -> Trace:
         "unknown trace format (expected the EC2 event CSV, an x,y count curve, a 'timestamp,count' or "
         f"'time,count' CSV, or a generic CSV with header {GENERIC_CSV_HEADER!r})",
     )
+
+
+def load_trace(path: Path | str, zone: str | None = None) -> Trace:
+    """Load any supported format, chosen by extension and first line.
+
+    ``.json``: SkyPilot counts; ``.txt``: GCP count log; otherwise the first line decides: the EC2
+    event CSV, a ``timestamp,count`` / ``time,count`` CSV, an ``x,y`` count curve (seconds, or hours
+    for ``*_scaled`` files) or our generic CSV. A folder is one trace of several zones
+    (:func:`load_trace_folder`).
+    """
+    path = Path(path)
+    if path.is_dir():
+        return load_trace_folder(path)
+    if not path.is_file():
+        raise TraceFormatError(path, None, "no such file")
+    loaders: dict[str, Callable[[], Trace]] = {
+        "skypilot": lambda: load_skypilot_counts([path]),
+        "gcp": lambda: load_gcp_counts(path, zone),
+        "generic": lambda: load_generic_csv(path),
+        "ec2": lambda: load_ec2_events(path, zone or "ec2"),
+        "count-csv": lambda: load_count_csv(path, zone),
+        "count-curve": lambda: load_count_curve(path, zone=zone),
+    }
+    return loaders[_format_of(path)]()

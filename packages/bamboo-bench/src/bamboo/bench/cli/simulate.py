@@ -62,7 +62,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--trace", nargs="+", type=Path, metavar="FILE",
         help="trace file: the EC2 event CSV, a GCP count log (.txt), an AWS x,y count curve, an Auto Scaling "
         "Group 'timestamp,count' CSV, SkyPilot count JSON (several zone files make one multi-zone trace) or "
-        "our generic CSV",
+        "our generic CSV; or a folder of per-zone files, one multi-zone trace",
     )
     source.add_argument("--synthetic", action="store_true", help="use the synthetic preemption model instead of a trace")
     simulate.add_argument("--zone", help="zone name for traces that carry none (EC2 events: default ec2; count logs: the file name)")
@@ -143,7 +143,8 @@ def _load_trace(args: argparse.Namespace) -> Trace:
     files: list[Path] = args.trace
     if len(files) > 1:
         if not all(f.suffix == ".json" for f in files):
-            raise UsageError("several --trace files are only supported for SkyPilot zone JSON files")
+            raise UsageError("several --trace files are only supported for SkyPilot zone JSON files (a folder of "
+                             "per-zone files of any format is one --trace)")
         trace = load_skypilot_counts(files)
     else:
         trace = load_trace(files[0], args.zone)

@@ -25,7 +25,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "summary", help="preemptions per hour, bulk sizes, zones and alive nodes of trace files",
         description="Load each file (any supported format) and summarise it.",
     )
-    summary.add_argument("files", nargs="+", type=Path, metavar="FILE", help="trace files")
+    summary.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                         help="trace files, or folders of per-zone files (a folder is one multi-zone trace)")
     summary.add_argument("--zone", help="zone name for EC2 and GCP traces (default: ec2 / the file name)")
     summary.add_argument("--json", action="store_true", help="print one JSON object per file")
     synthesize = trace_commands.add_parser(

@@ -14,7 +14,11 @@ measured in the same invocation, for the value comparison. The runs:
 - ``skypilot-aws``: SkyPilot's 3-zone AWS V100 preemption trace (``../shared/traces/skypilot-spot-traces/
   preemption/4-node/aws-08-03-2023``, up to 4 nodes per zone), capped at 8 nodes, x240;
 - ``ec2-p3``: the Bamboo paper's EC2 p3 trace (``../shared/traces/bamboo/p3-trace.csv``), capped at 8
-  nodes, its nodes spread round-robin over 3 zones, x240.
+  nodes, its nodes spread round-robin over 3 zones, x240;
+- ``gcp-pair``: the Bamboo paper's two GCP count logs (``../shared/traces/bamboo/v100x1-east1c.txt`` and
+  ``a100x1-east1b.txt``, 30 to 80 and 17 to 64 instances, drops of up to 40 at once), one zone each, each from
+  its own first row, their counts scaled to at most 4 nodes a zone (a drop of 40 of 80 takes 2 of 4 at once:
+  GCP's bulk preemptions within a zone), x240.
 
 A capped trace asks for N machines: it keeps an addition while fewer than N of its machines live, and the
 removals of the machines it kept. Traces are converted into the generic CSV format in the benchmark's work
@@ -48,9 +52,11 @@ from typing import Any
 SHARED = Path("/work/shared/traces")
 SKYPILOT = SHARED / "skypilot-spot-traces" / "preemption" / "4-node" / "aws-08-03-2023"
 EC2_P3 = SHARED / "bamboo" / "p3-trace.csv"
+GCP_LOGS = (SHARED / "bamboo" / "v100x1-east1c.txt", SHARED / "bamboo" / "a100x1-east1b.txt")
+GCP_NODES_PER_ZONE = 4
 STAGES, PIPELINES = 3, 2
 SPOT_PRICE, ON_DEMAND_PRICE = 0.918, 3.06
-RUNS = ("heavy-synthetic", "synthetic-bulk", "skypilot-aws", "ec2-p3")
+RUNS = ("heavy-synthetic", "synthetic-bulk", "skypilot-aws", "ec2-p3", "gcp-pair")
 ONE_NODES = STAGES * PIPELINES + 1
 GOAL_PAUSE_P50_S, GOAL_PAUSE_MAX_S, GOAL_RESTORE_S, GOAL_SHARE = 0.5, 2.0, 1.0, 0.85
 
@@ -101,6 +107,25 @@ def with_bulk(events: list[Any], every_s: float, back_after_s: float) -> list[tu
     return sorted(out, key=lambda r: (r[0], r[1] != "remove"))
 
 
+def scaled_counts(trace: Any, cap: int, zone: str) -> list[tuple[float, str, str, str]]:
+    """The events of a one-zone count trace whose counts are scaled to at most ``cap`` nodes (rounded): a rise
+    adds nodes ``<zone>-<i>``, a drop removes the newest (last in, first out), as the loaders do."""
+    times, counts = trace.alive_series()
+    peak = max(int(counts.max()), 1)
+    alive: list[str] = []
+    out: list[tuple[float, str, str, str]] = []
+    added = 0
+    for time_s, count in zip(times.tolist(), counts.tolist(), strict=True):
+        wanted = round(count * cap / peak)
+        while len(alive) < wanted:
+            added += 1
+            alive.append(f"{zone}-{added}")
+            out.append((time_s, "add", alive[-1], zone))
+        while len(alive) > wanted:
+            out.append((time_s, "remove", alive.pop(), zone))
+    return out
+
+
 def write_csv(rows: list[tuple[float, str, str, str]], path: Path) -> str:
     lines = ["time_s,event,node,zone"] + [f"{t!r},{kind},{node},{zone}" for t, kind, node, zone in rows]
     path.write_text("\n".join(lines) + "\n")
@@ -109,7 +134,7 @@ def write_csv(rows: list[tuple[float, str, str, str]], path: Path) -> str:
 
 def trace_of(name: str, work: Path) -> tuple[str, list[str]]:
     """The ``--preemptions`` value of run ``name`` and the run's other trace flags."""
-    from bamboo.bench.loaders import load_skypilot_counts, load_trace
+    from bamboo.bench.loaders import load_gcp_counts, load_skypilot_counts, load_trace
     from bamboo.bench.synthetic import SyntheticSpec, generate_trace
 
     if name == "heavy-synthetic":
@@ -127,6 +152,11 @@ def trace_of(name: str, work: Path) -> tuple[str, list[str]]:
         zones: dict[str, str] = {}
         rows = [(t, kind, node, zones.setdefault(node, "abc"[len(zones) % 3])) for t, kind, node, _ in events]
         return write_csv(rows, work / "ec2-p3.csv"), ["--time-scale", "240", "--nodes", "8"]
+    if name == "gcp-pair":
+        rows = [row for path in GCP_LOGS
+                for row in scaled_counts(load_gcp_counts(path), GCP_NODES_PER_ZONE, path.stem.split("-")[1])]
+        return write_csv(sorted(rows, key=lambda r: (r[0], r[1] != "remove")), work / "gcp-pair.csv"), [
+            "--time-scale", "240", "--nodes", str(2 * GCP_NODES_PER_ZONE)]
     raise ValueError(f"unknown run {name!r}; the runs are {', '.join(RUNS)}")
 
 

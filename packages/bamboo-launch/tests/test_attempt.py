@@ -29,22 +29,35 @@ class _Decision:
 
 
 class _Membership:
-    """``decide`` (first writer wins), ``get_decision`` and ``list_nodes`` over dicts; every call ticks a fake clock."""
+    """``decide`` (first writer wins), ``get_decision``, ``read_decisions`` and ``list_nodes`` over dicts, each
+    decision at its own revision; ``reads`` counts the requests by kind."""
 
     def __init__(self, nodes: set[str]) -> None:
         self.decisions: dict[str, dict[str, Any]] = {}
+        self.revisions: dict[str, int] = {}
         self.nodes = set(nodes)
         self.time = 0.0
+        self.reads: dict[str, int] = {"get_decision": 0, "read_decisions": 0, "list_nodes": 0}
 
     def decide(self, name: str, value: dict[str, Any]) -> _Decision:
         won = name not in self.decisions
-        self.decisions.setdefault(name, value)
+        if won:
+            self.decisions[name] = value
+            self.revisions[name] = len(self.revisions) + 1
         return _Decision(self.decisions[name], won)
 
     def get_decision(self, name: str) -> _Decision | None:
+        self.reads["get_decision"] += 1
         return _Decision(self.decisions[name], False) if name in self.decisions else None
 
+    def read_decisions(self, prefix: str, changed_after: int = 0) -> tuple[dict[str, _Decision], int]:
+        self.reads["read_decisions"] += 1
+        found = {name: _Decision(value, False) for name, value in self.decisions.items()
+                 if name.startswith(prefix) and self.revisions[name] > changed_after}
+        return found, len(self.revisions)
+
     def list_nodes(self, *, skip_malformed: bool = False) -> dict[str, object]:
+        self.reads["list_nodes"] += 1
         return dict.fromkeys(self.nodes, object())
 
     def clock(self) -> float:
@@ -100,6 +113,45 @@ def test_the_written_outcome_wins_over_what_this_node_sees() -> None:
     outcome = _await(membership, "a", lambda: (True, None), {"a", "b"}, {"a", "b"})
     assert not outcome.go and not outcome.won
     assert outcome.reason == "b could not start its part"
+
+
+def test_a_poll_reads_what_is_new_in_requests_that_do_not_grow_with_the_job() -> None:
+    """A thousand owners, one of them slow: each poll is one read of the outcome and one of the up records written
+    since the last (not a read of each owner not up yet), and every node's record is read only every poll_s."""
+    owners = {f"n{index:04d}" for index in range(1000)}
+    membership = _Membership(owners)
+    for other in sorted(owners - {"n0000", "n0999"}):
+        membership.decide(f"g5-up-{other}", NodeUp(other).to_dict())
+
+    def sleep(seconds: float) -> None:
+        membership.sleep(seconds)
+        if membership.time >= 1.0:  # the slow one comes up a second later
+            membership.decide("g5-up-n0999", NodeUp("n0999").to_dict())
+
+    outcome = await_outcome(membership, 5, "n0000", owners, owners, lambda: (True, None), 60.0,
+                            clock=membership.clock, sleep=sleep, poll_s=0.2, ready_poll_s=0.02)
+    assert outcome.go
+    polls = membership.reads["read_decisions"]
+    assert 45 <= polls <= 60  # about one a ready poll (20 ms) for a second
+    assert membership.reads["get_decision"] == polls  # the outcome, once a poll
+    assert membership.reads["list_nodes"] <= 7  # every 0.2 s
+
+
+def test_the_pause_of_a_reconfiguration_reads_every_up_record_in_one_request() -> None:
+    from bamboo.launch.worker_records import reconfiguration_pause
+
+    layout = _base_layout({"a": "a", "b": "b", "c": "c", "d": "a"})
+    layout = attrs.evolve(layout, generation=5, start_step=7, barrier_step=7, history=[(0, 2), (7, 2)])
+    membership = _Membership(set(layout.ranks))
+    for index, node in enumerate(sorted(layout.ranks)):
+        membership.decide(f"g5-up-{node}", NodeUp(node, at=104.0 + index, stopped=100.0, planned=101.0,
+                                                  built=102.0, state=103.0).to_dict())
+    membership.decide("g5-up-z", NodeUp("z", at=200.0, stopped=50.0).to_dict())  # not a node of the layout
+    membership.decide("g5-outcome", AttemptOutcome(True, "every node is up", at=108.0).to_dict())
+    pause = reconfiguration_pause(membership, layout, 0.0, [])  # type: ignore[arg-type]
+    assert membership.reads["read_decisions"] == 1 and membership.reads["get_decision"] == 1  # the outcome
+    assert pause.total_s == pytest.approx(8.0)  # from the first stop (100) to go (108): z's records are not read
+    assert (pause.decide_s, pause.group_builds_s, pause.transfers_s) == (1.0, 1.0, 1.0)
 
 
 def test_a_node_outside_the_layout_publishes_nothing_and_follows_the_owners() -> None:
@@ -525,6 +577,9 @@ class _BarrierRun:
 
     def get_decision(self, name: str) -> None:
         return None
+
+    def read_decisions(self, prefix: str, changed_after: int = 0) -> tuple[dict[str, object], int]:
+        return {}, 0
 
     def list_nodes(self, *, skip_malformed: bool = False) -> dict[str, object]:
         return dict.fromkeys(("a", "b", "c"), object())

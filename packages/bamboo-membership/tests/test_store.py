@@ -100,6 +100,21 @@ def test_failure_reports_are_idempotent_per_node_per_epoch(store: MembershipStor
     assert set(store.failures(3)) == {"n1"} and store.failures(4)["n1"].detected_by == "d2"
 
 
+def test_read_decisions_reads_a_prefix_in_one_request_and_then_only_what_is_new(store: MembershipStore) -> None:
+    store.decide("g3-up-a", {"node": "a"})
+    store.decide("g3-up-b", {"node": "b"})
+    store.decide("g3-upper", {"other": True})  # shares the letters, not the prefix
+    store.decide("g4-up-a", {"node": "a"})
+    found, revision = store.read_decisions("g3-up-")
+    assert {name: d.value for name, d in found.items()} == {"g3-up-a": {"node": "a"}, "g3-up-b": {"node": "b"}}
+    assert all(not d.won and 0 < d.revision <= revision for d in found.values())
+    assert store.read_decisions("g3-up-", changed_after=revision) == ({}, revision)
+    store.decide("g3-up-c", {"node": "c"})
+    store.decide("g3-up-a", {"node": "a", "again": True})  # first writer won: nothing changes
+    later, _ = store.read_decisions("g3-up-", changed_after=revision)
+    assert list(later) == ["g3-up-c"]
+
+
 def test_16_concurrent_writers_race_for_one_decision_with_exactly_one_winner(
     options: EtcdOptions, job: str
 ) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -264,6 +265,8 @@ class _Stragglers:
     clock: Callable[[], float]
     done_at: float | None = None
     reported: dict[str, set[str]] = attrs.field(factory=lambda: {"waiting": set(), "done": set()})
+    reported_at: float = -math.inf
+    """When this node last reported a suspect: its agent's probe may revoke that node's lease soon after."""
 
     def look(self, finished: bool, waited_s: float, not_up: set[str]) -> None:
         """This node's part is ``finished`` or not, and has waited ``waited_s`` for the others (0: it does not
@@ -280,6 +283,43 @@ class _Stragglers:
         for other in sorted(not_up - self.reported[state] - {self.node}):
             self.reported[state].add(other)
             self.suspect(other)
+            self.reported_at = self.clock()
+
+
+@attrs.define
+class _AttemptReads:
+    """What :func:`await_outcome` reads of the other nodes at each poll, in requests that do not grow with the job:
+    the ``up`` records written since the last poll (one read, :meth:`not_up`), and every node's record at most
+    every ``poll_s`` (:meth:`gone`)."""
+
+    membership: MembershipStore
+    generation: int
+    owners: set[str]
+    needed: set[str]
+    poll_s: float
+    clock: Callable[[], float]
+    up: set[str] = attrs.field(factory=set)
+    up_read: int = 0
+    """The revision of the last read of the ``up`` records: the next read takes only those written after it."""
+    listed_at: float = -math.inf
+
+    def not_up(self) -> set[str]:
+        """The owners that have not published ``up`` yet."""
+        prefix = up_name(self.generation, "")
+        written, self.up_read = self.membership.read_decisions(prefix, changed_after=self.up_read)
+        self.up.update(self.owners & {name.removeprefix(prefix) for name in written})
+        return self.owners - self.up
+
+    def gone(self, soon_after: float) -> list[str]:
+        """The needed nodes without a record: read at most every ``poll_s`` (the read carries every node), but at
+        every poll for ``poll_s`` after ``soon_after`` (when this node reported a suspect: its agent's probe may
+        revoke that node's lease, and the attempt then aborts at once)."""
+        now = self.clock()
+        if now - self.listed_at < self.poll_s and now - soon_after > self.poll_s:
+            return []
+        self.listed_at = now
+        records = self.membership.list_nodes(skip_malformed=True)
+        return sorted(other for other in self.needed if other not in records)
 
 
 def await_outcome(
@@ -306,10 +346,13 @@ def await_outcome(
     ``new_owners``: the nodes of the attempt's layout (each must publish that it is up); ``needed``:
     every node whose death breaks the attempt (the new owners and the transfer sources);
     ``progress()``: this node's own part, ``(finished, error)``. ``membership`` is a
-    ``bamboo.membership.MembershipStore`` (``decide``, ``get_decision``, ``list_nodes``); an
+    ``bamboo.membership.MembershipStore`` (``decide``, ``get_decision``, ``read_decisions``, ``list_nodes``); an
     unreachable etcd only delays the answer. ``up_record()`` is this node's ``up`` record (default: its
     name alone); the outcome records when it was written. It polls every ``poll_s`` while its own part runs,
-    every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited). ``suspect(node)``,
+    every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited). A poll reads the
+    outcome and the ``up`` records written since the last poll (two requests, whatever the number of nodes),
+    and every node's record at most every ``poll_s`` (or at every poll for ``poll_s`` after this node reported a
+    suspect). ``suspect(node)``,
     when given, is called for each new owner not up ``straggler_s`` after this node's own part was done, and
     once before that when ``waited_s()`` (how long this node's part has waited for other nodes, as at a group's
     rendezvous, which a node killed before it joined leaves waiting) reaches ``straggler_s``: the node's agent
@@ -318,8 +361,8 @@ def await_outcome(
     """
     deadline = clock() + timeout_s
     published = False
-    up: set[str] = set()
     stragglers = _Stragglers(node, suspect, straggler_s, clock)
+    reads = _AttemptReads(membership, generation, set(new_owners), set(needed), poll_s, clock)
     while True:
         verdict: tuple[bool, str] | None = None
         try:
@@ -334,21 +377,17 @@ def await_outcome(
                 record = up_record() if up_record is not None else NodeUp(node)
                 membership.decide(up_name(generation, node), record.to_dict())
                 published = True
+            gone = reads.gone(soon_after=stragglers.reported_at) if verdict is None else []
+            if gone:
+                verdict = (False, f"{', '.join(gone)} left the membership (its lease expired or was revoked)")
             if verdict is None:
-                records = membership.list_nodes(skip_malformed=True)
-                gone = sorted(other for other in needed if other not in records)
-                if gone:
-                    verdict = (False, f"{', '.join(gone)} left the membership (its lease expired or was revoked)")
-            if verdict is None:
-                for other in sorted(set(new_owners) - up):
-                    if membership.get_decision(up_name(generation, other)) is not None:
-                        up.add(other)
-                if up >= set(new_owners):
+                not_up = reads.not_up()
+                if not not_up:
                     verdict = (True, "every node is up")
                 elif clock() > deadline:
-                    verdict = (False, f"{', '.join(sorted(set(new_owners) - up))} not up within {timeout_s:g} s")
+                    verdict = (False, f"{', '.join(sorted(not_up))} not up within {timeout_s:g} s")
                 else:
-                    stragglers.look(finished, waited_s() if waited_s is not None else 0.0, set(new_owners) - up)
+                    stragglers.look(finished, waited_s() if waited_s is not None else 0.0, not_up)
             if verdict is not None:
                 decision = membership.decide(outcome_name(generation), AttemptOutcome(*verdict, at=time.time()).to_dict())
                 if decision.won:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
-from bamboo.launch.records import BarrierReady, read_record
+from bamboo.launch.records import BarrierReady
 from bamboo.launch.redundancy import holds_replicas, mode_for, with_mode
 from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.membership.kv import StoreError
@@ -137,6 +137,8 @@ def next_layout(run: WorkerSession, base: JobLayout,
     suspect_at = time.monotonic() + timeouts.STRAGGLER_S
     next_say = 0.0
     ready: dict[str, BarrierReady] = {}
+    written: dict[str, BarrierReady] = {}  # every ready record read; each read takes those written since the last
+    ready_read = 0  # (one request, where reading each node's record was one request a node at every poll)
     suspected: set[str] = set()
     value: JobLayout | None = None
     while value is None:
@@ -146,11 +148,12 @@ def next_layout(run: WorkerSession, base: JobLayout,
             break
         records = run.membership.list_nodes(skip_malformed=True)
         waiting_for = expected(records)
+        new, ready_read = run.membership.read_decisions(f"{prefix}ready-", changed_after=ready_read)
+        written.update({key.removeprefix(f"{prefix}ready-"): BarrierReady.from_dict(found.value)
+                        for key, found in new.items()})
         for other in waiting_for:
-            if other not in ready:
-                found = read_record(BarrierReady, run.membership.get_decision(f"{prefix}ready-{other}"))
-                if found is not None:
-                    ready[other] = found
+            if other in written:
+                ready.setdefault(other, written[other])
         if all(other in ready for other in waiting_for):
             try:
                 planned = plan_next(run, base, ready, attempt, reason)

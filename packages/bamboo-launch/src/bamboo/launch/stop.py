@@ -56,6 +56,7 @@ from bamboo.launch.records import PreparedLayout, StopDecision, read_record
 from bamboo.launch.session import NotEnoughNodes, WorkerSession
 
 if TYPE_CHECKING:
+    from bamboo.membership import MembershipStore
     from bamboo.rc import StageExecutor
     from bamboo.reconfig import ClusterView, JobLayout
 
@@ -254,7 +255,7 @@ class Boundary:
             gone = sorted(needs - set(run.membership.list_nodes(skip_malformed=True)))
             if gone:
                 abandon_prepared(run.membership, scan.open, f"{', '.join(gone)} left the membership")
-            elif all(run.membership.get_decision(built_name(scan.open.layout.generation, n)) for n in needs):
+            elif needs <= _built(run.membership, scan.open.layout.generation):
                 run.membership.decide(name, StopDecision(step + STOP_AHEAD, scan.open.layout.reason, attempt=scan.open.attempt,
                                                          at=time.time()).to_dict())
             return scan
@@ -314,3 +315,9 @@ def cluster_view(run: WorkerSession, layout: JobLayout, executor: ExecutorFacts)
     alive = sorted(set(alive) | {n for n in ranks if n in records})
     zones = {**layout.zones, **{n: record.zone for n, record in records.items()}}
     return build_view(layout, zones, alive, dead, run.layers, run.spec.pipelines)
+
+
+def _built(membership: MembershipStore, generation: int) -> set[str]:
+    """The nodes that wrote that their part of prepared layout ``generation`` is built, in one read (not one a node)."""
+    prefix = built_name(generation, "")
+    return {name.removeprefix(prefix) for name in membership.read_decisions(prefix)[0]}

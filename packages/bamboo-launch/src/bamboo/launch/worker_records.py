@@ -9,6 +9,7 @@ counts what that step took beyond a usual one (:mod:`bamboo.launch.pauses`). Eve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -64,13 +65,15 @@ def reconfiguration_pause(membership: MembershipStore, layout: JobLayout, first_
     from bamboo.launch.attempt import outcome_name, up_name
 
     ups: list[NodeUp] = []
-    for node in layout.ranks:
-        try:
-            found = read_record(NodeUp, membership.get_decision(up_name(layout.generation, node)))
-        except Exception:  # etcd restarting, or a malformed record: the figure only loses a part
-            found = None
-        if found is not None:
-            ups.append(found)
+    prefix = up_name(layout.generation, "")
+    try:  # one read of every node's record (a read of each cost a thousand-node job a second at its lowest rank)
+        written, _ = membership.read_decisions(prefix)
+    except Exception:  # etcd restarting: the figure loses its parts
+        written = {}
+    for name, decision in sorted(written.items()):
+        if name.removeprefix(prefix) in layout.ranks:
+            with contextlib.suppress(Exception):  # a malformed record: the figure only loses a part
+                ups.append(NodeUp.from_dict(decision.value))
     try:
         outcome = read_record(AttemptOutcome, membership.get_decision(outcome_name(layout.generation)))
     except Exception:

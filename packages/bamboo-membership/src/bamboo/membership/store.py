@@ -419,6 +419,26 @@ class MembershipStore:
         return Decision(name=name, value=decode_json(key, found.value, "decision"), won=False,
                         revision=found.mod_revision)
 
+    def read_decisions(self, prefix: str, changed_after: int = 0) -> tuple[dict[str, Decision], int]:
+        """Every decision whose name starts with `prefix` (name -> `Decision`) in one read, and the revision read at;
+        with `changed_after`, only those written after that revision (a reader that keeps what it read passes the
+        revision it got last). A reader waiting for one record of each of many nodes (their `up` records of a
+        reconfiguration, their `ready` records at a barrier) reads them this way: with a request for each node
+        not heard from yet, a thousand-node job sent a thousand requests every poll from every node."""
+        base = self.keys.decision(prefix)
+        range_at = getattr(self.kv, "range_at", None)
+        if range_at is not None:
+            found, revision = range_at(base, changed_after=changed_after)
+        else:  # a store without revisioned ranges: the whole prefix, filtered here
+            revision = self.kv.revision()
+            found = [item for item in self.kv.get_prefix(base) if item.mod_revision > changed_after]
+        decisions = {}
+        for item in found:
+            name = item.key.removeprefix(self.keys.decisions)
+            decisions[name] = Decision(name=name, value=decode_json(item.key, item.value, "decision"), won=False,
+                                       revision=item.mod_revision)
+        return decisions, revision
+
     def get_layout(self) -> Layout | None:
         found = self.kv.get(self.keys.layout)
         if found is None:

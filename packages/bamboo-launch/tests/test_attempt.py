@@ -168,18 +168,38 @@ def test_an_owner_not_up_after_the_straggler_wait_is_reported_once_and_aborts_on
     after ``straggler_s``; the probe finds it dead and revokes its lease, so it leaves the membership and the
     attempt is abandoned then, not at the lease's expiry."""
     membership = _Membership({"a", "b", "c"})
-    membership.decide("g5-up-c", NodeUp("c").to_dict())
+    membership.decide("g5-up-a", NodeUp("a").to_dict())
     reported: list[tuple[str, float]] = []
 
     def suspect(node: str) -> None:
         reported.append((node, membership.time))
         membership.nodes.discard(node)  # the agent's probe was refused: confirmed, its lease revoked
 
+    outcome = await_outcome(membership, 5, "b", {"a", "b", "c"}, {"a", "b", "c"}, lambda: (True, None), 60.0,
+                            clock=membership.clock, sleep=membership.sleep, suspect=suspect, straggler_s=0.5,
+                            first_straggler_s=0.15)
+    assert [node for node, _ in reported] == ["c"]
+    assert 0.5 <= reported[0][1] < 0.6  # b is not the layout's first owner: it waits straggler_s
+    assert not outcome.go and "c left the membership" in outcome.reason
+
+
+def test_the_first_owner_reports_the_owners_not_up_sooner() -> None:
+    """A joiner killed at the switch: the layout's first owner by name reports it ``first_straggler_s`` after its
+    own part is done (one probe for each straggler), where every other node waits ``straggler_s``."""
+    membership = _Membership({"a", "b", "c"})
+    membership.decide("g5-up-b", NodeUp("b").to_dict())
+    reported: list[tuple[str, float]] = []
+
+    def suspect(node: str) -> None:
+        reported.append((node, membership.time))
+        membership.nodes.discard(node)
+
     outcome = await_outcome(membership, 5, "a", {"a", "b", "c"}, {"a", "b", "c"}, lambda: (True, None), 60.0,
-                            clock=membership.clock, sleep=membership.sleep, suspect=suspect, straggler_s=0.5)
-    assert [node for node, _ in reported] == ["b"]
-    assert 0.5 <= reported[0][1] < 0.6
-    assert not outcome.go and "b left the membership" in outcome.reason
+                            clock=membership.clock, sleep=membership.sleep, suspect=suspect, straggler_s=0.5,
+                            first_straggler_s=0.15)
+    assert [node for node, _ in reported] == ["c"]
+    assert 0.15 <= reported[0][1] < 0.25
+    assert not outcome.go and "c left the membership" in outcome.reason
 
 
 def test_a_part_that_ends_during_a_rounds_reads_publishes_its_up_record_without_waiting_a_poll() -> None:
@@ -242,11 +262,11 @@ def test_a_node_waiting_then_done_reports_an_owner_still_not_up_again() -> None:
     ``straggler_s`` is reported once more (it may have died since)."""
     membership = _Membership({"a", "b"})
     reported: list[tuple[str, float]] = []
-    outcome = await_outcome(membership, 5, "a", {"a", "b"}, {"a", "b"}, lambda: (membership.time >= 1.0, None),
+    outcome = await_outcome(membership, 5, "b", {"a", "b"}, {"a", "b"}, lambda: (membership.time >= 1.0, None),
                             3.0, clock=membership.clock, sleep=membership.sleep,
                             suspect=lambda node: reported.append((node, membership.time)), straggler_s=0.5,
                             waited_s=lambda: membership.time)
-    assert [node for node, _ in reported] == ["b", "b"]
+    assert [node for node, _ in reported] == ["a", "a"]
     assert reported[0][1] < 1.0 <= reported[1][1] - 0.5
     assert not outcome.go
 

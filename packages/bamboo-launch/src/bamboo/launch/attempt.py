@@ -257,12 +257,16 @@ def up_name(generation: int, node: str) -> str:
 @attrs.define
 class _Stragglers:
     """Who :func:`await_outcome` reported as a suspect (see there): each owner not up once while this node's part
-    has waited ``straggler_s`` for the others, and once ``straggler_s`` after its part is done."""
+    has waited ``straggler_s`` for the others, and once ``done_s`` after its part is done (``straggler_s``, but
+    :data:`~bamboo.launch.timeouts.FIRST_STRAGGLER_S` on the layout's first owner by name: one node reports early,
+    so that a joiner killed at the switch is probed soon, and a straggler costs one probe early, not one from
+    each node)."""
 
     node: str
     suspect: Callable[[str], None] | None
     straggler_s: float
     clock: Callable[[], float]
+    done_s: float
     done_at: float | None = None
     reported: dict[str, set[str]] = attrs.field(factory=lambda: {"waiting": set(), "done": set()})
     reported_at: float = -math.inf
@@ -275,7 +279,7 @@ class _Stragglers:
             return
         if finished:
             self.done_at = self.clock() if self.done_at is None else self.done_at
-            state = "done" if self.clock() - self.done_at >= self.straggler_s else None
+            state = "done" if self.clock() - self.done_at >= self.done_s else None
         else:
             state = "waiting" if waited_s >= self.straggler_s else None
         if state is None:
@@ -339,6 +343,7 @@ def await_outcome(
     up_record: Callable[[], NodeUp] | None = None,
     suspect: Callable[[str], None] | None = None,
     straggler_s: float = timeouts.STRAGGLER_S,
+    first_straggler_s: float = timeouts.FIRST_STRAGGLER_S,
     waited_s: Callable[[], float] | None = None,
 ) -> Outcome:
     """Wait for the outcome of attempt ``generation``, writing it (first writer wins) when this node can tell.
@@ -352,8 +357,8 @@ def await_outcome(
     every ``ready_poll_s`` once it is done (then only the others and the outcome are awaited). A poll reads the
     outcome and the ``up`` records written since the last poll (two requests, whatever the number of nodes),
     and every node's record at most every ``poll_s`` (or at every poll for ``poll_s`` after this node reported a
-    suspect). ``suspect(node)``,
-    when given, is called for each new owner not up ``straggler_s`` after this node's own part was done, and
+    suspect). ``suspect(node)``, when given, is called for each new owner not up ``straggler_s`` (on the first owner
+    by name ``first_straggler_s``, :class:`_Stragglers`) after this node's own part was done, and
     once before that when ``waited_s()`` (how long this node's part has waited for other nodes, as at a group's
     rendezvous, which a node killed before it joined leaves waiting) reaches ``straggler_s``: the node's agent
     probes it, and a dead one leaves the membership at once (the attempt is then abandoned for it); a live one
@@ -361,7 +366,8 @@ def await_outcome(
     """
     deadline = clock() + timeout_s
     published = False
-    stragglers = _Stragglers(node, suspect, straggler_s, clock)
+    stragglers = _Stragglers(node, suspect, straggler_s, clock,
+                             first_straggler_s if node == min(new_owners, default=None) else straggler_s)
     reads = _AttemptReads(membership, generation, set(new_owners), set(needed), poll_s, clock)
     while True:
         verdict: tuple[bool, str] | None = None

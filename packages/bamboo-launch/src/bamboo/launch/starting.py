@@ -143,8 +143,8 @@ def follow_attempt(run: WorkerSession, layout: JobLayout, part: StartThread[T], 
                                 say=lambda line: print(f"node {run.node}: {line}", flush=True),
                                 up_record=lambda: marks.up(run.node),
                                 suspect=lambda other: run.report_suspect(
-                                    other, f"not up in the attempt of generation {generation} after "
-                                           f"{timeouts.STRAGGLER_S:g} s"),
+                                    other, f"not up in the attempt of generation {generation} after the straggler "
+                                           "wait"),  # STRAGGLER_S, or FIRST_STRAGGLER_S on the first owner
                                 waited_s=store.waited_s)
     finally:
         wake.close()

@@ -107,23 +107,18 @@ def with_bulk(events: list[Any], every_s: float, back_after_s: float) -> list[tu
     return sorted(out, key=lambda r: (r[0], r[1] != "remove"))
 
 
-def scaled_counts(trace: Any, cap: int, zone: str) -> list[tuple[float, str, str, str]]:
-    """The events of a one-zone count trace whose counts are scaled to at most ``cap`` nodes (rounded): a rise
-    adds nodes ``<zone>-<i>``, a drop removes the newest (last in, first out), as the loaders do."""
+def scaled_counts(trace: Any, cap: int, zone: str, work: Path) -> list[tuple[float, str, str, str]]:
+    """The events of a one-zone count trace whose counts are scaled to at most ``cap`` nodes (rounded), read back
+    through bamboo-bench's loader as an ``x,y`` count curve (a rise adds nodes ``<zone>-<i>``, a drop removes the
+    newest)."""
+    from bamboo.bench.loaders import load_count_curve
+
     times, counts = trace.alive_series()
     peak = max(int(counts.max()), 1)
-    alive: list[str] = []
-    out: list[tuple[float, str, str, str]] = []
-    added = 0
-    for time_s, count in zip(times.tolist(), counts.tolist(), strict=True):
-        wanted = round(count * cap / peak)
-        while len(alive) < wanted:
-            added += 1
-            alive.append(f"{zone}-{added}")
-            out.append((time_s, "add", alive[-1], zone))
-        while len(alive) > wanted:
-            out.append((time_s, "remove", alive.pop(), zone))
-    return out
+    curve = work / f"{zone}-scaled-counts.csv"
+    curve.write_text("".join(f"{t!r},{round(c * cap / peak)}\n" for t, c in zip(times.tolist(), counts.tolist(),
+                                                                               strict=True)))
+    return [(e.time_s, e.kind.value, e.node, e.zone) for e in load_count_curve(curve, time_unit_s=1.0, zone=zone)]
 
 
 def write_csv(rows: list[tuple[float, str, str, str]], path: Path) -> str:
@@ -154,7 +149,7 @@ def trace_of(name: str, work: Path) -> tuple[str, list[str]]:
         return write_csv(rows, work / "ec2-p3.csv"), ["--time-scale", "240", "--nodes", "8"]
     if name == "gcp-pair":
         rows = [row for path in GCP_LOGS
-                for row in scaled_counts(load_gcp_counts(path), GCP_NODES_PER_ZONE, path.stem.split("-")[1])]
+                for row in scaled_counts(load_gcp_counts(path), GCP_NODES_PER_ZONE, path.stem.split("-")[1], work)]
         return write_csv(sorted(rows, key=lambda r: (r[0], r[1] != "remove")), work / "gcp-pair.csv"), [
             "--time-scale", "240", "--nodes", str(2 * GCP_NODES_PER_ZONE)]
     raise ValueError(f"unknown run {name!r}; the runs are {', '.join(RUNS)}")

@@ -190,11 +190,11 @@ def _dated_counts(path: Path, rows: list[tuple[datetime.datetime, int, int]], zo
     return Trace.from_events(path.stem, builder.events, duration_s=samples[-1][1])
 
 
-def load_gcp_counts(path: Path | str, zone: str | None = None, start: datetime.datetime | None = None) -> Trace:
-    """Load a GCP count log (``YYYY-MM-DD, HH:MM:SS, N``); time 0 is ``start`` (default: the earliest row; a
-    folder of zones starts them all at the earliest of its rows). Zone defaults to the file stem."""
+def load_gcp_counts(path: Path | str, zone: str | None = None) -> Trace:
+    """Load a GCP count log (``YYYY-MM-DD, HH:MM:SS, N``); time 0 is the earliest row (in a folder of zones,
+    :func:`load_trace_folder`, the earliest of all its dated rows). Zone defaults to the file stem."""
     path = Path(path)
-    return _dated_counts(path, _gcp_rows(path), zone or path.stem, start)
+    return _dated_counts(path, _gcp_rows(path), zone or path.stem, None)
 
 
 def _whole_count(path: Path, line: int, text: str) -> int:
@@ -275,14 +275,14 @@ def _count_csv_rows(path: Path) -> list[tuple[datetime.datetime, int, int]]:
     return sorted(rows, key=lambda r: (r[0], r[1]))
 
 
-def load_count_csv(path: Path | str, zone: str | None = None, start: datetime.datetime | None = None) -> Trace:
+def load_count_csv(path: Path | str, zone: str | None = None) -> Trace:
     """Load an Auto Scaling Group count CSV (header ``timestamp,count`` or ``time,count``; ISO or ``YYYY-MM-DD HH:MM:SS`` times).
 
     The counts are instance totals (CloudWatch ``GroupInServiceInstances`` and the like); rows are
-    sorted by time first. Time 0 is ``start`` (default: the earliest row); the zone defaults to the file stem.
+    sorted by time first. Time 0 is the earliest row; the zone defaults to the file stem.
     """
     path = Path(path)
-    return _dated_counts(path, _count_csv_rows(path), zone or path.stem, start)
+    return _dated_counts(path, _count_csv_rows(path), zone or path.stem, None)
 
 
 def load_skypilot_counts(paths: Sequence[Path | str] | Path | str) -> Trace:

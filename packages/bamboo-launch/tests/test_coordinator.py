@@ -520,10 +520,16 @@ def test_a_layout_nobody_holds_starts_over_on_warm_nodes_without_any_copy(member
 
 def test_the_elected_coordinator_is_woken_when_a_worker_becomes_warm(membership: MembershipStore) -> None:
     """A restart waits for warm workers; the one that became warm last wakes the coordinator (a measured
-    heavy-churn restart had waited for the next poll, LEADER_POLL_S, 5 s). Only while elected: stepping down
-    stops following the warm records."""
+    heavy-churn restart had waited for the next poll, LEADER_POLL_S, 5 s). Only while elected and once a layout
+    exists (the first places registered nodes whatever their workers, and a job's start would otherwise wake it
+    once per node): stepping down stops following the warm records."""
     spec = _spec(membership.keys.job, min_nodes=9)
     coordinator, _, _ = _coordinator(membership, "s9", "a", spec)
+    assert coordinator.round()
+    assert coordinator._warm_records is None  # the job waits for its first layout
+    membership.put_layout(first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"}).to_dict(), 0)
+    assert coordinator._layout_key is not None
+    assert coordinator._layout_key.wait(lambda found: found is not None, 30)
     assert coordinator.round()
     woken = threading.Event()
     coordinator.wake = lambda *, reports=True: woken.set() if not reports else None  # type: ignore[method-assign]

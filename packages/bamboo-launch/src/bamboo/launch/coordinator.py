@@ -225,7 +225,7 @@ class Coordinator(FailurePublisher):
     def _take_up(self) -> None:
         """Elected: follow the membership (from when the last coordinator's key went, so that an expiry in
         between is declared), the layout and the job's end."""
-        from bamboo.membership import WatchedKey, WatchedPrefix
+        from bamboo.membership import WatchedKey
 
         if self._layout_key is not None:
             return
@@ -235,10 +235,18 @@ class Coordinator(FailurePublisher):
         self._layout_key = WatchedKey(self.membership.kv, self.membership.keys.layout, on_change=lambda _: self.wake())
         self._end_key = WatchedKey(self.membership.kv, self.membership.keys.decision("end"),
                                    on_change=lambda _: self.wake())
-        # A restart waits for warm workers (a node's worker publishes ``warm-<node>`` after its agent registered):
-        # without this wake-up a restart waited for the next poll, LEADER_POLL_S, after the last one became warm.
-        self._warm_records = WatchedPrefix(self.membership.kv, self.membership.keys.decision("warm-"),
-                                           lambda _: self.wake(reports=False))
+
+    def _follow_warm_workers(self) -> None:
+        """Once a layout exists: wake at each worker that becomes warm. A restart waits for warm workers (a node's
+        worker publishes ``warm-<node>`` after its agent registered): without this wake-up a restart waited for
+        the next poll, LEADER_POLL_S, after the last one became warm. Not before the first layout, which places
+        registered nodes whatever their workers: at 1,000 nodes the job's start would deliver a thousand warm
+        records to this agent's watch stream, and a round for each, while it waits for the registrations."""
+        from bamboo.membership import WatchedPrefix
+
+        if self._warm_records is None:
+            self._warm_records = WatchedPrefix(self.membership.kv, self.membership.keys.decision("warm-"),
+                                               lambda _: self.wake(reports=False))
 
     def _step_down(self) -> None:
         self._known_events = (-1, {})  # another coordinator may publish meanwhile: read again once elected
@@ -271,6 +279,7 @@ class Coordinator(FailurePublisher):
         self._first_layout()
         layout = self._layout()
         if layout is not None:
+            self._follow_warm_workers()
             self._events_of(layout.generation)  # read ahead of the first failure of a new generation
         if reports:
             self._publish_failures()

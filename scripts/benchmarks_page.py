@@ -38,6 +38,10 @@ COMMANDS = {
                       "each ratio taken within one seed before the median.",
                       "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c "
                       "--time-scale 60 --nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 --seeds 3 --json"),
+    "compare_gcp": ("The same comparison on a real two-zone trace: the Bamboo paper's two GCP count logs, scaled to at "
+                    "most 4 nodes a zone (bench_churn.py's gcp-pair trace), x240.",
+                    "bamboo-bench compare --preemptions GCP_PAIR.csv --time-scale 240 --nodes 8 --stages 3 "
+                    "--pipelines 2 --duration 90 --timeout 600 --json"),
     "compare_long_run": ("The same comparison, and its measured profiles at full scale on the paper's EC2 p3 trace "
                          "uncompressed (`long_run` of each system), with step times from a fault-free measurement one "
                          "core per stage.",

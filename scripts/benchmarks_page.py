@@ -31,10 +31,11 @@ KEYS = ("command", "machine", "date", "results")
 #: command that measures it and prints JSON).
 COMMANDS = {
     "compare": ("Bamboo against checkpoint/restart (torchrun elastic agents, DeepSpeed) and on-demand, measured on "
-                "one replayed trace, each run predicted by the simulator from the profile it measured.",
-                "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c --time-scale 60 "
-                "--nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 --json"),
-    "compare_seeds": ("The same comparison over three trace seeds (`--seeds 3`): each system's median and range, "
+                "one replayed trace (SkyPilot's 3-zone AWS trace, bench_churn.py's skypilot-aws, x240), each run "
+                "predicted by the simulator from the profile it measured.",
+                "bamboo-bench compare --preemptions SKYPILOT_AWS.csv --time-scale 240 --nodes 8 --stages 3 "
+                "--pipelines 2 --duration 90 --timeout 600 --json"),
+    "compare_seeds": ("The comparison on the demo's synthetic market (synthetic:0.33, x60) over three trace seeds (`--seeds 3`): each system's median and range, "
                       "each ratio taken within one seed before the median.",
                       "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c "
                       "--time-scale 60 --nodes 8 --stages 4 --pipelines 2 --duration 30 --timeout 300 --seeds 3 --json"),
@@ -42,7 +43,7 @@ COMMANDS = {
                     "most 4 nodes a zone (bench_churn.py's gcp-pair trace), x240.",
                     "bamboo-bench compare --preemptions GCP_PAIR.csv --time-scale 240 --nodes 8 --stages 3 "
                     "--pipelines 2 --duration 90 --timeout 600 --json"),
-    "compare_long_run": ("The same comparison, and its measured profiles at full scale on the paper's EC2 p3 trace "
+    "compare_long_run": ("The comparison on the demo's synthetic market, and its measured profiles at full scale on the paper's EC2 p3 trace "
                          "uncompressed (`long_run` of each system), with step times from a fault-free measurement one "
                          "core per stage.",
                          "bamboo-bench compare --preemptions synthetic:0.33 --hours 1.45 --seed 771 --zones a,b,c "

@@ -23,9 +23,11 @@ lint: setup
 	$(VENV)/bin/lint-imports --no-cache
 
 # The packages are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (as on this project's development machines), every process
-# the suite starts would otherwise compile the sources it imports again (about 0.2 CPU-s each).
+# the suite starts would otherwise compile the sources it imports again (about 0.2 CPU-s each). For the same reason
+# the test modules' asserts are rewritten once (scripts/warm_assert_cache.py), not once per pytest worker.
 test: setup lint
 	@$(PY) -m compileall -q -j 0 packages > /dev/null
+	@$(PY) scripts/warm_assert_cache.py
 	@$(PY) -m pytest -n 3 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc

@@ -34,3 +34,28 @@ def test_cluster_tests_share_one_unit_and_a_shared_fixture_module_is_one_unit() 
 def test_every_one_worker_module_exists() -> None:
     lanes = _root_conftest()
     assert [path for path in lanes.ONE_WORKER_MODULES if not (ROOT / path).is_file()] == []
+
+
+def test_the_warmed_assert_cache_is_what_pytest_reads(tmp_path: Path) -> None:
+    """``scripts/warm_assert_cache.py`` writes the rewritten test modules where pytest looks for them: a pytest
+    that may not write bytecode reads them (its debug trace says so) and still explains a failed assert."""
+    import os
+    import subprocess
+    import sys
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_sample.py").write_text("def test_sum() -> None:\n    total = 1 + 1\n    assert total == 3\n")
+    (tmp_path / "notes.py").write_text("assert True\n")  # not a test module: left alone
+    warm = subprocess.run([sys.executable, str(ROOT / "scripts" / "warm_assert_cache.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert "rewrote the asserts of 1 of 1 test files" in warm.stdout, warm.stdout
+    cached = list((tests / "__pycache__").glob("test_sample.*-pytest-*.pyc"))
+    assert len(cached) == 1 and not (tmp_path / "__pycache__").exists()
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DEBUG": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+                           str(tests / "test_sample.py")], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "found cached rewritten pyc" in done.stdout + done.stderr
+    assert "assert 2 == 3" in done.stdout  # the rewritten assert explains itself

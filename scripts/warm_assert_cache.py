@@ -38,15 +38,18 @@ def test_files(root: Path) -> list[Path]:
 
 
 def warm(path: Path) -> bool:
-    """Write pytest's rewritten code of ``path`` into its cache; False where it is cached already or cannot be
-    written."""
+    """Write pytest's rewritten code of ``path`` into its cache; False where it is cached already, does not parse,
+    or cannot be written."""
     from _pytest.assertion import rewrite
 
     pyc = rewrite.get_cache_dir(path) / (path.name[:-3] + rewrite.PYC_TAIL)
     if rewrite._read_pyc(path, pyc) is not None or not rewrite.try_makedirs(pyc.parent):
         return False
     source = path.read_bytes()
-    tree = ast.parse(source, filename=str(path))
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except (SyntaxError, ValueError):
+        return False  # pytest reports it where it collects the file
     rewrite.rewrite_asserts(tree, source, str(path), None)  # no config: pytest's defaults, as this repo's ini has
     code = compile(tree, str(path), "exec", dont_inherit=True)
     partial = pyc.with_name(f"{pyc.name}.{os.getpid()}")

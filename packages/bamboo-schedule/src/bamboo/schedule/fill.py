@@ -126,30 +126,44 @@ class _Marked:
     """Microbatch -> the stream index of the node's forward of it."""
 
 
+def _plain_marks(plain: Schedule, node: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where ``node``'s plain stream holds its own all-reduces (``SY`` goes right after each) and its forwards
+    (index, microbatch): what `_assemble_marked` needs of the stream besides its instructions."""
+    stream = plain.streams[node]
+    allreduces = [i for i, instr in enumerate(stream) if instr.kind is Kind.ALLREDUCE and instr.stage == node]
+    forwards = [(i, instr.microbatch) for i, instr in enumerate(stream)
+                if instr.kind is Kind.FORWARD and instr.microbatch is not None]
+    return allreduces, forwards
+
+
 def _assemble_marked(
-    plain: Schedule, node: int, items: list[tuple[int, tuple[Instruction, ...]]], positions: Sequence[int]
+    plain: Schedule, node: int, items: list[tuple[int, tuple[Instruction, ...]]], positions: Sequence[int],
+    marks: tuple[list[int], list[tuple[int, int]]] | None = None,
 ) -> _Marked:
-    """`_assemble`, and where the node's own instructions landed."""
+    """`_assemble`, and where the node's own instructions landed. ``marks`` is `_plain_marks` of the node, where
+    the caller keeps it. The plain stream is copied a slice at a time, between the places where something goes in
+    (items before a position, ``SY`` after an all-reduce)."""
     P = plain.stages
     stream = plain.streams[node]
+    allreduces, forwards = marks if marks is not None else _plain_marks(plain, node)
     before: dict[int, list[Instruction]] = {}
     for (_after, instrs), position in zip(items, positions, strict=True):
         before.setdefault(position, []).extend(instrs)
+    syncs = {i + 1 for i in allreduces}
     out: list[Instruction] = []
-    own_at: list[int] = []
-    forward_at: dict[int, int] = {}
-    for index, instr in enumerate(stream):
-        out.extend(before.get(index, ()))
-        own_at.append(len(out))
-        if instr.kind is Kind.FORWARD and instr.microbatch is not None:
-            forward_at[instr.microbatch] = len(out)
-        out.append(instr)
-        if instr.kind is Kind.ALLREDUCE and instr.stage == node:
+    own_at = [0] * len(stream)
+    done = 0
+    for cut in sorted(syncs.union(before, (len(stream),))):
+        shift = len(out) - done
+        out.extend(stream[done:cut])
+        own_at[done:cut] = range(done + shift, cut + shift)
+        if cut in syncs:
             out.append(make(Kind.SYNC_SEND, node, None, (node - 1) % P))
-    out.extend(before.get(len(stream), ()))
+        out.extend(before.get(cut, ()))
+        done = cut
     replica = (node + 1) % P
     out.append(make(Kind.SYNC_RECV, replica, None, replica))
-    return _Marked(tuple(out), own_at, forward_at)
+    return _Marked(tuple(out), own_at, {microbatch: own_at[i] for i, microbatch in forwards})
 
 
 def _trial_duration(cost: CostFn, stages: int) -> StageTable:
@@ -241,6 +255,7 @@ class _Streams:
 
     def __init__(self, plain: Schedule, items: dict[int, list[tuple[int, tuple[Instruction, ...]]]]) -> None:
         self._plain, self._items = plain, items
+        self._marks = {n: _plain_marks(plain, n) for n in items}
         self._known: dict[tuple[int, tuple[int, ...]], _Marked] = {}
         self._limit = 4 * max(plain.stages, 1)
 
@@ -252,7 +267,7 @@ class _Streams:
             if found is None:
                 if len(self._known) >= self._limit:
                     self._known.clear()
-                found = self._known[key] = _assemble_marked(self._plain, n, self._items[n], mine)
+                found = self._known[key] = _assemble_marked(self._plain, n, self._items[n], mine, self._marks[n])
             marked[n] = found
         return marked
 

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -39,10 +42,6 @@ def test_every_one_worker_module_exists() -> None:
 def test_the_warmed_assert_cache_is_what_pytest_reads(tmp_path: Path) -> None:
     """``scripts/warm_assert_cache.py`` writes the rewritten test modules where pytest looks for them: a pytest
     that may not write bytecode reads them (its debug trace says so) and still explains a failed assert."""
-    import os
-    import subprocess
-    import sys
-
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_sample.py").write_text("def test_sum() -> None:\n    total = 1 + 1\n    assert total == 3\n")

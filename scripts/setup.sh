@@ -5,6 +5,9 @@
 #   3. deepspeed==0.19.8 built for CPU, without build isolation (its setup.py imports torch),
 #   4. every package editable with its dev extras,
 #   5. the Debian etcd-server when no etcd binary is found.
+# Steps 2 to 4 install with uv where it can be installed into .venv (the same packages as pip, in about half the
+# time), from where pip would install (scripts/uv_install.py reads pip's configuration); a step that uv cannot do
+# is done again by pip.
 # A second run on a set-up machine only hashes a few files and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,18 +27,32 @@ else
     "$base" -m venv "$VENV"
   fi
   export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
-  echo "setup: pip, setuptools, wheel"
-  "$PY" -m pip install -q --upgrade pip setuptools wheel
-  # pip byte-compiles what it installs on one core; here it installs without (--no-compile) and the sources are
-  # compiled on every core: torch's in the background while pip installs the rest, the rest at the end. The
+  echo "setup: pip, setuptools, wheel, uv"
+  if ! "$PY" -m pip install -q --upgrade pip setuptools wheel uv; then
+    echo "setup: uv could not be installed; pip installs everything" >&2
+    "$PY" -m pip install -q --upgrade pip setuptools wheel
+  fi
+  # install ARGS...: with uv where it runs, else (or where it fails) with pip.
+  install() {
+    if [[ -x $VENV/bin/uv ]]; then
+      if "$PY" scripts/uv_install.py "$@"; then
+        return 0
+      fi
+      echo "setup: uv could not install $*; pip tries" >&2
+    fi
+    "$PY" -m pip install -q --no-compile "$@"
+  }
+  # pip byte-compiles what it installs on one core; here nothing is compiled as it is installed (uv never does, pip
+  # runs with --no-compile) and the sources are compiled on every core: torch's in the background while the rest
+  # is installed, the rest at the end. The
   # bytecode matters: where PYTHONDONTWRITEBYTECODE is set, a module without it is compiled again in every process.
   SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "setup: torch==2.13.0 (CPU wheel)"
-  "$PY" -m pip install -q --no-compile 'torch==2.13.0'
+  install 'torch==2.13.0'
   nice "$PY" -m compileall -q -j 0 "$SITE/torch" > /dev/null 2>&1 & torch_compile=$!
   if ! "$PY" -c 'import importlib.metadata as m; assert m.version("deepspeed") == "0.19.8"' 2>/dev/null; then
-    echo "setup: deepspeed==0.19.8 (builds from the sdist, about 30 s)"
-    "$PY" -m pip install -q --no-compile --no-build-isolation 'deepspeed==0.19.8'
+    echo "setup: deepspeed==0.19.8 (built from its sdist)"
+    install --no-build-isolation 'deepspeed==0.19.8'
   fi
   echo "setup: the six bamboo packages, editable, with dev extras"
   args=()
@@ -43,8 +60,8 @@ else
   args+=(-e "packages/bamboo-bench[dev,measured,emulated,value]")  # bamboo-bench's layers above bamboo-launch
   # setuptools' deprecation notices about our pyproject files flood the terminal: keep them in a log,
   # shown only when the install fails.
-  if ! "$PY" -m pip install -q --no-compile --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \
-      > "$VENV/setup-packages.log" 2>&1; then
+  if ! install --no-build-isolation --config-settings editable_mode=compat "${args[@]}" > "$VENV/setup-packages.log" 2>&1
+  then
     cat "$VENV/setup-packages.log" >&2
     echo "setup: installing the packages failed (log: $VENV/setup-packages.log)" >&2
     exit 1

@@ -80,7 +80,6 @@ import select
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -116,7 +115,8 @@ SUBNET_SECOND_OCTET = 213
 """Networks are ``10.213.X.0/24``."""
 
 _NAME_PATTERN = re.compile(rf"^{NAME_PREFIX}(?P<pid>[0-9a-f]+)-[0-9a-z]+$")
-_LOCK_PATH = Path(tempfile.gettempdir()) / "bamboo-hostnetwork.lock"
+_LOCK_PATH = (Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")) / "bamboo-hostnetwork.lock"
+"""Machine-wide, as the subnets and bridges are: not under ``TMPDIR``, which ``make test`` sets per run."""
 _POLL_INTERVAL_S = 0.01
 
 

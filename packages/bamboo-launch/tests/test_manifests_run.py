@@ -159,7 +159,9 @@ class Pod:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.local_path(self.argv[self.argv.index("--run-dir") + 1]))
+        """The local folder of ``--run-dir`` (``argv`` holds the local paths already: mapping one again would move
+        a test folder that lies under a mount path, such as ``/dev/shm``, into that mount's folder)."""
+        return Path(self.argv[self.argv.index("--run-dir") + 1])
 
 
 def check_agent_requires_the_token(address: str, token: str, node: str, process: subprocess.Popen[bytes],

@@ -3,12 +3,12 @@ certificate, its environment variables winning over its files)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,12 +24,9 @@ global.find-links='/opt/wheels'
 """
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bamboo_uv_install", ROOT / "scripts" / "uv_install.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _script() -> SimpleNamespace:
+    """The script's functions (run as a module, not as ``__main__``)."""
+    return SimpleNamespace(**runpy.run_path(str(ROOT / "scripts" / "uv_install.py")))
 
 
 def test_pip_settings_read_every_scope_and_the_environment_wins() -> None:

@@ -44,8 +44,8 @@ else
   install --upgrade pip setuptools wheel
   # pip byte-compiles what it installs on one core; here nothing is compiled as it is installed (uv never does, pip
   # runs with --no-compile) and the sources are compiled on every core: torch's in the background while the rest
-  # is installed, the rest at the end. The
-  # bytecode matters: where PYTHONDONTWRITEBYTECODE is set, a module without it is compiled again in every process.
+  # is installed, the rest at the end. The bytecode matters: where PYTHONDONTWRITEBYTECODE is set, a module without
+  # it is compiled again in every process.
   SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "setup: torch==2.13.0 (CPU wheel)"
   install 'torch==2.13.0'

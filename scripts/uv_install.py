@@ -5,8 +5,8 @@ reads none of pip's configuration. This reads it (``pip config list``: pip's fil
 variable winning over a file) and runs the ``uv`` beside this Python, on this Python's environment, with the
 equivalent:
 
-- ``index-url``, ``extra-index-url``, ``find-links`` and ``constraint`` become uv's flags of the same names, and
-  ``no-index`` becomes ``--no-index``;
+- ``index-url``, ``extra-index-url``, ``find-links`` and ``constraint`` become uv's flags of the same names,
+  ``trusted-host`` becomes ``--allow-insecure-host``, and ``no-index`` becomes ``--no-index``;
 - ``cert`` becomes ``SSL_CERT_FILE``, which uv reads (unless that is already set);
 - ``--index-strategy unsafe-best-match`` always: pip takes the best version from all its indexes together, uv by
   default only from the first index that has the package (a pin that only the second index holds would fail);
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-         "constraint": "--constraint"}
+         "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
 
 
 def pip_settings(listing: str) -> dict[str, str]:

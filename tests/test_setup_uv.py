@@ -46,6 +46,7 @@ def test_uv_flags_carry_the_indexes_links_and_constraints_once_each() -> None:
                      "--find-links", "/opt/wheels", "--find-links", "/srv/more-wheels",
                      "--constraint", "/etc/xdg/pip/constraints.txt"]
     assert script.uv_flags({"no-index": "true"})[-1] == "--no-index"
+    assert script.uv_flags({"trusted-host": "mirror.example"})[-2:] == ["--allow-insecure-host", "mirror.example"]
     assert script.uv_flags({}) == ["--index-strategy", "unsafe-best-match"]
 
 

@@ -38,7 +38,7 @@ else
     fi
     "$PY" -m pip install -q --no-compile "$@"
   }
-  if ! "$PY" -m pip install -q uv; then
+  if ! "$PY" -m pip install -q --timeout 15 --retries 1 uv; then  # an unreachable index costs seconds, not minutes
     echo "setup: uv could not be installed; pip installs everything" >&2
   fi
   install --upgrade pip setuptools wheel

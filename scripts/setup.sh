@@ -60,8 +60,8 @@ else
   args+=(-e "packages/bamboo-bench[dev,measured,emulated,value]")  # bamboo-bench's layers above bamboo-launch
   # setuptools' deprecation notices about our pyproject files flood the terminal: keep them in a log,
   # shown only when the install fails.
-  if ! install --no-build-isolation --config-settings editable_mode=compat "${args[@]}" > "$VENV/setup-packages.log" 2>&1
-  then
+  if ! install --no-build-isolation --config-settings editable_mode=compat "${args[@]}" \
+      > "$VENV/setup-packages.log" 2>&1; then
     cat "$VENV/setup-packages.log" >&2
     echo "setup: installing the packages failed (log: $VENV/setup-packages.log)" >&2
     exit 1

@@ -3,8 +3,9 @@
 pytest rewrites the assert statements of every test module and conftest.py it imports, and caches the result in
 ``__pycache__`` only where Python writes bytecode. Where ``PYTHONDONTWRITEBYTECODE`` is set (as on this project's
 machines), each of `make test`'s three workers rewrote all of them again: about half of the CPU a worker spends
-collecting the suite (8.6 to 10.4 CPU-s uncached, 4.2 to 5.2 with this cache, in three interleaved runs). This script writes pytest's cache for those files on every core, once, and
-the workers read it (pytest reads its cache whether or not it may write it).
+collecting the suite (8.6 to 10.4 CPU-s uncached, 4.2 to 5.2 with this cache, in three interleaved runs). This
+script writes pytest's cache for those files on every core, once, and the workers read it (pytest reads its cache
+whether or not it may write it).
 
 It is a speed-up only, and checks nothing: a file it cannot write is left to pytest, and pytest ignores a cached
 file that does not match its own format and rewrites as before. Where pytest's internals have moved, the script

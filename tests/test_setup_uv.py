@@ -42,7 +42,8 @@ def test_uv_flags_carry_the_indexes_links_and_constraints_once_each() -> None:
     flags = script.uv_flags(script.pip_settings(LISTING))
     assert flags == ["--index-strategy", "unsafe-best-match",
                      "--index-url", "https://mirror.example/simple",
-                     "--extra-index-url", "file:///opt/pypi/simple", "--extra-index-url", "file:///opt/pypi-more/simple",
+                     "--extra-index-url", "file:///opt/pypi/simple",
+                     "--extra-index-url", "file:///opt/pypi-more/simple",
                      "--find-links", "/opt/wheels", "--find-links", "/srv/more-wheels",
                      "--constraint", "/etc/xdg/pip/constraints.txt"]
     assert script.uv_flags({"no-index": "true"})[-1] == "--no-index"

@@ -146,6 +146,25 @@ def test_other_modes_fail_over_exactly(mode: str) -> None:
     assert result.passed, result
 
 
+@pytest.mark.parametrize(
+    ("stages", "kills"),
+    [
+        (3, [(1, "1OPT")]),  # the owner of the sync that node 0 posted ahead ("1RY<1"), after its "1SY>0"
+        (3, [(0, "0AR")]),  # the owner of the sync that node 2 posted ahead ("0RY<0"), before its "0SY>2"
+        (4, [(2, "2AR")]),  # before its "2SY>1": node 1 drops the "2RY<2" it posted ahead, node 0 keeps "1RY<1"
+    ],
+)
+def test_lflb_fails_over_exactly_with_a_replica_sync_received_ahead(stages: int, kills: list[tuple[int, str]]) -> None:
+    """A shadow posts the receive of its replica's sync after its last gradient receive (`post_sync_ahead`); a
+    failure after that drops it (its owner died) or leaves it to be received (another node died)."""
+    points = tuple(KillPoint(stage, 0, where, step=1) for stage, where in kills)
+    result = run_verify(stages, 1, 3, "lflb", timeouts=TIMEOUTS, deadline_s=120, kills=points)
+    assert set(result.killed) == {stage for stage, _ in kills}
+    assert result.failovers, "no survivor failed over"
+    assert result.passed, result
+    assert result.max_relative_diff <= 1e-6
+
+
 def test_adjacent_victims_raise_consecutive_failure_at_the_start_of_the_iteration(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

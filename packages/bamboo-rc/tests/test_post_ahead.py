@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 from bamboo.rc.interpreter import StageInterpreter
+from bamboo.rc.state import ReusedBuffers
 from bamboo.schedule import Instruction, generate
 
 
@@ -90,3 +91,41 @@ def test_nothing_is_posted_ahead_in_efeb_or_at_a_receive_or_on_an_unbuilt_group(
     unbuilt.groups.groups.clear()
     unbuilt.post_ahead(instructions, 1)
     assert efeb.groups.posted == at_receive.groups.posted == unbuilt.groups.posted == []
+
+
+class FakeSyncInterpreter(FakeInterpreter):
+    """`FakeInterpreter` with what `post_sync_ahead` reads: the replica's pending update and the sync buffers."""
+
+    post_sync_ahead = StageInterpreter.post_sync_ahead
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self._replica_updates: dict[int, object] = {}
+        self._received_syncs: dict[int, torch.Tensor] = {}
+        self._sync_buffers = ReusedBuffers()
+
+    def _sync_size(self, s: int) -> int:
+        return 10 + s
+
+
+def test_a_replica_sync_is_posted_ahead_after_the_last_gradient_once_the_replica_took_its_last_update() -> None:
+    instructions = list(generate("1f1b", 2, 4, rc="lflb").streams[0])
+    texts = [str(i) for i in instructions]
+    last_backward = texts.index("0B3")  # after 0RG3<1, the node's last activation or gradient receive
+    assert texts[last_backward:] == ["0B3", "0AR", "0SY>1", "0OPT", "1RY<1"]
+    waiting = FakeSyncInterpreter(rank=0)
+    waiting._output_meta[0] = ((2, 8, 4), torch.float32)
+    waiting._replica_updates[1] = object()  # the last update still reads the buffer the sync would land in
+    waiting.post_ahead(instructions, last_backward)
+    assert waiting.groups.posted == []
+    interpreter = FakeSyncInterpreter(rank=0)
+    interpreter._output_meta[0] = ((2, 8, 4), torch.float32)
+    interpreter.post_ahead(instructions, texts.index("0B2"))  # 0RG3<1 is the next receive: RY is not reached
+    assert [posted[3] for posted in interpreter.groups.posted] == ["0RG3<1"]
+    interpreter.post_ahead(instructions, last_backward)
+    interpreter.post_ahead(instructions, last_backward + 1)  # posted once
+    assert [posted[3] for posted in interpreter.groups.posted] == ["0RG3<1", "1RY<1"]
+    assert interpreter.groups.posted[1][:3] == ("p2p-0-1", (11,), 1)  # the whole sync, from stage 1's owner
+    peer, payload, segment = interpreter._segmented["1RY<1"]  # resumed by `_receive_segments` at RY
+    assert (peer, payload.shape, segment) == (1, (11,), 0)
+    assert interpreter._pending["1RY<1"][2].data_ptr() == payload.data_ptr()

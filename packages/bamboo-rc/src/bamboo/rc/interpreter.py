@@ -84,11 +84,15 @@ class StageInterpreter(InterpreterCommit):
 
         A failure can strike while such a message is in flight (sent, its receive not run): a failover's cut allows
         for it (`bamboo.schedule.engine.received_ahead`), and the failover schedule keeps the receive, which then
-        takes the data already there. Not in efeb (:attr:`receives_ahead`, `RCMode.receives_ahead`)."""
+        takes the data already there. Not in efeb (:attr:`receives_ahead`, `RCMode.receives_ahead`).
+
+        A replica sync's receive (`RY`) met on the way is posted too (:meth:`post_sync_ahead`)."""
         if not self.receives_ahead or stream[index].kind in _RECEIVES:
             return
         later = index + 1  # the scan stops at the first receive, a few instructions on: no slice of the stream
         while later < len(stream) and stream[later].kind not in _RECEIVES:
+            if stream[later].kind is Kind.SYNC_RECV:
+                self.post_sync_ahead(stream[later])
             later += 1
         if later == len(stream):
             return

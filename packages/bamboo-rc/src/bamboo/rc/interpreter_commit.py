@@ -64,6 +64,30 @@ class InterpreterCommit(InterpreterAllReduces):
             instruction, lambda: self._sync_buffers.get(("in", s), self._sync_size(s)), owner, s
         )
 
+    def post_sync_ahead(self, instruction: Instruction) -> None:
+        """Post the receive of a replica sync (`RY`) before its turn, where its buffer is free (the replica took the
+        last update) and one message carries it; `_sync_recv` then resumes it (:meth:`_receive_segments`).
+
+        The owner's `SY` is a buffered send in the schedule: its data lands while the shadow computes. A gloo send
+        moves its data only once the receive is posted, so a shadow that posted it at `RY` received the whole
+        payload there, at the end of its stream: on the node that ends the iteration (P = 2, M = 8, 9.3 MB) that
+        was 5 to 6 ms of each step."""
+        s, key = instruction.stage, str(instruction)
+        if s in self._replica_updates or s in self._received_syncs or key in self._pending or key in self._segmented:
+            return
+        assert instruction.peer is not None
+        owner = self._peer_rank(instruction.peer)
+        group = self._group_for(owner)
+        if group not in self.groups.groups or self._needs_barrier(group):
+            return
+        payload = self._sync_buffers.get(("in", s), self._sync_size(s))
+        pieces = _segments(payload)
+        if len(pieces) != 1:
+            return
+        works = self.groups.post_recv(group, pieces[0], owner, _tag(_TAG_SYNC, s, 0), key)
+        self._pending[key] = (instruction.peer, self._handle(works), pieces[0])
+        self._segmented[key] = (instruction.peer, payload, 0)
+
     def _sync_size(self, s: int) -> int:
         """Elements of stage s's replica sync: its gradients, the reduced loss and the step number."""
         return self.slices[s].numel() + 2

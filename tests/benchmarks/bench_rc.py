@@ -134,7 +134,8 @@ def _report_variant(variant: str, workers_by_repeat: list[list[dict[str, Any]]],
            "stash_bytes": max(w["stash"] for w in last), "peak_rss_mib": max(w["rss"] for w in last),
            "frc_ms": kinds.get("FR", 0.0), "swap_ms": kinds.get("SO", 0.0) + kinds.get("SI", 0.0),
            "brc_ms": kinds.get("BR", 0.0), "sync_ms": sync, "commit_ms": kinds.get("commit", 0.0),
-           "interpreter_own_ms": own, "kind_ms": kinds}
+           "interpreter_own_ms": own, "kind_ms": kinds,
+           "kind_ms_per_worker": [{kind: seconds * 1e3 for kind, seconds in worker["kinds"].items()} for worker in last]}
     if predicted is not None:
         row["predicted_ms"] = predicted["ms_per_iteration"]
         row["prediction_error_pct"] = (predicted["ms_per_iteration"] / ms - 1) * 100

@@ -96,11 +96,27 @@ def load_results(folder: Path = RESULTS) -> dict[str, dict[str, Any]]:
     return loaded
 
 
+INLINE_CHARS = 60
+"""A list or object in a table cell is written out when its text (numbers to 4 significant digits) fits this."""
+
+
+def _short(value: Any) -> Any:
+    """``value`` with every float rounded to 4 significant digits, for a cell's inline text."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, Mapping):
+        return {key: _short(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_short(item) for item in value]
+    return value
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, Mapping | list):
-        return f"`{json.dumps(value, sort_keys=True)}`" if len(json.dumps(value)) <= 60 else "(see the JSON file)"
+        text = json.dumps(_short(value), sort_keys=True)
+        return f"`{text}`" if len(text) <= INLINE_CHARS else "(see the JSON file)"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
@@ -113,18 +129,45 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _rows(value: Any) -> bool:
+    """Whether ``value`` is a table of its own: a list of objects, or an object of two or more objects that share
+    at least half of their keys (records of one kind: a row each, named by its key)."""
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(row, Mapping) for row in value)
+    if not (isinstance(value, Mapping) and len(value) >= 2
+            and all(isinstance(row, Mapping) and row for row in value.values())):
+        return False
+    keys = [set(row) for row in value.values()]
+    return 2 * len(set.intersection(*keys)) >= len(set.union(*keys))
+
+
+def _flatten(results: Mapping[str, Any], path: str, plain: dict[str, Any], tables: list[tuple[str, Any]]) -> None:
+    """Split an object into its plain values, by dotted key (objects within objects are opened), and the values
+    that are tables of their own (`_rows`), by dotted key, in order."""
+    for key, value in results.items():
+        name = f"{path}.{key}" if path else str(key)
+        if _rows(value):
+            tables.append((name, value))
+        elif isinstance(value, Mapping) and value:
+            _flatten(value, name, plain, tables)
+        else:
+            plain[name] = value
+
+
 def render_results(results: Any) -> list[str]:
-    """A benchmark's ``results`` as Markdown tables: a list of objects is one table (a row each), an object is
-    a table of its plain keys followed by one table per key that holds a list of objects."""
-    if isinstance(results, list) and all(isinstance(row, Mapping) for row in results):
+    """A benchmark's ``results`` as Markdown tables: a list of objects is one table (a row each); an object is a
+    table of its plain values by dotted key (the objects within it opened), then one table per value that is a
+    list of objects or an object of objects (a row each, its key first)."""
+    if _rows(results) and isinstance(results, list):
         return _table(results)
     if isinstance(results, Mapping):
-        plain = {key: value for key, value in results.items()
-                 if not (isinstance(value, list) and value and all(isinstance(row, Mapping) for row in value))}
+        plain: dict[str, Any] = {}
+        tables: list[tuple[str, Any]] = []
+        _flatten(results, "", plain, tables)
         lines = _table([{"key": key, "value": value} for key, value in plain.items()]) if plain else []
-        for key, value in results.items():
-            if key not in plain:
-                lines += ["", f"`{key}`:", "", *_table(value)]
+        for name, value in tables:
+            rows = value if isinstance(value, list) else [{"": key, **row} for key, row in value.items()]
+            lines += ["", f"`{name}`:", "", *_table(rows)]
         return lines
     return [f"`{json.dumps(results)}`"]
 

@@ -105,6 +105,22 @@ def test_a_result_file_becomes_a_table_with_its_command(tmp_path: Path) -> None:
         page.render(tmp_path)  # type: ignore[attr-defined]
 
 
+def test_nested_results_show_every_figure_by_dotted_key_and_records_of_one_kind_as_rows() -> None:
+    page = _benchmarks_page()
+    results = {"goal_s": 36, "training": {"agents": {"count": 8, "pct": 0.4625}, "launcher_s": 58.2},
+               "variants": {"none": {"ms": 490.9, "kind_ms": {"F": 153.1}, "pct": 0}, "lflb": {"ms": 515.7, "pct": 5.044,
+                                                                                "extra": True}},
+               "parts": {"link": {"latency_ms": 0.06}, "costs": {"rate": 7.06}},
+               "samples": [float(k) + 0.123456 for k in range(30)]}
+    lines = page.render_results(results)  # type: ignore[attr-defined]
+    assert "| training.agents.count | 8 |" in lines and "| training.launcher_s | 58.2 |" in lines
+    assert "| parts.link.latency_ms | 0.06 |" in lines  # objects of different kinds: opened, not rows
+    assert "| samples | (see the JSON file) |" in lines  # too long to write out
+    at = lines.index("`variants`:")
+    assert lines[at + 2:at + 6] == ["|  | ms | kind_ms | pct | extra |", "|---|---|---|---|---|",
+                                    '| none | 490.9 | `{"F": 153.1}` | 0 |  |', "| lflb | 515.7 |  | 5.044 | True |"]
+
+
 def test_no_readme_names_a_commit_and_the_front_door_is_short() -> None:
     readmes = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
     for path in readmes:

@@ -113,11 +113,19 @@ def predictions(costs: Costs, microbatches: int, variants: list[str]) -> dict[st
     return out
 
 
+def median_repeat(samples: list[float]) -> int:
+    """The index of the repeat whose time is the median (the lower one of an even count): its workers' reports
+    give the costs and the breakdown, so that one slow repeat (this machine's speed moves by tens of percent
+    between runs) does not stand for the variant."""
+    return samples.index(statistics.median_low(samples))
+
+
 def _report_variant(variant: str, workers_by_repeat: list[list[dict[str, Any]]], samples: list[float],
                     base_ms: float | None, predicted: dict[str, float] | None, none_ms: float | None) -> dict[str, Any]:
-    """One row: measured, predicted, overhead; where the time went (the slower worker per kind)."""
+    """One row: measured, predicted, overhead; where the time went (the slower worker per kind, in the median
+    repeat)."""
     ms = statistics.median(samples) * 1e3
-    last = workers_by_repeat[-1]
+    last = workers_by_repeat[median_repeat(samples)]
     kinds: dict[str, float] = {}
     for worker in last:
         for kind, seconds in worker["kinds"].items():
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted: dict[str, dict[str, float]] = {}
         costs = None
         if "none" in ran:
-            costs = measured_costs({v: reports[v][-1] for v in ran if v != "deepspeed"}, link)
+            costs = measured_costs({v: reports[v][median_repeat(samples[v])] for v in ran if v != "deepspeed"}, link)
             predicted = predictions(costs, m, ran)
         base = statistics.median(samples["deepspeed"]) * 1e3 if "deepspeed" in ran else None
         none = statistics.median(samples["none"]) * 1e3 if "none" in ran else None

@@ -125,9 +125,9 @@ def _report_variant(variant: str, workers_by_repeat: list[list[dict[str, Any]]],
     """One row: measured, predicted, overhead; where the time went (the slower worker per kind, in the median
     repeat)."""
     ms = statistics.median(samples) * 1e3
-    last = workers_by_repeat[median_repeat(samples)]
+    median_workers = workers_by_repeat[median_repeat(samples)]
     kinds: dict[str, float] = {}
-    for worker in last:
+    for worker in median_workers:
         for kind, seconds in worker["kinds"].items():
             kinds[kind] = max(kinds.get(kind, 0.0), seconds * 1e3)
     instructions = sum(v for k, v in kinds.items() if k not in ("commit", "replica_step"))
@@ -136,14 +136,14 @@ def _report_variant(variant: str, workers_by_repeat: list[list[dict[str, Any]]],
     row = {"ms_per_iteration": ms, "samples_ms": [x * 1e3 for x in samples],
            "overhead_vs_deepspeed_pct": (ms / base_ms - 1) * 100 if base_ms else None,
            "overhead_vs_none_pct": (ms / none_ms - 1) * 100 if none_ms else None,
-           "device_peak_bytes": max(w.get("device_peak", 0) for w in last),
-           "swapped_bytes_per_step": max(w.get("swapped_per_step", 0) for w in last),
-           "stash_device_peak_bytes": max(w.get("stash_device_peak", 0) for w in last),
-           "stash_bytes": max(w["stash"] for w in last), "peak_rss_mib": max(w["rss"] for w in last),
+           "device_peak_bytes": max(w.get("device_peak", 0) for w in median_workers),
+           "swapped_bytes_per_step": max(w.get("swapped_per_step", 0) for w in median_workers),
+           "stash_device_peak_bytes": max(w.get("stash_device_peak", 0) for w in median_workers),
+           "stash_bytes": max(w["stash"] for w in median_workers), "peak_rss_mib": max(w["rss"] for w in median_workers),
            "frc_ms": kinds.get("FR", 0.0), "swap_ms": kinds.get("SO", 0.0) + kinds.get("SI", 0.0),
            "brc_ms": kinds.get("BR", 0.0), "sync_ms": sync, "commit_ms": kinds.get("commit", 0.0),
            "interpreter_own_ms": own, "kind_ms": kinds,
-           "kind_ms_per_worker": [{kind: seconds * 1e3 for kind, seconds in worker["kinds"].items()} for worker in last]}
+           "kind_ms_per_worker": [{kind: seconds * 1e3 for kind, seconds in worker["kinds"].items()} for worker in median_workers]}
     if predicted is not None:
         row["predicted_ms"] = predicted["ms_per_iteration"]
         row["prediction_error_pct"] = (predicted["ms_per_iteration"] / ms - 1) * 100

@@ -108,8 +108,8 @@ def test_a_result_file_becomes_a_table_with_its_command(tmp_path: Path) -> None:
 def test_nested_results_show_every_figure_by_dotted_key_and_records_of_one_kind_as_rows() -> None:
     page = _benchmarks_page()
     results = {"goal_s": 36, "training": {"agents": {"count": 8, "pct": 0.4625}, "launcher_s": 58.2},
-               "variants": {"none": {"ms": 490.9, "kind_ms": {"F": 153.1}, "pct": 0}, "lflb": {"ms": 515.7, "pct": 5.044,
-                                                                                "extra": True}},
+               "variants": {"none": {"ms": 490.9, "kind_ms": {"F": 153.1}, "pct": 0},
+                            "lflb": {"ms": 515.7, "pct": 5.044, "extra": True}},
                "parts": {"link": {"latency_ms": 0.06}, "costs": {"rate": 7.06}},
                "samples": [float(k) + 0.123456 for k in range(30)]}
     lines = page.render_results(results)  # type: ignore[attr-defined]

@@ -139,11 +139,13 @@ def _report_variant(variant: str, workers_by_repeat: list[list[dict[str, Any]]],
            "device_peak_bytes": max(w.get("device_peak", 0) for w in median_workers),
            "swapped_bytes_per_step": max(w.get("swapped_per_step", 0) for w in median_workers),
            "stash_device_peak_bytes": max(w.get("stash_device_peak", 0) for w in median_workers),
-           "stash_bytes": max(w["stash"] for w in median_workers), "peak_rss_mib": max(w["rss"] for w in median_workers),
+           "stash_bytes": max(w["stash"] for w in median_workers),
+           "peak_rss_mib": max(w["rss"] for w in median_workers),
            "frc_ms": kinds.get("FR", 0.0), "swap_ms": kinds.get("SO", 0.0) + kinds.get("SI", 0.0),
            "brc_ms": kinds.get("BR", 0.0), "sync_ms": sync, "commit_ms": kinds.get("commit", 0.0),
            "interpreter_own_ms": own, "kind_ms": kinds,
-           "kind_ms_per_worker": [{kind: seconds * 1e3 for kind, seconds in worker["kinds"].items()} for worker in median_workers]}
+           "kind_ms_per_worker": [{kind: seconds * 1e3 for kind, seconds in worker["kinds"].items()}
+                                  for worker in median_workers]}
     if predicted is not None:
         row["predicted_ms"] = predicted["ms_per_iteration"]
         row["prediction_error_pct"] = (predicted["ms_per_iteration"] / ms - 1) * 100

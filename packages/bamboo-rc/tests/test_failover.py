@@ -28,8 +28,13 @@ TIMEOUTS = CommTimeouts(group=30.0, build=30.0, confirm=15.0)
     ],
 )
 def test_eflb_survives_kills_and_matches_the_reference(stages: int, kills: list[tuple[int, str]]) -> None:
+    _fails_over_exactly(stages, kills, "eflb")
+
+
+def _fails_over_exactly(stages: int, kills: list[tuple[int, str]], mode: str) -> None:
+    """One pipeline of ``stages``, each of ``kills`` (stage, instruction) in step 1: killed, failed over, exact."""
     points = tuple(KillPoint(stage, 0, where, step=1) for stage, where in kills)
-    result = run_verify(stages, 1, 3, "eflb", timeouts=TIMEOUTS, deadline_s=120, kills=points)
+    result = run_verify(stages, 1, 3, mode, timeouts=TIMEOUTS, deadline_s=120, kills=points)
     assert set(result.killed) == {stage for stage, _ in kills}
     assert result.failovers, "no survivor failed over"
     assert result.passed, result
@@ -157,12 +162,7 @@ def test_other_modes_fail_over_exactly(mode: str) -> None:
 def test_lflb_fails_over_exactly_with_a_replica_sync_received_ahead(stages: int, kills: list[tuple[int, str]]) -> None:
     """A shadow posts the receive of its replica's sync after its last gradient receive (`post_sync_ahead`); a
     failure after that drops it (its owner died) or leaves it to be received (another node died)."""
-    points = tuple(KillPoint(stage, 0, where, step=1) for stage, where in kills)
-    result = run_verify(stages, 1, 3, "lflb", timeouts=TIMEOUTS, deadline_s=120, kills=points)
-    assert set(result.killed) == {stage for stage, _ in kills}
-    assert result.failovers, "no survivor failed over"
-    assert result.passed, result
-    assert result.max_relative_diff <= 1e-6
+    _fails_over_exactly(stages, kills, "lflb")
 
 
 def test_adjacent_victims_raise_consecutive_failure_at_the_start_of_the_iteration(

@@ -120,10 +120,22 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+WIDE_COLUMNS = 12
+"""A table of records with more keys than this and no more rows than :data:`FEW_ROWS` is written turned: a row
+per key, a column per record (a 4-row table of 55 columns could not be read)."""
+FEW_ROWS = 4
+
+
 def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     columns: list[str] = []
     for row in rows:
         columns += [key for key in row if key not in columns]
+    if len(columns) > WIDE_COLUMNS and 1 <= len(rows) <= FEW_ROWS:
+        first, rest = columns[0], columns[1:]  # the first key names each record (the system, the run, N)
+        lines = ["| " + " | ".join([_cell(first), *(_cell(row.get(first, "")) for row in rows)]) + " |",
+                 "|" + "---|" * (len(rows) + 1)]
+        return lines + ["| " + " | ".join([_cell(key), *(_cell(row.get(key, "")) for row in rows)]) + " |"
+                        for key in rest]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(key, "")) for key in columns) + " |" for row in rows]
     return lines

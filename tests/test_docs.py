@@ -121,6 +121,16 @@ def test_nested_results_show_every_figure_by_dotted_key_and_records_of_one_kind_
                                     '| none | 490.9 | `{"F": 153.1}` | 0 |  |', "| lflb | 515.7 |  | 5.044 | True |"]
 
 
+def test_a_few_records_of_many_keys_are_written_turned() -> None:
+    page = _benchmarks_page()
+    wide = [{"agents": n, **{f"key{k}": n * k for k in range(13)}} for n in (64, 1000)]
+    lines = page.render_results(wide)  # type: ignore[attr-defined]
+    assert lines[:3] == ["| agents | 64 | 1000 |", "|---|---|---|", "| key0 | 0 | 0 |"]
+    assert lines[-1] == "| key12 | 768 | 12000 |" and len(lines) == 2 + 13
+    narrow = page.render_results(wide[:1] * 5)  # type: ignore[attr-defined]
+    assert narrow[0].startswith("| agents | key0 | key1 |") and len(narrow) == 2 + 5
+
+
 def test_no_readme_names_a_commit_and_the_front_door_is_short() -> None:
     readmes = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
     for path in readmes:

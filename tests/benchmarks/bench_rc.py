@@ -24,6 +24,10 @@ Then the simulator's prediction: the per-instruction costs measured in this run 
 and FRC per microbatch, a message, the replica sync, the commit) become a `bamboo.schedule.Costs`, and each mode's
 schedule (the one the runtime ran) is simulated with them: the predicted time per iteration against the measured
 one, and `overhead_bound_pct`, the least overhead any placement of that mode's redundant work could have had.
+
+`--costed` adds `lflb+costs` and `eflb+costs`: the same modes with their schedules searched for the costs measured
+in the same repeat (`bamboo.rc.initialize(..., schedule_costs=...)`) instead of the placement for unit costs
+that the runtime builds by default, interleaved with the others.
 """
 
 from __future__ import annotations
@@ -101,14 +105,22 @@ def measured_costs(reports: dict[str, list[dict[str, Any]]], link: dict[str, flo
                  link_gb_per_s=link_mb_per_ms)
 
 
+COSTED = "+costs"
+"""The suffix of a variant run with its schedule searched for the costs measured in the same repeat (``--costed``)."""
+
+
 def predictions(costs: Costs, microbatches: int, variants: list[str]) -> dict[str, dict[str, float]]:
-    """Each bamboo variant's simulated time per iteration (the schedule the runtime ran: unit-cost placement) and
-    the least overhead its redundancy could have (`overhead_bound_pct`), for the measured costs."""
+    """Each bamboo variant's simulated time per iteration (the schedule the runtime ran: the unit-cost placement,
+    or for a ``+costs`` variant the placement searched for the costs) and the least overhead its redundancy could
+    have (`overhead_bound_pct`), for the measured costs."""
     out = {}
     for variant in variants:
         if variant in ("deepspeed", "link"):
             continue
-        result = simulate(one_f_one_b(2, microbatches, variant), costs)
+        mode = variant.removesuffix(COSTED)
+        schedule = (one_f_one_b(2, microbatches, mode, costs.linearizer_cost(), refine=True) if variant.endswith(COSTED)
+                    else one_f_one_b(2, microbatches, mode))
+        result = simulate(schedule, costs)
         out[variant] = {"ms_per_iteration": result.makespan, "overhead_bound_pct": result.overhead_bound_pct or 0.0}
     return out
 
@@ -162,7 +174,7 @@ def _print_table(m: int, rows: dict[str, dict[str, Any]], device: str) -> None:
           + (f" {'GPU peak MiB':>12} {'swap MiB/step':>13} {'stash on GPU MiB':>16}" if gpu else ""))
     for variant, row in rows.items():
         if "error" in row:
-            print(f"{variant:<10} cannot run here: {row['error']}")
+            print(f"{variant:<10} cannot run here: {row['error']}")  # (a name of up to 10 characters: eflb+costs)
             continue
         cells = [f"{row['ms_per_iteration']:>8.1f}"]
         for key, width in (("overhead_vs_deepspeed_pct", 7), ("overhead_vs_none_pct", 8)):
@@ -182,17 +194,27 @@ def _print_table(m: int, rows: dict[str, dict[str, Any]], device: str) -> None:
           "over `none` for the costs measured here)")
 
 
-def _measure(args: argparse.Namespace, size: GPTSize, config: dict[str, Any], m: int) -> tuple[
-        dict[str, list[float]], dict[str, list[list[dict[str, Any]]]], dict[str, str]]:
+def _measure(args: argparse.Namespace, size: GPTSize, config: dict[str, Any], m: int,
+             link: dict[str, float]) -> tuple[dict[str, list[float]], dict[str, list[list[dict[str, Any]]]],
+                                             dict[str, str]]:
     """Every variant `--repeats` times, interleaved: each one's median time per iteration per repeat, its workers'
-    reports per repeat, and the first error of each variant that cannot run here (tried once)."""
-    samples: dict[str, list[float]] = {v: [] for v in args.variants}
-    reports: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in args.variants}
+    reports per repeat, and the first error of each variant that cannot run here (tried once). With ``--costed``,
+    each repeat then runs lflb and eflb again (``lflb+costs``, ``eflb+costs``) with their schedules searched for
+    the costs measured in that repeat (none's and eflb's instructions, ``link``)."""
+    variants = list(args.variants) + ([f"{v}{COSTED}" for v in args.variants if v in ("lflb", "eflb")]
+                                      if args.costed else [])
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    reports: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
     failed: dict[str, str] = {}
     for repeat in range(args.repeats):
-        for variant in [v for v in args.variants if v not in failed]:
+        for variant in [v for v in variants if v not in failed]:
+            costs = None
+            if variant.endswith(COSTED):
+                measured = {v: reports[v][-1] for v in args.variants if v != "deepspeed" and reports[v]}
+                costs = measured_costs(measured, link).to_dict()
             try:
-                workers = run_variant(variant, size, config, args.steps, args.pin, args.device)
+                workers = run_variant(variant.removesuffix(COSTED), size, config, args.steps, args.pin, args.device,
+                                      schedule_costs=costs)
             except VariantFailed as exc:
                 failed[variant] = str(exc)
                 print(f"  M={m} {variant}: cannot run here: {exc}", flush=True)
@@ -224,10 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-adam", action="store_true",
                         help="DeepSpeed's engine steps with torch's AdamW instead of its FusedAdam, which on the CPU "
                         "is a JIT-compiled op built on first use (scripts/gpu-check.sh --dry-run sets it)")
+    parser.add_argument("--costed", action="store_true",
+                        help="also run lflb and eflb with their schedules searched for the costs measured in the same "
+                        "repeat (bamboo.rc.initialize's schedule_costs), as lflb+costs and eflb+costs; needs none "
+                        "(and eflb, for the FRC's cost) among the variants")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.repeats < 1:
         parser.error(f"--steps must be >= 2 and --repeats >= 1, got {args.steps} and {args.repeats}")
+    if args.costed and "none" not in args.variants:
+        parser.error("--costed needs none among the variants: the costs come from its instructions")
     try:
         kind = resolve_device(args.device).type  # counts GPUs without starting CUDA: the workers fork after
     except ValueError as exc:
@@ -246,17 +274,18 @@ def main(argv: list[str] | None = None) -> int:
         config = deepspeed_config(m, args.micro_batch_size, args.torch_adam)
         link = run_variant("link", size, config, args.steps, args.pin,
                            worker=functools.partial(_link_worker, size=size, config=config, steps=args.steps))[0]["link"]
-        samples, reports, failed = _measure(args, size, config, m)
-        ran = [v for v in args.variants if v not in failed]
+        samples, reports, failed = _measure(args, size, config, m, link)
+        ran = [v for v in samples if v not in failed]
         predicted: dict[str, dict[str, float]] = {}
         costs = None
         if "none" in ran:
-            costs = measured_costs({v: reports[v][median_repeat(samples[v])] for v in ran if v != "deepspeed"}, link)
+            costs = measured_costs({v: reports[v][median_repeat(samples[v])] for v in ran
+                                    if v != "deepspeed" and not v.endswith(COSTED)}, link)
             predicted = predictions(costs, m, ran)
         base = statistics.median(samples["deepspeed"]) * 1e3 if "deepspeed" in ran else None
         none = statistics.median(samples["none"]) * 1e3 if "none" in ran else None
         rows = {v: {"error": failed[v]} if v in failed else
-                _report_variant(v, reports[v], samples[v], base, predicted.get(v), none) for v in args.variants}
+                _report_variant(v, reports[v], samples[v], base, predicted.get(v), none) for v in samples}
         _print_table(m, rows, kind)
         results[str(m)] = {"link": link, "costs": costs.to_dict() if costs else None, "variants": rows}
     if args.json:

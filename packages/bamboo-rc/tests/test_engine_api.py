@@ -28,6 +28,7 @@ from bamboo.rc.monitor import EVAL_LOSS, LEARNING_RATE, SAMPLES_PER_SECOND, TRAI
 from bamboo.rc.records import FailureEvent
 from bamboo.rc.testing import ForkedRanks
 from bamboo.rc.timeouts import CommTimeouts
+from bamboo.schedule import Costs, one_f_one_b
 from bamboo.schedule.engine import check_execution
 
 SIZE = GPTSize(layers=2, width=16, heads=2, sequence=8)
@@ -400,3 +401,29 @@ def test_p1_eval_batch_after_a_failover_covers_the_taken_over_share_given_its_da
         assert survivor["without"] == pytest.approx(survivors_mean, rel=1e-12)
         assert survivor["losses"] == clean[0]["losses"]
         _assert_identical({0: survivor["state"]}, {0: clean[0]["state"]})
+
+
+def test_schedule_costs_give_every_node_the_placement_searched_for_them(tiny_config: dict) -> None:
+    """`initialize(schedule_costs=...)`: each node runs the placement that `bamboo.schedule` searched for the costs
+    (here another order than the unit-cost one on both nodes); without them, the unit-cost placement."""
+    costs = Costs.bert_like(2)
+    microbatches = tiny_config["gradient_accumulation_steps"]
+
+    def streams(given: Costs | None) -> dict[int, list[str]]:
+        def member(rank: int, store: Any) -> list[str]:
+            engine = initialize(gpt_layer_specs(SIZE), tiny_config, "eflb", loss_fn=lm_loss, stages=2, rank=rank,
+                                world_size=2, store=store, job=f"costs-{given is not None}", timeouts=TIMEOUTS,
+                                schedule_costs=given)
+            stream = [str(instruction) for instruction in engine.executor.schedule.streams[rank]]
+            engine.finish()
+            return stream
+
+        with ForkedRanks(2, member) as ranks:
+            pass
+        return ranks.results
+
+    searched = one_f_one_b(2, microbatches, "eflb", costs.linearizer_cost(), refine=True)
+    unit = one_f_one_b(2, microbatches, "eflb")
+    assert all(searched.streams[n] != unit.streams[n] for n in (0, 1))
+    assert streams(costs) == {n: [str(i) for i in searched.streams[n]] for n in (0, 1)}
+    assert streams(None) == {n: [str(i) for i in unit.streams[n]] for n in (0, 1)}

@@ -8,6 +8,7 @@ from bamboo.rc.cli import main
 from bamboo.rc.faults import KillPoint, NoticePoint
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.rc.verify import DEFAULT_CONFIG, run_verify
+from bamboo.schedule import Costs, one_f_one_b
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +32,11 @@ def test_eflb_survives_kills_and_matches_the_reference(stages: int, kills: list[
     _fails_over_exactly(stages, kills, "eflb")
 
 
-def _fails_over_exactly(stages: int, kills: list[tuple[int, str]], mode: str) -> None:
-    """One pipeline of ``stages``, each of ``kills`` (stage, instruction) in step 1: killed, failed over, exact."""
+def _fails_over_exactly(stages: int, kills: list[tuple[int, str]], mode: str, costs: Costs | None = None) -> None:
+    """One pipeline of ``stages``, each of ``kills`` (stage, instruction) in step 1: killed, failed over, exact
+    (with ``costs``, on the placement searched for them)."""
     points = tuple(KillPoint(stage, 0, where, step=1) for stage, where in kills)
-    result = run_verify(stages, 1, 3, mode, timeouts=TIMEOUTS, deadline_s=120, kills=points)
+    result = run_verify(stages, 1, 3, mode, timeouts=TIMEOUTS, deadline_s=120, kills=points, schedule_costs=costs)
     assert set(result.killed) == {stage for stage, _ in kills}
     assert result.failovers, "no survivor failed over"
     assert result.passed, result
@@ -163,6 +165,18 @@ def test_lflb_fails_over_exactly_with_a_replica_sync_received_ahead(stages: int,
     """A shadow posts the receive of its replica's sync after its last gradient receive (`post_sync_ahead`); a
     failure after that drops it (its owner died) or leaves it to be received (another node died)."""
     _fails_over_exactly(stages, kills, "lflb")
+
+
+@pytest.mark.parametrize(("mode", "kills"), [("eflb", [(1, "1B1")]), ("eflb", [(2, "-1")]), ("lflb", [(1, "1OPT")])])
+def test_a_placement_searched_for_costs_fails_over_exactly(mode: str, kills: list[tuple[int, str]]) -> None:
+    """`schedule_costs`: the runtime runs the placement `bamboo.schedule` searched for the costs (here another
+    order than the unit-cost one on every node), and a failure on it fails over exactly."""
+    costs = Costs.bert_like(3)
+    searched = one_f_one_b(3, DEFAULT_CONFIG["gradient_accumulation_steps"], mode, costs.linearizer_cost(),
+                           refine=True)
+    assert all(searched.streams[n] != one_f_one_b(3, DEFAULT_CONFIG["gradient_accumulation_steps"], mode).streams[n]
+               for n in searched.streams)
+    _fails_over_exactly(3, kills, mode, costs)
 
 
 def test_adjacent_victims_raise_consecutive_failure_at_the_start_of_the_iteration(

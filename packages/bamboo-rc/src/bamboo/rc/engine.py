@@ -34,7 +34,7 @@ from bamboo.rc.failures import FailureNotices
 from bamboo.rc.layout import Layout
 from bamboo.rc.monitor import EVAL_LOSS, StepInfo
 from bamboo.rc.timeouts import CommTimeouts
-from bamboo.schedule import RedundancyChoice
+from bamboo.schedule import Costs, RedundancyChoice
 from torch.distributed import Store, TCPStore
 
 __all__ = ["Engine", "initialize"]
@@ -253,6 +253,7 @@ def initialize(
     microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     device: str | torch.device | None = None,
     global_microbatches: int | None = None,
+    schedule_costs: Costs | None = None,
 ) -> Engine:
     """Build this process's engine from a PipelineModule or a list of LayerSpecs.
 
@@ -289,6 +290,14 @@ def initialize(
     after a reconfiguration to a number of pipelines that does not divide it): the config's gradient accumulation
     steps are then this pipeline's share (:meth:`bamboo.rc.config.TrainingConfig.shares`: the first ``G mod D``
     pipelines one microbatch more). With one stage, the shares must be even.
+
+    `schedule_costs` (a :class:`bamboo.schedule.Costs`: each stage's forward, backward and FRC times, the link)
+    places the redundant work where the schedule's search finds the iteration ends soonest for those costs,
+    instead of the placement for unit costs; every rank must pass the same. The search takes about 0.2 s at
+    P = 4, M = 8 and seconds at P = 16 (``tests/benchmarks/bench_schedule.py --overhead`` prints both placements'
+    overheads for sample costs). It is not the default: on a 2-core CPU at P = 2 the searched placement ran
+    slower than the unit-cost one, although the model predicts it faster (``tests/benchmarks/bench_rc.py
+    --costed`` measures both in one run).
     """
     _check_call(redundancy)
     specs, loss_fn, stages = _unpack_model(model, loss_fn, stages)
@@ -307,7 +316,7 @@ def initialize(
     build = functools.partial(
         StageExecutor, specs, loss_fn, training, layout, stage, pipeline, store,
         redundancy=redundancy, seed=seed, job=job, timeouts=timeouts, notices=notices, stage_bounds=stage_bounds,
-        hook=hook, microbatch=microbatch, device=place,
+        hook=hook, microbatch=microbatch, device=place, schedule_costs=schedule_costs,
     )
     return _timed_engine(build, choice)
 

@@ -49,7 +49,7 @@ from bamboo.rc.stash import FrcStash
 from bamboo.rc.state import TrainableSlice
 from bamboo.rc.ties import tied_weights
 from bamboo.rc.timeouts import FINISH_POLL_S, CommTimeouts
-from bamboo.schedule import Instruction, RCMode, Schedule, one_f_one_b
+from bamboo.schedule import Costs, Instruction, RCMode, Schedule, one_f_one_b
 
 __all__ = ["HANDOVER_MARGIN", "REDUNDANCY_MODES", "ExecutorHook", "Layout", "StageExecutor"]
 
@@ -119,6 +119,7 @@ class StageExecutor(ExecutorHandover):
         clock: Clock | None = None,
         microbatch: MicrobatchSource | None = None,
         device: torch.device | None = None,
+        schedule_costs: Costs | None = None,
     ) -> None:
         ring = layout.stages == 1 and redundancy != "none"
         _check_node(redundancy, layout, stage, pipeline, ring, microbatch)
@@ -140,10 +141,24 @@ class StageExecutor(ExecutorHandover):
         self.clock = clock or SystemClock()
         self.device = device or torch.device("cpu")
         """Where this node's layers, replica, optimizer state and activations live (:mod:`bamboo.rc.device`)."""
+        self.schedule_costs = schedule_costs
+        """The stages' costs the schedule's placement of redundant work is searched for (every node of the job must
+        be given the same); None: the placement for unit costs, with no search."""
         bounds = planned_stage_bounds(specs, layout.stages) if stage_bounds is None else stage_bounds
         self.stage_bounds = check_stage_bounds(bounds, len(specs), layout.stages)
         self._build_node(ring, microbatch)
         self._start_boundary_state()
+
+    def _fault_free_schedule(self, microbatches: int, ring: bool) -> Schedule:
+        """A pipeline's fault-free schedule for ``microbatches``: with :attr:`schedule_costs`, the placement of the
+        redundant work that `bamboo.schedule`'s search finds for them (`refine`: it reaches the schedule's
+        ``overhead_bound_pct`` where the unit-cost placement does not); else the unit-cost placement."""
+        if ring:
+            return one_f_one_b(self.layout.stages, microbatches, rc="none")
+        if self.schedule_costs is None:
+            return one_f_one_b(self.layout.stages, microbatches, rc=self.redundancy)
+        return one_f_one_b(self.layout.stages, microbatches, self.redundancy, self.schedule_costs.linearizer_cost(),
+                           refine=True)
 
     def _build_node(self, ring: bool, microbatch: MicrobatchSource | None) -> None:
         """Build this node's parts: its slices (its stage and its replica), its coordinator, its groups, its
@@ -157,8 +172,7 @@ class StageExecutor(ExecutorHandover):
         if shares[pipeline] != config.micro_batches:
             raise ValueError(f"pipeline {pipeline}'s share of the global batch is {shares[pipeline]} microbatches "
                              f"(shares {list(shares)}), but its config runs {config.micro_batches}")
-        built = {count: one_f_one_b(layout.stages, count, rc="none" if ring else self.redundancy)
-                 for count in sorted(set(shares))}
+        built = {count: self._fault_free_schedule(count, ring) for count in sorted(set(shares))}
         fault_free = {d: built[count] for d, count in enumerate(shares)}  # each pipeline's, from its share
         self.coordinator = FailoverCoordinator(
             self.store, self.job, layout, pipeline, stage, fault_free, self.notices, self.timeouts, self.clock

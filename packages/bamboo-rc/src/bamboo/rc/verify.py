@@ -57,6 +57,7 @@ from bamboo.rc.worker import (
     run_config,
     worker_main,
 )
+from bamboo.schedule import Costs
 from torch.distributed import TCPStore
 
 __all__ = ["DEFAULT_CONFIG", "RELATIVE_TOLERANCE", "VerifyResult", "run_verify"]
@@ -181,6 +182,7 @@ def run_verify(
     model: VerifyModel | None = None,
     references: dict[int, ReferenceResult] | None = None,
     global_microbatches: int | None = None,
+    schedule_costs: Costs | None = None,
 ) -> VerifyResult:
     """Run the self-check and return what it measured (see the module docstring).
 
@@ -204,6 +206,7 @@ def run_verify(
     ``global_microbatches`` splits a global batch of that many microbatches over the pipelines unevenly where
     they do not divide it (the first ``G mod D`` one microbatch longer, as bamboo-launch does after a loss);
     each worker then runs its pipeline's share in place of ``config``'s gradient accumulation steps.
+    ``schedule_costs`` gives every worker the placement searched for those costs (``initialize``'s).
     """
     _check_plan(stages, pipelines, steps, redundancy, kills)
     size = size or GPTSize()
@@ -222,7 +225,8 @@ def run_verify(
                           steps=steps, redundancy=redundancy, size=size, config=config, out_dir=out_dir,
                           stage_bounds=bounds, seed=seed, timeouts=timeouts or CommTimeouts(), kills=tuple(kills),
                           notice_points=tuple(notice_points), device=device, model=model,
-                          global_microbatches=global_microbatches)
+                          global_microbatches=global_microbatches,
+                          schedule_costs=None if schedule_costs is None else schedule_costs.to_dict())
 
     outcome = _run_workers(layout, spec_for, kills, deadline_s)
     reports = outcome.reports

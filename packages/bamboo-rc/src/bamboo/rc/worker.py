@@ -34,6 +34,7 @@ from bamboo.rc.layout import Layout
 from bamboo.rc.model import GPTSize, gpt_layer_specs, lm_loss
 from bamboo.rc.timeouts import CommTimeouts
 from bamboo.reconfig import microbatch_shares
+from bamboo.schedule import Costs
 from torch.distributed import TCPStore
 
 __all__ = ["VerifyModel", "WorkerSpec", "exact_mode", "example_model", "heap_frozen_for_forks", "run_config",
@@ -115,6 +116,8 @@ class WorkerSpec:
     """The global batch in microbatches where the pipelines' shares of it differ (the first ``G mod D`` pipelines
     one longer: :meth:`bamboo.rc.config.TrainingConfig.shares`); ``config``'s gradient accumulation steps are then
     replaced by this worker's pipeline's share. None: every pipeline runs ``config``'s."""
+    schedule_costs: dict[str, Any] | None = None
+    """``initialize``'s ``schedule_costs`` (a ``bamboo.schedule.Costs`` as a dict; None: the unit-cost placement)."""
 
     def worker_config(self) -> dict[str, Any]:
         """``config`` with this worker's pipeline's share as its gradient accumulation steps (uneven shares)."""
@@ -169,6 +172,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         microbatch=model.microbatch,
         device=resolve_device(spec.device, local_rank=spec.layout.rank(spec.stage, spec.pipeline)),
         global_microbatches=spec.global_microbatches,
+        schedule_costs=None if spec.schedule_costs is None else Costs.from_dict(spec.schedule_costs),
     )
     executor = engine.executor
     first, count = config.share(spec.pipeline, spec.layout.pipelines)

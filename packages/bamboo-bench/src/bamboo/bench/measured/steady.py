@@ -152,7 +152,7 @@ def _deepspeed_worker(rank: int, port: int, stages: int, size: GPTSize, config: 
 
 
 def _bamboo_worker(rank: int, port: int, stages: int, size: GPTSize, config: dict[str, Any], steps: int, mode: str,
-                   device: str, partition: str) -> Report:
+                   device: str, partition: str, schedule_costs: dict[str, Any] | None = None) -> Report:
     from bamboo.rc.data import GlobalBatchSampler, pipeline_data_iter
     from bamboo.rc.device import peak_memory_bytes, resolve_device
     from bamboo.rc.engine import initialize
@@ -161,9 +161,12 @@ def _bamboo_worker(rank: int, port: int, stages: int, size: GPTSize, config: dic
 
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     specs = gpt_layer_specs(size)
+    from bamboo.schedule import Costs
+
     engine = initialize(specs, config, mode, loss_fn=lm_loss, stages=stages, rank=rank, world_size=stages,
                         store=store, job=f"steady-{mode}", stage_bounds=_bounds(specs, stages, partition),
-                        device=resolve_device(device, local_rank=rank))
+                        device=resolve_device(device, local_rank=rank),
+                        schedule_costs=None if schedule_costs is None else Costs.from_dict(schedule_costs))
     sampler = GlobalBatchSampler(config["train_micro_batch_size_per_gpu"], size.sequence)
     data = pipeline_data_iter(sampler, 0, config["gradient_accumulation_steps"])
     times = []
@@ -186,18 +189,20 @@ def _bamboo_worker(rank: int, port: int, stages: int, size: GPTSize, config: dic
 
 
 def _child(variant: str, rank: int, port: int, stages: int, size: GPTSize, config: dict[str, Any], steps: int,
-           device: str, partition: str, worker: Worker | None) -> Report:
+           device: str, partition: str, worker: Worker | None, schedule_costs: dict[str, Any] | None) -> Report:
     if worker is not None:
         return worker(rank, port)
     if variant == "deepspeed":
         return _deepspeed_worker(rank, port, stages, size, config, steps, device, partition)
-    return _bamboo_worker(rank, port, stages, size, config, steps, variant, device, partition)
+    return _bamboo_worker(rank, port, stages, size, config, steps, variant, device, partition, schedule_costs)
 
 
 def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int, pin: bool = True, device: str = "cpu",
-                *, stages: int = 2, partition: str = "uniform", worker: Worker | None = None) -> list[Report]:
+                *, stages: int = 2, partition: str = "uniform", worker: Worker | None = None,
+                schedule_costs: dict[str, Any] | None = None) -> list[Report]:
     """Fork the ``stages`` workers of one variant (``worker``, when given, runs in each instead, with its own
-    name); returns their reports, rank by rank (:class:`VariantFailed` when one fails). ``size`` is a
+    name); returns their reports, rank by rank (:class:`VariantFailed` when one fails). ``schedule_costs`` (a
+    ``bamboo.schedule.Costs`` as a dict) gives a bamboo variant the placement searched for those costs. ``size`` is a
     :class:`bamboo.rc.model.GPTSize`. The caller has imported torch (and, on the CPU, DeepSpeed) and called
     :func:`bamboo.rc.worker.exact_mode`'s imports already: the workers inherit them."""
     from bamboo.rc.worker import exact_mode
@@ -217,7 +222,8 @@ def run_variant(variant: str, size: GPTSize, config: dict[str, Any], steps: int,
                     exact_mode()
                     if pin:
                         _pin(rank)
-                    report = _child(variant, rank, port, stages, size, config, steps, device, partition, worker)
+                    report = _child(variant, rank, port, stages, size, config, steps, device, partition, worker,
+                                    schedule_costs)
                     Path(out, f"{rank}.json").write_text(json.dumps(report))
                 except BaseException as exc:  # report and die without running destructors
                     print(f"{variant} rank {rank}: {exc!r}", file=sys.stderr)

@@ -291,13 +291,9 @@ def initialize(
     steps are then this pipeline's share (:meth:`bamboo.rc.config.TrainingConfig.shares`: the first ``G mod D``
     pipelines one microbatch more). With one stage, the shares must be even.
 
-    `schedule_costs` (a :class:`bamboo.schedule.Costs`: each stage's forward, backward and FRC times, the link)
-    places the redundant work where the schedule's search finds the iteration ends soonest for those costs,
-    instead of the placement for unit costs; every rank must pass the same. The search takes about 0.2 s at
-    P = 4, M = 8 and seconds at P = 16 (``tests/benchmarks/bench_schedule.py --overhead`` prints both placements'
-    overheads for sample costs). It is not the default: on a 2-core CPU at P = 2 the searched placement ran
-    slower than the unit-cost one, although the model predicts it faster (``tests/benchmarks/bench_rc.py
-    --costed`` measures both in one run).
+    `schedule_costs` (a :class:`bamboo.schedule.Costs`, the same on every rank) runs the placement of the redundant
+    work that `bamboo.schedule` searched for those costs; not the default (slower on a 2-core CPU at P = 2, though
+    the model predicts it faster: ``tests/benchmarks/bench_rc.py --costed``).
     """
     _check_call(redundancy)
     specs, loss_fn, stages = _unpack_model(model, loss_fn, stages)

@@ -289,11 +289,9 @@ def initialize(
     `global_microbatches` is the global batch in microbatches where the pipelines' shares of it differ (bamboo-launch
     after a reconfiguration to a number of pipelines that does not divide it): the config's gradient accumulation
     steps are then this pipeline's share (:meth:`bamboo.rc.config.TrainingConfig.shares`: the first ``G mod D``
-    pipelines one microbatch more). With one stage, the shares must be even.
-
-    `schedule_costs` (a :class:`bamboo.schedule.Costs`, the same on every rank) runs the placement of the redundant
-    work that `bamboo.schedule` searched for those costs; not the default (slower on a 2-core CPU at P = 2, though
-    the model predicts it faster: ``tests/benchmarks/bench_rc.py --costed``).
+    pipelines one microbatch more). With one stage, the shares must be even. `schedule_costs` (a
+    :class:`bamboo.schedule.Costs`, the same on every rank) runs the placement of the redundant work searched for
+    those costs; not the default (slower on a 2-core CPU at P = 2: ``tests/benchmarks/bench_rc.py --costed``).
     """
     _check_call(redundancy)
     specs, loss_fn, stages = _unpack_model(model, loss_fn, stages)

@@ -291,7 +291,7 @@ def initialize(
     steps are then this pipeline's share (:meth:`bamboo.rc.config.TrainingConfig.shares`: the first ``G mod D``
     pipelines one microbatch more). With one stage, the shares must be even. `schedule_costs` (a
     :class:`bamboo.schedule.Costs`, the same on every rank) runs the placement of the redundant work searched for
-    those costs; not the default (slower on a 2-core CPU at P = 2: ``tests/benchmarks/bench_rc.py --costed``).
+    those costs; not the default (no consistent gain at P = 2 on a CPU: ``tests/benchmarks/bench_rc.py --costed``).
     """
     _check_call(redundancy)
     specs, loss_fn, stages = _unpack_model(model, loss_fn, stages)

@@ -157,12 +157,11 @@ def _bamboo_worker(rank: int, port: int, stages: int, size: GPTSize, config: dic
     from bamboo.rc.device import peak_memory_bytes, resolve_device
     from bamboo.rc.engine import initialize
     from bamboo.rc.model import gpt_layer_specs, lm_loss
+    from bamboo.schedule import Costs
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     specs = gpt_layer_specs(size)
-    from bamboo.schedule import Costs
-
     engine = initialize(specs, config, mode, loss_fn=lm_loss, stages=stages, rank=rank, world_size=stages,
                         store=store, job=f"steady-{mode}", stage_bounds=_bounds(specs, stages, partition),
                         device=resolve_device(device, local_rank=rank),

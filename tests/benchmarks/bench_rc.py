@@ -174,7 +174,7 @@ def _print_table(m: int, rows: dict[str, dict[str, Any]], device: str) -> None:
           + (f" {'GPU peak MiB':>12} {'swap MiB/step':>13} {'stash on GPU MiB':>16}" if gpu else ""))
     for variant, row in rows.items():
         if "error" in row:
-            print(f"{variant:<10} cannot run here: {row['error']}")  # (a name of up to 10 characters: eflb+costs)
+            print(f"{variant:<10} cannot run here: {row['error']}")
             continue
         cells = [f"{row['ms_per_iteration']:>8.1f}"]
         for key, width in (("overhead_vs_deepspeed_pct", 7), ("overhead_vs_none_pct", 8)):

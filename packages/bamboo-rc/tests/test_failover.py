@@ -171,11 +171,10 @@ def test_lflb_fails_over_exactly_with_a_replica_sync_received_ahead(stages: int,
 def test_a_placement_searched_for_costs_fails_over_exactly(mode: str, kills: list[tuple[int, str]]) -> None:
     """`schedule_costs`: the runtime runs the placement `bamboo.schedule` searched for the costs (here another
     order than the unit-cost one on every node), and a failure on it fails over exactly."""
-    costs = Costs.bert_like(3)
-    searched = one_f_one_b(3, DEFAULT_CONFIG["gradient_accumulation_steps"], mode, costs.linearizer_cost(),
-                           refine=True)
-    assert all(searched.streams[n] != one_f_one_b(3, DEFAULT_CONFIG["gradient_accumulation_steps"], mode).streams[n]
-               for n in searched.streams)
+    costs, microbatches = Costs.bert_like(3), DEFAULT_CONFIG["gradient_accumulation_steps"]
+    searched = one_f_one_b(3, microbatches, mode, costs.linearizer_cost(), refine=True)
+    unit = one_f_one_b(3, microbatches, mode)
+    assert all(searched.streams[n] != unit.streams[n] for n in searched.streams)
     _fails_over_exactly(3, kills, mode, costs)
 
 

@@ -56,6 +56,7 @@ def test_a_commit_takes_part_in_another_pipelines_failover(tmp_path: Path, monke
     dies, and rank 7 notices that failure just before it receives from rank 8 (`3RG1<4`). Rank 4 must take part in
     the rebuild of `dp-s4` from inside its commit, or the pipelines wait for each other until the group timeout."""
     in_commit, noticed = tmp_path / "rank4-in-commit", tmp_path / "rank7-noticed"
+    at_receive = tmp_path / "rank7-at-its-receive"
     now = _step_tracking(monkeypatch)
     post_allreduce = comm.GroupTable.post_allreduce
 
@@ -69,13 +70,16 @@ def test_a_commit_takes_part_in_another_pipelines_failover(tmp_path: Path, monke
     def hold_victim(self: faults.FaultInjector, executor: object, instruction: object, index: int, length: int,
                     recovering: bool) -> None:
         if executor.rank == 14 and executor.step == 2 and index == 38 and not recovering:  # type: ignore[attr-defined]
-            _wait_for(in_commit.exists)
+            # Both points first: on a loaded machine pipeline 1 lagged, and rank 14's failure was agreed before
+            # rank 7 came to its receive, so nothing was left to notice there (one run of make test).
+            _wait_for(lambda: in_commit.exists() and at_receive.exists())
         before(self, executor, instruction, index, length, recovering)  # type: ignore[arg-type]
 
     execute = interpreter.StageInterpreter.execute  # the step-tracking one
 
     def hold_receiver(self: interpreter.StageInterpreter, instruction: object) -> None:
         if self.rank == 7 and self.step == 2 and str(instruction) == "3RG1<4" and self.coordinator.epoch < 2:
+            at_receive.touch()
             if _wait_for(lambda: self.coordinator.pending_event() is not None):
                 noticed.touch()
             time.sleep(0.2)
@@ -88,6 +92,7 @@ def test_a_commit_takes_part_in_another_pipelines_failover(tmp_path: Path, monke
     result = run_verify(5, 3, 3, "efeb", timeouts=timeouts, deadline_s=120.0, global_microbatches=13,
                         kills=(KillPoint(3, 0, "7", 0), KillPoint(4, 2, "38", 2)), kills_must_fire=False)
     assert in_commit.exists(), "rank 4 never reached its commit of step 2: the race was not forced"
+    assert at_receive.exists(), "rank 7 never came to 3RG1<4 of step 2 before the failure: the race was not forced"
     assert noticed.exists(), "rank 7 never noticed the second failure before 3RG1<4: the race was not forced"
     assert len(result.killed) == 2, result.killed
     assert result.passed, result

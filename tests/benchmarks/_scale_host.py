@@ -41,7 +41,7 @@ from bamboo.launch.barrier import plan_next, publish_layout
 from bamboo.launch.coordinator import Coordinator
 from bamboo.launch.events import EtcdEventLog, EtcdEventReader, Join, Step
 from bamboo.launch.notices import EtcdFailureNotices
-from bamboo.launch.records import BarrierReady, StopDecision, WorkerWarm
+from bamboo.launch.records import BarrierReady, NodeJoined, StopDecision, WorkerWarm
 from bamboo.launch.role_watch import RoleWatch
 from bamboo.launch.spec import JobSpec
 from bamboo.launch.stop import reconfiguration_reason
@@ -120,6 +120,7 @@ class SimNode:
         self.events = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.agent.{pid}", spec.created_unix,
                                    guard=self.fenced.guard)
         self.events.write(Join(t=self.events.now(), node=self.node, zone=self.zone))
+        self.fenced.decide(f"joined-{self.node}", NodeJoined(self.node, time.time(), self.zone).to_dict())  # as the agent
         self.coordinator = Coordinator(self.fenced, self.agent, spec, self.events, say=self._coordinator_said).start()
         self.end = WatchedKey(self.fenced.kv, self.fenced.keys.decision("end"))  # the supervisor's
         self.log = EtcdEventLog(self.fenced.kv, spec.job, f"{self.node}.worker.{pid}", spec.created_unix,

@@ -15,13 +15,15 @@ from typing import Any
 import attrs
 import pytest
 from bamboo.launch.accounting import last_step_end_unix, progress_records, steps_reached
+from bamboo.launch.agent_options import AgentOptions
 from bamboo.launch.coordinator import Coordinator, published_events, read_layout
 from bamboo.launch.coordinator_failures import ZONE_SWEEP_MIN_SHARE
 from bamboo.launch.coordinator_layouts import first_layout, redo_start_layout, restart_layout
 from bamboo.launch.events import Checkpoint, EtcdEventLog, Step, event_to_dict, read_etcd_events
 from bamboo.launch.notices import publish_failure_event
-from bamboo.launch.records import Preempted, WorkerWarm
-from bamboo.launch.spec import JobSpec
+from bamboo.launch.records import NodeJoined, Preempted, WorkerWarm
+from bamboo.launch.spec import EtcdAccess, JobSpec
+from bamboo.launch.supervisor import Supervisor
 from bamboo.membership import MembershipStore, MembershipView, SweepResult
 from bamboo.membership.records import FailureReport, NodeFailed, NodeRecord, NodeState
 from bamboo.rc import FailureEvent
@@ -470,6 +472,44 @@ def test_a_new_coordinator_records_the_warm_standby_nodes_lost_before_it_followe
     assert membership.get_decision("preempted-n4").value["reason"] == (
         "its lease expired before this coordinator took over")
     assert new.round() and len(new_events.written) == 2  # once per election
+
+
+def test_a_new_coordinator_records_a_joiner_lost_before_its_worker_was_warm(membership: MembershipStore) -> None:
+    """Measured in a harsh churn run: a joiner killed 2 s after it registered, its worker still importing, and the
+    coordinator killed with it, had no record but its ``join`` event, so the report billed it to the end of the run
+    (39 s of a 86 s window). Its ``joined-`` record names it to the next coordinator, which records it once."""
+    spec = _spec(membership.keys.job)
+    old, old_agent, _old_events = _coordinator(membership, "n0", "a", spec)
+    new, _new_agent, new_events = _coordinator(membership, "n1", "b", spec)
+    others = {node: FakeAgent(membership, node, zone) for node, zone in (("n2", "c"), ("n3", "a"), ("n7", "b"))}
+    layout = first_layout(spec, {"n0": "a", "n1": "b", "n2": "c", "n3": "a"})
+    membership.put_layout(layout.to_dict(), 0)
+    membership.decide("joined-n7", NodeJoined("n7", 1.0, zone="b").to_dict())  # still starting: no warm- record
+    assert old.round() and not new.round()
+    membership.kv.revoke_lease(others["n7"].registration.lease_id)
+    membership.kv.revoke_lease(old_agent.registration.lease_id)
+    assert new.round()
+    assert [(e.node, e.zone) for e in new_events.written] == [("n0", "a"), ("n7", "b")]
+    assert membership.get_decision("preempted-n7").value["reason"] == (
+        "its lease expired before this coordinator took over")
+    assert new.round() and len(new_events.written) == 2  # once per election
+
+
+def test_an_agent_records_that_it_joined_beside_its_join_event(membership: MembershipStore) -> None:
+    """The ``joined-`` record is written with the ``join`` event, by the agent, before any worker starts."""
+    from bamboo.launch.records import read_record
+
+    options = AgentOptions(job=membership.keys.job, etcd=EtcdAccess(endpoints=("127.0.0.1:1",)), node="j1",
+                           zone="b", run_dir="/tmp")
+    supervisor = Supervisor(options, _spec(membership.keys.job), membership, "j1", "b", say=lambda _: None,
+                            wake=threading.Event())
+    supervisor.start(announce=True, wrote_spec=False)
+    try:
+        joined = read_record(NodeJoined, membership.get_decision("joined-j1"))
+        assert joined is not None and (joined.node, joined.zone) == ("j1", "b")
+    finally:
+        supervisor.coordinator.stop()
+        supervisor.agent.stop(leave=True, grace=0)
 
 
 def test_a_node_that_handed_over_and_then_was_confirmed_dead_has_one_preemption_record(

@@ -56,6 +56,7 @@ from bamboo.launch.notices import published_events
 from bamboo.launch.records import (
     AttemptOutcome,
     Leader,
+    NodeJoined,
     WorkerWarm,
     node_of_decision,
     outcome_name,
@@ -291,10 +292,11 @@ class Coordinator(FailurePublisher):
 
     def _catch_up_lost(self, layout: JobLayout | None) -> None:
         """Once per election, after the failures known were published: a node of the current layout, or a node
-        whose worker became warm (a standby or joining node), that is neither registered nor recorded left the
-        membership before this agent followed it (its lease expired while its killed coordinator no longer
-        watched, and no neighbour of it was left to report it). It gets its preemption record now; a node that
-        handed its stage over after a notice recorded its own. Two prefix reads, whatever the job's history."""
+        that joined (its ``joined-`` record: a standby or joining node, warm or still starting), that is neither
+        registered nor recorded left the membership before this agent followed it (its lease expired while its
+        killed coordinator no longer watched, and no neighbour of it was left to report it). It gets its
+        preemption record now; a node that handed its stage over after a notice recorded its own. Four prefix
+        reads, whatever the job's history."""
         if not self._catch_up or layout is None:
             return
         self._catch_up = False
@@ -306,6 +308,12 @@ class Coordinator(FailurePublisher):
             known.add(node := node_of_decision(item.key, "warm-"))
             with contextlib.suppress(ValueError, RecordError):  # a malformed record still names its node
                 zone = WorkerWarm.from_dict(json.loads(item.value)).zone
+                if zone:
+                    self._zones.setdefault(node, zone)
+        for item in self.membership.kv.get_prefix(self.membership.keys.decision("joined-")):
+            known.add(node := node_of_decision(item.key, "joined-"))
+            with contextlib.suppress(ValueError, RecordError):
+                zone = NodeJoined.from_dict(json.loads(item.value)).zone
                 if zone:
                     self._zones.setdefault(node, zone)
         recorded = {node_of_decision(item.key, "preempted-")

@@ -15,6 +15,7 @@ Decisions live under ``/bamboo/<job>/decisions/<name>`` and are written first-wr
 | ``g<G>-outcome`` | :class:`AttemptOutcome` | the first node that can tell whether attempt G goes ahead |
 | ``g<g>-epoch-<e>`` | ``bamboo.rc.FailureEvent`` | the elected coordinator: the ranks of generation g that died |
 | ``preempted-<node>`` | :class:`Preempted` | the coordinator, once per confirmed node, or the node itself when it hands its stage over after a notice; its writer writes the ``preemption`` event |
+| ``joined-<node>`` | :class:`NodeJoined` | an agent once it registered and wrote its ``join`` event |
 | ``warm-<node>`` | :class:`WorkerWarm` | a worker once its model is built and it waits for a role |
 | ``error-<node>`` | :class:`WorkerError` | a worker that failed: its last exception line |
 | ``end`` | :class:`JobEnd` | the first worker that finished the job, or found that it cannot go on |
@@ -49,6 +50,7 @@ __all__ = [
     "JobEnd",
     "Leader",
     "NodeBuilt",
+    "NodeJoined",
     "NodeUp",
     "Preempted",
     "PreparedLayout",
@@ -264,6 +266,20 @@ class WorkerWarm(_Record):
     at: float = attrs.field(validator=_finite)
     zone: str | None = attrs.field(default=None, validator=_optional_string)
     """The node's zone: what its preemption record says if it is lost while no coordinator follows the membership."""
+
+
+@attrs.frozen
+class NodeJoined(_Record):
+    """A node whose agent registered and announced itself (its ``join`` event): the job bills it from then on.
+
+    It outlives the node's lease, so a coordinator elected after the node died unseen (its lease expired while the
+    previous coordinator, killed, no longer followed the membership) still knows to record its preemption: a
+    joiner killed before its worker was warm had no other record, and was billed to the end of the run."""
+
+    NAME: ClassVar[str] = "join record"
+    node: str = attrs.field(validator=_node)
+    at: float = attrs.field(validator=_finite)
+    zone: str | None = attrs.field(default=None, validator=_optional_string)
 
 
 @attrs.frozen

@@ -20,7 +20,7 @@ from bamboo.launch import timeouts
 from bamboo.launch.agent_options import AgentOptions
 from bamboo.launch.agent_watch import AGENT_PID_ENV
 from bamboo.launch.forkserver import ForkedProcess, spawn
-from bamboo.launch.records import JobEnd, WorkerError, WorkerWarm, read_record
+from bamboo.launch.records import JobEnd, NodeJoined, WorkerError, WorkerWarm, read_record
 from bamboo.launch.spec import AGENT_DONE, AGENT_JOB_FAILED, ENV_CONTEXT, JobSpec, WorkerContext
 from bamboo.launch.worker_records import SPAWNED_ENV
 
@@ -76,6 +76,7 @@ class Supervisor:
         if announce:
             self.events.write(Join(t=self.events.now(), node=self.node, zone=self.zone or "default",
                                    returns=self.returns))
+            self.fenced.decide(f"joined-{self.node}", NodeJoined(self.node, time.time(), self.zone or None).to_dict())
         self.coordinator = Coordinator(self.fenced, self.agent, spec, self.events, say=self.say).start()
         hook = preemption_hook(options.preemption_notices, options.metadata_url)
         if hook is not None:  # the cloud's notice becomes this node's preemption notice, as SIGTERM does

@@ -97,6 +97,32 @@ def test_a_node_preempted_before_its_join_was_recorded_is_billed_nothing(sample_
     assert compute_report(events).preemptions == compute_report(sample_run()).preemptions + 1
 
 
+def test_a_market_record_bills_each_machine_from_its_start_to_its_kill(tmp_path: Path,
+                                                                        sample_run: Callable[[], list]) -> None:
+    """The job's records bill n1 from its agent's join (t = 0) to its confirmed loss (1800 s) and n2 from 2700 s;
+    the market started n1 at 0 and killed it 600 s earlier than the job saw it (a standby node's loss is seen a
+    lease's TTL late), and started n2 60 s before its agent joined. Billed by the market: the machines' own
+    lives, in the report and the timeline alike; the samples do not move."""
+    import json
+
+    from bamboo.bench.emulated.run_results import MARKET_LOG, market_billing
+
+    events = sample_run()
+    unix = events[0].unix_time
+    lines = [("add", "n0", 0.0), ("add", "n1", 0.0), ("kill", "n1", 1200.0), ("add", "n2", 2640.0)]
+    (tmp_path / MARKET_LOG).write_text("".join(json.dumps({"action": action, "node": node, "zone": "a",
+                                                            "unix": unix + t}) + "\n" for action, node, t in lines))
+    billing = market_billing(tmp_path, events)
+    assert billing is not None and market_billing(tmp_path / "elsewhere", events) is None
+    by_job, by_market = compute_report(events), compute_report(events, billing=billing)
+    assert by_job.node_hours == pytest.approx(1.75)
+    assert by_market.node_hours == pytest.approx(1.0 + 1200 / 3600 + 960 / 3600)  # n0, n1, n2
+    assert by_market.cost_spot == pytest.approx(by_market.node_hours * 0.918)
+    assert by_market.samples == by_job.samples and by_market.throughput == by_job.throughput
+    timeline = compute_timeline(events, bins=4, billing=billing)
+    assert sum(timeline.nodes) * 900 == pytest.approx(by_market.node_hours * 3600)
+
+
 def test_timeline_conserves_node_seconds_and_samples(sample_run: Callable[[], list]) -> None:
     timeline = compute_timeline(sample_run(), bins=8)
     width = 3600 / 8

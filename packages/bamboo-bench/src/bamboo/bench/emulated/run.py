@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import os
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from bamboo.bench.emulated.market import ActionKind, MarketAction, StartedClock
 from bamboo.bench.emulated.run_agents import agent_command, initial_plan, run_spec_fields, write_spec
 from bamboo.bench.emulated.run_options import RunError, RunHandles, RunOptions, RunResult
 from bamboo.bench.emulated.run_results import (
+    MARKET_LOG,
     compare_with_reference,
     load_reports,
     read_failures,
@@ -111,7 +113,8 @@ def run_cluster(
     etcd, endpoints, kv, membership = _open_job(options, job, len(initial), run_dir, say, warming)
     cluster = _agents(options, job, endpoints, run_dir, len(initial), say)
     clock = StartedClock()
-    market = SpotMarket(plan, cluster, on_action=_market_lines(say), clock=clock)
+    (run_dir / MARKET_LOG).unlink(missing_ok=True)
+    market = SpotMarket(plan, cluster, on_action=_market_lines(say, run_dir / MARKET_LOG), clock=clock)
     recorder = EventRecorder(kv, job, events_path)
     timed_out = False
     stalled: str | None = None
@@ -275,9 +278,14 @@ def _finisher(membership: MembershipStore, say: Callable[[str], None]) -> Callab
     return finish
 
 
-def _market_lines(say: Callable[[str], None]) -> Callable[[ExecutedAction], None]:
-    """The market's ``on_action``: a line for each kill, and each node added after the start."""
+def _market_lines(say: Callable[[str], None], log: Path) -> Callable[[ExecutedAction], None]:
+    """The market's ``on_action``: a line for each kill, and each node added after the start; and every start and
+    kill appended to ``log`` (:data:`bamboo.bench.emulated.run_results.MARKET_LOG`)."""
     def record(executed: ExecutedAction) -> None:
+        if executed.action.kind in (ActionKind.ADD, ActionKind.KILL):
+            with log.open("a") as out:
+                out.write(json.dumps({"action": executed.action.kind.value, "node": executed.live_node,
+                                      "zone": executed.action.zone, "unix": time.time()}) + "\n")
         if executed.action.kind is ActionKind.KILL:
             say(f"market: killed {executed.live_node} ({executed.action.zone})")
         elif executed.action.kind is ActionKind.ADD and executed.action.at_s > 0:

@@ -1,6 +1,6 @@
 """What a finished run left, read back: the failures and worker errors published in etcd, the job's records
-kept for ``--verify``, the workers' final reports, and the check against a fault-free single-process run
-(:func:`compare_with_reference`)."""
+kept for ``--verify``, the workers' final reports, the market's record of its machines (:func:`market_billing`),
+and the check against a fault-free single-process run (:func:`compare_with_reference`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,38 @@ from typing import TYPE_CHECKING
 from bamboo.bench.emulated.run_options import RunError, RunOptions, RunResult, Verification, WorkerReport
 
 if TYPE_CHECKING:
+    from bamboo.launch.events import Event
     from bamboo.membership import MembershipStore
 
-__all__ = ["compare_with_reference", "dumps_result", "last_step", "load_reports", "read_failures", "read_worker_errors",
-           "save_records", "unfinished"]
+__all__ = ["MARKET_LOG", "compare_with_reference", "dumps_result", "last_step", "load_reports", "market_billing",
+           "read_failures", "read_worker_errors", "save_records", "unfinished"]
+
+MARKET_LOG = "market.jsonl"
+"""The emulated market's own record of its machines, in the run dir: one JSON line per machine started or killed
+(``action``: ``add`` or ``kill``, ``node``, ``zone``, ``unix``), written as the market acts."""
+
+
+def market_billing(run_dir: Path, events: list[Event]) -> list[Event] | None:
+    """The market's machines as ``join`` and ``preemption`` records on the run's clock (the ``run_start`` of
+    ``events``): what a cloud bills, from a machine's start to its kill. The job's own records bill a machine from
+    its agent's registration to the confirmation of its loss, which comes a lease's TTL late for a node no
+    neighbour watches (a standby node, a joiner). None when the run dir has no market record."""
+    from bamboo.launch.events import Join, Preemption, RunStart
+
+    path = run_dir / MARKET_LOG
+    starts = [event.unix_time for event in events if isinstance(event, RunStart)]
+    if not path.exists() or not starts:
+        return None
+    billed: list[Event] = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        t = max(0.0, float(record["unix"]) - starts[0])
+        if record["action"] == "add":
+            billed.append(Join(t=t, node=record["node"], zone=record["zone"] or "default"))
+        elif record["action"] == "kill":
+            billed.append(Preemption(t=t, node=record["node"], zone=record["zone"] or "default", notice_s=0.0,
+                                     reason="killed by the market"))
+    return billed
 
 
 def read_failures(membership: MembershipStore) -> tuple[tuple[int, ...], tuple[str, ...], str | None]:

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 from bamboo.bench import timeouts
 from bamboo.bench.emulated.run import RunError, RunHandles, RunOptions, run_cluster
+from bamboo.bench.emulated.run_results import market_billing
 from bamboo.bench.measured.baseline import RestartCost
 from bamboo.bench.measured.measure import (
     PROFILE_MIN_STEPS,
@@ -118,9 +119,12 @@ def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | N
     events = read_events(events_path)
     price = options.on_demand_price if options.system == "on-demand" else options.spot_price
     prices = Prices(spot=price, on_demand=options.on_demand_price)
+    # Every system is billed by the market, as a cloud bills: the checkpoint baseline's own records are the
+    # market's; Bamboo's confirm a loss only when it is seen (a standby node's: a lease's TTL after its kill).
+    billing = None if options.system == "checkpoint" else market_billing(run_dir, events)
     try:
-        report = compute_report(events, prices)
-        timeline = compute_timeline(events, prices, options.bins)
+        report = compute_report(events, prices, billing)
+        timeline = compute_timeline(events, prices, options.bins, billing)
     except ReportError as error:
         raise MeasureError(f"{options.system}: {error} (run dir {run_dir})") from None
     measured = measure_events(events, options.system, warm_unix=warm, restarts=restarts,

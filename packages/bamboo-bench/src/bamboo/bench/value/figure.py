@@ -37,10 +37,12 @@ class Timeline:
     preemption_times: tuple[float, ...]
 
 
-def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = DEFAULT_BINS) -> Timeline:
+def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins: int = DEFAULT_BINS,
+                     billing: Sequence[Event] | None = None) -> Timeline:
     """Bin the run into ``bins`` equal windows: average alive nodes, throughput, $/h and value.
 
-    A step's samples are spread evenly over ``[t - duration_s, t]`` (clipped to the window).
+    A step's samples are spread evenly over ``[t - duration_s, t]`` (clipped to the window). ``billing`` as for
+    :func:`bamboo.bench.value.compute_report`.
     """
     prices = prices or Prices()
     if bins < 1:
@@ -53,7 +55,8 @@ def compute_timeline(events: Sequence[Event], prices: Prices | None = None, bins
         raise ReportError(f"the run has no duration (start t={start}, end t={end})")
     width = (end - start) / bins
     edges = [start + i * width for i in range(bins + 1)]
-    intervals = [span for spans in node_intervals(ordered, end).values() for span in spans]
+    billed = ordered if billing is None else sorted(billing, key=lambda e: e.t)
+    intervals = [span for spans in node_intervals(billed, end).values() for span in spans]
     nodes = []
     for lo, hi in itertools.pairwise(edges):
         overlap = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)

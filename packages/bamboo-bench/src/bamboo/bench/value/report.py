@@ -213,14 +213,16 @@ def node_intervals(events: Sequence[Event], end: float) -> dict[str, list[tuple[
     return intervals
 
 
-def compute_report(events: Sequence[Event], prices: Prices | None = None) -> Report:
-    """The run's report from its event log (any order; sorted by ``t`` here)."""
+def compute_report(events: Sequence[Event], prices: Prices | None = None,
+                   billing: Sequence[Event] | None = None) -> Report:
+    """The run's report from its event log (any order; sorted by ``t`` here). ``billing``: the ``join`` and
+    ``preemption`` records that bill the nodes, where a market kept its own (default: those of ``events``)."""
     prices = prices or Prices()
     if not events:
         raise ReportError("the event log is empty")
     ordered = sorted(events, key=lambda e: e.t)
     start, end, job = run_window(ordered)
-    intervals = node_intervals(ordered, end)
+    intervals = node_intervals(ordered if billing is None else sorted(billing, key=lambda e: e.t), end)
     records = [e for e in ordered if isinstance(e, Step)]
     if not records:
         raise ReportError("the event log has no step records, so there is no throughput to report")

@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 from bamboo.bench.emulated.run import RunHandles, RunOptions, compare_with_reference, run_cluster
-from bamboo.launch.events import Failover, Join, Reconfiguration, read_events
+from bamboo.bench.emulated.run_results import market_billing
+from bamboo.launch.events import Failover, Join, Preemption, Reconfiguration, read_events
 from bamboo.rc.model import GPTSize, gpt_layer_specs, stage_bounds
 from bamboo.reconfig import JobLayout
 
@@ -130,6 +131,10 @@ def test_kills_consecutive_pair_join_and_reconfigurations_match_a_fault_free_run
     assert set(result.failed_nodes) == {"node1", *killed_pair}
     assert_preempted(events, {"node1", *killed_pair})
     assert "node8" in {e.node for e in events if isinstance(e, Join)}
+    billed = market_billing(result.run_dir, events)  # the report bills each machine from its start to its kill
+    assert billed is not None
+    assert {e.node for e in billed if isinstance(e, Preemption)} == {"node1", *killed_pair}
+    assert {e.node for e in billed if isinstance(e, Join)} == {f"node{k}" for k in range(9)}
     reconfigurations = [e for e in events if isinstance(e, Reconfiguration)]
     assert len(reconfigurations) >= 2, reconfigurations
     assert reconfigurations[0].pipelines == 2 and reconfigurations[0].bytes_moved > 0

@@ -125,7 +125,7 @@ def run_cluster(
     worker_errors: tuple[tuple[str, str], ...] = ()
 
     def handles_of(node_of_rank: dict[int, str]) -> RunHandles:
-        return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say), events_path,
+        return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say, run_dir / MARKET_LOG), events_path,
                           _finisher(membership, say), lambda: recorder.last_step)
 
     try:
@@ -278,14 +278,18 @@ def _finisher(membership: MembershipStore, say: Callable[[str], None]) -> Callab
     return finish
 
 
+def _note_machine(log: Path, action: str, node: str, zone: str | None) -> None:
+    """Append a machine's start (``add``) or kill to ``log`` (:data:`bamboo.bench.emulated.run_results.MARKET_LOG`)."""
+    with log.open("a") as out:
+        out.write(json.dumps({"action": action, "node": node, "zone": zone, "unix": time.time()}) + "\n")
+
+
 def _market_lines(say: Callable[[str], None], log: Path) -> Callable[[ExecutedAction], None]:
     """The market's ``on_action``: a line for each kill, and each node added after the start; and every start and
-    kill appended to ``log`` (:data:`bamboo.bench.emulated.run_results.MARKET_LOG`)."""
+    kill noted in ``log``."""
     def record(executed: ExecutedAction) -> None:
         if executed.action.kind in (ActionKind.ADD, ActionKind.KILL):
-            with log.open("a") as out:
-                out.write(json.dumps({"action": executed.action.kind.value, "node": executed.live_node,
-                                      "zone": executed.action.zone, "unix": time.time()}) + "\n")
+            _note_machine(log, executed.action.kind.value, executed.live_node, executed.action.zone)
         if executed.action.kind is ActionKind.KILL:
             say(f"market: killed {executed.live_node} ({executed.action.zone})")
         elif executed.action.kind is ActionKind.ADD and executed.action.at_s > 0:
@@ -306,12 +310,14 @@ def _end_the_log(events_path: Path, run_dir: Path) -> None:
                              steps=max((r["steps_done"] for r in reports.values()), default=0)))
 
 
-def _preempter(cluster: ProcessCluster, say: Callable[[str], None]) -> Callable[[str], None]:
-    """A ``RunHandles.preempt``: SIGKILL the node's agent and worker, and say so. ``node`` is an emulated
-    node (``node2``) or one of its agent's incarnations (``node2.2``, after it came back as a fresh node)."""
+def _preempter(cluster: ProcessCluster, say: Callable[[str], None], log: Path) -> Callable[[str], None]:
+    """A ``RunHandles.preempt``: SIGKILL the node's agent and worker, note the machine's kill in ``log``, and say
+    so. ``node`` is an emulated node (``node2``) or one of its agent's incarnations (``node2.2``, after it came
+    back as a fresh node)."""
     def preempt(node: str) -> None:
         process = node if node in cluster.processes else node.rsplit(".", 1)[0]
         cluster.kill(process)
+        _note_machine(log, ActionKind.KILL.value, process, cluster.zones.get(process))
         say(f"killed {node} ({cluster.zones.get(process, 'unknown')})")
 
     return preempt

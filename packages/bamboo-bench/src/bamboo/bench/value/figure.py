@@ -93,6 +93,7 @@ def plot_report(
     out: str | Path,
     prices: Prices | None = None,
     bins: int = DEFAULT_BINS,
+    billing: Sequence[Event] | None = None,
 ) -> Path:
     """Write the four-panel figure (nodes, throughput, cost, value over time) to ``out`` (PNG).
 
@@ -101,7 +102,8 @@ def plot_report(
     simulator results and a model profile, not a measured run, so the figure is drawn here with
     the same panels, labels and colours: the run in green (bench's Bamboo colour), preemptions as
     red ticks on the cluster panel, and the on-demand reference in grey on the value panel (and on
-    the throughput and cost panels when a measured on-demand run is given in ``prices``).
+    the throughput and cost panels when a measured on-demand run is given in ``prices``). ``billing`` as for
+    :func:`bamboo.bench.value.compute_report`.
     """
     import matplotlib
 
@@ -109,8 +111,8 @@ def plot_report(
     import matplotlib.pyplot as plt
 
     prices = prices or Prices()
-    report = compute_report(events, prices)
-    timeline = compute_timeline(events, prices, bins)
+    report = compute_report(events, prices, billing)
+    timeline = compute_timeline(events, prices, bins, billing)
     width = (timeline.times[1] - timeline.times[0]) if len(timeline.times) > 1 else 0.0
     minutes = [(t + width / 2) / 60.0 for t in timeline.times]  # bin centres
     figure, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)

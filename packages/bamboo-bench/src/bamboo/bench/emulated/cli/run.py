@@ -16,7 +16,7 @@ from typing import Any
 from bamboo.bench.argtypes import PREEMPTIONS_HELP, default_of, non_negative_float, positive_float, zones
 from bamboo.bench.emulated.run import RunError, RunOptions, RunResult, compare_with_reference, run_cluster
 from bamboo.bench.emulated.run_options import Verification
-from bamboo.bench.emulated.run_results import unfinished
+from bamboo.bench.emulated.run_results import market_billing, unfinished
 from bamboo.bench.emulated.stop_signals import stopped_like_ctrl_c
 from bamboo.bench.value import compute_report, format_report, plot_report
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
@@ -219,7 +219,8 @@ def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
     """Print a finished run's report (and what went wrong, one line each); the exit status: 1 when the job
     failed, timed out or did not verify, else 0."""
     events = read_events(result.events)
-    report = compute_report(events)
+    billing = market_billing(result.run_dir, events)  # each machine from the market's start of it to its kill
+    report = compute_report(events, billing=billing)
     status = 0
     extra: dict[str, Any] = {"run_dir": str(result.run_dir), "events": str(result.events),
                              "failed_ranks": list(result.failed_ranks), "timed_out": result.timed_out}
@@ -260,7 +261,7 @@ def finish_run(args: argparse.Namespace, options: RunOptions, result: RunResult,
         extra["stopped"] = unfinished(result)
         status = 1
     if args.plot:
-        plot_report(events, args.plot)
+        plot_report(events, args.plot, billing=billing)
     if args.json:
         print(json.dumps({**report.to_dict(), **extra}))
     else:

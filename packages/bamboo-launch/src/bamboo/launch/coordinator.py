@@ -44,7 +44,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -304,24 +304,27 @@ class Coordinator(FailurePublisher):
             return  # the job ended: its nodes leave on purpose
         registered = self.membership.list_nodes(skip_malformed=True)  # read now: a view may predate the following
         known = set(layout.ranks)
-        for item in self._warm_records.items() if self._warm_records is not None else []:
-            known.add(node := node_of_decision(item.key, "warm-"))
-            with contextlib.suppress(ValueError, RecordError):  # a malformed record still names its node
-                zone = WorkerWarm.from_dict(json.loads(item.value)).zone
-                if zone:
-                    self._zones.setdefault(node, zone)
-        for item in self.membership.kv.get_prefix(self.membership.keys.decision("joined-")):
-            known.add(node := node_of_decision(item.key, "joined-"))
-            with contextlib.suppress(ValueError, RecordError):
-                zone = NodeJoined.from_dict(json.loads(item.value)).zone
-                if zone:
-                    self._zones.setdefault(node, zone)
+        known |= self._nodes_named(self._warm_records.items() if self._warm_records is not None else [], WorkerWarm)
+        known |= self._nodes_named(self.membership.kv.get_prefix(self.membership.keys.decision("joined-")), NodeJoined)
         recorded = {node_of_decision(item.key, "preempted-")
                     for item in self.membership.kv.get_prefix(self.membership.keys.decision("preempted-"))}
         recorded |= {node_of_decision(item.key, "handover-")
                      for item in self.membership.kv.get_prefix(self.membership.keys.decision("handover-"))}
         for node in sorted(known - set(registered) - recorded - self._preempted - {self.node}):
             self._confirm_lost(node, "its lease expired before this coordinator took over")
+
+    def _nodes_named(self, items: Iterable[KeyValue], kind: type[WorkerWarm | NodeJoined]) -> set[str]:
+        """The nodes that the ``warm-`` or ``joined-`` decisions ``items`` name, their zones remembered (a malformed
+        record still names its node)."""
+        prefix = "warm-" if kind is WorkerWarm else "joined-"
+        nodes: set[str] = set()
+        for item in items:
+            nodes.add(node := node_of_decision(item.key, prefix))
+            with contextlib.suppress(ValueError, RecordError):
+                zone = kind.from_dict(json.loads(item.value)).zone
+                if zone:
+                    self._zones.setdefault(node, zone)
+        return nodes
 
     def _loop(self) -> None:
         polled = True

@@ -125,8 +125,8 @@ def run_cluster(
     worker_errors: tuple[tuple[str, str], ...] = ()
 
     def handles_of(node_of_rank: dict[int, str]) -> RunHandles:
-        return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say, run_dir / MARKET_LOG), events_path,
-                          _finisher(membership, say), lambda: recorder.last_step)
+        return RunHandles(etcd, cluster, membership, node_of_rank, _preempter(cluster, say, run_dir / MARKET_LOG),
+                          events_path, _finisher(membership, say), lambda: recorder.last_step)
 
     try:
         say(f"starting {len(initial)} agents")

@@ -5,6 +5,7 @@ and the check against a fault-free single-process run (:func:`compare_with_refer
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ MARKET_LOG = "market.jsonl"
 (``action``: ``add`` or ``kill``, ``node``, ``zone``, ``unix``), written as the market acts."""
 
 
-def market_billing(run_dir: Path, events: list[Event]) -> list[Event] | None:
+def market_billing(run_dir: Path, events: Sequence[Event]) -> list[Event] | None:
     """The market's machines as ``join`` and ``preemption`` records on the run's clock (the ``run_start`` of
     ``events``): what a cloud bills, from a machine's start to its kill. The job's own records bill a machine from
     its agent's registration to the confirmation of its loss, which comes a lease's TTL late for a node no

@@ -70,8 +70,8 @@ def test_a_commit_takes_part_in_another_pipelines_failover(tmp_path: Path, monke
     def hold_victim(self: faults.FaultInjector, executor: object, instruction: object, index: int, length: int,
                     recovering: bool) -> None:
         if executor.rank == 14 and executor.step == 2 and index == 38 and not recovering:  # type: ignore[attr-defined]
-            # Both points first: on a loaded machine pipeline 1 lagged, and rank 14's failure was agreed before
-            # rank 7 came to its receive, so nothing was left to notice there (one run of make test).
+            # Both points first: held only until rank 4's commit, one loaded make test slipped past the race (rank 7
+            # noticed nothing at its receive); waiting for rank 7 there too makes the order certain.
             _wait_for(lambda: in_commit.exists() and at_receive.exists())
         before(self, executor, instruction, index, length, recovering)  # type: ignore[arg-type]
 

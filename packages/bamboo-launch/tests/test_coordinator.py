@@ -477,12 +477,12 @@ def test_a_new_coordinator_records_the_warm_standby_nodes_lost_before_it_followe
     assert new.round() and len(new_events.written) == 3  # once per election
 
 
-def test_an_agent_records_that_it_joined_beside_its_join_event(membership: MembershipStore) -> None:
+def test_an_agent_records_that_it_joined_beside_its_join_event(membership: MembershipStore, tmp_path: Path) -> None:
     """The ``joined-`` record is written with the ``join`` event, by the agent, before any worker starts."""
     from bamboo.launch.records import read_record
 
     options = AgentOptions(job=membership.keys.job, etcd=EtcdAccess(endpoints=("127.0.0.1:1",)), node="j1",
-                           zone="b", run_dir="/tmp")
+                           zone="b", run_dir=str(tmp_path))
     supervisor = Supervisor(options, _spec(membership.keys.job), membership, "j1", "b", say=lambda _: None,
                             wake=threading.Event())
     supervisor.start(announce=True, wrote_spec=False)

@@ -119,9 +119,10 @@ def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | N
     events = read_events(events_path)
     price = options.on_demand_price if options.system == "on-demand" else options.spot_price
     prices = Prices(spot=price, on_demand=options.on_demand_price)
-    # Every system is billed by the market, as a cloud bills: the checkpoint baseline's own records are the
-    # market's; Bamboo's confirm a loss only when it is seen (a standby node's: a lease's TTL after its kill).
-    billing = None if options.system == "checkpoint" else market_billing(run_dir, events)
+    # Every system is billed by the market, as a cloud bills: a Bamboo run's market left its record in the run
+    # dir (its own records confirm a loss only when it is seen: a standby node's a lease's TTL after its kill);
+    # the checkpoint baseline has none, and its own records are the market's.
+    billing = market_billing(run_dir, events)
     try:
         report = compute_report(events, prices, billing)
         timeline = compute_timeline(events, prices, options.bins, billing)

@@ -50,7 +50,7 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "1/3 bamboo-launch run: 8 nodes in 3 zones, P=4, D=2, tiny GPT, synthetic preemptions (rate 0.33/h, seed $SEED)"
 $BIN/bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps "${DEMO_STEPS:-500}" \
   --preemptions synthetic:0.33 --hours 1.45 --seed "$SEED" --time-scale 60 \
-  --ttl 10 --grace 10 --timeout 420 --checkpoint-dir "$OUT/checkpoints" --checkpoint-every 20 --run-dir "$OUT/run" --plot "$OUT/run.png" --verify
+  --ttl 10 --grace 10 --timeout 420 --checkpoint-dir "$OUT/checkpoints" --run-dir "$OUT/run" --plot "$OUT/run.png" --verify
 
 TRACE=../shared/traces/bamboo/p3-trace.csv
 LONG_RUN=()

@@ -106,7 +106,8 @@ class Events:
 
 def _spec(job: str, **changes: Any) -> JobSpec:
     fields: dict[str, Any] = {"job": job, "stages": 2, "pipelines": 2, "steps": 10, "micro_batches": 4,
-                              "created_unix": 1.0, "layers": [LAYER] * 4, "config": {}, "redundancy": "eflb"}
+                              "created_unix": 1.0, "layers": [LAYER] * 4, "config": {}, "redundancy": "eflb",
+                              "checkpoint_every": 10, "memory_copy_every": 10}
     fields.update(changes)
     return JobSpec(**fields)
 

@@ -151,7 +151,7 @@ def test_the_layout_carries_the_mode_and_every_worker_reads_it() -> None:
     assert data["redundancy"]["mode"] == layout.redundancy.mode
     assert JobLayout.from_dict(data) == layout
     assert layout_mode(spec, layout) == layout.redundancy.mode
-    plain = JobSpec(**{**attrs.asdict(spec), "redundancy": "lflb"})
+    plain = JobSpec(**{**attrs.asdict(spec), "redundancy": "lflb", "checkpoint_every": 10, "memory_copy_every": 10})
     fixed = first_layout(plain, {f"n{i}": "a" for i in range(4)})
     assert "redundancy" not in fixed.to_dict() and layout_mode(plain, fixed) == "lflb"  # without auto: as before
     assert with_mode(plain, fixed, kv=None) is fixed

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from bamboo.launch import timeouts
 from bamboo.launch.records import BarrierReady
-from bamboo.launch.redundancy import holds_replicas, mode_for, with_mode
+from bamboo.launch.redundancy import choices_for, holds_replicas, with_mode
 from bamboo.launch.session import NotEnoughNodes, WorkerSession, decision_prefix
 from bamboo.membership.kv import StoreError
 
@@ -209,8 +209,8 @@ def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady
         raise NotEnoughNodes(f"{len(usable)} nodes left cannot form a pipeline of {spec.stages} stages")
     held = base.holdings_of_stages({node: holdings.get(node, ()) for node in usable})
     # the dead nodes' records may still be on their way
-    chosen = mode_for(spec, plan, run.membership.kv, lost=dead, reader=run.event_reader)
-    transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
+    choices = choices_for(spec, plan, run.membership.kv, lost=dead, reader=run.event_reader)
+    transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, choices.redundancy))
     mode, start, restore = StartMode.PEERS, step, None
     if transfers.restore_from_checkpoint:  # no survivor holds these stages: every node restarts from a copy
         missing = list(transfers.stages_without_copy)
@@ -225,5 +225,6 @@ def plan_next(run: WorkerSession, base: JobLayout, ready: dict[str, BarrierReady
         barrier_unix=min(record.at for record in ready.values()),
         base_generation=base.generation, attempt=attempt, survivors=sorted(ready),
         history=next_history(base.history, start, pipelines),
-        zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)}, redundancy=chosen,
+        zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)},
+        redundancy=choices.redundancy, restore_every=choices.restore_every,
     )

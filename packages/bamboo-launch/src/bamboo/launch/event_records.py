@@ -40,7 +40,8 @@ and the kind's own keys:
   ``model_build_s`` (its stages' layers), ``group_build_s`` (its gloo groups), ``first_step_s``;
 - ``step``: ``step`` (int), ``samples`` (int, samples in this step), ``loss`` (float),
   ``nodes_active`` (int), ``duration_s`` (float, the step's own time), and, optionally, ``generation``
-  (int, the layout generation that trained it; the DeepSpeed baseline writes none);
+  (int, the layout generation that trained it; the DeepSpeed baseline writes none) and ``restore_point``
+  (bool, default false: in-memory copies or a checkpoint were taken right after it);
 - ``redundancy_choice``: ``generation`` (int), ``mode`` (str: the redundancy mode that generation trains
   with, chosen by ``--redundancy auto``), ``reason`` (str, one line), ``lost_s_per_hour`` (object: mode ->
   the seconds of training each mode was expected to lose per hour), ``step_s`` (float, the fault-free step
@@ -239,7 +240,8 @@ class Startup:
 
 @attrs.frozen
 class Step:
-    """One optimizer step finished at ``t``: its global batch size and loss, and the nodes at work."""
+    """One optimizer step finished at ``t``: its global batch size and loss, and the nodes at work;
+    ``restore_point``: the job took a restore point (in-memory copies, a checkpoint) right after it."""
 
     KIND: ClassVar[str] = "step"
     t: float = attrs.field(validator=_NON_NEGATIVE_TIME)
@@ -249,6 +251,7 @@ class Step:
     nodes_active: int = attrs.field(validator=_NON_NEGATIVE_INT)
     duration_s: float = attrs.field(validator=_NON_NEGATIVE_TIME)
     generation: int | None = attrs.field(default=None, validator=attrs.validators.optional(_NON_NEGATIVE_INT))
+    restore_point: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 def _losses(instance: object, attribute: attrs.Attribute, value: dict[str, float]) -> None:
@@ -310,8 +313,13 @@ EVENT_TYPES: dict[str, type[Event]] = {
 
 
 def event_to_dict(event: Event) -> JSONObject:
-    """The JSON object of one record: ``kind`` first, then ``t``, then the kind's own keys."""
-    return {"kind": type(event).KIND, **attrs.asdict(event)}
+    """The JSON object of one record: ``kind`` first, then ``t``, then the kind's own keys (a step's
+    ``restore_point`` only when true: step records are nearly all of a long job's log)."""
+    return {"kind": type(event).KIND, **attrs.asdict(event, filter=_written)}
+
+
+def _written(attribute: attrs.Attribute, value: EventField) -> bool:
+    return not (attribute.name == "restore_point" and value is False)
 
 
 def event_from_dict(record: JSON) -> Event:

@@ -179,24 +179,29 @@ def _after_step(run: WorkerSession, layout: JobLayout, engine: Engine, state: Wo
                            caught_unix=failover.caught_at, resumed_unix=failover.resumed_at,
                            step_end_unix=failover.iteration_end))
     state.failovers.extend(executor.failovers[seen:])
+    last = executor.step >= spec.steps or (stop is not None and stop.finish and executor.step >= stop.step)
+    # No in-memory copy of the job's last step: nothing restores from it, and its keepers leave with the job.
+    copy_every = spec.memory_copy_interval(layout.restore_every)
+    due = run.copies is not None and not last and bool(copy_every) and executor.step % copy_every == 0
+    checkpoint_every = spec.checkpoint_interval(layout.restore_every)
+    checkpoints = spec.checkpoint_dir is not None and reports_the_job(executor)
     if executor.pipeline == 0 or executor.layout.stages == 1:  # the nodes that write the job's steps, or may take it over
         record = Step(t=log.now(), step=executor.step, samples=samples, loss=loss,
                       nodes_active=spec.stages * layout.pipelines - len(executor.dead),
-                      duration_s=duration, generation=layout.generation)
+                      duration_s=duration, generation=layout.generation,
+                      restore_point=due or (checkpoints and not last and executor.step % checkpoint_every == 0))
         state.steps.after_step(record, writes=reports_the_job(executor) and spec.stages - 1 in executor.hosted,
                                events=log, kv=run.membership.kv,
                                departed=lambda: [worker_records_prefix(spec.job, node_of_rank[rank])
                                                  for rank in sorted(executor.dead) if rank in node_of_rank])
     clones: dict[int, StageSnapshot] = {}  # stage -> its state cloned at this step, for whoever needs it next
-    last = executor.step >= spec.steps or (stop is not None and stop.finish and executor.step >= stop.step)
-    # No in-memory copy of the job's last step: nothing restores from it, and its keepers leave with the job.
-    due = run.copies is not None and not last and executor.step % spec.memory_copy_every == 0
     copies = run.copies if due else None
     if copies is not None:  # before any clone: the checkpoint's clones are then those the copies would take
         executor.apply_replica_updates()
     saves: list[Callable[[], None]] = []
-    if spec.checkpoint_dir is not None and reports_the_job(executor):
-        saves = checkpoint(run, layout, executor, state.checkpointers, torch, final=last, clones=clones)
+    if checkpoints:
+        saves = checkpoint(run, layout, executor, state.checkpointers, torch, final=last, clones=clones,
+                           every=checkpoint_every)
     if copies is not None:
         copies.take(executor, layout, sends=reports_the_job(executor), clones=clones)
     for save in saves:  # the writers wake once every clone of the boundary is taken: no GIL taken from them
@@ -265,9 +270,10 @@ def reports_the_job(executor: StageExecutor) -> bool:
 
 def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
                checkpointers: dict[int, AsyncCheckpointer], torch: ModuleType, *,
-               final: bool = False, clones: dict[int, StageSnapshot] | None = None) -> list[Callable[[], None]]:
+               final: bool = False, clones: dict[int, StageSnapshot] | None = None,
+               every: int | None = None) -> list[Callable[[], None]]:
     """Pipeline 0 writes one shard per stage it hosts (a shadow that took over a stage writes it too), every
-    ``checkpoint_every`` steps and, with ``final``, at the last step (so a run can be resumed from its end).
+    ``every`` steps (default: the spec's interval in ``layout``) and, with ``final``, at the last step (so a run can be resumed from its end).
 
     A shard holds the stage's state (parameters, optimizer, scheduler, step), the global indices of its
     layers (``layers``) and the run's ``history`` so far (the pipelines of each generation), which is what
@@ -302,12 +308,13 @@ def checkpoint(run: WorkerSession, layout: JobLayout, executor: StageExecutor,
 
     saves: list[Callable[[], None]] = []
     step = executor.step
+    every = spec.checkpoint_interval(layout.restore_every) if every is None else every
     for stage in executor.hosted:
         if stage not in checkpointers:
             checkpointers[stage] = AsyncCheckpointer(spec.checkpoint_dir, shard=stage_shard(stage),
-                                                     every_steps=spec.checkpoint_every, on_commit=committed,
+                                                     every_steps=every, on_commit=committed,
                                                      before_commit=may_commit, prepare=_serialised_state)
-        if final or checkpointers[stage].due(step):
+        if final or step % every == 0:
             saves.append(functools.partial(checkpointers[stage].save, step, shard(stage), cloned=True))
     return saves
 

@@ -197,7 +197,7 @@ def plan_prepared(run: WorkerSession, base: JobLayout, executor: ExecutorFacts, 
     layout hold what their executors hold, the warm standby nodes nothing. Raises :class:`NotEnoughNodes` when
     they cannot form a pipeline, ValueError when the layout cannot be reached from live copies alone."""
     from bamboo.launch.reconfigure import build_view, next_history, warm_standby
-    from bamboo.launch.redundancy import holds_replicas, layout_mode, mode_for
+    from bamboo.launch.redundancy import choices_for, holds_replicas, layout_mode
     from bamboo.rc.model import stage_slices
     from bamboo.reconfig import JobLayout, StartMode, plan_layout, plan_transfers
 
@@ -215,8 +215,8 @@ def plan_prepared(run: WorkerSession, base: JobLayout, executor: ExecutorFacts, 
     mode = layout_mode(spec, base)
     holds = {node: list(stage_slices(base.stage_bounds, rank % base.stages, mode)) for node, rank in live.items()}
     held = base.holdings_of_stages({node: holds.get(node, ()) for node in usable})
-    chosen = mode_for(spec, plan, run.membership.kv, reader=run.event_reader)
-    transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, chosen))
+    choices = choices_for(spec, plan, run.membership.kv, reader=run.event_reader)
+    transfers = plan_transfers(base.plan, plan, held, replicas=holds_replicas(spec, choices.redundancy))
     if transfers.restore_from_checkpoint:
         raise ValueError(f"stage(s) {list(transfers.stages_without_copy)} have no live copy")
     step = executor.step
@@ -225,7 +225,7 @@ def plan_prepared(run: WorkerSession, base: JobLayout, executor: ExecutorFacts, 
                      base_generation=base.generation, attempt=attempt, survivors=sorted(live),
                      history=next_history(base.history, step, pipelines),
                      zones={node: zones.get(node, "default") for node in (*plan.slots(), *plan.standby)},
-                     redundancy=chosen)
+                     redundancy=choices.redundancy, restore_every=choices.restore_every)
 
 
 class Preparation:

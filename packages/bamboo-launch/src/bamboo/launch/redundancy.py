@@ -60,8 +60,9 @@ if TYPE_CHECKING:
     from bamboo.reconfig import JobLayout, Layout, ModeChoice
     from bamboo.schedule import FailureModel
 
-__all__ = ["AUTO", "MEASURED_STEPS", "choice_record", "choose_mode", "describe_choice", "failure_model",
-           "holds_replicas", "in_force", "layout_mode", "measured_step", "mode_for", "observed_rate", "with_mode"]
+__all__ = ["AUTO", "MEASURED_STEPS", "LayoutChoices", "choice_record", "choices_for", "choose", "choose_mode",
+           "describe_choice", "failure_model", "holds_replicas", "in_force", "layout_mode", "measured_step", "mode_for",
+           "observed_rate", "with_mode"]
 
 AUTO = "auto"
 """The spec's redundancy that is chosen per generation rather than given."""
@@ -129,13 +130,14 @@ def observed_rate(events: Iterable[Event], now_t: float, prior: float, lost: Ite
 
 
 def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events: Sequence[Event], *,
-                  pipelines: int = 1, spare_nodes: int = 0) -> FailureModel:
+                  pipelines: int = 1, spare_nodes: int = 0, restore_every: int | None = None) -> FailureModel:
     """The :class:`bamboo.schedule.FailureModel` of a job of ``nodes`` nodes in ``pipelines`` pipelines, with
     ``spare_nodes`` on standby, at ``rate`` preemptions per node-hour, whose fault-free step is ``step_s``: its own
     failovers' and reconfigurations' median pauses once it has some, and the median time from a failover to the
     start of the reconfiguration after it (how long a replacement took; the schedule's defaults before), and a
     restore that redoes half the interval between restore points (in-memory copies or checkpoints, whichever come
-    more often), or half the job without either."""
+    more often; ``restore_every``: the layout's, for intervals the spec leaves to it), or half the job without
+    either."""
     from bamboo.schedule import FailureModel
 
     pauses = [e.pause_s for e in events if isinstance(e, Failover)]
@@ -148,8 +150,9 @@ def failure_model(spec: JobSpec, nodes: int, rate: float, step_s: float, events:
     rebuilt = _rebuild_waits(events)
     if rebuilt:
         measured["rebuild_after_s"] = statistics.median(rebuilt)
-    restore_points = [spec.checkpoint_every] if spec.checkpoint_dir is not None else []
-    restore_points += [spec.memory_copy_every] if spec.memory_copy_every else []
+    restore_points = [spec.checkpoint_interval(restore_every)] if spec.checkpoint_dir is not None else []
+    copies = spec.memory_copy_interval(restore_every)
+    restore_points += [copies] if copies else []
     steps_between = min(restore_points, default=spec.steps)  # the nearest copy, in memory or on disk
     return FailureModel(rate, nodes, checkpoint_interval_s=max(steps_between * step_s, 1e-3), pipelines=pipelines,
                         spare_nodes=spare_nodes, **measured)
@@ -172,36 +175,74 @@ def choose_mode(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: flo
     """The :class:`bamboo.reconfig.ModeChoice` for a generation placed by ``plan`` (a ``bamboo.reconfig.Layout``)
     from the job's ``events`` at ``now_t`` (seconds since the job's ``created_unix``) and the nodes known ``lost``
     (:func:`observed_rate`)."""
+    chosen = choose(spec, plan, events, now_t, lost).redundancy
+    if chosen is None:
+        raise ValueError(f"job {spec.job} trains with {spec.redundancy}, not auto: it chooses no mode")
+    return chosen
+
+
+@attrs.frozen
+class LayoutChoices:
+    """What a layout decision chooses for the job: the redundancy mode (``--redundancy auto``) and the steps
+    between restore points (``--checkpoint-every auto``, ``--memory-copy-every auto``); None where the spec
+    fixes it."""
+
+    redundancy: ModeChoice | None = None
+    restore_every: int | None = None
+
+
+def choose(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: float,
+           lost: Iterable[str] = ()) -> LayoutChoices:
+    """The :class:`LayoutChoices` of a generation placed by ``plan`` (see :func:`choose_mode` for the arguments):
+    the restore interval first (:func:`bamboo.launch.restore_interval.choose_restore_every`), then the mode,
+    whose failure model redoes half of that interval at a restore."""
+    from bamboo.launch.restore_interval import choose_restore_every, measured_boundary
     from bamboo.reconfig import ModeChoice
     from bamboo.schedule import choose_redundancy, stage_work_costs
 
-    compute = [float(layer["compute_cost"]) for layer in spec.layers]
-    costs = stage_work_costs([sum(compute[start:end]) for start, end in plan.stage_layers])
     measured = measured_step(events)
     step_s, measured_mode = measured if measured is not None else (ASSUMED_STEP_S, "none")
     prior = (DEFAULT_PREEMPTIONS_PER_NODE_HOUR if spec.preemptions_per_node_hour is None
              else spec.preemptions_per_node_hour)
     rate = observed_rate(events, now_t, prior, lost)
-    failures = failure_model(spec, plan.stages * plan.num_pipelines, rate, step_s, events,
-                             pipelines=plan.num_pipelines, spare_nodes=len(plan.standby))
+    nodes = plan.stages * plan.num_pipelines
+    interval = None
+    if spec.chooses_restore_points:
+        interval = choose_restore_every(rate, nodes, step_s, measured_boundary(events), step_assumed=measured is None)
+    restore_every = None if interval is None else interval.steps
+    if spec.redundancy != AUTO:
+        return LayoutChoices(restore_every=restore_every)
+    compute = [float(layer["compute_cost"]) for layer in spec.layers]
+    costs = stage_work_costs([sum(compute[start:end]) for start, end in plan.stage_layers])
+    failures = failure_model(spec, nodes, rate, step_s, events, pipelines=plan.num_pipelines,
+                             spare_nodes=len(plan.standby), restore_every=restore_every)
     choice = choose_redundancy(costs, plan.stages, max(plan.microbatches), step_s, failures,
                                measured_mode=measured_mode)
     step = ("no step measured yet: an assumed step" if measured is None else
             f"the measured {measured_mode} step of {step_s:.3f} s")
-    return ModeChoice(mode=choice.mode, reason=f"{choice.reason}; {step}",
-                      lost_s_per_hour={e.mode: round(e.lost_s_per_hour, 3) for e in choice.estimates},
-                      step_s=round(next(e.step_s for e in choice.estimates if e.mode == "none"), 6),
-                      preemptions_per_node_hour=round(rate, 6))
+    points = "" if interval is None else f"; restore points {interval.reason}"
+    return LayoutChoices(redundancy=ModeChoice(
+        mode=choice.mode, reason=f"{choice.reason}; {step}{points}",
+        lost_s_per_hour={e.mode: round(e.lost_s_per_hour, 3) for e in choice.estimates},
+        step_s=round(next(e.step_s for e in choice.estimates if e.mode == "none"), 6),
+        preemptions_per_node_hour=round(rate, 6)), restore_every=restore_every)
 
 
 def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None = None,
              lost: Iterable[str] = (), *, reader: EtcdEventReader | None = None) -> ModeChoice | None:
     """The :class:`bamboo.reconfig.ModeChoice` of a generation placed by ``plan`` when the job's redundancy is
-    ``auto`` (:func:`choose_mode`, from the job's event log in etcd, ``kv``, and the nodes known ``lost``; a log
-    that cannot be read counts as empty), None otherwise. ``reader``, where the caller keeps one, reads the log
+    ``auto`` (:func:`choices_for`), None otherwise."""
+    return choices_for(spec, plan, kv, now, lost, reader=reader).redundancy
+
+
+def choices_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None = None,
+                lost: Iterable[str] = (), *, reader: EtcdEventReader | None = None) -> LayoutChoices:
+    """The :class:`LayoutChoices` of a generation placed by ``plan`` (:func:`choose`, from the job's event log in
+    etcd, ``kv``, and the nodes known ``lost``; a log that cannot be read counts as empty); nothing to choose
+    when the spec fixes both the mode and the intervals. ``reader``, where the caller keeps one, reads the log
     instead of ``kv``: only what was written since its last read."""
-    if spec.redundancy != AUTO:
-        return None
+    if spec.redundancy != AUTO and not spec.chooses_restore_points:
+        return LayoutChoices()
     from bamboo.launch.events import EventLogError, read_etcd_events
     from bamboo.membership.kv import StoreError
 
@@ -211,7 +252,7 @@ def mode_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | None =
     except (EventLogError, StoreError):
         events = []
     now_t = max(0.0, (time.time() if now is None else now) - spec.created_unix)
-    return choose_mode(spec, plan, events, now_t, lost)
+    return choose(spec, plan, events, now_t, lost)
 
 
 def _choice_records(records: list[JSON]) -> Callable[[JSON], bool]:
@@ -221,6 +262,8 @@ def _choice_records(records: list[JSON]) -> Callable[[JSON], bool]:
     took 0.85 s of every layout decision (``read_etcd_events``' ``select``)."""
     objects = [record for record in records if isinstance(record, dict)]  # anything else is typed, and refused
     chosen = {record.get("generation") for record in objects if record.get("kind") == RedundancyChoice.KIND}
+    if not chosen:  # a job that fixes its mode: the restore interval's steps (bamboo.launch.restore_interval)
+        chosen = {record.get("generation") for record in objects if record.get("kind") == Step.KIND}
     timed: dict[int, list[dict[str, JSON]]] = {}
     for record in objects:
         if record.get("kind") == Step.KIND and (generation := record.get("generation")) in chosen:
@@ -235,9 +278,12 @@ def _choice_records(records: list[JSON]) -> Callable[[JSON], bool]:
 
 def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore, *,
               reader: EtcdEventReader | None = None) -> JobLayout:
-    """``layout`` (a ``JobLayout`` that moves no state between peers) with its mode chosen (:func:`mode_for`)."""
-    chosen = mode_for(spec, layout.plan, kv, reader=reader)
-    return layout if chosen is None else attrs.evolve(layout, redundancy=chosen)
+    """``layout`` (a ``JobLayout`` that moves no state between peers) with its mode and restore interval chosen
+    (:func:`choices_for`)."""
+    chosen = choices_for(spec, layout.plan, kv, reader=reader)
+    if chosen == LayoutChoices():
+        return layout
+    return attrs.evolve(layout, redundancy=chosen.redundancy, restore_every=chosen.restore_every)
 
 
 def holds_replicas(spec: JobSpec, chosen: ModeChoice | None) -> bool:

@@ -29,6 +29,7 @@ __all__ = [
     "NOTICE_DIRECT_READ_S",
     "OWN_WRITE_SEEN_S",
     "RECONFIGURE_TIMEOUT_S",
+    "RESTORE_EVERY_MAX_S",
     "ROLE_RESCAN_S",
     "SCRIPT_DESCRIBE_TIMEOUT_S",
     "SCRIPT_REFERENCE_TIMEOUT_S",
@@ -177,3 +178,8 @@ AUTO_PRIOR_NODE_HOURS = 1.0
 the assumed rate (``--preemption-rate``, or bamboo-rc's ``DEFAULT_PREEMPTIONS_PER_NODE_HOUR``) that a job's own
 preemption rate is weighed against (:func:`bamboo.launch.redundancy.observed_rate`): the assumed rate alone at the
 start, half and half after one node-hour, the job's own rate after many."""
+
+RESTORE_EVERY_MAX_S = 1800.0
+"""The longest interval between two restore points that ``--checkpoint-every auto`` / ``--memory-copy-every auto``
+choose (:mod:`bamboo.launch.restore_interval`): where preemptions are so rare that Young's rule would wait longer,
+a point every half hour of steps, as a DeepSpeed user would checkpoint."""

@@ -8,7 +8,8 @@ checkpoint :class:`RestorePoint`), why it was made, and where it came from (the 
 generation and attempt it follows, the holders that survived). ``history`` lists ``(first step,
 pipelines)`` of every generation so far, which is how the single-process reference groups the global
 batch exactly as the run did. ``redundancy`` (a :class:`ModeChoice`, only when the job's redundancy is
-``auto``) is the mode this generation trains with and why it was chosen.
+``auto``) is the mode this generation trains with and why it was chosen; ``restore_every`` (only when the job
+chooses its restore points per generation) the steps between its in-memory copies and checkpoints.
 
 The node at global rank ``pipeline * stages + stage`` owns ``stage`` of ``pipeline``; the stage bounds in
 ``plan.stage_layers`` are exactly the layers each stage's executor builds.
@@ -181,6 +182,10 @@ class JobLayout:
     """The zone of every node placed or on standby when the layout was planned."""
     redundancy: ModeChoice | None = attrs.field(default=None, converter=_mode_choice)
     """The mode this generation trains with when the job's is ``auto``; None: the job spec's mode."""
+    restore_every: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(1))))
+    """Steps between this generation's restore points (in-memory copies and checkpoints) when the job chooses them
+    per generation; None: the job spec's intervals."""
 
     def __attrs_post_init__(self) -> None:
         if self.mode is StartMode.CHECKPOINT and self.restore is None:
@@ -279,7 +284,9 @@ class JobLayout:
     # ---- JSON ---------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        chosen = {} if self.redundancy is None else {"redundancy": self.redundancy.to_dict()}
+        chosen: dict[str, Any] = {} if self.redundancy is None else {"redundancy": self.redundancy.to_dict()}
+        if self.restore_every is not None:
+            chosen["restore_every"] = self.restore_every
         return {
             "v": LAYOUT_VERSION,
             "generation": self.generation,
@@ -335,6 +342,7 @@ class JobLayout:
                 history=read.value("history", list),
                 zones=read.parsed("zones", _zone_of_node if version >= 2 else dict),
                 redundancy=read.parsed("redundancy", _mode_choice) if "redundancy" in data else None,
+                restore_every=read.value("restore_every", int) if "restore_every" in data else None,
             )
         except (TypeError, ValueError) as error:
             if isinstance(error, RecordError):

@@ -11,11 +11,12 @@ import attrs
 from bamboo.bench.emulated import timeouts as emulated_timeouts
 from bamboo.launch import timeouts
 from bamboo.launch.spec import (
-    DEFAULT_CHECKPOINT_EVERY,
+    AUTO_EVERY,
     DEFAULT_REDUNDANCY,
     DEFAULT_STEPS,
-    MEMORY_COPY_EVERY,
     REDUNDANCY,
+    Every,
+    steps_or_auto_at_least,
 )
 from bamboo.launch.worker_records import WorkerReport
 from bamboo.membership import timeouts as membership_timeouts
@@ -68,9 +69,11 @@ class RunOptions:
     notice_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
     checkpoint_dir: str | None = None
     """Where the job's checkpoints go (None: ``RUN_DIR/checkpoints``; a job never runs without them)."""
-    checkpoint_every: int = attrs.field(default=DEFAULT_CHECKPOINT_EVERY, validator=_POSITIVE)
-    memory_copy_every: int = attrs.field(default=MEMORY_COPY_EVERY, validator=attrs.validators.ge(0))
-    """Steps between in-memory copies of every stage (0: none)."""
+    checkpoint_every: Every = attrs.field(default=AUTO_EVERY, validator=steps_or_auto_at_least(1))
+    """Steps between checkpoints, or ``auto``: each generation's, by Young's rule
+    (:mod:`bamboo.launch.restore_interval`)."""
+    memory_copy_every: Every = attrs.field(default=AUTO_EVERY, validator=steps_or_auto_at_least(0))
+    """Steps between in-memory copies of every stage (0: none), or ``auto``: each generation's."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir`` (refused when it has none)."""
     confirm_timeout_s: float | None = None

@@ -43,6 +43,7 @@ from bamboo.bench.measured.torchrun import (
 from bamboo.bench.value import Prices, ReportError, compute_report, compute_timeline
 from bamboo.launch.events import EventLogError, read_events
 from bamboo.launch.records import WorkerWarm
+from bamboo.launch.spec import MEMORY_COPY_EVERY
 
 __all__ = ["run_measured"]
 
@@ -160,7 +161,8 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         pipelines=options.pipelines, steps=options.max_steps, zones=options.zones,
         preemptions=None if on_demand else options.preemptions, time_scale=options.time_scale, hours=options.hours,
         trace_seed=options.trace_seed, checkpoint_dir=None if on_demand else str(run_dir / "checkpoints"),
-        checkpoint_every=options.checkpoint_every, run_dir=str(run_dir), job=None,
+        # fixed intervals: the profile's checkpoint model counts one every checkpoint_every steps
+        checkpoint_every=options.checkpoint_every, memory_copy_every=MEMORY_COPY_EVERY, run_dir=str(run_dir), job=None,
         redundancy="none" if on_demand else options.redundancy, size={} if options.script else {"layers": options.layers},
         ttl=options.ttl, grace_s=options.grace_s, timeout_s=options.timeout_s, live=False, progress_every=50,
         script=options.script,

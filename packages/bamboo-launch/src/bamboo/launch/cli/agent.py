@@ -24,7 +24,16 @@ from bamboo.launch import timeouts
 from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent, say_line
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.example import DEFAULT_LAYERS
-from bamboo.launch.spec import FLAG_OF, REDUNDANCY, EtcdAccess, JobSpec, SpecError, SpecFields
+from bamboo.launch.spec import (
+    AUTO_EVERY,
+    FLAG_OF,
+    REDUNDANCY,
+    EtcdAccess,
+    JobSpec,
+    SpecError,
+    SpecFields,
+    steps_or_auto,
+)
 from bamboo.membership import EtcdKV, MembershipStore, StoreError, StoreUnavailableError
 from bamboo.membership.agent import is_loopback
 from bamboo.membership.cloud import PREEMPTION_NOTICE_KINDS
@@ -97,12 +106,14 @@ def _add_job_flags(job: argparse._ArgumentGroup) -> None:
                      help=f"(spec) the model's seed (default: {_spec_default('seed')})")
     job.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                      help="(spec) where asynchronous checkpoints go: storage every machine sees (default: none)")
-    job.add_argument("--checkpoint-every", type=int, default=None,
-                     help=f"(spec) steps between checkpoints (default: {_spec_default('checkpoint_every')})")
-    job.add_argument("--memory-copy-every", type=int, default=None, metavar="N",
+    job.add_argument("--checkpoint-every", type=steps_or_auto, default=None, metavar="N|auto",
+                     help="(spec) steps between checkpoints, or auto: chosen for each layout by Young's rule from "
+                     "the preemption rate and the measured cost of a copy (default: "
+                     f"{_spec_default('checkpoint_every')})")
+    job.add_argument("--memory-copy-every", type=steps_or_auto, default=None, metavar="N|auto",
                      help="(spec) steps between in-memory copies of every stage, kept by its holders and by "
-                     "keepers in other zones, restored before any checkpoint (0: none; default: "
-                     f"{_spec_default('memory_copy_every')})")
+                     "keepers in other zones, restored before any checkpoint (0: none; auto: as --checkpoint-every "
+                     f"auto; default: {_spec_default('memory_copy_every')})")
     job.add_argument("--resume", action="store_true", default=None,
                      help="(spec) start from the newest good checkpoint in --checkpoint-dir (a job never "
                      "overwrites another run's checkpoints: a directory that holds some needs --resume)")
@@ -200,8 +211,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     """The checks that need nothing but this machine (one line each)."""
     for name in ("stages", "pipelines", "steps", "min_nodes", "checkpoint_every", "ttl", "layers"):
         value = getattr(args, name)
-        if value is not None and value < 1:
+        if value is not None and value != AUTO_EVERY and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.memory_copy_every not in (None, AUTO_EVERY) and args.memory_copy_every < 0:
+        fail(f"--memory-copy-every must be >= 0, got {args.memory_copy_every}")
     if args.seed is not None and args.seed < 0:
         fail(f"--seed must be >= 0, got {args.seed}")
     if args.script and args.layers is not None:

@@ -22,7 +22,7 @@ from bamboo.bench.value import compute_report, format_report, plot_report
 from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
 from bamboo.launch.events import read_events
 from bamboo.launch.example import DEFAULT_LAYERS
-from bamboo.launch.spec import REDUNDANCY
+from bamboo.launch.spec import AUTO_EVERY, REDUNDANCY, steps_or_auto
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 from rich.console import Console
 from rich.markup import escape
@@ -84,12 +84,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="wall seconds of preemption notice (SIGTERM) before each kill (default: %(default)s)")
     run.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                      help="write asynchronous checkpoints here (one shard per stage; default: RUN_DIR/checkpoints)")
-    run.add_argument("--checkpoint-every", type=int, default=_default("checkpoint_every"),
-                     help="steps between checkpoints (default: %(default)s)")
-    run.add_argument("--memory-copy-every", type=int, default=_default("memory_copy_every"), metavar="N",
+    run.add_argument("--checkpoint-every", type=steps_or_auto, default=_default("checkpoint_every"), metavar="N|auto",
+                     help="steps between checkpoints, or auto: chosen for each layout by Young's rule from the "
+                     "preemption rate and the measured cost of a copy (default: %(default)s)")
+    run.add_argument("--memory-copy-every", type=steps_or_auto, default=_default("memory_copy_every"), metavar="N|auto",
                      help="steps between in-memory copies of every stage, kept by its holders and by keepers in "
                      "other zones; a stage whose every live copy is lost is restored from them before any "
-                     "checkpoint (0: none; default: %(default)s)")
+                     "checkpoint (0: none; auto: as --checkpoint-every auto; default: %(default)s)")
     run.add_argument("--resume", action="store_true",
                      help="start from the newest good checkpoint in --checkpoint-dir, e.g. with a larger --steps "
                      "(a run never overwrites another run's checkpoints: a directory that holds some needs it)")
@@ -171,8 +172,10 @@ def _importable(name: str) -> bool:
 def run_command(args: argparse.Namespace) -> int:
     """``run``: the emulated cluster to the end, its report, and with ``--verify`` the exactness check."""
     for name in ("nodes", "stages", "pipelines", "steps", "layers", "checkpoint_every", "ttl"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) != AUTO_EVERY and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.memory_copy_every != AUTO_EVERY and args.memory_copy_every < 0:
+        fail(f"--memory-copy-every must be >= 0, got {args.memory_copy_every}")
     for name in args.preload:
         if not _importable(name):
             fail(f"--preload {name}: no module of that name here")

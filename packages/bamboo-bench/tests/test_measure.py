@@ -254,3 +254,23 @@ def test_a_duration_that_ends_without_a_step_time_goes_on_until_the_run_has_one(
     cancels = iter([False, True])
     assert not _Stopper(4.0, said.append, sleep=lambda seconds: next(cancels)).wait(lambda: False)
     assert not _Stopper(None, said.append).wait(lambda: False)  # --steps: no deadline
+
+
+def test_a_run_that_chose_its_restore_points_is_modelled_with_their_measured_spacing() -> None:
+    from bamboo.bench.measured.run import restore_spacing
+
+    def records(generation: int, every: int, steps: range) -> list[Step]:
+        return [Step(t=float(n), step=n, samples=8, loss=1.0, nodes_active=4, duration_s=0.1, generation=generation,
+                     restore_point=n % every == 0) for n in steps]
+
+    # generation 0 took one every 30 steps, generation 1 every 12 (a rewritten record counts once)
+    events = [*records(0, 30, range(1, 100)), *records(1, 12, range(100, 180)), *records(1, 12, range(108, 109))]
+    gaps = [30, 30, 12, 12, 12, 12, 12]
+    assert restore_spacing(events) == 12 == sorted(gaps)[len(gaps) // 2]
+    assert restore_spacing(records(0, 50, range(1, 80))) is None  # one restore point: no spacing
+    assert restore_spacing([]) is None
+    assert MeasureOptions(system="bamboo", nodes=4, stages=2, pipelines=2, run_dir="r",
+                          duration_s=1.0).checkpoint_every == "auto"
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        MeasureOptions(system="bamboo", nodes=4, stages=2, pipelines=2, run_dir="r", duration_s=1.0,
+                       checkpoint_every=0)

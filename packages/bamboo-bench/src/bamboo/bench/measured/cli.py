@@ -36,7 +36,7 @@ from bamboo.bench.measured.run import run_measured
 from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, spread_records, summarise
 from bamboo.bench.preemptions import size_notice
 from bamboo.bench.value import Report, format_report
-from bamboo.launch.spec import REDUNDANCY
+from bamboo.launch.spec import REDUNDANCY, steps_or_auto
 from rich.console import Console
 from rich.table import Table
 
@@ -181,9 +181,10 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
                          "trace's own; synthetic: 3 zones)")
     measure.add_argument("--layers", type=positive_int, default=default_of(MeasureOptions, "layers"),
                          help="decoder blocks of the built-in example GPT (default: %(default)s)")
-    measure.add_argument("--checkpoint-every", type=positive_int, default=default_of(MeasureOptions, "checkpoint_every"),
-                         help="bamboo: steps between its asynchronous checkpoints (the baseline chooses K itself; "
-                         "default: %(default)s)")
+    measure.add_argument("--checkpoint-every", type=steps_or_auto, default=default_of(MeasureOptions, "checkpoint_every"),
+                         metavar="N|auto", help="bamboo: steps between its asynchronous checkpoints and in-memory "
+                         "copies, or auto: each layout's by Young's rule (the baseline chooses K itself; default: "
+                         "%(default)s)")
     measure.add_argument("--redundancy", choices=REDUNDANCY, default=BAMBOO_REDUNDANCY,
                          help="bamboo: its redundancy mode (on-demand always runs none; default: %(default)s)")
     measure.add_argument("--ttl", type=positive_int, default=default_of(MeasureOptions, "ttl"),

@@ -14,7 +14,7 @@ from bamboo.bench import timeouts
 from bamboo.bench._validators import POSITIVE_INT
 from bamboo.bench.value import DEFAULT_ON_DEMAND_PRICE, DEFAULT_SPOT_PRICE
 from bamboo.launch.example import DEFAULT_LAYERS
-from bamboo.launch.spec import DEFAULT_REDUNDANCY, REDUNDANCY
+from bamboo.launch.spec import AUTO_EVERY, DEFAULT_REDUNDANCY, REDUNDANCY, Every, steps_or_auto_at_least
 
 __all__ = [
     "BAMBOO_REDUNDANCY",
@@ -143,8 +143,9 @@ class MeasureOptions:
     zones: tuple[str, ...] | None = None
     layers: int = attrs.field(default=DEFAULT_LAYERS, validator=attrs.validators.gt(0))
     script: tuple[str, ...] = ()
-    checkpoint_every: int = attrs.field(default=10, validator=attrs.validators.gt(0))
-    """bamboo: steps between its asynchronous checkpoints (the baseline chooses K by Young's rule)."""
+    checkpoint_every: Every = attrs.field(default=AUTO_EVERY, validator=steps_or_auto_at_least(1))
+    """bamboo: steps between its asynchronous checkpoints and in-memory copies, or ``auto`` (bamboo-launch's
+    default: each layout's, by Young's rule; the baseline chooses its K by Young's rule too)."""
     ttl: int = attrs.field(default=timeouts.MEASURE_TTL_S, validator=attrs.validators.gt(0))
     grace_s: float = attrs.field(default=timeouts.MEASURE_GRACE_S, validator=attrs.validators.gt(0))
     timeout_s: float = attrs.field(default=timeouts.COMPARE_TIMEOUT_S, validator=attrs.validators.gt(0))

@@ -14,7 +14,9 @@ measurements, the measured profile's path, the timeline) that ``bamboo-bench com
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +43,9 @@ from bamboo.bench.measured.torchrun import (
     run_checkpoint_restart,
 )
 from bamboo.bench.value import Prices, ReportError, compute_report, compute_timeline
-from bamboo.launch.events import EventLogError, read_events
+from bamboo.launch.events import Event, EventLogError, Step, read_events
 from bamboo.launch.records import WorkerWarm
-from bamboo.launch.spec import MEMORY_COPY_EVERY
+from bamboo.launch.spec import AUTO_EVERY
 
 __all__ = ["run_measured"]
 
@@ -114,10 +116,12 @@ def run_measured(options: MeasureOptions, *, progress: Callable[[str], None] | N
             warm = dict(extra["registered_unix"])  # a node is ready to interrupt once its agent is in the rendezvous
         else:
             events_path, warm, extra = _run_bamboo(options, run_dir, stopper, say)
-            checkpoint_every = options.checkpoint_every  # bamboo-launch always checkpoints, on-demand too
     finally:
         stopper.cancel()
     events = read_events(events_path)
+    if options.system != "checkpoint":  # bamboo-launch always checkpoints, on-demand too
+        checkpoint_every = (restore_spacing(events) if options.checkpoint_every == AUTO_EVERY
+                            else int(options.checkpoint_every))
     price = options.on_demand_price if options.system == "on-demand" else options.spot_price
     prices = Prices(spot=price, on_demand=options.on_demand_price)
     # Every system is billed by the market, as a cloud bills: a Bamboo run's market left its record in the run
@@ -161,8 +165,8 @@ def _run_bamboo(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         pipelines=options.pipelines, steps=options.max_steps, zones=options.zones,
         preemptions=None if on_demand else options.preemptions, time_scale=options.time_scale, hours=options.hours,
         trace_seed=options.trace_seed, checkpoint_dir=None if on_demand else str(run_dir / "checkpoints"),
-        # fixed intervals: the profile's checkpoint model counts one every checkpoint_every steps
-        checkpoint_every=options.checkpoint_every, memory_copy_every=MEMORY_COPY_EVERY, run_dir=str(run_dir), job=None,
+        checkpoint_every=options.checkpoint_every, memory_copy_every=options.checkpoint_every, run_dir=str(run_dir),
+        job=None,
         redundancy="none" if on_demand else options.redundancy, size={} if options.script else {"layers": options.layers},
         ttl=options.ttl, grace_s=options.grace_s, timeout_s=options.timeout_s, live=False, progress_every=50,
         script=options.script,
@@ -245,3 +249,15 @@ def _run_checkpoint(options: MeasureOptions, run_dir: Path, stopper: _Stopper,
         "interruptions": {"kills": result.interruptions.kills, "joins": result.interruptions.joins},
     }
     return result.events, result.restarts, None if interval is None else interval.steps, extra
+
+
+def restore_spacing(events: Sequence[Event]) -> int | None:
+    """The steps between a ``bamboo-launch`` run's restore points when it chose them (``auto``): the median gap
+    between the steps whose ``step`` record took one, within a generation (with the same step counted once);
+    None when the run took fewer than two in any generation."""
+    taken: dict[int | None, set[int]] = {}
+    for event in events:
+        if isinstance(event, Step) and event.restore_point:
+            taken.setdefault(event.generation, set()).add(event.step)
+    gaps = [later - earlier for steps in taken.values() for earlier, later in itertools.pairwise(sorted(steps))]
+    return round(statistics.median(gaps)) if gaps else None

@@ -58,7 +58,7 @@ COMMANDS = {
              "and reconfigurations, checked bit for bit against a fault-free run.",
              "bamboo-launch run --nodes 8 --zones a,b,c --stages 4 --pipelines 2 --steps 500 --preemptions "
              "synthetic:0.33 --hours 1.45 --seed 771 --time-scale 60 --ttl 10 --grace 10 --timeout 420 "
-             "--checkpoint-dir DIR --checkpoint-every 20 --no-live --verify --json"),
+             "--checkpoint-dir DIR --no-live --verify --json"),
 }
 
 

@@ -786,12 +786,12 @@ def test_a_node_left_waiting_for_dead_survivors_goes_on_with_the_job_s_newer_lay
 
 
 def test_an_auto_jobs_first_layout_names_the_mode_its_rate_pays_for(membership: MembershipStore) -> None:
-    """P = 2, D = 2, M = 4, 1,000 steps without checkpoints or in-memory copies: no preemption expected, nothing
-    pays for redundancy; at the rate the job was given (no history of its own yet) a lazy copy pays, since a
-    restore would redo half the job."""
+    """P = 2, D = 1 (two nodes on standby), M = 4, 1,000 steps without checkpoints or in-memory copies: no
+    preemption expected, nothing pays for redundancy; at the rate the job was given (no history of its own yet) a
+    lazy copy pays, since without it a loss (no other pipeline holds the stage) would redo half the job."""
     for rate, mode in ((0.0, "none"), (1.0, "lflb")):
         spec = _spec(f"{membership.keys.job}-{mode}", redundancy="auto", preemptions_per_node_hour=rate, steps=1000,
-                     memory_copy_every=0)
+                     memory_copy_every=0, pipelines=1, min_nodes=4)
         store = MembershipStore(membership.kv, spec.job)
         coordinator, _, _ = _coordinator(store, "n0", "a", spec)
         agents = [FakeAgent(store, f"n{i}", zone) for i, zone in ((1, "b"), (2, "c"), (3, "a"))]

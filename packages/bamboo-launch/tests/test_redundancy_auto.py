@@ -4,6 +4,7 @@ layout that carries it, the flags that take it, and the report and live view tha
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -108,8 +109,11 @@ def test_the_step_time_is_the_median_of_the_newest_steps_and_a_decision_types_no
     monkeypatch.setattr(events_module, "event_from_dict", counting)
     kv = SimpleNamespace(get_prefix=lambda prefix: items)
     read = read_etcd_events(kv, "auto", select=redundancy._choice_records)  # type: ignore[arg-type]
-    assert typed.count("step") == 3 and len(typed) == 3 + 3  # the three newest steps, two choices and the join
+    # the three newest steps of generation 1 (eflb), the two of generation 0 (the newest in none on that shape), two
+    # choices and the join
+    assert typed.count("step") == 5 and len(typed) == 5 + 3
     assert measured_step(read) == (2.0, "eflb")
+    assert redundancy.measured_steps(read, nodes=4) == {"eflb": 2.0, "none": 1.0}
     spec = _spec()
     assert redundancy.mode_for(spec, _layout(spec).plan, kv, now=3600.0) == choose_mode(  # type: ignore[arg-type]
         spec, _layout(spec).plan, events, 3600.0 - spec.created_unix)
@@ -258,3 +262,36 @@ def test_a_replacement_s_wait_is_the_jobs_own() -> None:
     model = failure_model(spec, 3, 1.0, 0.1, history, pipelines=2, spare_nodes=1)
     assert model.rebuild_after_s == pytest.approx(5.0)  # the median of 4.0, 6.0 and 5.0
     assert (model.pipelines, model.spare_nodes) == (2, 1)
+
+
+def test_a_mode_measured_on_the_layouts_shape_is_priced_at_its_measured_step() -> None:
+    """The model sees no fault-free cost in lflb (its replica's optimizer step and sync fit its bubbles); where the
+    job measured lflb 30% slower than none on the same shape (cores that the nodes share), none is chosen at a rate
+    where the model alone picks lflb. Steps of a generation in its failover state (a node dead) do not count, nor do
+    those of another shape."""
+    spec = _spec(stages=2, pipelines=1, preemptions_per_node_hour=1.0)
+    plan = first_layout(spec, {"n0": "a", "n1": "b"}).plan
+    assert choose_mode(spec, plan, [], now_t=0.0).mode == "lflb"
+    history: list[Any] = [
+        _choice(0, "none"), *[attrs.evolve(step, nodes_active=2) for step in _steps(0, [1.0] * 5)],
+        _choice(1, "lflb", t=9.0), *[attrs.evolve(step, nodes_active=2) for step in _steps(1, [1.3] * 5, t0=10.0)],
+        *[attrs.evolve(step, nodes_active=1, duration_s=5.0) for step in _steps(1, [1.0] * 3, t0=20.0)],
+        _choice(2, "eflb", t=30.0), *_steps(2, [0.5] * 3, t0=31.0)]  # 4 nodes: another shape
+    assert redundancy.measured_steps(history, nodes=2) == {"none": 1.0, "lflb": 1.3}
+    measured = choose_mode(spec, plan, history, now_t=40.0)
+    assert measured.mode == "none", measured.reason
+    assert "measured on this shape: lflb 1.300 s, none 1.000 s" in measured.reason
+
+
+def test_without_redundancy_a_loss_with_other_pipelines_costs_a_barrier_not_a_restore() -> None:
+    from bamboo.schedule import FailureModel
+
+    one = FailureModel(1.0, 4, pipelines=1, restore_s=30.0, checkpoint_interval_s=20.0, rebuild_after_s=60.0)
+    assert one.without_redundancy_s(2.0) == one.unprotected_s == 30.0 + 10.0 + 60.0
+    two = FailureModel(1.0, 4, pipelines=2, restore_s=30.0, checkpoint_interval_s=20.0, rebuild_after_s=60.0,
+                       reconfigure_s=0.5)
+    every_peer = 1 - math.exp(-1.0 * 60.0 / 3600.0)
+    expected = (1 - every_peer) * (0.5 + 1.0 + 30.0) + every_peer * (30.0 + 10.0)  # a pipeline's share lost: 60 / 2
+    assert two.without_redundancy_s(2.0) == pytest.approx(expected)
+    spare = attrs.evolve(two, spare_nodes=1)
+    assert spare.without_redundancy_s(2.0) == pytest.approx((1 - every_peer) * 1.5 + every_peer * 40.0)

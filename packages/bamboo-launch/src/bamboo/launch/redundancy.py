@@ -61,8 +61,8 @@ if TYPE_CHECKING:
     from bamboo.schedule import FailureModel
 
 __all__ = ["AUTO", "MEASURED_STEPS", "LayoutChoices", "choice_record", "choices_for", "choose", "choose_mode",
-           "describe_choice", "failure_model", "holds_replicas", "in_force", "layout_mode", "measured_step", "mode_for",
-           "observed_rate", "with_mode"]
+           "describe_choice", "failure_model", "holds_replicas", "in_force", "layout_mode", "measured_step",
+           "measured_steps", "mode_for", "observed_rate", "with_mode"]
 
 AUTO = "auto"
 """The spec's redundancy that is chosen per generation rather than given."""
@@ -214,12 +214,18 @@ def choose(spec: JobSpec, plan: Layout, events: Sequence[Event], now_t: float,
         return LayoutChoices(restore_every=restore_every)
     compute = [float(layer["compute_cost"]) for layer in spec.layers]
     costs = stage_work_costs([sum(compute[start:end]) for start, end in plan.stage_layers])
+    steps = measured_steps(events, nodes)
+    if steps:  # the reference the others are scaled from: a step measured on this shape, none's where there is one
+        measured_mode = "none" if "none" in steps else min(steps)
+        step_s = steps[measured_mode]
     failures = failure_model(spec, nodes, rate, step_s, events, pipelines=plan.num_pipelines,
                              spare_nodes=len(plan.standby), restore_every=restore_every)
     choice = choose_redundancy(costs, plan.stages, max(plan.microbatches), step_s, failures,
-                               measured_mode=measured_mode)
+                               measured_mode=measured_mode, measured_steps=steps)
     step = ("no step measured yet: an assumed step" if measured is None else
             f"the measured {measured_mode} step of {step_s:.3f} s")
+    if len(steps) > 1:
+        step += " (measured on this shape: " + ", ".join(f"{m} {s:.3f} s" for m, s in sorted(steps.items())) + ")"
     points = "" if interval is None else f"; restore points {interval.reason}"
     return LayoutChoices(redundancy=ModeChoice(
         mode=choice.mode, reason=f"{choice.reason}; {step}{points}",
@@ -256,24 +262,55 @@ def choices_for(spec: JobSpec, plan: Layout, kv: KeyValueStore, now: float | Non
 
 
 def _choice_records(records: list[JSON]) -> Callable[[JSON], bool]:
-    """Which records :func:`choose_mode` reads: all but the ``step`` records, of which only the ones
-    :func:`measured_step` takes (the newest :data:`MEASURED_STEPS` that took time, of the newest generation with a
-    ``redundancy_choice``). Step records are nearly all of a long job's log, up to 20,000 of them: typing them all
-    took 0.85 s of every layout decision (``read_etcd_events``' ``select``)."""
+    """Which records :func:`choose` reads: all but the ``step`` records, of which only the newest
+    :data:`MEASURED_STEPS` that took time of the newest generation with a ``redundancy_choice`` (:func:`measured_step`)
+    and of the newest generation of each mode and layout shape (:func:`measured_steps`). Step records are nearly
+    all of a long job's log, up to 20,000 of them: typing them all took 0.85 s of every layout decision
+    (``read_etcd_events``' ``select``)."""
     objects = [record for record in records if isinstance(record, dict)]  # anything else is typed, and refused
-    chosen = {record.get("generation") for record in objects if record.get("kind") == RedundancyChoice.KIND}
-    if not chosen:  # a job that fixes its mode: the restore interval's steps (bamboo.launch.restore_interval)
-        chosen = {record.get("generation") for record in objects if record.get("kind") == Step.KIND}
+    modes = {record.get("generation"): record.get("mode") for record in objects
+             if record.get("kind") == RedundancyChoice.KIND}
+    if not modes:  # a job that fixes its mode: the restore interval's steps (bamboo.launch.restore_interval)
+        modes = {record.get("generation"): None for record in objects if record.get("kind") == Step.KIND}
     timed: dict[int, list[dict[str, JSON]]] = {}
     for record in objects:
-        if record.get("kind") == Step.KIND and (generation := record.get("generation")) in chosen:
+        if record.get("kind") == Step.KIND and (generation := record.get("generation")) in modes:
             duration, t = record.get("duration_s"), record.get("t")
             if (isinstance(generation, int) and isinstance(duration, (int, float)) and duration > 0
                     and isinstance(t, (int, float))):
                 timed.setdefault(generation, []).append(record)
-    newest = heapq.nlargest(MEASURED_STEPS, timed[max(timed)], key=lambda record: record["t"]) if timed else []
-    kept = {id(record) for record in newest}
+    newest: dict[tuple[object, object], int] = {}
+    for generation, steps in timed.items():
+        key = (modes[generation], max((step.get("nodes_active") for step in steps), key=_as_int))
+        newest[key] = max(newest.get(key, generation), generation)
+    kept = {id(record) for generation in {*newest.values(), *([max(timed)] if timed else [])}
+            for record in heapq.nlargest(MEASURED_STEPS, timed[generation], key=lambda record: record["t"])}
     return lambda record: not isinstance(record, dict) or record.get("kind") != Step.KIND or id(record) in kept
+
+
+def _as_int(value: JSON) -> int:
+    return value if isinstance(value, int) else -1
+
+
+def measured_steps(events: Iterable[Event], nodes: int) -> dict[str, float]:
+    """The fault-free step of each mode the job trained on ``nodes`` nodes (stages x pipelines): the median
+    ``duration_s`` of the newest :data:`MEASURED_STEPS` steps, with every node at work, of the newest generation
+    that trained that mode (its ``redundancy_choice`` names it) at that shape."""
+    events = list(events)
+    modes = {e.generation: e.mode for e in events if isinstance(e, RedundancyChoice)}
+    steps: dict[int, list[Step]] = {}
+    for event in events:
+        if isinstance(event, Step) and event.generation in modes and event.duration_s > 0:
+            steps.setdefault(event.generation, []).append(event)
+    found: dict[str, float] = {}
+    for generation in sorted(steps, reverse=True):
+        records = steps[generation]
+        mode = modes[generation]
+        if mode in found or max(step.nodes_active for step in records) != nodes:
+            continue
+        whole = sorted((step for step in records if step.nodes_active == nodes), key=lambda step: step.t)
+        found[mode] = statistics.median(step.duration_s for step in whole[-MEASURED_STEPS:])
+    return found
 
 
 def with_mode(spec: JobSpec, layout: JobLayout, kv: KeyValueStore, *,

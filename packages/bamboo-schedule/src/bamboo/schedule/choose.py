@@ -14,10 +14,20 @@ failures, and picks the mode that loses least:
   either neighbour in the shadow ring before then) a second loss costs what a failure without redundancy costs.
   That probability stays below one at any rate, so redundancy keeps the edge it has (the failures it does
   absorb) where failures come faster than redundancy is rebuilt, instead of tying with ``none``;
-- **without redundancy** a preemption costs a restore from the newest checkpoint (``restore_s``) and the work
-  since it (half the checkpoint interval, on average); and a job of one pipeline with no spare node
-  (``pipelines``, ``spare_nodes``) stops until a replacement starts (``rebuild_after_s``), where a redundant mode
-  trains on through its merged schedule meanwhile.
+- **without redundancy** a preemption in a job of one pipeline costs a restore from the newest checkpoint
+  (``restore_s``) and the work since it (half the checkpoint interval, on average), and with no spare node
+  (``pipelines``, ``spare_nodes``) it stops until a replacement starts (``rebuild_after_s``), where a redundant mode
+  trains on through its merged schedule meanwhile. With other pipelines (``pipelines >= 2``) the lost stage's
+  state is held by its data-parallel peers: the survivors meet at a barrier and take it from a peer
+  (``reconfigure_s``), the step in flight is trained again (half a step, on average), and without a spare node
+  one pipeline's share of the training is lost until a replacement starts (``rebuild_after_s / pipelines``); only
+  when that stage's peer in every other pipeline is lost too before then (probability ``(1 - exp(-rate ·
+  rebuild_after_s / 3600)) ** (pipelines - 1)``) does it cost a restore.
+
+A mode whose fault-free step the job has measured at the layout's pipelines (``measured_steps``) takes that step
+instead of the simulated proportion: the simulator prices what the schedule places (FRC, the bubbles), not what a
+mode costs where it runs (a replica's optimizer step and sync on cores that the nodes share cost the emulated
+6-node job 16% to 31% of its throughput, where the model sees none).
 
 A mode's expected step is its fault-free step stretched by the preemptions' time, ``step · (1 + rate · loss /
 3600)``, and what it loses per hour is ``3600 · (1 - step_none / expected step)`` (the throughput it gives up
@@ -31,7 +41,7 @@ give the same mode everywhere, which is what lets every node of a job derive it 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 from attrs import validators
@@ -83,6 +93,17 @@ class FailureModel:
     @property
     def preemptions_per_hour(self) -> float:
         return self.preemptions_per_node_hour * self.nodes
+
+    def without_redundancy_s(self, step_s: float) -> float:
+        """What a loss costs under ``none`` (see the module docstring): :attr:`unprotected_s` with one pipeline;
+        with more, a barrier that takes the lost stage from a data-parallel peer, unless every peer is lost too."""
+        if self.pipelines == 1:
+            return self.unprotected_s
+        every_peer = (-math.expm1(-self.preemptions_per_node_hour * self.rebuild_after_s / SECONDS_PER_HOUR)
+                      ) ** (self.pipelines - 1)
+        short = self.rebuild_after_s / self.pipelines if self.spare_nodes == 0 else 0.0
+        from_peer = self.reconfigure_s + step_s / 2 + short
+        return (1 - every_peer) * from_peer + every_peer * self.unprotected_s
 
     @property
     def unprotected_s(self) -> float:
@@ -171,12 +192,15 @@ def choose_redundancy(
     policy: str = "1f1b",
     modes: Sequence[str] = ("none", "lflb", "eflb", "efeb"),
     measured_mode: str = "none",
+    measured_steps: Mapping[str, float] | None = None,
 ) -> RedundancyChoice:
     """The mode among ``modes`` that is expected to lose the least training per hour (see the module docstring).
 
     ``step_s`` is the measured fault-free step (seconds) of ``measured_mode`` (default ``none``: a job that
     measured its step under another mode gives that one, and ``none``'s step is inferred from the simulated
-    ratio); ``costs`` give the proportions of the instructions. Redundancy needs ``stages >= 2``; with one stage
+    ratio); ``costs`` give the proportions of the instructions. ``measured_steps`` (mode -> seconds) are the
+    fault-free steps the job measured for this layout's shape: each one replaces its mode's simulated step (and
+    ``none``'s is the reference every loss is counted against). Redundancy needs ``stages >= 2``; with one stage
     only ``none`` is considered here (pure data parallelism has its own ring). Ties go to the mode listed first.
     """
     if step_s <= 0:
@@ -190,6 +214,8 @@ def choose_redundancy(
                             costs).makespan
         step_s = step_s * plain / measured  # none's step, in the measured mode's proportion
     scale = step_s / plain
+    measured_steps = {mode: float(seconds) for mode, seconds in (measured_steps or {}).items() if seconds > 0}
+    step_s = measured_steps.get("none", step_s)
     rate = failures.preemptions_per_hour
     unprotected = failures.unprotected_s
     consecutive = -math.expm1(-2.0 * failures.preemptions_per_node_hour * failures.rebuild_after_s / SECONDS_PER_HOUR)
@@ -197,14 +223,14 @@ def choose_redundancy(
     for mode in candidates:
         rc = RCMode(mode)
         if rc is RCMode.NONE:
-            makespan, per_failure = plain, unprotected
+            makespan, per_failure = plain, failures.without_redundancy_s(step_s)
         else:
             makespan = simulate(generate(policy, stages, microbatches, rc, costs.linearizer_cost()), costs).makespan
             extra, merged = _failover_costs(costs, policy, stages, microbatches, rc)
             degraded = failures.rebuild_after_s * max(0.0, merged / makespan - 1.0)
             recovered = failures.detect_s + scale * extra + degraded + failures.reconfigure_s
             per_failure = (1 - consecutive) * recovered + consecutive * unprotected
-        mode_step = makespan * scale
+        mode_step = measured_steps.get(mode, makespan * scale)
         expected_step = mode_step * (1.0 + rate * per_failure / SECONDS_PER_HOUR)  # failures' time spread over the steps
         lost = SECONDS_PER_HOUR * (1.0 - step_s / expected_step)
         estimates.append(ModeEstimate(mode, mode_step, 100.0 * (mode_step / step_s - 1.0), per_failure, lost))

@@ -90,17 +90,24 @@ def measured_step(events: Iterable[Event]) -> tuple[float, str] | None:
     """``(seconds, mode)``: the median of the newest :data:`MEASURED_STEPS` steps of the newest generation that
     trained steps in a known mode (the ``redundancy_choice`` record of that generation names it), or None before
     any."""
+    modes, steps = _steps_by_generation(events)
+    if not steps:
+        return None
+    newest = max(steps)
+    recent = sorted(steps[newest], key=lambda step: step.t)[-MEASURED_STEPS:]
+    return statistics.median(step.duration_s for step in recent), modes[newest]
+
+
+def _steps_by_generation(events: Iterable[Event]) -> tuple[dict[int, str], dict[int, list[Step]]]:
+    """The mode of each generation that has a ``redundancy_choice``, and the ``step`` records that took time of
+    those generations."""
     events = list(events)
     modes = {e.generation: e.mode for e in events if isinstance(e, RedundancyChoice)}
     steps: dict[int, list[Step]] = {}
     for event in events:
         if isinstance(event, Step) and event.generation in modes and event.duration_s > 0:
             steps.setdefault(event.generation, []).append(event)
-    if not steps:
-        return None
-    newest = max(steps)
-    recent = sorted(steps[newest], key=lambda step: step.t)[-MEASURED_STEPS:]
-    return statistics.median(step.duration_s for step in recent), modes[newest]
+    return modes, steps
 
 
 def observed_rate(events: Iterable[Event], now_t: float, prior: float, lost: Iterable[str] = ()) -> float:
@@ -296,12 +303,7 @@ def measured_steps(events: Iterable[Event], nodes: int) -> dict[str, float]:
     """The fault-free step of each mode the job trained on ``nodes`` nodes (stages x pipelines): the median
     ``duration_s`` of the newest :data:`MEASURED_STEPS` steps, with every node at work, of the newest generation
     that trained that mode (its ``redundancy_choice`` names it) at that shape."""
-    events = list(events)
-    modes = {e.generation: e.mode for e in events if isinstance(e, RedundancyChoice)}
-    steps: dict[int, list[Step]] = {}
-    for event in events:
-        if isinstance(event, Step) and event.generation in modes and event.duration_s > 0:
-            steps.setdefault(event.generation, []).append(event)
+    modes, steps = _steps_by_generation(events)
     found: dict[str, float] = {}
     for generation in sorted(steps, reverse=True):
         records = steps[generation]

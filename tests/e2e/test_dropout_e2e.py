@@ -35,7 +35,7 @@ def test_a_dropout_model_survives_a_kill_and_a_joiner_bit_exactly(
     run_dir = tmp_path / "run"
     code = main(["run", "--nodes", "5", "--stages", "2", "--pipelines", "2", "--steps", "60", "--zones", "a,b,c",
                  "--preemptions", trace, "--time-scale", "1", "--run-dir", str(run_dir), "--timeout", "200",
-                 "--verify", "--json", "--no-live",
+                 "--verify", "--json", "--no-live", "--redundancy", "lflb",  # the shadow's BRC, whatever auto would pick
                  "--", str(EXAMPLE), "--blocks", "3", "--dropout", "0.1"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, report

@@ -27,7 +27,7 @@ failures, and picks the mode that loses least:
 A mode whose fault-free step the job has measured at the layout's pipelines (``measured_steps``) takes that step
 instead of the simulated proportion: the simulator prices what the schedule places (FRC, the bubbles), not what a
 mode costs where it runs (a replica's optimizer step and sync on cores that the nodes share cost the emulated
-6-node job 16% to 31% of its throughput, where the model sees none).
+6- and 8-node jobs 16% to 33% of their throughput, where the model sees none).
 
 A mode's expected step is its fault-free step stretched by the preemptions' time, ``step · (1 + rate · loss /
 3600)``, and what it loses per hour is ``3600 · (1 - step_none / expected step)`` (the throughput it gives up

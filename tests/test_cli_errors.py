@@ -97,6 +97,11 @@ def test_every_command_with_bad_input_or_no_etcd_says_one_line(tmp_path: Path,
         (["k8s", "render", "--etcd-replicas", "2"], ("--etcd-replicas",)),
         (["k8s", "validate", str(tmp_path / "x.yaml")], ("x.yaml",)),
         (["market", "--preemptions", "synthetic:2", "--dry-run"], ("RATE",)),
+        (["run", "--nodes", "2", "--stages", "2", "--pipelines", "1", "--checkpoint-every", "often"],
+         ("--checkpoint-every", "steps or 'auto'", "'often'")),
+        (["run", "--nodes", "2", "--stages", "2", "--pipelines", "1", "--memory-copy-every", "-1"],
+         ("--memory-copy-every must be >= 0",)),
+        (["agent", "--job", "j", "--etcd", dead, "--checkpoint-every", "0"], ("--checkpoint-every", ">= 1")),
     ]
     for argv, phrases in launch_cases:
         status = main(argv)
@@ -115,6 +120,11 @@ def test_every_command_with_bad_input_or_no_etcd_says_one_line(tmp_path: Path,
         status = bench(argv)
         captured = capsys.readouterr()
         _check(status, captured.out, captured.err, *phrases)
+    with pytest.raises(SystemExit) as exited:  # argparse's own exit, with its one line
+        bench(["measure", "bamboo", "--nodes", "2", "--stages", "2", "--pipelines", "1", "--steps", "5", "--run-dir",
+               str(tmp_path / "m"), "--checkpoint-every", "sometimes"])
+    captured = capsys.readouterr()
+    _check(int(str(exited.value.code)), captured.out, captured.err, "--checkpoint-every", "'sometimes'")
 
 
 def test_the_lower_packages_commands_say_one_line_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,7 +36,8 @@ from bamboo.bench.measured.run import run_measured
 from bamboo.bench.measured.seeds import Spread, SystemSpread, run_seeds, spread_records, summarise
 from bamboo.bench.preemptions import size_notice
 from bamboo.bench.value import Report, format_report
-from bamboo.launch.spec import REDUNDANCY, steps_or_auto
+from bamboo.launch.cli.common import steps_or_auto_flag
+from bamboo.launch.spec import REDUNDANCY
 from rich.console import Console
 from rich.table import Table
 
@@ -181,7 +182,7 @@ def _add_measure(commands: argparse._SubParsersAction) -> None:
                          "trace's own; synthetic: 3 zones)")
     measure.add_argument("--layers", type=positive_int, default=default_of(MeasureOptions, "layers"),
                          help="decoder blocks of the built-in example GPT (default: %(default)s)")
-    measure.add_argument("--checkpoint-every", type=steps_or_auto, default=default_of(MeasureOptions, "checkpoint_every"),
+    measure.add_argument("--checkpoint-every", type=steps_or_auto_flag, default=default_of(MeasureOptions, "checkpoint_every"),
                          metavar="N|auto", help="bamboo: steps between its asynchronous checkpoints and in-memory "
                          "copies, or auto: each layout's by Young's rule (the baseline chooses K itself; default: "
                          "%(default)s)")

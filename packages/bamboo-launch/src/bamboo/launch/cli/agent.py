@@ -22,7 +22,7 @@ from typing import cast
 from bamboo.bench.argtypes import default_of, non_negative_float, positive_float
 from bamboo.launch import timeouts
 from bamboo.launch.agent import AgentError, AgentOptions, default_run_dir, run_agent, say_line
-from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
+from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail, steps_or_auto_flag
 from bamboo.launch.example import DEFAULT_LAYERS
 from bamboo.launch.spec import (
     AUTO_EVERY,
@@ -32,7 +32,6 @@ from bamboo.launch.spec import (
     JobSpec,
     SpecError,
     SpecFields,
-    steps_or_auto,
 )
 from bamboo.membership import EtcdKV, MembershipStore, StoreError, StoreUnavailableError
 from bamboo.membership.agent import is_loopback
@@ -106,11 +105,11 @@ def _add_job_flags(job: argparse._ArgumentGroup) -> None:
                      help=f"(spec) the model's seed (default: {_spec_default('seed')})")
     job.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                      help="(spec) where asynchronous checkpoints go: storage every machine sees (default: none)")
-    job.add_argument("--checkpoint-every", type=steps_or_auto, default=None, metavar="N|auto",
+    job.add_argument("--checkpoint-every", type=steps_or_auto_flag, default=None, metavar="N|auto",
                      help="(spec) steps between checkpoints, or auto: chosen for each layout by Young's rule from "
                      "the preemption rate and the measured cost of a copy (default: "
                      f"{_spec_default('checkpoint_every')})")
-    job.add_argument("--memory-copy-every", type=steps_or_auto, default=None, metavar="N|auto",
+    job.add_argument("--memory-copy-every", type=steps_or_auto_flag, default=None, metavar="N|auto",
                      help="(spec) steps between in-memory copies of every stage, kept by its holders and by "
                      "keepers in other zones, restored before any checkpoint (0: none; auto: as --checkpoint-every "
                      f"auto; default: {_spec_default('memory_copy_every')})")

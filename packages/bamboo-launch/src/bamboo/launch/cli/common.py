@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from bamboo.bench.argtypes import USAGE
 from bamboo.launch.events import Event
+from bamboo.launch.spec import steps_or_auto
 from bamboo.membership import EtcdKV
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "etcd_kv",
     "fail",
     "source_events",
+    "steps_or_auto_flag",
 ]
 
 class CliError(Exception):
@@ -52,6 +54,15 @@ def device(text: str) -> str:
     if text not in ("cpu", "cuda", "auto") and not (text.startswith("cuda:") and text[5:].isdigit()):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or auto, got {text!r}")
     return text
+
+
+def steps_or_auto_flag(text: str) -> int | str:
+    """``--checkpoint-every`` / ``--memory-copy-every``: ``auto`` or a whole number of steps (the commands check its
+    least value)."""
+    try:
+        return steps_or_auto(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps or 'auto', got {text!r}") from None
 
 
 def endpoints(text: str) -> tuple[str, ...]:

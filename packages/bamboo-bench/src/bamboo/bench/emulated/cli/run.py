@@ -19,10 +19,10 @@ from bamboo.bench.emulated.run_options import Verification
 from bamboo.bench.emulated.run_results import market_billing, unfinished
 from bamboo.bench.emulated.stop_signals import stopped_like_ctrl_c
 from bamboo.bench.value import compute_report, format_report, plot_report
-from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail
+from bamboo.launch.cli.common import DEVICE_HELP, device, endpoints, fail, steps_or_auto_flag
 from bamboo.launch.events import read_events
 from bamboo.launch.example import DEFAULT_LAYERS
-from bamboo.launch.spec import AUTO_EVERY, REDUNDANCY, steps_or_auto
+from bamboo.launch.spec import AUTO_EVERY, REDUNDANCY
 from bamboo.rc.timeouts import DEFAULT_PREEMPTIONS_PER_NODE_HOUR
 from rich.console import Console
 from rich.markup import escape
@@ -84,10 +84,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="wall seconds of preemption notice (SIGTERM) before each kill (default: %(default)s)")
     run.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                      help="write asynchronous checkpoints here (one shard per stage; default: RUN_DIR/checkpoints)")
-    run.add_argument("--checkpoint-every", type=steps_or_auto, default=_default("checkpoint_every"), metavar="N|auto",
+    run.add_argument("--checkpoint-every", type=steps_or_auto_flag, default=_default("checkpoint_every"), metavar="N|auto",
                      help="steps between checkpoints, or auto: chosen for each layout by Young's rule from the "
                      "preemption rate and the measured cost of a copy (default: %(default)s)")
-    run.add_argument("--memory-copy-every", type=steps_or_auto, default=_default("memory_copy_every"), metavar="N|auto",
+    run.add_argument("--memory-copy-every", type=steps_or_auto_flag, default=_default("memory_copy_every"), metavar="N|auto",
                      help="steps between in-memory copies of every stage, kept by its holders and by keepers in "
                      "other zones; a stage whose every live copy is lost is restored from them before any "
                      "checkpoint (0: none; auto: as --checkpoint-every auto; default: %(default)s)")
